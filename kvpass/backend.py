@@ -1,0 +1,166 @@
+"""The kvpass ``torch.compile`` backend: detect -> plan -> rewrite -> inner compiler.
+
+    model.forward = torch.compile(model.forward, backend=kvpass.backend(policy="streamingllm", budget=512))
+
+The whole pipeline is ``KVPass.__call__`` below; the pieces live in ``detect``, the policy's
+``plan``, ``rewrite`` and ``ops`` / ``lowerings``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from kvpass import detect as _detect
+from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
+from kvpass import rewrite as _rewrite
+from kvpass import runtime as _runtime
+from kvpass.policies import ConfigError, Policy, SitePlan, make_policy
+
+try:  # Inductor's base class for custom passes: uuid() keys its caches
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover
+    CustomGraphPass = object
+
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+class KVPassWarning(UserWarning):
+    """kvpass left a graph unchanged; the message says which node and which assumption failed."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, KVPassWarning, stacklevel=3)
+
+
+@dataclass
+class GraphReport:
+    """What the pass did to one compiled graph."""
+
+    phase: str
+    sites: list[dict]
+    plans: dict[int, str]
+    problems: list[str]
+    rewritten: int = 0
+    evicting: list[int] = field(default_factory=list)
+    positions_fixed: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return self.rewritten > 0
+
+
+def _phase(found: _detect.Detection) -> str:
+    if not found.sites:
+        return "none"
+    s = found.sites[0]
+    past = _detect.val(s.k_past)
+    if s.k_past is not None and isinstance(past, torch.Tensor) and past.numel() == 0:
+        return "prefill"
+    q_len = s.q_len
+    if isinstance(q_len, int):
+        if s.k_past is None and s.cache != "static":
+            return "prefill"
+        return "decode" if q_len == 1 else "append"
+    return "dynamic"
+
+
+class KVPass(CustomGraphPass):
+    """The graph pass: rewrites a Dynamo FX graph in place for one policy."""
+
+    def __init__(self, policy: Policy, rt: _runtime.Runtime) -> None:
+        self.policy = policy
+        self.runtime = rt
+
+    def __call__(self, graph: fx.Graph) -> GraphReport:
+        gm = graph.owning_module
+        found = _detect.detect(gm)
+        problems = [str(p) for p in found.problems]
+        plans: dict[int, SitePlan] = {}
+        if not problems:
+            for site in found.sites:
+                plan = self.policy.plan(site)
+                if isinstance(plan, str):
+                    problems.append(f"policy '{self.policy.name}': {plan}")
+                    break
+                plans[site.layer] = plan
+                self.runtime.sites[site.layer] = site
+        report = GraphReport(phase=_phase(found), sites=[s.row() for s in found.sites],
+                             plans={i: p.describe() for i, p in plans.items()}, problems=problems)
+        if problems:
+            warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
+                      f"{problems[0]}")
+            return report
+        summary = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
+        report.rewritten = summary["rewritten"]
+        report.evicting = summary["evicting"]
+        report.positions_fixed = summary["positions_fixed"]
+        return report
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(self.policy.uuid().encode())
+        for mod in (_detect, _rewrite, _ops, _runtime):
+            h.update(inspect.getsource(mod).encode())
+        return h.hexdigest()
+
+
+class Backend:
+    """A ``torch.compile`` backend that applies a kvpass policy. Build it with ``kvpass.backend``."""
+
+    def __init__(self, policy: str | Policy = "full", *, compiler: str = "inductor", **params) -> None:
+        if compiler not in COMPILERS:
+            raise ConfigError(f"parameter 'compiler' must be one of {', '.join(COMPILERS)}, got {compiler!r}")
+        self.policy = make_policy(policy, **params)
+        self.compiler = compiler
+        self.runtime = _runtime.Runtime(self.policy)
+        self.kvpass = KVPass(self.policy, self.runtime)
+        self.reports: list[GraphReport] = []
+
+    @property
+    def state(self):
+        """The generation state (true positions, stored lengths) of the last generation."""
+        return self.runtime.state
+
+    def uuid(self) -> str:
+        return self.kvpass.uuid()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        self.reports.append(self.kvpass(gm.graph))
+        return self._inner(gm, example_inputs)
+
+    def _inner(self, gm, example_inputs):
+        if self.compiler == "eager":
+            return gm.forward
+        if self.compiler == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    def __repr__(self) -> str:
+        graphs = len(self.reports)
+        return f"kvpass.Backend(policy={self.policy!r}, compiler={self.compiler!r}, graphs_compiled={graphs})"
+
+
+def backend(policy: str | Policy = "full", *, compiler: str = "inductor", **params) -> Backend:
+    """Return a ``torch.compile`` backend that applies the KV-cache ``policy``.
+
+    Args:
+        policy: a policy name (``kvpass.policies.available()``), a composition ``"a+b"``, or a
+            ``Policy`` object.
+        compiler: what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or
+            ``"eager"`` (fast to compile; for tests and debugging).
+        **params: the policy's parameters, e.g. ``budget=1024``. Every value is checked here, before
+            anything is compiled; a bad one raises ``ConfigError`` naming the parameter and its range.
+    """
+    return Backend(policy, compiler=compiler, **params)

@@ -1,0 +1,441 @@
+"""Detection: find every attention site and its KV-cache update in a Dynamo FX graph.
+
+Works on the torch-level graph Dynamo hands a backend, where SDPA, eager attention and the cache
+updates look the same on every device. Nothing here matches a model by name: a site is recognised
+from the graph's structure.
+
+* SDPA sites are ``scaled_dot_product_attention`` calls.
+* Eager sites are found from each ``softmax``: walk up to ``q @ k^T`` (through mask add, logit
+  softcapping and scaling) and down to ``p @ v`` (through dtype casts and dropout).
+* K/V are followed back through ``repeat_kv`` (index/expand/reshape) and slices to the cache
+  update: a ``torch.cat`` along the sequence dim (DynamicCache; a slice of the cat that becomes the
+  stored tensor marks a sliding-window layer) or a buffer written by ``index_copy_`` (StaticCache).
+* Per site the RoPE producer (the ``cos`` feeding the new keys), the position-id tensor behind it,
+  and the residual add that consumes the attention output are recorded.
+
+Anything unexpected becomes a ``Problem`` naming the node and the failed assumption; the backend
+then warns and compiles the graph unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+SOFTMAX_FUNCS = {F.softmax, torch.softmax}
+MATMUL_FUNCS = {torch.matmul, operator.matmul}
+ADD_FUNCS = {operator.add, torch.add, operator.iadd}
+MUL_FUNCS = {operator.mul, torch.mul}
+DIV_FUNCS = {operator.truediv, torch.div}
+
+
+@dataclass
+class Problem:
+    """Why a graph was left alone: which node, which assumption failed."""
+
+    node: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"node '{self.node}': {self.reason}"
+
+
+@dataclass
+class Site:
+    """One attention call and the KV-cache update that feeds it (DESIGN.md section 2)."""
+
+    layer: int                  # index in graph order
+    attention: str              # "sdpa" | "eager" | "flash"
+    out: fx.Node                # node producing the attention output [B, H, Lq, Dv]
+    q: fx.Node
+    k: fx.Node                  # full K as attention reads it, before repeat_kv
+    v: fx.Node
+    mask: fx.Node | None
+    scale: float
+    is_causal: bool
+    softcap: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_len: int | torch.SymInt
+    cache: str                  # "dynamic" | "static" | "none"
+    sliding_window: int | None = None
+    k_past: fx.Node | None = None
+    v_past: fx.Node | None = None
+    k_new: fx.Node | None = None
+    v_new: fx.Node | None = None
+    cache_layer: int | None = None   # layer index read off the cache tensor's source, if any
+    rope: str | None = None          # name of the cos node feeding the new keys
+    positions: fx.Node | None = None  # integer position tensor behind the RoPE producer
+    residual: fx.Node | None = None
+    erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
+
+    @property
+    def gqa_group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def kind(self) -> str:
+        return "sliding" if self.sliding_window else "global"
+
+    def row(self) -> dict:
+        """Plain-data summary used by ``explain`` and the tests."""
+        return {
+            "layer": self.layer, "attention": self.attention, "kind": self.kind,
+            "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+            "scale": round(self.scale, 6), "softcap": self.softcap, "cache": self.cache,
+            "sliding_window": self.sliding_window, "cache_layer": self.cache_layer,
+            "rope": self.rope, "positions": self.positions.name if self.positions is not None else None,
+            "residual": self.residual.name if self.residual is not None else None,
+        }
+
+
+@dataclass
+class Detection:
+    sites: list[Site]
+    problems: list[Problem]
+    flash_calls: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# ----------------------------------------------------------------------------------------------
+# small graph helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def val(node):
+    """The example (fake) tensor Dynamo recorded for a node, or None."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value")
+    return None
+
+
+def is_fn(node, fns) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in fns
+
+
+def is_method(node, *names) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _full_slice(s) -> bool:
+    return isinstance(s, slice) and s.start is None and s.stop is None and s.step is None
+
+
+def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """Undo HF's ``repeat_kv`` (x[:, :, None].expand(...).reshape(...)); returns base and the chain."""
+    if is_method(node, "reshape", "view") and isinstance(node.args[0], fx.Node):
+        exp = node.args[0]
+        if is_method(exp, "expand") and is_fn(exp.args[0], {operator.getitem}):
+            idx = exp.args[0].args[1]
+            if (isinstance(idx, tuple) and len(idx) == 5 and idx[2] is None
+                    and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)):
+                return exp.args[0].args[0], [node, exp, exp.args[0]]
+    return node, []
+
+
+def seq_slice(node: fx.Node):
+    """If node is x[:, :, a:b(, :)] (a slice of the sequence dim only), return (x, slice)."""
+    if is_fn(node, {operator.getitem}) and isinstance(node.args[1], tuple):
+        idx = node.args[1]
+        if (len(idx) in (3, 4) and isinstance(idx[2], slice)
+                and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)
+                and idx[2].step in (None, 1)):
+            return node.args[0], idx[2]
+    return None
+
+
+def _source_layer(node: fx.Node) -> int | None:
+    """Layer index from the cache tensor's Dynamo source, e.g. ``...layers[3].keys``."""
+    grapharg = node.meta.get("grapharg")
+    src = getattr(grapharg, "source", None)
+    name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", None)
+    if not isinstance(name, str):
+        return None
+    marker = ".layers["
+    if marker not in name:
+        return None
+    tail = name.rsplit(marker, 1)[1]
+    digits = tail.split("]", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+# ----------------------------------------------------------------------------------------------
+# cache update
+# ----------------------------------------------------------------------------------------------
+
+
+def _cache_of(site: Site) -> Problem | None:
+    """Fill the cache fields of a site from the K/V nodes; return a Problem if unsure."""
+    k, v = site.k, site.v
+    if is_fn(k, {torch.cat}) and is_fn(v, {torch.cat}):
+        dim = arg(k, 1, "dim", 0)
+        if dim not in (-2, 2) or arg(v, 1, "dim", 0) != dim or len(k.args[0]) != 2:
+            return Problem(k.name, "torch.cat feeding attention is not a 2-way concat along the sequence dim")
+        site.k_past, site.k_new = k.args[0]
+        site.v_past, site.v_new = v.args[0]
+        site.cache = "dynamic"
+        for user in k.users:  # a stored slice x[:, :, -(w-1):] marks a sliding-window layer
+            sl = seq_slice(user)
+            if sl and sl[1].start is not None and sl[1].start < 0 and sl[1].stop is None:
+                site.sliding_window = 1 - sl[1].start
+        if seq_slice(site.k_past) is not None or _written_inplace(site.k_past):
+            site.cache = "static"  # static sliding layer once full: cat(buffer[:, :, 1:], new)
+        src = site.k_past
+        site.cache_layer = _source_layer(src) if src.op == "placeholder" else None
+        return None
+    base = k
+    sl = seq_slice(k)
+    if sl is not None:
+        base = sl[0]
+    if _written_inplace(base):
+        site.cache = "static"
+        site.cache_layer = _source_layer(base) if base.op == "placeholder" else None
+        for user in base.users:
+            if is_method(user, "index_copy_"):
+                site.k_new = user.args[3]
+        return None
+    site.cache = "none"
+    return None
+
+
+def _written_inplace(node: fx.Node) -> bool:
+    return any(is_method(u, "index_copy_", "copy_", "__setitem__") or is_fn(u, {operator.setitem})
+               for u in node.users)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE and residual
+# ----------------------------------------------------------------------------------------------
+
+
+def _ancestors(node: fx.Node, limit: int = 400):
+    seen, stack, order = {node}, [node], []
+    while stack and len(order) < limit:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                order.append(a)
+                stack.append(a)
+    return order
+
+
+_PASS_THROUGH = ("unsqueeze", "to", "type_as", "float", "half", "bfloat16", "reshape", "view", "expand",
+                 "contiguous", "transpose", "repeat_interleave", "clone")
+
+
+def _cos_above(node, steps: int = 12) -> fx.Node | None:
+    """Follow a single-input chain of views/casts/scalings up from node to a cos node."""
+    for _ in range(steps):
+        if not isinstance(node, fx.Node):
+            return None
+        if is_method(node, "cos") or is_fn(node, {torch.cos}):
+            return node
+        if is_method(node, *_PASS_THROUGH) or is_fn(node, {operator.getitem, torch.unsqueeze}):
+            node = node.args[0]
+        elif is_fn(node, MUL_FUNCS) and not all(isinstance(a, fx.Node) for a in node.args[:2]):
+            node = next(a for a in node.args[:2] if isinstance(a, fx.Node))  # attention_scaling
+        else:
+            return None
+    return None
+
+
+def _rope_of(k_new: fx.Node | None, depth: int = 0) -> tuple[str | None, fx.Node | None]:
+    """The cos node rotating the new keys (k*cos + rot(k)*sin) and the integer positions behind it."""
+    if not isinstance(k_new, fx.Node) or depth > 3:
+        return None, None
+    if is_fn(k_new, {torch.cat}):  # partial rotary: cat([rotated, pass-through], -1)
+        for a in k_new.args[0]:
+            found = _rope_of(a, depth + 1)
+            if found[0]:
+                return found
+        return None, None
+    if is_method(k_new, *_PASS_THROUGH):
+        return _rope_of(k_new.args[0], depth + 1)
+    if not is_fn(k_new, ADD_FUNCS):
+        return None, None
+    for term in k_new.args[:2]:
+        if is_fn(term, MUL_FUNCS):
+            for a in term.args[:2]:
+                cos = _cos_above(a)
+                if cos is not None:
+                    for b in _ancestors(cos, limit=40):
+                        ex = val(b)
+                        if isinstance(ex, torch.Tensor) and ex.dtype in (torch.int64, torch.int32):
+                            return cos.name, b
+                    return cos.name, None
+    return None, None
+
+
+def _residual_of(out: fx.Node, order: dict[fx.Node, int], limit: int = 80) -> fx.Node | None:
+    """First add downstream of the attention output whose other operand is independent of it."""
+    downstream, frontier = {out}, [out]
+    visited = 0
+    while frontier and visited < limit:
+        frontier.sort(key=order.__getitem__)
+        n = frontier.pop(0)
+        visited += 1
+        for u in sorted(n.users, key=order.__getitem__):
+            if u in downstream:
+                continue
+            if is_fn(u, ADD_FUNCS) and all(isinstance(a, fx.Node) for a in u.args[:2]):
+                a, b = u.args[:2]
+                if (a in downstream) != (b in downstream) and isinstance(val(u), torch.Tensor):
+                    return u
+            downstream.add(u)
+            frontier.append(u)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# attention forms
+# ----------------------------------------------------------------------------------------------
+
+
+def _sdpa_site(node: fx.Node) -> Site | Problem:
+    q, k, v = node.args[:3]
+    mask = arg(node, 3, "attn_mask")
+    dropout = arg(node, 4, "dropout_p", 0.0)
+    is_causal = bool(arg(node, 5, "is_causal", False))
+    scale = arg(node, 6, "scale")
+    if dropout not in (0, 0.0):
+        return Problem(node.name, f"SDPA with dropout_p={dropout} (training graphs are not rewritten)")
+    if not isinstance(is_causal, bool) or (scale is not None and not isinstance(scale, (int, float))):
+        return Problem(node.name, "SDPA is_causal/scale are not constants")
+    k_base, _ = strip_repeat_kv(k)
+    v_base, _ = strip_repeat_kv(v)
+    return _make_site(node, "sdpa", q, k_base, v_base, mask, scale, is_causal, 0.0, [])
+
+
+def _eager_site(sm: fx.Node) -> Site | Problem | None:
+    """Match softmax-centred eager attention; None if this softmax is not attention at all."""
+    chain = [sm]
+    x = sm.args[0]
+    mask = None
+    softcap = 0.0
+    if is_fn(x, ADD_FUNCS):
+        a, b = x.args[:2]
+        chain.append(x)
+        x, mask = a, b
+        if not isinstance(mask, fx.Node):
+            return None
+    scale = 1.0
+    # softcap: tanh(s / c) * c
+    if is_fn(x, MUL_FUNCS) and is_fn(x.args[0], {torch.tanh}) and isinstance(x.args[1], (int, float)):
+        t = x.args[0]
+        d = t.args[0]
+        if is_fn(d, DIV_FUNCS) and isinstance(d.args[1], (int, float)) and d.args[1] == x.args[1]:
+            softcap = float(x.args[1])
+            chain += [x, t, d]
+            x = d.args[0]
+        else:
+            return None
+    while is_fn(x, MUL_FUNCS | DIV_FUNCS) and isinstance(x.args[1], (int, float)):
+        scale = scale * x.args[1] if x.target in MUL_FUNCS else scale / x.args[1]
+        chain.append(x)
+        x = x.args[0]
+    if not is_fn(x, MATMUL_FUNCS):
+        return None
+    qk = x
+    chain.append(qk)
+    q, kt = qk.args[:2]
+    if not (is_method(kt, "transpose") and tuple(kt.args[1:3]) in {(2, 3), (-2, -1), (3, 2), (-1, -2)}):
+        return None
+    chain.append(kt)
+    k_base, k_chain = strip_repeat_kv(kt.args[0])
+    # downstream: .to(...)/.type_as/float -> dropout -> matmul(p, v)
+    p = sm
+    while len(p.users) == 1:
+        (u,) = p.users
+        if is_method(u, "to", "float", "type_as", "type") or is_fn(u, {F.dropout, torch.dropout}):
+            if is_fn(u, {F.dropout, torch.dropout}) and arg(u, 1, "p", 0.0) not in (0, 0.0):
+                return Problem(u.name, "attention dropout is active (training graphs are not rewritten)")
+            chain.append(u)
+            p = u
+            continue
+        break
+    pv = next(iter(p.users)) if len(p.users) == 1 else None
+    if pv is None or not is_fn(pv, MATMUL_FUNCS) or pv.args[0] is not p:
+        return Problem(sm.name, "attention probabilities are used outside p @ v "
+                                "(output_attentions or an unknown pattern)")
+    v_base, v_chain = strip_repeat_kv(pv.args[1])
+    for n in chain[1:]:
+        if len(n.users) != 1:
+            return Problem(n.name, "an eager-attention intermediate has other users")
+    return _make_site(pv, "eager", q, k_base, v_base, mask, scale, False, softcap,
+                      [pv] + chain + k_chain + v_chain)
+
+
+def _make_site(out, kind, q, k, v, mask, scale, is_causal, softcap, erase) -> Site | Problem:
+    qv, kv_, vv = val(q), val(k), val(v)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv_, vv)):
+        return Problem(out.name, "q/k/v are not 4-D [batch, heads, seq, head_dim] tensors")
+    heads, kv_heads = qv.shape[1], kv_.shape[1]
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % kv_heads:
+        return Problem(out.name, f"query heads {heads} are not a multiple of kv heads {kv_heads}")
+    head_dim = qv.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    return Site(layer=-1, attention=kind, out=out, q=q, k=k, v=v, mask=mask, scale=float(scale),
+                is_causal=is_causal, softcap=softcap, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, q_len=qv.shape[2], cache="none", erase=erase)
+
+
+def _is_flash(node: fx.Node) -> bool:
+    t = node.target
+    name = getattr(t, "__name__", "") or str(t)
+    mod = getattr(t, "__module__", "") or ""
+    return node.op == "call_function" and ("flash_attn" in mod or "flash_attn" in str(t)
+                                           or name.startswith("flash_attn"))
+
+
+def detect(gm: fx.GraphModule) -> Detection:
+    """Find all attention sites of a Dynamo graph, in graph order."""
+    sites: list[Site] = []
+    problems: list[Problem] = []
+    flash = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in gm.graph.nodes:
+        found = None
+        if is_fn(n, SDPA_TARGETS):
+            found = _sdpa_site(n)
+        elif is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax"):
+            found = _eager_site(n)
+        elif _is_flash(n):
+            flash += 1
+            found = Problem(n.name, "flash-attn call found; kvpass does not rewrite flash-attn sites yet "
+                                    "(load the model with attn_implementation='sdpa' or 'eager')")
+        if found is None:
+            continue
+        if isinstance(found, Problem):
+            problems.append(found)
+            continue
+        prob = _cache_of(found)
+        if prob:
+            problems.append(prob)
+            continue
+        found.layer = len(sites)
+        if found.cache_layer is not None and found.cache_layer != found.layer:
+            problems.append(Problem(n.name, f"attention #{found.layer} in graph order reads the cache of "
+                                            f"layer {found.cache_layer}"))
+            continue
+        found.rope, found.positions = _rope_of(found.k_new)
+        found.residual = _residual_of(found.out, order)
+        sites.append(found)
+    return Detection(sites, problems, flash)

@@ -1,0 +1,202 @@
+"""kvpass operators: the nodes the graph pass writes into a compiled graph.
+
+Each operator is a ``torch.library`` custom op with a pure-PyTorch reference implementation (used
+on CPU and as the ground truth in tests) and a fake implementation that gives output shapes to
+Dynamo / AOT autograd. CUDA implementations and Inductor lowerings are registered in
+``kvpass.lowerings``.
+
+Operators
+---------
+``kvpass::attention(q, k, v, mask?, scale, is_causal, softcap)``
+    Exact attention with the semantics of ``F.scaled_dot_product_attention`` plus optional
+    logit softcapping. GQA is packed: ``q`` has ``H`` heads, ``k``/``v`` have ``H_kv`` heads and
+    query head ``h`` reads KV head ``h // (H // H_kv)``. ``mask`` is boolean (True = attend) or
+    additive, broadcastable to ``[B, H, Lq, Lk]``. Fully masked rows give zeros.
+
+``kvpass::attention_pos(q, k, v, q_pos, kv_pos, scale, softcap, window)``
+    The same attention with the mask derived from true token indices: key ``j`` of KV head ``g``
+    is visible to query ``i`` when ``0 <= kv_pos[b, g, j] <= q_pos[b, i]`` and, for a sliding layer
+    (``window > 0``), ``q_pos[b, i] - kv_pos[b, g, j] < window``. Used once a policy has changed
+    which entries a cache holds, so the mask always matches the kept entries.
+
+``kvpass::cache_update(k_past, v_past, k_new, v_new, mask?, handle, site)``
+    Appends the new K/V to the stored ones and returns ``(k, v, kv_pos, q_pos)``; positions come
+    from the generation state (see ``kvpass.state``). Reads the state, never writes it.
+
+``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site)``
+    Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
+    Records the kept positions in the generation state (idempotent for equal inputs).
+
+``kvpass::true_positions(pos, handle)``
+    Replaces position ids that the model derived from the (compressed) cache length with the
+    true token count, so RoPE positions stay exact after eviction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kvpass import runtime
+
+# ----------------------------------------------------------------------------------------------
+# references
+# ----------------------------------------------------------------------------------------------
+
+
+def _grouped_scores(q: Tensor, k: Tensor, scale: float, softcap: float) -> Tensor:
+    """fp32 scores laid out [B, H_kv, group, Lq, Lk] without repeating K."""
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    qg = q.float().reshape(b, hkv, h // hkv, lq, d)
+    s = torch.einsum("bkgqd,bkld->bkgql", qg, k.float()) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    return s
+
+
+def _softmax_pv(s: Tensor, v: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """Safe softmax over the last dim (all-masked rows -> 0) and the product with V."""
+    b, hkv, g, lq, _ = s.shape
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(s - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.einsum("bkgql,bkld->bkgqd", p, v.float())
+    return out.reshape(b, hkv * g, lq, v.shape[-1]).to(out_dtype)
+
+
+def _group_view(t: Tensor, b: int, h: int, hkv: int, lq: int, lk: int) -> Tensor:
+    """Broadcast a mask-like tensor [B|1, H|1, Lq|1, Lk] to [B, H_kv, group, Lq, Lk]."""
+    return t.expand(b, h, lq, lk).reshape(b, hkv, h // hkv, lq, lk)
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                        scale: float | None = None, is_causal: bool = False,
+                        softcap: float = 0.0) -> Tensor:
+    """Reference for ``kvpass::attention`` (fp32 math, output in ``q.dtype``)."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = _grouped_scores(q, k, scale, softcap)
+    if is_causal:
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        m = _group_view(mask, b, h, hkv, lq, lk)
+        if m.dtype == torch.bool:
+            s = s.masked_fill(~m, float("-inf"))
+        else:
+            s = s + m.float()
+    return _softmax_pv(s, v, q.dtype)
+
+
+def position_mask(q_pos: Tensor, kv_pos: Tensor, window: int = 0) -> Tensor:
+    """Boolean visibility [B, H_kv, Lq, Lk] from true token indices (see ``attention_pos``)."""
+    qp = q_pos[:, None, :, None]
+    kp = kv_pos[:, :, None, :]
+    visible = (kp >= 0) & (kp <= qp)
+    if window > 0:
+        visible &= (qp - kp) < window
+    return visible
+
+
+def attention_pos_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor,
+                            scale: float, softcap: float = 0.0, window: int = 0) -> Tensor:
+    """Reference for ``kvpass::attention_pos``."""
+    s = _grouped_scores(q, k, scale, softcap)
+    visible = position_mask(q_pos, kv_pos, window)[:, :, None]  # [B, H_kv, 1, Lq, Lk]
+    s = s.masked_fill(~visible, float("-inf"))
+    return _softmax_pv(s, v, q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvpass::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+              is_causal: bool, softcap: float) -> Tensor:
+    return attention_reference(q, k, v, mask, scale, is_causal, softcap)
+
+
+@attention.register_fake
+def _(q, k, v, mask, scale, is_causal, softcap):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op("kvpass::attention_pos", mutates_args=())
+def attention_pos(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, scale: float,
+                  softcap: float, window: int) -> Tensor:
+    return attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, window)
+
+
+@attention_pos.register_fake
+def _(q, k, v, q_pos, kv_pos, scale, softcap, window):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def past_length(k_past: Tensor):
+    """Stored length of a cache tensor; an empty DynamicCache layer is a 1-D ``tensor([])``."""
+    return k_past.shape[-2] if k_past.dim() == 4 else 0
+
+
+@torch.library.custom_op("kvpass::cache_update", mutates_args=())
+def cache_update(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
+                 mask: Tensor | None, handle: int, site: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rt = runtime.get(handle)
+    kv_pos, q_pos = rt.positions(site, k_past, k_new, mask)
+    if past_length(k_past) == 0:  # DynamicCache starts from torch.tensor([])
+        return k_new.clone(), v_new.clone(), kv_pos, q_pos
+    k = torch.cat([k_past.to(k_new.dtype), k_new], dim=-2)
+    v = torch.cat([v_past.to(v_new.dtype), v_new], dim=-2)
+    return k, v, kv_pos, q_pos
+
+
+@cache_update.register_fake
+def _(k_past, v_past, k_new, v_new, mask, handle, site):
+    b, hkv, ln = k_new.shape[:3]
+    lp = past_length(k_past)
+    k = k_new.new_empty((b, hkv, lp + ln, k_new.shape[-1]))
+    v = v_new.new_empty((b, hkv, lp + ln, v_new.shape[-1]))
+    kv_pos = k_new.new_empty((b, hkv, lp + ln), dtype=torch.long)
+    q_pos = k_new.new_empty((b, ln), dtype=torch.long)
+    return k, v, kv_pos, q_pos
+
+
+@torch.library.custom_op("kvpass::compact", mutates_args=())
+def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, handle: int,
+            site: int) -> tuple[Tensor, Tensor]:
+    return runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos)
+
+
+@compact.register_fake
+def _(q, k, v, kv_pos, q_pos, handle, site):
+    keep = runtime.get(handle).stored_length(site, k.shape[2])
+    b, hkv = k.shape[:2]
+    return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))
+
+
+@torch.library.custom_op("kvpass::true_positions", mutates_args=())
+def true_positions(pos: Tensor, handle: int) -> Tensor:
+    return runtime.get(handle).true_positions(pos)
+
+
+@true_positions.register_fake
+def _(pos, handle):
+    return torch.empty_like(pos)
+
+
+OPS = {
+    "attention": attention,
+    "attention_pos": attention_pos,
+    "cache_update": cache_update,
+    "compact": compact,
+    "true_positions": true_positions,
+}

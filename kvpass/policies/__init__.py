@@ -1,0 +1,50 @@
+"""Policy registry: ``make_policy("a+b", **params)`` builds and validates a policy."""
+
+from __future__ import annotations
+
+from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
+from kvpass.policies.compose import Composed
+from kvpass.policies.full import Full
+from kvpass.policies.streamingllm import StreamingLLM
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM)}
+
+# Named in DESIGN.md and on the roadmap, not implemented yet: asking for one is a clear error.
+PLANNED = ("art", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter", "raas", "quest", "a3",
+           "a3+evict", "full_reuse", "pie", "cacheblend", "legolink", "sablock", "snapkv", "pyramidkv",
+           "chunkkv", "h2o")
+
+
+def available() -> list[str]:
+    return sorted(POLICIES)
+
+
+def make_policy(spec: str | Policy, **params) -> Policy:
+    """Build a policy from a name (``"full"``, ``"streamingllm"``, ``"a+b"``) and its parameters."""
+    if isinstance(spec, Policy):
+        if params:
+            raise ConfigError("pass parameters to the Policy object itself, not to backend()")
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"policy must be a non-empty string such as 'full', got {spec!r}; "
+                          f"known policies: {', '.join(available())}")
+    names = [n.strip() for n in spec.split("+")]
+    for n in names:
+        if n not in POLICIES:
+            if n in PLANNED:
+                raise ConfigError(f"policy '{n}' is planned but not implemented yet; "
+                                  f"available policies: {', '.join(available())}")
+            raise ConfigError(f"unknown policy '{n}'; known policies: {', '.join(available())}")
+    classes = [POLICIES[n] for n in names]
+    if len(classes) == 1:
+        return classes[0](**params)
+    declared = {p.name for c in classes for p in c.params}
+    unknown = sorted(set(params) - declared)
+    if unknown:
+        raise ConfigError(f"policy '{spec}' has no parameter '{unknown[0]}'; its parameters are: "
+                          f"{', '.join(sorted(declared)) or 'none'}")
+    members = [c(**{k: v for k, v in params.items() if k in {p.name for p in c.params}}) for c in classes]
+    return Composed(members)
+
+
+__all__ = ["ConfigError", "Param", "Policy", "SitePlan", "POLICIES", "PLANNED", "available", "make_policy"]

@@ -1,0 +1,123 @@
+"""The policy interface every kvpass policy implements, and parameter validation.
+
+A policy answers two kinds of questions:
+
+* At compile time, ``plan(site)``: what happens at this attention site. A ``SitePlan`` says
+  whether attention runs through the kvpass attention operator and whether the cache update is
+  rewritten so the policy can evict (``cache_update`` + ``compact`` operators, DESIGN.md 2).
+  Returning a string instead says why the site cannot be planned; the backend then warns and
+  compiles the graph unchanged.
+* At run time, from inside the operators: ``stored_length`` (the shape contract of ``compact``,
+  must work on SymInts) and ``select`` (which entries of the cache to keep).
+
+Parameters are declared as ``Param`` objects and validated when the policy is built, i.e. when
+``kvpass.backend(...)`` is called, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class ConfigError(ValueError):
+    """A policy name or parameter is invalid. The message names the parameter and its range."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: type
+    default: Any
+    lo: float | None = None
+    hi: float | None = None
+    doc: str = ""
+
+    def range_text(self) -> str:
+        lo = "-inf" if self.lo is None else self.lo
+        hi = "inf" if self.hi is None else self.hi
+        return f"{self.kind.__name__} in [{lo}, {hi}]"
+
+    def check(self, policy: str, value: Any) -> Any:
+        ok_type = isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok_type = float(value), True
+        if not ok_type:
+            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
+                              f"got {type(value).__name__} {value!r}")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
+                              f"got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """What the rewrite does at one site."""
+
+    attention: bool = True   # route the attention call through a kvpass operator
+    evict: bool = False      # rewrite the cache update so the policy decides what is stored
+
+    def describe(self) -> str:
+        if self.evict:
+            return "evict: cache_update + attention_pos + compact"
+        return "attention op (exact)" if self.attention else "unchanged"
+
+
+class Policy:
+    """Base class. Subclasses set ``name``, ``params`` and override the hooks they need."""
+
+    name: ClassVar[str] = "?"
+    params: ClassVar[tuple[Param, ...]] = ()
+    evicts: ClassVar[bool] = False
+    summary: ClassVar[str] = ""
+
+    def __init__(self, **values: Any) -> None:
+        self.config = validate(self.name, self.params, values)
+        self.check_config()
+
+    def check_config(self) -> None:
+        """Cross-parameter checks; raise ConfigError."""
+
+    # -- compile time ---------------------------------------------------------------------------
+    def plan(self, site) -> SitePlan | str:
+        return SitePlan(attention=True)
+
+    # -- run time, evicting policies --------------------------------------------------------------
+    def stored_length(self, site, total):
+        """Entries stored after ``compact`` given ``total`` (stored + new); SymInt-safe."""
+        return total
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        """Indices [B, H_kv, stored_length] (ascending) of entries to keep, or None to keep all."""
+        return None
+
+    # -- identity -------------------------------------------------------------------------------
+    def key(self) -> str:
+        return self.name + "(" + ",".join(f"{k}={v!r}" for k, v in sorted(self.config.items())) + ")"
+
+    def uuid(self) -> str:
+        """Hash of the configuration and of the policy's source code."""
+        src = inspect.getsource(type(self))
+        return hashlib.sha256((self.key() + src).encode()).hexdigest()
+
+    def __getattr__(self, item):
+        config = self.__dict__.get("config")
+        if config is not None and item in config:
+            return config[item]
+        raise AttributeError(item)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"{type(self).__name__}({args})"
+
+
+def validate(policy: str, params: tuple[Param, ...], values: dict) -> dict:
+    known = {p.name: p for p in params}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "none"
+        raise ConfigError(f"policy '{policy}' has no parameter '{unknown[0]}'; its parameters are: {allowed}")
+    return {p.name: p.check(policy, values.get(p.name, p.default)) for p in params}

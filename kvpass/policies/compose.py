@@ -1,0 +1,61 @@
+"""``a+b``: composition of policies.
+
+Members contribute by role. At most one member may evict (decide what the cache keeps); the
+others may change how attention reads what is kept (for example ART on top of an eviction
+policy). A site is planned by merging the members' plans: it evicts if the evicting member says
+so, and runs through a kvpass attention operator if any member asks for it. Parameters are routed
+to every member that declares them.
+"""
+
+from __future__ import annotations
+
+from kvpass.policies.base import ConfigError, Policy, SitePlan
+
+
+class Composed(Policy):
+    name = "+"
+
+    def __init__(self, members: list[Policy]) -> None:
+        names = [m.name for m in members]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"policy '{'+'.join(names)}' names a policy twice")
+        evictors = [m for m in members if m.evicts]
+        if len(evictors) > 1:
+            raise ConfigError(f"policy '{'+'.join(names)}': {evictors[0].name} and {evictors[1].name} both "
+                              "evict; compose at most one eviction policy with attention policies")
+        self.members = members
+        self.evictor = evictors[0] if evictors else None
+        self.config = {f"{m.name}.{k}": v for m in members for k, v in m.config.items()}
+
+    @property
+    def evicts(self) -> bool:  # type: ignore[override]
+        return self.evictor is not None
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "+".join(m.name for m in self.members)
+
+    def plan(self, site) -> SitePlan | str:
+        plans = []
+        for m in self.members:
+            p = m.plan(site)
+            if isinstance(p, str):
+                return p
+            plans.append(p)
+        return SitePlan(attention=any(p.attention for p in plans), evict=any(p.evict for p in plans))
+
+    def stored_length(self, site, total):
+        return self.evictor.stored_length(site, total) if self.evictor else total
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        return self.evictor.select(site, q, k, v, kv_pos, q_pos, layer_state) if self.evictor else None
+
+    def key(self) -> str:
+        return "+".join(m.key() for m in self.members)
+
+    def uuid(self) -> str:
+        import hashlib
+        return hashlib.sha256("".join(m.uuid() for m in self.members).encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return " + ".join(repr(m) for m in self.members)

@@ -1,0 +1,18 @@
+"""``full``: the identity policy.
+
+Every attention site runs through the kvpass attention operator with exact attention and the
+model's own mask; the cache is left to the model. It is the reference every other policy is
+compared with, and the proof that the pass itself changes nothing.
+"""
+
+from __future__ import annotations
+
+from kvpass.policies.base import Policy, SitePlan
+
+
+class Full(Policy):
+    name = "full"
+    summary = "exact attention through the kvpass operator; the cache is untouched"
+
+    def plan(self, site) -> SitePlan:
+        return SitePlan(attention=True, evict=False)

@@ -1,0 +1,58 @@
+"""``streamingllm``: attention sinks plus a recent window (Xiao et al., 2023).
+
+After every forward call, each global attention layer keeps the first ``sinks`` real tokens of
+each sequence and the most recent ``budget - sinks`` entries; everything else is dropped from the
+cache, so the stored tensors are at most ``budget`` long. Prefill attends over the whole prompt;
+later tokens attend over what is kept plus themselves. Sliding-window layers are already bounded
+by their window and are left to the model.
+
+It is the foundation's proof policy: real eviction (the stored tensors shrink), exact RoPE
+positions after eviction, and a mask built from the kept entries' true positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
+
+
+class StreamingLLM(Policy):
+    name = "streamingllm"
+    summary = "keep `sinks` first tokens + a recent window, `budget` entries per layer"
+    evicts = True
+    params = (
+        Param("budget", int, 2048, 2, 1 << 24, "entries kept per layer and KV head"),
+        Param("sinks", int, 4, 0, 1 << 20, "first tokens always kept (attention sinks)"),
+    )
+
+    def check_config(self) -> None:
+        if self.sinks >= self.budget:
+            raise ConfigError(f"policy 'streamingllm': parameter 'sinks' must be < budget ({self.budget}), "
+                              f"got {self.sinks}")
+
+    def plan(self, site) -> SitePlan | str:
+        if site.sliding_window:
+            return SitePlan(attention=True, evict=False)
+        if site.cache != "dynamic":
+            return (f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
+                    f"this graph uses a {site.cache} cache")
+        return SitePlan(attention=True, evict=True)
+
+    def stored_length(self, site, total):
+        return torch.sym_min(total, self.budget)
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        length = kv_pos.shape[-1]
+        if length <= self.budget:
+            return None
+        valid = kv_pos >= 0
+        rank = valid.long().cumsum(-1) - 1                      # rank among real tokens
+        n_valid = valid.long().sum(-1, keepdim=True)
+        recent = self.budget - self.sinks
+        wanted = valid & ((rank < self.sinks) | (rank >= n_valid - recent))
+        # priority: wanted first, then real tokens, then later entries; ties broken by index
+        order = torch.arange(length, device=kv_pos.device)
+        score = (wanted.long() * 2 + valid.long()) * (length + 1) + order
+        keep = score.topk(self.budget, dim=-1).indices
+        return keep.sort(dim=-1).values

@@ -1,0 +1,111 @@
+"""Rewrite: replace detected sites with kvpass operators, as the policy planned them.
+
+Per site, one of two shapes (DESIGN.md section 1):
+
+* attention only: ``attention(q, k, v, mask, scale, is_causal, softcap)`` takes the place of the
+  SDPA call or of the eager ``softmax(q k^T) v`` chain; the cache update is the model's own.
+* eviction: the ``torch.cat`` cache update becomes ``cache_update`` (K/V plus true positions),
+  attention becomes ``attention_pos`` (mask from positions, so it always matches the kept
+  entries), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
+  Position ids the model derived from the cache length pass through ``true_positions``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from kvpass.detect import Detection, Site
+
+OPS = torch.ops.kvpass
+
+
+def _first(graph: fx.Graph, nodes) -> fx.Node:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return min(nodes, key=order.__getitem__)
+
+
+def _items(graph: fx.Graph, node: fx.Node, n: int) -> list[fx.Node]:
+    with graph.inserting_after(node):
+        items = [graph.call_function(operator.getitem, (node, i)) for i in range(n)]
+    return items
+
+
+def _erase(graph: fx.Graph, nodes) -> None:
+    for n in nodes:  # in order: users before their inputs
+        if not getattr(n, "_erased", False) and not n.users:
+            graph.erase_node(n)
+
+
+def _attention_only(graph: fx.Graph, site: Site) -> None:
+    with graph.inserting_before(site.out):
+        new = graph.call_function(OPS.attention.default, (
+            site.q, site.k, site.v, site.mask, site.scale, site.is_causal, site.softcap))
+    site.out.replace_all_uses_with(new)
+    _erase(graph, [site.out] + site.erase)
+
+
+def _evicting(graph: fx.Graph, site: Site, handle: int) -> None:
+    with graph.inserting_before(_first(graph, [site.k, site.v])):
+        upd = graph.call_function(OPS.cache_update.default, (
+            site.k_past, site.v_past, site.k_new, site.v_new, site.mask, handle, site.layer))
+    k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
+    with graph.inserting_before(site.out):
+        att = graph.call_function(OPS.attention_pos.default, (
+            site.q, k_all, v_all, q_pos, kv_pos, site.scale, site.softcap, site.sliding_window or 0))
+        cmp = graph.call_function(OPS.compact.default, (site.q, k_all, v_all, kv_pos, q_pos, handle, site.layer))
+    k_st, v_st = _items(graph, cmp, 2)
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    for old, new in ((site.k, k_st), (site.v, v_st)):
+        old.replace_all_uses_with(new)  # what remains are the stored tensors (graph outputs)
+        _erase(graph, [old])
+
+
+def _derived(pos: fx.Node) -> bool:
+    """True when position ids were computed inside the graph (from the cache length), not passed in."""
+    stack, seen = [pos], set()
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            ex = n.meta.get("example_value")
+            if isinstance(ex, torch.Tensor) and not ex.is_floating_point():
+                return False
+            continue
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return True
+
+
+def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]:
+    fixed = []
+    for pos in dict.fromkeys(s.positions for s in sites if s.positions is not None):
+        if not _derived(pos):
+            continue
+        with graph.inserting_after(pos):
+            tp = graph.call_function(OPS.true_positions.default, (pos, handle))
+        pos.replace_all_uses_with(tp, delete_user_cb=lambda u: u is not tp)
+        fixed.append(pos.name)
+    return fixed
+
+
+def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
+    """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
+    graph = gm.graph
+    evicting = []
+    for site in found.sites:
+        plan = plans[site.layer]
+        if plan.evict:
+            _evicting(graph, site, handle)
+            evicting.append(site)
+        elif plan.attention:
+            _attention_only(graph, site)
+    fixed = _fix_positions(graph, evicting, handle) if evicting else []
+    graph.lint()
+    gm.recompile()
+    return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict),
+            "evicting": [s.layer for s in evicting], "positions_fixed": fixed}

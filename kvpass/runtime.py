@@ -1,0 +1,101 @@
+"""The bridge between compiled graphs and Python-side policy state.
+
+A rewritten graph calls kvpass operators with an integer ``handle``; the handle names the
+``Runtime`` of one ``kvpass.backend(...)`` object, which holds the policy, the detected sites and
+the generation state. Operators never mutate anything but the generation state, and every
+mutation is a pure function of the operator's inputs, so replaying a call gives the same result.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from kvpass.state import GenerationState
+
+_RUNTIMES: dict[int, "Runtime"] = {}
+_NEXT = itertools.count(1)
+
+
+def register(rt: "Runtime") -> int:
+    handle = next(_NEXT)
+    _RUNTIMES[handle] = rt
+    return handle
+
+
+def get(handle: int) -> "Runtime":
+    try:
+        return _RUNTIMES[handle]
+    except KeyError:
+        raise RuntimeError(f"kvpass: no runtime with handle {handle}; was its backend released?") from None
+
+
+def release(handle: int) -> None:
+    _RUNTIMES.pop(handle, None)
+
+
+def key_validity(mask: Tensor | None, b: int, length: int) -> Tensor | None:
+    """[B, L] True where a key is visible to at least one query (False = padding), from an HF mask."""
+    if mask is None or mask.dim() != 4 or mask.shape[-1] != length:
+        return None
+    if mask.dtype == torch.bool:
+        vis = mask
+    else:
+        vis = mask > torch.finfo(mask.dtype).min / 2
+    return vis.any(dim=1).any(dim=1).expand(b, length)
+
+
+class Runtime:
+    """Policy + sites + state for one backend object."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.state = GenerationState()
+        self.sites: dict[int, object] = {}
+        self.handle = register(self)
+
+    # -- called from operators ------------------------------------------------------------------
+
+    def positions(self, site: int, k_past: Tensor, k_new: Tensor, mask: Tensor | None):
+        """True token indices of the stored + new entries, and of the new (query) tokens."""
+        b, hkv, ln = k_new.shape[:3]
+        lp = k_past.shape[-2] if k_past.dim() == 4 else 0
+        dev = k_new.device
+        st = self.state.layer(site)
+        if lp > 0 and st is not None and tuple(st.pos.shape) == (b, hkv, lp):
+            past_pos, seen, valid = st.pos.to(dev), st.seen, None
+        else:  # a new prefill, or a cache kvpass did not write: entries are the tokens 0..lp-1
+            past_pos = torch.arange(lp, device=dev).expand(b, hkv, lp)
+            seen, valid = lp, key_validity(mask, b, lp + ln)
+        q_pos = (seen + torch.arange(ln, device=dev)).expand(b, ln).contiguous()
+        kv_pos = torch.cat([past_pos, q_pos[:, None, :].expand(b, hkv, ln)], dim=-1)
+        if valid is not None:
+            kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
+        return kv_pos.contiguous(), q_pos
+
+    def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor):
+        info = self.sites[site]
+        keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site))
+        fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
+        if keep is None:
+            k_out, v_out, pos = k.clone(), v.clone(), kv_pos.clone()
+        else:
+            idx = keep[..., None]
+            k_out = k.gather(2, idx.expand(-1, -1, -1, k.shape[-1]))
+            v_out = v.gather(2, idx.expand(-1, -1, -1, v.shape[-1]))
+            pos = kv_pos.gather(2, keep)
+            self.state.evicted_tokens += kv_pos.numel() - pos.numel()
+        seen = int(q_pos[0, -1]) + 1
+        self.state.set_layer(site, pos, seen, fresh=fresh)
+        return k_out, v_out
+
+    def stored_length(self, site: int, total):
+        return self.policy.stored_length(self.sites[site], total)
+
+    def true_positions(self, pos: Tensor) -> Tensor:
+        """Position ids the model derived from the stored length -> the true token count."""
+        if pos.numel() == 0 or bool((pos[..., :1] == 0).all()):
+            return pos.clone()  # a prefill: the cache was empty, derived positions are exact
+        return pos - pos[..., :1] + self.state.seen

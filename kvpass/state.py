@@ -1,0 +1,71 @@
+"""Per-generation state that policies keep between calls of a compiled model.
+
+One ``GenerationState`` belongs to one ``kvpass.backend(...)`` object. It holds, per attention
+site, the true token index of every entry the cache stores (``LayerState.pos``), how many tokens
+that layer has seen, and a free-form ``extra`` dict a policy uses for its own bookkeeping (page
+tables, timestamps, representative keys, chunk metadata).
+
+Rules the operators follow:
+
+* A new prefill (the stored cache is empty) starts the layer afresh: ``reset_layer`` replaces
+  everything, so a previous generation never leaks into the next one.
+* Positions are sacred: ``pos`` counts tokens as the model saw them (padding included, marked -1),
+  never the compressed length, and ``seen`` is the number of tokens seen, not the number stored.
+* Batch > 1 keeps per-sequence rows in every tensor; lengths are shared across the batch (the
+  cache tensors are rectangular), which entries are kept is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerState:
+    """What one attention site keeps between calls."""
+
+    pos: Tensor                 # [B, H_kv, L_stored] true token index of each stored entry, -1 = padding
+    seen: int                   # tokens this layer has seen so far (true length)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def stored(self) -> int:
+        return self.pos.shape[-1]
+
+
+class GenerationState:
+    """The state of one generation (one prompt batch and its continuation)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerState] = {}
+        self.evicted_tokens = 0  # entries dropped by compaction, summed over layers, heads and batch
+
+    def layer(self, site: int) -> LayerState | None:
+        return self.layers.get(site)
+
+    def set_layer(self, site: int, pos: Tensor, seen: int, fresh: bool) -> LayerState:
+        """Record what site `site` stores after a call; `fresh` drops the policy's extra state."""
+        old = self.layers.get(site)
+        extra = {} if fresh or old is None else old.extra
+        st = LayerState(pos=pos, seen=seen, extra=extra)
+        self.layers[site] = st
+        return st
+
+    @property
+    def seen(self) -> int:
+        """True number of tokens seen (the same for every layer between forward calls)."""
+        return max((s.seen for s in self.layers.values()), default=0)
+
+    def stored_tokens(self) -> dict[int, int]:
+        return {i: s.stored for i, s in sorted(self.layers.items())}
+
+    def reset(self) -> None:
+        self.layers.clear()
+        self.evicted_tokens = 0
+
+    def __repr__(self) -> str:
+        return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "
+                f"stored={self.stored_tokens()}, evicted_tokens={self.evicted_tokens})")
