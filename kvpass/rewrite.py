@@ -34,9 +34,18 @@ def _items(graph: fx.Graph, node: fx.Node, n: int) -> list[fx.Node]:
 
 
 def _erase(graph: fx.Graph, nodes) -> None:
-    for n in nodes:  # in order: users before their inputs
-        if not getattr(n, "_erased", False) and not n.users:
-            graph.erase_node(n)
+    """Erase the nodes that have become dead, users before their inputs."""
+    pending = list(nodes)
+    progress = True
+    while pending and progress:
+        progress = False
+        for n in list(pending):
+            if getattr(n, "_erased", False):
+                pending.remove(n)
+            elif not n.users:
+                graph.erase_node(n)
+                pending.remove(n)
+                progress = True
 
 
 def _attention_only(graph: fx.Graph, site: Site) -> None:
@@ -104,7 +113,8 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
             evicting.append(site)
         elif plan.attention:
             _attention_only(graph, site)
-    fixed = _fix_positions(graph, evicting, handle) if evicting else []
+    # One eviction anywhere shortens the length the model derives positions from: fix them all.
+    fixed = _fix_positions(graph, found.sites, handle) if evicting else []
     graph.lint()
     gm.recompile()
     return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict),

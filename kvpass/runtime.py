@@ -96,6 +96,8 @@ class Runtime:
 
     def true_positions(self, pos: Tensor) -> Tensor:
         """Position ids the model derived from the stored length -> the true token count."""
-        if pos.numel() == 0 or bool((pos[..., :1] == 0).all()):
+        # Derived positions are arange(q_len) + stored_length in any layout ([1, q], [1, q, 1], ...).
+        first = pos.min() if pos.numel() else 0
+        if pos.numel() == 0 or int(first) == 0:
             return pos.clone()  # a prefill: the cache was empty, derived positions are exact
-        return pos - pos[..., :1] + self.state.seen
+        return pos - first + self.state.seen
