@@ -318,9 +318,9 @@ def _sdpa_site(node: fx.Node) -> Site | Problem:
         return Problem(node.name, f"SDPA with dropout_p={dropout} (training graphs are not rewritten)")
     if not isinstance(is_causal, bool) or (scale is not None and not isinstance(scale, (int, float))):
         return Problem(node.name, "SDPA is_causal/scale are not constants")
-    k_base, _ = strip_repeat_kv(k)
-    v_base, _ = strip_repeat_kv(v)
-    return _make_site(node, "sdpa", q, k_base, v_base, mask, scale, is_causal, 0.0, [])
+    k_base, k_chain = strip_repeat_kv(k)
+    v_base, v_chain = strip_repeat_kv(v)
+    return _make_site(node, "sdpa", q, k_base, v_base, mask, scale, is_causal, 0.0, k_chain + v_chain)
 
 
 def _eager_site(sm: fx.Node) -> Site | Problem | None:
