@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from kvpass import detect as _detect
+from kvpass import lowerings as _lowerings  # noqa: F401  (device implementations)
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass import rewrite as _rewrite
 from kvpass import runtime as _runtime

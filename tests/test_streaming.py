@@ -38,7 +38,7 @@ def reference_greedy(model, ids: torch.Tensor, steps: int) -> tuple[list[int], l
             nxt = all_logits[-1].argmax(-1, keepdim=True)
             tokens.append(int(nxt))
             logits = model(input_ids=nxt, past_key_values=cache, use_cache=True,
-                           position_ids=torch.tensor([[n]])).logits
+                           position_ids=torch.tensor([[n]], device=ids.device)).logits
             hand_evict(cache)
             all_logits.append(logits[:, -1])
             n += 1

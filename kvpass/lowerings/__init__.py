@@ -1,0 +1,49 @@
+"""Device implementations of the kvpass operators.
+
+On CPU every operator runs its pure-PyTorch reference (``kvpass.ops``). On CUDA, the attention
+operators dispatch to PyTorch's fused SDPA kernels where the semantics match exactly (no
+softcapping; masks converted so fully masked rows give zeros, as the reference does), and to the
+reference otherwise. Inductor keeps these custom operators as extern calls in the compiled graph.
+
+Triton kernels with Inductor lowerings (decode attention with ART termination, paged reads, window
+scoring) replace these implementations as the policy issues land; each sits in ``kvpass.kernels``
+next to its reference. Nothing in this module is a Triton lowering yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvpass import ops
+
+
+def _sdpa(q, k, v, mask, scale, is_causal):
+    if mask is not None and mask.dtype == torch.bool:
+        # SDPA gives NaN for rows with nothing visible; the reference gives zeros.
+        empty = ~mask.any(dim=-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, scale=scale,
+                                             is_causal=is_causal, enable_gqa=True)
+        return out.masked_fill(empty, 0.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                          enable_gqa=True)
+
+
+@ops.attention.register_kernel("cuda")
+def _attention_cuda(q, k, v, mask, scale, is_causal, softcap):
+    if softcap > 0 or (mask is not None and mask.dtype != torch.bool and not mask.is_floating_point()):
+        return ops.attention_reference(q, k, v, mask, scale, is_causal, softcap)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    return _sdpa(q, k, v, mask, scale, is_causal)
+
+
+@ops.attention_pos.register_kernel("cuda")
+def _attention_pos_cuda(q, k, v, q_pos, kv_pos, scale, softcap, window):
+    if softcap > 0:
+        return ops.attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, window)
+    b, h, lq, _ = q.shape
+    hkv = k.shape[1]
+    visible = ops.position_mask(q_pos, kv_pos, window)  # [B, H_kv, Lq, Lk]
+    mask = visible.repeat_interleave(h // hkv, dim=1)
+    return _sdpa(q, k, v, mask, scale, False)
