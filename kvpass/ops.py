@@ -68,7 +68,7 @@ def _softmax_pv(s: Tensor, v: Tensor, out_dtype: torch.dtype) -> Tensor:
     denom = p.sum(dim=-1, keepdim=True)
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     out = torch.einsum("bkgql,bkld->bkgqd", p, v.float())
-    return out.reshape(b, hkv * g, lq, v.shape[-1]).to(out_dtype)
+    return out.reshape(b, hkv * g, lq, v.shape[-1]).to(out_dtype).contiguous()
 
 
 def _group_view(t: Tensor, b: int, h: int, hkv: int, lq: int, lk: int) -> Tensor:
@@ -142,6 +142,11 @@ def _(q, k, v, q_pos, kv_pos, scale, softcap, window):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
+def _dense(t: Tensor) -> Tensor:
+    """A fresh contiguous copy: every kvpass op returns contiguous tensors, as its fake promises."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def past_length(k_past: Tensor):
     """Stored length of a cache tensor; an empty DynamicCache layer is a 1-D ``tensor([])``."""
     return k_past.shape[-2] if k_past.dim() == 4 else 0
@@ -153,7 +158,7 @@ def cache_update(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
     rt = runtime.get(handle)
     kv_pos, q_pos = rt.positions(site, k_past, k_new, mask)
     if past_length(k_past) == 0:  # DynamicCache starts from torch.tensor([])
-        return k_new.clone(), v_new.clone(), kv_pos, q_pos
+        return _dense(k_new), _dense(v_new), kv_pos, q_pos
     k = torch.cat([k_past.to(k_new.dtype), k_new], dim=-2)
     v = torch.cat([v_past.to(v_new.dtype), v_new], dim=-2)
     return k, v, kv_pos, q_pos
@@ -173,7 +178,8 @@ def _(k_past, v_past, k_new, v_new, mask, handle, site):
 @torch.library.custom_op("kvpass::compact", mutates_args=())
 def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, handle: int,
             site: int) -> tuple[Tensor, Tensor]:
-    return runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos)
+    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos)
+    return k_out.contiguous(), v_out.contiguous()
 
 
 @compact.register_fake
@@ -185,12 +191,12 @@ def _(q, k, v, kv_pos, q_pos, handle, site):
 
 @torch.library.custom_op("kvpass::true_positions", mutates_args=())
 def true_positions(pos: Tensor, handle: int) -> Tensor:
-    return runtime.get(handle).true_positions(pos)
+    return runtime.get(handle).true_positions(pos).contiguous()
 
 
 @true_positions.register_fake
 def _(pos, handle):
-    return torch.empty_like(pos)
+    return torch.empty_like(pos, memory_format=torch.contiguous_format)
 
 
 OPS = {

@@ -80,13 +80,12 @@ class Runtime:
         keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site))
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         if keep is None:
-            k_out, v_out, pos = k.clone(), v.clone(), kv_pos.clone()
+            k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
         else:
             idx = keep[..., None]
             k_out = k.gather(2, idx.expand(-1, -1, -1, k.shape[-1]))
             v_out = v.gather(2, idx.expand(-1, -1, -1, v.shape[-1]))
             pos = kv_pos.gather(2, keep)
-            self.state.evicted_tokens += kv_pos.numel() - pos.numel()
         seen = int(q_pos[0, -1]) + 1
         self.state.set_layer(site, pos, seen, fresh=fresh)
         return k_out, v_out

@@ -41,7 +41,6 @@ class GenerationState:
 
     def __init__(self) -> None:
         self.layers: dict[int, LayerState] = {}
-        self.evicted_tokens = 0  # entries dropped by compaction, summed over layers, heads and batch
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)
@@ -59,12 +58,17 @@ class GenerationState:
         """True number of tokens seen (the same for every layer between forward calls)."""
         return max((s.seen for s in self.layers.values()), default=0)
 
+    @property
+    def evicted_tokens(self) -> int:
+        """Entries dropped so far, summed over layers, KV heads and batch rows (derived, so replays
+        of an operator never double count)."""
+        return sum(s.pos.shape[0] * s.pos.shape[1] * s.seen - s.pos.numel() for s in self.layers.values())
+
     def stored_tokens(self) -> dict[int, int]:
         return {i: s.stored for i, s in sorted(self.layers.items())}
 
     def reset(self) -> None:
         self.layers.clear()
-        self.evicted_tokens = 0
 
     def __repr__(self) -> str:
         return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "

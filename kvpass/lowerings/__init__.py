@@ -24,9 +24,9 @@ def _sdpa(q, k, v, mask, scale, is_causal):
         empty = ~mask.any(dim=-1, keepdim=True)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, scale=scale,
                                              is_causal=is_causal, enable_gqa=True)
-        return out.masked_fill(empty, 0.0)
+        return out.masked_fill(empty, 0.0).contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
-                                          enable_gqa=True)
+                                          enable_gqa=True).contiguous()
 
 
 @ops.attention.register_kernel("cuda")

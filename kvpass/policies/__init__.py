@@ -30,6 +30,8 @@ def make_policy(spec: str | Policy, **params) -> Policy:
                           f"known policies: {', '.join(available())}")
     names = [n.strip() for n in spec.split("+")]
     for n in names:
+        if not n:
+            raise ConfigError(f"policy '{spec}' has an empty name around '+'; write e.g. 'snapkv+art'")
         if n not in POLICIES:
             if n in PLANNED:
                 raise ConfigError(f"policy '{n}' is planned but not implemented yet; "

@@ -29,7 +29,8 @@ class StreamingLLM(Policy):
     def check_config(self) -> None:
         if self.sinks >= self.budget:
             raise ConfigError(f"policy 'streamingllm': parameter 'sinks' must be < budget ({self.budget}), "
-                              f"got {self.sinks}")
+                              f"got {self.sinks}" + (" (its default); pass a smaller sinks or a larger budget"
+                                                     if self.sinks == 4 else ""))
 
     def plan(self, site) -> SitePlan | str:
         if site.sliding_window:

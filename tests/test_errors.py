@@ -1,0 +1,167 @@
+"""Every configuration error kvpass reports, and that each is raised by ``kvpass.backend(...)``
+itself: before anything is compiled, and without leaving a registered runtime behind.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import kvpass
+from kvpass import runtime
+from kvpass.policies import POLICIES, Policy, make_policy
+from kvpass.policies.compose import Composed
+from kvpass.policies.streamingllm import StreamingLLM
+
+RANGE_BUDGET = "int in [2, 16777216]"
+
+# (backend kwargs, fragments the message must contain)
+CASES = {
+    # policy names
+    "unknown policy": (dict(policy="nope"), ["unknown policy 'nope'", "full", "streamingllm"]),
+    "unknown policy, wrong case": (dict(policy="Full"), ["unknown policy 'Full'", "full, streamingllm"]),
+    "unknown member of a composition": (dict(policy="full+nope"),
+                                        ["unknown policy 'nope'", "full, streamingllm"]),
+    "planned policy": (dict(policy="asl"),
+                       ["policy 'asl' is planned but not implemented yet", "full, streamingllm"]),
+    "planned member of a composition": (dict(policy="full+quest"),
+                                        ["policy 'quest' is planned", "full, streamingllm"]),
+    "empty policy": (dict(policy=""), ["policy must be a non-empty string", "full, streamingllm"]),
+    "policy is not a string": (dict(policy=None), ["policy must be a non-empty string", "got None"]),
+    # parameter values
+    "budget below range": (dict(policy="streamingllm", budget=0), ["'budget'", RANGE_BUDGET, "got 0"]),
+    "budget above range": (dict(policy="streamingllm", budget=1 << 25),
+                           ["'budget'", RANGE_BUDGET, "got 33554432"]),
+    "sinks below range": (dict(policy="streamingllm", sinks=-1), ["'sinks'", "int in [0, 1048576]", "got -1"]),
+    "budget out of range in a composition": (dict(policy="full+streamingllm", budget=1),
+                                             ["'budget'", RANGE_BUDGET]),
+    # parameter types
+    "budget is a str": (dict(policy="streamingllm", budget="x"), ["'budget'", RANGE_BUDGET, "got str 'x'"]),
+    "budget is a float": (dict(policy="streamingllm", budget=2.5), ["'budget'", RANGE_BUDGET, "got float 2.5"]),
+    "budget is an integral float": (dict(policy="streamingllm", budget=8.0), ["'budget'", "got float 8.0"]),
+    "budget is a bool": (dict(policy="streamingllm", budget=True), ["'budget'", RANGE_BUDGET, "got bool True"]),
+    # parameter names
+    "unknown parameter": (dict(policy="streamingllm", bugdet=8), ["no parameter 'bugdet'", "budget, sinks"]),
+    "parameter of a parameterless policy": (dict(policy="full", budget=8),
+                                            ["policy 'full' has no parameter 'budget'", "none"]),
+    "unknown parameter of a composition": (dict(policy="full+streamingllm", foo=1),
+                                           ["policy 'full+streamingllm' has no parameter 'foo'", "budget, sinks"]),
+    # cross-parameter checks
+    "sinks equal to budget": (dict(policy="streamingllm", budget=8, sinks=8), ["'sinks' must be < budget (8)", "got 8"]),
+    "sinks above budget": (dict(policy="streamingllm", budget=8, sinks=20), ["'sinks' must be < budget (8)", "got 20"]),
+    "default sinks above a small budget": (dict(policy="streamingllm", budget=3),
+                                           ["'sinks' must be < budget (3)", "got 4"]),
+    "sinks >= budget in a composition": (dict(policy="full+streamingllm", budget=4, sinks=4),
+                                         ["'sinks' must be < budget (4)"]),
+    # composition
+    "same policy twice": (dict(policy="full+full"), ["policy 'full+full' names a policy twice"]),
+    "same evicting policy twice": (dict(policy="streamingllm+streamingllm"), ["names a policy twice"]),
+    # the compiler
+    "bad compiler": (dict(policy="full", compiler="tvm"), ["'compiler'", "inductor, aot_eager, eager", "got 'tvm'"]),
+    "bad compiler, good policy params": (dict(policy="streamingllm", compiler="Inductor", budget=8),
+                                         ["'compiler'", "got 'Inductor'"]),
+}
+
+
+@pytest.fixture
+def no_runtime_leak():
+    before = dict(runtime._RUNTIMES)
+    yield
+    assert runtime._RUNTIMES == before, "a failed kvpass.backend(...) call left a runtime registered"
+
+
+@pytest.mark.parametrize("kwargs,fragments", CASES.values(), ids=list(CASES))
+def test_backend_rejects_bad_configuration(kwargs, fragments, no_runtime_leak):
+    kwargs = dict(kwargs)
+    policy = kwargs.pop("policy")
+    with pytest.raises(kvpass.ConfigError) as err:
+        kvpass.backend(policy, **kwargs)
+    message = str(err.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(kvpass.ConfigError, ValueError)
+
+
+def test_errors_come_before_compiling(no_runtime_leak):
+    """The error is raised by kvpass.backend(...) itself: torch.compile is never reached."""
+    import torch
+
+    compiled = []
+    with pytest.raises(kvpass.ConfigError):
+        compiled.append(torch.compile(lambda x: x + 1, backend=kvpass.backend("streamingllm", budget=0)))
+    assert compiled == []
+
+
+# ----------------------------------------------------------------------------------------------
+# two evicting policies: only streamingllm evicts today, so a second evicting policy is registered
+# for the test
+# ----------------------------------------------------------------------------------------------
+
+
+class KeepFirst(Policy):
+    """A stand-in second eviction policy."""
+
+    name = "keepfirst"
+    evicts = True
+
+
+class KeepLast(Policy):
+    name = "keeplast"
+    evicts = True
+
+
+@pytest.fixture
+def two_more_evictors(monkeypatch):
+    monkeypatch.setitem(POLICIES, KeepFirst.name, KeepFirst)
+    monkeypatch.setitem(POLICIES, KeepLast.name, KeepLast)
+
+
+def test_two_evicting_policies_through_backend(two_more_evictors, no_runtime_leak):
+    with pytest.raises(kvpass.ConfigError, match=re.escape(
+            "policy 'streamingllm+keepfirst': streamingllm and keepfirst both evict; "
+            "compose at most one eviction policy")):
+        kvpass.backend("streamingllm+keepfirst", budget=8)
+    with pytest.raises(kvpass.ConfigError, match="keepfirst and keeplast both evict"):
+        kvpass.backend("full+keepfirst+keeplast")
+
+
+def test_one_evicting_policy_composes(two_more_evictors):
+    be = kvpass.backend("full+keepfirst", compiler="eager")
+    assert be.policy.evicts and be.policy.evictor.name == "keepfirst"
+    runtime.release(be.runtime.handle)
+
+
+def test_two_evicting_policies_composed_directly():
+    with pytest.raises(kvpass.ConfigError, match="streamingllm and keepfirst both evict"):
+        Composed([StreamingLLM(budget=8), KeepFirst()])
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy objects
+# ----------------------------------------------------------------------------------------------
+
+
+def test_policy_object_with_backend_parameters(no_runtime_leak):
+    with pytest.raises(kvpass.ConfigError, match="pass parameters to the Policy object itself"):
+        kvpass.backend(StreamingLLM(budget=8), budget=4)
+
+
+def test_policy_object_validates_on_construction():
+    with pytest.raises(kvpass.ConfigError, match="'budget' must be int in"):
+        StreamingLLM(budget=0)
+    with pytest.raises(kvpass.ConfigError, match="has no parameter 'window'"):
+        StreamingLLM(window=4)
+
+
+def test_valid_configurations_build():
+    """The counterpart: what the cases above get wrong, done right, builds without error."""
+    for policy, params in [("full", {}), ("streamingllm", dict(budget=8, sinks=2)),
+                           ("streamingllm", dict(budget=2, sinks=0)), ("full+streamingllm", dict(budget=8)),
+                           (" streamingllm + full ", dict(budget=8))]:
+        be = kvpass.backend(policy, compiler="eager", **params)
+        runtime.release(be.runtime.handle)
+    assert make_policy("streamingllm", budget=16).config == {"budget": 16, "sinks": 4}

@@ -1,0 +1,440 @@
+"""The kvpass operators against PyTorch, and ``torch.library.opcheck`` on every one of them.
+
+* ``kvpass::attention`` is compared with ``F.scaled_dot_product_attention(..., enable_gqa=True)``
+  over batch, query/key lengths, GQA ratio, head dim (including an odd one), dtype, masks
+  (boolean, additive, several broadcast shapes) and ``is_causal``; softcapping is compared with a
+  hand-written reference, since SDPA has none.
+* ``kvpass::attention_pos`` is compared with ``kvpass::attention`` (and SDPA) under the boolean mask
+  its ``q_pos`` / ``kv_pos`` / ``window`` arguments describe, padding entries (-1) included.
+* Fully masked rows must come out as exact zeros, for every dtype and mask kind.
+* ``opcheck`` runs every operator in ``kvpass.ops.OPS``; the stateful ones run against a real
+  runtime (``kvpass.backend("streamingllm", budget=8, sinks=2)``), with an empty past (the 1-D
+  ``tensor([])`` DynamicCache starts from) and a non-empty one.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpass
+from kvpass import runtime
+from kvpass.ops import OPS
+
+OP = torch.ops.kvpass
+PROPERTY = settings(max_examples=40, deadline=None)
+
+
+def _cpu_has_fp16_sdpa() -> bool:
+    try:
+        x = torch.ones(1, 1, 2, 8, dtype=torch.float16)
+        F.scaled_dot_product_attention(x, x, x)
+        return True
+    except RuntimeError:  # pragma: no cover - depends on the CPU build
+        return False
+
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if _cpu_has_fp16_sdpa() else [])
+# kvpass computes in fp32 and rounds once; SDPA in low precision may round differently, so the
+# tolerance is about one ulp of the output dtype at |x| ~ 2-4.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+    torch.float16: dict(atol=4e-3, rtol=3e-3),
+}
+HEAD_DIMS = [8, 16, 24, 32]      # 24: not a power of two
+GQA_RATIOS = [1, 2, 4]
+MASK_SHAPES = ["b1qk", "bhqk", "11qk", "qk", "b11k"]
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _randn(shape, gen, dtype, mult=1.0):
+    return (torch.randn(shape, generator=gen) * mult).to(dtype)
+
+
+def _mask_shape(kind: str, b: int, h: int, lq: int, lk: int) -> tuple[int, ...]:
+    return {"b1qk": (b, 1, lq, lk), "bhqk": (b, h, lq, lk), "11qk": (1, 1, lq, lk),
+            "qk": (lq, lk), "b11k": (b, 1, 1, lk)}[kind]
+
+
+def _make_mask(kind: str | None, shape, keep: float, gen, dtype):
+    """(mask passed to the op, boolean visibility of the same mask) or (None, None)."""
+    if kind is None:
+        return None, None
+    visible = torch.rand(shape, generator=gen) < keep
+    if kind == "bool":
+        return visible, visible
+    bias = -3.0 * torch.rand(shape, generator=gen)  # an additive mask: finite biases and -inf
+    return bias.masked_fill(~visible, float("-inf")).to(dtype), visible
+
+
+def _visibility(visible, causal: bool, b: int, h: int, lq: int, lk: int):
+    """[B, H, Lq, Lk] boolean: which keys each query row may attend to."""
+    vis = torch.ones(b, h, lq, lk, dtype=torch.bool)
+    if causal:
+        vis &= torch.ones(lq, lk, dtype=torch.bool).tril()
+    if visible is not None:
+        vis &= visible.expand(b, h, lq, lk)
+    return vis
+
+
+def _assert_dead_rows_zero(out, vis):
+    dead = ~vis.any(-1)  # [B, H, Lq]
+    if dead.any():
+        assert (out[dead] == 0).all(), "a fully masked query row must give zeros"
+
+
+def softcap_reference(q, k, v, mask, scale, is_causal, softcap):
+    """Hand-written attention with logit softcapping: tanh(s / c) * c, then masking, then softmax."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = (q.float() @ k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    lq, lk = s.shape[-2:]
+    if is_causal:
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    p = torch.softmax(s, dim=-1).nan_to_num(nan=0.0)  # a fully masked row: NaN -> 0
+    return (p @ v).to(q.dtype)
+
+
+def positions_mask(q_pos, kv_pos, group: int, window: int):
+    """[B, H, Lq, Lk] boolean from true token indices, written out loop by loop (no broadcasting)."""
+    b, lq = q_pos.shape
+    _, hkv, lk = kv_pos.shape
+    mask = torch.zeros(b, hkv * group, lq, lk, dtype=torch.bool)
+    for bi in range(b):
+        for h in range(hkv * group):
+            for i in range(lq):
+                for j in range(lk):
+                    kp, qp = int(kv_pos[bi, h // group, j]), int(q_pos[bi, i])
+                    ok = 0 <= kp <= qp and (window == 0 or qp - kp < window)
+                    mask[bi, h, i, j] = ok
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------
+# kvpass::attention vs SDPA
+# ----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def attention_cases(draw):
+    causal = draw(st.booleans())
+    lq = draw(st.integers(1, 9))
+    lk = draw(st.integers(lq, 12)) if causal else draw(st.integers(1, 12))
+    hkv = draw(st.sampled_from([1, 2]))
+    return dict(
+        b=draw(st.integers(1, 3)), lq=lq, lk=lk, hkv=hkv, h=hkv * draw(st.sampled_from(GQA_RATIOS)),
+        d=draw(st.sampled_from(HEAD_DIMS)), dtype=draw(st.sampled_from(DTYPES)), causal=causal,
+        mask=draw(st.sampled_from([None, "bool", "float"])), mask_shape=draw(st.sampled_from(MASK_SHAPES)),
+        keep=draw(st.sampled_from([0.15, 0.5, 0.9, 1.0])),
+        scale=draw(st.sampled_from([None, 0.05, 0.5, 1.0])), seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@PROPERTY
+@given(attention_cases())
+def test_attention_matches_sdpa(c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    b, h, hkv, lq, lk, d, dt = c["b"], c["h"], c["hkv"], c["lq"], c["lk"], c["d"], c["dtype"]
+    q, k, v = (_randn((b, h, lq, d), gen, dt), _randn((b, hkv, lk, d), gen, dt), _randn((b, hkv, lk, d), gen, dt))
+    shape = _mask_shape(c["mask_shape"], b, h, lq, lk)
+    mask, visible = _make_mask(c["mask"], shape, c["keep"], gen, dt)
+    scale = 1.0 / math.sqrt(d) if c["scale"] is None else c["scale"]
+
+    out = OP.attention(q, k, v, mask, scale, c["causal"], 0.0)
+
+    assert out.shape == (b, h, lq, d) and out.dtype == dt
+    vis = _visibility(visible, c["causal"], b, h, lq, lk)
+    # SDPA rejects attn_mask together with is_causal: give it the combined mask instead.
+    sdpa_mask, sdpa_causal = mask, c["causal"]
+    if mask is not None and c["causal"]:
+        sdpa_mask, sdpa_causal = vis, False
+        if mask.dtype != torch.bool:
+            sdpa_mask = (mask.expand(b, h, lq, lk).float()
+                         .masked_fill(~vis, float("-inf")).to(dt))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, is_causal=sdpa_causal,
+                                              scale=scale, enable_gqa=True)
+    torch.testing.assert_close(out, expected, **TOL[dt])
+    # and against fp32 SDPA: kvpass rounds only once, at the end
+    m32 = sdpa_mask.float() if sdpa_mask is not None and sdpa_mask.dtype != torch.bool else sdpa_mask
+    exp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m32,
+                                           is_causal=sdpa_causal, scale=scale, enable_gqa=True)
+    torch.testing.assert_close(out.float(), exp32, **TOL[dt])
+    _assert_dead_rows_zero(out, vis)
+
+
+@PROPERTY
+@given(attention_cases(), st.sampled_from([1.0, 5.0, 30.0]))
+def test_attention_softcap_matches_reference(c, softcap):
+    gen = torch.Generator().manual_seed(c["seed"])
+    b, h, hkv, lq, lk, d, dt = c["b"], c["h"], c["hkv"], c["lq"], c["lk"], c["d"], c["dtype"]
+    # large logits, so the cap really bends them
+    q = _randn((b, h, lq, d), gen, dt, mult=3.0)
+    k, v = _randn((b, hkv, lk, d), gen, dt, mult=3.0), _randn((b, hkv, lk, d), gen, dt)
+    mask, visible = _make_mask(c["mask"], _mask_shape(c["mask_shape"], b, h, lq, lk), c["keep"], gen, dt)
+    scale = 1.0 / math.sqrt(d) if c["scale"] is None else c["scale"]
+
+    out = OP.attention(q, k, v, mask, scale, c["causal"], softcap)
+
+    expected = softcap_reference(q, k, v, mask, scale, c["causal"], softcap)
+    torch.testing.assert_close(out, expected, **TOL[dt])
+    _assert_dead_rows_zero(out, _visibility(visible, c["causal"], b, h, lq, lk))
+
+
+# ----------------------------------------------------------------------------------------------
+# kvpass::attention_pos vs attention with the equivalent boolean mask
+# ----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def position_cases(draw):
+    hkv = draw(st.sampled_from([1, 2]))
+    return dict(
+        b=draw(st.integers(1, 3)), lq=draw(st.integers(1, 9)), lk=draw(st.integers(1, 14)), hkv=hkv,
+        h=hkv * draw(st.sampled_from(GQA_RATIOS)), d=draw(st.sampled_from(HEAD_DIMS)),
+        dtype=draw(st.sampled_from(DTYPES)), window=draw(st.sampled_from([0, 1, 3, 8])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 5.0])), pad=draw(st.integers(0, 4)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _positions(b, hkv, lq, lk, pad, gen):
+    """q_pos [B, Lq]: the new tokens after `seen` earlier ones; kv_pos [B, H_kv, Lk]: an ascending
+    subset of the tokens seen so far (what an eviction policy kept, different per head), left
+    padding (-1) on the first `pad` entries of batch row 0, then the new tokens themselves."""
+    q_pos = torch.empty(b, lq, dtype=torch.long)
+    kv_pos = torch.full((b, hkv, lk), -1, dtype=torch.long)
+    for bi in range(b):
+        seen = int(torch.randint(0, 20, (1,), generator=gen))
+        q_pos[bi] = seen + torch.arange(lq)
+        for g in range(hkv):
+            pool = torch.cat([torch.arange(seen), q_pos[bi]])
+            pick = torch.randperm(len(pool), generator=gen)[:lk].sort().values
+            kv_pos[bi, g, :len(pick)] = pool[pick]
+    if pad:
+        kv_pos[0, :, :pad] = -1
+    return q_pos, kv_pos
+
+
+@PROPERTY
+@given(position_cases())
+def test_attention_pos_matches_masked_attention(c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    b, h, hkv, lq, lk, d, dt = c["b"], c["h"], c["hkv"], c["lq"], c["lk"], c["d"], c["dtype"]
+    q, k, v = (_randn((b, h, lq, d), gen, dt), _randn((b, hkv, lk, d), gen, dt), _randn((b, hkv, lk, d), gen, dt))
+    q_pos, kv_pos = _positions(b, hkv, lq, lk, c["pad"], gen)
+    scale = 1.0 / math.sqrt(d)
+
+    out = OP.attention_pos(q, k, v, q_pos, kv_pos, scale, c["softcap"], c["window"])
+
+    mask = positions_mask(q_pos, kv_pos, h // hkv, c["window"])
+    expected = OP.attention(q, k, v, mask, scale, False, c["softcap"])
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the same math, the same mask
+    if c["softcap"] == 0:
+        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        torch.testing.assert_close(out, sdpa, **TOL[dt])
+    _assert_dead_rows_zero(out, mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# fully masked rows, written out
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows_are_zero(dtype):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _randn((2, 4, 3, 16), gen, dtype), _randn((2, 2, 5, 16), gen, dtype), _randn((2, 2, 5, 16), gen, dtype)
+    keep = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    keep[0, :, 1] = False                       # row 1 of batch 0 sees nothing
+    keep[1] = False                             # batch 1 sees nothing at all
+    additive = torch.zeros(2, 1, 3, 5, dtype=dtype).masked_fill(~keep, float("-inf"))
+    for mask in (keep, additive):
+        for softcap in (0.0, 10.0):
+            out = OP.attention(q, k, v, mask, 0.25, False, softcap)
+            assert torch.isfinite(out).all()
+            assert (out[0, :, 1] == 0).all() and (out[1] == 0).all()
+            assert (out[0, :, 0].abs().sum() > 0) and (out[0, :, 2].abs().sum() > 0)
+
+    q_pos = torch.tensor([[7, 8, 9], [0, 1, 2]])
+    kv_pos = torch.tensor([[[5, 6, 7, 8, 9]] * 2, [[-1] * 5] * 2])   # batch 1: only padding
+    out = OP.attention_pos(q, k, v, q_pos, kv_pos, 0.25, 0.0, 0)
+    assert (out[1] == 0).all() and (out[0].abs().sum(-1) > 0).all()
+    out = OP.attention_pos(q, k, v, q_pos + 10, kv_pos, 0.25, 0.0, 3)   # window: everything too old
+    assert (out == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck on every operator
+# ----------------------------------------------------------------------------------------------
+
+SITE = 0
+B, H, HKV, D = 2, 4, 2, 8
+BUDGET, SINKS = 8, 2
+
+
+def opcheck(name: str, args) -> None:
+    torch.library.opcheck(OPS[name], args)
+
+
+@pytest.fixture
+def rt():
+    """A real runtime (eviction policy with budget 8) and one global DynamicCache site."""
+    be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
+    be.runtime.sites[SITE] = SimpleNamespace(sliding_window=None, cache="dynamic", layer=SITE)
+    yield be.runtime
+    runtime.release(be.runtime.handle)
+
+
+def _prefill(rt, n: int, mask=None):
+    """cache_update + compact of an n-token prompt on an empty DynamicCache layer."""
+    gen = torch.Generator().manual_seed(n)
+    k_new, v_new, q = _randn((B, HKV, n, D), gen, torch.float32), _randn((B, HKV, n, D), gen, torch.float32), \
+        _randn((B, H, n, D), gen, torch.float32)
+    empty = torch.tensor([])
+    k, v, kv_pos, q_pos = OP.cache_update(empty, empty, k_new, v_new, mask, rt.handle, SITE)
+    k_st, v_st = OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
+    return k_st, v_st
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal,softcap,ratio,d", [(True, 0.0, 2, 8), (False, 30.0, 4, 24), (False, 0.0, 1, 16)])
+def test_opcheck_attention(dtype, mask, causal, softcap, ratio, d):
+    gen = torch.Generator().manual_seed(1)
+    q = _randn((2, 2 * ratio, 3, d), gen, dtype)
+    k, v = _randn((2, 2, 5, d), gen, dtype), _randn((2, 2, 5, d), gen, dtype)
+    m, _ = _make_mask(mask, (2, 1, 3, 5), 0.6, gen, dtype)
+    opcheck("attention", (q, k, v, m, d ** -0.5, causal, softcap))
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (0, 20.0)])
+def test_opcheck_attention_pos(window, softcap):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = _randn((B, H, 3, D), gen, torch.float32), _randn((B, HKV, 6, D), gen, torch.float32), \
+        _randn((B, HKV, 6, D), gen, torch.float32)
+    q_pos = torch.tensor([[10, 11, 12], [4, 5, 6]])
+    kv_pos = torch.tensor([[[0, 1, 8, 10, 11, 12], [0, 3, 9, 10, 11, 12]],
+                           [[-1, -1, 3, 4, 5, 6], [-1, -1, 2, 4, 5, 6]]])
+    opcheck("attention_pos", (q, k, v, q_pos, kv_pos, D ** -0.5, softcap, window))
+
+
+def _hf_padding_mask(lq: int, lk: int, pad: int) -> torch.Tensor:
+    """An HF-style additive causal mask [B, 1, Lq, Lk] with `pad` left-padding keys in batch row 1."""
+    allowed = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq).expand(B, 1, lq, lk).clone()
+    allowed[1, :, :, :pad] = False
+    return torch.zeros(B, 1, lq, lk).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("mask", [None, "hf"])
+def test_opcheck_cache_update_empty_past(rt, mask):
+    gen = torch.Generator().manual_seed(3)
+    k_new, v_new = _randn((B, HKV, 5, D), gen, torch.float32), _randn((B, HKV, 5, D), gen, torch.float32)
+    m = _hf_padding_mask(5, 5, pad=2) if mask else None
+    empty = torch.tensor([])
+    assert empty.dim() == 1  # what DynamicCache starts from
+    opcheck("cache_update", (empty, empty, k_new, v_new, m, rt.handle, SITE))
+    _, _, kv_pos, q_pos = OP.cache_update(empty, empty, k_new, v_new, m, rt.handle, SITE)
+    assert q_pos.tolist() == [[0, 1, 2, 3, 4]] * B
+    if mask:
+        assert kv_pos[1, :, :2].eq(-1).all() and kv_pos[0].ge(0).all()
+
+
+@pytest.mark.parametrize("prompt", [5, 12])   # kept whole / evicted down to the budget
+def test_opcheck_cache_update_nonempty_past(rt, prompt):
+    k_past, v_past = _prefill(rt, prompt)
+    gen = torch.Generator().manual_seed(4)
+    k_new, v_new = _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, HKV, 1, D), gen, torch.float32)
+    opcheck("cache_update", (k_past, v_past, k_new, v_new, None, rt.handle, SITE))
+    k, _, kv_pos, q_pos = OP.cache_update(k_past, v_past, k_new, v_new, None, rt.handle, SITE)
+    assert k.shape[2] == min(prompt, BUDGET) + 1
+    assert q_pos.tolist() == [[prompt]] * B
+    assert kv_pos[..., -1].eq(prompt).all()
+
+
+def test_opcheck_cache_update_foreign_past(rt):
+    """A non-empty cache kvpass did not write (no state): its entries are tokens 0..L-1."""
+    gen = torch.Generator().manual_seed(5)
+    k_past, v_past = _randn((B, HKV, 4, D), gen, torch.float32), _randn((B, HKV, 4, D), gen, torch.float32)
+    k_new, v_new = _randn((B, HKV, 2, D), gen, torch.float32), _randn((B, HKV, 2, D), gen, torch.float32)
+    m = _hf_padding_mask(2, 6, pad=1)
+    opcheck("cache_update", (k_past, v_past, k_new, v_new, m, rt.handle, SITE))
+    _, _, kv_pos, q_pos = OP.cache_update(k_past, v_past, k_new, v_new, m, rt.handle, SITE)
+    assert q_pos.tolist() == [[4, 5]] * B
+    assert kv_pos[0, 0].tolist() == [0, 1, 2, 3, 4, 5] and kv_pos[1, 0].tolist() == [-1, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("prompt", [5, 12])
+def test_opcheck_compact_empty_past(rt, prompt):
+    gen = torch.Generator().manual_seed(6)
+    k_new, v_new, q = _randn((B, HKV, prompt, D), gen, torch.float32), \
+        _randn((B, HKV, prompt, D), gen, torch.float32), _randn((B, H, prompt, D), gen, torch.float32)
+    empty = torch.tensor([])
+    k, v, kv_pos, q_pos = OP.cache_update(empty, empty, k_new, v_new, None, rt.handle, SITE)
+    opcheck("compact", (q, k, v, kv_pos, q_pos, rt.handle, SITE))
+    k_st, _ = OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
+    # opcheck replayed it several times: the state is what one call leaves
+    st = rt.state.layer(SITE)
+    assert k_st.shape[2] == min(prompt, BUDGET) and st.seen == prompt
+    expected = list(range(prompt)) if prompt <= BUDGET else [0, 1] + list(range(prompt - BUDGET + SINKS, prompt))
+    assert st.pos[0, 0].tolist() == expected
+
+
+def test_opcheck_compact_nonempty_past(rt):
+    k_past, v_past = _prefill(rt, 12)
+    gen = torch.Generator().manual_seed(7)
+    k_new, v_new, q = _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, HKV, 1, D), gen, torch.float32), \
+        _randn((B, H, 1, D), gen, torch.float32)
+    k, v, kv_pos, q_pos = OP.cache_update(k_past, v_past, k_new, v_new, None, rt.handle, SITE)
+    opcheck("compact", (q, k, v, kv_pos, q_pos, rt.handle, SITE))
+    k_st, v_st = OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
+    assert k_st.shape[2] == BUDGET
+    assert rt.state.layer(SITE).pos[1, 1].tolist() == [0, 1, 7, 8, 9, 10, 11, 12]
+    assert rt.state.layer(SITE).seen == 13
+    torch.testing.assert_close(k_st[..., -1, :], k_new[..., -1, :])  # the newest token is kept
+
+
+def test_opcheck_true_positions(rt):
+    opcheck("true_positions", (torch.arange(6)[None], rt.handle))      # prefill: unchanged
+    _prefill(rt, 12)                                                     # seen 12, stored 8
+    derived = torch.tensor([[BUDGET]])                                   # the model's guess: stored length
+    opcheck("true_positions", (derived, rt.handle))
+    assert OP.true_positions(derived, rt.handle).tolist() == [[12]]
+    derived = torch.arange(BUDGET, BUDGET + 3).view(1, 3, 1)           # another layout, 3 new tokens
+    opcheck("true_positions", (derived, rt.handle))
+    assert OP.true_positions(derived, rt.handle).flatten().tolist() == [12, 13, 14]
+    opcheck("true_positions", (torch.zeros(1, 0, dtype=torch.long), rt.handle))
+
+
+def test_every_op_is_opchecked():
+    """A new operator in kvpass.ops.OPS must get a ``test_opcheck_<name>...`` test here."""
+    tests = [name for name in globals() if name.startswith("test_opcheck_")]
+    missing = [op for op in OPS if not any(t.startswith(f"test_opcheck_{op}") for t in tests)]
+    assert not missing, f"no opcheck test for: {missing}"
+
+
+def test_compact_replay_leaves_state_unchanged(rt):
+    gen = torch.Generator().manual_seed(8)
+    k_new, v_new, q = _randn((B, HKV, 12, D), gen, torch.float32), _randn((B, HKV, 12, D), gen, torch.float32), \
+        _randn((B, H, 12, D), gen, torch.float32)
+    empty = torch.tensor([])
+    k, v, kv_pos, q_pos = OP.cache_update(empty, empty, k_new, v_new, None, rt.handle, SITE)
+    OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
+    once = rt.state.evicted_tokens
+    assert once == B * HKV * (12 - BUDGET)
+    OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
+    assert rt.state.evicted_tokens == once
