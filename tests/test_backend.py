@@ -1,0 +1,88 @@
+"""Backend object: identity (uuid), repr, the pass's own checks, and the compile forms' plumbing."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+import kvpass
+from kvpass.backend import _WARNED
+from families import build
+
+
+def test_uuid_depends_on_policy_config_only():
+    a, b = kvpass.backend("streamingllm", budget=64), kvpass.backend("streamingllm", budget=64)
+    assert a.uuid() == b.uuid()
+    assert a.uuid() != kvpass.backend("streamingllm", budget=65).uuid()
+    assert a.uuid() != kvpass.backend("full").uuid()
+    assert isinstance(a.kvpass, torch._inductor.custom_graph_pass.CustomGraphPass)
+
+
+def test_repr_and_state_are_informative():
+    be = kvpass.backend("streamingllm", budget=64, sinks=2, compiler="eager")
+    assert "StreamingLLM(budget=64, sinks=2)" in repr(be) and "eager" in repr(be)
+    assert "seen=0" in repr(be.state)
+    assert repr(kvpass.backend("full")).startswith("kvpass.Backend(policy=Full()")
+
+
+def _cache_source_mismatch_model():
+    """Layers executed in reverse order: attention #0 in the graph reads cache layer 1."""
+    model = build("llama")
+    model.model.layers = nn.ModuleList(list(model.model.layers)[::-1])
+    return model
+
+
+def test_layer_index_is_checked_against_the_cache():
+    _WARNED.clear()
+    model = _cache_source_mismatch_model()
+    be = kvpass.backend("full", compiler="eager")
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fwd(input_ids=torch.randint(3, 90, (1, 6)), past_key_values=cache, use_cache=True)
+        fwd(input_ids=torch.randint(3, 90, (1, 1)), past_key_values=cache, use_cache=True)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, kvpass.KVPassWarning)]
+    assert any("reads the cache of layer 1" in m for m in msgs), msgs
+    assert be.reports[-1].rewritten == 0
+
+
+@torch.library.custom_op("flash_attn::_kvpass_test_flash_forward", mutates_args=())
+def _fake_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                            v.transpose(1, 2)).transpose(1, 2).contiguous()
+
+
+@_fake_flash.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+def test_flash_attn_calls_are_detected_and_left_unchanged():
+    _WARNED.clear()
+    be = kvpass.backend("full", compiler="eager")
+    q = torch.randn(1, 5, 2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(lambda q: torch.ops.flash_attn._kvpass_test_flash_forward(q, q, q),
+                            backend=be, fullgraph=True)(q)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, kvpass.KVPassWarning)]
+    assert any("flash-attn" in m for m in msgs)
+    torch.testing.assert_close(out, _fake_flash(q, q, q))
+
+
+def test_compilers_agree():
+    model = build("mistral")
+    ids = torch.randint(3, 90, (1, 7))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        for compiler in ("eager", "aot_eager"):
+            torch._dynamo.reset()
+            be = kvpass.backend("full", compiler=compiler)
+            got = torch.compile(model.forward, backend=be, fullgraph=True)(input_ids=ids).logits
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            assert be.reports[-1].rewritten == 2
