@@ -87,16 +87,18 @@ class KVPass(CustomGraphPass):
         gm = graph.owning_module
         found = _detect.detect(gm)
         problems = [str(p) for p in found.problems]
+        phase = _phase(found)
         plans: dict[int, SitePlan] = {}
         if not problems:
             for site in found.sites:
+                site.phase = phase
                 plan = self.policy.plan(site)
                 if isinstance(plan, str):
                     problems.append(f"policy '{self.policy.name}': {plan}")
                     break
                 plans[site.layer] = plan
                 self.runtime.sites[site.layer] = site
-        report = GraphReport(phase=_phase(found), sites=[s.row() for s in found.sites],
+        report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
                              plans={i: p.describe() for i, p in plans.items()}, problems=problems)
         if problems:
             warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "

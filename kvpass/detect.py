@@ -74,6 +74,7 @@ class Site:
     rope: str | None = None          # name of the cos node feeding the new keys
     positions: fx.Node | None = None  # integer position tensor behind the RoPE producer
     residual: fx.Node | None = None
+    phase: str = "unknown"           # "prefill" | "decode" | "append" | "dynamic" (set per graph)
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
 
     @property
@@ -87,7 +88,7 @@ class Site:
     def row(self) -> dict:
         """Plain-data summary used by ``explain`` and the tests."""
         return {
-            "layer": self.layer, "attention": self.attention, "kind": self.kind,
+            "layer": self.layer, "phase": self.phase, "attention": self.attention, "kind": self.kind,
             "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
             "scale": round(self.scale, 6), "softcap": self.softcap, "cache": self.cache,
             "sliding_window": self.sliding_window, "cache_layer": self.cache_layer,

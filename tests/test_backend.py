@@ -86,3 +86,26 @@ def test_compilers_agree():
             got = torch.compile(model.forward, backend=be, fullgraph=True)(input_ids=ids).logits
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
             assert be.reports[-1].rewritten == 2
+
+
+def test_composition_runs_and_routes_parameters():
+    """'full+streamingllm' evicts like streamingllm alone (full adds nothing) and routes budget."""
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 20))
+    outs = []
+    for spec in ("streamingllm", "full+streamingllm"):
+        torch._dynamo.reset()
+        be = kvpass.backend(spec, compiler="eager", budget=8, sinks=2)
+        fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            logits = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits]
+            logits.append(fwd(input_ids=logits[-1][:, -1:].argmax(-1), past_key_values=cache,
+                              use_cache=True).logits)
+        assert [l.keys.shape[-2] for l in cache.layers] == [8, 8]
+        outs.append(logits)
+    assert repr(be.policy) == "Full() + StreamingLLM(budget=8, sinks=2)"
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+    assert [s["phase"] for s in be.reports[0].sites] == ["prefill", "prefill"]
+    assert be.reports[-1].phase == "decode"

@@ -2,7 +2,8 @@
 
 A policy answers two kinds of questions:
 
-* At compile time, ``plan(site)``: what happens at this attention site. A ``SitePlan`` says
+* At compile time, ``plan(site)``: what happens at this attention site (``site.phase`` says
+  whether the graph is a prefill, a decode step, an append, or shape-dynamic). A ``SitePlan`` says
   whether attention runs through the kvpass attention operator and whether the cache update is
   rewritten so the policy can evict (``cache_update`` + ``compact`` operators, DESIGN.md 2).
   Returning a string instead says why the site cannot be planned; the backend then warns and
