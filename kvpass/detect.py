@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
+
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax}
 MATMUL_FUNCS = {torch.matmul, operator.matmul}
@@ -57,8 +59,8 @@ class Site:
     k: fx.Node                  # full K as attention reads it, before repeat_kv
     v: fx.Node
     mask: fx.Node | None
-    scale: float
-    is_causal: bool
+    scale: float | fx.Node      # a node when Dynamo made the float dynamic (dynamic=True)
+    causal: int                 # ops.CAUSAL_NONE / CAUSAL_TOP_LEFT / CAUSAL_BOTTOM_RIGHT
     softcap: float
     heads: int
     kv_heads: int
@@ -90,7 +92,8 @@ class Site:
         return {
             "layer": self.layer, "phase": self.phase, "attention": self.attention, "kind": self.kind,
             "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-            "scale": round(self.scale, 6), "softcap": self.softcap, "cache": self.cache,
+            "scale": self.scale.name if isinstance(self.scale, fx.Node) else round(self.scale, 6),
+            "softcap": self.softcap, "cache": self.cache,
             "sliding_window": self.sliding_window, "cache_layer": self.cache_layer,
             "rope": self.rope, "positions": self.positions.name if self.positions is not None else None,
             "residual": self.residual.name if self.residual is not None else None,
@@ -313,15 +316,24 @@ def _sdpa_site(node: fx.Node) -> Site | Problem:
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     dropout = arg(node, 4, "dropout_p", 0.0)
-    is_causal = bool(arg(node, 5, "is_causal", False))
+    is_causal = arg(node, 5, "is_causal", False)
     scale = arg(node, 6, "scale")
     if dropout not in (0, 0.0):
         return Problem(node.name, f"SDPA with dropout_p={dropout} (training graphs are not rewritten)")
-    if not isinstance(is_causal, bool) or (scale is not None and not isinstance(scale, (int, float))):
-        return Problem(node.name, "SDPA is_causal/scale are not constants")
+    if scale is not None and not (isinstance(scale, (int, float)) or _is_sym_scalar(scale)):
+        return Problem(node.name, f"SDPA scale is neither a constant nor a symbolic float ({scale})")
+    if isinstance(is_causal, bool):
+        causal = CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE
+    elif is_fn(is_causal, {operator.gt}) and is_causal.args[1] == 1 and mask is None:
+        # Dynamic shapes: HF's `is_causal = q_len > 1` (mask None). True only for a prefill, where
+        # Lq == Lk and bottom-right equals SDPA's top-left; False for Lq == 1, where bottom-right
+        # is no mask. Bottom-right is exact in both cases.
+        causal = CAUSAL_BOTTOM_RIGHT
+    else:
+        return Problem(node.name, f"SDPA is_causal is a symbolic expression kvpass does not know ({is_causal})")
     k_base, k_chain = strip_repeat_kv(k)
     v_base, v_chain = strip_repeat_kv(v)
-    return _make_site(node, "sdpa", q, k_base, v_base, mask, scale, is_causal, 0.0, k_chain + v_chain)
+    return _make_site(node, "sdpa", q, k_base, v_base, mask, scale, causal, 0.0, k_chain + v_chain)
 
 
 def _eager_site(sm: fx.Node) -> Site | Problem | None:
@@ -347,8 +359,14 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
             x = d.args[0]
         else:
             return None
-    while is_fn(x, MUL_FUNCS | DIV_FUNCS) and isinstance(x.args[1], (int, float)):
-        scale = scale * x.args[1] if x.target in MUL_FUNCS else scale / x.args[1]
+    while is_fn(x, MUL_FUNCS | DIV_FUNCS) and (isinstance(x.args[1], (int, float)) or _is_sym_scalar(x.args[1])):
+        factor = x.args[1]
+        if isinstance(factor, fx.Node):  # a dynamic float: keep it as a graph value
+            if isinstance(scale, fx.Node) or x.target not in MUL_FUNCS or scale != 1.0:
+                return Problem(x.name, "attention scaling mixes several symbolic factors")
+            scale = factor
+        else:
+            scale = scale * factor if x.target in MUL_FUNCS else scale / factor
         chain.append(x)
         x = x.args[0]
     if not is_fn(x, MATMUL_FUNCS):
@@ -379,11 +397,17 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
     for n in chain[1:]:
         if len(n.users) != 1:
             return Problem(n.name, "an eager-attention intermediate has other users")
-    return _make_site(pv, "eager", q, k_base, v_base, mask, scale, False, softcap,
+    return _make_site(pv, "eager", q, k_base, v_base, mask, scale, CAUSAL_NONE, softcap,
                       [pv] + chain + k_chain + v_chain)
 
 
-def _make_site(out, kind, q, k, v, mask, scale, is_causal, softcap, erase) -> Site | Problem:
+def _is_sym_scalar(node) -> bool:
+    """A graph value that is a Python scalar (SymFloat/SymInt), e.g. a float Dynamo made dynamic."""
+    ex = val(node)
+    return isinstance(node, fx.Node) and isinstance(ex, (torch.SymFloat, torch.SymInt, float, int))
+
+
+def _make_site(out, kind, q, k, v, mask, scale, causal, softcap, erase) -> Site | Problem:
     qv, kv_, vv = val(q), val(k), val(v)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv_, vv)):
         return Problem(out.name, "q/k/v are not 4-D [batch, heads, seq, head_dim] tensors")
@@ -393,8 +417,10 @@ def _make_site(out, kind, q, k, v, mask, scale, is_causal, softcap, erase) -> Si
     head_dim = qv.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    return Site(layer=-1, attention=kind, out=out, q=q, k=k, v=v, mask=mask, scale=float(scale),
-                is_causal=is_causal, softcap=softcap, heads=heads, kv_heads=kv_heads,
+    if not isinstance(scale, fx.Node):
+        scale = float(scale)
+    return Site(layer=-1, attention=kind, out=out, q=q, k=k, v=v, mask=mask, scale=scale,
+                causal=causal, softcap=softcap, heads=heads, kv_heads=kv_heads,
                 head_dim=head_dim, q_len=qv.shape[2], cache="none", erase=erase)
 
 

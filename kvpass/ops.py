@@ -7,9 +7,12 @@ Dynamo / AOT autograd. CUDA implementations and Inductor lowerings are registere
 
 Operators
 ---------
-``kvpass::attention(q, k, v, mask?, scale, is_causal, softcap)``
+``kvpass::attention(q, k, v, mask?, scale, causal, softcap)``
     Exact attention with the semantics of ``F.scaled_dot_product_attention`` plus optional
-    logit softcapping. GQA is packed: ``q`` has ``H`` heads, ``k``/``v`` have ``H_kv`` heads and
+    logit softcapping. ``causal`` is ``CAUSAL_NONE`` (0), ``CAUSAL_TOP_LEFT`` (1: SDPA's
+    ``is_causal``, query i sees keys j <= i) or ``CAUSAL_BOTTOM_RIGHT`` (2: queries are the last
+    Lq positions, query i sees keys j <= Lk - Lq + i; the KV-cache meaning, equal to 1 when
+    Lq == Lk and to no mask when Lq == 1). GQA is packed: ``q`` has ``H`` heads, ``k``/``v`` have ``H_kv`` heads and
     query head ``h`` reads KV head ``h // (H // H_kv)``. ``mask`` is boolean (True = attend) or
     additive, broadcastable to ``[B, H, Lq, Lk]``. Fully masked rows give zeros.
 
@@ -76,17 +79,30 @@ def _group_view(t: Tensor, b: int, h: int, hkv: int, lq: int, lk: int) -> Tensor
     return t.expand(b, h, lq, lk).reshape(b, hkv, h // hkv, lq, lk)
 
 
+CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+
+
+def causal_mask(causal: int, lq: int, lk: int, device) -> Tensor | None:
+    """Boolean [Lq, Lk] visibility for a causal mode, or None for CAUSAL_NONE."""
+    if causal == CAUSAL_NONE:
+        return None
+    if causal not in (CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT):
+        raise ValueError(f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
+    offset = 0 if causal == CAUSAL_TOP_LEFT else lk - lq
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                        scale: float | None = None, is_causal: bool = False,
+                        scale: float | None = None, causal: int = CAUSAL_NONE,
                         softcap: float = 0.0) -> Tensor:
     """Reference for ``kvpass::attention`` (fp32 math, output in ``q.dtype``)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     s = _grouped_scores(q, k, scale, softcap)
-    if is_causal:
-        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~causal, float("-inf"))
+    cm = causal_mask(int(causal), lq, lk, q.device)
+    if cm is not None:
+        s = s.masked_fill(~cm, float("-inf"))
     if mask is not None:
         m = _group_view(mask, b, h, hkv, lq, lk)
         if m.dtype == torch.bool:
@@ -122,12 +138,12 @@ def attention_pos_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_p
 
 @torch.library.custom_op("kvpass::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-              is_causal: bool, softcap: float) -> Tensor:
-    return attention_reference(q, k, v, mask, scale, is_causal, softcap)
+              causal: int, softcap: float) -> Tensor:
+    return attention_reference(q, k, v, mask, scale, causal, softcap)
 
 
 @attention.register_fake
-def _(q, k, v, mask, scale, is_causal, softcap):
+def _(q, k, v, mask, scale, causal, softcap):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 

@@ -2,7 +2,7 @@
 
 Per site, one of two shapes (DESIGN.md section 1):
 
-* attention only: ``attention(q, k, v, mask, scale, is_causal, softcap)`` takes the place of the
+* attention only: ``attention(q, k, v, mask, scale, causal, softcap)`` takes the place of the
   SDPA call or of the eager ``softmax(q k^T) v`` chain; the cache update is the model's own.
 * eviction: the ``torch.cat`` cache update becomes ``cache_update`` (K/V plus true positions),
   attention becomes ``attention_pos`` (mask from positions, so it always matches the kept
@@ -48,10 +48,19 @@ def _erase(graph: fx.Graph, nodes) -> None:
                 progress = True
 
 
+def _query_and_scale(graph: fx.Graph, site: Site):
+    """A symbolic scale (dynamic float) is folded into q, so the op's scale is a constant 1.0."""
+    if not isinstance(site.scale, fx.Node):
+        return site.q, site.scale
+    with graph.inserting_before(site.out):
+        return graph.call_function(operator.mul, (site.q, site.scale)), 1.0
+
+
 def _attention_only(graph: fx.Graph, site: Site) -> None:
+    q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
         new = graph.call_function(OPS.attention.default, (
-            site.q, site.k, site.v, site.mask, site.scale, site.is_causal, site.softcap))
+            q, site.k, site.v, site.mask, scale, site.causal, site.softcap))
     site.out.replace_all_uses_with(new)
     _erase(graph, [site.out] + site.erase)
 
@@ -61,9 +70,10 @@ def _evicting(graph: fx.Graph, site: Site, handle: int) -> None:
         upd = graph.call_function(OPS.cache_update.default, (
             site.k_past, site.v_past, site.k_new, site.v_new, site.mask, handle, site.layer))
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
+    q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
         att = graph.call_function(OPS.attention_pos.default, (
-            site.q, k_all, v_all, q_pos, kv_pos, site.scale, site.softcap, site.sliding_window or 0))
+            q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, site.sliding_window or 0))
         cmp = graph.call_function(OPS.compact.default, (site.q, k_all, v_all, kv_pos, q_pos, handle, site.layer))
     k_st, v_st = _items(graph, cmp, 2)
     site.out.replace_all_uses_with(att)

@@ -438,3 +438,27 @@ def test_compact_replay_leaves_state_unchanged(rt):
     assert once == B * HKV * (12 - BUDGET)
     OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
     assert rt.state.evicted_tokens == once
+
+
+@settings(max_examples=30, deadline=None)
+@given(lq=st.integers(1, 6), extra=st.integers(0, 6), group=st.sampled_from([1, 2, 4]),
+       with_mask=st.booleans())
+def test_attention_bottom_right_causal(lq, extra, group, with_mask):
+    """causal=2: queries are the last Lq positions; equals an explicit end-aligned tril mask."""
+    from kvpass.ops import CAUSAL_BOTTOM_RIGHT
+    gen = torch.Generator().manual_seed(lq * 31 + extra)
+    lk, hkv, d = lq + extra, 2, 8
+    q = torch.randn(1, hkv * group, lq, d, generator=gen)
+    k, v = torch.randn(1, hkv, lk, d, generator=gen), torch.randn(1, hkv, lk, d, generator=gen)
+    end_aligned = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+    mask = torch.rand(1, 1, lq, lk, generator=gen) > 0.3 if with_mask else None
+    full_mask = end_aligned if mask is None else (mask & end_aligned)
+    got = torch.ops.kvpass.attention(q, k, v, mask, d ** -0.5, CAUSAL_BOTTOM_RIGHT, 0.0)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask | ~full_mask.any(-1, keepdim=True),
+                                              scale=d ** -0.5, enable_gqa=True)
+    expected = expected.masked_fill(~full_mask.any(-1, keepdim=True), 0.0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if lq == lk:  # equals SDPA's top-left is_causal
+        torch.testing.assert_close(torch.ops.kvpass.attention(q, k, v, None, d ** -0.5, CAUSAL_BOTTOM_RIGHT, 0.0),
+                                   F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5,
+                                                                  enable_gqa=True), atol=1e-5, rtol=1e-5)

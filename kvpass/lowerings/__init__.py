@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kvpass import ops
 
 
-def _sdpa(q, k, v, mask, scale, is_causal):
+def _sdpa(q, k, v, mask, scale, is_causal=False):
     if mask is not None and mask.dtype == torch.bool:
         # SDPA gives NaN for rows with nothing visible; the reference gives zeros.
         empty = ~mask.any(dim=-1, keepdim=True)
@@ -30,12 +30,25 @@ def _sdpa(q, k, v, mask, scale, is_causal):
 
 
 @ops.attention.register_kernel("cuda")
-def _attention_cuda(q, k, v, mask, scale, is_causal, softcap):
+def _attention_cuda(q, k, v, mask, scale, causal, softcap):
     if softcap > 0 or (mask is not None and mask.dtype != torch.bool and not mask.is_floating_point()):
-        return ops.attention_reference(q, k, v, mask, scale, is_causal, softcap)
+        return ops.attention_reference(q, k, v, mask, scale, causal, softcap)
+    lq, lk = q.shape[2], k.shape[2]
+    if causal == ops.CAUSAL_BOTTOM_RIGHT and lq == lk:
+        causal = ops.CAUSAL_TOP_LEFT
+    if causal == ops.CAUSAL_BOTTOM_RIGHT and lq == 1:
+        causal = ops.CAUSAL_NONE
+    cm = None if mask is None and causal == ops.CAUSAL_TOP_LEFT else ops.causal_mask(causal, lq, lk, q.device)
+    if cm is not None:  # SDPA takes is_causal or a mask, not both: fold the causal part into the mask
+        if mask is None:
+            mask = cm
+        elif mask.dtype == torch.bool:
+            mask = mask & cm
+        else:
+            mask = mask.masked_fill(~cm, float("-inf"))
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
-    return _sdpa(q, k, v, mask, scale, is_causal)
+    return _sdpa(q, k, v, mask, scale, is_causal=mask is None and causal == ops.CAUSAL_TOP_LEFT)
 
 
 @ops.attention_pos.register_kernel("cuda")

@@ -1,0 +1,177 @@
+"""The ``kvpass`` command.
+
+    kvpass compare --model smollm2-135m --policies full,streamingllm --budget 256 --task niah --lengths 1k,2k
+    kvpass eval    --model smollm2-135m --policy streamingllm --budget 128 --task niah --lengths 1k,2k,4k
+    kvpass explain --model smollm2-135m [--policy streamingllm --budget 128]
+    kvpass models
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_length(text: str) -> int:
+    t = text.strip().lower()
+    try:
+        return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a length is like 512, 1k or 4k; got {text!r}") from None
+
+
+def parse_list(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def parse_params(items: list[str]) -> dict:
+    """``--param key=value`` -> {key: int | float | bool | str}."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"kvpass: --param expects key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        for conv in (int, float):
+            try:
+                out[k] = conv(v)
+                break
+            except ValueError:
+                continue
+        else:
+            out[k] = {"true": True, "false": False}.get(v.lower(), v)
+    return out
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registry name (see `kvpass models`), local path or hub id")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--budget", type=int, default=None, help="KV entries kept per layer (policies with a budget)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other policy parameter")
+    p.add_argument("--task", type=parse_list, default=["niah"], help="comma list of: niah, ruler, long_decode, chunk_qa")
+    p.add_argument("--lengths", type=lambda s: [parse_length(x) for x in parse_list(s)], default=[1024, 2048])
+    p.add_argument("--depths", type=lambda s: [float(x) for x in parse_list(s)], default=None,
+                   help="NIAH needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many tasks per family and length")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compiler", default=None, choices=["inductor", "aot_eager", "eager"],
+                   help="what compiles the rewritten graph (default: inductor on CUDA, eager on CPU)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default kvpass-results/<time>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvpass", description="Compare KV-cache policies on real models.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare", help="run several policies on the same tasks, one table")
+    c.add_argument("--policies", type=parse_list, default=["full", "streamingllm"])
+    _run_args(c)
+    e = sub.add_parser("eval", help="run one policy")
+    e.add_argument("--policy", default="full")
+    _run_args(e)
+    x = sub.add_parser("explain", help="per-layer detection table of a model")
+    _common(x)
+    x.add_argument("--policy", default="full")
+    x.add_argument("--budget", type=int, default=None)
+    x.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    sub.add_parser("models", help="list the embedded models")
+    return ap
+
+
+def _dtype(args) -> torch.dtype:
+    name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return getattr(torch, name)
+
+
+def _load(args):
+    from kvpass import models
+    try:
+        return models.load(args.model, dtype=_dtype(args), device=args.device)
+    except models.ModelNotAvailable as e:
+        raise SystemExit(f"kvpass: {e}") from None
+
+
+def _tasks(args, tokenizer):
+    from kvpass import tasks as T
+    out = []
+    for family in args.task:
+        if family not in T.FAMILIES:
+            raise SystemExit(f"kvpass: unknown task '{family}'; known tasks: {', '.join(sorted(T.FAMILIES))}")
+        options = {"depths": args.depths} if (family == "niah" and args.depths) else {}
+        for length in args.lengths:
+            batch = T.build(family, tokenizer, [length], seed=args.seed, **options)
+            out += batch[: args.limit] if args.limit else batch
+    if args.max_new_tokens:
+        for t in out:
+            t.max_new_tokens = args.max_new_tokens
+    return out
+
+
+def run_comparison(args, policies: list[str]) -> int:
+    from kvpass.eval import compare, report
+
+    model, tokenizer = _load(args)
+    tasks = _tasks(args, tokenizer)
+    params = parse_params(args.param)
+    if args.budget is not None:
+        params["budget"] = args.budget
+    compiler = args.compiler or ("inductor" if args.device.startswith("cuda") else "eager")
+    try:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(tasks) * len(policies), desc="tasks", unit="task", file=sys.stderr)
+        step = bar.update
+    except ImportError:  # pragma: no cover
+        bar, step = None, None
+    t0 = time.perf_counter()
+    results = compare(model, tokenizer, policies, tasks, params, compiler=compiler, device=args.device,
+                      progress=step)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t0
+    meta = {**report.environment(args.device), "model": args.model, "policies": policies, "params": params,
+            "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler,
+            "wall_s": round(wall, 1), "n_tasks": len(tasks)}
+    title = (f"{args.model} | {', '.join(args.task)} | lengths {','.join(map(str, args.lengths))} | "
+             f"{len(tasks)} tasks | {args.device} | {wall:.0f}s")
+    report.print_table(results, title)
+    out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
+    paths = report.write(results, out, meta)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "models":
+        from kvpass import models
+        for name in models.available():
+            spec = models.MODELS[name]
+            print(f"{name:16s} {spec.description}  (install: {spec.install_cmd})")
+        return 0
+    if args.cmd == "explain":
+        import kvpass
+        model, tokenizer = _load(args)
+        params = parse_params(args.param)
+        if args.budget is not None:
+            params["budget"] = args.budget
+        ids = tokenizer("kvpass explains what it finds in this model.", return_tensors="pt").input_ids
+        kvpass.explain(model, {"input_ids": ids.to(args.device), "use_cache": True}, policy=args.policy, **params)
+        return 0
+    from kvpass.policies import ConfigError
+    try:
+        return run_comparison(args, args.policies if args.cmd == "compare" else [args.policy])
+    except ConfigError as e:
+        raise SystemExit(f"kvpass: {e}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Output of a comparison: a terminal table, JSON + CSV files, and NIAH depth x length heatmaps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_s(x) -> str:
+    return "-" if x is None else (f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s")
+
+
+def environment(device: str) -> dict:
+    import transformers
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": sys.version.split()[0],
+           "torch": torch.__version__, "transformers": transformers.__version__, "device": device,
+           "machine": platform.machine(), "cpu_threads": torch.get_num_threads()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def table_rows(results) -> list[list[str]]:
+    full = next((r.summary() for r in results if r.policy == "full" and r.available), None)
+    rows = []
+    for r in results:
+        s = r.summary()
+        if not r.available:
+            rows.append([r.policy, "unavailable", "-", "-", "-", "-", "-", r.reason or ""])
+            continue
+        kv = fmt_bytes(s["kv_bytes"])
+        if full and full["kv_bytes"] and s["kv_bytes"] is not None and r.policy != "full":
+            kv += f" ({s['kv_bytes'] / full['kv_bytes']:.0%})"
+        acc = "-" if s["accuracy"] is None else f"{s['accuracy']:.3f}"
+        rows.append([r.policy, acc, kv, fmt_bytes(s["peak_mem"]), fmt_s(s["ttft_s"]), fmt_s(s["tpot_s"]),
+                     fmt_s(s["compile_s"]), "" if s["ppl"] is None else f"ppl {s['ppl']:.2f}"])
+    return rows
+
+
+HEADER = ["policy", "accuracy", "KV cache", "peak mem", "TTFT", "TPOT", "compile", "notes"]
+
+
+def print_table(results, title: str) -> None:
+    rows = table_rows(results)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
+        print(title)
+        for r in [HEADER] + rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        return
+    table = Table(title=title)
+    for h in HEADER:
+        table.add_column(h, justify="left" if h in ("policy", "notes") else "right")
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
+
+
+def write(results, out_dir: Path, meta: dict) -> list[Path]:
+    """results.json (everything), results.csv (one row per policy x task), heatmap PNGs."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "summary": [r.summary() for r in results],
+            "tasks": {r.policy: [t.row() for t in r.tasks] for r in results}}
+    paths = [out_dir / "results.json", out_dir / "results.csv"]
+    paths[0].write_text(json.dumps(data, indent=2))
+    with paths[1].open("w", newline="") as f:
+        fields = ["policy", "task", "family", "length", "depth", "score", "kv_bytes", "peak_mem", "ttft_s",
+                  "tpot_s", "new_tokens", "ppl", "output"]
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in results:
+            for t in r.tasks:
+                w.writerow({"policy": r.policy, **{k: v for k, v in t.row().items() if k in fields}})
+    for r in results:
+        p = heatmap(r, out_dir)
+        if p:
+            paths.append(p)
+    return paths
+
+
+def heatmap(result, out_dir: Path) -> Path | None:
+    """NIAH accuracy over depth (rows) x context length (columns) for one policy."""
+    cells: dict[tuple[float, int], list[float]] = {}
+    for t in result.tasks:
+        if t.family == "niah" and t.depth is not None:
+            cells.setdefault((t.depth, t.length), []).append(t.score)
+    if not cells:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = sorted({d for d, _ in cells})
+    lengths = sorted({n for _, n in cells})
+    grid = [[(sum(cells[(d, n)]) / len(cells[(d, n)])) if (d, n) in cells else float("nan")
+             for n in lengths] for d in depths]
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.5 * len(depths)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"NIAH accuracy: {result.policy}")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    path = out_dir / f"heatmap_{result.policy.replace('+', '_')}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

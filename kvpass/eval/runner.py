@@ -1,0 +1,207 @@
+"""Run KV-cache policies over tasks and measure accuracy, KV memory and speed in one process.
+
+Every policy in a comparison runs on the same model object, the same tasks and the same device, one
+after the other, so the numbers are ratios taken in one run. Per policy:
+
+* the model's forward is compiled with ``kvpass.backend(policy, ...)`` and ``dynamic=True``, then
+  warmed up on a short prompt (prefill + decode), so compile time is reported on its own
+  (``compile_s``) and never leaks into TTFT / TPOT;
+* each task is a greedy generation with a fresh ``DynamicCache``: TTFT is the prefill's wall time,
+  TPOT the mean wall time of a decode step;
+* ``kv_bytes`` is the size of the tensors the cache stores after the generation (what eviction
+  really frees), ``peak_mem`` the device allocator's high-water mark during the task (CUDA only;
+  CPU has no per-task allocator statistics, reported as None);
+* ``agreement`` tasks (long decode) are teacher-forced on the ``full`` policy's continuation:
+  the score is the fraction of steps whose greedy token equals it, and ``ppl`` the perplexity of
+  that continuation under the policy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+import kvpass
+from kvpass.policies import POLICIES, ConfigError
+
+WARMUP_TOKENS = 48
+
+
+@dataclass
+class TaskResult:
+    task: str
+    family: str
+    length: int
+    depth: float | None
+    score: float
+    kv_bytes: int
+    peak_mem: int | None
+    ttft_s: float
+    tpot_s: float | None
+    new_tokens: int
+    output: str
+    ppl: float | None = None
+
+    def row(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    params: dict
+    available: bool = True
+    reason: str | None = None
+    compile_s: float = 0.0
+    tasks: list[TaskResult] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """Means over tasks (None where not measured)."""
+        def mean(vals):
+            vals = [v for v in vals if v is not None]
+            return sum(vals) / len(vals) if vals else None
+        t = self.tasks
+        return {
+            "policy": self.policy, "available": self.available, "reason": self.reason,
+            "tasks": len(t), "accuracy": mean([r.score for r in t]),
+            "kv_bytes": mean([r.kv_bytes for r in t]), "peak_mem": mean([r.peak_mem for r in t]),
+            "ttft_s": mean([r.ttft_s for r in t]), "tpot_s": mean([r.tpot_s for r in t]),
+            "compile_s": self.compile_s, "ppl": mean([r.ppl for r in t]),
+        }
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of every K/V tensor a cache holds."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def policy_params(spec: str, params: dict) -> dict:
+    """The subset of ``params`` that the named policy (or any member of ``a+b``) declares."""
+    declared = set()
+    for name in spec.split("+"):
+        cls = POLICIES.get(name.strip())
+        if cls is not None:
+            declared |= {p.name for p in cls.params}
+    return {k: v for k, v in params.items() if k in declared}
+
+
+class Runner:
+    """Greedy generation through a compiled forward, with timing and memory accounting."""
+
+    def __init__(self, model, tokenizer, device: str = "cpu") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.eos = tokenizer.eos_token_id
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _step(self, fwd, ids: torch.Tensor, cache) -> torch.Tensor:
+        return fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].float()
+
+    @torch.no_grad()
+    def generate(self, fwd, input_ids: list[int], max_new_tokens: int, forced: list[int] | None = None):
+        """Greedy decode (or teacher-forced on ``forced``); returns tokens, timings, NLLs, cache."""
+        ids = torch.tensor([input_ids], device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._sync()
+        t0 = time.perf_counter()
+        logits = self._step(fwd, ids, cache)
+        self._sync()
+        ttft = time.perf_counter() - t0
+        tokens, nll, steps = [], [], []
+        n = len(forced) if forced is not None else max_new_tokens
+        for i in range(n):
+            greedy = int(logits.argmax(-1))
+            nxt = forced[i] if forced is not None else greedy
+            if forced is not None:
+                nll.append(float(-torch.log_softmax(logits, -1)[0, nxt]))
+            tokens.append(greedy)
+            if forced is None and nxt == self.eos:
+                break
+            if i == n - 1:
+                break
+            t1 = time.perf_counter()
+            logits = self._step(fwd, torch.tensor([[nxt]], device=self.device), cache)
+            self._sync()
+            steps.append(time.perf_counter() - t1)
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        tpot = sum(steps) / len(steps) if steps else None
+        return tokens, ttft, tpot, nll, cache, peak
+
+    def compile(self, spec: str, params: dict, compiler: str):
+        be = kvpass.backend(spec, compiler=compiler, **policy_params(spec, params))
+        fwd = torch.compile(self.model.forward, backend=be, fullgraph=True, dynamic=True)
+        warm = list(range(10, 10 + WARMUP_TOKENS))
+        t0 = time.perf_counter()
+        self.generate(fwd, warm, max_new_tokens=3)
+        return be, fwd, time.perf_counter() - t0
+
+    def run(self, spec: str, params: dict, tasks, *, compiler: str = "inductor",
+            references: dict | None = None, progress=None) -> PolicyResult:
+        """Run one policy over ``tasks``; ``references`` maps task name -> full-cache tokens."""
+        from kvpass.tasks import score
+
+        result = PolicyResult(policy=spec, params=policy_params(spec, params))
+        try:
+            be, fwd, result.compile_s = self.compile(spec, params, compiler)
+        except ConfigError as e:
+            result.available, result.reason = False, str(e)
+            return result
+        for task in tasks:
+            forced = None
+            if task.metric == "agreement":
+                forced = (references or {}).get(_key(task))
+            tokens, ttft, tpot, nll, cache, peak = self.generate(
+                fwd, task.input_ids, task.max_new_tokens, forced=forced)
+            if task.metric == "agreement":
+                if forced is None:  # this is the reference run itself
+                    value, ppl = 1.0, None
+                else:
+                    value = sum(int(a == b) for a, b in zip(tokens, forced)) / max(1, len(forced))
+                    ppl = math.exp(sum(nll) / max(1, len(nll)))
+            else:
+                value, ppl = score(task, self.tokenizer.decode(tokens, skip_special_tokens=True)), None
+            result.tasks.append(TaskResult(
+                task=task.name, family=task.family, length=len(task.input_ids),
+                depth=task.meta.get("depth"), score=value, kv_bytes=cache_bytes(cache), peak_mem=peak,
+                ttft_s=ttft, tpot_s=tpot, new_tokens=len(tokens),
+                output=self.tokenizer.decode(tokens, skip_special_tokens=True), ppl=ppl))
+            if references is not None and task.metric == "agreement" and forced is None:
+                references[_key(task)] = tokens
+            if progress is not None:
+                progress()
+        return result
+
+
+def _key(task) -> str:
+    return f"{task.name}@{len(task.input_ids)}@{task.meta.get('seed', 0)}"
+
+
+def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = None, *,
+            compiler: str = "inductor", device: str = "cpu", progress=None) -> list[PolicyResult]:
+    """Run every policy over the same tasks; ``full`` runs first and provides the references."""
+    params = params or {}
+    order = sorted(policies, key=lambda p: p != "full")
+    runner = Runner(model, tokenizer, device)
+    refs: dict = {}
+    results = {}
+    for spec in order:
+        if spec != "full" and any(t.metric == "agreement" for t in tasks) and not refs:
+            results["full"] = runner.run("full", params, tasks, compiler=compiler, references=refs)
+        results[spec] = runner.run(spec, params, tasks, compiler=compiler, references=refs,
+                                   progress=progress)
+    return [results[p] for p in policies]
