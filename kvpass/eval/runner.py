@@ -111,7 +111,8 @@ class Runner:
         return fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].float()
 
     @torch.no_grad()
-    def generate(self, fwd, input_ids: list[int], max_new_tokens: int, forced: list[int] | None = None):
+    def generate(self, fwd, input_ids: list[int], max_new_tokens: int, forced: list[int] | None = None,
+                 stop_at_eos: bool = True):
         """Greedy decode (or teacher-forced on ``forced``); returns tokens, timings, NLLs, cache."""
         ids = torch.tensor([input_ids], device=self.device)
         cache = DynamicCache(config=self.model.config)
@@ -130,7 +131,7 @@ class Runner:
             if forced is not None:
                 nll.append(float(-torch.log_softmax(logits, -1)[0, nxt]))
             tokens.append(greedy)
-            if forced is None and nxt == self.eos:
+            if forced is None and stop_at_eos and nxt == self.eos:
                 break
             if i == n - 1:
                 break
@@ -166,7 +167,8 @@ class Runner:
             if task.metric == "agreement":
                 forced = (references or {}).get(_key(task))
             tokens, ttft, tpot, nll, cache, peak = self.generate(
-                fwd, task.input_ids, task.max_new_tokens, forced=forced)
+                fwd, task.input_ids, task.max_new_tokens, forced=forced,
+                stop_at_eos=not task.meta.get("ignore_eos", False))
             if task.metric == "agreement":
                 if forced is None:  # this is the reference run itself
                     value, ppl = 1.0, None
@@ -188,7 +190,7 @@ class Runner:
 
 
 def _key(task) -> str:
-    return f"{task.name}@{len(task.input_ids)}@{task.meta.get('seed', 0)}"
+    return f"{task.name}@{len(task.input_ids)}@{task.meta.get('seed', 0)}@{task.max_new_tokens}"
 
 
 def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = None, *,

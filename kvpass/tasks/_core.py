@@ -58,7 +58,7 @@ def _clean(text: str) -> str:
     text = _DATE.sub("", text)
     text = " ".join(text.split())                                # the files are hard-wrapped
     text = re.sub(r"(?<=[a-z][.!?])(?=[A-Z\[(])", " ", text)      # paragraphs glued by the scrape
-    text = re.sub(r"(?<=[a-z]\))(?=[A-Z])", " ", text)
+    text = re.sub(r"(?<=[a-z.!?]\))(?=[A-Z])", " ", text)
     return text.strip()
 
 
@@ -85,13 +85,14 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[A-Z0-9])|(?<=[.!?][\"')\]])\
 
 
 def essay_sentences() -> list[str]:
-    """The cleaned corpus as sentence units, each carrying its leading whitespace (" " or "\\n\\n"),
-    so that concatenating the units gives back ``haystack_text()``."""
+    """The cleaned corpus as sentence units, each carrying its leading whitespace: "\\n\\n" for the
+    first sentence of an essay (the first essay too, as the corpus is used cyclically), else " ".
+    Concatenating the units gives "\\n\\n" + ``haystack_text()``."""
     units = []
-    for i, essay in enumerate(haystack_text().split("\n\n")):
+    for essay in haystack_text().split("\n\n"):
         for j, sent in enumerate(_SENTENCE_END.split(essay)):
             if sent:
-                units.append(("" if i == 0 and j == 0 else "\n\n" if j == 0 else " ") + sent)
+                units.append(("\n\n" if j == 0 else " ") + sent)
     return units
 
 
@@ -287,6 +288,60 @@ def insert_at(pieces: list[list[int]], inserts: dict[int, list[int]]) -> tuple[l
         if b < len(pieces):
             out.extend(pieces[b])
     return out, where
+
+
+def plant(tok, units: Units, start: int, budget: int, needles: list[str], depths: list[float],
+          fragment: str = "end") -> tuple[list[int], list[tuple[int, int]], list[list[int]], dict]:
+    """Exactly ``budget`` tokens of corpus text with each needle sentence inserted between two sentences.
+
+    needles[i] goes to the sentence boundary whose token offset (counted in haystack tokens, needles
+    excluded) is nearest ``depths[i] * haystack_tokens``; needles never share a boundary, and their
+    order in the text follows the order of their depths (ties: list order). A needle that opens the
+    text loses its leading space, otherwise it is tokenized as " " + needle.
+
+    Returns (ids, spans, needle_ids, info): spans[i] is needle i's (start, end) within ids,
+    needle_ids[i] its ids, info = {"haystack_tokens", "offsets": each needle's haystack offset,
+    "depths_actual"}.
+    """
+    order = sorted(range(len(needles)), key=lambda i: (depths[i], i))
+    spaced = [encode(tok, " " + n) for n in needles]
+
+    def place(hay, force_first_at_zero=False):
+        taken: set[int] = set()
+        chosen = []
+        for rank, i in enumerate(order):
+            if force_first_at_zero and rank == 0:
+                b = 0
+            else:
+                b = nearest_boundary(hay, depths[i], taken=taken | ({0} if force_first_at_zero else set()))
+            taken.add(b)
+            chosen.append(b)
+        chosen.sort()                                  # keep needles in depth order
+        return {i: b for i, b in zip(order, chosen)}
+
+    need = sum(map(len, spaced))
+    if budget - need < 1:
+        raise ValueError(f"token budget {budget} leaves no room for the haystack around the needles")
+    hay = fill(units, start, budget - need, fragment=fragment)
+    where = place(hay)
+    ids_of = list(spaced)
+    first = order[0]
+    if where[first] == 0 and fragment == "end":
+        ids_of[first] = encode(tok, needles[first])   # opens the text: no leading space
+        need = sum(map(len, ids_of))
+        hay = fill(units, start, budget - need, fragment=fragment, open_section=False)
+        where = place(hay, force_first_at_zero=True)
+
+    inserts: dict[int, list[int]] = {}
+    for i, b in where.items():
+        inserts[b] = ids_of[i]
+    ids, pos = insert_at(hay, inserts)
+    spans = [(pos[where[i]], pos[where[i]] + len(ids_of[i])) for i in range(len(needles))]
+    off = offsets(hay)
+    info = {"haystack_tokens": off[-1], "offsets": [off[where[i]] for i in range(len(needles))],
+            "depths_actual": [off[where[i]] / max(off[-1], 1) for i in range(len(needles))]}
+    assert len(ids) == budget
+    return ids, spans, ids_of, info
 
 
 WORDS = (

@@ -27,8 +27,8 @@ essay from (seed, length), so all depths and kinds of one length share one hayst
 
 from __future__ import annotations
 
-from kvpass.tasks._core import (Prompt, Task, bos_ids, check_length, encode, fill, find_all, haystack_text, key_phrases,
-                                nearest_boundary, offsets, random_number, rng_for, start_sentence, units_for)
+from kvpass.tasks._core import (Prompt, Task, bos_ids, check_length, encode, find_all, haystack_text, key_phrases, plant,
+                                random_number, rng_for, start_sentence, units_for)
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 KINDS = ("passkey", "magic_number")
@@ -70,33 +70,20 @@ def make(tok, length: int, seed: int, depth: float, kind: str) -> Task:
     p = Prompt(tok)
     p.add(HEADERS[kind], "header")
     q_ids = encode(tok, question)
-    # The needle follows a sentence (" The pass key ...") unless it opens the text, where its
-    # leading space is dropped; that can change its token count, so the haystack is re-cut then.
-    needle_ids = encode(tok, " " + needle)
-    budget = length - len(p) - len(q_ids) - len(needle_ids)
-    hay = fill(units, start, budget, fragment="end") if budget >= 1 else None
-    b = nearest_boundary(hay, depth) if hay else 0
-    if b == 0:
-        needle_ids = encode(tok, needle)
-        budget = length - len(p) - len(q_ids) - len(needle_ids)
-        hay = fill(units, start, budget, fragment="end", open_section=False) if budget >= 1 else None
-    if not hay:
+    budget = length - len(p) - len(q_ids)
+    if budget < 16:
         raise ValueError(f"length {length} is too short for niah/{kind}")
-    off = offsets(hay)
-    ctx_start = len(p)
-    for piece in hay[:b]:
-        p.add(piece)
-    needle_span = p.add(needle_ids, "needle")
-    for piece in hay[b:]:
-        p.add(piece)
-    p.spans["context"] = (ctx_start, len(p))
+    ids, (span,), (needle_ids,), info = plant(tok, units, start, budget, [needle], [depth])
+    ctx = p.add(ids, "context")
+    needle_span = (ctx[0] + span[0], ctx[0] + span[1])
+    p.spans["needle"] = needle_span
     p.add(q_ids, "question")
 
     task = Task(family="niah", name=f"niah/{kind}", input_ids=p.ids, answers=[answer], metric="contains",
                 max_new_tokens=MAX_NEW_TOKENS,
-                meta=dict(length=length, seed=seed, depth=depth, depth_actual=off[b] / off[-1], kind=kind,
+                meta=dict(length=length, seed=seed, depth=depth, depth_actual=info["depths_actual"][0], kind=kind,
                           needle=needle, needle_ids=needle_ids, needle_span=needle_span, spans=p.spans,
-                          haystack_tokens=off[-1], bos=bool(bos_ids(tok)), **extra))
+                          haystack_tokens=info["haystack_tokens"], bos=bool(bos_ids(tok)), **extra))
     assert find_all(task.input_ids, needle_ids) == [needle_span[0]], "needle ids must occur exactly once"
     return check_length(task)
 

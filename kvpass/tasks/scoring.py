@@ -2,8 +2,8 @@
 
 Matching is tolerant of case and whitespace: both sides are lower-cased and runs of whitespace
 become one space. An answer only counts where it is not glued to a letter or digit on either side,
-so "7" is not found in "17" and "42" is not found in "4213", but "71432." and "(71432)" match
-"71432". Every scorer takes ``(answers, output_text)``.
+so "7" is not found in "17", "-7", "7.5" or "7,000", and "42" not in "4213", but "71432." and
+"(71432)" match "71432". Every scorer takes ``(answers, output_text)``.
 
 - ``contains``:     1.0 if every answer appears, else 0.0 (RULER's string_match_all, all-or-nothing)
 - ``contains_any``: 1.0 if at least one answer appears
@@ -26,7 +26,9 @@ def found(answer: str, output: str) -> bool:
     a = normalize(answer)
     if not a:
         raise ValueError("empty expected answer")
-    pattern = r"(?<![0-9a-z])" + re.escape(a) + r"(?![0-9a-z])"
+    before = r"(?<![0-9a-z])" + (r"(?<![-.])" if a[0].isdigit() else "")    # "3" is not found in "-3" or "0.3"
+    after = r"(?![0-9a-z])" + (r"(?![.,]\d)" if a[-1].isdigit() else "")   # nor in "3.5" or "3,000"
+    pattern = before + re.escape(a) + after
     return re.search(pattern, normalize(output)) is not None
 
 
