@@ -69,10 +69,13 @@ def print_table(results, title: str) -> None:
         return
     table = Table(title=title)
     for h in HEADER:
-        table.add_column(h, justify="left" if h in ("policy", "notes") else "right")
+        table.add_column(h, justify="left" if h in ("policy", "notes") else "right", no_wrap=h != "notes")
     for r in rows:
         table.add_row(*r)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # pipes and logs: don't squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(table)
 
 
 def write(results, out_dir: Path, meta: dict) -> list[Path]:
