@@ -137,9 +137,20 @@ class Backend:
     def uuid(self) -> str:
         return self.kvpass.uuid()
 
-    def __call__(self, gm: fx.GraphModule, example_inputs):
+    def __call__(self, gm: fx.GraphModule, example_inputs, **compile_kwargs):
+        # torch.compile passes mode=/options= to a callable backend when they are set (HF's
+        # CompileConfig defaults to mode="reduce-overhead"). CUDA-graph replay would skip the
+        # Python side of stateful kvpass operators, so modes are not applied; say so once.
+        if compile_kwargs.get("mode") not in (None, "default") or compile_kwargs.get("options"):
+            warn_once(f"kvpass: torch.compile mode/options {compile_kwargs} are ignored; kvpass compiles "
+                      f"with {self.compiler!r} in its default mode (CUDA graphs would skip policy state updates)")
         self.reports.append(self.kvpass(gm.graph))
         return self._inner(gm, example_inputs)
+
+    def __deepcopy__(self, memo):
+        # HF's CompileConfig.to_dict() deep-copies its backend; a copy would split reports and the
+        # runtime (compile-time sites on the copy, run-time lookups by handle on the original).
+        return self
 
     def _inner(self, gm, example_inputs):
         if self.compiler == "eager":

@@ -196,8 +196,9 @@ def _cache_of(site: Site) -> Problem | None:
         site.cache = "dynamic"
         for user in k.users:  # a stored slice x[:, :, -(w-1):] marks a sliding-window layer
             sl = seq_slice(user)
-            if sl and sl[1].start is not None and sl[1].start < 0 and sl[1].stop is None:
-                site.sliding_window = 1 - sl[1].start
+            start = _concrete_int(sl[1].start) if sl else None
+            if start is not None and start < 0 and sl[1].stop is None:
+                site.sliding_window = 1 - start
         if seq_slice(site.k_past) is not None or _written_inplace(site.k_past):
             site.cache = "static"  # static sliding layer once full: cat(buffer[:, :, 1:], new)
         src = site.k_past
@@ -215,6 +216,19 @@ def _cache_of(site: Site) -> Problem | None:
                 site.k_new = user.args[3]
         return None
     site.cache = "none"
+    return None
+
+
+def _concrete_int(x) -> int | None:
+    """An int, or the value behind a symbolic int node (a model constant Dynamo made dynamic)."""
+    if isinstance(x, int):
+        return x
+    ex = val(x)
+    if isinstance(ex, int):
+        return ex
+    if isinstance(ex, torch.SymInt):
+        hint = getattr(ex.node, "hint", None)
+        return int(hint) if hint is not None else None
     return None
 
 

@@ -9,13 +9,16 @@ mutation is a pure function of the operator's inputs, so replaying a call gives 
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch import Tensor
 
 from kvpass.state import GenerationState
 
-_RUNTIMES: dict[int, "Runtime"] = {}
+# Weak: a runtime lives as long as its backend object (which torch.compile keeps alive for as
+# long as the compiled function exists).
+_RUNTIMES: "weakref.WeakValueDictionary[int, Runtime]" = weakref.WeakValueDictionary()
 _NEXT = itertools.count(1)
 
 
