@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from kvpass import runtime
+from kvpass.runtime import past_length
 
 # ----------------------------------------------------------------------------------------------
 # references
@@ -161,11 +162,6 @@ def _(q, k, v, q_pos, kv_pos, scale, softcap, window):
 def _dense(t: Tensor) -> Tensor:
     """A fresh contiguous copy: every kvpass op returns contiguous tensors, as its fake promises."""
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def past_length(k_past: Tensor):
-    """Stored length of a cache tensor; an empty DynamicCache layer is a 1-D ``tensor([])``."""
-    return k_past.shape[-2] if k_past.dim() == 4 else 0
 
 
 @torch.library.custom_op("kvpass::cache_update", mutates_args=())

@@ -39,6 +39,11 @@ def release(handle: int) -> None:
     _RUNTIMES.pop(handle, None)
 
 
+def past_length(k_past: Tensor) -> int:
+    """Stored length of a cache tensor; an empty DynamicCache layer is a 1-D ``tensor([])``."""
+    return k_past.shape[-2] if k_past.dim() == 4 else 0
+
+
 def key_validity(mask: Tensor | None, b: int, length: int) -> Tensor | None:
     """[B, L] True where a key is visible to at least one query (False = padding), from an HF mask."""
     if mask is None or mask.dim() != 4 or mask.shape[-1] != length:
@@ -64,7 +69,7 @@ class Runtime:
     def positions(self, site: int, k_past: Tensor, k_new: Tensor, mask: Tensor | None):
         """True token indices of the stored + new entries, and of the new (query) tokens."""
         b, hkv, ln = k_new.shape[:3]
-        lp = k_past.shape[-2] if k_past.dim() == 4 else 0
+        lp = past_length(k_past)
         dev = k_new.device
         st = self.state.layer(site)
         if lp > 0 and st is not None and tuple(st.pos.shape) == (b, hkv, lp):

@@ -161,6 +161,8 @@ class Runner:
             be, fwd, result.compile_s = self.compile(spec, params, compiler)
         except ConfigError as e:
             result.available, result.reason = False, str(e)
+            for _ in tasks if progress is not None else ():  # keep the progress total honest
+                progress()
             return result
         for task in tasks:
             forced = None
