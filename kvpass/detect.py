@@ -267,10 +267,32 @@ def _cos_above(node, steps: int = 12) -> fx.Node | None:
             return node
         if is_method(node, *_PASS_THROUGH) or is_fn(node, {operator.getitem, torch.unsqueeze}):
             node = node.args[0]
-        elif is_fn(node, MUL_FUNCS) and not all(isinstance(a, fx.Node) for a in node.args[:2]):
-            node = next(a for a in node.args[:2] if isinstance(a, fx.Node))  # attention_scaling
+        elif is_fn(node, MUL_FUNCS):  # cos * attention_scaling (a constant, or a SymFloat node)
+            tensors = [a for a in node.args[:2] if isinstance(val(a), torch.Tensor)]
+            if len(tensors) != 1:
+                return None
+            node = tensors[0]
         else:
             return None
+    return None
+
+
+def _int_tensor_above(node: fx.Node, limit: int = 200) -> fx.Node | None:
+    """Nearest integer tensor (the position ids) above ``node``, following tensor-valued edges only
+    (shape edges such as ``size()`` under dynamic shapes lead to token ids, not positions)."""
+    frontier, seen = [node], {node}
+    while frontier and len(seen) < limit:
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                ex = val(a)
+                if a in seen or not isinstance(ex, torch.Tensor):
+                    continue
+                if ex.dtype in (torch.int64, torch.int32):
+                    return a
+                seen.add(a)
+                nxt.append(a)
+        frontier = nxt
     return None
 
 
@@ -293,11 +315,7 @@ def _rope_of(k_new: fx.Node | None, depth: int = 0) -> tuple[str | None, fx.Node
             for a in term.args[:2]:
                 cos = _cos_above(a)
                 if cos is not None:
-                    for b in _ancestors(cos, limit=40):
-                        ex = val(b)
-                        if isinstance(ex, torch.Tensor) and ex.dtype in (torch.int64, torch.int32):
-                            return cos.name, b
-                    return cos.name, None
+                    return cos.name, _int_tensor_above(cos)
     return None, None
 
 

@@ -84,13 +84,19 @@ def _evicting(graph: fx.Graph, site: Site, handle: int) -> None:
 
 
 def _derived(pos: fx.Node) -> bool:
-    """True when position ids were computed inside the graph (from the cache length), not passed in."""
+    """True when position ids were computed inside the graph (from the cache length), not passed in.
+
+    Only tensor values count as "passed in": an integer tensor input reached through data edges.
+    Shape edges (``input_ids.size(1)`` under dynamic shapes) carry lengths, not positions.
+    """
     stack, seen = [pos], set()
     while stack:
         n = stack.pop()
+        ex = n.meta.get("example_value")
+        if not isinstance(ex, torch.Tensor):
+            continue  # a SymInt / int: shape information
         if n.op == "placeholder":
-            ex = n.meta.get("example_value")
-            if isinstance(ex, torch.Tensor) and not ex.is_floating_point():
+            if not ex.is_floating_point():
                 return False
             continue
         for a in n.all_input_nodes:

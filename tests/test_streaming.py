@@ -45,15 +45,19 @@ def reference_greedy(model, ids: torch.Tensor, steps: int) -> tuple[list[int], l
     return tokens, all_logits
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("qwen3", "eager"), ("gemma3", "sdpa"),
-                                         ("gpt_neox", "sdpa"), ("cohere2", "eager")])
-def test_bare_forward_matches_hand_eviction(family, attn):
-    """position_ids=None: the model derives positions from the shortened cache; kvpass fixes them."""
+@pytest.mark.parametrize("family,attn,dynamic", [
+    ("llama", "sdpa", False), ("qwen3", "eager", False), ("gemma3", "sdpa", False), ("gpt_neox", "sdpa", False),
+    ("cohere2", "eager", False), ("llama", "sdpa", True), ("gemma3", "eager", True)])
+def test_bare_forward_matches_hand_eviction(family, attn, dynamic):
+    """position_ids=None: the model derives positions from the shortened cache; kvpass fixes them.
+
+    With dynamic=True the derived positions also depend on input_ids.size(1), a shape edge to an
+    integer input, which must not be mistaken for positions passed in."""
     model = build(family, attn)
     ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
     ref_tokens, ref_logits = reference_greedy(model, ids, steps=6)
     be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
-    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic or None)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
