@@ -80,10 +80,6 @@ class Site:
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
 
     @property
-    def gqa_group(self) -> int:
-        return self.heads // self.kv_heads
-
-    @property
     def kind(self) -> str:
         return "sliding" if self.sliding_window else "global"
 
@@ -104,11 +100,6 @@ class Site:
 class Detection:
     sites: list[Site]
     problems: list[Problem]
-    flash_calls: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,18 +231,6 @@ def _written_inplace(node: fx.Node) -> bool:
 # ----------------------------------------------------------------------------------------------
 # RoPE and residual
 # ----------------------------------------------------------------------------------------------
-
-
-def _ancestors(node: fx.Node, limit: int = 400):
-    seen, stack, order = {node}, [node], []
-    while stack and len(order) < limit:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                order.append(a)
-                stack.append(a)
-    return order
 
 
 _PASS_THROUGH = ("unsqueeze", "to", "type_as", "float", "half", "bfloat16", "reshape", "view", "expand",
@@ -468,7 +447,6 @@ def detect(gm: fx.GraphModule) -> Detection:
     """Find all attention sites of a Dynamo graph, in graph order."""
     sites: list[Site] = []
     problems: list[Problem] = []
-    flash = 0
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:
         found = None
@@ -477,7 +455,6 @@ def detect(gm: fx.GraphModule) -> Detection:
         elif is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax"):
             found = _eager_site(n)
         elif _is_flash(n):
-            flash += 1
             found = Problem(n.name, "flash-attn call found; kvpass does not rewrite flash-attn sites yet "
                                     "(load the model with attn_implementation='sdpa' or 'eager')")
         if found is None:
@@ -497,4 +474,4 @@ def detect(gm: fx.GraphModule) -> Detection:
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)
         sites.append(found)
-    return Detection(sites, problems, flash)
+    return Detection(sites, problems)

@@ -145,12 +145,18 @@ def attention_cases(draw):
     )
 
 
+def _qkv(c, gen):
+    """q [B, H, Lq, D] and k, v [B, H_kv, Lk, D] for a drawn case."""
+    b, h, hkv, lq, lk, d, dt = c["b"], c["h"], c["hkv"], c["lq"], c["lk"], c["d"], c["dtype"]
+    return _randn((b, h, lq, d), gen, dt), _randn((b, hkv, lk, d), gen, dt), _randn((b, hkv, lk, d), gen, dt)
+
+
 @PROPERTY
 @given(attention_cases())
 def test_attention_matches_sdpa(c):
     gen = torch.Generator().manual_seed(c["seed"])
     b, h, hkv, lq, lk, d, dt = c["b"], c["h"], c["hkv"], c["lq"], c["lk"], c["d"], c["dtype"]
-    q, k, v = (_randn((b, h, lq, d), gen, dt), _randn((b, hkv, lk, d), gen, dt), _randn((b, hkv, lk, d), gen, dt))
+    q, k, v = _qkv(c, gen)
     shape = _mask_shape(c["mask_shape"], b, h, lq, lk)
     mask, visible = _make_mask(c["mask"], shape, c["keep"], gen, dt)
     scale = 1.0 / math.sqrt(d) if c["scale"] is None else c["scale"]
@@ -235,7 +241,7 @@ def _positions(b, hkv, lq, lk, pad, gen):
 def test_attention_pos_matches_masked_attention(c):
     gen = torch.Generator().manual_seed(c["seed"])
     b, h, hkv, lq, lk, d, dt = c["b"], c["h"], c["hkv"], c["lq"], c["lk"], c["d"], c["dtype"]
-    q, k, v = (_randn((b, h, lq, d), gen, dt), _randn((b, hkv, lk, d), gen, dt), _randn((b, hkv, lk, d), gen, dt))
+    q, k, v = _qkv(c, gen)
     q_pos, kv_pos = _positions(b, hkv, lq, lk, c["pad"], gen)
     scale = 1.0 / math.sqrt(d)
 
