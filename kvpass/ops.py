@@ -30,6 +30,15 @@ Operators
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
     Records the kept positions in the generation state (idempotent for equal inputs).
 
+``kvpass::decode_attention(q, k, v, mask?, kv_pos?, q_pos?, page_table?, kv_len?, block_map?, scale,
+softcap, window, tau, phi, patience, block, order, probe) -> (out, visited)``
+    One-token decode attention read block by block with ART early termination, over a contiguous
+    or paged cache (``kvpass.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
+    launch its Triton kernel directly; elsewhere it runs ``kvpass::decode_attention_ref``.
+
+``kvpass::count_visits(out, visited, k, block, handle, site)``
+    Pass-through of ``out`` that adds the blocks read to the run's statistics.
+
 ``kvpass::true_positions(pos, handle)``
     Replaces position ids that the model derived from the (compressed) cache length with the
     true token count, so RoPE positions stay exact after eviction.
@@ -43,6 +52,7 @@ import torch
 from torch import Tensor
 
 from kvpass import runtime
+from kvpass.kernels import decode_attention as _decode
 from kvpass.runtime import past_length
 
 # ----------------------------------------------------------------------------------------------
@@ -211,10 +221,65 @@ def _(pos, handle):
     return torch.empty_like(pos, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("kvpass::decode_attention_ref", mutates_args=())
+def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_pos: Tensor | None,
+                         q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
+                         block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
+                         phi: float, patience: int, block: int, order: int,
+                         probe: int) -> tuple[Tensor, Tensor]:
+    return _decode.decode_attention_reference(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
+                                              scale, softcap, window, tau, phi, patience, block, order, probe)
+
+
+@decode_attention_ref.register_fake
+def _(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map, scale, softcap, window, tau, phi,
+      patience, block, order, probe):
+    b, h = q.shape[:2]
+    return (q.new_empty((b, h, 1, v.shape[-1])),
+            q.new_empty((b, k.shape[1]), dtype=torch.int32))
+
+
+@torch.library.triton_op("kvpass::decode_attention", mutates_args=())
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_pos: Tensor | None,
+                     q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
+                     block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
+                     phi: float, patience: int, block: int, order: int, probe: int) -> tuple[Tensor, Tensor]:
+    """Decode attention with ART termination; see ``kvpass.kernels.decode_attention``.
+
+    A ``triton_op``: under ``torch.compile`` Inductor traces into it and the compiled CUDA graph
+    launches ``_kvpass_decode_kernel`` itself. On other devices it is the reference operator.
+    """
+    if q.device.type == "cuda" and _decode.triton is not None:
+        return _decode.decode_attention_triton(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
+                                               scale, softcap, window, tau, phi, patience, block, order,
+                                               probe, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.decode_attention_ref(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
+                                                 scale, softcap, window, tau, phi, patience, block, order, probe)
+
+
+@torch.library.custom_op("kvpass::count_visits", mutates_args=())
+def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: int, site: int) -> Tensor:
+    """Passes ``out`` through and adds ``visited`` (blocks read per KV group) to the run statistics.
+
+    Written after ``decode_attention`` when a policy asks for statistics; taking and returning the
+    attention output keeps it alive in the compiled graph.
+    """
+    runtime.get(handle).count_visits(site, visited, -(-k.shape[2] // block))
+    return out.clone()
+
+
+@count_visits.register_fake
+def _(out, visited, k, block, handle, site):
+    return torch.empty_like(out)
+
+
 OPS = {
     "attention": attention,
     "attention_pos": attention_pos,
     "cache_update": cache_update,
     "compact": compact,
     "true_positions": true_positions,
+    "decode_attention": decode_attention,
+    "decode_attention_ref": decode_attention_ref,
+    "count_visits": count_visits,
 }

@@ -8,6 +8,9 @@ Per site, one of two shapes (DESIGN.md section 1):
   attention becomes ``attention_pos`` (mask from positions, so it always matches the kept
   entries), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
   Position ids the model derived from the cache length pass through ``true_positions``.
+
+Either shape reads the cache of a decode step with ``decode_attention`` (ART) instead of exact
+attention when the plan carries a ``DecodeRead`` and the site allows it (``decode_read_problem``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import fx
 
 from kvpass.detect import Detection, Site
+from kvpass.policies.base import DecodeRead
 
 OPS = torch.ops.kvpass
 
@@ -56,24 +60,55 @@ def _query_and_scale(graph: fx.Graph, site: Site):
         return graph.call_function(operator.mul, (site.q, site.scale)), 1.0
 
 
-def _attention_only(graph: fx.Graph, site: Site) -> None:
+def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, k, v, mask, kv_pos, q_pos,
+                 scale, window) -> fx.Node:
+    """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it."""
+    att = graph.call_function(OPS.decode_attention.default, (
+        q, k, v, mask, kv_pos, q_pos, None, None, None, scale, site.softcap, window, read.tau, read.phi,
+        read.patience, read.block, read.order, read.probe))
+    out, visited = (graph.call_function(operator.getitem, (att, i)) for i in range(2))
+    if read.stats:
+        out = graph.call_function(OPS.count_visits.default, (out, visited, k, read.block, handle, site.layer))
+    return out
+
+
+def decode_read_problem(site: Site) -> str | None:
+    """Why ``decode_attention`` cannot serve this site's decode step, or None when it can."""
+    mask = site.mask.meta.get("example_value") if isinstance(site.mask, fx.Node) else None
+    if site.q_len != 1:
+        return f"query length {site.q_len} (decode attention reads for one token)"
+    if site.causal == 1:
+        return "a top-left causal mask on a single query"
+    if isinstance(mask, torch.Tensor) and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
+        return f"a mask of shape {tuple(mask.shape)} (needs [B, 1, 1, L])"
+    return None
+
+
+def _attention_only(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
-        new = graph.call_function(OPS.attention.default, (
-            q, site.k, site.v, site.mask, scale, site.causal, site.softcap))
+        if read is not None:
+            new = _decode_read(graph, site, read, handle, q, site.k, site.v, site.mask, None, None, scale, 0)
+        else:
+            new = graph.call_function(OPS.attention.default, (
+                q, site.k, site.v, site.mask, scale, site.causal, site.softcap))
     site.out.replace_all_uses_with(new)
     _erase(graph, [site.out] + site.erase)
 
 
-def _evicting(graph: fx.Graph, site: Site, handle: int) -> None:
+def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
     with graph.inserting_before(_first(graph, [site.k, site.v])):
         upd = graph.call_function(OPS.cache_update.default, (
             site.k_past, site.v_past, site.k_new, site.v_new, site.mask, handle, site.layer))
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
     q, scale = _query_and_scale(graph, site)
+    window = site.sliding_window or 0
     with graph.inserting_before(site.out):
-        att = graph.call_function(OPS.attention_pos.default, (
-            q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, site.sliding_window or 0))
+        if read is not None:
+            att = _decode_read(graph, site, read, handle, q, k_all, v_all, None, kv_pos, q_pos, scale, window)
+        else:
+            att = graph.call_function(OPS.attention_pos.default, (
+                q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))
         cmp = graph.call_function(OPS.compact.default, (site.q, k_all, v_all, kv_pos, q_pos, handle, site.layer))
     k_st, v_st = _items(graph, cmp, 2)
     site.out.replace_all_uses_with(att)
@@ -124,11 +159,12 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     evicting = []
     for site in found.sites:
         plan = plans[site.layer]
+        read = plan.read
         if plan.evict:
-            _evicting(graph, site, handle)
+            _evicting(graph, site, read, handle)
             evicting.append(site)
         elif plan.attention:
-            _attention_only(graph, site)
+            _attention_only(graph, site, read, handle)
     # One eviction anywhere shortens the length the model derives positions from: fix them all.
     fixed = _fix_positions(graph, found.sites, handle) if evicting else []
     graph.lint()

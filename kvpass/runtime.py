@@ -62,6 +62,7 @@ class Runtime:
         self.policy = policy
         self.state = GenerationState()
         self.sites: dict[int, object] = {}
+        self.visits: dict[int, tuple] = {}  # site -> (blocks read, blocks present), decode attention
         self.handle = register(self)
 
     # -- called from operators ------------------------------------------------------------------
@@ -97,6 +98,16 @@ class Runtime:
         seen = int(q_pos[0, -1]) + 1
         self.state.set_layer(site, pos, seen, fresh=fresh)
         return k_out, v_out
+
+    def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:
+        """Accumulate blocks read / blocks present of one decode attention call (ART statistics)."""
+        read, total = self.visits.get(site, (0, 0))
+        self.visits[site] = (read + visited.sum(), total + visited.numel() * n_blocks)
+
+    def blocks_read(self) -> float | None:
+        """Fraction of KV blocks that decode attention read since the last reset, or None."""
+        total = sum(t for _, t in self.visits.values())
+        return float(sum(r for r, _ in self.visits.values())) / total if total else None
 
     def stored_length(self, site: int, total):
         return self.policy.stored_length(self.sites[site], total)

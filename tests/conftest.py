@@ -10,6 +10,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Without a GPU, Triton kernels run in Triton's interpreter (tests call them directly, at tiny
+# shapes). The switch is read when a kernel is decorated, so it is set before kvpass is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -48,8 +48,11 @@ def table_rows(results) -> list[list[str]]:
         if full and full["kv_bytes"] and s["kv_bytes"] is not None and r.policy != "full":
             kv += f" ({s['kv_bytes'] / full['kv_bytes']:.0%})"
         acc = "-" if s["accuracy"] is None else f"{s['accuracy']:.3f}"
+        notes = [f"ppl {s['ppl']:.2f}"] if s["ppl"] is not None else []
+        if s["blocks_read"] is not None:
+            notes.append(f"read {s['blocks_read']:.0%} of KV blocks")
         rows.append([r.policy, acc, kv, fmt_bytes(s["peak_mem"]), fmt_s(s["ttft_s"]), fmt_s(s["tpot_s"]),
-                     fmt_s(s["compile_s"]), "" if s["ppl"] is None else f"ppl {s['ppl']:.2f}"])
+                     fmt_s(s["compile_s"]), "; ".join(notes)])
     return rows
 
 

@@ -13,7 +13,10 @@ after the other, so the numbers are ratios taken in one run. Per policy:
   CPU has no per-task allocator statistics, reported as None);
 * ``agreement`` tasks (long decode) are teacher-forced on the ``full`` policy's continuation:
   the score is the fraction of steps whose greedy token equals it, and ``ppl`` the perplexity of
-  that continuation under the policy.
+  that continuation under the policy;
+* policies with ART report ``blocks_read``, the fraction of KV blocks their decode steps read
+  (counted by ``kvpass::count_visits``, which adds a small cost to TPOT; ``bench/`` times the
+  kernel without it).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class PolicyResult:
     available: bool = True
     reason: str | None = None
     compile_s: float = 0.0
+    blocks_read: float | None = None   # ART: fraction of KV blocks decode attention read
     tasks: list[TaskResult] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -70,7 +74,7 @@ class PolicyResult:
             "tasks": len(t), "accuracy": mean([r.score for r in t]),
             "kv_bytes": mean([r.kv_bytes for r in t]), "peak_mem": mean([r.peak_mem for r in t]),
             "ttft_s": mean([r.ttft_s for r in t]), "tpot_s": mean([r.tpot_s for r in t]),
-            "compile_s": self.compile_s, "ppl": mean([r.ppl for r in t]),
+            "compile_s": self.compile_s, "ppl": mean([r.ppl for r in t]), "blocks_read": self.blocks_read,
         }
 
 
@@ -84,13 +88,18 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def policy_params(spec: str, params: dict) -> dict:
-    """The subset of ``params`` that the named policy (or any member of ``a+b``) declares."""
-    declared = set()
+def _declared(spec: str) -> set[str]:
+    names = set()
     for name in spec.split("+"):
         cls = POLICIES.get(name.strip())
         if cls is not None:
-            declared |= {p.name for p in cls.params}
+            names |= {p.name for p in cls.params}
+    return names
+
+
+def policy_params(spec: str, params: dict) -> dict:
+    """The subset of ``params`` that the named policy (or any member of ``a+b``) declares."""
+    declared = _declared(spec)
     return {k: v for k, v in params.items() if k in declared}
 
 
@@ -144,11 +153,18 @@ class Runner:
         return tokens, ttft, tpot, nll, cache, peak
 
     def compile(self, spec: str, params: dict, compiler: str):
-        be = kvpass.backend(spec, compiler=compiler, **policy_params(spec, params))
+        params = policy_params(spec, params)
+        if "stats" in _declared(spec):  # ART: count the blocks decode attention reads
+            params.setdefault("stats", True)
+        be = kvpass.backend(spec, compiler=compiler, **params)
+        # Every policy compiles the same model.forward: drop the previous policy's graphs, or
+        # they pile up against Dynamo's recompile limit.
+        torch._dynamo.reset()
         fwd = torch.compile(self.model.forward, backend=be, fullgraph=True, dynamic=True)
         warm = list(range(10, 10 + WARMUP_TOKENS))
         t0 = time.perf_counter()
         self.generate(fwd, warm, max_new_tokens=3)
+        be.runtime.visits.clear()
         return be, fwd, time.perf_counter() - t0
 
     def run(self, spec: str, params: dict, tasks, *, compiler: str = "inductor",
@@ -188,6 +204,7 @@ class Runner:
                 references[_key(task)] = tokens
             if progress is not None:
                 progress()
+        result.blocks_read = be.runtime.blocks_read()
         return result
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
+from kvpass.policies.art import ART
+from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
 from kvpass.policies.compose import Composed
 from kvpass.policies.full import Full
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART)}
 
 # Named in DESIGN.md and on the roadmap, not implemented yet: asking for one is a clear error.
-PLANNED = ("art", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter", "raas", "quest", "a3",
+PLANNED = ("asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter", "raas", "quest", "a3",
            "a3+evict", "full_reuse", "pie", "cacheblend", "legolink", "sablock", "snapkv", "pyramidkv",
            "chunkkv", "h2o")
 
@@ -49,4 +50,4 @@ def make_policy(spec: str | Policy, **params) -> Policy:
     return Composed(members)
 
 
-__all__ = ["ConfigError", "Param", "Policy", "SitePlan", "POLICIES", "PLANNED", "available", "make_policy"]
+__all__ = ["ConfigError", "DecodeRead", "Param", "Policy", "SitePlan", "POLICIES", "PLANNED", "available", "make_policy"]

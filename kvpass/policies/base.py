@@ -37,6 +37,8 @@ class Param:
     doc: str = ""
 
     def range_text(self) -> str:
+        if self.kind in (str, bool):
+            return self.kind.__name__
         lo = "-inf" if self.lo is None else self.lo
         hi = "inf" if self.hi is None else self.hi
         return f"{self.kind.__name__} in [{lo}, {hi}]"
@@ -55,16 +57,33 @@ class Param:
 
 
 @dataclass(frozen=True)
+class DecodeRead:
+    """How a decode step reads the cache: ``kvpass::decode_attention`` settings (ART)."""
+
+    tau: float = 0.0
+    phi: float = 0.0
+    patience: int = 5
+    block: int = 64
+    order: int = 1           # kvpass.kernels.decode_attention.ORDER_*
+    probe: int = 0           # probe elements (0: all of head_dim)
+    stats: bool = False      # count blocks read (kvpass::count_visits)
+
+
+@dataclass(frozen=True)
 class SitePlan:
     """What the rewrite does at one site."""
 
     attention: bool = True   # route the attention call through a kvpass operator
     evict: bool = False      # rewrite the cache update so the policy decides what is stored
+    read: DecodeRead | None = None  # decode steps read the cache with ART decode attention
 
     def describe(self) -> str:
+        r = self.read
+        read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block})"
+                if r is not None else None)
         if self.evict:
-            return "evict: cache_update + attention_pos + compact"
-        return "attention op (exact)" if self.attention else "unchanged"
+            return f"evict: cache_update + {read or 'attention_pos'} + compact"
+        return (read or "attention op (exact)") if self.attention else "unchanged"
 
 
 class Policy:

@@ -42,7 +42,11 @@ class Composed(Policy):
             if isinstance(p, str):
                 return p
             plans.append(p)
-        return SitePlan(attention=any(p.attention for p in plans), evict=any(p.evict for p in plans))
+        reads = [p.read for p in plans if p.read is not None]
+        if len(reads) > 1:
+            return "two members both set how decode attention reads the cache"
+        return SitePlan(attention=any(p.attention for p in plans), evict=any(p.evict for p in plans),
+                        read=reads[0] if reads else None)
 
     def stored_length(self, site, total):
         return self.evictor.stored_length(site, total) if self.evictor else total

@@ -1,0 +1,467 @@
+"""Decode attention with ART early termination: the Triton kernel and its PyTorch reference.
+
+One query token per sequence (a decode step) attends over a KV cache that is either contiguous
+(``k``/``v`` of shape ``[B, H_kv, L, D]``) or paged (pools ``[P, H_kv, page, D]`` plus a page table
+``[B, pages]`` and per-sequence lengths). The cache is read in blocks of ``block`` entries with a
+streaming (online) softmax, in one of three orders:
+
+* ``ORDER_NATURAL``: blocks 0, 1, ..., n-1;
+* ``ORDER_RECENCY``: block 0 first, then the most recent block and backwards (0, n-1, n-2, ..., 1),
+  the order ART uses: sinks, then recent context, then the distant middle;
+* ``ORDER_MAP``: ``block_map[b, g, i]`` is the block read at step ``i`` (a caller's ranking).
+
+**ART termination** (Attention Run-time Termination). After each block the program measures the
+change of a probe vector ``x``: the running normalised output ``acc / l`` restricted to every
+``head_dim // probe``-th element. With ``x_t`` after step ``t``::
+
+    d_scale = ||x_t - x_{t-1}|| / ||x_t||          (relative: the same tau works for any model)
+    d_dir   = 1 - cos(x_t, x_{t-1})
+
+A step is stable when ``d_scale < tau`` and ``d_dir < phi`` hold for **every query head of the KV
+group**: one program reads each K/V block once for all heads of its group (GQA packing), so the
+group stops together, and only when no head still moves. The first block read is never stable (it
+has nothing to compare with). After ``patience`` consecutive stable steps the remaining blocks are
+skipped. ``tau = 0`` or ``phi = 0`` never stops (both tests are strict), which is exact attention.
+
+Choices DESIGN.md leaves open, and why:
+
+* block 64 by default: a 64-entry block of a 128-dim bf16 head is 16 KiB of K plus 16 KiB of V, a
+  good Triton tile, and fine enough that skipping saves in steps of 1.5 % at 4k context;
+* probe = every element by default (``probe = head_dim``): the probe lives in registers, and the
+  norms cost ``G x D`` flops per block against ``2 x G x block x D`` for the block itself, so a
+  subset saves nothing measurable on a GPU; ``probe`` picks a strided subset when asked;
+* relative ``d_scale``: the absolute change depends on the norm of the values, which differs by
+  model and layer; relative change makes the defaults portable;
+* per-group decisions with all heads required stable (see above).
+
+**Masking.** Entry ``j`` is read when it is inside the sequence (``j < kv_len[b]`` when lengths are
+given) and, with positions, ``0 <= kv_pos[j] <= q_pos[b]`` and (sliding layers)
+``q_pos[b] - kv_pos[j] < window``. An additive or boolean ``mask`` of shape ``[B|1, 1, 1, L]`` is
+applied too (additive values at the dtype's minimum count as masked). A row with nothing visible
+gives zeros. A block with nothing visible (padding, the unfilled tail of a static cache) leaves
+the output unchanged and is neutral for ART: it neither counts as a stable step nor resets the
+count, so an empty region can never end the read early.
+
+**Split-KV.** When ART is off and ``B x H_kv`` programs cannot fill the GPU, each program reads a
+contiguous range of steps and a second kernel merges the partial softmax states. ART is never split:
+a split cannot know whether the steps before it have already converged, so its stop would not be the
+stop of the sequential rule.
+
+The statistics output ``visited[b, g]`` counts the blocks each program group read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+ORDER_NATURAL, ORDER_RECENCY, ORDER_MAP = 0, 1, 2
+ORDERS = {"natural": ORDER_NATURAL, "recency": ORDER_RECENCY, "map": ORDER_MAP}
+_LOG2E = 1.4426950408889634
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - kvpass runs its references without Triton
+    triton = None
+
+
+# ----------------------------------------------------------------------------------------------
+# reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _logical(t: Tensor, page_table: Tensor | None) -> Tensor:
+    """Pool [P, H, page, ...] + table [B, n] -> [B, H, n * page, ...]; contiguous input unchanged."""
+    if page_table is None:
+        return t
+    g = t[page_table.long()]                      # [B, n, H, page, ...]
+    g = g.movedim(2, 1)                           # [B, H, n, page, ...]
+    return g.reshape(g.shape[0], g.shape[1], g.shape[2] * g.shape[3], *g.shape[4:])
+
+
+def block_order(order: int, n_blocks: int, device) -> Tensor:
+    """The step -> block index map of a fixed order, as a [n_blocks] tensor."""
+    steps = torch.arange(n_blocks, device=device)
+    if order == ORDER_NATURAL:
+        return steps
+    if order == ORDER_RECENCY:
+        return torch.where(steps == 0, steps, n_blocks - steps)
+    raise ValueError(f"order must be {ORDER_NATURAL} (natural) or {ORDER_RECENCY} (recency) here, got {order}")
+
+
+def visibility(b: int, hkv: int, length: int, device, mask: Tensor | None, kv_pos: Tensor | None,
+               q_pos: Tensor | None, kv_len: Tensor | None, window: int) -> tuple[Tensor, Tensor | None]:
+    """(visible [B, H_kv, L] bool, additive mask [B, 1, L] fp32 or None) in the logical layout."""
+    vis = torch.ones(b, hkv, length, dtype=torch.bool, device=device)
+    if kv_len is not None:
+        vis &= (torch.arange(length, device=device) < kv_len.view(b, 1, 1))
+    if kv_pos is not None:
+        qp = q_pos.view(b, 1, 1)
+        vis &= (kv_pos >= 0) & (kv_pos <= qp)
+        if window > 0:
+            vis &= (qp - kv_pos) < window
+    add = None
+    if mask is not None:
+        add = additive(mask.reshape(mask.shape[0], -1, mask.shape[-1])[:, -1:, :]).expand(b, 1, length)
+        vis &= add > float("-inf")
+    return vis, add
+
+
+def additive(mask: Tensor) -> Tensor:
+    """A boolean or additive mask as fp32 additive, with every "masked" value (HF fills masked
+    entries with the dtype's minimum) turned into -inf, so masked entries are recognisable."""
+    if mask.dtype == torch.bool:
+        return torch.where(mask, 0.0, float("-inf"))
+    return torch.where(mask > torch.finfo(mask.dtype).min / 2, mask.float(), float("-inf"))
+
+
+def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                               kv_pos: Tensor | None = None, q_pos: Tensor | None = None,
+                               page_table: Tensor | None = None, kv_len: Tensor | None = None,
+                               block_map: Tensor | None = None, scale: float | None = None,
+                               softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
+                               patience: int = 5, block: int = 64, order: int = ORDER_RECENCY,
+                               probe: int = 0) -> tuple[Tensor, Tensor]:
+    """Block-wise streaming-softmax decode attention with ART, in fp32 PyTorch.
+
+    Same arguments and semantics as the kernel (see the module docstring); returns
+    ``(out [B, H, 1, D] in q.dtype, visited [B, H_kv] int32)``.
+    """
+    b, h, lq, d = q.shape
+    if lq != 1:
+        raise ValueError(f"decode attention takes one query token per sequence, got {lq}")
+    k, v = _logical(k, page_table), _logical(v, page_table)
+    if kv_pos is not None and page_table is not None:
+        kv_pos = _logical(kv_pos[:, None, :], page_table).expand(b, k.shape[1], -1)
+    hkv, length = k.shape[1], k.shape[2]
+    g = h // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    vis, add = visibility(b, hkv, length, q.device, mask, kv_pos, q_pos, kv_len, window)
+
+    s = torch.einsum("bkgd,bkld->bkgl", q.float().reshape(b, hkv, g, d), k.float()) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    if add is not None:
+        s = s + add[:, :, None, :]
+    s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+
+    nb = -(-length // block)
+    pad = nb * block - length
+    s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).reshape(b, hkv, g, nb, block)
+    vf = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).reshape(b, hkv, nb, block, v.shape[-1])
+    if kv_len is not None:  # a sequence has only cdiv(len, block) blocks; the order is over those
+        nb_row = ((kv_len.long() + block - 1) // block).clamp(max=nb).view(b, 1).expand(b, hkv)
+    else:
+        nb_row = torch.full((b, hkv), nb, device=q.device, dtype=torch.long)
+    if block_map is not None:
+        idx = block_map.long()
+    else:
+        steps = torch.arange(nb, device=q.device).expand(b, hkv, nb)
+        idx = steps if order == ORDER_NATURAL else torch.where(steps == 0, steps, nb_row[..., None] - steps)
+    in_range = torch.arange(nb, device=q.device) < nb_row[..., None]          # [B, H_kv, nb]
+
+    dv = v.shape[-1]
+    m = torch.full((b, hkv, g), float("-inf"), device=q.device)
+    l = torch.zeros(b, hkv, g, device=q.device)
+    acc = torch.zeros(b, hkv, g, dv, device=q.device)
+    prev = torch.zeros_like(acc)
+    probe_mask = _probe_mask(dv, probe, q.device)
+    stable = torch.zeros(b, hkv, dtype=torch.long, device=q.device)
+    active = torch.ones(b, hkv, dtype=torch.bool, device=q.device)
+    visited = torch.zeros(b, hkv, dtype=torch.int32, device=q.device)
+    art = tau > 0 and phi > 0
+    for i in range(nb):
+        active = active & in_range[..., i]
+        j = idx[..., i].clamp(0, nb - 1)
+        sb = s.gather(3, j.view(b, hkv, 1, 1, 1).expand(b, hkv, g, 1, block)).squeeze(3)
+        vb = vf.gather(2, j.view(b, hkv, 1, 1, 1).expand(b, hkv, 1, block, dv)).squeeze(2)
+        m_new = torch.maximum(m, sb.amax(-1))
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(sb - m_safe[..., None])
+        on = active[..., None]
+        l = torch.where(on, l * alpha + p.sum(-1), l)
+        acc = torch.where(on[..., None], acc * alpha[..., None] + torch.einsum("bkgn,bknd->bkgd", p, vb), acc)
+        m = torch.where(on, m_new, m)
+        visited += active.int()
+        if art:
+            x = torch.where(l[..., None] > 0, acc / l[..., None].clamp_min(1e-38), 0.0) * probe_mask
+            ok = _stable(x, prev, tau, phi).all(dim=-1) & (i > 0)
+            live = torch.isfinite(sb).any(-1).any(-1)  # a block with nothing visible changes nothing
+            stable = torch.where(active & live, torch.where(ok, stable + 1, 0), stable)
+            prev = torch.where(on[..., None], x, prev)
+            active = active & (stable < patience)
+    out = torch.where(l[..., None] > 0, acc / l[..., None].clamp_min(1e-38), 0.0)
+    return out.reshape(b, h, 1, dv).to(q.dtype), visited
+
+
+def _probe_mask(d: int, probe: int, device) -> Tensor:
+    stride = max(1, d // probe) if probe > 0 else 1
+    return (torch.arange(d, device=device) % stride == 0).float()
+
+
+def _stable(x: Tensor, prev: Tensor, tau: float, phi: float) -> Tensor:
+    """Per-head stability of one step (the same formulas as the kernel)."""
+    nx = x.norm(dim=-1)
+    npv = prev.norm(dim=-1)
+    d_scale = (x - prev).norm(dim=-1) / nx.clamp_min(1e-30)
+    d_dir = 1.0 - (x * prev).sum(-1) / (nx * npv).clamp_min(1e-30)
+    return (d_scale < tau) & (d_dir < phi)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _kvpass_decode_kernel(
+        Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, Map, Visited, PartAcc, PartM, PartL,
+        scale, softcap, tau, phi, window, patience, length, n_blocks, blocks_per_split, n_splits,
+        sq_b, sq_h, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l, st_b, smap_b, smap_h,
+        GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
+        HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, SOFTCAP: tl.constexpr, ART: tl.constexpr,
+        PROBE_STRIDE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1)
+        sp = tl.program_id(2)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        gmask = g < GROUP
+        dmask = d < D
+        heads = hk * GROUP + g
+        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
+
+        nb = n_blocks
+        if HAS_LEN:
+            nb = tl.minimum(tl.cdiv(tl.load(KvLen + b).to(tl.int32), BLOCK), n_blocks)
+        if HAS_POS:
+            qp = tl.load(QPos + b)
+        start = sp * blocks_per_split
+        stop = tl.minimum(start + blocks_per_split, nb)
+
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        prev = tl.zeros([G_PAD, D_PAD], tl.float32)
+        probe = (d % PROBE_STRIDE == 0) & dmask
+        stable = tl.full([], 0, tl.int32)
+        i = start
+        while (i < stop) & (stable < patience):
+            if ORDER == 0:
+                j = i
+            elif ORDER == 1:
+                j = tl.where(i == 0, 0, nb - i)
+            else:
+                j = tl.load(Map + b * smap_b + hk * smap_h + i).to(tl.int32)
+            offs = j * BLOCK + tl.arange(0, BLOCK)
+            if HAS_LEN:
+                valid = offs < tl.load(KvLen + b)
+            else:
+                valid = offs < length
+            if PAGE > 0:
+                page = tl.load(Table + b * st_b + offs // PAGE, mask=valid, other=0).to(tl.int64)
+                rows_k = page * sk_0 + hk * sk_h + (offs % PAGE) * sk_l
+                rows_v = page * sv_0 + hk * sv_h + (offs % PAGE) * sv_l
+                rows_p = page * sp_0 + hk * sp_h + (offs % PAGE) * sp_l
+            else:
+                rows_k = b * sk_0 + hk * sk_h + offs.to(tl.int64) * sk_l
+                rows_v = b * sv_0 + hk * sv_h + offs.to(tl.int64) * sv_l
+                rows_p = b * sp_0 + hk * sp_h + offs.to(tl.int64) * sp_l
+            if HAS_POS:
+                kp = tl.load(KvPos + rows_p, mask=valid, other=-1)
+                seen = (kp >= 0) & (kp <= qp)
+                if window > 0:
+                    seen = seen & ((qp - kp) < window)
+                valid = valid & seen
+            if HAS_MASK:
+                add = tl.load(Mask + b * sm_b + offs * sm_l, mask=valid, other=float("-inf"))
+                valid = valid & (add != float("-inf"))
+            live = tl.max(valid.to(tl.int32), 0) > 0  # a block with nothing visible changes nothing
+            kt = tl.load(K + rows_k[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            vt = tl.load(V + rows_v[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+                s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(kt))
+            if SOFTCAP:
+                s = s * scale
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+            else:
+                s = s * qk_scale
+            if HAS_MASK:
+                s += tl.where(valid, add, 0.0)[None, :] * 1.4426950408889634
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+            if ART:
+                x = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
+                x = tl.where(probe[None, :], x, 0.0)
+                nx = tl.sqrt(tl.sum(x * x, 1))
+                npv = tl.sqrt(tl.sum(prev * prev, 1))
+                diff = x - prev
+                d_scale = tl.sqrt(tl.sum(diff * diff, 1)) / tl.maximum(nx, 1e-30)
+                d_dir = 1.0 - tl.sum(x * prev, 1) / tl.maximum(nx * npv, 1e-30)
+                ok = ((d_scale < tau) & (d_dir < phi)) | (g >= GROUP)
+                all_ok = tl.min(ok.to(tl.int32), 0) > 0
+                stable = tl.where(live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
+                prev = x
+            i += 1
+
+        heads64 = heads.to(tl.int64)
+        tl.store(Visited + (b * tl.num_programs(1) + hk) * n_splits + sp, i - start)
+        if SPLIT:
+            part = (b * tl.num_programs(1) * GROUP + heads64) * n_splits + sp
+            tl.store(PartAcc + part[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+            tl.store(PartM + part, m, mask=gmask)
+            tl.store(PartL + part, l, mask=gmask)
+        else:
+            out = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
+            row = (b * tl.num_programs(1) * GROUP + heads64) * D
+            tl.store(Out + row[:, None] + d[None, :], out.to(Out.dtype.element_ty),
+                     mask=gmask[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _kvpass_decode_combine(PartAcc, PartM, PartL, Out, n_splits, D: tl.constexpr, D_PAD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # b * H + h
+        d = tl.arange(0, D_PAD)
+        dmask = d < D
+        m = tl.full([], float("-inf"), tl.float32)
+        l = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([D_PAD], tl.float32)
+        for s in range(n_splits):
+            ms = tl.load(PartM + row * n_splits + s)
+            ls = tl.load(PartL + row * n_splits + s)
+            a = tl.load(PartAcc + (row * n_splits + s) * D + d, mask=dmask, other=0.0)
+            m_new = tl.maximum(m, ms)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w_old = tl.exp2(m - m_safe)
+            w_new = tl.exp2(ms - m_safe)
+            l = l * w_old + ls * w_new
+            acc = acc * w_old + a * w_new
+            m = m_new
+        out = acc * tl.where(l > 0, 1.0 / l, 0.0)
+        tl.store(Out + row * D + d, out.to(Out.dtype.element_ty), mask=dmask)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (int(n) - 1).bit_length())
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def num_splits(programs, n_blocks, device) -> int:
+    """How many KV splits fill the GPU: about 4 programs per SM, at most 64 splits, at least one
+    block per split. SymInt-safe (no guards on symbolic batch or length)."""
+    if device.type != "cuda" or interpreting():
+        sms = 2
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = _cdiv(4 * sms, programs)
+    return torch.sym_max(1, torch.sym_min(torch.sym_min(want, 64), n_blocks))
+
+
+def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                            kv_pos: Tensor | None = None, q_pos: Tensor | None = None,
+                            page_table: Tensor | None = None, kv_len: Tensor | None = None,
+                            block_map: Tensor | None = None, scale: float | None = None,
+                            softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
+                            patience: int = 5, block: int = 64, order: int = ORDER_RECENCY,
+                            probe: int = 0, split: bool | None = None, num_warps: int = 4,
+                            launch=None) -> tuple[Tensor, Tensor]:
+    """Launch the Triton kernel; arguments as ``decode_attention_reference``.
+
+    ``split``: None chooses split-KV when ART is off and the batch is small; True/False force it
+    (forcing it with ART on is an error). ``launch`` wraps each kernel before its launch
+    (``torch.library.wrap_triton`` inside a ``triton_op``; identity when called directly).
+    """
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("kvpass decode attention needs Triton")
+    wrap = launch or (lambda fn: fn)
+    b, h, lq, d = q.shape
+    if lq != 1:
+        raise ValueError(f"decode attention takes one query token per sequence, got {lq}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    hkv = k.shape[1]
+    dv = v.shape[-1]
+    if dv != d:
+        raise ValueError(f"decode attention needs equal q/k and v head sizes, got {d} and {dv}")
+    page = int(k.shape[2]) if page_table is not None else 0
+    length = page_table.shape[1] * page if page_table is not None else k.shape[2]
+    n_blocks = _cdiv(length, block)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    art = tau > 0 and phi > 0
+    if split and art:
+        raise ValueError("split-KV cannot run ART termination (a split cannot see earlier blocks)")
+    if split is None:
+        split = not art
+    n_splits = num_splits(b * hkv, n_blocks, q.device) if split else 1
+    per_split = _cdiv(n_blocks, n_splits)
+
+    dummy = q.new_empty(1)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], -1, mask.shape[-1])[:, -1, :]
+        mask = additive(mask).expand(b, mask.shape[-1])
+    pos = kv_pos if kv_pos is not None else dummy
+    if kv_pos is not None and page_table is not None:
+        p_strides = (kv_pos.stride(0), 0, kv_pos.stride(1))    # [P, page] shared by heads
+    elif kv_pos is not None:
+        p_strides = (kv_pos.stride(0), kv_pos.stride(1), kv_pos.stride(2))
+    else:
+        p_strides = (0, 0, 0)
+    out = q.new_empty((b, h, 1, dv))
+    visited = torch.empty((b, hkv, n_splits), dtype=torch.int32, device=q.device)
+    if split:
+        part_acc = torch.empty((b, h, n_splits, dv), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = dummy
+    upcast = q.dtype == torch.float32 or interpreting()
+    wrap(_kvpass_decode_kernel)[(b, hkv, n_splits)](
+        q, k, v, out, mask if mask is not None else dummy, pos,
+        q_pos if q_pos is not None else dummy, page_table if page_table is not None else dummy,
+        kv_len if kv_len is not None else dummy, block_map if block_map is not None else dummy,
+        visited, part_acc, part_m, part_l,
+        float(scale), float(softcap), float(tau), float(phi), int(window),
+        int(patience) if art else 1 << 30, length, n_blocks, per_split, n_splits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
+        *p_strides, page_table.stride(0) if page_table is not None else 0,
+        block_map.stride(0) if block_map is not None else 0, block_map.stride(1) if block_map is not None else 0,
+        GROUP=h // hkv, G_PAD=_pow2(h // hkv), D=d, D_PAD=_pow2(d), BLOCK=block, PAGE=page,
+        ORDER=ORDER_MAP if block_map is not None else order, HAS_MASK=mask is not None,
+        HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, SOFTCAP=softcap > 0, ART=art,
+        PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, SPLIT=bool(split), UPCAST=upcast,
+        num_warps=num_warps,
+    )
+    if split:
+        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_splits, D=dv, D_PAD=_pow2(dv))
+    return out, visited.sum(-1, dtype=torch.int32)

@@ -1,0 +1,53 @@
+"""``art``: Attention Run-time Termination for decode steps (seed paper: ART).
+
+Decode attention reads the cache block by block (block 0, then the most recent block and
+backwards) with a streaming softmax, and stops once the normalised output has stopped moving:
+``patience`` consecutive blocks whose relative change ``d_scale`` is below ``tau`` and whose
+direction change ``1 - cos`` is below ``phi``, for every query head of a KV group. The kernel,
+its reference and the choices behind them are in ``kvpass.kernels.decode_attention``.
+
+Prefill is untouched (the model's own attention). Nothing is evicted: composed with an eviction
+policy (``snapkv+art``, ``streamingllm+art``) the evictor decides what the cache keeps and ART
+decides how much of it a decode step reads. ``tau = 0`` or ``phi = 0`` reads everything: exact
+attention, the no-op setting that must equal ``full``.
+
+Decode sites that the kernel cannot serve (a per-head mask, a top-left causal mask on one query,
+different q and v head sizes) keep exact attention through ``kvpass::attention``.
+"""
+
+from __future__ import annotations
+
+from kvpass.policies.base import DecodeRead, Param, Policy, SitePlan
+
+
+class ART(Policy):
+    name = "art"
+    summary = "early-terminating decode attention (stop when the output stops moving)"
+    params = (
+        Param("tau", float, 1e-5, 0.0, 1.0, "relative output change below which a block is stable"),
+        Param("phi", float, 1e-3, 0.0, 1.0, "direction change (1 - cos) below which a block is stable"),
+        Param("patience", int, 5, 1, 1 << 20, "consecutive stable blocks before the rest is skipped"),
+        Param("block", int, 64, 16, 1024, "KV entries per block (a power of two)"),
+        Param("order", str, "recency", doc="block order: 'recency' (0, n-1, ..., 1) or 'natural'"),
+        Param("probe", int, 0, 0, 1 << 16, "probe elements of head_dim (0: all)"),
+        Param("stats", bool, False, doc="count blocks read (Backend.runtime.blocks_read())"),
+    )
+
+    def check_config(self) -> None:
+        from kvpass.policies.base import ConfigError
+        if self.block & (self.block - 1):
+            raise ConfigError(f"policy 'art': parameter 'block' must be a power of two in [16, 1024], "
+                              f"got {self.block}")
+        if self.order not in ("recency", "natural"):
+            raise ConfigError(f"policy 'art': parameter 'order' must be 'recency' or 'natural', got {self.order!r}")
+
+    def plan(self, site) -> SitePlan:
+        from kvpass.kernels.decode_attention import ORDERS
+        from kvpass.rewrite import decode_read_problem
+        if site.phase != "decode":
+            return SitePlan(attention=False)
+        if decode_read_problem(site) is not None:
+            return SitePlan(attention=True)  # exact attention; `kvpass explain` shows the plan
+        return SitePlan(attention=True, read=DecodeRead(
+            tau=self.tau, phi=self.phi, patience=self.patience, block=self.block, order=ORDERS[self.order],
+            probe=self.probe, stats=self.stats))

@@ -1,0 +1,241 @@
+"""The ART decode-attention kernel against its reference, and the properties ART promises.
+
+Without a GPU the Triton kernel runs in Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``), called directly at tiny shapes. The interpreter computes bf16 dots wrongly,
+so the kernel upcasts to fp32 there; inputs still come in fp16 / bf16 / fp32.
+
+Kernel == reference is checked on exact outputs and on the blocks each program read. ART decisions
+compare tiny float differences with thresholds, so the cases with ART on run in fp32 (where both
+sides agree to ~1e-7) and draw thresholds far from any knife edge only by chance; the reduced
+precisions run without termination.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpass import ops
+from kvpass.kernels import decode_attention as K
+
+pytestmark = pytest.mark.skipif(K.triton is None, reason="needs Triton")
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def qkv(b, h, hkv, length, d, dtype, seed, structured=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, 1, d, generator=g)
+    k = torch.randn(b, hkv, length, d, generator=g)
+    v = torch.randn(b, hkv, length, d, generator=g)
+    if structured:  # a few keys aligned with the query dominate: attention that converges early
+        hot = torch.randint(0, length, (3,), generator=g)
+        k[:, :, hot] += 4 * q.reshape(b, hkv, h // hkv, d).mean(2, keepdim=True)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def run_both(q, k, v, split=None, **kw):
+    out_k, vis_k = K.decode_attention_triton(q, k, v, split=split, **kw)
+    out_r, vis_r = K.decode_attention_reference(q, k, v, **kw)
+    return out_k, vis_k, out_r, vis_r
+
+
+def exact(q, k, v, mask=None, scale=None):
+    return ops.attention_reference(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+
+
+shapes = st.tuples(st.integers(1, 2), st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]),
+                   st.integers(1, 150), st.sampled_from([16, 32, 24]))
+
+
+@SETTINGS
+@given(shape=shapes, dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       block=st.sampled_from([16, 32]), order=st.sampled_from([0, 1]), split=st.booleans(),
+       softcap=st.sampled_from([0.0, 3.0]), seed=st.integers(0, 10_000))
+def test_kernel_equals_reference_full_read(shape, dtype, block, order, split, softcap, seed):
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, dtype, seed)
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, split=split, block=block, order=order, softcap=softcap)
+    assert out_k.dtype == dtype and out_k.shape == (b, h, 1, d)
+    torch.testing.assert_close(out_k.float(), out_r.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(vis_k, vis_r) and (vis_r == -(-length // block)).all()
+
+
+@SETTINGS
+@given(shape=shapes, block=st.sampled_from([16, 32]), tau=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]),
+       phi=st.sampled_from([1e-4, 1e-2, 0.3]), patience=st.integers(1, 3), structured=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_kernel_equals_reference_with_termination(shape, block, tau, phi, patience, structured, seed):
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured)
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, block=block, tau=tau, phi=phi, patience=patience)
+    assert torch.equal(vis_k, vis_r)
+    torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
+
+
+@SETTINGS
+@given(b=st.integers(1, 3), length=st.integers(20, 120), window=st.sampled_from([0, 9, 40]),
+       seed=st.integers(0, 10_000), pad=st.integers(0, 7))
+def test_positions_lengths_and_masks(b, length, window, seed, pad):
+    """kv_pos/q_pos visibility (evicted gaps, padding, a sliding window), kv_len and an additive
+    mask give what exact attention gives with the equivalent boolean mask."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = qkv(b, 4, 2, length, 16, torch.float32, seed)
+    kv_pos = torch.sort(torch.randperm(3 * length, generator=g)[:length]).values.expand(b, 2, length).clone()
+    kv_pos[:, :, :pad] = -1                                     # left padding
+    q_pos = kv_pos[:, 0, -1:].clone().view(b, 1) + 1
+    kv_len = torch.randint(1, length + 1, (b,), generator=g)
+    add = torch.randn(b, 1, 1, length, generator=g)
+    vis, _ = K.visibility(b, 2, length, "cpu", None, kv_pos, q_pos, kv_len, window)
+    want = exact(q, k, v, mask=torch.where(vis[:, :, None, :].repeat_interleave(2, 1), add, float("-inf")))
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, mask=add, kv_pos=kv_pos, q_pos=q_pos, kv_len=kv_len,
+                                          window=window, block=16)
+    torch.testing.assert_close(out_r, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_k, want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(vis_k, vis_r) and torch.equal(vis_k[:, 0], (-(-kv_len // 16)).int())
+
+
+@SETTINGS
+@given(b=st.integers(1, 2), pages=st.integers(1, 6), page=st.sampled_from([8, 16]), seed=st.integers(0, 10_000),
+       tau=st.sampled_from([0.0, 0.2]))
+def test_paged_equals_contiguous(b, pages, page, seed, tau):
+    """A paged cache (shuffled pool pages, ragged lengths) reads like its contiguous gather."""
+    g = torch.Generator().manual_seed(seed)
+    pool = 2 * b * pages + 1
+    q = torch.randn(b, 4, 1, 16, generator=g)
+    kp, vp = torch.randn(pool, 2, page, 16, generator=g), torch.randn(pool, 2, page, 16, generator=g)
+    table = torch.randperm(pool, generator=g)[: b * pages].view(b, pages).int()
+    kv_len = torch.randint(1, pages * page + 1, (b,), generator=g)
+    kw = dict(kv_len=kv_len, block=16, tau=tau, phi=tau, patience=1)
+    out_p, vis_p = K.decode_attention_triton(q, kp, vp, page_table=table, **kw)
+    kc, vc = K._logical(kp, table), K._logical(vp, table)
+    out_c, vis_c = K.decode_attention_reference(q, kc, vc, **kw)
+    torch.testing.assert_close(out_p, out_c, atol=2e-5, rtol=2e-5)
+    assert torch.equal(vis_p, vis_c)
+
+
+@SETTINGS
+@given(shape=shapes, seed=st.integers(0, 10_000))
+def test_no_termination_is_exact_attention(shape, seed):
+    """tau = phi = 0 (and either alone at 0) never stops: the result is exact attention."""
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured=True)
+    want = exact(q, k, v)
+    for tau, phi in ((0.0, 0.0), (0.0, 0.9), (0.9, 0.0)):
+        out, vis = K.decode_attention_reference(q, k, v, block=16, tau=tau, phi=phi, patience=1)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+        assert (vis == -(-length // 16)).all()
+    out, _ = K.decode_attention_triton(q, k, v, block=16, tau=0.0, phi=0.0)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+@SETTINGS
+@given(shape=shapes, seed=st.integers(0, 10_000))
+def test_block_order_does_not_matter_without_skipping(shape, seed):
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed)
+    nb = -(-length // 16)
+    perm = torch.stack([torch.randperm(nb, generator=torch.Generator().manual_seed(seed + i))
+                        for i in range(b * hkv)]).view(b, hkv, nb).int()
+    base, _ = K.decode_attention_triton(q, k, v, block=16, order=K.ORDER_NATURAL)
+    for kw in (dict(order=K.ORDER_RECENCY), dict(block_map=perm)):
+        out, vis = K.decode_attention_triton(q, k, v, block=16, **kw)
+        torch.testing.assert_close(out, base, atol=2e-5, rtol=2e-5)
+        out_r, _ = K.decode_attention_reference(q, k, v, block=16, **kw)
+        torch.testing.assert_close(out_r, base, atol=2e-5, rtol=2e-5)
+
+
+@SETTINGS
+@given(shape=shapes, tau=st.sampled_from([0.05, 0.3, 0.9]), patience=st.integers(1, 3),
+       seed=st.integers(0, 10_000))
+def test_output_is_exact_attention_over_the_blocks_read(shape, tau, patience, seed):
+    """Block 0 first, then recency: after v visits the output is exact attention over blocks
+    {0, n-1, ..., n-v+1} -- block 0 is always among them."""
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured=True)
+    out, vis = K.decode_attention_triton(q, k, v, block=16, tau=tau, phi=tau, patience=patience)
+    nb = -(-length // 16)
+    assert (vis >= 1).all()
+    for bi in range(b):
+        for g in range(hkv):
+            n = int(vis[bi, g])
+            blocks = [0] + list(range(nb - 1, nb - n, -1))
+            read = torch.zeros(length, dtype=torch.bool)
+            for j in blocks:
+                read[16 * j: 16 * (j + 1)] = True
+            heads = slice(g * (h // hkv), (g + 1) * (h // hkv))
+            want = exact(q[bi:bi + 1, heads], k[bi:bi + 1, g:g + 1], v[bi:bi + 1, g:g + 1],
+                         mask=read.view(1, 1, 1, length))
+            torch.testing.assert_close(out[bi:bi + 1, heads], want, atol=2e-5, rtol=2e-5)
+
+
+@SETTINGS
+@given(shape=shapes, seed=st.integers(0, 10_000), structured=st.booleans())
+def test_raising_thresholds_never_reads_more(shape, seed, structured):
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured)
+    last = None
+    for tau, phi in ((1e-3, 1e-3), (1e-2, 1e-3), (1e-2, 1e-1), (0.3, 0.1), (0.3, 0.5)):
+        _, vis = K.decode_attention_triton(q, k, v, block=16, tau=tau, phi=phi, patience=2)
+        if last is not None:
+            assert (vis <= last).all()
+        last = vis
+
+
+def test_real_skipping_happens_on_converging_attention():
+    """A concentrated attention pattern stops early: the test above cannot pass vacuously."""
+    q, k, v = qkv(1, 4, 2, 400, 16, torch.float32, 0)
+    q = q[:, [0, 0, 2, 2]]                     # the heads of a group agree ...
+    k *= 0.1                                   # ... attention is flat everywhere ...
+    k[:, :, :4] = 2 * q[:, ::2]                # ... but sinks in block 0 dominate
+    _, vis = K.decode_attention_triton(q, k, v, block=16, tau=0.05, phi=0.01, patience=2)
+    assert (vis < 10).all() and (vis >= 3).all(), vis
+
+
+def test_split_with_termination_is_refused():
+    q, k, v = qkv(1, 2, 1, 40, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="split-KV"):
+        K.decode_attention_triton(q, k, v, tau=0.1, phi=0.1, split=True)
+
+
+def op_args(q, k, v, **kw):
+    base = dict(mask=None, kv_pos=None, q_pos=None, page_table=None, kv_len=None, block_map=None, scale=0.25,
+                softcap=0.0, window=0, tau=0.1, phi=0.1, patience=2, block=16, order=1, probe=0)
+    base.update(kw)
+    return (q, k, v, *base.values())
+
+
+@pytest.mark.parametrize("op", ["decode_attention", "decode_attention_ref"])
+def test_opcheck(op):
+    q, k, v = qkv(2, 4, 2, 37, 16, torch.float32, 3)
+    fn = getattr(torch.ops.kvpass, op)
+    torch.library.opcheck(fn, op_args(q, k, v))
+    pos = torch.arange(37).expand(2, 2, 37).contiguous()
+    torch.library.opcheck(fn, op_args(q, k, v, kv_pos=pos, q_pos=torch.full((2, 1), 37),
+                                      mask=torch.zeros(2, 1, 1, 37), window=20))
+
+
+def test_op_is_the_reference_on_cpu():
+    q, k, v = qkv(1, 4, 2, 50, 16, torch.float32, 1)
+    out, vis = torch.ops.kvpass.decode_attention(*op_args(q, k, v))
+    ref, vref = K.decode_attention_reference(q, k, v, scale=0.25, tau=0.1, phi=0.1, patience=2, block=16)
+    assert torch.equal(out, ref) and torch.equal(vis, vref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_masked_tail_never_ends_the_read(dtype):
+    """A static cache's unfilled tail (masked with the dtype's minimum, HF style) is read first in
+    recency order; empty blocks must be neutral, or ART would stop after block 0."""
+    q, k, v = qkv(1, 4, 2, 160, 16, torch.float32, 5)
+    keep = torch.arange(160) < 60
+    mask = torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype).view(1, 1, 1, 160)
+    kw = dict(mask=mask, block=16, tau=0.99, phi=0.99, patience=2)
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
+    assert torch.equal(vis_k, vis_r) and (vis_k >= 1 + 6 + 2).all()   # block 0, six empty, two real
+    full, _ = K.decode_attention_reference(q, k, v, mask=mask, block=16)
+    torch.testing.assert_close(full, exact(q, k, v, mask=keep.view(1, 1, 1, 160)), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_k, out_r, atol=2e-5, rtol=2e-5)
