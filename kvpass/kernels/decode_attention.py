@@ -220,6 +220,74 @@ def _stable(x: Tensor, prev: Tensor, tau: float, phi: float) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def _read_block(
+        i, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
+        scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l,
+        st_b, smap_b, smap_h, BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Step ``i``: read one block (in the chosen order) into the streaming-softmax state."""
+        if ORDER == 0:
+            j = i
+        elif ORDER == 1:
+            j = tl.where(i == 0, 0, nb - i)
+        else:
+            j = tl.load(Map + b * smap_b + hk * smap_h + i).to(tl.int32)
+        offs = j * BLOCK + tl.arange(0, BLOCK)
+        if HAS_LEN:
+            valid = offs < tl.load(KvLen + b)
+        else:
+            valid = offs < length
+        if PAGE > 0:
+            page = tl.load(Table + b * st_b + offs // PAGE, mask=valid, other=0).to(tl.int64)
+            rows_k = page * sk_0 + hk * sk_h + (offs % PAGE) * sk_l
+            rows_v = page * sv_0 + hk * sv_h + (offs % PAGE) * sv_l
+            rows_p = page * sp_0 + hk * sp_h + (offs % PAGE) * sp_l
+        else:
+            rows_k = b * sk_0 + hk * sk_h + offs.to(tl.int64) * sk_l
+            rows_v = b * sv_0 + hk * sv_h + offs.to(tl.int64) * sv_l
+            rows_p = b * sp_0 + hk * sp_h + offs.to(tl.int64) * sp_l
+        if HAS_POS:
+            kp = tl.load(KvPos + rows_p, mask=valid, other=-1)
+            seen = (kp >= 0) & (kp <= qp)
+            if window > 0:
+                seen = seen & ((qp - kp) < window)
+            valid = valid & seen
+        if HAS_MASK:
+            add = tl.load(Mask + b * sm_b + offs * sm_l, mask=valid, other=float("-inf"))
+            valid = valid & (add != float("-inf"))
+        live = tl.max(valid.to(tl.int32), 0) > 0  # a block with nothing visible changes nothing
+        kt = tl.load(K + rows_k[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        vt = tl.load(V + rows_v[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kt))
+        if SOFTCAP:
+            s = s * scale
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = s.to(tl.float32)  # Inductor may pass float scalars as fp64
+        if HAS_MASK:
+            s += tl.where(valid, add, 0.0)[None, :] * 1.4426950408889634
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m = m_new
+        return m, l, acc, live
+
+    @triton.jit
     def _kvpass_decode_kernel(
         Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, Map, Visited, PartAcc, PartM, PartL,
         scale, softcap, tau, phi, window, patience, length, n_blocks, blocks_per_split, n_splits,
@@ -246,6 +314,7 @@ if triton is not None:
         nb = n_blocks
         if HAS_LEN:
             nb = tl.minimum(tl.cdiv(tl.load(KvLen + b).to(tl.int32), BLOCK), n_blocks)
+        qp = 0
         if HAS_POS:
             qp = tl.load(QPos + b)
         start = sp * blocks_per_split
@@ -258,64 +327,12 @@ if triton is not None:
         probe = (d % PROBE_STRIDE == 0) & dmask
         stable = tl.full([], 0, tl.int32)
         i = start
-        while (i < stop) & (stable < patience):
-            if ORDER == 0:
-                j = i
-            elif ORDER == 1:
-                j = tl.where(i == 0, 0, nb - i)
-            else:
-                j = tl.load(Map + b * smap_b + hk * smap_h + i).to(tl.int32)
-            offs = j * BLOCK + tl.arange(0, BLOCK)
-            if HAS_LEN:
-                valid = offs < tl.load(KvLen + b)
-            else:
-                valid = offs < length
-            if PAGE > 0:
-                page = tl.load(Table + b * st_b + offs // PAGE, mask=valid, other=0).to(tl.int64)
-                rows_k = page * sk_0 + hk * sk_h + (offs % PAGE) * sk_l
-                rows_v = page * sv_0 + hk * sv_h + (offs % PAGE) * sv_l
-                rows_p = page * sp_0 + hk * sp_h + (offs % PAGE) * sp_l
-            else:
-                rows_k = b * sk_0 + hk * sk_h + offs.to(tl.int64) * sk_l
-                rows_v = b * sv_0 + hk * sv_h + offs.to(tl.int64) * sv_l
-                rows_p = b * sp_0 + hk * sp_h + offs.to(tl.int64) * sp_l
-            if HAS_POS:
-                kp = tl.load(KvPos + rows_p, mask=valid, other=-1)
-                seen = (kp >= 0) & (kp <= qp)
-                if window > 0:
-                    seen = seen & ((qp - kp) < window)
-                valid = valid & seen
-            if HAS_MASK:
-                add = tl.load(Mask + b * sm_b + offs * sm_l, mask=valid, other=float("-inf"))
-                valid = valid & (add != float("-inf"))
-            live = tl.max(valid.to(tl.int32), 0) > 0  # a block with nothing visible changes nothing
-            kt = tl.load(K + rows_k[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-            vt = tl.load(V + rows_v[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
-                s = tl.dot(q, tl.trans(kt), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(kt))
-            if SOFTCAP:
-                s = s * scale
-                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
-            else:
-                s = s * qk_scale
-            if HAS_MASK:
-                s += tl.where(valid, add, 0.0)[None, :] * 1.4426950408889634
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m = m_new
-            if ART:
+        if ART:  # a while loop: stops reading once the output is stable (not software-pipelined)
+            while (i < stop) & (stable < patience):
+                m, l, acc, live = _read_block(
+                    i, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
+                    scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h,
+                    sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
                 x = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
                 x = tl.where(probe[None, :], x, 0.0)
                 nx = tl.sqrt(tl.sum(x * x, 1))
@@ -327,10 +344,18 @@ if triton is not None:
                 all_ok = tl.min(ok.to(tl.int32), 0) > 0
                 stable = tl.where(live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
                 prev = x
-            i += 1
+                i += 1
+            count = i - start
+        else:  # a for loop, which Triton pipelines (loads of the next block overlap this one)
+            for i in range(start, stop):
+                m, l, acc, live = _read_block(
+                    i, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
+                    scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h,
+                    sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
+            count = tl.maximum(stop - start, 0)
 
         heads64 = heads.to(tl.int64)
-        tl.store(Visited + (b * tl.num_programs(1) + hk) * n_splits + sp, i - start)
+        tl.store(Visited + (b * tl.num_programs(1) + hk) * n_splits + sp, count)
         if SPLIT:
             part = (b * tl.num_programs(1) * GROUP + heads64) * n_splits + sp
             tl.store(PartAcc + part[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
@@ -378,14 +403,15 @@ def _cdiv(a, b):
 
 
 def num_splits(programs, n_blocks, device) -> int:
-    """How many KV splits fill the GPU: about 4 programs per SM, at most 64 splits, at least one
-    block per split. SymInt-safe (no guards on symbolic batch or length)."""
+    """How many KV splits fill the GPU: about 4 programs per SM, at most 64 splits, at least four
+    blocks per split (below that the merge costs more than it saves). SymInt-safe (no guards on
+    symbolic batch or length)."""
     if device.type != "cuda" or interpreting():
         sms = 2
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = _cdiv(4 * sms, programs)
-    return torch.sym_max(1, torch.sym_min(torch.sym_min(want, 64), n_blocks))
+    return torch.sym_max(1, torch.sym_min(torch.sym_min(want, 64), n_blocks // 4))
 
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
@@ -437,7 +463,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     else:
         p_strides = (0, 0, 0)
     out = q.new_empty((b, h, 1, dv))
-    visited = torch.empty((b, hkv, n_splits), dtype=torch.int32, device=q.device)
+    visited = torch.empty((b, hkv, n_splits) if split else (b, hkv), dtype=torch.int32, device=q.device)
     if split:
         part_acc = torch.empty((b, h, n_splits, dv), dtype=torch.float32, device=q.device)
         part_m = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
@@ -464,4 +490,4 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     )
     if split:
         wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_splits, D=dv, D_PAD=_pow2(dv))
-    return out, visited.sum(-1, dtype=torch.int32)
+    return out, (visited.sum(-1, dtype=torch.int32) if split else visited)

@@ -1,0 +1,122 @@
+"""Benchmark 1 of issue 4: the kvpass decode kernel reading everything (ART off) against PyTorch SDPA.
+
+Shapes: Hq=32, Hkv=8, D=128, bf16, one query token, batch 1/8/32/64/128, context 4k/16k/32k/128k.
+The SDPA baseline is the faster of two exact forms, timed in the same process:
+``sdpa(q, k, v, enable_gqa=True)`` and the grouped form that folds each KV group's query heads into
+the query length (``q.view(B, Hkv, G, D)``), which lets the flash kernel read K/V once per group.
+Achieved bandwidth counts the bytes of K, V, q and the output once. Times are CUDA-graph replays
+(GPU time; no Python launch overhead on either side). A small sweep of block size and
+warps runs first and is reported too.
+
+    python bench/bench_decode_kernel.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvpass.kernels import decode_attention as K  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def bench(fn) -> float:
+    """Median GPU time of one call, replayed from a CUDA graph so that Python launch overhead
+    (different for a Triton launcher and an ATen call) is not measured for either side."""
+    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e-3
+
+
+def sdpa_time(q, k, v) -> tuple[float, str]:
+    b = q.shape[0]
+    forms = {
+        "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "grouped": lambda: F.scaled_dot_product_attention(q.view(b, HKV, HQ // HKV, D), k, v),
+    }
+    times = {name: bench(fn) for name, fn in forms.items()}
+    best = min(times, key=times.get)
+    return times[best], best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--contexts", default="4096,16384,32768,131072")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    free = torch.cuda.mem_get_info()[0]
+
+    def make(b, n):
+        q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16)
+        k = torch.empty(b, HKV, n, D, device=dev, dtype=torch.bfloat16).normal_()
+        v = torch.empty(b, HKV, n, D, device=dev, dtype=torch.bfloat16).normal_()
+        return q, k, v
+
+    sweep = []
+    for b, n in ((1, 32768), (8, 16384), (64, 16384)):
+        q, k, v = make(b, n)
+        for block in (32, 64, 128):
+            for warps in (4, 8):
+                t = bench(lambda: K.decode_attention_triton(q, k, v, block=block, num_warps=warps))
+                sweep.append(dict(batch=b, context=n, block=block, num_warps=warps, ms=t * 1e3))
+                print(f"sweep b={b} n={n} block={block} warps={warps}: {t * 1e3:.3f} ms", flush=True)
+        del q, k, v
+    best = min(sweep, key=lambda r: sum(s["ms"] for s in sweep if (s["block"], s["num_warps"]) ==
+                                         (r["block"], r["num_warps"])))
+    block, warps = best["block"], best["num_warps"]
+
+    rows = []
+    for n in [int(x) for x in args.contexts.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            kv_bytes = 2 * b * HKV * n * D * 2
+            if kv_bytes > 0.8 * free:
+                rows.append(dict(batch=b, context=n, skipped=f"K+V need {kv_bytes / 2**30:.0f} GiB"))
+                continue
+            q, k, v = make(b, n)
+            t_sdpa, form = sdpa_time(q, k, v)
+            t_ours = bench(lambda: K.decode_attention_triton(q, k, v, block=block, num_warps=warps))
+            out, _ = K.decode_attention_triton(q, k, v, block=block, num_warps=warps)
+            ref = F.scaled_dot_product_attention(q.view(b, HKV, HQ // HKV, D), k, v).view(b, HQ, 1, D)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            moved = kv_bytes + 2 * b * HQ * D * 2
+            splits = int(K.num_splits(b * HKV, -(-n // block), dev))
+            rows.append(dict(batch=b, context=n, sdpa_ms=t_sdpa * 1e3, sdpa_form=form, kvpass_ms=t_ours * 1e3,
+                             ratio_vs_sdpa=t_sdpa / t_ours, kvpass_tbps=moved / t_ours / 1e12,
+                             sdpa_tbps=moved / t_sdpa / 1e12, splits=splits, rel_err=err))
+            print(json.dumps(rows[-1]), flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name, sms=props.multi_processor_count,
+                torch=torch.__version__, triton=triton.__version__, shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16",
+                block=block, num_warps=warps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_kernel.json").write_text(json.dumps(dict(meta=meta, sweep=sweep, rows=rows), indent=2))
+    lines = [f"# Decode kernel (ART off) vs PyTorch SDPA, {meta['gpu']}, {meta['date']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['shapes']}, block {block}, {warps} warps; "
+             "ratio = SDPA time / kvpass time (>1: kvpass faster). Target: >= 0.9 at batch >= 8, >= 0.7 at batch 1.",
+             "", "| batch | context | SDPA ms (form) | kvpass ms | ratio | kvpass TB/s | SDPA TB/s | splits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | |")
+            continue
+        lines.append(f"| {r['batch']} | {r['context']} | {r['sdpa_ms']:.3f} ({r['sdpa_form']}) | {r['kvpass_ms']:.3f} | "
+                     f"{r['ratio_vs_sdpa']:.2f} | {r['kvpass_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['splits']} |")
+    (args.out / "decode_kernel.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
