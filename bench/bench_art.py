@@ -8,7 +8,7 @@
 3. ``e2e``: decode tokens per second of SmolLM2 (Llama architecture) at batch 64 on a 16k-token
    prompt, compiled with Inductor through ``kvpass.backend``, ``full`` against ``art`` in one run.
    The cache is a StaticCache (written in place; a DynamicCache would copy the whole cache on every
-   step and hide attention's share of the time); every row holds the same prompt.
+   step and hide attention's share of the time), prefilled in chunks; every row holds the same prompt.
 
     python bench/bench_art.py --out bench/results            # on a GPU
 """
@@ -92,8 +92,16 @@ def captured(model, tok, lengths, batch) -> list[dict]:
         t_full = timed(lambda: K.decode_attention_triton(q, k, v))
         base = dict(context=int(k.shape[2]), batch=int(q.shape[0]), heads=int(q.shape[1]), kv_heads=int(k.shape[1]),
                     head_dim=int(q.shape[-1]), sdpa_ms=t_sdpa * 1e3, full_read_ms=t_full * 1e3)
+        tune = {}
+        for warps in (2, 4, 8):
+            for stages in (2, 3, 4):
+                kw = dict(tau=1e-3, phi=1e-2, patience=3, num_warps=warps, num_stages=stages)
+                tune[(warps, stages)] = timed(lambda: K.decode_attention_triton(q, k, v, **kw))
+        warps, stages = min(tune, key=tune.get)
+        print("ART launch sweep (warps, stages) -> ms:", {f"{a},{b}": round(t * 1e3, 3) for (a, b), t in tune.items()})
+        base.update(num_warps=warps, num_stages=stages)
         for tau, phi, patience in SETTINGS:
-            kw = dict(tau=tau, phi=phi, patience=patience)
+            kw = dict(tau=tau, phi=phi, patience=patience, num_warps=warps, num_stages=stages)
             out, vis = K.decode_attention_triton(q, k, v, **kw)
             t = timed(lambda: K.decode_attention_triton(q, k, v, **kw))
             err = ((out.float() - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-6)).mean().item()
@@ -110,13 +118,13 @@ def captured(model, tok, lengths, batch) -> list[dict]:
 def e2e(model, tok, length, batch, steps, policies) -> list[dict]:
     from transformers import StaticCache
     dev = next(model.parameters()).device
-    ids = torch.tensor([prompts(tok, length, 1)[0]], device=dev)
+    ids = torch.tensor([prompts(tok, length, 1)[0]], device=dev).expand(batch, -1)
     cache = StaticCache(config=model.config, max_cache_len=length + steps + 8)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
-    for layer in cache.layers:  # the same prompt in every row
-        layer.keys = layer.keys.expand(batch, -1, -1, -1).contiguous()
-        layer.values = layer.values.expand(batch, -1, -1, -1).contiguous()
-        layer.max_batch_size = batch
+    chunk = 1024  # prefill in chunks: a [batch, 1, length, cache] mask at once would not fit
+    for s in range(0, length, chunk):
+        part = ids[:, s: s + chunk]
+        model(input_ids=part, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(s, s + part.shape[1], device=dev))
     tok_in = torch.full((batch, 1), 42, device=dev)
     out = []
     for name, params in policies:

@@ -426,6 +426,42 @@ def test_opcheck_true_positions(rt):
     opcheck("true_positions", (torch.zeros(1, 0, dtype=torch.long), rt.handle))
 
 
+def _decode_args(q, k, v, **kw):
+    base = dict(mask=None, kv_pos=None, q_pos=None, page_table=None, kv_len=None, block_map=None, scale=0.25,
+                softcap=0.0, window=0, tau=0.1, phi=0.1, patience=2, block=16, order=1, probe=0)
+    return (q, k, v, *{**base, **kw}.values())
+
+
+def _opcheck_decode(op, with_positions):
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _randn((B, H, 1, D), gen, torch.float32), _randn((B, HKV, 37, D), gen, torch.float32), \
+        _randn((B, HKV, 37, D), gen, torch.float32)
+    kw = {}
+    if with_positions:
+        kw = dict(kv_pos=torch.arange(37).expand(B, HKV, 37).contiguous(), q_pos=torch.full((B, 1), 37),
+                  mask=torch.zeros(B, 1, 1, 37), window=20)
+    opcheck(op, _decode_args(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_opcheck_decode_attention(with_positions):
+    """A triton_op: its fake is its own body, which on CPU calls ``decode_attention_ref``."""
+    _opcheck_decode("decode_attention", with_positions)
+
+
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_opcheck_decode_attention_ref(with_positions):
+    _opcheck_decode("decode_attention_ref", with_positions)
+
+
+def test_opcheck_count_visits(rt):
+    gen = torch.Generator().manual_seed(13)
+    out, k = _randn((B, H, 1, D), gen, torch.float32), _randn((B, HKV, 37, D), gen, torch.float32)
+    visited = torch.tensor([[2, 3], [1, 3]], dtype=torch.int32)[:B, :HKV]
+    opcheck("count_visits", (out, visited, k, 16, rt.handle, SITE))
+    assert rt.blocks_read() is not None
+
+
 def test_every_op_is_opchecked():
     """A new operator in kvpass.ops.OPS must get a ``test_opcheck_<name>...`` test here."""
     tests = [name for name in globals() if name.startswith("test_opcheck_")]

@@ -221,13 +221,16 @@ if triton is not None:
 
     @triton.jit
     def _read_block(
-        i, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
+        i, go, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
         scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l,
         st_b, smap_b, smap_h, BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr,
         HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, SOFTCAP: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        """Step ``i``: read one block (in the chosen order) into the streaming-softmax state."""
+        """Step ``i``: read one block (in the chosen order) into the streaming-softmax state.
+
+        ``go`` false turns the step into a no-op (the block may be loaded, it is not used): ART's
+        pipelined loop keeps its loads independent of the decision taken one step earlier."""
         if ORDER == 0:
             j = i
         elif ORDER == 1:
@@ -257,9 +260,10 @@ if triton is not None:
         if HAS_MASK:
             add = tl.load(Mask + b * sm_b + offs * sm_l, mask=valid, other=float("-inf"))
             valid = valid & (add != float("-inf"))
-        live = tl.max(valid.to(tl.int32), 0) > 0  # a block with nothing visible changes nothing
         kt = tl.load(K + rows_k[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         vt = tl.load(V + rows_v[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        valid = valid & go
+        live = tl.max(valid.to(tl.int32), 0) > 0  # a block with nothing visible changes nothing
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -295,7 +299,7 @@ if triton is not None:
         GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
         HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, SOFTCAP: tl.constexpr, ART: tl.constexpr,
-        PROBE_STRIDE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+        PROBE_STRIDE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
@@ -325,33 +329,40 @@ if triton is not None:
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         prev = tl.zeros([G_PAD, D_PAD], tl.float32)
         probe = (d % PROBE_STRIDE == 0) & dmask
+        npv = tl.zeros([G_PAD], tl.float32)  # ||prev||, carried from the step before
         stable = tl.full([], 0, tl.int32)
-        i = start
-        if ART:  # a while loop: stops reading once the output is stable (not software-pipelined)
-            while (i < stop) & (stable < patience):
-                m, l, acc, live = _read_block(
-                    i, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
-                    scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h,
-                    sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
-                x = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
-                x = tl.where(probe[None, :], x, 0.0)
-                nx = tl.sqrt(tl.sum(x * x, 1))
-                npv = tl.sqrt(tl.sum(prev * prev, 1))
-                diff = x - prev
-                d_scale = tl.sqrt(tl.sum(diff * diff, 1)) / tl.maximum(nx, 1e-30)
-                d_dir = 1.0 - tl.sum(x * prev, 1) / tl.maximum(nx * npv, 1e-30)
-                ok = ((d_scale < tau) & (d_dir < phi)) | (g >= GROUP)
-                all_ok = tl.min(ok.to(tl.int32), 0) > 0
-                stable = tl.where(live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
-                prev = x
-                i += 1
-            count = i - start
+        if ART:
+            # Chunks of CHUNK steps: the outer while loop stops at the first chunk boundary after
+            # the decision; inside a chunk a pipelined for loop loads every block and turns the
+            # steps after the decision into no-ops, so the result is that of the sequential rule.
+            count = tl.full([], 0, tl.int32)
+            c = start
+            while (c < stop) & (stable < patience):
+                for i in range(c, tl.minimum(c + CHUNK, stop)):
+                    go = stable < patience
+                    m, l, acc, live = _read_block(
+                        i, go, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
+                        scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
+                        sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
+                    x = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
+                    x = tl.where(probe[None, :], x, 0.0)
+                    nx = tl.sqrt(tl.sum(x * x, 1))
+                    diff = x - prev
+                    d_scale = tl.sqrt(tl.sum(diff * diff, 1)) / tl.maximum(nx, 1e-30)
+                    d_dir = 1.0 - tl.sum(x * prev, 1) / tl.maximum(nx * npv, 1e-30)
+                    ok = ((d_scale < tau) & (d_dir < phi)) | (g >= GROUP)
+                    all_ok = tl.min(ok.to(tl.int32), 0) > 0
+                    stable = tl.where(live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
+                    prev = x
+                    npv = nx
+                    count += go.to(tl.int32)
+                c += CHUNK
         else:  # a for loop, which Triton pipelines (loads of the next block overlap this one)
             for i in range(start, stop):
                 m, l, acc, live = _read_block(
-                    i, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
-                    scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h,
-                    sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
+                    i, True, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
+                    scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
+                    sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
             count = tl.maximum(stop - start, 0)
 
         heads64 = heads.to(tl.int64)
@@ -420,7 +431,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             block_map: Tensor | None = None, scale: float | None = None,
                             softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
                             patience: int = 5, block: int = 64, order: int = ORDER_RECENCY,
-                            probe: int = 0, split: bool | None = None, num_warps: int = 4,
+                            probe: int = 0, split: bool | None = None, num_warps: int = 4, num_stages: int = 3,
+                            chunk: int = 4,
                             launch=None) -> tuple[Tensor, Tensor]:
     """Launch the Triton kernel; arguments as ``decode_attention_reference``.
 
@@ -471,6 +483,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     else:
         part_acc = part_m = part_l = dummy
     upcast = q.dtype == torch.float32 or interpreting()
+    if q.element_size() * d > 256:  # wide rows (fp32, head_dim 256): three stages overflow shared memory
+        num_stages = min(num_stages, 2)
     wrap(_kvpass_decode_kernel)[(b, hkv, n_splits)](
         q, k, v, out, mask if mask is not None else dummy, pos,
         q_pos if q_pos is not None else dummy, page_table if page_table is not None else dummy,
@@ -485,8 +499,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         GROUP=h // hkv, G_PAD=_pow2(h // hkv), D=d, D_PAD=_pow2(d), BLOCK=block, PAGE=page,
         ORDER=ORDER_MAP if block_map is not None else order, HAS_MASK=mask is not None,
         HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, SOFTCAP=softcap > 0, ART=art,
-        PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, SPLIT=bool(split), UPCAST=upcast,
-        num_warps=num_warps,
+        PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, SPLIT=bool(split), UPCAST=upcast, CHUNK=chunk,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_splits, D=dv, D_PAD=_pow2(dv))
