@@ -79,6 +79,9 @@ def decode_read_problem(site: Site) -> str | None:
         return f"query length {site.q_len} (decode attention reads for one token)"
     if site.causal == 1:
         return "a top-left causal mask on a single query"
+    q, v = (n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in (site.q, site.v))
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.shape[-1] != v.shape[-1]:
+        return f"query head size {q.shape[-1]} != value head size {v.shape[-1]}"
     if isinstance(mask, torch.Tensor) and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
         return f"a mask of shape {tuple(mask.shape)} (needs [B, 1, 1, L])"
     return None

@@ -1,6 +1,7 @@
 """Triton kernels, each next to its pure-PyTorch reference.
 
-Empty in this release: the foundation's operators are exact attention, which runs on PyTorch's
-fused SDPA on CUDA (``kvpass.lowerings``). The decode-attention kernel (ART early termination,
-paged reads, split-KV), window scoring and page scoring kernels land with their policies.
+* ``decode_attention``: one-token decode attention over a contiguous or paged cache, GQA-packed,
+  with block orders, split-KV and ART early termination (``kvpass::decode_attention``).
+
+Window scoring (SnapKV family) and page scoring (Quest / RaaS) kernels land with their policies.
 """

@@ -5,9 +5,10 @@ operators dispatch to PyTorch's fused SDPA kernels where the semantics match exa
 softcapping; masks converted so fully masked rows give zeros, as the reference does), and to the
 reference otherwise. Inductor keeps these custom operators as extern calls in the compiled graph.
 
-Triton kernels with Inductor lowerings (decode attention with ART termination, paged reads, window
-scoring) replace these implementations as the policy issues land; each sits in ``kvpass.kernels``
-next to its reference. Nothing in this module is a Triton lowering yet.
+Triton kernels replace these implementations as the policy issues land; each sits in
+``kvpass.kernels`` next to its reference. The first, decode attention with ART termination, needs
+no entry here: ``kvpass::decode_attention`` is a ``torch.library.triton_op`` (``kvpass.ops``), so
+Inductor traces into it and its generated code launches the Triton kernel itself.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ different q and v head sizes) keep exact attention through ``kvpass::attention``
 
 from __future__ import annotations
 
-from kvpass.policies.base import DecodeRead, Param, Policy, SitePlan
+from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
 
 
 class ART(Policy):
@@ -34,7 +34,6 @@ class ART(Policy):
     )
 
     def check_config(self) -> None:
-        from kvpass.policies.base import ConfigError
         if self.block & (self.block - 1):
             raise ConfigError(f"policy 'art': parameter 'block' must be a power of two in [16, 1024], "
                               f"got {self.block}")
