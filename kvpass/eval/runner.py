@@ -88,18 +88,13 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def _declared(spec: str) -> set[str]:
-    names = set()
+def policy_params(spec: str, params: dict) -> dict:
+    """The subset of ``params`` that the named policy (or any member of ``a+b``) declares."""
+    declared = set()
     for name in spec.split("+"):
         cls = POLICIES.get(name.strip())
         if cls is not None:
-            names |= {p.name for p in cls.params}
-    return names
-
-
-def policy_params(spec: str, params: dict) -> dict:
-    """The subset of ``params`` that the named policy (or any member of ``a+b``) declares."""
-    declared = _declared(spec)
+            declared |= {p.name for p in cls.params}
     return {k: v for k, v in params.items() if k in declared}
 
 
@@ -153,9 +148,9 @@ class Runner:
         return tokens, ttft, tpot, nll, cache, peak
 
     def compile(self, spec: str, params: dict, compiler: str):
-        params = policy_params(spec, params)
-        if "stats" in _declared(spec):  # ART: count the blocks decode attention reads
-            params.setdefault("stats", True)
+        # ART counts the blocks decode attention reads unless told not to (dropped for policies
+        # without a `stats` parameter).
+        params = policy_params(spec, {"stats": True, **params})
         be = kvpass.backend(spec, compiler=compiler, **params)
         # Every policy compiles the same model.forward: drop the previous policy's graphs, or
         # they pile up against Dynamo's recompile limit.

@@ -83,16 +83,6 @@ def _logical(t: Tensor, page_table: Tensor | None) -> Tensor:
     return g.reshape(g.shape[0], g.shape[1], g.shape[2] * g.shape[3], *g.shape[4:])
 
 
-def block_order(order: int, n_blocks: int, device) -> Tensor:
-    """The step -> block index map of a fixed order, as a [n_blocks] tensor."""
-    steps = torch.arange(n_blocks, device=device)
-    if order == ORDER_NATURAL:
-        return steps
-    if order == ORDER_RECENCY:
-        return torch.where(steps == 0, steps, n_blocks - steps)
-    raise ValueError(f"order must be {ORDER_NATURAL} (natural) or {ORDER_RECENCY} (recency) here, got {order}")
-
-
 def visibility(b: int, hkv: int, length: int, device, mask: Tensor | None, kv_pos: Tensor | None,
                q_pos: Tensor | None, kv_len: Tensor | None, window: int) -> tuple[Tensor, Tensor | None]:
     """(visible [B, H_kv, L] bool, additive mask [B, 1, L] fp32 or None) in the logical layout."""
@@ -106,9 +96,14 @@ def visibility(b: int, hkv: int, length: int, device, mask: Tensor | None, kv_po
             vis &= (qp - kv_pos) < window
     add = None
     if mask is not None:
-        add = additive(mask.reshape(mask.shape[0], -1, mask.shape[-1])[:, -1:, :]).expand(b, 1, length)
+        add = mask_row(mask)[:, None, :].expand(b, 1, length)
         vis &= add > float("-inf")
     return vis, add
+
+
+def mask_row(mask: Tensor) -> Tensor:
+    """The decode query's row of a ``[B|1, 1, 1, L]`` mask as fp32 additive ``[B|1, L]``."""
+    return additive(mask.reshape(mask.shape[0], -1, mask.shape[-1])[:, -1, :])
 
 
 def additive(mask: Tensor) -> Tensor:
@@ -465,8 +460,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
 
     dummy = q.new_empty(1)
     if mask is not None:
-        mask = mask.reshape(mask.shape[0], -1, mask.shape[-1])[:, -1, :]
-        mask = additive(mask).expand(b, mask.shape[-1])
+        mask = mask_row(mask)
+        mask = mask.expand(b, mask.shape[-1])
     pos = kv_pos if kv_pos is not None else dummy
     if kv_pos is not None and page_table is not None:
         p_strides = (kv_pos.stride(0), 0, kv_pos.stride(1))    # [P, page] shared by heads
