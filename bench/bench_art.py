@@ -29,8 +29,10 @@ import kvpass  # noqa: E402
 from kvpass import models, tasks  # noqa: E402
 from kvpass.kernels import decode_attention as K  # noqa: E402
 
-SETTINGS = [  # (tau, phi, patience)
-    (1e-5, 1e-3, 5), (1e-4, 1e-3, 5), (1e-3, 1e-2, 3), (3e-3, 3e-2, 3), (1e-2, 1e-1, 2)]
+SETTINGS = [  # (tau, phi, patience, block)
+    (1e-5, 1e-3, 5, 64), (1e-5, 1e-3, 5, 128), (1e-4, 1e-3, 5, 64), (1e-4, 1e-3, 5, 128),
+    (1e-3, 1e-2, 3, 64), (1e-3, 1e-2, 3, 128), (3e-3, 3e-2, 3, 64), (1e-2, 1e-1, 2, 64)]
+NEVER = 1e-30  # thresholds no step meets: ART's full cost without stopping
 
 
 def timed(fn) -> float:
@@ -80,36 +82,53 @@ def sdpa_best(q, k, v):
 def captured(model, tok, lengths, batch) -> list[dict]:
     rows = []
     for length in lengths:
-        layers = model.config.num_hidden_layers
-        per = -(-batch // layers)
-        qs, ks, vs = [], [], []
-        for ids in prompts(tok, length, per):
-            for q, k, v in capture(model, ids):
-                qs.append(q), ks.append(k), vs.append(v)
-        q, k, v = (torch.cat(t[:batch]) for t in (qs, ks, vs))
+        # Only layers that see the whole context count (sliding-window layers store their window).
+        first = prompts(tok, length, 1)[0]
+        seen = capture(model, first)
+        full_len = max(k.shape[2] for _, k, _ in seen)
+        n_full = sum(k.shape[2] == full_len for _, k, _ in seen)
+        rows_qkv = []
+        for ids in prompts(tok, length, -(-batch // n_full)):
+            rows_qkv += [t for t in capture(model, ids) if t[1].shape[2] == full_len]
+        q, k, v = (torch.cat([t[i] for t in rows_qkv[:batch]]) for i in range(3))
+        del seen, rows_qkv
         exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         t_sdpa = sdpa_best(q, k, v)
         t_full = timed(lambda: K.decode_attention_triton(q, k, v))
         base = dict(context=int(k.shape[2]), batch=int(q.shape[0]), heads=int(q.shape[1]), kv_heads=int(k.shape[1]),
                     head_dim=int(q.shape[-1]), sdpa_ms=t_sdpa * 1e3, full_read_ms=t_full * 1e3)
+        t_unsplit = timed(lambda: K.decode_attention_triton(q, k, v, split=False))
+        base.update(unsplit_read_ms=t_unsplit * 1e3)
         tune = {}
         for warps in (2, 4, 8):
             for stages in (2, 3, 4):
-                kw = dict(tau=1e-3, phi=1e-2, patience=3, num_warps=warps, num_stages=stages)
+                kw = dict(tau=NEVER, phi=NEVER, num_warps=warps, num_stages=stages)
                 tune[(warps, stages)] = timed(lambda: K.decode_attention_triton(q, k, v, **kw))
         warps, stages = min(tune, key=tune.get)
         print("ART launch sweep (warps, stages) -> ms:", {f"{a},{b}": round(t * 1e3, 3) for (a, b), t in tune.items()})
         base.update(num_warps=warps, num_stages=stages)
-        for tau, phi, patience in SETTINGS:
-            kw = dict(tau=tau, phi=phi, patience=patience, num_warps=warps, num_stages=stages)
+        # What the stop rule costs when it never fires, against the same kernel without it
+        overhead = {}
+        for block in (64, 128):
+            for chunk in (4, 8):
+                kw = dict(tau=NEVER, phi=NEVER, block=block, chunk=chunk, num_warps=warps, num_stages=stages)
+                overhead[f"block{block}_chunk{chunk}"] = timed(lambda: K.decode_attention_triton(q, k, v, **kw)) * 1e3
+            t_b = timed(lambda: K.decode_attention_triton(q, k, v, block=block, split=False)) * 1e3
+            overhead[f"block{block}_no_art"] = t_b
+        print("never-stopping ART vs the same read without it (ms):", overhead, flush=True)
+        base.update(never_stop_ms=overhead)
+        chunk = min((4, 8), key=lambda c: overhead[f"block64_chunk{c}"])
+        for tau, phi, patience, block in SETTINGS:
+            kw = dict(tau=tau, phi=phi, patience=patience, block=block, chunk=chunk, num_warps=warps,
+                      num_stages=stages)
             out, vis = K.decode_attention_triton(q, k, v, **kw)
             t = timed(lambda: K.decode_attention_triton(q, k, v, **kw))
             err = ((out.float() - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-6)).mean().item()
-            nb = -(-k.shape[2] // 64)
-            rows.append(dict(base, tau=tau, phi=phi, patience=patience, blocks_read=vis.float().mean().item() / nb,
+            nb = -(-k.shape[2] // block)
+            rows.append(dict(base, tau=tau, phi=phi, patience=patience, block=block, chunk=chunk, blocks_read=vis.float().mean().item() / nb,
                              rel_err=err, art_ms=t * 1e3, speedup_vs_sdpa=t_sdpa / t))
             print(json.dumps(rows[-1]), flush=True)
-        del q, k, v, qs, ks, vs
+        del q, k, v
         torch.cuda.empty_cache()
     return rows
 
@@ -128,6 +147,10 @@ def e2e(model, tok, length, batch, steps, policies) -> list[dict]:
     tok_in = torch.full((batch, 1), 42, device=dev)
     out = []
     for name, params in policies:
+        # A StaticCache layer writes at its own running length (``cumulative_length``), whatever
+        # cache_position says: rewind it, so every policy decodes from the same prompt.
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(length)
         torch._dynamo.reset()
         be = kvpass.backend(name, **params)
         fwd = torch.compile(model.forward, backend=be, fullgraph=True)
@@ -174,7 +197,7 @@ def main() -> None:
     model, tok = models.load(args.model, dtype=torch.bfloat16, device="cuda")
     skip = set(args.skip.split(","))
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, model=args.model, dtype="bfloat16", block=64)
+                torch=torch.__version__, model=args.model, dtype="bfloat16")
     res = dict(meta=meta)
     if "captured" not in skip:
         res["captured"] = captured(model, tok, [int(x) for x in args.lengths.split(",")], args.batch)
@@ -183,22 +206,30 @@ def main() -> None:
                 ("art", dict(tau=1e-2, phi=1e-1, patience=2))]
         res["e2e"] = e2e(model, tok, args.e2e_length, args.batch, args.steps, pols)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "art.json").write_text(json.dumps(res, indent=2))
-    lines = [f"# ART on {args.model}, {meta['gpu']}, {meta['date']}", "", f"torch {meta['torch']}, bf16, block 64.", ""]
+    (args.out / f"art_{args.model}.json").write_text(json.dumps(res, indent=2))
+    lines = [f"# ART on {args.model}, {meta['gpu']}, {meta['date']}", "", f"torch {meta['torch']}, bf16.", ""]
     if "captured" in res:
         lines += ["## Captured decode attention (batch = (prompt, layer) rows)", "",
-                  "| context | tau | phi | p | blocks read | rel. L2 error | SDPA ms | ART ms | speedup vs SDPA |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| context | tau | phi | p | block | blocks read | rel. L2 error | SDPA ms | ART ms | speedup vs SDPA |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["captured"]:
-            lines.append(f"| {r['context']} | {r['tau']:g} | {r['phi']:g} | {r['patience']} | {r['blocks_read']:.0%} | "
+            lines.append(f"| {r['context']} | {r['tau']:g} | {r['phi']:g} | {r['patience']} | {r['block']} | "
+                         f"{r['blocks_read']:.0%} | "
                          f"{r['rel_err']:.1e} | {r['sdpa_ms']:.3f} | {r['art_ms']:.3f} | {r['speedup_vs_sdpa']:.2f} |")
+    if "captured" in res:
+        lines += ["", "### The stop rule's cost when it never fires (ms; same process)", "",
+                  "| context | SDPA | read, no ART, unsplit | " + " | ".join(res["captured"][0]["never_stop_ms"]) + " |",
+                  "|---|---|---|" + "---|" * len(res["captured"][0]["never_stop_ms"])]
+        for r in {r["context"]: r for r in res["captured"]}.values():
+            lines.append(f"| {r['context']} | {r['sdpa_ms']:.3f} | {r['unsplit_read_ms']:.3f} | "
+                         + " | ".join(f"{t:.3f}" for t in r["never_stop_ms"].values()) + " |")
     if "e2e" in res:
         lines += ["", f"## End to end: batch {args.batch}, {args.e2e_length}-token prompt, StaticCache, Inductor", "",
                   "| policy | params | step ms | tokens/s | ratio vs full |", "|---|---|---|---|---|"]
         for r in res["e2e"]:
             lines.append(f"| {r['policy']} | {r['params']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
                          f"{r['ratio_vs_full']:.2f} |")
-    (args.out / "art.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"art_{args.model}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -215,17 +215,20 @@ def _stable(x: Tensor, prev: Tensor, tau: float, phi: float) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def _sum3(a0, a1, a2, b0, b1, b2):
+        return a0 + b0, a1 + b1, a2 + b2
+
+    @triton.jit
     def _read_block(
-        i, go, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
-        scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l,
+        i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
+        scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l,
         st_b, smap_b, smap_h, BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, SOFTCAP: tl.constexpr,
-        UPCAST: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """Step ``i``: read one block (in the chosen order) into the streaming-softmax state.
 
-        ``go`` false turns the step into a no-op (the block may be loaded, it is not used): ART's
-        pipelined loop keeps its loads independent of the decision taken one step earlier."""
+        Entries at or past ``limit`` (the sequence's length) are outside the cache. Also returns
+        whether the block had any visible entry (ART's neutral empty blocks)."""
         if ORDER == 0:
             j = i
         elif ORDER == 1:
@@ -233,10 +236,7 @@ if triton is not None:
         else:
             j = tl.load(Map + b * smap_b + hk * smap_h + i).to(tl.int32)
         offs = j * BLOCK + tl.arange(0, BLOCK)
-        if HAS_LEN:
-            valid = offs < tl.load(KvLen + b)
-        else:
-            valid = offs < length
+        valid = offs < limit
         if PAGE > 0:
             page = tl.load(Table + b * st_b + offs // PAGE, mask=valid, other=0).to(tl.int64)
             rows_k = page * sk_0 + hk * sk_h + (offs % PAGE) * sk_l
@@ -257,8 +257,6 @@ if triton is not None:
             valid = valid & (add != float("-inf"))
         kt = tl.load(K + rows_k[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         vt = tl.load(V + rows_v[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        valid = valid & go
-        live = tl.max(valid.to(tl.int32), 0) > 0  # a block with nothing visible changes nothing
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -274,7 +272,9 @@ if triton is not None:
         if HAS_MASK:
             s += tl.where(valid, add, 0.0)[None, :] * 1.4426950408889634
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        row_max = tl.max(s, 1)
+        live = tl.max(row_max, 0) > float("-inf")  # a block with nothing visible changes nothing
+        m_new = tl.maximum(m, row_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
@@ -310,9 +310,10 @@ if triton is not None:
             q = q.to(tl.float32)
         qk_scale = scale * 1.4426950408889634  # exp2 domain
 
-        nb = n_blocks
+        limit = length  # entries past a sequence's length are outside its cache
         if HAS_LEN:
-            nb = tl.minimum(tl.cdiv(tl.load(KvLen + b).to(tl.int32), BLOCK), n_blocks)
+            limit = tl.load(KvLen + b).to(tl.int32)
+        nb = tl.minimum(tl.cdiv(limit, BLOCK), n_blocks)
         qp = 0
         if HAS_POS:
             qp = tl.load(QPos + b)
@@ -322,42 +323,56 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        prev = tl.zeros([G_PAD, D_PAD], tl.float32)
-        probe = (d % PROBE_STRIDE == 0) & dmask
-        npv = tl.zeros([G_PAD], tl.float32)  # ||prev||, carried from the step before
-        stable = tl.full([], 0, tl.int32)
         if ART:
-            # Chunks of CHUNK steps: the outer while loop stops at the first chunk boundary after
-            # the decision; inside a chunk a pipelined for loop loads every block and turns the
-            # steps after the decision into no-ops, so the result is that of the sequential rule.
+            # The read runs on, and the stop rule watches it: after each block the probe's change
+            # is measured, and when the patience-th stable step in a row arrives, the state at that
+            # step is kept (m_s, l_s, acc_s). Nothing on the read's own dependency chain waits for
+            # the decision, so the loads and dots of the next blocks overlap the stability math.
+            # The outer while loop leaves at the first chunk boundary after the stop; the few blocks
+            # read past it inside a chunk are discarded, so the result is the sequential rule's.
+            prev = tl.zeros([G_PAD, D_PAD], tl.float32)
+            npv = tl.zeros([G_PAD], tl.float32)  # ||prev||
+            probe = (d % PROBE_STRIDE == 0) & dmask
+            stable = tl.full([], 0, tl.int32)
             count = tl.full([], 0, tl.int32)
+            m_s, l_s, acc_s = m, l, acc
             c = start
             while (c < stop) & (stable < patience):
                 for i in range(c, tl.minimum(c + CHUNK, stop)):
-                    go = stable < patience
                     m, l, acc, live = _read_block(
-                        i, go, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
-                        scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
-                        sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
+                        i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
+                        scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
+                        sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
                     x = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
                     x = tl.where(probe[None, :], x, 0.0)
-                    nx = tl.sqrt(tl.sum(x * x, 1))
                     diff = x - prev
-                    d_scale = tl.sqrt(tl.sum(diff * diff, 1)) / tl.maximum(nx, 1e-30)
-                    d_dir = 1.0 - tl.sum(x * prev, 1) / tl.maximum(nx * npv, 1e-30)
+                    # one reduction over head_dim for all three sums (each is a cross-warp exchange)
+                    sxx, sdd, sxp = tl.reduce((x * x, diff * diff, x * prev), 1, _sum3)
+                    nx = tl.sqrt(sxx)
+                    d_scale = tl.sqrt(sdd) / tl.maximum(nx, 1e-30)
+                    d_dir = 1.0 - sxp / tl.maximum(nx * npv, 1e-30)
                     ok = ((d_scale < tau) & (d_dir < phi)) | (g >= GROUP)
                     all_ok = tl.min(ok.to(tl.int32), 0) > 0
-                    stable = tl.where(live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
+                    running = stable < patience
+                    stable = tl.where(running & live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
+                    count += running.to(tl.int32)
+                    done = running & (stable >= patience)
+                    m_s = tl.where(done, m, m_s)
+                    l_s = tl.where(done, l, l_s)
+                    acc_s = tl.where(done, acc, acc_s)
                     prev = x
                     npv = nx
-                    count += go.to(tl.int32)
                 c += CHUNK
+            stopped = stable >= patience
+            m = tl.where(stopped, m_s, m)
+            l = tl.where(stopped, l_s, l)
+            acc = tl.where(stopped, acc_s, acc)
         else:  # a for loop, which Triton pipelines (loads of the next block overlap this one)
             for i in range(start, stop):
                 m, l, acc, live = _read_block(
-                    i, True, nb, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, KvLen, Map,
-                    scale, qk_scale, softcap, window, length, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
-                    sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, HAS_LEN, SOFTCAP, UPCAST)
+                    i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
+                    scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
+                    sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
             count = tl.maximum(stop - start, 0)
 
         heads64 = heads.to(tl.int64)

@@ -45,11 +45,13 @@ def test_full_read_equals_reference(b, h, hkv, length, d, dtype):
 
 
 @pytest.mark.parametrize("b,h,hkv,length,d", [(16, 32, 8, 32768, 128), (64, 9, 3, 8192, 64), (4, 8, 2, 16384, 256)])
-def test_termination_equals_reference_fp32(b, h, hkv, length, d):
-    """ART decisions in fp32 (ieee dots): the kernel stops where the reference stops."""
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_termination_equals_reference_fp32(b, h, hkv, length, d, chunk):
+    """ART decisions in fp32 (ieee dots): the kernel stops where the reference stops, and the blocks
+    a chunk reads past the stop are discarded."""
     q, k, v = tensors(b, h, hkv, length, d, torch.float32, seed=1)
     kw = dict(tau=1e-2, phi=1e-3, patience=3)
-    out, vis = K.decode_attention_triton(q, k, v, **kw)
+    out, vis = K.decode_attention_triton(q, k, v, chunk=chunk, **kw)
     ref, vis_r = K.decode_attention_reference(q, k, v, **kw)
     same = vis == vis_r
     assert same.float().mean() >= 0.99, (vis, vis_r)
