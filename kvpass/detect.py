@@ -77,6 +77,8 @@ class Site:
     positions: fx.Node | None = None  # integer position tensor behind the RoPE producer
     residual: fx.Node | None = None
     phase: str = "unknown"           # "prefill" | "decode" | "append" | "dynamic" (set per graph)
+    tokens: fx.Node | None = None    # the graph's input token ids (the embedding's input), if any
+    global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
 
     @property
@@ -474,4 +476,21 @@ def detect(gm: fx.GraphModule) -> Detection:
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)
         sites.append(found)
+    tokens = _token_ids(gm)
+    global_layers = tuple(s.layer for s in sites if not s.sliding_window)
+    for s in sites:
+        s.tokens, s.global_layers = tokens, global_layers
     return Detection(sites, problems)
+
+
+def _token_ids(gm: fx.GraphModule) -> fx.Node | None:
+    """The integer ids fed to the first embedding lookup, when they are a graph input."""
+    for n in gm.graph.nodes:
+        if is_fn(n, {F.embedding, torch.embedding}) and n.args:
+            ids = n.args[0]
+            ex = val(ids)
+            if (isinstance(ids, fx.Node) and ids.op == "placeholder" and isinstance(ex, torch.Tensor)
+                    and not ex.is_floating_point()):
+                return ids
+            return None
+    return None

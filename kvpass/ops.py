@@ -26,9 +26,19 @@ Operators
     Appends the new K/V to the stored ones and returns ``(k, v, kv_pos, q_pos)``; positions come
     from the generation state (see ``kvpass.state``). Reads the state, never writes it.
 
-``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site)``
+``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?)``
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
-    Records the kept positions in the generation state (idempotent for equal inputs).
+    Records the kept positions in the generation state (idempotent for equal inputs). ``tokens``
+    (the call's input ids) is passed when the policy's plan asks for it (SABlock's punctuation).
+
+``kvpass::window_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
+    Attention that the window queries ``q [B, H, W, D]`` give each key, summed over the window
+    and over the query heads of each KV group (``kvpass.kernels.window_scores``); the scorer of the
+    SnapKV family. A ``triton_op``: Triton on CUDA, ``kvpass::window_scores_ref`` elsewhere.
+
+``kvpass::gather_kv(k, v, idx) -> (k_kept, v_kept)``
+    Compaction of the kept entries ``idx [B, H_kv, n]`` into fresh contiguous tensors
+    (``kvpass.kernels.gather``). A ``triton_op``: Triton on CUDA, ``kvpass::gather_kv_ref`` elsewhere.
 
 ``kvpass::decode_attention(q, k, v, mask?, kv_pos?, q_pos?, page_table?, kv_len?, block_map?, scale,
 softcap, window, tau, phi, patience, block, order, probe) -> (out, visited)``
@@ -53,6 +63,8 @@ from torch import Tensor
 
 from kvpass import runtime
 from kvpass.kernels import decode_attention as _decode
+from kvpass.kernels import gather as _gather
+from kvpass.kernels import window_scores as _wscores
 from kvpass.runtime import past_length
 
 # ----------------------------------------------------------------------------------------------
@@ -199,13 +211,13 @@ def _(k_past, v_past, k_new, v_new, mask, handle, site):
 
 @torch.library.custom_op("kvpass::compact", mutates_args=())
 def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, handle: int,
-            site: int) -> tuple[Tensor, Tensor]:
-    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos)
+            site: int, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens)
     return k_out.contiguous(), v_out.contiguous()
 
 
 @compact.register_fake
-def _(q, k, v, kv_pos, q_pos, handle, site):
+def _(q, k, v, kv_pos, q_pos, handle, site, tokens=None):
     keep = runtime.get(handle).stored_length(site, k.shape[2])
     b, hkv = k.shape[:2]
     return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))
@@ -257,6 +269,47 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_po
                                                  scale, softcap, window, tau, phi, patience, block, order, probe)
 
 
+@torch.library.custom_op("kvpass::window_scores_ref", mutates_args=())
+def window_scores_ref(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float,
+                      softcap: float) -> Tensor:
+    return _wscores.window_scores_reference(q, k, kv_pos, q_pos, scale, softcap)
+
+
+@window_scores_ref.register_fake
+def _(q, k, kv_pos, q_pos, scale, softcap):
+    return q.new_empty((q.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
+
+
+@torch.library.triton_op("kvpass::window_scores", mutates_args=())
+def window_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
+    """Window attention per key, summed over window queries and group heads; see
+    ``kvpass.kernels.window_scores``. Triton on CUDA, the reference operator elsewhere."""
+    if q.device.type == "cuda" and _wscores.triton is not None:
+        return _wscores.window_scores_triton(q, k, kv_pos, q_pos, scale, softcap, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.window_scores_ref(q, k, kv_pos, q_pos, scale, softcap)
+
+
+@torch.library.custom_op("kvpass::gather_kv_ref", mutates_args=())
+def gather_kv_ref(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    return _gather.gather_reference(k, idx), _gather.gather_reference(v, idx)
+
+
+@gather_kv_ref.register_fake
+def _(k, v, idx):
+    n = idx.shape[-1]
+    return k.new_empty(k.shape[:2] + (n, k.shape[-1])), v.new_empty(v.shape[:2] + (n, v.shape[-1]))
+
+
+@torch.library.triton_op("kvpass::gather_kv", mutates_args=())
+def gather_kv(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V rows at ``idx [B, H_kv, n]`` as fresh contiguous tensors; see ``kvpass.kernels.gather``.
+    Triton on CUDA, the reference operator elsewhere."""
+    if k.device.type == "cuda" and _gather.triton is not None:
+        wrap = torch.library.wrap_triton
+        return _gather.gather_triton(k, idx, launch=wrap), _gather.gather_triton(v, idx, launch=wrap)
+    return torch.ops.kvpass.gather_kv_ref(k, v, idx)
+
+
 @torch.library.custom_op("kvpass::count_visits", mutates_args=())
 def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: int, site: int) -> Tensor:
     """Passes ``out`` through and adds ``visited`` (blocks read per KV group) to the run statistics.
@@ -282,4 +335,8 @@ OPS = {
     "decode_attention": decode_attention,
     "decode_attention_ref": decode_attention_ref,
     "count_visits": count_visits,
+    "window_scores": window_scores,
+    "window_scores_ref": window_scores_ref,
+    "gather_kv": gather_kv,
+    "gather_kv_ref": gather_kv_ref,
 }

@@ -99,7 +99,8 @@ def _attention_only(graph: fx.Graph, site: Site, read: DecodeRead | None, handle
     _erase(graph, [site.out] + site.erase)
 
 
-def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
+def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
+              tokens: fx.Node | None = None) -> None:
     with graph.inserting_before(_first(graph, [site.k, site.v])):
         upd = graph.call_function(OPS.cache_update.default, (
             site.k_past, site.v_past, site.k_new, site.v_new, site.mask, handle, site.layer))
@@ -112,7 +113,9 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int)
         else:
             att = graph.call_function(OPS.attention_pos.default, (
                 q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))
-        cmp = graph.call_function(OPS.compact.default, (site.q, k_all, v_all, kv_pos, q_pos, handle, site.layer))
+        # q as attention uses it (a symbolic scale folded in), so a scoring policy sees the real logits
+        args = (q, k_all, v_all, kv_pos, q_pos, handle, site.layer) + ((tokens,) if tokens is not None else ())
+        cmp = graph.call_function(OPS.compact.default, args)
     k_st, v_st = _items(graph, cmp, 2)
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)
@@ -164,7 +167,7 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
         plan = plans[site.layer]
         read = plan.read
         if plan.evict:
-            _evicting(graph, site, read, handle)
+            _evicting(graph, site, read, handle, site.tokens if plan.tokens else None)
             evicting.append(site)
         elif plan.attention:
             _attention_only(graph, site, read, handle)

@@ -84,16 +84,16 @@ class Runtime:
             kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
         return kv_pos.contiguous(), q_pos
 
-    def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor):
+    def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor,
+                tokens: Tensor | None = None):
         info = self.sites[site]
-        keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site))
+        extra = {} if tokens is None else {"tokens": tokens}  # only policies that plan for tokens get them
+        keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site), **extra)
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         if keep is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
         else:
-            idx = keep[..., None]
-            k_out = k.gather(2, idx.expand(-1, -1, -1, k.shape[-1]))
-            v_out = v.gather(2, idx.expand(-1, -1, -1, v.shape[-1]))
+            k_out, v_out = torch.ops.kvpass.gather_kv(k, v, keep)  # Triton compaction on CUDA
             pos = kv_pos.gather(2, keep)
         seen = int(q_pos[0, -1]) + 1
         self.state.set_layer(site, pos, seen, fresh=fresh)

@@ -462,6 +462,40 @@ def test_opcheck_count_visits(rt):
     assert rt.blocks_read() is not None
 
 
+def _window_args(softcap: float):
+    gen = torch.Generator().manual_seed(14)
+    q, k = _randn((B, H, 5, D), gen, torch.float32), _randn((B, HKV, 23, D), gen, torch.float32)
+    kv_pos = torch.arange(23).expand(B, HKV, 23).clone()
+    kv_pos[1, :, :4] = -1                                               # left padding in row 1
+    return q, k, kv_pos, torch.arange(18, 23).expand(B, 5).contiguous(), D ** -0.5, softcap
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_opcheck_window_scores(softcap):
+    """A triton_op: its fake is its own body, which on CPU calls ``window_scores_ref``."""
+    opcheck("window_scores", _window_args(softcap))
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_opcheck_window_scores_ref(softcap):
+    opcheck("window_scores_ref", _window_args(softcap))
+
+
+def _gather_args():
+    gen = torch.Generator().manual_seed(15)
+    k, v = _randn((B, HKV, 19, D), gen, torch.float32), _randn((B, HKV, 19, 2 * D), gen, torch.float32)
+    idx = torch.stack([torch.randperm(19, generator=gen)[:7].sort().values for _ in range(B * HKV)])
+    return k, v, idx.view(B, HKV, 7)
+
+
+def test_opcheck_gather_kv():
+    opcheck("gather_kv", _gather_args())
+
+
+def test_opcheck_gather_kv_ref():
+    opcheck("gather_kv_ref", _gather_args())
+
+
 def test_every_op_is_opchecked():
     """A new operator in kvpass.ops.OPS must get a ``test_opcheck_<name>...`` test here."""
     tests = [name for name in globals() if name.startswith("test_opcheck_")]

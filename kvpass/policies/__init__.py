@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from kvpass.policies.art import ART
 from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
+from kvpass.policies.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
 from kvpass.policies.full import Full
+from kvpass.policies.pyramidkv import PyramidKV
+from kvpass.policies.sablock import SABlock
+from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,
+                                                                SABlock)}
 
 # Named in DESIGN.md and on the roadmap, not implemented yet: asking for one is a clear error.
 PLANNED = ("asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter", "raas", "quest", "a3",
-           "a3+evict", "full_reuse", "pie", "cacheblend", "legolink", "sablock", "snapkv", "pyramidkv",
-           "chunkkv", "h2o")
+           "a3+evict", "full_reuse", "pie", "cacheblend", "legolink", "h2o")
 
 
 def available() -> list[str]:

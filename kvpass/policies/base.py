@@ -37,13 +37,15 @@ class Param:
     doc: str = ""
 
     def range_text(self) -> str:
-        if self.kind in (str, bool):
+        if self.kind not in (int, float):
             return self.kind.__name__
         lo = "-inf" if self.lo is None else self.lo
         hi = "inf" if self.hi is None else self.hi
         return f"{self.kind.__name__} in [{lo}, {hi}]"
 
     def check(self, policy: str, value: Any) -> Any:
+        if value is None and self.default is None:
+            return None  # an optional parameter left unset (the policy's check_config decides)
         ok_type = isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok_type = float(value), True
@@ -76,6 +78,7 @@ class SitePlan:
     attention: bool = True   # route the attention call through a kvpass operator
     evict: bool = False      # rewrite the cache update so the policy decides what is stored
     read: DecodeRead | None = None  # decode steps read the cache with ART decode attention
+    tokens: bool = False     # compact receives the call's input token ids (select(..., tokens=...))
 
     def describe(self) -> str:
         r = self.read
@@ -111,7 +114,10 @@ class Policy:
         return total
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
-        """Indices [B, H_kv, stored_length] (ascending) of entries to keep, or None to keep all."""
+        """Indices [B, H_kv, stored_length] (ascending) of entries to keep, or None to keep all.
+
+        A policy whose plan sets ``SitePlan.tokens`` also receives ``tokens=`` (the input ids of the
+        call, ``[B, L_new]``) and must accept that keyword."""
         return None
 
     # -- identity -------------------------------------------------------------------------------
