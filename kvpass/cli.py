@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         params = parse_params(args.param)
         if args.budget is not None:
             params["budget"] = args.budget
+        from kvpass.eval.runner import policy_params
+        params = {**policy_params(args.policy, {"tokenizer": tokenizer}), **params}  # sablock's punctuation
         ids = tokenizer("kvpass explains what it finds in this model.", return_tensors="pt").input_ids
         kvpass.explain(model, {"input_ids": ids.to(args.device), "use_cache": True}, policy=args.policy, **params)
         return 0

@@ -148,9 +148,9 @@ class Runner:
         return tokens, ttft, tpot, nll, cache, peak
 
     def compile(self, spec: str, params: dict, compiler: str):
-        # ART counts the blocks decode attention reads unless told not to (dropped for policies
-        # without a `stats` parameter).
-        params = policy_params(spec, {"stats": True, **params})
+        # ART counts the blocks decode attention reads unless told not to; SABlock derives its
+        # punctuation ids from the model's tokenizer (both dropped for policies that do not declare them).
+        params = policy_params(spec, {"stats": True, "tokenizer": self.tokenizer, **params})
         be = kvpass.backend(spec, compiler=compiler, **params)
         # Every policy compiles the same model.forward: drop the previous policy's graphs, or
         # they pile up against Dynamo's recompile limit.

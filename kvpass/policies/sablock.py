@@ -21,11 +21,12 @@ for every prefill policy, see ``kvpass.policies.prefill``):
 4. **Adjusted scores** ``s'_j = s_j (1 + beta w_S)``: one positive factor per segment, so the order
    of tokens inside a segment never changes. The global top ``budget - window`` of ``s'`` gives
    each segment its quota ``b_S`` (how many of its tokens survive).
-5. **Block search** per segment, for sizes 9, 7, 5, 3, 1 in turn: cut the segment into blocks of
-   that size from its first token, take the blocks with the highest score sums until ``b_S``
-   tokens are covered, trim the last block to its best tokens. Accept the first size whose kept
-   score is at least ``theta`` times the score of the segment's token-level top ``b_S``; size 1 is
-   the token-level top ``b_S`` itself, so a size is always found and every quota is met exactly.
+5. **Block search** per segment, for sizes 9, 7, 5, 3, 1 in turn, skipping sizes above ``b_S`` (a
+   block larger than the quota cannot be kept whole): cut the segment into blocks of that size
+   from its first token, take the blocks with the highest score sums until ``b_S`` tokens are
+   covered, trim the last block to its best tokens. Accept the first size whose kept score is at
+   least ``theta`` times the score of the segment's token-level top ``b_S``; size 1 is the
+   token-level top ``b_S`` itself, so a size is always found and every quota is met exactly.
 
 The paper's formulas and values were lost (DESIGN.md 3); these are the choices, and why:
 
@@ -44,9 +45,9 @@ The paper's formulas and values were lost (DESIGN.md 3); these are the choices, 
 * ``theta = 0.9``: a block may give up at most 10 % of the attention mass the token-level choice
   would keep. Larger blocks keep the neighbours of important tokens (local syntax, RoPE locality),
   which the scores cannot see but generation needs; 10 % is the price paid for that. With large
-  quotas blocks cover the important tokens at almost no loss and size 9 wins; with quotas of one
-  or two tokens a block can rarely hold both the best tokens, and the search falls back to
-  token-level selection.
+  quotas blocks cover the important tokens at almost no loss and size 9 wins; with small quotas a
+  few blocks cannot reach scattered important tokens, and the search falls back to token-level
+  selection (always below a quota of 3).
 * block sizes 9, 7, 5, 3, 1 (DESIGN.md): odd sizes centred like SnapKV's pooling kernel of 7,
   the largest a little above it.
 
@@ -128,7 +129,7 @@ def block_search(x: Tensor, seg: Tensor, quota_seg: Tensor, theta: float,
         chosen = scoring.block_fill(x, seg, size, quota_seg)
         ratio = torch.where(token_level > 0, covered(chosen) / torch.where(token_level > 0, token_level, 1.0), 1.0)
         picks.append(chosen)
-        accepted.append(ratio >= theta)
+        accepted.append((ratio >= theta) & ((quota_seg >= size) | (size == 1)))
     accepted.append(torch.ones_like(accepted[0]))        # never needed when 1 is among the sizes
     first = torch.stack(accepted).int().argmax(0).clamp(max=len(sizes) - 1)   # [R, N]: first accepted size
     stacked = torch.stack(picks)
