@@ -442,7 +442,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
                             patience: int = 5, block: int = 64, order: int = ORDER_RECENCY,
                             probe: int = 0, split: bool | None = None, num_warps: int = 4, num_stages: int = 3,
-                            chunk: int = 4,
+                            chunk: int = 8,
                             launch=None) -> tuple[Tensor, Tensor]:
     """Launch the Triton kernel; arguments as ``decode_attention_reference``.
 

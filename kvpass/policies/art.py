@@ -27,7 +27,7 @@ class ART(Policy):
         Param("tau", float, 1e-5, 0.0, 1.0, "relative output change below which a block is stable"),
         Param("phi", float, 1e-3, 0.0, 1.0, "direction change (1 - cos) below which a block is stable"),
         Param("patience", int, 5, 1, 1 << 20, "consecutive stable blocks before the rest is skipped"),
-        Param("block", int, 64, 16, 1024, "KV entries per block (a power of two)"),
+        Param("block", int, 128, 16, 1024, "KV entries per block (a power of two)"),
         Param("order", str, "recency", doc="block order: 'recency' (0, n-1, ..., 1) or 'natural'"),
         Param("probe", int, 0, 0, 1 << 16, "probe elements of head_dim (0: all)"),
         Param("stats", bool, False, doc="count blocks read (Backend.runtime.blocks_read())"),

@@ -65,7 +65,7 @@ class DecodeRead:
     tau: float = 0.0
     phi: float = 0.0
     patience: int = 5
-    block: int = 64
+    block: int = 128
     order: int = 1           # kvpass.kernels.decode_attention.ORDER_*
     probe: int = 0           # probe elements (0: all of head_dim)
     stats: bool = False      # count blocks read (kvpass::count_visits)
