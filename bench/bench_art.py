@@ -202,8 +202,7 @@ def main() -> None:
     if "captured" not in skip:
         res["captured"] = captured(model, tok, [int(x) for x in args.lengths.split(",")], args.batch)
     if "e2e" not in skip:
-        pols = [("full", {}), ("art", {}), ("art", dict(tau=1e-3, phi=1e-2, patience=3)),
-                ("art", dict(tau=1e-2, phi=1e-1, patience=2))]
+        pols = [("full", {}), ("art", {}), ("art", dict(tau=1e-4)), ("art", dict(tau=1e-3, phi=1e-2, patience=3))]
         res["e2e"] = e2e(model, tok, args.e2e_length, args.batch, args.steps, pols)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"art_{args.model}.json").write_text(json.dumps(res, indent=2))

@@ -112,7 +112,9 @@ class Runner:
             torch.cuda.synchronize(self.device)
 
     def _step(self, fwd, ids: torch.Tensor, cache) -> torch.Tensor:
-        return fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].float()
+        # logits of the last position only: a 128k-token prefill would otherwise materialise
+        # [128k, vocab] logits, gigabytes that would dominate the peak memory being measured
+        return fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
     @torch.no_grad()
     def generate(self, fwd, input_ids: list[int], max_new_tokens: int, forced: list[int] | None = None,
