@@ -50,17 +50,21 @@ class PrefillEviction(Policy):
         return SitePlan(attention=True, evict=True)
 
     def layer_budget(self, site) -> int:
-        """Entries this site keeps after prefill."""
+        """Entries this site keeps after a prefill longer than it."""
         return self.budget
+
+    def kept(self, site, total):
+        """Entries this site keeps from a ``total``-entry prompt (SymInt-safe)."""
+        return torch.sym_min(total, self.layer_budget(site))
 
     def stored_length(self, site, total):
         if site.phase != "prefill":
             return total                    # decode / append: nothing is evicted
-        return torch.sym_min(total, self.layer_budget(site))
+        return self.kept(site, total)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None):
         n = kv_pos.shape[-1]
-        keep = self.layer_budget(site)
+        keep = self.kept(site, n)
         if n != q_pos.shape[1] or n <= keep:  # not a prefill, or nothing to evict
             return None
         valid, forced = scoring.window_layout(kv_pos, self.window)

@@ -12,10 +12,16 @@ exactly: the **mean** layer budget is ``budget`` (window included), the first la
 ``2 budget``, the last ``window + c / steepness``. ``steepness`` 20 is PyramidKV's beta. A model with
 one global layer keeps ``budget``. Sliding-window layers are not counted (left to the model).
 
+As in PyramidKV's code, a prompt no longer than ``budget`` is kept whole in every layer (so
+``budget >= prompt length`` equals ``full``); the schedule applies to longer prompts. Under
+``dynamic=True`` this puts a guard on the prompt length at ``budget`` (one graph each side).
+
 Scoring is SnapKV's: window votes summed over the GQA group per KV head, max-pooled.
 """
 
 from __future__ import annotations
+
+import torch
 
 from kvpass.policies import scoring
 from kvpass.policies.base import Param
@@ -45,6 +51,11 @@ class PyramidKV(PrefillEviction):
     def check_config(self) -> None:
         super().check_config()
         check_pooling(self)
+
+    def kept(self, site, total):
+        if total <= self.budget:          # PyramidKV compresses only prompts longer than the budget
+            return total
+        return torch.sym_min(total, self.layer_budget(site))
 
     def layer_budget(self, site) -> int:
         layers = site.global_layers or (site.layer,)
