@@ -28,8 +28,9 @@ Operators
 
 ``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?)``
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
-    Records the kept positions in the generation state (idempotent for equal inputs). ``tokens``
-    (the call's input ids) is passed when the policy's plan asks for it (SABlock's punctuation).
+    Records the kept positions in the generation state (idempotent for equal inputs). ``q`` comes
+    with the softmax scale folded in (``q . k`` is the logit, before softcapping); ``tokens`` (the
+    call's input ids) is passed when the policy's plan asks for it (SABlock's punctuation).
 
 ``kvpass::window_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
     Attention that the window queries ``q [B, H, W, D]`` give each key, summed over the window
@@ -41,7 +42,7 @@ Operators
     (``kvpass.kernels.gather``). A ``triton_op``: Triton on CUDA, ``kvpass::gather_kv_ref`` elsewhere.
 
 ``kvpass::decode_attention(q, k, v, mask?, kv_pos?, q_pos?, page_table?, kv_len?, block_map?, scale,
-softcap, window, tau, phi, patience, block, order, probe) -> (out, visited)``
+softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visited)``
     One-token decode attention read block by block with ART early termination, over a contiguous
     or paged cache (``kvpass.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
     launch its Triton kernel directly; elsewhere it runs ``kvpass::decode_attention_ref``.
@@ -238,14 +239,15 @@ def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
                          q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
                          block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
                          phi: float, patience: int, block: int, order: int,
-                         probe: int) -> tuple[Tensor, Tensor]:
+                         probe: int, horizon: int) -> tuple[Tensor, Tensor]:
     return _decode.decode_attention_reference(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
-                                              scale, softcap, window, tau, phi, patience, block, order, probe)
+                                              scale, softcap, window, tau, phi, patience, block, order, probe,
+                                              horizon)
 
 
 @decode_attention_ref.register_fake
 def _(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map, scale, softcap, window, tau, phi,
-      patience, block, order, probe):
+      patience, block, order, probe, horizon):
     b, h = q.shape[:2]
     return (q.new_empty((b, h, 1, v.shape[-1])),
             q.new_empty((b, k.shape[1]), dtype=torch.int32))
@@ -255,7 +257,8 @@ def _(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map, scale, softca
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_pos: Tensor | None,
                      q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
                      block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
-                     phi: float, patience: int, block: int, order: int, probe: int) -> tuple[Tensor, Tensor]:
+                     phi: float, patience: int, block: int, order: int, probe: int,
+                     horizon: int) -> tuple[Tensor, Tensor]:
     """Decode attention with ART termination; see ``kvpass.kernels.decode_attention``.
 
     A ``triton_op``: under ``torch.compile`` Inductor traces into it and the compiled CUDA graph
@@ -264,9 +267,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_po
     if q.device.type == "cuda" and _decode.triton is not None:
         return _decode.decode_attention_triton(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
                                                scale, softcap, window, tau, phi, patience, block, order,
-                                               probe, launch=torch.library.wrap_triton)
+                                               probe, horizon, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.decode_attention_ref(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
-                                                 scale, softcap, window, tau, phi, patience, block, order, probe)
+                                                 scale, softcap, window, tau, phi, patience, block, order, probe,
+                                                 horizon)
 
 
 @torch.library.custom_op("kvpass::window_scores_ref", mutates_args=())

@@ -65,7 +65,7 @@ def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, 
     """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it."""
     att = graph.call_function(OPS.decode_attention.default, (
         q, k, v, mask, kv_pos, q_pos, None, None, None, scale, site.softcap, window, read.tau, read.phi,
-        read.patience, read.block, read.order, read.probe))
+        read.patience, read.block, read.order, read.probe, read.horizon))
     out, visited = (graph.call_function(operator.getitem, (att, i)) for i in range(2))
     if read.stats:
         out = graph.call_function(OPS.count_visits.default, (out, visited, k, read.block, handle, site.layer))
@@ -113,8 +113,10 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
         else:
             att = graph.call_function(OPS.attention_pos.default, (
                 q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))
-        # q as attention uses it (a symbolic scale folded in), so a scoring policy sees the real logits
-        args = (q, k_all, v_all, kv_pos, q_pos, handle, site.layer) + ((tokens,) if tokens is not None else ())
+        # compact gets q with the scale folded in (q . k is the logit), whatever graph it runs in, so a
+        # scoring policy never depends on which graph's site it is told about
+        q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+        args = (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer) + ((tokens,) if tokens is not None else ())
         cmp = graph.call_function(OPS.compact.default, args)
     k_st, v_st = _items(graph, cmp, 2)
     site.out.replace_all_uses_with(att)

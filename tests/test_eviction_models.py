@@ -42,29 +42,29 @@ def global_layers(model) -> list[int]:
     return [i for i, t in enumerate(types) if t != "sliding_attention"]
 
 
-def layer_budgets(policy: str, layers: list[int]) -> dict[int, int]:
+def layer_budgets(policy: str, layers: list[int], budget: int = BUDGET, window: int = WINDOW) -> dict[int, int]:
     if policy == "pyramidkv":
-        return dict(zip(layers, pyramid(BUDGET, WINDOW, len(layers), 20)))
-    return {i: BUDGET for i in layers}
+        return dict(zip(layers, pyramid(budget, window, len(layers), 20)))
+    return {i: budget for i in layers}
 
 
-def expected_kept(policy: str, model, ids: torch.Tensor) -> dict[int, list]:
+def expected_kept(policy: str, model, ids: torch.Tensor, budget: int = BUDGET, window: int = WINDOW) -> dict[int, list]:
     """Per global layer, the kept indices [B][H_kv] the reference picks from eager attention."""
     eager = build(model.config.model_type if model.config.model_type != "gemma3_text" else "gemma3", "eager")
-    with torch.no_grad():
-        attn = eager(input_ids=ids, output_attentions=True, use_cache=False).attentions
+    with torch.no_grad():   # on the CPU, in fp32, whatever device the model under test runs on
+        attn = eager(input_ids=ids.cpu(), output_attentions=True, use_cache=False).attentions
     hkv, n = model.config.num_key_value_heads, ids.shape[1]
     kv_pos = torch.arange(n).expand(ids.shape[0], hkv, n)
     out = {}
-    for layer, keep in layer_budgets(policy, global_layers(model)).items():
-        votes = votes_from_attentions(attn[layer], hkv, WINDOW)
+    for layer, keep in layer_budgets(policy, global_layers(model), budget, window).items():
+        votes = votes_from_attentions(attn[layer], hkv, window)
         if policy == "chunkkv":
-            out[layer] = [[row] * hkv for row in chunkkv_naive(votes, kv_pos, WINDOW, keep, 4)]
+            out[layer] = [[row] * hkv for row in chunkkv_naive(votes, kv_pos, window, keep, 4)]
         elif policy == "sablock":
             group = model.config.num_attention_heads // hkv
-            out[layer] = sablock_naive(votes / group, kv_pos, ids, PUNCT, WINDOW, keep, 0.7, 1.0, 0.01, 0.9)
+            out[layer] = sablock_naive(votes / group, kv_pos, ids.cpu(), PUNCT, window, keep, 0.7, 1.0, 0.01, 0.9)
         else:
-            out[layer] = snapkv_naive(votes, kv_pos, WINDOW, keep)
+            out[layer] = snapkv_naive(votes, kv_pos, window, keep)
     return out
 
 
@@ -80,8 +80,8 @@ def hand_evicted_decode(model, ids, kept: dict[int, torch.Tensor], tokens: list[
             lay.keys, lay.values = lay.keys.gather(2, ix), lay.values.gather(2, ix)
         n = ids.shape[1]
         for step, tok in enumerate(tokens):
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                        position_ids=torch.tensor([[n + step]]))
+            out = model(input_ids=torch.tensor([[tok]], device=ids.device), past_key_values=cache, use_cache=True,
+                        position_ids=torch.tensor([[n + step]], device=ids.device))
             logits.append(out.logits[:, -1])
     return logits
 

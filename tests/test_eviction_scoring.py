@@ -33,15 +33,15 @@ SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[Healt
 GQA = [(1, 1), (2, 1), (4, 2), (6, 2), (4, 4)]
 
 
-def site(layer=0, layers=(0,), scale=0.25, softcap=0.0):
-    return SimpleNamespace(layer=layer, scale=scale, softcap=softcap, sliding_window=None, cache="dynamic",
+def site(layer=0, layers=(0,), softcap=0.0):
+    return SimpleNamespace(layer=layer, scale=0.25, softcap=softcap, sliding_window=None, cache="dynamic",
                            phase="prefill", global_layers=layers, tokens=None)
 
 
 def prefill(b, h, hkv, n, pads, seed, d=8):
     """q/k of a prefill with left padding `pads[b]` per row, true positions as the runtime gives them."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, n, d, generator=g) * 2
+    q = torch.randn(b, h, n, d, generator=g) * 0.5   # compact receives q with the scale folded in
     k = torch.randn(b, hkv, n, d, generator=g)
     kv_pos = torch.arange(n).expand(b, hkv, n).clone()
     for bi, p in enumerate(pads):
@@ -95,7 +95,7 @@ def test_snapkv_select_equals_reference(shape, budget, kernel, mode, seed):
         return
     check_kept(keep, kv_pos, budget, window)
     w = min(window, n)
-    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 0.25)
+    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 1.0)
     assert keep.tolist() == snapkv_naive(votes, kv_pos, window, budget, kernel, mode)
 
 
@@ -109,7 +109,7 @@ def test_pyramidkv_select_is_snapkv_at_the_layer_budget(shape, budget, layers, s
     budgets = pyramid(budget, window, layers, steep)
     q, k, kv_pos, q_pos = prefill(b, h, hkv, n, [min(p, n - 1) for p in pads[:b]], seed)
     w = min(window, n)
-    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 0.25)
+    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 1.0)
     for layer in range(layers):
         s = site(layer=2 * layer, layers=tuple(range(0, 2 * layers, 2)))   # sliding layers in between
         assert pol.layer_budget(s) == budgets[layer]
@@ -150,7 +150,7 @@ def test_chunkkv_select_equals_reference(shape, budget, chunk, seed):
     check_kept(keep, kv_pos, budget, window)
     assert (keep == keep[:, :1]).all()   # one index set shared by every KV head
     w = min(window, n)
-    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 0.25)
+    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 1.0)
     assert keep[:, 0].tolist() == chunkkv_naive(votes, kv_pos, window, budget, chunk)
 
 
@@ -178,7 +178,7 @@ def test_sablock_select_equals_reference(shape, budget, lam, beta, eps, theta, d
         return
     check_kept(keep, kv_pos, budget, window)
     w = min(window, n)
-    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 0.25) / (h // hkv)
+    votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 1.0) / (h // hkv)
     assert keep.tolist() == sablock_naive(votes, kv_pos, tokens, PUNCT, window, budget, lam, beta, eps, theta)
 
 

@@ -23,12 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def logit_scale(site) -> float:
-    """The softmax scale for the ``q`` that ``compact`` receives: the rewrite folds a symbolic
-    (``dynamic=True``) scale into q, in which case the remaining scale is 1."""
-    return float(site.scale) if isinstance(site.scale, (int, float)) else 1.0
-
-
 def window_layout(kv_pos: Tensor, window: int) -> tuple[Tensor, Tensor]:
     """(valid, forced) ``[B, H_kv, N]`` booleans: real entries, and the last ``window`` real ones."""
     valid = kv_pos >= 0
@@ -39,10 +33,11 @@ def window_layout(kv_pos: Tensor, window: int) -> tuple[Tensor, Tensor]:
 def window_scores(site, q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, window: int) -> Tensor:
     """Attention ``[B, H_kv, N]`` (fp32) from the last ``window`` queries to every key, summed over
     those queries and over the query heads of each KV group. Causal inside the window; padding
-    keys get nothing, padding queries (only in rows shorter than the window) give nothing."""
+    keys get nothing, padding queries (only in rows shorter than the window) give nothing. ``q`` is
+    what ``compact`` receives: the scale is folded in, so ``q . k`` is the logit."""
     w = min(window, q.shape[2])
-    return torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(),
-                                          logit_scale(site), float(site.softcap))
+    return torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
+                                          float(site.softcap))
 
 
 def pool(scores: Tensor, cand: Tensor, kernel: int, mode: str) -> Tensor:
