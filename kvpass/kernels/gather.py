@@ -34,7 +34,7 @@ if triton is not None:
                               HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
         bh = tl.program_id(0)
         b = (bh // HKV).to(tl.int64)
-        h = bh % HKV
+        h = (bh % HKV).to(tl.int64)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         tmask = t < n_keep
         d = tl.arange(0, D_PAD)

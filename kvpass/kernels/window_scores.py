@@ -104,7 +104,7 @@ if triton is not None:
         bh = tl.program_id(0)
         blk = tl.program_id(1)
         b = (bh // HKV).to(tl.int64)
-        hk = bh % HKV
+        hk = (bh % HKV).to(tl.int64)
         d = tl.arange(0, D_PAD)
         dmask = d < D
         n = blk * BLOCK + tl.arange(0, BLOCK)
@@ -172,7 +172,7 @@ def window_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, sc
     # Merge the per-block statistics into each row's max and 1 / denominator (log2 domain).
     m = part_m.amax(1)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    denom = (part_l * torch.exp2(part_m - m_safe[:, None])).sum(1)
+    denom = part_m.sub_(m_safe[:, None]).exp2_().mul_(part_l).sum(1)   # in place: no third block-sized buffer
     inv = torch.where(denom > 0, 1.0 / denom.clamp_min(1e-38), torch.zeros_like(denom))
     wrap(_kvpass_window_scores_kernel)[grid](q, k, kv_pos, q_pos, m, inv, out, *args, SECOND=True, **meta)
     return out
