@@ -78,6 +78,36 @@ def test_kernel_equals_reference_with_termination(shape, block, tau, phi, patien
 
 
 @SETTINGS
+@given(shape=shapes, tau=st.sampled_from([1e-2, 0.1, 0.5]), patience=st.integers(1, 3),
+       horizon=st.integers(1, 6), structured=st.booleans(), seed=st.integers(0, 10_000))
+def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structured, seed):
+    """The horizon launch (stop rule over the first steps, the rest split-KV and merged) equals the
+    sequential reference with the same horizon."""
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured)
+    kw = dict(block=16, tau=tau, phi=0.3, patience=patience, horizon=horizon)
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
+    assert torch.equal(vis_k, vis_r)
+    torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
+
+
+@SETTINGS
+@given(shape=shapes, tau=st.sampled_from([1e-2, 0.1, 0.5]), horizon=st.integers(1, 6), seed=st.integers(0, 10_000))
+def test_horizon_stops_as_art_or_reads_everything(shape, tau, horizon, seed):
+    """With a horizon a read either stops where sequential ART stops (inside the horizon) or reads
+    every block; a horizon past the last block is plain ART."""
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured=True)
+    kw = dict(block=16, tau=tau, phi=0.3, patience=2)
+    _, seq = K.decode_attention_reference(q, k, v, **kw)
+    _, hor = K.decode_attention_reference(q, k, v, horizon=horizon, **kw)
+    n = -(-length // 16)
+    assert torch.where(seq <= horizon, hor == seq, hor == n).all(), (seq, hor)
+    _, beyond = K.decode_attention_reference(q, k, v, horizon=n, **kw)
+    assert torch.equal(beyond, seq)
+
+
+@SETTINGS
 @given(b=st.integers(1, 3), length=st.integers(20, 120), window=st.sampled_from([0, 9, 40]),
        seed=st.integers(0, 10_000), pad=st.integers(0, 7))
 def test_positions_lengths_and_masks(b, length, window, seed, pad):
@@ -196,16 +226,16 @@ def test_real_skipping_happens_on_converging_attention():
     assert (vis < 10).all() and (vis >= 3).all(), vis
 
 
-def test_split_with_termination_is_refused():
+def test_split_with_termination_needs_a_horizon():
     q, k, v = qkv(1, 2, 1, 40, 16, torch.float32, 0)
-    with pytest.raises(ValueError, match="split-KV"):
+    with pytest.raises(ValueError, match="horizon"):
         K.decode_attention_triton(q, k, v, tau=0.1, phi=0.1, split=True)
 
 
 def test_op_is_the_reference_on_cpu():
     q, k, v = qkv(1, 4, 2, 50, 16, torch.float32, 1)
     out, vis = torch.ops.kvpass.decode_attention(q, k, v, None, None, None, None, None, None, 0.25, 0.0, 0,
-                                                 0.1, 0.1, 2, 16, 1, 0)
+                                                 0.1, 0.1, 2, 16, 1, 0, 0)
     ref, vref = K.decode_attention_reference(q, k, v, scale=0.25, tau=0.1, phi=0.1, patience=2, block=16)
     assert torch.equal(out, ref) and torch.equal(vis, vref)
 

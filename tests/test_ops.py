@@ -428,7 +428,8 @@ def test_opcheck_true_positions(rt):
 
 def _decode_args(q, k, v, **kw):
     base = dict(mask=None, kv_pos=None, q_pos=None, page_table=None, kv_len=None, block_map=None, scale=0.25,
-                softcap=0.0, window=0, tau=0.1, phi=0.1, patience=2, block=16, order=1, probe=0)
+                softcap=0.0, window=0, tau=0.1, phi=0.1, patience=2, block=16, order=1, probe=0,
+                horizon=0)
     return (q, k, v, *{**base, **kw}.values())
 
 
@@ -439,7 +440,7 @@ def _opcheck_decode(op, with_positions):
     kw = {}
     if with_positions:
         kw = dict(kv_pos=torch.arange(37).expand(B, HKV, 37).contiguous(), q_pos=torch.full((B, 1), 37),
-                  mask=torch.zeros(B, 1, 1, 37), window=20)
+                  mask=torch.zeros(B, 1, 1, 37), window=20, horizon=2)
     opcheck(op, _decode_args(q, k, v, **kw))
 
 

@@ -119,8 +119,8 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
                                page_table: Tensor | None = None, kv_len: Tensor | None = None,
                                block_map: Tensor | None = None, scale: float | None = None,
                                softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
-                               patience: int = 5, block: int = 64, order: int = ORDER_RECENCY,
-                               probe: int = 0) -> tuple[Tensor, Tensor]:
+                               patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
+                               probe: int = 0, horizon: int = 0) -> tuple[Tensor, Tensor]:
     """Block-wise streaming-softmax decode attention with ART, in fp32 PyTorch.
 
     Same arguments and semantics as the kernel (see the module docstring); returns
@@ -189,7 +189,8 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
             live = torch.isfinite(sb).any(-1).any(-1)  # a block with nothing visible changes nothing
             stable = torch.where(active & live, torch.where(ok, stable + 1, 0), stable)
             prev = torch.where(on[..., None], x, prev)
-            active = active & (stable < patience)
+            if horizon == 0 or i < horizon:  # past the horizon the read goes to the end
+                active = active & (stable < patience)
     out = torch.where(l[..., None] > 0, acc / l[..., None].clamp_min(1e-38), 0.0)
     return out.reshape(b, h, 1, dv).to(q.dtype), visited
 
@@ -288,13 +289,14 @@ if triton is not None:
 
     @triton.jit
     def _kvpass_decode_kernel(
-        Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, Map, Visited, PartAcc, PartM, PartL,
-        scale, softcap, tau, phi, window, patience, length, n_blocks, blocks_per_split, n_splits,
+        Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, Map, Visited, PartAcc, PartM, PartL, Stopped,
+        scale, softcap, tau, phi, window, patience, length, n_blocks, step0, blocks_per_split, part0, n_parts,
         sq_b, sq_h, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l, st_b, smap_b, smap_h,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
         HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, SOFTCAP: tl.constexpr, ART: tl.constexpr,
         PROBE_STRIDE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
+        AFTER_ART: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
@@ -317,8 +319,10 @@ if triton is not None:
         qp = 0
         if HAS_POS:
             qp = tl.load(QPos + b)
-        start = sp * blocks_per_split
+        start = step0 + sp * blocks_per_split
         stop = tl.minimum(start + blocks_per_split, nb)
+        if AFTER_ART:  # the rest of a horizon read: nothing left to read where ART has stopped
+            stop = tl.where(tl.load(Stopped + b * tl.num_programs(1) + hk) != 0, start, stop)
 
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
@@ -364,6 +368,8 @@ if triton is not None:
                     npv = nx
                 c += CHUNK
             stopped = stable >= patience
+            if SPLIT:
+                tl.store(Stopped + b * tl.num_programs(1) + hk, stopped.to(tl.int32))
             m = tl.where(stopped, m_s, m)
             l = tl.where(stopped, l_s, l)
             acc = tl.where(stopped, acc_s, acc)
@@ -376,9 +382,9 @@ if triton is not None:
             count = tl.maximum(stop - start, 0)
 
         heads64 = heads.to(tl.int64)
-        tl.store(Visited + (b * tl.num_programs(1) + hk) * n_splits + sp, count)
+        tl.store(Visited + (b * tl.num_programs(1) + hk) * n_parts + part0 + sp, count)
         if SPLIT:
-            part = (b * tl.num_programs(1) * GROUP + heads64) * n_splits + sp
+            part = (b * tl.num_programs(1) * GROUP + heads64) * n_parts + part0 + sp
             tl.store(PartAcc + part[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
             tl.store(PartM + part, m, mask=gmask)
             tl.store(PartL + part, l, mask=gmask)
@@ -440,15 +446,23 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             page_table: Tensor | None = None, kv_len: Tensor | None = None,
                             block_map: Tensor | None = None, scale: float | None = None,
                             softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
-                            patience: int = 5, block: int = 64, order: int = ORDER_RECENCY,
-                            probe: int = 0, split: bool | None = None, num_warps: int = 4, num_stages: int = 3,
-                            chunk: int = 8,
-                            launch=None) -> tuple[Tensor, Tensor]:
-    """Launch the Triton kernel; arguments as ``decode_attention_reference``.
+                            patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
+                            probe: int = 0, horizon: int = 0, split: bool | None = None, num_warps: int = 4,
+                            num_stages: int = 3, chunk: int = 8, launch=None) -> tuple[Tensor, Tensor]:
+    """Launch the Triton kernels; arguments as ``decode_attention_reference``.
 
-    ``split``: None chooses split-KV when ART is off and the batch is small; True/False force it
-    (forcing it with ART on is an error). ``launch`` wraps each kernel before its launch
-    (``torch.library.wrap_triton`` inside a ``triton_op``; identity when called directly).
+    Three shapes of launch:
+
+    * ART off, split-KV (``split`` None with a small batch, or True): the steps are cut into
+      ranges read in parallel, and ``_kvpass_decode_combine`` merges the partial softmax states;
+    * ART off, unsplit, or ART with ``horizon = 0``: one program per (sequence, KV head) reads its
+      steps in order (ART's stop rule on the way);
+    * ART with a ``horizon``: one program per (sequence, KV head) runs the stop rule over the first
+      ``horizon`` steps; where it has not stopped, the remaining steps are read in parallel ranges
+      (split-KV) and everything is merged.
+
+    ``launch`` wraps each kernel before its launch (``torch.library.wrap_triton`` inside a
+    ``triton_op``; identity when called directly).
     """
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass decode attention needs Triton")
@@ -466,12 +480,16 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     n_blocks = _cdiv(length, block)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     art = tau > 0 and phi > 0
-    if split and art:
-        raise ValueError("split-KV cannot run ART termination (a split cannot see earlier blocks)")
+    if split and art and not horizon:
+        raise ValueError("split-KV cannot run ART termination without a horizon "
+                         "(a split cannot see whether the blocks before it converged)")
     if split is None:
-        split = not art
-    n_splits = num_splits(b * hkv, n_blocks, q.device) if split else 1
-    per_split = _cdiv(n_blocks, n_splits)
+        split = not art or horizon > 0
+    after_art = bool(split and art)                       # the horizon launch shape
+    rest = torch.sym_max(n_blocks - horizon, 1) if after_art else n_blocks
+    n_splits = num_splits(b * hkv, rest, q.device) if split else 1
+    per_split = _cdiv(rest, n_splits)
+    n_parts = n_splits + 1 if after_art else n_splits
 
     dummy = q.new_empty(1)
     if mask is not None:
@@ -485,33 +503,43 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     else:
         p_strides = (0, 0, 0)
     out = q.new_empty((b, h, 1, dv))
-    visited = torch.empty((b, hkv, n_splits) if split else (b, hkv), dtype=torch.int32, device=q.device)
+    visited = torch.empty((b, hkv, n_parts), dtype=torch.int32, device=q.device)
     if split:
-        part_acc = torch.empty((b, h, n_splits, dv), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((b, h, n_parts, dv), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((b, h, n_parts), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((b, h, n_parts), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_m = part_l = dummy
+    stopped = torch.empty((b, hkv), dtype=torch.int32, device=q.device) if after_art else dummy
     upcast = q.dtype == torch.float32 or interpreting()
     if q.element_size() * d > 256:  # wide rows (fp32, head_dim 256): three stages overflow shared memory
         num_stages = min(num_stages, 2)
-    wrap(_kvpass_decode_kernel)[(b, hkv, n_splits)](
+    common = (
         q, k, v, out, mask if mask is not None else dummy, pos,
         q_pos if q_pos is not None else dummy, page_table if page_table is not None else dummy,
         kv_len if kv_len is not None else dummy, block_map if block_map is not None else dummy,
-        visited, part_acc, part_m, part_l,
+        visited, part_acc, part_m, part_l, stopped,
         float(scale), float(softcap), float(tau), float(phi), int(window),
-        int(patience) if art else 1 << 30, length, n_blocks, per_split, n_splits,
+        int(patience) if art else 1 << 30, length, n_blocks)
+    strides = (
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
         *p_strides, page_table.stride(0) if page_table is not None else 0,
-        block_map.stride(0) if block_map is not None else 0, block_map.stride(1) if block_map is not None else 0,
+        block_map.stride(0) if block_map is not None else 0, block_map.stride(1) if block_map is not None else 0)
+    meta = dict(
         GROUP=h // hkv, G_PAD=_pow2(h // hkv), D=d, D_PAD=_pow2(d), BLOCK=block, PAGE=page,
         ORDER=ORDER_MAP if block_map is not None else order, HAS_MASK=mask is not None,
-        HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, SOFTCAP=softcap > 0, ART=art,
-        PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, SPLIT=bool(split), UPCAST=upcast, CHUNK=chunk,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, SOFTCAP=softcap > 0,
+        PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, UPCAST=upcast, CHUNK=chunk,
+        num_warps=num_warps, num_stages=num_stages)
+    kernel = wrap(_kvpass_decode_kernel)
+    if after_art:  # the stop rule over the first `horizon` steps: partial state 0
+        kernel[(b, hkv, 1)](*common, 0, horizon, 0, n_parts, *strides, ART=True, SPLIT=True, AFTER_ART=False, **meta)
+        kernel[(b, hkv, n_splits)](*common, horizon, per_split, 1, n_parts, *strides, ART=False, SPLIT=True,
+                                   AFTER_ART=True, **meta)
+    else:
+        kernel[(b, hkv, n_splits)](*common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split),
+                                   AFTER_ART=False, **meta)
     if split:
-        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_splits, D=dv, D_PAD=_pow2(dv))
-    return out, (visited.sum(-1, dtype=torch.int32) if split else visited)
+        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, D=dv, D_PAD=_pow2(dv))
+    return out, visited.sum(-1, dtype=torch.int32)

@@ -30,6 +30,8 @@ class ART(Policy):
         Param("block", int, 128, 16, 1024, "KV entries per block (a power of two)"),
         Param("order", str, "recency", doc="block order: 'recency' (0, n-1, ..., 1) or 'natural'"),
         Param("probe", int, 0, 0, 1 << 16, "probe elements of head_dim (0: all)"),
+        Param("horizon", int, 0, 0, 1 << 20, "blocks within which the read may stop (0: anywhere); a read "
+              "that has not stopped by then reads the rest in parallel (split-KV)"),
         Param("stats", bool, False, doc="count blocks read (Backend.runtime.blocks_read())"),
     )
 
@@ -49,4 +51,4 @@ class ART(Policy):
             return SitePlan(attention=True)  # exact attention; `kvpass explain` shows the plan
         return SitePlan(attention=True, read=DecodeRead(
             tau=self.tau, phi=self.phi, patience=self.patience, block=self.block, order=ORDERS[self.order],
-            probe=self.probe, stats=self.stats))
+            probe=self.probe, horizon=self.horizon, stats=self.stats))

@@ -68,6 +68,7 @@ class DecodeRead:
     block: int = 128
     order: int = 1           # kvpass.kernels.decode_attention.ORDER_*
     probe: int = 0           # probe elements (0: all of head_dim)
+    horizon: int = 0         # steps within which ART may stop (0: all); past it the rest is read split-KV
     stats: bool = False      # count blocks read (kvpass::count_visits)
 
 
@@ -82,7 +83,8 @@ class SitePlan:
 
     def describe(self) -> str:
         r = self.read
-        read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block})"
+        read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, "
+                f"horizon={r.horizon})"
                 if r is not None else None)
         if self.evict:
             return f"evict: cache_update + {read or 'attention_pos'} + compact"

@@ -80,7 +80,7 @@ def test_inductor_launches_the_kvpass_kernel():
 
     def f(q, k, v):
         out, _ = torch.ops.kvpass.decode_attention(q * 2, k, v, None, None, None, None, None, None, 0.125, 0.0,
-                                                   0, 1e-5, 1e-3, 5, 64, 1, 0)
+                                                   0, 1e-5, 1e-3, 5, 64, 1, 0, 0)
         return out + 1
 
     got, codes = run_and_get_code(torch.compile(f, backend="inductor"), q, k, v)
