@@ -319,12 +319,33 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama GGUF (hidden 64, Q8_0 embeddings) with a byte-level BPE tokenizer."""
+# A SentencePiece vocabulary the way llama.cpp writes Gemma's: control tokens, user-defined ones (a
+# newline, a run of spaces stored as real spaces, a markup tag), byte tokens, then normal tokens
+# scored by merge rank, best first, the single characters last.
+SPM_SPECIAL = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("\n", 4), ("  ", 4), ("<b>", 4)]
+SPM_MERGED = ["▁t", "he", "▁the", "▁a", "at", "▁c", "▁cat", "▁s", "▁sat", "▁o", "on", "▁on", "▁m", "▁mat",
+              "in", "▁in", "▁T", "Th", "The", "▁The", "ca", "pi", "ta", "al", "▁ca", "pit", "pita", "▁F", "ra",
+              "nce", "▁Fra", "▁France", "▁is", "is", "an", "ce", "nc", "Fr"]
+
+
+def _spm_tokens() -> tuple[list[str], list[int], list[float]]:
+    chars = sorted(set("".join(SPM_MERGED)) | set("abcdefghijklmnopqrstuvwxyzHI.,!?0123456789-'$()"))
+    normal = SPM_MERGED + chars
+    tokens = [t for t, _ in SPM_SPECIAL] + [f"<0x{b:02X}>" for b in range(256)] + normal
+    types = [k for _, k in SPM_SPECIAL] + [6] * 256 + [1] * len(normal)
+    scores = [-1000.0] * (len(SPM_SPECIAL) + 256) + [-float(i) for i in range(len(normal))]
+    return tokens, types, scores
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, sentencepiece: bool = False) -> Path:
+    """A 2-layer Llama GGUF (hidden 64, Q8_0 embeddings) with a byte-level BPE tokenizer, or with
+    ``sentencepiece`` the SentencePiece one above (BOS added, no space prefix, as in Gemma's)."""
     _require_converter()
     import gguf
     merges = ["Ġ t", "h e", "Ġt he", "Ġ a"]
     tokens = list(_bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+    if sentencepiece:
+        tokens, types, scores = _spm_tokens()
     vocab, hidden, inter, layers, heads, kv_heads = len(tokens), 64, 96, 2, 4, 2
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(path), "llama")
@@ -339,13 +360,25 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (vocab - 1) + [3])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(vocab - 1)
-    w.add_eos_token_id(vocab - 1)
-    w.add_add_bos_token(False)
+    if sentencepiece:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_space_prefix(False)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * (vocab - 1) + [3])
+        w.add_token_merges(merges)
+        w.add_bos_token_id(vocab - 1)
+        w.add_eos_token_id(vocab - 1)
+        w.add_add_bos_token(False)
     rng = np.random.default_rng(seed)
 
     def rand(*shape, scale=0.1):
@@ -424,3 +457,106 @@ def test_local_gguf_is_converted_cached_checked_and_reconverted(tmp_path, capfd)
     write_tiny_gguf(src / "other.gguf", seed=1)
     with pytest.raises(ModelNotAvailable, match="holds 2 .gguf files"):
         models.load(src, cache_dir=cache)
+
+
+# ------------------------------------------------------------------------------------------------
+# the tokenizer: checked against the GGUF's own vocabulary, rebuilt from it when transformers errs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sentencepiece_vocabulary_read_and_tokenized_as_llama_cpp_does(tmp_path):
+    import dataclasses
+
+    import gguf
+    for sentencepiece in (False, True):
+        path = write_tiny_gguf(tmp_path / f"tiny-{sentencepiece}.gguf", sentencepiece=sentencepiece)
+        fields = gguf.GGUFReader(str(path)).fields
+        assert models._gguf_tokenizer_metadata(path) == {
+            key: field.contents() for key, field in fields.items() if key.startswith("tokenizer.")}
+    vocab = models._gguf_vocab(tmp_path / "tiny-True.gguf")
+    tokens = _spm_tokens()[0]
+    assert (vocab.model, vocab.tokens, vocab.special) == ("llama", tokens, {"bos": 2, "eos": 1, "unk": 3, "pad": 0})
+    assert vocab.add_bos and not vocab.add_eos and not vocab.add_space_prefix
+
+    def pieces(ids):
+        return [tokens[i] for i in ids]
+
+    # The best-scored merge first; user-defined tokens whole; a character outside the vocabulary as bytes.
+    assert pieces(models._spm_encode("the cat sat on the mat", vocab)) == [
+        "<bos>", "t", "he", "▁cat", "▁sat", "▁on", "▁the", "▁mat"]
+    assert pieces(models._spm_encode("  The cat\n<b>é", vocab)) == [
+        "<bos>", "  ", "The", "▁cat", "\n", "<b>", "<0xC3>", "<0xA9>"]
+    assert models._spm_encode("", vocab) == [2]
+    prefixed = dataclasses.replace(vocab, add_space_prefix=True)
+    assert pieces(models._spm_encode("the cat\nthe", prefixed)) == ["<bos>", "▁the", "▁cat", "\n", "▁the"]
+
+    # The fast tokenizer built from the vocabulary alone encodes the same, and decodes back.
+    texts = [*models.TOKENIZER_PROBES, "the cat sat on the mat", "  The   cat\n\n<b>in</b>", " x", ""]
+    for v in (vocab, prefixed):
+        tok = models._sentencepiece_tokenizer(v)
+        assert len(tok) == len(tokens)
+        for text in texts:
+            ids = tok(text).input_ids
+            assert ids == models._spm_encode(text, v), text
+            if not v.add_space_prefix:  # (with a prefix, text after "\n" decodes with a space)
+                assert tok.decode(ids, skip_special_tokens=True) == text
+        assert models._tokenizer_problem(tok, v, tmp_path / f"saved-{v.add_space_prefix}") is None
+
+
+def _replace_gguf_tokenizer(monkeypatch, make) -> None:
+    """transformers' tokenizer from a GGUF becomes ``make(gguf path)`` (which may raise)."""
+    import transformers
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(path, *args, **kwargs):
+        if kwargs.get("gguf_file"):
+            return make(Path(path) / kwargs["gguf_file"])
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+
+
+def test_a_wrong_gguf_tokenizer_is_rebuilt_from_the_vocabulary(tmp_path, monkeypatch, capfd):
+    """What transformers 5.17 does to Gemma-3's vocabulary (among others, it adds no BOS) is caught, and
+    the tokenizer saved is one built from the GGUF's vocabulary."""
+    import dataclasses
+    src = tmp_path / "src"
+    src.mkdir()
+    path = write_tiny_gguf(src / "spm.gguf", sentencepiece=True)
+    vocab = models._gguf_vocab(path)
+    direct = AutoModelForCausalLM.from_pretrained(src, gguf_file="spm.gguf", dtype=torch.float32).eval()
+    _replace_gguf_tokenizer(monkeypatch,
+                            lambda p: models._sentencepiece_tokenizer(dataclasses.replace(vocab, add_bos=False)))
+    capfd.readouterr()
+    model, tok = models.load(path, cache_dir=tmp_path / "cache")
+    err = capfd.readouterr().err
+    assert "transformers' tokenizer is wrong (it encodes 'The capital of France is' as [" in err
+    assert "building it from the GGUF's vocabulary" in err and "converted in" in err
+    for text in models.TOKENIZER_PROBES:
+        assert tok(text).input_ids == models._spm_encode(text, vocab)
+    assert torch.equal(_logits(model, tok), _logits(direct, tok))
+
+    def fails(p):
+        raise ValueError("no tokenizer here")
+
+    _replace_gguf_tokenizer(monkeypatch, fails)
+    _, tok = models.load(path, cache_dir=tmp_path / "cache2")
+    assert "transformers could not build the tokenizer (ValueError: no tokenizer here)" in capfd.readouterr().err
+    assert tok(PROMPT).input_ids == models._spm_encode(PROMPT, vocab)
+
+
+def test_a_wrong_tokenizer_is_never_saved(tmp_path, monkeypatch):
+    import dataclasses
+    src = tmp_path / "src"
+    src.mkdir()
+    spm, bpe = write_tiny_gguf(src / "spm.gguf", sentencepiece=True), write_tiny_gguf(src / "bpe.gguf")
+    vocab, build = models._gguf_vocab(spm), models._sentencepiece_tokenizer
+    _replace_gguf_tokenizer(monkeypatch, lambda p: build(dataclasses.replace(vocab, add_bos=False)))
+    monkeypatch.setattr(models, "_sentencepiece_tokenizer", lambda v: build(dataclasses.replace(v, add_bos=False)))
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="the tokenizer built from the vocabulary of spm.gguf is wrong too"):
+        models.load(spm, cache_dir=cache)
+    # A byte-level vocabulary kvpass does not build itself.
+    with pytest.raises(RuntimeError, match="transformers' tokenizer is wrong .* bpe.gguf has a 'gpt2' vocabulary"):
+        models.load(bpe, cache_dir=cache)
+    assert [p.name for p in (cache / "models").iterdir() if not p.name.startswith(".")] == []
