@@ -6,7 +6,8 @@ Per site, one of two shapes (DESIGN.md section 1):
   SDPA call or of the eager ``softmax(q k^T) v`` chain; the cache update is the model's own.
 * eviction: the ``torch.cat`` cache update becomes ``cache_update`` (K/V plus true positions),
   attention becomes ``attention_pos`` (mask from positions, so it always matches the kept
-  entries), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
+  entries; a prefill graph, whose cache held nothing, keeps ``attention`` with the model's own
+  mask), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
   Position ids the model derived from the cache length pass through ``true_positions``.
 
 Either shape reads the cache of a decode step with ``decode_attention`` (ART) instead of exact
@@ -110,6 +111,12 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
     with graph.inserting_before(site.out):
         if read is not None:
             att = _decode_read(graph, site, read, handle, q, k_all, v_all, None, kv_pos, q_pos, scale, window)
+        elif site.phase == "prefill":
+            # The cache held nothing: K/V are exactly the prompt and the model's own mask (causal and
+            # padding) matches them. It keeps SDPA's fused kernels, where attention_pos would build an
+            # [N, N] position mask per head: gigabytes at 32k-128k tokens.
+            att = graph.call_function(OPS.attention.default, (
+                q, k_all, v_all, site.mask, scale, site.causal, site.softcap))
         else:
             att = graph.call_function(OPS.attention_pos.default, (
                 q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))
