@@ -3,5 +3,10 @@
 * ``decode_attention``: one-token decode attention over a contiguous or paged cache, GQA-packed,
   with block orders, split-KV and ART early termination (``kvpass::decode_attention``).
 
-Window scoring (SnapKV family) and page scoring (Quest / RaaS) kernels land with their policies.
+* ``window_scores``: the attention the observation window gives every key, summed over window
+  queries and GQA groups, in two passes without the ``[heads, window, N]`` scores
+  (``kvpass::window_scores``; SnapKV family and SABlock).
+* ``gather``: compaction of the kept KV entries into fresh contiguous tensors (``kvpass::gather_kv``).
+
+Page scoring (Quest / RaaS) kernels land with their policies.
 """
