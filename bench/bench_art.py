@@ -29,9 +29,10 @@ import kvpass  # noqa: E402
 from kvpass import models, tasks  # noqa: E402
 from kvpass.kernels import decode_attention as K  # noqa: E402
 
-SETTINGS = [  # (tau, phi, patience, block)
-    (1e-5, 1e-3, 5, 64), (1e-5, 1e-3, 5, 128), (1e-4, 1e-3, 5, 64), (1e-4, 1e-3, 5, 128),
-    (1e-3, 1e-2, 3, 64), (1e-3, 1e-2, 3, 128), (3e-3, 3e-2, 3, 64), (1e-2, 1e-1, 2, 64)]
+SETTINGS = [  # (tau, phi, patience, block, horizon)
+    (1e-5, 1e-3, 5, 64, 0), (1e-5, 1e-3, 5, 128, 0), (1e-4, 1e-3, 5, 128, 0), (1e-3, 1e-2, 3, 128, 0),
+    (1e-5, 1e-3, 5, 128, 16), (1e-4, 1e-3, 5, 128, 8), (1e-4, 1e-3, 5, 128, 16), (1e-4, 1e-3, 5, 128, 32),
+    (1e-3, 1e-2, 3, 128, 16), (1e-2, 1e-1, 2, 64, 0)]
 NEVER = 1e-30  # thresholds no step meets: ART's full cost without stopping
 
 
@@ -118,14 +119,14 @@ def captured(model, tok, lengths, batch) -> list[dict]:
         print("never-stopping ART vs the same read without it (ms):", overhead, flush=True)
         base.update(never_stop_ms=overhead)
         chunk = min((4, 8), key=lambda c: overhead[f"block64_chunk{c}"])
-        for tau, phi, patience, block in SETTINGS:
-            kw = dict(tau=tau, phi=phi, patience=patience, block=block, chunk=chunk, num_warps=warps,
-                      num_stages=stages)
+        for tau, phi, patience, block, horizon in SETTINGS:
+            kw = dict(tau=tau, phi=phi, patience=patience, block=block, horizon=horizon, chunk=chunk,
+                      num_warps=warps, num_stages=stages)
             out, vis = K.decode_attention_triton(q, k, v, **kw)
             t = timed(lambda: K.decode_attention_triton(q, k, v, **kw))
             err = ((out.float() - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-6)).mean().item()
             nb = -(-k.shape[2] // block)
-            rows.append(dict(base, tau=tau, phi=phi, patience=patience, block=block, chunk=chunk, blocks_read=vis.float().mean().item() / nb,
+            rows.append(dict(base, tau=tau, phi=phi, patience=patience, block=block, horizon=horizon, chunk=chunk, blocks_read=vis.float().mean().item() / nb,
                              rel_err=err, art_ms=t * 1e3, speedup_vs_sdpa=t_sdpa / t))
             print(json.dumps(rows[-1]), flush=True)
         del q, k, v
@@ -202,17 +203,18 @@ def main() -> None:
     if "captured" not in skip:
         res["captured"] = captured(model, tok, [int(x) for x in args.lengths.split(",")], args.batch)
     if "e2e" not in skip:
-        pols = [("full", {}), ("art", {}), ("art", dict(tau=1e-4)), ("art", dict(tau=1e-3, phi=1e-2, patience=3))]
+        pols = [("full", {}), ("art", {}), ("art", dict(horizon=16)), ("art", dict(tau=1e-4, horizon=16)),
+                ("art", dict(tau=1e-3, phi=1e-2, patience=3, horizon=16))]
         res["e2e"] = e2e(model, tok, args.e2e_length, args.batch, args.steps, pols)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"art_{args.model}.json").write_text(json.dumps(res, indent=2))
     lines = [f"# ART on {args.model}, {meta['gpu']}, {meta['date']}", "", f"torch {meta['torch']}, bf16.", ""]
     if "captured" in res:
         lines += ["## Captured decode attention (batch = (prompt, layer) rows)", "",
-                  "| context | tau | phi | p | block | blocks read | rel. L2 error | SDPA ms | ART ms | speedup vs SDPA |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| context | tau | phi | p | block | horizon | blocks read | rel. L2 error | SDPA ms | ART ms | speedup vs SDPA |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["captured"]:
-            lines.append(f"| {r['context']} | {r['tau']:g} | {r['phi']:g} | {r['patience']} | {r['block']} | "
+            lines.append(f"| {r['context']} | {r['tau']:g} | {r['phi']:g} | {r['patience']} | {r['block']} | {r['horizon']} | "
                          f"{r['blocks_read']:.0%} | "
                          f"{r['rel_err']:.1e} | {r['sdpa_ms']:.3f} | {r['art_ms']:.3f} | {r['speedup_vs_sdpa']:.2f} |")
     if "captured" in res:

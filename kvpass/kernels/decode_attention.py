@@ -512,8 +512,9 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         part_acc = part_m = part_l = dummy
     stopped = torch.empty((b, hkv), dtype=torch.int32, device=q.device) if after_art else dummy
     upcast = q.dtype == torch.float32 or interpreting()
-    if q.element_size() * d > 256:  # wide rows (fp32, head_dim 256): three stages overflow shared memory
-        num_stages = min(num_stages, 2)
+    tile = block * d * q.element_size()  # bytes of one K (or V) tile
+    if tile > 32 * 1024:  # wide tiles (head_dim 256, fp32): three stages overflow shared memory
+        num_stages = min(num_stages, 2 if tile <= 64 * 1024 else 1)
     common = (
         q, k, v, out, mask if mask is not None else dummy, pos,
         q_pos if q_pos is not None else dummy, page_table if page_table is not None else dummy,

@@ -52,12 +52,33 @@ def _attention_cuda(q, k, v, mask, scale, causal, softcap):
     return _sdpa(q, k, v, mask, scale, is_causal=mask is None and causal == ops.CAUSAL_TOP_LEFT)
 
 
+MASK_ELEMENTS = 1 << 30  # the most mask entries one SDPA call of attention_pos materialises
+
+
+def _plain_causal(q_pos, kv_pos, window) -> bool:
+    """Positions are 0..L-1 for every row and head (a prefill without padding or eviction), so the
+    position mask is plain causal attention and SDPA's causal kernel serves it without a mask."""
+    lq, lk = q_pos.shape[-1], kv_pos.shape[-1]
+    if window or lq != lk:
+        return False
+    ar = torch.arange(lk, device=kv_pos.device)
+    return bool(((kv_pos == ar).all() & (q_pos == ar).all()).item())
+
+
 @ops.attention_pos.register_kernel("cuda")
 def _attention_pos_cuda(q, k, v, q_pos, kv_pos, scale, softcap, window):
     if softcap > 0:
         return ops.attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, window)
     b, h, lq, _ = q.shape
-    hkv = k.shape[1]
-    visible = ops.position_mask(q_pos, kv_pos, window)  # [B, H_kv, Lq, Lk]
-    mask = visible.repeat_interleave(h // hkv, dim=1)
-    return _sdpa(q, k, v, mask, scale, False)
+    hkv, lk = k.shape[1], k.shape[2]
+    if lq > 1 and _plain_causal(q_pos, kv_pos, window):
+        return _sdpa(q, k, v, None, scale, is_causal=True)
+    # The mask is [B, H, rows, Lk]: cut the queries into row chunks so that it stays bounded
+    # (a 128k-token prefill would otherwise need a 128k x 128k mask per head).
+    rows = max(1, MASK_ELEMENTS // max(1, b * h * lk))
+    outs = []
+    for s in range(0, lq, rows):
+        visible = ops.position_mask(q_pos[:, s:s + rows], kv_pos, window)  # [B, H_kv, rows, Lk]
+        mask = visible.repeat_interleave(h // hkv, dim=1)
+        outs.append(_sdpa(q[:, :, s:s + rows], k, v, mask, scale, False))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
