@@ -289,7 +289,10 @@ if triton is not None:
         m = m_new
         return m, l, acc, live
 
-    @triton.jit
+    # lengths change every decode step: specialising on their values (== 1, divisible by 16) would
+    # compile new variants while the cache grows
+    @triton.jit(do_not_specialize=["window", "patience", "length", "n_blocks", "step0", "blocks_per_split",
+                                   "part0", "n_parts"])
     def _kvpass_decode_kernel(
         Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, Map, Visited, PartAcc, PartM, PartL, Stopped,
         scale, softcap, tau, phi, window, patience, length, n_blocks, step0, blocks_per_split, part0, n_parts,
@@ -396,7 +399,7 @@ if triton is not None:
             tl.store(Out + row[:, None] + d[None, :], out.to(Out.dtype.element_ty),
                      mask=gmask[:, None] & dmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_splits"])
     def _kvpass_decode_combine(PartAcc, PartM, PartL, Out, n_splits, D: tl.constexpr, D_PAD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # b * H + h
         d = tl.arange(0, D_PAD)
@@ -473,6 +476,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     if lq != 1:
         raise ValueError(f"decode attention takes one query token per sequence, got {lq}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q_pos is not None:  # one position per sequence, read as q_pos[b]
+        q_pos = q_pos.reshape(b).contiguous()
     hkv = k.shape[1]
     dv = v.shape[-1]
     if dv != d:

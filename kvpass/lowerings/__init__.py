@@ -1,14 +1,18 @@
 """Device implementations of the kvpass operators.
 
-On CPU every operator runs its pure-PyTorch reference (``kvpass.ops``). On CUDA, the attention
-operators dispatch to PyTorch's fused SDPA kernels where the semantics match exactly (no
-softcapping; masks converted so fully masked rows give zeros, as the reference does), and to the
-reference otherwise. Inductor keeps these custom operators as extern calls in the compiled graph.
+On CPU every operator runs its pure-PyTorch reference (``kvpass.ops``). On CUDA:
 
-Triton kernels replace these implementations as the policy issues land; each sits in
-``kvpass.kernels`` next to its reference. The first, decode attention with ART termination, needs
-no entry here: ``kvpass::decode_attention`` is a ``torch.library.triton_op`` (``kvpass.ops``), so
-Inductor traces into it and its generated code launches the Triton kernel itself.
+* a decode step (one query token, at most a ``[B, 1, 1, L]`` mask) of ``attention`` or
+  ``attention_pos`` runs kvpass's Triton decode kernel with ART off (exact attention, split-KV for
+  small batches): PyTorch's SDPA builds a new cuDNN plan for every new key length, which costs
+  about 25 ms per step on torch 2.11 / H200 (``bench/results/sdpa_decode_probe.md``);
+* everything else dispatches to PyTorch's fused SDPA kernels where the semantics match exactly
+  (no softcapping; masks converted so fully masked rows give zeros, as the reference does), and to
+  the reference otherwise.
+
+Inductor keeps these custom operators as extern calls in the compiled graph.
+``kvpass::decode_attention`` (ART) needs no entry here: it is a ``torch.library.triton_op``
+(``kvpass.ops``), so Inductor traces into it and its generated code launches the Triton kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpass import ops
+from kvpass.kernels import decode_attention as _decode_attention
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):
@@ -30,8 +35,19 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
                                           enable_gqa=True).contiguous()
 
 
+def _decode(q, k, v, mask) -> bool:
+    """One query token against a cache, with at most a [B|1, 1, 1, L] mask: the decode kernel's case.
+
+    SDPA is not used there: on torch 2.11 / H200 it builds a new cuDNN plan for every new key
+    length, about 25 ms per decode step (``bench/results/sdpa_decode_probe.md``)."""
+    return (q.shape[2] == 1 and _decode_attention.triton is not None and q.shape[-1] == v.shape[-1]
+            and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1)))
+
+
 @ops.attention.register_kernel("cuda")
 def _attention_cuda(q, k, v, mask, scale, causal, softcap):
+    if causal != ops.CAUSAL_TOP_LEFT and _decode(q, k, v, mask):
+        return _decode_attention.decode_attention_triton(q, k, v, mask, scale=scale, softcap=softcap)[0]
     if softcap > 0 or (mask is not None and mask.dtype != torch.bool and not mask.is_floating_point()):
         return ops.attention_reference(q, k, v, mask, scale, causal, softcap)
     lq, lk = q.shape[2], k.shape[2]
@@ -67,6 +83,9 @@ def _plain_causal(q_pos, kv_pos, window) -> bool:
 
 @ops.attention_pos.register_kernel("cuda")
 def _attention_pos_cuda(q, k, v, q_pos, kv_pos, scale, softcap, window):
+    if _decode(q, k, v, None):
+        return _decode_attention.decode_attention_triton(q, k, v, kv_pos=kv_pos, q_pos=q_pos, scale=scale,
+                                                         softcap=softcap, window=window)[0]
     if softcap > 0:
         return ops.attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, window)
     b, h, lq, _ = q.shape
