@@ -47,6 +47,11 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
     or paged cache (``kvpass.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
     launch its Triton kernel directly; elsewhere it runs ``kvpass::decode_attention_ref``.
 
+``kvpass::page_scores(q, kmin, kmax, live, ts, alpha, now) -> (ub [B, H_kv, P] fp32, ts_new)``
+    Quest's page upper bounds from the pages' min/max keys and RaaS's timestamp update
+    (``kvpass.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_scores_ref``
+    elsewhere.
+
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
@@ -65,6 +70,7 @@ from torch import Tensor
 from kvpass import runtime
 from kvpass.kernels import decode_attention as _decode
 from kvpass.kernels import gather as _gather
+from kvpass.kernels import page_scores as _pscores
 from kvpass.kernels import window_scores as _wscores
 from kvpass.runtime import past_length
 
@@ -314,6 +320,28 @@ def gather_kv(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     return torch.ops.kvpass.gather_kv_ref(k, v, idx)
 
 
+@torch.library.custom_op("kvpass::page_scores_ref", mutates_args=())
+def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float,
+                    now: int) -> tuple[Tensor, Tensor]:
+    return _pscores.page_scores_reference(q, kmin, kmax, live, ts, alpha, now)
+
+
+@page_scores_ref.register_fake
+def _(q, kmin, kmax, live, ts, alpha, now):
+    return kmin.new_empty(kmin.shape[:3], dtype=torch.float32), ts.new_empty(ts.shape, dtype=torch.int64)
+
+
+@torch.library.triton_op("kvpass::page_scores", mutates_args=())
+def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float,
+                now: int) -> tuple[Tensor, Tensor]:
+    """Page upper bounds (max over the group) and RaaS timestamps stamped ``now`` where a query head's
+    softmax share of a live page exceeds ``alpha``; see ``kvpass.kernels.page_scores``. Triton on
+    CUDA, the reference operator elsewhere."""
+    if q.device.type == "cuda" and _pscores.triton is not None:
+        return _pscores.page_scores_triton(q, kmin, kmax, live, ts, alpha, now, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.page_scores_ref(q, kmin, kmax, live, ts, alpha, now)
+
+
 @torch.library.custom_op("kvpass::count_visits", mutates_args=())
 def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: int, site: int) -> Tensor:
     """Passes ``out`` through and adds ``visited`` (blocks read per KV group) to the run statistics.
@@ -343,4 +371,6 @@ OPS = {
     "window_scores_ref": window_scores_ref,
     "gather_kv": gather_kv,
     "gather_kv_ref": gather_kv_ref,
+    "page_scores": page_scores,
+    "page_scores_ref": page_scores_ref,
 }

@@ -89,14 +89,23 @@ class Runtime:
         info = self.sites[site]
         extra = {} if tokens is None else {"tokens": tokens}  # only policies that plan for tokens get them
         keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site), **extra)
+        # A policy may return (keep, extra): `extra` becomes the layer's bookkeeping (a paged policy's
+        # page tables). Index -1 in `keep` is an empty slot of a preallocated pool: stored, never visible.
+        policy_extra = None
+        if isinstance(keep, tuple):
+            keep, policy_extra = keep
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         if keep is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
         else:
-            k_out, v_out = torch.ops.kvpass.gather_kv(k, v, keep)  # Triton compaction on CUDA
-            pos = kv_pos.gather(2, keep)
+            empty = keep < 0
+            idx = keep.clamp_min(0)
+            k_out, v_out = torch.ops.kvpass.gather_kv(k, v, idx)  # Triton compaction on CUDA
+            pos = kv_pos.gather(2, idx).masked_fill(empty, -1)
         seen = int(q_pos[0, -1]) + 1
-        self.state.set_layer(site, pos, seen, fresh=fresh)
+        st = self.state.set_layer(site, pos, seen, fresh=fresh)
+        if policy_extra is not None:
+            st.extra = policy_extra
         return k_out, v_out
 
     def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:

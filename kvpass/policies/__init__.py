@@ -8,15 +8,16 @@ from kvpass.policies.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
 from kvpass.policies.full import Full
 from kvpass.policies.pyramidkv import PyramidKV
+from kvpass.policies.raas import RaaS
 from kvpass.policies.sablock import SABlock
 from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,
-                                                                SABlock)}
+                                                                SABlock, RaaS)}
 
 # Named in DESIGN.md and on the roadmap, not implemented yet: asking for one is a clear error.
-PLANNED = ("asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter", "raas", "quest", "a3",
+PLANNED = ("asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter", "quest", "a3",
            "a3+evict", "full_reuse", "pie", "cacheblend", "legolink", "h2o")
 
 

@@ -1,0 +1,152 @@
+"""``raas``: page-timestamp eviction during long decodes (seed paper: RaaS), on a fixed page pool.
+
+Storage. The cache tensors the model stores are the page pool itself: after the prefill each
+global layer's K/V become ``[B, H_kv, pages * 16, D]`` with ``pages = prefill pages + budget/16 +
+1``, page ``p`` in slots ``16p .. 16p+15``. Prefill pages hold the prompt in order; the rest are
+decode pages. Per (sequence, KV head) the policy keeps a page table in ``LayerState.extra``:
+which pages are resident (``live``), each page's timestamp and allocation step, its element-wise
+min / max keys, the current decode page and its fill. Empty slots carry position -1, so
+``attention_pos`` never sees them; a decode step attends to every resident entry exactly. The pool
+is allocated once, at the prefill: memory is flat from there on, and every eviction returns a page
+that the next allocation reuses.
+
+Each decode step (in ``select``, after the step's attention):
+
+1. score: ``kvpass::page_scores`` computes Quest's upper bound of every resident page for every
+   query head, its softmax share over the resident pages, and stamps ``ts = tokens seen`` on the
+   pages whose share exceeds ``alpha`` for some query head of the KV group;
+2. place the new token: into the current decode page while it has room (its min / max keys grow);
+   otherwise a new page is taken from the free list. When all ``budget/16 + 1`` decode pages are
+   full, the full decode page with the oldest timestamp (ties: the earliest allocated) is evicted
+   first and its page reused. Prefill pages and the current partial page are never evicted.
+
+Positions stay true: every slot's token index is in ``LayerState.pos`` and RoPE continues from the
+tokens seen. Batch > 1 works with per-(sequence, KV head) page tables. Graphs that append several
+tokens to a filled cache are not supported (a clear error at compile time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
+
+PAGE = 16
+
+
+class RaaS(Policy):
+    name = "raas"
+    summary = "decode-time page eviction by attention timestamps, constant memory (page pool of budget/16 + 1)"
+    evicts = True
+    params = (
+        Param("budget", int, 1024, PAGE, 1 << 24, "decode tokens kept per layer and KV head (a multiple of 16), "
+              "besides the prompt and the current page"),
+        Param("alpha", float, 0.02, 0.0, 1.0, "softmax share above which a page's timestamp is refreshed"),
+    )
+
+    def check_config(self) -> None:
+        if self.budget % PAGE:
+            raise ConfigError(f"policy 'raas': parameter 'budget' must be a multiple of {PAGE} in "
+                              f"[{PAGE}, {1 << 24}], got {self.budget}")
+
+    @property
+    def decode_pages(self) -> int:
+        """Decode pages in the pool: budget/16 full pages plus the current partial page."""
+        return self.budget // PAGE + 1
+
+    def plan(self, site) -> SitePlan | str:
+        if site.sliding_window:
+            return SitePlan(attention=True, evict=False)
+        if site.cache != "dynamic":
+            return (f"layer {site.layer}: raas keeps its page pool in a DynamicCache; "
+                    f"this graph uses a {site.cache} cache")
+        if site.phase not in ("prefill", "decode"):
+            raise NotImplementedError(
+                f"policy 'raas' supports prefill graphs and one-token decode graphs; layer {site.layer} is in a "
+                f"'{site.phase}' graph (several tokens appended to a filled cache, or a dynamic query length)")
+        return SitePlan(attention=True, evict=True)
+
+    def stored_length(self, site, total):
+        if site.phase == "prefill":
+            return ((total + PAGE - 1) // PAGE + self.decode_pages) * PAGE
+        return total - 1  # decode: the new token goes into a slot of the pool
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        now = int(q_pos[0, -1]) + 1
+        if kv_pos.shape[-1] == q_pos.shape[1]:
+            return self._prefill(k, kv_pos, now)
+        extra = layer_state.extra if layer_state is not None else {}
+        if extra.get("seen") == now:  # a replay of the same call: start again from the state before it
+            extra = extra["base"]
+        if "live" not in extra or extra["slots"] != k.shape[2] - 1:
+            raise RuntimeError("policy 'raas': a decode step found no page table for its cache (the cache "
+                               "was not filled by a raas prefill with this backend)")
+        return self._decode(q, k, extra, now)
+
+    # -- prefill ----------------------------------------------------------------------------------
+    def _prefill(self, k, kv_pos, now):
+        b, hkv, n, d = k.shape
+        n_pre = -(-n // PAGE)
+        pages = n_pre + self.decode_pages
+        slots = pages * PAGE
+        dev = k.device
+        idx = torch.arange(slots, device=dev)
+        keep = torch.where(idx < n, idx, -1).expand(b, hkv, slots).contiguous()
+        pad = n_pre * PAGE - n
+        valid = torch.nn.functional.pad(kv_pos >= 0, (0, pad), value=False).view(b, hkv, n_pre, PAGE, 1)
+        kp = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(b, hkv, n_pre, PAGE, d)
+        kmin = torch.where(valid, kp, float("inf")).amin(3)
+        kmax = torch.where(valid, kp, float("-inf")).amax(3)
+        live = torch.zeros(b, hkv, pages, dtype=torch.bool, device=dev)
+        live[:, :, :n_pre] = valid.any(3)[..., 0]
+        zeros = torch.zeros(b, hkv, self.decode_pages, d, device=dev)
+        kmin = torch.cat([torch.where(live[:, :, :n_pre, None], kmin, 0.0), zeros], 2)
+        kmax = torch.cat([torch.where(live[:, :, :n_pre, None], kmax, 0.0), zeros], 2)
+        ts = torch.zeros(b, hkv, pages, dtype=torch.long, device=dev)
+        ts[:, :, :n_pre] = now
+        born = torch.arange(pages, device=dev).expand(b, hkv, pages).clone()
+        born[:, :, n_pre:] = -1
+        extra = dict(slots=slots, n_pre=n_pre, fill=PAGE, cur=torch.full((b, hkv), -1, device=dev),
+                     live=live, ts=ts, born=born, kmin=kmin, kmax=kmax, seen=now,
+                     evicted=torch.full((b, hkv), -1, device=dev))
+        return keep, extra
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _decode(self, q, k, st, now):
+        b, hkv, total, d = k.shape
+        slots, n_pre = st["slots"], st["n_pre"]
+        dev = k.device
+        _, ts = torch.ops.kvpass.page_scores(q[:, :, -1], st["kmin"], st["kmax"], st["live"], st["ts"],
+                                             self.alpha, now)
+        live, born = st["live"].clone(), st["born"].clone()
+        kmin, kmax = st["kmin"].clone(), st["kmax"].clone()
+        knew = k[:, :, -1].float()
+        cur, fill = st["cur"].clone(), st["fill"]
+        evicted = torch.full((b, hkv), -1, device=dev)
+        keep = torch.arange(slots, device=dev).expand(b, hkv, slots).clone()
+        rows = torch.arange(b, device=dev)[:, None], torch.arange(hkv, device=dev)[None, :]
+        if fill < PAGE:  # room in the current decode page
+            kmin[rows + (cur,)] = torch.minimum(kmin[rows + (cur,)], knew)
+            kmax[rows + (cur,)] = torch.maximum(kmax[rows + (cur,)], knew)
+            fill += 1
+        else:  # take a page from the free list, evicting the oldest full decode page when none is free
+            dec_live = live[:, :, n_pre:]
+            if bool(dec_live.all()):
+                key = torch.where(dec_live, ts[:, :, n_pre:] * (1 << 32) + born[:, :, n_pre:],
+                                  torch.iinfo(torch.long).max)
+                evicted = key.argmin(-1) + n_pre
+                live[rows + (evicted,)] = False
+            cur = (~live[:, :, n_pre:]).long().argmax(-1) + n_pre  # lowest free decode page
+            live[rows + (cur,)] = True
+            ts[rows + (cur,)] = now
+            born[rows + (cur,)] = now
+            kmin[rows + (cur,)] = knew
+            kmax[rows + (cur,)] = knew
+            page_slots = cur[..., None] * PAGE + torch.arange(PAGE, device=dev)
+            keep.scatter_(2, page_slots, -1)  # the page's old entries (evicted, or none) leave the pool
+            fill = 1
+        keep.scatter_(2, (cur * PAGE + fill - 1)[..., None], total - 1)  # the new token's slot
+        extra = dict(st, fill=fill, cur=cur, live=live, ts=ts, born=born, kmin=kmin, kmax=kmax, seen=now,
+                     evicted=evicted, base=st)
+        extra["base"] = {key: val for key, val in st.items() if key != "base"}
+        return keep, extra
