@@ -28,11 +28,11 @@ from kvpass.state import LayerState
 SITE = SimpleNamespace(layer=0, phase="decode", sliding_window=None, cache="dynamic")
 
 
-def decode(policy: str, ids: torch.Tensor, steps: int, **params):
+def decode(policy: str, ids: torch.Tensor, steps: int, family: str = "llama", dynamic=None, **params):
     """Greedy bare-forward decode; returns the logits of every call, the backend and the cache."""
-    model = build("llama", "sdpa")
+    model = build(family, "sdpa")
     be = kvpass.backend(policy, compiler="eager", **params)
-    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic)
     cache = DynamicCache(config=model.config)
     logits = []
     with torch.no_grad():
@@ -52,6 +52,17 @@ def test_budget_above_length_equals_full():
     assert torch.equal(raas.argmax(-1), full.argmax(-1))
     assert cache.layers[0].keys.shape[-2] == (1 + 2 + 1) * 16  # one prompt page + budget/16 + 1
     assert be.state.seen == 33
+
+
+@pytest.mark.parametrize("policy,family,dynamic,params", [
+    ("raas+art", "llama", None, dict(tau=0.0, phi=0.0, block=16)),   # ART's kernel reads the pool's slots
+    ("raas", "gemma3", True, {}),                                    # sliding layers left to the model
+])
+def test_composition_and_families_equal_full(policy, family, dynamic, params):
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    full, _, _ = decode("full", ids, 8, family=family)
+    got, _, _ = decode(policy, ids, 8, family=family, dynamic=dynamic, budget=16, **params)
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
 
 
 def test_long_decode_memory_bound():

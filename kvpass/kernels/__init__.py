@@ -8,5 +8,5 @@
   (``kvpass::window_scores``; SnapKV family and SABlock).
 * ``gather``: compaction of the kept KV entries into fresh contiguous tensors (``kvpass::gather_kv``).
 
-Page scoring (Quest / RaaS) kernels land with their policies.
+* ``page_scores``: Quest's page upper bounds and RaaS's softmax-share timestamps (``kvpass::page_scores``).
 """
