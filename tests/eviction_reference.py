@@ -126,7 +126,7 @@ def sablock_row(s: list[float], cand: list[int], punct: set[int], quota: int, la
         segs.append(cur)
     means = [sum(s[j] for j in seg) / len(seg) for seg in segs]
     best = max(means) if means and max(means) > 0 else 1.0
-    weight = {}
+    weight, seg_mean = {}, {}
     for seg, mean in zip(segs, means):
         total = sum(s[j] for j in seg)
         n = len(seg)
@@ -134,8 +134,8 @@ def sablock_row(s: list[float], cand: list[int], punct: set[int], quota: int, la
         entropy = -sum(x * math.log(x) for x in p if x > 0)
         w = lam * (mean / best) + (1 - lam) * math.exp(entropy) / n
         for j in seg:
-            weight[j] = w
-    adjusted = {j: s[j] * (1 + beta * weight[j]) for j in cand}
+            weight[j], seg_mean[j] = w, mean
+    adjusted = {j: s[j] + beta * weight[j] * seg_mean[j] for j in cand}
     top = set(sorted(cand, key=lambda j: (-adjusted[j], j))[:quota])
     chosen, detail = [], {}
     for seg in segs:
