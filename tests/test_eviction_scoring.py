@@ -301,9 +301,12 @@ def test_punctuation_from_tokenizer():
     pol = make_policy("sablock", budget=64, tokenizer=tiny_tokenizer())
     assert pol.punctuation_ids == (4, 5, 6, 7, 8, 9, 11, 12, 15)   # not 'a.b', '.x', nor the special '<sep.>'
     assert isinstance(pol.config["tokenizer"], str)               # the config stays printable and hashable
+    both = make_policy("sablock", budget=64, tokenizer=tiny_tokenizer(), punctuation_ids=[4])
+    assert both.punctuation_ids == (4,) and isinstance(both.config["tokenizer"], str)   # explicit ids win
     explicit = make_policy("sablock", budget=64, punctuation_ids="4, 5,6")
     assert explicit.punctuation_ids == (4, 5, 6)
     assert make_policy("sablock", budget=64, punctuation_ids=[6, 4, 4]).punctuation_ids == (4, 6)
+    assert make_policy("sablock", budget=64, punctuation_ids=13).punctuation_ids == (13,)   # --param x=13
 
 
 @pytest.mark.parametrize("policy,params,fragments", [

@@ -161,6 +161,8 @@ def choose(scores: Tensor, cand: Tensor, punct: Tensor, quota: int, lam: float, 
 
 
 def _parse_ids(value) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]                        # --param punctuation_ids=13
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
     try:
@@ -178,7 +180,7 @@ class SABlock(PrefillEviction):
     summary = "segments at punctuation, segment-weighted scores, adaptive block size per segment"
     params = PrefillEviction.params + (
         Param("lam", float, 0.7, 0.0, 1.0, "segment weight: share of importance (rest: diversity)"),
-        Param("beta", float, 1.0, 0.0, 1e6, "strength of the segment weight on its tokens' scores"),
+        Param("beta", float, 1.0, 0.0, 1e6, "tokens gain beta * w_S times their segment's mean score"),
         Param("epsilon", float, 0.01, 0.0, 1.0, "uniform share mixed into a segment's score distribution"),
         Param("theta", float, 0.9, 0.0, 1.0, "accept a block size keeping >= theta of the token-level score"),
         Param("tokenizer", object, None, doc="the model's HF tokenizer (punctuation ids are derived from it)"),
@@ -195,6 +197,7 @@ class SABlock(PrefillEviction):
                 raise ConfigError(f"policy 'sablock': parameter 'tokenizer' must be a Hugging Face tokenizer "
                                   f"(with batch_decode), got {type(tok).__name__}")
             ids = punctuation_ids(tok)
+        if tok is not None:  # explicit ids win; the config keeps a printable, hashable name
             self.config["tokenizer"] = getattr(tok, "name_or_path", "") or type(tok).__name__
         self.config["punctuation_ids"] = _parse_ids(ids)
         self._ids: dict = {}
