@@ -88,7 +88,7 @@ if triton is not None:
         s = s.to(tl.float32) * scale
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-        s = s * 1.4426950408889634
+        s = (s * 1.4426950408889634).to(tl.float32)  # Inductor passes float scalars as fp64
         visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
         return tl.where(visible, s, float("-inf"))
 
