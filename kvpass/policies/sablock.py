@@ -56,7 +56,8 @@ The paper's formulas and values were lost (DESIGN.md 3); these are the choices, 
 * block sizes 9, 7, 5, 3, 1 (DESIGN.md): odd sizes centred like SnapKV's pooling kernel of 7,
   the largest a little above it.
 
-The sensitivity of accuracy to ``lam``, ``beta`` and ``theta`` is in the README.
+The sensitivity of accuracy to ``lam``, ``beta`` and ``theta`` is in the README and
+``docs/sweeps/sablock_smollm2_cpu_1k/`` (``beta`` matters most; each default sits on a plateau).
 
 Punctuation ids come from ``tokenizer=`` (a HF tokenizer; ``kvpass compare`` passes the model's) or
 ``punctuation_ids=`` (ints, or a comma-separated string from ``--param``). The graph must receive
