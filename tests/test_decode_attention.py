@@ -253,3 +253,74 @@ def test_masked_tail_never_ends_the_read(dtype):
     full, _ = K.decode_attention_reference(q, k, v, mask=mask, block=16)
     torch.testing.assert_close(full, exact(q, k, v, mask=keep.view(1, 1, 1, 160)), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out_k, out_r, atol=2e-5, rtol=2e-5)
+
+
+def selection(b, hkv, nb, steps, seed):
+    """A map of ``steps`` columns per (sequence, KV head): a random subset of the blocks (at most
+    ``steps``, possibly none) first, then -1 padding, with a -1 also placed inside some rows."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b * hkv):
+        n = int(torch.randint(0, min(steps, nb) + 1, (1,), generator=g))
+        row = torch.full((steps,), -1, dtype=torch.int32)
+        row[:n] = torch.randperm(nb, generator=g)[:n].int()
+        if n >= 2 and bool(torch.rand(1, generator=g) < 0.5):  # a hole inside the selection
+            row[1:n] = torch.cat([torch.tensor([-1], dtype=torch.int32), row[1:n - 1]])
+        rows.append(row)
+    return torch.stack(rows).view(b, hkv, steps)
+
+
+@SETTINGS
+@given(shape=shapes, steps=st.integers(1, 6), split=st.booleans(), positions=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_block_map_reads_only_the_selected_blocks(shape, steps, split, positions, seed):
+    """A map with fewer steps than blocks and -1 padding: kernel == reference == exact attention over
+    the selected blocks of each KV head, and ``visited`` counts the selected blocks only."""
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured=True)
+    nb = -(-length // 16)
+    bmap = selection(b, hkv, nb, steps, seed)
+    kw = dict(block=16, block_map=bmap)
+    read = torch.zeros(b, hkv, length, dtype=torch.bool)
+    for bi in range(b):
+        for g in range(hkv):
+            for j in bmap[bi, g].tolist():
+                if j >= 0:
+                    read[bi, g, 16 * j: 16 * (j + 1)] = True
+    if positions:  # the evicting path's masks: a few entries hidden by position -1
+        kv_pos = torch.arange(length).expand(b, hkv, length).clone()
+        kv_pos[:, :, ::7] = -1
+        kw.update(kv_pos=kv_pos, q_pos=torch.full((b, 1), length - 1))
+        read &= kv_pos >= 0
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, split=split, **kw)
+    torch.testing.assert_close(out_k, out_r, atol=2e-5, rtol=2e-5)
+    assert torch.equal(vis_k, vis_r) and torch.equal(vis_r, (bmap >= 0).sum(-1).int())
+    g_ = h // hkv
+    want = ops.attention_reference(q, k, v, read.repeat_interleave(g_, dim=1)[:, :, None, :], 1 / math.sqrt(d))
+    torch.testing.assert_close(out_r, want, atol=2e-5, rtol=2e-5)
+
+
+@SETTINGS
+@given(shape=shapes, steps=st.integers(1, 6), tau=st.sampled_from([1e-2, 0.3]), patience=st.integers(1, 2),
+       seed=st.integers(0, 10_000))
+def test_block_map_with_termination_equals_reference(shape, steps, tau, patience, seed):
+    """ART over a selection: skipped (-1) steps are neutral for the stop rule, in both implementations."""
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured=True)
+    bmap = selection(b, hkv, -(-length // 16), steps, seed)
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, block=16, block_map=bmap, tau=tau, phi=tau, patience=patience)
+    assert torch.equal(vis_k, vis_r) and (vis_r <= (bmap >= 0).sum(-1)).all()
+    torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
+
+
+def test_block_map_op_on_cpu_and_opcheck():
+    """The op with a short map (fewer steps than blocks) is the reference on CPU, and opcheck passes."""
+    q, k, v = qkv(2, 4, 2, 70, 16, torch.float32, 3)
+    bmap = torch.tensor([[[4, 0, -1], [-1, -1, -1]], [[2, 3, 1], [1, -1, -1]]], dtype=torch.int32)
+    args = (q, k, v, None, None, None, None, None, bmap, 0.25, 0.0, 0, 0.0, 0.0, 5, 16, 2, 0, 0)
+    out, vis = torch.ops.kvpass.decode_attention(*args)
+    ref, vref = K.decode_attention_reference(q, k, v, block_map=bmap, scale=0.25, block=16)
+    assert torch.equal(out, ref) and vis.tolist() == [[2, 0], [3, 1]] and torch.equal(vis, vref)
+    assert (out[0, 2:] == 0).all()  # a KV head with nothing selected reads nothing: zeros
+    torch.library.opcheck(torch.ops.kvpass.decode_attention_ref.default, args)
+    torch.library.opcheck(torch.ops.kvpass.decode_attention.default, args)

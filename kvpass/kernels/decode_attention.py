@@ -9,6 +9,9 @@ streaming (online) softmax, in one of three orders:
 * ``ORDER_RECENCY``: block 0 first, then the most recent block and backwards (0, n-1, n-2, ..., 1),
   the order ART uses: sinks, then recent context, then the distant middle;
 * ``ORDER_MAP``: ``block_map[b, g, i]`` is the block read at step ``i`` (a caller's ranking).
+  The map has ``steps <= blocks`` columns and only its steps are read; a negative entry is a step
+  that reads nothing. A caller that selects blocks (Quest's top pages) lists them first and pads
+  the row with -1, so a program reads its selection and no other entry.
 
 **ART termination** (Attention Run-time Termination). After each block the program measures the
 change of a probe vector ``x``: the running normalised output ``acc / l`` restricted to every
@@ -49,7 +52,8 @@ the stop rule may fire only within the first ``horizon`` steps (one program per 
 head); where it has not, the remaining steps are read split-KV and merged. A read then either
 stops where sequential ART stops or reads everything.
 
-The statistics output ``visited[b, g]`` counts the blocks each program group read.
+The statistics output ``visited[b, g]`` counts the blocks each program group read (steps with a
+negative ``block_map`` entry are not counted).
 """
 
 from __future__ import annotations
@@ -154,12 +158,14 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         nb_row = ((kv_len.long() + block - 1) // block).clamp(max=nb).view(b, 1).expand(b, hkv)
     else:
         nb_row = torch.full((b, hkv), nb, device=q.device, dtype=torch.long)
-    if block_map is not None:
+    if block_map is not None:  # a map may list fewer steps than blocks; -1 = a step that reads nothing
         idx = block_map.long()
+        nb_steps = min(nb, idx.shape[-1])
     else:
+        nb_steps = nb
         steps = torch.arange(nb, device=q.device).expand(b, hkv, nb)
         idx = steps if order == ORDER_NATURAL else torch.where(steps == 0, steps, nb_row[..., None] - steps)
-    in_range = torch.arange(nb, device=q.device) < nb_row[..., None]          # [B, H_kv, nb]
+    in_range = torch.arange(nb_steps, device=q.device) < nb_row[..., None]    # [B, H_kv, steps]
 
     dv = v.shape[-1]
     m = torch.full((b, hkv, g), float("-inf"), device=q.device)
@@ -171,10 +177,12 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     active = torch.ones(b, hkv, dtype=torch.bool, device=q.device)
     visited = torch.zeros(b, hkv, dtype=torch.int32, device=q.device)
     art = tau > 0 and phi > 0
-    for i in range(nb):
+    for i in range(nb_steps):
         active = active & in_range[..., i]
         j = idx[..., i].clamp(0, nb - 1)
+        took = idx[..., i] >= 0
         sb = s.gather(3, j.view(b, hkv, 1, 1, 1).expand(b, hkv, g, 1, block)).squeeze(3)
+        sb = sb.masked_fill(~took.view(b, hkv, 1, 1), float("-inf"))
         vb = vf.gather(2, j.view(b, hkv, 1, 1, 1).expand(b, hkv, 1, block, dv)).squeeze(2)
         m_new = torch.maximum(m, sb.amax(-1))
         m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
@@ -184,7 +192,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         l = torch.where(on, l * alpha + p.sum(-1), l)
         acc = torch.where(on[..., None], acc * alpha[..., None] + torch.einsum("bkgn,bknd->bkgd", p, vb), acc)
         m = torch.where(on, m_new, m)
-        visited += active.int()
+        visited += (active & took).int()
         if art:
             x = torch.where(l[..., None] > 0, acc / l[..., None].clamp_min(1e-38), 0.0) * probe_mask
             ok = _stable(x, prev, tau, phi).all(dim=-1) & (i > 0)
@@ -230,8 +238,9 @@ if triton is not None:
     ):
         """Step ``i``: read one block (in the chosen order) into the streaming-softmax state.
 
-        Entries at or past ``limit`` (the sequence's length) are outside the cache. Also returns
-        whether the block had any visible entry (ART's neutral empty blocks)."""
+        Entries at or past ``limit`` (the sequence's length) are outside the cache; a negative map
+        entry reads nothing. Also returns whether the block had any visible entry (ART's neutral
+        empty blocks) and whether the step read a block at all."""
         if ORDER == 0:
             j = i
         elif ORDER == 1:
@@ -239,7 +248,7 @@ if triton is not None:
         else:
             j = tl.load(Map + b * smap_b + hk * smap_h + i).to(tl.int32)
         offs = j * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < limit
+        valid = (offs < limit) & (offs >= 0)
         if PAGE > 0:
             page = tl.load(Table + b * st_b + offs // PAGE, mask=valid, other=0).to(tl.int64)
             rows_k = page * sk_0 + hk * sk_h + (offs % PAGE) * sk_l
@@ -287,7 +296,7 @@ if triton is not None:
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m = m_new
-        return m, l, acc, live
+        return m, l, acc, live, (j >= 0).to(tl.int32)
 
     # lengths change every decode step: specialising on their values (== 1, divisible by 16) would
     # compile new variants while the cache grows
@@ -348,7 +357,7 @@ if triton is not None:
             c = start
             while (c < stop) & (stable < patience):
                 for i in range(c, tl.minimum(c + CHUNK, stop)):
-                    m, l, acc, live = _read_block(
+                    m, l, acc, live, took = _read_block(
                         i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
                         scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
                         sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
@@ -364,7 +373,7 @@ if triton is not None:
                     all_ok = tl.min(ok.to(tl.int32), 0) > 0
                     running = stable < patience
                     stable = tl.where(running & live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
-                    count += running.to(tl.int32)
+                    count += running.to(tl.int32) * took
                     done = running & (stable >= patience)
                     m_s = tl.where(done, m, m_s)
                     l_s = tl.where(done, l, l_s)
@@ -379,12 +388,13 @@ if triton is not None:
             l = tl.where(stopped, l_s, l)
             acc = tl.where(stopped, acc_s, acc)
         else:  # a for loop, which Triton pipelines (loads of the next block overlap this one)
+            count = tl.full([], 0, tl.int32)
             for i in range(start, stop):
-                m, l, acc, live = _read_block(
+                m, l, acc, live, took = _read_block(
                     i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
                     scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
                     sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
-            count = tl.maximum(stop - start, 0)
+                count += took
 
         heads64 = heads.to(tl.int64)
         tl.store(Visited + (b * tl.num_programs(1) + hk) * n_parts + part0 + sp, count)
@@ -485,6 +495,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     page = int(k.shape[2]) if page_table is not None else 0
     length = page_table.shape[1] * page if page_table is not None else k.shape[2]
     n_blocks = _cdiv(length, block)
+    if block_map is not None:  # only the map's steps are read (a selection may list fewer than all blocks)
+        n_blocks = torch.sym_min(n_blocks, block_map.shape[-1])
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     art = tau > 0 and phi > 0
     if split and art and not horizon:
