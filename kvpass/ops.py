@@ -55,6 +55,19 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
+``kvpass::rope_rotate(x, cos, sin) -> x_rotated`` and ``kvpass::scatter_rows(dst, idx, src)``
+    RoPE rotation of ``x [M, L, D]`` by per-position tables (the model's own rotary module computes
+    them) and a copy of ``dst [M, N, D]`` with rows ``idx`` replaced by ``src``
+    (``kvpass.kernels.rope``): chunk fusion re-rotates stored pre-RoPE keys with the first and
+    writes recomputed K/V over stored ones with the second. ``triton_op``s: Triton on CUDA, the
+    ``*_ref`` operators elsewhere.
+
+``kvpass::cache_overwrite(k_past, v_past, k_new, v_new, handle, site) -> (k, v, kv_pos, q_pos)``
+    Chunk fusion's cache update: the new tokens are written over the cache slots named by the
+    generation state's ``fusion`` slots (their true positions: a merged cache is stored in position
+    order, one slot per token) instead of being appended, so ``k`` is as long as ``k_past``;
+    ``kv_pos`` is every slot's position and ``q_pos`` the new tokens'. Reads the state only.
+
 ``kvpass::true_positions(pos, handle)``
     Replaces position ids that the model derived from the (compressed) cache length with the
     true token count, so RoPE positions stay exact after eviction.
@@ -71,6 +84,7 @@ from kvpass import runtime
 from kvpass.kernels import decode_attention as _decode
 from kvpass.kernels import gather as _gather
 from kvpass.kernels import page_scores as _pscores
+from kvpass.kernels import rope as _rope
 from kvpass.kernels import window_scores as _wscores
 from kvpass.runtime import past_length
 
@@ -358,6 +372,73 @@ def _(out, visited, k, block, handle, site):
     return torch.empty_like(out)
 
 
+@torch.library.custom_op("kvpass::rope_rotate_ref", mutates_args=())
+def rope_rotate_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return _rope.rotate_reference(x, cos, sin)
+
+
+@rope_rotate_ref.register_fake
+def _(x, cos, sin):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.triton_op("kvpass::rope_rotate", mutates_args=())
+def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x [M, L, D]`` rotated by ``cos, sin [L, R]`` (``x * cos + rotate_half(x) * sin`` on the first
+    ``R`` dims); see ``kvpass.kernels.rope``. Triton on CUDA, the reference operator elsewhere."""
+    if x.device.type == "cuda" and _rope.triton is not None:
+        return _rope.rotate_triton(x, cos, sin, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.rope_rotate_ref(x, cos, sin)
+
+
+@torch.library.custom_op("kvpass::scatter_rows_ref", mutates_args=())
+def scatter_rows_ref(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
+    return _rope.scatter_reference(dst, idx, src)
+
+
+@scatter_rows_ref.register_fake
+def _(dst, idx, src):
+    return torch.empty_like(dst, memory_format=torch.contiguous_format)
+
+
+@torch.library.triton_op("kvpass::scatter_rows", mutates_args=())
+def scatter_rows(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
+    """A copy of ``dst [M, N, D]`` with rows ``idx [n]`` replaced by ``src [M, n, D]``; see
+    ``kvpass.kernels.rope``. Triton on CUDA, the reference operator elsewhere."""
+    if dst.device.type == "cuda" and _rope.triton is not None:
+        return _rope.scatter_triton(dst, idx, src, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.scatter_rows_ref(dst, idx, src)
+
+
+@torch.library.custom_op("kvpass::cache_overwrite", mutates_args=())
+def cache_overwrite(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, handle: int,
+                    site: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    slots = runtime.get(handle).state.fusion
+    b, hkv, ln = k_new.shape[:3]
+    lp = past_length(k_past)
+    if slots is None or slots.numel() != ln or lp == 0:
+        raise RuntimeError("kvpass: a chunk-fusion policy writes new tokens over a merged cache; run it "
+                           "through kvpass.ChunkFusion (got a call on a cache it did not prepare)")
+    idx = slots.to(k_new.device)
+    out = []
+    for past, new in ((k_past, k_new), (v_past, v_new)):
+        d = past.shape[-1]
+        merged = torch.ops.kvpass.scatter_rows(past.reshape(b * hkv, lp, d), idx,
+                                               new.to(past.dtype).reshape(b * hkv, ln, d))
+        out.append(merged.view(b, hkv, lp, d))
+    kv_pos = torch.arange(lp, device=k_new.device).expand(b, hkv, lp).contiguous()
+    q_pos = idx.expand(b, ln).contiguous()
+    return out[0], out[1], kv_pos, q_pos
+
+
+@cache_overwrite.register_fake
+def _(k_past, v_past, k_new, v_new, handle, site):
+    b, hkv, ln = k_new.shape[:3]
+    lp = k_past.shape[-2]
+    return (k_past.new_empty((b, hkv, lp, k_past.shape[-1])), v_past.new_empty((b, hkv, lp, v_past.shape[-1])),
+            k_new.new_empty((b, hkv, lp), dtype=torch.long), k_new.new_empty((b, ln), dtype=torch.long))
+
+
 OPS = {
     "attention": attention,
     "attention_pos": attention_pos,
@@ -373,4 +454,9 @@ OPS = {
     "gather_kv_ref": gather_kv_ref,
     "page_scores": page_scores,
     "page_scores_ref": page_scores_ref,
+    "rope_rotate": rope_rotate,
+    "rope_rotate_ref": rope_rotate_ref,
+    "scatter_rows": scatter_rows,
+    "scatter_rows_ref": scatter_rows_ref,
+    "cache_overwrite": cache_overwrite,
 }

@@ -41,6 +41,9 @@ class GenerationState:
 
     def __init__(self) -> None:
         self.layers: dict[int, LayerState] = {}
+        # chunk fusion (kvpass.fusion): true positions [n] of the tokens of the current call, which
+        # kvpass::cache_overwrite writes over a merged cache (slot == position); None otherwise
+        self.fusion: Tensor | None = None
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)

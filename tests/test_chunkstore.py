@@ -1,0 +1,152 @@
+"""ChunkStore: round trip, integrity (corrupt file, foreign entry), processes writing one chunk, size cap."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import warnings
+
+import pytest
+import torch
+
+import families
+from kvpass import ConfigError
+from kvpass.chunkstore import ChunkStore, ChunkStoreWarning
+from kvpass.rope import layer_keys, rotate
+
+IDS = list(range(3, 40))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return families.build("llama")
+
+
+def test_round_trip_memory_and_disk(model, tmp_path):
+    store = ChunkStore(tmp_path, model)
+    (key,) = store.put([IDS])
+    assert key == store.key(IDS) and IDS in store and len(store) == 1
+    mem = store.get(IDS)
+    assert mem.source == "memory"
+    fresh = ChunkStore(tmp_path, model)              # a new process: the disk tier only
+    disk = fresh.get(IDS)
+    assert disk.source == "disk" and disk.tokens == len(IDS)
+    for a, b in zip(mem.k + mem.v, disk.k + disk.v):
+        assert torch.equal(a, b)
+    # the keys are pre-RoPE: rotated back to 0..n-1 they are what the model's own cache holds
+    pos = torch.arange(len(IDS))
+    cache = layer_keys(model, torch.tensor([IDS]), pos[None])
+    for i, (k, v) in enumerate(cache):
+        assert torch.allclose(rotate(disk.k[i], store.rotary.tables(i, pos)), k[0], atol=1e-5)
+        assert torch.equal(disk.v[i], v[0])
+    s = fresh.stats()
+    assert (s["disk_hits"], s["misses"], s["disk_entries"]) == (1, 0, 1) and s["load_s"] > 0
+    assert "ChunkStore(" in repr(fresh) and "ChunkKV(" in repr(disk)
+
+
+def test_put_texts_needs_a_tokenizer(model, tmp_path):
+    with pytest.raises(ConfigError, match="tokenizer"):
+        ChunkStore(tmp_path, model).put(["some text"])
+    with pytest.raises(ConfigError, match="max_bytes"):
+        ChunkStore(tmp_path, model, max_bytes=0)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_corrupt_file_is_a_miss_with_a_warning(model, tmp_path, damage):
+    store = ChunkStore(tmp_path, model, memory_bytes=0)
+    (key,) = store.put([IDS])
+    path = store._file(key)
+    raw = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        raw[-7] ^= 0x40
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw = bytearray(b"not a safetensors file")
+    open(path, "wb").write(bytes(raw))
+    with pytest.warns(ChunkStoreWarning, match="unusable"):
+        assert store.get(IDS) is None
+    assert not os.path.exists(path) and len(store) == 0 and store.stats()["corrupt"] == 1
+    assert store.get_or_compute(IDS).source == "computed"          # recomputed and stored again
+    assert ChunkStore(tmp_path, model).get(IDS).source == "disk"
+
+
+def test_fingerprint_mismatch(model, tmp_path):
+    other = families.build("llama", seed=1)                  # same config, other weights
+    a, b = ChunkStore(tmp_path, model), ChunkStore(tmp_path, other)
+    assert a.fingerprint != b.fingerprint and a.key(IDS) != b.key(IDS)
+    a.put([IDS])
+    assert b.get(IDS) is None                                # another model's entry is never found
+    # an entry copied under the other model's key (or a hash collision) fails the metadata check
+    os.makedirs(os.path.dirname(b._file(b.key(IDS))), exist_ok=True)
+    with open(a._file(a.key(IDS)), "rb") as f, open(b._file(b.key(IDS)), "wb") as g:
+        g.write(f.read())
+    with pytest.warns(ChunkStoreWarning, match="fingerprint"):
+        assert b.get(IDS) is None
+    # ids that do not match the entry's are refused too
+    wrong = IDS[:-1] + [IDS[-1] + 1]
+    os.makedirs(os.path.dirname(a._file(a.key(wrong))), exist_ok=True)
+    with open(a._file(a.key(IDS)), "rb") as f, open(a._file(a.key(wrong)), "wb") as g:
+        g.write(f.read())
+    with pytest.warns(ChunkStoreWarning, match="token ids"):
+        assert ChunkStore(tmp_path, model).get(wrong) is None
+
+
+def _writer(path, seed, barrier, out):
+    torch.manual_seed(seed)
+    model = families.build("llama")
+    store = ChunkStore(path, model, memory_bytes=0)
+    barrier.wait()
+    store.put([IDS, list(range(50, 60 + seed))])
+    out.put((store.key(IDS), store.stats()["written"]))
+
+
+def test_two_processes_write_the_same_chunk(tmp_path):
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), s, barrier, out)) for s in (0, 1)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0][0] == results[1][0]
+    model = families.build("llama")
+    store = ChunkStore(tmp_path, model)
+    assert len(store) == 3                                  # the shared chunk once, one own chunk each
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ChunkStoreWarning)   # every file is whole and valid
+        assert store.get(IDS).source == "disk"
+    leftovers = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_size_cap_evicts_least_recently_used(model, tmp_path):
+    store = ChunkStore(tmp_path, model, memory_bytes=0)
+    chunks = [list(range(3 + i, 23 + i)) for i in range(4)]
+    store.put(chunks[:1])
+    one = store.stats()["disk_bytes"]
+    capped = ChunkStore(tmp_path, model, memory_bytes=0, max_bytes=int(2.5 * one))
+    capped.put(chunks[1:2])
+    os.utime(capped._file(capped.key(chunks[0])), ns=(1, 1))  # chunk 0 is the oldest ...
+    assert capped.get(chunks[1]) is not None                    # ... and chunk 1 was just used
+    capped.put(chunks[2:3])
+    s = capped.stats()
+    assert s["disk_entries"] == 2 and s["disk_bytes"] <= capped.max_bytes and s["evicted"] == 1
+    assert chunks[0] not in capped and chunks[1] in capped and chunks[2] in capped
+    tiny = ChunkStore(tmp_path, model, memory_bytes=0, max_bytes=one // 2)
+    with pytest.warns(ChunkStoreWarning, match="exceeds max_bytes"):
+        tiny.put(chunks[3:4])
+    assert len(tiny) == 0
+    store.clear()
+    assert len(store) == 0 and store.get(chunks[1]) is None
+
+
+def test_memory_tier_is_lru(model, tmp_path):
+    store = ChunkStore(tmp_path, model)
+    a, b = list(range(3, 20)), list(range(30, 47))
+    size = store.get_or_compute(a).nbytes
+    store.memory_bytes = int(1.5 * size)
+    store.get_or_compute(b)
+    assert store.get(b).source == "memory" and store.get(a).source == "disk"
