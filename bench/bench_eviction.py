@@ -6,7 +6,7 @@ with Inductor, then decodes ``--new-tokens`` greedy tokens. All policies run in 
 same GPU; each policy compiles once (``Runner.compile`` warms up on a short prompt, so compile time
 never leaks into the timings) and then serves every length. Reported per (policy, length):
 
-* TPOT: mean wall time of a decode step (synchronised);
+* TPOT: median wall time of a decode step (synchronised), batch rows in lockstep;
 * TTFT: prefill time;
 * peak GPU memory: the allocator's high-water mark from the start of prefill to the last token;
 * KV bytes: what the cache stores after generation (eviction frees memory; it does not mask it).
@@ -14,7 +14,7 @@ never leaks into the timings) and then serves every length. Reported per (policy
 The model is a real Llama-architecture model (SmolLM2-135M by default). Its trained context is 8k:
 beyond it the generated text means nothing, but the cost of a step does not depend on that.
 
-    python bench/bench_eviction.py --out bench/results/eviction_smollm2_h200
+    python bench/bench_eviction.py --out bench/results/eviction_smollm2_h200 --batches 1,8
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvpass import models, tasks  # noqa: E402
@@ -37,57 +39,102 @@ def prompt_ids(tok, length: int) -> list[int]:
     return (ids * (-(-length // len(ids))))[:length]
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def timed_decode(fwd, model, ids: torch.Tensor, new_tokens: int):
+    """Prefill ``ids [B, N]`` then ``new_tokens - 1`` greedy steps, every row in lockstep.
+
+    No attention mask is passed (rows are equal, nothing is padded), so the decode path is the
+    same on every transformers version. Returns TTFT (s), TPOT (s), peak bytes, KV bytes, tokens.
+    """
+    cache = DynamicCache(config=model.config)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    sync()
+    ttft, steps, out = time.perf_counter() - t0, [], []
+    for _ in range(new_tokens - 1):
+        nxt = logits.argmax(-1, keepdim=True)
+        out.append(nxt)
+        t1 = time.perf_counter()
+        logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        sync()
+        steps.append(time.perf_counter() - t1)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    # the median step: the first decode step of a new (batch, length) may pay a Dynamo guard miss
+    tpot = sorted(steps)[len(steps) // 2] if steps else float("nan")
+    return ttft, tpot, peak, cache_bytes(cache), len(out) + 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results/eviction"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="32768,65536,131072")
+    ap.add_argument("--batches", default="1", help="comma-separated batch sizes (rows repeat the prompt)")
     ap.add_argument("--policies", default="full,snapkv,sablock")
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--compiler", default="inductor")
+    ap.add_argument("--max-tokens", type=int, default=1 << 20,
+                    help="skip (batch, length) pairs with more prompt tokens than this (prefill memory)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tok = models.load(args.model, dtype=dtype, device=args.device)
     runner = Runner(model, tok, args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
     rows = []
     for spec in args.policies.split(","):
         params = {} if spec == "full" else {"budget": args.budget}
         be, fwd, compile_s = runner.compile(spec, params, args.compiler)
-        for n in lengths:
-            ids = prompt_ids(tok, n)
-            tokens, ttft, tpot, _, cache, peak = runner.generate(fwd, ids, args.new_tokens, stop_at_eos=False)
-            rows.append(dict(policy=spec, budget=params.get("budget"), context=n, new_tokens=len(tokens),
-                             ttft_s=ttft, tpot_ms=tpot * 1e3, peak_gib=None if peak is None else peak / 2**30,
-                             kv_mib=cache_bytes(cache) / 2**20, compile_s=compile_s))
-            print(json.dumps(rows[-1]), flush=True)
-            del cache
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-    full = {r["context"]: r for r in rows if r["policy"] == "full"}
+        for b in batches:
+            # a new batch size may compile new graphs: warm them on a short prompt, untimed
+            warm = torch.tensor([prompt_ids(tok, 2 * args.budget)] * b, device=args.device)
+            timed_decode(fwd, model, warm, 3)
+            for n in lengths:
+                if b * n > args.max_tokens:
+                    continue
+                ids = torch.tensor([prompt_ids(tok, n)] * b, device=args.device)
+                ttft, tpot, peak, kv, made = timed_decode(fwd, model, ids, args.new_tokens)
+                rows.append(dict(policy=spec, budget=params.get("budget"), batch=b, context=n, new_tokens=made,
+                                 ttft_s=ttft, tpot_ms=tpot * 1e3, peak_gib=None if peak is None else peak / 2**30,
+                                 kv_mib=kv / 2**20, compile_s=compile_s))
+                print(json.dumps(rows[-1]), flush=True)
+                del ids
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    full = {(r["batch"], r["context"]): r for r in rows if r["policy"] == "full"}
     for r in rows:
-        f = full.get(r["context"])
+        f = full.get((r["batch"], r["context"]))
         if f is not None:
             r["tpot_speedup_vs_full"] = f["tpot_ms"] / r["tpot_ms"]
             if r["peak_gib"] is not None:
                 r["peak_reduction_vs_full"] = 1 - r["peak_gib"] / f["peak_gib"]
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model, dtype=str(dtype),
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                batch=1, new_tokens=args.new_tokens, compiler=args.compiler)
+                transformers=transformers.__version__, new_tokens=args.new_tokens, compiler=args.compiler)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eviction.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     lines = [f"# Prefill-time eviction at long context: {args.model}, {meta['device']}, {meta['date']}", "",
-             f"torch {meta['torch']}, {meta['dtype']}, batch 1, {args.new_tokens} new tokens, {args.compiler}. "
-             "Speedup = full's TPOT / the policy's TPOT; reduction = 1 - peak / full's peak (same context).", "",
-             "| policy | budget | context | TTFT s | TPOT ms | TPOT speedup | peak GiB | peak reduction | KV MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, {args.new_tokens} new "
+             f"tokens, {args.compiler}. TPOT = median decode step. Speedup = full's TPOT / the policy's TPOT; "
+             "reduction = 1 - peak / full's peak (same batch and context).", "",
+             "| policy | budget | batch | context | TTFT s | TPOT ms | TPOT speedup | peak GiB | peak reduction | KV MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         red = f"{r['peak_reduction_vs_full']:.0%}" if "peak_reduction_vs_full" in r else "-"
-        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['context']} | {r['ttft_s']:.2f} | {r['tpot_ms']:.2f} | "
-                     f"{r.get('tpot_speedup_vs_full', float('nan')):.2f} | {peak} | {red} | {r['kv_mib']:.1f} |")
+        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['batch']} | {r['context']} | {r['ttft_s']:.2f} | "
+                     f"{r['tpot_ms']:.2f} | {r.get('tpot_speedup_vs_full', float('nan')):.2f} | {peak} | {red} | "
+                     f"{r['kv_mib']:.1f} |")
     (args.out / "eviction.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

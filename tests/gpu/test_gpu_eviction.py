@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
+from transformers import DynamicCache
 
 import kvpass
 from families import build
@@ -108,9 +109,16 @@ def test_policy_on_gpu_matches_hand_eviction(policy):
     ids = ids.to(DEV)
     be = kvpass.backend(policy, budget=budget, window=window, **PARAMS[policy])     # real Inductor
     model_c = build("llama").to(DEV)
-    model_c.forward = torch.compile(model_c.forward, backend=be, fullgraph=True)
-    out = model_c.generate(ids, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
-    tokens = out[0, ids.shape[1]:].tolist()
+    fwd = torch.compile(model_c.forward, backend=be, fullgraph=True)
+    # The bare forward, without an attention mask: transformers 5.17 materialises a decode mask
+    # sized from layer 0's cache and adds it to every layer's scores unsliced, which cannot
+    # broadcast once PyramidKV's layers hold different lengths (see the README's pyramidkv note).
+    cache, tokens, nxt = DynamicCache(config=model_c.config), [], ids
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+            tokens.append(int(logits.argmax()))
+            nxt = torch.tensor([[tokens[-1]]], device=DEV)
     budgets = layer_budgets(policy, [0, 1], budget, window)
     kept = {i: be.state.layer(i).pos[..., :keep] for i, keep in budgets.items()}
     for i, keep in budgets.items():
