@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from kvpass import detect as _detect
+from kvpass import gate as _gate
 from kvpass import lowerings as _lowerings  # noqa: F401  (device implementations)
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass import rewrite as _rewrite
@@ -55,6 +56,7 @@ class GraphReport:
     rewritten: int = 0
     evicting: list[int] = field(default_factory=list)
     positions_fixed: list[str] = field(default_factory=list)
+    gate: object = None      # kvpass.gate.GatedGraph: the prefill runs split at the gates (ASL, FastKV)
 
     @property
     def changed(self) -> bool:
@@ -79,9 +81,10 @@ def _phase(found: _detect.Detection) -> str:
 class KVPass(CustomGraphPass):
     """The graph pass: rewrites a Dynamo FX graph in place for one policy."""
 
-    def __init__(self, policy: Policy, rt: _runtime.Runtime) -> None:
+    def __init__(self, policy: Policy, rt: _runtime.Runtime, compile_segment=None) -> None:
         self.policy = policy
         self.runtime = rt
+        self.compile_segment = compile_segment  # compiles one segment of a gated graph (kvpass.gate)
 
     def __call__(self, graph: fx.Graph) -> GraphReport:
         gm = graph.owning_module
@@ -100,6 +103,11 @@ class KVPass(CustomGraphPass):
                 self.runtime.sites[site.layer] = site
         report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
                              plans={i: p.describe() for i, p in plans.items()}, problems=problems)
+        gates = getattr(self.policy, "gates", False) and phase == "prefill"
+        if gates and not problems:
+            why = _gate.check(found.sites, self.policy)
+            if why:
+                problems.append(f"policy '{self.policy.name}' (gate): {why}")
         if problems:
             warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
                       f"{problems[0]}")
@@ -108,11 +116,20 @@ class KVPass(CustomGraphPass):
         report.rewritten = summary["rewritten"]
         report.evicting = summary["evicting"]
         report.positions_fixed = summary["positions_fixed"]
+        if gates:
+            gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
+            if isinstance(gated, str):  # after the rewrite: the graph evicts but computes every token
+                warn_once(f"kvpass: policy '{self.policy.name}': the gate is not applied, the prefill computes "
+                          f"every token in every layer: {gated}")
+            else:
+                report.gate = gated
+                for layer in gated.cuts:
+                    report.plans[layer] += " + gate candidate"
         return report
 
     def uuid(self) -> str:
         h = hashlib.sha256(self.policy.uuid().encode())
-        for mod in (_detect, _rewrite, _ops, _runtime):
+        for mod in (_detect, _rewrite, _ops, _runtime, _gate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -125,14 +142,25 @@ class Backend:
             raise ConfigError(f"parameter 'compiler' must be one of {', '.join(COMPILERS)}, got {compiler!r}")
         self.policy = make_policy(policy, **params)
         self.compiler = compiler
+        for member in getattr(self.policy, "members", ()):
+            if getattr(member, "gates", False):
+                raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
+                                  f"prefill graph and does not compose with other policies yet; use it alone")
         self.runtime = _runtime.Runtime(self.policy)
-        self.kvpass = KVPass(self.policy, self.runtime)
+        self.kvpass = KVPass(self.policy, self.runtime, self._inner)
         self.reports: list[GraphReport] = []
 
     @property
     def state(self):
         """The generation state (true positions, stored lengths) of the last generation."""
         return self.runtime.state
+
+    @property
+    def gate_info(self) -> dict | None:
+        """Gated policies (asl, fastkv): the selection layer, prompt length and tokens kept of the last
+        prefill, or None."""
+        info = getattr(self.runtime, "gate", None)
+        return info.as_dict() if info is not None else None
 
     def uuid(self) -> str:
         return self.kvpass.uuid()
@@ -144,7 +172,10 @@ class Backend:
         if compile_kwargs.get("mode") not in (None, "default") or compile_kwargs.get("options"):
             warn_once(f"kvpass: torch.compile mode/options {compile_kwargs} are ignored; kvpass compiles "
                       f"with {self.compiler!r} in its default mode (CUDA graphs would skip policy state updates)")
-        self.reports.append(self.kvpass(gm.graph))
+        report = self.kvpass(gm.graph)
+        self.reports.append(report)
+        if report.gate is not None:
+            return report.gate  # runs the graph's segments, compiling each with self._inner on first use
         return self._inner(gm, example_inputs)
 
     def __deepcopy__(self, memo):

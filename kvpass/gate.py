@@ -1,0 +1,422 @@
+"""Layer-gated token propagation: deeper layers of a prefill compute only the selected tokens.
+
+ASL, FastKV and GemFilter-style policies keep running the prompt through the first layers on every
+token, pick the tokens that matter after some layer's attention (the *selection layer*), and let
+the deeper layers compute only those. In a Dynamo graph that is a sequence-length change in the
+middle of the graph: with static shapes the length is a literal in every ``view``/``reshape`` of
+the deeper layers, with dynamic shapes it is the input's symbol, and for ASL the layer where it
+happens is only known at run time.
+
+How kvpass carries it (docs/ARCHITECTURE.md section 5, "Layer-gated propagation"): the rewritten
+prefill graph is **split at the gates** (the residual add after each candidate layer's attention)
+into segments, and the backend returns a small Python runner instead of one compiled graph. The
+runner executes the segments in order; after a candidate layer it asks the policy whether this is
+the selection layer; if so it gathers every value that crosses into the deeper segments along its
+token dimensions (residual stream, RoPE cos/sin at dim -2, position ids, 4-D masks by rows and
+columns), and runs the deeper segments in a *short version* built for ``n`` tokens:
+
+* static graphs: a copy of the segment whose literal sequence lengths (``L`` in ``view``,
+  ``reshape``, ``arange``, slices) are replaced by ``n``; kvpass refuses when ``L`` equals a model
+  dimension (head count, head size, a weight dimension), where a literal would be ambiguous;
+* dynamic graphs: the same segment, fed ``n`` for every symbolic integer equal to the sequence
+  symbol (sizes computed inside the segment follow the gathered tensors by themselves).
+
+Each segment version is compiled by the inner compiler (Inductor on GPU) on first use with the
+real inputs and cached by input shapes, so the deeper layers really run at ``n`` tokens. Decode
+graphs are not split. A graph the gate does not understand is left as an evicting graph without
+gating and kvpass warns why; it is never silently pruned wrong.
+
+Masks of the deeper layers are exact: the gathered tokens keep their order, so the model's causal
+(and padding) mask restricted to their rows and columns is the mask of their true positions, and
+``is_causal`` SDPA over them is the same thing. RoPE uses the gathered original positions. After
+the prefill the runner records in the generation state the true positions of what every deeper
+layer stored, so decode (``cache_update`` + ``attention_pos``) continues from the prompt length.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, fx
+
+from kvpass import runtime as _runtime
+
+
+# ----------------------------------------------------------------------------------------------
+# the scoring operator inserted after every observed layer's attention
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvpass::layer_scores", mutates_args=())
+def layer_scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, window: int) -> Tensor:
+    """Attention ``[B, N]`` (fp32) that the last ``window`` queries give each prompt token, summed over
+    those queries and over all query heads (GQA groups and KV heads); causal inside the window,
+    padding keys (from a 4-D model mask) get nothing. ``q [B, H, N, D]``, ``k [B, H_kv, N, D]``.
+    Runs ``kvpass::window_scores`` (Triton on CUDA: no ``[H, W, N]`` score tensor)."""
+    b, _, n, _ = q.shape
+    w = min(window, n)
+    pos = torch.arange(n, device=q.device).expand(b, n)
+    valid = _runtime.key_validity(mask, b, n)
+    if valid is not None:
+        pos = torch.where(valid, pos, torch.full_like(pos, -1))
+    kv_pos = pos[:, None, :].expand(b, k.shape[1], n).contiguous()
+    q_pos = torch.arange(n - w, n, device=q.device).expand(b, w).contiguous()
+    votes = torch.ops.kvpass.window_scores(q[:, :, n - w:], k, kv_pos, q_pos, float(scale), float(softcap))
+    return votes.sum(1)
+
+
+@layer_scores.register_fake
+def _(q, k, mask, scale, softcap, window):
+    return q.new_empty((q.shape[0], q.shape[2]), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# analysis
+# ----------------------------------------------------------------------------------------------
+
+
+def _val(node):
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _same(a, b) -> bool:
+    """Equal sizes: ints by value, symbolic sizes by expression."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        if not (isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt)):
+            return False
+        return a.node.expr == b.node.expr
+    return isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a == b
+
+
+def _mentions(x, length) -> bool:
+    """A symbolic int whose expression contains the sequence symbol (but is not just it)."""
+    if not isinstance(x, torch.SymInt) or not isinstance(length, torch.SymInt):
+        return False
+    return bool(x.node.expr.free_symbols & length.node.expr.free_symbols)
+
+
+@dataclass
+class Segment:
+    index: int
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    gm: fx.GraphModule | None = None
+    cut: int | None = None            # layer whose gate closes this segment
+    scores: dict[int, fx.Node] = field(default_factory=dict)   # observed layer -> its score node
+    short: dict = field(default_factory=dict)                    # n -> GraphModule (static graphs)
+
+
+def _build(root: fx.GraphModule, seg: Segment, subst: tuple | None = None) -> fx.GraphModule:
+    """A standalone GraphModule for ``seg``; ``subst=(L, n)`` replaces the literal int ``L`` by ``n``."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for x in seg.inputs:
+        env[x] = g.placeholder(f"in_{x.name}")
+        env[x].meta = dict(x.meta)
+
+    def swap(a):
+        if subst is None:
+            return a
+        if isinstance(a, bool):
+            return a
+        if isinstance(a, int):
+            return subst[1] if a == subst[0] else a
+        if isinstance(a, slice):
+            return slice(swap(a.start), swap(a.stop), swap(a.step))
+        if isinstance(a, tuple):
+            return tuple(swap(x) for x in a)
+        if isinstance(a, list):
+            return [swap(x) for x in a]
+        if isinstance(a, dict):
+            return {k: swap(v) for k, v in a.items()}
+        return a
+
+    for node in seg.nodes:
+        new = g.node_copy(node, lambda x: env[x])
+        if subst is not None:
+            new.args, new.kwargs = swap(new.args), swap(new.kwargs)
+        env[node] = new
+    g.output(tuple(env[x] for x in seg.outputs))
+    return fx.GraphModule(root, g)
+
+
+@dataclass
+class GateInfo:
+    """What the gate did in the last prefill (``Backend.gate_info``)."""
+
+    layer: int | None        # the selection layer, None when nothing was pruned
+    length: int              # prompt length L
+    kept: int                # tokens the deeper layers computed (L when nothing was pruned)
+    candidates: tuple        # layers after which the gate could fire
+    ratios: dict             # ASL: layer -> var / var0 per row (list), for the record
+
+    def as_dict(self) -> dict:
+        return {"selection_layer": self.layer, "length": self.length, "kept": self.kept,
+                "candidates": list(self.candidates), "ratios": self.ratios}
+
+
+class GatedGraph:
+    """The callable the backend returns for a gated prefill graph (see the module docstring)."""
+
+    def __init__(self, gm, sites, policy, rt, observe, cuts, compile_segment) -> None:
+        self.gm, self.policy, self.runtime = gm, policy, rt
+        self.sites = {s.layer: s for s in sites}
+        self.observe, self.cuts = tuple(observe), tuple(cuts)
+        self.compile_segment = compile_segment
+        self.compiled: dict = {}
+        self.segments: list[Segment] = []
+        self.placeholders: list[fx.Node] = []
+        self.transform: dict[fx.Node, tuple] = {}
+        self.length = None
+        self.output = None
+
+    # -- construction -----------------------------------------------------------------------------
+    def prepare(self) -> str | None:
+        """Insert the score nodes, split the graph and classify crossing values; a str = why not."""
+        graph = self.gm.graph
+        sites = self.sites
+        why = _check(list(sites.values()), self.cuts)
+        if why:
+            return why
+        cut_nodes = [sites[layer].residual for layer in self.cuts]
+        length = sites[self.cuts[0]].q_len
+        # score nodes after each observed layer's attention, before its residual add
+        score_nodes = {}
+        for layer in self.observe:
+            s = sites[layer]
+            if s.residual is None or s.k_new is None:
+                return f"layer {layer}: no residual add / new keys to score"
+            with graph.inserting_before(s.residual):
+                q = s.q
+                scale = s.scale
+                if isinstance(scale, fx.Node):
+                    q = graph.call_function(operator.mul, (q, scale))
+                    scale = 1.0
+                score_nodes[layer] = graph.call_function(torch.ops.kvpass.layer_scores.default, (
+                    q, s.k_new, s.mask, float(scale), float(s.softcap), int(self.policy.window)))
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        cut_order = [order[c] for c in cut_nodes]
+        # partition: segment k holds the nodes after cut k-1 up to and including cut k
+        seg_of: dict[fx.Node, int] = {}
+        segs = [Segment(i, [], [], []) for i in range(len(cut_nodes) + 1)]
+        for n in graph.nodes:
+            if n.op == "placeholder":
+                self.placeholders.append(n)
+                seg_of[n] = -1
+            elif n.op == "output":
+                self.output = n
+            else:
+                k = bisect.bisect_left(cut_order, order[n])
+                seg_of[n] = k
+                segs[k].nodes.append(n)
+        for k, layer in enumerate(self.cuts):
+            segs[k].cut = layer
+        for layer, node in score_nodes.items():
+            segs[seg_of[node]].scores[layer] = node
+        for seg in segs:
+            ins: dict[fx.Node, None] = {}
+            for n in seg.nodes:
+                for a in n.all_input_nodes:
+                    if seg_of[a] != seg.index:
+                        ins[a] = None
+            seg.inputs = list(ins)
+        needed_later: dict[fx.Node, int] = {}
+        for seg in segs:
+            for a in seg.inputs:
+                needed_later[a] = max(needed_later.get(a, -1), seg.index)
+        for a in self.output.all_input_nodes:
+            needed_later[a] = len(segs)
+        for seg in segs:
+            outs = [n for n in seg.nodes if needed_later.get(n, -1) > seg.index]
+            outs += [n for n in seg.scores.values() if n not in outs]
+            seg.outputs = outs
+        # how each value that can cross a gate is carried to the shorter segments
+        for n in {a for seg in segs[1:] for a in seg.inputs}:
+            v = _val(n)
+            if isinstance(v, torch.Tensor):
+                if any(_mentions(d, length) and not _same(d, length) for d in v.shape):
+                    return f"'{n.name}' has a size derived from the prompt length ({tuple(v.shape)})"
+                dims = tuple(d for d in range(v.dim()) if _same(v.shape[d], length))
+                self.transform[n] = ("gather", dims) if dims else ("keep",)
+            elif _same(v, length):
+                self.transform[n] = ("length",)
+            elif _mentions(v, length):
+                return f"'{n.name}' = {v} is derived from the prompt length; the gate cannot carry it"
+            else:
+                self.transform[n] = ("keep",)
+        self.seg_of = seg_of
+        self.length = length
+        self.segments = segs
+        for seg in segs:
+            seg.gm = _build(self.gm, seg)
+        return None
+
+    # -- run time ----------------------------------------------------------------------------------
+    def _run(self, seg: Segment, n: int | None, length: int, ins: list):
+        if n is None or isinstance(self.length, torch.SymInt):
+            gm = seg.gm
+        else:
+            if n not in seg.short:
+                seg.short[n] = _build(self.gm, seg, (length, n))
+            gm = seg.short[n]
+        key = (seg.index, n, tuple(tuple(x.shape) if isinstance(x, Tensor) else x if isinstance(x, (int, float))
+                                   else type(x).__name__ for x in ins))
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = self.compiled[key] = self.compile_segment(gm, ins)
+        out = fn(list(ins)) if getattr(fn, "_boxed_call", False) else fn(*ins)
+        return out
+
+    def __call__(self, *args):
+        env: dict[fx.Node, object] = dict(zip(self.placeholders, args))
+        orig: dict[fx.Node, object] = {}
+        policy = self.policy
+        history: dict[int, Tensor] = {}
+        ctx: dict = {}
+        n = None
+        sel = None
+        gate_layer = None
+        length = None
+        for seg in self.segments:
+            ins = [env[x] for x in seg.inputs]
+            outs = self._run(seg, n, length, ins)
+            env.update(zip(seg.outputs, outs))
+            if seg.cut is None or n is not None:
+                continue
+            if length is None:
+                length = int(env[self.sites[seg.cut].residual].shape[1])
+                keep = min(policy.budget, length)
+            for layer in sorted(seg.scores):
+                history[layer] = env[seg.scores[layer]]
+            if keep >= length:
+                continue  # everything fits the budget: nothing to prune
+            if "kv_pos" not in ctx:
+                mask = self.sites[seg.cut].mask
+                ctx["kv_pos"] = _masked_positions(env[mask] if isinstance(mask, fx.Node) else None,
+                                                  history[seg.cut].shape[0], length, history[seg.cut].device)
+            if policy.gate_fires(seg.cut, history, keep, ctx):
+                sel = policy.gate_select(history[seg.cut], keep, ctx)
+                gate_layer, n = seg.cut, keep
+                later = {x for s in self.segments[seg.index + 1:] for x in s.inputs
+                         if self.seg_of[x] <= seg.index}
+                for x in later:
+                    t = self.transform.get(x, ("keep",))
+                    if t[0] == "keep":
+                        continue
+                    orig[x] = env[x]
+                    env[x] = n if t[0] == "length" else _take(env[x], sel, t[1])
+        if length is None:
+            length = int(self.length)
+        self.runtime.gate = GateInfo(gate_layer, length, n or length, self.cuts, ctx.get("ratios", {}))
+        if sel is not None:
+            self._record(gate_layer, ctx["kv_pos"].gather(1, sel), length)
+        return fx.node.map_aggregate(self.output.args[0],
+                                     lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x)
+
+    def _record(self, gate_layer: int, sel: Tensor, length: int) -> None:
+        """Deeper layers stored the selected tokens: their true positions, and the prompt length seen."""
+        st = self.runtime.state
+        for layer in sorted(self.sites):
+            if layer <= gate_layer:
+                continue
+            ls = st.layer(layer)
+            if ls is None:
+                continue
+            b, hkv = ls.pos.shape[:2]
+            pos = sel[:, None, :].expand(b, hkv, sel.shape[-1]).to(ls.pos.device).contiguous()
+            st.set_layer(layer, pos, length, fresh=True)
+
+
+def _take(x, sel: Tensor, dims: tuple) -> Tensor:
+    """``x`` restricted to the selected tokens ``sel [B, n]`` along each of its token dims."""
+    b, n = sel.shape
+    sel = sel.to(x.device)
+    for d in dims:
+        if d == 0 or x.dim() == 1:
+            if b > 1 and not bool((sel == sel[:1]).all()):
+                raise RuntimeError("kvpass gate: a batch-shared token tensor cannot take per-row selections")
+            x = x.index_select(d, sel[0])
+            continue
+        if x.shape[0] == 1 and b > 1:
+            x = x.expand(b, *x.shape[1:])
+        shape = [b] + [1] * (x.dim() - 1)
+        shape[d] = n
+        idx = sel.view(shape).expand(*[x.shape[i] if i != d else n for i in range(x.dim())])
+        x = x.gather(d, idx)
+    return x
+
+
+def _masked_positions(mask, b: int, length: int, device) -> Tensor:
+    pos = torch.arange(length, device=device).expand(b, length)
+    valid = _runtime.key_validity(mask, b, length)
+    return pos if valid is None else torch.where(valid, pos, torch.full_like(pos, -1))
+
+
+
+
+def _check(sites, cuts) -> str | None:
+    """Structural checks that need no rewrite: the gate's places, lengths, ambiguity, layer order."""
+    by_layer = {s.layer: s for s in sites}
+    cut_nodes = []
+    for layer in cuts:
+        res = by_layer[layer].residual
+        if res is None:
+            return f"layer {layer}: no residual add after the attention output (the gate's place)"
+        v = _val(res)
+        if not (isinstance(v, torch.Tensor) and v.dim() == 3 and _same(v.shape[1], by_layer[layer].q_len)):
+            return f"layer {layer}: the residual stream at '{res.name}' is not [batch, tokens, hidden]"
+        cut_nodes.append(res)
+    length = by_layer[cuts[0]].q_len
+    for s in sites:
+        if not _same(s.q_len, length):
+            return f"layer {s.layer}: query length differs from layer {cuts[0]}'s"
+    graph = cut_nodes[0].graph
+    if not isinstance(length, torch.SymInt):
+        clash = {s.heads for s in sites} | {s.kv_heads for s in sites} | {s.head_dim for s in sites}
+        clash.add(_val(cut_nodes[0]).shape[0])
+        for n in graph.nodes:
+            v = _val(n)
+            if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                clash |= {d for d in v.shape if isinstance(d, int)}
+        if length in clash:
+            return (f"static graph whose prompt length {length} equals a model dimension, so its literal sizes "
+                    f"are ambiguous; compile with dynamic=True or use another prompt length")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    cut_order = [order[c] for c in cut_nodes]
+    if cut_order != sorted(cut_order):
+        return "the candidate layers' residual adds are not in layer order"
+    for layer, c in zip(cuts, cut_order):
+        later = [s for s in sites if s.layer > layer]
+        if later and min(order[s.q] for s in later) < c:
+            return f"layer {layer + 1}'s attention starts before layer {layer}'s residual add"
+        if by_layer[layer].out in order and order[by_layer[layer].out] > c:
+            return f"layer {layer}'s attention output comes after its residual add"
+    return None
+
+
+def check(sites, policy) -> str | None:
+    """Before the rewrite: why the policy's gate cannot be placed in this graph, or None."""
+    if not sites:
+        return "no attention sites"
+    observe, cuts = policy.gate_layers(len(sites))
+    if not cuts:
+        return (f"no candidate selection layer in a {len(sites)}-layer model (a gate after the last layer "
+                f"prunes nothing)")
+    return _check(sites, cuts)
+
+
+def plan(gm, sites, policy, rt, compile_segment) -> GatedGraph | str:
+    """Build the gated runner for a rewritten prefill graph, or say why not."""
+    layers = [s.layer for s in sites]
+    if not layers:
+        return "no attention sites"
+    observe, cuts = policy.gate_layers(len(layers))
+    if not cuts:
+        return "the policy has no candidate layer in this model"
+    gated = GatedGraph(gm, sites, policy, rt, observe, cuts, compile_segment)
+    why = gated.prepare()
+    return why if why else gated
