@@ -10,6 +10,11 @@ Per site, one of two shapes (DESIGN.md section 1):
   mask), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
   Position ids the model derived from the cache length pass through ``true_positions``.
 
+A third shape, ``overwrite`` (chunk fusion, ``kvpass.fusion``), is selected by a plan whose
+``overwrite`` attribute is true: the ``torch.cat`` pair becomes ``cache_overwrite`` (the new tokens
+written over their slots of a merged cache, same length), attention becomes ``attention_pos`` (the
+exact causal mask by true positions), and the overwritten tensors are what the cache stores.
+
 Either shape reads the cache of a decode step with ``decode_attention`` (ART) instead of exact
 attention when the plan carries a ``DecodeRead`` and the site allows it (``decode_read_problem``).
 """
@@ -133,6 +138,23 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
         _erase(graph, [old])
 
 
+def _overwrite(graph: fx.Graph, site: Site, handle: int) -> None:
+    """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask."""
+    with graph.inserting_before(_first(graph, [site.k, site.v])):
+        upd = graph.call_function(OPS.cache_overwrite.default, (
+            site.k_past, site.v_past, site.k_new, site.v_new, handle, site.layer))
+    k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
+    q, scale = _query_and_scale(graph, site)
+    with graph.inserting_before(site.out):
+        att = graph.call_function(OPS.attention_pos.default, (
+            q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, site.sliding_window or 0))
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    for old, new in ((site.k, k_all), (site.v, v_all)):
+        old.replace_all_uses_with(new)  # the stored tensors (graph outputs)
+        _erase(graph, [old])
+
+
 def _derived(pos: fx.Node) -> bool:
     """True when position ids were computed inside the graph (from the cache length), not passed in.
 
@@ -175,7 +197,9 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     for site in found.sites:
         plan = plans[site.layer]
         read = plan.read
-        if plan.evict:
+        if getattr(plan, "overwrite", False):
+            _overwrite(graph, site, handle)
+        elif plan.evict:
             _evicting(graph, site, read, handle, site.tokens if plan.tokens else None)
             evicting.append(site)
         elif plan.attention:
@@ -184,5 +208,5 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     fixed = _fix_positions(graph, found.sites, handle) if evicting else []
     graph.lint()
     gm.recompile()
-    return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict),
+    return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict or getattr(p, "overwrite", False)),
             "evicting": [s.layer for s in evicting], "positions_fixed": fixed}

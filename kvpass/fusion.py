@@ -1,0 +1,263 @@
+"""``ChunkFusion``: requests whose prefill reuses stored chunk KV (A^3 and its baselines).
+
+    store = kvpass.ChunkStore("/data/kv", model, tokenizer=tok)
+    fusion = kvpass.ChunkFusion(model, store, policy="a3")            # ratio=0.15
+    out = fusion.generate(system="You answer questions.", chunks=[doc1, doc2, doc3],
+                          question="Who ...?", max_new_tokens=32)     # model.generate's output ids
+
+    # or prepare the cache and call HF generation yourself
+    fused = fusion.prepare(system=..., chunks=[...], question=...)
+    out = model.generate(fused.input_ids, attention_mask=fused.attention_mask,
+                         past_key_values=fused.cache, max_new_tokens=32)
+
+A request is ``[S, D1 .. Dk, Q]``. ``prepare``:
+
+1. loads every segment's KV (S and each chunk) from the store, computing and storing the unseen
+   ones; keys are stored before RoPE;
+2. builds the merged cache: per layer the segments' keys rotated to their positions in the request
+   (``full_reuse``: to their own positions ``0..n-1``) by ``kvpass::rope_rotate`` with the layer's
+   own rotary tables, values concatenated, plus empty slots for the question but its last token;
+3. picks the recompute set Re (the policy: by the question's layer-1 attention for ``a3``, by
+   layer-1 key deviation for ``cacheblend``, from a selection pass of the first two layers on all
+   tokens; a fixed rule for ``legolink``; nothing for ``pie``/``full_reuse``);
+4. runs the compiled model on [Re, Q without its last token] at their true positions: every site
+   writes their K/V over their slots (``cache_overwrite``) and attends with the exact causal mask of
+   true positions (``attention_pos``).
+
+The returned cache holds one entry per position of the request but the last, so HF's ``generate``
+(or ``prefill``) computes the last question token and goes on decoding as usual. Batch size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvpass.backend import backend as _backend
+from kvpass.chunkstore import ChunkStore
+from kvpass.policies import ConfigError, make_policy
+from kvpass.policies.a3 import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
+from kvpass.rope import rotate
+
+
+@dataclass
+class FusedPrompt:
+    """A prepared request: the full ``input_ids`` and a cache that holds all of them but the last."""
+
+    input_ids: Tensor                 # [1, N]
+    attention_mask: Tensor            # [1, N]
+    cache: object                     # DynamicCache with N - 1 entries per layer
+    recompute: Tensor                 # positions recomputed (Re), ascending
+    spans: dict                       # "system", "chunks" [(start, end)], "question"
+    timings: dict = field(default_factory=dict)   # seconds: load, merge, select, recompute
+    sources: dict = field(default_factory=dict)   # segments from memory / disk / computed
+
+    def __repr__(self) -> str:
+        t = ", ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.timings.items())
+        return (f"FusedPrompt(tokens={self.input_ids.shape[1]}, recomputed={self.recompute.numel()}, "
+                f"sources={self.sources}, {t})")
+
+
+class ChunkFusion:
+    """Chunk-fusion requests for one model, one store and one fusion policy.
+
+    Args:
+        model: an HF decoder (global-attention layers, RoPE in HF's ``rotate_half`` form or none).
+        store: the ``ChunkStore`` of this model.
+        policy: ``"a3"``, ``"cacheblend"``, ``"legolink"``, ``"pie"`` or ``"full_reuse"`` (or a policy object).
+        compiler: the inner compiler of the kvpass backend (``"inductor"``, ``"aot_eager"``, ``"eager"``).
+        **params: the policy's parameters (``ratio`` for a3/cacheblend, ``prefix`` for legolink).
+    """
+
+    def __init__(self, model, store: ChunkStore, policy="a3", *, compiler: str = "inductor", **params) -> None:
+        pol = make_policy(policy, **params)
+        if not isinstance(pol, ChunkFusionPolicy):
+            raise ConfigError(f"parameter 'policy' must be a chunk-fusion policy (a3, cacheblend, legolink, pie, "
+                              f"full_reuse), got {pol.name!r}")
+        if not isinstance(store, ChunkStore):
+            raise ConfigError(f"parameter 'store' must be a kvpass.ChunkStore, got {type(store).__name__}")
+        if store.model is not model:
+            raise ConfigError("parameter 'store' belongs to another model object; build the ChunkStore with this model")
+        self.model = model
+        self.store = store
+        self.policy = pol
+        self.backend = _backend(pol, compiler=compiler)
+        self.forward = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=True)
+        decoder = model.get_decoder()
+        self._decoder = decoder
+        self._layers = decoder.layers
+        self._first = torch.nn.ModuleList(list(decoder.layers)[: SELECT_LAYER + 1])
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def prepare(self, chunks, question, system=None) -> FusedPrompt:
+        """Build the fused cache of ``[system, chunks..., question]`` (texts or token ids)."""
+        timings: dict[str, float] = {}
+        dev = self.store._device()
+        t0 = self._clock()
+        tok = self.store.tokenizer
+        if system is None or (isinstance(system, (list, str)) and len(system) == 0):
+            sys_ids = None
+        elif isinstance(system, str):
+            if tok is None:
+                raise ConfigError("parameter 'tokenizer' must be given to the ChunkStore to pass texts")
+            sys_ids = torch.tensor(tok.encode(system, add_special_tokens=True), dtype=torch.long)
+        else:
+            sys_ids = self.store.ids(system)
+        if isinstance(chunks, (str, Tensor)):
+            chunks = [chunks]
+        if not chunks:
+            raise ConfigError("parameter 'chunks' must hold at least one chunk, got none")
+        q_ids = self.store.ids(question)
+        segments = ([sys_ids] if sys_ids is not None else []) + [self.store.ids(c) for c in chunks]
+        kvs = [self.store.get_or_compute(s) for s in segments]
+        sources: dict[str, int] = {}
+        for kv in kvs:
+            sources[kv.source] = sources.get(kv.source, 0) + 1
+        timings["load"] = self._clock() - t0
+
+        # layout
+        starts, pos = [], 0
+        for s in segments:
+            starts.append(pos)
+            pos += s.numel()
+        ctx, nq = pos, q_ids.numel()
+        n = ctx + nq
+        ids = torch.cat(segments + [q_ids])[None].to(dev)
+        doc = torch.zeros(n, dtype=torch.bool)
+        first_doc = 1 if sys_ids is not None else 0
+        doc[starts[first_doc]:ctx] = True
+        spans = {"system": (0, starts[first_doc]) if sys_ids is not None else None,
+                 "chunks": [(a, a + s.numel()) for a, s in zip(starts[first_doc:], segments[first_doc:])],
+                 "question": (ctx, n)}
+
+        # merged cache: re-rotated stored keys, values; empty slots for Q[:-1]
+        t1 = self._clock()
+        if self.policy.recover_positions:
+            rot_pos = torch.arange(n - 1)
+        else:
+            rot_pos = torch.cat([torch.arange(s.numel()) for s in segments] + [torch.arange(ctx, n - 1)])
+        cache, layer1 = self._merged_cache(kvs, rot_pos, nq - 1)
+        timings["merge"] = self._clock() - t1
+
+        req = FusionRequest(length=n, question=nq, doc=doc, chunk_starts=starts,
+                            cached_keys=layer1 if self.policy.needs_probe else None)
+        t2 = self._clock()
+        if self.policy.needs_probe:
+            self._select(ids, req)
+        recompute = self.policy.recompute(req).long().cpu()
+        if nq == 1 and recompute.numel() == 1:
+            # a recompute pass needs two tokens (a one-token graph is a decode step): add a neighbour
+            p = int(recompute[0])
+            extra = p + 1 if p + 1 < ctx and doc[p + 1] else p - 1
+            recompute = torch.tensor(sorted({p, extra}), dtype=torch.long)
+        timings["select"] = self._clock() - t2
+
+        t3 = self._clock()
+        new = torch.cat([recompute, torch.arange(ctx, n - 1)])
+        if new.numel() == 1 and int(new[0]) == n - 2:
+            # only Q[0] (of a two-token question): an ordinary one-token append, exact
+            cache.crop(n - 2)
+            self._run(ids[:, n - 2:n - 1], cache, positions=None)
+        elif new.numel() > 0:
+            self._run(ids[:, new.to(dev)], cache, positions=new)
+        timings["recompute"] = self._clock() - t3
+        mask = torch.ones_like(ids)
+        return FusedPrompt(ids, mask, cache, recompute, spans, timings, sources)
+
+    def prefill(self, chunks, question, system=None) -> tuple[Tensor, FusedPrompt]:
+        """``prepare`` plus the last question token: the logits ``[1, vocab]`` of the first new token
+        (time to first token ends here) and the prompt, whose cache now holds every token."""
+        fused = self.prepare(chunks, question, system)
+        t0 = self._clock()
+        with torch.no_grad():
+            out = self.forward(input_ids=fused.input_ids[:, -1:], past_key_values=fused.cache, use_cache=True,
+                               logits_to_keep=1)
+        fused.timings["last_token"] = self._clock() - t0
+        return out.logits[:, -1], fused
+
+    def generate(self, chunks, question, system=None, **generate_kwargs) -> Tensor:
+        """``prepare`` then ``model.generate`` on the fused cache; returns the generated ids (prompt included,
+        as ``generate`` does). ``generate_kwargs`` go to ``model.generate``."""
+        fused = self.prepare(chunks, question, system)
+        return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
+                                   past_key_values=fused.cache, **generate_kwargs)
+
+    def __repr__(self) -> str:
+        return f"kvpass.ChunkFusion(policy={self.policy!r}, store={self.store!r})"
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def _clock(self) -> float:
+        if next(self.model.parameters()).device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _merged_cache(self, kvs, rot_pos: Tensor, q_slots: int):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        rotary = self.store.rotary
+        tables: dict = {}
+        layer1 = None
+        for i in range(len(kvs[0].k)):
+            rot = rotary.layers[i]
+            if rot not in tables:
+                tables[rot] = rot.tables(rot_pos)
+            k = [kv.k[i] for kv in kvs]
+            v = [kv.v[i] for kv in kvs]
+            if q_slots > 0:
+                k.append(k[0].new_zeros(k[0].shape[:-2] + (q_slots, k[0].shape[-1])))
+                v.append(v[0].new_zeros(v[0].shape[:-2] + (q_slots, v[0].shape[-1])))
+            keys = rotate(torch.cat(k, dim=-2), tables[rot])[None]
+            values = torch.cat(v, dim=-2)[None]
+            cache.update(keys, values, i)
+            if i == SELECT_LAYER:
+                layer1 = keys
+        return cache, layer1
+
+    @contextlib.contextmanager
+    def _first_layers(self):
+        """The model restricted to layers 0..SELECT_LAYER (one ModuleList object, so Dynamo's guards hold)."""
+        self._decoder.layers = self._first
+        try:
+            yield
+        finally:
+            self._decoder.layers = self._layers
+
+    def _checked(self, before: int) -> None:
+        for r in self.backend.reports[before:]:
+            if r.problems:
+                raise RuntimeError(f"kvpass: chunk fusion could not compile this model: {r.problems[0]}")
+
+    def _select(self, ids: Tensor, req: FusionRequest) -> None:
+        from transformers import DynamicCache
+
+        self.policy.request = req
+        before = len(self.backend.reports)
+        try:
+            with self._first_layers(), torch.no_grad():
+                self.forward(input_ids=ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True,
+                             logits_to_keep=1)
+        finally:
+            self.policy.request = None
+        self._checked(before)
+        if req.scores is None:
+            raise RuntimeError(f"kvpass: the selection pass of policy '{self.policy.name}' produced no scores "
+                               f"(layer {SELECT_LAYER} was not planned as a selection site)")
+
+    def _run(self, ids: Tensor, cache, positions: Tensor | None) -> None:
+        state = self.backend.runtime.state
+        state.fusion = positions
+        before = len(self.backend.reports)
+        try:
+            with torch.no_grad():
+                kw = {} if positions is None else {"position_ids": positions[None].to(ids.device)}
+                self.forward(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw)
+        finally:
+            state.fusion = None
+        self._checked(before)
