@@ -55,6 +55,12 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
+``kvpass::page_select(q, k, handle, site) -> block_map [B, H_kv, steps] int32``
+    The pages (blocks of 16) a page-selecting policy's decode step reads, -1 = none (Quest's top
+    pages by upper bound and the current page); ``k`` is the cache with the new token last, which the
+    policy folds into its page bounds first (stateful like ``compact``, idempotent for equal inputs).
+    Feeds ``decode_attention``'s ``block_map``.
+
 ``kvpass::rope_rotate(x, cos, sin) -> x_rotated`` and ``kvpass::scatter_rows(dst, idx, src)``
     RoPE rotation of ``x [M, L, D]`` by per-position tables (the model's own rotary module computes
     them) and a copy of ``dst [M, N, D]`` with rows ``idx`` replaced by ``src``
@@ -372,6 +378,26 @@ def _(out, visited, k, block, handle, site):
     return torch.empty_like(out)
 
 
+def _pager(policy):
+    """The policy (or member of a composition) that selects pages for decode reads."""
+    for m in getattr(policy, "members", [policy]):
+        if hasattr(type(m), "page_map"):
+            return m
+    raise RuntimeError(f"kvpass: policy '{policy.name}' selects no pages (kvpass::page_select)")
+
+
+@torch.library.custom_op("kvpass::page_select", mutates_args=())
+def page_select(q: Tensor, k: Tensor, handle: int, site: int) -> Tensor:
+    rt = runtime.get(handle)
+    return _pager(rt.policy).page_map(rt.sites[site], q, k, rt.state.layer(site))
+
+
+@page_select.register_fake
+def _(q, k, handle, site):
+    steps = _pager(runtime.get(handle).policy).map_steps
+    return k.new_empty((k.shape[0], k.shape[1], steps), dtype=torch.int32)
+
+
 @torch.library.custom_op("kvpass::rope_rotate_ref", mutates_args=())
 def rope_rotate_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _rope.rotate_reference(x, cos, sin)
@@ -454,6 +480,7 @@ OPS = {
     "gather_kv_ref": gather_kv_ref,
     "page_scores": page_scores,
     "page_scores_ref": page_scores_ref,
+    "page_select": page_select,
     "rope_rotate": rope_rotate,
     "rope_rotate_ref": rope_rotate_ref,
     "scatter_rows": scatter_rows,

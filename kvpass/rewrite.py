@@ -68,9 +68,13 @@ def _query_and_scale(graph: fx.Graph, site: Site):
 
 def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, k, v, mask, kv_pos, q_pos,
                  scale, window) -> fx.Node:
-    """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it."""
+    """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it.
+    A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``)."""
+    bmap = None
+    if getattr(read, "pages", False):
+        bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.layer))
     att = graph.call_function(OPS.decode_attention.default, (
-        q, k, v, mask, kv_pos, q_pos, None, None, None, scale, site.softcap, window, read.tau, read.phi,
+        q, k, v, mask, kv_pos, q_pos, None, None, bmap, scale, site.softcap, window, read.tau, read.phi,
         read.patience, read.block, read.order, read.probe, read.horizon))
     out, visited = (graph.call_function(operator.getitem, (att, i)) for i in range(2))
     if read.stats:

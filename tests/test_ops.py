@@ -556,3 +556,16 @@ def test_opcheck_page_scores():
 
 def test_opcheck_page_scores_ref():
     opcheck("page_scores_ref", _page_args(1))
+
+
+def test_opcheck_page_select():
+    """Quest's page selection, on a runtime whose state a quest prefill filled (tests/test_quest.py)."""
+    be = kvpass.backend("quest", compiler="eager", budget=48, dense_layers=0)
+    site = SimpleNamespace(layer=SITE, phase="decode", sliding_window=None, cache="dynamic")
+    be.runtime.sites[SITE] = site
+    gen = torch.Generator().manual_seed(9)
+    k = torch.randn(B, HKV, 90, D, generator=gen)
+    pos = torch.arange(89).expand(B, HKV, 89)
+    _, extra = be.policy.select(site, None, k[:, :, :-1], None, pos, pos[:, 0], None)
+    be.runtime.state.set_layer(SITE, pos, 89, fresh=True).extra = extra
+    opcheck("page_select", (torch.randn(B, H, 1, D, generator=gen), k, be.runtime.handle, SITE))

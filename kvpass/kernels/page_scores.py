@@ -123,7 +123,8 @@ def page_scores_triton(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: 
     b, h, d = q.shape
     hkv, n_pages = kmin.shape[1], kmin.shape[2]
     q = q.contiguous()
-    kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    if kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:  # slices of page buffers are read in place
+        kmin, kmax = kmin.contiguous(), kmax.contiguous()
     live8 = live.to(torch.int8).contiguous()
     ts = ts.to(torch.int64).contiguous()
     ub = torch.empty((b, hkv, n_pages), device=q.device, dtype=torch.float32)

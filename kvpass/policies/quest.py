@@ -1,0 +1,168 @@
+"""``quest``: query-aware page selection for decode steps (seed paper: Quest), the baseline of RaaS.
+
+Nothing is evicted: the cache keeps every token. The cache is cut into pages of 16 entries
+(page ``p`` is entries ``16p .. 16p+15``), and for every page and KV head the policy keeps the
+element-wise min and max of the page's keys (``kmin``, ``kmax``). Each decode step ranks the
+complete pages by Quest's upper bound on their logits,
+
+    ub[p] = max over the group's query heads of  sum_d max(q_d * kmax[p, d], q_d * kmin[p, d])
+
+(``kvpass::page_scores``, the same operator RaaS uses) and attends to the top
+``max(3, budget/16)`` pages of each KV head plus the current page, the one holding the new token
+(its bounds are still growing, and it holds the most recent context). That is ``budget/16 + 1``
+pages read per step; a budget at least the cache length reads every page, which is ``full``.
+
+Choices the issue leaves open, and why:
+
+* no extra sink or recent pages: Quest's bound already ranks a page by the largest logit it can
+  hold, so attention sinks (large logits) and relevant recent pages are selected when they matter,
+  and the budget stays the number of pages Quest itself reads (the current page, always read, is
+  the only page outside the top-k, as in the Quest paper's implementation);
+* layers 0 and 1 stay dense (``dense_layers``), as in Quest: their attention is spread out and a
+  bound cannot rank it; sliding-window layers are left to the model;
+* the bounds are stored in the cache's dtype: the min and max of bf16 keys are bf16 values, so
+  nothing is rounded, and the metadata costs 2 x 1/16 of the keys' memory;
+* GQA: one selection per KV head (the bound is the max over its query heads), because the read
+  is per KV head.
+
+Where it runs. The prefill (and any append of several tokens) goes through the evicting shape with
+a ``compact`` that keeps everything and computes the prompt's page bounds. A decode step keeps the
+model's own cache update; ``kvpass::page_select`` (before attention) folds the new token into the
+bounds of its page -- one page is touched per step, never the whole cache -- and returns the
+selection as a ``block_map`` for ``kvpass::decode_attention`` with block 16, which reads only the
+selected pages (Triton on CUDA, the reference elsewhere). The bound update is idempotent (it
+records how many entries the bounds cover), so a replayed call changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
+
+PAGE = 16
+
+
+@dataclass(frozen=True)
+class PageRead(DecodeRead):
+    """A decode read whose blocks (pages) are chosen by the policy each step (``kvpass::page_select``)."""
+
+    pages: bool = True
+
+
+def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
+    """Fold entries ``st["n"] .. L-1`` of ``k [B, H_kv, L, D]`` into the page bounds kept in ``st``.
+
+    ``st`` holds ``n`` (entries covered), ``kmin`` / ``kmax`` ``[B, H_kv, cap, D]`` (cache dtype) and
+    ``live [B, H_kv, cap]`` (the page holds a valid entry), with capacity doubling. ``valid [B, H_kv,
+    L]`` marks padding (False); entries without it are valid. Only the pages of the new entries are
+    touched; covering the same entries again is a no-op. Updates ``st`` in place and returns it."""
+    b, hkv, length, d = k.shape
+    n = st.get("n", 0)
+    if n == length:
+        return st
+    if n > length or ("kmin" in st and tuple(st["kmin"].shape[:2]) != (b, hkv)):
+        raise RuntimeError(f"policy 'quest': page bounds cover {n} entries but the cache holds {length} "
+                           "(the cache was not filled through this backend)")
+    p0, p1 = n // PAGE, -(-length // PAGE)
+    dev = k.device
+    seg = k[:, :, p0 * PAGE:length]
+    ok = (torch.arange(p0 * PAGE, length, device=dev) >= n).expand(b, hkv, -1)
+    if valid is not None:
+        ok = ok & valid[:, :, p0 * PAGE:length]
+    pad = p1 * PAGE - length
+    seg = torch.nn.functional.pad(seg, (0, 0, 0, pad)).view(b, hkv, p1 - p0, PAGE, d)
+    ok = torch.nn.functional.pad(ok, (0, pad), value=False).view(b, hkv, p1 - p0, PAGE, 1)
+    hi = torch.tensor(float("inf"), dtype=k.dtype, device=dev)
+    new_min = torch.where(ok, seg, hi).amin(3)
+    new_max = torch.where(ok, seg, -hi).amax(3)
+    new_live = ok.any(3)[..., 0]
+    cap = st["kmin"].shape[2] if "kmin" in st else 0
+    if p1 > cap:  # grow by doubling: the copy is amortised over many pages
+        grown = max(p1, 2 * cap, 64)
+        for name, fill in (("kmin", 0), ("kmax", 0), ("live", False)):
+            shape = (b, hkv, grown) + ((d,) if name != "live" else ())
+            buf = torch.full(shape, fill, dtype=k.dtype if name != "live" else torch.bool, device=dev)
+            if cap:
+                buf[:, :, :cap] = st[name]
+            st[name] = buf
+    old = st["live"][:, :, p0:p1, None]
+    st["kmin"][:, :, p0:p1] = torch.where(old, torch.minimum(st["kmin"][:, :, p0:p1], new_min),
+                                          torch.where(new_live[..., None], new_min, 0))
+    st["kmax"][:, :, p0:p1] = torch.where(old, torch.maximum(st["kmax"][:, :, p0:p1], new_max),
+                                          torch.where(new_live[..., None], new_max, 0))
+    st["live"][:, :, p0:p1] |= new_live
+    st["n"] = length
+    return st
+
+
+class Quest(Policy):
+    name = "quest"
+    summary = "query-aware decode attention over the top budget/16 pages by Quest's bound (keeps every page)"
+    params = (
+        Param("budget", int, 1024, PAGE, 1 << 24, "tokens a decode step reads per layer and KV head (a multiple "
+              "of 16): the top max(3, budget/16) pages by upper bound, plus the current page"),
+        Param("dense_layers", int, 2, 0, 1 << 16, "the first layers that read every page"),
+        Param("stats", bool, False, doc="count pages read (Backend.runtime.blocks_read())"),
+    )
+
+    def check_config(self) -> None:
+        if self.budget % PAGE:
+            raise ConfigError(f"policy 'quest': parameter 'budget' must be a multiple of {PAGE} in "
+                              f"[{PAGE}, {1 << 24}], got {self.budget}")
+
+    @property
+    def top_pages(self) -> int:
+        return max(3, self.budget // PAGE)
+
+    @property
+    def map_steps(self) -> int:
+        """Columns of the block map: the top pages and the current page."""
+        return self.top_pages + 1
+
+    def plan(self, site) -> SitePlan | str:
+        from kvpass.kernels.decode_attention import ORDER_MAP
+        from kvpass.rewrite import decode_read_problem
+        if site.sliding_window or site.layer < self.dense_layers:
+            return SitePlan(attention=True)
+        if site.cache != "dynamic":
+            return (f"layer {site.layer}: quest reads the new token at the end of a DynamicCache; "
+                    f"this graph uses a {site.cache} cache")
+        if site.phase == "decode" and decode_read_problem(site) is None:
+            return SitePlan(attention=True, read=PageRead(block=PAGE, order=ORDER_MAP, stats=self.stats))
+        # prefill, appends, shape-dynamic graphs (and decode sites the kernel cannot serve): exact
+        # attention, and a compact that keeps everything and folds the new entries into the bounds
+        return SitePlan(attention=True, evict=True)
+
+    def stored_length(self, site, total):
+        return total
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        fresh = kv_pos.shape[-1] == q_pos.shape[1] or layer_state is None
+        st = {} if fresh else layer_state.extra
+        return None, extend_bounds(st, k, kv_pos >= 0)
+
+    def page_map(self, site, q: Tensor, k: Tensor, layer_state) -> Tensor:
+        """The pages a decode step reads, ``[B, H_kv, top_pages + 1]`` int32 (-1 = none), after folding
+        the new token (the last entry of ``k``) into the bounds."""
+        if layer_state is None or "n" not in layer_state.extra:
+            raise RuntimeError("policy 'quest': a decode step found no page bounds for its cache (the cache "
+                               "was not filled by a quest prefill with this backend)")
+        st = extend_bounds(layer_state.extra, k)
+        b, hkv, length, _ = k.shape
+        cur = (length - 1) // PAGE              # the current page: always read
+        top, steps, dev = self.top_pages, self.map_steps, k.device
+        if cur <= top:  # every page fits the budget: read them all, in order
+            row = torch.arange(steps, device=dev)
+            return torch.where(row <= cur, row, -1).int().expand(b, hkv, steps).contiguous()
+        live = st["live"][:, :, :cur]
+        ts = torch.zeros(live.shape, dtype=torch.long, device=dev)
+        ub, _ = torch.ops.kvpass.page_scores(q[:, :, -1], st["kmin"][:, :, :cur], st["kmax"][:, :, :cur], live,
+                                             ts, 1.0, 0)
+        val, idx = ub.topk(top, dim=-1)
+        idx = torch.where(val > float("-inf"), idx, cur + 1)           # a page with no valid entry: none
+        idx = torch.cat([idx, torch.full((b, hkv, 1), cur, device=dev, dtype=idx.dtype)], -1).sort(-1).values
+        return torch.where(idx > cur, -1, idx).int().contiguous()
