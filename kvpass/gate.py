@@ -268,8 +268,7 @@ class GatedGraph:
         fn = self.compiled.get(key)
         if fn is None:
             fn = self.compiled[key] = self.compile_segment(gm, ins)
-        out = fn(list(ins)) if getattr(fn, "_boxed_call", False) else fn(*ins)
-        return out
+        return fn(*ins)  # compile_fx's result takes positional inputs (it sets _boxed_call for Dynamo's wrapper)
 
     def __call__(self, *args):
         env: dict[fx.Node, object] = dict(zip(self.placeholders, args))

@@ -1,0 +1,410 @@
+"""ASL, asl_fullkv and FastKV: layer-gated token propagation in compiled models (CPU).
+
+* no-op settings equal ``full``: ``budget >= prompt length`` (all three, batch 2, decode too) and
+  ``tau = 0`` (ASL never selects: the prefill is ``full``'s; ``asl_fullkv`` equals ``full`` throughout);
+* a forced selection layer equals a hand-written reference that runs the uncompiled model and, from
+  the next layer on, gathers the hidden states, RoPE cos/sin and position ids of the selected tokens
+  (forward pre-hooks), then decodes with explicit positions; the selected tokens are the ones the
+  window's attention (from the eager model's own probabilities) picks; deeper layers' queries
+  really have ``budget`` tokens;
+* the rank-variance rule equals a plain-Python reference on drawn score tensors (hypothesis);
+* ``kvpass::layer_scores`` against eager attention, and ``opcheck``;
+* every family of ``tests/families.py`` runs ``asl`` prefill + decode without graph breaks or falls
+  back with a stated reason; configuration errors.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import fx
+from transformers import DynamicCache
+
+import kvpass
+import kvpass.backend
+from families import FAMILIES
+from kvpass.backend import KVPassWarning
+from kvpass.policies import ConfigError, make_policy
+
+BUDGET, WINDOW, KERNEL = 20, 6, 7
+
+
+def build(family: str, layers: int = 6, attn: str = "sdpa", seed: int = 0):
+    cfg, cls = FAMILIES[family]()
+    cfg.num_hidden_layers = layers
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:  # keep the family's sliding/global pattern, stretched to `layers`
+        cfg.layer_types = [types[i % len(types)] for i in range(layers)]
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def prompt(n: int, seed: int, b: int = 1) -> torch.Tensor:
+    return torch.randint(10, 90, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, ids, be, steps: int = 3, dynamic=None):
+    """Bare-forward prefill + greedy decode; returns (last-token logits per call, cache)."""
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+        for _ in range(steps):
+            logits.append(fwd(input_ids=logits[-1].argmax(-1, keepdim=True), past_key_values=cache,
+                              use_cache=True).logits[:, -1])
+    return logits, cache
+
+
+# ----------------------------------------------------------------------------------------------
+# references
+# ----------------------------------------------------------------------------------------------
+
+
+def avg_pool(x: list[float], kernel: int) -> list[float]:
+    h = kernel // 2
+    return [sum(x[j] for j in range(i - h, i + h + 1) if 0 <= j < len(x)) / kernel for i in range(len(x))]
+
+
+def pooled_candidates(votes: list[float], window: int, kernel: int) -> list[float]:
+    n = len(votes)
+    cand = [v if i < n - window else 0.0 for i, v in enumerate(votes)]
+    return [p if i < n - window else float("-inf") for i, p in enumerate(avg_pool(cand, kernel))]
+
+
+def select_naive(votes: list[float], keep: int, window: int, kernel: int) -> list[int]:
+    n = len(votes)
+    p = pooled_candidates(votes, window, kernel)
+    best = sorted(range(n - window), key=lambda i: (-p[i], i))[:keep - window]
+    return sorted(best + list(range(n - window, n)))
+
+
+def ranks_naive(p: list[float]) -> list[int]:
+    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
+    r = [0] * len(p)
+    for k, i in enumerate(order):
+        r[i] = k + 1
+    return r
+
+
+def selection_layer_naive(votes: dict[int, list[float]], first: int, l_obs: int, tau: float, keep: int,
+                          window: int, kernel: int, last: int):
+    """The rank-variance rule of DESIGN.md section 3, written out plainly."""
+    rk = {i: ranks_naive(pooled_candidates(v, window, kernel)) for i, v in votes.items()}
+    var0 = None
+    for layer in range(first, last + 1):
+        recent = [rk[i] for i in sorted(rk) if layer - l_obs < i <= layer]
+        union = {j for r in recent for j, x in enumerate(r) if x <= keep - window}
+        var = statistics.fmean([statistics.pvariance([r[j] for r in recent]) for j in union]) if union else 0.0
+        if var0 is None:
+            var0 = var
+        ratio = var / var0 if var0 > 0 else float("inf")
+        if ratio < tau:
+            return layer
+    return None
+
+
+def window_votes(model, ids, layer: int, window: int = WINDOW) -> list[float]:
+    """Window attention each token receives at `layer`, summed over window queries and all heads,
+    from the eager model's own probabilities."""
+    eager = build_like(model, "eager")
+    with torch.no_grad():
+        attn = eager(input_ids=ids, output_attentions=True, use_cache=False).attentions[layer]
+    return attn[0, :, -window:, :].sum((0, 1)).tolist()
+
+
+def build_like(model, attn: str):
+    m = type(model)(model.config.__class__.from_dict(model.config.to_dict())).eval()
+    m.config._attn_implementation = attn
+    m.load_state_dict(model.state_dict())
+    return m
+
+
+def gathered_reference(model, ids, layer: int, sel: list[int], kept: dict[int, torch.Tensor], tokens: list[int]):
+    """Uncompiled model; from `layer + 1` on every decoder layer sees only the tokens `sel` (hidden
+    states, cos/sin, position ids gathered by forward pre-hooks). Then each cache layer is cut to the
+    positions `kept[i]` ([H_kv, n] original indices, as the compiled run stored them) and the tokens
+    are decoded with explicit positions. Returns the last-token logits of the prefill and each step."""
+    n = ids.shape[1]
+    idx = torch.tensor(sel)
+    layers = model.model.layers
+
+    def gather(mod, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        if h.shape[1] == n:
+            h = h[:, idx]
+        kwargs = dict(kwargs)
+        cos, sin = kwargs["position_embeddings"]
+        kwargs["position_embeddings"] = (cos[:, idx], sin[:, idx])
+        for key in ("position_ids",):
+            if kwargs.get(key) is not None and kwargs[key].shape[-1] == n:
+                kwargs[key] = kwargs[key][..., idx]
+        if kwargs.get("attention_mask") is not None:
+            kwargs["attention_mask"] = kwargs["attention_mask"][..., idx, :][..., idx]
+        if args:
+            return (h,) + tuple(args[1:]), kwargs
+        kwargs["hidden_states"] = h
+        return args, kwargs
+
+    hooks = [layers[i].register_forward_pre_hook(gather, with_kwargs=True) for i in range(layer + 1, len(layers))]
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for i, pos in kept.items():
+            lay = cache.layers[i]
+            where = pos if i <= layer else torch.searchsorted(idx, pos)   # deeper caches hold `sel` in order
+            ix = where[None, ..., None].expand(1, -1, -1, lay.keys.shape[-1])
+            lay.keys, lay.values = lay.keys.gather(2, ix), lay.values.gather(2, ix)
+        for step, tok in enumerate(tokens):
+            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
+                        position_ids=torch.tensor([[n + step]]))
+            logits.append(out.logits[:, -1])
+    return logits
+
+
+class QueryShapes:
+    """Wraps the backend's segment compiler: records the token count of every query the segments compute."""
+
+    def __init__(self, be) -> None:
+        self.inner = be.kvpass.compile_segment
+        be.kvpass.compile_segment = self
+        self.shapes: list[tuple] = []
+
+    def __call__(self, gm, example_inputs):
+        rec = self
+
+        class Spy(fx.Interpreter):
+            def run_node(self, node):
+                out = super().run_node(node)
+                if node.target is torch.ops.kvpass.attention.default:
+                    rec.shapes.append(tuple(out.shape))
+                return out
+
+        return lambda *a: Spy(gm).run(*a)
+
+
+# ----------------------------------------------------------------------------------------------
+# no-op settings
+# ----------------------------------------------------------------------------------------------
+
+
+def test_budget_at_least_length_equals_full():
+    model = build("qwen2", layers=4)
+    ids = prompt(12, seed=3, b=2)
+    ref, _ = run(model, ids, kvpass.backend("full", compiler="eager"))
+    for policy in ("asl", "asl_fullkv", "fastkv"):
+        torch._dynamo.reset()
+        be = kvpass.backend(policy, compiler="eager", budget=64, window=WINDOW)
+        got, cache = run(model, ids, be)
+        assert be.gate_info["selection_layer"] is None and be.gate_info["kept"] == 12
+        assert all(layer.keys.shape[-2] == 12 + 3 for layer in cache.layers)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=policy)
+
+
+def test_tau_zero_never_selects():
+    model = build("llama", layers=6)
+    ids = prompt(40, seed=4)
+    ref, _ = run(model, ids, kvpass.backend("full", compiler="eager"))
+    torch._dynamo.reset()
+    be = kvpass.backend("asl_fullkv", compiler="eager", budget=BUDGET, window=WINDOW, tau=0.0)
+    got, cache = run(model, ids, be)
+    assert be.gate_info["selection_layer"] is None and list(be.gate_info["ratios"]) == [2, 3, 4]
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    be = kvpass.backend("asl", compiler="eager", budget=BUDGET, window=WINDOW, tau=0.0)
+    got, cache = run(model, ids, be, steps=1)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)   # prefill: every token, every layer
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [BUDGET + 1] * 6   # SnapKV-compressed cache
+
+
+# ----------------------------------------------------------------------------------------------
+# a forced selection layer against the hand-written reference
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy,layer,dynamic", [
+    ("asl_fullkv", 2, None), ("asl_fullkv", 3, True), ("fastkv", -1, None), ("asl", 1, True)])
+def test_forced_layer_matches_gathering_reference(policy, layer, dynamic):
+    model = build("llama", layers=6)
+    ids = prompt(40, seed=1)
+    be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=WINDOW, layer=layer)
+    spy = QueryShapes(be)
+    got, cache = run(model, ids, be, steps=4, dynamic=dynamic)
+    gate = layer if layer >= 0 else 3
+    assert be.gate_info["selection_layer"] == gate and be.gate_info["kept"] == BUDGET
+    # the deeper layers really computed BUDGET tokens: one query shape per layer of the prefill
+    assert [s[2] for s in spy.shapes] == [40] * (gate + 1) + [BUDGET] * (5 - gate)
+    sel = select_naive(window_votes(model, ids, gate), BUDGET, WINDOW, KERNEL)
+    kept = {i: be.state.layer(i).pos[0, :, :-4].clone() for i in range(6)}
+    for i in range(gate + 1, 6):
+        assert kept[i].tolist() == [sel] * 2, f"layer {i}"
+        assert cache.layers[i].keys.shape[-2] == BUDGET + 4
+    for i in range(gate + 1):
+        assert cache.layers[i].keys.shape[-2] == (40 if policy == "asl_fullkv" else BUDGET) + 4
+    assert be.state.seen == 44
+    tokens = [int(x.argmax()) for x in got[:-1]]
+    ref = gathered_reference(model, ids, gate, sel, kept, tokens)
+    for step, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+def test_generate_after_gate():
+    """generate carries position_ids; the continuation equals the gathering reference's greedy tokens."""
+    model = build("llama", layers=6)
+    ids = prompt(40, seed=2)
+    be = kvpass.backend("asl_fullkv", compiler="eager", budget=BUDGET, window=WINDOW, layer=2)
+    compiled = build_like(model, "sdpa")
+    compiled.forward = torch.compile(compiled.forward, backend=be, fullgraph=True)
+    out = compiled.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    tokens = out[0, 40:].tolist()
+    assert be.gate_info["selection_layer"] == 2
+    sel = select_naive(window_votes(model, ids, 2), BUDGET, WINDOW, KERNEL)
+    kept = {i: be.state.layer(i).pos[0, :, :-5].clone() for i in range(6)}
+    ref = gathered_reference(model, ids, 2, sel, kept, tokens)
+    assert [int(x.argmax()) for x in ref[:-1]] == tokens
+
+
+def test_adaptive_rule_fires_and_matches_forced():
+    """With tau = 1 the rule fires at the first layer whose rank variance falls; the run equals the
+    same layer forced, and the layer is the reference rule's on the model's own window votes."""
+    model = build("llama", layers=8, seed=5)
+    ids = prompt(48, seed=7)
+    votes = {i: window_votes(model, ids, i) for i in range(7)}
+    want = selection_layer_naive(votes, 2, 8, 1.0, BUDGET, WINDOW, KERNEL, 6)
+    be = kvpass.backend("asl", compiler="eager", budget=BUDGET, window=WINDOW, tau=1.0)
+    got, _ = run(model, ids, be, steps=2)
+    assert be.gate_info["selection_layer"] == want
+    if want is None:
+        pytest.skip("the rule does not fire on this random model")
+    torch._dynamo.reset()
+    forced = kvpass.backend("asl", compiler="eager", budget=BUDGET, window=WINDOW, layer=want)
+    ref, _ = run(model, ids, forced, steps=2)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# the rule and the scoring op
+# ----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), n=st.integers(12, 40), layers=st.integers(3, 10), l_obs=st.integers(1, 5),
+       window=st.integers(1, 4), kernel=st.sampled_from([1, 3, 7]), tau=st.floats(0.0, 1.0))
+def test_rank_variance_rule_matches_reference(data, n, layers, l_obs, window, kernel, tau):
+    keep = data.draw(st.integers(window + 1, n - 1))
+    first = data.draw(st.integers(0, layers - 2))
+    values = st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 3.0])   # small alphabet: ties happen
+    votes = {i: data.draw(st.lists(values, min_size=n, max_size=n)) for i in range(layers - 1)}
+    want = selection_layer_naive(votes, first, l_obs, tau, keep, window, kernel, layers - 2)
+    pol = make_policy("asl", budget=max(keep, window + 1), window=window, kernel=kernel, tau=tau, l_obs=l_obs,
+                      l_min=first)
+    observe, cuts = pol.gate_layers(layers)
+    assert cuts == list(range(first, layers - 1))
+    assert observe == list(range(max(0, first - l_obs + 1), layers - 1))
+    ctx = {"kv_pos": torch.arange(n)[None]}
+    history, got = {}, None
+    for layer in range(layers - 1):
+        history[layer] = torch.tensor([votes[layer]])
+        if layer in cuts and pol.gate_fires(layer, history, keep, ctx):
+            got = layer
+            break
+    assert got == want
+    if got is not None:
+        sel = pol.gate_select(history[got], keep, ctx)
+        assert sel[0].tolist() == select_naive(votes[got], keep, window, kernel)
+
+
+def test_layer_scores_op():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8)
+    mask = torch.ones(2, 1, 10, 10, dtype=torch.bool).tril()
+    mask[1, ..., :3] = False                                    # left padding of row 1
+    got = torch.ops.kvpass.layer_scores(q, k, mask, 0.3, 0.0, 4)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.3
+    s = s.masked_fill(~mask, float("-inf"))
+    want = s.softmax(-1)[:, :, -4:].sum((1, 2))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got[1, :3] == 0).all()
+    torch.library.opcheck(torch.ops.kvpass.layer_scores.default, (q, k, mask, 0.3, 0.0, 4))
+    torch.library.opcheck(torch.ops.kvpass.layer_scores.default, (q, k, None, 0.3, 5.0, 16))
+
+
+# ----------------------------------------------------------------------------------------------
+# families, batches, configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,attn", [(f, "eager" if f == "gemma2" else "sdpa") for f in sorted(FAMILIES)]
+                         + [("llama", "eager")])
+def test_families_run_or_fall_back(family, attn):
+    sys.modules['kvpass.backend']._WARNED.clear()
+    model = build(family, layers=4, attn=attn)
+    ids = prompt(40, seed=8)
+    be = kvpass.backend("asl", compiler="eager", budget=BUDGET, window=WINDOW, layer=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, cache = run(model, ids, be, steps=2)
+    reasons = [str(w.message) for w in caught if issubclass(w.category, KVPassWarning)]
+    assert all(torch.isfinite(x).all() for x in got)
+    if be.gate_info is None:   # fell back: a stated reason, and the model runs as compiled unchanged
+        assert reasons and any("sliding-window layer" in r for r in reasons), reasons
+        return
+    assert not reasons, reasons
+    assert be.gate_info["selection_layer"] == 2
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [BUDGET + 2] * 4
+
+
+def test_batch_rows_select_their_own_tokens():
+    """Rows share the selection layer; each keeps its own tokens: a batch equals its rows run alone."""
+    model = build("llama", layers=6)
+    ids = torch.cat([prompt(40, seed=9), prompt(40, seed=10)])
+    be = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
+    got, _ = run(model, ids, be, steps=2)
+    rows = be.state.layer(5).pos[:, 0, :BUDGET]
+    assert not torch.equal(rows[0], rows[1])
+    for r in range(2):
+        torch._dynamo.reset()
+        single = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
+        alone, _ = run(model, ids[r:r + 1], single, steps=0)
+        torch.testing.assert_close(got[0][r], alone[0][0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(single.state.layer(5).pos[0, 0], rows[r])
+
+
+def test_static_length_equal_to_a_model_dimension_falls_back():
+    model = build("llama", layers=6)
+    ids = prompt(64, seed=11)                      # 64 = hidden size: literal sizes would be ambiguous
+    sys.modules['kvpass.backend']._WARNED.clear()
+    be = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
+    with pytest.warns(KVPassWarning, match="equals a model dimension"):
+        got, _ = run(model, ids, be, steps=1)
+    assert be.gate_info is None
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="'kernel' must be an odd int"):
+        kvpass.backend("asl", kernel=4)
+    with pytest.raises(ConfigError, match=r"'tau' must be float in \[0.0, 1.0\]"):
+        kvpass.backend("asl", tau=1.5)
+    with pytest.raises(ConfigError, match="'budget' must be > window"):
+        kvpass.backend("fastkv", budget=16, window=32)
+    with pytest.raises(ConfigError, match="does not compose"):
+        kvpass.backend("asl+art")
+    with pytest.raises(ConfigError, match="has no parameter 'tau'"):
+        kvpass.backend("fastkv", tau=0.5)
