@@ -3,7 +3,10 @@
 * the page-scoring Triton kernel equals its reference at real sizes (1k-8k pages, head_dim 64/128,
   GQA groups 1-8, batch up to 8) and through ``kvpass::page_scores`` on CUDA;
 * a long decode on CUDA keeps the stored pool size constant and the allocated pages within
-  prefill pages + budget/16 + 1, and a no-evict budget equals ``full``.
+  prefill pages + budget/16 + 1, and a no-evict budget equals ``full``;
+* quest: the decode kernel with a short ``block_map`` (-1 padded) equals its reference at real sizes,
+  a budget at least the length equals ``full`` through Inductor, and a long decode reads exactly the
+  selected pages.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build
+from kvpass.kernels import decode_attention as DA
 from kvpass.kernels import page_scores as PS
 
 pytestmark = pytest.mark.gpu
@@ -69,3 +73,46 @@ def test_no_evict_budget_equals_full(policy):
     extra = dict(tau=0.0, phi=0.0) if policy == "raas+art" else {}
     got, _, _ = _decode(policy, 200, budget=256, **extra)
     torch.testing.assert_close(got, full, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("b,h,hkv,length,d", [(4, 32, 8, 16384, 128), (1, 9, 3, 17408, 64), (8, 16, 2, 4000, 64)])
+@pytest.mark.parametrize("split", [None, False])
+def test_block_map_kernel_equals_reference(b, h, hkv, length, d, split):
+    """Quest's read: 65 of the pages (block 16) per KV head, some rows shorter (-1 padded)."""
+    g = torch.Generator(device=DEV).manual_seed(length)
+    q = torch.randn(b, h, 1, d, device=DEV, generator=g).bfloat16()
+    k = torch.randn(b, hkv, length, d, device=DEV, generator=g).bfloat16()
+    v = torch.randn(b, hkv, length, d, device=DEV, generator=g).bfloat16()
+    pages = -(-length // 16)
+    bmap = torch.rand(b, hkv, pages, device=DEV, generator=g).argsort(-1)[..., :65].sort(-1).values.int()
+    bmap[0, 0, 40:] = -1
+    out, vis = DA.decode_attention_triton(q, k, v, block_map=bmap, block=16, split=split)
+    ref, vref = DA.decode_attention_reference(q, k, v, block_map=bmap, block=16)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(vis, vref) and int(vis[0, 0]) == 40
+    op, _ = torch.ops.kvpass.decode_attention(q, k, v, None, None, None, None, None, bmap, d ** -0.5, 0.0, 0,
+                                              0.0, 0.0, 5, 16, 2, 0, 0)
+    torch.testing.assert_close(op, out)
+
+
+def test_quest_budget_above_length_equals_full():
+    full, _, _ = _decode("full", 200)
+    got, _, _ = _decode("quest", 200, budget=512, dense_layers=0)
+    torch.testing.assert_close(got, full, atol=2e-3, rtol=2e-3)
+
+
+def test_quest_long_decode_reads_the_selection():
+    """1,500 steps after a 100-token prompt at budget 256 (top 16 pages + the current one)."""
+    model = build("llama", "sdpa").to(DEV)
+    be = kvpass.backend("quest", budget=256, dense_layers=0, stats=True)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(3, 90, (2, 100), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
+    with torch.no_grad():
+        tok = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(1500):
+            tok = fwd(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    lengths = range(101, 1601)
+    want = sum(min(17, -(-n // 16)) for n in lengths) / sum(-(-n // 16) for n in lengths)
+    assert be.runtime.blocks_read() == pytest.approx(want, rel=1e-6)
+    assert cache.layers[0].keys.shape[-2] == 1600
