@@ -175,7 +175,8 @@ class Backend:
         report = self.kvpass(gm.graph)
         self.reports.append(report)
         if report.gate is not None:
-            return report.gate  # runs the graph's segments, compiling each with self._inner on first use
+            report.gate.precompile()  # each segment with the inner compiler (short static versions: on first use)
+            return report.gate        # runs the segments, gathering the selected tokens at the gate
         return self._inner(gm, example_inputs)
 
     def __deepcopy__(self, memo):

@@ -108,6 +108,7 @@ class Segment:
     cut: int | None = None            # layer whose gate closes this segment
     scores: dict[int, fx.Node] = field(default_factory=dict)   # observed layer -> its score node
     short: dict = field(default_factory=dict)                    # n -> GraphModule (static graphs)
+    compiled: object = None          # compiled at backend time with the graph's fake inputs
 
 
 def _build(root: fx.GraphModule, seg: Segment, subst: tuple | None = None) -> fx.GraphModule:
@@ -256,8 +257,21 @@ class GatedGraph:
         return None
 
     # -- run time ----------------------------------------------------------------------------------
+    def precompile(self) -> None:
+        """Compile every segment now, inside the backend call, with the graph's own fake inputs: a
+        dynamic graph's segments are then compiled once for all lengths, and serve the gathered
+        tokens too (the length symbol is an input). Segments whose inputs lack fake values, and the
+        short versions of static graphs, are compiled on first use with the real inputs instead."""
+        for seg in self.segments:
+            fakes = [_val(x) for x in seg.inputs]
+            if all(isinstance(f, (Tensor, int, float, torch.SymInt, torch.SymFloat)) for f in fakes):
+                seg.compiled = self.compile_segment(seg.gm, fakes)
+
     def _run(self, seg: Segment, n: int | None, length: int, ins: list):
-        if n is None or isinstance(self.length, torch.SymInt):
+        dynamic = isinstance(self.length, torch.SymInt)
+        if (n is None or dynamic) and seg.compiled is not None:
+            return seg.compiled(*ins)
+        if n is None or dynamic:
             gm = seg.gm
         else:
             if n not in seg.short:
