@@ -1,0 +1,110 @@
+"""GPU checks of chunk fusion (marked ``gpu``; skipped without CUDA).
+
+* the RoPE rotation kernel equals its reference at real sizes (layers x KV heads up to 256 rows,
+  16k-32k positions, head_dim 64/128, partial rotary, fp32/bf16) and through ``kvpass::rope_rotate``;
+* the scatter kernel equals its reference at real sizes and through ``kvpass::scatter_rows``;
+* under ``torch.compile`` Inductor launches both kernels itself (``triton_op``);
+* ``ChunkFusion`` on CUDA with Inductor: a3 with r = 1 equals a full prefill, and a3 at r = 0.15
+  on a longer request keeps the cache's shape and the store's entries on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from transformers import DynamicCache
+
+import kvpass
+from families import build
+from kvpass.kernels import rope as K
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _tables(length, r, scale=1.0):
+    pos = torch.arange(length, device=DEV, dtype=torch.float32)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, r, 2, device=DEV, dtype=torch.float32) / r))
+    ang = pos[:, None] * inv[None]
+    emb = torch.cat([ang, ang], -1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+@pytest.mark.parametrize("m,length,d,r", [(256, 16384, 128, 128), (128, 32768, 64, 64), (96, 4099, 128, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_kernel_equals_reference(m, length, d, r, dtype):
+    x = torch.randn(m, length, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(m)).to(dtype)
+    cos, sin = _tables(length, r, 1.1)
+    ref = K.rotate_reference(x, cos, sin)
+    out = K.rotate_triton(x, cos, sin)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(torch.ops.kvpass.rope_rotate(x, cos, sin), out)
+    back = K.rotate_triton(out.float(), *K.rope_inverse_tables(cos, sin))
+    torch.testing.assert_close(back, x.float(), atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("m,n,k,d", [(8, 32768, 5000, 128), (256, 4096, 600, 64), (16, 1000, 1000, 128)])
+def test_scatter_kernel_equals_reference(m, n, k, d):
+    g = torch.Generator(device=DEV).manual_seed(n)
+    dst = torch.randn(m, n, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    idx = torch.randperm(n, device=DEV, generator=g)[:k]
+    src = torch.randn(m, k, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    out = K.scatter_triton(dst, idx, src)
+    assert torch.equal(out, K.scatter_reference(dst, idx, src))
+    assert torch.equal(torch.ops.kvpass.scatter_rows(dst, idx, src), out)
+
+
+def test_inductor_launches_the_kernels():
+    x = torch.randn(64, 2048, 128, device=DEV, dtype=torch.bfloat16)
+    cos, sin = _tables(2048, 128)
+    idx = torch.arange(0, 2048, 7, device=DEV)
+
+    def f(x, cos, sin, idx):
+        y = torch.ops.kvpass.rope_rotate(x, cos, sin)
+        return torch.ops.kvpass.scatter_rows(y, idx, x[:, : idx.numel()] * 2)
+
+    got, codes = run_and_get_code(torch.compile(f, backend="inductor"), x, cos, sin, idx)
+    assert any("_kvpass_rope_kernel" in c for c in codes), "Inductor did not launch the rotation kernel"
+    assert any("_kvpass_scatter_kernel" in c for c in codes), "Inductor did not launch the scatter kernel"
+    want = K.scatter_reference(K.rotate_reference(x, cos, sin), idx, x[:, : idx.numel()] * 2)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def _request(n_chunks, chunk, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    system = [1] + torch.randint(3, 90, (7,), generator=g).tolist()
+    chunks = [torch.randint(3, 90, (chunk,), generator=g).tolist() for _ in range(n_chunks)]
+    return system, chunks, torch.randint(3, 90, (9,), generator=g).tolist()
+
+
+def test_a3_ratio_one_equals_full_prefill_inductor(tmp_path):
+    model = build("llama").to(DEV)
+    system, chunks, q = _request(4, 40)
+    ids = torch.tensor([system + sum(chunks, []) + q], device=DEV)
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1]
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, use_cache=True)
+    fusion = kvpass.ChunkFusion(model, kvpass.ChunkStore(tmp_path, model), "a3", ratio=1.0)
+    logits, fused = fusion.prefill(chunks, q, system=system)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    for got, want in zip(fused.cache.layers, cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.values, want.values, atol=1e-4, rtol=1e-4)
+
+
+def test_a3_long_request_on_cuda(tmp_path):
+    model = build("llama", dtype=torch.bfloat16).to(DEV)
+    model.config.max_position_embeddings = 8192
+    system, chunks, q = _request(8, 512, seed=1)
+    store = kvpass.ChunkStore(tmp_path, model)
+    fusion = kvpass.ChunkFusion(model, store, "a3")
+    for _ in range(2):       # the second request: every segment from the memory tier, no new graphs
+        logits, fused = fusion.prefill(chunks, q, system=system)
+    n = len(system) + 8 * 512 + len(q)
+    assert fused.sources == {"memory": 9} and fused.recompute.numel() == -(-15 * 8 * 512 // 100)
+    assert all(layer.keys.shape[-2] == n and layer.keys.device.type == "cuda" for layer in fused.cache.layers)
+    assert torch.isfinite(logits).all()
+    assert len(fusion.backend.reports) == 3    # selection, recompute and decode graphs, compiled once
