@@ -63,9 +63,11 @@ class GenerationState:
 
     @property
     def evicted_tokens(self) -> int:
-        """Entries dropped so far, summed over layers, KV heads and batch rows (derived, so replays
-        of an operator never double count)."""
-        return sum(s.pos.shape[0] * s.pos.shape[1] * s.seen - s.pos.numel() for s in self.layers.values())
+        """Tokens seen that the cache no longer holds, summed over layers, KV heads and batch rows:
+        ``seen`` minus the stored entries with a true position (``pos >= 0``). Empty slots of a page
+        pool (raas) and padding hold no token, so they never count as kept; left padding counts as not
+        held. Derived, so replays of an operator never double count."""
+        return sum(s.pos.shape[0] * s.pos.shape[1] * s.seen - int((s.pos >= 0).sum()) for s in self.layers.values())
 
     def stored_tokens(self) -> dict[int, int]:
         return {i: s.stored for i, s in sorted(self.layers.items())}

@@ -23,7 +23,7 @@ import kvpass
 from families import build
 from kvpass.kernels import page_scores as PS
 from kvpass.policies import ConfigError, make_policy
-from kvpass.state import LayerState
+from kvpass.state import GenerationState, LayerState
 
 SITE = SimpleNamespace(layer=0, phase="decode", sliding_window=None, cache="dynamic")
 
@@ -52,6 +52,7 @@ def test_budget_above_length_equals_full():
     assert torch.equal(raas.argmax(-1), full.argmax(-1))
     assert cache.layers[0].keys.shape[-2] == (1 + 2 + 1) * 16  # one prompt page + budget/16 + 1
     assert be.state.seen == 33
+    assert be.state.evicted_tokens == 0  # the pool's empty slots hold no token (they were counted negative)
 
 
 @pytest.mark.parametrize("policy,family,dynamic,params", [
@@ -131,6 +132,9 @@ def test_timestamps_follow_hand_trace():
     pos = trace[33][2]
     assert pos[16:32].tolist() == list(range(16, 32))            # page 1 kept, true positions
     assert pos[32].item() == 48 and (pos[33:] == -1).all()       # page 2 holds only the new token
+    gen = GenerationState()
+    gen.layers[0] = LayerState(pos=pos.view(1, 1, -1), seen=49)
+    assert gen.evicted_tokens == 16                              # page 2's tokens 32-47 are gone
 
 
 @settings(max_examples=15, deadline=None)

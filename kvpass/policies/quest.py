@@ -25,13 +25,16 @@ Choices the issue leaves open, and why:
 * GQA: one selection per KV head (the bound is the max over its query heads), because the read
   is per KV head.
 
-Where it runs. The prefill (and any append of several tokens) goes through the evicting shape with
-a ``compact`` that keeps everything and computes the prompt's page bounds. A decode step keeps the
-model's own cache update; ``kvpass::page_select`` (before attention) folds the new token into the
-bounds of its page -- one page is touched per step, never the whole cache -- and returns the
-selection as a ``block_map`` for ``kvpass::decode_attention`` with block 16, which reads only the
-selected pages (Triton on CUDA, the reference elsewhere). The bound update is idempotent (it
-records how many entries the bounds cover), so a replayed call changes nothing.
+Where it runs. The prefill goes through the evicting shape with a ``compact`` that keeps everything
+and computes the prompt's page bounds (left padding excluded); it also starts the layer's state
+afresh for a new generation. A decode step keeps the model's own cache update;
+``kvpass::page_select`` (before attention) folds the new token into the bounds of its page -- one
+page is touched per step, never the whole cache -- and returns the selection as a ``block_map`` for
+``kvpass::decode_attention`` with block 16, which reads only the selected pages (Triton on CUDA, the
+reference elsewhere). Appends of several tokens run exact attention and are folded in by the next
+decode step. The bound update is idempotent (it records how many entries the bounds cover), so a
+replayed call changes nothing. The generation state's ``pos`` / ``seen`` describe the prompt
+only: nothing is evicted, so the model's own positions and cache length stay true.
 """
 
 from __future__ import annotations
@@ -131,11 +134,13 @@ class Quest(Policy):
         if site.cache != "dynamic":
             return (f"layer {site.layer}: quest reads the new token at the end of a DynamicCache; "
                     f"this graph uses a {site.cache} cache")
+        if site.phase == "prefill":  # exact attention; compact keeps everything and computes the bounds
+            return SitePlan(attention=True, evict=True)
         if site.phase == "decode" and decode_read_problem(site) is None:
             return SitePlan(attention=True, read=PageRead(block=PAGE, order=ORDER_MAP, stats=self.stats))
-        # prefill, appends, shape-dynamic graphs (and decode sites the kernel cannot serve): exact
-        # attention, and a compact that keeps everything and folds the new entries into the bounds
-        return SitePlan(attention=True, evict=True)
+        # appends, shape-dynamic graphs, decode sites the kernel cannot serve: exact attention over the
+        # model's own cache; the next page_select folds every entry added since into the bounds
+        return SitePlan(attention=True)
 
     def stored_length(self, site, total):
         return total
