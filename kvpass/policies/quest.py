@@ -67,9 +67,17 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
     n = st.get("n", 0)
     if n == length:
         return st
-    if n > length or ("kmin" in st and tuple(st["kmin"].shape[:2]) != (b, hkv)):
+    if n > length or (n > 0 and tuple(st["kmin"].shape[:2]) != (b, hkv)):
         raise RuntimeError(f"policy 'quest': page bounds cover {n} entries but the cache holds {length} "
                            "(the cache was not filled through this backend)")
+    if n > 0 and length == n + 1 and valid is None and n // PAGE < st["kmin"].shape[2]:  # a decode step
+        p, knew = n // PAGE, k[:, :, -1]
+        old = st["live"][:, :, p, None]
+        st["kmin"][:, :, p] = torch.where(old, torch.minimum(st["kmin"][:, :, p], knew), knew)
+        st["kmax"][:, :, p] = torch.where(old, torch.maximum(st["kmax"][:, :, p], knew), knew)
+        st["live"][:, :, p] = True
+        st["n"] = length
+        return st
     p0, p1 = n // PAGE, -(-length // PAGE)
     dev = k.device
     seg = k[:, :, p0 * PAGE:length]
