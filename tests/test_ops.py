@@ -569,3 +569,42 @@ def test_opcheck_page_select():
     _, extra = be.policy.select(site, None, k[:, :, :-1], None, pos, pos[:, 0], None)
     be.runtime.state.set_layer(SITE, pos, 89, fresh=True).extra = extra
     opcheck("page_select", (torch.randn(B, H, 1, D, generator=gen), k, be.runtime.handle, SITE))
+
+
+def _rope_args():
+    gen = torch.Generator().manual_seed(11)
+    ang = torch.rand(7, 4, generator=gen) * 20
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    return torch.randn(3, 7, 12, generator=gen), cos, sin       # partial rotary: 8 of 12 dims
+
+
+def test_opcheck_rope_rotate():
+    opcheck("rope_rotate", _rope_args())
+
+
+def test_opcheck_rope_rotate_ref():
+    opcheck("rope_rotate_ref", _rope_args())
+
+
+def _scatter_args():
+    gen = torch.Generator().manual_seed(12)
+    return torch.randn(3, 9, D, generator=gen), torch.tensor([7, 0, 4]), torch.randn(3, 3, D, generator=gen)
+
+
+def test_opcheck_scatter_rows():
+    opcheck("scatter_rows", _scatter_args())
+
+
+def test_opcheck_scatter_rows_ref():
+    opcheck("scatter_rows_ref", _scatter_args())
+
+
+def test_opcheck_cache_overwrite():
+    import kvpass
+    be = kvpass.backend("pie", compiler="eager")        # chunk fusion: new tokens overwrite their slots
+    be.runtime.state.fusion = torch.tensor([1, 6, 8])
+    gen = torch.Generator().manual_seed(13)
+    args = (_randn((B, HKV, 9, D), gen, torch.float32), _randn((B, HKV, 9, D), gen, torch.float32),
+            _randn((B, HKV, 3, D), gen, torch.float32), _randn((B, HKV, 3, D), gen, torch.float32),
+            be.runtime.handle, SITE)
+    opcheck("cache_overwrite", args)
