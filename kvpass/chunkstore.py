@@ -118,10 +118,12 @@ def model_fingerprint(model) -> str:
             flat = t.detach().reshape(-1)
             if flat.numel() == 0:
                 continue
-            idx = torch.linspace(0, flat.numel() - 1, min(256, flat.numel()), device=flat.device).long()
+            n = flat.numel()
+            k = min(256, n)
+            idx = torch.arange(k, device=flat.device) * (n - 1) // max(k - 1, 1)   # exact integer strides
             sample = flat[idx].double().cpu()
             h.update(sample.numpy().tobytes())
-            h.update(struct.pack("<d", float(flat.double().sum())))
+            h.update(struct.pack("<d", float(flat.sum(dtype=torch.float64))))
     return h.hexdigest()
 
 

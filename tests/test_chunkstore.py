@@ -150,3 +150,21 @@ def test_memory_tier_is_lru(model, tmp_path):
     store.memory_bytes = int(1.5 * size)
     store.get_or_compute(b)
     assert store.get(b).source == "memory" and store.get(a).source == "disk"
+
+
+def test_fingerprint_follows_weights_and_handles_large_tensors(model):
+    from kvpass.chunkstore import model_fingerprint
+
+    class Big(torch.nn.Module):                 # float32 linspace would index past the end of this one
+        def __init__(self):
+            super().__init__()
+            self.config = model.config
+            self.w = torch.nn.Parameter(torch.zeros(28311552))
+
+    big = Big()
+    before = model_fingerprint(big)
+    with torch.no_grad():
+        big.w[12345] = 1.0                       # not a sampled element: the float64 sum changes
+    assert model_fingerprint(big) != before
+    other = families.build("llama")
+    assert model_fingerprint(other) == model_fingerprint(model)   # same seed, same weights
