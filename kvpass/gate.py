@@ -73,6 +73,40 @@ def _(q, k, mask, scale, softcap, window):
     return q.new_empty((q.shape[0], q.shape[2]), dtype=torch.float32)
 
 
+@torch.library.custom_op("kvpass::shift_positions", mutates_args=())
+def shift_positions(pos: Tensor, handle: int) -> Tensor:
+    """Position ids passed in after a renumbering prefill (``gemfilter``): ``generate`` counts the whole
+    prompt, the cache holds its ``n`` selected tokens at positions ``0..n-1``; move them back by ``L - n``."""
+    info = getattr(_runtime.get(handle), "gate", None)
+    shift = info.shift if info is not None else 0
+    return (pos - shift).contiguous() if shift else pos.clone(memory_format=torch.contiguous_format)
+
+
+@shift_positions.register_fake
+def _(pos, handle):
+    return torch.empty_like(pos, memory_format=torch.contiguous_format)
+
+
+def shift_passed_positions(gm: fx.GraphModule, sites, handle: int) -> list[str]:
+    """Decode/append graphs of a renumbering policy: route position ids that were passed in (not derived
+    from the cache length, which ``true_positions`` already fixes) through ``shift_positions``."""
+    from kvpass.rewrite import _derived
+
+    done = []
+    graph = gm.graph
+    for pos in dict.fromkeys(s.positions for s in sites if s.positions is not None):
+        if _derived(pos):
+            continue
+        with graph.inserting_after(pos):
+            sp = graph.call_function(torch.ops.kvpass.shift_positions.default, (pos, handle))
+        pos.replace_all_uses_with(sp, delete_user_cb=lambda u: u is not sp)
+        done.append(pos.name)
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
 # ----------------------------------------------------------------------------------------------
 # analysis
 # ----------------------------------------------------------------------------------------------
@@ -154,10 +188,12 @@ class GateInfo:
     kept: int                # tokens the deeper layers computed (L when nothing was pruned)
     candidates: tuple        # layers after which the gate could fire
     ratios: dict             # ASL: layer -> var / var0 per row (list), for the record
+    passes: int = 1          # 2: the selected tokens were prefilled again from layer 0
+    shift: int = 0           # gemfilter: decode positions passed in are moved back by this much
 
     def as_dict(self) -> dict:
         return {"selection_layer": self.layer, "length": self.length, "kept": self.kept,
-                "candidates": list(self.candidates), "ratios": self.ratios}
+                "candidates": list(self.candidates), "ratios": self.ratios, "passes": self.passes}
 
 
 class GatedGraph:
@@ -185,6 +221,14 @@ class GatedGraph:
             return why
         cut_nodes = [sites[layer].residual for layer in self.cuts]
         length = sites[self.cuts[0]].q_len
+        self.two_pass = bool(getattr(self.policy, "two_pass", False))
+        self.renumber = bool(getattr(self.policy, "renumber", False))
+        # a two-pass policy sets the RoPE positions of its second pass: the position tensors derived
+        # inside the graph end a segment of their own, so the runner can replace their value
+        self.pos_nodes = list(dict.fromkeys(_after_fix(s.positions) for s in sites.values() if s.positions is not None))
+        if self.two_pass and not self.pos_nodes:
+            return "no position tensor behind the RoPE of any layer (a second pass could not place its tokens)"
+        pos_cuts = [p for p in self.pos_nodes if p.op != "placeholder"] if self.two_pass else []
         # score nodes after each observed layer's attention, before its residual add
         score_nodes = {}
         for layer in self.observe:
@@ -200,6 +244,9 @@ class GatedGraph:
                 score_nodes[layer] = graph.call_function(torch.ops.kvpass.layer_scores.default, (
                     q, s.k_new, s.mask, float(scale), float(s.softcap), int(self.policy.window)))
         order = {n: i for i, n in enumerate(graph.nodes)}
+        if pos_cuts and max(order[p] for p in pos_cuts) > order[cut_nodes[0]]:
+            return "a position tensor is computed after the first candidate layer"
+        cut_nodes = sorted(set(pos_cuts), key=order.__getitem__) + cut_nodes
         cut_order = [order[c] for c in cut_nodes]
         # partition: segment k holds the nodes after cut k-1 up to and including cut k
         seg_of: dict[fx.Node, int] = {}
@@ -215,7 +262,7 @@ class GatedGraph:
                 seg_of[n] = k
                 segs[k].nodes.append(n)
         for k, layer in enumerate(self.cuts):
-            segs[k].cut = layer
+            segs[k + len(cut_nodes) - len(self.cuts)].cut = layer
         for layer, node in score_nodes.items():
             segs[seg_of[node]].scores[layer] = node
         for seg in segs:
@@ -250,6 +297,18 @@ class GatedGraph:
             else:
                 self.transform[n] = ("keep",)
         self.seg_of = seg_of
+        self.tokens = next((s.tokens for s in sites.values() if s.tokens is not None), None)
+        self.ph_dims = {}
+        for n in self.placeholders:
+            v = _val(n)
+            if isinstance(v, torch.Tensor):
+                if any(_mentions(d, length) and not _same(d, length) for d in v.shape):
+                    return f"input '{n.name}' has a size derived from the prompt length ({tuple(v.shape)})"
+                self.ph_dims[n] = tuple(d for d in range(v.dim()) if _same(v.shape[d], length))
+            elif _same(v, length):
+                self.ph_dims[n] = "length"
+            elif _mentions(v, length):
+                return f"input '{n.name}' = {v} is derived from the prompt length"
         self.length = length
         self.segments = segs
         for seg in segs:
@@ -314,6 +373,8 @@ class GatedGraph:
             if policy.gate_fires(seg.cut, history, keep, ctx):
                 sel = policy.gate_select(history[seg.cut], keep, ctx)
                 gate_layer, n = seg.cut, keep
+                if self.two_pass:
+                    break
                 later = {x for s in self.segments[seg.index + 1:] for x in s.inputs
                          if self.seg_of[x] <= seg.index}
                 for x in later:
@@ -324,11 +385,58 @@ class GatedGraph:
                     env[x] = n if t[0] == "length" else _take(env[x], sel, t[1])
         if length is None:
             length = int(self.length)
-        self.runtime.gate = GateInfo(gate_layer, length, n or length, self.cuts, ctx.get("ratios", {}))
+        shift = length - n if self.two_pass and self.renumber and sel is not None else 0
+        self.runtime.gate = GateInfo(gate_layer, length, n or length, self.cuts, ctx.get("ratios", {}),
+                                     2 if self.two_pass and sel is not None else 1, shift)
+        if sel is not None and self.two_pass:
+            env, orig = self._second_pass(args, env, sel, n, length), {}
         if sel is not None:
-            self._record(gate_layer, ctx["kv_pos"].gather(1, sel), length)
+            true = ctx["kv_pos"].gather(1, sel)
+            if self.two_pass:
+                true = torch.arange(n, device=sel.device).expand_as(sel) if self.renumber else true
+                self._record(-1, true, n if self.renumber else length)
+            else:
+                self._record(gate_layer, true, length)
         return fx.node.map_aggregate(self.output.args[0],
                                      lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x)
+
+    def _second_pass(self, args, first: dict, sel: Tensor, n: int, length: int) -> dict:
+        """Prefill again from layer 0 with only the selected tokens (GemFilter): token ids, masks and
+        embeddings gathered; position and cache-index inputs become 0..n-1 (cache indices of the new,
+        shorter cache); the RoPE positions are the original ones (``asl_2pass``) or 0..n-1
+        (``gemfilter``, renumbered)."""
+        env: dict = {}
+        for ph, x in zip(self.placeholders, args):
+            dims = self.ph_dims.get(ph, ())
+            if dims == "length":
+                env[ph] = n
+            elif not dims or not isinstance(x, Tensor):
+                env[ph] = x
+            elif ph is self.tokens or x.is_floating_point() or x.dtype == torch.bool:
+                env[ph] = _take(x, sel, dims)
+            else:
+                env[ph] = _renumber(ph.name, x, sel, dims, length)
+        originals = {p: _take(first[p], sel, self.ph_dims.get(p) or self.transform_dims(p))
+                     for p in self.pos_nodes if not self.renumber}
+        for p in self.pos_nodes:
+            if p.op == "placeholder" and p in originals:
+                env[p] = originals[p]
+        for seg in self.segments:
+            outs = self._run(seg, n, length, [env[x] for x in seg.inputs])
+            env.update(zip(seg.outputs, outs))
+            for p in originals:
+                if p in env and p.op != "placeholder" and self.seg_of.get(p) == seg.index:
+                    env[p] = originals[p]
+        return env
+
+    def transform_dims(self, node) -> tuple:
+        t = self.transform.get(node)
+        if t is None or t[0] != "gather":
+            v = _val(node)
+            if v is None and node.args:   # an op the rewrite inserted (true_positions): its input's shape
+                v = _val(node.args[0])
+            return tuple(d for d in range(v.dim()) if _same(v.shape[d], self.length))
+        return t[1]
 
     def _record(self, gate_layer: int, sel: Tensor, length: int) -> None:
         """Deeper layers stored the selected tokens: their true positions, and the prompt length seen."""
@@ -361,6 +469,33 @@ def _take(x, sel: Tensor, dims: tuple) -> Tensor:
         idx = sel.view(shape).expand(*[x.shape[i] if i != d else n for i in range(x.dim())])
         x = x.gather(d, idx)
     return x
+
+
+def _after_fix(pos: fx.Node) -> fx.Node:
+    """The position tensor RoPE reads: ``true_positions(pos)`` when the rewrite routed it through one
+    (it would move replaced positions by ``seen - first``), else ``pos`` itself."""
+    for u in pos.users:
+        if u.op == "call_function" and u.target is torch.ops.kvpass.true_positions.default:
+            return u
+    return pos
+
+
+def _renumber(name: str, x: Tensor, sel: Tensor, dims: tuple, length: int) -> Tensor:
+    """An integer input along the prompt: positions / cache indices ``0..L-1`` become ``0..n-1``;
+    a 0/1 attention mask is gathered; anything else is refused (never guessed)."""
+    if len(dims) == 1:
+        d = dims[0]
+        ar = torch.arange(length, device=x.device)
+        shape = [1] * x.dim()
+        shape[d] = length
+        if bool((x == ar.view(shape)).all()):
+            shape[d] = sel.shape[1]
+            return torch.arange(sel.shape[1], device=x.device, dtype=x.dtype).view(shape).expand(
+                *[s if i != d else sel.shape[1] for i, s in enumerate(x.shape)]).contiguous()
+    if bool(((x == 0) | (x == 1)).all()):
+        return _take(x, sel, dims)
+    raise RuntimeError(f"kvpass gate: the second prefill cannot tell what input '{name}' is (neither "
+                       f"positions 0..L-1 nor a 0/1 mask; left-padded positions are not supported)")
 
 
 def _masked_positions(mask, b: int, length: int, device) -> Tensor:

@@ -299,6 +299,59 @@ def test_adaptive_rule_fires_and_matches_forced():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def second_pass_reference(model, ids, sel: list[int], tokens: list[int], renumber: bool):
+    """Plain HF: prefill only `ids[:, sel]` (positions 0..n-1 when `renumber`, else the original ones),
+    then decode `tokens` (positions continue from n, or from the prompt length)."""
+    idx = torch.tensor(sel)
+    n, length = len(sel), ids.shape[1]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        pos = None if renumber else idx[None]
+        logits = [model(input_ids=ids[:, idx], past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]]
+        for step, tok in enumerate(tokens):
+            p = (n if renumber else length) + step
+            logits.append(model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
+                                position_ids=torch.tensor([[p]])).logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("policy,dynamic", [("gemfilter", None), ("gemfilter", True), ("asl_2pass", None)])
+def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic):
+    """gemfilter / asl_2pass: the selected tokens prefilled again from layer 0 equal HF run on those
+    tokens alone (renumbered or original positions); decode continues from n or from L."""
+    model = build("llama", layers=6)
+    ids = prompt(40, seed=12)
+    window, kernel = (1, 1) if policy == "gemfilter" else (WINDOW, KERNEL)
+    be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=window, kernel=kernel, layer=2)
+    spy = QueryShapes(be)
+    got, cache = run(model, ids, be, steps=4, dynamic=dynamic)
+    assert be.gate_info["selection_layer"] == 2 and be.gate_info["passes"] == 2
+    assert [s[2] for s in spy.shapes] == [40] * 3 + [BUDGET] * 6      # first pass stops at the filter layer
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [BUDGET + 4] * 6
+    sel = select_naive(window_votes(model, ids, 2, window), BUDGET, window, kernel)
+    renumber = policy == "gemfilter"
+    assert be.state.layer(3).pos[0, 0, :BUDGET].tolist() == (list(range(BUDGET)) if renumber else sel)
+    tokens = [int(x.argmax()) for x in got[:-1]]
+    ref = second_pass_reference(model, ids, sel, tokens, renumber)
+    for step, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+def test_gemfilter_generate_continues_from_kept_count():
+    """generate counts the whole prompt in its position ids; gemfilter moves them back to n + step."""
+    model = build("llama", layers=6)
+    ids = prompt(40, seed=13)
+    be = kvpass.backend("gemfilter", compiler="eager", budget=BUDGET, layer=2)
+    compiled = build_like(model, "sdpa")
+    compiled.forward = torch.compile(compiled.forward, backend=be, fullgraph=True)
+    out = compiled.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    tokens = out[0, 40:].tolist()
+    sel = select_naive(window_votes(model, ids, 2, 1), BUDGET, 1, 1)
+    ref = second_pass_reference(model, ids, sel, tokens, True)
+    assert [int(x.argmax()) for x in ref[:-1]] == tokens
+    assert any(r.positions_fixed for r in be.reports if r.phase == "decode")
+
+
 # ----------------------------------------------------------------------------------------------
 # the rule and the scoring op
 # ----------------------------------------------------------------------------------------------
@@ -408,3 +461,8 @@ def test_config_errors():
         kvpass.backend("asl+art")
     with pytest.raises(ConfigError, match="has no parameter 'tau'"):
         kvpass.backend("fastkv", tau=0.5)
+    with pytest.raises(ConfigError, match="has no parameter 'tau'"):
+        kvpass.backend("gemfilter", tau=0.5)
+    assert make_policy("gemfilter").gate_layers(32) == ([13], [13])
+    assert make_policy("fastkv").gate_layers(24) == ([12], [12])
+    assert make_policy("asl").gate_layers(30) == (list(range(3, 29)), list(range(10, 29)))

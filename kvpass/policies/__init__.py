@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from kvpass.policies.a3 import A3
 from kvpass.policies.art import ART
-from kvpass.policies.asl import ASL, ASLFullKV
+from kvpass.policies.asl import ASL, ASL2Pass, ASLFullKV
 from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
 from kvpass.policies.cacheblend import CacheBlend
 from kvpass.policies.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
 from kvpass.policies.fastkv import FastKV
 from kvpass.policies.full import Full
+from kvpass.policies.gemfilter import GemFilter
 from kvpass.policies.full_reuse import FullReuse
 from kvpass.policies.legolink import LegoLink
 from kvpass.policies.pie import PIE
@@ -25,11 +26,11 @@ from kvpass.policies.streamingllm import StreamingLLM
 FUSION = (A3, PIE, FullReuse, CacheBlend, LegoLink)
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,
-                                                                SABlock, RaaS, Quest, ASL, ASLFullKV, FastKV) + FUSION}
+                                                                SABlock, RaaS, Quest, ASL, ASLFullKV, FastKV, ASL2Pass,
+                                                                GemFilter) + FUSION}
 
 # Named in DESIGN.md and on the roadmap, not implemented yet: asking for one is a clear error.
-PLANNED = ("asl_2pass", "gemfilter",
-           "a3+evict", "h2o")
+PLANNED = ("a3+evict", "h2o")
 
 
 def available() -> list[str]:

@@ -147,3 +147,13 @@ class ASLFullKV(ASL):
     name = "asl_fullkv"
     summary = "asl without compression before the selection layer (those layers keep the whole prompt)"
     compress = False
+
+
+class ASL2Pass(ASL):
+    """The adaptive layer picks the tokens; then they are prefilled again from layer 0 at their
+    original positions (GemFilter's second pass with ASL's rule); every layer stores them."""
+
+    name = "asl_2pass"
+    summary = "asl's layer picks tokens; a second prefill of only those from layer 0 (original positions)"
+    compress = False
+    two_pass = True
