@@ -3,7 +3,8 @@
 A random-weight Llama-architecture model (``--preset``: SmolLM2-1.7B's shape by default, or
 Llama-3.1-8B's) runs in bf16 on one GPU through ``torch.compile(model.forward,
 backend=kvpass.backend(...), dynamic=True)`` with Inductor. For each context length (16k, 32k, 64k,
-128k) every policy prefills the same random prompt and decodes ``--new-tokens`` greedy tokens:
+128k) every policy (``full``, ``asl``, ``fastkv``, ``gemfilter``, ``asl_fullkv`` by default) prefills
+the same random prompt and decodes ``--new-tokens`` greedy tokens:
 
 * TTFT: median prefill time over ``--reps`` runs (synchronised), after one untimed run per length;
 * TPOT: median decode step;
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", default="smollm2-1.7b", choices=sorted(PRESETS))
     ap.add_argument("--lengths", default="16384,32768,65536,131072")
-    ap.add_argument("--policies", default="full,asl,fastkv,asl_fullkv")
+    ap.add_argument("--policies", default="full,asl,fastkv,gemfilter,asl_fullkv")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--asl-layer", type=int, default=-1, help="forced selection layer of asl (-1: floor(L/3) + 2)")
@@ -153,8 +154,10 @@ def main() -> None:
     rows = []
     for spec in args.policies.split(","):
         name, _, mode = spec.partition("@")
-        params = {} if name == "full" else {"budget": args.budget, "window": args.window}
-        if name in ("asl", "asl_fullkv") and mode != "rule":
+        params = {} if name == "full" else {"budget": args.budget}
+        if name in ("asl", "asl_fullkv", "asl_2pass", "fastkv"):
+            params["window"] = args.window          # gemfilter keeps its own (last token, no pooling)
+        if name in ("asl", "asl_fullkv", "asl_2pass") and mode != "rule":
             params["layer"] = asl_layer
         torch._dynamo.reset()
         be = kvpass.backend(name, compiler=args.compiler, **params)
@@ -193,14 +196,14 @@ def main() -> None:
                 config=PRESETS[args.preset], device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                 transformers=transformers.__version__, dtype="bfloat16", budget=args.budget, window=args.window,
                 asl_layer=asl_layer, asl_layer_note="forced; random weights make the adaptive choice meaningless",
-                fastkv_layer=n_layers // 2, new_tokens=args.new_tokens, reps=args.reps, compiler=args.compiler,
+                fastkv_layer=n_layers // 2, gemfilter_layer=(13 * n_layers) // 32, new_tokens=args.new_tokens, reps=args.reps, compiler=args.compiler,
                 targets="asl TTFT <= 0.75x full at 128k; asl TPOT <= 0.05x full")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "asl.json").write_text(json.dumps(dict(meta=meta, rows=rows, rule=rule), indent=2))
     lines = [f"# Layer-gated prefill: {args.preset} (random weights), {meta['device']}, {meta['date']}", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, bf16, Inductor, budget {args.budget}, "
              f"window {args.window}; asl's selection layer forced to {asl_layer} of {n_layers}, fastkv's "
-             f"{n_layers // 2}. TTFT = (lower) median of {args.reps} prefills after a warm-up run, TPOT = median decode step of "
+             f"{n_layers // 2}, gemfilter's {(13 * n_layers) // 32} (window 1, two passes). TTFT = (lower) median of {args.reps} prefills after a warm-up run, TPOT = median decode step of "
              f"{args.new_tokens} tokens; ratios to full at the same length. Targets: {meta['targets']}.", "",
              "| policy | context | TTFT s | TTFT / full | TPOT ms | TPOT / full | peak GiB | peak / full | "
              "selection layer | max cache entries |",

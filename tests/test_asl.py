@@ -399,6 +399,17 @@ def test_layer_scores_op():
     torch.library.opcheck(torch.ops.kvpass.layer_scores.default, (q, k, None, 0.3, 5.0, 16))
 
 
+def test_shift_positions_op():
+    be = kvpass.backend("gemfilter", compiler="eager", budget=BUDGET)
+    pos = torch.tensor([[40, 41]])
+    handle = be.runtime.handle
+    assert torch.equal(torch.ops.kvpass.shift_positions(pos, handle), pos)          # no gated prefill yet
+    from kvpass.gate import GateInfo
+    be.runtime.gate = GateInfo(2, 40, 20, (2,), {}, 2, 20)
+    assert torch.ops.kvpass.shift_positions(pos, handle).tolist() == [[20, 21]]
+    torch.library.opcheck(torch.ops.kvpass.shift_positions.default, (pos, handle))
+
+
 # ----------------------------------------------------------------------------------------------
 # families, batches, configuration
 # ----------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""GPU checks of layer-gated prefill (asl, asl_fullkv, fastkv; marked ``gpu``, skipped without CUDA).
+"""GPU checks of layer-gated prefill (asl, asl_fullkv, fastkv, gemfilter, asl_2pass; marked ``gpu``).
 
 * ``kvpass::layer_scores`` on CUDA (the window-scoring Triton kernel inside) equals its CPU reference
   at long context, and its peak memory stays far below the ``[heads, window, N]`` scores;
 * a tiny Llama compiled by Inductor on CUDA with a forced selection layer generates the same tokens
-  as the same policy on the CPU (eager compiler), stores ``budget`` entries in every layer, and its
-  deeper layers' segments were compiled for the gathered length;
+  as the same policy on the CPU (eager compiler) and stores ``budget`` entries in every layer (the
+  whole prompt before the selection layer for ``asl_fullkv``), in one or two passes;
 * a dynamic graph's segments are compiled once and serve every prompt length (no recompilation);
 * the adaptive rule runs end to end under Inductor on CUDA and reports its layer.
 """
@@ -55,18 +55,21 @@ def _run(model, ids, be, steps, dynamic=None):
     return tokens, cache
 
 
-@pytest.mark.parametrize("policy,layer", [("fastkv", -1), ("asl", 2), ("asl_fullkv", 1)])
+@pytest.mark.parametrize("policy,layer", [("fastkv", -1), ("asl", 2), ("asl_fullkv", 1), ("gemfilter", 2),
+                                          ("asl_2pass", 2)])
 def test_inductor_cuda_matches_cpu(policy, layer):
     model = build("llama", layers=6)
     ids = prompt(200, seed=3)
-    cpu = kvpass.backend(policy, compiler="eager", budget=64, window=16, layer=layer)
+    kw = {} if policy == "gemfilter" else {"window": 16}
+    cpu = kvpass.backend(policy, compiler="eager", budget=64, layer=layer, **kw)
     want, _ = _run(model, ids, cpu, 8)
     torch._dynamo.reset()
-    gpu = kvpass.backend(policy, compiler="inductor", budget=64, window=16, layer=layer)
+    gpu = kvpass.backend(policy, compiler="inductor", budget=64, layer=layer, **kw)
     got, cache = _run(model.to(DEV), ids.to(DEV), gpu, 8)
     assert got == want
     gate = layer if layer >= 0 else 3
     assert gpu.gate_info["selection_layer"] == gate and gpu.gate_info["kept"] == 64
+    assert gpu.gate_info["passes"] == (2 if policy in ("gemfilter", "asl_2pass") else 1)
     for i, lay in enumerate(cache.layers):
         full = policy == "asl_fullkv" and i <= gate
         assert lay.keys.shape[-2] == (200 if full else 64) + 8
