@@ -11,7 +11,8 @@ tokens (random ids; the cost of a prefill does not depend on them). In one proce
   re-rotation, selection, recompute, last question token), chunks **warm in the store**.
 
 Every measurement is synchronised and the median of ``--reps`` runs after one untimed warm-up per
-length (compilation never counts). Reported per (policy, length): TTFT, its parts (load, merge,
+length (compilation never counts). All fusion policies share one compiled forward (selection,
+recompute and decode graphs), so the run compiles four large graphs in all, ``full`` included. Reported per (policy, length): TTFT, its parts (load, merge,
 select, recompute, last token), speedup over ``full``, top-1 agreement and cosine of the first
 token's logits with ``full`` (random weights: a sanity check, not accuracy).
 

@@ -43,6 +43,41 @@ from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.a3 import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
 from kvpass.rope import rotate
 
+_SHARED = "_kvpass_chunk_fusion"   # attribute of the model: lives and dies with it
+
+
+class _Router(ChunkFusionPolicy):
+    """The policy a model's shared fusion backend compiles with. Every fusion policy plans the same
+    graphs (selection prefill with layer 1 as the scoring site, recompute graph, decode graph), so one
+    compiled forward serves them all; ``select`` is handed to the policy of the request being run."""
+
+    name = "chunk_fusion"
+    summary = "graphs shared by the chunk-fusion policies"
+    needs_probe = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active: ChunkFusionPolicy | None = None
+        self.first_layers = None
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        if self.active is None:
+            return None
+        return self.active.select(site, q, k, v, kv_pos, q_pos, layer_state)
+
+
+def _shared(model, compiler: str):
+    """One kvpass backend and one compiled ``model.forward`` per (model, compiler), shared by every
+    ``ChunkFusion`` of that model (three graphs in all, whatever the policies)."""
+    per_model = model.__dict__.setdefault(_SHARED, {})
+    if compiler not in per_model:
+        router = _Router()
+        be = _backend(router, compiler=compiler)
+        fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
+        router.first_layers = torch.nn.ModuleList(list(model.get_decoder().layers)[: SELECT_LAYER + 1])
+        per_model[compiler] = (be, fwd, router)
+    return per_model[compiler]
+
 
 @dataclass
 class FusedPrompt:
@@ -70,6 +105,8 @@ class ChunkFusion:
         store: the ``ChunkStore`` of this model.
         policy: ``"a3"``, ``"cacheblend"``, ``"legolink"``, ``"pie"`` or ``"full_reuse"`` (or a policy object).
         compiler: the inner compiler of the kvpass backend (``"inductor"``, ``"aot_eager"``, ``"eager"``).
+            All ``ChunkFusion`` objects of one model and compiler share one backend and one compiled
+            forward (``self.backend``, ``self.forward``): the policies differ only at run time.
         **params: the policy's parameters (``ratio`` for a3/cacheblend, ``prefix`` for legolink).
     """
 
@@ -85,12 +122,11 @@ class ChunkFusion:
         self.model = model
         self.store = store
         self.policy = pol
-        self.backend = _backend(pol, compiler=compiler)
-        self.forward = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=True)
+        self.backend, self.forward, self._router = _shared(model, compiler)
         decoder = model.get_decoder()
         self._decoder = decoder
         self._layers = decoder.layers
-        self._first = torch.nn.ModuleList(list(decoder.layers)[: SELECT_LAYER + 1])
+        self._first = self._router.first_layers
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -238,6 +274,7 @@ class ChunkFusion:
         from transformers import DynamicCache
 
         self.policy.request = req
+        self._router.active = self.policy
         before = len(self.backend.reports)
         try:
             with self._first_layers(), torch.no_grad():
@@ -245,6 +282,7 @@ class ChunkFusion:
                              logits_to_keep=1)
         finally:
             self.policy.request = None
+            self._router.active = None
         self._checked(before)
         if req.scores is None:
             raise RuntimeError(f"kvpass: the selection pass of policy '{self.policy.name}' produced no scores "
