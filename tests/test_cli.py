@@ -43,15 +43,15 @@ def test_parse_helpers():
 @needs_smol
 def test_compare_end_to_end(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "res"
-    code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,gemfilter",
+    code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,h2o",
                      "--budget", "64", "--task", "niah", "--lengths", "256", "--depths", "0,1",
                      "--max-new-tokens", "4", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "streamingllm" in printed and "unavailable" in printed  # gemfilter is planned, not silently skipped
+    assert "streamingllm" in printed and "unavailable" in printed  # h2o is planned, not silently skipped
     data = json.loads((out / "results.json").read_text())
     summary = {s["policy"]: s for s in data["summary"]}
-    assert summary["gemfilter"]["available"] is False and "planned" in summary["gemfilter"]["reason"]
+    assert summary["h2o"]["available"] is False and "planned" in summary["h2o"]["reason"]
     assert summary["full"]["tasks"] == summary["streamingllm"]["tasks"] > 0
     # eviction is real: streamingllm stores 64 entries per layer where full stores the whole prompt
     assert summary["streamingllm"]["kv_bytes"] < summary["full"]["kv_bytes"]

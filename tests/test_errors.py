@@ -26,8 +26,8 @@ CASES = {
                                         ["unknown policy 'nope'", KNOWN]),
     "planned policy": (dict(policy="asl"),
                        ["policy 'asl' is planned but not implemented yet", KNOWN]),
-    "planned member of a composition": (dict(policy="full+gemfilter"),
-                                        ["policy 'gemfilter' is planned", KNOWN]),
+    "planned member of a composition": (dict(policy="full+h2o"),
+                                        ["policy 'h2o' is planned", KNOWN]),
     "empty policy": (dict(policy=""), ["policy must be a non-empty string", KNOWN]),
     "policy is not a string": (dict(policy=None), ["policy must be a non-empty string", "got None"]),
     # parameter values
