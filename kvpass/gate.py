@@ -278,13 +278,19 @@ class GatedGraph:
                 needed_later[a] = max(needed_later.get(a, -1), seg.index)
         for a in self.output.all_input_nodes:
             needed_later[a] = len(segs)
+        masks = {sites[c].mask for c in self.cuts if isinstance(sites[c].mask, fx.Node)}  # the runner reads them
         for seg in segs:
             outs = [n for n in seg.nodes if needed_later.get(n, -1) > seg.index]
             outs += [n for n in seg.scores.values() if n not in outs]
+            outs += [n for n in seg.nodes if n in masks and n not in outs]
             seg.outputs = outs
         # how each value that can cross a gate is carried to the shorter segments
         for n in {a for seg in segs[1:] for a in seg.inputs}:
             v = _val(n)
+            if v is None and n.op == "call_function" and n.target in _SHAPE_OF_INPUT and n.args:
+                v = _val(n.args[0])     # an op the rewrite inserted: same shape as its input
+            if v is None and n.op != "placeholder":
+                return f"'{n.name}' crosses a gate without a recorded shape; the gate cannot tell its token dims"
             if isinstance(v, torch.Tensor):
                 if any(_mentions(d, length) and not _same(d, length) for d in v.shape):
                     return f"'{n.name}' has a size derived from the prompt length ({tuple(v.shape)})"
@@ -469,6 +475,9 @@ def _take(x, sel: Tensor, dims: tuple) -> Tensor:
         idx = sel.view(shape).expand(*[x.shape[i] if i != d else n for i in range(x.dim())])
         x = x.gather(d, idx)
     return x
+
+
+_SHAPE_OF_INPUT = (torch.ops.kvpass.true_positions.default, torch.ops.kvpass.shift_positions.default)
 
 
 def _after_fix(pos: fx.Node) -> fx.Node:

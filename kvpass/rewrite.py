@@ -12,8 +12,8 @@ Per site, one of two shapes (DESIGN.md section 1):
 
 A third shape, ``overwrite`` (chunk fusion, ``kvpass.fusion``), is selected by a plan whose
 ``overwrite`` attribute is true: the ``torch.cat`` pair becomes ``cache_overwrite`` (the new tokens
-written over their slots of a merged cache, same length), attention becomes ``attention_pos`` (the
-exact causal mask by true positions), and the overwritten tensors are what the cache stores.
+written over their slots of a merged cache, same length), attention becomes ``attention_slots`` (the
+exact causal mask by true positions: slot j is position j), and the overwritten tensors are what the cache stores.
 
 Either shape reads the cache of a decode step with ``decode_attention`` (ART) instead of exact
 attention when the plan carries a ``DecodeRead`` and the site allows it (``decode_read_problem``).
@@ -150,8 +150,9 @@ def _overwrite(graph: fx.Graph, site: Site, handle: int) -> None:
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
-        att = graph.call_function(OPS.attention_pos.default, (
-            q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, site.sliding_window or 0))
+        # slot j holds position j: attention_slots is attention_pos with that known, so on CUDA one
+        # additive mask serves every head (SDPA fused kernels instead of a per-KV-head mask)
+        att = graph.call_function(OPS.attention_slots.default, (q, k_all, v_all, q_pos, scale, site.softcap))
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, k_all), (site.v, v_all)):

@@ -238,10 +238,11 @@ def test_tau_zero_never_selects():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy,layer,dynamic", [
-    ("asl_fullkv", 2, None), ("asl_fullkv", 3, True), ("fastkv", -1, None), ("asl", 1, True)])
-def test_forced_layer_matches_gathering_reference(policy, layer, dynamic):
-    model = build("llama", layers=6)
+@pytest.mark.parametrize("policy,layer,dynamic,attn", [
+    ("asl_fullkv", 2, None, "sdpa"), ("asl_fullkv", 3, True, "sdpa"), ("fastkv", -1, None, "sdpa"),
+    ("asl", 1, True, "sdpa"), ("asl", 2, None, "eager")])
+def test_forced_layer_matches_gathering_reference(policy, layer, dynamic, attn):
+    model = build("llama", layers=6, attn=attn)
     ids = prompt(40, seed=1)
     be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=WINDOW, layer=layer)
     spy = QueryShapes(be)

@@ -608,3 +608,14 @@ def test_opcheck_cache_overwrite():
             _randn((B, HKV, 3, D), gen, torch.float32), _randn((B, HKV, 3, D), gen, torch.float32),
             be.runtime.handle, SITE)
     opcheck("cache_overwrite", args)
+
+
+def test_opcheck_attention_slots():
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = _randn((B, H, 3, D), gen, torch.float32), _randn((B, HKV, 9, D), gen, torch.float32), \
+        _randn((B, HKV, 9, D), gen, torch.float32)
+    q_pos = torch.tensor([[1, 6, 8], [0, 4, 5]])
+    opcheck("attention_slots", (q, k, v, q_pos, 0.3, 0.0))
+    kv_pos = torch.arange(9).expand(B, HKV, 9)
+    torch.testing.assert_close(OPS["attention_slots"](q, k, v, q_pos, 0.3, 0.0),
+                               OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 0.0, 0))
