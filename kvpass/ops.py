@@ -74,6 +74,11 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
     order, one slot per token) instead of being appended, so ``k`` is as long as ``k_past``;
     ``kv_pos`` is every slot's position and ``q_pos`` the new tokens'. Reads the state only.
 
+``kvpass::attention_slots(q, k, v, q_pos, scale, softcap)``
+    ``attention_pos`` over a merged cache whose slot ``j`` holds position ``j`` (chunk fusion's
+    recompute graph): key ``j`` is visible to query ``i`` when ``j <= q_pos[b, i]``. On CUDA one
+    additive mask serves every head, so SDPA's fused masked kernels run it.
+
 ``kvpass::true_positions(pos, handle)``
     Replaces position ids that the model derived from the (compressed) cache length with the
     true token count, so RoPE positions stay exact after eviction.
@@ -465,6 +470,52 @@ def _(k_past, v_past, k_new, v_new, handle, site):
             k_new.new_empty((b, hkv, lp), dtype=torch.long), k_new.new_empty((b, ln), dtype=torch.long))
 
 
+
+def attention_slots_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
+                              softcap: float = 0.0) -> Tensor:
+    """Reference for ``kvpass::attention_slots``: ``attention_pos`` with slot ``j`` at position ``j``."""
+    b, hkv, lk = k.shape[:3]
+    kv_pos = torch.arange(lk, device=k.device).expand(b, hkv, lk)
+    return attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, 0)
+
+
+@torch.library.custom_op("kvpass::attention_slots", mutates_args=())
+def attention_slots(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
+    return attention_slots_reference(q, k, v, q_pos, scale, softcap)
+
+
+@attention_slots.register_fake
+def _(q, k, v, q_pos, scale, softcap):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+SLOT_MASK_ELEMENTS = 1 << 28   # mask entries one SDPA call of attention_slots materialises (one per head group)
+
+
+@attention_slots.register_kernel("cuda")
+def _attention_slots_cuda(q, k, v, q_pos, scale, softcap):
+    """One additive mask ``[B, 1, rows, L]`` shared by all heads (not one per head, as a per-KV-head
+    position mask needs) and K/V repeated to the query heads, so SDPA's fused masked kernels
+    (memory-efficient / cuDNN) serve it; GQA with a mask would otherwise fall back to the math kernel."""
+    if softcap > 0:
+        return attention_slots_reference(q, k, v, q_pos, scale, softcap)
+    b, h, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if h != hkv:
+        k = k[:, :, None].expand(b, hkv, h // hkv, lk, k.shape[-1]).reshape(b, h, lk, k.shape[-1])
+        v = v[:, :, None].expand(b, hkv, h // hkv, lk, v.shape[-1]).reshape(b, h, lk, v.shape[-1])
+    slots = torch.arange(lk, device=q.device)
+    rows = max(1, SLOT_MASK_ELEMENTS // max(1, b * lk))
+    outs = []
+    for s in range(0, lq, rows):
+        visible = slots[None, None, :] <= q_pos[:, s:s + rows, None]            # [B, rows, L]
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s:s + rows], k, v, attn_mask=bias[:, None], scale=scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.contiguous()
+
+
 OPS = {
     "attention": attention,
     "attention_pos": attention_pos,
@@ -486,4 +537,5 @@ OPS = {
     "scatter_rows": scatter_rows,
     "scatter_rows_ref": scatter_rows_ref,
     "cache_overwrite": cache_overwrite,
+    "attention_slots": attention_slots,
 }

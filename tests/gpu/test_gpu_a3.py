@@ -3,6 +3,7 @@
 * the RoPE rotation kernel equals its reference at real sizes (layers x KV heads up to 256 rows,
   16k-32k positions, head_dim 64/128, partial rotary, fp32/bf16) and through ``kvpass::rope_rotate``;
 * the scatter kernel equals its reference at real sizes and through ``kvpass::scatter_rows``;
+* ``kvpass::attention_slots`` (the recompute pass's attention) on CUDA equals its reference;
 * under ``torch.compile`` Inductor launches both kernels itself (``triton_op``);
 * ``ChunkFusion`` on CUDA with Inductor: a3 with r = 1 equals a full prefill, and a3 at r = 0.15
   on a longer request keeps the cache's shape and the store's entries on the GPU.
@@ -18,6 +19,7 @@ from transformers import DynamicCache
 import kvpass
 from families import build
 from kvpass.kernels import rope as K
+from kvpass.ops import attention_slots_reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -54,6 +56,21 @@ def test_scatter_kernel_equals_reference(m, n, k, d):
     out = K.scatter_triton(dst, idx, src)
     assert torch.equal(out, K.scatter_reference(dst, idx, src))
     assert torch.equal(torch.ops.kvpass.scatter_rows(dst, idx, src), out)
+
+
+@pytest.mark.parametrize("h,hkv,lq,lk,d", [(32, 8, 4900, 32800, 128), (32, 8, 700, 4200, 64), (8, 8, 33, 1000, 128)])
+def test_attention_slots_cuda_equals_reference(h, hkv, lq, lk, d):
+    """The recompute pass's attention: one additive mask for all heads through SDPA (fused kernels)."""
+    g = torch.Generator(device=DEV).manual_seed(lq)
+    q = torch.randn(1, h, lq, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, lk, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, hkv, lk, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    q_pos = torch.randperm(lk, device=DEV, generator=g)[:lq].sort().values[None]
+    got = torch.ops.kvpass.attention_slots(q, k, v, q_pos, d ** -0.5, 0.0)
+    rows = slice(0, min(lq, 512))        # the fp32 reference materialises [H, Lq, Lk] scores: check a slice
+    want = attention_slots_reference(q[:, :, rows], k, v, q_pos[:, rows], d ** -0.5, 0.0)
+    torch.testing.assert_close(got[:, :, rows].float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(got).all()
 
 
 def test_inductor_launches_the_kernels():
