@@ -452,6 +452,27 @@ def test_batch_rows_select_their_own_tokens():
         assert torch.equal(single.state.layer(5).pos[0, 0], rows[r])
 
 
+def test_left_padded_batch_through_generate_equals_single_runs():
+    """Padding is scored 0 and never kept over a real token; each row's continuation and kept tokens
+    equal its own run (indices shifted by its padding)."""
+    model = build("llama", layers=6)
+    long, short, pad = prompt(40, seed=4), prompt(30, seed=5), 10
+    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    runs = []
+    for ids, attn in ((batch, mask), (short, None), (long, None)):
+        torch._dynamo.reset()
+        be = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
+        m = build_like(model, "sdpa")
+        m.forward = torch.compile(m.forward, backend=be, fullgraph=True)
+        out = m.generate(ids, attention_mask=attn, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+        runs.append((out[:, ids.shape[1]:], be.state.layer(5).pos[:, 0, :BUDGET]))
+    (both, kept), (s_out, s_kept), (l_out, l_kept) = runs
+    assert both[0].tolist() == s_out[0].tolist() and both[1].tolist() == l_out[0].tolist()
+    assert kept[0].tolist() == (s_kept[0] + pad).tolist() and kept[1].tolist() == l_kept[0].tolist()
+
+
 def test_static_length_equal_to_a_model_dimension_falls_back():
     model = build("llama", layers=6)
     ids = prompt(64, seed=11)                      # 64 = hidden size: literal sizes would be ambiguous
