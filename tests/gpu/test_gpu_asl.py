@@ -79,13 +79,16 @@ def test_inductor_cuda_matches_cpu(policy, layer):
 def test_dynamic_graph_compiles_segments_once():
     model = build("llama", layers=6).to(DEV)
     be = kvpass.backend("fastkv", compiler="inductor", budget=64, window=16)
-    lengths = (160, 300, 517)
-    for n in lengths:
+    graphs = None
+    for n in (160, 300, 517):
         _run(model, prompt(n, seed=n).to(DEV), be, 2, dynamic=True)
         assert be.gate_info["length"] == n and be.gate_info["kept"] == 64
-    gated = [r.gate for r in be.reports if r.gate is not None]
-    assert len(gated) == 1 and all(s.compiled is not None for s in gated[0].segments)
-    assert not gated[0].compiled          # nothing compiled per length
+        graphs = graphs if graphs is not None else len(be.reports)
+    assert len(be.reports) == graphs      # no graph compiled for the later lengths
+    # (Inductor may restart Dynamo's analysis once while compiling, so count the last gated graph)
+    gated = [r.gate for r in be.reports if r.gate is not None][-1]
+    assert all(s.compiled is not None for s in gated.segments)
+    assert not gated.compiled             # no segment compiled per length
 
 
 def test_adaptive_rule_under_inductor():
