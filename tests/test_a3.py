@@ -174,3 +174,12 @@ def test_configuration_errors(model, tmp_path):
         kvpass.ChunkFusion(families.build("llama", seed=3), store, "pie")
     with pytest.raises(ConfigError, match="at least one chunk"):
         kvpass.ChunkFusion(model, store, "pie", compiler="eager").prepare([], [5, 6])
+
+
+def test_plain_backend_refuses_fusion_policies(model):
+    """kvpass.backend("a3") in an ordinary generation would be a full prefill under a fusion name: it
+    raises instead (the eval runner reports the policy unavailable with this reason)."""
+    fwd = torch.compile(model.forward, backend=kvpass.backend("a3", compiler="eager"), fullgraph=True)
+    with pytest.raises(ConfigError, match="kvpass.ChunkFusion"):
+        fwd(input_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=DynamicCache(config=model.config), use_cache=True)
+

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvpass.policies.base import Param, Policy, SitePlan
+from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
 
 RATIO = Param("ratio", float, 0.15, 0.0, 1.0, "share r of the document tokens recomputed")
 SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
@@ -90,7 +90,11 @@ class ChunkFusionPolicy(Policy):
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
         req = self.request
-        if req is not None and site.layer == SELECT_LAYER and kv_pos.shape[-1] == req.length:
+        if req is None:
+            raise ConfigError(f"policy '{self.name}' is a chunk-fusion policy: run requests through "
+                              f"kvpass.ChunkFusion(model, store, '{self.name}'); a plain prefill has no stored "
+                              f"chunks to fuse")
+        if site.layer == SELECT_LAYER and kv_pos.shape[-1] == req.length:
             req.scores = self.score(site, q, k, kv_pos, q_pos, req).float().reshape(-1)[: req.length]
         return None                                            # the selection pass keeps everything
 
