@@ -85,12 +85,23 @@ def main() -> None:
     ap.add_argument("--compiler", default="inductor")
     ap.add_argument("--max-tokens", type=int, default=1 << 20,
                     help="skip (batch, length) pairs with more prompt tokens than this (prefill memory)")
+    ap.add_argument("--report", action="store_true",
+                    help="only rebuild eviction.json/.md from --out's meta.json and rows.jsonl")
     args = ap.parse_args()
+    if args.report:
+        rows = [json.loads(x) for x in (args.out / "rows.jsonl").read_text().splitlines() if x.strip()]
+        write_report(rows, json.loads((args.out / "meta.json").read_text()), args.out)
+        return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tok = models.load(args.model, dtype=dtype, device=args.device)
     runner = Runner(model, tok, args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model, dtype=str(dtype),
+                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+                transformers=transformers.__version__, new_tokens=args.new_tokens, compiler=args.compiler)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "meta.json").write_text(json.dumps(meta))
     rows = []
     for spec in args.policies.split(","):
         params = {} if spec == "full" else {"budget": args.budget}
@@ -108,9 +119,17 @@ def main() -> None:
                                  ttft_s=ttft, tpot_ms=tpot * 1e3, peak_gib=None if peak is None else peak / 2**30,
                                  kv_mib=kv / 2**20, compile_s=compile_s))
                 print(json.dumps(rows[-1]), flush=True)
+                with open(args.out / "rows.jsonl", "a") as f:  # kept if a later row dies or times out
+                    f.write(json.dumps(rows[-1]) + "\n")
                 del ids
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
+    write_report(rows, meta, args.out)
+
+
+def write_report(rows: list[dict], meta: dict, out: Path) -> None:
+    """eviction.json and eviction.md from the measured rows, with ratios to ``full`` at the same
+    batch and context."""
     full = {(r["batch"], r["context"]): r for r in rows if r["policy"] == "full"}
     for r in rows:
         f = full.get((r["batch"], r["context"]))
@@ -118,14 +137,10 @@ def main() -> None:
             r["tpot_speedup_vs_full"] = f["tpot_ms"] / r["tpot_ms"]
             if r["peak_gib"] is not None:
                 r["peak_reduction_vs_full"] = 1 - r["peak_gib"] / f["peak_gib"]
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model, dtype=str(dtype),
-                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                transformers=transformers.__version__, new_tokens=args.new_tokens, compiler=args.compiler)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "eviction.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    lines = [f"# Prefill-time eviction at long context: {args.model}, {meta['device']}, {meta['date']}", "",
-             f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, {args.new_tokens} new "
-             f"tokens, {args.compiler}. TPOT = median decode step. Speedup = full's TPOT / the policy's TPOT; "
+    (out / "eviction.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    lines = [f"# Prefill-time eviction at long context: {meta['model']}, {meta['device']}, {meta['date']}", "",
+             f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, {meta['new_tokens']} new "
+             f"tokens, {meta['compiler']}. TPOT = median decode step. Speedup = full's TPOT / the policy's TPOT; "
              "reduction = 1 - peak / full's peak (same batch and context).", "",
              "| policy | budget | batch | context | TTFT s | TPOT ms | TPOT speedup | peak GiB | peak reduction | KV MiB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -135,7 +150,7 @@ def main() -> None:
         lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['batch']} | {r['context']} | {r['ttft_s']:.2f} | "
                      f"{r['tpot_ms']:.2f} | {r.get('tpot_speedup_vs_full', float('nan')):.2f} | {peak} | {red} | "
                      f"{r['kv_mib']:.1f} |")
-    (args.out / "eviction.md").write_text("\n".join(lines) + "\n")
+    (out / "eviction.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -26,7 +26,9 @@ import operator
 import torch
 from torch import fx
 
+from kvpass import ops
 from kvpass.detect import Detection, Site
+from kvpass.maskcheck import is_causal_mask
 from kvpass.policies.base import DecodeRead
 
 OPS = torch.ops.kvpass
@@ -56,6 +58,15 @@ def _erase(graph: fx.Graph, nodes) -> None:
                 graph.erase_node(n)
                 pending.remove(n)
                 progress = True
+
+
+def _model_mask(site: Site) -> tuple:
+    """The mask and causal mode an exact ``attention`` of this site uses: the causal mode in place
+    of a materialised mask that is checked to be exactly causal (``kvpass.maskcheck``), else the
+    model's own."""
+    if site.mask is not None and is_causal_mask(site.mask):
+        return None, ops.CAUSAL_BOTTOM_RIGHT
+    return site.mask, site.causal
 
 
 def _query_and_scale(graph: fx.Graph, site: Site):
@@ -103,17 +114,18 @@ def _attention_only(graph: fx.Graph, site: Site, read: DecodeRead | None, handle
         if read is not None:
             new = _decode_read(graph, site, read, handle, q, site.k, site.v, site.mask, None, None, scale, 0)
         else:
-            new = graph.call_function(OPS.attention.default, (
-                q, site.k, site.v, site.mask, scale, site.causal, site.softcap))
+            mask, causal = _model_mask(site)
+            new = graph.call_function(OPS.attention.default, (q, site.k, site.v, mask, scale, causal, site.softcap))
     site.out.replace_all_uses_with(new)
     _erase(graph, [site.out] + site.erase)
 
 
 def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
               tokens: fx.Node | None = None) -> None:
+    mask, causal = _model_mask(site)
     with graph.inserting_before(_first(graph, [site.k, site.v])):
         upd = graph.call_function(OPS.cache_update.default, (
-            site.k_past, site.v_past, site.k_new, site.v_new, site.mask, handle, site.layer))
+            site.k_past, site.v_past, site.k_new, site.v_new, mask, handle, site.layer))
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
     q, scale = _query_and_scale(graph, site)
     window = site.sliding_window or 0
@@ -124,8 +136,7 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
             # The cache held nothing: K/V are exactly the prompt and the model's own mask (causal and
             # padding) matches them. It keeps SDPA's fused kernels, where attention_pos would build an
             # [N, N] position mask per head: gigabytes at 32k-128k tokens.
-            att = graph.call_function(OPS.attention.default, (
-                q, k_all, v_all, site.mask, scale, site.causal, site.softcap))
+            att = graph.call_function(OPS.attention.default, (q, k_all, v_all, mask, scale, causal, site.softcap))
         else:
             att = graph.call_function(OPS.attention_pos.default, (
                 q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))

@@ -102,7 +102,7 @@ class Runtime:
             idx = keep.clamp_min(0)
             k_out, v_out = torch.ops.kvpass.gather_kv(k, v, idx)  # Triton compaction on CUDA
             pos = kv_pos.gather(2, idx).masked_fill(empty, -1)
-        seen = int(q_pos[0, -1]) + 1
+        seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
         st = self.state.set_layer(site, pos, seen, fresh=fresh)
         if policy_extra is not None:
             st.extra = policy_extra
@@ -124,7 +124,7 @@ class Runtime:
     def true_positions(self, pos: Tensor) -> Tensor:
         """Position ids the model derived from the stored length -> the true token count."""
         # Derived positions are arange(q_len) + stored_length in any layout ([1, q], [1, q, 1], ...).
-        first = pos.min() if pos.numel() else 0
-        if pos.numel() == 0 or int(first) == 0:
-            return pos.clone()  # a prefill: the cache was empty, derived positions are exact
-        return pos - first + self.state.seen
+        if pos.numel() == 0:
+            return pos.clone()
+        first = pos.min()  # 0 in a prefill (the cache was empty): derived positions are exact there
+        return torch.where(first == 0, pos, pos - first + self.state.seen_now())  # no device sync

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 
@@ -28,7 +27,9 @@ class LayerState:
     """What one attention site keeps between calls."""
 
     pos: Tensor                 # [B, H_kv, L_stored] true token index of each stored entry, -1 = padding
-    seen: int                   # tokens this layer has seen so far (true length)
+    # tokens this layer has seen so far (true length): a 0-d tensor on the cache's device when set by
+    # ``compact`` (reading it back there would stall the GPU once per layer and step); ``int()`` it
+    seen: int | Tensor
     extra: dict = field(default_factory=dict)
 
     @property
@@ -48,7 +49,7 @@ class GenerationState:
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)
 
-    def set_layer(self, site: int, pos: Tensor, seen: int, fresh: bool) -> LayerState:
+    def set_layer(self, site: int, pos: Tensor, seen: int | Tensor, fresh: bool) -> LayerState:
         """Record what site `site` stores after a call; `fresh` drops the policy's extra state."""
         old = self.layers.get(site)
         extra = {} if fresh or old is None else old.extra
@@ -59,7 +60,12 @@ class GenerationState:
     @property
     def seen(self) -> int:
         """True number of tokens seen (the same for every layer between forward calls)."""
-        return max((s.seen for s in self.layers.values()), default=0)
+        return max((int(s.seen) for s in self.layers.values()), default=0)
+
+    def seen_now(self) -> int | Tensor:
+        """``seen`` without a device sync (an int or a 0-d tensor), for operators: between forward
+        calls every layer holds the same count, so the first layer's is the count."""
+        return next(iter(self.layers.values())).seen if self.layers else 0
 
     @property
     def evicted_tokens(self) -> int:
@@ -67,7 +73,8 @@ class GenerationState:
         ``seen`` minus the stored entries with a true position (``pos >= 0``). Empty slots of a page
         pool (raas) and padding hold no token, so they never count as kept; left padding counts as not
         held. Derived, so replays of an operator never double count."""
-        return sum(s.pos.shape[0] * s.pos.shape[1] * s.seen - int((s.pos >= 0).sum()) for s in self.layers.values())
+        return sum(s.pos.shape[0] * s.pos.shape[1] * int(s.seen) - int((s.pos >= 0).sum())
+                   for s in self.layers.values())
 
     def stored_tokens(self) -> dict[int, int]:
         return {i: s.stored for i, s in sorted(self.layers.items())}

@@ -109,3 +109,60 @@ def test_composition_runs_and_routes_parameters():
         torch.testing.assert_close(a, b)
     assert [s["phase"] for s in be.reports[0].sites] == ["prefill", "prefill"]
     assert be.reports[-1].phase == "decode"
+
+
+def _attention_masks(be, call):
+    """Run ``call`` and return (mask, causal) of every kvpass attention op the backend compiled."""
+    graphs = []
+    inner = be._inner
+    be._inner = lambda gm, ex: (graphs.append(gm), inner(gm, ex))[1]
+    call()
+    return [(n.args[3], n.args[5]) for gm in graphs for n in gm.graph.nodes
+            if n.target is torch.ops.kvpass.attention.default]
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv"])
+def test_a_mask_built_from_shapes_alone_becomes_the_causal_mode(policy):
+    """Eager attention always gets HF's [B, 1, N, N] mask, computed from shapes only: the op runs
+    bottom-right causal instead, so the mask is never materialised; a padding mask is kept."""
+    from kvpass.ops import CAUSAL_BOTTOM_RIGHT
+    from transformers import DynamicCache
+    model = build("llama", attn="eager")
+    ids = torch.randint(3, 90, (2, 40))
+    pad = torch.ones_like(ids)
+    pad[1, :3] = 0
+    with torch.no_grad():
+        for mask_in, dropped in ((None, True), (pad, False)):
+            torch._dynamo.reset()
+            be = kvpass.backend(policy, compiler="eager", **({} if policy == "full" else dict(budget=16, window=4)))
+            fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+            kw = dict(input_ids=ids, attention_mask=mask_in, use_cache=True)
+            got = []
+            sites = _attention_masks(be, lambda: got.append(
+                fwd(**kw, past_key_values=DynamicCache(config=model.config)).logits))
+            assert sites and all((m is None and c == CAUSAL_BOTTOM_RIGHT) == dropped for m, c in sites), sites
+            want = model(**kw, past_key_values=DynamicCache(config=model.config)).logits
+            torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_mask_is_never_taken_for_causal():
+    """A sliding-window mask whose cache does not slice (DynamicCache() without the config), traced
+    dynamically at a prompt shorter than the window: it looks causal there, but the check probes
+    sizes past every constant of the mask's graph, so the mask is kept and longer prompts stay exact."""
+    from transformers import DynamicCache
+    from families import FAMILIES
+    cfg, cls = FAMILIES["mistral"]()
+    cfg.sliding_window, cfg._attn_implementation = 8, "eager"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    be = kvpass.backend("full", compiler="eager")
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
+    masks = _attention_masks(be, lambda: fwd(input_ids=torch.randint(3, 90, (1, 6)),
+                                             past_key_values=DynamicCache(), use_cache=True))
+    assert masks and all(m is not None for m, _ in masks), masks
+    with torch.no_grad():
+        for n in (6, 20):
+            ids = torch.randint(3, 90, (1, n))
+            got = fwd(input_ids=ids, past_key_values=DynamicCache(), use_cache=True).logits
+            want = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True).logits
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -91,6 +91,17 @@ class SitePlan:
         return (read or "attention op (exact)") if self.attention else "unchanged"
 
 
+def shrinking_plan(site) -> SitePlan | str:
+    """The plan of a policy that evicts from global layers: sliding-window layers are already
+    bounded and are left to the model (attention op only); eviction needs a cache that can shrink."""
+    if site.sliding_window:
+        return SitePlan(attention=True, evict=False)
+    if site.cache != "dynamic":
+        return (f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
+                f"this graph uses a {site.cache} cache")
+    return SitePlan(attention=True, evict=True)
+
+
 class Policy:
     """Base class. Subclasses set ``name``, ``params`` and override the hooks they need."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvpass.policies import scoring
-from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
+from kvpass.policies.base import ConfigError, Param, Policy, SitePlan, shrinking_plan
 
 BUDGET = Param("budget", int, 2048, 2, 1 << 24,
                "entries kept per layer and KV head after prefill, observation window included")
@@ -42,12 +42,7 @@ class PrefillEviction(Policy):
                               f"budget or a smaller window")
 
     def plan(self, site) -> SitePlan | str:
-        if site.sliding_window:
-            return SitePlan(attention=True, evict=False)
-        if site.cache != "dynamic":
-            return (f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
-                    f"this graph uses a {site.cache} cache")
-        return SitePlan(attention=True, evict=True)
+        return shrinking_plan(site)
 
     def layer_budget(self, site) -> int:
         """Entries this site keeps after a prefill longer than it."""

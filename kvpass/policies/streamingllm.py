@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
+from kvpass.policies.base import ConfigError, Param, Policy, SitePlan, shrinking_plan
 
 
 class StreamingLLM(Policy):
@@ -33,12 +33,7 @@ class StreamingLLM(Policy):
                                                      if self.sinks == 4 else ""))
 
     def plan(self, site) -> SitePlan | str:
-        if site.sliding_window:
-            return SitePlan(attention=True, evict=False)
-        if site.cache != "dynamic":
-            return (f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
-                    f"this graph uses a {site.cache} cache")
-        return SitePlan(attention=True, evict=True)
+        return shrinking_plan(site)
 
     def stored_length(self, site, total):
         return torch.sym_min(total, self.budget)

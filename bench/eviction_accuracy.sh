@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 5's accuracy comparison: SmolLM2-135M, NIAH + RULER-style at 1k/2k/4k, every prefill-eviction
+# policy at budgets 64, 96, 128, 256 and 1024, plus `full` -- one `kvpass compare` per budget, all
+# started at once on one GPU (a 135M model under the eager compiler is launch-bound, so the
+# processes overlap; on a 2-core CPU the same sweep takes hours). Usage:
+#   bash bench/eviction_accuracy.sh OUT_DIR        (writes OUT_DIR/<budget>/results.{json,csv} and logs)
+set -u
+out=${1:?output folder}
+mkdir -p "$out"
+common="--model smollm2-135m --device cuda --task niah,ruler --lengths 1k,2k,4k --depths 0,0.5,1 --compiler eager"
+python -m kvpass.cli compare $common --policies full --out "$out/full" > "$out/full.log" 2>&1 &
+for b in 64 96 128 256 1024; do
+  python -m kvpass.cli compare $common --budget $b --policies streamingllm,snapkv,pyramidkv,chunkkv,sablock \
+    --out "$out/b$b" > "$out/b$b.log" 2>&1 &
+done
+wait
+tail -n 3 "$out"/*.log
