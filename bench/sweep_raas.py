@@ -9,9 +9,13 @@ Configurations: ``--policies`` at every ``--budgets`` (alpha at its default), th
 ``--alpha-budget`` for every ``--alphas``. Results are written after every configuration
 (``results.json``, ``summary.md``), so a partial run is usable.
 
-    python bench/sweep_raas.py --model smollm2-135m --length 1024 --new-tokens 256 --seeds 0 \\
+    # the committed CPU run (rows split over processes with --configs, merged afterwards)
+    python bench/sweep_raas.py --length 512 --new-tokens 256 --seeds 0 --budgets 64 \\
+        --alphas 0.005,0.01,0.02,0.05,0.1 --alpha-budget 64 --out bench/results/raas_sweep_smollm2_cpu
+    # the issue's grid on a GPU (bf16, Inductor)
+    python bench/sweep_raas.py --device cuda --length 1024 --new-tokens 1024 --seeds 0,1,2 \\
         --budgets 128,256,512,1024 --alphas 0.005,0.01,0.02,0.05,0.1 --alpha-budget 128 \\
-        --out bench/results/raas_sweep_smollm2_cpu
+        --out bench/results/raas_sweep_smollm2_gpu
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from kvpass.tasks import long_decode
 
 
 def configs(args) -> list[tuple[str, dict]]:
+    if args.configs:  # explicit policy@budget list, alpha at its default
+        return [(c.split("@")[0], {"budget": int(c.split("@")[1])}) for c in args.configs.split(",")]
     out = []
     # the alpha sweep first (the default's choice depends on it), then the policies by budget
     default_alpha = next(p.default for p in POLICIES["raas"].params if p.name == "alpha")
@@ -85,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="128,256,512,1024")
     ap.add_argument("--alphas", default="0.005,0.01,0.02,0.05,0.1")
     ap.add_argument("--alpha-budget", type=int, default=128)
+    ap.add_argument("--configs", default="", help="instead of the grid: policy@budget,... (e.g. quest@64)")
     ap.add_argument("--nice", action="store_true", help="one CPU thread (a shared machine)")
     ap.add_argument("--compiler", default=None)
     ap.add_argument("--out", type=Path, required=True)
