@@ -172,7 +172,9 @@ def _build(root: fx.GraphModule, seg: Segment, subst: tuple | None = None) -> fx
 
     for node in seg.nodes:
         new = g.node_copy(node, lambda x: env[x])
-        if subst is not None:
+        # kvpass ops take no length literal (lengths come from their tensors); their ints are the
+        # runtime handle, the layer and constants, which may equal L by chance and must stay
+        if subst is not None and getattr(node.target, "namespace", None) != "kvpass":
             new.args, new.kwargs = swap(new.args), swap(new.kwargs)
         env[node] = new
     g.output(tuple(env[x] for x in seg.outputs))

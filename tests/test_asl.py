@@ -499,3 +499,28 @@ def test_config_errors():
     assert make_policy("gemfilter").gate_layers(32) == ([13], [13])
     assert make_policy("fastkv").gate_layers(24) == ([12], [12])
     assert make_policy("asl").gate_layers(30) == (list(range(3, 29)), list(range(10, 29)))
+
+
+def test_short_segments_keep_kvpass_constants_that_equal_the_length(monkeypatch):
+    """A static graph's short segments replace the literal prompt length L by n. A kvpass op's
+    runtime handle (or layer) that happens to equal L must stay as it is: it was swapped to n, which
+    made the first prefill fail with "no runtime with handle n" whenever a worker had created
+    exactly L backends before (an order-dependent CI failure)."""
+    import itertools
+
+    from kvpass import runtime
+    length = next(n for n in range(40, 200) if n not in runtime._RUNTIMES)
+    model = build("llama", layers=4)
+    ids = prompt(length, seed=3)
+    outs = []
+    for handles in (itertools.count(length), None):   # the handle equal to L, then an ordinary one
+        if handles is not None:
+            monkeypatch.setattr(runtime, "_NEXT", handles)
+        be = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
+        assert (be.runtime.handle == length) == (handles is not None)
+        monkeypatch.undo()
+        torch._dynamo.reset()
+        outs.append(run(model, ids, be, steps=1)[0])
+        assert be.gate_info["kept"] == BUDGET
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
