@@ -18,30 +18,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache
 
 import kvpass
-from families import build
 from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.quest import PAGE, extend_bounds
 from kvpass.state import LayerState
+from test_raas import decode  # greedy bare-forward decode through a kvpass backend
 
 SITE = SimpleNamespace(layer=0, phase="decode", sliding_window=None, cache="dynamic")
-
-
-def decode(policy: str, ids: torch.Tensor, steps: int, dynamic=None, **params):
-    model = build("llama", "sdpa")
-    be = kvpass.backend(policy, compiler="eager", **params)
-    fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic)
-    cache = DynamicCache(config=model.config)
-    logits = []
-    with torch.no_grad():
-        lg = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
-        logits.append(lg)
-        for _ in range(steps):
-            lg = fwd(input_ids=lg.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
-            logits.append(lg)
-    return torch.stack(logits), be, cache
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
