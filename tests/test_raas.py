@@ -151,7 +151,7 @@ def test_pages_invariants(seed, n, steps, budget, alpha, b):
     for (prev, extra, stored, pos), q in zip(drive(pol, torch.randn(b, hkv, n, d, generator=gen), qs, ks), qs):
         n_pre = extra["n_pre"]
         ub, ts = PS.page_scores_reference(q[:, :, 0], prev["kmin"], prev["kmax"], prev["live"], prev["ts"],
-                                          alpha, extra["seen"])
+                                          alpha, int(extra["seen"]))
         full = prev["fill"] == 16 and bool(prev["live"][:, :, n_pre:].all())
         assert bool((extra["evicted"] >= 0).all()) == full and bool((extra["evicted"] >= 0).any()) == full
         if full:

@@ -40,6 +40,7 @@ import torch
 from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
 
 PAGE = 16
+_STAMP = -2  # page_scores writes this where a page passes alpha; replaced by the token count on the device
 
 
 class RaaS(Policy):
@@ -80,16 +81,19 @@ class RaaS(Policy):
         return total - 1  # decode: the new token goes into a slot of the pool
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
-        now = int(q_pos[0, -1]) + 1
+        now = q_pos[0, -1] + 1  # tokens seen, a 0-d device tensor: int() would sync the GPU per layer and step
         if kv_pos.shape[-1] == q_pos.shape[1]:
             return self._prefill(k, kv_pos, now)
         extra = layer_state.extra if layer_state is not None else {}
-        if extra.get("seen") == now:  # a replay of the same call: start again from the state before it
-            extra = extra["base"]
         if "live" not in extra or extra["slots"] != k.shape[2] - 1:
             raise RuntimeError("policy 'raas': a decode step found no page table for its cache (the cache "
                                "was not filled by a raas prefill with this backend)")
-        return self._decode(q, k, extra, now)
+        # A replay of the same call (the operator run again on the same inputs) starts again from the
+        # state before it. The choice is made on the device, so no step waits for the GPU.
+        replay = extra["seen"] == now
+        st = {key: torch.where(replay, extra["base"][key], val) if torch.is_tensor(val) else val
+              for key, val in extra.items() if key != "base"}
+        return self._decode(q, k, st, now)
 
     # -- prefill ----------------------------------------------------------------------------------
     def _prefill(self, k, kv_pos, now):
@@ -114,47 +118,48 @@ class RaaS(Policy):
         ts[:, :, :n_pre] = now
         born = torch.arange(pages, device=dev).expand(b, hkv, pages).clone()
         born[:, :, n_pre:] = -1
-        extra = dict(slots=slots, n_pre=n_pre, fill=PAGE, cur=torch.full((b, hkv), -1, device=dev),
-                     live=live, ts=ts, born=born, kmin=kmin, kmax=kmax, seen=now,
-                     evicted=torch.full((b, hkv), -1, device=dev))
+        extra = dict(slots=slots, n_pre=n_pre, fill=torch.tensor(PAGE, device=dev),
+                     cur=torch.full((b, hkv), -1, device=dev), live=live, ts=ts, born=born, kmin=kmin,
+                     kmax=kmax, seen=now, evicted=torch.full((b, hkv), -1, device=dev))
+        extra["base"] = dict(extra)
         return keep, extra
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, q, k, st, now):
+        """One token into the pool, without a branch on device values: both cases of "room in the
+        current page" and "take a page (evicting the oldest full one when none is free)" are
+        computed as selections, so a step never reads a value back from the GPU."""
         b, hkv, total, d = k.shape
         slots, n_pre = st["slots"], st["n_pre"]
         dev = k.device
         _, ts = torch.ops.kvpass.page_scores(q[:, :, -1], st["kmin"], st["kmax"], st["live"], st["ts"],
-                                             self.alpha, now)
-        live, born = st["live"].clone(), st["born"].clone()
-        kmin, kmax = st["kmin"].clone(), st["kmax"].clone()
-        knew = k[:, :, -1].float()
-        cur, fill = st["cur"].clone(), st["fill"]
-        evicted = torch.full((b, hkv), -1, device=dev)
+                                             self.alpha, _STAMP)
+        ts = torch.where(ts == _STAMP, now, ts)  # the operator marks the pages to stamp; `now` stays on the device
+        live, born, kmin, kmax = st["live"], st["born"], st["kmin"], st["kmax"]
+        knew = k[:, :, -1:].float()  # [B, H_kv, 1, D]
+        new_page = st["fill"] >= PAGE  # the current decode page is full (or none was taken yet)
+        # the victim: the full decode page with the oldest timestamp, then the earliest allocated
+        dec_live = live[:, :, n_pre:]
+        evict = new_page & dec_live.all(-1)  # [B, H_kv]: no free decode page left
+        key = torch.where(dec_live, ts[:, :, n_pre:] * (1 << 32) + born[:, :, n_pre:], torch.iinfo(torch.long).max)
+        victim = key.argmin(-1, keepdim=True) + n_pre
+        live = live.scatter(2, victim, live.gather(2, victim) & ~evict[..., None])
+        evicted = torch.where(evict, victim[..., 0], -1)
+        # the page the new token goes to: the lowest free decode page, or the current one
+        cur = torch.where(new_page, (~live[:, :, n_pre:]).long().argmax(-1) + n_pre, st["cur"])
+        c = cur[..., None]
+        live = live.scatter(2, c, True)
+        ts = ts.scatter(2, c, torch.where(new_page, now, ts.gather(2, c)))
+        born = born.scatter(2, c, torch.where(new_page, now, born.gather(2, c)))
+        cd = c[..., None].expand(b, hkv, 1, d)
+        kmin = kmin.scatter(2, cd, torch.where(new_page, knew, torch.minimum(kmin.gather(2, cd), knew)))
+        kmax = kmax.scatter(2, cd, torch.where(new_page, knew, torch.maximum(kmax.gather(2, cd), knew)))
         keep = torch.arange(slots, device=dev).expand(b, hkv, slots).clone()
-        rows = torch.arange(b, device=dev)[:, None], torch.arange(hkv, device=dev)[None, :]
-        if fill < PAGE:  # room in the current decode page
-            kmin[rows + (cur,)] = torch.minimum(kmin[rows + (cur,)], knew)
-            kmax[rows + (cur,)] = torch.maximum(kmax[rows + (cur,)], knew)
-            fill += 1
-        else:  # take a page from the free list, evicting the oldest full decode page when none is free
-            dec_live = live[:, :, n_pre:]
-            if bool(dec_live.all()):
-                key = torch.where(dec_live, ts[:, :, n_pre:] * (1 << 32) + born[:, :, n_pre:],
-                                  torch.iinfo(torch.long).max)
-                evicted = key.argmin(-1) + n_pre
-                live[rows + (evicted,)] = False
-            cur = (~live[:, :, n_pre:]).long().argmax(-1) + n_pre  # lowest free decode page
-            live[rows + (cur,)] = True
-            ts[rows + (cur,)] = now
-            born[rows + (cur,)] = now
-            kmin[rows + (cur,)] = knew
-            kmax[rows + (cur,)] = knew
-            page_slots = cur[..., None] * PAGE + torch.arange(PAGE, device=dev)
-            keep.scatter_(2, page_slots, -1)  # the page's old entries (evicted, or none) leave the pool
-            fill = 1
-        keep.scatter_(2, (cur * PAGE + fill - 1)[..., None], total - 1)  # the new token's slot
+        page_slots = c * PAGE + torch.arange(PAGE, device=dev)
+        keep.scatter_(2, page_slots, torch.where(new_page, -1, page_slots))  # a new page's old entries leave
+        fill = torch.where(new_page, 1, st["fill"] + 1)
+        keep.scatter_(2, c * PAGE + fill - 1, total - 1)  # the new token's slot
         extra = dict(st, fill=fill, cur=cur, live=live, ts=ts, born=born, kmin=kmin, kmax=kmax, seen=now,
-                     evicted=evicted, base=st)
-        extra["base"] = {key: val for key, val in st.items() if key != "base"}
+                     evicted=evicted)
+        extra["base"] = st
         return keep, extra
