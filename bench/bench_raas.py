@@ -104,7 +104,8 @@ def reset_peak() -> None:
 
 
 @torch.no_grad()
-def run_policy(model, policy: str, params: dict, prompt: torch.Tensor, steps: int, every: int, log) -> dict:
+def run_policy(model, policy: str, params: dict, prompt: torch.Tensor, steps: int, every: int, log,
+               deadline: float = float("inf")) -> dict:
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler="inductor" if CUDA else "eager", **params)
     fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
@@ -152,6 +153,9 @@ def run_policy(model, policy: str, params: dict, prompt: torch.Tensor, steps: in
                 r = records[-1]
                 log(f"{policy} step {i}: KV {r['kv_bytes'] / 2**20:.1f} MiB, allocated {r['allocated'] / 2**20:.1f} "
                     f"MiB, TPOT {r['tpot_mean'] * 1e3:.2f} ms")
+            if time.time() > deadline:  # keep what was measured; the summary states the steps reached
+                log(f"{policy}: --deadline reached at step {i} of {steps}")
+                break
     return dict(policy=policy, params=params, compile_s=compile_s, ttft_s=ttft, records=records)
 
 
@@ -277,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="keep other policies' records already in --out")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (no memory statistics)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--deadline", type=float, default=float("inf"),
+                    help="a Unix time after which decoding stops at the next record and the results are written")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not CUDA:
         raise SystemExit("bench_raas.py measures GPU memory and needs CUDA")
@@ -299,7 +305,7 @@ def main(argv=None) -> int:
 
     for policy in [p for p in args.policies.split(",") if p] if args.steps else []:
         params = {} if policy == "full" else {"budget": args.budget}
-        runs[policy] = run_policy(model, policy, params, prompt, args.steps, args.every, log)
+        runs[policy] = run_policy(model, policy, params, prompt, args.steps, args.every, log, args.deadline)
         path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     order = {p: i for i, p in enumerate(("full", "quest", "raas"))}
     runs = dict(sorted(runs.items(), key=lambda kv: order.get(kv[0], 9)))
