@@ -8,6 +8,8 @@ The whole pipeline is ``KVPass.__call__`` below; the pieces live in ``detect``, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import inspect
 import warnings
@@ -55,6 +57,7 @@ class GraphReport:
     problems: list[str]
     rewritten: int = 0
     evicting: list[int] = field(default_factory=list)
+    appending: list[int] = field(default_factory=list)  # sites left to the model's cache update (SitePlan.append)
     positions_fixed: list[str] = field(default_factory=list)
     gate: object = None      # kvpass.gate.GatedGraph: the prefill runs split at the gates (ASL, FastKV)
 
@@ -99,6 +102,8 @@ class KVPass(CustomGraphPass):
                 if isinstance(plan, str):
                     problems.append(f"policy '{self.policy.name}': {plan}")
                     break
+                if plan.evict and phase in ("decode", "append") and self.policy.decode_appends:
+                    plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
                 plans[site.layer] = plan
                 self.runtime.sites[site.layer] = site
         report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
@@ -115,6 +120,7 @@ class KVPass(CustomGraphPass):
         summary = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
         report.rewritten = summary["rewritten"]
         report.evicting = summary["evicting"]
+        report.appending = summary["appending"]
         report.positions_fixed = summary["positions_fixed"]
         if getattr(self.policy, "renumber", False) and phase != "prefill":
             report.positions_fixed += _gate.shift_passed_positions(gm, found.sites, self.runtime.handle)

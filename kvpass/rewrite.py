@@ -209,20 +209,27 @@ def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]
 def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
     """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
     graph = gm.graph
-    evicting = []
+    evicting, appending = [], []
     for site in found.sites:
         plan = plans[site.layer]
         read = plan.read
         if getattr(plan, "overwrite", False):
             _overwrite(graph, site, handle)
-        elif plan.evict:
+        elif plan.evict or (plan.append and _model_mask(site)[0] is not None):
+            # (an appending site whose mask is not plain causal keeps the exact path: a padding mask is
+            # sized by true lengths, not by what the shrunk cache stores)
             _evicting(graph, site, read, handle, site.tokens if plan.tokens else None)
             evicting.append(site)
+        elif plan.append:
+            _attention_only(graph, site, read, handle)
+            appending.append(site)
         elif plan.attention:
             _attention_only(graph, site, read, handle)
-    # One eviction anywhere shortens the length the model derives positions from: fix them all.
-    fixed = _fix_positions(graph, found.sites, handle) if evicting else []
+    # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
+    # model derives positions from: fix them all.
+    fixed = _fix_positions(graph, found.sites, handle) if evicting or appending else []
     graph.lint()
     gm.recompile()
     return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict or getattr(p, "overwrite", False)),
-            "evicting": [s.layer for s in evicting], "positions_fixed": fixed}
+            "evicting": [s.layer for s in evicting], "appending": [s.layer for s in appending],
+            "positions_fixed": fixed}

@@ -73,8 +73,12 @@ class Runtime:
         lp = past_length(k_past)
         dev = k_new.device
         st = self.state.layer(site)
-        if lp > 0 and st is not None and tuple(st.pos.shape) == (b, hkv, lp):
+        if lp > 0 and st is not None and tuple(st.pos.shape[:2]) == (b, hkv) and st.pos.shape[2] <= lp:
             past_pos, seen, valid = st.pos.to(dev), st.seen, None
+            extra = lp - st.pos.shape[2]
+            if extra:  # entries an appending graph added after the last record: the latest tokens, in order
+                past_pos = torch.cat([past_pos, (seen + torch.arange(extra, device=dev)).expand(b, hkv, extra)], -1)
+                seen = seen + extra
         else:  # a new prefill, or a cache kvpass did not write: entries are the tokens 0..lp-1
             past_pos = torch.arange(lp, device=dev).expand(b, hkv, lp)
             seen, valid = lp, key_validity(mask, b, lp + ln)
@@ -127,4 +131,12 @@ class Runtime:
         if pos.numel() == 0:
             return pos.clone()
         first = pos.min()  # 0 in a prefill (the cache was empty): derived positions are exact there
-        return torch.where(first == 0, pos, pos - first + self.state.seen_now())  # no device sync
+        st = self.state
+        if st.anchor_at != st.records:
+            # A layer recorded its count since the last call: the distance between true and derived
+            # positions is taken there. Graphs that only append (SitePlan.append) record nothing, and
+            # add as many tokens to the stored length as to the true count, so the distance holds.
+            st.offset, st.anchor_at = st.seen_now() - first, st.records
+        true = torch.where(first == 0, pos, pos + st.offset)  # no device sync
+        st.tail = true.max() + 1
+        return true

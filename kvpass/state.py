@@ -45,6 +45,14 @@ class GenerationState:
         # chunk fusion (kvpass.fusion): true positions [n] of the tokens of the current call, which
         # kvpass::cache_overwrite writes over a merged cache (slot == position); None otherwise
         self.fusion: Tensor | None = None
+        # kvpass::true_positions: ``records`` counts set_layer calls; ``offset`` (true minus derived
+        # position) was taken when ``records`` was ``anchor_at``; ``tail`` is the true count after the
+        # tokens of the last call (a 0-d tensor). Graphs that only append record no layer, so ``tail``
+        # is how far the cache got past the layers' records.
+        self.records = 0
+        self.anchor_at = -1
+        self.offset: int | Tensor = 0
+        self.tail: Tensor | None = None
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)
@@ -55,12 +63,17 @@ class GenerationState:
         extra = {} if fresh or old is None else old.extra
         st = LayerState(pos=pos, seen=seen, extra=extra)
         self.layers[site] = st
+        self.records += 1
         return st
+
+    def appended(self, s: LayerState) -> int:
+        """Tokens appended to a layer's cache after its last record (by a graph that only appends)."""
+        return max(0, int(self.tail) - int(s.seen)) if self.tail is not None else 0
 
     @property
     def seen(self) -> int:
         """True number of tokens seen (the same for every layer between forward calls)."""
-        return max((int(s.seen) for s in self.layers.values()), default=0)
+        return max((int(s.seen) + self.appended(s) for s in self.layers.values()), default=0)
 
     def seen_now(self) -> int | Tensor:
         """``seen`` without a device sync (an int or a 0-d tensor), for operators: between forward
@@ -70,17 +83,19 @@ class GenerationState:
     @property
     def evicted_tokens(self) -> int:
         """Tokens seen that the cache no longer holds, summed over layers, KV heads and batch rows:
-        ``seen`` minus the stored entries with a true position (``pos >= 0``). Empty slots of a page
+        ``seen`` minus the stored entries with a true position (``pos >= 0``); tokens appended since a
+        layer's record are both seen and held, so they do not count. Empty slots of a page
         pool (raas) and padding hold no token, so they never count as kept; left padding counts as not
         held. Derived, so replays of an operator never double count."""
         return sum(s.pos.shape[0] * s.pos.shape[1] * int(s.seen) - int((s.pos >= 0).sum())
                    for s in self.layers.values())
 
     def stored_tokens(self) -> dict[int, int]:
-        return {i: s.stored for i, s in sorted(self.layers.items())}
+        return {i: s.stored + self.appended(s) for i, s in sorted(self.layers.items())}
 
     def reset(self) -> None:
         self.layers.clear()
+        self.anchor_at, self.offset, self.tail = -1, 0, None
 
     def __repr__(self) -> str:
         return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "

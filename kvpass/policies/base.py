@@ -80,6 +80,9 @@ class SitePlan:
     evict: bool = False      # rewrite the cache update so the policy decides what is stored
     read: DecodeRead | None = None  # decode steps read the cache with ART decode attention
     tokens: bool = False     # compact receives the call's input token ids (select(..., tokens=...))
+    # the graph only appends to a cache the policy already shrank: the model updates its own cache and
+    # only positions are fixed (no per-layer kvpass operator); a site with a padding mask still evicts
+    append: bool = False
 
     def describe(self) -> str:
         r = self.read
@@ -88,6 +91,8 @@ class SitePlan:
                 if r is not None else None)
         if self.evict:
             return f"evict: cache_update + {read or 'attention_pos'} + compact"
+        if self.append:
+            return f"append: the model's cache update + {read or 'attention op'}, true positions"
         return (read or "attention op (exact)") if self.attention else "unchanged"
 
 
@@ -108,6 +113,9 @@ class Policy:
     name: ClassVar[str] = "?"
     params: ClassVar[tuple[Param, ...]] = ()
     evicts: ClassVar[bool] = False
+    # after its prefill the policy never evicts: decode and append graphs only add entries, so they
+    # keep the model's own cache update (see SitePlan.append)
+    decode_appends: ClassVar[bool] = False
     summary: ClassVar[str] = ""
 
     def __init__(self, **values: Any) -> None:

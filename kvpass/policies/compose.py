@@ -32,6 +32,10 @@ class Composed(Policy):
         return self.evictor is not None
 
     @property
+    def decode_appends(self) -> bool:  # type: ignore[override]
+        return self.evictor is not None and self.evictor.decode_appends
+
+    @property
     def name(self) -> str:  # type: ignore[override]
         return "+".join(m.name for m in self.members)
 

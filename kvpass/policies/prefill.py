@@ -33,6 +33,7 @@ class PrefillEviction(Policy):
     """Base class: budget/window checks, planning, the shape contract and the selection frame."""
 
     evicts = True
+    decode_appends = True  # stored_length is the total outside the prefill
     params = (BUDGET, WINDOW)
 
     def check_config(self) -> None:
