@@ -72,10 +72,23 @@ def timed_decode(fwd, model, ids: torch.Tensor, new_tokens: int):
     return ttft, tpot, peak, cache_bytes(cache), len(out) + 1
 
 
+def skeleton_model(folder: Path, dtype, device):
+    """The architecture and tokenizer of a converted model, with random weights."""
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval(), tok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results/eviction"))
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--skeleton", type=Path, default=None,
+                    help="a folder with the model's config and tokenizer but no weights: the model is built "
+                         "with random weights (timings do not depend on them; which tokens are kept does)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="32768,65536,131072")
     ap.add_argument("--batches", default="1", help="comma-separated batch sizes (rows repeat the prompt)")
@@ -93,7 +106,11 @@ def main() -> None:
         write_report(rows, json.loads((args.out / "meta.json").read_text()), args.out)
         return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model, tok = models.load(args.model, dtype=dtype, device=args.device)
+    if args.skeleton is not None:
+        model, tok = skeleton_model(args.skeleton, dtype, args.device)
+        args.model = f"{args.skeleton.name} (random weights)"
+    else:
+        model, tok = models.load(args.model, dtype=dtype, device=args.device)
     runner = Runner(model, tok, args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
