@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 
@@ -69,6 +70,17 @@ class GenerationState:
     def appended(self, s: LayerState) -> int:
         """Tokens appended to a layer's cache after its last record (by a graph that only appends)."""
         return max(0, int(self.tail) - int(s.seen)) if self.tail is not None else 0
+
+    def positions(self, site: int) -> Tensor:
+        """True token index of every entry a layer's cache holds now: its record plus the tokens
+        appended after it (the latest ones, in order)."""
+        s = self.layers[site]
+        n = self.appended(s)
+        if not n:
+            return s.pos
+        b, h, _ = s.pos.shape
+        tail = (s.seen + torch.arange(n, device=s.pos.device)).expand(b, h, n)
+        return torch.cat([s.pos, tail], -1)
 
     @property
     def seen(self) -> int:

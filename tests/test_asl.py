@@ -252,7 +252,7 @@ def test_forced_layer_matches_gathering_reference(policy, layer, dynamic, attn):
     # the deeper layers really computed BUDGET tokens: one query shape per layer of the prefill
     assert [s[2] for s in spy.shapes] == [40] * (gate + 1) + [BUDGET] * (5 - gate)
     sel = select_naive(window_votes(model, ids, gate), BUDGET, WINDOW, KERNEL)
-    kept = {i: be.state.layer(i).pos[0, :, :-4].clone() for i in range(6)}
+    kept = {i: be.state.positions(i)[0, :, :-4].clone() for i in range(6)}
     for i in range(gate + 1, 6):
         assert kept[i].tolist() == [sel] * 2, f"layer {i}"
         assert cache.layers[i].keys.shape[-2] == BUDGET + 4
@@ -276,7 +276,7 @@ def test_generate_after_gate():
     tokens = out[0, 40:].tolist()
     assert be.gate_info["selection_layer"] == 2
     sel = select_naive(window_votes(model, ids, 2), BUDGET, WINDOW, KERNEL)
-    kept = {i: be.state.layer(i).pos[0, :, :-5].clone() for i in range(6)}
+    kept = {i: be.state.positions(i)[0, :, :-5].clone() for i in range(6)}
     ref = gathered_reference(model, ids, 2, sel, kept, tokens)
     assert [int(x.argmax()) for x in ref[:-1]] == tokens
 

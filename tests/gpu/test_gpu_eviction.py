@@ -129,6 +129,6 @@ def test_policy_on_gpu_matches_hand_eviction(policy):
     for i, keep in budgets.items():
         got = torch.tensor(want[i], device=DEV)
         assert torch.isin(kept[i].flatten(1), got.flatten(1)).float().mean() > 0.97, f"layer {i}"
-        assert be.state.layer(i).stored == keep + steps - 1
+        assert be.state.stored_tokens()[i] == keep + steps - 1  # decode appended steps - 1 tokens
     ref = hand_evicted_decode(model, ids, kept, tokens)
     assert [int(x.argmax()) for x in ref[:-1]] == tokens

@@ -92,7 +92,9 @@ def test_block_map_kernel_equals_reference(b, h, hkv, length, d, split):
     assert torch.equal(vis, vref) and int(vis[0, 0]) == 40
     op, _ = torch.ops.kvpass.decode_attention(q, k, v, None, None, None, None, None, bmap, d ** -0.5, 0.0, 0,
                                               0.0, 0.0, 5, 16, 2, 0, 0)
-    torch.testing.assert_close(op, out)
+    torch.testing.assert_close(op.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    if split is None:  # the same automatic split choice as the operator's: the same kernel launch
+        torch.testing.assert_close(op, out)
 
 
 def test_quest_budget_above_length_equals_full():
