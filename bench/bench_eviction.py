@@ -159,6 +159,7 @@ def write_report(rows: list[dict], meta: dict, out: Path) -> None:
              f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, {meta['new_tokens']} new "
              f"tokens, {meta['compiler']}. TPOT = median decode step. Speedup = full's TPOT / the policy's TPOT; "
              "reduction = 1 - peak / full's peak (same batch and context).", "",
+             *([meta["note"], ""] if meta.get("note") else []),
              "| policy | budget | batch | context | TTFT s | TPOT ms | TPOT speedup | peak GiB | peak reduction | KV MiB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

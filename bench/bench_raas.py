@@ -205,7 +205,11 @@ def analyse(runs: dict, budget: int) -> dict:
 
 def write_summary(out: Path, meta: dict, runs: dict, stats: dict) -> None:
     mib = 2 ** 20
+    reached = {p: r["records"][-1]["step"] for p, r in runs.items() if r["records"]}
+    short = {p: n for p, n in reached.items() if n < (meta["steps"] or 0)}
     lines = [f"# RaaS memory and TPOT over {meta['steps']} decode steps ({meta['device_name']})", "",
+             *([f"**Stopped early** (--deadline): steps reached " + ", ".join(f"{p} {n}" for p, n in short.items())
+                + ". " + meta.get("note", ""), ""] if short else []),
              f"Model: Llama architecture, random weights, preset `{meta['preset']}` ({meta['layers']} layers, "
              f"{meta['kv_heads']} KV heads x head_dim {meta['head_dim']}, {meta['dtype']}); prompt "
              f"{meta['prompt']} tokens; batch 1; budget {meta['budget']}; torch {meta['torch']}, transformers "
