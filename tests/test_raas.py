@@ -182,6 +182,36 @@ def test_kernel_equals_reference(b, h, hkv, pages, d):
     assert torch.equal(ts_k, ts_ref) and bool((ts_ref == 99).any())
 
 
+def test_compiled_step_equals_eager():
+    """The decode step that CUDA runs compiled by Inductor equals the eager one (which CPU runs), step by
+    step through page allocation and eviction, and also on a replayed call."""
+    from kvpass.policies import raas
+
+    pol = make_policy("raas", budget=16, alpha=0.05)
+    gen = torch.Generator().manual_seed(0)
+    b, hkv, h, d, n = 2, 2, 4, 8, 20
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    pos = torch.arange(n).expand(b, hkv, n)
+    _, extra = pol.select(SITE, torch.randn(b, h, n, d, generator=gen), k, k, pos, torch.arange(n).expand(b, n), None)
+    compiled = raas._compiled_step()
+    evictions = 0
+    for i in range(40):
+        now = torch.tensor(n + i + 1)
+        args = (torch.randn(b, h, d, generator=gen), torch.randn(b, hkv, 1, d, generator=gen), now, pol.alpha,
+                extra["n_pre"], extra["slots"], extra["seen"], [extra[key] for key in raas.STATE],
+                [extra["base"][key] for key in raas.STATE])
+        want, got = raas._step(*args), compiled(*args)
+        assert torch.equal(want[0], got[0]), f"keep, step {i}"
+        for name, w, g in zip(raas.STATE, want[1] + want[2], got[1] + got[2]):
+            assert torch.equal(w, g.to(w.dtype)), f"{name}, step {i}"
+        if i == 30:  # the same call again: it starts from the state before it, so it gives the same result
+            again = raas._step(*args[:6], now, want[1], want[2])
+            assert all(torch.equal(x, y) for x, y in zip(again[1], want[1]))
+        evictions += int((want[1][-1] >= 0).sum())
+        extra = dict(extra, **dict(zip(raas.STATE, want[1])), seen=now, base=dict(zip(raas.STATE, want[2])))
+    assert evictions > 0 and raas._COMPILED is not raas._step  # evicted, and Inductor built the step
+
+
 def test_configuration_errors():
     with pytest.raises(ConfigError, match="'budget' must be a multiple of 16"):
         make_policy("raas", budget=40)
