@@ -123,7 +123,36 @@ def test_bare_forward_matches_hand_eviction(family, policy, dynamic):
     for i, keep in budgets.items():
         assert cache.layers[i].keys.shape[-2] == keep + len(tokens)      # decode steps append
     assert be.state.seen == ids.shape[1] + len(tokens)
-    assert all(r.positions_fixed for r in be.reports if r.evicting) or family == "gemma3"
+    assert all(r.positions_fixed for r in be.reports if r.evicting or r.appending) or family == "gemma3"
+    assert any(r.appending for r in be.reports) or family == "gemma3"  # decode kept the model's cache update
+
+
+def test_appending_then_exact_steps_keep_positions():
+    """Decode steps that only append (bare forward: the model's own cache update, no per-layer record)
+    followed by steps with an attention mask (the exact eviction shape, which must extend each layer's
+    record by the appended tokens) equal a run whose every step takes the exact shape."""
+    model = build("llama")
+    ids = prompt(40, seed=3)
+    runs = []
+    for masked_from in (3, 0):
+        torch._dynamo.reset()
+        be = backend("snapkv")
+        fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+            for step in range(6):
+                kw = {}
+                if step >= masked_from:  # a mask that is not provably causal: the exact shape
+                    kw["attention_mask"] = torch.ones(1, ids.shape[1] + step + 1, dtype=torch.long)
+                out.append(fwd(input_ids=out[-1].argmax(-1, keepdim=True), past_key_values=cache,
+                               use_cache=True, **kw).logits[:, -1])
+        assert be.state.seen == 46 and set(be.state.stored_tokens().values()) == {BUDGET + 6}
+        assert torch.equal(be.state.positions(0)[0, 0, -6:], torch.arange(40, 46))
+        runs.append((torch.stack(out), be))
+    (mixed, be_mixed), (exact, be_exact) = runs
+    assert any(r.appending for r in be_mixed.reports) and not any(r.appending for r in be_exact.reports)
+    torch.testing.assert_close(mixed, exact, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_matches_hand_eviction():
