@@ -43,7 +43,7 @@ def test_parse_helpers():
 @needs_smol
 def test_compare_end_to_end(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "res"
-    code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,h2o",
+    code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,h2o,asl",
                      "--budget", "64", "--task", "niah", "--lengths", "256", "--depths", "0,1",
                      "--max-new-tokens", "4", "--out", str(out)])
     assert code == 0
@@ -57,9 +57,13 @@ def test_compare_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert summary["streamingllm"]["kv_bytes"] < summary["full"]["kv_bytes"]
     assert data["meta"]["torch"] == torch.__version__ and data["meta"]["n_tasks"] > 0
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert {r["policy"] for r in rows} == {"full", "streamingllm"}
+    assert {r["policy"] for r in rows} == {"full", "streamingllm", "asl"}
     assert (out / "heatmap_full.png").stat().st_size > 1000
     assert (out / "heatmap_streamingllm.png").exists()
+    # a gated policy reports where each task's prefill selected (None: the rule never fired)
+    assert sum(summary["asl"]["selection_layers"].values()) == summary["asl"]["tasks"]
+    assert summary["full"]["selection_layers"] == {} and "selected at" in printed
+    assert all(t["gated"] for t in data["tasks"]["asl"]) and not any(t["gated"] for t in data["tasks"]["full"])
 
 
 @needs_smol

@@ -51,6 +51,9 @@ def table_rows(results) -> list[list[str]]:
         notes = [f"ppl {s['ppl']:.2f}"] if s["ppl"] is not None else []
         if s["blocks_read"] is not None:
             notes.append(f"read {s['blocks_read']:.0%} of KV blocks")
+        if s["selection_layers"]:
+            notes.append("selected at " + ", ".join(f"{'none' if k is None else f'layer {k}'} x{n}"
+                                                    for k, n in s["selection_layers"].items()))
         rows.append([r.policy, acc, kv, fmt_bytes(s["peak_mem"]), fmt_s(s["ttft_s"]), fmt_s(s["tpot_s"]),
                      fmt_s(s["compile_s"]), "; ".join(notes)])
     return rows
@@ -90,7 +93,7 @@ def write(results, out_dir: Path, meta: dict) -> list[Path]:
     paths[0].write_text(json.dumps(data, indent=2))
     with paths[1].open("w", newline="") as f:
         fields = ["policy", "task", "family", "length", "depth", "score", "kv_bytes", "peak_mem", "ttft_s",
-                  "tpot_s", "new_tokens", "ppl", "output"]
+                  "tpot_s", "new_tokens", "ppl", "selection_layer", "output"]
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in results:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,8 @@ class TaskResult:
     new_tokens: int
     output: str
     ppl: float | None = None
+    gated: bool = False                 # the policy has a gate (asl, fastkv, ...)
+    selection_layer: int | None = None  # where its prefill selected (None: it never did)
 
     def row(self) -> dict:
         return dict(self.__dict__)
@@ -75,6 +78,8 @@ class PolicyResult:
             "kv_bytes": mean([r.kv_bytes for r in t]), "peak_mem": mean([r.peak_mem for r in t]),
             "ttft_s": mean([r.ttft_s for r in t]), "tpot_s": mean([r.tpot_s for r in t]),
             "compile_s": self.compile_s, "ppl": mean([r.ppl for r in t]), "blocks_read": self.blocks_read,
+            "selection_layers": dict(sorted(Counter(r.selection_layer for r in t if r.gated).items(),
+                                            key=lambda kv: (kv[0] is None, kv[0] or 0))),
         }
 
 
@@ -196,7 +201,9 @@ class Runner:
                 task=task.name, family=task.family, length=len(task.input_ids),
                 depth=task.meta.get("depth"), score=value, kv_bytes=cache_bytes(cache), peak_mem=peak,
                 ttft_s=ttft, tpot_s=tpot, new_tokens=len(tokens),
-                output=self.tokenizer.decode(tokens, skip_special_tokens=True), ppl=ppl))
+                output=self.tokenizer.decode(tokens, skip_special_tokens=True), ppl=ppl,
+                gated=be.gate_info is not None,
+                selection_layer=be.gate_info["selection_layer"] if be.gate_info is not None else None))
             if references is not None and task.metric == "agreement" and forced is None:
                 references[_key(task)] = tokens
             if progress is not None:
