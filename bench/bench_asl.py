@@ -175,7 +175,7 @@ def main() -> None:
             rows.append(dict(policy=spec, params=params, context=n, ttft_s=ttft, tpot_ms=tpot * 1e3,
                              peak_gib=peak / 2**30, max_cache_entries=runs[-1][3],
                              selection_layer=gate.get("selection_layer"), kept=gate.get("kept"),
-                             compile_s=compile_s))
+                             compile_s=compile_s, plans=be.plans()))
             print(json.dumps(rows[-1]), flush=True)
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()

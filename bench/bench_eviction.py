@@ -134,7 +134,7 @@ def main() -> None:
                 ttft, tpot, peak, kv, made = timed_decode(fwd, model, ids, args.new_tokens)
                 rows.append(dict(policy=spec, budget=params.get("budget"), batch=b, context=n, new_tokens=made,
                                  ttft_s=ttft, tpot_ms=tpot * 1e3, peak_gib=None if peak is None else peak / 2**30,
-                                 kv_mib=kv / 2**20, compile_s=compile_s))
+                                 kv_mib=kv / 2**20, compile_s=compile_s, plans=be.plans()))
                 print(json.dumps(rows[-1]), flush=True)
                 with open(args.out / "rows.jsonl", "a") as f:  # kept if a later row dies or times out
                     f.write(json.dumps(rows[-1]) + "\n")

@@ -156,7 +156,7 @@ def run_policy(model, policy: str, params: dict, prompt: torch.Tensor, steps: in
             if time.time() > deadline:  # keep what was measured; the summary states the steps reached
                 log(f"{policy}: --deadline reached at step {i} of {steps}")
                 break
-    return dict(policy=policy, params=params, compile_s=compile_s, ttft_s=ttft, records=records)
+    return dict(policy=policy, params=params, compile_s=compile_s, ttft_s=ttft, records=records, plans=be.plans())
 
 
 # -- summary --------------------------------------------------------------------------------------

@@ -121,6 +121,10 @@ class KVPass(CustomGraphPass):
         report.rewritten = summary["rewritten"]
         report.evicting = summary["evicting"]
         report.appending = summary["appending"]
+        for layer in summary["evicting"]:
+            if plans[layer].append:  # the rewrite kept the exact shape: the site's mask is not plain causal
+                report.plans[layer] = (dataclasses.replace(plans[layer], append=False, evict=True).describe()
+                                       + " (appending, but its mask is not plain causal)")
         report.positions_fixed = summary["positions_fixed"]
         if getattr(self.policy, "renumber", False) and phase != "prefill":
             report.positions_fixed += _gate.shift_passed_positions(gm, found.sites, self.runtime.handle)
@@ -162,6 +166,16 @@ class Backend:
     def state(self):
         """The generation state (true positions, stored lengths) of the last generation."""
         return self.runtime.state
+
+    def plans(self) -> dict[str, list[str]]:
+        """Per graph phase ("prefill", "decode", ...), the distinct site plans of the graphs compiled
+        so far; a graph compiled unchanged shows as "unchanged: <reason>". Benchmarks record it so a
+        timing says which shape ran (e.g. a decode step that appends or one that evicts)."""
+        out: dict[str, set] = {}
+        for r in self.reports:
+            seen = out.setdefault(r.phase, set())
+            seen.update(r.plans.values() if not r.problems else [f"unchanged: {r.problems[0]}"])
+        return {phase: sorted(p) for phase, p in out.items()}
 
     @property
     def gate_info(self) -> dict | None:

@@ -152,6 +152,7 @@ def test_appending_then_exact_steps_keep_positions():
         runs.append((torch.stack(out), be))
     (mixed, be_mixed), (exact, be_exact) = runs
     assert any(r.appending for r in be_mixed.reports) and not any(r.appending for r in be_exact.reports)
+    assert [p.split(":")[0] for p in be_mixed.plans()["decode"]] == ["append", "evict"]  # both shapes ran
     torch.testing.assert_close(mixed, exact, atol=1e-5, rtol=1e-5)
 
 
