@@ -9,7 +9,6 @@ The whole pipeline is ``KVPass.__call__`` below; the pieces live in ``detect``, 
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import inspect
 import warnings

@@ -129,10 +129,8 @@ class RaaS(Policy):
         extra["base"] = dict(extra)
         return keep, extra
 
-    # -- decode ---------------------------------------------------------------------------------
-    # One decode step is a pure function of tensors (``_step``): on CUDA it runs compiled by Inductor
-    # (a few fused kernels instead of ~60 launches per layer), elsewhere eagerly.
 
+# -- decode: one step is a pure function of tensors, compiled by Inductor on CUDA ----------------
 
 STATE = ("fill", "cur", "live", "ts", "born", "kmin", "kmax", "evicted")
 
@@ -148,7 +146,7 @@ def _step(q, knew, now, alpha: float, n_pre: int, slots: int, seen, st: list, ba
     and selected, so no step waits for the GPU. Returns (keep, new STATE, the STATE it started from).
     """
     replay = seen == now
-    old = [torch.where(replay, b, s) for s, b in zip(st, base)]
+    old = [torch.where(replay, before, after) for after, before in zip(st, base)]
     fill, cur, live, ts, born, kmin, kmax, _ = old
     b, hkv, pages = live.shape
     d = knew.shape[-1]
