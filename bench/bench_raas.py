@@ -211,8 +211,9 @@ def write_summary(out: Path, meta: dict, runs: dict, stats: dict) -> None:
     reached = {p: r["records"][-1]["step"] for p, r in runs.items() if r["records"]}
     short = {p: n for p, n in reached.items() if n < (meta["steps"] or 0)}
     lines = [f"# RaaS memory and TPOT over {meta['steps']} decode steps ({meta['device_name']})", "",
-             *([f"**Stopped early** (--deadline): steps reached " + ", ".join(f"{p} {n}" for p, n in short.items())
-                + ". " + meta.get("note", ""), ""] if short else []),
+             *(["**Stopped early** (--deadline): steps reached " + ", ".join(f"{p} {n}" for p, n in short.items())
+                + ".", ""] if short else []),
+             *([meta["note"], ""] if meta.get("note") else []),
              f"Model: Llama architecture, random weights, preset `{meta['preset']}` ({meta['layers']} layers, "
              f"{meta['kv_heads']} KV heads x head_dim {meta['head_dim']}, {meta['dtype']}); prompt "
              f"{meta['prompt']} tokens; batch 1; budget {meta['budget']}; torch {meta['torch']}, transformers "
@@ -276,6 +277,27 @@ def plot(out: Path, runs: dict, budget: int) -> str | None:
     return None
 
 
+def join_reports(files: list[Path], out: Path) -> int:
+    """One report from runs measured by separate processes (the first file's metadata, noted)."""
+    meta, runs = None, {}
+    for f in files:
+        data = json.loads(Path(f).read_text())
+        meta = meta or data["meta"]
+        for policy, run in data["runs"].items():
+            runs.setdefault(policy, run)  # the first file that measured a policy wins
+    meta["note"] = (f"Joined from {len(files)} processes (one policy each, bench/lanes.sh lanes on one machine); "
+                    "compare TPOT across policies with that in mind.")
+    order = {p: i for i, p in enumerate(("full", "quest", "raas"))}
+    runs = dict(sorted(runs.items(), key=lambda kv: order.get(kv[0], 9)))
+    out.mkdir(parents=True, exist_ok=True)
+    stats = analyse(runs, meta["budget"])
+    meta["plot_note"] = plot(out, runs, meta["budget"])
+    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "analysis": stats}, indent=1))
+    write_summary(out, meta, runs, stats)
+    print((out / "summary.md").read_text())
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smollm2-135m")
@@ -291,7 +313,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-steps", type=int, default=64, help="untimed decode steps after the untimed prefill")
     ap.add_argument("--deadline", type=float, default=float("inf"),
                     help="a Unix time after which decoding stops at the next record and the results are written")
+    ap.add_argument("--report-from", type=Path, nargs="+", default=None,
+                    help="no measuring: join the runs of these results.json files (policies measured in "
+                         "parallel processes) into --out's results, summary and plot")
     args = ap.parse_args(argv)
+    if args.report_from:
+        return join_reports(args.report_from, args.out)
     if args.device == "cuda" and not CUDA:
         raise SystemExit("bench_raas.py measures GPU memory and needs CUDA")
     args.out.mkdir(parents=True, exist_ok=True)

