@@ -106,7 +106,7 @@ class KVPass(CustomGraphPass):
                 plans[site.layer] = plan
                 self.runtime.sites[site.layer] = site
         report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
-                             plans={i: p.describe() for i, p in plans.items()}, problems=problems)
+                             plans={i: p.describe(phase) for i, p in plans.items()}, problems=problems)
         gates = getattr(self.policy, "gates", False) and phase == "prefill"
         if gates and not problems:
             why = _gate.check(found.sites, self.policy)
@@ -122,7 +122,7 @@ class KVPass(CustomGraphPass):
         report.appending = summary["appending"]
         for layer in summary["evicting"]:
             if plans[layer].append:  # the rewrite kept the exact shape: the site's mask is not plain causal
-                report.plans[layer] = (dataclasses.replace(plans[layer], append=False, evict=True).describe()
+                report.plans[layer] = (dataclasses.replace(plans[layer], append=False, evict=True).describe(phase)
                                        + " (appending, but its mask is not plain causal)")
         report.positions_fixed = summary["positions_fixed"]
         if getattr(self.policy, "renumber", False) and phase != "prefill":

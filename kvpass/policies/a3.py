@@ -47,8 +47,8 @@ class FusionPlan(SitePlan):
 
     overwrite: bool = True
 
-    def describe(self) -> str:
-        return "overwrite: cache_overwrite + attention_pos (chunk fusion)"
+    def describe(self, phase: str = "") -> str:
+        return "overwrite: cache_overwrite + attention_slots (chunk fusion)"
 
 
 @dataclass

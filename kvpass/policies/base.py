@@ -84,13 +84,16 @@ class SitePlan:
     # only positions are fixed (no per-layer kvpass operator); a site with a padding mask still evicts
     append: bool = False
 
-    def describe(self) -> str:
+    def describe(self, phase: str = "") -> str:
+        """One line for reports; ``phase`` is the graph's (a prefill's eviction shape keeps ``attention``
+        with the model's own mask, later graphs use ``attention_pos``)."""
         r = self.read
         read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, "
                 f"horizon={r.horizon})"
                 if r is not None else None)
         if self.evict:
-            return f"evict: cache_update + {read or 'attention_pos'} + compact"
+            att = "attention (the model's mask)" if phase == "prefill" else "attention_pos"
+            return f"evict: cache_update + {read or att} + compact"
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"
         return (read or "attention op (exact)") if self.attention else "unchanged"
