@@ -287,15 +287,20 @@ def join_reports(files: list[Path], out: Path) -> int:
             runs.setdefault(policy, run)  # the first file that measured a policy wins
     meta["note"] = (f"Joined from {len(files)} processes (one policy each, bench/lanes.sh lanes on one machine); "
                     "compare TPOT across policies with that in mind.")
+    out.mkdir(parents=True, exist_ok=True)
+    finish(out, meta, runs)
+    return 0
+
+
+def finish(out: Path, meta: dict, runs: dict) -> None:
+    """Analysis, plot, results.json and summary.md of the runs (ordered full, quest, raas)."""
     order = {p: i for i, p in enumerate(("full", "quest", "raas"))}
     runs = dict(sorted(runs.items(), key=lambda kv: order.get(kv[0], 9)))
-    out.mkdir(parents=True, exist_ok=True)
     stats = analyse(runs, meta["budget"])
     meta["plot_note"] = plot(out, runs, meta["budget"])
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "analysis": stats}, indent=1))
     write_summary(out, meta, runs, stats)
     print((out / "summary.md").read_text())
-    return 0
 
 
 def main(argv=None) -> int:
@@ -343,13 +348,7 @@ def main(argv=None) -> int:
         runs[policy] = run_policy(model, policy, params, prompt, args.steps, args.every, log, args.deadline,
                                   args.warm_steps)
         path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    order = {p: i for i, p in enumerate(("full", "quest", "raas"))}
-    runs = dict(sorted(runs.items(), key=lambda kv: order.get(kv[0], 9)))
-    stats = analyse(runs, args.budget)
-    meta["plot_note"] = plot(args.out, runs, args.budget)
-    path.write_text(json.dumps({"meta": meta, "runs": runs, "analysis": stats}, indent=1))
-    write_summary(args.out, meta, runs, stats)
-    print((args.out / "summary.md").read_text())
+    finish(args.out, meta, runs)
     return 0
 
 
