@@ -74,11 +74,9 @@ class Runtime:
         dev = k_new.device
         st = self.state.layer(site)
         if lp > 0 and st is not None and tuple(st.pos.shape[:2]) == (b, hkv) and st.pos.shape[2] <= lp:
-            past_pos, seen, valid = st.pos.to(dev), st.seen, None
-            extra = lp - st.pos.shape[2]
-            if extra:  # entries an appending graph added after the last record: the latest tokens, in order
-                past_pos = torch.cat([past_pos, (seen + torch.arange(extra, device=dev)).expand(b, hkv, extra)], -1)
-                seen = seen + extra
+            # entries past the record were added by a graph that only appends (SitePlan.append)
+            past_pos, seen = st.extended(lp - st.pos.shape[2])
+            past_pos, valid = past_pos.to(dev), None
         else:  # a new prefill, or a cache kvpass did not write: entries are the tokens 0..lp-1
             past_pos = torch.arange(lp, device=dev).expand(b, hkv, lp)
             seen, valid = lp, key_validity(mask, b, lp + ln)

@@ -37,6 +37,15 @@ class LayerState:
     def stored(self) -> int:
         return self.pos.shape[-1]
 
+    def extended(self, n: int) -> tuple[Tensor, int | Tensor]:
+        """``(pos, seen)`` after ``n`` more tokens were appended past this record by a graph that only
+        appends: they are the latest tokens, in order."""
+        if not n:
+            return self.pos, self.seen
+        b, h, _ = self.pos.shape
+        tail = (self.seen + torch.arange(n, device=self.pos.device)).expand(b, h, n)
+        return torch.cat([self.pos, tail], -1), self.seen + n
+
 
 class GenerationState:
     """The state of one generation (one prompt batch and its continuation)."""
@@ -75,12 +84,7 @@ class GenerationState:
         """True token index of every entry a layer's cache holds now: its record plus the tokens
         appended after it (the latest ones, in order)."""
         s = self.layers[site]
-        n = self.appended(s)
-        if not n:
-            return s.pos
-        b, h, _ = s.pos.shape
-        tail = (s.seen + torch.arange(n, device=s.pos.device)).expand(b, h, n)
-        return torch.cat([s.pos, tail], -1)
+        return s.extended(self.appended(s))[0]
 
     @property
     def seen(self) -> int:
