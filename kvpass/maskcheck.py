@@ -128,9 +128,19 @@ def _causal(mask: torch.Tensor) -> bool:
 
 def is_causal_mask(node: fx.Node | None) -> bool:
     """True when ``node`` (an attention mask in a Dynamo graph) is checked to be exactly the
-    bottom-right causal mask at every size the graph can run with (see the module docstring)."""
+    bottom-right causal mask at every size the graph can run with (see the module docstring).
+    The answer is kept in the node's meta: every layer of a model shares one mask node."""
     if node is None or not isinstance(_example(node), torch.Tensor):
         return False
+    if _CACHED not in node.meta:
+        node.meta[_CACHED] = _check(node)
+    return node.meta[_CACHED]
+
+
+_CACHED = "kvpass_causal_mask"
+
+
+def _check(node: fx.Node) -> bool:
     found = _subgraph(node)
     if found is None:
         return False
