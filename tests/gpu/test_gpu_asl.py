@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from packaging.version import Version
 from transformers import DynamicCache
 
 import kvpass
+from families import skip_uneven_layers_on_old_transformers
 from test_asl import build, prompt
 
 pytestmark = pytest.mark.gpu
@@ -60,9 +59,8 @@ def _run(model, ids, be, steps, dynamic=None):
 @pytest.mark.parametrize("policy,layer", [("fastkv", -1), ("asl", 2), ("asl_fullkv", 1), ("gemfilter", 2),
                                           ("asl_2pass", 2)])
 def test_inductor_cuda_matches_cpu(policy, layer):
-    if policy == "asl_fullkv" and Version(transformers.__version__) < Version("5.23"):
-        pytest.skip("transformers < 5.23 adds a decode mask sized by layer 0 to every layer: asl_fullkv's "
-                    "layers hold different lengths and cannot be traced (README, 'Known limit of pyramidkv')")
+    if policy == "asl_fullkv":
+        skip_uneven_layers_on_old_transformers(policy)
     model = build("llama", layers=6)
     ids = prompt(200, seed=3)
     kw = {} if policy == "gemfilter" else {"window": 16}

@@ -18,7 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import DynamicCache
 
 import kvpass
-from families import build
+from families import build, skip_uneven_layers_on_old_transformers
 from kvpass.kernels import gather as G
 from kvpass.kernels import window_scores as W
 
@@ -101,11 +101,8 @@ def test_inductor_launches_the_kvpass_kernels():
 @pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "chunkkv", "sablock"])
 def test_policy_on_gpu_matches_hand_eviction(policy):
     from test_eviction_models import PARAMS, expected_kept, hand_evicted_decode, layer_budgets, prompt
-    import transformers
-    from packaging.version import Version
-    if policy == "pyramidkv" and Version(transformers.__version__) < Version("5.23"):
-        pytest.skip("transformers < 5.23 adds a decode mask sized by layer 0 to every layer: PyramidKV's "
-                    "uneven layers cannot be traced (README, 'Known limit of pyramidkv')")
+    if policy == "pyramidkv":
+        skip_uneven_layers_on_old_transformers(policy)
     budget, window, steps = 64, 16, 12
     model = build("llama")
     ids = prompt(300, seed=7)
