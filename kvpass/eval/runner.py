@@ -197,13 +197,13 @@ class Runner:
                     ppl = math.exp(sum(nll) / max(1, len(nll)))
             else:
                 value, ppl = score(task, self.tokenizer.decode(tokens, skip_special_tokens=True)), None
+            gate = be.gate_info  # this task's prefill (gated policies), else None
             result.tasks.append(TaskResult(
                 task=task.name, family=task.family, length=len(task.input_ids),
                 depth=task.meta.get("depth"), score=value, kv_bytes=cache_bytes(cache), peak_mem=peak,
                 ttft_s=ttft, tpot_s=tpot, new_tokens=len(tokens),
                 output=self.tokenizer.decode(tokens, skip_special_tokens=True), ppl=ppl,
-                gated=be.gate_info is not None,
-                selection_layer=be.gate_info["selection_layer"] if be.gate_info is not None else None))
+                gated=gate is not None, selection_layer=gate["selection_layer"] if gate is not None else None))
             if references is not None and task.metric == "agreement" and forced is None:
                 references[_key(task)] = tokens
             if progress is not None:
