@@ -77,3 +77,39 @@ def test_explain_command(tiny_model_dir, capsys):
 def test_unknown_task_is_an_error(tiny_model_dir):
     with pytest.raises(SystemExit, match="unknown task 'nope'"):
         cli.main(["eval", "--model", str(tiny_model_dir), "--task", "nope", "--lengths", "128"])
+
+
+@needs_smol
+def test_a_policy_failing_mid_run_costs_only_its_own_results(tiny_model_dir, tmp_path, monkeypatch):
+    """A policy that raises on its second task is reported unavailable with the task and the error;
+    the comparison carries on and the other policies keep their results."""
+    from kvpass.eval import runner
+
+    compile_, generate = runner.Runner.compile, runner.Runner.generate
+    calls = []
+
+    def compile_spy(self, spec, *args, **kwargs):
+        self.failing = False
+        out = compile_(self, spec, *args, **kwargs)
+        self.failing, calls[:] = spec == "streamingllm", []
+        return out
+
+    def generate_spy(self, *args, **kwargs):
+        calls.append(1)
+        if getattr(self, "failing", False) and len(calls) > 1:
+            raise RuntimeError("expand: attempting to expand a dimension\nsecond line")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner.Runner, "compile", compile_spy)
+    monkeypatch.setattr(runner.Runner, "generate", generate_spy)
+    out = tmp_path / "res"
+    with pytest.warns(UserWarning, match="streamingllm failed on task"):
+        code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,snapkv",
+                         "--budget", "64", "--task", "niah", "--lengths", "256", "--depths", "0,0.5,1",
+                         "--max-new-tokens", "2", "--compiler", "eager", "--out", str(out)])
+    assert code == 0
+    summary = {s["policy"]: s for s in json.loads((out / "results.json").read_text())["summary"]}
+    failed = summary["streamingllm"]
+    assert failed["available"] is False
+    assert "after 1 tasks: RuntimeError: expand: attempting" in failed["reason"] and "second" not in failed["reason"]
+    assert summary["snapkv"]["available"] and summary["snapkv"]["tasks"] == summary["full"]["tasks"] > 1

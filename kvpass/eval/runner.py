@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -182,13 +183,23 @@ class Runner:
             for _ in tasks if progress is not None else ():  # keep the progress total honest
                 progress()
             return result
-        for task in tasks:
+        for i, task in enumerate(tasks):
             forced = None
             if task.metric == "agreement":
                 forced = (references or {}).get(_key(task))
-            tokens, ttft, tpot, nll, cache, peak = self.generate(
-                fwd, task.input_ids, task.max_new_tokens, forced=forced,
-                stop_at_eos=not task.meta.get("ignore_eos", False))
+            try:
+                tokens, ttft, tpot, nll, cache, peak = self.generate(
+                    fwd, task.input_ids, task.max_new_tokens, forced=forced,
+                    stop_at_eos=not task.meta.get("ignore_eos", False))
+            except Exception as e:  # one policy failing must not cost the others their results
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                result.available = False
+                result.reason = (f"failed on task {task.name} ({len(task.input_ids)} tokens) after "
+                                 f"{len(result.tasks)} tasks: {type(e).__name__}: {first}")
+                warnings.warn(f"kvpass compare: {spec} {result.reason}", stacklevel=2)
+                for _ in range(len(tasks) - i) if progress is not None else ():
+                    progress()
+                return result
             if task.metric == "agreement":
                 if forced is None:  # this is the reference run itself
                     value, ppl = 1.0, None

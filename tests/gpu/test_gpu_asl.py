@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-from families import skip_uneven_layers_on_old_transformers
+from families import skip_uneven_layers_on_old_stacks
 from test_asl import build, prompt
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def _run(model, ids, be, steps, dynamic=None):
                                           ("asl_2pass", 2)])
 def test_inductor_cuda_matches_cpu(policy, layer):
     if policy == "asl_fullkv":
-        skip_uneven_layers_on_old_transformers(policy)
+        skip_uneven_layers_on_old_stacks(policy)
     model = build("llama", layers=6)
     ids = prompt(200, seed=3)
     kw = {} if policy == "gemfilter" else {"window": 16}

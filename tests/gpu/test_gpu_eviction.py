@@ -18,7 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import DynamicCache
 
 import kvpass
-from families import build, skip_uneven_layers_on_old_transformers
+from families import build, skip_uneven_layers_on_old_stacks
 from kvpass.kernels import gather as G
 from kvpass.kernels import window_scores as W
 
@@ -102,7 +102,7 @@ def test_inductor_launches_the_kvpass_kernels():
 def test_policy_on_gpu_matches_hand_eviction(policy):
     from test_eviction_models import PARAMS, expected_kept, hand_evicted_decode, layer_budgets, prompt
     if policy == "pyramidkv":
-        skip_uneven_layers_on_old_transformers(policy)
+        skip_uneven_layers_on_old_stacks(policy)
     budget, window, steps = 64, 16, 12
     model = build("llama")
     ids = prompt(300, seed=7)
