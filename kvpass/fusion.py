@@ -55,6 +55,8 @@ class _Router(ChunkFusionPolicy):
     summary = "graphs shared by the chunk-fusion policies"
     needs_probe = True
 
+    collects_votes = True
+
     def __init__(self) -> None:
         super().__init__()
         self.active: ChunkFusionPolicy | None = None
@@ -85,11 +87,12 @@ class FusedPrompt:
 
     input_ids: Tensor                 # [1, N]
     attention_mask: Tensor            # [1, N]
-    cache: object                     # DynamicCache with N - 1 entries per layer
+    cache: object                     # DynamicCache with N - 1 entries per layer (a3+evict: at most C - 1)
     recompute: Tensor                 # positions recomputed (Re), ascending
     spans: dict                       # "system", "chunks" [(start, end)], "question"
-    timings: dict = field(default_factory=dict)   # seconds: load, merge, select, recompute
+    timings: dict = field(default_factory=dict)   # seconds: load, merge, select, recompute (, evict)
     sources: dict = field(default_factory=dict)   # segments from memory / disk / computed
+    kept: list = field(default_factory=list)      # per layer: positions the cache holds [1, H_kv, K]
 
     def __repr__(self) -> str:
         t = ", ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.timings.items())
@@ -195,15 +198,30 @@ class ChunkFusion:
 
         t3 = self._clock()
         new = torch.cat([recompute, torch.arange(ctx, n - 1)])
-        if new.numel() == 1 and int(new[0]) == n - 2:
-            # only Q[0] (of a two-token question): an ordinary one-token append, exact
-            cache.crop(n - 2)
-            self._run(ids[:, n - 2:n - 1], cache, positions=None)
-        elif new.numel() > 0:
-            self._run(ids[:, new.to(dev)], cache, positions=new)
+        state = self.backend.runtime.state
+        state.reset()
+        votes = self.policy.needs_votes
+        if votes and (nq < 2 or new.numel() < 2):
+            raise ConfigError(f"policy '{self.policy.name}' ranks the documents by the question's attention in the "
+                              f"recompute pass: it needs a question of at least 2 tokens (got {nq}) and at least "
+                              f"2 recomputed tokens (got {new.numel()}; raise 'ratio')")
+        state.fusion_window = nq - 1 if votes else 0
+        try:
+            if new.numel() == 1 and int(new[0]) == n - 2:
+                # only Q[0] (of a two-token question): an ordinary one-token append, exact
+                cache.crop(n - 2)
+                self._run(ids[:, n - 2:n - 1], cache, positions=None)
+            elif new.numel() > 0:
+                self._run(ids[:, new.to(dev)], cache, positions=new)
+        finally:
+            state.fusion_window = 0
         timings["recompute"] = self._clock() - t3
+        t4 = self._clock()
+        kept = self._keep(cache, req, n - 1)
+        if votes:
+            timings["evict"] = self._clock() - t4
         mask = torch.ones_like(ids)
-        return FusedPrompt(ids, mask, cache, recompute, spans, timings, sources)
+        return FusedPrompt(ids, mask, cache, recompute, spans, timings, sources, kept)
 
     def prefill(self, chunks, question, system=None) -> tuple[Tensor, FusedPrompt]:
         """``prepare`` plus the last question token: the logits ``[1, vocab]`` of the first new token
@@ -218,15 +236,62 @@ class ChunkFusion:
 
     def generate(self, chunks, question, system=None, **generate_kwargs) -> Tensor:
         """``prepare`` then ``model.generate`` on the fused cache; returns the generated ids (prompt included,
-        as ``generate`` does). ``generate_kwargs`` go to ``model.generate``."""
+        as ``generate`` does). ``generate_kwargs`` go to ``model.generate``.
+
+        ``a3+evict`` leaves a cache shorter than the prompt, which ``model.generate`` would misread as
+        tokens still to compute: its requests decode greedily through this object's compiled forward
+        (which continues positions from the prompt's length), with ``max_new_tokens`` and
+        ``eos_token_id`` as the only options."""
+        if self.policy.needs_votes:
+            unknown = sorted(set(generate_kwargs) - {"max_new_tokens", "eos_token_id"})
+            if unknown or generate_kwargs.get("do_sample"):
+                raise ConfigError(f"policy '{self.policy.name}' decodes greedily through ChunkFusion: "
+                                  f"generate() takes max_new_tokens and eos_token_id, got {unknown}")
+            return self._greedy(chunks, question, system, generate_kwargs.get("max_new_tokens", 20),
+                                generate_kwargs.get("eos_token_id", self.model.config.eos_token_id))
         fused = self.prepare(chunks, question, system)
         return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
                                    past_key_values=fused.cache, **generate_kwargs)
+
+    def _greedy(self, chunks, question, system, max_new_tokens: int, eos) -> Tensor:
+        logits, fused = self.prefill(chunks, question, system)
+        stop = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        out = [int(logits.argmax(-1))]
+        with torch.no_grad():
+            while len(out) < max_new_tokens and out[-1] not in stop:
+                ids = torch.tensor([[out[-1]]], device=fused.input_ids.device)
+                step = self.forward(input_ids=ids, past_key_values=fused.cache, use_cache=True, logits_to_keep=1)
+                out.append(int(step.logits[0, -1].argmax(-1)))
+        return torch.cat([fused.input_ids, torch.tensor([out], device=fused.input_ids.device)], dim=1)
 
     def __repr__(self) -> str:
         return f"kvpass.ChunkFusion(policy={self.policy!r}, store={self.store!r})"
 
     # -- steps ------------------------------------------------------------------------------------
+
+    def _keep(self, cache, req: FusionRequest, length: int) -> list[Tensor]:
+        """After fusion: each layer's kept slots (``a3+evict``: compacted to them with ``gather_kv``;
+        the others keep all ``length``), recorded as the layers' true positions, so decode graphs
+        continue positions from ``length`` however short the cache is. Returns the kept positions
+        per layer ``[1, H_kv, K]``."""
+        state = self.backend.runtime.state
+        kept = []
+        for i, layer in enumerate(cache.layers):
+            b, hkv = layer.keys.shape[:2]
+            idx = None
+            if self.policy.needs_votes:
+                votes = state.fusion_votes.pop(i, None)
+                if votes is None:
+                    raise RuntimeError(f"kvpass: the recompute pass left no votes for layer {i} (policy "
+                                       f"'{self.policy.name}'); was the model compiled by this ChunkFusion?")
+                idx = self.policy.keep_after_fusion(votes, req)
+            if idx is None:
+                idx = torch.arange(length, device=layer.keys.device).expand(b, hkv, length)
+            else:
+                layer.keys, layer.values = torch.ops.kvpass.gather_kv(layer.keys, layer.values, idx.contiguous())
+            state.set_layer(i, idx.contiguous(), length, fresh=True)
+            kept.append(idx)
+        return kept
 
     def _clock(self) -> float:
         if next(self.model.parameters()).device.type == "cuda":

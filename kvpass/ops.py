@@ -471,6 +471,28 @@ def _(k_past, v_past, k_new, v_new, handle, site):
 
 
 
+@torch.library.custom_op("kvpass::fusion_votes", mutates_args=())
+def fusion_votes(out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float, softcap: float, handle: int,
+                 site: int) -> Tensor:
+    """Passes ``out`` (a recompute pass's attention output) through and, when the request asks for
+    votes (``state.fusion_window`` > 0, ``a3+evict``), keeps the SnapKV votes of the last
+    ``fusion_window`` query rows (the question) for every merged-cache slot: ``state.fusion_votes[site]``
+    ``[B, H_kv, L]`` fp32, from ``kvpass::window_scores`` (slot ``j`` holds position ``j``)."""
+    st = runtime.get(handle).state
+    w = min(st.fusion_window, q.shape[2])
+    if w > 0:
+        b, hkv, lk = k.shape[:3]
+        kv_pos = torch.arange(lk, device=k.device).expand(b, hkv, lk).contiguous()
+        st.fusion_votes[site] = torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(),
+                                                               scale, softcap)
+    return out.clone()
+
+
+@fusion_votes.register_fake
+def _(out, q, k, q_pos, scale, softcap, handle, site):
+    return torch.empty_like(out)
+
+
 def attention_slots_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
                               softcap: float = 0.0) -> Tensor:
     """Reference for ``kvpass::attention_slots``: ``attention_pos`` with slot ``j`` at position ``j``."""
@@ -538,4 +560,5 @@ OPS = {
     "scatter_rows_ref": scatter_rows_ref,
     "cache_overwrite": cache_overwrite,
     "attention_slots": attention_slots,
+    "fusion_votes": fusion_votes,
 }

@@ -153,8 +153,9 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
         _erase(graph, [old])
 
 
-def _overwrite(graph: fx.Graph, site: Site, handle: int) -> None:
-    """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask."""
+def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
+    """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask;
+    with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
     with graph.inserting_before(_first(graph, [site.k, site.v])):
         upd = graph.call_function(OPS.cache_overwrite.default, (
             site.k_past, site.v_past, site.k_new, site.v_new, handle, site.layer))
@@ -164,6 +165,9 @@ def _overwrite(graph: fx.Graph, site: Site, handle: int) -> None:
         # slot j holds position j: attention_slots is attention_pos with that known, so on CUDA one
         # additive mask serves every head (SDPA fused kernels instead of a per-KV-head mask)
         att = graph.call_function(OPS.attention_slots.default, (q, k_all, v_all, q_pos, scale, site.softcap))
+        if votes:
+            att = graph.call_function(OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap,
+                                                                 handle, site.layer))
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, k_all), (site.v, v_all)):
@@ -214,7 +218,7 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
         plan = plans[site.layer]
         read = plan.read
         if getattr(plan, "overwrite", False):
-            _overwrite(graph, site, handle)
+            _overwrite(graph, site, handle, getattr(plan, "votes", False))
         elif plan.evict or (plan.append and _model_mask(site)[0] is not None):
             # (an appending site whose mask is not plain causal keeps the exact path: a padding mask is
             # sized by true lengths, not by what the shrunk cache stores)

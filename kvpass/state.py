@@ -55,6 +55,10 @@ class GenerationState:
         # chunk fusion (kvpass.fusion): true positions [n] of the tokens of the current call, which
         # kvpass::cache_overwrite writes over a merged cache (slot == position); None otherwise
         self.fusion: Tensor | None = None
+        # a3+evict: how many query rows of a recompute call are the question (0: no votes), and the
+        # votes kvpass::fusion_votes kept per site
+        self.fusion_window = 0
+        self.fusion_votes: dict[int, Tensor] = {}
         # kvpass::true_positions: ``records`` counts set_layer calls; ``offset`` (true minus derived
         # position) was taken when ``records`` was ``anchor_at``; ``tail`` is the true count after the
         # tokens of the last call (a 0-d tensor). Graphs that only append record no layer, so ``tail``
@@ -111,6 +115,7 @@ class GenerationState:
 
     def reset(self) -> None:
         self.layers.clear()
+        self.fusion_votes.clear()
         self.anchor_at, self.offset, self.tail = -1, 0, None
 
     def __repr__(self) -> str:

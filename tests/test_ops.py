@@ -619,3 +619,22 @@ def test_opcheck_attention_slots():
     kv_pos = torch.arange(9).expand(B, HKV, 9)
     torch.testing.assert_close(OPS["attention_slots"](q, k, v, q_pos, 0.3, 0.0),
                                OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 0.0, 0))
+
+
+def test_opcheck_fusion_votes():
+    """Passes the attention output through; with a question window set, keeps that window's votes."""
+    import kvpass
+    be = kvpass.backend("a3+evict", compiler="eager")
+    st = be.runtime.state
+    gen = torch.Generator().manual_seed(15)
+    out, q, k = _randn((B, H, 3, D), gen, torch.float32), _randn((B, H, 3, D), gen, torch.float32), \
+        _randn((B, HKV, 9, D), gen, torch.float32)
+    q_pos = torch.tensor([[1, 6, 8], [0, 4, 5]])
+    args = (out, q, k, q_pos, 0.3, 0.0, be.runtime.handle, SITE)
+    opcheck("fusion_votes", args)
+    assert SITE not in st.fusion_votes                      # no window: nothing kept
+    st.fusion_window = 2
+    torch.testing.assert_close(OPS["fusion_votes"](*args), out)
+    kv_pos = torch.arange(9).expand(B, HKV, 9).contiguous()
+    want = OPS["window_scores"](q[:, :, -2:], k, kv_pos, q_pos[:, -2:].contiguous(), 0.3, 0.0)
+    torch.testing.assert_close(st.fusion_votes[SITE], want)

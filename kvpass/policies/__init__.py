@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvpass.policies.a3 import A3
+from kvpass.policies.a3_evict import A3Evict
 from kvpass.policies.art import ART
 from kvpass.policies.asl import ASL, ASL2Pass, ASLFullKV
 from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
@@ -23,14 +24,14 @@ from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
 # chunk fusion (kvpass.ChunkFusion drives these; see kvpass/policies/a3.py)
-FUSION = (A3, PIE, FullReuse, CacheBlend, LegoLink)
+FUSION = (A3, A3Evict, PIE, FullReuse, CacheBlend, LegoLink)
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,
                                                                 SABlock, RaaS, Quest, ASL, ASLFullKV, FastKV, ASL2Pass,
                                                                 GemFilter) + FUSION}
 
 # Named in DESIGN.md and on the roadmap, not implemented yet: asking for one is a clear error.
-PLANNED = ("a3+evict", "h2o")
+PLANNED = ("h2o",)
 
 
 def available() -> list[str]:
@@ -46,6 +47,8 @@ def make_policy(spec: str | Policy, **params) -> Policy:
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"policy must be a non-empty string such as 'full', got {spec!r}; "
                           f"known policies: {', '.join(available())}")
+    if spec.strip() in POLICIES:  # a name that contains '+' itself (a3+evict) is one policy
+        return POLICIES[spec.strip()](**params)
     names = [n.strip() for n in spec.split("+")]
     for n in names:
         if not n:

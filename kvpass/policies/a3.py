@@ -24,7 +24,9 @@ How this maps onto kvpass (no mid-graph gate, see docs/ARCHITECTURE.md):
   recomputed here: a layer-0 key or value depends only on its token and position, so the stored,
   re-rotated one *is* the fresh one.
 
-Decode graphs are plain attention (the cache after fusion is an ordinary cache in position order).
+Decode graphs append through the model's own cache update, with positions fixed from the records
+``ChunkFusion`` writes after fusion (``a3+evict`` leaves fewer entries than tokens; for the others
+the cache is an ordinary cache in position order and the fix is the identity).
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ class FusionPlan(SitePlan):
     """A site of a recompute pass: new tokens overwrite their slots of the merged cache."""
 
     overwrite: bool = True
+    votes: bool = False   # fusion_votes after the attention (the question's attention, for a3+evict)
 
     def describe(self, phase: str = "") -> str:
-        return "overwrite: cache_overwrite + attention_slots (chunk fusion)"
+        return ("overwrite: cache_overwrite + attention_slots" + (" + fusion_votes" if self.votes else "")
+                + " (chunk fusion)")
 
 
 @dataclass
@@ -69,6 +73,11 @@ class ChunkFusionPolicy(Policy):
 
     recover_positions: bool = True    # rotate stored keys to their concatenated positions
     needs_probe: bool = False         # run the two-layer selection pass first
+    needs_votes: bool = False         # evicts after fusion by the question's attention (a3+evict)
+    collects_votes: bool = False      # plans fusion_votes into recompute graphs (the shared router)
+    # decode graphs keep the model's cache update; positions come from the layers' records, which
+    # ChunkFusion writes after every request (a3+evict's cache is shorter than the request)
+    decode_appends = True
 
     def __init__(self, **values) -> None:
         super().__init__(**values)
@@ -85,8 +94,8 @@ class ChunkFusionPolicy(Policy):
                 return SitePlan(attention=True, evict=True)   # compact sees layer 1's q and fresh k
             return SitePlan(attention=True)
         if site.phase == "decode":
-            return SitePlan(attention=True)
-        return FusionPlan(attention=True)
+            return SitePlan(attention=True, evict=True)   # the backend turns it into `append`
+        return FusionPlan(attention=True, votes=self.collects_votes)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
         req = self.request
@@ -101,6 +110,11 @@ class ChunkFusionPolicy(Policy):
     def score(self, site, q, k, kv_pos, q_pos, req: FusionRequest) -> Tensor:
         """Priority ``[L]`` of every token of the request (the selection pass, layer 1)."""
         raise NotImplementedError
+
+    def keep_after_fusion(self, votes: Tensor, req: FusionRequest) -> Tensor | None:
+        """Ascending slots ``[B, H_kv, K]`` a layer keeps after fusion, from the question's votes
+        ``[B, H_kv, L]`` over the merged cache's slots; None keeps everything."""
+        return None
 
     def recompute(self, req: FusionRequest) -> Tensor:
         """Ascending positions of the document tokens to recompute (Re)."""
