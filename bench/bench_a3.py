@@ -54,7 +54,7 @@ PRESETS = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=4096),   # smoke tests on a CPU
 }
-FUSION = ("a3", "cacheblend", "legolink", "pie", "full_reuse")
+FUSION = ("a3", "a3+evict", "cacheblend", "legolink", "pie", "full_reuse")
 
 
 def sync() -> None:
