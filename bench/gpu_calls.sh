@@ -5,6 +5,7 @@
 #   call 2 (carry .dev/c2 .dev/w, within 30 s of call 1): bash bench/gpu_calls.sh 2   the real SmolLM2
 #   call 3 (carry .dev/c2 .dev/w, within 30 s of call 1 or of `gpu_calls.sh 0` carrying .dev/c1): the rest
 #   (the carry limit is 64 MiB, so the model's two halves always travel in two calls)
+#   call 4 (carry .dev/skel): random weights only, what the tree has not yet run on a GPU
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
 #   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
 #   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
@@ -16,7 +17,7 @@ limit=${LIMIT:-540}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T='python -m pytest -v --tb=short -rfE -p no:cacheprovider'
 deadline=$(( $(date +%s) + limit - 60 ))
-case "${1:?call 1, 2 or 3}" in
+case "${1:?call 0-4}" in
   1)
     mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/
     export PYTHONPATH=$PWD:/tmp/kv/site
@@ -51,4 +52,13 @@ case "${1:?call 1, 2 or 3}" in
       'bash bench/eviction_accuracy.sh $LANE/acc' \
       "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $deadline" \
       "bash bench/asl_accuracy.sh \$LANE/asl_acc & $sw --budgets 128 --out \$LANE/sw128 & $sw --budgets 256 --out \$LANE/sw256 & $sw --budgets 512 --out \$LANE/sw512 & wait" ;;
+  4)  # (carry .dev/skel) random weights: what this tree has not run on a GPU yet -- tests/gpu in two
+      # lanes (a3+evict's test, page_scores after its Triton fix), a3+evict's TTFT beside a3 and full,
+      # raas against quest in one process
+    export PYTHONPATH=$PWD
+    bash bench/lanes.sh "$out" "$limit" \
+      "$T tests/gpu/test_gpu_a3.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_art.py" \
+      "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py" \
+      'python bench/bench_a3.py --out $LANE/a3 --policies full,a3,a3+evict --lengths 8192,16384 --reps 2' \
+      "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $deadline > \$LANE/raas.log 2>&1; echo identify_mutated_tensors failures: \$(grep -c 'Encountered an exception in identify_mutated' \$LANE/raas.log); tail -20 \$LANE/raas.log" ;;
 esac
