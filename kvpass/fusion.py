@@ -22,10 +22,15 @@ A request is ``[S, D1 .. Dk, Q]``. ``prepare``:
    tokens; a fixed rule for ``legolink``; nothing for ``pie``/``full_reuse``);
 4. runs the compiled model on [Re, Q without its last token] at their true positions: every site
    writes their K/V over their slots (``cache_overwrite``) and attends with the exact causal mask of
-   true positions (``attention_pos``).
+   true positions (``attention_pos``);
+5. ``a3+evict`` only: compacts each layer to S, Q and the documents that the question's attention
+   in the recompute pass ranks highest (at most ``capacity - 1`` entries).
 
-The returned cache holds one entry per position of the request but the last, so HF's ``generate``
-(or ``prefill``) computes the last question token and goes on decoding as usual. Batch size 1.
+The returned cache holds one entry per position of the request but the last (``a3+evict``: its
+kept entries), so ``prefill`` or HF's ``generate`` computes the last question token and goes on
+decoding as usual. A cache shorter than the request (``a3+evict``) must decode through
+``ChunkFusion.forward`` / ``prefill`` / ``generate``, which continue positions from the request's
+length. Batch size 1.
 """
 
 from __future__ import annotations
@@ -54,7 +59,6 @@ class _Router(ChunkFusionPolicy):
     name = "chunk_fusion"
     summary = "graphs shared by the chunk-fusion policies"
     needs_probe = True
-
     collects_votes = True
 
     def __init__(self) -> None:
@@ -285,11 +289,12 @@ class ChunkFusion:
                     raise RuntimeError(f"kvpass: the recompute pass left no votes for layer {i} (policy "
                                        f"'{self.policy.name}'); was the model compiled by this ChunkFusion?")
                 idx = self.policy.keep_after_fusion(votes, req)
-            if idx is None:
+            if idx is None:  # an expanded view: no [H_kv, L] positions materialised per layer
                 idx = torch.arange(length, device=layer.keys.device).expand(b, hkv, length)
             else:
-                layer.keys, layer.values = torch.ops.kvpass.gather_kv(layer.keys, layer.values, idx.contiguous())
-            state.set_layer(i, idx.contiguous(), length, fresh=True)
+                idx = idx.contiguous()
+                layer.keys, layer.values = torch.ops.kvpass.gather_kv(layer.keys, layer.values, idx)
+            state.set_layer(i, idx, length, fresh=True)
             kept.append(idx)
         return kept
 
