@@ -244,13 +244,14 @@ class ChunkFusion:
 
         ``a3+evict`` leaves a cache shorter than the prompt, which ``model.generate`` would misread as
         tokens still to compute: its requests decode greedily through this object's compiled forward
-        (which continues positions from the prompt's length), with ``max_new_tokens`` and
-        ``eos_token_id`` as the only options."""
+        (which continues positions from the prompt's length), with ``max_new_tokens``,
+        ``eos_token_id`` and ``do_sample=False`` as the only options."""
         if self.policy.needs_votes:
-            unknown = sorted(set(generate_kwargs) - {"max_new_tokens", "eos_token_id"})
+            unknown = sorted(set(generate_kwargs) - {"max_new_tokens", "eos_token_id", "do_sample"})
             if unknown or generate_kwargs.get("do_sample"):
                 raise ConfigError(f"policy '{self.policy.name}' decodes greedily through ChunkFusion: "
-                                  f"generate() takes max_new_tokens and eos_token_id, got {unknown}")
+                                  f"generate() takes max_new_tokens, eos_token_id and do_sample=False, got "
+                                  f"{unknown or ['do_sample=True']}")
             return self._greedy(chunks, question, system, generate_kwargs.get("max_new_tokens", 20),
                                 generate_kwargs.get("eos_token_id", self.model.config.eos_token_id))
         fused = self.prepare(chunks, question, system)

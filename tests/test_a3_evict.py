@@ -54,7 +54,7 @@ def test_capacity_above_the_request_equals_a3(model, parts, tmp_path):
         torch.testing.assert_close(mine.keys, theirs.keys)
     assert all(k.shape[-1] == len(ids) - 1 for k in fused.kept)
     # greedy generation through the compiled forward equals HF on the whole prompt (r = 1: a full prefill)
-    out = big.generate(chunks, question, system=system, max_new_tokens=5)
+    out = big.generate(chunks, question, system=system, max_new_tokens=5, do_sample=False)
     hf = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                         max_new_tokens=5, do_sample=False)
     assert out.tolist() == hf.tolist()
@@ -132,7 +132,9 @@ def test_configuration(model, tmp_path):
     fusion = _fusion(model, tmp_path)
     with pytest.raises(ConfigError, match="question of at least 2 tokens"):
         fusion.prepare([[5, 6, 7, 8]], [9])
-    with pytest.raises(ConfigError, match="max_new_tokens and eos_token_id"):
+    with pytest.raises(ConfigError, match=r"max_new_tokens, eos_token_id and do_sample=False, got \['num_beams'\]"):
         fusion.generate([[5, 6, 7, 8]], [9, 10], num_beams=2)
+    with pytest.raises(ConfigError, match="do_sample=True"):
+        fusion.generate([[5, 6, 7, 8]], [9, 10], do_sample=True)
     # the name holds a '+', yet it is one policy, not a composition of 'a3' and 'evict'
     assert repr(make_policy("a3+evict", capacity=512)) == "A3Evict(ratio=0.15, capacity=512, kernel=7)"
