@@ -42,7 +42,8 @@ class A3Evict(A3):
 
     def keep_after_fusion(self, votes: Tensor, req: FusionRequest) -> Tensor:
         b, hkv, length = votes.shape
+        kept_always = int((~req.doc[:length]).sum())  # S and Q (req.doc is on the CPU: no device sync)
+        keep = min(length, max(self.capacity - 1, kept_always))  # Q's last token comes next
         doc = req.doc[:length].to(votes.device).expand(b, hkv, length)
-        keep = min(length, max(self.capacity - 1, int((~doc[0, 0]).sum())))  # Q's last token comes next
         priority = pool(votes, doc, self.kernel, "max")
         return keep_top(priority, ~doc, torch.ones_like(doc), keep)
