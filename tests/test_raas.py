@@ -5,7 +5,7 @@
   stored tensors keep the pool's size (memory flat);
 * driven step by step: a page is evicted only when every decode page is full and it is the oldest;
   timestamps follow a hand-computed trace; representative keys bound every key of their page
-  (hypothesis);
+  (hypothesis); the batched update compiled by Inductor equals the eager one;
 * the Triton scoring kernel equals its reference under the interpreter.
 """
 
@@ -76,44 +76,50 @@ def test_long_decode_memory_bound():
     bound, evictions = 2 + 32 // 16 + 1, 0
     with torch.no_grad():
         tok = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        pool = be.state.layers[0].extra["pool"]
+        assert len(pool.layers) == len(cache.layers) and all(s.extra["pool"] is pool for s in be.state.layers.values())
         for _ in range(2000):
             tok = fwd(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            for layer in be.state.layers.values():
-                assert int(layer.extra["live"].sum(-1).max()) <= bound
-                evictions += int((layer.extra["evicted"] >= 0).sum())
+            assert int(pool.state["live"].sum(-1).max()) <= bound  # every layer's tables, stacked
+            evictions += int((pool.state["evicted"] >= 0).sum())
             assert {layer.keys.shape[-2] for layer in cache.layers} == {bound * 16}
     assert be.state.seen == 2020 and evictions > 0
+    assert "PagePool(layers=2, prefill_pages=2, decode_pages=3" in repr(pool)
 
 
 # -- driving the policy directly --------------------------------------------------------------------
 
 
 def drive(policy, k_prompt: torch.Tensor, qs, ks):
-    """Run the policy as Runtime.compact does; yields (previous extra, new extra, stored K, positions)."""
+    """Run the policy as Runtime.compact does for a one-layer model; yields (the layer's page tables
+    before the step, after it, stored K, positions)."""
     b, hkv, n, _ = k_prompt.shape
     pos = torch.arange(n).expand(b, hkv, n)
     keep, extra = policy.select(SITE, None, k_prompt, k_prompt, pos,
                                 torch.arange(n).expand(b, n), None)
+    pool = extra["pool"]
     stored = k_prompt.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, k_prompt.shape[-1]))
     pos = pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1)
     state = LayerState(pos=pos, seen=n, extra=extra)
     for q, k_new in zip(qs, ks):
+        prev = pool.layer_view(0)
         k_all = torch.cat([stored, k_new], 2)
         kv_pos = torch.cat([pos, torch.full((b, hkv, 1), state.seen)], 2)
         keep, extra = policy.select(SITE, q, k_all, k_all, kv_pos, torch.full((b, 1), state.seen), state)
         stored = k_all.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, k_all.shape[-1]))
         pos = kv_pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1)
-        prev, state = state.extra, LayerState(pos=pos, seen=state.seen + 1, extra=extra)
-        yield prev, extra, stored, pos
+        state = LayerState(pos=pos, seen=state.seen + 1, extra=extra)
+        yield prev, pool.layer_view(0), stored, pos
 
 
 def test_timestamps_follow_hand_trace():
     """One head, q = (1, 0): a page's bound is the largest first key coordinate among its tokens.
 
     Prompt: 16 zero keys (page 0). Decode token 1 has key (5, 0), all others zero; budget 16
-    (two decode pages), alpha 0.3. Page 1 (tokens 1-16) then takes ~99% of the share every step and
-    is stamped each step; page 2 (tokens 17-32) never passes alpha, so at token 33 (both decode
-    pages full) page 2 is the oldest and is evicted, although page 1 was allocated first."""
+    (two decode pages), alpha 0.3. Page 1 (tokens 16-31) then takes ~99% of the share every step and
+    is stamped each step; page 0 and page 2 (tokens 32-47) never pass alpha. After step 32 both
+    decode pages are full: page 2 (ts 32, its allocation) is the oldest and is evicted, although page
+    1 was allocated first; its tokens leave at step 33, where token 48 takes its first slot."""
     pol = make_policy("raas", budget=16, alpha=0.3)
     steps = 33
     q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
@@ -122,13 +128,13 @@ def test_timestamps_follow_hand_trace():
     trace = {}
     for i, (_, extra, _, pos) in enumerate(drive(pol, torch.zeros(1, 1, 16, 2), [q] * steps, ks), start=1):
         trace[i] = (extra["ts"][0, 0].tolist(), int(extra["evicted"][0, 0]), pos[0, 0])
-    assert trace[1][:2] == ([17, 17, 0], -1)     # page 0 was the only live page: share 1; page 1 allocated
-    assert trace[2][:2] == ([17, 18, 0], -1)     # page 1: e^5 / (1 + e^5) > 0.3; page 0 below
-    assert trace[16][:2] == ([17, 32, 0], -1)    # page 1 full
-    assert trace[17][:2] == ([17, 33, 33], -1)   # page 2 allocated from the free list, no eviction
-    assert trace[18][:2] == ([17, 34, 33], -1)   # page 2's share 1 / (2 + e^5) < 0.3
-    assert trace[32][:2] == ([17, 48, 33], -1)
-    assert trace[33][:2] == ([17, 49, 49], 2)    # both full: page 2 (ts 33) evicted, reused at once
+    assert trace[1][:2] == ([16, 17, 0], -1)     # page 1: e^5 / (1 + e^5) > 0.3 -> stamped; page 0 not
+    assert trace[2][:2] == ([16, 18, 0], -1)
+    assert trace[16][:2] == ([16, 32, 32], -1)   # page 1 full: page 2 taken from the free list (ts 32)
+    assert trace[17][:2] == ([16, 33, 32], -1)   # page 2's share 1 / (2 + e^5) < 0.3
+    assert trace[32][:2] == ([16, 48, 48], 2)    # both full: page 2 (ts 32) evicted, current again
+    assert (trace[32][2][32:48] >= 0).all()      # its tokens are still stored until the next step
+    assert trace[33][:2] == ([16, 49, 48], -1)
     pos = trace[33][2]
     assert pos[16:32].tolist() == list(range(16, 32))            # page 1 kept, true positions
     assert pos[32].item() == 48 and (pos[33:] == -1).all()       # page 2 holds only the new token
@@ -137,35 +143,75 @@ def test_timestamps_follow_hand_trace():
     assert gen.evicted_tokens == 16                              # page 2's tokens 32-47 are gone
 
 
+def test_batched_layers_equal_one_layer_each():
+    """Three layers whose page tables are updated together after each step (batch 2, eviction on)
+    hold exactly what three separate one-layer runs hold."""
+    gen = torch.Generator().manual_seed(4)
+    b, hkv, h, d, n, steps, layers = 2, 2, 4, 4, 21, 70, 3
+    prompts = [torch.randn(b, hkv, n, d, generator=gen) for _ in range(layers)]
+    qs = [[torch.randn(b, h, 1, d, generator=gen) for _ in range(steps)] for _ in range(layers)]
+    ks = [[torch.randn(b, hkv, 1, d, generator=gen) for _ in range(steps)] for _ in range(layers)]
+    alone = [list(drive(make_policy("raas", budget=16, alpha=0.05), prompts[i], qs[i], ks[i])) for i in range(layers)]
+    pol = make_policy("raas", budget=16, alpha=0.05)
+    states, stored = [], []
+    for i in range(layers):
+        pos = torch.arange(n).expand(b, hkv, n)
+        keep, extra = pol.select(SimpleNamespace(layer=i), None, prompts[i], prompts[i], pos,
+                                 torch.arange(n).expand(b, n), None)
+        stored.append(prompts[i].gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, d)))
+        states.append(LayerState(pos=pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1), seen=n, extra=extra))
+    pool, evictions = extra["pool"], 0
+    for t in range(steps):
+        for i in range(layers):
+            k_all = torch.cat([stored[i], ks[i][t]], 2)
+            kv_pos = torch.cat([states[i].pos, torch.full((b, hkv, 1), n + t)], 2)
+            keep, extra = pol.select(SimpleNamespace(layer=i), qs[i][t], k_all, k_all, kv_pos,
+                                     torch.full((b, 1), n + t), states[i])
+            stored[i] = k_all.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, d))
+            states[i] = LayerState(pos=kv_pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1), seen=n + t + 1,
+                                   extra=extra)
+        for i in range(layers):
+            _, want, want_k, want_pos = alone[i][t]
+            got = pool.layer_view(i)
+            assert all(torch.equal(got[key], want[key]) for key in want), f"layer {i}, step {t}"
+            assert torch.equal(states[i].pos, want_pos) and torch.equal(stored[i], want_k)
+        evictions += int((pool.state["evicted"] >= 0).sum())
+    assert evictions > 0
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 40), steps=st.integers(1, 60),
        budget=st.sampled_from([16, 32]), alpha=st.sampled_from([0.0, 0.05, 0.5]), b=st.integers(1, 2))
 def test_pages_invariants(seed, n, steps, budget, alpha, b):
-    """Evict only when every decode page is full, the oldest (ts, then allocation); keys in bounds."""
+    """The token lands where it was planned; evict only when every decode page is full, the oldest
+    (ts after this step's stamps, then allocation); keys in bounds; live pages are the filled ones."""
     gen = torch.Generator().manual_seed(seed)
     hkv, h, d = 2, 4, 4
     pol = make_policy("raas", budget=budget, alpha=alpha)
     qs = [torch.randn(b, h, 1, d, generator=gen) for _ in range(steps)]
     ks = [torch.randn(b, hkv, 1, d, generator=gen) * 3 for _ in range(steps)]
     bound = -(-n // 16) + budget // 16 + 1
-    for (prev, extra, stored, pos), q in zip(drive(pol, torch.randn(b, hkv, n, d, generator=gen), qs, ks), qs):
-        n_pre = extra["n_pre"]
-        ub, ts = PS.page_scores_reference(q[:, :, 0], prev["kmin"], prev["kmax"], prev["live"], prev["ts"],
-                                          alpha, int(extra["seen"]))
-        full = prev["fill"] == 16 and bool(prev["live"][:, :, n_pre:].all())
-        assert bool((extra["evicted"] >= 0).all()) == full and bool((extra["evicted"] >= 0).any()) == full
-        if full:
-            key = ts[:, :, n_pre:] * (1 << 32) + prev["born"][:, :, n_pre:]
-            assert torch.equal(extra["evicted"], key.argmin(-1) + n_pre)
-        assert int(extra["live"].sum(-1).max()) <= bound
-        assert bool(extra["live"][:, :, :n_pre].eq(prev["live"][:, :, :n_pre]).all())  # prompt pages stay
+    n_pre = -(-n // 16)
+    for t, ((prev, new, stored, pos), q) in enumerate(zip(drive(pol, torch.randn(b, hkv, n, d, generator=gen), qs, ks),
+                                                          qs)):
+        slot = prev["cur"] * 16 + prev["fill"]
+        assert bool((pos.gather(2, slot[..., None]) == n + t).all())  # the token is where it was planned
+        full = (prev["fill"] + 1 == 16) & prev["live"][:, :, n_pre:].all(-1)
+        assert torch.equal(new["evicted"] >= 0, full)
+        _, ts = PS.page_scores_reference(q[:, :, 0], new["kmin"], new["kmax"], prev["live"], prev["ts"], alpha,
+                                         n + t + 1)
+        key = ts[:, :, n_pre:] * (1 << 32) + prev["born"][:, :, n_pre:]
+        assert torch.equal(torch.where(full, key.argmin(-1) + n_pre, -1), new["evicted"])
+        assert int(new["live"].sum(-1).max()) <= bound
+        assert bool(new["live"][:, :, :n_pre].eq(prev["live"][:, :, :n_pre]).all())  # prompt pages stay
         # representative keys bound every key in their page
         pages = stored.view(b, hkv, -1, 16, d)
         filled = (pos >= 0).view(b, hkv, -1, 16, 1)
-        live = extra["live"][..., None, None]
-        assert bool(((pages >= extra["kmin"][:, :, :, None] - 1e-6) | ~filled | ~live).all())
-        assert bool(((pages <= extra["kmax"][:, :, :, None] + 1e-6) | ~filled | ~live).all())
-        assert bool(((pos >= 0).view(b, hkv, -1, 16).any(-1) == extra["live"]).all())
+        live = new["live"][..., None, None]
+        assert bool(((pages >= new["kmin"][:, :, :, None] - 1e-6) | ~filled | ~live).all())
+        assert bool(((pages <= new["kmax"][:, :, :, None] + 1e-6) | ~filled | ~live).all())
+        fresh = (torch.arange(new["live"].shape[-1]) == new["cur"][..., None]) & (new["fill"] == 0)[..., None]
+        assert bool(((pos >= 0).view(b, hkv, -1, 16).any(-1) | fresh).eq(new["live"]).all())
 
 
 @pytest.mark.parametrize("b,h,hkv,pages,d", [(2, 4, 2, 37, 16), (1, 3, 1, 5, 8), (1, 2, 2, 16, 32)])
@@ -182,34 +228,38 @@ def test_kernel_equals_reference(b, h, hkv, pages, d):
     assert torch.equal(ts_k, ts_ref) and bool((ts_ref == 99).any())
 
 
-def test_compiled_step_equals_eager():
-    """The decode step that CUDA runs compiled by Inductor equals the eager one (which CPU runs), step by
-    step through page allocation and eviction, and also on a replayed call."""
+def test_compiled_update_equals_eager():
+    """The batched page update that CUDA runs compiled by Inductor equals the eager one (which CPU
+    runs), step by step through page allocation and eviction, for three layers stacked, and also on a
+    replayed step."""
     from kvpass.policies import raas
 
     pol = make_policy("raas", budget=16, alpha=0.05)
     gen = torch.Generator().manual_seed(0)
-    b, hkv, h, d, n = 2, 2, 4, 8, 20
-    k = torch.randn(b, hkv, n, d, generator=gen)
+    b, hkv, h, d, n, layers = 2, 2, 4, 8, 20, 3
     pos = torch.arange(n).expand(b, hkv, n)
-    _, extra = pol.select(SITE, torch.randn(b, h, n, d, generator=gen), k, k, pos, torch.arange(n).expand(b, n), None)
-    compiled = raas._compiled_step()
+    for layer in range(layers):
+        k = torch.randn(b, hkv, n, d, generator=gen)
+        _, extra = pol.select(SimpleNamespace(layer=layer), None, k, k, pos, torch.arange(n).expand(b, n), None)
+    pool = extra["pool"]
+    assert pool.layers == [0, 1, 2]
+    state = base = {key: torch.cat([f[key] for f in pool.first]) for key in raas.STATE}
+    seen = torch.tensor(-1)
+    compiled = raas._compiled_update()
     evictions = 0
     for i in range(40):
         now = torch.tensor(n + i + 1)
-        args = (torch.randn(b, h, d, generator=gen), torch.randn(b, hkv, 1, d, generator=gen), now, pol.alpha,
-                extra["n_pre"], extra["slots"], extra["seen"], [extra[key] for key in raas.STATE],
-                [extra["base"][key] for key in raas.STATE])
-        want, got = raas._step(*args), compiled(*args)
-        assert torch.equal(want[0], got[0]), f"keep, step {i}"
-        for name, w, g in zip(raas.STATE, want[1] + want[2], got[1] + got[2]):
+        args = (torch.randn(layers * b, h, d, generator=gen), torch.randn(layers * b, hkv, 1, d, generator=gen), now,
+                pol.alpha, pool.n_pre, seen, [state[key] for key in raas.STATE], [base[key] for key in raas.STATE])
+        want, got = raas._update(*args), compiled(*args)
+        for name, w, g in zip(raas.STATE * 2, want[0] + want[1], got[0] + got[1]):
             assert torch.equal(w, g.to(w.dtype)), f"{name}, step {i}"
-        if i == 30:  # the same call again: it starts from the state before it, so it gives the same result
-            again = raas._step(*args[:6], now, want[1], want[2])
-            assert all(torch.equal(x, y) for x, y in zip(again[1], want[1]))
-        evictions += int((want[1][-1] >= 0).sum())
-        extra = dict(extra, **dict(zip(raas.STATE, want[1])), seen=now, base=dict(zip(raas.STATE, want[2])))
-    assert evictions > 0 and raas._COMPILED is not raas._step  # evicted, and Inductor built the step
+        if i == 30:  # the same step again: it starts from the state before it, so it gives the same result
+            again = raas._update(*args[:5], now, want[0], want[1])
+            assert all(torch.equal(x, y) for x, y in zip(again[0], want[0]))
+        evictions += int((want[0][7] >= 0).sum())
+        state, base, seen = dict(zip(raas.STATE, want[0])), dict(zip(raas.STATE, want[1])), now
+    assert evictions > 0 and raas._COMPILED is not raas._update  # evicted, and Inductor built the update
 
 
 def test_configuration_errors():

@@ -3,36 +3,49 @@
 Storage. The cache tensors the model stores are the page pool itself: after the prefill each
 global layer's K/V become ``[B, H_kv, pages * 16, D]`` with ``pages = prefill pages + budget/16 +
 1``, page ``p`` in slots ``16p .. 16p+15``. Prefill pages hold the prompt in order; the rest are
-decode pages. Per (sequence, KV head) the policy keeps a page table in ``LayerState.extra``:
-which pages are resident (``live``), each page's timestamp and allocation step, its element-wise
-min / max keys, the current decode page and its fill. Empty slots carry position -1, so
-``attention_pos`` never sees them; a decode step attends to every resident entry exactly. The pool
-is allocated once, at the prefill: memory is flat from there on, and every eviction returns a page
-that the next allocation reuses.
+decode pages. Empty slots carry position -1, so ``attention_pos`` never sees them; a decode step
+attends to every resident entry exactly. The pool is allocated once, at the prefill: memory is flat
+from there on, and every eviction frees a page that the next token's allocation reuses.
 
-Each decode step (in ``select``, after the step's attention):
+Page tables. Per (layer, sequence, KV head): which pages are resident (``live``), each page's
+timestamp and allocation step, its element-wise min / max keys, the page the next token goes to
+(``cur``) and how many tokens it holds (``fill``). One ``PagePool`` holds them for all of a
+generation's global layers, stacked as ``[L * B, H_kv, ...]``; each layer's ``LayerState.extra``
+points at the pool and its row (``pool.layer_view(i)`` gives one layer's tables).
 
-1. score: ``kvpass::page_scores`` computes Quest's upper bound of every resident page for every
-   query head, its softmax share over the resident pages, and stamps ``ts = tokens seen`` on the
-   pages whose share exceeds ``alpha`` for some query head of the KV group;
-2. place the new token: into the current decode page while it has room (its min / max keys grow);
-   otherwise a new page is taken from the free list. When all ``budget/16 + 1`` decode pages are
-   full, the full decode page with the oldest timestamp (ties: the earliest allocated) is evicted
-   first and its page reused. Prefill pages and the current partial page are never evicted.
+A decode step:
+
+* at each layer (``select``, after the step's attention): the new token goes into slot
+  ``16 cur + fill``, planned after the previous step, and a page evicted then leaves now (its
+  slots become empty; the new token takes the first one). The layer's query and new key are kept
+  for the update below. No scoring happens here: two small device ops per layer.
+* after the last global layer, once for all layers (``_update``, compiled by Inductor on CUDA):
+  1. fold the new token into its page's min / max keys;
+  2. score: ``kvpass::page_scores`` computes Quest's upper bound of every resident page for every
+     query head, its softmax share over the resident pages, and stamps ``ts = tokens seen`` on the
+     pages whose share exceeds ``alpha`` for some query head of the KV group;
+  3. plan the next token: the current page while it has room; otherwise the lowest free decode
+     page; when all ``budget/16 + 1`` decode pages are full, the one with the oldest timestamp (ties:
+     the earliest allocated) is evicted and becomes the current page. Prefill pages and the current
+     partial page are never evicted.
+
+So timestamps and evictions are batched across layers after each step: one stacked
+``page_scores`` launch and one fused update per step, where a per-layer update launched about ten
+kernels per layer (47.5 ms per step against quest's 29.2 ms on SmolLM2's 30 layers, H200,
+``bench/results/raas_quest_h200/per_layer_1024``). The eviction planned after step t uses the
+attention of steps up to t; the evicted page's entries stay readable by step t+1's attention and
+leave at step t+1's compaction, where the new token takes their place (memory never exceeds the
+pool). The update is one pure function of tensors with no branch on device values and no host
+sync; ``test_compiled_update_equals_eager`` checks the compiled and eager versions agree.
 
 Default ``alpha = 0.02``, chosen by a sweep on the long-decode task (README, ``bench/sweep_raas.py``,
 ``bench/results/raas_sweep_smollm2_cpu/``: SmolLM2-135M, 512-token prompt, 256 new tokens, budget
 64): perplexity of ``full``'s continuation 1.0842 / 1.0834 / 1.0812 / 1.0837 / 1.0835 for alpha
 0.005 / 0.01 / 0.02 / 0.05 / 0.1, greedy agreement 0.992 then 0.996. A small alpha stamps almost
 every page every step, so timestamps stop ranking pages and eviction becomes oldest-allocated-first;
-0.02 was the best value measured (a trend of one token in 256 on one prompt, not significant). Alpha is compared with a softmax share over the
-resident pages, so its natural scale is ``1 / resident pages`` (1/37 in the sweep).
-
-Cost. Steps 1 and 2 are one pure function of tensors (``_step``) with no branch on device values
-and no host sync; on CUDA it runs compiled by Inductor (a handful of fused kernels per layer, where
-eager PyTorch launched about 60: measured 58 ms per step against quest's 26 ms on SmolLM2's shape,
-H200, before the change), on other devices eagerly. ``test_compiled_step_equals_eager`` checks the
-two agree step by step.
+0.02 was the best value measured (a trend of one token in 256 on one prompt, not significant; the
+sweep predates the batched update). Alpha is compared with a softmax share over the resident pages,
+so its natural scale is ``1 / resident pages`` (1/37 in the sweep).
 
 Positions stay true: every slot's token index is in ``LayerState.pos`` and RoPE continues from the
 tokens seen. Batch > 1 works with per-(sequence, KV head) page tables. Graphs that append several
@@ -47,6 +60,7 @@ from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
 
 PAGE = 16
 _STAMP = -2  # page_scores writes this where a page passes alpha; replaced by the token count on the device
+STATE = ("fill", "cur", "live", "ts", "born", "kmin", "kmax", "evicted", "keep")
 
 
 class RaaS(Policy):
@@ -89,115 +103,172 @@ class RaaS(Policy):
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
         now = q_pos[0, -1] + 1  # tokens seen, a 0-d device tensor: int() would sync the GPU per layer and step
         if kv_pos.shape[-1] == q_pos.shape[1]:
-            return self._prefill(k, kv_pos, now)
+            return self._prefill(site.layer, k, kv_pos, now)
         extra = layer_state.extra if layer_state is not None else {}
-        if "live" not in extra or extra["slots"] != k.shape[2] - 1:
+        pool = extra.get("pool")
+        if pool is None or pool.slots != k.shape[2] - 1:
             raise RuntimeError("policy 'raas': a decode step found no page table for its cache (the cache "
                                "was not filled by a raas prefill with this backend)")
-        st, base = [extra[key] for key in STATE], [extra["base"][key] for key in STATE]
-        step = _compiled_step() if k.is_cuda else _step
-        keep, new, old = step(q[:, :, -1], k[:, :, -1:].float(), now, self.alpha, extra["n_pre"], k.shape[2] - 1,
-                              extra["seen"], st, base)
-        return keep, dict(extra, **dict(zip(STATE, new)), seen=now, base=dict(zip(STATE, old)))
+        return pool.place(extra["row"], q[:, :, -1], k[:, :, -1:], now), extra
+
+    def _prefill(self, layer: int, k, kv_pos, now):
+        pool = getattr(self, "_filling", None)
+        if pool is None or (layer in pool.layers and layer != pool.layers[-1]):
+            pool = self._filling = PagePool(self.alpha, self.decode_pages)  # a new generation's prefill
+        keep, row = pool.add(layer, k, kv_pos, now)
+        return keep, {"pool": pool, "row": row}
+
+
+class PagePool:
+    """The page tables of one generation's global layers, stacked ``[L * B, H_kv, ...]`` (layer-major).
+
+    ``add`` registers a layer at the prefill; ``place`` gives a layer's keep indices at a decode step
+    and, after the last layer of the step, runs the batched update."""
+
+    def __init__(self, alpha: float, decode_pages: int) -> None:
+        self.alpha, self.decode_pages = alpha, decode_pages
+        self.layers: list[int] = []       # graph-order layer ids, one row block each
+        self.first: list[dict] = []       # each layer's tables after the prefill, stacked at the first step
+        self.state: dict | None = None    # STATE name -> stacked tensor
+        self.base: dict | None = None     # the state before the last update (a replayed step starts there)
+        self.seen = None                  # tokens seen when the last update ran (0-d tensor)
+        self.pending: dict[int, tuple] = {}
+        self.n_pre = self.slots = 0
+
+    def __repr__(self) -> str:
+        return (f"PagePool(layers={len(self.layers)}, prefill_pages={self.n_pre}, "
+                f"decode_pages={self.decode_pages}, alpha={self.alpha})")
 
     # -- prefill ----------------------------------------------------------------------------------
-    def _prefill(self, k, kv_pos, now):
+    def add(self, layer: int, k, kv_pos, now):
         b, hkv, n, d = k.shape
         n_pre = -(-n // PAGE)
         pages = n_pre + self.decode_pages
         slots = pages * PAGE
         dev = k.device
-        idx = torch.arange(slots, device=dev)
-        keep = torch.where(idx < n, idx, -1).expand(b, hkv, slots).contiguous()
         pad = n_pre * PAGE - n
         valid = torch.nn.functional.pad(kv_pos >= 0, (0, pad), value=False).view(b, hkv, n_pre, PAGE, 1)
         kp = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(b, hkv, n_pre, PAGE, d)
-        kmin = torch.where(valid, kp, float("inf")).amin(3)
-        kmax = torch.where(valid, kp, float("-inf")).amax(3)
         live = torch.zeros(b, hkv, pages, dtype=torch.bool, device=dev)
         live[:, :, :n_pre] = valid.any(3)[..., 0]
+        live[:, :, n_pre] = True  # the first decode page, current from the first decode token on
         zeros = torch.zeros(b, hkv, self.decode_pages, d, device=dev)
+        kmin = torch.where(valid, kp, float("inf")).amin(3)
+        kmax = torch.where(valid, kp, float("-inf")).amax(3)
         kmin = torch.cat([torch.where(live[:, :, :n_pre, None], kmin, 0.0), zeros], 2)
         kmax = torch.cat([torch.where(live[:, :, :n_pre, None], kmax, 0.0), zeros], 2)
         ts = torch.zeros(b, hkv, pages, dtype=torch.long, device=dev)
-        ts[:, :, :n_pre] = now
+        ts[:, :, :n_pre + 1] = now
         born = torch.arange(pages, device=dev).expand(b, hkv, pages).clone()
         born[:, :, n_pre:] = -1
-        extra = dict(slots=slots, n_pre=n_pre, fill=torch.tensor(PAGE, device=dev),
-                     cur=torch.full((b, hkv), -1, device=dev), live=live, ts=ts, born=born, kmin=kmin,
-                     kmax=kmax, seen=now, evicted=torch.full((b, hkv), -1, device=dev))
-        extra["base"] = dict(extra)
-        return keep, extra
+        born[:, :, n_pre] = now
+        idx = torch.arange(slots, device=dev)
+        keep_now = torch.where(idx < n, idx, -1).expand(b, hkv, slots).contiguous()
+        keep_next = idx.expand(b, hkv, slots).clone()
+        keep_next[:, :, n_pre * PAGE] = slots  # the first decode token's slot
+        first = dict(fill=torch.zeros(b, hkv, dtype=torch.long, device=dev),
+                     cur=torch.full((b, hkv), n_pre, device=dev), live=live, ts=ts, born=born, kmin=kmin,
+                     kmax=kmax, evicted=torch.full((b, hkv), -1, device=dev), keep=keep_next)
+        if self.layers and self.layers[-1] == layer:  # the same prefill call again: replace it
+            self.layers.pop(), self.first.pop()
+        self.layers.append(layer)
+        self.first.append(first)
+        self.state = self.base = self.seen = None
+        self.n_pre, self.slots, self.pending = n_pre, slots, {}
+        return keep_now, len(self.layers) - 1
+
+    # -- decode -----------------------------------------------------------------------------------
+    def place(self, row: int, q, k_new, now):
+        """The keep indices of layer ``row`` at this step (``[B, H_kv, slots]``, ``slots`` = the new
+        token, -1 = empty); after the last layer of the step, the batched update."""
+        if self.state is None:  # the first decode step: stack the layers' prefill tables
+            self.state = {key: torch.cat([f[key] for f in self.first]) for key in STATE}
+            self.base, self.seen, self.first = self.state, torch.zeros_like(now) - 1, []
+        b = q.shape[0]
+        rows = slice(row * b, (row + 1) * b)
+        # a replay (this step's update already ran: seen == now) uses the keep planned before it
+        keep = torch.where(self.seen == now, self.base["keep"][rows], self.state["keep"][rows])
+        self.pending[row] = (q, k_new)
+        if len(self.pending) == len(self.layers):
+            qs, ks = zip(*(self.pending[i] for i in range(len(self.layers))))
+            step = _compiled_update() if q.is_cuda else _update
+            new, old = step(torch.cat(qs), torch.cat(ks), now, self.alpha, self.n_pre, self.seen,
+                            [self.state[key] for key in STATE], [self.base[key] for key in STATE])
+            self.state, self.base, self.seen, self.pending = dict(zip(STATE, new)), dict(zip(STATE, old)), now, {}
+        return keep
+
+    def layer_view(self, row: int) -> dict:
+        """One layer's page tables (``STATE`` name -> ``[B, H_kv, ...]``), as of the last update."""
+        state = self.state if self.state is not None else {k: torch.cat([f[k] for f in self.first]) for k in STATE}
+        b = state["fill"].shape[0] // len(self.layers)
+        return {key: t[row * b:(row + 1) * b] for key, t in state.items()}
 
 
-# -- decode: one step is a pure function of tensors, compiled by Inductor on CUDA ----------------
+# -- the batched update: a pure function of tensors, compiled by Inductor on CUDA ------------------
 
-STATE = ("fill", "cur", "live", "ts", "born", "kmin", "kmax", "evicted")
+def _update(q, knew, now, alpha: float, n_pre: int, seen, st: list, base: list):
+    """One step's page-table update for every layer at once, without a branch on device values.
 
-
-def _step(q, knew, now, alpha: float, n_pre: int, slots: int, seen, st: list, base: list):
-    """One decode step of the page table, without a branch on device values.
-
-    ``q [B, H, D]`` is the step's (scaled) query, ``knew [B, H_kv, 1, D]`` its key (fp32), ``now`` the
-    tokens seen (0-d), ``st`` / ``base`` the STATE tensors after and before the previous call. A replay
-    of the same call (``seen == now``: the operator run again on the same inputs) starts again from
-    ``base``. Then: timestamps by ``kvpass::page_scores``, and the token placed. "Room in the current
-    page" and "take a page, evicting the oldest full decode page when none is free" are both computed
-    and selected, so no step waits for the GPU. Returns (keep, new STATE, the STATE it started from).
-    """
-    replay = seen == now
-    old = [torch.where(replay, before, after) for after, before in zip(st, base)]
-    fill, cur, live, ts, born, kmin, kmax, _ = old
-    b, hkv, pages = live.shape
+    ``q [R, H, D]`` are the step's (scaled) queries and ``knew [R, H_kv, 1, D]`` its new keys, one row
+    per (layer, sequence); ``now`` the tokens seen (0-d); ``st`` / ``base`` the STATE tensors after and
+    before the previous update. A replay of the same step (``seen == now``) starts again from ``base``.
+    The token was placed at slot ``16 cur + fill``; fold it into its page's bounds, stamp by
+    ``kvpass::page_scores``, and plan the next token's page ("room in the current page" and "take a
+    page, evicting the oldest full decode page when none is free" are both computed and selected).
+    Returns (new STATE, the STATE it started from)."""
+    old = [torch.where(seen == now, before, after) for after, before in zip(st, base)]
+    fill, cur, live, ts, born, kmin, kmax, _, _ = old
+    r, hkv, pages = live.shape
     d = knew.shape[-1]
     dev = knew.device
+    knew = knew.float()
+    c = cur[..., None]
+    cd = c[..., None].expand(r, hkv, 1, d)
+    first = (fill == 0)[..., None, None]  # the page's first token sets its bounds
+    kmin = kmin.scatter(2, cd, torch.where(first, knew, torch.minimum(kmin.gather(2, cd), knew)))
+    kmax = kmax.scatter(2, cd, torch.where(first, knew, torch.maximum(kmax.gather(2, cd), knew)))
+    fill = fill + 1
     _, ts = torch.ops.kvpass.page_scores(q, kmin, kmax, live, ts, alpha, _STAMP)
     ts = torch.where(ts == _STAMP, now, ts)  # the operator marks the pages to stamp; `now` stays on the device
-    new_page = fill >= PAGE  # the current decode page is full (or none was taken yet)
+    new_page = fill >= PAGE
     dec = torch.arange(pages, device=dev) >= n_pre  # decode pages; prompt pages are never evicted
-    dec_live = live | ~dec
-    evict = new_page & dec_live.all(-1)  # [B, H_kv]: no free decode page left
+    free = ~live & dec
+    evict = new_page & ~free.any(-1)
     key = torch.where(live & dec, ts * (1 << 32) + born, torch.iinfo(torch.long).max)
-    victim = key.argmin(-1, keepdim=True)  # the oldest timestamp, then the earliest allocated
-    live = live.scatter(2, victim, live.gather(2, victim) & ~evict[..., None])
-    evicted = torch.where(evict, victim[..., 0], -1)
-    # the page the new token goes to: the lowest free decode page, or the current one
-    free = (~live & dec).long().argmax(-1)
-    c = torch.where(new_page, free, cur)[..., None]
-    live = live.scatter(2, c, True)
-    ts = ts.scatter(2, c, torch.where(new_page, now, ts.gather(2, c)))
-    born = born.scatter(2, c, torch.where(new_page, now, born.gather(2, c)))
-    cd = c[..., None].expand(b, hkv, 1, d)
-    kmin = kmin.scatter(2, cd, torch.where(new_page, knew, torch.minimum(kmin.gather(2, cd), knew)))
-    kmax = kmax.scatter(2, cd, torch.where(new_page, knew, torch.maximum(kmax.gather(2, cd), knew)))
-    keep = torch.arange(slots, device=dev).expand(b, hkv, slots).clone()
-    page_slots = c * PAGE + torch.arange(PAGE, device=dev)
-    keep.scatter_(2, page_slots, torch.where(new_page, -1, page_slots))  # a new page's old entries leave
-    fill = torch.where(new_page, 1, fill + 1)
-    keep.scatter_(2, c * PAGE + fill - 1, slots)  # the new token's slot (``slots`` is its index in k)
-    return keep, [fill, c[..., 0], live, ts, born, kmin, kmax, evicted], old
+    victim = key.argmin(-1)  # the oldest timestamp, then the earliest allocated
+    nxt = torch.where(new_page, torch.where(evict, victim, free.long().argmax(-1)), cur)[..., None]
+    live = live.scatter(2, nxt, True)
+    ts = ts.scatter(2, nxt, torch.where(new_page[..., None], now, ts.gather(2, nxt)))
+    born = born.scatter(2, nxt, torch.where(new_page[..., None], now, born.gather(2, nxt)))
+    evicted = torch.where(evict, victim, -1)
+    fill = torch.where(new_page, 0, fill)
+    slots = pages * PAGE
+    idx = torch.arange(slots, device=dev)
+    keep = torch.where((idx // PAGE == evicted[..., None]), -1, idx)  # the evicted page's entries leave
+    keep = keep.scatter(2, nxt * PAGE + fill[..., None], slots)       # the next token's slot
+    return [fill, nxt[..., 0], live, ts, born, kmin, kmax, evicted, keep], old
 
 
 _COMPILED = None
 
 
-def _compiled_step():
-    """``_step`` compiled once per process (shapes dynamic); falls back to eager, with one warning, if
-    Inductor cannot build it."""
+def _compiled_update():
+    """``_update`` compiled once per process (shapes dynamic); falls back to eager, with one warning,
+    if Inductor cannot build it."""
     global _COMPILED
     if _COMPILED is None:
-        compiled = torch.compile(_step, dynamic=True, fullgraph=True)
+        compiled = torch.compile(_update, dynamic=True, fullgraph=True)
 
         def run(*args):
             global _COMPILED
             try:
                 return compiled(*args)
-            except Exception as exc:  # noqa: BLE001 - any compile failure: the eager step is exact
+            except Exception as exc:  # noqa: BLE001 - any compile failure: the eager update is exact
                 from kvpass.backend import warn_once
 
-                warn_once(f"kvpass: raas's compiled decode step failed ({type(exc).__name__}: {exc}); "
+                warn_once(f"kvpass: raas's compiled page update failed ({type(exc).__name__}: {exc}); "
                           "running it eagerly (slower, same result)")
-                _COMPILED = _step
-                return _step(*args)
+                _COMPILED = _update
+                return _update(*args)
         _COMPILED = run
     return _COMPILED
