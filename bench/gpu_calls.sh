@@ -6,8 +6,9 @@
 #   call 3 (carry .dev/c2 .dev/w, within 30 s of call 1 or of `gpu_calls.sh 0` carrying .dev/c1): the rest
 #   (the carry limit is 64 MiB, so the model's two halves always travel in two calls)
 #   call 4 (carry .dev/skel): random weights only, what the tree has not yet run on a GPU
-#   calls 5a-5e, back to back: 5a (carry .dev/c3 .dev/c1/site), 5b (.dev/c4), 5c (.dev/c5), 5d (.dev/c6)
-#   stage Gemma-3's four GGUF parts; 5e (carry .dev/w .dev/llama3-8b-shape) runs issue 5's Gemma-3
+#   calls 5a-5e, back to back, carrying .dev/g1 ... .dev/g5: five 52 MiB pieces of one tar of Gemma-3's
+#   GGUF parts, .dev/c1/site, .dev/w and .dev/llama3-8b-shape (a config of Llama-3-8B's shape with
+#   SmolLM2's tokenizer; the tree plus one carry must stay under 64 MiB); 5e assembles it and runs issue 5's Gemma-3
 #   sweep on two GPUs (run it as LIMIT=470 bash bench/gpu_calls.sh 5e), raas against quest (batched page updates) with tests/gpu/test_gpu_raas.py, and
 #   full / snapkv / sablock in one process on a random-weight Llama of Llama-3-8B's shape
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
@@ -22,19 +23,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 T='python -m pytest -v --tb=short -rfE -p no:cacheprovider'
 deadline=$(( $(date +%s) + limit - 60 ))
 case "${1:?call 0-5e}" in
-  5a) mkdir -p /tmp/gm/site && cp -r .dev/c3/* .dev/c1/site/* /tmp/gm/site/ && nvidia-smi -L ;;
-  5b) cp -r .dev/c4/* /tmp/gm/site/ ;;
-  5c) cp -r .dev/c5/* /tmp/gm/site/ ;;
-  5d) cp -r .dev/c6/* /tmp/gm/site/ && ls /tmp/gm/site ;;
+  5a|5b|5c|5d) mkdir -p /tmp/gm && cp .dev/g*/gm.part.* /tmp/gm/ && ls /tmp/gm ;;
   5e)  # (LIMIT=470: the lanes start after the model's conversion, within the call's 600 s)
-    pip install -q --no-deps --target /tmp/gm/tf523 .dev/w/transformers-5.23.0-py3-none-any.whl
+    cp .dev/g5/gm.part.* /tmp/gm/ && cat /tmp/gm/gm.part.* | tar x -C /tmp/gm && rm /tmp/gm/gm.part.*
+    pip install -q --no-deps --target /tmp/gm/tf523 /tmp/gm/w/transformers-5.23.0-py3-none-any.whl
     export PYTHONPATH=/tmp/gm/tf523:$PWD:/tmp/gm/site KVPASS_CACHE=/tmp/gm/cache
     python -c "from kvpass import models; models.load('gemma3-270m')"   # convert once, before the lanes
     bash bench/lanes.sh "$out" "$limit" \
       'MODEL=gemma3-270m BUDGETS="64 96" bash bench/eviction_accuracy.sh $LANE/acc' \
       'MODEL=gemma3-270m BUDGETS="128 256 1024" FULL=0 bash bench/eviction_accuracy.sh $LANE/acc' \
       "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $((deadline - 150)); $T tests/gpu/test_gpu_raas.py" \
-      'python bench/bench_eviction.py --skeleton .dev/llama3-8b-shape --out $LANE/ev8b --lengths 32768,131072 --policies full,snapkv,sablock' ;;
+      'python bench/bench_eviction.py --skeleton /tmp/gm/llama3-8b-shape --out $LANE/ev8b --lengths 32768,131072 --policies full,snapkv,sablock' ;;
   1)
     mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/
     export PYTHONPATH=$PWD:/tmp/kv/site
