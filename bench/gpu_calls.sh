@@ -11,6 +11,8 @@
 #   SmolLM2's tokenizer; the tree plus one carry must stay under 64 MiB); 5e assembles it and runs issue 5's Gemma-3
 #   sweep on two GPUs (run it as LIMIT=470 bash bench/gpu_calls.sh 5e), raas against quest (batched page updates) with tests/gpu/test_gpu_raas.py, and
 #   full / snapkv / sablock in one process on a random-weight Llama of Llama-3-8B's shape
+#   call 6 (carry .dev/llama3-8b-shape .dev/c1/site): raas vs quest alone, tests/gpu/test_gpu_raas.py,
+#   the 8B-shape rows with full beside snapkv and beside sablock in two lanes
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
 #   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
 #   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
@@ -34,6 +36,15 @@ case "${1:?call 0-5e}" in
       'MODEL=gemma3-270m BUDGETS="128 256 1024" FULL=0 bash bench/eviction_accuracy.sh $LANE/acc' \
       "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $((deadline - 150)); $T tests/gpu/test_gpu_raas.py" \
       'python bench/bench_eviction.py --skeleton /tmp/gm/llama3-8b-shape --out $LANE/ev8b --lengths 32768,131072 --policies full,snapkv,sablock' ;;
+  6)  # (carry .dev/llama3-8b-shape .dev/c1/site) what call 5e's shared machine cut short: raas against quest
+      # alone on a GPU, tests/gpu/test_gpu_raas.py, and the 8B-shape eviction rows (full beside each policy)
+    export PYTHONPATH=$PWD:$PWD/.dev/c1/site
+    ev="python bench/bench_eviction.py --skeleton .dev/llama3-8b-shape --lengths 32768,131072 --new-tokens 64"
+    bash bench/lanes.sh "$out" "$limit" \
+      "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $deadline" \
+      "$T tests/gpu/test_gpu_raas.py" \
+      "$ev --policies full,snapkv --out \$LANE/ev8b" \
+      "$ev --policies full,sablock --out \$LANE/ev8b" ;;
   1)
     mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/
     export PYTHONPATH=$PWD:/tmp/kv/site
