@@ -24,7 +24,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.exc import BackendCompilerFailed
 from transformers import CompileConfig, DynamicCache, StaticCache
 
 import kvpass

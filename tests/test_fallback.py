@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import StaticCache
 
 import kvpass
 from kvpass.backend import _WARNED
