@@ -243,7 +243,7 @@ def test_compiled_update_equals_eager():
         _, extra = pol.select(SimpleNamespace(layer=layer), None, k, k, pos, torch.arange(n).expand(b, n), None)
     pool = extra["pool"]
     assert pool.layers == [0, 1, 2]
-    state = base = {key: torch.cat([f[key] for f in pool.first]) for key in raas.STATE}
+    state = base = pool.prefill_state()
     seen = torch.tensor(-1)
     compiled = raas._compiled_update()
     evictions = 0

@@ -182,7 +182,7 @@ class PagePool:
         """The keep indices of layer ``row`` at this step (``[B, H_kv, slots]``, ``slots`` = the new
         token, -1 = empty); after the last layer of the step, the batched update."""
         if self.state is None:  # the first decode step: stack the layers' prefill tables
-            self.state = {key: torch.cat([f[key] for f in self.first]) for key in STATE}
+            self.state = self.prefill_state()
             self.base, self.seen, self.first = self.state, torch.zeros_like(now) - 1, []
         b = q.shape[0]
         rows = slice(row * b, (row + 1) * b)
@@ -197,9 +197,13 @@ class PagePool:
             self.state, self.base, self.seen, self.pending = dict(zip(STATE, new)), dict(zip(STATE, old)), now, {}
         return keep
 
+    def prefill_state(self) -> dict:
+        """Every layer's tables after the prefill, stacked (``STATE`` name -> ``[L * B, H_kv, ...]``)."""
+        return {key: torch.cat([f[key] for f in self.first]) for key in STATE}
+
     def layer_view(self, row: int) -> dict:
         """One layer's page tables (``STATE`` name -> ``[B, H_kv, ...]``), as of the last update."""
-        state = self.state if self.state is not None else {k: torch.cat([f[k] for f in self.first]) for k in STATE}
+        state = self.state if self.state is not None else self.prefill_state()
         b = state["fill"].shape[0] // len(self.layers)
         return {key: t[row * b:(row + 1) * b] for key, t in state.items()}
 
