@@ -71,13 +71,12 @@ def build_model(preset: str, max_len: int, dtype, device):
 
 def state_bytes(be) -> int:
     """Bytes of every tensor the policy keeps in the generation state (positions, page tables, bounds)."""
-    total = 0
+    total, ptrs = 0, set()
     for layer in be.state.layers.values():
         seen = [layer.pos] + [v for v in layer.extra.values() if isinstance(v, torch.Tensor)]
-        base = layer.extra.get("base")  # raas keeps the previous step's state for replays
-        if isinstance(base, dict):
-            seen += [v for v in base.values() if isinstance(v, torch.Tensor)]
-        ptrs = set()
+        pool = layer.extra.get("pool")  # raas: one PagePool holds every layer's tables (and the previous
+        if pool is not None:              # step's, for replays), counted once through the pointers below
+            seen += [t for tables in (pool.state, pool.base) if tables for t in tables.values()]
         for t in seen:
             if t.data_ptr() not in ptrs:
                 ptrs.add(t.data_ptr())

@@ -13,6 +13,10 @@
 #   full / snapkv / sablock in one process on a random-weight Llama of Llama-3-8B's shape
 #   call 6 (carry .dev/llama3-8b-shape .dev/c1/site): raas vs quest alone, tests/gpu/test_gpu_raas.py,
 #   the 8B-shape rows with full beside snapkv and beside sablock in two lanes
+#   call 7 (one GPU, nothing carried): after raas's in-place pool write and the slot-attention kernel,
+#   tests/gpu/test_gpu_raas.py and test_gpu_a3.py, then raas against quest in one process (1,024 steps)
+#   call 8 (four GPUs, nothing carried): issue 6's 16,384-step run, full / quest / raas one per lane,
+#   and a3's TTFT with the slot-attention kernel beside the rest of tests/gpu
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
 #   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
 #   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
@@ -45,6 +49,18 @@ case "${1:?call 0-5e}" in
       "$T tests/gpu/test_gpu_raas.py" \
       "$ev --policies full,snapkv --out \$LANE/ev8b" \
       "$ev --policies full,sablock --out \$LANE/ev8b" ;;
+  7)
+    export PYTHONPATH=$PWD
+    $T tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py > "$out/tests.log" 2>&1; tail -5 "$out/tests.log"
+    python bench/bench_raas.py --policies raas,quest --steps 1024 --out "$out/raas" --deadline $deadline \
+      > "$out/raas.log" 2>&1; tail -8 "$out/raas.log" ;;
+  8)
+    export PYTHONPATH=$PWD
+    bash bench/lanes.sh "$out" "$limit" \
+      "python bench/bench_raas.py --policies full --out \$LANE/raas --deadline $deadline; $T tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_asl.py" \
+      "python bench/bench_raas.py --policies quest --out \$LANE/raas --deadline $deadline" \
+      "python bench/bench_raas.py --policies raas --out \$LANE/raas --deadline $deadline" \
+      "python bench/bench_a3.py --out \$LANE/a3 --policies full,a3,cacheblend --reps 2; python bench/bench_raas.py --policies raas,quest --steps 2048 --out \$LANE/rq --deadline $deadline" ;;
   1)
     mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/
     export PYTHONPATH=$PWD:/tmp/kv/site

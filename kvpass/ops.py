@@ -68,6 +68,14 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
     writes recomputed K/V over stored ones with the second. ``triton_op``s: Triton on CUDA, the
     ``*_ref`` operators elsewhere.
 
+``kvpass::step_position(k_pool, handle, site) -> q_pos [B, 1]`` and
+``kvpass::pool_write(k_pool!, v_pool!, k_new, v_new, q, q_pos, handle, site) -> kv_pos``
+    The decode step of a pool site (``SitePlan.pool``, raas): the new token's true position (read
+    from the layer's record), then the policy writes the token's K/V into a slot of the stored pool
+    in place (the graph stores the mutated pool; nothing is concatenated or gathered) and returns
+    every slot's position after the write. The write depends only on its inputs and the policy's
+    plan for the step, so a replayed call writes the same slot.
+
 ``kvpass::cache_overwrite(k_past, v_past, k_new, v_new, handle, site) -> (k, v, kv_pos, q_pos)``
     Chunk fusion's cache update: the new tokens are written over the cache slots named by the
     generation state's ``fusion`` slots (their true positions: a merged cache is stored in position
@@ -76,8 +84,10 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
 
 ``kvpass::attention_slots(q, k, v, q_pos, scale, softcap)``
     ``attention_pos`` over a merged cache whose slot ``j`` holds position ``j`` (chunk fusion's
-    recompute graph): key ``j`` is visible to query ``i`` when ``j <= q_pos[b, i]``. On CUDA one
-    additive mask serves every head, so SDPA's fused masked kernels run it.
+    recompute graph): key ``j`` is visible to query ``i`` when ``j <= q_pos[b, i]``
+    (``kvpass.kernels.slot_attention``). A ``triton_op``: on CUDA a FlashAttention-style Triton kernel
+    that derives the mask from ``q_pos`` and skips the slots past each query tile,
+    ``kvpass::attention_slots_ref`` elsewhere.
 
 ``kvpass::true_positions(pos, handle)``
     Replaces position ids that the model derived from the (compressed) cache length with the
@@ -96,6 +106,7 @@ from kvpass.kernels import decode_attention as _decode
 from kvpass.kernels import gather as _gather
 from kvpass.kernels import page_scores as _pscores
 from kvpass.kernels import rope as _rope
+from kvpass.kernels import slot_attention as _slots
 from kvpass.kernels import window_scores as _wscores
 from kvpass.runtime import past_length
 
@@ -471,6 +482,28 @@ def _(k_past, v_past, k_new, v_new, handle, site):
 
 
 
+
+@torch.library.custom_op("kvpass::step_position", mutates_args=())
+def step_position(k_pool: Tensor, handle: int, site: int) -> Tensor:
+    return runtime.get(handle).step_position(site, k_pool)
+
+
+@step_position.register_fake
+def _(k_pool, handle, site):
+    return k_pool.new_empty((k_pool.shape[0], 1), dtype=torch.long)
+
+
+@torch.library.custom_op("kvpass::pool_write", mutates_args=("k_pool", "v_pool"))
+def pool_write(k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q: Tensor, q_pos: Tensor,
+               handle: int, site: int) -> Tensor:
+    return runtime.get(handle).pool_write(site, q, k_pool, v_pool, k_new, v_new, q_pos)
+
+
+@pool_write.register_fake
+def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site):
+    return k_pool.new_empty(k_pool.shape[:3], dtype=torch.long)
+
+
 @torch.library.custom_op("kvpass::fusion_votes", mutates_args=())
 def fusion_votes(out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float, softcap: float, handle: int,
                  site: int) -> Tensor:
@@ -501,41 +534,25 @@ def attention_slots_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, sc
     return attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, 0)
 
 
-@torch.library.custom_op("kvpass::attention_slots", mutates_args=())
-def attention_slots(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
-    return attention_slots_reference(q, k, v, q_pos, scale, softcap)
+@torch.library.custom_op("kvpass::attention_slots_ref", mutates_args=())
+def attention_slots_ref(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
+    return _slots.slot_attention_reference(q, k, v, q_pos, scale, softcap)
 
 
-@attention_slots.register_fake
+@attention_slots_ref.register_fake
 def _(q, k, v, q_pos, scale, softcap):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
-SLOT_MASK_ELEMENTS = 1 << 28   # mask entries one SDPA call of attention_slots materialises (one per head group)
-
-
-@attention_slots.register_kernel("cuda")
-def _attention_slots_cuda(q, k, v, q_pos, scale, softcap):
-    """One additive mask ``[B, 1, rows, L]`` shared by all heads (not one per head, as a per-KV-head
-    position mask needs) and K/V repeated to the query heads, so SDPA's fused masked kernels
-    (memory-efficient / cuDNN) serve it; GQA with a mask would otherwise fall back to the math kernel."""
-    if softcap > 0:
-        return attention_slots_reference(q, k, v, q_pos, scale, softcap)
-    b, h, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if h != hkv:
-        k = k[:, :, None].expand(b, hkv, h // hkv, lk, k.shape[-1]).reshape(b, h, lk, k.shape[-1])
-        v = v[:, :, None].expand(b, hkv, h // hkv, lk, v.shape[-1]).reshape(b, h, lk, v.shape[-1])
-    slots = torch.arange(lk, device=q.device)
-    rows = max(1, SLOT_MASK_ELEMENTS // max(1, b * lk))
-    outs = []
-    for s in range(0, lq, rows):
-        visible = slots[None, None, :] <= q_pos[:, s:s + rows, None]            # [B, rows, L]
-        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, s:s + rows], k, v, attn_mask=bias[:, None], scale=scale))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.contiguous()
+@torch.library.triton_op("kvpass::attention_slots", mutates_args=())
+def attention_slots(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention of queries at true positions ``q_pos`` over a merged cache whose slot ``j`` holds
+    position ``j``; see ``kvpass.kernels.slot_attention``. Triton on CUDA (a FlashAttention-style
+    kernel that skips the slots past each query tile and builds no mask), the reference operator
+    elsewhere."""
+    if q.device.type == "cuda" and _slots.triton is not None and scale > 0:
+        return _slots.slot_attention_triton(q, k, v, q_pos, scale, softcap, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.attention_slots_ref(q, k, v, q_pos, scale, softcap)
 
 
 OPS = {
@@ -559,6 +576,9 @@ OPS = {
     "scatter_rows": scatter_rows,
     "scatter_rows_ref": scatter_rows_ref,
     "cache_overwrite": cache_overwrite,
+    "step_position": step_position,
+    "pool_write": pool_write,
     "attention_slots": attention_slots,
+    "attention_slots_ref": attention_slots_ref,
     "fusion_votes": fusion_votes,
 }

@@ -10,7 +10,10 @@ Per site, one of two shapes (DESIGN.md section 1):
   mask), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
   Position ids the model derived from the cache length pass through ``true_positions``.
 
-A third shape, ``overwrite`` (chunk fusion, ``kvpass.fusion``), is selected by a plan whose
+A pool shape (``SitePlan.pool``, raas's decode steps): ``pool_write`` writes the new token into a slot
+of the stored pool in place, ``decode_attention`` reads the pool, and the pool itself is stored.
+
+A fourth shape, ``overwrite`` (chunk fusion, ``kvpass.fusion``), is selected by a plan whose
 ``overwrite`` attribute is true: the ``torch.cat`` pair becomes ``cache_overwrite`` (the new tokens
 written over their slots of a merged cache, same length), attention becomes ``attention_slots`` (the
 exact causal mask by true positions: slot j is position j), and the overwritten tensors are what the cache stores.
@@ -153,6 +156,25 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
         _erase(graph, [old])
 
 
+def _pool_write(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
+    """A pool policy's decode step (raas): the new token is written into a slot of the stored pool in
+    place (``pool_write``) and the pool is read by ``decode_attention`` (exact unless the plan reads
+    with ART). The graph stores the mutated pool tensors themselves: no concatenation, no compaction."""
+    q, scale = _query_and_scale(graph, site)
+    with graph.inserting_before(site.out):
+        q_pos = graph.call_function(OPS.step_position.default, (site.k_past, handle, site.layer))
+        q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+        kv_pos = graph.call_function(OPS.pool_write.default, (
+            site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.layer))
+        att = _decode_read(graph, site, read or DecodeRead(), handle, q, site.k_past, site.v_past, None, kv_pos,
+                           q_pos, scale, site.sliding_window or 0)
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    for old, new in ((site.k, site.k_past), (site.v, site.v_past)):
+        old.replace_all_uses_with(new)  # the graph stores the pool it wrote into
+        _erase(graph, [old])
+
+
 def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
     """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask;
     with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
@@ -162,8 +184,8 @@ def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
-        # slot j holds position j: attention_slots is attention_pos with that known, so on CUDA one
-        # additive mask serves every head (SDPA fused kernels instead of a per-KV-head mask)
+        # slot j holds position j: attention_slots is attention_pos with that known, so on CUDA a
+        # FlashAttention-style kernel masks by position and skips key blocks past each query tile
         att = graph.call_function(OPS.attention_slots.default, (q, k_all, v_all, q_pos, scale, site.softcap))
         if votes:
             att = graph.call_function(OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap,
@@ -219,6 +241,9 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
         read = plan.read
         if getattr(plan, "overwrite", False):
             _overwrite(graph, site, handle, getattr(plan, "votes", False))
+        elif plan.pool and site.phase != "prefill":
+            _pool_write(graph, site, read, handle)
+            evicting.append(site)
         elif plan.evict or (plan.append and _model_mask(site)[0] is not None):
             # (an appending site whose mask is not plain causal keeps the exact path: a padding mask is
             # sized by true lengths, not by what the shrunk cache stores)

@@ -110,6 +110,24 @@ class Runtime:
             st.extra = policy_extra
         return k_out, v_out
 
+    def step_position(self, site: int, k_pool: Tensor) -> Tensor:
+        """``[B, 1]``: the true position of a pool site's new token (the tokens its layer has seen)."""
+        st = self.state.layer(site)
+        if st is None or tuple(st.pos.shape) != (k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]):
+            raise RuntimeError(f"policy '{self.policy.name}': a decode step found no page pool for its cache "
+                               "(the cache was not filled by this policy's prefill with this backend)")
+        seen = torch.as_tensor(st.seen, device=k_pool.device)
+        return seen.reshape(1, 1).expand(k_pool.shape[0], 1).contiguous()
+
+    def pool_write(self, site: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor,
+                   q_pos: Tensor) -> Tensor:
+        """A pool site's decode step: the policy writes the new token into the pool in place; the layer
+        records the pool's positions after the write and the tokens seen."""
+        st = self.state.layer(site)
+        pos = self.policy.write(self.sites[site], q, k_pool, v_pool, k_new, v_new, q_pos, st)
+        self.state.set_layer(site, pos, q_pos[0, -1] + 1, fresh=False)
+        return pos
+
     def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:
         """Accumulate blocks read / blocks present of one decode attention call (ART statistics)."""
         read, total = self.visits.get(site, (0, 0))

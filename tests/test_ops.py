@@ -599,6 +599,51 @@ def test_opcheck_scatter_rows_ref():
     opcheck("scatter_rows_ref", _scatter_args())
 
 
+
+def _raas_pool(steps: int):
+    """A raas runtime after a 20-token prefill of one layer and ``steps`` decode steps (budget 16)."""
+    be = kvpass.backend("raas", compiler="eager", budget=16, alpha=0.05)
+    site = SimpleNamespace(layer=SITE, phase="decode", sliding_window=None, cache="dynamic")
+    be.runtime.sites[SITE] = site
+    gen = torch.Generator().manual_seed(15)
+    k_new, v_new = _randn((B, HKV, 20, D), gen, torch.float32), _randn((B, HKV, 20, D), gen, torch.float32)
+    k, v, kv_pos, q_pos = OP.cache_update(torch.tensor([]), torch.tensor([]), k_new, v_new, None, be.runtime.handle,
+                                          SITE)
+    k_pool, v_pool = OP.compact(_randn((B, H, 20, D), gen, torch.float32), k, v, kv_pos, q_pos, be.runtime.handle,
+                                SITE)
+    for _ in range(steps):
+        q_pos = OP.step_position(k_pool, be.runtime.handle, SITE)
+        OP.pool_write(k_pool, v_pool, _randn((B, HKV, 1, D), gen, torch.float32),
+                      _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, H, 1, D), gen, torch.float32), q_pos,
+                      be.runtime.handle, SITE)
+    return be, k_pool, v_pool, gen
+
+
+def test_opcheck_step_position():
+    be, k_pool, _, _ = _raas_pool(3)
+    opcheck("step_position", (k_pool, be.runtime.handle, SITE))
+    assert OP.step_position(k_pool, be.runtime.handle, SITE).tolist() == [[23]] * B
+
+
+@pytest.mark.parametrize("steps", [0, 27])   # 27: the pool's decode pages are full, the step evicts
+def test_opcheck_pool_write(steps):
+    """The in-place write of a raas decode step: opcheck replays it; a replay writes the same slot."""
+    be, k_pool, v_pool, gen = _raas_pool(steps)
+    handle = be.runtime.handle
+    q_pos = OP.step_position(k_pool, handle, SITE)
+    args = (k_pool, v_pool, _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, HKV, 1, D), gen, torch.float32),
+            _randn((B, H, 1, D), gen, torch.float32), q_pos, handle, SITE)
+    opcheck("pool_write", args)
+    before = k_pool.clone()
+    pos = OP.pool_write(*args)
+    slot = (pos == 20 + steps).nonzero()
+    assert slot.shape[0] == B * HKV                                   # one slot per (row, head) holds the token
+    assert torch.equal(k_pool[slot[:, 0], slot[:, 1], slot[:, 2]], args[2].reshape(B * HKV, D))
+    changed = (k_pool != before).any(-1)
+    assert int(changed.sum()) <= B * HKV                              # nothing else was written
+    assert torch.equal(OP.pool_write(*args), pos)                     # a replay of the step
+
+
 def test_opcheck_cache_overwrite():
     import kvpass
     be = kvpass.backend("pie", compiler="eager")        # chunk fusion: new tokens overwrite their slots
@@ -619,6 +664,17 @@ def test_opcheck_attention_slots():
     kv_pos = torch.arange(9).expand(B, HKV, 9)
     torch.testing.assert_close(OPS["attention_slots"](q, k, v, q_pos, 0.3, 0.0),
                                OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 0.0, 0))
+
+
+def test_opcheck_attention_slots_ref():
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = _randn((B, H, 4, D), gen, torch.float32), _randn((B, HKV, 9, D), gen, torch.float32), \
+        _randn((B, HKV, 9, D), gen, torch.float32)
+    q_pos = torch.tensor([[-1, 2, 6, 8], [0, 4, 5, 12]])      # a row that sees nothing, one past the cache
+    opcheck("attention_slots_ref", (q, k, v, q_pos, 0.3, 2.5))
+    kv_pos = torch.arange(9).expand(B, HKV, 9)
+    torch.testing.assert_close(OPS["attention_slots_ref"](q, k, v, q_pos, 0.3, 2.5),
+                               OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 2.5, 0))
 
 
 def test_opcheck_fusion_votes():

@@ -90,26 +90,33 @@ def test_long_decode_memory_bound():
 # -- driving the policy directly --------------------------------------------------------------------
 
 
-def drive(policy, k_prompt: torch.Tensor, qs, ks):
-    """Run the policy as Runtime.compact does for a one-layer model; yields (the layer's page tables
-    before the step, after it, stored K, positions)."""
-    b, hkv, n, _ = k_prompt.shape
+def prefill(policy, layer: int, k_prompt: torch.Tensor):
+    """Lay a prompt out as the layer's pool, as Runtime.compact does; returns (stored K, layer state)."""
+    b, hkv, n, d = k_prompt.shape
     pos = torch.arange(n).expand(b, hkv, n)
-    keep, extra = policy.select(SITE, None, k_prompt, k_prompt, pos,
+    keep, extra = policy.select(SimpleNamespace(layer=layer), None, k_prompt, k_prompt, pos,
                                 torch.arange(n).expand(b, n), None)
-    pool = extra["pool"]
-    stored = k_prompt.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, k_prompt.shape[-1]))
-    pos = pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1)
-    state = LayerState(pos=pos, seen=n, extra=extra)
+    stored = k_prompt.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, d))
+    return stored, LayerState(pos=pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1), seen=n, extra=extra)
+
+
+def step(policy, layer: int, stored: torch.Tensor, state: LayerState, q, k_new) -> LayerState:
+    """One decode step of one layer, as Runtime.pool_write does: ``stored`` (K and V alike) is written
+    in place; returns the layer's new state."""
+    q_pos = torch.full((stored.shape[0], 1), state.seen)
+    pos = policy.write(SimpleNamespace(layer=layer), q, stored, stored, k_new, k_new, q_pos, state)
+    return LayerState(pos=pos, seen=state.seen + 1, extra=state.extra)
+
+
+def drive(policy, k_prompt: torch.Tensor, qs, ks):
+    """A one-layer model's prefill and decode steps; yields (the page tables before the step, after
+    it, stored K, positions)."""
+    stored, state = prefill(policy, 0, k_prompt)
+    pool = state.extra["pool"]
     for q, k_new in zip(qs, ks):
         prev = pool.layer_view(0)
-        k_all = torch.cat([stored, k_new], 2)
-        kv_pos = torch.cat([pos, torch.full((b, hkv, 1), state.seen)], 2)
-        keep, extra = policy.select(SITE, q, k_all, k_all, kv_pos, torch.full((b, 1), state.seen), state)
-        stored = k_all.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, k_all.shape[-1]))
-        pos = kv_pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1)
-        state = LayerState(pos=pos, seen=state.seen + 1, extra=extra)
-        yield prev, pool.layer_view(0), stored, pos
+        state = step(policy, 0, stored, state, q, k_new)
+        yield prev, pool.layer_view(0), stored.clone(), state.pos
 
 
 def test_timestamps_follow_hand_trace():
@@ -119,7 +126,8 @@ def test_timestamps_follow_hand_trace():
     (two decode pages), alpha 0.3. Page 1 (tokens 16-31) then takes ~99% of the share every step and
     is stamped each step; page 0 and page 2 (tokens 32-47) never pass alpha. After step 32 both
     decode pages are full: page 2 (ts 32, its allocation) is the oldest and is evicted, although page
-    1 was allocated first; its tokens leave at step 33, where token 48 takes its first slot."""
+    1 was allocated first; its tokens leave at step 33's write, where token 48 takes its first slot
+    (before step 33's attention reads the pool)."""
     pol = make_policy("raas", budget=16, alpha=0.3)
     steps = 33
     q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
@@ -153,23 +161,11 @@ def test_batched_layers_equal_one_layer_each():
     ks = [[torch.randn(b, hkv, 1, d, generator=gen) for _ in range(steps)] for _ in range(layers)]
     alone = [list(drive(make_policy("raas", budget=16, alpha=0.05), prompts[i], qs[i], ks[i])) for i in range(layers)]
     pol = make_policy("raas", budget=16, alpha=0.05)
-    states, stored = [], []
-    for i in range(layers):
-        pos = torch.arange(n).expand(b, hkv, n)
-        keep, extra = pol.select(SimpleNamespace(layer=i), None, prompts[i], prompts[i], pos,
-                                 torch.arange(n).expand(b, n), None)
-        stored.append(prompts[i].gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, d)))
-        states.append(LayerState(pos=pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1), seen=n, extra=extra))
-    pool, evictions = extra["pool"], 0
+    stored, states = map(list, zip(*(prefill(pol, i, prompts[i]) for i in range(layers))))
+    pool, evictions = states[0].extra["pool"], 0
     for t in range(steps):
         for i in range(layers):
-            k_all = torch.cat([stored[i], ks[i][t]], 2)
-            kv_pos = torch.cat([states[i].pos, torch.full((b, hkv, 1), n + t)], 2)
-            keep, extra = pol.select(SimpleNamespace(layer=i), qs[i][t], k_all, k_all, kv_pos,
-                                     torch.full((b, 1), n + t), states[i])
-            stored[i] = k_all.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, d))
-            states[i] = LayerState(pos=kv_pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1), seen=n + t + 1,
-                                   extra=extra)
+            states[i] = step(pol, i, stored[i], states[i], qs[i][t], ks[i][t])
         for i in range(layers):
             _, want, want_k, want_pos = alone[i][t]
             got = pool.layer_view(i)
@@ -237,11 +233,9 @@ def test_compiled_update_equals_eager():
     pol = make_policy("raas", budget=16, alpha=0.05)
     gen = torch.Generator().manual_seed(0)
     b, hkv, h, d, n, layers = 2, 2, 4, 8, 20, 3
-    pos = torch.arange(n).expand(b, hkv, n)
     for layer in range(layers):
-        k = torch.randn(b, hkv, n, d, generator=gen)
-        _, extra = pol.select(SimpleNamespace(layer=layer), None, k, k, pos, torch.arange(n).expand(b, n), None)
-    pool = extra["pool"]
+        _, state = prefill(pol, layer, torch.randn(b, hkv, n, d, generator=gen))
+    pool = state.extra["pool"]
     assert pool.layers == [0, 1, 2]
     state = base = pool.prefill_state()
     seen = torch.tensor(-1)

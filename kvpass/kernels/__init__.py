@@ -9,4 +9,9 @@
 * ``gather``: compaction of the kept KV entries into fresh contiguous tensors (``kvpass::gather_kv``).
 
 * ``page_scores``: Quest's page upper bounds and RaaS's softmax-share timestamps (``kvpass::page_scores``).
+
+* ``slot_attention``: chunk fusion's recompute attention, queries at true positions over a merged
+  cache whose slot j holds position j (``kvpass::attention_slots``).
+* ``rope``: RoPE re-rotation of stored keys and the scatter of recomputed rows (``kvpass::rope_rotate``,
+  ``kvpass::scatter_rows``).
 """

@@ -83,6 +83,9 @@ class SitePlan:
     # the graph only appends to a cache the policy already shrank: the model updates its own cache and
     # only positions are fixed (no per-layer kvpass operator); a site with a padding mask still evicts
     append: bool = False
+    # a decode step writes the new token into a slot of the stored pool in place (``kvpass::pool_write``,
+    # ``Policy.write``) and reads the pool; nothing is concatenated or compacted (raas)
+    pool: bool = False
 
     def describe(self, phase: str = "") -> str:
         """One line for reports; ``phase`` is the graph's (a prefill's eviction shape keeps ``attention``
@@ -91,6 +94,8 @@ class SitePlan:
         read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, "
                 f"horizon={r.horizon})"
                 if r is not None else None)
+        if self.pool:
+            return f"pool: step_position + pool_write (in place) + {read or 'decode_attention (exact)'}"
         if self.evict:
             att = "attention (the model's mask)" if phase == "prefill" else "attention_pos"
             return f"evict: cache_update + {read or att} + compact"
@@ -143,6 +148,14 @@ class Policy:
         A policy whose plan sets ``SitePlan.tokens`` also receives ``tokens=`` (the input ids of the
         call, ``[B, L_new]``) and must accept that keyword."""
         return None
+
+    def write(self, site, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state):
+        """Decode step of a site planned ``SitePlan.pool``: write ``k_new`` / ``v_new`` ``[B, H_kv, 1, D]``
+        into a slot of the stored ``k_pool`` / ``v_pool`` in place and return the positions of every
+        slot after the write (``[B, H_kv, slots]``, -1 = empty); ``q`` is the step's scaled query and
+        ``q_pos [B, 1]`` the new token's true position. Calling it twice for the same step must give
+        the same result (operators are replayed)."""
+        raise NotImplementedError(f"policy '{self.name}' plans no pool sites")
 
     # -- identity -------------------------------------------------------------------------------
     def key(self) -> str:

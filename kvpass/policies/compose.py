@@ -50,13 +50,17 @@ class Composed(Policy):
         if len(reads) > 1:
             return "two members both set how decode attention reads the cache"
         return SitePlan(attention=any(p.attention for p in plans), evict=any(p.evict for p in plans),
-                        read=reads[0] if reads else None, tokens=any(p.tokens for p in plans))
+                        read=reads[0] if reads else None, tokens=any(p.tokens for p in plans),
+                        pool=any(p.pool for p in plans))
 
     def stored_length(self, site, total):
         return self.evictor.stored_length(site, total) if self.evictor else total
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, **extra):
         return self.evictor.select(site, q, k, v, kv_pos, q_pos, layer_state, **extra) if self.evictor else None
+
+    def write(self, site, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state):
+        return self.evictor.write(site, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state)
 
     def key(self) -> str:
         return "+".join(m.key() for m in self.members)

@@ -15,10 +15,14 @@ points at the pool and its row (``pool.layer_view(i)`` gives one layer's tables)
 
 A decode step:
 
-* at each layer (``select``, after the step's attention): the new token goes into slot
-  ``16 cur + fill``, planned after the previous step, and a page evicted then leaves now (its
-  slots become empty; the new token takes the first one). The layer's query and new key are kept
-  for the update below. No scoring happens here: two small device ops per layer.
+* at each layer, before its attention (``write``, through ``kvpass::pool_write``): the new token's
+  K/V are written in place into slot ``16 cur + fill`` of the pool, planned after the previous
+  step, and a page evicted then leaves now (its slots become empty; the new token takes the first
+  one). Attention then reads the pool by position (``kvpass::decode_attention``). The layer's query
+  and new key are kept for the update below. No scoring happens here: a few small device ops, and
+  no copy of the pool (the first version concatenated the token and compacted the result back,
+  two copies and about ten more launches per layer: 31.6 ms per step against quest's 25.8 ms on
+  SmolLM2, H200, ``bench/results/raas_quest_h200/batched_1024``).
 * after the last global layer, once for all layers (``_update``, compiled by Inductor on CUDA):
   1. fold the new token into its page's min / max keys;
   2. score: ``kvpass::page_scores`` computes Quest's upper bound of every resident page for every
@@ -33,10 +37,10 @@ So timestamps and evictions are batched across layers after each step: one stack
 ``page_scores`` launch and one fused update per step, where a per-layer update launched about ten
 kernels per layer (47.5 ms per step against quest's 29.2 ms on SmolLM2's 30 layers, H200,
 ``bench/results/raas_quest_h200/per_layer_1024``). The eviction planned after step t uses the
-attention of steps up to t; the evicted page's entries stay readable by step t+1's attention and
-leave at step t+1's compaction, where the new token takes their place (memory never exceeds the
-pool). The update is one pure function of tensors with no branch on device values and no host
-sync; ``test_compiled_update_equals_eager`` checks the compiled and eager versions agree.
+attention of steps up to t; the evicted page's entries leave at step t+1's write, where the new
+token takes their place, before step t+1's attention (memory never exceeds the pool). The update
+is one pure function of tensors with no branch on device values and no host sync;
+``test_compiled_update_equals_eager`` checks the compiled and eager versions agree.
 
 Default ``alpha = 0.02``, chosen by a sweep on the long-decode task (README, ``bench/sweep_raas.py``,
 ``bench/results/raas_sweep_smollm2_cpu/``: SmolLM2-135M, 512-token prompt, 256 new tokens, budget
@@ -60,7 +64,7 @@ from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
 
 PAGE = 16
 _STAMP = -2  # page_scores writes this where a page passes alpha; replaced by the token count on the device
-STATE = ("fill", "cur", "live", "ts", "born", "kmin", "kmax", "evicted", "keep")
+STATE = ("fill", "cur", "live", "ts", "born", "kmin", "kmax", "evicted", "next")
 
 
 class RaaS(Policy):
@@ -89,40 +93,45 @@ class RaaS(Policy):
         if site.cache != "dynamic":
             return (f"layer {site.layer}: raas keeps its page pool in a DynamicCache; "
                     f"this graph uses a {site.cache} cache")
-        if site.phase not in ("prefill", "decode"):
+        if site.phase == "decode":
+            from kvpass.rewrite import decode_read_problem
+            why = decode_read_problem(site)
+            if why is not None:
+                return f"layer {site.layer}: raas decode steps write into the page pool and read it for one token; {why}"
+            return SitePlan(attention=True, pool=True)
+        if site.phase != "prefill":
             raise NotImplementedError(
                 f"policy 'raas' supports prefill graphs and one-token decode graphs; layer {site.layer} is in a "
                 f"'{site.phase}' graph (several tokens appended to a filled cache, or a dynamic query length)")
         return SitePlan(attention=True, evict=True)
 
     def stored_length(self, site, total):
-        if site.phase == "prefill":
-            return ((total + PAGE - 1) // PAGE + self.decode_pages) * PAGE
-        return total - 1  # decode: the new token goes into a slot of the pool
+        return ((total + PAGE - 1) // PAGE + self.decode_pages) * PAGE  # the prefill lays out the pool
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
-        now = q_pos[0, -1] + 1  # tokens seen, a 0-d device tensor: int() would sync the GPU per layer and step
-        if kv_pos.shape[-1] == q_pos.shape[1]:
-            return self._prefill(site.layer, k, kv_pos, now)
+        """The prefill: lay the prompt out as the pool's prefill pages and register the layer."""
+        if kv_pos.shape[-1] != q_pos.shape[1]:
+            raise RuntimeError("policy 'raas': a decode step reached compact; raas decode steps write into "
+                               "the pool (pool_write)")
+        pool = getattr(self, "_filling", None)
+        if pool is None or (site.layer in pool.layers and site.layer != pool.layers[-1]):
+            pool = self._filling = PagePool(self.alpha, self.decode_pages)  # a new generation's prefill
+        keep, row = pool.add(site.layer, k, kv_pos, q_pos[0, -1] + 1)
+        return keep, {"pool": pool, "row": row}
+
+    def write(self, site, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state):
         extra = layer_state.extra if layer_state is not None else {}
         pool = extra.get("pool")
-        if pool is None or pool.slots != k.shape[2] - 1:
+        if pool is None or pool.slots != k_pool.shape[2]:
             raise RuntimeError("policy 'raas': a decode step found no page table for its cache (the cache "
                                "was not filled by a raas prefill with this backend)")
-        return pool.place(extra["row"], q[:, :, -1], k[:, :, -1:], now), extra
-
-    def _prefill(self, layer: int, k, kv_pos, now):
-        pool = getattr(self, "_filling", None)
-        if pool is None or (layer in pool.layers and layer != pool.layers[-1]):
-            pool = self._filling = PagePool(self.alpha, self.decode_pages)  # a new generation's prefill
-        keep, row = pool.add(layer, k, kv_pos, now)
-        return keep, {"pool": pool, "row": row}
+        return pool.write(extra["row"], q[:, :, -1], k_pool, v_pool, k_new, v_new, q_pos, layer_state.pos)
 
 
 class PagePool:
     """The page tables of one generation's global layers, stacked ``[L * B, H_kv, ...]`` (layer-major).
 
-    ``add`` registers a layer at the prefill; ``place`` gives a layer's keep indices at a decode step
+    ``add`` registers a layer at the prefill; ``write`` places a layer's new token at a decode step
     and, after the last layer of the step, runs the batched update."""
 
     def __init__(self, alpha: float, decode_pages: int) -> None:
@@ -164,30 +173,37 @@ class PagePool:
         born[:, :, n_pre] = now
         idx = torch.arange(slots, device=dev)
         keep_now = torch.where(idx < n, idx, -1).expand(b, hkv, slots).contiguous()
-        keep_next = idx.expand(b, hkv, slots).clone()
-        keep_next[:, :, n_pre * PAGE] = slots  # the first decode token's slot
+        nxt = torch.tensor([n_pre * PAGE, -1], device=dev).expand(b, hkv, 2).contiguous()  # slot, evicted page
         first = dict(fill=torch.zeros(b, hkv, dtype=torch.long, device=dev),
                      cur=torch.full((b, hkv), n_pre, device=dev), live=live, ts=ts, born=born, kmin=kmin,
-                     kmax=kmax, evicted=torch.full((b, hkv), -1, device=dev), keep=keep_next)
+                     kmax=kmax, evicted=torch.full((b, hkv), -1, device=dev), next=nxt)
         if self.layers and self.layers[-1] == layer:  # the same prefill call again: replace it
             self.layers.pop(), self.first.pop()
         self.layers.append(layer)
         self.first.append(first)
         self.state = self.base = self.seen = None
         self.n_pre, self.slots, self.pending = n_pre, slots, {}
+        self.page_of = idx // PAGE
         return keep_now, len(self.layers) - 1
 
     # -- decode -----------------------------------------------------------------------------------
-    def place(self, row: int, q, k_new, now):
-        """The keep indices of layer ``row`` at this step (``[B, H_kv, slots]``, ``slots`` = the new
-        token, -1 = empty); after the last layer of the step, the batched update."""
+    def write(self, row: int, q, k_pool, v_pool, k_new, v_new, q_pos, pos):
+        """Layer ``row``'s decode step: the new token goes into its planned slot of ``k_pool`` / ``v_pool``
+        (in place), the page evicted for it (if any) leaves; returns the slots' positions after the
+        write (``pos`` before it). After the last layer of the step, the batched update."""
+        now = q_pos[0, -1] + 1  # tokens seen, a 0-d device tensor: int() would sync the GPU per layer and step
         if self.state is None:  # the first decode step: stack the layers' prefill tables
             self.state = self.prefill_state()
             self.base, self.seen, self.first = self.state, torch.zeros_like(now) - 1, []
-        b = q.shape[0]
+        b, hkv, _, d = k_pool.shape
         rows = slice(row * b, (row + 1) * b)
-        # a replay (this step's update already ran: seen == now) uses the keep planned before it
-        keep = torch.where(self.seen == now, self.base["keep"][rows], self.state["keep"][rows])
+        # a replay (this step's update already ran: seen == now) uses the plan made before it
+        nxt = torch.where(self.seen == now, self.base["next"][rows], self.state["next"][rows])
+        slot, evicted = nxt[..., :1], nxt[..., 1:]
+        at = slot[..., None].expand(b, hkv, 1, d)
+        k_pool.scatter_(2, at, k_new.to(k_pool.dtype))
+        v_pool.scatter_(2, at, v_new.to(v_pool.dtype))
+        pos = torch.where(self.page_of == evicted, -1, pos).scatter_(2, slot, q_pos[:, None].expand(b, hkv, 1))
         self.pending[row] = (q, k_new)
         if len(self.pending) == len(self.layers):
             qs, ks = zip(*(self.pending[i] for i in range(len(self.layers))))
@@ -195,7 +211,7 @@ class PagePool:
             new, old = step(torch.cat(qs), torch.cat(ks), now, self.alpha, self.n_pre, self.seen,
                             [self.state[key] for key in STATE], [self.base[key] for key in STATE])
             self.state, self.base, self.seen, self.pending = dict(zip(STATE, new)), dict(zip(STATE, old)), now, {}
-        return keep
+        return pos
 
     def prefill_state(self) -> dict:
         """Every layer's tables after the prefill, stacked (``STATE`` name -> ``[L * B, H_kv, ...]``)."""
@@ -216,7 +232,7 @@ def _update(q, knew, now, alpha: float, n_pre: int, seen, st: list, base: list):
     ``q [R, H, D]`` are the step's (scaled) queries and ``knew [R, H_kv, 1, D]`` its new keys, one row
     per (layer, sequence); ``now`` the tokens seen (0-d); ``st`` / ``base`` the STATE tensors after and
     before the previous update. A replay of the same step (``seen == now``) starts again from ``base``.
-    The token was placed at slot ``16 cur + fill``; fold it into its page's bounds, stamp by
+    The token was written at slot ``16 cur + fill``; fold it into its page's bounds, stamp by
     ``kvpass::page_scores``, and plan the next token's page ("room in the current page" and "take a
     page, evicting the oldest full decode page when none is free" are both computed and selected).
     Returns (new STATE, the STATE it started from)."""
@@ -246,11 +262,8 @@ def _update(q, knew, now, alpha: float, n_pre: int, seen, st: list, base: list):
     born = born.scatter(2, nxt, torch.where(new_page[..., None], now, born.gather(2, nxt)))
     evicted = torch.where(evict, victim, -1)
     fill = torch.where(new_page, 0, fill)
-    slots = pages * PAGE
-    idx = torch.arange(slots, device=dev)
-    keep = torch.where((idx // PAGE == evicted[..., None]), -1, idx)  # the evicted page's entries leave
-    keep = keep.scatter(2, nxt * PAGE + fill[..., None], slots)       # the next token's slot
-    return [fill, nxt[..., 0], live, ts, born, kmin, kmax, evicted, keep], old
+    plan = torch.stack([nxt[..., 0] * PAGE + fill, evicted], -1)  # the next token's slot, the page it evicts
+    return [fill, nxt[..., 0], live, ts, born, kmin, kmax, evicted, plan], old
 
 
 _COMPILED = None

@@ -3,8 +3,9 @@
 * the RoPE rotation kernel equals its reference at real sizes (layers x KV heads up to 256 rows,
   16k-32k positions, head_dim 64/128, partial rotary, fp32/bf16) and through ``kvpass::rope_rotate``;
 * the scatter kernel equals its reference at real sizes and through ``kvpass::scatter_rows``;
-* ``kvpass::attention_slots`` (the recompute pass's attention) on CUDA equals its reference;
-* under ``torch.compile`` Inductor launches both kernels itself (``triton_op``);
+* ``kvpass::attention_slots`` (the recompute pass's attention, ``kvpass.kernels.slot_attention``) on
+  CUDA equals its reference;
+* under ``torch.compile`` Inductor launches the three kernels itself (``triton_op``);
 * ``ChunkFusion`` on CUDA with Inductor: a3 with r = 1 equals a full prefill, and a3 at r = 0.15
   on a longer request keeps the cache's shape and the store's entries on the GPU.
 """
@@ -60,7 +61,7 @@ def test_scatter_kernel_equals_reference(m, n, k, d):
 
 @pytest.mark.parametrize("h,hkv,lq,lk,d", [(32, 8, 4900, 32800, 128), (32, 8, 700, 4200, 64), (8, 8, 33, 1000, 128)])
 def test_attention_slots_cuda_equals_reference(h, hkv, lq, lk, d):
-    """The recompute pass's attention: one additive mask for all heads through SDPA (fused kernels)."""
+    """The recompute pass's attention (the Triton slot-attention kernel) at real sizes."""
     g = torch.Generator(device=DEV).manual_seed(lq)
     q = torch.randn(1, h, lq, d, device=DEV, generator=g, dtype=torch.bfloat16)
     k = torch.randn(1, hkv, lk, d, device=DEV, generator=g, dtype=torch.bfloat16)
@@ -78,15 +79,24 @@ def test_inductor_launches_the_kernels():
     cos, sin = _tables(2048, 128)
     idx = torch.arange(0, 2048, 7, device=DEV)
 
-    def f(x, cos, sin, idx):
-        y = torch.ops.kvpass.rope_rotate(x, cos, sin)
-        return torch.ops.kvpass.scatter_rows(y, idx, x[:, : idx.numel()] * 2)
+    q_pos = idx[None]
 
-    got, codes = run_and_get_code(torch.compile(f, backend="inductor"), x, cos, sin, idx)
+    def f(x, cos, sin, idx, q_pos):
+        y = torch.ops.kvpass.rope_rotate(x, cos, sin)
+        kv = torch.ops.kvpass.scatter_rows(y, idx, x[:, : idx.numel()] * 2)
+        att = torch.ops.kvpass.attention_slots(kv[None, :32, : idx.numel()], kv[None, :8], kv[None, 8:16], q_pos,
+                                               0.08, 0.0)
+        return kv, att
+
+    (got, att), codes = run_and_get_code(torch.compile(f, backend="inductor"), x, cos, sin, idx, q_pos)
     assert any("_kvpass_rope_kernel" in c for c in codes), "Inductor did not launch the rotation kernel"
     assert any("_kvpass_scatter_kernel" in c for c in codes), "Inductor did not launch the scatter kernel"
+    assert any("_kvpass_slot_attention_kernel" in c for c in codes), "Inductor did not launch slot attention"
     want = K.scatter_reference(K.rotate_reference(x, cos, sin), idx, x[:, : idx.numel()] * 2)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    want_att = attention_slots_reference(want[None, :32, : idx.numel()], want[None, :8], want[None, 8:16], q_pos,
+                                         0.08, 0.0)
+    torch.testing.assert_close(att.float(), want_att.float(), atol=2e-2, rtol=2e-2)
 
 
 def _request(n_chunks, chunk, seed=0):
