@@ -17,6 +17,8 @@
 #   tests/gpu/test_gpu_raas.py and test_gpu_a3.py, then raas against quest in one process (1,024 steps)
 #   call 8 (four GPUs, nothing carried): issue 6's 16,384-step run, full / quest / raas one per lane,
 #   and a3's TTFT with the slot-attention kernel beside the rest of tests/gpu
+#   call 9 (two GPUs, nothing carried): quest's 16,384 steps alone (call 8 stopped it at 9,024), and the
+#   tests/gpu files call 8 cut short, then raas against quest in one process (2,048 steps)
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
 #   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
 #   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
@@ -61,6 +63,11 @@ case "${1:?call 0-5e}" in
       "python bench/bench_raas.py --policies quest --out \$LANE/raas --deadline $deadline" \
       "python bench/bench_raas.py --policies raas --out \$LANE/raas --deadline $deadline" \
       "python bench/bench_a3.py --out \$LANE/a3 --policies full,a3,cacheblend --reps 2; python bench/bench_raas.py --policies raas,quest --steps 2048 --out \$LANE/rq --deadline $deadline" ;;
+  9)
+    export PYTHONPATH=$PWD
+    bash bench/lanes.sh "$out" "$limit" \
+      "python bench/bench_raas.py --policies quest --out \$LANE/raas --deadline $deadline" \
+      "$T tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_asl.py; python bench/bench_raas.py --policies raas,quest --steps 2048 --out \$LANE/rq --deadline $deadline" ;;
   1)
     mkdir -p /tmp/kv && cp -r .dev/c1/* /tmp/kv/
     export PYTHONPATH=$PWD:/tmp/kv/site
