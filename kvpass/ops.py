@@ -481,8 +481,6 @@ def _(k_past, v_past, k_new, v_new, handle, site):
             k_new.new_empty((b, hkv, lp), dtype=torch.long), k_new.new_empty((b, ln), dtype=torch.long))
 
 
-
-
 @torch.library.custom_op("kvpass::step_position", mutates_args=())
 def step_position(k_pool: Tensor, handle: int, site: int) -> Tensor:
     return runtime.get(handle).step_position(site, k_pool)

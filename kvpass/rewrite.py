@@ -241,7 +241,7 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
         read = plan.read
         if getattr(plan, "overwrite", False):
             _overwrite(graph, site, handle, getattr(plan, "votes", False))
-        elif plan.pool and site.phase != "prefill":
+        elif plan.pool:
             _pool_write(graph, site, read, handle)
             evicting.append(site)
         elif plan.evict or (plan.append and _model_mask(site)[0] is not None):

@@ -436,8 +436,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (int(n) - 1).bit_length())
+def pow2(n: int, lo: int = 16) -> int:
+    """The smallest power of two >= ``n`` and >= ``lo`` (Triton block and padding sizes); the kvpass
+    kernels all size their ``*_PAD`` extents with it."""
+    return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
 
 
 def _cdiv(a, b):
@@ -547,7 +549,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         *p_strides, page_table.stride(0) if page_table is not None else 0,
         block_map.stride(0) if block_map is not None else 0, block_map.stride(1) if block_map is not None else 0)
     meta = dict(
-        GROUP=h // hkv, G_PAD=_pow2(h // hkv), D=d, D_PAD=_pow2(d), BLOCK=block, PAGE=page,
+        GROUP=h // hkv, G_PAD=pow2(h // hkv), D=d, D_PAD=pow2(d), BLOCK=block, PAGE=page,
         ORDER=ORDER_MAP if block_map is not None else order, HAS_MASK=mask is not None,
         HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, SOFTCAP=softcap > 0,
         PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, UPCAST=upcast, CHUNK=chunk,
@@ -561,5 +563,5 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         kernel[(b, hkv, n_splits)](*common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split),
                                    AFTER_ART=False, **meta)
     if split:
-        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, D=dv, D_PAD=_pow2(dv))
+        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, D=dv, D_PAD=pow2(dv))
     return out, visited.sum(-1, dtype=torch.int32)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpass.kernels.decode_attention import pow2
+
 try:
     import triton
     import triton.language as tl
@@ -45,10 +47,6 @@ if triton is not None:
         tl.store(Out + dst, x, mask=mask)
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (int(n) - 1).bit_length())
-
-
 def gather_triton(src: Tensor, idx: Tensor, block: int = 64, num_warps: int = 4, launch=None) -> Tensor:
     """Launch the gather kernel; arguments and result as ``gather_reference``."""
     if triton is None:  # pragma: no cover
@@ -63,5 +61,5 @@ def gather_triton(src: Tensor, idx: Tensor, block: int = 64, num_warps: int = 4,
         return out
     wrap(_kvpass_gather_kernel)[(b * hkv, (n + block - 1) // block)](
         src, idx, out, n, src.stride(0), src.stride(1), src.stride(2), idx.stride(0), idx.stride(1),
-        idx.stride(2), HKV=hkv, D=d, D_PAD=_pow2(d), BLOCK=block, num_warps=num_warps)
+        idx.stride(2), HKV=hkv, D=d, D_PAD=pow2(d), BLOCK=block, num_warps=num_warps)
     return out

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpass.kernels.decode_attention import pow2
+
 try:
     import triton
     import triton.language as tl
@@ -110,10 +112,6 @@ if triton is not None:
             tl.store(TsOut + row, tl.where(hit, now, old).to(tl.int64), mask=pi < n_pages)
 
 
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (int(n) - 1).bit_length())
-
-
 def page_scores_triton(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float, now: int,
                        block_p: int = 16, launch=None) -> tuple[Tensor, Tensor]:
     """Launch the page-scoring kernel; arguments and results as ``page_scores_reference``."""
@@ -133,5 +131,5 @@ def page_scores_triton(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: 
     wrap(_kvpass_page_scores_kernel)[(b * hkv,)](
         q, kmin, kmax, live8, ts, ub, ts_out, n_pages, float(alpha), int(now),
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        HKV=hkv, G=g, G_PAD=_pow2(g), D=d, D_PAD=_pow2(d, 16), BLOCK_P=block_p)
+        HKV=hkv, G=g, G_PAD=pow2(g, 1), D=d, D_PAD=pow2(d), BLOCK_P=block_p)
     return ub, ts_out

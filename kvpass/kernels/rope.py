@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpass.kernels.decode_attention import pow2
+
 try:
     import triton
     import triton.language as tl
@@ -53,10 +55,6 @@ def rope_inverse_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 def scatter_reference(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
     """A copy of ``dst [M, N, D]`` with rows ``idx [n]`` (distinct) replaced by ``src [M, n, D]``."""
     return dst.index_copy(1, idx.long(), src.to(dst.dtype)).contiguous()
-
-
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
 
 
 if triton is not None:
@@ -120,7 +118,7 @@ def rotate_triton(x: Tensor, cos: Tensor, sin: Tensor, block: int = 32, rows: in
         return out
     grid = ((m + rows - 1) // rows, (length + block - 1) // block)
     wrap(_kvpass_rope_kernel)[grid](x, cos, sin, out, m, length, x.stride(0), x.stride(1), cos.stride(0),
-                                    HALF=half, D=d, HALF_PAD=_pow2(half, 16), PASS_PAD=_pow2(d - 2 * half, 16),
+                                    HALF=half, D=d, HALF_PAD=pow2(half), PASS_PAD=pow2(d - 2 * half),
                                     ROWS=rows, BLOCK=block, num_warps=num_warps)
     return out
 
@@ -140,6 +138,6 @@ def scatter_triton(dst: Tensor, idx: Tensor, src: Tensor, block: int = 64, num_w
         return out
     idx = idx.contiguous()
     wrap(_kvpass_scatter_kernel)[(m, (n + block - 1) // block)](
-        src, idx, out, n, src.stride(0), src.stride(1), out.stride(0), out.stride(1), D=d, D_PAD=_pow2(d, 16),
+        src, idx, out, n, src.stride(0), src.stride(1), out.stride(0), out.stride(1), D=d, D_PAD=pow2(d),
         BLOCK=block, num_warps=num_warps)
     return out

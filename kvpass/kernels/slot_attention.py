@@ -47,7 +47,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvpass.kernels.decode_attention import interpreting
+from kvpass.kernels.decode_attention import interpreting, pow2
 
 try:
     import triton
@@ -195,10 +195,6 @@ if triton is not None:
                  out.to(Out.dtype.element_ty), mask=rmask[:, None] & dvmask[None, :])
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (int(n) - 1).bit_length())
-
-
 def default_config(d: int, dtype: torch.dtype) -> dict:
     """Launch parameters by head dim and element size (H100/H200, bf16/fp16 at D = 128: 128 x 64 tiles,
     8 warps, 3 stages); ``bench/bench_slot_attention.py`` sweeps the alternatives."""
@@ -246,6 +242,6 @@ def slot_attention_triton(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale:
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), q_pos.stride(0), q_pos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H=h, GROUP=h // hkv, D=d, D_PAD=_pow2(d), DV=dv, DV_PAD=_pow2(dv), BLOCK_M=block_m, BLOCK_N=block_n,
+        H=h, GROUP=h // hkv, D=d, D_PAD=pow2(d), DV=dv, DV_PAD=pow2(dv), BLOCK_M=block_m, BLOCK_N=block_n,
         SOFTCAP=softcap > 0, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -33,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvpass.kernels.decode_attention import interpreting
+from kvpass.kernels.decode_attention import interpreting, pow2
 
 try:
     import triton
@@ -133,10 +133,6 @@ if triton is not None:
             tl.store(Out + bh.to(tl.int64) * n_keys + n, col, mask=nmask)
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (int(n) - 1).bit_length())
-
-
 def window_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
                          softcap: float = 0.0, block: int = 64, rows: int = 64, num_warps: int = 4,
                          launch=None) -> Tensor:
@@ -155,7 +151,7 @@ def window_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, sc
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     group = h // hkv
     n_rows = group * w
-    rows = min(_pow2(n_rows), _pow2(rows))
+    rows = min(pow2(n_rows), pow2(rows))
     n_blocks = (n + block - 1) // block
     part_m = torch.empty((b * hkv, n_blocks, n_rows), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -164,7 +160,7 @@ def window_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, sc
     args = (float(scale), float(softcap), n, n_blocks, q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2), kv_pos.stride(0), kv_pos.stride(1), kv_pos.stride(2),
             q_pos.stride(0), q_pos.stride(1))
-    meta = dict(HKV=hkv, GROUP=group, W=w, D=d, D_PAD=_pow2(d), BLOCK=block, ROWS=rows, SOFTCAP=softcap > 0,
+    meta = dict(HKV=hkv, GROUP=group, W=w, D=d, D_PAD=pow2(d), BLOCK=block, ROWS=rows, SOFTCAP=softcap > 0,
                 UPCAST=upcast, num_warps=num_warps)
     grid = (b * hkv, n_blocks)
     wrap(_kvpass_window_scores_kernel)[grid](q, k, kv_pos, q_pos, part_m, part_l, out, *args, SECOND=False,
