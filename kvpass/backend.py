@@ -101,7 +101,9 @@ class KVPass(CustomGraphPass):
                 if isinstance(plan, str):
                     problems.append(f"policy '{self.policy.name}': {plan}")
                     break
-                if plan.evict and phase in ("decode", "append") and self.policy.decode_appends:
+                # (a sliding layer that evicts keeps evicting: it drops what leaves its window, by position)
+                if plan.evict and phase in ("decode", "append") and self.policy.decode_appends \
+                        and not site.sliding_window:
                     plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
                 plans[site.layer] = plan
                 self.runtime.sites[site.layer] = site

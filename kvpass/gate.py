@@ -317,6 +317,13 @@ class GatedGraph:
                 self.ph_dims[n] = "length"
             elif _mentions(v, length):
                 return f"input '{n.name}' = {v} is derived from the prompt length"
+        # the graph outputs that hold each sliding layer's stored K/V (after the rewrite's compact)
+        self.stored = {}
+        out_nodes = set(self.output.all_input_nodes)
+        for node in graph.nodes:
+            if node.target is torch.ops.kvpass.compact.default and sites.get(node.args[6]) is not None \
+                    and sites[node.args[6]].sliding_window:
+                self.stored[node.args[6]] = _outputs_from(node, out_nodes)
         self.length = length
         self.segments = segs
         for seg in segs:
@@ -405,6 +412,7 @@ class GatedGraph:
                 self._record(-1, true, n if self.renumber else length)
             else:
                 self._record(gate_layer, true, length)
+            self._pad_sliding(-1 if self.two_pass else gate_layer, env, length)
         return fx.node.map_aggregate(self.output.args[0],
                                      lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x)
 
@@ -446,8 +454,10 @@ class GatedGraph:
             return tuple(d for d in range(v.dim()) if _same(v.shape[d], self.length))
         return t[1]
 
-    def _record(self, gate_layer: int, sel: Tensor, length: int) -> None:
-        """Deeper layers stored the selected tokens: their true positions, and the prompt length seen."""
+    def _record(self, gate_layer: int, true: Tensor, length: int) -> None:
+        """Deeper layers stored (some of) the selected tokens: what each recorded is an index among the
+        ``n`` tokens it computed (all of them, or a sliding layer's last ``W - 1``); record their true
+        positions ``true [B, n]`` (-1 = padding) and the prompt length seen."""
         st = self.runtime.state
         for layer in sorted(self.sites):
             if layer <= gate_layer:
@@ -455,9 +465,44 @@ class GatedGraph:
             ls = st.layer(layer)
             if ls is None:
                 continue
-            b, hkv = ls.pos.shape[:2]
-            pos = sel[:, None, :].expand(b, hkv, sel.shape[-1]).to(ls.pos.device).contiguous()
+            b, hkv, m = ls.pos.shape
+            idx = ls.pos.clamp_min(0).reshape(b, hkv * m).to(true.device)
+            pos = true.expand(b, -1).gather(1, idx).reshape(b, hkv, m)
+            pos = pos.masked_fill(ls.pos.to(pos.device) < 0, -1).to(ls.pos.device).contiguous()
             st.set_layer(layer, pos, length, fresh=True)
+
+
+    def _pad_sliding(self, gate_layer: int, env: dict, length: int) -> None:
+        """A sliding layer that computed only the ``n`` selected tokens stores ``min(n, W - 1)`` entries;
+        HF sizes every sliding layer's decode mask for ``min(L, W - 1)`` (from the count of tokens seen),
+        so the shorter ones get empty slots in front (position -1: never visible, dropped first)."""
+        st = self.runtime.state
+        for layer, nodes in self.stored.items():
+            ls = st.layer(layer)
+            if layer <= gate_layer or ls is None:
+                continue
+            extra = min(length, self.sites[layer].sliding_window - 1) - ls.stored
+            if extra <= 0:
+                continue
+            for x in nodes:
+                t = env[x]
+                env[x] = torch.cat([t.new_zeros(*t.shape[:-2], extra, t.shape[-1]), t], -2)
+            pos = torch.cat([ls.pos.new_full((*ls.pos.shape[:-1], extra), -1), ls.pos], -1)
+            st.set_layer(layer, pos, ls.seen, fresh=True)
+
+
+def _outputs_from(node: fx.Node, outputs: set) -> list[fx.Node]:
+    """The graph outputs reached from ``node`` through ``getitem`` / slicing only."""
+    found, todo, seen = [], [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in outputs and n is not node:
+            found.append(n)
+        todo += [u for u in n.users if u.op == "call_function" and u.target is operator.getitem]
+    return found
 
 
 def _take(x, sel: Tensor, dims: tuple) -> Tensor:

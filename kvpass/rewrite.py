@@ -154,6 +154,26 @@ def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
     for old, new in ((site.k, k_st), (site.v, v_st)):
         old.replace_all_uses_with(new)  # what remains are the stored tensors (graph outputs)
         _erase(graph, [old])
+    _after(graph, k_st if _first(graph, [k_st, v_st]) is v_st else v_st)
+
+
+def _after(graph: fx.Graph, anchor: fx.Node) -> None:
+    """Move the nodes that now read a value defined after them (a sliding layer's stored slice
+    ``cat[:, :, -(W-1):]`` sits right after the concatenation) to just after ``anchor``, users with them."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = [n for n in graph.nodes if order[n] < order[anchor]
+            and any(order[a] > order[n] for a in n.all_input_nodes)]
+    todo, moved = list(late), []
+    while todo:
+        n = todo.pop(0)
+        if n in moved:
+            continue
+        moved.append(n)
+        todo += [u for u in n.users if order[u] < order[anchor]]
+    at = anchor
+    for n in sorted(moved, key=order.__getitem__):
+        at.append(n)
+        at = n
 
 
 def _pool_write(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:

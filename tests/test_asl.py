@@ -9,8 +9,9 @@
   really have ``budget`` tokens;
 * the rank-variance rule equals a plain-Python reference on drawn score tensors (hypothesis);
 * ``kvpass::layer_scores`` against eager attention, and ``opcheck``;
-* every family of ``tests/families.py`` runs ``asl`` prefill + decode without graph breaks or falls
-  back with a stated reason; configuration errors.
+* every family of ``tests/families.py`` runs ``asl`` prefill + decode without graph breaks; on the
+  sliding-window families (Gemma 2/3, Cohere 2) a forced layer equals the reference with sliding layers
+  masked by true positions; configuration errors.
 """
 
 from __future__ import annotations
@@ -129,14 +130,24 @@ def build_like(model, attn: str):
     return m
 
 
+def sliding_windows(model) -> dict[int, int]:
+    """Layer -> window of the model's sliding-window layers (from its config's layer types)."""
+    types = getattr(model.config, "layer_types", None) or []
+    return {i: model.config.sliding_window for i, t in enumerate(types) if t == "sliding_attention"}
+
+
 def gathered_reference(model, ids, layer: int, sel: list[int], kept: dict[int, torch.Tensor], tokens: list[int]):
     """Uncompiled model; from `layer + 1` on every decoder layer sees only the tokens `sel` (hidden
-    states, cos/sin, position ids gathered by forward pre-hooks). Then each cache layer is cut to the
-    positions `kept[i]` ([H_kv, n] original indices, as the compiled run stored them) and the tokens
-    are decoded with explicit positions. Returns the last-token logits of the prefill and each step."""
+    states, cos/sin, position ids and masks gathered by forward pre-hooks). Then each global cache layer
+    is cut to the positions `kept[i]` ([H_kv, n] original indices, as the compiled run stored them) and
+    the tokens are decoded with explicit positions. A sliding layer keeps what HF's own cache keeps (its
+    last W - 1 entries); its decode mask is rebuilt from the true positions of those entries (visible when
+    ``q - p < W``), where HF's would assume they are the last consecutive positions. Returns the
+    last-token logits of the prefill and each step."""
     n = ids.shape[1]
     idx = torch.tensor(sel)
     layers = model.model.layers
+    windows = sliding_windows(model)
 
     def gather(mod, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
@@ -163,16 +174,45 @@ def gathered_reference(model, ids, layer: int, sel: list[int], kept: dict[int, t
     finally:
         for h in hooks:
             h.remove()
+    held = {}   # sliding layer -> true positions of its entries
+    for i, w in windows.items():
+        held[i] = (sel if i > layer else list(range(n)))[-(w - 1):]
+        assert cache.layers[i].keys.shape[-2] == len(held[i])
+    step_pos = []
+
+    def sliding_mask(i):
+        def hook(mod, args, kwargs):
+            q = step_pos[-1]
+            pos = torch.tensor(held[i] + [q])
+            visible = (pos <= q) & (q - pos < windows[i])
+            old = kwargs.get("attention_mask")
+            if model.config._attn_implementation == "eager" or (old is not None and old.dtype != torch.bool):
+                mask = torch.zeros(pos.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+            else:
+                mask = visible
+            return args, dict(kwargs, attention_mask=mask.view(1, 1, 1, -1))
+        return hook
+
     with torch.no_grad():
         for i, pos in kept.items():
+            if i in windows:
+                continue
             lay = cache.layers[i]
             where = pos if i <= layer else torch.searchsorted(idx, pos)   # deeper caches hold `sel` in order
             ix = where[None, ..., None].expand(1, -1, -1, lay.keys.shape[-1])
             lay.keys, lay.values = lay.keys.gather(2, ix), lay.values.gather(2, ix)
-        for step, tok in enumerate(tokens):
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                        position_ids=torch.tensor([[n + step]]))
-            logits.append(out.logits[:, -1])
+        hooks = [layers[i].register_forward_pre_hook(sliding_mask(i), with_kwargs=True) for i in windows]
+        try:
+            for step, tok in enumerate(tokens):
+                step_pos.append(n + step)
+                out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
+                            position_ids=torch.tensor([[n + step]]))
+                logits.append(out.logits[:, -1])
+                for i, w in windows.items():
+                    held[i] = (held[i] + [n + step])[-(w - 1):]
+        finally:
+            for h in hooks:
+                h.remove()
     return logits
 
 
@@ -202,16 +242,21 @@ class QueryShapes:
 # ----------------------------------------------------------------------------------------------
 
 
-def test_budget_at_least_length_equals_full():
-    model = build("qwen2", layers=4)
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_budget_at_least_length_equals_full(family):
+    """Nothing is pruned; on gemma3 the sliding layers' own path (last W - 1 entries, window by position)
+    runs past the window (8) and equals HF's sliding cache."""
+    model = build(family, layers=4)
     ids = prompt(12, seed=3, b=2)
     ref, _ = run(model, ids, kvpass.backend("full", compiler="eager"))
-    for policy in ("asl", "asl_fullkv", "fastkv"):
+    windows = sliding_windows(model)
+    for policy in ("asl", "asl_fullkv", "fastkv", "gemfilter"):
         torch._dynamo.reset()
-        be = kvpass.backend(policy, compiler="eager", budget=64, window=WINDOW)
+        be = kvpass.backend(policy, compiler="eager", budget=64, window=WINDOW if policy != "gemfilter" else 1)
         got, cache = run(model, ids, be)
         assert be.gate_info["selection_layer"] is None and be.gate_info["kept"] == 12
-        assert all(layer.keys.shape[-2] == 12 + 3 for layer in cache.layers)
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [
+            windows[i] - 1 if i in windows else 12 + 3 for i in range(4)]
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=policy)
 
@@ -259,6 +304,52 @@ def test_forced_layer_matches_gathering_reference(policy, layer, dynamic, attn):
     for i in range(gate + 1):
         assert cache.layers[i].keys.shape[-2] == (40 if policy == "asl_fullkv" else BUDGET) + 4
     assert be.state.seen == 44
+    tokens = [int(x.argmax()) for x in got[:-1]]
+    ref = gathered_reference(model, ids, gate, sel, kept, tokens)
+    for step, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("family,attn,policy,gate,budget", [
+    ("gemma3", "sdpa", "asl", 2, 10), ("cohere2", "sdpa", "asl_fullkv", 3, 10), ("gemma2", "eager", "asl", 3, 10),
+    ("gemma3", "sdpa", "fastkv", 2, 5)])
+def test_forced_layer_on_sliding_families_matches_reference(family, attn, policy, gate, budget):
+    """Sliding-window layers after the gate hold the last W - 1 selected tokens, whose positions are not
+    consecutive: their decode attention masks by true positions (the reference rebuilds that mask; HF's
+    own would show every held entry). Layers before the gate hold the last W - 1 prompt tokens. The gate
+    is a global layer: the reference takes its votes from the model's own attention probabilities, and a
+    sliding layer's would ignore the tokens outside its window (kvpass scores every token there). With
+    ``budget < W - 1`` the deeper sliding layers get empty slots in front, up to the W - 1 entries HF
+    sizes their decode mask for; decode pushes them out."""
+    if policy == "asl_fullkv":
+        from families import skip_uneven_layers_on_old_stacks
+        skip_uneven_layers_on_old_stacks(policy)
+    model = build(family, layers=6, attn=attn)
+    windows = sliding_windows(model)
+    assert gate not in windows and any(i > gate for i in windows) and any(i < gate for i in windows)
+    ids = prompt(40, seed=4)
+    window = 2
+    be = kvpass.backend(policy, compiler="eager", budget=budget, window=window, layer=gate)
+    got, cache = run(model, ids, be, steps=6)
+    assert be.gate_info["selection_layer"] == gate and be.gate_info["kept"] == budget
+    sel = select_naive(window_votes(model, ids, gate, window), budget, window, KERNEL)
+    for i, w in windows.items():       # the record follows each sliding layer's last W - 1 entries
+        held = ((sel if i > gate else list(range(40))) + list(range(40, 46)))[-(w - 1):]
+        assert be.state.positions(i)[0, 0].tolist() == held, f"layer {i}"
+        assert cache.layers[i].keys.shape[-2] == w - 1
+    if budget < 7:   # after the prefill alone, the deeper sliding layers hold empty slots in front
+        torch._dynamo.reset()
+        pre = kvpass.backend(policy, compiler="eager", budget=budget, window=window, layer=gate)
+        _, pcache = run(model, ids, pre, steps=0)
+        for i, w in windows.items():
+            want = [-1] * (w - 1 - budget) + sel if i > gate else list(range(40 - w + 1, 40))
+            assert pre.state.positions(i)[0, 0].tolist() == want and pcache.layers[i].keys.shape[-2] == w - 1
+            if i > gate:
+                assert (pcache.layers[i].keys[:, :, :w - 1 - budget] == 0).all()
+    # a deeper sliding layer holds a selected token farther than W from the first decode step: the test
+    # would pass with HF's consecutive-position mask otherwise
+    assert any(p <= 40 - w for i, w in windows.items() if i > gate for p in (sel[-(w - 1):]))
+    kept = {i: be.state.positions(i)[0, :, :-6].clone() for i in range(6) if i not in windows}
     tokens = [int(x.argmax()) for x in got[:-1]]
     ref = gathered_reference(model, ids, gate, sel, kept, tokens)
     for step, (a, b) in enumerate(zip(got, ref)):
@@ -316,22 +407,29 @@ def second_pass_reference(model, ids, sel: list[int], tokens: list[int], renumbe
     return logits
 
 
-@pytest.mark.parametrize("policy,dynamic", [("gemfilter", None), ("gemfilter", True), ("asl_2pass", None)])
-def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic):
+@pytest.mark.parametrize("policy,dynamic,family,budget", [
+    ("gemfilter", None, "llama", BUDGET), ("gemfilter", True, "llama", BUDGET), ("asl_2pass", None, "llama", BUDGET),
+    ("gemfilter", None, "gemma3", 5)])
+def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic, family, budget):
     """gemfilter / asl_2pass: the selected tokens prefilled again from layer 0 equal HF run on those
-    tokens alone (renumbered or original positions); decode continues from n or from L."""
-    model = build("llama", layers=6)
+    tokens alone (renumbered or original positions); decode continues from n or from L. On gemma3 with
+    ``budget < W - 1`` the sliding layers hold empty slots in front (HF sizes their decode mask for the
+    W - 1 entries of a 40-token prompt); renumbered positions are consecutive, so HF's own run is exact."""
+    model = build(family, layers=6)
+    windows = sliding_windows(model)
     ids = prompt(40, seed=12)
     window, kernel = (1, 1) if policy == "gemfilter" else (WINDOW, KERNEL)
-    be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=window, kernel=kernel, layer=2)
+    be = kvpass.backend(policy, compiler="eager", budget=budget, window=window, kernel=kernel, layer=2)
     spy = QueryShapes(be)
     got, cache = run(model, ids, be, steps=4, dynamic=dynamic)
     assert be.gate_info["selection_layer"] == 2 and be.gate_info["passes"] == 2
-    assert [s[2] for s in spy.shapes] == [40] * 3 + [BUDGET] * 6      # first pass stops at the filter layer
-    assert [layer.keys.shape[-2] for layer in cache.layers] == [BUDGET + 4] * 6
-    sel = select_naive(window_votes(model, ids, 2, window), BUDGET, window, kernel)
+    assert [s[2] for s in spy.shapes] == [40] * 3 + [budget] * 6      # first pass stops at the filter layer
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [
+        windows[i] - 1 if i in windows else budget + 4 for i in range(6)]
+    sel = select_naive(window_votes(model, ids, 2, window), budget, window, kernel)
     renumber = policy == "gemfilter"
-    assert be.state.layer(3).pos[0, 0, :BUDGET].tolist() == (list(range(BUDGET)) if renumber else sel)
+    layer = next(i for i in range(6) if i not in windows and i > 2)
+    assert be.state.layer(layer).pos[0, 0, :budget].tolist() == (list(range(budget)) if renumber else sel)
     tokens = [int(x.argmax()) for x in got[:-1]]
     ref = second_pass_reference(model, ids, sel, tokens, renumber)
     for step, (a, b) in enumerate(zip(got, ref)):
@@ -428,12 +526,11 @@ def test_families_run_or_fall_back(family, attn):
         got, cache = run(model, ids, be, steps=2)
     reasons = [str(w.message) for w in caught if issubclass(w.category, KVPassWarning)]
     assert all(torch.isfinite(x).all() for x in got)
-    if be.gate_info is None:   # fell back: a stated reason, and the model runs as compiled unchanged
-        assert reasons and any("sliding-window layer" in r for r in reasons), reasons
-        return
-    assert not reasons, reasons
+    assert not reasons, reasons    # every family gates (sliding-window ones included): no fallback left
     assert be.gate_info["selection_layer"] == 2
-    assert [layer.keys.shape[-2] for layer in cache.layers] == [BUDGET + 2] * 4
+    windows = sliding_windows(model)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [
+        windows[i] - 1 if i in windows else BUDGET + 2 for i in range(4)]
 
 
 def test_batch_rows_select_their_own_tokens():

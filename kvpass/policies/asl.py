@@ -28,9 +28,15 @@ keep everything. Decode appends to every layer; positions continue from the prom
 the cache tensors are rectangular, so every row must stop computing tokens at the same layer); each
 row selects its own tokens. Left padding is scored 0 and never preferred to a real token.
 
-**Limits.** Graphs with sliding-window layers (Gemma 2/3, Cohere 2) are refused with a reason: HF's
-sliding cache assumes its entries are the last consecutive positions, which gathered tokens are not.
-Static caches are refused (the deeper caches must shrink). Gating does not compose with other
+**Sliding-window layers** (Gemma 2/3, Cohere 2). They are candidate and observed layers like the others
+(their scores use plain causal attention inside the window, as for global layers). Their cache update is
+rewritten too: each stores the last ``W - 1`` entries it was given, exactly what HF's sliding layer keeps
+(the model's own slice of the stored tensors is then a no-op), and its attention masks by *true* positions
+with the window (``attention_pos``). That matters after the gate: a deeper sliding layer holds the last
+``W - 1`` *selected* tokens, whose positions are not consecutive, and HF's decode mask assumes they are.
+In the prefill the gathered sliding mask is already the mask of the selected tokens' true positions.
+
+**Limits.** Static caches are refused (the deeper caches must shrink). Gating does not compose with other
 policies (``asl+art`` raises ``ConfigError``).
 """
 
@@ -55,6 +61,15 @@ def pooled(scores: Tensor, kv_pos: Tensor, window: int, kernel: int) -> Tensor:
     valid, forced = scoring.window_layout(kv_pos, window)
     cand = valid & ~forced
     return scoring.pool(scores, cand, kernel, "avg").masked_fill(~cand, float("-inf"))
+
+
+def last_entries(kv_pos: Tensor, keep: int) -> Tensor | None:
+    """Indices ``[B, H_kv, keep]`` of the last ``keep`` entries (what HF's sliding layer stores), or None
+    when there are no more than that."""
+    n = kv_pos.shape[-1]
+    if n <= keep:
+        return None
+    return torch.arange(n - keep, n, device=kv_pos.device).expand(*kv_pos.shape[:2], keep)
 
 
 def ranks(priority: Tensor) -> Tensor:
@@ -89,13 +104,10 @@ class ASL(PrefillEviction):
 
     # -- compile time ----------------------------------------------------------------------------
     def plan(self, site) -> SitePlan | str:
-        if site.sliding_window:
-            return (f"layer {site.layer} is a sliding-window layer: {self.name}'s gate would leave HF's "
-                    f"sliding cache holding gathered tokens whose positions it assumes consecutive")
         if site.cache != "dynamic":
             return (f"layer {site.layer}: {self.name} needs a cache that can shrink (DynamicCache); "
                     f"this graph uses a {site.cache} cache")
-        return SitePlan(attention=True, evict=True)
+        return SitePlan(attention=True, evict=True)   # sliding layers too: see "Sliding-window layers"
 
     def first_layer(self, n_layers: int) -> int:
         return self.l_min if self.l_min >= 0 else n_layers // 3
@@ -133,9 +145,13 @@ class ASL(PrefillEviction):
 
     # -- run time: the cache of the layers up to the selection layer -----------------------------
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None):
+        if site.sliding_window:
+            return last_entries(kv_pos, site.sliding_window - 1)
         return super().select(site, q, k, v, kv_pos, q_pos, layer_state, tokens) if self.compress else None
 
     def stored_length(self, site, total):
+        if site.sliding_window:
+            return torch.sym_min(total, site.sliding_window - 1)
         return super().stored_length(site, total) if self.compress else total
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
