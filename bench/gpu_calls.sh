@@ -19,6 +19,8 @@
 #   and a3's TTFT with the slot-attention kernel beside the rest of tests/gpu
 #   call 9 (two GPUs, nothing carried): quest's 16,384 steps alone (call 8 stopped it at 9,024), and the
 #   tests/gpu files call 8 cut short, then raas against quest in one process (2,048 steps)
+#   call 10 (one H200, after 5a-5d): asl's Gemma-3-270M accuracy sweep beside tests/gpu's asl and
+#   foundation files; call 11 (one H200): the other tests/gpu files
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
 #   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
 #   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
@@ -42,6 +44,21 @@ case "${1:?call 0-5e}" in
       'MODEL=gemma3-270m BUDGETS="128 256 1024" FULL=0 bash bench/eviction_accuracy.sh $LANE/acc' \
       "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $((deadline - 150)); $T tests/gpu/test_gpu_raas.py" \
       'python bench/bench_eviction.py --skeleton /tmp/gm/llama3-8b-shape --out $LANE/ev8b --lengths 32768,131072 --policies full,snapkv,sablock' ;;
+  10)  # (one H200, after 5a-5d) asl on the sliding-window families: assemble Gemma-3 as in 5e, then
+       # issue 7's accuracy sweep on Gemma-3-270M (TAU=0.9 beside the paper's 0.3) while tests/gpu's
+       # gated-prefill and foundation files run on the same GPU (stock transformers of the machine)
+    cp .dev/g5/gm.part.* /tmp/gm/ && cat /tmp/gm/gm.part.* | tar x -C /tmp/gm && rm /tmp/gm/gm.part.*
+    pip install -q --no-deps --target /tmp/gm/tf523 /tmp/gm/w/transformers-5.23.0-py3-none-any.whl
+    g3="PYTHONPATH=/tmp/gm/tf523:$PWD:/tmp/gm/site KVPASS_CACHE=/tmp/gm/cache"
+    env $g3 python -c "from kvpass import models; models.load('gemma3-270m')"
+    env $g3 MODEL=gemma3-270m TAU=0.9 timeout $(( deadline - $(date +%s) )) bash bench/asl_accuracy.sh "$out/asl_acc" \
+      > "$out/acc.log" 2>&1 &
+    PYTHONPATH=$PWD $T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py > "$out/tests.log" 2>&1
+    tail -5 "$out/tests.log"; wait; tail -30 "$out/acc.log" ;;
+  11)  # (one H200) the rest of tests/gpu at this commit
+    export PYTHONPATH=$PWD
+    $T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py \
+      > "$out/tests.log" 2>&1; tail -8 "$out/tests.log" ;;
   6)  # (carry .dev/llama3-8b-shape .dev/c1/site) what call 5e's shared machine cut short: raas against quest
       # alone on a GPU, tests/gpu/test_gpu_raas.py, and the 8B-shape eviction rows (full beside each policy)
     export PYTHONPATH=$PWD:$PWD/.dev/c1/site

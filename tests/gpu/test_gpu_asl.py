@@ -5,6 +5,8 @@
 * a tiny Llama compiled by Inductor on CUDA with a forced selection layer generates the same tokens
   as the same policy on the CPU (eager compiler) and stores ``budget`` entries in every layer (the
   whole prompt before the selection layer for ``asl_fullkv``), in one or two passes;
+* the sliding-window families (Gemma 3, Cohere 2) under Inductor on CUDA generate the CPU run's tokens,
+  with the deeper sliding layers padded to the W - 1 entries HF's decode mask is sized for;
 * a dynamic graph's segments are compiled once and serve every prompt length (no recompilation);
 * the adaptive rule runs end to end under Inductor on CUDA and reports its layer.
 """
@@ -17,7 +19,7 @@ from transformers import DynamicCache
 
 import kvpass
 from families import skip_uneven_layers_on_old_stacks
-from test_asl import build, prompt
+from test_asl import build, prompt, sliding_windows
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -77,6 +79,24 @@ def test_inductor_cuda_matches_cpu(policy, layer):
         full = policy == "asl_fullkv" and i <= gate
         assert lay.keys.shape[-2] == (200 if full else 64) + 8
     assert gpu.state.layer(5).pos.device.type == DEV
+
+
+@pytest.mark.parametrize("family,policy,layer,budget", [("gemma3", "asl", 2, 5), ("gemma3", "gemfilter", 2, 5),
+                                                         ("cohere2", "fastkv", 3, 40)])
+def test_sliding_family_inductor_cuda_matches_cpu(family, policy, layer, budget):
+    model = build(family, layers=6)
+    windows = sliding_windows(model)
+    ids = prompt(200, seed=5)
+    kw = {} if policy == "gemfilter" else {"window": 2}
+    cpu = kvpass.backend(policy, compiler="eager", budget=budget, layer=layer, **kw)
+    want, _ = _run(model, ids, cpu, 8)
+    torch._dynamo.reset()
+    gpu = kvpass.backend(policy, compiler="inductor", budget=budget, layer=layer, **kw)
+    got, cache = _run(model.to(DEV), ids.to(DEV), gpu, 8)
+    assert got == want
+    assert gpu.gate_info["selection_layer"] == layer and gpu.gate_info["kept"] == budget
+    for i, lay in enumerate(cache.layers):
+        assert lay.keys.shape[-2] == (windows[i] - 1 if i in windows else budget + 8), i
 
 
 def test_dynamic_graph_compiles_segments_once():
