@@ -436,6 +436,20 @@ def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic, f
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
+def test_inductor_keeps_the_call_positions_of_both_ropes():
+    """Gemma 3 derives positions for two RoPEs; Inductor ran the second ``true_positions`` after the
+    first sliding layers had recorded the step's count, which moved the global layers' positions by
+    one from the second decode step on (caught on the GPU: gemfilter, budget < W - 1)."""
+    model = build("gemma3", layers=6)
+    ids = prompt(200, seed=5)
+    runs = []
+    for compiler in ("eager", "inductor"):
+        torch._dynamo.reset()
+        be = kvpass.backend("gemfilter", compiler=compiler, budget=5, layer=2)
+        runs.append([int(x.argmax()) for x in run(model, ids, be, steps=4)[0]])
+    assert runs[0] == runs[1]
+
+
 def test_gemfilter_generate_continues_from_kept_count():
     """generate counts the whole prompt in its position ids; gemfilter moves them back to n + step."""
     model = build("llama", layers=6)
