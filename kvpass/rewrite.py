@@ -240,14 +240,41 @@ def _derived(pos: fx.Node) -> bool:
     return True
 
 
+_VIEWS = {"unsqueeze", "view", "reshape", "expand", "__getitem__"}
+
+
+def _view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(the integer tensor ``pos`` is a view of, through indexing / unsqueeze / view / expand; the
+    node on that path that reads it, None when ``pos`` is its own root)."""
+    child = None
+    while True:
+        src = pos.args[0] if pos.args and isinstance(pos.args[0], fx.Node) else None
+        view = (pos.op == "call_function" and pos.target is operator.getitem) or \
+            (pos.op == "call_method" and pos.target in _VIEWS)
+        ex = src.meta.get("example_value") if src is not None else None
+        if not view or not isinstance(ex, torch.Tensor) or ex.is_floating_point():
+            return pos, child
+        pos, child = src, pos
+
+
 def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]:
+    """Route derived position ids through ``true_positions``. Several RoPEs (Gemma 3: local and global)
+    read views of one position tensor: that tensor is fixed once, since every ``true_positions`` of a
+    graph must see the state of the call's start, and Inductor may run a second one after layers of the
+    same call recorded their new count (it moved Gemma 3's global layers by one position)."""
     fixed = []
-    for pos in dict.fromkeys(s.positions for s in sites if s.positions is not None):
-        if not _derived(pos):
-            continue
+    derived = [p for p in dict.fromkeys(s.positions for s in sites if s.positions is not None) if _derived(p)]
+    paths = [_view_root(p) for p in derived]
+    if len({root for root, _ in paths}) == 1 and len(derived) > 1:
+        # one op on the shared tensor, read through it only by the views that lead to the RoPEs
+        root, readers = paths[0][0], {child for _, child in paths}
+        targets = [(root, None if None in readers else (lambda u: u in readers))]
+    else:
+        targets = [(p, None) for p in derived]
+    for pos, only in targets:
         with graph.inserting_after(pos):
             tp = graph.call_function(OPS.true_positions.default, (pos, handle))
-        pos.replace_all_uses_with(tp, delete_user_cb=lambda u: u is not tp)
+        pos.replace_all_uses_with(tp, delete_user_cb=lambda u, only=only: u is not tp and (only is None or only(u)))
         fixed.append(pos.name)
     return fixed
 

@@ -152,13 +152,7 @@ class Runtime:
             # A layer recorded its count since the last call: the distance between true and derived
             # positions is taken there. Graphs that only append (SitePlan.append) record nothing, and
             # add as many tokens to the stored length as to the true count, so the distance holds.
-            # A graph may hold several of these nodes (one per RoPE), and Inductor may run a later one
-            # after some of the same call's layers recorded their new count: the same derived first
-            # position means the same call, whose distance stays (no device sync to tell).
-            offset = st.seen_now() - first
-            if st.anchor_first is not None:
-                offset = torch.where(first == st.anchor_first, st.offset, offset)
-            st.offset, st.anchor_at, st.anchor_first = offset, st.records, first
+            st.offset, st.anchor_at = st.seen_now() - first, st.records
         true = torch.where(first == 0, pos, pos + st.offset)  # no device sync
         st.tail = true.max() + 1
         return true

@@ -65,7 +65,6 @@ class GenerationState:
         # is how far the cache got past the layers' records.
         self.records = 0
         self.anchor_at = -1
-        self.anchor_first: Tensor | None = None   # the derived first position the offset was taken at
         self.offset: int | Tensor = 0
         self.tail: Tensor | None = None
 
@@ -76,8 +75,6 @@ class GenerationState:
         """Record what site `site` stores after a call; `fresh` drops the policy's extra state."""
         old = self.layers.get(site)
         extra = {} if fresh or old is None else old.extra
-        if fresh:
-            self.anchor_first = None   # a new prefill: the next derived position starts a new call
         st = LayerState(pos=pos, seen=seen, extra=extra)
         self.layers[site] = st
         self.records += 1
@@ -119,7 +116,7 @@ class GenerationState:
     def reset(self) -> None:
         self.layers.clear()
         self.fusion_votes.clear()
-        self.anchor_at, self.anchor_first, self.offset, self.tail = -1, None, 0, None
+        self.anchor_at, self.offset, self.tail = -1, 0, None
 
     def __repr__(self) -> str:
         return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "

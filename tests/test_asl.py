@@ -437,9 +437,10 @@ def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic, f
 
 
 def test_inductor_keeps_the_call_positions_of_both_ropes():
-    """Gemma 3 derives positions for two RoPEs; Inductor ran the second ``true_positions`` after the
-    first sliding layers had recorded the step's count, which moved the global layers' positions by
-    one from the second decode step on (caught on the GPU: gemfilter, budget < W - 1)."""
+    """Gemma 3 reads positions for two RoPEs; with one ``true_positions`` per RoPE, Inductor ran the
+    second after the first sliding layers had recorded the step's count, which moved the global
+    layers' positions by one from the second decode step on (caught on the GPU: gemfilter, budget < W - 1).
+    The shared position tensor is now fixed once."""
     model = build("gemma3", layers=6)
     ids = prompt(200, seed=5)
     runs = []
@@ -447,6 +448,7 @@ def test_inductor_keeps_the_call_positions_of_both_ropes():
         torch._dynamo.reset()
         be = kvpass.backend("gemfilter", compiler=compiler, budget=5, layer=2)
         runs.append([int(x.argmax()) for x in run(model, ids, be, steps=4)[0]])
+        assert all(len(r.positions_fixed) == 1 for r in be.reports)   # one true_positions per graph
     assert runs[0] == runs[1]
 
 

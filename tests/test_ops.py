@@ -426,23 +426,6 @@ def test_opcheck_true_positions(rt):
     opcheck("true_positions", (torch.zeros(1, 0, dtype=torch.long), rt.handle))
 
 
-def test_true_positions_after_a_layer_of_the_same_call_recorded(rt):
-    """A graph with two position nodes (one per RoPE, Gemma 3): Inductor may run the second after some
-    layers of the same call recorded their new count. Both must give the call's true positions; the
-    next call (a new derived position) takes the new distance, and a new prefill starts afresh."""
-    _prefill(rt, 12)                                           # seen 12, stored 8
-    derived = torch.tensor([[BUDGET]])
-    assert OP.true_positions(derived, rt.handle).tolist() == [[12]]
-    st = rt.state.layer(SITE)
-    rt.state.set_layer(SITE, st.pos, 13, fresh=False)          # a layer of this call recorded 13 seen
-    assert OP.true_positions(derived, rt.handle).tolist() == [[12]]
-    assert OP.true_positions(derived + 1, rt.handle).tolist() == [[13]]   # the next call
-    rt.state.set_layer(SITE, st.pos[..., :4], 4, fresh=True)   # a new prefill of 4 tokens, stored 4
-    rt.state.set_layer(SITE, st.pos[..., :4], 5, fresh=False)
-    # the derived position the old distance was taken at, but another generation: taken anew
-    assert OP.true_positions(derived, rt.handle).tolist() == [[5]]
-
-
 def _decode_args(q, k, v, **kw):
     base = dict(mask=None, kv_pos=None, q_pos=None, page_table=None, kv_len=None, block_map=None, scale=0.25,
                 softcap=0.0, window=0, tau=0.1, phi=0.1, patience=2, block=16, order=1, probe=0,
