@@ -36,11 +36,16 @@ def table(folder: Path) -> str:
     families: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     notes, layers = [], []
     for name, run in runs.items():
-        label = str((run["meta"].get("params") or {}).get("budget") or name)
-        cols.append(label)
+        params = run["meta"].get("params") or {}
+        label = str(params.get("budget") or name)
+        if label not in cols:
+            cols.append(label)
+        # a run with other parameters (asl at tau 0.9 beside its default) gets rows of its own
+        other = ", ".join(f"{k}={v}" for k, v in sorted(params.items()) if k != "budget")
         n_tasks = run["meta"]["n_tasks"]
         for s in run["summary"]:
             done = run["tasks"].get(s["policy"], [])
+            s = dict(s, policy=f"{s['policy']} ({other})" if other else s["policy"])
             score = mean(t["score"] for t in done)
             text = "-" if score is None else f"{score:.3f}"
             if not s["available"]:
