@@ -471,7 +471,6 @@ class GatedGraph:
             pos = pos.masked_fill(ls.pos.to(pos.device) < 0, -1).to(ls.pos.device).contiguous()
             st.set_layer(layer, pos, length, fresh=True)
 
-
     def _pad_sliding(self, gate_layer: int, env: dict, length: int) -> None:
         """A sliding layer that computed only the ``n`` selected tokens stores ``min(n, W - 1)`` entries;
         HF sizes every sliding layer's decode mask for ``min(L, W - 1)`` (from the count of tokens seen),
