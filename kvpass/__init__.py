@@ -5,6 +5,7 @@
 """
 
 from kvpass.backend import Backend, GraphReport, KVPass, KVPassWarning, backend
+from kvpass.cache import SlotCache
 from kvpass.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning
 from kvpass.explain import Explanation, explain
 from kvpass.fusion import ChunkFusion, FusedPrompt
@@ -14,4 +15,4 @@ from kvpass.state import GenerationState
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",
            "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "ChunkKV",
-           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt"]
+           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache"]

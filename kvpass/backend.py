@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from kvpass import cache as _cache
 from kvpass import detect as _detect
 from kvpass import gate as _gate
 from kvpass import lowerings as _lowerings  # noqa: F401  (device implementations)
@@ -59,16 +60,29 @@ class GraphReport:
     appending: list[int] = field(default_factory=list)  # sites left to the model's cache update (SitePlan.append)
     positions_fixed: list[str] = field(default_factory=list)
     gate: object = None      # kvpass.gate.GatedGraph: the prefill runs split at the gates (ASL, FastKV)
+    slots: list[int] = field(default_factory=list)     # kvpass.SlotCache sites (kvpass.cache)
+    cudagraphs: bool = False  # compiled with Inductor's CUDA graphs (mode="reduce-overhead")
 
     @property
     def changed(self) -> bool:
         return self.rewritten > 0
 
 
+def _runtime_op(node: fx.Node) -> bool:
+    """A kvpass operator that calls back into a policy's Python runtime (it takes a ``handle``)."""
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "kvpass"
+            and any(a.name == "handle" for a in t._schema.arguments))
+
+
 def _phase(found: _detect.Detection) -> str:
     if not found.sites:
         return "none"
     s = found.sites[0]
+    if s.cache == "slot":  # a SlotCache prefill attends over the new K/V, later calls over the slots
+        if s.k is s.k_new:
+            return "prefill"
+        return "decode" if s.q_len == 1 else "append"
     past = _detect.val(s.k_past)
     if s.k_past is not None and isinstance(past, torch.Tensor) and past.numel() == 0:
         return "prefill"
@@ -98,12 +112,14 @@ class KVPass(CustomGraphPass):
             for site in found.sites:
                 site.phase = phase
                 plan = self.policy.plan(site)
+                if site.cache == "slot" and not isinstance(plan, str):
+                    plan = self._slot_plan(site, plan)
                 if isinstance(plan, str):
                     problems.append(f"policy '{self.policy.name}': {plan}")
                     break
                 # (a sliding layer that evicts keeps evicting: it drops what leaves its window, by position)
                 if plan.evict and phase in ("decode", "append") and self.policy.decode_appends \
-                        and not site.sliding_window:
+                        and not site.sliding_window and plan.slot is None:
                     plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
                 plans[site.layer] = plan
                 self.runtime.sites[site.layer] = site
@@ -127,6 +143,7 @@ class KVPass(CustomGraphPass):
                 report.plans[layer] = (dataclasses.replace(plans[layer], append=False, evict=True).describe(phase)
                                        + " (appending, but its mask is not plain causal)")
         report.positions_fixed = summary["positions_fixed"]
+        report.slots = summary["slots"]
         if getattr(self.policy, "renumber", False) and phase != "prefill":
             report.positions_fixed += _gate.shift_passed_positions(gm, found.sites, self.runtime.handle)
         if gates:
@@ -140,9 +157,19 @@ class KVPass(CustomGraphPass):
                     report.plans[layer] += " + gate candidate"
         return report
 
+    def _slot_plan(self, site, plan: SitePlan) -> SitePlan | str:
+        """The plan of a ``kvpass.SlotCache`` site: the policy's, with its device-side slot rule."""
+        rule = self.policy.slot_rule
+        if rule is None:
+            return (f"no fixed-capacity decode for this policy yet (a SlotCache runs "
+                    f"{', '.join(_cache.slot_policies())}); use a DynamicCache")
+        if site.sliding_window:
+            return f"layer {site.layer}: sliding-window layers on a SlotCache are not supported yet"
+        return dataclasses.replace(plan, slot=(_cache.RULES[rule], self.policy.slot_protect))
+
     def uuid(self) -> str:
         h = hashlib.sha256(self.policy.uuid().encode())
-        for mod in (_detect, _rewrite, _ops, _runtime, _gate):
+        for mod in (_detect, _rewrite, _ops, _runtime, _gate, _cache):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -190,31 +217,50 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **compile_kwargs):
         # torch.compile passes mode=/options= to a callable backend when they are set (HF's
-        # CompileConfig defaults to mode="reduce-overhead"). CUDA-graph replay would skip the
-        # Python side of stateful kvpass operators, so modes are not applied; say so once.
-        if compile_kwargs.get("mode") not in (None, "default") or compile_kwargs.get("options"):
-            warn_once(f"kvpass: torch.compile mode/options {compile_kwargs} are ignored; kvpass compiles "
-                      f"with {self.compiler!r} in its default mode (CUDA graphs would skip policy state updates)")
+        # CompileConfig defaults to mode="reduce-overhead").
         report = self.kvpass(gm.graph)
         self.reports.append(report)
         if report.gate is not None:
             report.gate.precompile()  # each segment with the inner compiler (short static versions: on first use)
             return report.gate        # runs the segments, gathering the selected tokens at the gate
-        return self._inner(gm, example_inputs)
+        patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"))
+        report.cudagraphs = bool(patches.get("triton.cudagraphs"))
+        return self._inner(gm, example_inputs, patches)
+
+    def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options) -> dict:
+        """Inductor settings of a ``torch.compile`` mode / options for this graph. CUDA graphs replay
+        device work only, so they are applied to graphs whose kvpass operators keep no Python-side state
+        (a decode step on a ``kvpass.SlotCache``; ``full``/``art`` attention-only graphs); a graph whose
+        operators call back into the policy's runtime (``handle``) compiles without them, said once."""
+        if mode in (None, "default") and not options:
+            return {}
+        if self.compiler != "inductor":
+            warn_once(f"kvpass: torch.compile mode={mode!r} options={options} apply to compiler='inductor' only; "
+                      f"this backend compiles with {self.compiler!r}")
+            return {}
+        from torch._inductor import list_mode_options
+        patches = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **(options or {})}
+        stateful = sorted({n.target.name() for n in gm.graph.nodes if _runtime_op(n)})
+        if patches.get("triton.cudagraphs") and stateful:
+            patches["triton.cudagraphs"] = False
+            warn_once(f"kvpass: CUDA graphs are not applied to this {report.phase} graph of policy "
+                      f"'{self.policy.name}': {stateful[0]} updates Python-side policy state, which a replay "
+                      f"would skip (a decode step on a kvpass.SlotCache has none)")
+        return patches
 
     def __deepcopy__(self, memo):
         # HF's CompileConfig.to_dict() deep-copies its backend; a copy would split reports and the
         # runtime (compile-time sites on the copy, run-time lookups by handle on the original).
         return self
 
-    def _inner(self, gm, example_inputs):
+    def _inner(self, gm, example_inputs, patches: dict | None = None):
         if self.compiler == "eager":
             return gm.forward
         if self.compiler == "aot_eager":
             from torch._dynamo.backends.registry import lookup_backend
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
 
     def __repr__(self) -> str:
         graphs = len(self.reports)

@@ -27,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from kvpass import cache as _cache  # noqa: F401  (registers kvpass::slot_append)
 from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
+
+SLOT_APPEND = torch.ops.kvpass.slot_append
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax}
@@ -66,7 +69,7 @@ class Site:
     kv_heads: int
     head_dim: int
     q_len: int | torch.SymInt
-    cache: str                  # "dynamic" | "static" | "none"
+    cache: str                  # "dynamic" | "static" | "slot" (kvpass.SlotCache) | "none"
     sliding_window: int | None = None
     k_past: fx.Node | None = None
     v_past: fx.Node | None = None
@@ -78,6 +81,7 @@ class Site:
     residual: fx.Node | None = None
     phase: str = "unknown"           # "prefill" | "decode" | "append" | "dynamic" (set per graph)
     tokens: fx.Node | None = None    # the graph's input token ids (the embedding's input), if any
+    slot: fx.Node | None = None      # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
     global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
 
@@ -177,8 +181,27 @@ def _source_layer(node: fx.Node) -> int | None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _slot_of(site: Site) -> Problem | None | bool:
+    """A ``kvpass.SlotCache`` layer: attention reads the new K/V (a prefill) or the slots the layer's
+    ``slot_append`` just wrote (decode / append). Fills the cache fields; False when it is none."""
+    for u in site.k.users:
+        if u.op == "call_function" and u.target in (SLOT_APPEND, SLOT_APPEND.default):
+            keys, values, _pos, _count, k_new, v_new = u.args[:6]
+            if site.k not in (keys, k_new) or site.v not in (values, v_new) or \
+                    (site.k is keys) != (site.v is values):
+                return Problem(u.name, "attention reads K and V from different places of a SlotCache layer")
+            site.cache, site.slot = "slot", u
+            site.k_past, site.v_past, site.k_new, site.v_new = keys, values, k_new, v_new
+            site.cache_layer = _source_layer(keys) if keys.op == "placeholder" else None
+            return None
+    return False
+
+
 def _cache_of(site: Site) -> Problem | None:
     """Fill the cache fields of a site from the K/V nodes; return a Problem if unsure."""
+    slot = _slot_of(site)
+    if slot is not False:
+        return slot
     k, v = site.k, site.v
     if is_fn(k, {torch.cat}) and is_fn(v, {torch.cat}):
         dim = arg(k, 1, "dim", 0)

@@ -409,10 +409,9 @@ class GatedGraph:
             true = ctx["kv_pos"].gather(1, sel)
             if self.two_pass:
                 true = torch.arange(n, device=sel.device).expand_as(sel) if self.renumber else true
-                self._record(-1, true, n if self.renumber else length)
+                self._record(-1, true, n if self.renumber else length, length, env)
             else:
-                self._record(gate_layer, true, length)
-            self._pad_sliding(-1 if self.two_pass else gate_layer, env, length)
+                self._record(gate_layer, true, length, length, env)
         return fx.node.map_aggregate(self.output.args[0],
                                      lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x)
 
@@ -454,10 +453,13 @@ class GatedGraph:
             return tuple(d for d in range(v.dim()) if _same(v.shape[d], self.length))
         return t[1]
 
-    def _record(self, gate_layer: int, true: Tensor, length: int) -> None:
+    def _record(self, gate_layer: int, true: Tensor, seen: int, length: int, env: dict) -> None:
         """Deeper layers stored (some of) the selected tokens: what each recorded is an index among the
         ``n`` tokens it computed (all of them, or a sliding layer's last ``W - 1``); record their true
-        positions ``true [B, n]`` (-1 = padding) and the prompt length seen."""
+        positions ``true [B, n]`` (-1 = padding) and ``seen``. HF sizes every sliding layer's decode mask
+        for ``min(L, W - 1)`` entries (from the count of tokens seen), so a sliding layer that stored fewer
+        gets empty slots in front, in its K/V outputs (``env``) and its record (position -1: never visible,
+        dropped first)."""
         st = self.runtime.state
         for layer in sorted(self.sites):
             if layer <= gate_layer:
@@ -469,25 +471,13 @@ class GatedGraph:
             idx = ls.pos.clamp_min(0).reshape(b, hkv * m).to(true.device)
             pos = true.expand(b, -1).gather(1, idx).reshape(b, hkv, m)
             pos = pos.masked_fill(ls.pos.to(pos.device) < 0, -1).to(ls.pos.device).contiguous()
-            st.set_layer(layer, pos, length, fresh=True)
-
-    def _pad_sliding(self, gate_layer: int, env: dict, length: int) -> None:
-        """A sliding layer that computed only the ``n`` selected tokens stores ``min(n, W - 1)`` entries;
-        HF sizes every sliding layer's decode mask for ``min(L, W - 1)`` (from the count of tokens seen),
-        so the shorter ones get empty slots in front (position -1: never visible, dropped first)."""
-        st = self.runtime.state
-        for layer, nodes in self.stored.items():
-            ls = st.layer(layer)
-            if layer <= gate_layer or ls is None:
-                continue
-            extra = min(length, self.sites[layer].sliding_window - 1) - ls.stored
-            if extra <= 0:
-                continue
-            for x in nodes:
-                t = env[x]
-                env[x] = torch.cat([t.new_zeros(*t.shape[:-2], extra, t.shape[-1]), t], -2)
-            pos = torch.cat([ls.pos.new_full((*ls.pos.shape[:-1], extra), -1), ls.pos], -1)
-            st.set_layer(layer, pos, ls.seen, fresh=True)
+            extra = min(length, self.sites[layer].sliding_window - 1) - m if layer in self.stored else 0
+            if extra > 0:
+                for x in self.stored[layer]:
+                    t = env[x]
+                    env[x] = torch.cat([t.new_zeros(*t.shape[:-2], extra, t.shape[-1]), t], -2)
+                pos = torch.cat([pos.new_full((b, hkv, extra), -1), pos], -1)
+            st.set_layer(layer, pos, seen, fresh=True)
 
 
 def _outputs_from(node: fx.Node, outputs: set) -> list[fx.Node]:

@@ -29,7 +29,10 @@ import operator
 import torch
 from torch import fx
 
+from torch import Tensor
+
 from kvpass import ops
+from kvpass.cache import write_slots
 from kvpass.detect import Detection, Site
 from kvpass.maskcheck import is_causal_mask
 from kvpass.policies.base import DecodeRead
@@ -81,14 +84,14 @@ def _query_and_scale(graph: fx.Graph, site: Site):
 
 
 def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, k, v, mask, kv_pos, q_pos,
-                 scale, window) -> fx.Node:
+                 scale, window, kv_len=None) -> fx.Node:
     """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it.
     A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``)."""
     bmap = None
     if getattr(read, "pages", False):
         bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.layer))
     att = graph.call_function(OPS.decode_attention.default, (
-        q, k, v, mask, kv_pos, q_pos, None, None, bmap, scale, site.softcap, window, read.tau, read.phi,
+        q, k, v, mask, kv_pos, q_pos, None, kv_len, bmap, scale, site.softcap, window, read.tau, read.phi,
         read.patience, read.block, read.order, read.probe, read.horizon))
     out, visited = (graph.call_function(operator.getitem, (att, i)) for i in range(2))
     if read.stats:
@@ -217,6 +220,53 @@ def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
         _erase(graph, [old])
 
 
+def _pending(pos: Tensor, count: Tensor, k_new: Tensor) -> tuple[Tensor, Tensor]:
+    """Before a slot cache's write: the new tokens' true positions ``[B, q]`` and the positions of the
+    slots followed by the new tokens ``[B, H_kv, C + q]``."""
+    b, hkv, q = k_new.shape[:3]
+    q_pos = (count[0] + torch.arange(q, device=pos.device)).expand(b, q)
+    return q_pos, torch.cat([pos.long(), q_pos[:, None, :].expand(b, hkv, q)], -1)
+
+
+def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
+    """A ``kvpass.SlotCache`` site (``kvpass.cache``): the cache's own ``slot_append`` is replaced.
+
+    * prefill: exact attention over the prompt with the model's mask; ``slot_prefill`` lets the policy
+      keep entries and writes them into the slots;
+    * decode: ``write_slots`` puts the token into the victim slot the policy's rule picks on the device,
+      then ``decode_attention`` reads every slot by position (ART when the plan reads with it);
+    * append (several tokens on a filled cache): attention by position over the slots and the new
+      tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache)."""
+    rule, protect = plan.slot
+    keys, values, pos, count = site.slot.args[:4]
+    q, scale = _query_and_scale(graph, site)
+    with graph.inserting_before(site.out):
+        if site.phase == "prefill":
+            mask, causal = _model_mask(site)
+            att = graph.call_function(OPS.attention.default, (q, site.k_new, site.v_new, mask, scale, causal,
+                                                              site.softcap))
+            q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+            graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, q_scaled, site.k_new, site.v_new,
+                                                           mask, handle, site.layer,
+                                                           site.tokens if plan.tokens else None))
+        elif site.phase == "decode":
+            w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
+            q_pos, kv_len = (graph.call_function(operator.getitem, (w, i)) for i in range(2))
+            att = _decode_read(graph, site, plan.read or DecodeRead(), handle, q, keys, values, None, pos, q_pos,
+                               scale, 0, kv_len)
+        else:
+            pend = graph.call_function(_pending, (pos, count, site.k_new))
+            q_pos, kv_pos = (graph.call_function(operator.getitem, (pend, i)) for i in range(2))
+            k_all = graph.call_function(torch.cat, ([keys, site.k_new], -2))
+            v_all = graph.call_function(torch.cat, ([values, site.v_new], -2))
+            att = graph.call_function(OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap,
+                                                                  0))
+            graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    graph.erase_node(site.slot)
+
+
 def _derived(pos: fx.Node) -> bool:
     """True when position ids were computed inside the graph (from the cache length), not passed in.
 
@@ -282,11 +332,14 @@ def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]
 def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
     """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
     graph = gm.graph
-    evicting, appending = [], []
+    evicting, appending, slots = [], [], []
     for site in found.sites:
         plan = plans[site.layer]
         read = plan.read
-        if getattr(plan, "overwrite", False):
+        if site.cache == "slot":
+            _slot(graph, site, plan, handle)
+            slots.append(site.layer)
+        elif getattr(plan, "overwrite", False):
             _overwrite(graph, site, handle, getattr(plan, "votes", False))
         elif plan.pool:
             _pool_write(graph, site, read, handle)
@@ -308,4 +361,4 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     gm.recompile()
     return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict or getattr(p, "overwrite", False)),
             "evicting": [s.layer for s in evicting], "appending": [s.layer for s in appending],
-            "positions_fixed": fixed}
+            "slots": slots, "positions_fixed": fixed}

@@ -136,6 +136,12 @@ def sliding_windows(model) -> dict[int, int]:
     return {i: model.config.sliding_window for i, t in enumerate(types) if t == "sliding_attention"}
 
 
+def cache_lengths(model, n: int) -> list[int]:
+    """Entries each cache layer holds once a global layer holds ``n``: a sliding layer its W - 1."""
+    windows = sliding_windows(model)
+    return [windows[i] - 1 if i in windows else n for i in range(model.config.num_hidden_layers)]
+
+
 def gathered_reference(model, ids, layer: int, sel: list[int], kept: dict[int, torch.Tensor], tokens: list[int]):
     """Uncompiled model; from `layer + 1` on every decoder layer sees only the tokens `sel` (hidden
     states, cos/sin, position ids and masks gathered by forward pre-hooks). Then each global cache layer
@@ -249,14 +255,12 @@ def test_budget_at_least_length_equals_full(family):
     model = build(family, layers=4)
     ids = prompt(12, seed=3, b=2)
     ref, _ = run(model, ids, kvpass.backend("full", compiler="eager"))
-    windows = sliding_windows(model)
     for policy in ("asl", "asl_fullkv", "fastkv", "gemfilter"):
         torch._dynamo.reset()
         be = kvpass.backend(policy, compiler="eager", budget=64, window=WINDOW if policy != "gemfilter" else 1)
         got, cache = run(model, ids, be)
         assert be.gate_info["selection_layer"] is None and be.gate_info["kept"] == 12
-        assert [layer.keys.shape[-2] for layer in cache.layers] == [
-            windows[i] - 1 if i in windows else 12 + 3 for i in range(4)]
+        assert [layer.keys.shape[-2] for layer in cache.layers] == cache_lengths(model, 12 + 3)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=policy)
 
@@ -337,7 +341,7 @@ def test_forced_layer_on_sliding_families_matches_reference(family, attn, policy
         held = ((sel if i > gate else list(range(40))) + list(range(40, 46)))[-(w - 1):]
         assert be.state.positions(i)[0, 0].tolist() == held, f"layer {i}"
         assert cache.layers[i].keys.shape[-2] == w - 1
-    if budget < 7:   # after the prefill alone, the deeper sliding layers hold empty slots in front
+    if budget < min(windows.values()) - 1:   # after the prefill alone, the deeper sliding layers hold empty slots in front
         torch._dynamo.reset()
         pre = kvpass.backend(policy, compiler="eager", budget=budget, window=window, layer=gate)
         _, pcache = run(model, ids, pre, steps=0)
@@ -424,8 +428,7 @@ def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic, f
     got, cache = run(model, ids, be, steps=4, dynamic=dynamic)
     assert be.gate_info["selection_layer"] == 2 and be.gate_info["passes"] == 2
     assert [s[2] for s in spy.shapes] == [40] * 3 + [budget] * 6      # first pass stops at the filter layer
-    assert [layer.keys.shape[-2] for layer in cache.layers] == [
-        windows[i] - 1 if i in windows else budget + 4 for i in range(6)]
+    assert [layer.keys.shape[-2] for layer in cache.layers] == cache_lengths(model, budget + 4)
     sel = select_naive(window_votes(model, ids, 2, window), budget, window, kernel)
     renumber = policy == "gemfilter"
     layer = next(i for i in range(6) if i not in windows and i > 2)
@@ -544,9 +547,7 @@ def test_families_run_or_fall_back(family, attn):
     assert all(torch.isfinite(x).all() for x in got)
     assert not reasons, reasons    # every family gates (sliding-window ones included): no fallback left
     assert be.gate_info["selection_layer"] == 2
-    windows = sliding_windows(model)
-    assert [layer.keys.shape[-2] for layer in cache.layers] == [
-        windows[i] - 1 if i in windows else BUDGET + 2 for i in range(4)]
+    assert [layer.keys.shape[-2] for layer in cache.layers] == cache_lengths(model, BUDGET + 2)
 
 
 def test_batch_rows_select_their_own_tokens():

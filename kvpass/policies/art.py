@@ -23,6 +23,7 @@ from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePla
 class ART(Policy):
     name = "art"
     summary = "early-terminating decode attention (stop when the output stops moving)"
+    slot_rule = "append"
     params = (
         Param("tau", float, 1e-5, 0.0, 1.0, "relative output change below which a block is stable"),
         Param("phi", float, 1e-3, 0.0, 1.0, "direction change (1 - cos) below which a block is stable"),

@@ -92,6 +92,7 @@ def rank_variance(layer_ranks: list[Tensor], top: int) -> Tensor:
 class ASL(PrefillEviction):
     name = "asl"
     summary = "adaptive selection layer: deeper layers compute only the selected tokens (rank-variance rule)"
+    slot_rule = None  # the gated prefill runs outside one graph; SlotCache support is not built yet
     params = (BUDGET, WINDOW, KERNEL, TAU, L_OBS, L_MIN, LAYER)
     gates = True
     compress = True        # layers up to the selection layer keep a SnapKV-compressed cache

@@ -86,6 +86,8 @@ class SitePlan:
     # a decode step writes the new token into a slot of the stored pool in place (``kvpass::pool_write``,
     # ``Policy.write``) and reads the pool; nothing is concatenated or compacted (raas)
     pool: bool = False
+    # a kvpass.SlotCache site: (rule, protected slots) of kvpass.cache.write_slots, set by the backend
+    slot: tuple[int, int] | None = None
 
     def describe(self, phase: str = "") -> str:
         """One line for reports; ``phase`` is the graph's (a prefill's eviction shape keeps ``attention``
@@ -94,6 +96,11 @@ class SitePlan:
         read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, "
                 f"horizon={r.horizon})"
                 if r is not None else None)
+        if self.slot is not None:
+            if phase == "prefill":
+                return "slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
+            rule = "append" if self.slot[0] == 0 else f"ring (first {self.slot[1]} kept)"
+            return f"slot: write_slots {rule} in place + {read or 'decode_attention (exact)'} by position"
         if self.pool:
             return f"pool: step_position + pool_write (in place) + {read or 'decode_attention (exact)'}"
         if self.evict:
@@ -109,7 +116,7 @@ def shrinking_plan(site) -> SitePlan | str:
     bounded and are left to the model (attention op only); eviction needs a cache that can shrink."""
     if site.sliding_window:
         return SitePlan(attention=True, evict=False)
-    if site.cache != "dynamic":
+    if site.cache not in ("dynamic", "slot"):
         return (f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
                 f"this graph uses a {site.cache} cache")
     return SitePlan(attention=True, evict=True)
@@ -125,6 +132,20 @@ class Policy:
     # keep the model's own cache update (see SitePlan.append)
     decode_appends: ClassVar[bool] = False
     summary: ClassVar[str] = ""
+    # How a decode step on a kvpass.SlotCache picks the slot of a new token (kvpass.cache.write_slots):
+    # "append" (the next free slot), "ring" (an empty slot, else the oldest past the first
+    # ``slot_protect``), or None: the policy has no fixed-capacity decode yet (SlotCache refuses it).
+    slot_rule: ClassVar[str | None] = None
+
+    @property
+    def slot_protect(self) -> int:
+        """Leading slots a "ring" never evicts."""
+        return 0
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int) -> int:
+        """Slots per layer a SlotCache needs for sequences of at most ``max_length`` tokens of which at
+        most ``max_new_tokens`` are decoded (the cache takes the smaller of this and ``max_length``)."""
+        return max_length
 
     def __init__(self, **values: Any) -> None:
         self.config = validate(self.name, self.params, values)

@@ -36,6 +36,18 @@ class Composed(Policy):
         return self.evictor is not None and self.evictor.decode_appends
 
     @property
+    def slot_rule(self) -> str | None:  # type: ignore[override]
+        rules = [m.slot_rule for m in self.members]
+        return None if None in rules else (self.evictor.slot_rule if self.evictor else rules[0])
+
+    @property
+    def slot_protect(self) -> int:
+        return self.evictor.slot_protect if self.evictor else 0
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int) -> int:
+        return self.evictor.slot_capacity(max_length, max_new_tokens) if self.evictor else max_length
+
+    @property
     def name(self) -> str:  # type: ignore[override]
         return "+".join(m.name for m in self.members)
 

@@ -13,6 +13,7 @@ from kvpass.policies.base import Policy, SitePlan
 class Full(Policy):
     name = "full"
     summary = "exact attention through the kvpass operator; the cache is untouched"
+    slot_rule = "append"
 
     def plan(self, site) -> SitePlan:
         return SitePlan(attention=True, evict=False)

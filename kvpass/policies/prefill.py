@@ -45,6 +45,12 @@ class PrefillEviction(Policy):
     def plan(self, site) -> SitePlan | str:
         return shrinking_plan(site)
 
+    # on a SlotCache: the kept prompt, then every decoded token in the next free slot
+    slot_rule = "append"
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int) -> int:
+        return self.budget + max_new_tokens
+
     def layer_budget(self, site) -> int:
         """Entries this site keeps after a prefill longer than it."""
         return self.budget

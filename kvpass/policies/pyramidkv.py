@@ -48,6 +48,8 @@ class PyramidKV(PrefillEviction):
     params = PrefillEviction.params + (
         KERNEL, POOL, Param("steepness", int, 20, 1, 1 << 20, "first/last layer budget ratio is about 2*steepness"))
 
+    slot_rule = None  # per-layer capacities on a SlotCache are not built yet (one capacity would be the deepest)
+
     def check_config(self) -> None:
         super().check_config()
         check_pooling(self)

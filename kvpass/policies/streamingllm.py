@@ -32,6 +32,17 @@ class StreamingLLM(Policy):
                               f"got {self.sinks}" + (" (its default); pass a smaller sinks or a larger budget"
                                                      if self.sinks == 4 else ""))
 
+    # on a SlotCache: the budget plus the slot of the token being decoded (a step attends over the kept
+    # entries and itself, as on a DynamicCache), the sinks in the first slots, the rest a ring
+    slot_rule = "ring"
+
+    @property
+    def slot_protect(self) -> int:
+        return self.sinks
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int) -> int:
+        return self.budget + 1
+
     def plan(self, site) -> SitePlan | str:
         return shrinking_plan(site)
 

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 import kvpass
 from families import skip_uneven_layers_on_old_stacks
-from test_asl import build, prompt, sliding_windows
+from test_asl import build, cache_lengths, prompt
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -85,7 +85,6 @@ def test_inductor_cuda_matches_cpu(policy, layer):
                                                          ("cohere2", "fastkv", 3, 40)])
 def test_sliding_family_inductor_cuda_matches_cpu(family, policy, layer, budget):
     model = build(family, layers=6)
-    windows = sliding_windows(model)
     ids = prompt(200, seed=5)
     kw = {} if policy == "gemfilter" else {"window": 2}
     cpu = kvpass.backend(policy, compiler="eager", budget=budget, layer=layer, **kw)
@@ -95,8 +94,7 @@ def test_sliding_family_inductor_cuda_matches_cpu(family, policy, layer, budget)
     got, cache = _run(model.to(DEV), ids.to(DEV), gpu, 8)
     assert got == want
     assert gpu.gate_info["selection_layer"] == layer and gpu.gate_info["kept"] == budget
-    for i, lay in enumerate(cache.layers):
-        assert lay.keys.shape[-2] == (windows[i] - 1 if i in windows else budget + 8), i
+    assert [lay.keys.shape[-2] for lay in cache.layers] == cache_lengths(model, budget + 8)
 
 
 def test_dynamic_graph_compiles_segments_once():

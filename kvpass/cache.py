@@ -1,0 +1,287 @@
+"""``SlotCache``: a fixed-capacity ``transformers`` cache whose decode step is one device-resident graph.
+
+Every layer owns, allocated once at construction and never reallocated:
+
+* ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
+* ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
+  (left padding and evicted slots too);
+* ``count`` ``[2]`` int64: tokens seen (padding included, the index HF's masks count in) and slots
+  filled in order (the append layout's next free slot).
+
+``C`` is the policy's capacity (``Policy.slot_capacity``): the whole sequence for ``full``, the budget
+plus the decode steps for a policy that evicts at prefill only, the budget plus one for a policy that
+evicts at every step. All four are static addresses (``torch._dynamo.mark_static_address``), so a
+decode graph that writes them in place can be replayed as a CUDA graph; the host learns nothing per
+step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
+does), so ``generate`` and a bare ``forward`` derive true positions however much was evicted.
+
+The cache's own ``update`` calls ``kvpass::slot_append``: the append layout (token ``i`` in slot
+``i``), which with HF's own attention and mask is exactly HF's ``StaticCache``. The kvpass pass finds
+that call (``detect``: cache kind ``"slot"``) and replaces it with the policy's write:
+
+* prefill (the cache is empty): attention over the prompt with the model's mask, then
+  ``kvpass::slot_prefill`` asks the policy which entries to keep and writes them into the slots;
+* decode / append: ``write_slots`` (plain tensor code, compiled and fused by Inductor) puts each
+  new token into a victim slot chosen on the device by the policy's rule (``APPEND``: the next free
+  slot; ``RING``: an empty slot, else the oldest unprotected one), and ``decode_attention`` reads
+  every slot by position (``kv_pos``, ``kv_len``).
+
+A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
+(a device-side assert) instead of letting HF's mask read the slots as positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # pragma: no cover
+    Cache = CacheLayerMixin = object
+
+APPEND, RING = 0, 1
+RULES = {"append": APPEND, "ring": RING}
+
+
+# ------------------------------------------------------------------------------------------------
+# operators
+# ------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("kvpass::slot_append", mutates_args=("keys", "values", "pos", "count"))
+def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor) -> None:
+    """The cache's own update: ``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` go into slots ``seen .. seen+q-1``.
+    Valid only while the layout is the append layout (no eviction yet) and the tokens fit."""
+    q, cap = k_new.shape[2], keys.shape[2]
+    torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
+                                              "run it through the torch.compile backend that filled it")
+    torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity")
+    idx = count[1] + torch.arange(q, device=keys.device)
+    keys.index_copy_(2, idx, k_new.to(keys.dtype))
+    values.index_copy_(2, idx, v_new.to(values.dtype))
+    pos.index_copy_(2, idx, (count[0] + torch.arange(q, device=pos.device)).to(pos.dtype).expand(
+        pos.shape[0], pos.shape[1], q).contiguous())
+    count.add_(q)
+
+
+@slot_append.register_fake
+def _(keys, values, pos, count, k_new, v_new):
+    return None
+
+
+@torch.library.custom_op("kvpass::slot_prefill",
+                         mutates_args=("keys", "values", "pos", "count"))
+def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Tensor, k_new: Tensor,
+                 v_new: Tensor, mask: Tensor | None, handle: int, site: int, tokens: Tensor | None = None) -> None:
+    """A prefill on an empty slot cache: the policy keeps entries of the prompt (``Policy.select``, as
+    ``compact`` does on a DynamicCache) and they are written into the first slots, in position order;
+    the other slots are emptied. Runs once per prompt, outside any CUDA graph."""
+    from kvpass import runtime
+
+    rt = runtime.get(handle)
+    b, hkv, length, _ = k_new.shape
+    cap = keys.shape[2]
+    kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
+    valid = runtime.key_validity(mask, b, length)
+    if valid is not None:
+        kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
+    q_pos = torch.arange(length, device=k_new.device).expand(b, length)
+    extra = {} if tokens is None else {"tokens": tokens}
+    keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
+    if keep is None:
+        kept_k, kept_v, kept_pos = k_new, v_new, kv_pos
+    else:
+        kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, keep.clamp_min(0))
+        kept_pos = kv_pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1)
+    n = kept_pos.shape[-1]
+    if n > cap:
+        raise ValueError(f"kvpass SlotCache: layer {site} keeps {n} entries of a {length}-token prompt under "
+                         f"policy '{rt.policy.name}', but the cache holds {cap} slots per layer; build the cache "
+                         f"with a larger max_length")
+    keys[:, :, :n].copy_(kept_k)
+    values[:, :, :n].copy_(kept_v)
+    pos.fill_(-1)
+    pos[:, :, :n].copy_(kept_pos)
+    count[0], count[1] = length, n
+
+
+@slot_prefill.register_fake
+def _(keys, values, pos, count, q, k_new, v_new, mask, handle, site, tokens=None):
+    return None
+
+
+def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
+                rule: int, protect: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Decode / append on a slot cache, as plain tensor code (the rewrite calls it from the graph, so
+    Inductor compiles and fuses it; no host sync, capturable). Each of the ``q`` new tokens goes into a
+    victim slot chosen on the device:
+
+    * ``APPEND``: slots ``count[1] ..`` in order (a policy that no longer evicts); a full cache fails a
+      device-side assert rather than overwrite a token;
+    * ``RING``: per (row, KV head) the empty slots first, then the unprotected slot (index >= ``protect``:
+      StreamingLLM's sinks are the first slots) holding the oldest position.
+
+    Returns ``(q_pos [B, q], kv_len [B], new_pos [B, H_kv, q])`` of the tokens written: their true
+    positions, the slots a read must cover, and the positions now stored for them."""
+    b, hkv, q, d = k_new.shape
+    cap = keys.shape[2]
+    ar = torch.arange(q, device=pos.device)
+    q_pos = (count[0] + ar).expand(b, q)
+    new_pos = q_pos[:, None, :].expand(b, hkv, q).to(pos.dtype)
+    if rule == APPEND:
+        torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
+                                                 "max_length (or max_new_tokens)")
+        slot = (count[1] + ar).clamp_max(cap - 1)
+        keys.index_copy_(2, slot, k_new.to(keys.dtype))
+        values.index_copy_(2, slot, v_new.to(values.dtype))
+        pos.index_copy_(2, slot, new_pos.contiguous())
+    else:
+        torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
+        idx = torch.arange(cap, device=pos.device)
+        big = torch.iinfo(torch.int64).max // 2
+        age = torch.where(idx < protect, big, pos.long())                 # protected slots last
+        age = torch.where(pos < 0, idx - cap, age)                         # empty slots first, in order
+        slot = age.topk(q, dim=-1, largest=False).indices if q > 1 else age.argmin(-1, keepdim=True)
+        keys.scatter_(2, slot[..., None].expand(b, hkv, q, d), k_new.to(keys.dtype))
+        values.scatter_(2, slot[..., None].expand(b, hkv, q, v_new.shape[-1]), v_new.to(values.dtype))
+        pos.scatter_(2, slot, new_pos)
+    count.add_(q)
+    if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
+        count[1:].clamp_(max=cap)
+    return q_pos, count[1].expand(b).to(torch.int32), new_pos
+
+
+# ------------------------------------------------------------------------------------------------
+# the cache
+# ------------------------------------------------------------------------------------------------
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's fixed slots (see the module docstring)."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, v_head_dim: int,
+                 dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
+        self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
+        self.count = torch.zeros(2, dtype=torch.int64, device=device)
+        self.device = self.keys.device
+        self.filled = False        # host flag: Dynamo compiles one prefill graph and one decode graph
+        self.is_initialized = True
+        for t in (self.keys, self.values, self.pos, self.count):
+            torch._dynamo.mark_static_address(t)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass  # allocated at construction
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states)
+        if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
+            self.filled = True
+            return key_states, value_states
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return (query_length if not self.filled else self.capacity), 0
+
+    def get_seq_length(self) -> Tensor | int:
+        return self.count[0] if self.filled else 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def get_max_cache_shape(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.pos.fill_(-1)
+        self.count.zero_()
+        self.filled = False
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        raise NotImplementedError("kvpass SlotCache does not support beam search yet")
+
+    def __repr__(self) -> str:
+        return f"SlotLayer(capacity={self.capacity}, shape={tuple(self.keys.shape)}, dtype={self.keys.dtype})"
+
+
+class SlotCache(Cache):
+    """A fixed-capacity KV cache for a kvpass policy; pass it to ``generate`` or ``forward``.
+
+    Example::
+
+        be = kvpass.backend("streamingllm", budget=2048)
+        model.forward = torch.compile(model.forward, backend=be, mode="reduce-overhead")
+        cache = kvpass.SlotCache(model, be, max_length=prompt_len + 256)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+    Args:
+        model: the HF model (its config gives layers, KV heads and head size; its first parameter
+            the dtype and device unless given).
+        backend: the ``kvpass.backend(...)`` the model is compiled with; its policy sizes the slots.
+        max_length: the most tokens a sequence will see (prompt + new tokens).
+        batch_size: rows of the batch.
+        max_new_tokens: decode steps a prefill-evicting policy must hold beyond its budget (default:
+            ``max_length``, i.e. no tighter bound known).
+    """
+
+    def __init__(self, model, backend, max_length: int, batch_size: int = 1, max_new_tokens: int | None = None,
+                 dtype: torch.dtype | None = None, device=None) -> None:
+        from kvpass.policies import ConfigError
+
+        policy = backend.policy
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ConfigError(f"SlotCache: parameter 'max_length' must be an int >= 1, got {max_length!r}")
+        if policy.slot_rule is None:
+            raise ConfigError(f"SlotCache: policy '{policy.name}' has no fixed-capacity decode yet; use it with a "
+                              f"DynamicCache (the default cache), or one of: {', '.join(slot_policies())}")
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(cfg, "sliding_window", None) and "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+            raise ConfigError("SlotCache: models with sliding-window layers are not supported yet; use a DynamicCache")
+        layers = cfg.num_hidden_layers
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        p = next(model.parameters())
+        dtype, device = dtype or p.dtype, device or p.device
+        new = max_length if max_new_tokens is None else max_new_tokens
+        self.capacity = min(max_length, policy.slot_capacity(max_length, new))
+        self.policy_name = policy.name
+        super().__init__(layers=[SlotLayer(batch_size, kv_heads, self.capacity, head_dim, head_dim, dtype, device)
+                                 for _ in range(layers)])
+
+    @property
+    def seen(self) -> int:
+        """Tokens the sequence has seen (a host sync; for inspection, not for the decode loop)."""
+        return int(self.layers[0].count[0])
+
+    def positions(self, layer: int) -> Tensor:
+        """``[B, H_kv, C]`` true position of each slot of ``layer`` (-1 = empty)."""
+        return self.layers[layer].pos
+
+    def kv_bytes(self) -> int:
+        """Bytes of every layer's slots and their positions: the cache's whole footprint."""
+        return sum(t.numel() * t.element_size() for lay in self.layers for t in (lay.keys, lay.values, lay.pos,
+                                                                               lay.count))
+
+    def reset(self) -> None:
+        for lay in self.layers:
+            lay.reset()
+
+    def __repr__(self) -> str:
+        lay = self.layers[0]
+        return (f"kvpass.SlotCache(policy={self.policy_name!r}, layers={len(self.layers)}, "
+                f"capacity={self.capacity}, batch={lay.keys.shape[0]}, kv_heads={lay.keys.shape[1]}, "
+                f"dtype={lay.keys.dtype}, kv_bytes={self.kv_bytes()})")
+
+
+def slot_policies() -> list[str]:
+    """Policies that run on a ``SlotCache``."""
+    from kvpass.policies import POLICIES
+
+    return sorted(n for n, cls in POLICIES.items() if getattr(cls, "slot_rule", None) is not None)
