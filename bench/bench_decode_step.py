@@ -1,0 +1,197 @@
+"""Issue 19's benchmark: the decode step of every SlotCache policy against what a user runs instead.
+
+One process, one GPU, one model: a random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16).
+Per context length, every configuration prefills the same random prompt (twice: the first call
+compiles) and then decodes greedily; reported per row:
+
+* TTFT: the second prefill's wall time; TPOT: mean step over ``--steps`` steps after 8 warm-up steps
+  (one sync at each end, so host overhead shows where the host is the bottleneck);
+* peak: the allocator's high-water mark from the prefill to the last step; KV bytes: what the cache
+  holds (a SlotCache: every slot, empty or not);
+* roofline: (weight bytes read per step, the input embedding excepted, + KV bytes a step must read)
+  over the device-to-device copy bandwidth measured in this process; ratio = TPOT / roofline.
+
+Configurations: ``hf_eager`` (DynamicCache, SDPA, cuDNN SDPA off), ``hf_eager_cudnn`` (on),
+``hf_static`` (StaticCache, decode compiled with ``mode="reduce-overhead"``, prefill eager as
+``generate`` does), ``kvpass_dynamic:<policy>`` (the DynamicCache path), and ``<policy>`` (a kvpass
+policy on a SlotCache, ``mode="reduce-overhead"``).
+
+    python bench/bench_decode_step.py --layers 8 --batch 1 --contexts 32768,131072 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpass  # noqa: E402
+
+WARMUP = 8
+
+
+def llama8b(layers: int):
+    cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                         rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        m = tf.LlamaForCausalLM(cfg)
+    m = m.to_empty(device="cuda").to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, p in m.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=g)
+    m.model.rotary_emb.__init__(cfg, device="cuda")  # inv_freq was on meta
+    return m.eval()
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - t)
+
+
+def kv_bytes(cache) -> int:
+    if isinstance(cache, kvpass.SlotCache):
+        return cache.kv_bytes()
+    return sum(t.numel() * t.element_size() for lay in cache.layers for t in (lay.keys, lay.values)
+               if isinstance(t, torch.Tensor))
+
+
+@torch.no_grad()
+def run(prefill, step, cache_fn, ids, steps):
+    """Two prefills (the first compiles), warm-up steps, then ``steps`` timed steps."""
+    cache = cache_fn()
+    prefill(ids, cache)
+    del cache
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    cache = cache_fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    logits = prefill(ids, cache)
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - t
+    nxt = logits.argmax(-1, keepdim=True)
+    pos = torch.full((ids.shape[0], 1), ids.shape[1], device="cuda", dtype=torch.long)
+    for i in range(WARMUP + steps):
+        if i == WARMUP:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+        nxt = step(nxt, pos, cache).argmax(-1, keepdim=True)
+        pos = pos + 1
+    torch.cuda.synchronize()
+    tpot = (time.perf_counter() - t) / steps
+    return ttft, tpot, torch.cuda.max_memory_allocated(), kv_bytes(cache), nxt
+
+
+def configs(model, args, ctx):
+    b, n_new = args.batch, WARMUP + args.steps + 2
+
+    def hf_prefill(ids, cache):
+        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    def hf_step(fwd):
+        def step(nxt, pos, cache):
+            torch.compiler.cudagraph_mark_step_begin()
+            return fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+        return step
+
+    dyn = lambda: tf.DynamicCache(config=model.config)  # noqa: E731
+    for name in args.configs.split(","):
+        torch._dynamo.reset()
+        torch.backends.cuda.enable_cudnn_sdp(name == "hf_eager_cudnn")
+        if name in ("hf_eager", "hf_eager_cudnn"):
+            yield name, hf_prefill, hf_step(model.forward), dyn, None
+        elif name == "hf_static":
+            fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            yield name, hf_prefill, hf_step(fwd), (lambda: tf.StaticCache(config=model.config,
+                                                                          max_cache_len=ctx + n_new)), None
+        else:
+            policy = name.split(":", 1)[-1]
+            params = {} if policy in ("full", "art") else {"budget": args.budget}
+            be = kvpass.backend(policy, **params)
+            if name.startswith("kvpass_dynamic:"):
+                fwd = torch.compile(model.forward, backend=be, dynamic=True)
+                cache_fn = dyn
+            else:
+                fwd = torch.compile(model.forward, backend=be, mode="reduce-overhead")
+                cache_fn = lambda be=be: kvpass.SlotCache(model, be, max_length=ctx + n_new,  # noqa: E731
+                                                          max_new_tokens=n_new, batch_size=b)
+            pre = lambda ids, cache, fwd=fwd: fwd(input_ids=ids, past_key_values=cache, use_cache=True,  # noqa: E731
+                                                  logits_to_keep=1).logits[:, -1]
+            yield name, pre, hf_step(fwd), cache_fn, be
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--configs", default="hf_eager,hf_eager_cudnn,hf_static,full,snapkv,streamingllm,art")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+    model = llama8b(args.layers)
+    bw = copy_bandwidth()
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    cfg = model.config
+    per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * args.batch
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
+              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "layers": args.layers, "batch": args.batch, "budget": args.budget, "steps": args.steps,
+              "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weights, "rows": []}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        ids = torch.randint(10, 128000, (args.batch, ctx), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(ctx))
+        for name, pre, step, cache_fn, be in configs(model, args, ctx):
+            t0 = time.perf_counter()
+            try:
+                ttft, tpot, peak, kvb, _ = run(pre, step, cache_fn, ids, args.steps)
+            except Exception as e:  # a row that fails is reported, the others go on
+                row = {"config": name, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                print(json.dumps(row), flush=True)
+                result["rows"].append(row)
+                torch.cuda.empty_cache()
+                continue
+            policy = name.split(":", 1)[-1]
+            entries = ctx if policy in ("full", "art") or name.startswith("hf_") else min(ctx, args.budget)
+            roof = (weights + per_entry * entries) / bw
+            row = {"config": name, "context": ctx, "ttft_s": ttft, "tpot_ms": tpot * 1e3, "peak_GiB": peak / 2**30,
+                   "kv_GiB": kvb / 2**30, "roofline_ms": roof * 1e3, "ratio": tpot / roof,
+                   "wall_s": time.perf_counter() - t0}
+            if be is not None:
+                row["graphs"] = [(r.phase, r.cudagraphs) for r in be.reports]
+                row["plans"] = be.plans()
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+            out.write_text(json.dumps(result, indent=1))
+            torch.cuda.empty_cache()
+    out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""SlotCache on CUDA: the decode step captured as a CUDA graph (``mode="reduce-overhead"``) equals the
+same kvpass path run eagerly, token for token, over 256 decode steps that evict all along; the decode
+graph is compiled once and replayed, never recompiled as the sequence grows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import kvpass
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+STEPS = 256
+CASES = [("full", {}), ("art", {}), ("streamingllm", dict(budget=64, sinks=4)),
+         ("snapkv", dict(budget=64, window=8)), ("chunkkv", dict(budget=64, window=8)),
+         ("snapkv+art", dict(budget=64, window=8)), ("streamingllm+art", dict(budget=64, sinks=4))]
+
+
+def model():
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg).cuda().eval()
+
+
+@torch.no_grad()
+def decode(m, be, ids, mode=None):
+    torch._dynamo.reset()
+    fwd = torch.compile(m.forward, backend=be, mode=mode)
+    cache = kvpass.SlotCache(m, be, max_length=ids.shape[1] + STEPS + 1, max_new_tokens=STEPS + 1)
+    logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    toks, all_logits = [], [logits]
+    for _ in range(STEPS):
+        nxt = logits.argmax(-1, keepdim=True)
+        toks.append(nxt)
+        torch.compiler.cudagraph_mark_step_begin()
+        logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].clone()
+        all_logits.append(logits)
+    return torch.cat(toks, -1).tolist(), all_logits, cache
+
+
+@pytest.mark.parametrize("policy,params", CASES, ids=[c[0] for c in CASES])
+def test_cuda_graph_replay_equals_eager_kvpass(policy, params):
+    m = model()
+    ids = torch.randint(3, 250, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
+    want, want_logits, _ = decode(m, kvpass.backend(policy, compiler="eager", **params), ids)
+    be = kvpass.backend(policy, **params)
+    got, got_logits, cache = decode(m, be, ids, mode="reduce-overhead")
+    assert got == want
+    for a, b in zip(got_logits, want_logits):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    phases = [r.phase for r in be.reports]
+    assert phases == ["prefill", "decode"], phases      # one decode graph for all 256 steps
+    assert be.reports[-1].cudagraphs and not be.reports[0].cudagraphs
+    assert cache.seen == 200 + STEPS
+    if "budget" in params:                              # real memory: the slots are the capacity
+        assert cache.layers[0].keys.shape[2] == cache.capacity < 200 + STEPS
