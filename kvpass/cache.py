@@ -81,6 +81,9 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     rt = runtime.get(handle)
     b, hkv, length, _ = k_new.shape
     cap = keys.shape[2]
+    if (b, hkv) != tuple(keys.shape[:2]):
+        raise ValueError(f"kvpass SlotCache: a batch of {b} rows x {hkv} KV heads on a cache built for "
+                         f"{keys.shape[0]} x {keys.shape[1]}; build it with batch_size={b}")
     kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
     valid = runtime.key_validity(mask, b, length)
     if valid is not None:
@@ -93,6 +96,11 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     else:
         kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, keep.clamp_min(0))
         kept_pos = kv_pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1)
+    # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
+    # first slots (StreamingLLM's sinks must be a padded row's first real tokens, not its padding)
+    order = torch.where(kept_pos < 0, torch.iinfo(torch.int64).max, kept_pos.long()).argsort(dim=-1, stable=True)
+    kept_k, kept_v = torch.ops.kvpass.gather_kv(kept_k, kept_v, order)
+    kept_pos = kept_pos.gather(2, order)
     n = kept_pos.shape[-1]
     if n > cap:
         raise ValueError(f"kvpass SlotCache: layer {site} keeps {n} entries of a {length}-token prompt under "

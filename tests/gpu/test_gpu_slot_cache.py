@@ -31,7 +31,8 @@ def model():
 def decode(m, be, ids, mode=None):
     torch._dynamo.reset()
     fwd = torch.compile(m.forward, backend=be, mode=mode)
-    cache = kvpass.SlotCache(m, be, max_length=ids.shape[1] + STEPS + 1, max_new_tokens=STEPS + 1)
+    cache = kvpass.SlotCache(m, be, max_length=ids.shape[1] + STEPS + 1, max_new_tokens=STEPS + 1,
+                               batch_size=ids.shape[0])
     logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
     toks, all_logits = [], [logits]
     for _ in range(STEPS):

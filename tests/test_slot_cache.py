@@ -1,0 +1,504 @@
+"""``kvpass.SlotCache``: the fixed-capacity cache, against the DynamicCache paths already proven.
+
+* ``full`` / ``art`` (tau = phi = 0) on a SlotCache equal the uncompiled model on a DynamicCache, for
+  families without sliding layers, with derived and with explicit positions;
+* the evicting policies (streamingllm: a ring that evicts every step; snapkv, chunkkv, sablock: a
+  prefill eviction, then appends) equal the same policy on a DynamicCache, a left-padded batch too;
+* ``generate`` works on it (and a chat continuation through the append graph), ``get_seq_length``
+  answers tokens seen, not slots stored;
+* memory is real (the slots never grow, they hold exactly the sinks and the most recent tokens),
+  the decode step compiles once, the victim rule of ``write_slots`` is the documented one;
+* the refusals and capacity errors are loud; ``opcheck`` on ``slot_append`` / ``slot_prefill``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpass
+from families import build
+from kvpass import runtime
+from kvpass.cache import APPEND, RING, write_slots
+
+BUDGET, SINKS = 8, 2
+PUNCT = [5, 7]
+
+
+def prompt(n: int, seed: int, b: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 90, (b, n), generator=g)
+    ids[torch.rand(b, n, generator=g) < 0.15] = PUNCT[seed % 2]       # sentence ends for sablock
+    return ids
+
+
+def run(fwd, cache, ids, steps: int, tokens=None, explicit: bool = False, mask=None):
+    """Prefill then ``steps`` decode steps; greedy, or feeding ``tokens`` [steps, B] when given. With
+    ``explicit`` (or a ``mask``: position ids from its cumsum, as ``generate`` does) the positions
+    are passed, else the model derives them from the cache. Returns (tokens fed, last logits per call)."""
+    kw = {}
+    if mask is not None:
+        pid = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        kw = dict(attention_mask=mask, position_ids=pid)
+    elif explicit:
+        kw = dict(position_ids=torch.arange(ids.shape[1])[None])
+    fed, logits = [], []
+    with torch.no_grad():
+        logits.append(fwd(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits[:, -1])
+        for step in range(steps):
+            nxt = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
+            fed.append(nxt)
+            if "position_ids" in kw:
+                kw["position_ids"] = kw["position_ids"][:, -1:] + 1
+            if mask is not None:
+                kw["attention_mask"] = torch.cat([kw["attention_mask"], torch.ones_like(nxt)], 1)
+            logits.append(fwd(input_ids=nxt, past_key_values=cache, use_cache=True, **kw).logits[:, -1])
+    return fed, logits
+
+
+def assert_logits_close(got, ref, atol=1e-5):
+    assert len(got) == len(ref)
+    for step, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=lambda m, s=step: f"call {s}: {m}")
+
+
+def slot_run(model, policy, ids, steps, tokens=None, max_length=40, max_new_tokens=None, dynamic=None, **kw):
+    """``policy`` compiled with the eager compiler on a fresh SlotCache: (backend, cache, logits)."""
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler=kw.pop("compiler", "eager"), **kw)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic)
+    cache = kvpass.SlotCache(model, be, max_length=max_length, batch_size=ids.shape[0],
+                             max_new_tokens=max_new_tokens)
+    _, logits = run(fwd, cache, ids, steps, tokens)
+    return be, cache, logits
+
+
+def dynamic_run(model, policy, ids, steps, mask=None, **kw):
+    """``policy`` compiled with the eager compiler on a DynamicCache (the path the other tests check
+    against hand-evicting references): (backend, tokens, logits, positions kept by the prefill)."""
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler="eager", **kw)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = DynamicCache(config=model.config)
+    tokens, logits = run(fwd, cache, ids, 0, mask=mask)
+    kept = {i: st.pos.clone() for i, st in be.state.layers.items()}
+    tokens, logits = run(fwd, cache, ids, steps, mask=mask) if steps else (tokens, logits)
+    return be, tokens, logits, kept
+
+
+# ------------------------------------------------------------------------------------------------
+# full / art equal the uncompiled model
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,attn,explicit", [
+    ("llama", "sdpa", False), ("llama", "sdpa", True), ("qwen3", "eager", False), ("gpt_neox", "sdpa", False),
+    ("granite", "sdpa", False), ("phi3", "sdpa", False), ("phi3", "eager", True)])
+def test_full_equals_uncompiled_dynamic_cache(family, attn, explicit):
+    """``full`` on a SlotCache (prefill: slot_prefill keeps everything; decode: write_slots appends and
+    decode_attention reads by position) is the model itself: 8 greedy steps, logits at 1e-5."""
+    model = build(family, attn)
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    tokens, ref = run(model, DynamicCache(config=model.config), ids, 8, explicit=explicit)
+    torch._dynamo.reset()
+    be = kvpass.backend("full", compiler="eager")
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = kvpass.SlotCache(model, be, max_length=24)
+    _, got = run(fwd, cache, ids, 8, tokens, explicit=explicit)
+    assert_logits_close(got, ref)
+    assert be.reports and all(r.slots == list(range(model.config.num_hidden_layers)) for r in be.reports)
+    assert cache.seen == 13 + 8
+    assert cache.positions(0)[0, 0].tolist() == list(range(21)) + [-1] * 3
+
+
+def test_art_noop_equals_full_and_composes_with_snapkv():
+    """``art`` with tau = phi = 0 reads every slot (block 16 over 40 slots: 3 blocks): it equals the
+    model. ``snapkv+art`` runs on the slots with the evictor's rule and capacity and equals snapkv on a
+    DynamicCache."""
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    tokens, ref = run(model, DynamicCache(config=model.config), ids, 8)
+    be, cache, got = slot_run(model, "art", ids, 8, tokens, tau=0.0, phi=0.0, block=16)
+    assert_logits_close(got, ref)
+    assert any("decode_attention(tau=0" in p for p in be.plans()["decode"])
+    assert cache.capacity == 40
+
+    _, tokens, ref, _ = dynamic_run(model, "snapkv", ids, 8, budget=BUDGET, window=2)
+    be, cache, got = slot_run(model, "snapkv+art", ids, 8, torch.stack(tokens), max_new_tokens=8,
+                              budget=BUDGET, window=2, tau=0.0, phi=0.0, block=16)
+    assert_logits_close(got, ref)
+    assert cache.capacity == BUDGET + 8
+    assert be.plans()["decode"] == ["slot: write_slots append in place + decode_attention(tau=0, phi=0, p=5, "
+                                    "block=16, horizon=0) by position"]
+
+
+# ------------------------------------------------------------------------------------------------
+# evicting policies equal their DynamicCache path
+# ------------------------------------------------------------------------------------------------
+
+EVICTORS = [
+    ("streamingllm", dict(budget=BUDGET, sinks=SINKS), 13),
+    ("snapkv", dict(budget=12, window=4), 24),
+    ("chunkkv", dict(budget=12, window=4, chunk=4), 24),
+    ("sablock", dict(budget=12, window=4, punctuation_ids=PUNCT), 24),
+]
+
+
+@pytest.mark.parametrize("policy,params,n", EVICTORS, ids=[e[0] for e in EVICTORS])
+def test_evicting_policy_equals_dynamic_cache(policy, params, n):
+    """Same policy, same tokens, 10 decode steps: the SlotCache logits equal the DynamicCache ones.
+    streamingllm evicts at every step (a 13-token prompt, budget 8: the ring overwrites from the first
+    decode step); the prefill evictors keep the same entries as on the DynamicCache and then fill their
+    capacity (budget + max_new_tokens) exactly."""
+    model = build("llama")
+    ids = prompt(n, seed=2)
+    _, tokens, ref, kept = dynamic_run(model, policy, ids, 10, **params)
+    be, cache, got = slot_run(model, policy, ids, 10, torch.stack(tokens), max_new_tokens=10, **params)
+    assert_logits_close(got, ref)
+    budget = params["budget"]
+    assert cache.capacity == (budget + 1 if policy == "streamingllm" else budget + 10)
+    assert cache.seen == n + 10
+    for layer in range(model.config.num_hidden_layers):
+        pos = cache.positions(layer)
+        assert pos.shape[-1] == cache.capacity
+        if policy == "streamingllm":
+            recent = budget + 1 - SINKS
+            assert (pos.sort(-1).values == torch.tensor(
+                [0, 1] + list(range(n + 10 - recent, n + 10)), dtype=pos.dtype)).all()
+        else:       # the prefill kept what the DynamicCache path kept, then every decoded token
+            assert torch.equal(pos[..., :budget].sort(-1).values.long(), kept[layer].sort(-1).values.long())
+            assert (pos[..., budget:] == torch.arange(n, n + 10, dtype=pos.dtype)).all()
+            assert kept[layer].shape[-1] == budget < n      # (it did evict)
+
+
+def test_left_padded_batch_equals_dynamic_cache():
+    """Batch 2, row 0 left-padded (9 pads, 5 real tokens: fewer than the budget), row 1 not: the
+    SlotCache streamingllm equals the DynamicCache one for 12 steps, which evict in both rows. After the
+    prefill the empty slots (and only they) hold -1, and they are the last ones: the protected first
+    slots hold each row's first real tokens, the sinks, not its padding."""
+    model = build("llama")
+    g = torch.Generator().manual_seed(3)
+    long, short = torch.randint(3, 90, (1, 14), generator=g), torch.randint(3, 90, (1, 5), generator=g)
+    ids = torch.cat([torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    params = dict(budget=BUDGET, sinks=SINKS)
+    _, tokens, ref, _ = dynamic_run(model, "streamingllm", ids, 12, mask=mask, **params)
+
+    torch._dynamo.reset()
+    be = kvpass.backend("streamingllm", compiler="eager", **params)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = kvpass.SlotCache(model, be, max_length=40, batch_size=2)
+    _, got = run(fwd, cache, ids, 0, mask=mask)
+    for layer in range(model.config.num_hidden_layers):
+        pos = cache.positions(layer)
+        assert (pos[0] == torch.tensor([9, 10, 11, 12, 13, -1, -1, -1, -1], dtype=pos.dtype)).all()
+        assert (pos[1] == torch.tensor([0, 1, 8, 9, 10, 11, 12, 13, -1], dtype=pos.dtype)).all()
+    torch._dynamo.reset()
+    be = kvpass.backend("streamingllm", compiler="eager", **params)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = kvpass.SlotCache(model, be, max_length=40, batch_size=2)
+    _, got = run(fwd, cache, ids, 12, torch.stack(tokens), mask=mask)
+    assert_logits_close(got, ref)
+    seen = ids.shape[1] + 12
+    expect = {0: [9, 10], 1: [0, 1]}
+    for row, sinks in expect.items():
+        stored = sorted(cache.positions(0)[row, 0].tolist())
+        assert stored == sinks + list(range(seen - (BUDGET + 1 - SINKS), seen))
+        assert cache.positions(0)[row, 0, :SINKS].tolist() == sinks
+
+
+# ------------------------------------------------------------------------------------------------
+# generate
+# ------------------------------------------------------------------------------------------------
+
+def _generate(model, ids, new, **kw):
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_generate_full_and_chat_continuation():
+    """``generate`` with the compiled forward on a SlotCache gives the model's own tokens and logits;
+    a second ``generate`` that continues the returned cache with more input (its first call appends 6
+    tokens to a filled cache: the "append" graph) equals the model fed the whole conversation."""
+    ref, model = build("llama"), build("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    be = kvpass.backend("full", compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = kvpass.SlotCache(model, be, max_length=40)
+    seq, logits = _generate(model, ids, 6, past_key_values=cache)
+    ref_seq, ref_logits = _generate(ref, ids, 6, past_key_values=DynamicCache(config=ref.config))
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert int(cache.get_seq_length()) == 13 + 6 - 1                  # generate never feeds its last token
+
+    chat = torch.cat([seq, torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(2))], 1)
+    seq2, logits2 = _generate(model, chat, 6, past_key_values=cache)
+    ref_seq2, ref_logits2 = _generate(ref, chat, 6, past_key_values=DynamicCache(config=ref.config))
+    assert torch.equal(seq2, ref_seq2)
+    torch.testing.assert_close(logits2, ref_logits2, atol=1e-5, rtol=1e-5)
+    assert int(cache.get_seq_length()) == chat.shape[1] + 6 - 1
+    assert sorted(be.plans()) == ["append", "decode", "prefill"]
+
+
+def test_generate_streamingllm_seq_length_and_continuation():
+    """streamingllm through ``generate``: ``get_seq_length`` answers the tokens seen (prompt + new - 1),
+    not the 9 slots stored, so generate's positions stay true; the tokens and logits equal streamingllm
+    on a DynamicCache, a chat continuation (an append of 6 tokens that evicts inside the call) too."""
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    chat_tail = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(2))
+    results = []
+    for kind in ("dynamic", "slot"):
+        torch._dynamo.reset()
+        model = build("llama")
+        be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
+        model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
+        cache = (DynamicCache(config=model.config) if kind == "dynamic"
+                 else kvpass.SlotCache(model, be, max_length=64))
+        seq, logits = _generate(model, ids, 10, past_key_values=cache)
+        if kind == "slot":
+            assert int(cache.get_seq_length()) == 13 + 10 - 1 and cache.capacity == BUDGET + 1
+        seq2, logits2 = _generate(model, torch.cat([seq, chat_tail], 1), 6, past_key_values=cache)
+        results.append((seq, logits, seq2, logits2))
+    (seq, logits, seq2, logits2), (s_seq, s_logits, s_seq2, s_logits2) = results
+    assert torch.equal(seq, s_seq) and torch.equal(seq2, s_seq2)
+    torch.testing.assert_close(s_logits, logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_logits2, logits2, atol=1e-5, rtol=1e-5)
+    assert int(cache.get_seq_length()) == seq2.shape[1] - 1
+    assert cache.layers[0].keys.shape[2] == BUDGET + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# memory, recompilation, the victim rule
+# ------------------------------------------------------------------------------------------------
+
+def test_streamingllm_slots_fixed_and_hold_sinks_and_recent():
+    """30 decode steps: every layer's slot tensors stay [1, 2, budget + 1, D] at the same address, and
+    after every step they hold exactly the sinks and the budget + 1 - sinks most recent tokens."""
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = kvpass.SlotCache(model, be, max_length=100)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    shape = (1, model.config.num_key_value_heads, BUDGET + 1, head_dim)
+    ptrs = [(lay.keys.data_ptr(), lay.values.data_ptr(), lay.pos.data_ptr()) for lay in cache.layers]
+    nbytes = cache.kv_bytes()
+    with torch.no_grad():
+        logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        for step in range(31):
+            seen = 13 + step
+            for i, lay in enumerate(cache.layers):
+                assert tuple(lay.keys.shape) == shape and tuple(lay.values.shape) == shape
+                assert (lay.keys.data_ptr(), lay.values.data_ptr(), lay.pos.data_ptr()) == ptrs[i]
+                want = [0, 1] + list(range(seen - (BUDGET - SINKS) - (step > 0), seen))
+                if step == 0:
+                    want.append(-1)                                     # the prefill kept the budget
+                got = cache.positions(i).sort(-1).values
+                assert (got == torch.tensor(sorted(want), dtype=got.dtype)).all(), (step, got[0, 0].tolist())
+                assert cache.positions(i)[..., :SINKS].tolist() == [[[0, 1]] * shape[1]]
+            assert cache.seen == seen
+            if step < 30:
+                logits = fwd(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache,
+                             use_cache=True).logits[:, -1]
+    assert cache.kv_bytes() == nbytes
+    per_layer = 2 * shape[0] * shape[1] * shape[2] * shape[3] * 4 + shape[0] * shape[1] * shape[2] * 4 + 2 * 8
+    assert nbytes == per_layer * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("policy,params", [("full", {}), ("streamingllm", dict(budget=BUDGET, sinks=SINKS))])
+def test_decode_compiles_once(dynamic, policy, params):
+    """20 decode steps compile two graphs in all (prefill, decode): the counters live on the device and
+    ``get_seq_length`` is a tensor, so no decode step guards on a Python int that changes."""
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    be, cache, _ = slot_run(model, policy, ids, 20, dynamic=dynamic, **params)
+    assert [r.phase for r in be.reports] == ["prefill", "decode"]
+    assert cache.seen == 33
+
+
+def test_write_slots_ring_rule():
+    """The ring's victim per (row, KV head): the lowest empty slot, else the oldest slot past the
+    protected ones (even when a protected slot is older); several tokens take several victims."""
+    cap, protect, d = 6, 2, 3
+    pos = torch.tensor([[[0, 1, 5, 3, -1, 4], [0, 1, 5, 3, 7, 4]],
+                        [[-1, -1, -1, -1, -1, -1], [2, 0, 6, 9, 8, 7]]], dtype=torch.int32)
+    keys, values = torch.zeros(2, 2, cap, d), torch.zeros(2, 2, cap, d)
+    count = torch.tensor([20, cap])
+    k_new, v_new = torch.ones(2, 2, 1, d), torch.full((2, 2, 1, d), 2.0)
+    p = pos.clone()
+    q_pos, kv_len, new_pos = write_slots(keys, values, p, count, k_new, v_new, RING, protect)
+    victims = [[4, 3], [0, 2]]
+    for b in range(2):
+        for h in range(2):
+            v = victims[b][h]
+            expect = pos[b, h].clone()
+            expect[v] = 20
+            assert p[b, h].tolist() == expect.tolist(), (b, h)
+            assert keys[b, h, v].eq(1).all() and values[b, h, v].eq(2).all()
+            assert keys[b, h].sum() == d                                 # nothing else written
+    assert q_pos.tolist() == [[20], [20]] and kv_len.tolist() == [cap, cap] and count.tolist() == [21, cap]
+    # two tokens at once: (row 0, head 0) takes its empty slot and then the oldest (pos 3)
+    p = pos.clone()
+    write_slots(keys, values, p, torch.tensor([20, cap]), torch.ones(2, 2, 2, d), torch.ones(2, 2, 2, d), RING,
+                protect)
+    assert sorted(p[0, 0].tolist()) == [0, 1, 4, 5, 20, 21] and p[0, 0, :2].tolist() == [0, 1]
+    assert sorted(p[1, 1].tolist()) == [0, 2, 8, 9, 20, 21] and p[1, 1, :2].tolist() == [2, 0]
+    # the append rule: the next free slot, whatever the positions say
+    p = torch.full((1, 1, cap), -1, dtype=torch.int32)
+    keys = torch.zeros(1, 1, cap, d)
+    write_slots(keys, keys.clone(), p, torch.tensor([7, 2]), torch.ones(1, 1, 1, d), torch.ones(1, 1, 1, d), APPEND, 0)
+    assert p[0, 0].tolist() == [-1, -1, 7, -1, -1, -1] and keys[0, 0, 2].eq(1).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["pyramidkv", "raas", "asl", "quest", "pie", "snapkv+quest"])
+def test_policies_without_slot_rule_refused(policy):
+    model = build("llama")
+    be = kvpass.backend(policy, compiler="eager")
+    with pytest.raises(kvpass.ConfigError, match=f"policy '{policy.replace('+', '[+]')}'.*DynamicCache"):
+        kvpass.SlotCache(model, be, max_length=32)
+
+
+def test_bad_construction_refused():
+    """max_length must be an int >= 1; a model with sliding-window layers is refused."""
+    model = build("llama")
+    be = kvpass.backend("full", compiler="eager")
+    for bad in (0, -3, 8.0):
+        with pytest.raises(kvpass.ConfigError, match="max_length"):
+            kvpass.SlotCache(model, be, max_length=bad)
+    with pytest.raises(kvpass.ConfigError, match="sliding-window"):
+        kvpass.SlotCache(build("gemma3"), be, max_length=32)
+
+
+def test_capacity_errors():
+    """A prompt longer than a ``full`` cache's capacity fails the prefill with a message naming the
+    capacity; a decode step past it fails the device-side assert (a RuntimeError on the CPU)."""
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    be = kvpass.backend("full", compiler="eager")
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    with torch.no_grad():
+        with pytest.raises(Exception, match="keeps 13 entries of a 13-token prompt.*holds 10 slots.*max_length"):
+            fwd(input_ids=ids, past_key_values=kvpass.SlotCache(model, be, max_length=10), use_cache=True)
+        cache = kvpass.SlotCache(model, be, max_length=14)
+        fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+        fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)          # slot 13: the last one
+        with pytest.raises(RuntimeError, match="the cache is full"):
+            fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_uncompiled_model_on_compressed_cache_fails():
+    """After streamingllm compressed the slots, the model's own update (slot_append) would read slots as
+    positions: it fails loudly. On an uncompressed cache (full) it is HF's StaticCache and may go on."""
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    for policy, params, fails in (("streamingllm", dict(budget=BUDGET, sinks=SINKS), True), ("full", {}, False)):
+        torch._dynamo.reset()
+        be = kvpass.backend(policy, compiler="eager", **params)
+        fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+        cache = kvpass.SlotCache(model, be, max_length=40)
+        with torch.no_grad():
+            fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+            if fails:
+                with pytest.raises(RuntimeError, match="compressed by a kvpass policy"):
+                    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+            else:
+                out = model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits
+                ref = DynamicCache(config=model.config)
+                model(input_ids=ids, past_key_values=ref, use_cache=True)
+                torch.testing.assert_close(out, model(input_ids=ids[:, :1], past_key_values=ref,
+                                                      use_cache=True).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_repr():
+    model = build("llama")
+    be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
+    text = repr(kvpass.SlotCache(model, be, max_length=40, batch_size=2))
+    assert "policy='streamingllm'" in text and f"capacity={BUDGET + 1}" in text and "batch=2" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# opcheck
+# ------------------------------------------------------------------------------------------------
+
+B, HKV, H, D = 2, 2, 4, 8
+
+
+def _slots(cap: int):
+    return (torch.zeros(B, HKV, cap, D), torch.zeros(B, HKV, cap, D), torch.full((B, HKV, cap), -1, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int64))
+
+
+def test_opcheck_slot_append():
+    """The cache's own update; opcheck replays it (each replay appends), so the slots are roomy."""
+    gen = torch.Generator().manual_seed(0)
+    keys, values, pos, count = _slots(64)
+    k_new, v_new = torch.randn(B, HKV, 3, D, generator=gen), torch.randn(B, HKV, 3, D, generator=gen)
+    torch.library.opcheck(torch.ops.kvpass.slot_append, (keys, values, pos, count, k_new, v_new))
+    keys, values, pos, count = _slots(8)
+    torch.ops.kvpass.slot_append(keys, values, pos, count, k_new, v_new)
+    torch.ops.kvpass.slot_append(keys, values, pos, count, k_new[:, :, :1], v_new[:, :, :1])
+    assert count.tolist() == [4, 4] and pos[0, 0].tolist() == [0, 1, 2, 0 + 3, -1, -1, -1, -1]
+    assert torch.equal(keys[:, :, :3], k_new) and torch.equal(values[:, :, 3], v_new[:, :, 0])
+
+
+@pytest.fixture
+def rt():
+    """A real runtime (streamingllm, budget 8, sinks 2) and one SlotCache site."""
+    be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
+    be.runtime.sites[0] = SimpleNamespace(sliding_window=None, cache="slot", layer=0)
+    yield be.runtime
+    runtime.release(be.runtime.handle)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_opcheck_slot_prefill(rt, padded):
+    """The policy keeps entries of a 13-token prompt and they fill the first slots, real ones first in
+    position order; opcheck replays it (a replay rewrites the same slots and counters)."""
+    gen = torch.Generator().manual_seed(1)
+    n = 13
+    q = torch.randn(B, H, n, D, generator=gen)
+    k_new, v_new = torch.randn(B, HKV, n, D, generator=gen), torch.randn(B, HKV, n, D, generator=gen)
+    mask = None
+    if padded:  # row 1: 9 pads, 4 real tokens (an HF additive causal mask)
+        allowed = torch.ones(n, n, dtype=torch.bool).tril().expand(B, 1, n, n).clone()
+        allowed[1, :, :, :9] = False
+        mask = torch.zeros(B, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    keys, values, pos, count = _slots(BUDGET + 1)
+    args = (keys, values, pos, count, q, k_new, v_new, mask, rt.handle, 0)
+    torch.library.opcheck(torch.ops.kvpass.slot_prefill, args)
+    torch.ops.kvpass.slot_prefill(*args)
+    assert count.tolist() == [n, BUDGET]
+    assert pos[0, 0].tolist() == [0, 1] + list(range(n - BUDGET + SINKS, n)) + [-1]
+    assert torch.equal(keys[0, :, :SINKS], k_new[0, :, :SINKS]) and torch.equal(values[0, :, 2:BUDGET], v_new[0, :, 7:])
+    if padded:
+        assert pos[1, 0].tolist() == [9, 10, 11, 12] + [-1] * 5
+        assert torch.equal(keys[1, :, :4], k_new[1, :, 9:])
+
+
+# ------------------------------------------------------------------------------------------------
+# Inductor
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.inductor
+def test_inductor_equals_eager_compiler():
+    """Real Inductor compiles write_slots into the decode graph (and checks the ops' fake shapes): full and
+    streamingllm over 6 steps equal the eager compiler's logits."""
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    for policy, params in (("full", {}), ("streamingllm", dict(budget=BUDGET, sinks=SINKS))):
+        _, _, ref = slot_run(model, policy, ids, 6, **params)
+        tokens = torch.stack([r.argmax(-1, keepdim=True) for r in ref[:-1]])
+        be, cache, got = slot_run(model, policy, ids, 6, tokens, compiler="inductor", **params)
+        assert_logits_close(got, ref, atol=1e-4)
+        assert [r.phase for r in be.reports] == ["prefill", "decode"]
+        assert cache.seen == 13 + 6
