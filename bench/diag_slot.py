@@ -1,6 +1,6 @@
 """Diagnostic: one SlotCache prefill + decode on a 2-layer 8B-shaped model at 32k, full traceback."""
 import sys, traceback, torch
-sys.path.insert(0, "bench")
+sys.path.insert(0, "bench"); sys.path.insert(0, ".")
 import kvpass
 from bench_decode_step import llama8b
 m = llama8b(2)

@@ -243,6 +243,8 @@ class Backend:
         stateful = sorted({n.target.name() for n in gm.graph.nodes if _runtime_op(n)})
         if patches.get("triton.cudagraphs") and stateful:
             patches["triton.cudagraphs"] = False
+            if report.slots and report.phase == "prefill":
+                return patches  # by design: a SlotCache prefill runs once per prompt, outside CUDA graphs
             warn_once(f"kvpass: CUDA graphs are not applied to this {report.phase} graph of policy "
                       f"'{self.policy.name}': {stateful[0]} updates Python-side policy state, which a replay "
                       f"would skip (a decode step on a kvpass.SlotCache has none)")

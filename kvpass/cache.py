@@ -183,6 +183,9 @@ class SlotLayer(CacheLayerMixin):
         self.is_initialized = True
         for t in (self.keys, self.values, self.pos, self.count):
             torch._dynamo.mark_static_address(t)
+            # static shapes too: under torch.compile(dynamic=True) the slots' sizes would be symbolic,
+            # and the decode site (kv heads read off the slots) could not be rewritten
+            torch._dynamo.mark_static(t)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass  # allocated at construction

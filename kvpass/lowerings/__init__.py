@@ -25,14 +25,18 @@ from kvpass.kernels import decode_attention as _decode_attention
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):
+    if k.shape[1] != q.shape[1]:
+        # GQA by expanding K/V, as HF does: with enable_gqa and cuDNN SDPA off (torch 2.11), SDPA fell back
+        # to its math kernel and asked for a [B, H, L, L] fp32 score matrix (128 GiB at 32k, 8B shape)
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     if mask is not None and mask.dtype == torch.bool:
         # SDPA gives NaN for rows with nothing visible; the reference gives zeros.
         empty = ~mask.any(dim=-1, keepdim=True)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, scale=scale,
-                                             is_causal=is_causal, enable_gqa=True)
+                                             is_causal=is_causal)
         return out.masked_fill(empty, 0.0).contiguous()
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
-                                          enable_gqa=True).contiguous()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal).contiguous()
 
 
 def _decode(q, k, v, mask) -> bool:
