@@ -249,10 +249,13 @@ def test_generate_full_and_chat_continuation():
 
 def test_generate_streamingllm_seq_length_and_continuation():
     """streamingllm through ``generate``: ``get_seq_length`` answers the tokens seen (prompt + new - 1),
-    not the 9 slots stored, so generate's positions stay true; the tokens and logits equal streamingllm
-    on a DynamicCache, a chat continuation (an append of 6 tokens that evicts inside the call) too."""
+    not the 9 slots stored, so generate's positions stay true; tokens and logits equal streamingllm on a
+    DynamicCache. Then a chat turn of 6 tokens on the full ring (the "append" graph: the tokens attend
+    over what the cache keeps between calls, budget entries, and evict inside the call) and a decode
+    step equal the DynamicCache path. (Fed by direct calls: ``generate`` cannot continue a compressed
+    DynamicCache, whose ``get_seq_length`` is the stored length.)"""
     ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
-    chat_tail = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(2))
+    turn = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(2))
     results = []
     for kind in ("dynamic", "slot"):
         torch._dynamo.reset()
@@ -262,15 +265,20 @@ def test_generate_streamingllm_seq_length_and_continuation():
         cache = (DynamicCache(config=model.config) if kind == "dynamic"
                  else kvpass.SlotCache(model, be, max_length=64))
         seq, logits = _generate(model, ids, 10, past_key_values=cache)
-        if kind == "slot":
-            assert int(cache.get_seq_length()) == 13 + 10 - 1 and cache.capacity == BUDGET + 1
-        seq2, logits2 = _generate(model, torch.cat([seq, chat_tail], 1), 6, past_key_values=cache)
-        results.append((seq, logits, seq2, logits2))
-    (seq, logits, seq2, logits2), (s_seq, s_logits, s_seq2, s_logits2) = results
-    assert torch.equal(seq, s_seq) and torch.equal(seq2, s_seq2)
+        if kind == "slot":                                   # generate never feeds its last token
+            assert int(cache.get_seq_length()) == 13 + 10 - 1 and cache.layers[0].keys.shape[2] == BUDGET + 1
+        with torch.no_grad():
+            chat = model(input_ids=turn, past_key_values=cache, use_cache=True).logits
+            step = model(input_ids=chat[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+        results.append((seq, logits, chat, step))
+    (seq, logits, chat, step), (s_seq, s_logits, s_chat, s_step) = results
+    assert torch.equal(seq, s_seq)
     torch.testing.assert_close(s_logits, logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s_logits2, logits2, atol=1e-5, rtol=1e-5)
-    assert int(cache.get_seq_length()) == seq2.shape[1] - 1
+    torch.testing.assert_close(s_chat, chat, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_step, step, atol=1e-5, rtol=1e-5)
+    assert sorted(be.plans()) == ["append", "decode", "prefill"]
+    assert int(cache.get_seq_length()) == 13 + 9 + 6 + 1 and cache.capacity == BUDGET + 1
+    assert sorted(cache.positions(0)[0, 0].tolist()) == [0, 1] + list(range(29 - (BUDGET + 1 - SINKS), 29))
     assert cache.layers[0].keys.shape[2] == BUDGET + 1
 
 
