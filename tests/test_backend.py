@@ -115,7 +115,7 @@ def _attention_masks(be, call):
     """Run ``call`` and return (mask, causal) of every kvpass attention op the backend compiled."""
     graphs = []
     inner = be._inner
-    be._inner = lambda gm, ex: (graphs.append(gm), inner(gm, ex))[1]
+    be._inner = lambda gm, ex, *rest: (graphs.append(gm), inner(gm, ex, *rest))[1]
     call()
     return [(n.args[3], n.args[5]) for gm in graphs for n in gm.graph.nodes
             if n.target is torch.ops.kvpass.attention.default]

@@ -85,14 +85,14 @@ def make_backend(compiler: str = "eager") -> kvpass.Backend:
     graph_ops: list[dict] = []
     inner = be._inner
 
-    def recording_inner(gm, example_inputs):
+    def recording_inner(gm, example_inputs, *rest):
         nodes = list(gm.graph.nodes)
         graph_ops.append({
             "kvpass": sum(n.op == "call_function" and n.target in KVPASS_OPS for n in nodes),
             "model_attention": sum((n.op == "call_function" and n.target in MODEL_ATTENTION)
                                    or (n.op == "call_method" and n.target == "softmax") for n in nodes),
         })
-        return inner(gm, example_inputs)
+        return inner(gm, example_inputs, *rest)
 
     be._inner = recording_inner
     be.graph_ops = graph_ops  # a plain list: survives a deepcopy of the backend by reference
