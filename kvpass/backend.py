@@ -240,8 +240,9 @@ class Backend:
             return {}
         from torch._inductor import list_mode_options
         patches = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **(options or {})}
-        stateful = sorted({n.target.name() for n in gm.graph.nodes if _runtime_op(n)})
-        if patches.get("triton.cudagraphs") and stateful:
+        stateful = sorted({n.target.name() for n in gm.graph.nodes if _runtime_op(n)}) \
+            if patches.get("triton.cudagraphs") else []
+        if stateful:
             patches["triton.cudagraphs"] = False
             if report.slots and report.phase == "prefill":
                 return patches  # by design: a SlotCache prefill runs once per prompt, outside CUDA graphs

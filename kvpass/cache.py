@@ -92,15 +92,15 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     extra = {} if tokens is None else {"tokens": tokens}
     keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
     if keep is None:
-        kept_k, kept_v, kept_pos = k_new, v_new, kv_pos
+        idx, kept_pos = None, kv_pos
     else:
-        kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, keep.clamp_min(0))
-        kept_pos = kv_pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1)
+        idx = keep.clamp_min(0)
+        kept_pos = kv_pos.gather(2, idx).masked_fill(keep < 0, -1)
     # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
     # first slots (StreamingLLM's sinks must be a padded row's first real tokens, not its padding)
     order = torch.where(kept_pos < 0, torch.iinfo(torch.int64).max, kept_pos.long()).argsort(dim=-1, stable=True)
-    kept_k, kept_v = torch.ops.kvpass.gather_kv(kept_k, kept_v, order)
     kept_pos = kept_pos.gather(2, order)
+    kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, order if idx is None else idx.gather(2, order))
     n = kept_pos.shape[-1]
     if n > cap:
         raise ValueError(f"kvpass SlotCache: layer {site} keeps {n} entries of a {length}-token prompt under "
@@ -118,8 +118,35 @@ def _(keys, values, pos, count, q, k_new, v_new, mask, handle, site, tokens=None
     return None
 
 
+def ring_victims(pos: Tensor, protect: int, q: int) -> Tensor:
+    """``[B, H_kv, q]`` slots a ``RING`` writes ``q`` new tokens over: empty slots first (lowest index
+    first), then the unprotected slots (index >= ``protect``) holding the oldest positions, protected
+    slots last."""
+    cap = pos.shape[-1]
+    idx = torch.arange(cap, device=pos.device)
+    age = torch.where(idx < protect, torch.iinfo(torch.int64).max // 2, pos.long())
+    age = torch.where(pos < 0, idx - cap, age)
+    return age.topk(q, dim=-1, largest=False).indices if q > 1 else age.argmin(-1, keepdim=True)
+
+
+def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, protect: int) -> tuple[Tensor, Tensor]:
+    """Before an append call's write (several tokens on a filled slot cache): the new tokens' true
+    positions ``[B, q]`` and the positions of the slots followed by the new tokens ``[B, H_kv, C + q]``.
+    A full ``RING`` holds one entry more than the policy keeps between calls (the slot a decode step
+    writes its token over, ``capacity = budget + 1``): its next victim is already evicted for these
+    tokens (-1), as on a DynamicCache."""
+    b, hkv, q = k_new.shape[:3]
+    q_pos = (count[0] + torch.arange(q, device=pos.device)).expand(b, q)
+    kv_pos = pos.long()
+    if rule == RING:
+        idx = torch.arange(pos.shape[-1], device=pos.device)
+        evicted = (idx == ring_victims(pos, protect, 1)) & (pos >= 0).all(-1, keepdim=True)
+        kv_pos = kv_pos.masked_fill(evicted, -1)
+    return q_pos, torch.cat([kv_pos, q_pos[:, None, :].expand(b, hkv, q)], -1)
+
+
 def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
-                rule: int, protect: int) -> tuple[Tensor, Tensor, Tensor]:
+                rule: int, protect: int) -> tuple[Tensor, Tensor]:
     """Decode / append on a slot cache, as plain tensor code (the rewrite calls it from the graph, so
     Inductor compiles and fuses it; no host sync, capturable). Each of the ``q`` new tokens goes into a
     victim slot chosen on the device:
@@ -129,8 +156,8 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     * ``RING``: per (row, KV head) the empty slots first, then the unprotected slot (index >= ``protect``:
       StreamingLLM's sinks are the first slots) holding the oldest position.
 
-    Returns ``(q_pos [B, q], kv_len [B], new_pos [B, H_kv, q])`` of the tokens written: their true
-    positions, the slots a read must cover, and the positions now stored for them."""
+    Returns ``(q_pos [B, q], kv_len [B])``: the true positions of the tokens written and the slots a
+    read must cover."""
     b, hkv, q, d = k_new.shape
     cap = keys.shape[2]
     ar = torch.arange(q, device=pos.device)
@@ -145,18 +172,14 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
         pos.index_copy_(2, slot, new_pos.contiguous())
     else:
         torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
-        idx = torch.arange(cap, device=pos.device)
-        big = torch.iinfo(torch.int64).max // 2
-        age = torch.where(idx < protect, big, pos.long())                 # protected slots last
-        age = torch.where(pos < 0, idx - cap, age)                         # empty slots first, in order
-        slot = age.topk(q, dim=-1, largest=False).indices if q > 1 else age.argmin(-1, keepdim=True)
+        slot = ring_victims(pos, protect, q)
         keys.scatter_(2, slot[..., None].expand(b, hkv, q, d), k_new.to(keys.dtype))
         values.scatter_(2, slot[..., None].expand(b, hkv, q, v_new.shape[-1]), v_new.to(values.dtype))
         pos.scatter_(2, slot, new_pos)
     count.add_(q)
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
         count[1:].clamp_(max=cap)
-    return q_pos, count[1].expand(b).to(torch.int32), new_pos
+    return q_pos, count[1].expand(b).to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,10 +29,8 @@ import operator
 import torch
 from torch import fx
 
-from torch import Tensor
-
 from kvpass import ops
-from kvpass.cache import APPEND, RING, write_slots
+from kvpass.cache import pending_positions, write_slots
 from kvpass.detect import Detection, Site
 from kvpass.maskcheck import is_causal_mask
 from kvpass.policies.base import DecodeRead
@@ -220,22 +218,6 @@ def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
         _erase(graph, [old])
 
 
-def _pending(pos: Tensor, count: Tensor, k_new: Tensor, rule: int = APPEND, protect: int = 0) -> tuple[Tensor, Tensor]:
-    """Before a slot cache's write: the new tokens' true positions ``[B, q]`` and the positions of the
-    slots followed by the new tokens ``[B, H_kv, C + q]``. A full ``RING`` holds one entry more than the
-    policy keeps between calls (the slot a decode step writes its token over, ``capacity = budget + 1``):
-    its oldest unprotected entry is already evicted for these tokens (-1), as on a DynamicCache."""
-    b, hkv, q = k_new.shape[:3]
-    q_pos = (count[0] + torch.arange(q, device=pos.device)).expand(b, q)
-    kv_pos = pos.long()
-    if rule == RING:
-        idx = torch.arange(pos.shape[-1], device=pos.device)
-        age = torch.where(idx < protect, torch.iinfo(torch.int64).max // 2, kv_pos)
-        evicted = (idx == age.argmin(-1, keepdim=True)) & (pos >= 0).all(-1, keepdim=True)
-        kv_pos = kv_pos.masked_fill(evicted, -1)
-    return q_pos, torch.cat([kv_pos, q_pos[:, None, :].expand(b, hkv, q)], -1)
-
-
 def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
     """A ``kvpass.SlotCache`` site (``kvpass.cache``): the cache's own ``slot_append`` is replaced.
 
@@ -263,7 +245,7 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
             att = _decode_read(graph, site, plan.read or DecodeRead(), handle, q, keys, values, None, pos, q_pos,
                                scale, 0, kv_len)
         else:
-            pend = graph.call_function(_pending, (pos, count, site.k_new, rule, protect))
+            pend = graph.call_function(pending_positions, (pos, count, site.k_new, rule, protect))
             q_pos, kv_pos = (graph.call_function(operator.getitem, (pend, i)) for i in range(2))
             k_all = graph.call_function(torch.cat, ([keys, site.k_new], -2))
             v_all = graph.call_function(torch.cat, ([values, site.v_new], -2))

@@ -343,7 +343,7 @@ def test_write_slots_ring_rule():
     count = torch.tensor([20, cap])
     k_new, v_new = torch.ones(2, 2, 1, d), torch.full((2, 2, 1, d), 2.0)
     p = pos.clone()
-    q_pos, kv_len, new_pos = write_slots(keys, values, p, count, k_new, v_new, RING, protect)
+    q_pos, kv_len = write_slots(keys, values, p, count, k_new, v_new, RING, protect)
     victims = [[4, 3], [0, 2]]
     for b in range(2):
         for h in range(2):
