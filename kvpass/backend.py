@@ -165,7 +165,8 @@ class KVPass(CustomGraphPass):
                     f"{', '.join(_cache.slot_policies())}); use a DynamicCache")
         if site.sliding_window:
             return f"layer {site.layer}: sliding-window layers on a SlotCache are not supported yet"
-        return dataclasses.replace(plan, slot=(_cache.RULES[rule], self.policy.slot_protect))
+        return dataclasses.replace(plan, slot=(_cache.RULES[rule], self.policy.slot_protect),
+                                   slot_hooks=self.policy.slot_hooks(site))
 
     def uuid(self) -> str:
         h = hashlib.sha256(self.policy.uuid().encode())

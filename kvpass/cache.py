@@ -49,9 +49,11 @@ RULES = {"append": APPEND, "ring": RING}
 # ------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("kvpass::slot_append", mutates_args=("keys", "values", "pos", "count"))
-def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor) -> None:
+def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
+                state: list[Tensor]) -> None:
     """The cache's own update: ``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` go into slots ``seen .. seen+q-1``.
-    Valid only while the layout is the append layout (no eviction yet) and the tokens fit."""
+    Valid only while the layout is the append layout (no eviction yet) and the tokens fit. ``state`` (the
+    policy's per-layer tensors) is not touched: it is passed so the kvpass pass finds it in the graph."""
     q, cap = k_new.shape[2], keys.shape[2]
     torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
                                               "run it through the torch.compile backend that filled it")
@@ -65,7 +67,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
 
 
 @slot_append.register_fake
-def _(keys, values, pos, count, k_new, v_new):
+def _(keys, values, pos, count, k_new, v_new, state):
     return None
 
 
@@ -91,6 +93,8 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
     extra = {} if tokens is None else {"tokens": tokens}
     keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
+    if isinstance(keep, tuple):  # (keep, DynamicCache bookkeeping): a SlotCache keeps its state as tensors
+        keep = keep[0]
     if keep is None:
         idx, kept_pos = None, kv_pos
     else:
@@ -194,17 +198,21 @@ class SlotLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, v_head_dim: int,
-                 dtype: torch.dtype, device) -> None:
+                 dtype: torch.dtype, device, state: dict | None = None) -> None:
         super().__init__()
         self.capacity = capacity
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
         self.count = torch.zeros(2, dtype=torch.int64, device=device)
+        # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
+        self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
+        self.state = [torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
+                      for shape, dt, fill in (state or {}).values()]
         self.device = self.keys.device
         self.filled = False        # host flag: Dynamo compiles one prefill graph and one decode graph
         self.is_initialized = True
-        for t in (self.keys, self.values, self.pos, self.count):
+        for t in (self.keys, self.values, self.pos, self.count, *self.state):
             torch._dynamo.mark_static_address(t)
             # static shapes too: under torch.compile(dynamic=True) the slots' sizes would be symbolic,
             # and the decode site (kv heads read off the slots) could not be rewritten
@@ -214,7 +222,8 @@ class SlotLayer(CacheLayerMixin):
         pass  # allocated at construction
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states)
+        torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states,
+                                     self.state)
         if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
             self.filled = True
             return key_states, value_states
@@ -235,6 +244,8 @@ class SlotLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.pos.fill_(-1)
         self.count.zero_()
+        for t, fill in zip(self.state, self._fills):
+            t.fill_(fill)
         self.filled = False
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
@@ -286,8 +297,9 @@ class SlotCache(Cache):
         new = max_length if max_new_tokens is None else max_new_tokens
         self.capacity = min(max_length, policy.slot_capacity(max_length, new))
         self.policy_name = policy.name
-        super().__init__(layers=[SlotLayer(batch_size, kv_heads, self.capacity, head_dim, head_dim, dtype, device)
-                                 for _ in range(layers)])
+        state = policy.slot_state(self.capacity, head_dim)
+        super().__init__(layers=[SlotLayer(batch_size, kv_heads, self.capacity, head_dim, head_dim, dtype, device,
+                                           state) for _ in range(layers)])
 
     @property
     def seen(self) -> int:
@@ -299,9 +311,9 @@ class SlotCache(Cache):
         return self.layers[layer].pos
 
     def kv_bytes(self) -> int:
-        """Bytes of every layer's slots and their positions: the cache's whole footprint."""
-        return sum(t.numel() * t.element_size() for lay in self.layers for t in (lay.keys, lay.values, lay.pos,
-                                                                               lay.count))
+        """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""
+        return sum(t.numel() * t.element_size() for lay in self.layers
+                   for t in (lay.keys, lay.values, lay.pos, lay.count, *lay.state))
 
     def reset(self) -> None:
         for lay in self.layers:

@@ -24,6 +24,7 @@ attention when the plan carries a ``DecodeRead`` and the site allows it (``decod
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -32,6 +33,7 @@ from torch import fx
 from kvpass import ops
 from kvpass.cache import pending_positions, write_slots
 from kvpass.detect import Detection, Site
+from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.maskcheck import is_causal_mask
 from kvpass.policies.base import DecodeRead
 
@@ -82,11 +84,11 @@ def _query_and_scale(graph: fx.Graph, site: Site):
 
 
 def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, k, v, mask, kv_pos, q_pos,
-                 scale, window, kv_len=None) -> fx.Node:
+                 scale, window, kv_len=None, bmap=None) -> fx.Node:
     """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it.
-    A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``)."""
-    bmap = None
-    if getattr(read, "pages", False):
+    A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``), a
+    SlotCache read the blocks of ``bmap`` when given."""
+    if bmap is None and getattr(read, "pages", False):
         bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.layer))
     att = graph.call_function(OPS.decode_attention.default, (
         q, k, v, mask, kv_pos, q_pos, None, kv_len, bmap, scale, site.softcap, window, read.tau, read.phi,
@@ -229,6 +231,8 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
       tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache)."""
     rule, protect = plan.slot
     keys, values, pos, count = site.slot.args[:4]
+    state = site.slot.args[6]
+    hooks = plan.slot_hooks
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
         if site.phase == "prefill":
@@ -239,11 +243,18 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
             graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, q_scaled, site.k_new, site.v_new,
                                                            mask, handle, site.layer,
                                                            site.tokens if plan.tokens else None))
+            if hooks is not None and hooks.refresh is not None:
+                graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif site.phase == "decode":
             w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
             q_pos, kv_len = (graph.call_function(operator.getitem, (w, i)) for i in range(2))
-            att = _decode_read(graph, site, plan.read or DecodeRead(), handle, q, keys, values, None, pos, q_pos,
-                               scale, 0, kv_len)
+            read, bmap = plan.read or DecodeRead(), None
+            if hooks is not None and hooks.update is not None:
+                graph.call_function(hooks.update, (keys, pos, count, state, site.k_new, *hooks.args))
+            if hooks is not None and hooks.select is not None:
+                bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
+                read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)
+            att = _decode_read(graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, 0, kv_len, bmap)
         else:
             pend = graph.call_function(pending_positions, (pos, count, site.k_new, rule, protect))
             q_pos, kv_pos = (graph.call_function(operator.getitem, (pend, i)) for i in range(2))
@@ -252,6 +263,8 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
             att = graph.call_function(OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap,
                                                                   0))
             graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
+            if hooks is not None and hooks.refresh is not None:
+                graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)
     graph.erase_node(site.slot)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 
 class ConfigError(ValueError):
@@ -88,6 +88,7 @@ class SitePlan:
     pool: bool = False
     # a kvpass.SlotCache site: (rule, protected slots) of kvpass.cache.write_slots, set by the backend
     slot: tuple[int, int] | None = None
+    slot_hooks: SlotHooks | None = None  # the policy's SlotCache state code at this site (set with ``slot``)
 
     def describe(self, phase: str = "") -> str:
         """One line for reports; ``phase`` is the graph's (a prefill's eviction shape keeps ``attention``
@@ -97,10 +98,18 @@ class SitePlan:
                 f"horizon={r.horizon})"
                 if r is not None else None)
         if self.slot is not None:
+            refresh = self.slot_hooks.refresh if self.slot_hooks is not None else None
             if phase == "prefill":
-                return "slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
+                return ("slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
+                        + (f" + {refresh.__name__}" if refresh is not None else ""))
             rule = "append" if self.slot[0] == 0 else f"ring (first {self.slot[1]} kept)"
-            return f"slot: write_slots {rule} in place + {read or 'decode_attention (exact)'} by position"
+            hooks = self.slot_hooks
+            if hooks is not None and hooks.update is not None:
+                rule += f" + {hooks.update.__name__}"
+            read = read or "decode_attention (exact)"
+            if hooks is not None and hooks.select is not None:
+                read += f" over the blocks of {hooks.select.__name__} (block {hooks.block})"
+            return f"slot: write_slots {rule} in place + {read} by position"
         if self.pool:
             return f"pool: step_position + pool_write (in place) + {read or 'decode_attention (exact)'}"
         if self.evict:
@@ -109,6 +118,28 @@ class SitePlan:
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"
         return (read or "attention op (exact)") if self.attention else "unchanged"
+
+
+@dataclass(frozen=True)
+class SlotHooks:
+    """Tensor code a policy runs on its ``kvpass.SlotCache`` layer state (``Policy.slot_state``), placed by
+    the rewrite inside the compiled graphs (so it is captured with them: no Python per step). Each is a
+    module-level function; ``state`` is the layer's state tensors in ``slot_state`` order, ``args`` the
+    policy's constants:
+
+    * ``refresh(keys, pos, count, state, *args)``: after a prefill or an append wrote the slots, rebuild
+      the state from them (in place);
+    * ``update(keys, pos, count, state, k_new, *args)``: after a decode step wrote its token (``count``
+      already counts it), fold it in (in place);
+    * ``select(q, pos, count, state, *args) -> block_map [B, H_kv, steps]`` int32: the blocks of
+      ``block`` slots the decode step reads (``decode_attention``'s ``ORDER_MAP``; -1 reads nothing).
+    """
+
+    refresh: Callable | None = None
+    update: Callable | None = None
+    select: Callable | None = None
+    args: tuple = ()
+    block: int = 128
 
 
 def shrinking_plan(site) -> SitePlan | str:
@@ -146,6 +177,15 @@ class Policy:
         """Slots per layer a SlotCache needs for sequences of at most ``max_length`` tokens of which at
         most ``max_new_tokens`` are decoded (the cache takes the smaller of this and ``max_length``)."""
         return max_length
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+        """Per-layer decode state a SlotCache allocates beside the slots: ``{name: (shape after [B, H_kv],
+        dtype or None for the cache's dtype, fill value)}``, in the order ``SlotHooks`` receive it."""
+        return {}
+
+    def slot_hooks(self, site) -> SlotHooks | None:
+        """The tensor code that keeps ``slot_state`` at ``site`` (None: the slots alone suffice)."""
+        return None
 
     def __init__(self, **values: Any) -> None:
         self.config = validate(self.name, self.params, values)

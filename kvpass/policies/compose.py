@@ -48,6 +48,17 @@ class Composed(Policy):
         return self.evictor.slot_capacity(max_length, max_new_tokens) if self.evictor else max_length
 
     @property
+    def _stateful(self) -> Policy | None:
+        """The member that keeps SlotCache layer state (quest's page bounds); one at most is used."""
+        return next((m for m in self.members if m.slot_state(1, 1)), None)
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict:
+        return self._stateful.slot_state(capacity, head_dim) if self._stateful else {}
+
+    def slot_hooks(self, site):
+        return self._stateful.slot_hooks(site) if self._stateful else None
+
+    @property
     def name(self) -> str:  # type: ignore[override]
         return "+".join(m.name for m in self.members)
 

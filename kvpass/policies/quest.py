@@ -12,6 +12,14 @@ complete pages by Quest's upper bound on their logits,
 (its bounds are still growing, and it holds the most recent context). That is ``budget/16 + 1``
 pages read per step; a budget at least the cache length reads every page, which is ``full``.
 
+On a ``kvpass.SlotCache`` the same selection is tensor code inside the compiled graphs (so the decode
+step is captured whole): the bounds ``kmin`` / ``kmax`` / ``live`` of the slots' pages of 16 are layer
+state the cache allocates (``slot_state``); the prefill (and an append) rebuilds them from the slots
+(``slot_bounds``), a decode step folds its token into its page (``slot_fold``) and ranks the complete
+pages with the same ``page_scores`` operator (``slot_pages``). The slots hold the prompt in the
+append layout (a left-padded row's padding after its real tokens), so pages are the DynamicCache's
+pages for an unpadded row.
+
 Choices the issue leaves open, and why:
 
 * no extra sink or recent pages: Quest's bound already ranks a page by the largest logit it can
@@ -44,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
+from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan, SlotHooks
 
 PAGE = 16
 
@@ -110,6 +118,54 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
     return st
 
 
+def slot_bounds(keys: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], *_) -> None:
+    """SlotCache refresh (after a prefill or an append wrote the slots): every page's bounds, empty
+    slots excluded, and the entries they cover (``count[1]``)."""
+    kmin, kmax, live, covered = state
+    b, hkv, cap, d = keys.shape
+    pages = kmin.shape[2]
+    pad = pages * PAGE - cap
+    k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(b, hkv, pages, PAGE, d)
+    ok = torch.nn.functional.pad(pos >= 0, (0, pad), value=False).view(b, hkv, pages, PAGE, 1)
+    hi = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
+    any_ok = ok.any(3)
+    kmin.copy_(torch.where(any_ok, torch.where(ok, k, hi).amin(3), 0))
+    kmax.copy_(torch.where(any_ok, torch.where(ok, k, -hi).amax(3), 0))
+    live.copy_(any_ok[..., 0])
+    covered.copy_(count[1].expand_as(covered))
+
+
+def slot_fold(keys: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], k_new: Tensor, *_) -> None:
+    """SlotCache decode step: fold the token just written (slot ``count[1] - 1``) into its page's
+    bounds. Bounds that do not cover the slots before it (a cache filled without this backend) fail a
+    device-side assert instead of ranking pages wrongly."""
+    kmin, kmax, live, covered = state
+    torch._assert_async((covered == count[1] - 1).all(), "kvpass quest: the SlotCache's page bounds do not cover "
+                                                         "its slots (it was filled without this backend)")
+    p = ((count[1] - 1) // PAGE).view(1)
+    old = live.index_select(2, p)[..., None]
+    knew = k_new.to(kmin.dtype)
+    kmin.index_copy_(2, p, torch.where(old, torch.minimum(kmin.index_select(2, p), knew), knew))
+    kmax.index_copy_(2, p, torch.where(old, torch.maximum(kmax.index_select(2, p), knew), knew))
+    live.index_fill_(2, p, True)
+    covered.add_(1)
+
+
+def slot_pages(q: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], top: int) -> Tensor:
+    """SlotCache decode step: the block map ``[B, H_kv, <= top + 1]`` int32 of the pages read, the top
+    ``top`` complete pages by Quest's bound and the current page, in order, -1 padded (as ``page_map``)."""
+    kmin, kmax, live, _ = state
+    b, hkv, pages, _ = kmin.shape
+    cur = (count[1] - 1) // PAGE
+    ok = live & (torch.arange(pages, device=kmin.device) < cur)
+    ts = torch.zeros(ok.shape, dtype=torch.long, device=kmin.device)
+    ub, _ = torch.ops.kvpass.page_scores(q[:, :, -1], kmin, kmax, ok, ts, 1.0, 0)
+    val, idx = ub.topk(min(top, pages), dim=-1)
+    idx = torch.where(val > float("-inf"), idx, pages)
+    idx = torch.cat([idx, cur.expand(b, hkv, 1)], -1).sort(-1).values
+    return torch.where(idx >= pages, -1, idx).int()
+
+
 class Quest(Policy):
     name = "quest"
     summary = "query-aware decode attention over the top budget/16 pages by Quest's bound (keeps every page)"
@@ -125,6 +181,20 @@ class Quest(Policy):
             raise ConfigError(f"policy 'quest': parameter 'budget' must be a multiple of {PAGE} in "
                               f"[{PAGE}, {1 << 24}], got {self.budget}")
 
+    # on a SlotCache: every token kept (the append layout), the pages' bounds as layer state
+    slot_rule = "append"
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict:
+        pages = -(-capacity // PAGE)
+        return {"kmin": ((pages, head_dim), None, 0), "kmax": ((pages, head_dim), None, 0),
+                "live": ((pages,), torch.bool, False), "covered": ((), torch.int64, 0)}
+
+    def slot_hooks(self, site) -> SlotHooks | None:
+        if site.sliding_window or site.layer < self.dense_layers:
+            return None
+        return SlotHooks(refresh=slot_bounds, update=slot_fold, select=slot_pages, args=(self.top_pages,),
+                         block=PAGE)
+
     @property
     def top_pages(self) -> int:
         return max(3, self.budget // PAGE)
@@ -139,6 +209,8 @@ class Quest(Policy):
         from kvpass.rewrite import decode_read_problem
         if site.sliding_window or site.layer < self.dense_layers:
             return SitePlan(attention=True)
+        if site.cache == "slot":  # the slot hooks select the pages
+            return SitePlan(attention=True, read=DecodeRead(stats=True) if self.stats else None)
         if site.cache != "dynamic":
             return (f"layer {site.layer}: quest reads the new token at the end of a DynamicCache; "
                     f"this graph uses a {site.cache} cache")
@@ -154,6 +226,8 @@ class Quest(Policy):
         return total
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        if site.cache == "slot":  # keeps everything; slot_bounds computes the bounds in the graph
+            return None
         fresh = kv_pos.shape[-1] == q_pos.shape[1] or layer_state is None
         st = {} if fresh else layer_state.extra
         return None, extend_bounds(st, k, kv_pos >= 0)
