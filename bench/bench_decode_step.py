@@ -101,6 +101,21 @@ def run(prefill, step, cache_fn, ids, steps):
     return ttft, tpot, torch.cuda.max_memory_allocated(), kv_bytes(cache), nxt
 
 
+def read_entries(name: str, ctx: int, budget: int, layers: int) -> float:
+    """K/V entries a decode step must read per layer (mean over layers) at the policy's defaults."""
+    policy = name.split(":", 1)[-1]
+    if policy in ("full", "art") or name.startswith("hf_"):
+        return ctx
+    if policy == "quest":         # dense layers read all; the others budget + the current page + the
+        from kvpass.policies.quest import Quest   # page bounds (kmin + kmax: 2/16 of the keys = ctx/16 entries)
+        dense = min(layers, Quest(budget=budget).dense_layers)
+        return (dense * ctx + (layers - dense) * (min(ctx, budget + 16) + ctx / 16)) / layers
+    if policy == "pyramidkv":
+        from kvpass.policies.pyramidkv import pyramid
+        return sum(min(ctx, b) for b in pyramid(budget, 32, layers, 20)) / layers
+    return min(ctx, budget)
+
+
 def configs(model, args, ctx):
     b, n_new = args.batch, WARMUP + args.steps + 2
 
@@ -177,9 +192,7 @@ def main() -> None:
                 result["rows"].append(row)
                 torch.cuda.empty_cache()
                 continue
-            policy = name.split(":", 1)[-1]
-            entries = ctx if policy in ("full", "art") or name.startswith("hf_") else min(ctx, args.budget)
-            roof = (weights + per_entry * entries) / bw
+            roof = (weights + per_entry * read_entries(name, ctx, args.budget, args.layers)) / bw
             row = {"config": name, "context": ctx, "ttft_s": ttft, "tpot_ms": tpot * 1e3, "peak_GiB": peak / 2**30,
                    "kv_GiB": kvb / 2**30, "roofline_ms": roof * 1e3, "ratio": tpot / roof,
                    "wall_s": time.perf_counter() - t0}

@@ -201,6 +201,11 @@ class SlotLayer(CacheLayerMixin):
                  dtype: torch.dtype, device, state: dict | None = None) -> None:
         super().__init__()
         self.capacity = capacity
+        # slots the model's own attention is given after the prefill: HF builds one mask for all layers,
+        # so a cache whose layers differ in capacity (pyramidkv) gives each the shortest one's length; the
+        # kvpass rewrite reads every slot by position (the model's own read is what an unchanged graph
+        # does, and slot_append then refuses the compressed cache)
+        self.read_length = capacity
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
@@ -227,10 +232,12 @@ class SlotLayer(CacheLayerMixin):
         if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
             self.filled = True
             return key_states, value_states
+        if self.read_length < self.capacity:
+            return self.keys[:, :, :self.read_length], self.values[:, :, :self.read_length]
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return (query_length if not self.filled else self.capacity), 0
+        return (query_length if not self.filled else self.read_length), 0
 
     def get_seq_length(self) -> Tensor | int:
         return self.count[0] if self.filled else 0
@@ -295,11 +302,14 @@ class SlotCache(Cache):
         p = next(model.parameters())
         dtype, device = dtype or p.dtype, device or p.device
         new = max_length if max_new_tokens is None else max_new_tokens
-        self.capacity = min(max_length, policy.slot_capacity(max_length, new))
+        # per layer: pyramidkv keeps more in lower layers
+        self.capacities = [min(max_length, policy.slot_capacity(max_length, new, i, layers)) for i in range(layers)]
+        self.capacity = max(self.capacities)
         self.policy_name = policy.name
-        state = policy.slot_state(self.capacity, head_dim)
-        super().__init__(layers=[SlotLayer(batch_size, kv_heads, self.capacity, head_dim, head_dim, dtype, device,
-                                           state) for _ in range(layers)])
+        super().__init__(layers=[SlotLayer(batch_size, kv_heads, cap, head_dim, head_dim, dtype, device,
+                                           policy.slot_state(cap, head_dim)) for cap in self.capacities])
+        for lay in self.layers:
+            lay.read_length = min(self.capacities)
 
     @property
     def seen(self) -> int:
@@ -322,7 +332,8 @@ class SlotCache(Cache):
     def __repr__(self) -> str:
         lay = self.layers[0]
         return (f"kvpass.SlotCache(policy={self.policy_name!r}, layers={len(self.layers)}, "
-                f"capacity={self.capacity}, batch={lay.keys.shape[0]}, kv_heads={lay.keys.shape[1]}, "
+                f"capacity={self.capacity if len(set(self.capacities)) == 1 else self.capacities}, "
+                f"batch={lay.keys.shape[0]}, kv_heads={lay.keys.shape[1]}, "
                 f"dtype={lay.keys.dtype}, kv_bytes={self.kv_bytes()})")
 
 

@@ -183,18 +183,26 @@ def _source_layer(node: fx.Node) -> int | None:
 
 def _slot_of(site: Site) -> Problem | None | bool:
     """A ``kvpass.SlotCache`` layer: attention reads the new K/V (a prefill) or the slots the layer's
-    ``slot_append`` just wrote (decode / append). Fills the cache fields; False when it is none."""
-    for u in site.k.users:
+    ``slot_append`` just wrote (decode / append), or their first entries (a cache whose layers differ in
+    capacity gives every layer the shortest one's length, the length HF's mask is built for). Fills the
+    cache fields; False when it is none."""
+    k, v = (_slot_read(n) for n in (site.k, site.v))
+    for u in k.users:
         if u.op == "call_function" and u.target in (SLOT_APPEND, SLOT_APPEND.default):
             keys, values, _pos, _count, k_new, v_new = u.args[:6]
-            if site.k not in (keys, k_new) or site.v not in (values, v_new) or \
-                    (site.k is keys) != (site.v is values):
+            if k not in (keys, k_new) or v not in (values, v_new) or (k is keys) != (v is values):
                 return Problem(u.name, "attention reads K and V from different places of a SlotCache layer")
             site.cache, site.slot = "slot", u
             site.k_past, site.v_past, site.k_new, site.v_new = keys, values, k_new, v_new
             site.cache_layer = _source_layer(keys) if keys.op == "placeholder" else None
             return None
     return False
+
+
+def _slot_read(node: fx.Node) -> fx.Node:
+    """``x`` for ``x[:, :, :n]`` (the leading slots of a SlotCache layer), else the node itself."""
+    sliced = seq_slice(node)
+    return sliced[0] if sliced is not None and sliced[1].start in (None, 0) else node
 
 
 def _cache_of(site: Site) -> Problem | None:

@@ -178,6 +178,25 @@ def test_evicting_policy_equals_dynamic_cache(policy, params, n):
             assert kept[layer].shape[-1] == budget < n      # (it did evict)
 
 
+def test_pyramidkv_per_layer_capacity_equals_dynamic_cache():
+    """pyramidkv keeps a different number of entries per layer (19 and 5 of a 24-token prompt at budget
+    12 on two layers): each SlotCache layer gets its own capacity (the most it keeps from any prompt, the
+    budget or its pyramid budget, plus the decode steps), and 10 steps equal the DynamicCache path."""
+    model = build("llama")
+    ids = prompt(24, seed=2)
+    params = dict(budget=12, window=4)
+    _, tokens, ref, kept = dynamic_run(model, "pyramidkv", ids, 10, **params)
+    be, cache, got = slot_run(model, "pyramidkv", ids, 10, torch.stack(tokens), max_new_tokens=10, **params)
+    assert_logits_close(got, ref)
+    assert [kept[i].shape[-1] for i in range(2)] == [19, 5]
+    assert cache.capacities == [19 + 10, 12 + 10] and [lay.keys.shape[2] for lay in cache.layers] == [29, 22]
+    for layer, n in enumerate((19, 5)):
+        pos = cache.positions(layer)
+        assert torch.equal(pos[..., :n].long(), kept[layer].long().sort(-1).values)
+        assert (pos[..., n:n + 10] == torch.arange(24, 34, dtype=pos.dtype)).all() and (pos[..., n + 10:] == -1).all()
+    assert "capacity=[29, 22]" in repr(cache)
+
+
 def test_left_padded_batch_equals_dynamic_cache():
     """Batch 2, row 0 left-padded (9 pads, 5 real tokens: fewer than the budget), row 1 not: the
     SlotCache streamingllm equals the DynamicCache one for 12 steps, which evict in both rows. After the
@@ -448,7 +467,7 @@ def test_write_slots_ring_rule():
 # errors
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", ["pyramidkv", "raas", "asl", "pie"])
+@pytest.mark.parametrize("policy", ["raas", "asl", "pie"])
 def test_policies_without_slot_rule_refused(policy):
     model = build("llama")
     be = kvpass.backend(policy, compiler="eager")

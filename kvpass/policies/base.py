@@ -173,9 +173,10 @@ class Policy:
         """Leading slots a "ring" never evicts."""
         return 0
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int) -> int:
-        """Slots per layer a SlotCache needs for sequences of at most ``max_length`` tokens of which at
-        most ``max_new_tokens`` are decoded (the cache takes the smaller of this and ``max_length``)."""
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        """Slots layer ``layer`` of ``layers`` needs in a SlotCache for sequences of at most ``max_length``
+        tokens of which at most ``max_new_tokens`` are decoded (the cache takes the smaller of this and
+        ``max_length``)."""
         return max_length
 
     def slot_state(self, capacity: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:

@@ -48,8 +48,12 @@ class PrefillEviction(Policy):
     # on a SlotCache: the kept prompt, then every decoded token in the next free slot
     slot_rule = "append"
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int) -> int:
-        return self.budget + max_new_tokens
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        return self.slot_budget(layer, layers) + max_new_tokens
+
+    def slot_budget(self, layer: int, layers: int) -> int:
+        """The most entries layer ``layer`` of ``layers`` keeps from any prompt."""
+        return self.budget
 
     def layer_budget(self, site) -> int:
         """Entries this site keeps after a prefill longer than it."""

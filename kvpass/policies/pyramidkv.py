@@ -48,8 +48,6 @@ class PyramidKV(PrefillEviction):
     params = PrefillEviction.params + (
         KERNEL, POOL, Param("steepness", int, 20, 1, 1 << 20, "first/last layer budget ratio is about 2*steepness"))
 
-    slot_rule = None  # per-layer capacities on a SlotCache are not built yet (one capacity would be the deepest)
-
     def check_config(self) -> None:
         super().check_config()
         check_pooling(self)
@@ -58,6 +56,10 @@ class PyramidKV(PrefillEviction):
         if total <= self.budget:          # PyramidKV compresses only prompts longer than the budget
             return total
         return torch.sym_min(total, self.layer_budget(site))
+
+    def slot_budget(self, layer: int, layers: int) -> int:
+        # a prompt up to the budget is kept whole in every layer, a longer one cut to the layer's budget
+        return max(self.budget, pyramid(self.budget, self.window, layers, self.steepness)[layer])
 
     def layer_budget(self, site) -> int:
         layers = site.global_layers or (site.layer,)

@@ -1,0 +1,71 @@
+"""Where a SlotCache prefill spends its time and memory (issue 19: TTFT 3x HF's at 32k, 77 GiB at 128k).
+
+One prefill of the 8B shape (``--layers``) on a SlotCache, compiled as the decode benchmark does: the
+CUDA kernels by total time (torch.profiler) and the largest live allocations at the peak with the
+Python frames that made them (the allocator's memory history). Prints one JSON object.
+
+    python bench/diag_prefill.py --layers 8 --context 32768 --policy full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpass  # noqa: E402
+from bench_decode_step import llama8b  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--policy", default="full")
+    ap.add_argument("--budget", type=int, default=2048)
+    args = ap.parse_args()
+    model = llama8b(args.layers)
+    params = {} if args.policy in ("full", "art") else {"budget": args.budget}
+    be = kvpass.backend(args.policy, **params)
+    fwd = torch.compile(model.forward, backend=be, mode="reduce-overhead")
+    ids = torch.randint(10, 128000, (1, args.context), device="cuda")
+
+    def prefill():
+        cache = kvpass.SlotCache(model, be, max_length=args.context + 64, max_new_tokens=64)
+        with torch.no_grad():
+            fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+
+    prefill()                                   # compiles
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    t = time.perf_counter()
+    prefill()
+    wall = time.perf_counter() - t
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    allocs = []
+    for trace in snap.get("device_traces", [[]])[0]:
+        if trace.get("action") == "alloc" and trace.get("size", 0) >= 256 << 20:
+            frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in trace.get("frames", [])
+                      if "site-packages/torch/" not in f["filename"] or "transformers" in f["filename"]]
+            allocs.append({"GiB": trace["size"] / 2**30, "frames": frames[:8]})
+    allocs.sort(key=lambda a: -a["GiB"])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        prefill()
+    kernels = [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
+               for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
+    print(json.dumps({"policy": args.policy, "context": args.context, "layers": args.layers, "wall_s": wall,
+                      "peak_over_base_GiB": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                      "largest_allocs": allocs[:12], "kernels": kernels}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
