@@ -147,7 +147,9 @@ def configs(model, args, ctx):
                 fwd = torch.compile(model.forward, backend=be, dynamic=True)
                 cache_fn = dyn
             else:
-                fwd = torch.compile(model.forward, backend=be, mode="reduce-overhead")
+                # dynamic=True: one prefill graph for every prompt length, whose causal mask kvpass can
+                # check (a static 32k graph's mask is too large to check, and kept)
+                fwd = torch.compile(model.forward, backend=be, mode="reduce-overhead", dynamic=True)
                 cache_fn = lambda be=be: kvpass.SlotCache(model, be, max_length=ctx + n_new,  # noqa: E731
                                                           max_new_tokens=n_new, batch_size=b)
             pre = lambda ids, cache, fwd=fwd: fwd(input_ids=ids, past_key_values=cache, use_cache=True,  # noqa: E731

@@ -29,11 +29,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--policy", default="full")
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
     args = ap.parse_args()
     model = llama8b(args.layers)
+    torch.backends.cuda.enable_cudnn_sdp(False)   # as the benchmark's kvpass rows
     params = {} if args.policy in ("full", "art") else {"budget": args.budget}
     be = kvpass.backend(args.policy, **params)
-    fwd = torch.compile(model.forward, backend=be, mode="reduce-overhead")
+    fwd = torch.compile(model.forward, backend=be, mode="reduce-overhead", dynamic=args.dynamic or None)
     ids = torch.randint(10, 128000, (1, args.context), device="cuda")
 
     def prefill():

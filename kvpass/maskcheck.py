@@ -18,7 +18,8 @@ computation becomes dead code.
    sizes, which are the only ones that graph ever sees.
 
 Anything the check cannot evaluate (an op that fails on concrete inputs, probe masks over
-``MAX_PROBE`` entries) answers False: the model's mask is kept.
+``MAX_PROBE`` entries) answers False: the model's mask is kept. A static-shape graph too large to
+check (a long prompt compiled without ``dynamic=True``) says so once.
 """
 
 from __future__ import annotations
@@ -153,6 +154,11 @@ def _check(node: fx.Node) -> bool:
         for subs in probes:
             shape = _concrete(_example(node).shape, subs)
             if shape.numel() > MAX_PROBE:
+                if not syms:
+                    from kvpass.backend import warn_once
+                    warn_once(f"kvpass: the model's attention mask {tuple(shape)} in a static-shape graph is too large "
+                              f"to check for plain causality, so it is kept (it costs memory and time in the "
+                              f"prefill: 16 GiB at 128k tokens); compile with torch.compile(..., dynamic=True)")
                 return False
             with torch.no_grad():
                 if not _causal(_evaluate(nodes, leaves, node, subs)):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -524,6 +525,35 @@ def test_uncompiled_model_on_compressed_cache_fails():
                 model(input_ids=ids, past_key_values=ref, use_cache=True)
                 torch.testing.assert_close(out, model(input_ids=ids[:, :1], past_key_values=ref,
                                                       use_cache=True).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_static_long_prompt_mask_warns_dynamic_checks_it():
+    """A static-shape prefill of 2,100 tokens: the model's causal mask (4.4M entries) is too large to check,
+    so it is kept, and kvpass says so once, naming dynamic=True; compiled with dynamic=True the mask is
+    checked at small probe sizes and the prefill attention runs in the causal mode (no mask)."""
+    from kvpass.backend import _WARNED
+    model = build("llama", "eager")      # eager attention: transformers always materialises the mask
+    ids = torch.randint(3, 90, (1, 2100), generator=torch.Generator().manual_seed(1))
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        _WARNED.clear()
+        be = kvpass.backend("full", compiler="eager")
+        masks = []
+        inner = be._inner
+
+        def spy(gm, ex, *rest):
+            masks.extend(n.args[3] for n in gm.graph.nodes if n.target is torch.ops.kvpass.attention.default)
+            return inner(gm, ex, *rest)
+
+        be._inner = spy
+        fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            fwd(input_ids=ids, past_key_values=kvpass.SlotCache(model, be, max_length=2101), use_cache=True,
+                logits_to_keep=1)
+        said = [str(w.message) for w in caught if "too large to check" in str(w.message)]
+        assert masks and (all(m is not None for m in masks) if not dynamic else all(m is None for m in masks))
+        assert len(said) == (0 if dynamic else 1) and all("dynamic=True" in m for m in said)
 
 
 def test_repr():

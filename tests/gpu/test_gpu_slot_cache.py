@@ -60,5 +60,5 @@ def test_cuda_graph_replay_equals_eager_kvpass(policy, params):
     assert phases == ["prefill", "decode"], phases      # one decode graph for all 256 steps
     assert be.reports[-1].cudagraphs and not be.reports[0].cudagraphs
     assert cache.seen == 200 + STEPS
-    if "budget" in params:                              # real memory: the slots are the capacity
+    if "budget" in params and policy != "quest":        # real memory: the slots are the capacity
         assert cache.layers[0].keys.shape[2] == cache.capacity < 200 + STEPS
