@@ -12,9 +12,9 @@ case "${1:?call A-D or T}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art 2>&1 | grep '^{' ;;
   B) timeout 560 $B --batch 16 --contexts 32768 --out $out/b16_32k.json \
-       --configs hf_eager,full,snapkv,streamingllm,hf_static 2>&1 | grep '^{' ;;
+       --configs hf_eager,full,snapkv,pyramidkv,streamingllm,hf_static 2>&1 | grep "^{" ;;
   C) timeout 560 $B --batch 1 --contexts 131072 --out $out/b1_128k.json \
-       --configs hf_eager,full,snapkv,streamingllm,hf_static 2>&1 | grep '^{' ;;
+       --configs hf_eager,full,snapkv,pyramidkv,streamingllm,hf_static 2>&1 | grep "^{" ;;
   D) timeout 300 python bench/diag_prefill.py --layers 8 --context 32768 --policy full --dynamic > $out/diag_prefill_32k.json
      tail -c 3000 $out/diag_prefill_32k.json ;;
   T) python -m pytest -q -p no:cacheprovider -p no:logging --tb=short tests/gpu/test_gpu_slot_cache.py 2>&1 \
