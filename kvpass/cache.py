@@ -8,9 +8,12 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``count`` ``[2]`` int64: tokens seen (padding included, the index HF's masks count in) and slots
   filled in order (the append layout's next free slot).
 
-``C`` is the policy's capacity (``Policy.slot_capacity``): the whole sequence for ``full``, the budget
-plus the decode steps for a policy that evicts at prefill only, the budget plus one for a policy that
-evicts at every step. All four are static addresses (``torch._dynamo.mark_static_address``), so a
+* ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
+  kept by tensor code the rewrite places in the graphs (``Policy.slot_hooks``).
+
+``C`` is the layer's capacity (``Policy.slot_capacity``): the whole sequence for ``full``, the budget
+plus the decode steps for a policy that evicts at prefill only (pyramidkv: its layer's budget), the
+budget plus one for a policy that evicts at every step. All of them are static addresses (``torch._dynamo.mark_static_address``), so a
 decode graph that writes them in place can be replayed as a CUDA graph; the host learns nothing per
 step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
 does), so ``generate`` and a bare ``forward`` derive true positions however much was evicted.
