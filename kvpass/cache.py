@@ -180,9 +180,12 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     else:
         torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
         slot = ring_victims(pos, protect, q)
-        keys.scatter_(2, slot[..., None].expand(b, hkv, q, d), k_new.to(keys.dtype))
-        values.scatter_(2, slot[..., None].expand(b, hkv, q, v_new.shape[-1]), v_new.to(values.dtype))
-        pos.scatter_(2, slot, new_pos)
+        # index_put_ (not scatter_): Inductor writes it in place; a scatter_ became a copy of every slot
+        rows = torch.arange(b, device=pos.device)[:, None, None]
+        heads = torch.arange(hkv, device=pos.device)[None, :, None]
+        keys.index_put_((rows, heads, slot), k_new.to(keys.dtype))
+        values.index_put_((rows, heads, slot), v_new.to(values.dtype))
+        pos.index_put_((rows, heads, slot), new_pos)
     count.add_(q)
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
         count[1:].clamp_(max=cap)

@@ -627,6 +627,27 @@ def test_opcheck_slot_prefill(rt, padded):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.inductor
+@pytest.mark.parametrize("policy,params", [("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {}),
+                                           ("quest", QUEST)])
+def test_decode_writes_slots_in_place(policy, params):
+    """Inductor's decode graph writes the new token into the slots in place: no buffer of the slots' shape
+    is allocated (a ring written with scatter_ was copied whole, then copied back, at every step)."""
+    from torch._inductor.utils import run_and_get_code
+    model = build("llama")
+    ids = prompt(40, seed=4)
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, **params)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = kvpass.SlotCache(model, be, max_length=64)
+    with torch.no_grad():
+        fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+        _, codes = run_and_get_code(fwd, input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    assert [r.phase for r in be.reports] == ["prefill", "decode"]
+    slots = str(tuple(cache.layers[0].keys.shape))
+    assert codes and not any(f"empty_strided_cpu({slots}" in c for c in codes), slots
+
+
+@pytest.mark.inductor
 def test_inductor_equals_eager_compiler():
     """Real Inductor compiles write_slots into the decode graph (and checks the ops' fake shapes): full and
     streamingllm over 6 steps equal the eager compiler's logits."""
