@@ -3,10 +3,14 @@
 turn, then one reset; prints the backend's graphs after each and Dynamo's recompile reasons."""
 
 import logging
+import sys
+from pathlib import Path
+
 import torch
 import transformers as tf
 
-import kvpass
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpass  # noqa: E402
 
 torch._logging.set_logs(recompiles=True)
 logging.getLogger("torch._dynamo").setLevel(logging.INFO)
