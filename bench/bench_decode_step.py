@@ -111,8 +111,9 @@ def read_entries(name: str, ctx: int, budget: int, layers: int) -> float:
         dense = min(layers, Quest(budget=budget).dense_layers)
         return (dense * ctx + (layers - dense) * (min(ctx, budget + 16) + ctx / 16)) / layers
     if policy == "pyramidkv":
-        from kvpass.policies.pyramidkv import pyramid
-        return sum(min(ctx, b) for b in pyramid(budget, 32, layers, 20)) / layers
+        from kvpass.policies.pyramidkv import PyramidKV, pyramid
+        p = PyramidKV(budget=budget)
+        return sum(min(ctx, b) for b in pyramid(budget, p.window, layers, p.steepness)) / layers
     return min(ctx, budget)
 
 

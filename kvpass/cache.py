@@ -13,8 +13,8 @@ Every layer owns, allocated once at construction and never reallocated:
 
 ``C`` is the layer's capacity (``Policy.slot_capacity``): the whole sequence for ``full``, the budget
 plus the decode steps for a policy that evicts at prefill only (pyramidkv: its layer's budget), the
-budget plus one for a policy that evicts at every step. All of them are static addresses (``torch._dynamo.mark_static_address``), so a
-decode graph that writes them in place can be replayed as a CUDA graph; the host learns nothing per
+budget plus one for a policy that evicts at every step. All of them are static addresses
+(``torch._dynamo.mark_static_address``), so a decode graph that writes them in place can be replayed as a CUDA graph; the host learns nothing per
 step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
 does), so ``generate`` and a bare ``forward`` derive true positions however much was evicted.
 
@@ -96,8 +96,6 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
     extra = {} if tokens is None else {"tokens": tokens}
     keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
-    if isinstance(keep, tuple):  # (keep, DynamicCache bookkeeping): a SlotCache keeps its state as tensors
-        keep = keep[0]
     if keep is None:
         idx, kept_pos = None, kv_pos
     else:

@@ -35,7 +35,7 @@ from kvpass.cache import pending_positions, write_slots
 from kvpass.detect import Detection, Site
 from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.maskcheck import is_causal_mask
-from kvpass.policies.base import DecodeRead
+from kvpass.policies.base import DecodeRead, SlotHooks
 
 OPS = torch.ops.kvpass
 
@@ -232,7 +232,7 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
     rule, protect = plan.slot
     keys, values, pos, count = site.slot.args[:4]
     state = site.slot.args[6]
-    hooks = plan.slot_hooks
+    hooks = plan.slot_hooks or SlotHooks()
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
         if site.phase == "prefill":
@@ -243,15 +243,15 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
             graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, q_scaled, site.k_new, site.v_new,
                                                            mask, handle, site.layer,
                                                            site.tokens if plan.tokens else None))
-            if hooks is not None and hooks.refresh is not None:
+            if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif site.phase == "decode":
             w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
             q_pos, kv_len = (graph.call_function(operator.getitem, (w, i)) for i in range(2))
             read, bmap = plan.read or DecodeRead(), None
-            if hooks is not None and hooks.update is not None:
+            if hooks.update is not None:
                 graph.call_function(hooks.update, (keys, pos, count, state, site.k_new, *hooks.args))
-            if hooks is not None and hooks.select is not None:
+            if hooks.select is not None:
                 bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
                 read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)
             att = _decode_read(graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, 0, kv_len, bmap)
@@ -263,7 +263,7 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
             att = graph.call_function(OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap,
                                                                   0))
             graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
-            if hooks is not None and hooks.refresh is not None:
+            if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)

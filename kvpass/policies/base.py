@@ -98,16 +98,15 @@ class SitePlan:
                 f"horizon={r.horizon})"
                 if r is not None else None)
         if self.slot is not None:
-            refresh = self.slot_hooks.refresh if self.slot_hooks is not None else None
+            hooks = self.slot_hooks or SlotHooks()
             if phase == "prefill":
                 return ("slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
-                        + (f" + {refresh.__name__}" if refresh is not None else ""))
+                        + (f" + {hooks.refresh.__name__}" if hooks.refresh is not None else ""))
             rule = "append" if self.slot[0] == 0 else f"ring (first {self.slot[1]} kept)"
-            hooks = self.slot_hooks
-            if hooks is not None and hooks.update is not None:
+            if hooks.update is not None:
                 rule += f" + {hooks.update.__name__}"
             read = read or "decode_attention (exact)"
-            if hooks is not None and hooks.select is not None:
+            if hooks.select is not None:
                 read += f" over the blocks of {hooks.select.__name__} (block {hooks.block})"
             return f"slot: write_slots {rule} in place + {read} by position"
         if self.pool:

@@ -49,8 +49,13 @@ class Composed(Policy):
 
     @property
     def _stateful(self) -> Policy | None:
-        """The member that keeps SlotCache layer state (quest's page bounds); one at most is used."""
-        return next((m for m in self.members if m.slot_state(1, 1)), None)
+        """The member that keeps SlotCache layer state (quest's page bounds); two would each need their
+        own state list and hooks, which the SlotCache does not compose: refused."""
+        stateful = [m for m in self.members if m.slot_state(1, 1)]
+        if len(stateful) > 1:
+            raise ConfigError(f"policy '{self.name}': {stateful[0].name} and {stateful[1].name} both keep SlotCache "
+                              "state; compose at most one of them on a SlotCache")
+        return stateful[0] if stateful else None
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         return self._stateful.slot_state(capacity, head_dim) if self._stateful else {}

@@ -64,6 +64,18 @@ class PageRead(DecodeRead):
     pages: bool = True
 
 
+def page_bounds(k: Tensor, ok: Tensor, pages: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per page of 16 (``pages`` pages, the last one padded): the element-wise min and max of the entries
+    of ``k [B, H_kv, N, D]`` that ``ok [B, H_kv, N]`` marks (+inf / -inf where the page has none), and
+    whether the page has one (``[B, H_kv, pages]``)."""
+    b, hkv, n, d = k.shape
+    pad = pages * PAGE - n
+    k = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(b, hkv, pages, PAGE, d)
+    ok = torch.nn.functional.pad(ok, (0, pad), value=False).view(b, hkv, pages, PAGE, 1)
+    hi = torch.tensor(float("inf"), dtype=k.dtype, device=k.device)
+    return torch.where(ok, k, hi).amin(3), torch.where(ok, k, -hi).amax(3), ok.any(3)[..., 0]
+
+
 def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
     """Fold entries ``st["n"] .. L-1`` of ``k [B, H_kv, L, D]`` into the page bounds kept in ``st``.
 
@@ -88,17 +100,10 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
         return st
     p0, p1 = n // PAGE, -(-length // PAGE)
     dev = k.device
-    seg = k[:, :, p0 * PAGE:length]
     ok = (torch.arange(p0 * PAGE, length, device=dev) >= n).expand(b, hkv, -1)
     if valid is not None:
         ok = ok & valid[:, :, p0 * PAGE:length]
-    pad = p1 * PAGE - length
-    seg = torch.nn.functional.pad(seg, (0, 0, 0, pad)).view(b, hkv, p1 - p0, PAGE, d)
-    ok = torch.nn.functional.pad(ok, (0, pad), value=False).view(b, hkv, p1 - p0, PAGE, 1)
-    hi = torch.tensor(float("inf"), dtype=k.dtype, device=dev)
-    new_min = torch.where(ok, seg, hi).amin(3)
-    new_max = torch.where(ok, seg, -hi).amax(3)
-    new_live = ok.any(3)[..., 0]
+    new_min, new_max, new_live = page_bounds(k[:, :, p0 * PAGE:length], ok, p1 - p0)
     cap = st["kmin"].shape[2] if "kmin" in st else 0
     if p1 > cap:  # grow by doubling: the copy is amortised over many pages
         grown = max(p1, 2 * cap, 64)
@@ -122,16 +127,10 @@ def slot_bounds(keys: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], *
     """SlotCache refresh (after a prefill or an append wrote the slots): every page's bounds, empty
     slots excluded, and the entries they cover (``count[1]``)."""
     kmin, kmax, live, covered = state
-    b, hkv, cap, d = keys.shape
-    pages = kmin.shape[2]
-    pad = pages * PAGE - cap
-    k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(b, hkv, pages, PAGE, d)
-    ok = torch.nn.functional.pad(pos >= 0, (0, pad), value=False).view(b, hkv, pages, PAGE, 1)
-    hi = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
-    any_ok = ok.any(3)
-    kmin.copy_(torch.where(any_ok, torch.where(ok, k, hi).amin(3), 0))
-    kmax.copy_(torch.where(any_ok, torch.where(ok, k, -hi).amax(3), 0))
-    live.copy_(any_ok[..., 0])
+    new_min, new_max, new_live = page_bounds(keys, pos >= 0, kmin.shape[2])
+    kmin.copy_(torch.where(new_live[..., None], new_min, 0))
+    kmax.copy_(torch.where(new_live[..., None], new_max, 0))
+    live.copy_(new_live)
     covered.copy_(count[1].expand_as(covered))
 
 
