@@ -110,6 +110,8 @@ def read_entries(name: str, ctx: int, budget: int, layers: int) -> float:
         from kvpass.policies.quest import Quest   # page bounds (kmin + kmax: 2/16 of the keys = ctx/16 entries)
         dense = min(layers, Quest(budget=budget).dense_layers)
         return (dense * ctx + (layers - dense) * (min(ctx, budget + 16) + ctx / 16)) / layers
+    if policy == "raas":          # the prompt's pages are never evicted; the page bounds are read to stamp
+        return ctx + ctx / 16
     if policy == "pyramidkv":
         from kvpass.policies.pyramidkv import PyramidKV, pyramid
         p = PyramidKV(budget=budget)

@@ -43,8 +43,8 @@ try:
 except ImportError:  # pragma: no cover
     Cache = CacheLayerMixin = object
 
-APPEND, RING = 0, 1
-RULES = {"append": APPEND, "ring": RING}
+APPEND, RING, PLACED = 0, 1, 2
+RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, prot
 
 
 def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
-                rule: int, protect: int) -> tuple[Tensor, Tensor]:
+                rule: int, protect: int, slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Decode / append on a slot cache, as plain tensor code (the rewrite calls it from the graph, so
     Inductor compiles and fuses it; no host sync, capturable). Each of the ``q`` new tokens goes into a
     victim slot chosen on the device:
@@ -159,7 +159,8 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     * ``APPEND``: slots ``count[1] ..`` in order (a policy that no longer evicts); a full cache fails a
       device-side assert rather than overwrite a token;
     * ``RING``: per (row, KV head) the empty slots first, then the unprotected slot (index >= ``protect``:
-      StreamingLLM's sinks are the first slots) holding the oldest position.
+      StreamingLLM's sinks are the first slots) holding the oldest position;
+    * ``PLACED``: the slots ``slot [B, H_kv, q]`` the policy chose (``SlotHooks.place``: RaaS's page pool).
 
     Returns ``(q_pos [B, q], kv_len [B])``: the true positions of the tokens written and the slots a
     read must cover."""
@@ -176,8 +177,9 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
         values.index_copy_(2, slot, v_new.to(values.dtype))
         pos.index_copy_(2, slot, new_pos.contiguous())
     else:
-        torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
-        slot = ring_victims(pos, protect, q)
+        if rule == RING:
+            torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
+            slot = ring_victims(pos, protect, q)
         # index_put_ (not scatter_): Inductor writes it in place; a scatter_ became a copy of every slot
         rows = torch.arange(b, device=pos.device)[:, None, None]
         heads = torch.arange(hkv, device=pos.device)[None, :, None]
@@ -187,6 +189,8 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     count.add_(q)
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
         count[1:].clamp_(max=cap)
+    elif rule == PLACED:  # the read covers every slot up to the highest one written
+        count[1:] = torch.maximum(count[1] - q, slot.max() + 1)
     return q_pos, count[1].expand(b).to(torch.int32)
 
 
@@ -307,7 +311,7 @@ class SlotCache(Cache):
         dtype, device = dtype or p.dtype, device or p.device
         new = max_length if max_new_tokens is None else max_new_tokens
         # per layer: pyramidkv keeps more in lower layers
-        self.capacities = [min(max_length, policy.slot_capacity(max_length, new, i, layers)) for i in range(layers)]
+        self.capacities = [policy.slot_capacity(max_length, new, i, layers) for i in range(layers)]
         self.capacity = max(self.capacities)
         self.policy_name = policy.name
         super().__init__(layers=[SlotLayer(batch_size, kv_heads, cap, head_dim, head_dim, dtype, device,

@@ -246,11 +246,14 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif site.phase == "decode":
-            w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
+            slot = None if hooks.place is None else graph.call_function(hooks.place, (pos, count, state, *hooks.args))
+            w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect,
+                                                  slot))
             q_pos, kv_len = (graph.call_function(operator.getitem, (w, i)) for i in range(2))
             read, bmap = plan.read or DecodeRead(), None
             if hooks.update is not None:
-                graph.call_function(hooks.update, (keys, pos, count, state, site.k_new, *hooks.args))
+                q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+                graph.call_function(hooks.update, (q_scaled, keys, pos, count, state, site.k_new, *hooks.args))
             if hooks.select is not None:
                 bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
                 read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)

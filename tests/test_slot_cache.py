@@ -137,7 +137,7 @@ def test_art_noop_equals_full_and_composes_with_snapkv():
     assert_logits_close(got, ref)
     assert cache.capacity == BUDGET + 8
     assert be.plans()["decode"] == ["slot: write_slots append in place + decode_attention(tau=0, phi=0, p=5, "
-                                    "block=16, horizon=0) by position"]
+                                    "block=16, horizon=16) by position"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -465,10 +465,86 @@ def test_write_slots_ring_rule():
 
 
 # ------------------------------------------------------------------------------------------------
+# raas: the page pool in the slots, its tables as layer state
+# ------------------------------------------------------------------------------------------------
+
+RAAS = dict(budget=32, alpha=0.02)            # 3 decode pages: the pool is full after 32 decode tokens
+
+
+def test_raas_equals_dynamic_cache_and_evicts():
+    """raas on a SlotCache (slot_pool after the prefill; per step slot_place empties the planned victim
+    page and names the slot, slot_stamp folds, stamps and plans: tensor code in the graphs) equals raas
+    on a DynamicCache over 70 steps on a 37-token prompt, which evict decode pages. The slots never
+    grow: prompt pages + 3 decode pages; the prompt's entries are all kept, and at most 48 decode
+    entries are."""
+    model = build("llama")
+    ids = prompt(37, seed=5)
+    steps = 70
+    _, tokens, ref, _ = dynamic_run(model, "raas", ids, steps, **RAAS)
+    be, cache, got = slot_run(model, "raas", ids, steps, torch.stack(tokens), max_length=37 + steps,
+                              max_new_tokens=steps, **RAAS)
+    assert_logits_close(got, ref)
+    assert cache.capacity == (3 + 3) * 16              # ceil(37/16) prompt pages + budget/16 + 1
+    assert be.plans()["decode"] == ["slot: write_slots placed at slot_place + slot_stamp in place + "
+                                    "decode_attention (exact) by position"]
+    for layer in range(model.config.num_hidden_layers):
+        kept = cache.positions(layer)[cache.positions(layer) >= 0].view(2, -1)
+        for row in kept:
+            real = sorted(row.tolist())
+            assert real[:37] == list(range(37))           # the prompt pages are never evicted
+            decoded = real[37:]
+            assert 32 <= len(decoded) <= 48 and decoded[-1] == 37 + steps - 1
+            assert len(decoded) < steps                    # pages were evicted
+    kmin, kmax, live, ts, born, meta, seen = cache.layers[0].state
+    assert (seen == 37 + steps).all() and (meta[..., 2] == 3).all() and live[..., :6].all()
+    _, _, got = slot_run(model, "raas+art", ids, steps, torch.stack(tokens), max_length=37 + steps,
+                         max_new_tokens=steps, tau=0.0, phi=0.0, block=16, **RAAS)
+    assert_logits_close(got, ref)                      # ART's no-op on raas's pool
+
+
+def test_raas_left_padded_batch_equals_rows_alone():
+    """Batch 2, row 0 left-padded by 11: its real tokens sit in the first slots (padding after them), so
+    its pages hold the tokens a run of the row alone puts in them; both rows equal their own batch-1
+    runs over 40 steps that evict."""
+    model = build("llama")
+    g = torch.Generator().manual_seed(8)
+    long, short = torch.randint(3, 90, (1, 30), generator=g), torch.randint(3, 90, (1, 19), generator=g)
+    ids = torch.cat([torch.cat([torch.zeros(1, 11, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(ids)
+    mask[0, :11] = 0
+    steps, params = 40, dict(budget=16)
+    torch._dynamo.reset()
+    be = kvpass.backend("raas", compiler="eager", **params)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    tokens, got = run(fwd, kvpass.SlotCache(model, be, max_length=80, batch_size=2), ids, steps, mask=mask)
+    for row, alone in ((0, short), (1, long)):
+        _, _, ref = slot_run(model, "raas", alone, steps, torch.stack(tokens)[:, row:row + 1], max_length=80,
+                             **params)
+        assert_logits_close([x[row:row + 1] for x in got], ref, atol=1e-4)
+
+
+def test_raas_noop_equals_full_and_capacity():
+    """A budget that holds every decode token evicts nothing: raas equals ``full``. Without
+    max_new_tokens the pool is sized for any prompt length (max_length/16 + 2 pages); a sequence longer
+    than max_length, which would evict from fewer decode pages than the policy's, fails a device-side
+    assert."""
+    model = build("llama")
+    ids = prompt(30, seed=6)
+    _, tokens, ref, _ = dynamic_run(model, "full", ids, 12)
+    _, cache, got = slot_run(model, "raas", ids, 12, torch.stack(tokens), max_length=64, budget=64)
+    assert_logits_close(got, ref)
+    assert cache.capacity == (4 + 2) * 16
+    _, cache, _ = slot_run(model, "raas", prompt(60, seed=6), 30, max_length=64, max_new_tokens=4, budget=64)
+    assert cache.capacity == 6 * 16                    # 4 prompt pages, room for 2 of the 5 decode pages
+    with pytest.raises(RuntimeError, match="longer than the SlotCache's max_length"):
+        slot_run(model, "raas", prompt(60, seed=6), 40, max_length=64, max_new_tokens=4, budget=64)
+
+
+# ------------------------------------------------------------------------------------------------
 # errors
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", ["raas", "asl", "pie"])
+@pytest.mark.parametrize("policy", ["asl", "pie"])
 def test_policies_without_slot_rule_refused(policy):
     model = build("llama")
     be = kvpass.backend(policy, compiler="eager")
@@ -628,10 +704,11 @@ def test_opcheck_slot_prefill(rt, padded):
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("policy,params", [("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {}),
-                                           ("quest", QUEST)])
+                                           ("quest", QUEST), ("raas", RAAS)])
 def test_decode_writes_slots_in_place(policy, params):
-    """Inductor's decode graph writes the new token into the slots in place: no buffer of the slots' shape
-    is allocated (a ring written with scatter_ was copied whole, then copied back, at every step)."""
+    """Inductor's decode graph writes the new token into the slots (and a page's bounds into the policy's
+    state) in place: no buffer of their shape is allocated (a ring written with scatter_ was copied whole,
+    then copied back, at every step)."""
     from torch._inductor.utils import run_and_get_code
     model = build("llama")
     ids = prompt(40, seed=4)
@@ -643,8 +720,10 @@ def test_decode_writes_slots_in_place(policy, params):
         fwd(input_ids=ids, past_key_values=cache, use_cache=True)
         _, codes = run_and_get_code(fwd, input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
     assert [r.phase for r in be.reports] == ["prefill", "decode"]
-    slots = str(tuple(cache.layers[0].keys.shape))
-    assert codes and not any(f"empty_strided_cpu({slots}" in c for c in codes), slots
+    lay = cache.layers[0]
+    for t in (lay.keys, *(t for t in lay.state if t.dim() == 4)):  # the slots, and page bounds beside them
+        shape = str(tuple(t.shape))
+        assert codes and not any(f"empty_strided_cpu({shape}" in c for c in codes), shape
 
 
 @pytest.mark.inductor
@@ -653,7 +732,8 @@ def test_inductor_equals_eager_compiler():
     streamingllm over 6 steps equal the eager compiler's logits."""
     model = build("llama")
     ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
-    for policy, params in (("full", {}), ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("quest", QUEST)):
+    for policy, params in (("full", {}), ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("quest", QUEST),
+                           ("raas", dict(budget=16))):
         _, _, ref = slot_run(model, policy, ids, 6, **params)
         tokens = torch.stack([r.argmax(-1, keepdim=True) for r in ref[:-1]])
         be, cache, got = slot_run(model, policy, ids, 6, tokens, compiler="inductor", **params)

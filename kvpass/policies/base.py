@@ -102,7 +102,9 @@ class SitePlan:
             if phase == "prefill":
                 return ("slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
                         + (f" + {hooks.refresh.__name__}" if hooks.refresh is not None else ""))
-            rule = "append" if self.slot[0] == 0 else f"ring (first {self.slot[1]} kept)"
+            rule = ("append", f"ring (first {self.slot[1]} kept)", "placed")[self.slot[0]]
+            if hooks.place is not None:
+                rule += f" at {hooks.place.__name__}"
             if hooks.update is not None:
                 rule += f" + {hooks.update.__name__}"
             read = read or "decode_attention (exact)"
@@ -128,13 +130,16 @@ class SlotHooks:
 
     * ``refresh(keys, pos, count, state, *args)``: after a prefill or an append wrote the slots, rebuild
       the state from them (in place);
-    * ``update(keys, pos, count, state, k_new, *args)``: after a decode step wrote its token (``count``
-      already counts it), fold it in (in place);
+    * ``place(pos, count, state, *args) -> slot [B, H_kv, 1]``: before a decode step's write, the slot
+      its token goes into (the ``"placed"`` slot rule; the hook may empty the slots it evicts);
+    * ``update(q, keys, pos, count, state, k_new, *args)``: after a decode step wrote its token (``count``
+      already counts it; ``q`` is the step's query with the softmax scale applied), fold it in (in place);
     * ``select(q, pos, count, state, *args) -> block_map [B, H_kv, steps]`` int32: the blocks of
       ``block`` slots the decode step reads (``decode_attention``'s ``ORDER_MAP``; -1 reads nothing).
     """
 
     refresh: Callable | None = None
+    place: Callable | None = None
     update: Callable | None = None
     select: Callable | None = None
     args: tuple = ()
@@ -174,8 +179,8 @@ class Policy:
 
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
         """Slots layer ``layer`` of ``layers`` needs in a SlotCache for sequences of at most ``max_length``
-        tokens of which at most ``max_new_tokens`` are decoded (the cache takes the smaller of this and
-        ``max_length``)."""
+        tokens of which at most ``max_new_tokens`` are decoded (never more than ``max_length`` unless the
+        policy's layout needs it: raas rounds to pages)."""
         return max_length
 
     def slot_state(self, capacity: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:

@@ -49,7 +49,7 @@ class PrefillEviction(Policy):
     slot_rule = "append"
 
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
-        return self.slot_budget(layer, layers) + max_new_tokens
+        return min(max_length, self.slot_budget(layer, layers) + max_new_tokens)
 
     def slot_budget(self, layer: int, layers: int) -> int:
         """The most entries layer ``layer`` of ``layers`` keeps from any prompt."""

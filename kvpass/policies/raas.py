@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.base import ConfigError, Param, Policy, SitePlan
+from kvpass.kernels.page_scores import page_bounds_reference
+from kvpass.policies.base import ConfigError, Param, Policy, SitePlan, SlotHooks
+from kvpass.policies.quest import page_bounds
 
 PAGE = 16
 _STAMP = -2  # page_scores writes this where a page passes alpha; replaced by the token count on the device
@@ -87,10 +89,36 @@ class RaaS(Policy):
         """Decode pages in the pool: budget/16 full pages plus the current partial page."""
         return self.budget // PAGE + 1
 
+    # on a kvpass.SlotCache: the pool is the layer's slots, its page tables are layer state
+    slot_rule = "placed"
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        # pages of any prompt P <= max_length - new plus its decode pages (at most budget/16 + 1, at most what
+        # the new tokens fill); over every split of max_length that is never more than max_length/16 + 2
+        whole = -(-max_length // PAGE) + 2
+        if max_new_tokens >= max_length:
+            return whole * PAGE
+        return min(whole, -(-(max_length - max_new_tokens) // PAGE) + self.decode_pages) * PAGE
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict:
+        pages = capacity // PAGE
+        return {"kmin": ((pages, head_dim), None, 0), "kmax": ((pages, head_dim), None, 0),
+                "live": ((pages,), torch.bool, False), "ts": ((pages,), torch.int64, 0),
+                "born": ((pages,), torch.int64, -1),
+                "meta": ((4,), torch.int64, 0),   # current page, its fill, first decode page, page to evict
+                "seen": ((), torch.int64, -1)}    # tokens seen when the tables were last updated
+
+    def slot_hooks(self, site) -> SlotHooks | None:
+        if site.sliding_window:
+            return None
+        return SlotHooks(refresh=slot_pool, place=slot_place, update=slot_stamp, args=(self.decode_pages, self.alpha))
+
     def plan(self, site) -> SitePlan | str:
         if site.sliding_window:
             return SitePlan(attention=True, evict=False)
-        if site.cache != "dynamic":
+        if site.cache == "slot" and site.phase in ("prefill", "decode"):
+            return SitePlan(attention=True)  # the slot hooks keep the pool (a prefill keeps every token)
+        if site.cache not in ("dynamic", "slot"):
             return (f"layer {site.layer}: raas keeps its page pool in a DynamicCache; "
                     f"this graph uses a {site.cache} cache")
         if site.phase == "decode":
@@ -110,6 +138,8 @@ class RaaS(Policy):
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
         """The prefill: lay the prompt out as the pool's prefill pages and register the layer."""
+        if getattr(site, "cache", None) == "slot":  # the slots keep the prompt in order; slot_pool builds the tables
+            return None
         if kv_pos.shape[-1] != q_pos.shape[1]:
             raise RuntimeError("policy 'raas': a decode step reached compact; raas decode steps write into "
                                "the pool (pool_write)")
@@ -289,3 +319,82 @@ def _compiled_update():
                 return _update(*args)
         _COMPILED = run
     return _COMPILED
+
+
+# -- on a SlotCache: the same pool and rules, per layer, as tensor code inside the compiled graphs ---------
+
+def slot_pool(keys, pos, count, state: list, decode_pages: int, alpha: float) -> None:
+    """SlotCache refresh after the prefill (the prompt in slots ``0 .. n-1``): the prompt's pages are the
+    prefill pages, page ``ceil(n / 16)`` the first decode page and the current one; as ``PagePool.add``."""
+    kmin, kmax, live, ts, born, meta, seen = state
+    pages = kmin.shape[2]
+    n_pre = (count[1] + PAGE - 1) // PAGE
+    torch._assert_async(n_pre < pages, "kvpass raas: the prompt leaves no decode page in the SlotCache; build it "
+                                       "with a larger max_length")
+    new_min, new_max, new_live = page_bounds(keys, pos >= 0, pages)
+    kmin.copy_(torch.where(new_live[..., None], new_min, 0))
+    kmax.copy_(torch.where(new_live[..., None], new_max, 0))
+    idx = torch.arange(pages, device=keys.device)
+    now = count[0]
+    live.copy_(new_live | (idx == n_pre))
+    ts.copy_(torch.where(idx <= n_pre, now, 0).expand_as(ts))
+    born.copy_(torch.where(idx < n_pre, idx, torch.where(idx == n_pre, now, -1)).expand_as(born))
+    meta.copy_(torch.stack([n_pre, torch.zeros_like(n_pre), n_pre, torch.full_like(n_pre, -1)]).expand_as(meta))
+    seen.copy_(now.expand_as(seen))
+
+
+def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
+    """Before a decode step's write: the page planned for eviction by the last step leaves (its slots are
+    emptied) and the token's slot ``16 cur + fill`` is returned ``[B, H_kv, 1]``. Tables that are behind
+    the slots (a cache written without this backend) fail a device-side assert."""
+    _, _, _, _, _, meta, seen = state
+    torch._assert_async((seen == count[0]).all(), "kvpass raas: the SlotCache's page tables are behind its slots "
+                                                  "(it was written without this backend)")
+    b, hkv, _ = pos.shape
+    gone = meta[..., 3]
+    at = gone.clamp_min(0)[..., None] * PAGE + torch.arange(PAGE, device=pos.device)      # [B, H_kv, 16]
+    rows = torch.arange(b, device=pos.device)[:, None, None]
+    heads = torch.arange(hkv, device=pos.device)[None, :, None]
+    pos.index_put_((rows, heads, at), torch.where(gone[..., None] >= 0, -1, pos.gather(2, at)))
+    slot = (meta[..., 0] * PAGE + meta[..., 1])[..., None]
+    meta[..., 3] = -1
+    return slot
+
+
+def slot_stamp(q, keys, pos, count, state: list, k_new, decode_pages: int, alpha: float) -> None:
+    """After a decode step's write (slot ``16 cur + fill``): fold the token into its page's bounds, stamp
+    the pages whose softmax share of the bound exceeds ``alpha`` for some query head of the group, and
+    plan the next token's slot (``_update``'s rules, for one layer)."""
+    kmin, kmax, live, ts, born, meta, seen = state
+    b, hkv, pages, _ = kmin.shape
+    g = q.shape[1] // hkv
+    cur, fill, first = meta[..., 0], meta[..., 1], meta[..., 2]
+    rows = torch.arange(b, device=q.device)[:, None]
+    heads = torch.arange(hkv, device=q.device)[None, :]
+    knew = k_new[:, :, -1].to(kmin.dtype)
+    fresh = (fill == 0)[..., None]  # the page's first token sets its bounds
+    kmin.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.minimum(kmin[rows, heads, cur], knew)))
+    kmax.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.maximum(kmax[rows, heads, cur], knew)))
+    fill = fill + 1
+    now = count[0]
+    ub = page_bounds_reference(q[:, :, -1], kmin, kmax).masked_fill(~live.repeat_interleave(g, 1), float("-inf"))
+    share = torch.softmax(ub, dim=-1).nan_to_num(0.0)
+    stamped = torch.where((share > alpha).view(b, hkv, g, pages).any(2) & live, now, ts)
+    idx = torch.arange(pages, device=q.device)
+    new_page = fill >= PAGE
+    dec = (idx >= first[..., None]) & (idx < first[..., None] + decode_pages)  # prompt pages are never evicted
+    free = ~live & dec
+    evict = new_page & ~free.any(-1)
+    # a cache sized for max_length has the decode pages a sequence of that length fills; evicting from fewer
+    # than budget/16 + 1 of them would be a different policy
+    torch._assert_async(~(evict & (first + decode_pages > pages)).any(), "kvpass raas: the sequence is longer than "
+                                                                         "the SlotCache's max_length")
+    key = torch.where(live & dec, stamped * (1 << 32) + born, torch.iinfo(torch.long).max)
+    victim = key.argmin(-1)  # the oldest timestamp, then the earliest allocated
+    nxt = torch.where(new_page, torch.where(evict, victim, free.long().argmax(-1)), cur)
+    take = new_page[..., None] & (idx == nxt[..., None])
+    live.logical_or_(take)
+    ts.copy_(torch.where(take, now, stamped))
+    born.copy_(torch.where(take, now, born))
+    meta.copy_(torch.stack([nxt, torch.where(new_page, 0, fill), first, torch.where(evict, victim, -1)], -1))
+    seen.copy_(now.expand_as(seen))

@@ -41,7 +41,7 @@ class StreamingLLM(Policy):
         return self.sinks
 
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
-        return self.budget + 1
+        return min(max_length, self.budget + 1)
 
     def plan(self, site) -> SitePlan | str:
         return shrinking_plan(site)

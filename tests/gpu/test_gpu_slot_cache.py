@@ -19,7 +19,8 @@ CASES = [("full", {}), ("art", {}), ("streamingllm", dict(budget=64, sinks=4)),
          ("snapkv", dict(budget=64, window=8)), ("chunkkv", dict(budget=64, window=8)),
          ("snapkv+art", dict(budget=64, window=8)), ("streamingllm+art", dict(budget=64, sinks=4)),
          ("pyramidkv", dict(budget=64, window=8)), ("quest", dict(budget=64, dense_layers=1)),
-         ("snapkv+quest", dict(budget=64, window=8, dense_layers=1))]
+         ("snapkv+quest", dict(budget=64, window=8, dense_layers=1)), ("raas", dict(budget=64)),
+         ("raas+art", dict(budget=64))]
 
 
 def model():
