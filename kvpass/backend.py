@@ -163,8 +163,8 @@ class KVPass(CustomGraphPass):
         if rule is None:
             return (f"no fixed-capacity decode for this policy yet (a SlotCache runs "
                     f"{', '.join(_cache.slot_policies())}); use a DynamicCache")
-        if site.sliding_window:
-            return f"layer {site.layer}: sliding-window layers on a SlotCache are not supported yet"
+        if site.sliding_window:  # a ring of the window's slots, whatever the policy (it leaves sliding layers be)
+            return SitePlan(attention=True, slot=(_cache.RING, 0))
         return dataclasses.replace(plan, slot=(_cache.RULES[rule], self.policy.slot_protect),
                                    slot_hooks=self.policy.slot_hooks(site))
 

@@ -13,9 +13,10 @@ Every layer owns, allocated once at construction and never reallocated:
 
 ``C`` is the layer's capacity (``Policy.slot_capacity``): the whole sequence for ``full``, the budget
 plus the decode steps for a policy that evicts at prefill only (pyramidkv: its layer's budget), the
-budget plus one for a policy that evicts at every step. All of them are static addresses
-(``torch._dynamo.mark_static_address``), so a decode graph that writes them in place can be replayed as a CUDA graph; the host learns nothing per
-step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
+budget plus one for a policy that evicts at every step, raas's page pool. A sliding-window layer (the
+config's ``layer_types``) is a ring of ``min(window, max_length)`` slots whatever the policy. All of
+them are static addresses (``torch._dynamo.mark_static_address``), so a decode graph that writes them
+in place can be replayed as a CUDA graph; the host learns nothing per step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
 does), so ``generate`` and a bare ``forward`` derive true positions however much was evicted.
 
 The cache's own ``update`` calls ``kvpass::slot_append``: the append layout (token ``i`` in slot
@@ -53,10 +54,11 @@ RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 @torch.library.custom_op("kvpass::slot_append", mutates_args=("keys", "values", "pos", "count"))
 def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
-                state: list[Tensor]) -> None:
+                state: list[Tensor], window: int = 0) -> None:
     """The cache's own update: ``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` go into slots ``seen .. seen+q-1``.
     Valid only while the layout is the append layout (no eviction yet) and the tokens fit. ``state`` (the
-    policy's per-layer tensors) is not touched: it is passed so the kvpass pass finds it in the graph."""
+    policy's per-layer tensors) and ``window`` (a sliding-window layer's window, 0 for a global layer)
+    are not used here: they are passed so the kvpass pass finds them in the graph."""
     q, cap = k_new.shape[2], keys.shape[2]
     torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
                                               "run it through the torch.compile backend that filled it")
@@ -70,7 +72,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
 
 
 @slot_append.register_fake
-def _(keys, values, pos, count, k_new, v_new, state):
+def _(keys, values, pos, count, k_new, v_new, state, window=0):
     return None
 
 
@@ -95,7 +97,10 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
         kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
     extra = {} if tokens is None else {"tokens": tokens}
-    keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
+    if rt.sites[site].sliding_window:  # a sliding layer's ring holds the window's most recent entries
+        keep = kv_pos.topk(min(cap, length), dim=-1).indices if length > cap else None
+    else:
+        keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
     if keep is None:
         idx, kept_pos = None, kv_pos
     else:
@@ -202,13 +207,16 @@ class SlotLayer(CacheLayerMixin):
     """One layer's fixed slots (see the module docstring)."""
 
     is_compileable = True
-    is_sliding = False
     is_croppable = False
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, v_head_dim: int,
-                 dtype: torch.dtype, device, state: dict | None = None) -> None:
+                 dtype: torch.dtype, device, state: dict | None = None, window: int = 0) -> None:
         super().__init__()
         self.capacity = capacity
+        # a sliding-window layer (``window`` > 0) is a ring of min(window, max_length) slots whatever the
+        # policy: the token at position p overwrites p - window, which no later query sees
+        self.window = window
+        self.is_sliding = window > 0
         # slots the model's own attention is given after the prefill: HF builds one mask for all layers,
         # so a cache whose layers differ in capacity (pyramidkv) gives each the shortest one's length; the
         # kvpass rewrite reads every slot by position (the model's own read is what an unchanged graph
@@ -236,7 +244,7 @@ class SlotLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states,
-                                     self.state)
+                                     self.state, self.window)
         if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
             self.filled = True
             return key_states, value_states
@@ -301,9 +309,10 @@ class SlotCache(Cache):
             raise ConfigError(f"SlotCache: policy '{policy.name}' has no fixed-capacity decode yet; use it with a "
                               f"DynamicCache (the default cache), or one of: {', '.join(slot_policies())}")
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if getattr(cfg, "sliding_window", None) and "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-            raise ConfigError("SlotCache: models with sliding-window layers are not supported yet; use a DynamicCache")
         layers = cfg.num_hidden_layers
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+        window = getattr(cfg, "sliding_window", None) or 0
+        windows = [window if t == "sliding_attention" else 0 for t in types]
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -311,13 +320,16 @@ class SlotCache(Cache):
         dtype, device = dtype or p.dtype, device or p.device
         new = max_length if max_new_tokens is None else max_new_tokens
         # per layer: pyramidkv keeps more in lower layers
-        self.capacities = [policy.slot_capacity(max_length, new, i, layers) for i in range(layers)]
+        self.capacities = [min(max_length, w) if w else policy.slot_capacity(max_length, new, i, layers)
+                           for i, w in enumerate(windows)]
         self.capacity = max(self.capacities)
         self.policy_name = policy.name
         super().__init__(layers=[SlotLayer(batch_size, kv_heads, cap, head_dim, head_dim, dtype, device,
-                                           policy.slot_state(cap, head_dim)) for cap in self.capacities])
+                                           {} if w else policy.slot_state(cap, head_dim), w)
+                                 for cap, w in zip(self.capacities, windows)])
+        shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
-            lay.read_length = min(self.capacities)
+            lay.read_length = lay.capacity if lay.is_sliding else shortest
 
     @property
     def seen(self) -> int:

@@ -185,7 +185,7 @@ def _slot_of(site: Site) -> Problem | None | bool:
     """A ``kvpass.SlotCache`` layer: attention reads the new K/V (a prefill) or the slots the layer's
     ``slot_append`` just wrote (decode / append), or their first entries (a cache whose layers differ in
     capacity gives every layer the shortest one's length, the length HF's mask is built for). Fills the
-    cache fields; False when it is none."""
+    cache fields (a sliding layer's window is ``slot_append``'s ``window``); False when it is none."""
     k, v = (_slot_read(n) for n in (site.k, site.v))
     for u in k.users:
         if u.op == "call_function" and u.target in (SLOT_APPEND, SLOT_APPEND.default):
@@ -195,6 +195,8 @@ def _slot_of(site: Site) -> Problem | None | bool:
             site.cache, site.slot = "slot", u
             site.k_past, site.v_past, site.k_new, site.v_new = keys, values, k_new, v_new
             site.cache_layer = _source_layer(keys) if keys.op == "placeholder" else None
+            window = u.args[7] if len(u.args) > 7 else u.kwargs.get("window", 0)
+            site.sliding_window = _concrete_int(window) or None  # the layer says it is a sliding ring
             return None
     return False
 

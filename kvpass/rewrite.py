@@ -228,8 +228,12 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
     * decode: ``write_slots`` puts the token into the victim slot the policy's rule picks on the device,
       then ``decode_attention`` reads every slot by position (ART when the plan reads with it);
     * append (several tokens on a filled cache): attention by position over the slots and the new
-      tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache)."""
+      tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache).
+
+    A sliding-window layer is a ring of its window's slots (``slot_prefill`` keeps the prompt's last
+    entries), read by position within the window."""
     rule, protect = plan.slot
+    window = site.sliding_window or 0  # a sliding layer: a ring of its window, read within the window
     keys, values, pos, count = site.slot.args[:4]
     state = site.slot.args[6]
     hooks = plan.slot_hooks or SlotHooks()
@@ -257,14 +261,15 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
             if hooks.select is not None:
                 bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
                 read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)
-            att = _decode_read(graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, 0, kv_len, bmap)
+            att = _decode_read(graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, window, kv_len,
+                               bmap)
         else:
             pend = graph.call_function(pending_positions, (pos, count, site.k_new, rule, protect))
             q_pos, kv_pos = (graph.call_function(operator.getitem, (pend, i)) for i in range(2))
             k_all = graph.call_function(torch.cat, ([keys, site.k_new], -2))
             v_all = graph.call_function(torch.cat, ([values, site.v_new], -2))
             att = graph.call_function(OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap,
-                                                                  0))
+                                                                  window))
             graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))

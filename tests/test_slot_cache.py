@@ -1,7 +1,7 @@
 """``kvpass.SlotCache``: the fixed-capacity cache, against the DynamicCache paths already proven.
 
-* ``full`` / ``art`` (tau = phi = 0) on a SlotCache equal the uncompiled model on a DynamicCache, for
-  families without sliding layers, with derived and with explicit positions;
+* ``full`` / ``art`` (tau = phi = 0) on a SlotCache equal the uncompiled model on a DynamicCache, with
+  derived and with explicit positions; sliding-window layers are rings of their window;
 * the evicting policies (streamingllm: a ring that evicts every step; snapkv, chunkkv, sablock: a
   prefill eviction, then appends) equal the same policy on a DynamicCache, a left-padded batch too;
 * ``generate`` works on it (and a chat continuation through the append graph), ``get_seq_length``
@@ -234,6 +234,35 @@ def test_left_padded_batch_equals_dynamic_cache():
 
 
 # ------------------------------------------------------------------------------------------------
+# sliding-window layers: a ring of the window per layer
+# ------------------------------------------------------------------------------------------------
+
+SLIDING = [("gemma3", "sdpa"), ("gemma2", "eager"), ("cohere2", "sdpa")]   # window 8; softcapping in gemma2
+
+
+@pytest.mark.parametrize("family,attn", SLIDING, ids=[f[0] for f in SLIDING])
+def test_sliding_layers_are_rings(family, attn):
+    """A sliding layer's SlotLayer is a ring of ``window`` slots whatever the policy (the policies leave
+    sliding layers to the model): ``full`` equals the uncompiled model over a 21-token prompt and 12
+    steps (the rings wrap in the prefill and in decode); every SlotCache policy with its eviction in the
+    global layers equals its DynamicCache path. The sliding layers hold exactly the last 8 positions."""
+    model = build(family, attn)
+    ids = prompt(21, seed=1)
+    tokens, ref = run(model, DynamicCache(config=model.config), ids, 12)
+    _, cache, got = slot_run(model, "full", ids, 12, torch.stack(tokens), max_length=40)
+    assert_logits_close(got, ref, atol=1e-4)
+    sliding = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
+    assert sliding and all(cache.capacities[i] == 8 for i in sliding)
+    for i in sliding:
+        assert sorted(cache.positions(i)[0, 0].tolist()) == list(range(33 - 8, 33))
+    for policy, kw in (("snapkv", dict(budget=12, window=2)), ("streamingllm", dict(budget=10, sinks=2)),
+                       ("quest", dict(budget=16, dense_layers=0)), ("raas", dict(budget=16))):
+        _, tokens, ref, _ = dynamic_run(model, policy, ids, 12, **kw)
+        _, _, got = slot_run(model, policy, ids, 12, torch.stack(tokens), max_length=40, **kw)
+        assert_logits_close(got, ref, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
 # quest: page bounds as layer state beside the slots
 # ------------------------------------------------------------------------------------------------
 
@@ -320,11 +349,13 @@ def _generate(model, ids, new, **kw):
     return out.sequences, torch.stack(out.logits)
 
 
-def test_generate_full_and_chat_continuation():
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_generate_full_and_chat_continuation(family):
     """``generate`` with the compiled forward on a SlotCache gives the model's own tokens and logits;
     a second ``generate`` that continues the returned cache with more input (its first call appends 6
-    tokens to a filled cache: the "append" graph) equals the model fed the whole conversation."""
-    ref, model = build("llama"), build("llama")
+    tokens to a filled cache: the "append" graph) equals the model fed the whole conversation. On
+    gemma3 the sliding layers' rings (8 slots) wrap in the prefill, the decode and the append."""
+    ref, model = build(family), build(family)
     ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
     be = kvpass.backend("full", compiler="eager")
     model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
@@ -553,14 +584,12 @@ def test_policies_without_slot_rule_refused(policy):
 
 
 def test_bad_construction_refused():
-    """max_length must be an int >= 1; a model with sliding-window layers is refused."""
+    """max_length must be an int >= 1."""
     model = build("llama")
     be = kvpass.backend("full", compiler="eager")
     for bad in (0, -3, 8.0):
         with pytest.raises(kvpass.ConfigError, match="max_length"):
             kvpass.SlotCache(model, be, max_length=bad)
-    with pytest.raises(kvpass.ConfigError, match="sliding-window"):
-        kvpass.SlotCache(build("gemma3"), be, max_length=32)
 
 
 def test_capacity_errors():

@@ -23,7 +23,14 @@ CASES = [("full", {}), ("art", {}), ("streamingllm", dict(budget=64, sinks=4)),
          ("raas+art", dict(budget=64))]
 
 
-def model():
+def model(sliding: bool = False):
+    if sliding:  # Gemma-3 style: two sliding layers (window 64) per global layer, softcap-free, GQA
+        cfg = tf.Gemma3TextConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=64,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  max_position_embeddings=4096)
+        torch.manual_seed(0)
+        return tf.Gemma3ForCausalLM(cfg).cuda().eval()
     cfg = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
     torch.manual_seed(0)
@@ -47,9 +54,9 @@ def decode(m, be, ids, mode=None):
     return torch.cat(toks, -1).tolist(), all_logits, cache
 
 
-@pytest.mark.parametrize("policy,params", CASES, ids=[c[0] for c in CASES])
-def test_cuda_graph_replay_equals_eager_kvpass(policy, params):
-    m = model()
+def replay_equals_eager(m, policy, params):
+    """Greedy decode of a 2 x 200 prompt with the eager compiler, then with Inductor + CUDA graphs: the
+    same tokens, logits within 2e-3 (fp32 model), one decode graph replayed. Returns the cache."""
     ids = torch.randint(3, 250, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
     want, want_logits, _ = decode(m, kvpass.backend(policy, compiler="eager", **params), ids)
     be = kvpass.backend(policy, **params)
@@ -61,5 +68,20 @@ def test_cuda_graph_replay_equals_eager_kvpass(policy, params):
     assert phases == ["prefill", "decode"], phases      # one decode graph for all 256 steps
     assert be.reports[-1].cudagraphs and not be.reports[0].cudagraphs
     assert cache.seen == 200 + STEPS
+    return cache
+
+
+@pytest.mark.parametrize("policy,params", CASES, ids=[c[0] for c in CASES])
+def test_cuda_graph_replay_equals_eager_kvpass(policy, params):
+    cache = replay_equals_eager(model(), policy, params)
     if "budget" in params and policy != "quest":        # real memory: the slots are the capacity
         assert cache.layers[0].keys.shape[2] == cache.capacity < 200 + STEPS
+
+
+@pytest.mark.parametrize("policy,params", [("full", {}), ("snapkv", dict(budget=64, window=8)),
+                                           ("raas", dict(budget=64))], ids=["full", "snapkv", "raas"])
+def test_sliding_layers_cuda_graph_replay(policy, params):
+    """Gemma-3 shape: the sliding layers are rings of 64 slots (wrapped by the 200-token prompt and by every
+    decode step); replay equals the eager kvpass path, one decode graph."""
+    cache = replay_equals_eager(model(sliding=True), policy, params)
+    assert cache.capacities[:2] == [64, 64]
