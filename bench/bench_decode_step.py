@@ -14,7 +14,8 @@ compiles) and then decodes greedily; reported per row:
 Configurations: ``hf_eager`` (DynamicCache, SDPA, cuDNN SDPA off), ``hf_eager_cudnn`` (on),
 ``hf_static`` (StaticCache, decode compiled with ``mode="reduce-overhead"``, prefill eager as
 ``generate`` does), ``kvpass_dynamic:<policy>`` (the DynamicCache path), and ``<policy>`` (a kvpass
-policy on a SlotCache, ``mode="reduce-overhead"``).
+policy on a SlotCache, ``mode="reduce-overhead"``); ``<policy>@k=v@k=v`` sets parameters beyond the
+budget (``asl@layer=2`` forces the selection layer: on random weights the adaptive rule may not fire).
 
     python bench/bench_decode_step.py --layers 8 --batch 1 --contexts 32768,131072 --out results.json
 """
@@ -101,9 +102,15 @@ def run(prefill, step, cache_fn, ids, steps):
     return ttft, tpot, torch.cuda.max_memory_allocated(), kv_bytes(cache), nxt
 
 
+def policy_of(name: str) -> tuple[str, dict]:
+    """``kvpass_dynamic:asl@layer=2`` -> ``("asl", {"layer": 2})``."""
+    policy, *extra = name.split(":", 1)[-1].split("@")
+    return policy, {k: (float(v) if "." in v else int(v)) for k, v in (e.split("=", 1) for e in extra)}
+
+
 def read_entries(name: str, ctx: int, budget: int, layers: int) -> float:
     """K/V entries a decode step must read per layer (mean over layers) at the policy's defaults."""
-    policy = name.split(":", 1)[-1]
+    policy = policy_of(name)[0]
     if policy in ("full", "art") or name.startswith("hf_"):
         return ctx
     if policy == "quest":         # dense layers read all; the others budget + the current page + the
@@ -112,6 +119,8 @@ def read_entries(name: str, ctx: int, budget: int, layers: int) -> float:
         return (dense * ctx + (layers - dense) * (min(ctx, budget + 16) + ctx / 16)) / layers
     if policy == "raas":          # the prompt's pages are never evicted; the page bounds are read to stamp
         return ctx + ctx / 16
+    if policy == "asl_fullkv":    # unknown how many layers precede the gate: bound by all of them
+        return ctx
     if policy == "pyramidkv":
         from kvpass.policies.pyramidkv import PyramidKV, pyramid
         p = PyramidKV(budget=budget)
@@ -143,9 +152,9 @@ def configs(model, args, ctx):
             yield name, hf_prefill, hf_step(fwd), (lambda: tf.StaticCache(config=model.config,
                                                                           max_cache_len=ctx + n_new)), None
         else:
-            policy = name.split(":", 1)[-1]
+            policy, extra = policy_of(name)
             params = {} if policy in ("full", "art") else {"budget": args.budget}
-            be = kvpass.backend(policy, **params)
+            be = kvpass.backend(policy, **params, **extra)
             if name.startswith("kvpass_dynamic:"):
                 fwd = torch.compile(model.forward, backend=be, dynamic=True)
                 cache_fn = dyn

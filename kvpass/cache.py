@@ -112,6 +112,9 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     kept_pos = kept_pos.gather(2, order)
     kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, order if idx is None else idx.gather(2, order))
     n = kept_pos.shape[-1]
+    if n > cap and getattr(rt, "first_pass", False):
+        rt.overflow = site    # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot
+        return
     if n > cap:
         raise ValueError(f"kvpass SlotCache: layer {site} keeps {n} entries of a {length}-token prompt under "
                          f"policy '{rt.policy.name}', but the cache holds {cap} slots per layer; build the cache "

@@ -324,6 +324,11 @@ class GatedGraph:
             if node.target is torch.ops.kvpass.compact.default and sites.get(node.args[6]) is not None \
                     and sites[node.args[6]].sliding_window:
                 self.stored[node.args[6]] = _outputs_from(node, out_nodes)
+        # a kvpass.SlotCache: each layer's slot positions and counts (inputs the segments write in place)
+        self.slots = {node.args[9]: (node.args[2], node.args[3]) for node in graph.nodes
+                      if node.target is torch.ops.kvpass.slot_prefill.default}
+        if any(p.op != "placeholder" or c.op != "placeholder" for p, c in self.slots.values()):
+            return "the SlotCache's positions are not graph inputs (the gate could not record true positions)"
         self.length = length
         self.segments = segs
         for seg in segs:
@@ -361,13 +366,42 @@ class GatedGraph:
     def __call__(self, *args):
         env: dict[fx.Node, object] = dict(zip(self.placeholders, args))
         orig: dict[fx.Node, object] = {}
-        policy = self.policy
         history: dict[int, Tensor] = {}
         ctx: dict = {}
-        n = None
-        sel = None
-        gate_layer = None
-        length = None
+        # a SlotCache layer may not hold what the first pass of a two-pass policy computes: its second
+        # pass rewrites every layer's slots (kvpass.cache.slot_prefill skips a write that overflows)
+        self.runtime.first_pass, self.runtime.overflow = self.two_pass, None
+        try:
+            sel, n, gate_layer, length = self._first_pass(env, orig, history, ctx)
+        finally:
+            self.runtime.first_pass = False
+        if sel is None and self.runtime.overflow is not None:
+            raise ValueError(f"kvpass SlotCache: layer {self.runtime.overflow} keeps the whole prompt (the "
+                             f"selection layer did not fire) but holds fewer slots; build the cache with a larger "
+                             f"max_length")
+        if length is None:
+            length = int(self.length)
+        shift = length - n if self.two_pass and self.renumber and sel is not None else 0
+        self.runtime.gate = GateInfo(gate_layer, length, n or length, self.cuts, ctx.get("ratios", {}),
+                                     2 if self.two_pass and sel is not None else 1, shift)
+        if sel is not None and self.two_pass:
+            env, orig = self._second_pass(args, env, sel, n, length), {}
+        if sel is not None:
+            true = ctx["kv_pos"].gather(1, sel)
+            if self.two_pass:
+                true = torch.arange(n, device=sel.device).expand_as(sel) if self.renumber else true
+                self._record(-1, true, n if self.renumber else length, length, env)
+            else:
+                self._record(gate_layer, true, length, length, env)
+        return fx.node.map_aggregate(self.output.args[0],
+                                     lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x)
+
+    def _first_pass(self, env: dict, orig: dict, history: dict, ctx: dict):
+        """Run the segments, gathering the selected tokens at the gate when it fires (a two-pass policy
+        stops there); ``env`` / ``orig`` / ``history`` / ``ctx`` are filled in place. Returns
+        ``(selected indices or None, tokens kept or None, selection layer or None, prompt length)``."""
+        policy = self.policy
+        n = sel = gate_layer = length = None
         for seg in self.segments:
             ins = [env[x] for x in seg.inputs]
             outs = self._run(seg, n, length, ins)
@@ -398,22 +432,7 @@ class GatedGraph:
                         continue
                     orig[x] = env[x]
                     env[x] = n if t[0] == "length" else _take(env[x], sel, t[1])
-        if length is None:
-            length = int(self.length)
-        shift = length - n if self.two_pass and self.renumber and sel is not None else 0
-        self.runtime.gate = GateInfo(gate_layer, length, n or length, self.cuts, ctx.get("ratios", {}),
-                                     2 if self.two_pass and sel is not None else 1, shift)
-        if sel is not None and self.two_pass:
-            env, orig = self._second_pass(args, env, sel, n, length), {}
-        if sel is not None:
-            true = ctx["kv_pos"].gather(1, sel)
-            if self.two_pass:
-                true = torch.arange(n, device=sel.device).expand_as(sel) if self.renumber else true
-                self._record(-1, true, n if self.renumber else length, length, env)
-            else:
-                self._record(gate_layer, true, length, length, env)
-        return fx.node.map_aggregate(self.output.args[0],
-                                     lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x)
+        return sel, n, gate_layer, length
 
     def _second_pass(self, args, first: dict, sel: Tensor, n: int, length: int) -> dict:
         """Prefill again from layer 0 with only the selected tokens (GemFilter): token ids, masks and
@@ -463,6 +482,13 @@ class GatedGraph:
         st = self.runtime.state
         for layer in sorted(self.sites):
             if layer <= gate_layer:
+                continue
+            if layer in self.slots:    # a SlotCache layer: its slots hold local indices 0..n-1 in order
+                pos, count = (env[x] for x in self.slots[layer])
+                idx = pos.clamp_min(0).reshape(pos.shape[0], -1).long()
+                pos.copy_(true.to(pos.device).expand(pos.shape[0], -1).gather(1, idx).view_as(pos)
+                          .masked_fill(pos < 0, -1))
+                count[0] = seen
                 continue
             ls = st.layer(layer)
             if ls is None:

@@ -572,10 +572,61 @@ def test_raas_noop_equals_full_and_capacity():
 
 
 # ------------------------------------------------------------------------------------------------
+# the gated policies: a prefill split at the gate, then appends
+# ------------------------------------------------------------------------------------------------
+
+GATED = [("llama", "asl", dict(layer=2), None), ("llama", "asl", dict(layer=-1, tau=0.99), True),
+         ("llama", "asl_fullkv", dict(layer=3), True), ("llama", "fastkv", {}, None),
+         ("llama", "asl_2pass", dict(layer=2), None), ("gemma3", "asl", dict(layer=2), None),
+         ("cohere2", "asl_fullkv", dict(layer=3), None)]
+
+
+@pytest.mark.parametrize("family,policy,params,dynamic", GATED, ids=[f"{g[0]}-{g[1]}-{i}" for i, g in enumerate(GATED)])
+def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
+    """asl / asl_fullkv / fastkv / asl_2pass on a SlotCache (the gated prefill's deeper segments run
+    on the selected tokens and write them into their slots; the runner then records their true
+    positions in the slots and the tokens seen in ``count``; decode appends) equal the DynamicCache
+    path for 10 steps over a 40-token prompt on 6 layers, the same selection layer included; every
+    global layer's slots hold the positions the DynamicCache path kept. The adaptive rule (tau 0.99)
+    selects too. asl_fullkv's layers keep the whole prompt (capacity max_length)."""
+    from test_asl import build as build_deep
+    model = build_deep(family, layers=6)
+    ids = prompt(40, seed=1)
+    params = dict(budget=10, window=4, **params)
+    dyn, tokens, ref, kept = dynamic_run(model, policy, ids, 10, **params)
+    be, cache, got = slot_run(model, policy, ids, 10, torch.stack(tokens), max_length=60, max_new_tokens=10,
+                              dynamic=dynamic, **params)
+    assert_logits_close(got, ref)
+    assert be.gate_info == dyn.gate_info and be.gate_info["selection_layer"] is not None
+    assert cache.seen == 50
+    sliding = {i for i, t in enumerate(getattr(model.config, "layer_types", None) or []) if t == "sliding_attention"}
+    for i in range(6):
+        if i in sliding:
+            assert cache.capacities[i] == 8
+            continue
+        assert cache.capacities[i] == (60 if policy == "asl_fullkv" else 20)
+        n = kept[i].shape[-1]
+        assert torch.equal(cache.positions(i)[..., :n].long(), kept[i].long())
+        assert (cache.positions(i)[..., n:n + 10] == torch.arange(40, 50, dtype=torch.int32)).all()
+
+
+def test_gated_two_pass_first_pass_overflow_is_skipped_not_written():
+    """asl_2pass with a forced layer: the first pass computes the whole prompt in layers 0..layer, more
+    than their 20 slots; those writes are skipped (the second pass writes every layer) instead of failing."""
+    from test_asl import build as build_deep
+    model = build_deep("llama", layers=4)
+    ids = prompt(40, seed=3)
+    be, cache, _ = slot_run(model, "asl_2pass", ids, 2, max_length=60, max_new_tokens=10, budget=10, window=4,
+                            layer=1)
+    assert be.gate_info["passes"] == 2 and cache.capacity == 20
+    assert all((cache.positions(i)[..., 10:12] == torch.tensor([40, 41], dtype=torch.int32)).all() for i in range(4))
+
+
+# ------------------------------------------------------------------------------------------------
 # errors
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", ["asl", "pie"])
+@pytest.mark.parametrize("policy", ["gemfilter", "pie"])
 def test_policies_without_slot_rule_refused(policy):
     model = build("llama")
     be = kvpass.backend(policy, compiler="eager")

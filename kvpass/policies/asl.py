@@ -36,7 +36,13 @@ with the window (``attention_pos``). That matters after the gate: a deeper slidi
 ``W - 1`` *selected* tokens, whose positions are not consecutive, and HF's decode mask assumes they are.
 In the prefill the gathered sliding mask is already the mask of the selected tokens' true positions.
 
-**Limits.** Static caches are refused (the deeper caches must shrink). Gating does not compose with other
+**SlotCache** (``kvpass.SlotCache``, the CUDA-graph decode). The gated prefill still runs as segments
+(its length changes at the gate); each layer's ``slot_prefill`` writes what it was given into its slots and
+the runner then records the selected tokens' true positions there. Layers keep ``budget +
+max_new_tokens`` slots (``asl_fullkv``: the whole ``max_length``; ``asl_2pass`` with the adaptive rule:
+``max_length``, since the rule may not fire). Decode then appends, one graph.
+
+**Limits.** HF static caches are refused (the deeper caches must shrink). Gating does not compose with other
 policies (``asl+art`` raises ``ConfigError``).
 """
 
@@ -92,7 +98,6 @@ def rank_variance(layer_ranks: list[Tensor], top: int) -> Tensor:
 class ASL(PrefillEviction):
     name = "asl"
     summary = "adaptive selection layer: deeper layers compute only the selected tokens (rank-variance rule)"
-    slot_rule = None  # the gated prefill runs outside one graph; SlotCache support is not built yet
     params = (BUDGET, WINDOW, KERNEL, TAU, L_OBS, L_MIN, LAYER)
     gates = True
     compress = True        # layers up to the selection layer keep a SnapKV-compressed cache
@@ -105,9 +110,9 @@ class ASL(PrefillEviction):
 
     # -- compile time ----------------------------------------------------------------------------
     def plan(self, site) -> SitePlan | str:
-        if site.cache != "dynamic":
-            return (f"layer {site.layer}: {self.name} needs a cache that can shrink (DynamicCache); "
-                    f"this graph uses a {site.cache} cache")
+        if site.cache not in ("dynamic", "slot"):
+            return (f"layer {site.layer}: {self.name} needs a cache that can shrink (DynamicCache) or "
+                    f"a kvpass.SlotCache; this graph uses a {site.cache} cache")
         return SitePlan(attention=True, evict=True)   # sliding layers too: see "Sliding-window layers"
 
     def first_layer(self, n_layers: int) -> int:
@@ -165,6 +170,9 @@ class ASLFullKV(ASL):
     summary = "asl without compression before the selection layer (those layers keep the whole prompt)"
     compress = False
 
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        return max_length     # any layer up to the (adaptive) selection layer keeps the whole prompt
+
 
 class ASL2Pass(ASL):
     """The adaptive layer picks the tokens; then they are prefilled again from layer 0 at their
@@ -174,3 +182,7 @@ class ASL2Pass(ASL):
     summary = "asl's layer picks tokens; a second prefill of only those from layer 0 (original positions)"
     compress = False
     two_pass = True
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        # every layer stores the selected tokens, unless the adaptive rule never fires (the whole prompt)
+        return max_length if self.layer < 0 else super().slot_capacity(max_length, max_new_tokens, layer, layers)

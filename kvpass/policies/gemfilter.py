@@ -32,6 +32,9 @@ class GemFilter(ASL):
     params = (BUDGET, WINDOW1, KERNEL1, LAYER)
     two_pass = True
     renumber = True
+    # renumbered positions: a SlotCache decode would have to move generate's position ids back by L - n
+    # on the device (kvpass::shift_positions is a host-side op); not built yet
+    slot_rule = None
     compress = False
     tau = 0.0
     l_obs = 1
