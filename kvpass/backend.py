@@ -222,7 +222,7 @@ class Backend:
         report = self.kvpass(gm.graph)
         self.reports.append(report)
         if report.gate is not None:
-            report.gate.precompile()  # each segment with the inner compiler (short static versions: on first use)
+            report.gate.precompile(example_inputs)  # each segment with the inner compiler (short static versions: on first use)
             return report.gate        # runs the segments, gathering the selected tokens at the gate
         patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"))
         report.cudagraphs = bool(patches.get("triton.cudagraphs"))

@@ -336,13 +336,16 @@ class GatedGraph:
         return None
 
     # -- run time ----------------------------------------------------------------------------------
-    def precompile(self) -> None:
+    def precompile(self, example_inputs) -> None:
         """Compile every segment now, inside the backend call, with the graph's own fake inputs: a
         dynamic graph's segments are then compiled once for all lengths, and serve the gathered
         tokens too (the length symbol is an input). Segments whose inputs lack fake values, and the
-        short versions of static graphs, are compiled on first use with the real inputs instead."""
+        short versions of static graphs, are compiled on first use with the real inputs instead.
+        The graph's inputs are Dynamo's ``example_inputs`` (its backend fake mode: a float attribute
+        Dynamo left unspecialized is a 0-d tensor whose ``item()`` only that mode's fake can answer)."""
+        given = dict(zip(self.placeholders, example_inputs))
         for seg in self.segments:
-            fakes = [_val(x) for x in seg.inputs]
+            fakes = [given[x] if x in given else _val(x) for x in seg.inputs]
             if all(isinstance(f, (Tensor, int, float, torch.SymInt, torch.SymFloat)) for f in fakes):
                 seg.compiled = self.compile_segment(seg.gm, fakes)
 

@@ -610,6 +610,29 @@ def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
         assert (cache.positions(i)[..., n:n + 10] == torch.arange(40, 50, dtype=torch.int32)).all()
 
 
+def test_gated_inductor_dynamic_equals_eager():
+    """The gated segments compiled by Inductor as a user compiles (``dynamic=True``, no ``fullgraph``:
+    Dynamo then hands the backend fake inputs of its own backend mode, and an unspecialized float
+    attribute, the embedding's ``norm_type``, is a 0-d tensor read with ``item()`` that only those
+    fakes answer; the segments were compiled with the graph's meta values instead, failed, and Dynamo
+    broke the graph into pieces that ran without the policy) equal the eager compiler's run."""
+    from test_asl import build as build_deep
+    model = build_deep("llama", layers=4)
+    ids = prompt(40, seed=2)
+    params = dict(budget=10, window=4, layer=1)
+    ref_be, ref_cache, ref = slot_run(model, "asl", ids, 4, max_length=60, max_new_tokens=10, dynamic=True, **params)
+    torch._dynamo.reset()
+    be = kvpass.backend("asl", **params)
+    fwd = torch.compile(model.forward, backend=be, dynamic=True)
+    cache = kvpass.SlotCache(model, be, max_length=60, max_new_tokens=10)
+    _, got = run(fwd, cache, ids, 4, torch.stack([x.argmax(-1, keepdim=True) for x in ref[:-1]]))
+    # each phase is compiled twice (AOT's tensorify pass restarts Dynamo's analysis once, specializing
+    # the float attributes it left unspecialized); a failed compile would add graph pieces with problems
+    assert {r.phase for r in be.reports} == {"prefill", "decode"} and not any(r.problems for r in be.reports)
+    assert_logits_close(got, ref)
+    assert be.gate_info == ref_be.gate_info and cache.seen == ref_cache.seen == 44
+
+
 def test_gated_two_pass_first_pass_overflow_is_skipped_not_written():
     """asl_2pass with a forced layer: the first pass computes the whole prompt in layers 0..layer, more
     than their 20 slots; those writes are skipped (the second pass writes every layer) instead of failing."""
