@@ -5,19 +5,22 @@
 #   L: 32 layers (the whole 8B shape), batch 1, 32k
 #   G: the gated policies on a SlotCache, 8 layers, batch 1, 32k (and full, for the ratio)
 #   Q: 8 layers, batch 1, 128k: the decode-time policies (quest, art, raas) beside full
+#   H: issue 20 case 7 on the DynamicCache path: raas, asl, art at 4,096 then 128k tokens (full beside)
 #   D: where a SlotCache prefill spends time and memory (bench/diag_prefill.py)
 #   T: tests/gpu/test_gpu_slot_cache.py
 set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, G, L, Q or T}" in
+case "${1:?call A-D, G, H, L, Q or T}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
        --configs full,asl@layer=2,asl,fastkv,asl_2pass@layer=2,asl_fullkv@layer=2 2>&1 | grep '^{' ;;
   Q) timeout 560 $B --batch 1 --contexts 131072 --out $out/b1_128k_decode_policies.json \
        --configs full,quest,art,raas 2>&1 | grep '^{' ;;
+  H) timeout 560 $B --batch 1 --contexts 4096,131072 --steps 32 --out $out/b1_dynamic_cache_case7.json \
+       --configs kvpass_dynamic:full,kvpass_dynamic:raas,kvpass_dynamic:asl,kvpass_dynamic:art 2>&1 | grep '^{' ;;
   L) timeout 590 python bench/bench_decode_step.py --layers 32 --batch 1 --contexts 32768 --out $out/b1_32k_32layers.json \
        --configs hf_eager,hf_static,full,snapkv,quest,art,raas 2>&1 | grep '^{' ;;
   B) timeout 560 $B --batch 16 --contexts 32768 --out $out/b16_32k.json \

@@ -38,12 +38,21 @@ class KVPassWarning(UserWarning):
     """kvpass left a graph unchanged; the message says which node and which assumption failed."""
 
 
-_WARNED: set[str] = set()
+_WARNED: set[tuple] = set()
 
 
-def warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
+def _replaces_mask(plan: SitePlan) -> bool:
+    """Whether a plan's rewrite stops reading the model's mask somewhere (it masks by true position after
+    eviction, in a slot cache, in a pool): only a boolean visible / masked mask survives that."""
+    return bool(plan.evict or plan.append or plan.pool or plan.slot is not None or getattr(plan, "overwrite", False))
+
+
+def warn_once(msg: str, owner=None) -> None:
+    """Warn with ``msg`` once per ``owner`` (a backend, i.e. a compiled function: a second model with
+    the same problem is told too), or once per process without one."""
+    key = (owner.runtime.handle if hasattr(owner, "runtime") else owner, msg)
+    if key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(msg, KVPassWarning, stacklevel=3)
 
 
@@ -108,12 +117,17 @@ class KVPass(CustomGraphPass):
         problems = [str(p) for p in found.problems]
         phase = _phase(found)
         plans: dict[int, SitePlan] = {}
+        idle = self.policy.idle_reason(found.sites) if not problems else None
+        if idle:
+            warn_once(f"kvpass: {idle}", self)
         if not problems:
             for site in found.sites:
                 site.phase = phase
                 plan = self.policy.plan(site)
                 if site.cache == "slot" and not isinstance(plan, str):
                     plan = self._slot_plan(site, plan)
+                if not isinstance(plan, str) and _replaces_mask(plan) and (bias := _detect.mask_bias(site.mask)):
+                    plan = f"layer {site.layer}: {bias}"
                 if isinstance(plan, str):
                     problems.append(f"policy '{self.policy.name}': {plan}")
                     break
@@ -132,7 +146,7 @@ class KVPass(CustomGraphPass):
                 problems.append(f"policy '{self.policy.name}' (gate): {why}")
         if problems:
             warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
-                      f"{problems[0]}")
+                      f"{problems[0]}", self)
             return report
         summary = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
         report.rewritten = summary["rewritten"]
@@ -150,7 +164,7 @@ class KVPass(CustomGraphPass):
             gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
             if isinstance(gated, str):  # after the rewrite: the graph evicts but computes every token
                 warn_once(f"kvpass: policy '{self.policy.name}': the gate is not applied, the prefill computes "
-                          f"every token in every layer: {gated}")
+                          f"every token in every layer: {gated}", self)
             else:
                 report.gate = gated
                 for layer in gated.cuts:
@@ -190,6 +204,11 @@ class Backend:
         self.runtime = _runtime.Runtime(self.policy)
         self.kvpass = KVPass(self.policy, self.runtime, self._inner)
         self.reports: list[GraphReport] = []
+        # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
+        # run outside the policy on the cache it evicted. transformers models share one wrapper code
+        # object, so the limit (8) is reached by the fifth model compiled in a process. Make it an error.
+        if not torch._dynamo.config.suppress_errors:
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
 
     @property
     def state(self):
@@ -237,7 +256,7 @@ class Backend:
             return {}
         if self.compiler != "inductor":
             warn_once(f"kvpass: torch.compile mode={mode!r} options={options} apply to compiler='inductor' only; "
-                      f"this backend compiles with {self.compiler!r}")
+                      f"this backend compiles with {self.compiler!r}", self)
             return {}
         from torch._inductor import list_mode_options
         patches = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **(options or {})}
@@ -249,7 +268,7 @@ class Backend:
                 return patches  # by design: a SlotCache prefill runs once per prompt, outside CUDA graphs
             warn_once(f"kvpass: CUDA graphs are not applied to this {report.phase} graph of policy "
                       f"'{self.policy.name}': {stateful[0]} updates Python-side policy state, which a replay "
-                      f"would skip (a decode step on a kvpass.SlotCache has none)")
+                      f"would skip (a decode step on a kvpass.SlotCache has none)", self)
         return patches
 
     def __deepcopy__(self, memo):

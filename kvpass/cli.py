@@ -9,9 +9,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -92,6 +95,77 @@ def _dtype(args) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _usage_error(msg: str) -> NoReturn:
+    """A bad command line found by kvpass rather than argparse: said on stderr, exit status 2 (as argparse)."""
+    print(f"kvpass: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: str = "eager",
+                   flag: str = "--policies") -> None:
+    """Every policy name and ``--param`` checked before any model loads, as the run will check them.
+
+    Each spec is built with ``kvpass.backend`` on the parameters ``Runner.compile`` gives it (the
+    subset of ``params`` it declares), so a bad value fails here with the library's own ``ConfigError``
+    message. Planned policies (``h2o``) pass: the run reports them unavailable, as before. A key of
+    ``param_keys`` (those given with ``--param``) that none of the policies declares is an error too:
+    the run would silently drop it. Errors exit with status 2.
+    """
+    import kvpass
+    from kvpass.eval.runner import policy_params
+    from kvpass.policies import PLANNED, POLICIES, ConfigError, available
+
+    declared: set[str] = set()
+    checked = 0
+    for spec in specs:
+        names = [spec.strip()] if spec.strip() in POLICIES else [n.strip() for n in spec.split("+")]
+        unknown = [n for n in names if n and n not in POLICIES and n not in PLANNED]
+        if unknown:
+            _usage_error(f"unknown policy '{unknown[0]}' in {flag} {','.join(specs)}; "
+                         f"known policies: {', '.join(available())}")
+        if any(n in PLANNED for n in names):
+            continue
+        checked += 1
+        declared |= set(policy_params(spec, dict.fromkeys(param_keys)))
+        # sablock takes its punctuation ids from the model's tokenizer, which is not loaded yet: a stand-in
+        # here (a --param punctuation_ids wins, and is checked)
+        trial = policy_params(spec, {"stats": True, "punctuation_ids": [0], **params})
+        try:
+            kvpass.backend(spec, compiler=compiler, **trial)
+        except ConfigError as e:
+            _usage_error(str(e))
+    for key in param_keys:
+        if checked and key not in declared:
+            _usage_error(f"--param {key}: none of the policies ({', '.join(specs)}) has a parameter '{key}'")
+
+
+def _prepare_out(out: Path) -> list[Path]:
+    """Create ``out`` and check that a file can be written in it, before anything runs; returns the
+    folders created (innermost first) so that a run that fails can remove them again."""
+    created = []
+    for folder in (out, *out.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        created.append(folder)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kvpass-write-test-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        _remove_empty(created)
+        raise SystemExit(f"kvpass: --out {out}: cannot write there ({e.strerror or e})") from None
+    return created
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # innermost first; stop at the first that holds something
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
 def _load(args):
     from kvpass import models
     try:
@@ -117,25 +191,35 @@ def _tasks(args, tokenizer):
 
 
 def run_comparison(args, policies: list[str]) -> int:
+    """Run the policies and write the results; the exit status is 1 when a policy failed mid-run."""
     from kvpass.eval import compare, report
 
-    model, tokenizer = _load(args)
-    tasks = _tasks(args, tokenizer)
     params = parse_params(args.param)
     if args.budget is not None:
         params["budget"] = args.budget
     compiler = args.compiler or ("inductor" if args.device.startswith("cuda") else "eager")
+    # Everything that can be checked without the model is checked before it loads.
+    check_policies(policies, params, param_keys=parse_params(args.param), compiler=compiler,
+                   flag="--policies" if args.cmd == "compare" else "--policy")
+    out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
+    created = _prepare_out(out)
     try:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(tasks) * len(policies), desc="tasks", unit="task", file=sys.stderr)
-        step = bar.update
-    except ImportError:  # pragma: no cover
-        bar, step = None, None
-    t0 = time.perf_counter()
-    results = compare(model, tokenizer, policies, tasks, params, compiler=compiler, device=args.device,
-                      progress=step)
-    if bar is not None:
-        bar.close()
+        model, tokenizer = _load(args)
+        tasks = _tasks(args, tokenizer)
+        try:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(tasks) * len(policies), desc="tasks", unit="task", file=sys.stderr)
+            step = bar.update
+        except ImportError:  # pragma: no cover
+            bar, step = None, None
+        t0 = time.perf_counter()
+        results = compare(model, tokenizer, policies, tasks, params, compiler=compiler, device=args.device,
+                          progress=step)
+        if bar is not None:
+            bar.close()
+    except BaseException:
+        _remove_empty(created)  # no empty results folder left behind
+        raise
     wall = time.perf_counter() - t0
     meta = {**report.environment(args.device), "model": args.model, "policies": policies, "params": params,
             "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler,
@@ -143,9 +227,17 @@ def run_comparison(args, policies: list[str]) -> int:
     title = (f"{args.model} | {', '.join(args.task)} | lengths {','.join(map(str, args.lengths))} | "
              f"{len(tasks)} tasks | {args.device} | {wall:.0f}s")
     report.print_table(results, title)
-    out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
     paths = report.write(results, out, meta)
     print(f"wrote {', '.join(str(p) for p in paths)}")
+    # A policy that raised during its tasks (Runner.run: reason "failed on task ...") is a failed run,
+    # unlike one that is unavailable by configuration (planned, or not applicable to this model).
+    failed = [r for r in results if not r.available and (r.reason or "").startswith("failed on task")]
+    for r in failed:
+        print(f"kvpass: {r.policy} {r.reason}", file=sys.stderr)
+    if failed:
+        print(f"kvpass: {len(failed)} of {len(results)} policies failed; the others' results are in {out}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -159,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "explain":
         import kvpass
-        model, tokenizer = _load(args)
         params = parse_params(args.param)
         if args.budget is not None:
             params["budget"] = args.budget
+        check_policies([args.policy], params, param_keys=parse_params(args.param), flag="--policy")
+        model, tokenizer = _load(args)
         from kvpass.eval.runner import policy_params
         params = {**policy_params(args.policy, {"tokenizer": tokenizer}), **params}  # sablock's punctuation
         ids = tokenizer("kvpass explains what it finds in this model.", return_tensors="pt").input_ids

@@ -447,6 +447,88 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
                       [pv] + chain + k_chain + v_chain)
 
 
+_MASK_VIEWS = {"to", "type", "type_as", "float", "half", "bfloat16", "expand", "view", "reshape", "contiguous",
+               "clone", "unsqueeze", "__getitem__"}
+_MASK_CONSTS = {torch.full, torch.zeros, torch.ones, torch.scalar_tensor, torch.full_like, torch.zeros_like}
+
+
+def mask_bias(mask, limit: int = 64) -> str | None:
+    """Why an attention mask may carry values other than "visible" and "masked" (an additive bias such
+    as ALiBi's), or None when it is boolean or its floating-point values come only from constants
+    selected by boolean conditions (``where`` / ``masked_fill``) through casts and views. A bias cannot
+    be re-indexed by position once a policy moves or drops cache entries."""
+    if not isinstance(mask, fx.Node):
+        return None
+    todo, seen = [mask], set()
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        ex = val(n)
+        if not isinstance(ex, torch.Tensor) or not ex.is_floating_point() or n.op in ("placeholder", "get_attr"):
+            continue
+        if is_fn(n, {torch.where}):
+            todo += [a for a in n.args[1:3] if isinstance(a, fx.Node)]
+        elif is_fn(n, {torch.masked_fill}) or is_method(n, "masked_fill", "masked_fill_"):
+            todo += [n.args[0]] if isinstance(n.args[0], fx.Node) else []
+        elif is_method(n, *_MASK_VIEWS) or is_fn(n, {operator.getitem, torch.reshape}):
+            todo += [n.args[0]] if isinstance(n.args[0], fx.Node) else []
+        elif not is_fn(n, _MASK_CONSTS):
+            return (f"the attention mask is computed with '{n.name}' ({getattr(n.target, '__name__', n.target)}), "
+                    f"so it may carry an additive bias (ALiBi) that kvpass cannot re-index after moving or "
+                    f"dropping cache entries")
+    return None
+
+
+_LINEAR = {F.linear, torch._C._nn.linear}
+
+
+def _projected_from(node: fx.Node, limit: int = 80) -> set[fx.Node]:
+    """The activations whose linear projections ``node`` is computed from: walking up through reshapes,
+    RoPE, norms and the like, stopping at each ``linear`` / ``addmm`` (its input is recorded)."""
+    found, todo, seen = set(), [node], set()
+    while todo and len(seen) < limit:
+        n = todo.pop(0)
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if is_fn(n, _LINEAR):
+            found.add(n.args[0])
+        elif is_fn(n, {torch.addmm}):
+            found.add(n.args[1])
+        else:
+            todo += n.all_input_nodes
+    return found
+
+
+def cross_attention(site) -> bool:
+    """Whether the new keys are projected from other activations than the queries (an encoder's states:
+    cross-attention), judged where both projections are found."""
+    if site.k_new is None:
+        return False
+    q_from, k_from = _projected_from(site.q), _projected_from(site.k_new)
+    return bool(q_from and k_from) and not (q_from & k_from)
+
+
+def _weighs_values(sm: fx.Node, limit: int = 6) -> bool:
+    """Whether softmax ``sm``'s output reaches the first operand of a matrix product through casts,
+    dropout and reshapes: probabilities times values, the shape of attention."""
+    p = sm
+    for _ in range(limit):
+        if len(p.users) != 1:
+            return False
+        (u,) = p.users
+        if is_fn(u, MATMUL_FUNCS | {torch.bmm, torch.einsum}) and p in u.args[:2] or \
+                is_method(u, "matmul", "bmm") and u.args[0] is p:
+            return True
+        if not (is_method(u, "to", "float", "type_as", "type", "view", "reshape", "contiguous")
+                or is_fn(u, {F.dropout, torch.dropout, torch.reshape})):
+            return False
+        p = u
+    return False
+
+
 def _is_sym_scalar(node) -> bool:
     """A graph value that is a Python scalar (SymFloat/SymInt), e.g. a float Dynamo made dynamic."""
     ex = val(node)
@@ -493,6 +575,11 @@ def detect(gm: fx.GraphModule) -> Detection:
             found = Problem(n.name, "flash-attn call found; kvpass does not rewrite flash-attn sites yet "
                                     "(load the model with attn_implementation='sdpa' or 'eager')")
         if found is None:
+            if (is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax")) and _weighs_values(n):
+                problems.append(Problem(n.name, "a softmax whose probabilities weigh values (attention) in a form "
+                                                "kvpass does not recognize (its scores are not q @ k^T with an "
+                                                "optional scale, softcap and additive mask); the policy cannot "
+                                                "be applied to this model's attention"))
             continue
         if isinstance(found, Problem):
             problems.append(found)
@@ -505,6 +592,11 @@ def detect(gm: fx.GraphModule) -> Detection:
         if found.cache_layer is not None and found.cache_layer != found.layer:
             problems.append(Problem(n.name, f"attention #{found.layer} in graph order reads the cache of "
                                             f"layer {found.cache_layer}"))
+            continue
+        if cross_attention(found):
+            problems.append(Problem(n.name, f"attention #{found.layer} is cross-attention (its keys are projected "
+                                            f"from other states than its queries, e.g. an encoder's); kvpass "
+                                            f"policies manage self-attention caches only"))
             continue
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)

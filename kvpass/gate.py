@@ -626,6 +626,10 @@ def check(sites, policy) -> str | None:
         return "no attention sites"
     observe, cuts = policy.gate_layers(len(sites))
     if not cuts:
+        forced = getattr(policy, "layer", -1)
+        if forced >= 0:
+            return (f"parameter 'layer' = {forced} is not a selection layer of this {len(sites)}-layer model "
+                    f"(allowed: 0 to {len(sites) - 2}; a gate after the last layer prunes nothing)")
         return (f"no candidate selection layer in a {len(sites)}-layer model (a gate after the last layer "
                 f"prunes nothing)")
     return _check(sites, cuts)

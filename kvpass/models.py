@@ -772,6 +772,16 @@ def _need(module: str, cmd: str, why: str) -> None:
         raise ModelNotAvailable(f"{why} needs the package '{module}'. Install it with:\n    {cmd}")
 
 
+def _unreadable_gguf(gguf: Path, label: str, err: BaseException) -> ModelNotAvailable:
+    """The error for a GGUF that transformers cannot read (truncated, corrupt, not a GGUF at all)."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    kind = type(err).__name__ if type(err).__module__ == "builtins" else f"{type(err).__module__}.{type(err).__name__}"
+    spec = MODELS.get(label)
+    fix = (f"reinstall it with:\n    {spec.install_cmd} --force-reinstall" if spec is not None
+           else "the file may be truncated or corrupt")
+    return ModelNotAvailable(f"could not read {gguf} as GGUF ({kind}: {first}); {fix}")
+
+
 def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest: Path, label: str,
              progress: bool) -> Path:
     """GGUF -> dense fp32 HF folder at ``dest``, built in a temporary folder and renamed into place."""
@@ -790,9 +800,12 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
         sha = identity()
         _say(progress, f"converting {label} once: {gguf.name} ({_mb(gguf.stat().st_size)}) -> {dest}")
         with _quiet_transformers(progress), _fast_gguf_reader():
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                    quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+            except Exception as e:  # noqa: BLE001  (a truncated or corrupt file: ValueError, struct.error, ...)
+                raise _unreadable_gguf(gguf, label, e) from e
             model.eval()
             n = sum(p.numel() for p in model.parameters())
             count = f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
@@ -924,7 +937,10 @@ def _gguf_key(path: Path, sha: str) -> str:
 
 
 def _load_gguf(path: Path, root: Path, progress: bool) -> Path:
-    sha = _sha256(path)
+    try:
+        sha = _sha256(path)
+    except OSError as e:  # e.g. no permission to read it
+        raise ModelNotAvailable(f"could not read {path} as GGUF ({type(e).__name__}: {e.strerror or e})") from e
     return _ensure(_gguf_key(path, sha), path.name, lambda: sha, lambda staging: path, root, progress)
 
 

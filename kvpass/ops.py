@@ -276,6 +276,19 @@ def _(pos, handle):
     return torch.empty_like(pos, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("kvpass::note_positions", mutates_args=())
+def note_positions(pos: Tensor, handle: int) -> Tensor:
+    """Position ids passed into an appending or evicting graph after the prefill (true already): checked
+    against the tokens seen, and the state learns how far the sequence reached (``Runtime.note_positions``)."""
+    runtime.get(handle).note_positions(pos)
+    return pos.clone(memory_format=torch.contiguous_format)
+
+
+@note_positions.register_fake
+def _(pos, handle):
+    return torch.empty_like(pos, memory_format=torch.contiguous_format)
+
+
 @torch.library.custom_op("kvpass::decode_attention_ref", mutates_args=())
 def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_pos: Tensor | None,
                          q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
@@ -559,6 +572,7 @@ OPS = {
     "cache_update": cache_update,
     "compact": compact,
     "true_positions": true_positions,
+    "note_positions": note_positions,
     "decode_attention": decode_attention,
     "decode_attention_ref": decode_attention_ref,
     "count_visits": count_visits,

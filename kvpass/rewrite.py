@@ -28,11 +28,12 @@ import dataclasses
 import operator
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from kvpass import ops
 from kvpass.cache import pending_positions, write_slots
-from kvpass.detect import Detection, Site
+from kvpass.detect import Detection, Site, is_fn
 from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.maskcheck import is_causal_mask
 from kvpass.policies.base import DecodeRead, SlotHooks
@@ -301,6 +302,11 @@ def _derived(pos: fx.Node) -> bool:
     return True
 
 
+def _float(node: fx.Node) -> bool:
+    ex = node.meta.get("example_value")
+    return not isinstance(ex, torch.Tensor) or ex.is_floating_point()
+
+
 _VIEWS = {"unsqueeze", "view", "reshape", "expand", "__getitem__"}
 
 
@@ -324,7 +330,11 @@ def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]
     graph must see the state of the call's start, and Inductor may run a second one after layers of the
     same call recorded their new count (it moved Gemma 3's global layers by one position)."""
     fixed = []
-    derived = [p for p in dict.fromkeys(s.positions for s in sites if s.positions is not None) if _derived(p)]
+    # RoPE's positions, and learned absolute positions (GPT-2: an embedding table looked up by position)
+    learned = [n.args[0] for n in graph.nodes if is_fn(n, {F.embedding, torch.embedding}) and
+               isinstance(n.args[0], fx.Node) and not _float(n.args[0])]
+    derived = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + learned)
+               if _derived(p)]
     paths = [_view_root(p) for p in derived]
     if len({root for root, _ in paths}) == 1 and len(derived) > 1:
         # one op on the shared tensor, read through it only by the views that lead to the RoPEs
@@ -368,6 +378,13 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
     # model derives positions from: fix them all.
     fixed = _fix_positions(graph, found.sites, handle) if evicting or appending else []
+    passed = next((s.positions for s in found.sites if s.positions is not None), None)
+    after_prefill = any(s.phase != "prefill" for s in found.sites)
+    if (appending or evicting) and after_prefill and not fixed and passed is not None:
+        # positions passed in: checked against the tokens seen, and noted (how far the sequence reached)
+        with graph.inserting_after(passed):
+            noted = graph.call_function(OPS.note_positions.default, (passed, handle))
+        passed.replace_all_uses_with(noted, delete_user_cb=lambda u: u is not noted)
     graph.lint()
     gm.recompile()
     return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict or getattr(p, "overwrite", False)),

@@ -141,6 +141,26 @@ class Runtime:
     def stored_length(self, site: int, total):
         return self.policy.stored_length(self.sites[site], total)
 
+    def note_positions(self, pos: Tensor) -> None:
+        """Position ids passed into a graph that appends to a cache: true already. ``generate`` continuing
+        a cache this policy evicted from passes the positions of every token past the *stored* length
+        (transformers counts entries, not tokens), so its first tokens were seen before: refused (one
+        sync per call of several tokens). Otherwise the state learns how far the sequence reached."""
+        st = self.state
+        if pos.numel() == 0 or not st.layers:
+            return
+        rows = pos.reshape(pos.shape[0], -1)
+        if rows.shape[1] > 1:    # several tokens: the row that reaches furthest (unpadded) starts at seen
+            first, seen = int(rows[rows.max(-1).values.argmax()].min()), st.seen
+        if rows.shape[1] > 1 and first < seen:
+            raise ValueError(
+                f"kvpass: policy '{self.policy.name}' evicted from this cache, which holds fewer entries than the "
+                f"{seen} tokens seen; transformers counts stored entries, so this call (generate continuing with "
+                f"past_key_values) feeds again the tokens from position {first}. Continue on a kvpass.SlotCache "
+                f"(its get_seq_length counts tokens seen), pass only the new tokens to a bare forward, or start "
+                f"a new cache")
+        st.tail = pos.max() + 1
+
     def true_positions(self, pos: Tensor) -> Tensor:
         """Position ids the model derived from the stored length -> the true token count."""
         # Derived positions are arange(q_len) + stored_length in any layout ([1, q], [1, q, 1], ...).

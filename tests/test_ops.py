@@ -426,6 +426,18 @@ def test_opcheck_true_positions(rt):
     opcheck("true_positions", (torch.zeros(1, 0, dtype=torch.long), rt.handle))
 
 
+def test_opcheck_note_positions(rt):
+    """Passed positions of an appending graph: unchanged, and the state counts the appended tokens;
+    several tokens that start below the tokens seen (generate re-feeding an evicted cache) are refused."""
+    _prefill(rt, 12)                                                     # seen 12, stored 8
+    opcheck("note_positions", (torch.tensor([[12]]), rt.handle))         # (repeated calls: one token)
+    assert OP.note_positions(torch.tensor([[13, 14]]), rt.handle).tolist() == [[13, 14]]
+    assert rt.state.seen == 15 and rt.state.stored_tokens()[SITE] == BUDGET + 3
+    with pytest.raises(ValueError, match="feeds again the tokens from position 13"):
+        OP.note_positions(torch.tensor([[13, 14, 15]]), rt.handle)
+    opcheck("note_positions", (torch.zeros(1, 0, dtype=torch.long), rt.handle))
+
+
 def _decode_args(q, k, v, **kw):
     base = dict(mask=None, kv_pos=None, q_pos=None, page_table=None, kv_len=None, block_map=None, scale=0.25,
                 softcap=0.0, window=0, tau=0.1, phi=0.1, patience=2, block=16, order=1, probe=0,

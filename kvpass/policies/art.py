@@ -54,7 +54,9 @@ class ART(Policy):
         from kvpass.kernels.decode_attention import ORDERS
         from kvpass.rewrite import decode_read_problem
         if site.phase != "decode":
-            return SitePlan(attention=False)
+            # exact attention through the kvpass op, as `full`: a proven-causal mask becomes the causal mode
+            # (left to Inductor, SDPA read a materialised mask: 49 GiB and 7x full's TTFT at 128k)
+            return SitePlan(attention=True)
         if decode_read_problem(site) is not None:
             return SitePlan(attention=True)  # exact attention; `kvpass explain` shows the plan
         return SitePlan(attention=True, read=DecodeRead(

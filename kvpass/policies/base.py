@@ -203,6 +203,11 @@ class Policy:
     def plan(self, site) -> SitePlan | str:
         return SitePlan(attention=True)
 
+    def idle_reason(self, sites) -> str | None:
+        """Why these parameters change nothing on a model with these attention ``sites`` (said once as a
+        warning, naming the parameter), or None."""
+        return None
+
     # -- run time, evicting policies --------------------------------------------------------------
     def stored_length(self, site, total):
         """Entries stored after ``compact`` given ``total`` (stored + new); SymInt-safe."""

@@ -135,7 +135,8 @@ class RaaS(Policy):
         if site.phase != "prefill":
             raise NotImplementedError(
                 f"policy 'raas' supports prefill graphs and one-token decode graphs; layer {site.layer} is in a "
-                f"'{site.phase}' graph (several tokens appended to a filled cache, or a dynamic query length)")
+                f"'{site.phase}' graph (several tokens appended to a filled cache, e.g. continuing a generation, or a "
+                f"dynamic query length); continuing a raas generation is not supported yet: start a new cache")
         return SitePlan(attention=True, evict=True)
 
     def stored_length(self, site, total):

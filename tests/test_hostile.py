@@ -1,0 +1,269 @@
+"""Issue 20: uses outside the tested matrix that gave wrong output with no warning, or crashed.
+
+Each test reproduces one case at small scale on CPU and checks that it is now exact or refused
+loudly (a ``KVPassWarning`` with the graph left unchanged, or an error naming the way out). The
+8B-shape GPU cases (raas's fake kernel at 4,096 tokens, art's 128k prefill memory) are not here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from transformers import DynamicCache
+
+import kvpass
+from families import build
+
+PROMPT = torch.randint(10, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+
+
+def kvpass_warnings(fn):
+    """Run ``fn()``; return (its result, the kvpass warnings it raised)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if issubclass(w.category, kvpass.KVPassWarning)]
+
+
+def greedy(fwd, model, ids, steps: int, cache=None, positions: bool = False):
+    """Bare-forward prefill + greedy decode; the last logits of every call."""
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    out = []
+    with torch.no_grad():
+        kw = dict(position_ids=torch.arange(ids.shape[1])[None]) if positions else {}
+        lg = fwd(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits[:, -1]
+        out.append(lg)
+        for i in range(steps):
+            kw = dict(position_ids=torch.tensor([[ids.shape[1] + i]])) if positions else {}
+            lg = fwd(input_ids=lg.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True, **kw).logits[:, -1]
+            out.append(lg)
+    return torch.stack(out)
+
+
+# 1. continuing a generation over an evicted DynamicCache -------------------------------------------
+
+@pytest.mark.parametrize("policy,params", [("streamingllm", dict(budget=16)), ("snapkv", dict(budget=16, window=4))])
+def test_continuing_an_evicted_dynamic_cache_is_refused(policy, params):
+    """generate, then generate again on the returned cache with more input: transformers counts the
+    stored entries, so it would feed tokens already seen a second time (streamingllm: seen 86 for 57
+    true tokens). Its positions start at the stored length, below the tokens seen: refused with an error
+    that names the SlotCache, whose count is tokens seen. (A bare forward of only the new tokens, whose
+    derived positions kvpass corrects, stays exact: tests/test_slot_cache.py compares against it.)"""
+    torch._dynamo.reset()
+    model = build("llama")
+    model.forward = torch.compile(model.forward, backend=kvpass.backend(policy, compiler="eager", **params))
+    out = model.generate(PROMPT, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    more = torch.cat([out.sequences, torch.randint(10, 90, (1, 9))], 1)
+    with pytest.raises(ValueError, match="kvpass.SlotCache"):
+        model.generate(more, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False)
+
+
+def test_continuing_on_a_slot_cache_counts_tokens_seen():
+    """The same chat on a kvpass.SlotCache: get_seq_length is the tokens seen, so the second turn feeds
+    exactly the new tokens (47 + 9 + 4 = 60 seen)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.backend("streamingllm", budget=16, compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be)
+    cache = kvpass.SlotCache(model, be, max_length=64)
+    out = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    more = torch.cat([out, torch.randint(10, 90, (1, 9))], 1)
+    model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert cache.seen == 40 + 7 + 9 + 4 - 1 + 1    # generate's last token is never fed back
+
+
+# 2. Dynamo's recompile limit ---------------------------------------------------------------------------
+
+def test_decode_past_the_recompile_limit_fails_instead_of_running_uncompiled():
+    """Past the limit Dynamo runs the frame uncompiled: a decode step after a kvpass prefill would run
+    outside the policy on the cache it evicted. A kvpass backend makes that a hard error."""
+    torch._dynamo.reset()
+    model = build("llama")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        be = kvpass.backend("streamingllm", budget=16, compiler="eager")
+        fwd = torch.compile(model.forward, backend=be)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            logits = fwd(input_ids=PROMPT, past_key_values=cache, use_cache=True).logits[:, -1]
+            with pytest.raises(Exception, match="recompile_limit"):
+                fwd(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+
+
+# 3. encoder-decoder cross-attention --------------------------------------------------------------------
+
+def test_cross_attention_is_refused_not_evicted():
+    """T5: the cross-attention cache holds the encoder's states; it was evicted from 24 to 16 entries.
+    Cross-attention is found by structure (keys projected from other states than the queries) and the
+    graph is left unchanged, with a warning; the output equals the uncompiled model's."""
+    torch._dynamo.reset()
+    cfg = tf.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                      decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    be = kvpass.backend("streamingllm", budget=16, compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be)
+    out, said = kvpass_warnings(lambda: model.generate(ids, max_new_tokens=6, do_sample=False,
+                                                       return_dict_in_generate=True))
+    assert any("cross-attention" in w for w in said), said
+    assert torch.equal(out.sequences, want)
+    cross = out.past_key_values.cross_attention_cache
+    assert all(cross.layers[i].keys.shape[-2] == 24 for i in range(2))
+    assert be.state.seen == 0
+
+
+# 4. learned absolute positions -------------------------------------------------------------------------
+
+def test_learned_positions_are_true_after_eviction():
+    """GPT-2 looks its positions up in a table (wpe) by the ids the model derives from the stored length.
+    After streamingllm evicts, a bare forward with derived positions equals one given the true positions."""
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                             attn_implementation="sdpa")).eval()
+    runs = []
+    for positions in (False, True):
+        torch._dynamo.reset()
+        be = kvpass.backend("streamingllm", budget=16, compiler="eager")
+        runs.append(greedy(torch.compile(model.forward, backend=be), model, PROMPT, 6, positions=positions))
+        assert be.state.seen == 46
+        assert any(r.positions_fixed for r in be.reports) != positions   # derived ids are fixed, given ones not
+    torch.testing.assert_close(runs[0], runs[1], atol=1e-5, rtol=1e-5)
+
+
+# 5. ALiBi / 6. attention kvpass does not recognise ------------------------------------------------------
+
+def falcon(attn: str, alibi: bool = True):
+    torch.manual_seed(0)
+    return tf.FalconForCausalLM(tf.FalconConfig(alibi=alibi, new_decoder_architecture=False, multi_query=False,
+                                                num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                vocab_size=100, attn_implementation=attn)).eval()
+
+
+@pytest.mark.parametrize("policy,params", [("streamingllm", dict(budget=1000)), ("snapkv", dict(budget=1000)),
+                                           ("raas", dict(budget=1024))])
+def test_alibi_mask_bias_is_refused(policy, params):
+    """Falcon with ALiBi (SDPA): the bias rides in the float mask, which an evicting policy replaces by
+    position masks; a no-op budget gave decode logits off by up to 12. Refused by the mask's structure
+    (float arithmetic, not constants chosen by booleans): warned, unchanged, equal to the model."""
+    model = falcon("sdpa")
+    want = greedy(model.forward, model, PROMPT, 4)
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler="eager", **params)
+    got, said = kvpass_warnings(lambda: greedy(torch.compile(model.forward, backend=be), model, PROMPT, 4))
+    assert any("bias" in w for w in said), said
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_full_is_exact():
+    model = falcon("sdpa")
+    want = greedy(model.forward, model, PROMPT, 4)
+    torch._dynamo.reset()
+    got = greedy(torch.compile(model.forward, backend=kvpass.backend("full", compiler="eager")), model, PROMPT, 4)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_unrecognized_attention_warns(family):
+    """Bloom eager and Falcon-ALiBi eager: no attention site was found, so the policy was silently never
+    applied. A softmax whose probabilities weigh values now says it is attention kvpass cannot read."""
+    if family == "bloom":
+        torch.manual_seed(0)
+        model = tf.BloomForCausalLM(tf.BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=100,
+                                                   attn_implementation="eager")).eval()
+    else:
+        model = falcon("eager")
+    torch._dynamo.reset()
+    be = kvpass.backend("streamingllm", budget=8, compiler="eager")
+    _, said = kvpass_warnings(lambda: greedy(torch.compile(model.forward, backend=be), model, PROMPT, 1))
+    assert any("does not recognize" in w for w in said), said
+    assert be.state.seen == 0
+
+
+# 7. art's prefill (the GPU case: 49 GiB and 7x full's TTFT at 128k) -----------------------------------------
+
+def test_art_prefill_reads_attention_like_full():
+    """art left its prefill to the model's SDPA, which read a materialised causal mask (at 128k: 49 GiB
+    against full's 21 GiB). Its prefill now takes full's plan: the kvpass attention op, whose proven-causal
+    mask becomes the causal mode (no mask tensor read)."""
+    plans, masks = {}, {}
+    for policy in ("full", "art"):
+        torch._dynamo.reset()
+        model = build("llama", "eager")      # eager attention: transformers materialises the mask
+        be = kvpass.backend(policy, compiler="eager")
+        inner, seen = be._inner, []
+
+        def spy(gm, ex, *rest, inner=inner, seen=seen):
+            seen.extend(n.args[3] for n in gm.graph.nodes if n.target is torch.ops.kvpass.attention.default)
+            return inner(gm, ex, *rest)
+        be._inner = spy
+        be.kvpass.compile_segment = spy
+        greedy(torch.compile(model.forward, backend=be, dynamic=True), model, PROMPT, 0)
+        plans[policy], masks[policy] = be.plans()["prefill"], seen
+    assert plans["art"] == plans["full"]
+    assert masks["art"] and all(m is None for m in masks["art"])
+
+
+# 8. raas continuation ----------------------------------------------------------------------------------
+
+def test_raas_continuation_is_refused():
+    """raas's preallocated pool is longer than the sequence, so transformers passed zero new tokens and
+    Dynamo failed inside a view; now the continuation is refused by name (on a SlotCache too)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    model.forward = torch.compile(model.forward, backend=kvpass.backend("raas", budget=32, compiler="eager"))
+    out = model.generate(PROMPT, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    more = torch.cat([out.sequences, torch.randint(10, 90, (1, 5))], 1)
+    with pytest.raises(Exception, match="continuing a raas generation is not supported"):
+        model.generate(more, past_key_values=out.past_key_values, max_new_tokens=2, do_sample=False)
+
+
+# 9. the state after generate ------------------------------------------------------------------------------
+
+def test_state_counts_tokens_appended_with_passed_positions():
+    """generate passes position ids, so the appending decode graphs (snapkv: the model's own cache update)
+    told the state nothing: it said seen 40, stored 16 while the cache held 23 entries of 47 tokens."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.backend("snapkv", budget=16, window=4, compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be)
+    out = model.generate(PROMPT, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    stored = out.past_key_values.layers[0].keys.shape[-2]
+    assert be.state.seen == 47 and set(be.state.stored_tokens().values()) == {stored} and stored == 23
+
+
+# 10. parameters that make a policy idle, named ---------------------------------------------------------
+
+def test_quest_dense_layers_covering_the_model_warns():
+    torch._dynamo.reset()
+    model = build("llama")     # 2 layers: the default dense_layers=2 leaves quest nothing to skip
+    be = kvpass.backend("quest", budget=16, compiler="eager")
+    _, said = kvpass_warnings(lambda: greedy(torch.compile(model.forward, backend=be), model, PROMPT, 1))
+    assert any("'dense_layers'" in w for w in said), said
+
+
+def test_gate_layer_out_of_range_names_the_parameter():
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.backend("fastkv", budget=36, layer=999, compiler="eager")
+    _, said = kvpass_warnings(lambda: greedy(torch.compile(model.forward, backend=be), model, PROMPT, 1))
+    assert any("parameter 'layer' = 999" in w and "allowed: 0 to 0" in w for w in said), said
+
+
+# 12. one warning per compiled function -------------------------------------------------------------------
+
+def test_each_backend_warns_once():
+    """Two models with the same problem, each compiled with its own backend: both are told (the warning
+    was once per process), each once."""
+    said = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = falcon("eager")
+        be = kvpass.backend("streamingllm", budget=8, compiler="eager")
+        fwd = torch.compile(model.forward, backend=be)
+        said.append(kvpass_warnings(lambda: greedy(fwd, model, PROMPT, 2))[1])
+    assert all(len([w for w in s if "does not recognize" in w]) == 1 for s in said), said
