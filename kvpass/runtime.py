@@ -150,9 +150,9 @@ class Runtime:
         if pos.numel() == 0 or not st.layers:
             return
         rows = pos.reshape(pos.shape[0], -1)
-        if rows.shape[1] > 1:    # several tokens: the row that reaches furthest (unpadded) starts at seen
-            first, seen = int(rows[rows.max(-1).values.argmax()].min()), st.seen
-        if rows.shape[1] > 1 and first < seen:
+        # several tokens: the row that reaches furthest (unpadded) must start at the tokens seen
+        first = int(rows[rows.max(-1).values.argmax()].min()) if rows.shape[1] > 1 else None
+        if first is not None and first < (seen := st.seen):
             raise ValueError(
                 f"kvpass: policy '{self.policy.name}' evicted from this cache, which holds fewer entries than the "
                 f"{seen} tokens seen; transformers counts stored entries, so this call (generate continuing with "
