@@ -449,7 +449,8 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
 
 _MASK_VIEWS = {"to", "type", "type_as", "float", "half", "bfloat16", "expand", "view", "reshape", "contiguous",
                "clone", "unsqueeze", "__getitem__"}
-_MASK_CONSTS = {torch.full, torch.zeros, torch.ones, torch.scalar_tensor, torch.full_like, torch.zeros_like}
+_MASK_CONSTS = {torch.full, torch.zeros, torch.ones, torch.scalar_tensor, torch.tensor, torch.as_tensor, torch.full_like,
+                torch.zeros_like, torch.ones_like}
 
 
 def mask_bias(mask, limit: int = 64) -> str | None:

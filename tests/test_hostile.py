@@ -159,6 +159,26 @@ def test_alibi_mask_bias_is_refused(policy, params):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_plain_mask_built_from_a_constant_tensor_is_not_a_bias():
+    """transformers 5.17's eager masks select ``torch.tensor(min_dtype)`` by a boolean: a constant, so a
+    policy still applies (the first version of the bias check refused qwen3 eager there)."""
+    from torch import fx
+    from kvpass.detect import mask_bias
+    g = fx.Graph()
+    allowed = g.placeholder("allowed")
+    allowed.meta["example_value"] = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    low = g.call_function(torch.tensor, (-1e9,))
+    low.meta["example_value"] = torch.tensor(-1e9)
+    zero = g.call_function(torch.tensor, (0.0,))
+    zero.meta["example_value"] = torch.tensor(0.0)
+    mask = g.call_function(torch.where, (allowed, zero, low))
+    mask.meta["example_value"] = torch.zeros(1, 1, 4, 4)
+    assert mask_bias(mask) is None
+    biased = g.call_function(torch.add, (mask, zero))
+    biased.meta["example_value"] = torch.zeros(1, 1, 4, 4)
+    assert "bias" in mask_bias(biased)
+
+
 def test_alibi_full_is_exact():
     model = falcon("sdpa")
     want = greedy(model.forward, model, PROMPT, 4)

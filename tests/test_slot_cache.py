@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-from families import build
+from families import build, skip_uneven_layers_on_old_stacks
 from kvpass import runtime
 from kvpass.cache import APPEND, RING, write_slots
 
@@ -590,6 +590,8 @@ def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
     global layer's slots hold the positions the DynamicCache path kept. The adaptive rule (tau 0.99)
     selects too. asl_fullkv's layers keep the whole prompt (capacity max_length)."""
     from test_asl import build as build_deep
+    if policy == "asl_fullkv":     # layers before the gate keep the prompt, deeper ones the selection
+        skip_uneven_layers_on_old_stacks(policy)
     model = build_deep(family, layers=6)
     ids = prompt(40, seed=1)
     params = dict(budget=10, window=4, **params)
