@@ -117,10 +117,9 @@ class KVPass(CustomGraphPass):
         problems = [str(p) for p in found.problems]
         phase = _phase(found)
         plans: dict[int, SitePlan] = {}
-        idle = self.policy.idle_reason(found.sites) if not problems else None
-        if idle:
-            warn_once(f"kvpass: {idle}", self)
         if not problems:
+            if idle := self.policy.idle_reason(found.sites):
+                warn_once(f"kvpass: {idle}", self)
             for site in found.sites:
                 site.phase = phase
                 plan = self.policy.plan(site)

@@ -112,7 +112,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     kept_pos = kept_pos.gather(2, order)
     kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, order if idx is None else idx.gather(2, order))
     n = kept_pos.shape[-1]
-    if n > cap and getattr(rt, "first_pass", False):
+    if n > cap and rt.first_pass:
         rt.overflow = site    # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot
         return
     if n > cap:

@@ -488,18 +488,14 @@ class GatedGraph:
                 continue
             if layer in self.slots:    # a SlotCache layer: its slots hold local indices 0..n-1 in order
                 pos, count = (env[x] for x in self.slots[layer])
-                idx = pos.clamp_min(0).reshape(pos.shape[0], -1).long()
-                pos.copy_(true.to(pos.device).expand(pos.shape[0], -1).gather(1, idx).view_as(pos)
-                          .masked_fill(pos < 0, -1))
+                pos.copy_(_true_of(pos, true))
                 count[0] = seen
                 continue
             ls = st.layer(layer)
             if ls is None:
                 continue
             b, hkv, m = ls.pos.shape
-            idx = ls.pos.clamp_min(0).reshape(b, hkv * m).to(true.device)
-            pos = true.expand(b, -1).gather(1, idx).reshape(b, hkv, m)
-            pos = pos.masked_fill(ls.pos.to(pos.device) < 0, -1).to(ls.pos.device).contiguous()
+            pos = _true_of(ls.pos, true).contiguous()
             extra = min(length, self.sites[layer].sliding_window - 1) - m if layer in self.stored else 0
             if extra > 0:
                 for x in self.stored[layer]:
@@ -507,6 +503,15 @@ class GatedGraph:
                     env[x] = torch.cat([t.new_zeros(*t.shape[:-2], extra, t.shape[-1]), t], -2)
                 pos = torch.cat([pos.new_full((b, hkv, extra), -1), pos], -1)
             st.set_layer(layer, pos, seen, fresh=True)
+
+
+def _true_of(local: Tensor, true: Tensor) -> Tensor:
+    """``local [B, H_kv, m]`` indices among the tokens a deeper layer computed (-1 = empty) -> their true
+    positions ``true [B, n]``, on ``local``'s device and dtype (-1 stays -1)."""
+    b = local.shape[0]
+    idx = local.clamp_min(0).reshape(b, -1).long().to(true.device)
+    pos = true.expand(b, -1).gather(1, idx).view(local.shape).to(local.device, local.dtype)
+    return pos.masked_fill(local < 0, -1)
 
 
 def _outputs_from(node: fx.Node, outputs: set) -> list[fx.Node]:

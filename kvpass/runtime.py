@@ -63,6 +63,10 @@ class Runtime:
         self.state = GenerationState()
         self.sites: dict[int, object] = {}
         self.visits: dict[int, tuple] = {}  # site -> (blocks read, blocks present), decode attention
+        # a two-pass gated prefill's first pass (kvpass.gate): SlotCache writes that overflow are skipped,
+        # the last such layer noted in ``overflow``
+        self.first_pass: bool = False
+        self.overflow: int | None = None
         self.handle = register(self)
 
     # -- called from operators ------------------------------------------------------------------

@@ -69,6 +69,18 @@ def assert_logits_close(got, ref, atol=1e-5):
         torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=lambda m, s=step: f"call {s}: {m}")
 
 
+def left_padded(n_long: int, n_short: int, seed: int):
+    """A batch of 2: row 0 a short prompt left-padded to the long one's length, row 1 the long prompt.
+    Returns (ids, attention mask, the short row alone, the long row alone)."""
+    g = torch.Generator().manual_seed(seed)
+    long, short = torch.randint(3, 90, (1, n_long), generator=g), torch.randint(3, 90, (1, n_short), generator=g)
+    pad = n_long - n_short
+    ids = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    return ids, mask, short, long
+
+
 def slot_run(model, policy, ids, steps, tokens=None, max_length=40, max_new_tokens=None, dynamic=None, **kw):
     """``policy`` compiled with the eager compiler on a fresh SlotCache: (backend, cache, logits)."""
     torch._dynamo.reset()
@@ -204,11 +216,7 @@ def test_left_padded_batch_equals_dynamic_cache():
     prefill the empty slots (and only they) hold -1, and they are the last ones: the protected first
     slots hold each row's first real tokens, the sinks, not its padding."""
     model = build("llama")
-    g = torch.Generator().manual_seed(3)
-    long, short = torch.randint(3, 90, (1, 14), generator=g), torch.randint(3, 90, (1, 5), generator=g)
-    ids = torch.cat([torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1), long])
-    mask = torch.ones_like(ids)
-    mask[0, :9] = 0
+    ids, mask, _, _ = left_padded(14, 5, seed=3)
     params = dict(budget=BUDGET, sinks=SINKS)
     _, tokens, ref, _ = dynamic_run(model, "streamingllm", ids, 12, mask=mask, **params)
 
@@ -538,11 +546,7 @@ def test_raas_left_padded_batch_equals_rows_alone():
     its pages hold the tokens a run of the row alone puts in them; both rows equal their own batch-1
     runs over 40 steps that evict."""
     model = build("llama")
-    g = torch.Generator().manual_seed(8)
-    long, short = torch.randint(3, 90, (1, 30), generator=g), torch.randint(3, 90, (1, 19), generator=g)
-    ids = torch.cat([torch.cat([torch.zeros(1, 11, dtype=torch.long), short], 1), long])
-    mask = torch.ones_like(ids)
-    mask[0, :11] = 0
+    ids, mask, short, long = left_padded(30, 19, seed=8)
     steps, params = 40, dict(budget=16)
     torch._dynamo.reset()
     be = kvpass.backend("raas", compiler="eager", **params)

@@ -208,11 +208,11 @@ class Quest(Policy):
         return self.top_pages + 1
 
     def idle_reason(self, sites) -> str | None:
-        paged = [s.layer for s in sites if not s.sliding_window and s.layer >= self.dense_layers]
-        if sites and not paged:
+        last = max((s.layer for s in sites if not s.sliding_window), default=-1)
+        if sites and last < self.dense_layers:
             return (f"policy 'quest': parameter 'dense_layers' = {self.dense_layers} keeps every global layer of "
                     f"this {len(sites)}-layer model dense, so no page is ever skipped (quest equals full); pass "
-                    f"dense_layers < {max((s.layer for s in sites if not s.sliding_window), default=0) + 1}")
+                    f"dense_layers < {max(last, 0) + 1}")
         return None
 
     def plan(self, site) -> SitePlan | str:
