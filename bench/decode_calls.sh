@@ -7,7 +7,7 @@
 #   Q: 8 layers, batch 1, 128k: the decode-time policies (quest, art, raas) beside full
 #   H: issue 20 case 7 on the DynamicCache path: raas, asl, art at 4,096 then 128k tokens (full beside)
 #   D: where a SlotCache prefill spends time and memory (bench/diag_prefill.py)
-#   T: tests/gpu/test_gpu_slot_cache.py
+#   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
@@ -29,6 +29,6 @@ case "${1:?call A-D, G, H, L, Q or T}" in
        --configs hf_eager,full,snapkv,pyramidkv,streamingllm,hf_static 2>&1 | grep "^{" ;;
   D) timeout 300 python bench/diag_prefill.py --layers 8 --context 32768 --policy full --dynamic > $out/diag_prefill_32k.json
      tail -c 3000 $out/diag_prefill_32k.json ;;
-  T) python -m pytest -q -p no:cacheprovider -p no:logging --tb=short tests/gpu/test_gpu_slot_cache.py 2>&1 \
-       | grep -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
+  T) python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
+       | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
 esac

@@ -52,9 +52,13 @@ def ids():
     return torch.randint(10, 128000, (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
 
 
+@pytest.fixture(scope="module")
+def full_peak(model, ids):
+    return run(model, "full", ids)[0]
+
+
 @pytest.mark.parametrize("policy", ["raas", "asl", "art"])
-def test_case7_runs_as_one_graph_per_phase(model, ids, policy):
-    full_peak, _ = run(model, "full", ids)
+def test_case7_runs_as_one_graph_per_phase(model, ids, full_peak, policy):
     peak, be = run(model, policy, ids)
     assert not any(r.problems for r in be.reports), [r.problems for r in be.reports]
     assert {r.phase for r in be.reports} == {"prefill", "decode"}
