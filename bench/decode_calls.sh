@@ -7,12 +7,13 @@
 #   Q: 8 layers, batch 1, 128k: the decode-time policies (quest, art, raas) beside full
 #   H: issue 20 case 7 on the DynamicCache path: raas, asl, art at 4,096 then 128k tokens (full beside)
 #   D: where a SlotCache prefill spends time and memory (bench/diag_prefill.py)
+#   M: gemfilter on a SlotCache (8 layers, 32k), then the policies at 32 layers, 32k
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, G, H, L, Q or T}" in
+case "${1:?call A-D, G, H, L, M, Q or T}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -27,6 +28,9 @@ case "${1:?call A-D, G, H, L, Q or T}" in
        --configs hf_eager,full,snapkv,pyramidkv,streamingllm,hf_static 2>&1 | grep "^{" ;;
   C) timeout 560 $B --batch 1 --contexts 131072 --out $out/b1_128k.json \
        --configs hf_eager,full,snapkv,pyramidkv,streamingllm,hf_static 2>&1 | grep "^{" ;;
+  M) timeout 200 $B --batch 1 --contexts 32768 --out $out/b1_32k_gemfilter.json --configs full,gemfilter 2>&1 | grep '^{'
+     timeout 390 python bench/bench_decode_step.py --layers 32 --batch 1 --contexts 32768 \
+       --out $out/b1_32k_32layers_policies.json --configs full,snapkv,quest,art,raas,asl@layer=8 2>&1 | grep '^{' ;;
   D) timeout 300 python bench/diag_prefill.py --layers 8 --context 32768 --policy full --dynamic > $out/diag_prefill_32k.json
      tail -c 3000 $out/diag_prefill_32k.json ;;
   T) python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \

@@ -158,7 +158,8 @@ class KVPass(CustomGraphPass):
         report.positions_fixed = summary["positions_fixed"]
         report.slots = summary["slots"]
         if getattr(self.policy, "renumber", False) and phase != "prefill":
-            report.positions_fixed += _gate.shift_passed_positions(gm, found.sites, self.runtime.handle)
+            report.positions_fixed += (_gate.shift_slot_positions(gm, found.sites) if summary["slots"] else
+                                       _gate.shift_passed_positions(gm, found.sites, self.runtime.handle))
         if gates:
             gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
             if isinstance(gated, str):  # after the rewrite: the graph evicts but computes every token

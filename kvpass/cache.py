@@ -5,8 +5,9 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
 * ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
   (left padding and evicted slots too);
-* ``count`` ``[2]`` int64: tokens seen (padding included, the index HF's masks count in) and slots
-  filled in order (the append layout's next free slot).
+* ``count`` ``[3]`` int64: tokens seen (padding included, the index HF's masks count in), slots
+  filled in order (the append layout's next free slot), and the positions a renumbering prefill
+  dropped (``gemfilter``: ``L - n``, else 0): the next token's position is ``count[0] - count[2]``.
 
 * ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
   kept by tensor code the rewrite places in the graphs (``Policy.slot_hooks``).
@@ -68,7 +69,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     values.index_copy_(2, idx, v_new.to(values.dtype))
     pos.index_copy_(2, idx, (count[0] + torch.arange(q, device=pos.device)).to(pos.dtype).expand(
         pos.shape[0], pos.shape[1], q).contiguous())
-    count.add_(q)
+    count[:2].add_(q)
 
 
 @slot_append.register_fake
@@ -123,7 +124,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     values[:, :, :n].copy_(kept_v)
     pos.fill_(-1)
     pos[:, :, :n].copy_(kept_pos)
-    count[0], count[1] = length, n
+    count[0], count[1], count[2] = length, n, 0
 
 
 @slot_prefill.register_fake
@@ -149,7 +150,7 @@ def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, prot
     writes its token over, ``capacity = budget + 1``): its next victim is already evicted for these
     tokens (-1), as on a DynamicCache."""
     b, hkv, q = k_new.shape[:3]
-    q_pos = (count[0] + torch.arange(q, device=pos.device)).expand(b, q)
+    q_pos = (count[0] - count[2] + torch.arange(q, device=pos.device)).expand(b, q)
     kv_pos = pos.long()
     if rule == RING:
         idx = torch.arange(pos.shape[-1], device=pos.device)
@@ -175,7 +176,7 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     b, hkv, q, d = k_new.shape
     cap = keys.shape[2]
     ar = torch.arange(q, device=pos.device)
-    q_pos = (count[0] + ar).expand(b, q)
+    q_pos = (count[0] - count[2] + ar).expand(b, q)
     new_pos = q_pos[:, None, :].expand(b, hkv, q).to(pos.dtype)
     if rule == APPEND:
         torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
@@ -194,11 +195,11 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
         keys.index_put_((rows, heads, slot), k_new.to(keys.dtype))
         values.index_put_((rows, heads, slot), v_new.to(values.dtype))
         pos.index_put_((rows, heads, slot), new_pos)
-    count.add_(q)
+    count[:2].add_(q)
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
-        count[1:].clamp_(max=cap)
+        count[1:2].clamp_(max=cap)
     elif rule == PLACED:  # the read covers every slot up to the highest one written
-        count[1:] = torch.maximum(count[1] - q, slot.max() + 1)
+        count[1:2] = torch.maximum(count[1] - q, slot.max() + 1)
     return q_pos, count[1].expand(b).to(torch.int32)
 
 
@@ -228,7 +229,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
-        self.count = torch.zeros(2, dtype=torch.int64, device=device)
+        self.count = torch.zeros(3, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
         self.state = [torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
@@ -241,6 +242,20 @@ class SlotLayer(CacheLayerMixin):
             # static shapes too: under torch.compile(dynamic=True) the slots' sizes would be symbolic,
             # and the decode site (kv heads read off the slots) could not be rewritten
             torch._dynamo.mark_static(t)
+
+    def fill(self, keys: Tensor, values: Tensor, pos: Tensor, seen: int) -> None:
+        """Load ``K`` entries a driver computed outside the compiled graphs (chunk fusion's merged cache):
+        ``keys`` / ``values`` ``[B, H_kv, K, D]`` into the first slots, their true positions ``pos``
+        ``[B, H_kv, K]``, and ``seen`` tokens counted; the next token goes into slot ``K``."""
+        k = keys.shape[2]
+        if k > self.capacity:
+            raise ValueError(f"kvpass SlotCache: {k} entries do not fit a layer of {self.capacity} slots")
+        self.keys[:, :, :k].copy_(keys)
+        self.values[:, :, :k].copy_(values)
+        self.pos.fill_(-1)
+        self.pos[:, :, :k].copy_(pos)
+        self.count.copy_(torch.tensor([seen, k, 0]))
+        self.filled = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass  # allocated at construction
@@ -302,7 +317,7 @@ class SlotCache(Cache):
     """
 
     def __init__(self, model, backend, max_length: int, batch_size: int = 1, max_new_tokens: int | None = None,
-                 dtype: torch.dtype | None = None, device=None) -> None:
+                 dtype: torch.dtype | None = None, device=None, *, _driver: bool = False) -> None:
         from kvpass.policies import ConfigError
 
         policy = backend.policy
@@ -311,6 +326,9 @@ class SlotCache(Cache):
         if policy.slot_rule is None:
             raise ConfigError(f"SlotCache: policy '{policy.name}' has no fixed-capacity decode yet; use it with a "
                               f"DynamicCache (the default cache), or one of: {', '.join(slot_policies())}")
+        if not policy.slot_prefill and not _driver:
+            raise ConfigError(f"SlotCache: policy '{policy.name}' is a chunk-fusion policy; its SlotCache is built "
+                              f"and filled by kvpass.ChunkFusion(model, store, '{policy.name}', cache='slot')")
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         layers = cfg.num_hidden_layers
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers

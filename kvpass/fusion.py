@@ -31,6 +31,15 @@ kept entries), so ``prefill`` or HF's ``generate`` computes the last question to
 decoding as usual. A cache shorter than the request (``a3+evict``) must decode through
 ``ChunkFusion.forward`` / ``prefill`` / ``generate``, which continue positions from the request's
 length. Batch size 1.
+
+With ``cache="slot"`` the fused entries are then loaded into a ``kvpass.SlotCache`` with room for
+``max_new_tokens`` more (its ``get_seq_length`` counts the request's tokens, so ``generate`` feeds only
+the last one, ``a3+evict`` included), and every decode step is one device-resident graph: the
+SlotCache's append rule, compiled with ``mode="reduce-overhead"`` (CUDA graphs) on a CUDA model
+under Inductor (``ChunkFusion.decode_forward``)::
+
+    fusion = kvpass.ChunkFusion(model, store, policy="a3+evict", capacity=2048, cache="slot")
+    out = fusion.generate(chunks=[doc1, doc2], question="...", max_new_tokens=64)
 """
 
 from __future__ import annotations
@@ -72,16 +81,34 @@ class _Router(ChunkFusionPolicy):
         return self.active.select(site, q, k, v, kv_pos, q_pos, layer_state)
 
 
-def _shared(model, compiler: str):
-    """One kvpass backend and one compiled ``model.forward`` per (model, compiler), shared by every
-    ``ChunkFusion`` of that model (three graphs in all, whatever the policies)."""
+@dataclass
+class _Shared:
+    """One kvpass backend per (model, compiler), shared by every ``ChunkFusion`` of that model: the
+    compiled forward of the fusion passes (three graphs in all, whatever the policies) and, built on
+    first use, the forward that decodes on a SlotCache."""
+
+    backend: object
+    forward: object
+    router: _Router
+    model_forward: object
+    decode: object = None
+
+    def decode_forward(self):
+        if self.decode is None:
+            cuda = next(self.router.first_layers.parameters()).device.type == "cuda"
+            mode = {"mode": "reduce-overhead"} if cuda and self.backend.compiler == "inductor" else {}
+            self.decode = torch.compile(self.model_forward, backend=self.backend, fullgraph=True, **mode)
+        return self.decode
+
+
+def _shared(model, compiler: str) -> _Shared:
     per_model = model.__dict__.setdefault(_SHARED, {})
     if compiler not in per_model:
         router = _Router()
         be = _backend(router, compiler=compiler)
         fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
         router.first_layers = torch.nn.ModuleList(list(model.get_decoder().layers)[: SELECT_LAYER + 1])
-        per_model[compiler] = (be, fwd, router)
+        per_model[compiler] = _Shared(be, fwd, router, model.forward)
     return per_model[compiler]
 
 
@@ -91,7 +118,8 @@ class FusedPrompt:
 
     input_ids: Tensor                 # [1, N]
     attention_mask: Tensor            # [1, N]
-    cache: object                     # DynamicCache with N - 1 entries per layer (a3+evict: at most C - 1)
+    cache: object                     # DynamicCache with N - 1 entries per layer (a3+evict: at most C - 1),
+                                      # or a kvpass.SlotCache holding them (cache="slot")
     recompute: Tensor                 # positions recomputed (Re), ascending
     spans: dict                       # "system", "chunks" [(start, end)], "question"
     timings: dict = field(default_factory=dict)   # seconds: load, merge, select, recompute (, evict)
@@ -114,10 +142,15 @@ class ChunkFusion:
         compiler: the inner compiler of the kvpass backend (``"inductor"``, ``"aot_eager"``, ``"eager"``).
             All ``ChunkFusion`` objects of one model and compiler share one backend and one compiled
             forward (``self.backend``, ``self.forward``): the policies differ only at run time.
+        cache: ``"dynamic"`` (default: the fused cache is a DynamicCache) or ``"slot"`` (it is loaded into
+            a ``kvpass.SlotCache``, and decode runs as one device-resident graph; see the module docstring).
         **params: the policy's parameters (``ratio`` for a3/cacheblend, ``prefix`` for legolink).
     """
 
-    def __init__(self, model, store: ChunkStore, policy="a3", *, compiler: str = "inductor", **params) -> None:
+    def __init__(self, model, store: ChunkStore, policy="a3", *, compiler: str = "inductor", cache: str = "dynamic",
+                 **params) -> None:
+        if cache not in ("dynamic", "slot"):
+            raise ConfigError(f"parameter 'cache' must be 'dynamic' or 'slot', got {cache!r}")
         pol = make_policy(policy, **params)
         if not isinstance(pol, ChunkFusionPolicy):
             raise ConfigError(f"parameter 'policy' must be a chunk-fusion policy (a3, cacheblend, legolink, pie, "
@@ -129,7 +162,9 @@ class ChunkFusion:
         self.model = model
         self.store = store
         self.policy = pol
-        self.backend, self.forward, self._router = _shared(model, compiler)
+        self.cache = cache
+        self._shared = _shared(model, compiler)
+        self.backend, self.forward, self._router = self._shared.backend, self._shared.forward, self._shared.router
         decoder = model.get_decoder()
         self._decoder = decoder
         self._layers = decoder.layers
@@ -137,8 +172,17 @@ class ChunkFusion:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def prepare(self, chunks, question, system=None) -> FusedPrompt:
-        """Build the fused cache of ``[system, chunks..., question]`` (texts or token ids)."""
+    @property
+    def decode_forward(self):
+        """The compiled forward that decodes on this object's caches: on a SlotCache (``cache="slot"``)
+        one graph per step, with CUDA graphs on a CUDA model under Inductor; else ``self.forward``."""
+        return self._shared.decode_forward() if self.cache == "slot" else self.forward
+
+    def prepare(self, chunks, question, system=None, max_new_tokens: int = 256) -> FusedPrompt:
+        """Build the fused cache of ``[system, chunks..., question]`` (texts or token ids); with
+        ``cache="slot"``, a SlotCache with room for the last question token and ``max_new_tokens``."""
+        if self.cache == "slot" and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
+            raise ConfigError(f"parameter 'max_new_tokens' must be an int >= 0, got {max_new_tokens!r}")
         timings: dict[str, float] = {}
         dev = self.store._device()
         t0 = self._clock()
@@ -224,6 +268,10 @@ class ChunkFusion:
         kept = self._keep(cache, req, n - 1)
         if votes:
             timings["evict"] = self._clock() - t4
+        if self.cache == "slot":
+            t5 = self._clock()
+            cache = self._slots(cache, kept, n - 1, max_new_tokens)
+            timings["slots"] = self._clock() - t5
         mask = torch.ones_like(ids)
         return FusedPrompt(ids, mask, cache, recompute, spans, timings, sources, kept)
 
@@ -233,8 +281,8 @@ class ChunkFusion:
         fused = self.prepare(chunks, question, system)
         t0 = self._clock()
         with torch.no_grad():
-            out = self.forward(input_ids=fused.input_ids[:, -1:], past_key_values=fused.cache, use_cache=True,
-                               logits_to_keep=1)
+            out = self.decode_forward(input_ids=fused.input_ids[:, -1:], past_key_values=fused.cache,
+                                      use_cache=True, logits_to_keep=1)
         fused.timings["last_token"] = self._clock() - t0
         return out.logits[:, -1], fused
 
@@ -242,10 +290,17 @@ class ChunkFusion:
         """``prepare`` then ``model.generate`` on the fused cache; returns the generated ids (prompt included,
         as ``generate`` does). ``generate_kwargs`` go to ``model.generate``.
 
-        ``a3+evict`` leaves a cache shorter than the prompt, which ``model.generate`` would misread as
-        tokens still to compute: its requests decode greedily through this object's compiled forward
+        ``a3+evict`` leaves a DynamicCache shorter than the prompt, which ``model.generate`` would misread
+        as tokens still to compute: its requests decode greedily through this object's compiled forward
         (which continues positions from the prompt's length), with ``max_new_tokens``,
-        ``eos_token_id`` and ``do_sample=False`` as the only options."""
+        ``eos_token_id`` and ``do_sample=False`` as the only options. A SlotCache (``cache="slot"``)
+        counts the prompt's tokens, so every policy decodes through ``model.generate`` with any options,
+        its steps run by ``decode_forward``."""
+        if self.cache == "slot":
+            fused = self.prepare(chunks, question, system, max_new_tokens=generate_kwargs.get("max_new_tokens", 20))
+            with self._decoding():
+                return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
+                                           past_key_values=fused.cache, **generate_kwargs)
         if self.policy.needs_votes:
             unknown = sorted(set(generate_kwargs) - {"max_new_tokens", "eos_token_id", "do_sample"})
             if unknown or generate_kwargs.get("do_sample"):
@@ -270,7 +325,7 @@ class ChunkFusion:
         return torch.cat([fused.input_ids, torch.tensor([out], device=fused.input_ids.device)], dim=1)
 
     def __repr__(self) -> str:
-        return f"kvpass.ChunkFusion(policy={self.policy!r}, store={self.store!r})"
+        return f"kvpass.ChunkFusion(policy={self.policy!r}, store={self.store!r}, cache={self.cache!r})"
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -298,6 +353,31 @@ class ChunkFusion:
             state.set_layer(i, idx, length, fresh=True)
             kept.append(idx)
         return kept
+
+    def _slots(self, cache, kept: list[Tensor], seen: int, max_new_tokens: int):
+        """The fused DynamicCache's entries loaded into a SlotCache with room for the last question token
+        and ``max_new_tokens`` (every layer as long as the longest kept)."""
+        from kvpass.cache import SlotCache
+
+        longest = max(int(k.shape[-1]) for k in kept)
+        slots = SlotCache(self.model, self.backend, max_length=longest + 1 + max_new_tokens, _driver=True)
+        for lay, src, pos in zip(slots.layers, cache.layers, kept):
+            lay.fill(src.keys, src.values, pos, seen)
+        return slots
+
+    @contextlib.contextmanager
+    def _decoding(self):
+        """``model.generate`` calls ``model.forward``: route it to ``decode_forward`` meanwhile."""
+        had = "forward" in self.model.__dict__
+        before = self.model.__dict__.get("forward")
+        self.model.forward = self.decode_forward
+        try:
+            yield
+        finally:
+            if had:
+                self.model.forward = before
+            else:
+                del self.model.forward
 
     def _clock(self) -> float:
         if next(self.model.parameters()).device.type == "cuda":

@@ -107,6 +107,33 @@ def shift_passed_positions(gm: fx.GraphModule, sites, handle: int) -> list[str]:
     return done
 
 
+def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
+    """Decode/append graphs of a renumbering policy on a ``kvpass.SlotCache``: the cache counts every
+    token of the prompt (``generate`` and a bare ``forward`` derive positions from it) and holds the
+    prefill's tokens at ``0..n-1``; RoPE's positions, passed in or derived, move back by the shift the
+    prefill left in ``count[2]``, on the device (the counters of the graph's first slot write: every
+    layer's hold the same shift)."""
+    from kvpass.cache import pending_positions, write_slots
+
+    count = next((n.args[3] if n.target is write_slots else n.args[1] for n in gm.graph.nodes
+                  if n.op == "call_function" and n.target in (write_slots, pending_positions)), None)
+    if count is None:
+        return []
+    done = []
+    graph = gm.graph
+    for pos in dict.fromkeys(s.positions for s in sites if s.positions is not None):
+        with graph.inserting_after(pos):
+            shift = graph.call_function(operator.getitem, (count, 2))
+        with graph.inserting_after(shift):
+            moved = graph.call_function(operator.sub, (pos, shift))
+        pos.replace_all_uses_with(moved, delete_user_cb=lambda u: u not in (moved, shift))
+        done.append(pos.name)
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
 # ----------------------------------------------------------------------------------------------
 # analysis
 # ----------------------------------------------------------------------------------------------
@@ -393,7 +420,7 @@ class GatedGraph:
             true = ctx["kv_pos"].gather(1, sel)
             if self.two_pass:
                 true = torch.arange(n, device=sel.device).expand_as(sel) if self.renumber else true
-                self._record(-1, true, n if self.renumber else length, length, env)
+                self._record(-1, true, n if self.renumber else length, length, env, shift)
             else:
                 self._record(gate_layer, true, length, length, env)
         return fx.node.map_aggregate(self.output.args[0],
@@ -475,10 +502,12 @@ class GatedGraph:
             return tuple(d for d in range(v.dim()) if _same(v.shape[d], self.length))
         return t[1]
 
-    def _record(self, gate_layer: int, true: Tensor, seen: int, length: int, env: dict) -> None:
+    def _record(self, gate_layer: int, true: Tensor, seen: int, length: int, env: dict, shift: int = 0) -> None:
         """Deeper layers stored (some of) the selected tokens: what each recorded is an index among the
         ``n`` tokens it computed (all of them, or a sliding layer's last ``W - 1``); record their true
-        positions ``true [B, n]`` (-1 = padding) and ``seen``. HF sizes every sliding layer's decode mask
+        positions ``true [B, n]`` (-1 = padding) and ``seen`` (renumbered: the positions are ``0..n-1``;
+        a SlotCache counts the ``seen + shift`` tokens of the prompt, as ``generate`` does, and moves
+        positions back by ``shift`` on the device, see ``shift_slot_positions``). HF sizes every sliding layer's decode mask
         for ``min(L, W - 1)`` entries (from the count of tokens seen), so a sliding layer that stored fewer
         gets empty slots in front, in its K/V outputs (``env``) and its record (position -1: never visible,
         dropped first)."""
@@ -489,7 +518,7 @@ class GatedGraph:
             if layer in self.slots:    # a SlotCache layer: its slots hold local indices 0..n-1 in order
                 pos, count = (env[x] for x in self.slots[layer])
                 pos.copy_(_true_of(pos, true))
-                count[0] = seen
+                count[0], count[2] = seen + shift, shift
                 continue
             ls = st.layer(layer)
             if ls is None:

@@ -163,7 +163,7 @@ class Runtime:
                 f"past_key_values) feeds again the tokens from position {first}. Continue on a kvpass.SlotCache "
                 f"(its get_seq_length counts tokens seen), pass only the new tokens to a bare forward, or start "
                 f"a new cache")
-        st.tail = pos.max() + 1
+        st.note_tail(pos.max() + 1)
 
     def true_positions(self, pos: Tensor) -> Tensor:
         """Position ids the model derived from the stored length -> the true token count."""
@@ -176,7 +176,8 @@ class Runtime:
             # A layer recorded its count since the last call: the distance between true and derived
             # positions is taken there. Graphs that only append (SitePlan.append) record nothing, and
             # add as many tokens to the stored length as to the true count, so the distance holds.
-            st.offset, st.anchor_at = st.seen_now() - first, st.records
+            # (No record at all: nothing was evicted, derived positions are true.)
+            st.offset, st.anchor_at = (st.seen_now() - first) if st.layers else 0, st.records
         true = torch.where(first == 0, pos, pos + st.offset)  # no device sync
-        st.tail = true.max() + 1
+        st.note_tail(true.max() + 1)
         return true

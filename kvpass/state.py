@@ -61,12 +61,13 @@ class GenerationState:
         self.fusion_votes: dict[int, Tensor] = {}
         # kvpass::true_positions: ``records`` counts set_layer calls; ``offset`` (true minus derived
         # position) was taken when ``records`` was ``anchor_at``; ``tail`` is the true count after the
-        # tokens of the last call (a 0-d tensor). Graphs that only append record no layer, so ``tail``
-        # is how far the cache got past the layers' records.
+        # tokens of the last call (a 0-d tensor), set when ``records`` was ``tail_at``. Graphs that only
+        # append record no layer, so ``tail`` is how far the cache got past the layers' records.
         self.records = 0
         self.anchor_at = -1
         self.offset: int | Tensor = 0
         self.tail: Tensor | None = None
+        self.tail_at = -1
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)
@@ -97,8 +98,15 @@ class GenerationState:
 
     def seen_now(self) -> int | Tensor:
         """``seen`` without a device sync (an int or a 0-d tensor), for operators: between forward
-        calls every layer holds the same count, so the first layer's is the count."""
+        calls every layer holds the same count, so the first layer's is the count, unless graphs that
+        only append (``tail``, set after the last record) took the sequence further."""
+        if self.tail is not None and self.tail_at == self.records:
+            return self.tail
         return next(iter(self.layers.values())).seen if self.layers else 0
+
+    def note_tail(self, tail: Tensor) -> None:
+        """The true count after the tokens of this call (a 0-d tensor)."""
+        self.tail, self.tail_at = tail, self.records
 
     @property
     def evicted_tokens(self) -> int:
@@ -116,7 +124,7 @@ class GenerationState:
     def reset(self) -> None:
         self.layers.clear()
         self.fusion_votes.clear()
-        self.anchor_at, self.offset, self.tail = -1, 0, None
+        self.anchor_at, self.offset, self.tail, self.tail_at = -1, 0, None, -1
 
     def __repr__(self) -> str:
         return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "

@@ -75,6 +75,34 @@ def test_continuing_on_a_slot_cache_counts_tokens_seen():
     assert cache.seen == 40 + 7 + 9 + 4 - 1 + 1    # generate's last token is never fed back
 
 
+@pytest.mark.parametrize("policy,params,layers,seen", [("snapkv", dict(budget=16, window=4), 2, 40 + 7 + 7),
+                                                       ("gemfilter", dict(budget=10, layer=1), 4, 10 + 7 + 7),
+                                                       ("gemfilter", dict(budget=10, layer=1), 2, 40 + 7 + 7)])
+def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params, layers, seen):
+    """generate (position ids passed in; snapkv's and gemfilter's decode graphs only append, so no layer
+    records), then a bare forward of only the new tokens on the same DynamicCache: its derived positions
+    must move to the tokens seen *after* the appended ones. The offset was taken from the layers' last
+    record (the prefill's count), so the turn sat 7 positions early (gemfilter: 5); and when no layer had
+    recorded at all (gemfilter's layer is the last, so its gate never fires) the turn was put at position 0.
+    Equal to the same turn on a kvpass.SlotCache, which counts tokens on the device. (The state counts
+    gemfilter's renumbered tokens.)"""
+    from test_asl import build as build_layers
+    turn = torch.randint(10, 90, (1, 6), generator=torch.Generator().manual_seed(3))
+    got = []
+    for kind in ("dynamic", "slot"):
+        torch._dynamo.reset()
+        model = build_layers("llama", layers)
+        be = kvpass.backend(policy, compiler="eager", **params)
+        model.forward = torch.compile(model.forward, backend=be)
+        cache = DynamicCache(config=model.config) if kind == "dynamic" else kvpass.SlotCache(model, be, max_length=64)
+        seq = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        with torch.no_grad():
+            got.append(model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache,
+                             use_cache=True).logits)
+        assert be.state.seen == seen or kind == "slot"
+    torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=1e-5)
+
+
 # 2. Dynamo's recompile limit ---------------------------------------------------------------------------
 
 def test_decode_past_the_recompile_limit_fails_instead_of_running_uncompiled():

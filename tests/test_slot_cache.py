@@ -476,7 +476,7 @@ def test_write_slots_ring_rule():
     pos = torch.tensor([[[0, 1, 5, 3, -1, 4], [0, 1, 5, 3, 7, 4]],
                         [[-1, -1, -1, -1, -1, -1], [2, 0, 6, 9, 8, 7]]], dtype=torch.int32)
     keys, values = torch.zeros(2, 2, cap, d), torch.zeros(2, 2, cap, d)
-    count = torch.tensor([20, cap])
+    count = torch.tensor([20, cap, 0])
     k_new, v_new = torch.ones(2, 2, 1, d), torch.full((2, 2, 1, d), 2.0)
     p = pos.clone()
     q_pos, kv_len = write_slots(keys, values, p, count, k_new, v_new, RING, protect)
@@ -489,18 +489,20 @@ def test_write_slots_ring_rule():
             assert p[b, h].tolist() == expect.tolist(), (b, h)
             assert keys[b, h, v].eq(1).all() and values[b, h, v].eq(2).all()
             assert keys[b, h].sum() == d                                 # nothing else written
-    assert q_pos.tolist() == [[20], [20]] and kv_len.tolist() == [cap, cap] and count.tolist() == [21, cap]
+    assert q_pos.tolist() == [[20], [20]] and kv_len.tolist() == [cap, cap] and count.tolist() == [21, cap, 0]
     # two tokens at once: (row 0, head 0) takes its empty slot and then the oldest (pos 3)
     p = pos.clone()
-    write_slots(keys, values, p, torch.tensor([20, cap]), torch.ones(2, 2, 2, d), torch.ones(2, 2, 2, d), RING,
+    write_slots(keys, values, p, torch.tensor([20, cap, 0]), torch.ones(2, 2, 2, d), torch.ones(2, 2, 2, d), RING,
                 protect)
     assert sorted(p[0, 0].tolist()) == [0, 1, 4, 5, 20, 21] and p[0, 0, :2].tolist() == [0, 1]
     assert sorted(p[1, 1].tolist()) == [0, 2, 8, 9, 20, 21] and p[1, 1, :2].tolist() == [2, 0]
-    # the append rule: the next free slot, whatever the positions say
+    # the append rule: the next free slot, whatever the positions say; a renumbering prefill's shift
+    # (count[2]) moves the token's position back and stays
     p = torch.full((1, 1, cap), -1, dtype=torch.int32)
-    keys = torch.zeros(1, 1, cap, d)
-    write_slots(keys, keys.clone(), p, torch.tensor([7, 2]), torch.ones(1, 1, 1, d), torch.ones(1, 1, 1, d), APPEND, 0)
-    assert p[0, 0].tolist() == [-1, -1, 7, -1, -1, -1] and keys[0, 0, 2].eq(1).all()
+    keys, count = torch.zeros(1, 1, cap, d), torch.tensor([7, 2, 3])
+    q_pos, _ = write_slots(keys, keys.clone(), p, count, torch.ones(1, 1, 1, d), torch.ones(1, 1, 1, d), APPEND, 0)
+    assert p[0, 0].tolist() == [-1, -1, 4, -1, -1, -1] and keys[0, 0, 2].eq(1).all()
+    assert q_pos.tolist() == [[4]] and count.tolist() == [8, 3, 3]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -582,7 +584,8 @@ def test_raas_noop_equals_full_and_capacity():
 GATED = [("llama", "asl", dict(layer=2), None), ("llama", "asl", dict(layer=-1, tau=0.99), True),
          ("llama", "asl_fullkv", dict(layer=3), True), ("llama", "fastkv", {}, None),
          ("llama", "asl_2pass", dict(layer=2), None), ("gemma3", "asl", dict(layer=2), None),
-         ("cohere2", "asl_fullkv", dict(layer=3), None)]
+         ("cohere2", "asl_fullkv", dict(layer=3), None), ("llama", "gemfilter", dict(layer=2), None),
+         ("gemma3", "gemfilter", dict(layer=2), True)]
 
 
 @pytest.mark.parametrize("family,policy,params,dynamic", GATED, ids=[f"{g[0]}-{g[1]}-{i}" for i, g in enumerate(GATED)])
@@ -592,7 +595,9 @@ def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
     positions in the slots and the tokens seen in ``count``; decode appends) equal the DynamicCache
     path for 10 steps over a 40-token prompt on 6 layers, the same selection layer included; every
     global layer's slots hold the positions the DynamicCache path kept. The adaptive rule (tau 0.99)
-    selects too. asl_fullkv's layers keep the whole prompt (capacity max_length)."""
+    selects too. asl_fullkv's layers keep the whole prompt (capacity max_length). gemfilter's second
+    pass renumbers: its slots hold positions ``0..n-1`` and decode continues at ``n`` while the cache
+    still counts every token seen."""
     from test_asl import build as build_deep
     if policy == "asl_fullkv":     # layers before the gate keep the prompt, deeper ones the selection
         skip_uneven_layers_on_old_stacks(policy)
@@ -613,7 +618,8 @@ def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
         assert cache.capacities[i] == (60 if policy == "asl_fullkv" else 20)
         n = kept[i].shape[-1]
         assert torch.equal(cache.positions(i)[..., :n].long(), kept[i].long())
-        assert (cache.positions(i)[..., n:n + 10] == torch.arange(40, 50, dtype=torch.int32)).all()
+        first = n if policy == "gemfilter" else 40
+        assert (cache.positions(i)[..., n:n + 10] == torch.arange(first, first + 10, dtype=torch.int32)).all()
 
 
 def test_gated_inductor_dynamic_equals_eager():
@@ -651,16 +657,59 @@ def test_gated_two_pass_first_pass_overflow_is_skipped_not_written():
     assert all((cache.positions(i)[..., 10:12] == torch.tensor([40, 41], dtype=torch.int32)).all() for i in range(4))
 
 
+def test_gemfilter_generate_and_continuation():
+    """gemfilter through ``generate`` (position ids passed in, counting the whole prompt): the SlotCache
+    moves them back on the device by the ``L - n`` its prefill renumbered away and equals the DynamicCache
+    path (moved back by the host op); ``get_seq_length`` counts every token, so a second ``generate``
+    continues the cache with only the new turn, placed at the renumbered positions ``n + ...``: equal to
+    feeding that turn by hand to the DynamicCache path at the positions a bare forward derives."""
+    from test_asl import build as build_deep
+    ids = prompt(40, seed=4)
+    turn = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(5))
+    params = dict(budget=10, layer=2)
+    results = []
+    for kind in ("dynamic", "slot"):
+        torch._dynamo.reset()
+        model = build_deep("llama", layers=4)
+        be = kvpass.backend("gemfilter", compiler="eager", **params)
+        model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
+        cache = (DynamicCache(config=model.config) if kind == "dynamic"
+                 else kvpass.SlotCache(model, be, max_length=64, max_new_tokens=20))
+        seq, logits = _generate(model, ids, 6, past_key_values=cache)
+        if kind == "slot":
+            assert int(cache.get_seq_length()) == 40 + 6 - 1 and be.gate_info["kept"] == 10
+            assert cache.positions(3)[0, 0, :16].tolist() == list(range(15)) + [-1]
+            seq2, logits2 = _generate(model, torch.cat([seq, turn], 1), 4, past_key_values=cache)
+            results.append((seq, logits, seq2[:, seq.shape[1] + 5:], logits2))
+        else:
+            with torch.no_grad():    # the turn and 4 greedy steps by hand: positions from the cache (n + ...)
+                chat = [model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache,
+                              use_cache=True).logits[:, -1]]
+                for _ in range(3):
+                    chat.append(model(input_ids=chat[-1].argmax(-1, keepdim=True), past_key_values=cache,
+                                      use_cache=True).logits[:, -1])
+            results.append((seq, logits, torch.stack([c.argmax(-1) for c in chat], 1), torch.stack(chat)))
+    (seq, logits, new, chat), (s_seq, s_logits, s_new, s_chat) = results
+    assert torch.equal(s_seq, seq)
+    torch.testing.assert_close(s_logits, logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(s_new, new)
+    torch.testing.assert_close(s_chat, chat, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # errors
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", ["gemfilter", "pie"])
-def test_policies_without_slot_rule_refused(policy):
-    model = build("llama")
-    be = kvpass.backend(policy, compiler="eager")
-    with pytest.raises(kvpass.ConfigError, match=f"policy '{policy.replace('+', '[+]')}'.*DynamicCache"):
-        kvpass.SlotCache(model, be, max_length=32)
+def test_policy_without_slot_rule_refused():
+    """Every built-in policy has a slot rule; a user's policy that names none is refused by name. (A
+    chunk-fusion policy's SlotCache is built by kvpass.ChunkFusion: tests/test_fusion_slots.py.)"""
+    from kvpass.policies.base import Policy
+
+    class Mine(Policy):
+        name = "mine"
+
+    with pytest.raises(kvpass.ConfigError, match="policy 'mine' has no fixed-capacity decode.*DynamicCache"):
+        kvpass.SlotCache(build("llama"), kvpass.backend(Mine(), compiler="eager"), max_length=32)
 
 
 def test_bad_construction_refused():
@@ -757,7 +806,7 @@ B, HKV, H, D = 2, 2, 4, 8
 
 def _slots(cap: int):
     return (torch.zeros(B, HKV, cap, D), torch.zeros(B, HKV, cap, D), torch.full((B, HKV, cap), -1, dtype=torch.int32),
-            torch.zeros(2, dtype=torch.int64))
+            torch.zeros(3, dtype=torch.int64))
 
 
 def test_opcheck_slot_append():
@@ -769,7 +818,7 @@ def test_opcheck_slot_append():
     keys, values, pos, count = _slots(8)
     torch.ops.kvpass.slot_append(keys, values, pos, count, k_new, v_new, [])
     torch.ops.kvpass.slot_append(keys, values, pos, count, k_new[:, :, :1], v_new[:, :, :1], [])
-    assert count.tolist() == [4, 4] and pos[0, 0].tolist() == [0, 1, 2, 0 + 3, -1, -1, -1, -1]
+    assert count.tolist() == [4, 4, 0] and pos[0, 0].tolist() == [0, 1, 2, 0 + 3, -1, -1, -1, -1]
     assert torch.equal(keys[:, :, :3], k_new) and torch.equal(values[:, :, 3], v_new[:, :, 0])
 
 
@@ -799,7 +848,7 @@ def test_opcheck_slot_prefill(rt, padded):
     args = (keys, values, pos, count, q, k_new, v_new, mask, rt.handle, 0)
     torch.library.opcheck(torch.ops.kvpass.slot_prefill, args)
     torch.ops.kvpass.slot_prefill(*args)
-    assert count.tolist() == [n, BUDGET]
+    assert count.tolist() == [n, BUDGET, 0]
     assert pos[0, 0].tolist() == [0, 1] + list(range(n - BUDGET + SINKS, n)) + [-1]
     assert torch.equal(keys[0, :, :SINKS], k_new[0, :, :SINKS]) and torch.equal(values[0, :, 2:BUDGET], v_new[0, :, 7:])
     if padded:

@@ -26,7 +26,9 @@ How this maps onto kvpass (no mid-graph gate, see docs/ARCHITECTURE.md):
 
 Decode graphs append through the model's own cache update, with positions fixed from the records
 ``ChunkFusion`` writes after fusion (``a3+evict`` leaves fewer entries than tokens; for the others
-the cache is an ordinary cache in position order and the fix is the identity).
+the cache is an ordinary cache in position order and the fix is the identity). With
+``ChunkFusion(..., cache="slot")`` the fused entries are then loaded into a ``kvpass.SlotCache`` and
+decode is the SlotCache's append rule: one device-resident graph, capturable by CUDA graphs.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class ChunkFusionPolicy(Policy):
     # decode graphs keep the model's cache update; positions come from the layers' records, which
     # ChunkFusion writes after every request (a3+evict's cache is shorter than the request)
     decode_appends = True
+    # on a kvpass.SlotCache (ChunkFusion(..., cache="slot") loads the fused entries into its slots):
+    # decode and append graphs write the next free slot, in one device-resident graph
+    slot_rule = "append"
+    slot_prefill = False
 
     def __init__(self, **values) -> None:
         super().__init__(**values)
@@ -87,8 +93,11 @@ class ChunkFusionPolicy(Policy):
         if site.sliding_window:
             return (f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window layer "
                     f"(window {site.sliding_window}) cannot hold a merged cache")
+        if site.cache == "slot" and site.phase in ("decode", "append"):
+            return SitePlan(attention=True)   # the fused entries are in the slots: decode appends
         if site.cache != "dynamic":
-            return f"layer {site.layer}: chunk fusion needs a DynamicCache; this graph uses a {site.cache} cache"
+            return (f"layer {site.layer}: chunk fusion prepares a DynamicCache (a SlotCache is filled after it by "
+                    f"ChunkFusion(..., cache='slot')); this {site.phase} graph uses a {site.cache} cache")
         if site.phase == "prefill":
             if self.needs_probe and site.layer == SELECT_LAYER:
                 return SitePlan(attention=True, evict=True)   # compact sees layer 1's q and fresh k

@@ -171,6 +171,9 @@ class Policy:
     # "append" (the next free slot), "ring" (an empty slot, else the oldest past the first
     # ``slot_protect``), or None: the policy has no fixed-capacity decode yet (SlotCache refuses it).
     slot_rule: ClassVar[str | None] = None
+    # False: the policy's own prefill does not run on a SlotCache; its driver fills one
+    # (kvpass.ChunkFusion(..., cache="slot") for the chunk-fusion policies)
+    slot_prefill: ClassVar[bool] = True
 
     @property
     def slot_protect(self) -> int:

@@ -6,9 +6,11 @@ of Llama-3.1-8B's 32) and stops there: that layer's attention from the last ``wi
 1: the last token, as in the paper), summed over heads and pooled with ``kernel`` (default 1: none),
 picks ``budget - window`` tokens plus the window. The second pass is an ordinary prefill of only those
 tokens from layer 0, with **renumbered, contiguous positions** ``0..n-1`` (the selected tokens as a new,
-shorter prompt), so every layer's cache holds ``n = budget`` entries. Decode continues from ``n``: a bare
-``forward`` derives it from the cache, and position ids passed in by ``generate`` (which counts the
-whole prompt) are moved back by ``L - n`` (``kvpass::shift_positions``).
+shorter prompt), so every layer's cache holds ``n = budget`` entries. Decode continues from ``n``. On a
+DynamicCache a bare ``forward`` derives it from the cache, and position ids passed in by ``generate``
+(which counts the whole prompt) are moved back by ``L - n`` (``kvpass::shift_positions``). A
+``kvpass.SlotCache`` counts the whole prompt (so ``generate`` can continue it) and keeps ``L - n`` in its
+counters: every position, passed or derived, moves back on the device (``gate.shift_slot_positions``).
 
 Both passes run in the same compiled prefill graph's segments (``kvpass.gate``); the second pass uses
 their short versions. Batch 1 or unpadded batches: a left-padded batch's position inputs are refused
@@ -32,9 +34,6 @@ class GemFilter(ASL):
     params = (BUDGET, WINDOW1, KERNEL1, LAYER)
     two_pass = True
     renumber = True
-    # renumbered positions: a SlotCache decode would have to move generate's position ids back by L - n
-    # on the device (kvpass::shift_positions is a host-side op); not built yet
-    slot_rule = None
     compress = False
     tau = 0.0
     l_obs = 1

@@ -168,3 +168,35 @@ def test_a3_evict_on_cuda_inductor(tmp_path):
         want = model(input_ids=last, past_key_values=ref_cache, use_cache=True,
                      position_ids=torch.tensor([[n - 1]], device=DEV)).logits
     torch.testing.assert_close(mine.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("policy,params", [("a3", {}), ("a3+evict", dict(capacity=1024))])
+def test_slot_decode_cuda_graphs_equal_dynamic_cache(tmp_path, policy, params):
+    """``cache="slot"`` under Inductor: the fused entries loaded into a SlotCache decode 64 greedy steps
+    as one CUDA graph (``decode_forward``, mode="reduce-overhead"), the same tokens as the DynamicCache
+    path and logits within bf16 tolerance; a3+evict's slots hold 1023 kept entries + 1 + 256 new tokens."""
+    model = build("llama", dtype=torch.bfloat16).to(DEV)
+    model.config.max_position_embeddings = 8192
+    system, chunks, q = _request(8, 512, seed=4)
+    store = kvpass.ChunkStore(tmp_path, model)
+    runs, tokens = [], None
+    for cache in ("dynamic", "slot"):       # the slot run is fed the DynamicCache run's greedy tokens
+        fusion = kvpass.ChunkFusion(model, store, policy, cache=cache, **params)
+        with torch.no_grad():
+            logits, fused = fusion.prefill(chunks, q, system=system)
+            out = [logits.clone()]       # a CUDA graph's output is overwritten by its next replay
+            for i in range(64):
+                torch.compiler.cudagraph_mark_step_begin()
+                nxt = out[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
+                step = fusion.decode_forward(input_ids=nxt, past_key_values=fused.cache, use_cache=True)
+                out.append(step.logits[:, -1].clone())
+        out = torch.stack(out)
+        tokens = out.argmax(-1, keepdim=True) if tokens is None else tokens
+        runs.append((fusion, fused, out))
+    (_, _, ref), (fusion, fused, got) = runs
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    decode = [r for r in fusion.backend.reports if r.phase == "decode" and r.slots]
+    assert len(decode) == 1 and decode[0].cudagraphs
+    if policy == "a3+evict":
+        assert fused.cache.capacity == 1023 + 1 + 256
