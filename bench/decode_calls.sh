@@ -33,6 +33,6 @@ case "${1:?call A-D, G, H, L, M, Q or T}" in
        --out $out/b1_32k_32layers_policies.json --configs full,snapkv,quest,art,raas,asl@layer=8 2>&1 | grep '^{' ;;
   D) timeout 300 python bench/diag_prefill.py --layers 8 --context 32768 --policy full --dynamic > $out/diag_prefill_32k.json
      tail -c 3000 $out/diag_prefill_32k.json ;;
-  T) python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
+  T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
 esac

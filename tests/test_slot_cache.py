@@ -453,7 +453,7 @@ def test_streamingllm_slots_fixed_and_hold_sinks_and_recent():
                 logits = fwd(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache,
                              use_cache=True).logits[:, -1]
     assert cache.kv_bytes() == nbytes
-    per_layer = 2 * shape[0] * shape[1] * shape[2] * shape[3] * 4 + shape[0] * shape[1] * shape[2] * 4 + 2 * 8
+    per_layer = 2 * shape[0] * shape[1] * shape[2] * shape[3] * 4 + shape[0] * shape[1] * shape[2] * 4 + 3 * 8
     assert nbytes == per_layer * model.config.num_hidden_layers
 
 
