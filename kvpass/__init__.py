@@ -4,13 +4,31 @@
     model.forward = torch.compile(model.forward, backend=kvpass.backend(policy="full"))
 """
 
-from kvpass.backend import Backend, GraphReport, KVPass, KVPassWarning, backend
-from kvpass.cache import SlotCache
-from kvpass.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning
-from kvpass.explain import Explanation, explain
-from kvpass.fusion import ChunkFusion, FusedPrompt
-from kvpass.policies import ConfigError, Policy, available as available_policies
-from kvpass.state import GenerationState
+# The supported range (pyproject.toml; CI runs the suite on the newest and a subset on these floors).
+TORCH_FLOOR, TRANSFORMERS_FLOOR = "2.11", "5.14.1"
+
+
+def _check_versions() -> None:
+    import torch
+    import transformers
+    from packaging.version import Version
+
+    for name, have, floor in (("torch", torch.__version__, TORCH_FLOOR),
+                              ("transformers", transformers.__version__, TRANSFORMERS_FLOOR)):
+        if Version(have.split("+")[0]) < Version(floor):
+            raise ImportError(f"kvpass needs {name} >= {floor}, found {have}; install a newer one: "
+                              f"pip install '{name}>={floor}'")
+
+
+_check_versions()
+
+from kvpass.backend import Backend, GraphReport, KVPass, KVPassWarning, backend  # noqa: E402
+from kvpass.cache import SlotCache  # noqa: E402
+from kvpass.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning  # noqa: E402
+from kvpass.explain import Explanation, explain  # noqa: E402
+from kvpass.fusion import ChunkFusion, FusedPrompt  # noqa: E402
+from kvpass.policies import ConfigError, Policy, available as available_policies  # noqa: E402
+from kvpass.state import GenerationState  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",

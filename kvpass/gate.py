@@ -114,6 +114,7 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     prefill left in ``count[2]``, on the device (the counters of the graph's first slot write: every
     layer's hold the same shift)."""
     from kvpass.cache import pending_positions, write_slots
+    from kvpass.rewrite import _view_root
 
     count = next((n.args[3] if n.target is write_slots else n.args[1] for n in gm.graph.nodes
                   if n.op == "call_function" and n.target in (write_slots, pending_positions)), None)
@@ -121,8 +122,11 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
         return []
     done = []
     graph = gm.graph
-    for pos in dict.fromkeys(s.positions for s in sites if s.positions is not None):
-        with graph.inserting_after(pos):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # once per position tensor: several RoPEs (Gemma 3: local and global) may read views of one
+    for pos in dict.fromkeys(_view_root(s.positions)[0] for s in sites if s.positions is not None):
+        # (passed-in positions are an input that may come before the counters' input)
+        with graph.inserting_after(max(pos, count, key=order.__getitem__)):
             shift = graph.call_function(operator.getitem, (count, 2))
         with graph.inserting_after(shift):
             moved = graph.call_function(operator.sub, (pos, shift))
@@ -507,10 +511,10 @@ class GatedGraph:
         ``n`` tokens it computed (all of them, or a sliding layer's last ``W - 1``); record their true
         positions ``true [B, n]`` (-1 = padding) and ``seen`` (renumbered: the positions are ``0..n-1``;
         a SlotCache counts the ``seen + shift`` tokens of the prompt, as ``generate`` does, and moves
-        positions back by ``shift`` on the device, see ``shift_slot_positions``). HF sizes every sliding layer's decode mask
-        for ``min(L, W - 1)`` entries (from the count of tokens seen), so a sliding layer that stored fewer
-        gets empty slots in front, in its K/V outputs (``env``) and its record (position -1: never visible,
-        dropped first)."""
+        positions back by ``shift`` on the device, see ``shift_slot_positions``). HF sizes every sliding
+        layer's decode mask for ``min(L, W - 1)`` entries (from the count of tokens seen), so a sliding
+        layer that stored fewer gets empty slots in front, in its K/V outputs (``env``) and its record
+        (position -1: never visible, dropped first)."""
         st = self.runtime.state
         for layer in sorted(self.sites):
             if layer <= gate_layer:

@@ -785,7 +785,11 @@ def _unreadable_gguf(gguf: Path, label: str, err: BaseException) -> ModelNotAvai
 def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest: Path, label: str,
              progress: bool) -> Path:
     """GGUF -> dense fp32 HF folder at ``dest``, built in a temporary folder and renamed into place."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        from transformers import GgufConfig
+    except ImportError:       # transformers < 5.17 dequantizes a GGUF file on load without being asked
+        GgufConfig = None
 
     parent = dest.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -801,9 +805,10 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
         _say(progress, f"converting {label} once: {gguf.name} ({_mb(gguf.stat().st_size)}) -> {dest}")
         with _quiet_transformers(progress), _fast_gguf_reader():
             try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                    quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+                dequantize = {} if GgufConfig is None else {
+                    "quantization_config": GgufConfig(gguf_file=gguf.name, dequantize=True)}
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                             **dequantize)
             except Exception as e:  # noqa: BLE001  (a truncated or corrupt file: ValueError, struct.error, ...)
                 raise _unreadable_gguf(gguf, label, e) from e
             model.eval()

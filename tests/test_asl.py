@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 import kvpass
 import kvpass.backend
-from families import FAMILIES
+from families import FAMILIES, skip_uneven_layers_on_old_stacks
 from kvpass.backend import KVPassWarning
 from kvpass.policies import ConfigError, make_policy
 
@@ -291,6 +291,8 @@ def test_tau_zero_never_selects():
     ("asl_fullkv", 2, None, "sdpa"), ("asl_fullkv", 3, True, "sdpa"), ("fastkv", -1, None, "sdpa"),
     ("asl", 1, True, "sdpa"), ("asl", 2, None, "eager")])
 def test_forced_layer_matches_gathering_reference(policy, layer, dynamic, attn):
+    if policy == "asl_fullkv":   # layers before the gate keep the prompt, deeper ones the selection
+        skip_uneven_layers_on_old_stacks(policy)
     model = build("llama", layers=6, attn=attn)
     ids = prompt(40, seed=1)
     be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=WINDOW, layer=layer)
@@ -326,7 +328,6 @@ def test_forced_layer_on_sliding_families_matches_reference(family, attn, policy
     ``budget < W - 1`` the deeper sliding layers get empty slots in front, up to the W - 1 entries HF
     sizes their decode mask for; decode pushes them out."""
     if policy == "asl_fullkv":
-        from families import skip_uneven_layers_on_old_stacks
         skip_uneven_layers_on_old_stacks(policy)
     model = build(family, layers=6, attn=attn)
     windows = sliding_windows(model)
@@ -362,6 +363,7 @@ def test_forced_layer_on_sliding_families_matches_reference(family, attn, policy
 
 def test_generate_after_gate():
     """generate carries position_ids; the continuation equals the gathering reference's greedy tokens."""
+    skip_uneven_layers_on_old_stacks("asl_fullkv")
     model = build("llama", layers=6)
     ids = prompt(40, seed=2)
     be = kvpass.backend("asl_fullkv", compiler="eager", budget=BUDGET, window=WINDOW, layer=2)

@@ -138,7 +138,9 @@ def test_cross_attention_is_refused_not_evicted():
     model.forward = torch.compile(model.forward, backend=be)
     out, said = kvpass_warnings(lambda: model.generate(ids, max_new_tokens=6, do_sample=False,
                                                        return_dict_in_generate=True))
-    assert any("cross-attention" in w for w in said), said
+    # (transformers < 5.17 adds T5's position bias to the scores in a form detection refuses earlier, as
+    # unrecognized attention: also loud, also unchanged)
+    assert any("cross-attention" in w or "cannot be applied to this model's attention" in w for w in said), said
     assert torch.equal(out.sequences, want)
     cross = out.past_key_values.cross_attention_cache
     assert all(cross.layers[i].keys.shape[-2] == 24 for i in range(2))

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The oldest supported transformers (pyproject.toml's floor), tested beside the newest: a virtual
+# environment that shares this Python's packages (torch, the test tools, the model wheels) and
+# overrides transformers alone, then a subset of the suite that covers model loading, `full` equal to
+# the uncompiled model on every family, every policy's eviction and no-op equality, the SlotCache
+# policies against their DynamicCache path, and the never-silently-wrong cases. Run after install.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FLOOR=$(python -c "import re; print(re.search(r'transformers>=([0-9.]+)', open('pyproject.toml').read()).group(1))")
+VENV=${KVPASS_FLOOR_VENV:-/tmp/kvpass-transformers-$FLOOR}
+[ -x "$VENV/bin/python" ] || python -m venv --system-site-packages "$VENV"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$FLOOR" 2>&1 \
+    | grep -v "dependency resolver\|requires\|^$" || true
+"$VENV/bin/python" -c "import transformers, torch; print('floor: transformers', transformers.__version__, 'torch', torch.__version__)"
+"$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider tests/test_models.py tests/test_equivalence.py \
+    tests/test_eviction_models.py tests/test_streaming.py tests/test_slot_cache.py tests/test_hostile.py
