@@ -174,12 +174,19 @@ def _load(args):
         raise SystemExit(f"kvpass: {e}") from None
 
 
+def check_tasks(names: list[str]) -> None:
+    """Unknown ``--task`` names are a usage error, before the model loads."""
+    from kvpass import tasks as T
+    unknown = [n for n in names if n not in T.FAMILIES]
+    if unknown:
+        _usage_error(f"unknown task '{unknown[0]}' in --task {','.join(names)}; known tasks: "
+                     f"{', '.join(sorted(T.FAMILIES))}")
+
+
 def _tasks(args, tokenizer):
     from kvpass import tasks as T
     out = []
     for family in args.task:
-        if family not in T.FAMILIES:
-            raise SystemExit(f"kvpass: unknown task '{family}'; known tasks: {', '.join(sorted(T.FAMILIES))}")
         options = {"depths": args.depths} if (family == "niah" and args.depths) else {}
         for length in args.lengths:
             batch = T.build(family, tokenizer, [length], seed=args.seed, **options)
@@ -201,6 +208,7 @@ def run_comparison(args, policies: list[str]) -> int:
     # Everything that can be checked without the model is checked before it loads.
     check_policies(policies, params, param_keys=parse_params(args.param), compiler=compiler,
                    flag="--policies" if args.cmd == "compare" else "--policy")
+    check_tasks(args.task)
     out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
     created = _prepare_out(out)
     try:
@@ -255,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.budget is not None:
             params["budget"] = args.budget
         check_policies([args.policy], params, param_keys=parse_params(args.param), flag="--policy")
-        model, tokenizer = _load(args)
         from kvpass.eval.runner import policy_params
+        if args.budget is not None and not policy_params(args.policy, {"budget": args.budget}):
+            _usage_error(f"--budget: policy '{args.policy}' has no parameter 'budget' (it keeps every entry)")
+        model, tokenizer = _load(args)
         params = {**policy_params(args.policy, {"tokenizer": tokenizer}), **params}  # sablock's punctuation
         ids = tokenizer("kvpass explains what it finds in this model.", return_tensors="pt").input_ids
         kvpass.explain(model, {"input_ids": ids.to(args.device), "use_cache": True}, policy=args.policy, **params)

@@ -76,12 +76,6 @@ def test_explain_command(tiny_model_dir, capsys):
 
 
 @needs_smol
-def test_unknown_task_is_an_error(tiny_model_dir):
-    with pytest.raises(SystemExit, match="unknown task 'nope'"):
-        cli.main(["eval", "--model", str(tiny_model_dir), "--task", "nope", "--lengths", "128"])
-
-
-@needs_smol
 def test_a_policy_failing_mid_run_costs_only_its_own_results(tiny_model_dir, tmp_path, monkeypatch):
     """A policy that raises on its second task is reported unavailable with the task and the error;
     the comparison carries on and the other policies keep their results."""
@@ -176,6 +170,8 @@ def test_out_is_created_up_front_and_removed_again_when_the_run_fails(tmp_path, 
     (["compare", "--policies", "full,snapkv", "--param", "window=-5"], ["'snapkv'", "'window'", "-5"]),
     (["compare", "--policies", "full,streamingllm", "--param", "sinkz=4"], ["--param sinkz", "streamingllm"]),
     (["compare", "--policies", "sablock", "--budget", "64", "--param", "punctuation_ids=x"], ["punctuation_ids"]),
+    (["eval", "--policy", "full", "--task", "niah,nope"], ["unknown task 'nope'", "known tasks:", "ruler"]),
+    (["explain", "--policy", "full", "--budget", "64"], ["--budget", "policy 'full' has no parameter 'budget'"]),
 ])
 def test_bad_policies_and_params_fail_before_the_model_loads(argv, says, tmp_path, no_model, capsys):
     out = tmp_path / "res"
