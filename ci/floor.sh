@@ -10,7 +10,7 @@ FLOOR=$(python -c "import re; print(re.search(r'transformers>=([0-9.]+)', open('
 VENV=${KVPASS_FLOOR_VENV:-/tmp/kvpass-transformers-$FLOOR}
 [ -x "$VENV/bin/python" ] || python -m venv --system-site-packages "$VENV"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$FLOOR" 2>&1 \
-    | grep -v "dependency resolver\|requires\|^$" || true
+    | grep -v "dependency resolver\|requires\|WARNING: Location\|^$" || true
 "$VENV/bin/python" -c "import transformers, torch; print('floor: transformers', transformers.__version__, 'torch', torch.__version__)"
 "$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider tests/test_models.py tests/test_equivalence.py \
     tests/test_eviction_models.py tests/test_streaming.py tests/test_slot_cache.py tests/test_hostile.py

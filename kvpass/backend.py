@@ -209,6 +209,11 @@ class Backend:
         # object, so the limit (8) is reached by the fifth model compiled in a process. Make it an error.
         if not torch._dynamo.config.suppress_errors:
             torch._dynamo.config.fail_on_recompile_limit_hit = True
+        # Dynamo leaves float attributes unspecialized (RMSNorm's eps, an embedding's norm_type); AOT's
+        # tensorify pass then specializes them and restarts the frame's analysis, so every graph was traced
+        # and compiled twice (a 32-layer 8B shape: minutes). Specialized floats recompile only when a float
+        # argument changes between calls, which a decoder's forward does not take.
+        torch._dynamo.config.specialize_float = True
 
     @property
     def state(self):

@@ -638,12 +638,31 @@ def test_gated_inductor_dynamic_equals_eager():
     be = kvpass.backend("asl", **params)
     fwd = torch.compile(model.forward, backend=be, dynamic=True)
     cache = kvpass.SlotCache(model, be, max_length=60, max_new_tokens=10)
-    _, got = run(fwd, cache, ids, 4, torch.stack([x.argmax(-1, keepdim=True) for x in ref[:-1]]))
+    # (a kvpass backend specializes floats; a user may turn that off again, and then the floats reach it)
+    with torch._dynamo.config.patch(specialize_float=False):
+        _, got = run(fwd, cache, ids, 4, torch.stack([x.argmax(-1, keepdim=True) for x in ref[:-1]]))
     # each phase is compiled twice (AOT's tensorify pass restarts Dynamo's analysis once, specializing
     # the float attributes it left unspecialized); a failed compile would add graph pieces with problems
     assert {r.phase for r in be.reports} == {"prefill", "decode"} and not any(r.problems for r in be.reports)
     assert_logits_close(got, ref)
     assert be.gate_info == ref_be.gate_info and cache.seen == ref_cache.seen == 44
+
+
+def test_each_phase_compiles_once_under_dynamic_shapes():
+    """A kvpass backend specializes float attributes (RMSNorm's eps): with them unspecialized AOT's
+    tensorify pass restarted the analysis of every graph, which was then traced and compiled twice."""
+    model = build("llama")
+    ids = prompt(20, seed=1)
+    phases = {}
+    for specialize in (None, False):
+        torch._dynamo.reset()
+        be = kvpass.backend("full", compiler="aot_eager")
+        with torch._dynamo.config.patch(**({} if specialize is None else {"specialize_float": specialize})):
+            run(torch.compile(model.forward, backend=be, dynamic=True), kvpass.SlotCache(model, be, max_length=40),
+                ids, 3)
+        phases[specialize] = [r.phase for r in be.reports]
+    assert phases[None] == ["prefill", "decode"]
+    assert phases[False] == ["prefill", "prefill", "decode"]        # what it was before
 
 
 def test_gated_two_pass_first_pass_overflow_is_skipped_not_written():
