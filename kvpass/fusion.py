@@ -280,9 +280,13 @@ class ChunkFusion:
         (time to first token ends here) and the prompt, whose cache now holds every token."""
         fused = self.prepare(chunks, question, system)
         t0 = self._clock()
+        # one token: logits_to_keep changes nothing; without it, and with a contiguous token (a slice of the
+        # prompt has another stride), a SlotCache's decode steps reuse this call's graph
+        keep = {} if self.cache == "slot" else {"logits_to_keep": 1}
         with torch.no_grad():
-            out = self.decode_forward(input_ids=fused.input_ids[:, -1:], past_key_values=fused.cache,
-                                      use_cache=True, logits_to_keep=1)
+            last = fused.input_ids[:, -1:].clone(memory_format=torch.contiguous_format)
+            out = self.decode_forward(input_ids=last, past_key_values=fused.cache,
+                                      use_cache=True, **keep)
         fused.timings["last_token"] = self._clock() - t0
         return out.logits[:, -1], fused
 
