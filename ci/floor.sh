@@ -9,8 +9,11 @@ cd "$(dirname "$0")/.."
 FLOOR=$(python -c "import re; print(re.search(r'transformers>=([0-9.]+)', open('pyproject.toml').read()).group(1))")
 VENV=${KVPASS_FLOOR_VENV:-/tmp/kvpass-transformers-$FLOOR}
 [ -x "$VENV/bin/python" ] || python -m venv --system-site-packages "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$FLOOR" 2>&1 \
-    | grep -v "dependency resolver\|requires\|WARNING: Location\|^$" || true
-"$VENV/bin/python" -c "import transformers, torch; print('floor: transformers', transformers.__version__, 'torch', torch.__version__)"
+LOG=$(mktemp)
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$FLOOR" >"$LOG" 2>&1 \
+    || { cat "$LOG"; echo "ci/floor.sh: could not install transformers==$FLOOR"; exit 1; }
+# the venv must really see the floor, not the newest transformers it shares the site-packages with
+"$VENV/bin/python" -c "import sys, transformers, torch; print('floor: transformers', transformers.__version__, 'torch',
+torch.__version__); sys.exit(transformers.__version__ != '$FLOOR')"
 "$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider tests/test_models.py tests/test_equivalence.py \
     tests/test_eviction_models.py tests/test_streaming.py tests/test_slot_cache.py tests/test_hostile.py
