@@ -8,6 +8,7 @@ compiles) and then decodes greedily; reported per row:
   (one sync at each end, so host overhead shows where the host is the bottleneck);
 * peak: the allocator's high-water mark from the prefill to the last step; KV bytes: what the cache
   holds (a SlotCache: every slot, empty or not);
+* with ``--profile``: the device kernels of 8 more steps, the 24 longest per step;
 * roofline: (weight bytes read per step, the input embedding excepted, + KV bytes a step must read)
   over the device-to-device copy bandwidth measured in this process; ratio = TPOT / roofline.
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 
 WARMUP = 8
+PROFILE = False  # --profile: a kernel table per row
 
 
 def llama8b(layers: int):
@@ -99,7 +101,28 @@ def run(prefill, step, cache_fn, ids, steps):
         pos = pos + 1
     torch.cuda.synchronize()
     tpot = (time.perf_counter() - t) / steps
-    return ttft, tpot, torch.cuda.max_memory_allocated(), kv_bytes(cache), nxt
+    peak = torch.cuda.max_memory_allocated()
+    kernels = profile_steps(step, nxt, pos, cache) if PROFILE else None
+    return ttft, tpot, peak, kv_bytes(cache), kernels
+
+
+def profile_steps(step, nxt, pos, cache, steps: int = 8, top: int = 24) -> list:
+    """Device kernels of ``steps`` more steps (CUDA-graph replays included): the ``top`` by time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            nxt = step(nxt, pos, cache).argmax(-1, keepdim=True)
+            pos = pos + 1
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:120], "us_per_step": us / steps, "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    return [{"kernel": "(all kernels)", "us_per_step": total,
+             "calls_per_step": sum(r["calls_per_step"] for r in rows)}] + rows[:top]
 
 
 def policy_of(name: str) -> tuple[str, dict]:
@@ -178,7 +201,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--configs", default="hf_eager,hf_eager_cudnn,hf_static,full,snapkv,streamingllm,art")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile", action="store_true", help="add each row's device kernels per step (top 24)")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch._dynamo.config.cache_size_limit = 64
@@ -199,7 +225,7 @@ def main() -> None:
         for name, pre, step, cache_fn, be in configs(model, args, ctx):
             t0 = time.perf_counter()
             try:
-                ttft, tpot, peak, kvb, _ = run(pre, step, cache_fn, ids, args.steps)
+                ttft, tpot, peak, kvb, kernels = run(pre, step, cache_fn, ids, args.steps)
             except Exception as e:  # a row that fails is reported, the others go on
                 row = {"config": name, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:400]}"}
                 print(json.dumps(row), flush=True)
@@ -214,6 +240,10 @@ def main() -> None:
                 row["graphs"] = [(r.phase, r.cudagraphs) for r in be.reports]
                 row["plans"] = be.plans()
             print(json.dumps(row), flush=True)
+            if kernels:
+                row["kernels"] = kernels
+                print("  " + "\n  ".join(f"{k['us_per_step']:8.1f} us {k['calls_per_step']:5.1f}x {k['kernel'][:90]}"
+                                          for k in kernels[:12]), flush=True)
             result["rows"].append(row)
             out.write_text(json.dumps(result, indent=1))
             torch.cuda.empty_cache()

@@ -8,12 +8,13 @@
 #   H: issue 20 case 7 on the DynamicCache path: raas, asl, art at 4,096 then 128k tokens (full beside)
 #   D: where a SlotCache prefill spends time and memory (bench/diag_prefill.py)
 #   M: gemfilter on a SlotCache (8 layers, 32k), then the policies at 32 layers, 32k
+#   P: kernel tables (--profile): full, quest, art, raas at 128k; R: full at 2k and 32k, snapkv at 32k
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, G, H, L, M, Q or T}" in
+case "${1:?call A-D, G, H, L, M, P, Q, R or T}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -33,6 +34,10 @@ case "${1:?call A-D, G, H, L, M, Q or T}" in
        --out $out/b1_32k_32layers_policies.json --configs full,snapkv,quest,art,raas,asl@layer=8 2>&1 | grep '^{' ;;
   D) timeout 300 python bench/diag_prefill.py --layers 8 --context 32768 --policy full --dynamic > $out/diag_prefill_32k.json
      tail -c 3000 $out/diag_prefill_32k.json ;;
+  P) timeout 560 $B --batch 1 --contexts 131072 --profile --out $out/b1_128k_profile.json \
+       --configs full,quest,art,raas 2>&1 | grep -v DEBUG | grep '^[{ ]' ;;
+  R) timeout 300 $B --batch 1 --contexts 2048,32768 --profile --out $out/b1_32k_profile.json \
+       --configs full,snapkv 2>&1 | grep -v DEBUG | grep '^[{ ]' ;;
   T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
 esac
