@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 
 WARMUP = 8
-PROFILE = False  # --profile: a kernel table per row
+PROFILE, PROFILE_STEPS = False, 8  # --profile: a kernel table of 8 more steps per row
 
 
 def llama8b(layers: int):
@@ -106,7 +106,7 @@ def run(prefill, step, cache_fn, ids, steps):
     return ttft, tpot, peak, kv_bytes(cache), kernels
 
 
-def profile_steps(step, nxt, pos, cache, steps: int = 8, top: int = 24) -> list:
+def profile_steps(step, nxt, pos, cache, steps: int = PROFILE_STEPS, top: int = 24) -> list:
     """Device kernels of ``steps`` more steps (CUDA-graph replays included): the ``top`` by time, per step."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -152,7 +152,7 @@ def read_entries(name: str, ctx: int, budget: int, layers: int) -> float:
 
 
 def configs(model, args, ctx):
-    b, n_new = args.batch, WARMUP + args.steps + 2
+    b, n_new = args.batch, WARMUP + args.steps + 2 + (PROFILE_STEPS if PROFILE else 0)
 
     def hf_prefill(ids, cache):
         return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
