@@ -52,6 +52,12 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
     (``kvpass.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_scores_ref``
     elsewhere.
 
+``kvpass::page_bounds(q, kmin, kmax) -> ub [B, H, P] fp32``
+    Quest's page upper bounds alone, per query head (``page_bounds_reference``), read by the SlotCache
+    decode steps of Quest and RaaS; its kernel is parallel over blocks of pages
+    (``kvpass.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
+    elsewhere.
+
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
@@ -391,6 +397,25 @@ def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
     return torch.ops.kvpass.page_scores_ref(q, kmin, kmax, live, ts, alpha, now)
 
 
+@torch.library.custom_op("kvpass::page_bounds_ref", mutates_args=())
+def page_bounds_ref(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
+    return _pscores.page_bounds_reference(q, kmin, kmax)
+
+
+@page_bounds_ref.register_fake
+def _(q, kmin, kmax):
+    return q.new_empty((q.shape[0], q.shape[1], kmin.shape[2]), dtype=torch.float32)
+
+
+@torch.library.triton_op("kvpass::page_bounds", mutates_args=())
+def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
+    """Quest's upper bound ``[B, H, P]`` (fp32) of every page for every query head; see
+    ``kvpass.kernels.page_scores``. Triton on CUDA, the reference operator elsewhere."""
+    if q.device.type == "cuda" and _pscores.triton is not None:
+        return _pscores.page_bounds_triton(q, kmin, kmax, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.page_bounds_ref(q, kmin, kmax)
+
+
 @torch.library.custom_op("kvpass::count_visits", mutates_args=())
 def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: int, site: int) -> Tensor:
     """Passes ``out`` through and adds ``visited`` (blocks read per KV group) to the run statistics.
@@ -582,6 +607,8 @@ OPS = {
     "gather_kv_ref": gather_kv_ref,
     "page_scores": page_scores,
     "page_scores_ref": page_scores_ref,
+    "page_bounds": page_bounds,
+    "page_bounds_ref": page_bounds_ref,
     "page_select": page_select,
     "rope_rotate": rope_rotate,
     "rope_rotate_ref": rope_rotate_ref,

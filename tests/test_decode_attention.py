@@ -79,14 +79,16 @@ def test_kernel_equals_reference_with_termination(shape, block, tau, phi, patien
 
 @SETTINGS
 @given(shape=shapes, tau=st.sampled_from([1e-2, 0.1, 0.5]), patience=st.integers(1, 3),
-       horizon=st.integers(1, 6), structured=st.booleans(), seed=st.integers(0, 10_000))
-def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structured, seed):
+       horizon=st.integers(1, 6), structured=st.booleans(), parallel=st.booleans(), seed=st.integers(0, 10_000))
+def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structured, parallel, seed):
     """The horizon launch (stop rule over the first steps, the rest split-KV and merged) equals the
-    sequential reference with the same horizon."""
+    sequential reference with the same horizon, with the horizon read serially or one block per
+    program and scanned."""
     b, (h, hkv), length, d = shape
     q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured)
     kw = dict(block=16, tau=tau, phi=0.3, patience=patience, horizon=horizon)
-    out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
+    out_k, vis_k = K.decode_attention_triton(q, k, v, parallel_horizon=parallel, **kw)
+    out_r, vis_r = K.decode_attention_reference(q, k, v, **kw)
     assert torch.equal(vis_k, vis_r)
     torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import kvpass
 from kvpass import runtime
+from kvpass.kernels.page_scores import page_bounds_reference
 from kvpass.ops import OPS
 
 OP = torch.ops.kvpass
@@ -568,6 +569,24 @@ def test_opcheck_page_scores():
 
 def test_opcheck_page_scores_ref():
     opcheck("page_scores_ref", _page_args(1))
+
+
+def _bounds_args(seed: int = 0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 6, 1, 24, generator=gen)[:, :, -1]  # strided, GQA group 3, head dim 24
+    a, c = torch.randn(2, 2, 5, 24, generator=gen).to(dtype), torch.randn(2, 2, 5, 24, generator=gen).to(dtype)
+    return q, torch.minimum(a, c), torch.maximum(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_page_bounds(dtype):
+    args = _bounds_args(dtype=dtype)
+    opcheck("page_bounds", args)
+    torch.testing.assert_close(OP.page_bounds(*args), page_bounds_reference(*args), atol=0, rtol=0)
+
+
+def test_opcheck_page_bounds_ref():
+    opcheck("page_bounds_ref", _bounds_args(1))
 
 
 def test_opcheck_page_select():

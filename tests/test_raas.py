@@ -6,7 +6,10 @@
 * driven step by step: a page is evicted only when every decode page is full and it is the oldest;
   timestamps follow a hand-computed trace; representative keys bound every key of their page
   (hypothesis); the batched update compiled by Inductor equals the eager one;
-* the Triton scoring kernel equals its reference under the interpreter.
+* the Triton scoring kernel equals its reference under the interpreter;
+* the Triton page-bounds kernel (the SlotCache decode of quest and raas) equals ``page_bounds_reference``
+  under the interpreter (hypothesis: batch, GQA group incl. 3, head dim incl. 24, page counts around the
+  block size, fp32/bf16 bounds, strided query and bounds).
 """
 
 from __future__ import annotations
@@ -222,6 +225,35 @@ def test_kernel_equals_reference(b, h, hkv, pages, d):
     ub_k, ts_k = PS.page_scores_triton(*args)
     torch.testing.assert_close(ub_k, ub, atol=1e-5, rtol=1e-5)
     assert torch.equal(ts_k, ts_ref) and bool((ts_ref == 99).any())
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 4, 3]),
+       d=st.sampled_from([8, 16, 24]), pages=st.sampled_from([1, 5, 16, 17, 31, 32, 33, 70]),
+       block_p=st.sampled_from([16, 32]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       q_layout=st.sampled_from(["slot", "dense", "transposed"]), sliced=st.booleans())
+def test_page_bounds_kernel_equals_reference(seed, b, hkv, g, d, pages, block_p, dtype, q_layout, sliced):
+    """``ub [B, H, P]`` of the parallel page-bounds kernel equals the reference for every head and page."""
+    gen = torch.Generator().manual_seed(seed)
+    h = hkv * g
+    if q_layout == "slot":  # q[:, :, -1] of the decode query [B, H, 1, D], as slot_pages passes it
+        q = torch.randn(b, h, 3, d, generator=gen)[:, :, -1]
+    elif q_layout == "transposed":  # last dim not unit-stride: copied by the launcher
+        q = torch.randn(b, d, h, generator=gen).transpose(1, 2)
+    else:
+        q = torch.randn(b, h, d, generator=gen)
+    x = torch.randn(b, hkv, pages + 7, d, generator=gen).to(dtype)
+    y = torch.randn(b, hkv, pages + 7, d, generator=gen).to(dtype)
+    kmin, kmax = torch.minimum(x, y), torch.maximum(x, y)
+    if sliced:  # the first pages of a larger page buffer, read in place; a read past them meets inf
+        kmin[:, :, pages:], kmax[:, :, pages:] = float("inf"), float("inf")
+        kmin, kmax = kmin[:, :, :pages], kmax[:, :, :pages]
+    else:
+        kmin, kmax = kmin[:, :, :pages].contiguous(), kmax[:, :, :pages].contiguous()
+    ub = PS.page_bounds_reference(q, kmin, kmax)
+    ub_k = PS.page_bounds_triton(q, kmin, kmax, block_p=block_p)
+    assert ub_k.shape == (b, h, pages) and ub_k.dtype == torch.float32
+    torch.testing.assert_close(ub_k, ub, atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_update_equals_eager():

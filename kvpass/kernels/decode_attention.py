@@ -298,6 +298,40 @@ if triton is not None:
         m = m_new
         return m, l, acc, live, (j >= 0).to(tl.int32)
 
+    @triton.jit
+    def _art_watch(not_first, m, l, acc, live, took, prev, npv, stable, count, m_s, l_s, acc_s, probe, g,
+                   tau, phi, patience, GROUP: tl.constexpr):
+        """ART's stop rule after one step: the probe's change against the last step, the run of stable
+        steps, the blocks counted, and the state kept at the patience-th stable step. Returns the new
+        ``(prev, ||prev||, stable, count, m_s, l_s, acc_s)``."""
+        x = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
+        x = tl.where(probe[None, :], x, 0.0)
+        diff = x - prev
+        # one reduction over head_dim for all three sums (each is a cross-warp exchange)
+        sxx, sdd, sxp = tl.reduce((x * x, diff * diff, x * prev), 1, _sum3)
+        nx = tl.sqrt(sxx)
+        d_scale = tl.sqrt(sdd) / tl.maximum(nx, 1e-30)
+        d_dir = 1.0 - sxp / tl.maximum(nx * npv, 1e-30)
+        ok = ((d_scale < tau) & (d_dir < phi)) | (g >= GROUP)
+        all_ok = tl.min(ok.to(tl.int32), 0) > 0
+        running = stable < patience
+        stable = tl.where(running & live, tl.where(all_ok & not_first, stable + 1, 0), stable)
+        count += running.to(tl.int32) * took
+        done = running & (stable >= patience)
+        m_s = tl.where(done, m, m_s)
+        l_s = tl.where(done, l, l_s)
+        acc_s = tl.where(done, acc, acc_s)
+        return x, nx, stable, count, m_s, l_s, acc_s
+
+    @triton.jit
+    def _merge(m, l, acc, ms, ls, a):
+        """Merge a partial softmax state ``(ms, ls, a)`` into ``(m, l, acc)`` (exp2 domain)."""
+        m_new = tl.maximum(m, ms)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.exp2(m - m_safe)
+        w_new = tl.exp2(ms - m_safe)
+        return m_new, l * w_old + ls * w_new, acc * w_old[:, None] + a * w_new[:, None]
+
     # lengths change every decode step: specialising on their values (== 1, divisible by 16) would
     # compile new variants while the cache grows
     @triton.jit(do_not_specialize=["window", "patience", "length", "n_blocks", "step0", "blocks_per_split",
@@ -361,25 +395,9 @@ if triton is not None:
                         i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
                         scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
                         sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
-                    x = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
-                    x = tl.where(probe[None, :], x, 0.0)
-                    diff = x - prev
-                    # one reduction over head_dim for all three sums (each is a cross-warp exchange)
-                    sxx, sdd, sxp = tl.reduce((x * x, diff * diff, x * prev), 1, _sum3)
-                    nx = tl.sqrt(sxx)
-                    d_scale = tl.sqrt(sdd) / tl.maximum(nx, 1e-30)
-                    d_dir = 1.0 - sxp / tl.maximum(nx * npv, 1e-30)
-                    ok = ((d_scale < tau) & (d_dir < phi)) | (g >= GROUP)
-                    all_ok = tl.min(ok.to(tl.int32), 0) > 0
-                    running = stable < patience
-                    stable = tl.where(running & live, tl.where(all_ok & (i > start), stable + 1, 0), stable)
-                    count += running.to(tl.int32) * took
-                    done = running & (stable >= patience)
-                    m_s = tl.where(done, m, m_s)
-                    l_s = tl.where(done, l, l_s)
-                    acc_s = tl.where(done, acc, acc_s)
-                    prev = x
-                    npv = nx
+                    prev, npv, stable, count, m_s, l_s, acc_s = _art_watch(
+                        i > start, m, l, acc, live, took, prev, npv, stable, count, m_s, l_s, acc_s, probe, g,
+                        tau, phi, patience, GROUP)
                 c += CHUNK
             stopped = stable >= patience
             if SPLIT:
@@ -409,27 +427,65 @@ if triton is not None:
             tl.store(Out + row[:, None] + d[None, :], out.to(Out.dtype.element_ty),
                      mask=gmask[:, None] & dmask[None, :])
 
-    @triton.jit(do_not_specialize=["n_splits"])
-    def _kvpass_decode_combine(PartAcc, PartM, PartL, Out, n_splits, D: tl.constexpr, D_PAD: tl.constexpr):
+    @triton.jit(do_not_specialize=["patience", "steps", "n_parts"])
+    def _kvpass_art_scan(PartAcc, PartM, PartL, Visited, Stopped, tau, phi, patience, steps, n_parts,
+                         GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                         PROBE_STRIDE: tl.constexpr):
+        """The parallel horizon's stop rule: parts ``0 .. steps-1`` hold one step's block each (read in
+        parallel); merge them in step order with the serial kernel's rule and write the state it keeps
+        to part ``steps``, whether it stopped to ``Stopped``, and the blocks it counts to ``Visited``."""
+        b = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1)
+        nh = tl.num_programs(1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        gmask = g < GROUP
+        gd = gmask[:, None] & (d < D)[None, :]
+        rows = (b * nh * GROUP + (hk * GROUP + g).to(tl.int64)) * n_parts  # [G_PAD] first part of each head
+        vrow = (b * nh + hk) * n_parts
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        prev = tl.zeros([G_PAD, D_PAD], tl.float32)
+        npv = tl.zeros([G_PAD], tl.float32)
+        probe = (d % PROBE_STRIDE == 0) & (d < D)
+        stable = tl.full([], 0, tl.int32)
+        count = tl.full([], 0, tl.int32)
+        m_s, l_s, acc_s = m, l, acc
+        for i in range(0, steps):
+            ms = tl.load(PartM + rows + i, mask=gmask, other=float("-inf"))
+            ls = tl.load(PartL + rows + i, mask=gmask, other=0.0)
+            a = tl.load(PartAcc + (rows + i)[:, None] * D + d[None, :], mask=gd, other=0.0)
+            took = tl.load(Visited + vrow + i)
+            tl.store(Visited + vrow + i, 0)
+            live = tl.max(ms, 0) > float("-inf")  # a block with nothing visible changes nothing
+            m, l, acc = _merge(m, l, acc, ms, ls, a)
+            prev, npv, stable, count, m_s, l_s, acc_s = _art_watch(
+                i > 0, m, l, acc, live, took, prev, npv, stable, count, m_s, l_s, acc_s, probe, g,
+                tau, phi, patience, GROUP)
+        stopped = stable >= patience
+        tl.store(Stopped + b * nh + hk, stopped.to(tl.int32))
+        tl.store(PartM + rows + steps, tl.where(stopped, m_s, m), mask=gmask)
+        tl.store(PartL + rows + steps, tl.where(stopped, l_s, l), mask=gmask)
+        tl.store(PartAcc + (rows + steps)[:, None] * D + d[None, :], tl.where(stopped, acc_s, acc), mask=gd)
+        tl.store(Visited + vrow + steps, count)
+
+    @triton.jit(do_not_specialize=["n_parts", "first"])
+    def _kvpass_decode_combine(PartAcc, PartM, PartL, Out, n_parts, first, D: tl.constexpr, D_PAD: tl.constexpr):
+        """Merge parts ``first .. n_parts-1`` of each query head and normalise."""
         row = tl.program_id(0).to(tl.int64)  # b * H + h
         d = tl.arange(0, D_PAD)
         dmask = d < D
-        m = tl.full([], float("-inf"), tl.float32)
-        l = tl.full([], 0.0, tl.float32)
-        acc = tl.zeros([D_PAD], tl.float32)
-        for s in range(n_splits):
-            ms = tl.load(PartM + row * n_splits + s)
-            ls = tl.load(PartL + row * n_splits + s)
-            a = tl.load(PartAcc + (row * n_splits + s) * D + d, mask=dmask, other=0.0)
-            m_new = tl.maximum(m, ms)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w_old = tl.exp2(m - m_safe)
-            w_new = tl.exp2(ms - m_safe)
-            l = l * w_old + ls * w_new
-            acc = acc * w_old + a * w_new
-            m = m_new
-        out = acc * tl.where(l > 0, 1.0 / l, 0.0)
-        tl.store(Out + row * D + d, out.to(Out.dtype.element_ty), mask=dmask)
+        m = tl.full([1], float("-inf"), tl.float32)
+        l = tl.zeros([1], tl.float32)
+        acc = tl.zeros([1, D_PAD], tl.float32)
+        for s in range(first, n_parts):
+            ms = tl.load(PartM + row * n_parts + s)
+            ls = tl.load(PartL + row * n_parts + s)
+            a = tl.load(PartAcc + (row * n_parts + s) * D + d[None, :], mask=dmask[None, :], other=0.0)
+            m, l, acc = _merge(m, l, acc, ms, ls, a)
+        out = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
+        tl.store(Out + row * D + d[None, :], out.to(Out.dtype.element_ty), mask=dmask[None, :])
 
 
 def interpreting() -> bool:
@@ -446,15 +502,19 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
+def _sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (2 off CUDA and in the interpreter, so that tiny test
+    shapes take the parallel launch shapes)."""
+    if device.type != "cuda" or interpreting():
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def num_splits(programs, n_blocks, device) -> int:
     """How many KV splits fill the GPU: about 4 programs per SM, at most 64 splits, at least four
     blocks per split (below that the merge costs more than it saves). SymInt-safe (no guards on
     symbolic batch or length)."""
-    if device.type != "cuda" or interpreting():
-        sms = 2
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = _cdiv(4 * sms, programs)
+    want = _cdiv(4 * _sms(device), programs)
     return torch.sym_max(1, torch.sym_min(torch.sym_min(want, 64), n_blocks // 4))
 
 
@@ -464,7 +524,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             block_map: Tensor | None = None, scale: float | None = None,
                             softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
                             patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
-                            probe: int = 0, horizon: int = 0, split: bool | None = None, num_warps: int = 4,
+                            probe: int = 0, horizon: int = 0, split: bool | None = None,
+                            parallel_horizon: bool | None = None, num_warps: int = 4,
                             num_stages: int = 3, chunk: int = 8, launch=None) -> tuple[Tensor, Tensor]:
     """Launch the Triton kernels; arguments as ``decode_attention_reference``.
 
@@ -474,9 +535,16 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
       ranges read in parallel, and ``_kvpass_decode_combine`` merges the partial softmax states;
     * ART off, unsplit, or ART with ``horizon = 0``: one program per (sequence, KV head) reads its
       steps in order (ART's stop rule on the way);
-    * ART with a ``horizon``: one program per (sequence, KV head) runs the stop rule over the first
-      ``horizon`` steps; where it has not stopped, the remaining steps are read in parallel ranges
-      (split-KV) and everything is merged.
+    * ART with a ``horizon``: the stop rule runs over the first ``horizon`` steps; where it has not
+      stopped, the remaining steps are read in parallel ranges (split-KV) and everything is merged.
+      The horizon is read serially, one program per (sequence, KV head), stopping where the rule
+      fires; or, when those programs cannot fill the GPU (``parallel_horizon``, by default when
+      ``B x H_kv`` is below the SM count: batch 1 is 8 programs on 132 SMs), one program per
+      horizon step reads its block, and ``_kvpass_art_scan`` merges them in step order with the same
+      rule. The parallel horizon loads every horizon block even where the rule stops early (at most
+      ``horizon x block`` entries; ``visited`` counts the blocks in the output, as the serial read);
+      the serial one cost 41 us per layer and step over ``full``'s read at 128k (8 programs walking
+      16 blocks; H100, 2026-11-25).
 
     ``launch`` wraps each kernel before its launch (``torch.library.wrap_triton`` inside a
     ``triton_op``; identity when called directly).
@@ -510,7 +578,12 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     rest = torch.sym_max(n_blocks - horizon, 1) if after_art else n_blocks
     n_splits = num_splits(b * hkv, rest, q.device) if split else 1
     per_split = _cdiv(rest, n_splits)
-    n_parts = n_splits + 1 if after_art else n_splits
+    if parallel_horizon is None:
+        parallel_horizon = b * hkv < _sms(q.device)
+    # parts: [horizon steps, one each, when parallel] + [the horizon's kept state] + [the rest's splits]
+    h_steps = torch.sym_min(horizon, n_blocks) if after_art and parallel_horizon else 0
+    first = h_steps
+    n_parts = h_steps + n_splits + 1 if after_art else n_splits
 
     dummy = q.new_empty(1)
     if mask is not None:
@@ -555,13 +628,21 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, UPCAST=upcast, CHUNK=chunk,
         num_warps=num_warps, num_stages=num_stages)
     kernel = wrap(_kvpass_decode_kernel)
-    if after_art:  # the stop rule over the first `horizon` steps: partial state 0
+    if after_art and parallel_horizon:  # one block per horizon step, then the stop rule over them in order
+        kernel[(b, hkv, h_steps)](*common, 0, 1, 0, n_parts, *strides, ART=False, SPLIT=True, AFTER_ART=False,
+                                  **meta)
+        wrap(_kvpass_art_scan)[(b, hkv)](
+            part_acc, part_m, part_l, visited, stopped, float(tau), float(phi), int(patience), h_steps, n_parts,
+            GROUP=h // hkv, G_PAD=pow2(h // hkv), D=d, D_PAD=pow2(d), PROBE_STRIDE=meta["PROBE_STRIDE"],
+            num_warps=num_warps)
+    elif after_art:  # the stop rule over the first `horizon` steps, serially: the part before the rest's
         kernel[(b, hkv, 1)](*common, 0, horizon, 0, n_parts, *strides, ART=True, SPLIT=True, AFTER_ART=False, **meta)
-        kernel[(b, hkv, n_splits)](*common, horizon, per_split, 1, n_parts, *strides, ART=False, SPLIT=True,
-                                   AFTER_ART=True, **meta)
+    if after_art:
+        kernel[(b, hkv, n_splits)](*common, horizon, per_split, h_steps + 1, n_parts, *strides, ART=False,
+                                   SPLIT=True, AFTER_ART=True, **meta)
     else:
         kernel[(b, hkv, n_splits)](*common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split),
                                    AFTER_ART=False, **meta)
     if split:
-        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, D=dv, D_PAD=pow2(dv))
+        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, first, D=dv, D_PAD=pow2(dv))
     return out, visited.sum(-1, dtype=torch.int32)

@@ -16,6 +16,14 @@ The kernel runs one program per (sequence, KV head): pass 1 streams the pages in
 ``BLOCK_P`` and keeps each query head's running max and ``sum exp`` (online softmax, fp32) and
 writes ``ub``; pass 2 recomputes the bound, normalises and writes the timestamps. The group's
 queries are padded to a power of two; padded rows read zeros and are ignored.
+
+``ub`` alone, per query head (``page_bounds_reference``, what the SlotCache decode steps of Quest and
+RaaS rank and softmax), has its own kernel: one program per (sequence, KV head, block of ``BLOCK_P``
+pages) loads the block's ``kmin`` / ``kmax`` once, upcast to fp32, and writes the bound of every query
+head of the group, one head at a time (a ``[G, BLOCK_P, D]`` product spills registers at D = 128). The
+scoring kernel above walks all pages of a KV head serially (too few programs at batch 1), and Inductor's
+reduction of the reference re-reads the bounds once per query head; this grid spreads the pages over the
+GPU and reads the bounds once.
 """
 
 from __future__ import annotations
@@ -110,6 +118,47 @@ if triton is not None:
             hit = (tl.max(tl.where(share > alpha, 1, 0), axis=0) > 0) & ok
             old = tl.load(Ts + row, mask=pi < n_pages, other=0)
             tl.store(TsOut + row, tl.where(hit, now, old).to(tl.int64), mask=pi < n_pages)
+
+
+    @triton.jit
+    def _kvpass_page_bounds_kernel(Q, Kmin, Kmax, Ub, n_pages, sq_b, sq_h, sk_b, sk_h, sk_p,
+                                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                                   BLOCK_P: tl.constexpr):
+        bh = tl.program_id(0)
+        b = (bh // HKV).to(tl.int64)
+        h = (bh % HKV).to(tl.int64)
+        pi = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        d = tl.arange(0, D_PAD)
+        pm = pi < n_pages
+        km = pm[:, None] & (d < D)[None, :]
+        off = b * sk_b + h * sk_h + pi[:, None].to(tl.int64) * sk_p + d[None, :]
+        kx = tl.load(Kmax + off, mask=km, other=0.0).to(tl.float32)
+        kn = tl.load(Kmin + off, mask=km, other=0.0).to(tl.float32)
+        # one query head at a time: a [G, BLOCK_P, D] product (_kvpass_page_ub) spills registers
+        for j in tl.static_range(G):
+            q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + d, mask=d < D, other=0.0).to(tl.float32)
+            ub = tl.sum(tl.maximum(q[None, :] * kx, q[None, :] * kn), axis=1)
+            tl.store(Ub + (bh.to(tl.int64) * G + j) * n_pages + pi, ub, mask=pm)  # Ub [B, H, P], head h * G + j
+
+
+def page_bounds_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_p: int = 32, launch=None) -> Tensor:
+    """Launch the page-bounds kernel: ``ub [B, H, P]`` fp32, as ``page_bounds_reference``."""
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("kvpass page bounds need Triton")
+    wrap = launch or (lambda fn: fn)
+    b, h, d = q.shape
+    hkv, n_pages = kmin.shape[1], kmin.shape[2]
+    if q.stride(-1) != 1:  # q[:, :, -1] of a [B, H, 1, D] query is read in place
+        q = q.contiguous()
+    if kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:  # slices of page buffers are read in place
+        kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    ub = torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32)
+    g = h // hkv
+    grid = (b * hkv, triton.cdiv(n_pages, block_p))
+    wrap(_kvpass_page_bounds_kernel)[grid](
+        q, kmin, kmax, ub, n_pages, q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        HKV=hkv, G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p)
+    return ub
 
 
 def page_scores_triton(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float, now: int,

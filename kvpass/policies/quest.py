@@ -16,9 +16,9 @@ On a ``kvpass.SlotCache`` the same selection is tensor code inside the compiled 
 step is captured whole): the bounds ``kmin`` / ``kmax`` / ``live`` of the slots' pages of 16 are layer
 state the cache allocates (``slot_state``); the prefill (and an append) rebuilds them from the slots
 (``slot_bounds``), a decode step folds its token into its page (``slot_fold``) and ranks the complete
-pages by the same bound, written as tensor code that Inductor fuses (``slot_pages``). The slots hold the prompt in the
-append layout (a left-padded row's padding after its real tokens), so pages are the DynamicCache's
-pages for an unpadded row.
+pages by the same bound (``slot_pages``: ``kvpass::page_bounds`` per query head, then tensor code). The
+slots hold the prompt in the append layout (a left-padded row's padding after its real tokens), so pages
+are the DynamicCache's pages for an unpadded row.
 
 Choices the issue leaves open, and why:
 
@@ -52,7 +52,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvpass.kernels.page_scores import page_bounds_reference
 from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan, SlotHooks
 
 PAGE = 16
@@ -158,10 +157,12 @@ def slot_pages(q: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], top: 
     b, hkv, pages, _ = kmin.shape
     cur = (count[1] - 1) // PAGE
     ok = live & (torch.arange(pages, device=kmin.device) < cur)
-    # plain tensor code, not kvpass::page_scores: Inductor fuses it into one reduction over every page in
-    # parallel, where page_scores' kernel (one program per KV head, two passes for RaaS's softmax) walked
-    # 2,048 pages serially per layer (quest 2.4x slower than full at 32k, H100)
-    ub = page_bounds_reference(q[:, :, -1], kmin, kmax).view(b, hkv, -1, pages).amax(2)
+    # kvpass::page_bounds, not kvpass::page_scores: page_scores' kernel (one program per KV head, two passes
+    # for RaaS's softmax) walked 2,048 pages serially per layer (quest 2.4x slower than full at 32k, H100), and
+    # Inductor's reduction of page_bounds_reference re-read the bounds once per query head (~80 us per layer at
+    # 128k, 8 KV heads, bf16 bounds, H100); page_bounds' kernel runs one program per block of 32 pages and
+    # reads each block once for the whole group (~17 us there, CUDA graph)
+    ub = torch.ops.kvpass.page_bounds(q[:, :, -1], kmin, kmax).view(b, hkv, -1, pages).amax(2)
     ub = ub.masked_fill(~ok, float("-inf"))
     val, idx = ub.topk(min(top, pages), dim=-1)
     idx = torch.where(val > float("-inf"), idx, pages)

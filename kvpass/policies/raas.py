@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.kernels.page_scores import page_bounds_reference
 from kvpass.policies.base import ConfigError, Param, Policy, SitePlan, SlotHooks
 from kvpass.policies.quest import page_bounds
 
@@ -383,7 +382,8 @@ def slot_stamp(q, keys, pos, count, state: list, k_new, decode_pages: int, alpha
     kmax.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.maximum(kmax[rows, heads, cur], knew)))
     fill = fill + 1
     now = count[0]
-    ub = page_bounds_reference(q[:, :, -1], kmin, kmax).masked_fill(~live.repeat_interleave(g, 1), float("-inf"))
+    ub = torch.ops.kvpass.page_bounds(q[:, :, -1], kmin, kmax).masked_fill(~live.repeat_interleave(g, 1),
+                                                                          float("-inf"))
     share = torch.softmax(ub, dim=-1).nan_to_num(0.0)
     stamped = torch.where((share > alpha).view(b, hkv, g, pages).any(2) & live, now, ts)
     idx = torch.arange(pages, device=q.device)

@@ -60,6 +60,22 @@ def test_termination_equals_reference_fp32(b, h, hkv, length, d, chunk):
     torch.testing.assert_close(out[rows], ref[rows], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("b,h,hkv,length,d", [(1, 32, 8, 131072, 128), (16, 32, 8, 32768, 128), (2, 9, 3, 8192, 64)])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_horizon_equals_reference_fp32(b, h, hkv, length, d, parallel):
+    """The horizon launch, read serially or one block per program and scanned, stops where the
+    sequential reference with the same horizon stops and otherwise reads everything."""
+    q, k, v = tensors(b, h, hkv, length, d, torch.float32, seed=2)
+    kw = dict(tau=1e-2, phi=1e-3, patience=3, block=64, horizon=16)
+    out, vis = K.decode_attention_triton(q, k, v, parallel_horizon=parallel, **kw)
+    ref, vis_r = K.decode_attention_reference(q, k, v, **kw)
+    same = vis == vis_r
+    assert same.float().mean() >= 0.99, (vis, vis_r)
+    assert (vis_r < -(-length // 64)).any(), "nothing stopped inside the horizon: the case does not test it"
+    rows = same.repeat_interleave(h // hkv, 1)
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-4, rtol=1e-4)
+
+
 def test_paged_real_size():
     b, pages, page = 32, 256, 16
     g = torch.Generator(device=DEV).manual_seed(2)

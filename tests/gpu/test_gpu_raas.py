@@ -2,6 +2,8 @@
 
 * the page-scoring Triton kernel equals its reference at real sizes (1k-8k pages, head_dim 64/128,
   GQA groups 1-8, batch up to 8) and through ``kvpass::page_scores`` on CUDA;
+* the page-bounds kernel (SlotCache decode of quest and raas) equals ``page_bounds_reference`` at real
+  sizes, with a strided query, and through ``kvpass::page_bounds`` on CUDA;
 * a long decode on CUDA keeps the stored pool size constant and the allocated pages within
   prefill pages + budget/16 + 1, and a no-evict budget equals ``full``;
 * quest: the decode kernel with a short ``block_map`` (-1 padded) equals its reference at real sizes,
@@ -41,6 +43,20 @@ def test_page_scores_kernel_equals_reference(b, h, hkv, pages, d, dtype):
     assert (ts_k != ts_ref).sum().item() <= max(2, ts_ref.numel() // 10000)
     ub_op, ts_op = torch.ops.kvpass.page_scores(*args)
     assert torch.equal(ub_op, ub_k) and torch.equal(ts_op, ts_k)
+
+
+@pytest.mark.parametrize("b,h,hkv,pages,d", [(1, 32, 8, 8192, 128), (8, 16, 2, 1000, 64), (2, 24, 8, 3001, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_bounds_kernel_equals_reference(b, h, hkv, pages, d, dtype):
+    g = torch.Generator(device=DEV).manual_seed(pages)
+    q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * d ** -0.5)[:, :, -1]  # strided, as slot_pages passes it
+    x = torch.randn(b, hkv, pages, d, device=DEV, generator=g).to(dtype)
+    y = torch.randn(b, hkv, pages, d, device=DEV, generator=g).to(dtype)
+    kmin, kmax = torch.minimum(x, y), torch.maximum(x, y)
+    ub = PS.page_bounds_reference(q, kmin, kmax)
+    ub_k = PS.page_bounds_triton(q, kmin, kmax)
+    torch.testing.assert_close(ub_k, ub, atol=1e-4, rtol=1e-4)
+    assert torch.equal(torch.ops.kvpass.page_bounds(q, kmin, kmax), ub_k)
 
 
 def _decode(policy, steps, **params):
