@@ -10,11 +10,17 @@
 #   M: gemfilter on a SlotCache (8 layers, 32k), then the policies at 32 layers, 32k
 #   P: kernel tables (--profile): full, quest, art, raas at 128k; R: full at 2k and 32k, snapkv at 32k
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
+#   K: the kvpress 0.5.5 baseline (bench/bench_kvpress.py), 8 layers, batch 1, 32k and 128k: hf_eager,
+#      SnapKVPress, StreamingLLMPress at the 2,048-token budget, in a second process on transformers 5.2.
+#      kvpress needs transformers < 5.3, so its wheels (kvpress, transformers 5.2.0, tokenizers 0.22.2,
+#      datasets, dill, multiprocess, cachetools, fire, termcolor) travel in .whl/, ignored through
+#      .git/info/exclude (bench/kvpress_wheels.sh fetches them): this call needs carry: [".whl"]; they go to
+#      /tmp/site, ahead on PYTHONPATH
 set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, G, H, L, M, P, Q, R or T}" in
+case "${1:?call A-D, G, H, K, L, M, P, Q, R or T}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -38,6 +44,11 @@ case "${1:?call A-D, G, H, L, M, P, Q, R or T}" in
        --configs full,quest,art,raas 2>&1 | grep -v DEBUG | grep '^[{ ]' ;;
   R) timeout 300 $B --batch 1 --contexts 2048,32768 --profile --out $out/b1_32k_profile.json \
        --configs full,snapkv 2>&1 | grep -v DEBUG | grep '^[{ ]' ;;
+  K) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+       || exit 1
+     PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 480 python3 bench/bench_kvpress.py --layers 8 --batch 1 \
+       --contexts 32768,131072 --out $out/b1_kvpress.json --configs hf_eager,kvpress:SnapKVPress,kvpress:StreamingLLMPress \
+       2>&1 | tee $out/b1_kvpress.log | grep -E '^\{|Error' ;;
   T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
 esac
