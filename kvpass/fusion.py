@@ -178,11 +178,15 @@ class ChunkFusion:
         one graph per step, with CUDA graphs on a CUDA model under Inductor; else ``self.forward``."""
         return self._shared.decode_forward() if self.cache == "slot" else self.forward
 
-    def prepare(self, chunks, question, system=None, max_new_tokens: int = 256) -> FusedPrompt:
+    def prepare(self, chunks, question, system=None, max_new_tokens: int = 256,
+                max_length: int | None = None) -> FusedPrompt:
         """Build the fused cache of ``[system, chunks..., question]`` (texts or token ids); with
-        ``cache="slot"``, a SlotCache with room for the last question token and ``max_new_tokens``."""
-        if self.cache == "slot" and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
-            raise ConfigError(f"parameter 'max_new_tokens' must be an int >= 0, got {max_new_tokens!r}")
+        ``cache="slot"``, a SlotCache with room for the last question token and ``max_new_tokens``, or,
+        when ``max_length`` is given, for the tokens up to that total length (prompt included, as
+        ``generate``'s ``max_length``; at least one new token)."""
+        for name, value in (("max_new_tokens", max_new_tokens), ("max_length", max_length)):
+            if self.cache == "slot" and value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigError(f"parameter '{name}' must be an int >= 0, got {value!r}")
         timings: dict[str, float] = {}
         dev = self.store._device()
         t0 = self._clock()
@@ -270,7 +274,7 @@ class ChunkFusion:
             timings["evict"] = self._clock() - t4
         if self.cache == "slot":
             t5 = self._clock()
-            cache = self._slots(cache, kept, n - 1, max_new_tokens)
+            cache = self._slots(cache, kept, n - 1, max_new_tokens if max_length is None else max(max_length - n, 1))
             timings["slots"] = self._clock() - t5
         mask = torch.ones_like(ids)
         return FusedPrompt(ids, mask, cache, recompute, spans, timings, sources, kept)
@@ -300,8 +304,12 @@ class ChunkFusion:
         ``eos_token_id`` and ``do_sample=False`` as the only options. A SlotCache (``cache="slot"``)
         counts the prompt's tokens, so every policy decodes through ``model.generate`` with any options,
         its steps run by ``decode_forward``."""
-        if self.cache == "slot":
-            fused = self.prepare(chunks, question, system, max_new_tokens=generate_kwargs.get("max_new_tokens", 20))
+        if self.cache == "slot":  # the slots hold what generate may produce, resolved as generate resolves it
+            config = generate_kwargs.get("generation_config") or self.model.generation_config
+            new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+            total = None if new is not None else generate_kwargs.get("max_length", getattr(config, "max_length", None))
+            fused = self.prepare(chunks, question, system, max_new_tokens=20 if new is None else new,
+                                 max_length=total)
             with self._decoding():
                 return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
                                            past_key_values=fused.cache, **generate_kwargs)

@@ -86,6 +86,11 @@ def test_generate_on_slots(model, parts, tmp_path, policy, params):
     got = fusion.generate(chunks, question, system=system, max_new_tokens=6, do_sample=False)
     assert got.tolist() == ref.tolist()
     assert "forward" not in model.__dict__                       # generate's forward is restored
+    # generate's max_length (prompt included) sizes the slots too: 30 new tokens where 20 (the default
+    # max_new_tokens) used to be allocated, which overflowed the cache (a device-side assert)
+    n = fusion.prepare(chunks, question, system=system).input_ids.shape[1]
+    long = fusion.generate(chunks, question, system=system, max_length=n + 30, do_sample=False, eos_token_id=None)
+    assert long.shape[1] == n + 30 and long[:, :got.shape[1]].tolist() == got.tolist()
 
 
 def test_configuration(model, tmp_path):
@@ -95,6 +100,9 @@ def test_configuration(model, tmp_path):
     with pytest.raises(ConfigError, match="'max_new_tokens' must be an int >= 0"):
         kvpass.ChunkFusion(model, store, "pie", compiler="eager", cache="slot").prepare([[5, 6, 7]], [8, 9],
                                                                                         max_new_tokens=-1)
+    with pytest.raises(ConfigError, match="'max_length' must be an int >= 0"):
+        kvpass.ChunkFusion(model, store, "pie", compiler="eager", cache="slot").prepare([[5, 6, 7]], [8, 9],
+                                                                                        max_length=2.5)
     with pytest.raises(ConfigError, match="kvpass.ChunkFusion.*cache='slot'"):
         kvpass.SlotCache(model, kvpass.backend("a3", compiler="eager"), max_length=32)
     assert "cache='slot'" in repr(kvpass.ChunkFusion(model, store, "pie", compiler="eager", cache="slot"))
