@@ -12,6 +12,8 @@
 #      at 2k (the step with almost no KV: weights and launches alone)
 #   B2: 8 layers, batch 16, 32k, the policies that keep the prompt (full, quest, art, raas) and the gated
 #      ones: their prefill at batch 16 needs more than an H100's 80 GB beside the full cache (run it on an H200)
+#   E: target 7 (batch-16 TTFT of 28-43 s on 2026-11-23, DynamicCache path): snapkv at batch 16, 32k, on the
+#      DynamicCache path beside the SlotCache path (6.5 s on 2026-11-25)
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 #   K: the kvpress 0.5.5 baseline (bench/bench_kvpress.py), 8 layers, batch 1, 32k and 128k: hf_eager,
 #      SnapKVPress, StreamingLLMPress at the 2,048-token budget, in a second process on transformers 5.2.
@@ -23,7 +25,7 @@ set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, B2, G, H, K, L, M, P, Q, R or T}" in
+case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R or T}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -49,6 +51,8 @@ case "${1:?call A-D, B2, G, H, K, L, M, P, Q, R or T}" in
        --configs full,snapkv,quest,art,raas 2>&1 | grep -v DEBUG | grep '^[{ ]'
      timeout 120 $B --batch 1 --contexts 2048 --profile --out $out/b1_2k_full_profile.json \
        --configs full 2>&1 | grep -v DEBUG | grep '^[{ ]' ;;
+  E) timeout 560 $B --batch 16 --contexts 32768 --out $out/b16_32k_dynamic_ttft.json \
+       --configs kvpass_dynamic:snapkv,snapkv 2>&1 | grep "^{" ;;
   B2) timeout 560 $B --batch 16 --contexts 32768 --out $out/b16_32k_keep.json \
        --configs full,quest,art,raas,gemfilter,asl@layer=2 2>&1 | grep "^{" ;;
   K) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
