@@ -103,6 +103,22 @@ def _phase(found: _detect.Detection) -> str:
     return "dynamic"
 
 
+def _keep_slot_appends(gm: fx.GraphModule) -> None:
+    """A graph compiled unchanged keeps a SlotCache's own append, which refuses to run for a policy
+    other than ``full`` (``kvpass.cache.slot_append``); here kvpass has warned why, so it may run."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (_detect.SLOT_APPEND, _detect.SLOT_APPEND.default):
+            if len(node.args) > 8:
+                node.args = (*node.args[:8], "")
+                changed = True
+            elif node.kwargs.get("policy"):
+                node.kwargs = {**node.kwargs, "policy": ""}
+                changed = True
+    if changed:
+        gm.recompile()
+
+
 class KVPass(CustomGraphPass):
     """The graph pass: rewrites a Dynamo FX graph in place for one policy."""
 
@@ -146,6 +162,7 @@ class KVPass(CustomGraphPass):
         if problems:
             warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
                       f"{problems[0]}", self)
+            _keep_slot_appends(gm)
             return report
         summary = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
         report.rewritten = summary["rewritten"]

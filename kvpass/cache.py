@@ -31,6 +31,10 @@ that call (``detect``: cache kind ``"slot"``) and replaces it with the policy's 
   slot; ``RING``: an empty slot, else the oldest unprotected one), and ``decode_attention`` reads
   every slot by position (``kv_pos``, ``kv_len``).
 
+``slot_append`` itself runs only where the pass did not rewrite the call: an uncompiled forward (as
+``generate``'s prefill with a ``compile_config``), another backend's graph, or a graph kvpass compiled
+unchanged. For a policy other than ``full`` it then refuses, naming the fix, where it would have kept
+every token without the policy (a graph compiled unchanged, which kvpass has warned about, may append).
 A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
 (a device-side assert) instead of letting HF's mask read the slots as positions.
 """
@@ -55,11 +59,24 @@ RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 @torch.library.custom_op("kvpass::slot_append", mutates_args=("keys", "values", "pos", "count"))
 def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
-                state: list[Tensor], window: int = 0) -> None:
+                state: list[Tensor], window: int = 0, policy: str = "") -> None:
     """The cache's own update: ``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` go into slots ``seen .. seen+q-1``.
     Valid only while the layout is the append layout (no eviction yet) and the tokens fit. ``state`` (the
     policy's per-layer tensors) and ``window`` (a sliding-window layer's window, 0 for a global layer)
-    are not used here: they are passed so the kvpass pass finds them in the graph."""
+    are not used here: they are passed so the kvpass pass finds them in the graph.
+
+    A kvpass-compiled graph never runs this: the pass replaces it with the policy's write. It runs in an
+    uncompiled forward, in a graph compiled by another backend, or in one kvpass compiled unchanged; for a
+    policy other than ``full`` (``policy`` names it) the tokens would be kept without the policy, so it
+    refuses, naming the fix."""
+    if policy:
+        raise RuntimeError(
+            f"kvpass SlotCache: a forward that the kvpass backend did not rewrite wrote into the cache of policy "
+            f"'{policy}'; the policy runs only inside graphs the kvpass backend compiles, so this call would keep "
+            f"every token without it. Compile model.forward itself with the backend the cache was built with "
+            f"(model.forward = torch.compile(model.forward, backend=be, ...)): generate()'s compile_config "
+            f"compiles only the decode steps, and its prefill runs uncompiled. If kvpass warned that it compiled "
+            f"a graph unchanged, that warning says why.")
     q, cap = k_new.shape[2], keys.shape[2]
     torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
                                               "run it through the torch.compile backend that filled it")
@@ -73,7 +90,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
 
 
 @slot_append.register_fake
-def _(keys, values, pos, count, k_new, v_new, state, window=0):
+def _(keys, values, pos, count, k_new, v_new, state, window=0, policy=""):
     return None
 
 
@@ -226,6 +243,7 @@ class SlotLayer(CacheLayerMixin):
         # kvpass rewrite reads every slot by position (the model's own read is what an unchanged graph
         # does, and slot_append then refuses the compressed cache)
         self.read_length = capacity
+        self.policy = ""  # the policy whose cache this is, unless its uncompiled update is exact (SlotCache sets it)
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
@@ -262,7 +280,7 @@ class SlotLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states,
-                                     self.state, self.window)
+                                     self.state, self.window, self.policy)
         if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
             self.filled = True
             return key_states, value_states
@@ -351,6 +369,7 @@ class SlotCache(Cache):
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
+            lay.policy = "" if policy.model_attention else policy.name
 
     @property
     def seen(self) -> int:

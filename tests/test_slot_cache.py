@@ -334,8 +334,9 @@ def test_quest_noop_equals_full_and_append_turn():
 
 
 def test_quest_stale_bounds_fail():
-    """A SlotCache filled by the uncompiled model (slot_append leaves the bounds empty) then decoded by
-    the compiled quest graph fails the device-side assert instead of ranking empty pages."""
+    """The uncompiled model refuses to fill a quest SlotCache; filled by an append anyway (as a graph
+    kvpass compiled unchanged may: slot_append leaves the bounds empty), the compiled quest decode
+    fails the device-side assert instead of ranking empty pages."""
     model = build("llama")
     ids = prompt(40, seed=4)
     torch._dynamo.reset()
@@ -343,6 +344,11 @@ def test_quest_stale_bounds_fail():
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     cache = kvpass.SlotCache(model, be, max_length=64)
     with torch.no_grad():
+        with pytest.raises(RuntimeError, match="did not rewrite .* policy 'quest'"):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache.reset()
+        for lay in cache.layers:
+            lay.policy = ""  # what kvpass does to a graph it compiles unchanged (and warns about)
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="page bounds do not cover"):
             fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
@@ -760,7 +766,8 @@ def test_capacity_errors():
 
 def test_uncompiled_model_on_compressed_cache_fails():
     """After streamingllm compressed the slots, the model's own update (slot_append) would read slots as
-    positions: it fails loudly. On an uncompressed cache (full) it is HF's StaticCache and may go on."""
+    positions: it fails loudly, naming the fix. On an uncompressed cache (full) it is HF's StaticCache and
+    may go on."""
     model = build("llama")
     ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
     for policy, params, fails in (("streamingllm", dict(budget=BUDGET, sinks=SINKS), True), ("full", {}, False)):
@@ -771,7 +778,7 @@ def test_uncompiled_model_on_compressed_cache_fails():
         with torch.no_grad():
             fwd(input_ids=ids, past_key_values=cache, use_cache=True)
             if fails:
-                with pytest.raises(RuntimeError, match="compressed by a kvpass policy"):
+                with pytest.raises(RuntimeError, match="kvpass backend did not rewrite .* policy 'streamingllm'"):
                     model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
             else:
                 out = model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits
@@ -779,6 +786,30 @@ def test_uncompiled_model_on_compressed_cache_fails():
                 model(input_ids=ids, past_key_values=ref, use_cache=True)
                 torch.testing.assert_close(out, model(input_ids=ids[:, :1], past_key_values=ref,
                                                       use_cache=True).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy,params", [("snapkv", dict(budget=BUDGET, window=4)),
+                                           ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {})])
+def test_prefill_outside_the_backend_is_refused(policy, params):
+    """generate(..., compile_config=CompileConfig(backend=be)) compiles only the decode steps: its prefill
+    ran uncompiled and appended the whole prompt into a snapkv SlotCache, so the generation was `full`'s,
+    without a word. The cache's own update now refuses for every policy but `full`, naming the fix; with
+    `full` the generation equals the uncompiled model's."""
+    from transformers import CompileConfig
+    torch._dynamo.reset()
+    model = build("llama")
+    ids = prompt(20, seed=4)
+    be = kvpass.backend(policy, compiler="eager", **params)
+    cc = CompileConfig(backend=be, fullgraph=False, mode="default")
+    cc._compile_all_devices = True  # generate auto-compiles only on accelerators otherwise
+    cache = kvpass.SlotCache(model, be, max_length=40)
+    if policy != "full":
+        with pytest.raises(RuntimeError, match=f"did not rewrite .* policy '{policy}'.*model.forward = torch.compile"):
+            model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, compile_config=cc)
+        return
+    got = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, compile_config=cc)
+    want = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=4, do_sample=False)
+    assert got.tolist() == want.tolist() and be.reports, "generate did not run the compiled decode"
 
 
 def test_static_long_prompt_mask_warns_dynamic_checks_it():

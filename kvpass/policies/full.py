@@ -14,6 +14,7 @@ class Full(Policy):
     name = "full"
     summary = "exact attention through the kvpass operator; the cache is untouched"
     slot_rule = "append"
+    model_attention = True
 
     def plan(self, site) -> SitePlan:
         return SitePlan(attention=True, evict=False)
