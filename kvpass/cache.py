@@ -33,8 +33,9 @@ that call (``detect``: cache kind ``"slot"``) and replaces it with the policy's 
 
 ``slot_append`` itself runs only where the pass did not rewrite the call: an uncompiled forward (as
 ``generate``'s prefill with a ``compile_config``), another backend's graph, or a graph kvpass compiled
-unchanged. For a policy other than ``full`` it then refuses, naming the fix, where it would have kept
-every token without the policy (a graph compiled unchanged, which kvpass has warned about, may append).
+unchanged. For a policy whose prefill is not a plain append (all but ``full`` and ``art``) it then
+refuses, naming the fix, where it would have kept every token without the policy (a graph compiled
+unchanged, which kvpass has warned about, may append).
 A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
 (a device-side assert) instead of letting HF's mask read the slots as positions.
 """
@@ -67,8 +68,8 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
 
     A kvpass-compiled graph never runs this: the pass replaces it with the policy's write. It runs in an
     uncompiled forward, in a graph compiled by another backend, or in one kvpass compiled unchanged; for a
-    policy other than ``full`` (``policy`` names it) the tokens would be kept without the policy, so it
-    refuses, naming the fix."""
+    policy whose prefill is not a plain append (``policy`` names it; empty for ``full`` and ``art``, see
+    ``Policy.plain_prefill``) the tokens would be kept without the policy, so it refuses, naming the fix."""
     if policy:
         raise RuntimeError(
             f"kvpass SlotCache: a forward that the kvpass backend did not rewrite wrote into the cache of policy "
@@ -369,7 +370,7 @@ class SlotCache(Cache):
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
-            lay.policy = "" if policy.model_attention else policy.name
+            lay.policy = "" if policy.plain_prefill else policy.name
 
     @property
     def seen(self) -> int:

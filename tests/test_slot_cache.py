@@ -789,12 +789,14 @@ def test_uncompiled_model_on_compressed_cache_fails():
 
 
 @pytest.mark.parametrize("policy,params", [("snapkv", dict(budget=BUDGET, window=4)),
-                                           ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {})])
+                                           ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {}),
+                                           ("art", dict(tau=0.0))])
 def test_prefill_outside_the_backend_is_refused(policy, params):
     """generate(..., compile_config=CompileConfig(backend=be)) compiles only the decode steps: its prefill
     ran uncompiled and appended the whole prompt into a snapkv SlotCache, so the generation was `full`'s,
-    without a word. The cache's own update now refuses for every policy but `full`, naming the fix; with
-    `full` the generation equals the uncompiled model's."""
+    without a word. The cache's own update now refuses unless the policy's prefill is a plain append
+    (`full`, `art`), naming the fix; with those the generation equals the uncompiled model's (art with
+    tau = 0 is exact)."""
     from transformers import CompileConfig
     torch._dynamo.reset()
     model = build("llama")
@@ -803,7 +805,7 @@ def test_prefill_outside_the_backend_is_refused(policy, params):
     cc = CompileConfig(backend=be, fullgraph=False, mode="default")
     cc._compile_all_devices = True  # generate auto-compiles only on accelerators otherwise
     cache = kvpass.SlotCache(model, be, max_length=40)
-    if policy != "full":
+    if policy not in ("full", "art"):
         with pytest.raises(RuntimeError, match=f"did not rewrite .* policy '{policy}'.*model.forward = torch.compile"):
             model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, compile_config=cc)
         return

@@ -31,6 +31,7 @@ class ART(Policy):
     name = "art"
     summary = "early-terminating decode attention (stop when the output stops moving)"
     slot_rule = "append"
+    plain_prefill = True  # the prefill is exact attention and an append: an uncompiled one writes the same
     params = (
         Param("tau", float, 1e-5, 0.0, 1.0, "relative output change below which a block is stable"),
         Param("phi", float, 1e-3, 0.0, 1.0, "direction change (1 - cos) below which a block is stable"),

@@ -174,9 +174,10 @@ class Policy:
     # False: the policy's own prefill does not run on a SlotCache; its driver fills one
     # (kvpass.ChunkFusion(..., cache="slot") for the chunk-fusion policies)
     slot_prefill: ClassVar[bool] = True
-    # True: the policy is the model's own attention over its own cache (``full``), so a forward the pass
-    # did not rewrite computes it; a SlotCache refuses such a forward for every other policy
-    model_attention: ClassVar[bool] = False
+    # True: on a SlotCache the policy's prefill keeps every token in the append layout and no per-layer
+    # state (full, art), so a forward the pass did not rewrite (generate's uncompiled prefill under a
+    # compile_config) writes what its compiled prefill would; a SlotCache refuses such a forward otherwise
+    plain_prefill: ClassVar[bool] = False
 
     @property
     def slot_protect(self) -> int:

@@ -14,7 +14,7 @@ class Full(Policy):
     name = "full"
     summary = "exact attention through the kvpass operator; the cache is untouched"
     slot_rule = "append"
-    model_attention = True
+    plain_prefill = True
 
     def plan(self, site) -> SitePlan:
         return SitePlan(attention=True, evict=False)
