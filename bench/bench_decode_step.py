@@ -35,39 +35,14 @@ import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
+from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 
 WARMUP = 8
 PROFILE, PROFILE_STEPS = False, 8  # --profile: a kernel table of 8 more steps per row
 
 
 def llama8b(layers: int):
-    cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-                         rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa")
-    with torch.device("meta"):
-        m = tf.LlamaForCausalLM(cfg)
-    m = m.to_empty(device="cuda").to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for name, p in m.named_parameters():
-        if "norm" in name:
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 0.02, generator=g)
-    m.model.rotary_emb.__init__(cfg, device="cuda")  # inv_freq was on meta
-    return m.eval()
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (time.perf_counter() - t)
+    return random_llama(llama8b_config(layers), "cuda", torch.bfloat16)
 
 
 def kv_bytes(cache) -> int:

@@ -1,14 +1,15 @@
 """Issue 19's kvpress baseline: kvpress 0.5.5 presses on the decode benchmark's model and protocol.
 
-kvpress 0.5.5 needs transformers < 5.3 and kvpass needs >= 5.14.1, so this runs in a second process
-with transformers 5.2 (and kvpress and what they need) installed from carried wheels and put first on
-PYTHONPATH; it imports neither kvpass nor ``bench_decode_step`` (which imports kvpass). Everything
-else follows ``bench_decode_step.py``: the random-weight Llama-3.1-8B shape (``--layers`` of its 32,
-bf16, the same seeds), batch 1, the same random prompt per context, cuDNN SDPA off, TTFT = the second
-prefill's wall time, TPOT = mean of ``--steps`` greedy steps after 8 warm-up steps, peak memory from
-the second prefill to the last step, KV bytes after the last step, and the roofline from the
-device-to-device copy bandwidth measured in this process (so compare ratios, or rows of this file,
-with the other file's rows only through the ``hf_eager`` row that both files hold).
+kvpress 0.5.5 needs transformers < 5.3 and kvpass needs >= 5.14.1, so this runs in a second process with
+transformers 5.2 (and kvpress and what they need) installed from carried wheels and put first on
+PYTHONPATH; it imports neither kvpass nor ``bench_decode_step`` (which imports kvpass), only the model
+and bandwidth both share (``llama_shape.py``). Everything else follows ``bench_decode_step.py``: the
+random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16, the same seeds), batch 1, the same
+random prompt per context, cuDNN SDPA off, TTFT = the second prefill's wall time, TPOT = mean of
+``--steps`` greedy steps after 8 warm-up steps, peak memory from the second prefill to the last step, KV
+bytes after the last step, and the roofline from the device-to-device copy bandwidth measured in this
+process (so compare ratios, or rows of this file, with the other file's rows only through the
+``hf_eager`` row that both files hold).
 
 Configurations: ``hf_eager`` (DynamicCache, SDPA: the in-process baseline) and ``kvpress:<Press>``
 (e.g. ``kvpress:SnapKVPress``, ``kvpress:StreamingLLMPress``; ``@k=v`` sets a press field, as in
@@ -40,55 +41,10 @@ import transformers as tf
 
 import kvpress
 from kvpress.utils import compute_n_kept
+from llama_shape import copy_bandwidth, llama8b_config, random_llama, sync
 
 WARMUP = 8  # as bench_decode_step.WARMUP
 PRESS_PREFIX = "kvpress:"
-
-
-def model_config(layers: int, tiny: bool):
-    """The 8B shape of ``bench_decode_step.llama8b``; ``tiny``: the same layout at test size."""
-    if tiny:
-        dims = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16)
-    else:
-        dims = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                    num_key_value_heads=8, head_dim=128)
-    return tf.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=262144, rope_theta=500000.0,
-                          tie_word_embeddings=False, attn_implementation="sdpa", **dims)
-
-
-def build_model(cfg, device: str, dtype: torch.dtype):
-    """Random weights drawn as ``bench_decode_step.llama8b`` draws them (N(0, 0.02), norms at 1)."""
-    with torch.device("meta"):
-        model = tf.LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 0.02, generator=gen)
-    model.model.rotary_emb.__init__(cfg, device=device)  # its inv_freq buffer was left on meta
-    return model.eval()
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes read + written per second by a device-to-device copy (1 GiB; 64 MiB on the CPU)."""
-    x = torch.empty(1 << (30 if device.startswith("cuda") else 26), dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    sync(device)
-    return 2 * x.numel() * 20 / (time.perf_counter() - t)
 
 
 def cache_bytes(cache) -> int:
@@ -201,8 +157,8 @@ def main() -> None:
     if on_cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
-    cfg = model_config(args.layers, args.tiny)
-    model = build_model(cfg, device, torch.float32 if args.tiny else torch.bfloat16)
+    cfg = llama8b_config(args.layers, args.tiny)
+    model = random_llama(cfg, device, torch.float32 if args.tiny else torch.bfloat16)
     bw = copy_bandwidth(device)
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize * args.batch

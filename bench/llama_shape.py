@@ -1,0 +1,57 @@
+"""The benchmarks' model and bandwidth, without kvpass: ``bench_decode_step.py`` (kvpass, the newest
+transformers) and ``bench_kvpress.py`` (kvpress on transformers 5.2, which kvpass refuses) build the same
+random-weight Llama-3.1-8B shape from the same seed and measure the roofline's bandwidth the same way."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import transformers as tf
+
+
+def llama8b_config(layers: int, tiny: bool = False):
+    """Llama-3.1-8B's shape with ``layers`` of its 32 layers; ``tiny``: the same layout at test size."""
+    if tiny:
+        dims = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+    else:
+        dims = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128)
+    return tf.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=262144, rope_theta=500000.0,
+                          tie_word_embeddings=False, attn_implementation="sdpa", **dims)
+
+
+def random_llama(cfg, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """A LlamaForCausalLM with weights drawn from N(0, 0.02) (seed 0) and norms at 1, built without an
+    fp32 copy on the host (meta, then allocated on ``device``)."""
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    model.model.rotary_emb.__init__(cfg, device=device)  # its inv_freq buffer was left on meta
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str = "cuda") -> float:
+    """Bytes read + written per second by a device-to-device copy (1 GiB; 64 MiB off CUDA)."""
+    x = torch.empty(1 << (30 if str(device).startswith("cuda") else 26), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * 20 / (time.perf_counter() - t)
