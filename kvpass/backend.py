@@ -104,8 +104,8 @@ def _phase(found: _detect.Detection) -> str:
 
 
 def _keep_slot_appends(gm: fx.GraphModule) -> None:
-    """A graph compiled unchanged keeps a SlotCache's own append, which refuses to run for a policy
-    other than ``full`` (``kvpass.cache.slot_append``); here kvpass has warned why, so it may run."""
+    """A graph compiled unchanged keeps a SlotCache's own append, which refuses to run for a policy whose
+    prefill is not a plain append (``kvpass.cache.slot_append``); here kvpass has warned why, so it may run."""
     changed = False
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (_detect.SLOT_APPEND, _detect.SLOT_APPEND.default):

@@ -244,7 +244,7 @@ class SlotLayer(CacheLayerMixin):
         # kvpass rewrite reads every slot by position (the model's own read is what an unchanged graph
         # does, and slot_append then refuses the compressed cache)
         self.read_length = capacity
-        self.policy = ""  # the policy whose cache this is, unless its uncompiled update is exact (SlotCache sets it)
+        self.policy = ""  # the cache's policy, unless its prefill is a plain append (SlotCache sets it)
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)

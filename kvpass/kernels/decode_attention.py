@@ -592,9 +592,9 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     per_split = _cdiv(rest, n_splits)
     if parallel_horizon is None:
         parallel_horizon = b * hkv < _sms(q.device)
-    # parts: [horizon steps, one each, when parallel] + [the horizon's kept state] + [the rest's splits]
+    # parts: [horizon steps, one each, when parallel] + [the horizon's kept state] + [the rest's splits];
+    # the combine starts at the kept state (part h_steps)
     h_steps = torch.sym_min(horizon, n_blocks) if after_art and parallel_horizon else 0
-    first = h_steps
     n_parts = h_steps + n_splits + 1 if after_art else n_splits
 
     dummy = q.new_empty(1)
@@ -656,6 +656,6 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         kernel[(b, hkv, n_splits)](*common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split),
                                    AFTER_ART=False, **meta)
     if split:
-        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, first, D=dv, D_PAD=pow2(dv),
+        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, h_steps, D=dv, D_PAD=pow2(dv),
                                                PARTS=combine_parts)
     return out, visited.sum(-1, dtype=torch.int32)
