@@ -55,14 +55,11 @@ shapes = st.tuples(st.integers(1, 2), st.sampled_from([(1, 1), (4, 2), (6, 2), (
 @SETTINGS
 @given(shape=shapes, dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        block=st.sampled_from([16, 32]), order=st.sampled_from([0, 1]), split=st.booleans(),
-       softcap=st.sampled_from([0.0, 3.0]), parts=st.sampled_from([1, 2, 16]), seed=st.integers(0, 10_000))
-def test_kernel_equals_reference_full_read(shape, dtype, block, order, split, softcap, parts, seed):
-    """Exact reads, unsplit or split-KV (the combine merging ``parts`` partial states per load)."""
+       softcap=st.sampled_from([0.0, 3.0]), seed=st.integers(0, 10_000))
+def test_kernel_equals_reference_full_read(shape, dtype, block, order, split, softcap, seed):
     b, (h, hkv), length, d = shape
     q, k, v = qkv(b, h, hkv, length, d, dtype, seed)
-    out_k, vis_k = K.decode_attention_triton(q, k, v, split=split, combine_parts=parts, block=block, order=order,
-                                             softcap=softcap)
-    out_r, vis_r = K.decode_attention_reference(q, k, v, block=block, order=order, softcap=softcap)
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, split=split, block=block, order=order, softcap=softcap)
     assert out_k.dtype == dtype and out_k.shape == (b, h, 1, d)
     torch.testing.assert_close(out_k.float(), out_r.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(vis_k, vis_r) and (vis_r == -(-length // block)).all()
@@ -90,7 +87,7 @@ def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structur
     b, (h, hkv), length, d = shape
     q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured)
     kw = dict(block=16, tau=tau, phi=0.3, patience=patience, horizon=horizon)
-    out_k, vis_k = K.decode_attention_triton(q, k, v, parallel_horizon=parallel, combine_parts=2, **kw)
+    out_k, vis_k = K.decode_attention_triton(q, k, v, parallel_horizon=parallel, **kw)
     out_r, vis_r = K.decode_attention_reference(q, k, v, **kw)
     assert torch.equal(vis_k, vis_r)
     torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)

@@ -471,30 +471,19 @@ if triton is not None:
         tl.store(Visited + vrow + steps, count)
 
     @triton.jit(do_not_specialize=["n_parts", "first"])
-    def _kvpass_decode_combine(PartAcc, PartM, PartL, Out, n_parts, first, D: tl.constexpr, D_PAD: tl.constexpr,
-                               PARTS: tl.constexpr):
-        """Merge parts ``first .. n_parts-1`` of each query head and normalise, ``PARTS`` parts per load:
-        one at a time, the 64 parts of a long batch-1 read cost 14 us per layer (a chain of dependent
-        loads); a ``[PARTS, D]`` tile per step merges them in a few."""
+    def _kvpass_decode_combine(PartAcc, PartM, PartL, Out, n_parts, first, D: tl.constexpr, D_PAD: tl.constexpr):
+        """Merge parts ``first .. n_parts-1`` of each query head and normalise."""
         row = tl.program_id(0).to(tl.int64)  # b * H + h
         d = tl.arange(0, D_PAD)
         dmask = d < D
         m = tl.full([1], float("-inf"), tl.float32)
         l = tl.zeros([1], tl.float32)
         acc = tl.zeros([1, D_PAD], tl.float32)
-        for s0 in range(first, n_parts, PARTS):
-            s = s0 + tl.arange(0, PARTS)
-            ok = s < n_parts
-            ms = tl.load(PartM + row * n_parts + s, mask=ok, other=float("-inf"))
-            ls = tl.load(PartL + row * n_parts + s, mask=ok, other=0.0)
-            a = tl.load(PartAcc + (row * n_parts + s)[:, None] * D + d[None, :], mask=ok[:, None] & dmask[None, :],
-                        other=0.0)
-            mt = tl.max(ms, 0)
-            mt_safe = tl.where(mt == float("-inf"), 0.0, mt)
-            w = tl.exp2(ms - mt_safe)  # the tile's parts relative to its own max
-            lt = tl.sum(ls * w, 0)
-            at = tl.sum(a * w[:, None], 0)
-            m, l, acc = _merge(m, l, acc, mt, lt, at[None, :])
+        for s in range(first, n_parts):
+            ms = tl.load(PartM + row * n_parts + s)
+            ls = tl.load(PartL + row * n_parts + s)
+            a = tl.load(PartAcc + (row * n_parts + s) * D + d[None, :], mask=dmask[None, :], other=0.0)
+            m, l, acc = _merge(m, l, acc, ms, ls, a)
         out = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
         tl.store(Out + row * D + d[None, :], out.to(Out.dtype.element_ty), mask=dmask[None, :])
 
@@ -536,7 +525,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
                             patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
                             probe: int = 0, horizon: int = 0, split: bool | None = None,
-                            parallel_horizon: bool | None = None, combine_parts: int = 16, num_warps: int = 4,
+                            parallel_horizon: bool | None = None, num_warps: int = 4,
                             num_stages: int = 3, chunk: int = 8, launch=None) -> tuple[Tensor, Tensor]:
     """Launch the Triton kernels; arguments as ``decode_attention_reference``.
 
@@ -557,7 +546,6 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
       the serial one cost 41 us per layer and step over ``full``'s read at 128k (8 programs walking
       16 blocks; H100, 2026-11-25).
 
-    ``combine_parts`` (a power of two) is how many partial states the combine kernel merges per load.
     ``launch`` wraps each kernel before its launch (``torch.library.wrap_triton`` inside a
     ``triton_op``; identity when called directly).
     """
@@ -656,6 +644,5 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         kernel[(b, hkv, n_splits)](*common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split),
                                    AFTER_ART=False, **meta)
     if split:
-        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, h_steps, D=dv, D_PAD=pow2(dv),
-                                               PARTS=combine_parts)
+        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, h_steps, D=dv, D_PAD=pow2(dv))
     return out, visited.sum(-1, dtype=torch.int32)
