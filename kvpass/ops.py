@@ -58,6 +58,12 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
     (``kvpass.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
     elsewhere.
 
+``kvpass::top_pages(ub, top) -> idx [..., top] int32``
+    The ``top`` best pages of each row of scores ``ub [..., P]`` (``-inf`` = not eligible), in
+    ascending index order, -1 padded; ties go to the lower index (``top_pages_reference``). Quest's
+    page choice on a SlotCache; its kernel selects without sorting (``kvpass.kernels.top_pages``).
+    A ``triton_op``: Triton on CUDA (rows up to ``MAX_PAGES``), ``kvpass::top_pages_ref`` elsewhere.
+
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
@@ -113,6 +119,7 @@ from kvpass.kernels import gather as _gather
 from kvpass.kernels import page_scores as _pscores
 from kvpass.kernels import rope as _rope
 from kvpass.kernels import slot_attention as _slots
+from kvpass.kernels import top_pages as _top
 from kvpass.kernels import window_scores as _wscores
 from kvpass.runtime import past_length
 
@@ -416,6 +423,25 @@ def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     return torch.ops.kvpass.page_bounds_ref(q, kmin, kmax)
 
 
+@torch.library.custom_op("kvpass::top_pages_ref", mutates_args=())
+def top_pages_ref(ub: Tensor, top: int) -> Tensor:
+    return _top.top_pages_reference(ub, top)
+
+
+@top_pages_ref.register_fake
+def _(ub, top):
+    return ub.new_empty((*ub.shape[:-1], top), dtype=torch.int32)
+
+
+@torch.library.triton_op("kvpass::top_pages", mutates_args=())
+def top_pages(ub: Tensor, top: int) -> Tensor:
+    """The ``top`` best pages of each row of ``ub`` in index order, -1 padded; see
+    ``kvpass.kernels.top_pages``. Triton on CUDA, the reference operator elsewhere."""
+    if ub.device.type == "cuda" and _top.triton is not None and ub.shape[-1] <= _top.MAX_PAGES:
+        return _top.top_pages_triton(ub, top, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.top_pages_ref(ub, top)
+
+
 @torch.library.custom_op("kvpass::count_visits", mutates_args=())
 def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: int, site: int) -> Tensor:
     """Passes ``out`` through and adds ``visited`` (blocks read per KV group) to the run statistics.
@@ -609,6 +635,8 @@ OPS = {
     "page_scores_ref": page_scores_ref,
     "page_bounds": page_bounds,
     "page_bounds_ref": page_bounds_ref,
+    "top_pages": top_pages,
+    "top_pages_ref": top_pages_ref,
     "page_select": page_select,
     "rope_rotate": rope_rotate,
     "rope_rotate_ref": rope_rotate_ref,

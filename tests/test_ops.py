@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import kvpass
 from kvpass import runtime
 from kvpass.kernels.page_scores import page_bounds_reference
+from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
 from kvpass.ops import OPS
 
 OP = torch.ops.kvpass
@@ -587,6 +588,24 @@ def test_opcheck_page_bounds(dtype):
 
 def test_opcheck_page_bounds_ref():
     opcheck("page_bounds_ref", _bounds_args(1))
+
+
+def _top_args(top: int):
+    ub = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(top))
+    ub[0, 1, :5] = float("-inf")  # fewer eligible pages than top
+    return ub, top
+
+
+@pytest.mark.parametrize("top", [4, 9])
+def test_opcheck_top_pages(top):
+    opcheck("top_pages", _top_args(top))
+    assert torch.equal(OP.top_pages(*_top_args(top)), top_pages_reference(*_top_args(top)))
+    zeros = torch.tensor([[-0.0, 0.0, -0.0, 0.0, 1.0]])  # -0.0 ties with +0.0: the lower index wins
+    assert top_pages_triton(zeros, 2).tolist() == [[0, 4]]
+
+
+def test_opcheck_top_pages_ref():
+    opcheck("top_pages_ref", _top_args(3))
 
 
 def test_opcheck_page_select():

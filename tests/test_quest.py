@@ -7,7 +7,10 @@
   the current page;
 * the incrementally kept min / max keys equal the min / max over each page's valid keys, and bound
   every key (hypothesis, with padding and appends of several tokens); replays change nothing;
-* opcheck of ``kvpass::page_select``; configuration errors.
+* opcheck of ``kvpass::page_select``; configuration errors;
+* ``kvpass::top_pages`` (the SlotCache decode's choice of pages): its selection kernel equals its
+  reference under the interpreter, and the reference a selection by hand (hypothesis: ties, -inf,
+  NaN, fewer eligible pages than ``top``; its opcheck is in test_ops.py).
 """
 
 from __future__ import annotations
@@ -163,3 +166,33 @@ def test_configuration_errors():
         make_policy("quest", budget=8)
     with pytest.raises(ConfigError, match="'dense_layers'"):
         make_policy("quest", dense_layers=-1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 3), pages=st.sampled_from([1, 3, 16, 17, 40, 130, 600]),
+       top=st.sampled_from([0, 1, 3, 16, 40, 200]), values=st.sampled_from(["normal", "ties", "wide"]),
+       holes=st.floats(0.0, 1.0), nan=st.booleans())
+def test_top_pages_kernel_equals_reference(seed, rows, pages, top, values, holes, nan):
+    """``kvpass::top_pages``' selection kernel (Triton interpreter) equals ``top_pages_reference``: the
+    ``top`` best pages ascending, -1 padded, ties to the lower index (few distinct values force ties at
+    the cut), ``-inf`` and NaN never chosen, fewer eligible pages than ``top``, negative scores, zeros of
+    both signs; the reference itself agrees with a selection written out by hand."""
+    from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
+    gen = torch.Generator().manual_seed(seed)
+    if values == "ties":
+        ub = torch.randint(-2, 3, (rows, pages), generator=gen).float() * torch.tensor([1.0, -0.0]).repeat(
+            pages)[:pages]
+    elif values == "wide":
+        ub = torch.randn(rows, pages, generator=gen) * 10.0 ** torch.randint(-30, 30, (rows, pages), generator=gen)
+    else:
+        ub = torch.randn(rows, pages, generator=gen)
+    ub[torch.rand(rows, pages, generator=gen) < holes] = float("-inf")
+    if nan:
+        ub[:, ::5] = float("nan")
+    ref = top_pages_reference(ub, top)
+    for r in range(rows):  # by hand: best first, ties by index, eligible only
+        ok = [p for p in range(pages) if ub[r, p] > float("-inf")]
+        best = sorted(sorted(ok, key=lambda p: -float(ub[r, p]))[:top])  # sorted() is stable
+        assert ref[r].tolist() == best + [-1] * (top - len(best))
+    got = top_pages_triton(ub, top)
+    assert got.dtype == torch.int32 and torch.equal(got, ref)

@@ -163,11 +163,16 @@ def slot_pages(q: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], top: 
     # 128k, 8 KV heads, bf16 bounds, H100); page_bounds' kernel runs one program per block of 32 pages and
     # reads each block once for the whole group (~17 us there, CUDA graph)
     ub = torch.ops.kvpass.page_bounds(q[:, :, -1], kmin, kmax).view(b, hkv, -1, pages).amax(2)
-    ub = ub.masked_fill(~ok, float("-inf"))
-    val, idx = ub.topk(min(top, pages), dim=-1)
-    idx = torch.where(val > float("-inf"), idx, pages)
-    idx = torch.cat([idx, cur.expand(b, hkv, 1)], -1).sort(-1).values
-    return torch.where(idx >= pages, -1, idx).int()
+    return with_current(torch.ops.kvpass.top_pages(ub.masked_fill(~ok, float("-inf")), top), cur)
+
+
+def with_current(chosen: Tensor, cur) -> Tensor:
+    """The block map ``[B, H_kv, top + 1]`` int32: ``chosen`` pages (ascending, -1 padded, all before
+    ``cur``) with the current page ``cur`` after them."""
+    n = (chosen >= 0).sum(-1, keepdim=True)
+    col = torch.arange(chosen.shape[-1] + 1, device=chosen.device)
+    padded = torch.nn.functional.pad(chosen, (0, 1), value=-1)
+    return torch.where(col == n, cur, padded).int().contiguous()
 
 
 class Quest(Policy):
@@ -261,7 +266,4 @@ class Quest(Policy):
         ts = torch.zeros(live.shape, dtype=torch.long, device=dev)
         ub, _ = torch.ops.kvpass.page_scores(q[:, :, -1], st["kmin"][:, :, :cur], st["kmax"][:, :, :cur], live,
                                              ts, 1.0, 0)
-        val, idx = ub.topk(top, dim=-1)
-        idx = torch.where(val > float("-inf"), idx, cur + 1)           # a page with no valid entry: none
-        idx = torch.cat([idx, torch.full((b, hkv, 1), cur, device=dev, dtype=idx.dtype)], -1).sort(-1).values
-        return torch.where(idx > cur, -1, idx).int().contiguous()
+        return with_current(torch.ops.kvpass.top_pages(ub, top), cur)
