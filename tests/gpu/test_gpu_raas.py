@@ -6,6 +6,7 @@
   sizes, with a strided query, and through ``kvpass::page_bounds`` on CUDA;
 * a long decode on CUDA keeps the stored pool size constant and the allocated pages within
   prefill pages + budget/16 + 1, and a no-evict budget equals ``full``;
+* quest's page selection kernel (``kvpass::top_pages``) equals its reference at real sizes, with ties;
 * quest: the decode kernel with a short ``block_map`` (-1 padded) equals its reference at real sizes,
   a budget at least the length equals ``full`` through Inductor, and a long decode reads exactly the
   selected pages.
@@ -57,6 +58,23 @@ def test_page_bounds_kernel_equals_reference(b, h, hkv, pages, d, dtype):
     ub_k = PS.page_bounds_triton(q, kmin, kmax)
     torch.testing.assert_close(ub_k, ub, atol=1e-4, rtol=1e-4)
     assert torch.equal(torch.ops.kvpass.page_bounds(q, kmin, kmax), ub_k)
+
+
+@pytest.mark.parametrize("rows,pages,top", [(8, 2048, 128), (8, 8192, 128), (128, 2048, 128), (2, 16384, 1000),
+                                            (3, 300, 500)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_pages_kernel_equals_reference(rows, pages, top, ties):
+    """Quest's selection kernel at real sizes (32k and 128k caches at batch 1 and 16, the row limit, fewer
+    pages than top), with ties at the cut and pages that may not be chosen; through the op on CUDA too."""
+    from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
+    g = torch.Generator(device=DEV).manual_seed(pages + top)
+    ub = torch.randn(rows, pages, device=DEV, generator=g)
+    if ties:
+        ub = ub.mul(4).round()
+    ub[torch.rand(rows, pages, device=DEV, generator=g) < 0.1] = float("-inf")
+    ref = top_pages_reference(ub, top)
+    assert torch.equal(top_pages_triton(ub, top), ref)
+    assert torch.equal(torch.ops.kvpass.top_pages(ub.view(rows, 1, pages), top)[:, 0], ref)
 
 
 def _decode(policy, steps, **params):
