@@ -14,6 +14,7 @@
 #      ones: their prefill at batch 16 needs more than an H100's 80 GB beside the full cache (run it on an H200)
 #   E: target 7 (batch-16 TTFT of 28-43 s on 2026-11-23, DynamicCache path): snapkv at batch 16, 32k, on the
 #      DynamicCache path beside the SlotCache path (6.5 s on 2026-11-25)
+#   S: the small per-layer kernels alone (bench/tune_small_kernels.py: ART's scan, quest's top_pages)
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 #   K: the kvpress 0.5.5 baseline (bench/bench_kvpress.py), 8 layers, batch 1, 32k and 128k: hf_eager,
 #      SnapKVPress, StreamingLLMPress at the 2,048-token budget, in a second process on transformers 5.2.
@@ -25,7 +26,7 @@ set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R or T}" in
+case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S or T}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -60,6 +61,7 @@ case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R or T}" in
      PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 480 python3 bench/bench_kvpress.py --layers 8 --batch 1 \
        --contexts 32768,131072 --out $out/b1_kvpress.json --configs hf_eager,kvpress:SnapKVPress,kvpress:StreamingLLMPress \
        2>&1 | tee $out/b1_kvpress.log | grep -E '^\{|Error' ;;
+  S) timeout 300 python bench/tune_small_kernels.py --out $out/small_kernels.json 2>&1 | grep '^{' ;;
   T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
 esac

@@ -427,34 +427,34 @@ if triton is not None:
             tl.store(Out + row[:, None] + d[None, :], out.to(Out.dtype.element_ty),
                      mask=gmask[:, None] & dmask[None, :])
 
+    @triton.jit
+    def _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i, steps, gmask, gd, d, D: tl.constexpr):
+        """Horizon step ``i``'s part (nothing past ``steps``)."""
+        there = i < steps
+        ms = tl.load(PartM + rows + i, mask=gmask & there, other=float("-inf"))
+        ls = tl.load(PartL + rows + i, mask=gmask & there, other=0.0)
+        a = tl.load(PartAcc + (rows + i)[:, None] * D + d[None, :], mask=gd & there, other=0.0)
+        took = tl.load(Visited + vrow + i, mask=there, other=0)
+        return ms, ls, a, took
+
     @triton.jit(do_not_specialize=["patience", "steps", "n_parts"])
     def _kvpass_art_scan(PartAcc, PartM, PartL, Visited, Stopped, tau, phi, patience, steps, n_parts,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         PROBE_STRIDE: tl.constexpr, S_PAD: tl.constexpr):
+                         PROBE_STRIDE: tl.constexpr, S_PAD: tl.constexpr, PREFETCH: tl.constexpr):
         """The parallel horizon's stop rule: parts ``0 .. steps-1`` (``steps <= S_PAD``) hold one step's
         block each (read in parallel); merge them in step order with the serial kernel's rule and write the
         state it keeps to part ``steps``, whether it stopped to ``Stopped``, and the blocks it counts to
-        ``Visited``. All the parts are loaded at once, before the walk: a walk that loaded each step's part
-        in turn waited on one global load per step (11 us per layer for 16 steps, H100, 2026-11-25)."""
+        ``Visited``. With ``PREFETCH`` the next step's part is loaded before this step's merge, so the
+        walk does not wait on one global load per step."""
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         nh = tl.num_programs(1)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
-        s = tl.arange(0, S_PAD)
         gmask = g < GROUP
         gd = gmask[:, None] & (d < D)[None, :]
         rows = (b * nh * GROUP + (hk * GROUP + g).to(tl.int64)) * n_parts  # [G_PAD] first part of each head
         vrow = (b * nh + hk) * n_parts
-        smask = s < steps
-        sg = rows[None, :] + s[:, None]                                    # [S_PAD, G_PAD] part rows
-        sgm = smask[:, None] & gmask[None, :]
-        all_m = tl.load(PartM + sg, mask=sgm, other=float("-inf"))
-        all_l = tl.load(PartL + sg, mask=sgm, other=0.0)
-        all_a = tl.load(PartAcc + sg[:, :, None] * D + d[None, None, :], mask=sgm[:, :, None] & gd[None, :, :],
-                        other=0.0)                                         # [S_PAD, G_PAD, D_PAD]
-        all_took = tl.load(Visited + vrow + s, mask=smask, other=0)
-        tl.store(Visited + vrow + s, tl.zeros([S_PAD], tl.int32), mask=smask)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -464,17 +464,22 @@ if triton is not None:
         stable = tl.full([], 0, tl.int32)
         count = tl.full([], 0, tl.int32)
         m_s, l_s, acc_s = m, l, acc
+        nm, nl, na, nt = _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, 0, steps, gmask, gd, d, D)
         for i in range(0, steps):
-            pick = s == i  # step i's part, taken out of the registers
-            ms = tl.max(tl.where(pick[:, None], all_m, float("-inf")), 0)
-            ls = tl.sum(tl.where(pick[:, None], all_l, 0.0), 0)
-            a = tl.sum(tl.where(pick[:, None, None], all_a, 0.0), 0)
-            took = tl.sum(tl.where(pick, all_took, 0), 0)
+            if PREFETCH:
+                ms, ls, a, took = nm, nl, na, nt
+                nm, nl, na, nt = _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i + 1, steps, gmask, gd,
+                                            d, D)
+            else:
+                ms, ls, a, took = _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i, steps, gmask, gd,
+                                             d, D)
             live = tl.max(ms, 0) > float("-inf")  # a block with nothing visible changes nothing
             m, l, acc = _merge(m, l, acc, ms, ls, a)
             prev, npv, stable, count, m_s, l_s, acc_s = _art_watch(
                 i > 0, m, l, acc, live, took, prev, npv, stable, count, m_s, l_s, acc_s, probe, g,
                 tau, phi, patience, GROUP)
+        s = tl.arange(0, S_PAD)
+        tl.store(Visited + vrow + s, tl.zeros([S_PAD], tl.int32), mask=s < steps)  # counted in part `steps`
         stopped = stable >= patience
         tl.store(Stopped + b * nh + hk, stopped.to(tl.int32))
         tl.store(PartM + rows + steps, tl.where(stopped, m_s, m), mask=gmask)
@@ -538,7 +543,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
                             probe: int = 0, horizon: int = 0, split: bool | None = None,
                             parallel_horizon: bool | None = None, num_warps: int = 4,
-                            num_stages: int = 3, chunk: int = 8, launch=None) -> tuple[Tensor, Tensor]:
+                            num_stages: int = 3, chunk: int = 8, scan_warps: int = 4, scan_prefetch: bool = True,
+                            launch=None) -> tuple[Tensor, Tensor]:
     """Launch the Triton kernels; arguments as ``decode_attention_reference``.
 
     Three shapes of launch:
@@ -643,11 +649,10 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     if after_art and parallel_horizon:  # one block per horizon step, then the stop rule over them in order
         kernel[(b, hkv, h_steps)](*common, 0, 1, 0, n_parts, *strides, ART=False, SPLIT=True, AFTER_ART=False,
                                   **meta)
-        held = pow2(horizon, 1) * pow2(h // hkv) * pow2(d)  # fp32 values the scan holds: ~64 per thread
         wrap(_kvpass_art_scan)[(b, hkv)](
             part_acc, part_m, part_l, visited, stopped, float(tau), float(phi), int(patience), h_steps, n_parts,
             GROUP=h // hkv, G_PAD=pow2(h // hkv), D=d, D_PAD=pow2(d), PROBE_STRIDE=meta["PROBE_STRIDE"],
-            S_PAD=pow2(horizon, 1), num_warps=min(16, max(num_warps, held // 2048)))
+            S_PAD=pow2(horizon, 1), PREFETCH=scan_prefetch, num_warps=scan_warps)
     elif after_art:  # the stop rule over the first `horizon` steps, serially: the part before the rest's
         kernel[(b, hkv, 1)](*common, 0, horizon, 0, n_parts, *strides, ART=True, SPLIT=True, AFTER_ART=False, **meta)
     if after_art:

@@ -79,7 +79,7 @@ if triton is not None:
         tl.store(Out + r * top + j, tl.full([T_PAD], -1, tl.int32), mask=(j >= n) & (j < top))
 
 
-def top_pages_triton(ub: Tensor, top: int, launch=None) -> Tensor:
+def top_pages_triton(ub: Tensor, top: int, num_warps: int | None = None, launch=None) -> Tensor:
     """Launch the selection kernel; arguments and result as ``top_pages_reference`` (rows of at most
     ``MAX_PAGES`` pages)."""
     if triton is None:  # pragma: no cover
@@ -96,5 +96,5 @@ def top_pages_triton(ub: Tensor, top: int, launch=None) -> Tensor:
         return out
     p_pad = pow2(p)
     wrap(_kvpass_top_pages)[(rows.shape[0],)](rows, out, p, top, rows.stride(0), P_PAD=p_pad,
-                                              T_PAD=pow2(top), num_warps=min(16, max(4, p_pad // 256)))
+                                              T_PAD=pow2(top), num_warps=num_warps or min(16, max(4, p_pad // 256)))
     return out

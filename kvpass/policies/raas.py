@@ -384,33 +384,34 @@ def slot_stamp(q, keys, pos, count, state: list, k_new, decode_pages: int, alpha
     fill = fill + 1
     now = count[0]
     # The share is a softmax over every resident page (one logsumexp over the bounds), but only the decode
-    # pages `first .. first + decode_pages - 1` can be evicted, so only their stamps are ever read: the
-    # stamp / evict / argmin rules run over that window (budget/16 + 1 pages gathered), not over the whole
-    # pool, whose prompt pages at 32k are 16x more (a fused reduction over all 2,048 pages cost 68 us per
-    # step on 8 layers, H100, bench/results/decode_step_h100_2026-11-25f).
+    # pages `first .. first + decode_pages - 1` can be evicted, so only their stamps are ever read: the free /
+    # evict / argmin rules run over that window (budget/16 + 1 pages gathered), not over the whole pool, whose
+    # prompt pages at 32k are 16x more (a fused reduction over all 2,048 pages cost 68 us per step on 8 layers,
+    # H100, bench/results/decode_step_h100_2026-11-25f). The tables are written back by pointwise ops over the
+    # pool: scattering the window back cost 167 us per step (H200, bench/results/decode_step_h200_2026-11-26_r).
     ub = torch.ops.kvpass.page_bounds(q[:, :, -1], kmin, kmax).masked_fill(~live.repeat_interleave(g, 1),
                                                                           float("-inf"))
-    lse = torch.logsumexp(ub, -1, keepdim=True)
-    span = first[..., None] + torch.arange(decode_pages, device=q.device)          # [B, H_kv, W]
-    inside = span < pages
-    win = span.clamp_max(pages - 1)  # past the pool: a repeat of the last page, inert (`inside` False)
-    share = (ub.gather(2, win.repeat_interleave(g, 1)) - lse).exp().nan_to_num(0.0)
-    live_w, ts_w, born_w = live.gather(2, win), ts.gather(2, win), born.gather(2, win)
-    stamped = torch.where((share > alpha).view(b, hkv, g, decode_pages).any(2) & live_w, now, ts_w)
+    share = (ub - torch.logsumexp(ub, -1, keepdim=True)).exp()  # NaN for a row with no live page: no stamp
+    idx = torch.arange(pages, device=q.device)
+    dec = (idx >= first[..., None]) & (idx < first[..., None] + decode_pages)  # prompt pages are never evicted
+    stamped = torch.where((share > alpha).view(b, hkv, g, pages).any(2) & live & dec, now, ts)
+    win = (first[..., None] + torch.arange(decode_pages, device=q.device)).clamp_max(pages - 1)  # [B, H_kv, W]
+    inside = first[..., None] + torch.arange(decode_pages, device=q.device) < pages  # past the pool: no page
+    resident = live.gather(2, win)
+    live_w, free = resident & inside, ~resident & inside
     new_page = fill >= PAGE
-    free = ~live_w & inside
     evict = new_page & ~free.any(-1)
     # a cache sized for max_length has the decode pages a sequence of that length fills; evicting from fewer
     # than budget/16 + 1 of them would be a different policy
     torch._assert_async(~(evict & (first + decode_pages > pages)).any(), "kvpass raas: the sequence is longer than "
                                                                          "the SlotCache's max_length")
-    key = torch.where(live_w & inside, stamped * (1 << 32) + born_w, torch.iinfo(torch.long).max)
+    key = torch.where(live_w, stamped.gather(2, win) * (1 << 32) + born.gather(2, win), torch.iinfo(torch.long).max)
     victim = win.gather(2, key.argmin(-1, keepdim=True))[..., 0]  # the oldest timestamp, then the earliest allocated
-    nxt = torch.where(new_page, torch.where(evict, victim, win.gather(2, free.long().argmax(-1, keepdim=True))[..., 0]),
-                      cur)
-    take = new_page[..., None] & (win == nxt[..., None])  # repeats of a page take the same values
-    live.scatter_(2, win, live_w | take)
-    ts.scatter_(2, win, torch.where(take, now, stamped))
-    born.scatter_(2, win, torch.where(take, now, born_w))
+    first_free = win.gather(2, free.long().argmax(-1, keepdim=True))[..., 0]
+    nxt = torch.where(new_page, torch.where(evict, victim, first_free), cur)
+    take = new_page[..., None] & (idx == nxt[..., None])
+    live.logical_or_(take)
+    ts.copy_(torch.where(take, now, stamped))
+    born.copy_(torch.where(take, now, born))
     meta.copy_(torch.stack([nxt, torch.where(new_page, 0, fill), first, torch.where(evict, victim, -1)], -1))
     seen.copy_(now.expand_as(seen))
