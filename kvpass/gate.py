@@ -174,6 +174,7 @@ class Segment:
     scores: dict[int, fx.Node] = field(default_factory=dict)   # observed layer -> its score node
     short: dict = field(default_factory=dict)                    # n -> GraphModule (static graphs)
     compiled: object = None          # compiled at backend time with the graph's fake inputs
+    fakes: list | None = None        # ... those inputs
 
 
 def _build(root: fx.GraphModule, seg: Segment, subst: tuple | None = None) -> fx.GraphModule:
@@ -378,11 +379,37 @@ class GatedGraph:
         for seg in self.segments:
             fakes = [given[x] if x in given else _val(x) for x in seg.inputs]
             if all(isinstance(f, (Tensor, int, float, torch.SymInt, torch.SymFloat)) for f in fakes):
-                seg.compiled = self.compile_segment(seg.gm, fakes)
+                seg.compiled, seg.fakes = self.compile_segment(seg.gm, fakes), fakes
+
+    def _widened(self, seg: Segment, ins: list):
+        """``seg``'s compiled function for inputs that a gather widened: a tensor shared by the batch
+        (batch dim 1 in the trace, e.g. the RoPE tables of ``position_ids [1, L]``) becomes one row per
+        sequence once each row keeps its own tokens. The segment is compiled again (once per batch size)
+        with those inputs' fakes widened, the batch dim taken from an input that has it; ``None`` when
+        nothing was widened (the precompiled function serves)."""
+        wide = [i for i, (f, x) in enumerate(zip(seg.fakes, ins)) if isinstance(f, Tensor) and isinstance(x, Tensor)
+                and f.dim() > 0 and isinstance(f.shape[0], int) and f.shape[0] == 1 and x.shape[0] != 1]
+        if not wide:
+            return None
+        key = ("widened", seg.index, tuple(int(ins[i].shape[0]) for i in wide))
+        if key not in self.compiled:
+            fakes = list(seg.fakes)
+            for i in wide:
+                with fakes[i].fake_mode:
+                    b = next((f.shape[0] for f, x in zip(seg.fakes, ins) if isinstance(f, Tensor) and f.dim() > 0
+                              and isinstance(x, Tensor) and isinstance(f.shape[0], torch.SymInt)
+                              and x.shape[0] == ins[i].shape[0]), int(ins[i].shape[0]))
+                    fakes[i] = fakes[i].new_empty((b, *fakes[i].shape[1:]))
+            self.compiled[key] = self.compile_segment(seg.gm, fakes)
+        return self.compiled[key], [x.contiguous() if i in wide else x for i, x in enumerate(ins)]
 
     def _run(self, seg: Segment, n: int | None, length: int, ins: list):
         dynamic = isinstance(self.length, torch.SymInt)
         if (n is None or dynamic) and seg.compiled is not None:
+            widened = self._widened(seg, ins)
+            if widened is not None:
+                fn, ins = widened
+                return fn(*ins)
             return seg.compiled(*ins)
         if n is None or dynamic:
             gm = seg.gm

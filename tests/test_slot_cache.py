@@ -595,6 +595,25 @@ GATED = [("llama", "asl", dict(layer=2), None), ("llama", "asl", dict(layer=-1, 
          ("gemma3", "gemfilter", dict(layer=2), True)]
 
 
+def test_gated_batch_under_inductor_equals_rows_alone():
+    """asl at batch 2 on a SlotCache through Inductor, shapes dynamic: the segments after the gate read
+    the RoPE tables of ``position_ids [1, L]`` gathered per row (``[2, n, D]``), which the segment compiled
+    from the trace (``[1, L, D]``) refused with a size assert (Llama-8B shape, batch 16, H200, 2026-11-26);
+    they are compiled again for the widened inputs. Each row equals its own batch-1 run."""
+    from test_asl import build as build_deep
+    model = build_deep("llama", layers=6)
+    ids = torch.cat([prompt(40, seed=1), prompt(40, seed=2)])
+    params = dict(layer=2, budget=10, window=4)
+    steps = 4
+    _, cache, got = slot_run(model, "asl", ids, steps, max_length=50, max_new_tokens=steps, dynamic=True,
+                             compiler="inductor", **params)
+    tokens = torch.stack([x.argmax(-1, keepdim=True) for x in got[:-1]])
+    for row in (0, 1):  # the eager compiler: the same graphs, without Inductor's size checks
+        _, _, ref = slot_run(model, "asl", ids[row:row + 1], steps, tokens[:, row:row + 1], max_length=50,
+                             max_new_tokens=steps, dynamic=True, **params)
+        assert_logits_close([x[row:row + 1] for x in got], ref, atol=1e-4)
+
+
 @pytest.mark.parametrize("family,policy,params,dynamic", GATED, ids=[f"{g[0]}-{g[1]}-{i}" for i, g in enumerate(GATED)])
 def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
     """asl / asl_fullkv / fastkv / asl_2pass on a SlotCache (the gated prefill's deeper segments run
