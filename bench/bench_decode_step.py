@@ -39,6 +39,7 @@ from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E4
 
 WARMUP = 8
 PROFILE, PROFILE_STEPS = False, 8  # --profile: a kernel table of 8 more steps per row
+MODE = "reduce-overhead"  # --mode: the torch.compile mode of the compiled rows (CUDA graphs in both choices)
 
 
 def llama8b(layers: int):
@@ -146,7 +147,7 @@ def configs(model, args, ctx):
         if name in ("hf_eager", "hf_eager_cudnn"):
             yield name, hf_prefill, hf_step(model.forward), dyn, None
         elif name == "hf_static":
-            fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            fwd = torch.compile(model.forward, mode=MODE, fullgraph=True)
             yield name, hf_prefill, hf_step(fwd), (lambda: tf.StaticCache(config=model.config,
                                                                           max_cache_len=ctx + n_new)), None
         else:
@@ -159,7 +160,7 @@ def configs(model, args, ctx):
             else:
                 # dynamic=True: one prefill graph for every prompt length, whose causal mask kvpass can
                 # check (a static 32k graph's mask is too large to check, and kept)
-                fwd = torch.compile(model.forward, backend=be, mode="reduce-overhead", dynamic=True)
+                fwd = torch.compile(model.forward, backend=be, mode=MODE, dynamic=True)
                 cache_fn = lambda be=be: kvpass.SlotCache(model, be, max_length=ctx + n_new,  # noqa: E731
                                                           max_new_tokens=n_new, batch_size=b)
             pre = lambda ids, cache, fwd=fwd: fwd(input_ids=ids, past_key_values=cache, use_cache=True,  # noqa: E731
@@ -177,9 +178,12 @@ def main() -> None:
     ap.add_argument("--configs", default="hf_eager,hf_eager_cudnn,hf_static,full,snapkv,streamingllm,art")
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", action="store_true", help="add each row's device kernels per step (top 24)")
+    ap.add_argument("--mode", default="reduce-overhead", choices=["reduce-overhead", "max-autotune"],
+                    help="torch.compile mode of hf_static and the kvpass rows (max-autotune: Inductor also "
+                         "times Triton templates against cuBLAS for every matmul)")
     args = ap.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, MODE
+    PROFILE, MODE = args.profile, args.mode
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch._dynamo.config.cache_size_limit = 64
@@ -191,7 +195,7 @@ def main() -> None:
     per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * args.batch
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "layers": args.layers, "batch": args.batch, "budget": args.budget, "steps": args.steps,
+              "layers": args.layers, "batch": args.batch, "budget": args.budget, "steps": args.steps, "mode": MODE,
               "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weights, "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for ctx in (int(c) for c in args.contexts.split(",")):
