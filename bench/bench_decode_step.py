@@ -15,7 +15,8 @@ compiles) and then decodes greedily; reported per row:
 Configurations: ``hf_eager`` (DynamicCache, SDPA, cuDNN SDPA off), ``hf_eager_cudnn`` (on),
 ``hf_static`` (StaticCache, decode compiled with ``mode="reduce-overhead"``, prefill eager as
 ``generate`` does), ``kvpass_dynamic:<policy>`` (the DynamicCache path), and ``<policy>`` (a kvpass
-policy on a SlotCache, ``mode="reduce-overhead"``); ``<policy>@k=v@k=v`` sets parameters beyond the
+policy on a SlotCache, ``mode="reduce-overhead"``; ``autotune:<policy>`` the same with ``mode="max-autotune"``,
+for a comparison in one process); ``<policy>@k=v@k=v`` sets parameters beyond the
 budget (``asl@layer=2`` forces the selection layer: on random weights the adaptive rule may not fire).
 
     python bench/bench_decode_step.py --layers 8 --batch 1 --contexts 32768,131072 --out results.json
@@ -160,7 +161,8 @@ def configs(model, args, ctx):
             else:
                 # dynamic=True: one prefill graph for every prompt length, whose causal mask kvpass can
                 # check (a static 32k graph's mask is too large to check, and kept)
-                fwd = torch.compile(model.forward, backend=be, mode=MODE, dynamic=True)
+                mode = "max-autotune" if name.startswith("autotune:") else MODE
+                fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=True)
                 cache_fn = lambda be=be: kvpass.SlotCache(model, be, max_length=ctx + n_new,  # noqa: E731
                                                           max_new_tokens=n_new, batch_size=b)
             pre = lambda ids, cache, fwd=fwd: fwd(input_ids=ids, past_key_values=cache, use_cache=True,  # noqa: E731
