@@ -395,8 +395,8 @@ def slot_stamp(q, keys, pos, count, state: list, k_new, decode_pages: int, alpha
     idx = torch.arange(pages, device=q.device)
     dec = (idx >= first[..., None]) & (idx < first[..., None] + decode_pages)  # prompt pages are never evicted
     stamped = torch.where((share > alpha).view(b, hkv, g, pages).any(2) & live & dec, now, ts)
-    win = (first[..., None] + torch.arange(decode_pages, device=q.device)).clamp_max(pages - 1)  # [B, H_kv, W]
-    inside = first[..., None] + torch.arange(decode_pages, device=q.device) < pages  # past the pool: no page
+    span = first[..., None] + torch.arange(decode_pages, device=q.device)  # [B, H_kv, W]
+    win, inside = span.clamp_max(pages - 1), span < pages  # past the pool: no page
     resident = live.gather(2, win)
     live_w, free = resident & inside, ~resident & inside
     new_page = fill >= PAGE
