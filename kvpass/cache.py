@@ -81,7 +81,10 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     q, cap = k_new.shape[2], keys.shape[2]
     torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
                                               "run it through the torch.compile backend that filled it")
-    torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity")
+    torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity "
+                                             "(build it with a larger max_length; if kvpass warned that it compiled "
+                                             "a graph unchanged, the policy the cache was sized for did not run: "
+                                             "the warning says why)")
     idx = count[1] + torch.arange(q, device=keys.device)
     keys.index_copy_(2, idx, k_new.to(keys.dtype))
     values.index_copy_(2, idx, v_new.to(values.dtype))

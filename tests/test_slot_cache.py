@@ -807,6 +807,19 @@ def test_uncompiled_model_on_compressed_cache_fails():
                                                       use_cache=True).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_policy_that_did_not_run_overflows_with_the_reason():
+    """asl with a selection layer past this 2-layer model: kvpass warns and compiles the prefill unchanged
+    (plain appends), which overflow the slots the cache sized for asl's budget; the error says so."""
+    model = build("llama")
+    torch._dynamo.reset()
+    be = kvpass.backend("asl", compiler="eager", layer=2, budget=16, window=4)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = kvpass.SlotCache(model, be, max_length=40, max_new_tokens=4)
+    with pytest.warns(kvpass.KVPassWarning, match="not a selection layer"), \
+            pytest.raises(RuntimeError, match="the policy the cache was sized for did not run"):
+        run(fwd, cache, prompt(36, seed=3), 1)
+
+
 @pytest.mark.parametrize("policy,params", [("snapkv", dict(budget=BUDGET, window=4)),
                                            ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {}),
                                            ("art", dict(tau=0.0))])
