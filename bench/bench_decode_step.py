@@ -5,7 +5,8 @@ Per context length, every configuration prefills the same random prompt (twice: 
 compiles) and then decodes greedily; reported per row:
 
 * TTFT: the second prefill's wall time; TPOT: mean step over ``--steps`` steps after 8 warm-up steps
-  (one sync at each end, so host overhead shows where the host is the bottleneck);
+  (one sync at each end, so host overhead shows where the host is the bottleneck); with ``--decode-to N``
+  the warm-up decodes until the timed steps end at ``N`` tokens (a long generation after the prompt);
 * peak: the allocator's high-water mark from the prefill to the last step; KV bytes: what the cache
   holds (a SlotCache: every slot, empty or not);
 * with ``--profile``: the device kernels of 8 more steps, the 24 longest per step;
@@ -108,24 +109,28 @@ def policy_of(name: str) -> tuple[str, dict]:
     return policy, {k: (float(v) if "." in v else int(v)) for k, v in (e.split("=", 1) for e in extra)}
 
 
-def read_entries(name: str, ctx: int, budget: int, layers: int) -> float:
-    """K/V entries a decode step must read per layer (mean over layers) at the policy's defaults."""
+def read_entries(name: str, ctx: int, budget: int, layers: int, decoded: int = 0) -> float:
+    """K/V entries a decode step must read per layer (mean over layers) at the policy's defaults, after
+    ``decoded`` tokens past the ``ctx``-token prompt (0 unless ``--decode-to``: the few warm-up tokens are
+    left out, as in the earlier result files)."""
     policy = policy_of(name)[0]
-    if policy in ("full", "art") or name.startswith("hf_"):
-        return ctx
+    seq = ctx + decoded
+    if policy in ("full", "art", "asl_fullkv") or name.startswith("hf_"):  # asl_fullkv: bound by all layers
+        return seq
     if policy == "quest":         # dense layers read all; the others budget + the current page + the
-        from kvpass.policies.quest import Quest   # page bounds (kmin + kmax: 2/16 of the keys = ctx/16 entries)
+        from kvpass.policies.quest import Quest   # page bounds (kmin + kmax: 2/16 of the keys = seq/16 entries)
         dense = min(layers, Quest(budget=budget).dense_layers)
-        return (dense * ctx + (layers - dense) * (min(ctx, budget + 16) + ctx / 16)) / layers
-    if policy == "raas":          # the prompt's pages are never evicted; the page bounds are read to stamp
-        return ctx + ctx / 16
-    if policy == "asl_fullkv":    # unknown how many layers precede the gate: bound by all of them
-        return ctx
+        return (dense * seq + (layers - dense) * (min(seq, budget + 16) + seq / 16)) / layers
+    if policy == "raas":          # the prompt's pages are never evicted, decode tokens live in budget/16 + 1
+        pool = ctx + min(decoded, budget + 16)    # pages; the page bounds are read to stamp
+        return pool + pool / 16
+    if policy == "streamingllm":  # a ring of the budget
+        return min(seq, budget)
     if policy == "pyramidkv":
         from kvpass.policies.pyramidkv import PyramidKV, pyramid
         p = PyramidKV(budget=budget)
-        return sum(min(ctx, b) for b in pyramid(budget, p.window, layers, p.steepness)) / layers
-    return min(ctx, budget)
+        return sum(min(ctx, b) for b in pyramid(budget, p.window, layers, p.steepness)) / layers + decoded
+    return min(ctx, budget) + decoded  # a prefill-time eviction, then every decoded token appended
 
 
 def configs(model, args, ctx):
@@ -180,11 +185,14 @@ def main() -> None:
     ap.add_argument("--configs", default="hf_eager,hf_eager_cudnn,hf_static,full,snapkv,streamingllm,art")
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", action="store_true", help="add each row's device kernels per step (top 24)")
+    ap.add_argument("--decode-to", type=int, default=0,
+                    help="decode (untimed) until the timed steps end at this many tokens: a long generation "
+                         "after a short prompt, where decode-time eviction (raas, streamingllm) has evicted")
     ap.add_argument("--mode", default="reduce-overhead", choices=["reduce-overhead", "max-autotune"],
                     help="torch.compile mode of hf_static and the kvpass rows (max-autotune: Inductor also "
                          "times Triton templates against cuBLAS for every matmul)")
     args = ap.parse_args()
-    global PROFILE, MODE
+    global PROFILE, MODE, WARMUP
     PROFILE, MODE = args.profile, args.mode
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +209,9 @@ def main() -> None:
               "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weights, "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for ctx in (int(c) for c in args.contexts.split(",")):
+        # --decode-to: decode (untimed) until the timed steps end at that many tokens
+        WARMUP = max(8, args.decode_to - ctx - args.steps)
+        decoded = WARMUP + args.steps // 2 if args.decode_to else 0  # mean over the timed steps
         ids = torch.randint(10, 128000, (args.batch, ctx), device="cuda",
                             generator=torch.Generator(device="cuda").manual_seed(ctx))
         for name, pre, step, cache_fn, be in configs(model, args, ctx):
@@ -213,8 +224,9 @@ def main() -> None:
                 result["rows"].append(row)
                 torch.cuda.empty_cache()
                 continue
-            roof = (weights + per_entry * read_entries(name, ctx, args.budget, args.layers)) / bw
-            row = {"config": name, "context": ctx, "ttft_s": ttft, "tpot_ms": tpot * 1e3, "peak_GiB": peak / 2**30,
+            roof = (weights + per_entry * read_entries(name, ctx, args.budget, args.layers, decoded)) / bw
+            row = {"config": name, "context": ctx, "decoded_before_timing": WARMUP, "ttft_s": ttft,
+                   "tpot_ms": tpot * 1e3, "peak_GiB": peak / 2**30,
                    "kv_GiB": kvb / 2**30, "roofline_ms": roof * 1e3, "ratio": tpot / roof,
                    "wall_s": time.perf_counter() - t0}
             if be is not None:

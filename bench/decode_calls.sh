@@ -17,6 +17,8 @@
 #   X: batch 16 asl at 32k (needs an H200), then full at 2k and 32k under mode="max-autotune" beside
 #      reduce-overhead (do Triton matmul templates beat cuBLAS's GEMVs on the floor?)
 #   Y: full and snapkv at 2k under reduce-overhead and max-autotune in one process (the floor, matmul autotuning)
+#   Z: a long generation: 2k prompt, decoded to 32k tokens (raas and streamingllm evict decode tokens; full,
+#      snapkv keep them), timed over the last 64 steps
 #   S: the small per-layer kernels alone (bench/tune_small_kernels.py: ART's scan, quest's top_pages)
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 #   K: the kvpress 0.5.5 baseline (bench/bench_kvpress.py), 8 layers, batch 1, 32k and 128k: hf_eager,
@@ -29,7 +31,7 @@ set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, X or Y}" in
+case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, X, Y or Z}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -69,6 +71,8 @@ case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, X or Y}" in
        --configs full,snapkv 2>&1 | grep "^{" ;;
   Y) timeout 560 $B --batch 1 --contexts 2048 --out $out/b1_2k_autotune.json \
        --configs full,autotune:full,snapkv,autotune:snapkv 2>&1 | grep '"config"' ;;
+  Z) timeout 580 $B --batch 1 --contexts 2048 --decode-to 32768 --out $out/b1_2k_decode_to_32k.json \
+       --configs full,raas,streamingllm,snapkv 2>&1 | grep '"config"' ;;
   S) timeout 300 python bench/tune_small_kernels.py --out $out/small_kernels.json 2>&1 | grep '^{' ;;
   T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
