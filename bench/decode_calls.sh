@@ -19,6 +19,8 @@
 #   Y: full and snapkv at 2k under reduce-overhead and max-autotune in one process (the floor, matmul autotuning)
 #   Z: a long generation: 2k prompt, decoded to 32k tokens (raas and streamingllm evict decode tokens; full,
 #      snapkv keep them), timed over the last 64 steps
+#   U: raas's fused per-layer update (kvpass::raas_stamp): its GPU tests and the CUDA-graph replay tests of
+#      raas, then full and raas at 32k (batch 1)
 #   S: the small per-layer kernels alone (bench/tune_small_kernels.py: ART's scan, quest's top_pages)
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 #   K: the kvpress 0.5.5 baseline (bench/bench_kvpress.py), 8 layers, batch 1, 32k and 128k: hf_eager,
@@ -31,7 +33,7 @@ set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, X, Y or Z}" in
+case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, U, X, Y or Z}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -73,6 +75,9 @@ case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, X, Y or Z}" in
        --configs full,autotune:full,snapkv,autotune:snapkv 2>&1 | grep '"config"' ;;
   Z) timeout 580 $B --batch 1 --contexts 2048 --decode-to 32768 --out $out/b1_2k_decode_to_32k.json \
        --configs full,raas,streamingllm,snapkv 2>&1 | grep '"config"' ;;
+  U) python -m pytest -p no:cacheprovider -p no:logging --tb=short -q tests/gpu/test_gpu_raas.py \
+       tests/gpu/test_gpu_slot_cache.py -k raas 2>&1 | grep --line-buffered -v DEBUG | tee $out/gpu_tests_raas.txt | tail -4
+     timeout 280 $B --batch 1 --contexts 32768 --out $out/b1_32k_raas.json --configs full,raas 2>&1 | grep '"config"' ;;
   S) timeout 300 python bench/tune_small_kernels.py --out $out/small_kernels.json 2>&1 | grep '^{' ;;
   T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;

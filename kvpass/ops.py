@@ -58,6 +58,11 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
     (``kvpass.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
     elsewhere.
 
+``kvpass::raas_stamp(q, k_new, count, kmin, kmax, live, ts, born, meta, seen, decode_pages, alpha)``
+    RaaS's per-layer decode update of its page tables on a SlotCache, in place (fold the token into its
+    page's bounds, stamp the decode pages, plan the next slot; ``kvpass.kernels.raas_stamp``). A
+    ``triton_op``: two Triton launches on CUDA, ``kvpass::raas_stamp_ref`` elsewhere.
+
 ``kvpass::top_pages(ub, top) -> idx [..., top] int32``
     The ``top`` best pages of each row of scores ``ub [..., P]`` (``-inf`` = not eligible), in
     ascending index order, -1 padded; ties go to the lower index (``top_pages_reference``). Quest's
@@ -117,6 +122,7 @@ from kvpass import runtime
 from kvpass.kernels import decode_attention as _decode
 from kvpass.kernels import gather as _gather
 from kvpass.kernels import page_scores as _pscores
+from kvpass.kernels import raas_stamp as _stamp
 from kvpass.kernels import rope as _rope
 from kvpass.kernels import slot_attention as _slots
 from kvpass.kernels import top_pages as _top
@@ -423,6 +429,26 @@ def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     return torch.ops.kvpass.page_bounds_ref(q, kmin, kmax)
 
 
+_TABLES = ("kmin", "kmax", "live", "ts", "born", "meta", "seen")
+
+
+@torch.library.custom_op("kvpass::raas_stamp_ref", mutates_args=_TABLES)
+def raas_stamp_ref(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
+                   born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float) -> None:
+    _stamp.raas_stamp_reference(q, k_new, count, kmin, kmax, live, ts, born, meta, seen, decode_pages, alpha)
+
+
+@torch.library.triton_op("kvpass::raas_stamp", mutates_args=_TABLES)
+def raas_stamp(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
+               born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float) -> None:
+    """RaaS's decode update of one layer's page tables, in place; see ``kvpass.kernels.raas_stamp``.
+    Triton on CUDA (contiguous tables, as a SlotCache allocates them), the reference operator elsewhere."""
+    tables = (kmin, kmax, live, ts, born, meta, seen)
+    if q.device.type == "cuda" and _stamp.triton is not None and all(t.is_contiguous() for t in tables):
+        return _stamp.raas_stamp_triton(q, k_new, count, *tables, decode_pages, alpha, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.raas_stamp_ref(q, k_new, count, *tables, decode_pages, alpha)
+
+
 @torch.library.custom_op("kvpass::top_pages_ref", mutates_args=())
 def top_pages_ref(ub: Tensor, top: int) -> Tensor:
     return _top.top_pages_reference(ub, top)
@@ -635,6 +661,8 @@ OPS = {
     "page_scores_ref": page_scores_ref,
     "page_bounds": page_bounds,
     "page_bounds_ref": page_bounds_ref,
+    "raas_stamp": raas_stamp,
+    "raas_stamp_ref": raas_stamp_ref,
     "top_pages": top_pages,
     "top_pages_ref": top_pages_ref,
     "page_select": page_select,

@@ -590,6 +590,23 @@ def test_opcheck_page_bounds_ref():
     opcheck("page_bounds_ref", _bounds_args(1))
 
 
+def _stamp_args(fill: int):
+    """One layer's RaaS tables: 5 pages, prompt page 0, decode window 1-4 all live; ``fill = 15`` evicts."""
+    gen = torch.Generator().manual_seed(fill)
+    a, c = torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
+    meta = torch.tensor([2, fill, 1, -1]).repeat(2, 2, 1)
+    return (torch.randn(2, 4, 8, generator=gen), torch.randn(2, 2, 8, generator=gen), torch.tensor([40, 0, 0]),
+            torch.minimum(a, c), torch.maximum(a, c), torch.ones(2, 2, 5, dtype=torch.bool),
+            torch.randint(0, 40, (2, 2, 5), generator=gen), torch.arange(5).repeat(2, 2, 1), meta,
+            torch.full((2, 2), 39), 4, 0.1)
+
+
+@pytest.mark.parametrize("fill", [3, 15])
+@pytest.mark.parametrize("name", ["raas_stamp", "raas_stamp_ref"])
+def test_opcheck_raas_stamp(name, fill):
+    opcheck(name, _stamp_args(fill))
+
+
 def _top_args(top: int):
     ub = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(top))
     ub[0, 1, :5] = float("-inf")  # fewer eligible pages than top

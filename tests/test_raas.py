@@ -9,7 +9,11 @@
 * the Triton scoring kernel equals its reference under the interpreter;
 * the Triton page-bounds kernel (the SlotCache decode of quest and raas) equals ``page_bounds_reference``
   under the interpreter (hypothesis: batch, GQA group incl. 3, head dim incl. 24, page counts around the
-  block size, fp32/bf16 bounds, strided query and bounds).
+  block size, fp32/bf16 bounds, strided query and bounds);
+* the two Triton kernels of ``kvpass::raas_stamp`` (RaaS's per-layer SlotCache update) leave every table
+  as the reference does under the interpreter (hypothesis: page counts, windows past the pool, full
+  and partial pages, live / free mixes, tied timestamps, alpha 0 and 1, rows with no live page), and
+  the reference evicts the oldest decode page in a hand-built case.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import kvpass
 from families import build
 from kvpass.kernels import page_scores as PS
+from kvpass.kernels import raas_stamp as RS
 from kvpass.policies import ConfigError, make_policy
 from kvpass.state import GenerationState, LayerState
 
@@ -254,6 +259,78 @@ def test_page_bounds_kernel_equals_reference(seed, b, hkv, g, d, pages, block_p,
     ub_k = PS.page_bounds_triton(q, kmin, kmax, block_p=block_p)
     assert ub_k.shape == (b, h, pages) and ub_k.dtype == torch.float32
     torch.testing.assert_close(ub_k, ub, atol=1e-5, rtol=1e-5)
+
+
+def _stamp_tables(gen, b, hkv, g, d, pages, first, fill, live_p, dtype):
+    """Random page tables as a SlotCache holds them after some decode steps (``cur`` a live window page)."""
+    h = hkv * g
+    q = torch.randn(b, h, 3, d, generator=gen)[:, :, -1]  # strided, as slot_stamp passes q[:, :, -1]
+    k_new = torch.randn(b, hkv, 2, d, generator=gen)[:, :, -1].to(dtype)
+    x, y = torch.randn(b, hkv, pages, d, generator=gen), torch.randn(b, hkv, pages, d, generator=gen)
+    live = torch.rand(b, hkv, pages, generator=gen) < live_p
+    now = 1000
+    ts = torch.randint(998, 1000, (b, hkv, pages), generator=gen)  # two values: ties decided by born
+    born = torch.randint(0, 2, (b, hkv, pages), generator=gen)      # ties on both: the lower page
+    cur = (first + torch.randint(0, 3, (b, hkv), generator=gen)).clamp_max(pages - 1)
+    live.scatter_(2, cur[..., None], True)
+    meta = torch.stack([cur, torch.full_like(cur, fill), torch.full_like(cur, first), torch.full_like(cur, -1)], -1)
+    return dict(q=q, k_new=k_new, count=torch.tensor([now, 0, 0]), kmin=torch.minimum(x, y).to(dtype),
+                kmax=torch.maximum(x, y).to(dtype), live=live, ts=ts, born=born, meta=meta,
+                seen=torch.full((b, hkv), 999))
+
+
+TABLES = ("kmin", "kmax", "live", "ts", "born", "meta", "seen")
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 3, 4]),
+       d=st.sampled_from([8, 24]), pages=st.sampled_from([3, 16, 33, 70]), first=st.integers(0, 40),
+       window=st.sampled_from([1, 2, 5, 17, 40]), fill=st.sampled_from([0, 7, 15]),
+       live_p=st.sampled_from([0.0, 0.5, 1.0]), alpha=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
+       block_p=st.sampled_from([16, 32]), block_w=st.sampled_from([16, 256]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=15, live_p=1.0, alpha=1.0, block_p=16,
+         block_w=16, dtype=torch.float32)  # an eviction whose oldest key ties across the window's three blocks
+def test_raas_stamp_kernels_equal_reference(seed, b, hkv, g, d, pages, first, window, fill, live_p, alpha, block_p,
+                                            block_w, dtype):
+    """Every table after ``raas_stamp_triton`` equals the reference's, bit for bit (bounds, live pages,
+    timestamps, allocation steps, the planned slot and eviction, the overflow mark)."""
+    gen = torch.Generator().manual_seed(seed)
+    first = min(first, pages - 1)
+    ref = _stamp_tables(gen, b, hkv, g, d, pages, first, fill, live_p, dtype)
+    got = {k: v.clone() for k, v in ref.items()}
+    before = {k: ref[k].clone() for k in TABLES}
+    RS.raas_stamp_reference(*ref.values(), window, alpha)
+    RS.raas_stamp_triton(*got.values(), window, alpha, block_p=block_p, block_w=block_w)
+    for name in TABLES:
+        assert torch.equal(got[name], ref[name]), name
+    if fill == 15:  # a new page every row: the planned page is live, stamped and born now
+        cur = ref["meta"][..., 0]
+        assert bool(ref["live"].gather(2, cur[..., None]).all()) and bool((ref["meta"][..., 1] == 0).all())
+    else:
+        assert torch.equal(ref["meta"][..., 0], before["meta"][..., 0])
+
+
+def test_raas_stamp_reference_evicts_the_oldest_decode_page():
+    """A hand-built layer: prompt pages 0-1, decode window 2-4 all live, the current page 4 full after this
+    token. Page 3 has the oldest timestamp, so it is planned for eviction and becomes the current page;
+    prompt page 0, older still, is never a candidate. Page 2 is stamped (the only page the query likes)."""
+    b, hkv, pages, d = 1, 1, 6, 4
+    kmin = torch.full((b, hkv, pages, d), -0.1)
+    kmax = torch.full((b, hkv, pages, d), 0.1)
+    kmin[:, :, 2], kmax[:, :, 2] = 5.0, 5.0  # q . k = 20 on page 2: its share is about 1
+    tables = dict(kmin=kmin, kmax=kmax, live=torch.tensor([[[True] * 5 + [False]]]),
+                  ts=torch.tensor([[[1, 9, 7, 3, 8, 0]]]), born=torch.tensor([[[0, 1, 5, 6, 7, -1]]]),
+                  meta=torch.tensor([[[4, 15, 2, -1]]]), seen=torch.tensor([[99]]))
+    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([100, 0, 0]),
+                            *tables.values(), 3, 0.5)
+    assert tables["ts"].tolist() == [[[1, 9, 100, 100, 8, 0]]]   # page 2 stamped, page 3 taken now
+    assert tables["born"].tolist() == [[[0, 1, 5, 100, 7, -1]]]
+    assert tables["meta"].tolist() == [[[3, 0, 2, 3]]] and tables["seen"].tolist() == [[100]]
+    tables["live"][..., 5], tables["meta"][..., 1] = True, 15  # page 3 full too, the pool has no free page
+    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([101, 0, 0]),
+                            *tables.values(), 5, 0.5)  # a window of 5 from page 2 runs past the 6-page pool
+    assert tables["seen"].tolist() == [[RS.OVERFLOW]]  # an eviction from 4 of 5 decode pages: marked
 
 
 def test_compiled_update_equals_eager():

@@ -353,8 +353,9 @@ def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
     emptied) and the token's slot ``16 cur + fill`` is returned ``[B, H_kv, 1]``. Tables that are behind
     the slots (a cache written without this backend) fail a device-side assert."""
     _, _, _, _, _, meta, seen = state
-    torch._assert_async((seen == count[0]).all(), "kvpass raas: the SlotCache's page tables are behind its slots "
-                                                  "(it was written without this backend)")
+    torch._assert_async((seen == count[0]).all(), "kvpass raas: the SlotCache's page tables do not match its slots: "
+                                                  "it was written without this backend, or the sequence is longer "
+                                                  "than the SlotCache's max_length (no decode page left to evict)")
     b, hkv, _ = pos.shape
     gone = meta[..., 3]
     at = gone.clamp_min(0)[..., None] * PAGE + torch.arange(PAGE, device=pos.device)      # [B, H_kv, 16]
@@ -369,49 +370,8 @@ def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
 def slot_stamp(q, keys, pos, count, state: list, k_new, decode_pages: int, alpha: float) -> None:
     """After a decode step's write (slot ``16 cur + fill``): fold the token into its page's bounds, stamp
     the decode pages whose softmax share of the bound (over all resident pages) exceeds ``alpha`` for some
-    query head of the group, and plan the next token's slot (``_update``'s rules, for one layer). Prompt
-    pages are never evicted, so their timestamps are left as the prefill set them."""
-    kmin, kmax, live, ts, born, meta, seen = state
-    b, hkv, pages, _ = kmin.shape
-    g = q.shape[1] // hkv
-    cur, fill, first = meta[..., 0], meta[..., 1], meta[..., 2]
-    rows = torch.arange(b, device=q.device)[:, None]
-    heads = torch.arange(hkv, device=q.device)[None, :]
-    knew = k_new[:, :, -1].to(kmin.dtype)
-    fresh = (fill == 0)[..., None]  # the page's first token sets its bounds
-    kmin.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.minimum(kmin[rows, heads, cur], knew)))
-    kmax.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.maximum(kmax[rows, heads, cur], knew)))
-    fill = fill + 1
-    now = count[0]
-    # The share is a softmax over every resident page (one logsumexp over the bounds), but only the decode
-    # pages `first .. first + decode_pages - 1` can be evicted, so only their stamps are ever read: the free /
-    # evict / argmin rules run over that window (budget/16 + 1 pages gathered), not over the whole pool, whose
-    # prompt pages at 32k are 16x more (a fused reduction over all 2,048 pages cost 68 us per step on 8 layers,
-    # H100, bench/results/decode_step_h100_2026-11-25f). The tables are written back by pointwise ops over the
-    # pool: scattering the window back cost 167 us per step (H200, bench/results/decode_step_h200_2026-11-26_r).
-    ub = torch.ops.kvpass.page_bounds(q[:, :, -1], kmin, kmax).masked_fill(~live.repeat_interleave(g, 1),
-                                                                          float("-inf"))
-    share = (ub - torch.logsumexp(ub, -1, keepdim=True)).exp()  # NaN for a row with no live page: no stamp
-    idx = torch.arange(pages, device=q.device)
-    dec = (idx >= first[..., None]) & (idx < first[..., None] + decode_pages)  # prompt pages are never evicted
-    stamped = torch.where((share > alpha).view(b, hkv, g, pages).any(2) & live & dec, now, ts)
-    span = first[..., None] + torch.arange(decode_pages, device=q.device)  # [B, H_kv, W]
-    win, inside = span.clamp_max(pages - 1), span < pages  # past the pool: no page
-    resident = live.gather(2, win)
-    live_w, free = resident & inside, ~resident & inside
-    new_page = fill >= PAGE
-    evict = new_page & ~free.any(-1)
-    # a cache sized for max_length has the decode pages a sequence of that length fills; evicting from fewer
-    # than budget/16 + 1 of them would be a different policy
-    torch._assert_async(~(evict & (first + decode_pages > pages)).any(), "kvpass raas: the sequence is longer than "
-                                                                         "the SlotCache's max_length")
-    key = torch.where(live_w, stamped.gather(2, win) * (1 << 32) + born.gather(2, win), torch.iinfo(torch.long).max)
-    victim = win.gather(2, key.argmin(-1, keepdim=True))[..., 0]  # the oldest timestamp, then the earliest allocated
-    first_free = win.gather(2, free.long().argmax(-1, keepdim=True))[..., 0]
-    nxt = torch.where(new_page, torch.where(evict, victim, first_free), cur)
-    take = new_page[..., None] & (idx == nxt[..., None])
-    live.logical_or_(take)
-    ts.copy_(torch.where(take, now, stamped))
-    born.copy_(torch.where(take, now, born))
-    meta.copy_(torch.stack([nxt, torch.where(new_page, 0, fill), first, torch.where(evict, victim, -1)], -1))
-    seen.copy_(now.expand_as(seen))
+    query head of the group, and plan the next token's slot (``_update``'s rules, for one layer), all in
+    ``kvpass::raas_stamp`` (``kvpass.kernels.raas_stamp``: two Triton launches per layer on CUDA, where the
+    same rules as tensor code took about fifteen). Prompt pages are never evicted, so their timestamps are
+    left as the prefill set them; the free / evict / oldest rules run over the decode pages only."""
+    torch.ops.kvpass.raas_stamp(q[:, :, -1], k_new[:, :, -1], count, *state, decode_pages, alpha)

@@ -6,6 +6,8 @@
   sizes, with a strided query, and through ``kvpass::page_bounds`` on CUDA;
 * a long decode on CUDA keeps the stored pool size constant and the allocated pages within
   prefill pages + budget/16 + 1, and a no-evict budget equals ``full``;
+* RaaS's per-layer SlotCache update (``kvpass::raas_stamp``, two Triton launches) leaves the tables as
+  its reference does at 32k / 128k-sized pools, batch 1 and 16, with and without an eviction;
 * quest's page selection kernel (``kvpass::top_pages``) equals its reference at real sizes, with ties;
 * quest: the decode kernel with a short ``block_map`` (-1 padded) equals its reference at real sizes,
   a budget at least the length equals ``full`` through Inductor, and a long decode reads exactly the
@@ -75,6 +77,41 @@ def test_top_pages_kernel_equals_reference(rows, pages, top, ties):
     ref = top_pages_reference(ub, top)
     assert torch.equal(top_pages_triton(ub, top), ref)
     assert torch.equal(torch.ops.kvpass.top_pages(ub.view(rows, 1, pages), top)[:, 0], ref)
+
+
+@pytest.mark.parametrize("b,h,hkv,pages,window,d", [(1, 32, 8, 2177, 129, 128), (16, 32, 8, 2177, 129, 128),
+                                                   (1, 32, 8, 8321, 129, 128), (2, 24, 8, 300, 65, 96)])
+@pytest.mark.parametrize("fill", [7, 15])
+def test_raas_stamp_kernels_equal_reference(b, h, hkv, pages, window, d, fill):
+    """Prompt pages then a full decode window; ``fill = 15`` makes every row evict its oldest page."""
+    from kvpass.kernels import raas_stamp as RS
+    g = torch.Generator(device=DEV).manual_seed(pages + fill)
+    first = pages - window
+    x = torch.randn(b, hkv, pages, d, device=DEV, generator=g).bfloat16()
+    y = torch.randn(b, hkv, pages, d, device=DEV, generator=g).bfloat16()
+    born = torch.arange(pages, device=DEV).repeat(b, hkv, 1)
+    born[..., first:] = first + torch.rand(b, hkv, window, device=DEV, generator=g).argsort(-1)  # allocation order
+    meta = torch.tensor([pages - 1, fill, first, -1], device=DEV).repeat(b, hkv, 1)
+    tables = dict(kmin=torch.minimum(x, y), kmax=torch.maximum(x, y),
+                  live=torch.ones(b, hkv, pages, dtype=torch.bool, device=DEV),
+                  ts=torch.randint(0, 5000, (b, hkv, pages), device=DEV, generator=g), born=born, meta=meta,
+                  seen=torch.full((b, hkv), 4999, device=DEV))
+    q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * 2 * d ** -0.5).bfloat16()[:, :, -1]
+    k_new = torch.randn(b, hkv, d, device=DEV, generator=g).bfloat16()
+    args = (q, k_new, torch.tensor([5000, 0, 0], device=DEV))
+    ref, got, op = ({k: v.clone() for k, v in tables.items()} for _ in range(3))
+    RS.raas_stamp_reference(*args, *ref.values(), window, 1e-3)
+    RS.raas_stamp_triton(*args, *got.values(), window, 1e-3)
+    torch.ops.kvpass.raas_stamp(*args, *op.values(), window, 1e-3)
+    assert all(torch.equal(op[k], got[k]) for k in tables)
+    assert torch.equal(got["kmin"], ref["kmin"]) and torch.equal(got["kmax"], ref["kmax"])
+    assert bool((ref["ts"] == 5000).any())  # some pages were stamped
+    flips = (got["ts"] != ref["ts"]).sum().item()  # a share within rounding of alpha may flip
+    assert flips <= max(2, ref["ts"].numel() // 10000)
+    if flips == 0:
+        assert all(torch.equal(got[k], ref[k]) for k in tables)
+    if fill == 15:
+        assert bool((ref["meta"][..., 3] >= first).all()) and bool((ref["meta"][..., 0] == ref["meta"][..., 3]).all())
 
 
 def _decode(policy, steps, **params):
