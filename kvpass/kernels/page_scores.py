@@ -66,6 +66,14 @@ def page_scores_reference(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, t
 if triton is not None:
 
     @triton.jit
+    def _kvpass_head_bound(q, kx, kn):
+        """One query head's bound ``[BLOCK_P]`` from ``q [D]`` and a block's fp32 ``kmax`` / ``kmin``
+        ``[BLOCK_P, D]``: of ``q * kmax`` and ``q * kmin`` the larger is kmax's where ``q > 0`` and kmin's
+        elsewhere (``q = 0`` gives 0 either way), so one select and one multiply-add per element, not two
+        products and a max (the same products: equal bounds up to the order of the sum)."""
+        return tl.sum(q[None, :] * tl.where(q[None, :] > 0, kx, kn), axis=1)
+
+    @triton.jit
     def _kvpass_page_ub(Q, Kmin, Kmax, b, h, p0, n_pages, sq_b, sq_h, sk_b, sk_h, sk_p,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         BLOCK_P: tl.constexpr):
@@ -131,13 +139,14 @@ if triton is not None:
         d = tl.arange(0, D_PAD)
         pm = pi < n_pages
         km = pm[:, None] & (d < D)[None, :]
-        off = b * sk_b + h * sk_h + pi[:, None].to(tl.int64) * sk_p + d[None, :]
-        kx = tl.load(Kmax + off, mask=km, other=0.0).to(tl.float32)
-        kn = tl.load(Kmin + off, mask=km, other=0.0).to(tl.float32)
+        row = b * sk_b + h * sk_h  # 64-bit row base, 32-bit offsets within the row (pages * D < 2^31)
+        off = pi[:, None] * sk_p + d[None, :]
+        kx = tl.load(Kmax + row + off, mask=km, other=0.0).to(tl.float32)
+        kn = tl.load(Kmin + row + off, mask=km, other=0.0).to(tl.float32)
         # one query head at a time: a [G, BLOCK_P, D] product (_kvpass_page_ub) spills registers
         for j in tl.static_range(G):
             q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + d, mask=d < D, other=0.0).to(tl.float32)
-            ub = tl.sum(tl.maximum(q[None, :] * kx, q[None, :] * kn), axis=1)
+            ub = _kvpass_head_bound(q, kx, kn)
             tl.store(Ub + (bh.to(tl.int64) * G + j) * n_pages + pi, ub, mask=pm)  # Ub [B, H, P], head h * G + j
 
 

@@ -43,6 +43,8 @@ from kvpass.kernels.page_scores import page_bounds_reference
 try:
     import triton
     import triton.language as tl
+
+    from kvpass.kernels.page_scores import _kvpass_head_bound
 except ImportError:  # pragma: no cover - kvpass runs its references without Triton
     triton = None
 
@@ -97,40 +99,47 @@ if triton is not None:
                             BLOCK_P: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // HKV, bh % HKV
-        pi = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        blk = tl.program_id(1)
+        pi = blk * BLOCK_P + tl.arange(0, BLOCK_P)
         d = tl.arange(0, D_PAD)
         pm = pi < n_pages
         km = pm[:, None] & (d < D)[None, :]
-        off = b * sk_b + h * sk_h + pi[:, None].to(tl.int64) * sk_p + d[None, :]
-        kx = tl.load(Kmax + off, mask=km, other=0.0)
-        kn = tl.load(Kmin + off, mask=km, other=0.0)
+        Kmax += b * sk_b + h * sk_h  # the row; 32-bit offsets within it (pages * D < 2^31)
+        Kmin += b * sk_b + h * sk_h
+        off = pi[:, None] * sk_p + d[None, :]
+        kx = tl.load(Kmax + off, mask=km, other=0.0).to(tl.float32)
+        kn = tl.load(Kmin + off, mask=km, other=0.0).to(tl.float32)
         cur = tl.load(Meta + bh * 4)
-        fresh = tl.load(Meta + bh * 4 + 1) == 0
-        knew = tl.load(Knew + b * sn_b + h * sn_h + d, mask=d < D, other=0.0).to(kx.dtype)[None, :]
-        at = (pi == cur)[:, None]
-        kx = tl.where(at, tl.where(fresh, knew, tl.maximum(kx, knew)), kx)
-        kn = tl.where(at, tl.where(fresh, knew, tl.minimum(kn, knew)), kn)
-        tl.store(Kmax + off, kx, mask=km & at)  # only the program holding page cur writes, after its own load
-        tl.store(Kmin + off, kn, mask=km & at)
-        kx = kx.to(tl.float32)
-        kn = kn.to(tl.float32)
+        if (cur >= blk * BLOCK_P) & (cur < blk * BLOCK_P + BLOCK_P):  # this program holds page cur: fold the token
+            fresh = tl.load(Meta + bh * 4 + 1) == 0
+            x = tl.load(Kmax + cur * sk_p + d, mask=d < D)
+            n = tl.load(Kmin + cur * sk_p + d, mask=d < D)
+            knew = tl.load(Knew + b * sn_b + h * sn_h + d, mask=d < D).to(x.dtype)
+            x = tl.where(fresh, knew, tl.maximum(x, knew))
+            n = tl.where(fresh, knew, tl.minimum(n, knew))
+            tl.store(Kmax + cur * sk_p + d, x, mask=d < D)
+            tl.store(Kmin + cur * sk_p + d, n, mask=d < D)
+            at = (pi == cur)[:, None]
+            kx = tl.where(at, x.to(tl.float32)[None, :], kx)
+            kn = tl.where(at, n.to(tl.float32)[None, :], kn)
         ok = tl.load(Live + bh * n_pages + pi, mask=pm, other=0) != 0
         for j in tl.static_range(G):  # one query head at a time (a [G, BLOCK_P, D] product spills)
             q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + d, mask=d < D, other=0.0).to(tl.float32)
-            ub = tl.sum(tl.maximum(q[None, :] * kx, q[None, :] * kn), axis=1)
-            tl.store(Ub + (bh * G + j) * n_pages + pi, tl.where(ok, ub, float("-inf")), mask=pm)
+            ub = tl.where(ok, _kvpass_head_bound(q, kx, kn), float("-inf"))
+            tl.store(Ub + (bh * G + j) * n_pages + pi, ub, mask=pm)
 
     @triton.jit(do_not_specialize=["n_pages"])
     def _kvpass_raas_plan(Ub, Count, Live, Ts, Born, Meta, Seen, n_pages, alpha, W: tl.constexpr,
-                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         gi = tl.arange(0, G_PAD)
         rows = (bh * G + gi) * n_pages
-        # each query head's log-sum-exp over all pages (online, fp32)
+        # each query head's log-sum-exp over all pages (online, fp32); partial sums left by the bounds programs
+        # and merged here were slower at 32k (a barrier per head in each bounds program; call of 2026-11-26)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         s = tl.zeros([G_PAD], tl.float32)
-        for p0 in range(0, n_pages, BLOCK_P):
-            pi = p0 + tl.arange(0, BLOCK_P)
+        for p0 in range(0, n_pages, BLOCK_B):
+            pi = p0 + tl.arange(0, BLOCK_B)
             ub = tl.load(Ub + rows[:, None] + pi[None, :], mask=(gi < G)[:, None] & (pi < n_pages)[None, :],
                          other=float("-inf"))
             m_new = tl.maximum(m, tl.max(ub, axis=1))
@@ -182,10 +191,12 @@ if triton is not None:
 
 def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
                       born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float,
-                      block_p: int = 32, block_w: int = 256, launch=None) -> None:
+                      block_p: int = 16, warps: int = 2, block_w: int = 256, block_b: int = 0, launch=None) -> None:
     """Launch the two kernels; arguments and effects as ``raas_stamp_reference``. The tables must be
     contiguous (a SlotCache allocates them so); ``q`` and ``k_new`` are read through their strides.
-    ``block_p`` pages per bounds program, ``block_w`` window pages per step of the plan's loop."""
+    ``block_p`` pages per bounds program (``warps`` warps; the defaults won ``bench/tune_small_kernels.py``
+    on an H200); ``block_b`` pages (0: sized to the pool) and ``block_w`` window pages per step of the plan's
+    two loops."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass raas_stamp needs Triton")
     wrap = launch or (lambda fn: fn)
@@ -199,7 +210,9 @@ def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kma
     ub = torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32)
     wrap(_kvpass_raas_bounds)[(b * hkv, triton.cdiv(n_pages, block_p))](
         q, k_new, kmin, kmax, live, meta, ub, n_pages, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2), HKV=hkv, G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p)
+        kmin.stride(0), kmin.stride(1), kmin.stride(2), HKV=hkv, G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p,
+        num_warps=warps)
+    g_pad = pow2(g, 1)
     wrap(_kvpass_raas_plan)[(b * hkv,)](
-        ub, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages, G=g, G_PAD=pow2(g, 1),
-        BLOCK_P=max(16, min(1024, pow2(n_pages) // pow2(g, 1))), BLOCK_W=min(block_w, pow2(decode_pages)))
+        ub, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages, G=g, G_PAD=g_pad,
+        BLOCK_B=block_b or max(16, min(1024, pow2(n_pages) // g_pad)), BLOCK_W=min(block_w, pow2(decode_pages)))
