@@ -146,7 +146,7 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(ub - m_safe[:, None]), axis=1)
             m = m_new
-        lse = tl.where(m == float("-inf"), float("inf"), m + tl.log(s))  # no live page: every share 0
+        lse = tl.where(m == float("-inf"), float("inf"), m + tl.log(tl.maximum(s, 1.0)))  # no live page: shares 0
         now = tl.load(Count)
         cur = tl.load(Meta + bh * 4)
         fill = tl.load(Meta + bh * 4 + 1) + 1
