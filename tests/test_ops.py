@@ -602,9 +602,13 @@ def _stamp_args(fill: int):
 
 
 @pytest.mark.parametrize("fill", [3, 15])
-@pytest.mark.parametrize("name", ["raas_stamp", "raas_stamp_ref"])
-def test_opcheck_raas_stamp(name, fill):
-    opcheck(name, _stamp_args(fill))
+def test_opcheck_raas_stamp(fill):
+    opcheck("raas_stamp", _stamp_args(fill))
+
+
+@pytest.mark.parametrize("fill", [3, 15])
+def test_opcheck_raas_stamp_ref(fill):
+    opcheck("raas_stamp_ref", _stamp_args(fill))
 
 
 def _top_args(top: int):
