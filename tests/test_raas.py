@@ -291,6 +291,8 @@ TABLES = ("kmin", "kmax", "live", "ts", "born", "meta", "seen")
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 @example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=15, live_p=1.0, alpha=1.0, block_p=16,
          block_w=16, block_b=16, dtype=torch.float32)  # an eviction whose oldest key ties across the window's three blocks
+@example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=7, live_p=1.0, alpha=0.02, block_p=16,
+         block_w=256, block_b=16, dtype=torch.float32)  # the log-sum-exp over five blocks of pages, shares near alpha
 def test_raas_stamp_kernels_equal_reference(seed, b, hkv, g, d, pages, first, window, fill, live_p, alpha, block_p,
                                             block_w, block_b, dtype):
     """Every table after ``raas_stamp_triton`` equals the reference's, bit for bit (bounds, live pages,
