@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from kvpass import models
+from kvpass.eval import models
 from kvpass.cli import parse_length
-from kvpass import tasks as T
+from kvpass.eval import tasks as T
 
 TAUS = (0.3, 0.5, 0.7, 0.9)
 

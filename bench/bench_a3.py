@@ -20,7 +20,7 @@ token's logits with ``full`` (random weights: a sanity check, not accuracy).
 request is read back from disk (``ChunkStore.get``: read, CRC, parse, copy to the GPU); per chunk
 time and bandwidth. The files are in the OS page cache after being written (not a cold disk).
 
-**Accuracy** (``--accuracy``): chunked multi-document QA (``kvpass.tasks.chunk_qa``) on an embedded
+**Accuracy** (``--accuracy``): chunked multi-document QA (``kvpass.eval.tasks.chunk_qa``) on an embedded
 model (``--model``, SmolLM2-135M by default): the task's system part, chunks and question go through
 each policy, greedy answer, scored as the task says; ``full`` is the whole prompt through
 ``model.generate``.
@@ -183,8 +183,9 @@ def ttft_mode(args) -> tuple[dict, list[dict], dict]:
 
 
 def accuracy_mode(args) -> tuple[dict, list[dict], dict]:
-    from kvpass import models, tasks
-    from kvpass.tasks import chunk_qa
+    from kvpass.eval import models
+    from kvpass.eval import tasks
+    from kvpass.eval.tasks import chunk_qa
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tok = models.load(args.model, dtype=dtype, device=args.device)

@@ -1,6 +1,6 @@
 """Benchmarks 2 and 3 of issue 4: ART on real attention, and end-to-end decode speed.
 
-2. ``captured``: Q/K/V of one decode step recorded from SmolLM2-135M (``kvpass.models``) after long
+2. ``captured``: Q/K/V of one decode step recorded from SmolLM2-135M (``kvpass.eval.models``) after long
    prompts cut from the Paul Graham essays, one batch row per (prompt, layer). Random keys make
    attention uniform and never converge, so only recorded attention says anything about early
    termination. For each threshold setting: blocks read, relative L2 error of the output against
@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from kvpass import models, tasks  # noqa: E402
-from kvpass.kernels import decode_attention as K  # noqa: E402
+from kvpass.eval import models  # noqa: E402
+from kvpass.eval import tasks
+from kvpass.ops.kernels import decode_attention as K  # noqa: E402
 
 SETTINGS = [  # (tau, phi, patience, block, horizon)
     (1e-5, 1e-3, 5, 64, 0), (1e-5, 1e-3, 5, 128, 0), (1e-4, 1e-3, 5, 128, 0), (1e-3, 1e-2, 3, 128, 0),

@@ -118,7 +118,7 @@ def read_entries(name: str, ctx: int, budget: int, layers: int, decoded: int = 0
     if policy in ("full", "art", "asl_fullkv") or name.startswith("hf_"):  # asl_fullkv: bound by all layers
         return seq
     if policy == "quest":         # dense layers read all; the others budget + the current page + the
-        from kvpass.policies.quest import Quest   # page bounds (kmin + kmax: 2/16 of the keys = seq/16 entries)
+        from kvpass.policies.pages.quest import Quest   # page bounds (kmin + kmax: 2/16 of the keys = seq/16 entries)
         dense = min(layers, Quest(budget=budget).dense_layers)
         return (dense * seq + (layers - dense) * (min(seq, budget + 16) + seq / 16)) / layers
     if policy == "raas":          # the prompt's pages are never evicted, decode tokens live in budget/16 + 1
@@ -127,7 +127,7 @@ def read_entries(name: str, ctx: int, budget: int, layers: int, decoded: int = 0
     if policy == "streamingllm":  # a ring of the budget
         return min(seq, budget)
     if policy == "pyramidkv":
-        from kvpass.policies.pyramidkv import PyramidKV, pyramid
+        from kvpass.policies.prefill.pyramidkv import PyramidKV, pyramid
         p = PyramidKV(budget=budget)
         return sum(min(ctx, b) for b in pyramid(budget, p.window, layers, p.steepness)) / layers + decoded
     return min(ctx, budget) + decoded  # a prefill-time eviction, then every decoded token appended

@@ -30,7 +30,8 @@ import transformers
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvpass import models, tasks  # noqa: E402
+from kvpass.eval import models  # noqa: E402
+from kvpass.eval import tasks
 from kvpass.eval.runner import Runner, cache_bytes  # noqa: E402
 
 

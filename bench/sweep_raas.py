@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from kvpass import models
+from kvpass.eval import models
 from kvpass.eval import report
 from kvpass.eval.runner import Runner
 from kvpass.policies import POLICIES
-from kvpass.tasks import long_decode
+from kvpass.eval.tasks import long_decode
 
 
 def configs(args) -> list[tuple[str, dict]]:

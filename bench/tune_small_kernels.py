@@ -20,9 +20,9 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from kvpass.kernels import decode_attention as DA
-from kvpass.kernels import raas_stamp as RS
-from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
+from kvpass.ops.kernels import decode_attention as DA
+from kvpass.policies.pages.kernels import raas_stamp as RS
+from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
 
 
 def scan_rows(out, b=1, h=32, hkv=8, d=128, steps=16):
@@ -91,7 +91,7 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
         q = (torch.randn(b, h, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
         args = (q, torch.randn(b, hkv, d, device="cuda", generator=g).bfloat16(),
                 torch.tensor([5000, 0, 0], device="cuda"))
-        from kvpass.kernels.page_scores import page_bounds_triton  # quest's bounds alone (no fold, no live mask)
+        from kvpass.policies.pages.kernels.page_scores import page_bounds_triton  # quest's bounds alone (no fold, no live mask)
         row = dict(kernel="page_bounds", b=b, pages=pages, us=round(do_bench_cudagraph(
             lambda: page_bounds_triton(q, tables["kmin"], tables["kmax"])) * 1e3, 2))
         print(json.dumps(row), flush=True)

@@ -22,13 +22,13 @@ def _check_versions() -> None:
 
 _check_versions()
 
-from kvpass.backend import Backend, GraphReport, KVPass, KVPassWarning, backend  # noqa: E402
-from kvpass.cache import SlotCache  # noqa: E402
-from kvpass.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning  # noqa: E402
-from kvpass.explain import Explanation, explain  # noqa: E402
-from kvpass.fusion import ChunkFusion, FusedPrompt  # noqa: E402
+from kvpass.compiler.backend import Backend, GraphReport, KVPass, KVPassWarning, backend  # noqa: E402
+from kvpass.cache.slots import SlotCache  # noqa: E402
+from kvpass.fusion.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning  # noqa: E402
+from kvpass.compiler.explain import Explanation, explain  # noqa: E402
+from kvpass.fusion.router import ChunkFusion, FusedPrompt  # noqa: E402
 from kvpass.policies import ConfigError, Policy, available as available_policies  # noqa: E402
-from kvpass.state import GenerationState  # noqa: E402
+from kvpass.cache.state import GenerationState  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",

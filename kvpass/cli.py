@@ -167,7 +167,7 @@ def _remove_empty(folders: list[Path]) -> None:
 
 
 def _load(args):
-    from kvpass import models
+    from kvpass.eval import models
     try:
         return models.load(args.model, dtype=_dtype(args), device=args.device)
     except models.ModelNotAvailable as e:
@@ -176,7 +176,7 @@ def _load(args):
 
 def check_tasks(names: list[str]) -> None:
     """Unknown ``--task`` names are a usage error, before the model loads."""
-    from kvpass import tasks as T
+    from kvpass.eval import tasks as T
     unknown = [n for n in names if n not in T.FAMILIES]
     if unknown:
         _usage_error(f"unknown task '{unknown[0]}' in --task {','.join(names)}; known tasks: "
@@ -184,7 +184,7 @@ def check_tasks(names: list[str]) -> None:
 
 
 def _tasks(args, tokenizer):
-    from kvpass import tasks as T
+    from kvpass.eval import tasks as T
     out = []
     for family in args.task:
         options = {"depths": args.depths} if (family == "niah" and args.depths) else {}
@@ -252,7 +252,7 @@ def run_comparison(args, policies: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "models":
-        from kvpass import models
+        from kvpass.eval import models
         for name in models.available():
             spec = models.MODELS[name]
             print(f"{name:16s} {spec.description}  (install: {spec.install_cmd})")

@@ -1,7 +1,7 @@
 """Plain-Python references of the prefill eviction scorers, written from their docstrings with loops.
 
 They work on one row (one sequence and KV head) at a time, in float64, and share nothing with
-``kvpass.policies.scoring`` except the window votes they are given (whose own reference,
+``kvpass.policies.prefill.scoring`` except the window votes they are given (whose own reference,
 ``votes_naive``, is checked against the operator separately). Ties go to the earlier token or
 block, as the policies document.
 """

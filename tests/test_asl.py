@@ -28,9 +28,9 @@ from torch import fx
 from transformers import DynamicCache
 
 import kvpass
-import kvpass.backend
+import kvpass.compiler.backend
 from families import FAMILIES, skip_uneven_layers_on_old_stacks
-from kvpass.backend import KVPassWarning
+from kvpass.errors import KVPassWarning
 from kvpass.policies import ConfigError, make_policy
 
 BUDGET, WINDOW, KERNEL = 20, 6, 7
@@ -524,7 +524,7 @@ def test_shift_positions_op():
     pos = torch.tensor([[40, 41]])
     handle = be.runtime.handle
     assert torch.equal(torch.ops.kvpass.shift_positions(pos, handle), pos)          # no gated prefill yet
-    from kvpass.gate import GateInfo
+    from kvpass.compiler.gate import GateInfo
     be.runtime.gate = GateInfo(2, 40, 20, (2,), {}, 2, 20)
     assert torch.ops.kvpass.shift_positions(pos, handle).tolist() == [[20, 21]]
     torch.library.opcheck(torch.ops.kvpass.shift_positions.default, (pos, handle))
@@ -624,7 +624,7 @@ def test_short_segments_keep_kvpass_constants_that_equal_the_length(monkeypatch)
     exactly L backends before (an order-dependent CI failure)."""
     import itertools
 
-    from kvpass import runtime
+    from kvpass.cache import runtime
     ordinary = next(runtime._NEXT) + 1    # the handle an unpatched backend gets next
     length = next(n for n in range(40, 200) if n not in runtime._RUNTIMES and n != ordinary)
     model = build("llama", layers=4)

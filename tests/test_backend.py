@@ -10,7 +10,7 @@ from torch import nn
 from transformers import DynamicCache
 
 import kvpass
-from kvpass.backend import _WARNED
+from kvpass.errors import _WARNED
 from families import build
 
 

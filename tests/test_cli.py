@@ -228,7 +228,7 @@ needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None
     b"GGUF" + struct.pack("<IQQ", 3, 12, 24) + b"\x05\x00\x00",       # a GGUF header, cut short
 ], ids=["random", "truncated"])
 def test_corrupt_gguf_is_model_not_available(content, tmp_path, monkeypatch, capsys):
-    from kvpass import models
+    from kvpass.eval import models
 
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(content)

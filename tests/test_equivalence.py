@@ -364,7 +364,7 @@ def test_generate_compile_config(family, attn):
 def test_generate_compile_config_default_mode():
     """CompileConfig's default mode ("reduce-overhead") reaches the backend as mode=: with the eager
     inner compiler it does not apply, said once, and the generation is still exact."""
-    from kvpass.backend import _WARNED
+    from kvpass.errors import _WARNED
     _WARNED.clear()
     ids = token_ids(1, GEN_PROMPT, seed=9)
     expected = greedy(build("llama", "sdpa"), ids, torch.ones_like(ids), "static")

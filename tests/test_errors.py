@@ -9,7 +9,7 @@ import re
 import pytest
 
 import kvpass
-from kvpass import runtime
+from kvpass.cache import runtime
 from kvpass.policies import POLICIES, Policy, make_policy
 from kvpass.policies.compose import Composed
 from kvpass.policies.streamingllm import StreamingLLM

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 import kvpass
 from eviction_reference import chunkkv_naive, sablock_naive, snapkv_naive, votes_from_attentions
 from families import build, skip_uneven_layers_on_old_stacks
-from kvpass.policies.pyramidkv import pyramid
+from kvpass.policies.prefill.pyramidkv import pyramid
 
 BUDGET, WINDOW = 20, 6
 PUNCT = [5, 7]

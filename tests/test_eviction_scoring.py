@@ -23,11 +23,12 @@ from hypothesis import strategies as st
 import kvpass
 from eviction_reference import (chunkkv_naive, fill_naive, sablock_naive, sablock_row, snapkv_naive,
                                 votes_naive)
-from kvpass import runtime
-from kvpass.kernels.window_scores import window_scores_reference
-from kvpass.policies import make_policy, scoring
-from kvpass.policies.pyramidkv import pyramid
-from kvpass.policies.sablock import block_search, choose, segments
+from kvpass.cache import runtime
+from kvpass.ops.kernels.window_scores import window_scores_reference
+from kvpass.policies import make_policy
+from kvpass.policies.prefill import scoring
+from kvpass.policies.prefill.pyramidkv import pyramid
+from kvpass.policies.prefill.sablock import block_search, choose, segments
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GQA = [(1, 1), (2, 1), (4, 2), (6, 2), (4, 4)]

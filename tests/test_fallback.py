@@ -9,7 +9,7 @@ import torch
 from transformers import StaticCache
 
 import kvpass
-from kvpass.backend import _WARNED
+from kvpass.errors import _WARNED
 from families import build
 
 

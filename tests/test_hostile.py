@@ -193,7 +193,7 @@ def test_plain_mask_built_from_a_constant_tensor_is_not_a_bias():
     """transformers 5.17's eager masks select ``torch.tensor(min_dtype)`` by a boolean: a constant, so a
     policy still applies (the first version of the bias check refused qwen3 eager there)."""
     from torch import fx
-    from kvpass.detect import mask_bias
+    from kvpass.compiler.detect import mask_bias
     g = fx.Graph()
     allowed = g.placeholder("allowed")
     allowed.meta["example_value"] = torch.ones(1, 1, 4, 4, dtype=torch.bool)

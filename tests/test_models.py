@@ -1,4 +1,4 @@
-"""``kvpass.models``: the registry models load offline, reload from their converted cache, decode
+"""``kvpass.eval.models``: the registry models load offline, reload from their converted cache, decode
 greedily to a recorded continuation, and run through the ``full`` policy unchanged.
 
 The registry models come from pip packages (``.ci/run`` installs them), and transformers needs
@@ -30,8 +30,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
-from kvpass import models
-from kvpass.models import MANIFEST, MODELS, ModelCacheWarning, ModelNotAvailable
+from kvpass.eval import models
+from kvpass.eval.models import MANIFEST, MODELS, ModelCacheWarning, ModelNotAvailable
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 8

@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpass
-from kvpass import runtime
-from kvpass.kernels.page_scores import page_bounds_reference
-from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
+from kvpass.cache import runtime
+from kvpass.policies.pages.kernels.page_scores import page_bounds_reference
+from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
 from kvpass.ops import OPS
 
 OP = torch.ops.kvpass

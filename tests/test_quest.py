@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 import kvpass
 from kvpass.policies import ConfigError, make_policy
-from kvpass.policies.quest import PAGE, extend_bounds
-from kvpass.state import LayerState
+from kvpass.policies.pages.quest import PAGE, extend_bounds
+from kvpass.cache.state import LayerState
 from test_raas import decode  # greedy bare-forward decode through a kvpass backend
 
 SITE = SimpleNamespace(layer=0, phase="decode", sliding_window=None, cache="dynamic")
@@ -177,7 +177,7 @@ def test_top_pages_kernel_equals_reference(seed, rows, pages, top, values, holes
     ``top`` best pages ascending, -1 padded, ties to the lower index (few distinct values force ties at
     the cut), ``-inf`` and NaN never chosen, fewer eligible pages than ``top``, negative scores, zeros of
     both signs; the reference itself agrees with a selection written out by hand."""
-    from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
+    from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
     gen = torch.Generator().manual_seed(seed)
     if values == "ties":
         ub = torch.randint(-2, 3, (rows, pages), generator=gen).float() * torch.tensor([1.0, -0.0]).repeat(

@@ -28,10 +28,10 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build
-from kvpass.kernels import page_scores as PS
-from kvpass.kernels import raas_stamp as RS
+from kvpass.policies.pages.kernels import page_scores as PS
+from kvpass.policies.pages.kernels import raas_stamp as RS
 from kvpass.policies import ConfigError, make_policy
-from kvpass.state import GenerationState, LayerState
+from kvpass.cache.state import GenerationState, LayerState
 
 SITE = SimpleNamespace(layer=0, phase="decode", sliding_window=None, cache="dynamic")
 
@@ -339,7 +339,7 @@ def test_compiled_update_equals_eager():
     """The batched page update that CUDA runs compiled by Inductor equals the eager one (which CPU
     runs), step by step through page allocation and eviction, for three layers stacked, and also on a
     replayed step."""
-    from kvpass.policies import raas
+    from kvpass.policies.pages import raas
 
     pol = make_policy("raas", budget=16, alpha=0.05)
     gen = torch.Generator().manual_seed(0)

@@ -22,8 +22,8 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build, skip_uneven_layers_on_old_stacks
-from kvpass import runtime
-from kvpass.cache import APPEND, RING, write_slots
+from kvpass.cache import runtime
+from kvpass.cache.slots import APPEND, RING, write_slots
 
 BUDGET, SINKS = 8, 2
 PUNCT = [5, 7]
@@ -283,7 +283,7 @@ def test_quest_equals_dynamic_cache_and_reads_pages():
     ranked by slot_pages, all tensor code in the graphs) equals quest on a DynamicCache for 20 steps over
     a 70-token prompt (pages 0-5 of which it reads 4 at most), and differs from ``full``: the selection
     is real. The bounds state of every layer is the one computed from the slots."""
-    from kvpass.policies.quest import PAGE
+    from kvpass.policies.pages.quest import PAGE
     model = build("llama")
     ids = prompt(70, seed=2)
     _, tokens, ref, _ = dynamic_run(model, "quest", ids, 20, **QUEST)
@@ -748,7 +748,7 @@ def test_gemfilter_generate_and_continuation():
 def test_policy_without_slot_rule_refused():
     """Every built-in policy has a slot rule; a user's policy that names none is refused by name. (A
     chunk-fusion policy's SlotCache is built by kvpass.ChunkFusion: tests/test_fusion_slots.py.)"""
-    from kvpass.policies.base import Policy
+    from kvpass.policies.contract import Policy
 
     class Mine(Policy):
         name = "mine"
@@ -850,7 +850,7 @@ def test_static_long_prompt_mask_warns_dynamic_checks_it():
     """A static-shape prefill of 2,100 tokens: the model's causal mask (4.4M entries) is too large to check,
     so it is kept, and kvpass says so once, naming dynamic=True; compiled with dynamic=True the mask is
     checked at small probe sizes and the prefill attention runs in the causal mode (no mask)."""
-    from kvpass.backend import _WARNED
+    from kvpass.errors import _WARNED
     model = build("llama", "eager")      # eager attention: transformers always materialises the mask
     ids = torch.randint(3, 90, (1, 2100), generator=torch.Generator().manual_seed(1))
     for dynamic in (False, True):

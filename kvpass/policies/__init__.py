@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-from kvpass.policies.a3 import A3
-from kvpass.policies.a3_evict import A3Evict
+from kvpass.policies.fusion.a3 import A3
+from kvpass.policies.fusion.a3_evict import A3Evict
 from kvpass.policies.art import ART
-from kvpass.policies.asl import ASL, ASL2Pass, ASLFullKV
-from kvpass.policies.base import ConfigError, DecodeRead, Param, Policy, SitePlan
-from kvpass.policies.cacheblend import CacheBlend
-from kvpass.policies.chunkkv import ChunkKV
+from kvpass.policies.gated.asl import ASL, ASL2Pass, ASLFullKV
+from kvpass.policies.contract import ConfigError, DecodeRead, Param, Policy, SitePlan
+from kvpass.policies.fusion.cacheblend import CacheBlend
+from kvpass.policies.prefill.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
-from kvpass.policies.fastkv import FastKV
+from kvpass.policies.gated.fastkv import FastKV
 from kvpass.policies.full import Full
-from kvpass.policies.gemfilter import GemFilter
-from kvpass.policies.full_reuse import FullReuse
-from kvpass.policies.legolink import LegoLink
-from kvpass.policies.pie import PIE
-from kvpass.policies.pyramidkv import PyramidKV
-from kvpass.policies.quest import Quest
-from kvpass.policies.raas import RaaS
-from kvpass.policies.sablock import SABlock
-from kvpass.policies.snapkv import SnapKV
+from kvpass.policies.gated.gemfilter import GemFilter
+from kvpass.policies.fusion.full_reuse import FullReuse
+from kvpass.policies.fusion.legolink import LegoLink
+from kvpass.policies.fusion.pie import PIE
+from kvpass.policies.prefill.pyramidkv import PyramidKV
+from kvpass.policies.pages.quest import Quest
+from kvpass.policies.pages.raas import RaaS
+from kvpass.policies.prefill.sablock import SABlock
+from kvpass.policies.prefill.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
 # chunk fusion (kvpass.ChunkFusion drives these; see kvpass/policies/a3.py)

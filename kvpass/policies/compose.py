@@ -9,7 +9,7 @@ to every member that declares them.
 
 from __future__ import annotations
 
-from kvpass.policies.base import ConfigError, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, Policy, SitePlan
 
 
 class Composed(Policy):

@@ -7,7 +7,7 @@ compared with, and the proof that the pass itself changes nothing.
 
 from __future__ import annotations
 
-from kvpass.policies.base import Policy, SitePlan
+from kvpass.policies.contract import Policy, SitePlan
 
 
 class Full(Policy):

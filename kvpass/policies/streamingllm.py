@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.base import ConfigError, Param, Policy, SitePlan, shrinking_plan
+from kvpass.policies.contract import ConfigError, Param, Policy, SitePlan, shrinking_plan
 
 
 class StreamingLLM(Policy):

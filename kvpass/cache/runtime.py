@@ -1,0 +1,183 @@
+"""The bridge between compiled graphs and Python-side policy state.
+
+A rewritten graph calls kvpass operators with an integer ``handle``; the handle names the
+``Runtime`` of one ``kvpass.backend(...)`` object, which holds the policy, the detected sites and
+the generation state. Operators never mutate anything but the generation state, and every
+mutation is a pure function of the operator's inputs, so replaying a call gives the same result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from torch import Tensor
+
+from kvpass.cache.state import GenerationState
+
+# Weak: a runtime lives as long as its backend object (which torch.compile keeps alive for as
+# long as the compiled function exists).
+_RUNTIMES: "weakref.WeakValueDictionary[int, Runtime]" = weakref.WeakValueDictionary()
+_NEXT = itertools.count(1)
+
+
+def register(rt: "Runtime") -> int:
+    handle = next(_NEXT)
+    _RUNTIMES[handle] = rt
+    return handle
+
+
+def get(handle: int) -> "Runtime":
+    try:
+        return _RUNTIMES[handle]
+    except KeyError:
+        raise RuntimeError(f"kvpass: no runtime with handle {handle}; was its backend released?") from None
+
+
+def release(handle: int) -> None:
+    _RUNTIMES.pop(handle, None)
+
+
+def past_length(k_past: Tensor) -> int:
+    """Stored length of a cache tensor; an empty DynamicCache layer is a 1-D ``tensor([])``."""
+    return k_past.shape[-2] if k_past.dim() == 4 else 0
+
+
+def key_validity(mask: Tensor | None, b: int, length: int) -> Tensor | None:
+    """[B, L] True where a key is visible to at least one query (False = padding), from an HF mask."""
+    if mask is None or mask.dim() != 4 or mask.shape[-1] != length:
+        return None
+    if mask.dtype == torch.bool:
+        vis = mask
+    else:
+        vis = mask > torch.finfo(mask.dtype).min / 2
+    return vis.any(dim=1).any(dim=1).expand(b, length)
+
+
+class Runtime:
+    """Policy + sites + state for one backend object."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.state = GenerationState()
+        self.sites: dict[int, object] = {}
+        self.visits: dict[int, tuple] = {}  # site -> (blocks read, blocks present), decode attention
+        # a two-pass gated prefill's first pass (kvpass.compiler.gate): SlotCache writes that overflow are skipped,
+        # the last such layer noted in ``overflow``
+        self.first_pass: bool = False
+        self.overflow: int | None = None
+        self.handle = register(self)
+
+    # -- called from operators ------------------------------------------------------------------
+
+    def positions(self, site: int, k_past: Tensor, k_new: Tensor, mask: Tensor | None):
+        """True token indices of the stored + new entries, and of the new (query) tokens."""
+        b, hkv, ln = k_new.shape[:3]
+        lp = past_length(k_past)
+        dev = k_new.device
+        st = self.state.layer(site)
+        if lp > 0 and st is not None and tuple(st.pos.shape[:2]) == (b, hkv) and st.pos.shape[2] <= lp:
+            # entries past the record were added by a graph that only appends (SitePlan.append)
+            past_pos, seen = st.extended(lp - st.pos.shape[2])
+            past_pos, valid = past_pos.to(dev), None
+        else:  # a new prefill, or a cache kvpass did not write: entries are the tokens 0..lp-1
+            past_pos = torch.arange(lp, device=dev).expand(b, hkv, lp)
+            seen, valid = lp, key_validity(mask, b, lp + ln)
+        q_pos = (seen + torch.arange(ln, device=dev)).expand(b, ln).contiguous()
+        kv_pos = torch.cat([past_pos, q_pos[:, None, :].expand(b, hkv, ln)], dim=-1)
+        if valid is not None:
+            kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
+        return kv_pos.contiguous(), q_pos
+
+    def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor,
+                tokens: Tensor | None = None):
+        info = self.sites[site]
+        extra = {} if tokens is None else {"tokens": tokens}  # only policies that plan for tokens get them
+        keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site), **extra)
+        # A policy may return (keep, extra): `extra` becomes the layer's bookkeeping (a paged policy's
+        # page tables). Index -1 in `keep` is an empty slot of a preallocated pool: stored, never visible.
+        policy_extra = None
+        if isinstance(keep, tuple):
+            keep, policy_extra = keep
+        fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
+        if keep is None:
+            k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
+        else:
+            empty = keep < 0
+            idx = keep.clamp_min(0)
+            k_out, v_out = torch.ops.kvpass.gather_kv(k, v, idx)  # Triton compaction on CUDA
+            pos = kv_pos.gather(2, idx).masked_fill(empty, -1)
+        seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
+        st = self.state.set_layer(site, pos, seen, fresh=fresh)
+        if policy_extra is not None:
+            st.extra = policy_extra
+        return k_out, v_out
+
+    def step_position(self, site: int, k_pool: Tensor) -> Tensor:
+        """``[B, 1]``: the true position of a pool site's new token (the tokens its layer has seen)."""
+        st = self.state.layer(site)
+        if st is None or tuple(st.pos.shape) != (k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]):
+            raise RuntimeError(f"policy '{self.policy.name}': a decode step found no page pool for its cache "
+                               "(the cache was not filled by this policy's prefill with this backend)")
+        seen = torch.as_tensor(st.seen, device=k_pool.device)
+        return seen.reshape(1, 1).expand(k_pool.shape[0], 1).contiguous()
+
+    def pool_write(self, site: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor,
+                   q_pos: Tensor) -> Tensor:
+        """A pool site's decode step: the policy writes the new token into the pool in place; the layer
+        records the pool's positions after the write and the tokens seen."""
+        st = self.state.layer(site)
+        pos = self.policy.write(self.sites[site], q, k_pool, v_pool, k_new, v_new, q_pos, st)
+        self.state.set_layer(site, pos, q_pos[0, -1] + 1, fresh=False)
+        return pos
+
+    def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:
+        """Accumulate blocks read / blocks present of one decode attention call (ART statistics)."""
+        read, total = self.visits.get(site, (0, 0))
+        self.visits[site] = (read + visited.sum(), total + visited.numel() * n_blocks)
+
+    def blocks_read(self) -> float | None:
+        """Fraction of KV blocks that decode attention read since the last reset, or None."""
+        total = sum(t for _, t in self.visits.values())
+        return float(sum(r for r, _ in self.visits.values())) / total if total else None
+
+    def stored_length(self, site: int, total):
+        return self.policy.stored_length(self.sites[site], total)
+
+    def note_positions(self, pos: Tensor) -> None:
+        """Position ids passed into a graph that appends to a cache: true already. ``generate`` continuing
+        a cache this policy evicted from passes the positions of every token past the *stored* length
+        (transformers counts entries, not tokens), so its first tokens were seen before: refused (one
+        sync per call of several tokens). Otherwise the state learns how far the sequence reached."""
+        st = self.state
+        if pos.numel() == 0 or not st.layers:
+            return
+        rows = pos.reshape(pos.shape[0], -1)
+        # several tokens: the row that reaches furthest (unpadded) must start at the tokens seen
+        first = int(rows[rows.max(-1).values.argmax()].min()) if rows.shape[1] > 1 else None
+        if first is not None and first < (seen := st.seen):
+            raise ValueError(
+                f"kvpass: policy '{self.policy.name}' evicted from this cache, which holds fewer entries than the "
+                f"{seen} tokens seen; transformers counts stored entries, so this call (generate continuing with "
+                f"past_key_values) feeds again the tokens from position {first}. Continue on a kvpass.SlotCache "
+                f"(its get_seq_length counts tokens seen), pass only the new tokens to a bare forward, or start "
+                f"a new cache")
+        st.note_tail(pos.max() + 1)
+
+    def true_positions(self, pos: Tensor) -> Tensor:
+        """Position ids the model derived from the stored length -> the true token count."""
+        # Derived positions are arange(q_len) + stored_length in any layout ([1, q], [1, q, 1], ...).
+        if pos.numel() == 0:
+            return pos.clone()
+        first = pos.min()  # 0 in a prefill (the cache was empty): derived positions are exact there
+        st = self.state
+        if st.anchor_at != st.records:
+            # A layer recorded its count since the last call: the distance between true and derived
+            # positions is taken there. Graphs that only append (SitePlan.append) record nothing, and
+            # add as many tokens to the stored length as to the true count, so the distance holds.
+            # (No record at all: nothing was evicted, derived positions are true.)
+            st.offset, st.anchor_at = (st.seen_now() - first) if st.layers else 0, st.records
+        true = torch.where(first == 0, pos, pos + st.offset)  # no device sync
+        st.note_tail(true.max() + 1)
+        return true

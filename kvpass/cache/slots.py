@@ -1,0 +1,402 @@
+"""``SlotCache``: a fixed-capacity ``transformers`` cache whose decode step is one device-resident graph.
+
+Every layer owns, allocated once at construction and never reallocated:
+
+* ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
+* ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
+  (left padding and evicted slots too);
+* ``count`` ``[3]`` int64: tokens seen (padding included, the index HF's masks count in), slots
+  filled in order (the append layout's next free slot), and the positions a renumbering prefill
+  dropped (``gemfilter``: ``L - n``, else 0): the next token's position is ``count[0] - count[2]``.
+
+* ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
+  kept by tensor code the rewrite places in the graphs (``Policy.slot_hooks``).
+
+``C`` is the layer's capacity (``Policy.slot_capacity``): the whole sequence for ``full``, the budget
+plus the decode steps for a policy that evicts at prefill only (pyramidkv: its layer's budget), the
+budget plus one for a policy that evicts at every step, raas's page pool. A sliding-window layer (the
+config's ``layer_types``) is a ring of ``min(window, max_length)`` slots whatever the policy. All of
+them are static addresses (``torch._dynamo.mark_static_address``), so a decode graph that writes them
+in place can be replayed as a CUDA graph; the host learns nothing per step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
+does), so ``generate`` and a bare ``forward`` derive true positions however much was evicted.
+
+The cache's own ``update`` calls ``kvpass::slot_append``: the append layout (token ``i`` in slot
+``i``), which with HF's own attention and mask is exactly HF's ``StaticCache``. The kvpass pass finds
+that call (``detect``: cache kind ``"slot"``) and replaces it with the policy's write:
+
+* prefill (the cache is empty): attention over the prompt with the model's mask, then
+  ``kvpass::slot_prefill`` asks the policy which entries to keep and writes them into the slots;
+* decode / append: ``write_slots`` (plain tensor code, compiled and fused by Inductor) puts each
+  new token into a victim slot chosen on the device by the policy's rule (``APPEND``: the next free
+  slot; ``RING``: an empty slot, else the oldest unprotected one), and ``decode_attention`` reads
+  every slot by position (``kv_pos``, ``kv_len``).
+
+``slot_append`` itself runs only where the pass did not rewrite the call: an uncompiled forward (as
+``generate``'s prefill with a ``compile_config``), another backend's graph, or a graph kvpass compiled
+unchanged. For a policy whose prefill is not a plain append (all but ``full`` and ``art``) it then
+refuses, naming the fix, where it would have kept every token without the policy (a graph compiled
+unchanged, which kvpass has warned about, may append).
+A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
+(a device-side assert) instead of letting HF's mask read the slots as positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpass.errors import ConfigError
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # pragma: no cover
+    Cache = CacheLayerMixin = object
+
+APPEND, RING, PLACED = 0, 1, 2
+RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
+
+
+# ------------------------------------------------------------------------------------------------
+# operators
+# ------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("kvpass::slot_append", mutates_args=("keys", "values", "pos", "count"))
+def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
+                state: list[Tensor], window: int = 0, policy: str = "") -> None:
+    """The cache's own update: ``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` go into slots ``seen .. seen+q-1``.
+    Valid only while the layout is the append layout (no eviction yet) and the tokens fit. ``state`` (the
+    policy's per-layer tensors) and ``window`` (a sliding-window layer's window, 0 for a global layer)
+    are not used here: they are passed so the kvpass pass finds them in the graph.
+
+    A kvpass-compiled graph never runs this: the pass replaces it with the policy's write. It runs in an
+    uncompiled forward, in a graph compiled by another backend, or in one kvpass compiled unchanged; for a
+    policy whose prefill is not a plain append (``policy`` names it; empty for ``full`` and ``art``, see
+    ``Policy.plain_prefill``) the tokens would be kept without the policy, so it refuses, naming the fix."""
+    if policy:
+        raise RuntimeError(
+            f"kvpass SlotCache: a forward that the kvpass backend did not rewrite wrote into the cache of policy "
+            f"'{policy}'; the policy runs only inside graphs the kvpass backend compiles, so this call would keep "
+            f"every token without it. Compile model.forward itself with the backend the cache was built with "
+            f"(model.forward = torch.compile(model.forward, backend=be, ...)): generate()'s compile_config "
+            f"compiles only the decode steps, and its prefill runs uncompiled. If kvpass warned that it compiled "
+            f"a graph unchanged, that warning says why.")
+    q, cap = k_new.shape[2], keys.shape[2]
+    torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
+                                              "run it through the torch.compile backend that filled it")
+    torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity "
+                                             "(build it with a larger max_length; if kvpass warned that it compiled "
+                                             "a graph unchanged, the policy the cache was sized for did not run: "
+                                             "the warning says why)")
+    idx = count[1] + torch.arange(q, device=keys.device)
+    keys.index_copy_(2, idx, k_new.to(keys.dtype))
+    values.index_copy_(2, idx, v_new.to(values.dtype))
+    pos.index_copy_(2, idx, (count[0] + torch.arange(q, device=pos.device)).to(pos.dtype).expand(
+        pos.shape[0], pos.shape[1], q).contiguous())
+    count[:2].add_(q)
+
+
+@slot_append.register_fake
+def _(keys, values, pos, count, k_new, v_new, state, window=0, policy=""):
+    return None
+
+
+@torch.library.custom_op("kvpass::slot_prefill",
+                         mutates_args=("keys", "values", "pos", "count"))
+def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Tensor, k_new: Tensor,
+                 v_new: Tensor, mask: Tensor | None, handle: int, site: int, tokens: Tensor | None = None) -> None:
+    """A prefill on an empty slot cache: the policy keeps entries of the prompt (``Policy.select``, as
+    ``compact`` does on a DynamicCache) and they are written into the first slots, in position order;
+    the other slots are emptied. Runs once per prompt, outside any CUDA graph."""
+    from kvpass.cache import runtime
+
+    rt = runtime.get(handle)
+    b, hkv, length, _ = k_new.shape
+    cap = keys.shape[2]
+    if (b, hkv) != tuple(keys.shape[:2]):
+        raise ValueError(f"kvpass SlotCache: a batch of {b} rows x {hkv} KV heads on a cache built for "
+                         f"{keys.shape[0]} x {keys.shape[1]}; build it with batch_size={b}")
+    kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
+    valid = runtime.key_validity(mask, b, length)
+    if valid is not None:
+        kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
+    q_pos = torch.arange(length, device=k_new.device).expand(b, length)
+    extra = {} if tokens is None else {"tokens": tokens}
+    if rt.sites[site].sliding_window:  # a sliding layer's ring holds the window's most recent entries
+        keep = kv_pos.topk(min(cap, length), dim=-1).indices if length > cap else None
+    else:
+        keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
+    if keep is None:
+        idx, kept_pos = None, kv_pos
+    else:
+        idx = keep.clamp_min(0)
+        kept_pos = kv_pos.gather(2, idx).masked_fill(keep < 0, -1)
+    # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
+    # first slots (StreamingLLM's sinks must be a padded row's first real tokens, not its padding)
+    order = torch.where(kept_pos < 0, torch.iinfo(torch.int64).max, kept_pos.long()).argsort(dim=-1, stable=True)
+    kept_pos = kept_pos.gather(2, order)
+    kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, order if idx is None else idx.gather(2, order))
+    n = kept_pos.shape[-1]
+    if n > cap and rt.first_pass:
+        rt.overflow = site    # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot
+        return
+    if n > cap:
+        raise ValueError(f"kvpass SlotCache: layer {site} keeps {n} entries of a {length}-token prompt under "
+                         f"policy '{rt.policy.name}', but the cache holds {cap} slots per layer; build the cache "
+                         f"with a larger max_length")
+    keys[:, :, :n].copy_(kept_k)
+    values[:, :, :n].copy_(kept_v)
+    pos.fill_(-1)
+    pos[:, :, :n].copy_(kept_pos)
+    count[0], count[1], count[2] = length, n, 0
+
+
+@slot_prefill.register_fake
+def _(keys, values, pos, count, q, k_new, v_new, mask, handle, site, tokens=None):
+    return None
+
+
+def ring_victims(pos: Tensor, protect: int, q: int) -> Tensor:
+    """``[B, H_kv, q]`` slots a ``RING`` writes ``q`` new tokens over: empty slots first (lowest index
+    first), then the unprotected slots (index >= ``protect``) holding the oldest positions, protected
+    slots last."""
+    cap = pos.shape[-1]
+    idx = torch.arange(cap, device=pos.device)
+    age = torch.where(idx < protect, torch.iinfo(torch.int64).max // 2, pos.long())
+    age = torch.where(pos < 0, idx - cap, age)
+    return age.topk(q, dim=-1, largest=False).indices if q > 1 else age.argmin(-1, keepdim=True)
+
+
+def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, protect: int) -> tuple[Tensor, Tensor]:
+    """Before an append call's write (several tokens on a filled slot cache): the new tokens' true
+    positions ``[B, q]`` and the positions of the slots followed by the new tokens ``[B, H_kv, C + q]``.
+    A full ``RING`` holds one entry more than the policy keeps between calls (the slot a decode step
+    writes its token over, ``capacity = budget + 1``): its next victim is already evicted for these
+    tokens (-1), as on a DynamicCache."""
+    b, hkv, q = k_new.shape[:3]
+    q_pos = (count[0] - count[2] + torch.arange(q, device=pos.device)).expand(b, q)
+    kv_pos = pos.long()
+    if rule == RING:
+        idx = torch.arange(pos.shape[-1], device=pos.device)
+        evicted = (idx == ring_victims(pos, protect, 1)) & (pos >= 0).all(-1, keepdim=True)
+        kv_pos = kv_pos.masked_fill(evicted, -1)
+    return q_pos, torch.cat([kv_pos, q_pos[:, None, :].expand(b, hkv, q)], -1)
+
+
+def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
+                rule: int, protect: int, slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Decode / append on a slot cache, as plain tensor code (the rewrite calls it from the graph, so
+    Inductor compiles and fuses it; no host sync, capturable). Each of the ``q`` new tokens goes into a
+    victim slot chosen on the device:
+
+    * ``APPEND``: slots ``count[1] ..`` in order (a policy that no longer evicts); a full cache fails a
+      device-side assert rather than overwrite a token;
+    * ``RING``: per (row, KV head) the empty slots first, then the unprotected slot (index >= ``protect``:
+      StreamingLLM's sinks are the first slots) holding the oldest position;
+    * ``PLACED``: the slots ``slot [B, H_kv, q]`` the policy chose (``SlotHooks.place``: RaaS's page pool).
+
+    Returns ``(q_pos [B, q], kv_len [B])``: the true positions of the tokens written and the slots a
+    read must cover."""
+    b, hkv, q, d = k_new.shape
+    cap = keys.shape[2]
+    ar = torch.arange(q, device=pos.device)
+    q_pos = (count[0] - count[2] + ar).expand(b, q)
+    new_pos = q_pos[:, None, :].expand(b, hkv, q).to(pos.dtype)
+    if rule == APPEND:
+        torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
+                                                 "max_length (or max_new_tokens)")
+        slot = (count[1] + ar).clamp_max(cap - 1)
+        keys.index_copy_(2, slot, k_new.to(keys.dtype))
+        values.index_copy_(2, slot, v_new.to(values.dtype))
+        pos.index_copy_(2, slot, new_pos.contiguous())
+    else:
+        if rule == RING:
+            torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
+            slot = ring_victims(pos, protect, q)
+        # index_put_ (not scatter_): Inductor writes it in place; a scatter_ became a copy of every slot
+        rows = torch.arange(b, device=pos.device)[:, None, None]
+        heads = torch.arange(hkv, device=pos.device)[None, :, None]
+        keys.index_put_((rows, heads, slot), k_new.to(keys.dtype))
+        values.index_put_((rows, heads, slot), v_new.to(values.dtype))
+        pos.index_put_((rows, heads, slot), new_pos)
+    count[:2].add_(q)
+    if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
+        count[1:2].clamp_(max=cap)
+    elif rule == PLACED:  # the read covers every slot up to the highest one written
+        count[1:2] = torch.maximum(count[1] - q, slot.max() + 1)
+    return q_pos, count[1].expand(b).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# the cache
+# ------------------------------------------------------------------------------------------------
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's fixed slots (see the module docstring)."""
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, v_head_dim: int,
+                 dtype: torch.dtype, device, state: dict | None = None, window: int = 0) -> None:
+        super().__init__()
+        self.capacity = capacity
+        # a sliding-window layer (``window`` > 0) is a ring of min(window, max_length) slots whatever the
+        # policy: the token at position p overwrites p - window, which no later query sees
+        self.window = window
+        self.is_sliding = window > 0
+        # slots the model's own attention is given after the prefill: HF builds one mask for all layers,
+        # so a cache whose layers differ in capacity (pyramidkv) gives each the shortest one's length; the
+        # kvpass rewrite reads every slot by position (the model's own read is what an unchanged graph
+        # does, and slot_append then refuses the compressed cache)
+        self.read_length = capacity
+        self.policy = ""  # the cache's policy, unless its prefill is a plain append (SlotCache sets it)
+        self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
+        self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
+        self.count = torch.zeros(3, dtype=torch.int64, device=device)
+        # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
+        self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
+        self.state = [torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
+                      for shape, dt, fill in (state or {}).values()]
+        self.device = self.keys.device
+        self.filled = False        # host flag: Dynamo compiles one prefill graph and one decode graph
+        self.is_initialized = True
+        for t in (self.keys, self.values, self.pos, self.count, *self.state):
+            torch._dynamo.mark_static_address(t)
+            # static shapes too: under torch.compile(dynamic=True) the slots' sizes would be symbolic,
+            # and the decode site (kv heads read off the slots) could not be rewritten
+            torch._dynamo.mark_static(t)
+
+    def fill(self, keys: Tensor, values: Tensor, pos: Tensor, seen: int) -> None:
+        """Load ``K`` entries a driver computed outside the compiled graphs (chunk fusion's merged cache):
+        ``keys`` / ``values`` ``[B, H_kv, K, D]`` into the first slots, their true positions ``pos``
+        ``[B, H_kv, K]``, and ``seen`` tokens counted; the next token goes into slot ``K``."""
+        k = keys.shape[2]
+        if k > self.capacity:
+            raise ValueError(f"kvpass SlotCache: {k} entries do not fit a layer of {self.capacity} slots")
+        self.keys[:, :, :k].copy_(keys)
+        self.values[:, :, :k].copy_(values)
+        self.pos.fill_(-1)
+        self.pos[:, :, :k].copy_(pos)
+        self.count.copy_(torch.tensor([seen, k, 0]))
+        self.filled = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass  # allocated at construction
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states,
+                                     self.state, self.window, self.policy)
+        if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
+            self.filled = True
+            return key_states, value_states
+        if self.read_length < self.capacity:
+            return self.keys[:, :, :self.read_length], self.values[:, :, :self.read_length]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return (query_length if not self.filled else self.read_length), 0
+
+    def get_seq_length(self) -> Tensor | int:
+        return self.count[0] if self.filled else 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def get_max_cache_shape(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.pos.fill_(-1)
+        self.count.zero_()
+        for t, fill in zip(self.state, self._fills):
+            t.fill_(fill)
+        self.filled = False
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        raise NotImplementedError("kvpass SlotCache does not support beam search yet")
+
+    def __repr__(self) -> str:
+        return f"SlotLayer(capacity={self.capacity}, shape={tuple(self.keys.shape)}, dtype={self.keys.dtype})"
+
+
+class SlotCache(Cache):
+    """A fixed-capacity KV cache for a kvpass policy; pass it to ``generate`` or ``forward``.
+
+    Example::
+
+        be = kvpass.backend("streamingllm", budget=2048)
+        model.forward = torch.compile(model.forward, backend=be, mode="reduce-overhead")
+        cache = kvpass.SlotCache(model, be, max_length=prompt_len + 256)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+    Args:
+        model: the HF model (its config gives layers, KV heads and head size; its first parameter
+            the dtype and device unless given).
+        backend: the ``kvpass.backend(...)`` the model is compiled with; its policy sizes the slots.
+        max_length: the most tokens a sequence will see (prompt + new tokens).
+        batch_size: rows of the batch.
+        max_new_tokens: decode steps a prefill-evicting policy must hold beyond its budget (default:
+            ``max_length``, i.e. no tighter bound known).
+    """
+
+    def __init__(self, model, backend, max_length: int, batch_size: int = 1, max_new_tokens: int | None = None,
+                 dtype: torch.dtype | None = None, device=None, *, _driver: bool = False) -> None:
+        policy = backend.policy
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ConfigError(f"SlotCache: parameter 'max_length' must be an int >= 1, got {max_length!r}")
+        if policy.slot_rule is None:
+            raise ConfigError(f"SlotCache: policy '{policy.name}' has no fixed-capacity decode (its slot_rule is "
+                              f"None); use it with a DynamicCache (the default cache)")
+        if not policy.slot_prefill and not _driver:
+            raise ConfigError(f"SlotCache: policy '{policy.name}' is a chunk-fusion policy; its SlotCache is built "
+                              f"and filled by kvpass.ChunkFusion(model, store, '{policy.name}', cache='slot')")
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        layers = cfg.num_hidden_layers
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+        window = getattr(cfg, "sliding_window", None) or 0
+        windows = [window if t == "sliding_attention" else 0 for t in types]
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        p = next(model.parameters())
+        dtype, device = dtype or p.dtype, device or p.device
+        new = max_length if max_new_tokens is None else max_new_tokens
+        # per layer: pyramidkv keeps more in lower layers
+        self.capacities = [min(max_length, w) if w else policy.slot_capacity(max_length, new, i, layers)
+                           for i, w in enumerate(windows)]
+        self.capacity = max(self.capacities)
+        self.policy_name = policy.name
+        super().__init__(layers=[SlotLayer(batch_size, kv_heads, cap, head_dim, head_dim, dtype, device,
+                                           {} if w else policy.slot_state(cap, head_dim), w)
+                                 for cap, w in zip(self.capacities, windows)])
+        shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
+        for lay in self.layers:
+            lay.read_length = lay.capacity if lay.is_sliding else shortest
+            lay.policy = "" if policy.plain_prefill else policy.name
+
+    @property
+    def seen(self) -> int:
+        """Tokens the sequence has seen (a host sync; for inspection, not for the decode loop)."""
+        return int(self.layers[0].count[0])
+
+    def positions(self, layer: int) -> Tensor:
+        """``[B, H_kv, C]`` true position of each slot of ``layer`` (-1 = empty)."""
+        return self.layers[layer].pos
+
+    def kv_bytes(self) -> int:
+        """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""
+        return sum(t.numel() * t.element_size() for lay in self.layers
+                   for t in (lay.keys, lay.values, lay.pos, lay.count, *lay.state))
+
+    def reset(self) -> None:
+        for lay in self.layers:
+            lay.reset()
+
+    def __repr__(self) -> str:
+        lay = self.layers[0]
+        return (f"kvpass.SlotCache(policy={self.policy_name!r}, layers={len(self.layers)}, "
+                f"capacity={self.capacity if len(set(self.capacities)) == 1 else self.capacities}, "
+                f"batch={lay.keys.shape[0]}, kv_heads={lay.keys.shape[1]}, "
+                f"dtype={lay.keys.dtype}, kv_bytes={self.kv_bytes()})")
+

@@ -1,0 +1,131 @@
+"""Per-generation state that policies keep between calls of a compiled model.
+
+One ``GenerationState`` belongs to one ``kvpass.backend(...)`` object. It holds, per attention
+site, the true token index of every entry the cache stores (``LayerState.pos``), how many tokens
+that layer has seen, and a free-form ``extra`` dict a policy uses for its own bookkeeping (page
+tables, timestamps, representative keys, chunk metadata).
+
+Rules the operators follow:
+
+* A new prefill (the stored cache is empty) starts the layer afresh: ``reset_layer`` replaces
+  everything, so a previous generation never leaks into the next one.
+* Positions are sacred: ``pos`` counts tokens as the model saw them (padding included, marked -1),
+  never the compressed length, and ``seen`` is the number of tokens seen, not the number stored.
+* Batch > 1 keeps per-sequence rows in every tensor; lengths are shared across the batch (the
+  cache tensors are rectangular), which entries are kept is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerState:
+    """What one attention site keeps between calls."""
+
+    pos: Tensor                 # [B, H_kv, L_stored] true token index of each stored entry, -1 = padding
+    # tokens this layer has seen so far (true length): a 0-d tensor on the cache's device when set by
+    # ``compact`` (reading it back there would stall the GPU once per layer and step); ``int()`` it
+    seen: int | Tensor
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def stored(self) -> int:
+        return self.pos.shape[-1]
+
+    def extended(self, n: int) -> tuple[Tensor, int | Tensor]:
+        """``(pos, seen)`` after ``n`` more tokens were appended past this record by a graph that only
+        appends: they are the latest tokens, in order."""
+        if not n:
+            return self.pos, self.seen
+        b, h, _ = self.pos.shape
+        tail = (self.seen + torch.arange(n, device=self.pos.device)).expand(b, h, n)
+        return torch.cat([self.pos, tail], -1), self.seen + n
+
+
+class GenerationState:
+    """The state of one generation (one prompt batch and its continuation)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerState] = {}
+        # chunk fusion (kvpass.fusion.router): true positions [n] of the tokens of the current call, which
+        # kvpass::cache_overwrite writes over a merged cache (slot == position); None otherwise
+        self.fusion: Tensor | None = None
+        # a3+evict: how many query rows of a recompute call are the question (0: no votes), and the
+        # votes kvpass::fusion_votes kept per site
+        self.fusion_window = 0
+        self.fusion_votes: dict[int, Tensor] = {}
+        # kvpass::true_positions: ``records`` counts set_layer calls; ``offset`` (true minus derived
+        # position) was taken when ``records`` was ``anchor_at``; ``tail`` is the true count after the
+        # tokens of the last call (a 0-d tensor), set when ``records`` was ``tail_at``. Graphs that only
+        # append record no layer, so ``tail`` is how far the cache got past the layers' records.
+        self.records = 0
+        self.anchor_at = -1
+        self.offset: int | Tensor = 0
+        self.tail: Tensor | None = None
+        self.tail_at = -1
+
+    def layer(self, site: int) -> LayerState | None:
+        return self.layers.get(site)
+
+    def set_layer(self, site: int, pos: Tensor, seen: int | Tensor, fresh: bool) -> LayerState:
+        """Record what site `site` stores after a call; `fresh` drops the policy's extra state."""
+        old = self.layers.get(site)
+        extra = {} if fresh or old is None else old.extra
+        st = LayerState(pos=pos, seen=seen, extra=extra)
+        self.layers[site] = st
+        self.records += 1
+        return st
+
+    def appended(self, s: LayerState) -> int:
+        """Tokens appended to a layer's cache after its last record (by a graph that only appends)."""
+        return max(0, int(self.tail) - int(s.seen)) if self.tail is not None else 0
+
+    def positions(self, site: int) -> Tensor:
+        """True token index of every entry a layer's cache holds now: its record plus the tokens
+        appended after it (the latest ones, in order)."""
+        s = self.layers[site]
+        return s.extended(self.appended(s))[0]
+
+    @property
+    def seen(self) -> int:
+        """True number of tokens seen (the same for every layer between forward calls)."""
+        return max((int(s.seen) + self.appended(s) for s in self.layers.values()), default=0)
+
+    def seen_now(self) -> int | Tensor:
+        """``seen`` without a device sync (an int or a 0-d tensor), for operators: between forward
+        calls every layer holds the same count, so the first layer's is the count, unless graphs that
+        only append (``tail``, set after the last record) took the sequence further."""
+        if self.tail is not None and self.tail_at == self.records:
+            return self.tail
+        return next(iter(self.layers.values())).seen if self.layers else 0
+
+    def note_tail(self, tail: Tensor) -> None:
+        """The true count after the tokens of this call (a 0-d tensor)."""
+        self.tail, self.tail_at = tail, self.records
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens seen that the cache no longer holds, summed over layers, KV heads and batch rows:
+        ``seen`` minus the stored entries with a true position (``pos >= 0``); tokens appended since a
+        layer's record are both seen and held, so they do not count. Empty slots of a page
+        pool (raas) and padding hold no token, so they never count as kept; left padding counts as not
+        held. Derived, so replays of an operator never double count."""
+        return sum(s.pos.shape[0] * s.pos.shape[1] * int(s.seen) - int((s.pos >= 0).sum())
+                   for s in self.layers.values())
+
+    def stored_tokens(self) -> dict[int, int]:
+        return {i: s.stored + self.appended(s) for i, s in sorted(self.layers.items())}
+
+    def reset(self) -> None:
+        self.layers.clear()
+        self.fusion_votes.clear()
+        self.anchor_at, self.offset, self.tail, self.tail_at = -1, 0, None, -1
+
+    def __repr__(self) -> str:
+        return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "
+                f"stored={self.stored_tokens()}, evicted_tokens={self.evicted_tokens})")

@@ -1,0 +1,309 @@
+"""The kvpass ``torch.compile`` backend: detect -> plan -> rewrite -> inner compiler.
+
+    model.forward = torch.compile(model.forward, backend=kvpass.backend(policy="streamingllm", budget=512))
+
+The whole pipeline is ``KVPass.__call__`` below; the pieces live in ``detect``, the policy's
+``plan``, ``rewrite`` and ``ops`` / ``lowerings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from kvpass.cache import slots as _cache
+from kvpass.compiler import detect as _detect
+from kvpass.compiler import gate as _gate
+from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
+from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
+from kvpass.compiler import rewrite as _rewrite
+from kvpass.cache import runtime as _runtime
+from kvpass.errors import ConfigError, KVPassWarning, warn_once  # noqa: F401  (KVPassWarning: re-exported)
+from kvpass.policies import Policy, SitePlan, make_policy
+
+try:  # Inductor's base class for custom passes: uuid() keys its caches
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover
+    CustomGraphPass = object
+
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+def _replaces_mask(plan: SitePlan) -> bool:
+    """Whether a plan's rewrite stops reading the model's mask somewhere (it masks by true position after
+    eviction, in a slot cache, in a pool): only a boolean visible / masked mask survives that."""
+    return bool(plan.evict or plan.append or plan.pool or plan.slot is not None or getattr(plan, "overwrite", False))
+
+
+@dataclass
+class GraphReport:
+    """What the pass did to one compiled graph."""
+
+    phase: str
+    sites: list[dict]
+    plans: dict[int, str]
+    problems: list[str]
+    rewritten: int = 0
+    evicting: list[int] = field(default_factory=list)
+    appending: list[int] = field(default_factory=list)  # sites left to the model's cache update (SitePlan.append)
+    positions_fixed: list[str] = field(default_factory=list)
+    gate: object = None      # kvpass.compiler.gate.GatedGraph: the prefill runs split at the gates (ASL, FastKV)
+    slots: list[int] = field(default_factory=list)     # kvpass.SlotCache sites (kvpass.cache.slots)
+    cudagraphs: bool = False  # compiled with Inductor's CUDA graphs (mode="reduce-overhead")
+
+    @property
+    def changed(self) -> bool:
+        return self.rewritten > 0
+
+
+def _runtime_op(node: fx.Node) -> bool:
+    """A kvpass operator that calls back into a policy's Python runtime (it takes a ``handle``)."""
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "kvpass"
+            and any(a.name == "handle" for a in t._schema.arguments))
+
+
+def _phase(found: _detect.Detection) -> str:
+    if not found.sites:
+        return "none"
+    s = found.sites[0]
+    if s.cache == "slot":  # a SlotCache prefill attends over the new K/V, later calls over the slots
+        if s.k is s.k_new:
+            return "prefill"
+        return "decode" if s.q_len == 1 else "append"
+    past = _detect.val(s.k_past)
+    if s.k_past is not None and isinstance(past, torch.Tensor) and past.numel() == 0:
+        return "prefill"
+    q_len = s.q_len
+    if isinstance(q_len, int):
+        if s.k_past is None and s.cache != "static":
+            return "prefill"
+        return "decode" if q_len == 1 else "append"
+    return "dynamic"
+
+
+def _keep_slot_appends(gm: fx.GraphModule) -> None:
+    """A graph compiled unchanged keeps a SlotCache's own append, which refuses to run for a policy whose
+    prefill is not a plain append (``kvpass.cache.slots.slot_append``); here kvpass has warned why, so it may run."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (_detect.SLOT_APPEND, _detect.SLOT_APPEND.default):
+            if len(node.args) > 8:
+                node.args = (*node.args[:8], "")
+                changed = True
+            elif node.kwargs.get("policy"):
+                node.kwargs = {**node.kwargs, "policy": ""}
+                changed = True
+    if changed:
+        gm.recompile()
+
+
+class KVPass(CustomGraphPass):
+    """The graph pass: rewrites a Dynamo FX graph in place for one policy."""
+
+    def __init__(self, policy: Policy, rt: _runtime.Runtime, compile_segment=None) -> None:
+        self.policy = policy
+        self.runtime = rt
+        self.compile_segment = compile_segment  # compiles one segment of a gated graph (kvpass.compiler.gate)
+
+    def __call__(self, graph: fx.Graph) -> GraphReport:
+        gm = graph.owning_module
+        found = _detect.detect(gm)
+        problems = [str(p) for p in found.problems]
+        phase = _phase(found)
+        plans: dict[int, SitePlan] = {}
+        if not problems:
+            if idle := self.policy.idle_reason(found.sites):
+                warn_once(f"kvpass: {idle}", self)
+            for site in found.sites:
+                site.phase = phase
+                plan = self.policy.plan(site)
+                if site.cache == "slot" and not isinstance(plan, str):
+                    plan = self._slot_plan(site, plan)
+                if not isinstance(plan, str) and _replaces_mask(plan) and (bias := _detect.mask_bias(site.mask)):
+                    plan = f"layer {site.layer}: {bias}"
+                if isinstance(plan, str):
+                    problems.append(f"policy '{self.policy.name}': {plan}")
+                    break
+                # (a sliding layer that evicts keeps evicting: it drops what leaves its window, by position)
+                if plan.evict and phase in ("decode", "append") and self.policy.decode_appends \
+                        and not site.sliding_window and plan.slot is None:
+                    plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
+                plans[site.layer] = plan
+                self.runtime.sites[site.layer] = site
+        report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
+                             plans={i: p.describe(phase) for i, p in plans.items()}, problems=problems)
+        gates = getattr(self.policy, "gates", False) and phase == "prefill"
+        if gates and not problems:
+            why = _gate.check(found.sites, self.policy)
+            if why:
+                problems.append(f"policy '{self.policy.name}' (gate): {why}")
+        if problems:
+            warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
+                      f"{problems[0]}", self)
+            _keep_slot_appends(gm)
+            return report
+        summary = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
+        report.rewritten = summary["rewritten"]
+        report.evicting = summary["evicting"]
+        report.appending = summary["appending"]
+        for layer in summary["evicting"]:
+            if plans[layer].append:  # the rewrite kept the exact shape: the site's mask is not plain causal
+                report.plans[layer] = (dataclasses.replace(plans[layer], append=False, evict=True).describe(phase)
+                                       + " (appending, but its mask is not plain causal)")
+        report.positions_fixed = summary["positions_fixed"]
+        report.slots = summary["slots"]
+        if getattr(self.policy, "renumber", False) and phase != "prefill":
+            report.positions_fixed += (_gate.shift_slot_positions(gm, found.sites) if summary["slots"] else
+                                       _gate.shift_passed_positions(gm, found.sites, self.runtime.handle))
+        if gates:
+            gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
+            if isinstance(gated, str):  # after the rewrite: the graph evicts but computes every token
+                warn_once(f"kvpass: policy '{self.policy.name}': the gate is not applied, the prefill computes "
+                          f"every token in every layer: {gated}", self)
+            else:
+                report.gate = gated
+                for layer in gated.cuts:
+                    report.plans[layer] += " + gate candidate"
+        return report
+
+    def _slot_plan(self, site, plan: SitePlan) -> SitePlan | str:
+        """The plan of a ``kvpass.SlotCache`` site: the policy's, with its device-side slot rule."""
+        rule = self.policy.slot_rule
+        if rule is None:
+            return "no fixed-capacity decode for this policy (its slot_rule is None); use a DynamicCache"
+        if site.sliding_window:  # a ring of the window's slots, whatever the policy (it leaves sliding layers be)
+            return SitePlan(attention=True, slot=(_cache.RING, 0))
+        return dataclasses.replace(plan, slot=(_cache.RULES[rule], self.policy.slot_protect),
+                                   slot_hooks=self.policy.slot_hooks(site))
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(self.policy.uuid().encode())
+        for mod in (_detect, _rewrite, _ops, _runtime, _gate, _cache):
+            h.update(inspect.getsource(mod).encode())
+        return h.hexdigest()
+
+
+class Backend:
+    """A ``torch.compile`` backend that applies a kvpass policy. Build it with ``kvpass.backend``."""
+
+    def __init__(self, policy: str | Policy = "full", *, compiler: str = "inductor", **params) -> None:
+        if compiler not in COMPILERS:
+            raise ConfigError(f"parameter 'compiler' must be one of {', '.join(COMPILERS)}, got {compiler!r}")
+        self.policy = make_policy(policy, **params)
+        self.compiler = compiler
+        for member in getattr(self.policy, "members", ()):
+            if getattr(member, "gates", False):
+                raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
+                                  f"prefill graph and does not compose with other policies yet; use it alone")
+        self.runtime = _runtime.Runtime(self.policy)
+        self.kvpass = KVPass(self.policy, self.runtime, self._inner)
+        self.reports: list[GraphReport] = []
+        # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
+        # run outside the policy on the cache it evicted. transformers models share one wrapper code
+        # object, so the limit (8) is reached by the fifth model compiled in a process. Make it an error.
+        if not torch._dynamo.config.suppress_errors:
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+        # Dynamo leaves float attributes unspecialized (RMSNorm's eps, an embedding's norm_type); AOT's
+        # tensorify pass then specializes them and restarts the frame's analysis, so every graph was traced
+        # and compiled twice (a 32-layer 8B shape: minutes). Specialized floats recompile only when a float
+        # argument changes between calls, which a decoder's forward does not take.
+        torch._dynamo.config.specialize_float = True
+
+    @property
+    def state(self):
+        """The generation state (true positions, stored lengths) of the last generation."""
+        return self.runtime.state
+
+    def plans(self) -> dict[str, list[str]]:
+        """Per graph phase ("prefill", "decode", ...), the distinct site plans of the graphs compiled
+        so far; a graph compiled unchanged shows as "unchanged: <reason>". Benchmarks record it so a
+        timing says which shape ran (e.g. a decode step that appends or one that evicts)."""
+        out: dict[str, set] = {}
+        for r in self.reports:
+            seen = out.setdefault(r.phase, set())
+            seen.update(r.plans.values() if not r.problems else [f"unchanged: {r.problems[0]}"])
+        return {phase: sorted(p) for phase, p in out.items()}
+
+    @property
+    def gate_info(self) -> dict | None:
+        """Gated policies (asl, fastkv): the selection layer, prompt length and tokens kept of the last
+        prefill, or None."""
+        info = getattr(self.runtime, "gate", None)
+        return info.as_dict() if info is not None else None
+
+    def uuid(self) -> str:
+        return self.kvpass.uuid()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, **compile_kwargs):
+        # torch.compile passes mode=/options= to a callable backend when they are set (HF's
+        # CompileConfig defaults to mode="reduce-overhead").
+        report = self.kvpass(gm.graph)
+        self.reports.append(report)
+        if report.gate is not None:
+            report.gate.precompile(example_inputs)  # each segment with the inner compiler (short static versions: on first use)
+            return report.gate        # runs the segments, gathering the selected tokens at the gate
+        patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"))
+        report.cudagraphs = bool(patches.get("triton.cudagraphs"))
+        return self._inner(gm, example_inputs, patches)
+
+    def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options) -> dict:
+        """Inductor settings of a ``torch.compile`` mode / options for this graph. CUDA graphs replay
+        device work only, so they are applied to graphs whose kvpass operators keep no Python-side state
+        (a decode step on a ``kvpass.SlotCache``; ``full``/``art`` attention-only graphs); a graph whose
+        operators call back into the policy's runtime (``handle``) compiles without them, said once."""
+        if mode in (None, "default") and not options:
+            return {}
+        if self.compiler != "inductor":
+            warn_once(f"kvpass: torch.compile mode={mode!r} options={options} apply to compiler='inductor' only; "
+                      f"this backend compiles with {self.compiler!r}", self)
+            return {}
+        from torch._inductor import list_mode_options
+        patches = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **(options or {})}
+        stateful = sorted({n.target.name() for n in gm.graph.nodes if _runtime_op(n)}) \
+            if patches.get("triton.cudagraphs") else []
+        if stateful:
+            patches["triton.cudagraphs"] = False
+            if report.slots and report.phase == "prefill":
+                return patches  # by design: a SlotCache prefill runs once per prompt, outside CUDA graphs
+            warn_once(f"kvpass: CUDA graphs are not applied to this {report.phase} graph of policy "
+                      f"'{self.policy.name}': {stateful[0]} updates Python-side policy state, which a replay "
+                      f"would skip (a decode step on a kvpass.SlotCache has none)", self)
+        return patches
+
+    def __deepcopy__(self, memo):
+        # HF's CompileConfig.to_dict() deep-copies its backend; a copy would split reports and the
+        # runtime (compile-time sites on the copy, run-time lookups by handle on the original).
+        return self
+
+    def _inner(self, gm, example_inputs, patches: dict | None = None):
+        if self.compiler == "eager":
+            return gm.forward
+        if self.compiler == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+    def __repr__(self) -> str:
+        graphs = len(self.reports)
+        return f"kvpass.Backend(policy={self.policy!r}, compiler={self.compiler!r}, graphs_compiled={graphs})"
+
+
+def backend(policy: str | Policy = "full", *, compiler: str = "inductor", **params) -> Backend:
+    """Return a ``torch.compile`` backend that applies the KV-cache ``policy``.
+
+    Args:
+        policy: a policy name (``kvpass.policies.available()``), a composition ``"a+b"``, or a
+            ``Policy`` object.
+        compiler: what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or
+            ``"eager"`` (fast to compile; for tests and debugging).
+        **params: the policy's parameters, e.g. ``budget=1024``. Every value is checked here, before
+            anything is compiled; a bad one raises ``ConfigError`` naming the parameter and its range.
+    """
+    return Backend(policy, compiler=compiler, **params)

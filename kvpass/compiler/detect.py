@@ -1,0 +1,622 @@
+"""Detection: find every attention site and its KV-cache update in a Dynamo FX graph.
+
+Works on the torch-level graph Dynamo hands a backend, where SDPA, eager attention and the cache
+updates look the same on every device. Nothing here matches a model by name: a site is recognised
+from the graph's structure.
+
+* SDPA sites are ``scaled_dot_product_attention`` calls.
+* Eager sites are found from each ``softmax``: walk up to ``q @ k^T`` (through mask add, logit
+  softcapping and scaling) and down to ``p @ v`` (through dtype casts and dropout).
+* K/V are followed back through ``repeat_kv`` (index/expand/reshape) and slices to the cache
+  update: a ``torch.cat`` along the sequence dim (DynamicCache; a slice of the cat that becomes the
+  stored tensor marks a sliding-window layer) or a buffer written by ``index_copy_`` (StaticCache).
+* Per site the RoPE producer (the ``cos`` feeding the new keys), the position-id tensor behind it,
+  and the residual add that consumes the attention output are recorded.
+
+Anything unexpected becomes a ``Problem`` naming the node and the failed assumption; the backend
+then warns and compiles the graph unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from kvpass.cache import slots as _cache  # noqa: F401  (registers kvpass::slot_append)
+from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
+
+SLOT_APPEND = torch.ops.kvpass.slot_append
+
+SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+SOFTMAX_FUNCS = {F.softmax, torch.softmax}
+MATMUL_FUNCS = {torch.matmul, operator.matmul}
+ADD_FUNCS = {operator.add, torch.add, operator.iadd}
+MUL_FUNCS = {operator.mul, torch.mul}
+DIV_FUNCS = {operator.truediv, torch.div}
+
+
+@dataclass
+class Problem:
+    """Why a graph was left alone: which node, which assumption failed."""
+
+    node: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"node '{self.node}': {self.reason}"
+
+
+@dataclass
+class Site:
+    """One attention call and the KV-cache update that feeds it (DESIGN.md section 2)."""
+
+    layer: int                  # index in graph order
+    attention: str              # "sdpa" | "eager" | "flash"
+    out: fx.Node                # node producing the attention output [B, H, Lq, Dv]
+    q: fx.Node
+    k: fx.Node                  # full K as attention reads it, before repeat_kv
+    v: fx.Node
+    mask: fx.Node | None
+    scale: float | fx.Node      # a node when Dynamo made the float dynamic (dynamic=True)
+    causal: int                 # ops.CAUSAL_NONE / CAUSAL_TOP_LEFT / CAUSAL_BOTTOM_RIGHT
+    softcap: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_len: int | torch.SymInt
+    cache: str                  # "dynamic" | "static" | "slot" (kvpass.SlotCache) | "none"
+    sliding_window: int | None = None
+    k_past: fx.Node | None = None
+    v_past: fx.Node | None = None
+    k_new: fx.Node | None = None
+    v_new: fx.Node | None = None
+    cache_layer: int | None = None   # layer index read off the cache tensor's source, if any
+    rope: str | None = None          # name of the cos node feeding the new keys
+    positions: fx.Node | None = None  # integer position tensor behind the RoPE producer
+    residual: fx.Node | None = None
+    phase: str = "unknown"           # "prefill" | "decode" | "append" | "dynamic" (set per graph)
+    tokens: fx.Node | None = None    # the graph's input token ids (the embedding's input), if any
+    slot: fx.Node | None = None      # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
+    global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
+    erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
+
+    @property
+    def kind(self) -> str:
+        return "sliding" if self.sliding_window else "global"
+
+    def row(self) -> dict:
+        """Plain-data summary used by ``explain`` and the tests."""
+        return {
+            "layer": self.layer, "phase": self.phase, "attention": self.attention, "kind": self.kind,
+            "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+            "scale": self.scale.name if isinstance(self.scale, fx.Node) else round(self.scale, 6),
+            "softcap": self.softcap, "cache": self.cache,
+            "sliding_window": self.sliding_window, "cache_layer": self.cache_layer,
+            "rope": self.rope, "positions": self.positions.name if self.positions is not None else None,
+            "residual": self.residual.name if self.residual is not None else None,
+        }
+
+
+@dataclass
+class Detection:
+    sites: list[Site]
+    problems: list[Problem]
+
+
+# ----------------------------------------------------------------------------------------------
+# small graph helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def val(node):
+    """The example (fake) tensor Dynamo recorded for a node, or None."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value")
+    return None
+
+
+def is_fn(node, fns) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in fns
+
+
+def is_method(node, *names) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _full_slice(s) -> bool:
+    return isinstance(s, slice) and s.start is None and s.stop is None and s.step is None
+
+
+def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """Undo HF's ``repeat_kv`` (x[:, :, None].expand(...).reshape(...)); returns base and the chain."""
+    if is_method(node, "reshape", "view") and isinstance(node.args[0], fx.Node):
+        exp = node.args[0]
+        if is_method(exp, "expand") and is_fn(exp.args[0], {operator.getitem}):
+            idx = exp.args[0].args[1]
+            if (isinstance(idx, tuple) and len(idx) == 5 and idx[2] is None
+                    and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)):
+                return exp.args[0].args[0], [node, exp, exp.args[0]]
+    return node, []
+
+
+def seq_slice(node: fx.Node):
+    """If node is x[:, :, a:b(, :)] (a slice of the sequence dim only), return (x, slice)."""
+    if is_fn(node, {operator.getitem}) and isinstance(node.args[1], tuple):
+        idx = node.args[1]
+        if (len(idx) in (3, 4) and isinstance(idx[2], slice)
+                and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)
+                and idx[2].step in (None, 1)):
+            return node.args[0], idx[2]
+    return None
+
+
+def _source_layer(node: fx.Node) -> int | None:
+    """Layer index from the cache tensor's Dynamo source, e.g. ``...layers[3].keys``."""
+    grapharg = node.meta.get("grapharg")
+    src = getattr(grapharg, "source", None)
+    name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", None)
+    if not isinstance(name, str):
+        return None
+    marker = ".layers["
+    if marker not in name:
+        return None
+    tail = name.rsplit(marker, 1)[1]
+    digits = tail.split("]", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+# ----------------------------------------------------------------------------------------------
+# cache update
+# ----------------------------------------------------------------------------------------------
+
+
+def _slot_of(site: Site) -> Problem | None | bool:
+    """A ``kvpass.SlotCache`` layer: attention reads the new K/V (a prefill) or the slots the layer's
+    ``slot_append`` just wrote (decode / append), or their first entries (a cache whose layers differ in
+    capacity gives every layer the shortest one's length, the length HF's mask is built for). Fills the
+    cache fields (a sliding layer's window is ``slot_append``'s ``window``); False when it is none."""
+    k, v = (_slot_read(n) for n in (site.k, site.v))
+    for u in k.users:
+        if u.op == "call_function" and u.target in (SLOT_APPEND, SLOT_APPEND.default):
+            keys, values, _pos, _count, k_new, v_new = u.args[:6]
+            if k not in (keys, k_new) or v not in (values, v_new) or (k is keys) != (v is values):
+                return Problem(u.name, "attention reads K and V from different places of a SlotCache layer")
+            site.cache, site.slot = "slot", u
+            site.k_past, site.v_past, site.k_new, site.v_new = keys, values, k_new, v_new
+            site.cache_layer = _source_layer(keys) if keys.op == "placeholder" else None
+            window = u.args[7] if len(u.args) > 7 else u.kwargs.get("window", 0)
+            site.sliding_window = _concrete_int(window) or None  # the layer says it is a sliding ring
+            return None
+    return False
+
+
+def _slot_read(node: fx.Node) -> fx.Node:
+    """``x`` for ``x[:, :, :n]`` (the leading slots of a SlotCache layer), else the node itself."""
+    sliced = seq_slice(node)
+    return sliced[0] if sliced is not None and sliced[1].start in (None, 0) else node
+
+
+def _cache_of(site: Site) -> Problem | None:
+    """Fill the cache fields of a site from the K/V nodes; return a Problem if unsure."""
+    slot = _slot_of(site)
+    if slot is not False:
+        return slot
+    k, v = site.k, site.v
+    if is_fn(k, {torch.cat}) and is_fn(v, {torch.cat}):
+        dim = arg(k, 1, "dim", 0)
+        if dim not in (-2, 2) or arg(v, 1, "dim", 0) != dim or len(k.args[0]) != 2:
+            return Problem(k.name, "torch.cat feeding attention is not a 2-way concat along the sequence dim")
+        site.k_past, site.k_new = k.args[0]
+        site.v_past, site.v_new = v.args[0]
+        site.cache = "dynamic"
+        for user in k.users:  # a stored slice x[:, :, -(w-1):] marks a sliding-window layer
+            sl = seq_slice(user)
+            start = _concrete_int(sl[1].start) if sl else None
+            if start is not None and start < 0 and sl[1].stop is None:
+                site.sliding_window = 1 - start
+        if seq_slice(site.k_past) is not None or _written_inplace(site.k_past):
+            site.cache = "static"  # static sliding layer once full: cat(buffer[:, :, 1:], new)
+        src = site.k_past
+        site.cache_layer = _source_layer(src) if src.op == "placeholder" else None
+        return None
+    base = k
+    sl = seq_slice(k)
+    if sl is not None:
+        base = sl[0]
+    if _written_inplace(base):
+        site.cache = "static"
+        site.cache_layer = _source_layer(base) if base.op == "placeholder" else None
+        for user in base.users:
+            if is_method(user, "index_copy_"):
+                site.k_new = user.args[3]
+        return None
+    site.cache = "none"
+    return None
+
+
+def _concrete_int(x) -> int | None:
+    """An int, or the value behind a symbolic int node (a model constant Dynamo made dynamic)."""
+    if isinstance(x, int):
+        return x
+    ex = val(x)
+    if isinstance(ex, int):
+        return ex
+    if isinstance(ex, torch.SymInt):
+        hint = getattr(ex.node, "hint", None)
+        return int(hint) if hint is not None else None
+    return None
+
+
+def _written_inplace(node: fx.Node) -> bool:
+    return any(is_method(u, "index_copy_", "copy_", "__setitem__") or is_fn(u, {operator.setitem})
+               for u in node.users)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE and residual
+# ----------------------------------------------------------------------------------------------
+
+
+_PASS_THROUGH = ("unsqueeze", "to", "type_as", "float", "half", "bfloat16", "reshape", "view", "expand",
+                 "contiguous", "transpose", "repeat_interleave", "clone")
+
+
+def _cos_above(node, steps: int = 12) -> fx.Node | None:
+    """Follow a single-input chain of views/casts/scalings up from node to a cos node."""
+    for _ in range(steps):
+        if not isinstance(node, fx.Node):
+            return None
+        if is_method(node, "cos") or is_fn(node, {torch.cos}):
+            return node
+        if is_method(node, *_PASS_THROUGH) or is_fn(node, {operator.getitem, torch.unsqueeze}):
+            node = node.args[0]
+        elif is_fn(node, MUL_FUNCS):  # cos * attention_scaling (a constant, or a SymFloat node)
+            tensors = [a for a in node.args[:2] if isinstance(val(a), torch.Tensor)]
+            if len(tensors) != 1:
+                return None
+            node = tensors[0]
+        else:
+            return None
+    return None
+
+
+def _int_tensor_above(node: fx.Node, limit: int = 200) -> fx.Node | None:
+    """Nearest integer tensor (the position ids) above ``node``, following tensor-valued edges only
+    (shape edges such as ``size()`` under dynamic shapes lead to token ids, not positions)."""
+    frontier, seen = [node], {node}
+    while frontier and len(seen) < limit:
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                ex = val(a)
+                if a in seen or not isinstance(ex, torch.Tensor):
+                    continue
+                if ex.dtype in (torch.int64, torch.int32):
+                    return a
+                seen.add(a)
+                nxt.append(a)
+        frontier = nxt
+    return None
+
+
+def _rope_of(k_new: fx.Node | None, depth: int = 0) -> tuple[str | None, fx.Node | None]:
+    """The cos node rotating the new keys (k*cos + rot(k)*sin) and the integer positions behind it."""
+    if not isinstance(k_new, fx.Node) or depth > 3:
+        return None, None
+    if is_fn(k_new, {torch.cat}):  # partial rotary: cat([rotated, pass-through], -1)
+        for a in k_new.args[0]:
+            found = _rope_of(a, depth + 1)
+            if found[0]:
+                return found
+        return None, None
+    if is_method(k_new, *_PASS_THROUGH):
+        return _rope_of(k_new.args[0], depth + 1)
+    if not is_fn(k_new, ADD_FUNCS):
+        return None, None
+    for term in k_new.args[:2]:
+        if is_fn(term, MUL_FUNCS):
+            for a in term.args[:2]:
+                cos = _cos_above(a)
+                if cos is not None:
+                    return cos.name, _int_tensor_above(cos)
+    return None, None
+
+
+def _residual_of(out: fx.Node, order: dict[fx.Node, int], limit: int = 80) -> fx.Node | None:
+    """First add downstream of the attention output whose other operand is independent of it."""
+    downstream, frontier = {out}, [out]
+    visited = 0
+    while frontier and visited < limit:
+        frontier.sort(key=order.__getitem__)
+        n = frontier.pop(0)
+        visited += 1
+        for u in sorted(n.users, key=order.__getitem__):
+            if u in downstream:
+                continue
+            if is_fn(u, ADD_FUNCS) and all(isinstance(a, fx.Node) for a in u.args[:2]):
+                a, b = u.args[:2]
+                if (a in downstream) != (b in downstream) and isinstance(val(u), torch.Tensor):
+                    return u
+            downstream.add(u)
+            frontier.append(u)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# attention forms
+# ----------------------------------------------------------------------------------------------
+
+
+def _sdpa_site(node: fx.Node) -> Site | Problem:
+    q, k, v = node.args[:3]
+    mask = arg(node, 3, "attn_mask")
+    dropout = arg(node, 4, "dropout_p", 0.0)
+    is_causal = arg(node, 5, "is_causal", False)
+    scale = arg(node, 6, "scale")
+    if dropout not in (0, 0.0):
+        return Problem(node.name, f"SDPA with dropout_p={dropout} (training graphs are not rewritten)")
+    if scale is not None and not (isinstance(scale, (int, float)) or _is_sym_scalar(scale)):
+        return Problem(node.name, f"SDPA scale is neither a constant nor a symbolic float ({scale})")
+    if isinstance(is_causal, bool):
+        causal = CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE
+    elif is_fn(is_causal, {operator.gt}) and is_causal.args[1] == 1 and mask is None:
+        # Dynamic shapes: HF's `is_causal = q_len > 1` (mask None). True only for a prefill, where
+        # Lq == Lk and bottom-right equals SDPA's top-left; False for Lq == 1, where bottom-right
+        # is no mask. Bottom-right is exact in both cases.
+        causal = CAUSAL_BOTTOM_RIGHT
+    else:
+        return Problem(node.name, f"SDPA is_causal is a symbolic expression kvpass does not know ({is_causal})")
+    k_base, k_chain = strip_repeat_kv(k)
+    v_base, v_chain = strip_repeat_kv(v)
+    return _make_site(node, "sdpa", q, k_base, v_base, mask, scale, causal, 0.0, k_chain + v_chain)
+
+
+def _eager_site(sm: fx.Node) -> Site | Problem | None:
+    """Match softmax-centred eager attention; None if this softmax is not attention at all."""
+    chain = [sm]
+    x = sm.args[0]
+    mask = None
+    softcap = 0.0
+    if is_fn(x, ADD_FUNCS):
+        a, b = x.args[:2]
+        chain.append(x)
+        x, mask = a, b
+        if not isinstance(mask, fx.Node):
+            return None
+    scale = 1.0
+    # softcap: tanh(s / c) * c
+    if is_fn(x, MUL_FUNCS) and is_fn(x.args[0], {torch.tanh}) and isinstance(x.args[1], (int, float)):
+        t = x.args[0]
+        d = t.args[0]
+        if is_fn(d, DIV_FUNCS) and isinstance(d.args[1], (int, float)) and d.args[1] == x.args[1]:
+            softcap = float(x.args[1])
+            chain += [x, t, d]
+            x = d.args[0]
+        else:
+            return None
+    while is_fn(x, MUL_FUNCS | DIV_FUNCS) and (isinstance(x.args[1], (int, float)) or _is_sym_scalar(x.args[1])):
+        factor = x.args[1]
+        if isinstance(factor, fx.Node):  # a dynamic float: keep it as a graph value
+            if isinstance(scale, fx.Node) or x.target not in MUL_FUNCS or scale != 1.0:
+                return Problem(x.name, "attention scaling mixes several symbolic factors")
+            scale = factor
+        else:
+            scale = scale * factor if x.target in MUL_FUNCS else scale / factor
+        chain.append(x)
+        x = x.args[0]
+    if not is_fn(x, MATMUL_FUNCS):
+        return None
+    qk = x
+    chain.append(qk)
+    q, kt = qk.args[:2]
+    if not (is_method(kt, "transpose") and tuple(kt.args[1:3]) in {(2, 3), (-2, -1), (3, 2), (-1, -2)}):
+        return None
+    chain.append(kt)
+    k_base, k_chain = strip_repeat_kv(kt.args[0])
+    # downstream: .to(...)/.type_as/float -> dropout -> matmul(p, v)
+    p = sm
+    while len(p.users) == 1:
+        (u,) = p.users
+        if is_method(u, "to", "float", "type_as", "type") or is_fn(u, {F.dropout, torch.dropout}):
+            if is_fn(u, {F.dropout, torch.dropout}) and arg(u, 1, "p", 0.0) not in (0, 0.0):
+                return Problem(u.name, "attention dropout is active (training graphs are not rewritten)")
+            chain.append(u)
+            p = u
+            continue
+        break
+    pv = next(iter(p.users)) if len(p.users) == 1 else None
+    if pv is None or not is_fn(pv, MATMUL_FUNCS) or pv.args[0] is not p:
+        return Problem(sm.name, "attention probabilities are used outside p @ v "
+                                "(output_attentions or an unknown pattern)")
+    v_base, v_chain = strip_repeat_kv(pv.args[1])
+    for n in chain[1:]:
+        if len(n.users) != 1:
+            return Problem(n.name, "an eager-attention intermediate has other users")
+    return _make_site(pv, "eager", q, k_base, v_base, mask, scale, CAUSAL_NONE, softcap,
+                      [pv] + chain + k_chain + v_chain)
+
+
+_MASK_VIEWS = {"to", "type", "type_as", "float", "half", "bfloat16", "expand", "view", "reshape", "contiguous",
+               "clone", "unsqueeze", "__getitem__"}
+_MASK_CONSTS = {torch.full, torch.zeros, torch.ones, torch.scalar_tensor, torch.tensor, torch.as_tensor, torch.full_like,
+                torch.zeros_like, torch.ones_like}
+
+
+def mask_bias(mask, limit: int = 64) -> str | None:
+    """Why an attention mask may carry values other than "visible" and "masked" (an additive bias such
+    as ALiBi's), or None when it is boolean or its floating-point values come only from constants
+    selected by boolean conditions (``where`` / ``masked_fill``) through casts and views. A bias cannot
+    be re-indexed by position once a policy moves or drops cache entries."""
+    if not isinstance(mask, fx.Node):
+        return None
+    todo, seen = [mask], set()
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        ex = val(n)
+        if not isinstance(ex, torch.Tensor) or not ex.is_floating_point() or n.op in ("placeholder", "get_attr"):
+            continue
+        if is_fn(n, {torch.where}):
+            todo += [a for a in n.args[1:3] if isinstance(a, fx.Node)]
+        elif is_fn(n, {torch.masked_fill}) or is_method(n, "masked_fill", "masked_fill_"):
+            todo += [n.args[0]] if isinstance(n.args[0], fx.Node) else []
+        elif is_method(n, *_MASK_VIEWS) or is_fn(n, {operator.getitem, torch.reshape}):
+            todo += [n.args[0]] if isinstance(n.args[0], fx.Node) else []
+        elif not is_fn(n, _MASK_CONSTS):
+            return (f"the attention mask is computed with '{n.name}' ({getattr(n.target, '__name__', n.target)}), "
+                    f"so it may carry an additive bias (ALiBi) that kvpass cannot re-index after moving or "
+                    f"dropping cache entries")
+    return None
+
+
+_LINEAR = {F.linear, torch._C._nn.linear}
+
+
+def _projected_from(node: fx.Node, limit: int = 80) -> set[fx.Node]:
+    """The activations whose linear projections ``node`` is computed from: walking up through reshapes,
+    RoPE, norms and the like, stopping at each ``linear`` / ``addmm`` (its input is recorded)."""
+    found, todo, seen = set(), [node], set()
+    while todo and len(seen) < limit:
+        n = todo.pop(0)
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if is_fn(n, _LINEAR):
+            found.add(n.args[0])
+        elif is_fn(n, {torch.addmm}):
+            found.add(n.args[1])
+        else:
+            todo += n.all_input_nodes
+    return found
+
+
+def cross_attention(site) -> bool:
+    """Whether the new keys are projected from other activations than the queries (an encoder's states:
+    cross-attention), judged where both projections are found."""
+    if site.k_new is None:
+        return False
+    q_from, k_from = _projected_from(site.q), _projected_from(site.k_new)
+    return bool(q_from and k_from) and not (q_from & k_from)
+
+
+def _weighs_values(sm: fx.Node, limit: int = 6) -> bool:
+    """Whether softmax ``sm``'s output reaches the first operand of a matrix product through casts,
+    dropout and reshapes: probabilities times values, the shape of attention."""
+    p = sm
+    for _ in range(limit):
+        if len(p.users) != 1:
+            return False
+        (u,) = p.users
+        if is_fn(u, MATMUL_FUNCS | {torch.bmm, torch.einsum}) and p in u.args[:2] or \
+                is_method(u, "matmul", "bmm") and u.args[0] is p:
+            return True
+        if not (is_method(u, "to", "float", "type_as", "type", "view", "reshape", "contiguous")
+                or is_fn(u, {F.dropout, torch.dropout, torch.reshape})):
+            return False
+        p = u
+    return False
+
+
+def _is_sym_scalar(node) -> bool:
+    """A graph value that is a Python scalar (SymFloat/SymInt), e.g. a float Dynamo made dynamic."""
+    ex = val(node)
+    return isinstance(node, fx.Node) and isinstance(ex, (torch.SymFloat, torch.SymInt, float, int))
+
+
+def _make_site(out, kind, q, k, v, mask, scale, causal, softcap, erase) -> Site | Problem:
+    qv, kv_, vv = val(q), val(k), val(v)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv_, vv)):
+        return Problem(out.name, "q/k/v are not 4-D [batch, heads, seq, head_dim] tensors")
+    heads, kv_heads = qv.shape[1], kv_.shape[1]
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % kv_heads:
+        return Problem(out.name, f"query heads {heads} are not a multiple of kv heads {kv_heads}")
+    head_dim = qv.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, fx.Node):
+        scale = float(scale)
+    return Site(layer=-1, attention=kind, out=out, q=q, k=k, v=v, mask=mask, scale=scale,
+                causal=causal, softcap=softcap, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, q_len=qv.shape[2], cache="none", erase=erase)
+
+
+def _is_flash(node: fx.Node) -> bool:
+    t = node.target
+    name = getattr(t, "__name__", "") or str(t)
+    mod = getattr(t, "__module__", "") or ""
+    return node.op == "call_function" and ("flash_attn" in mod or "flash_attn" in str(t)
+                                           or name.startswith("flash_attn"))
+
+
+def detect(gm: fx.GraphModule) -> Detection:
+    """Find all attention sites of a Dynamo graph, in graph order."""
+    sites: list[Site] = []
+    problems: list[Problem] = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in gm.graph.nodes:
+        found = None
+        if is_fn(n, SDPA_TARGETS):
+            found = _sdpa_site(n)
+        elif is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax"):
+            found = _eager_site(n)
+        elif _is_flash(n):
+            found = Problem(n.name, "flash-attn call found; kvpass does not rewrite flash-attn sites yet "
+                                    "(load the model with attn_implementation='sdpa' or 'eager')")
+        if found is None:
+            if (is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax")) and _weighs_values(n):
+                problems.append(Problem(n.name, "a softmax whose probabilities weigh values (attention) in a form "
+                                                "kvpass does not recognize (its scores are not q @ k^T with an "
+                                                "optional scale, softcap and additive mask); the policy cannot "
+                                                "be applied to this model's attention"))
+            continue
+        if isinstance(found, Problem):
+            problems.append(found)
+            continue
+        prob = _cache_of(found)
+        if prob:
+            problems.append(prob)
+            continue
+        found.layer = len(sites)
+        if found.cache_layer is not None and found.cache_layer != found.layer:
+            problems.append(Problem(n.name, f"attention #{found.layer} in graph order reads the cache of "
+                                            f"layer {found.cache_layer}"))
+            continue
+        if cross_attention(found):
+            problems.append(Problem(n.name, f"attention #{found.layer} is cross-attention (its keys are projected "
+                                            f"from other states than its queries, e.g. an encoder's); kvpass "
+                                            f"policies manage self-attention caches only"))
+            continue
+        found.rope, found.positions = _rope_of(found.k_new)
+        found.residual = _residual_of(found.out, order)
+        sites.append(found)
+    tokens = _token_ids(gm)
+    global_layers = tuple(s.layer for s in sites if not s.sliding_window)
+    for s in sites:
+        s.tokens, s.global_layers = tokens, global_layers
+    return Detection(sites, problems)
+
+
+def _token_ids(gm: fx.GraphModule) -> fx.Node | None:
+    """The integer ids fed to the first embedding lookup, when they are a graph input."""
+    for n in gm.graph.nodes:
+        if is_fn(n, {F.embedding, torch.embedding}) and n.args:
+            ids = n.args[0]
+            ex = val(ids)
+            if (isinstance(ids, fx.Node) and ids.op == "placeholder" and isinstance(ex, torch.Tensor)
+                    and not ex.is_floating_point()):
+                return ids
+            return None
+    return None

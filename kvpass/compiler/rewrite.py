@@ -1,0 +1,377 @@
+"""Rewrite: replace detected sites with kvpass operators, as the policy planned them.
+
+Per site, one of two shapes (DESIGN.md section 1):
+
+* attention only: ``attention(q, k, v, mask, scale, causal, softcap)`` takes the place of the
+  SDPA call or of the eager ``softmax(q k^T) v`` chain; the cache update is the model's own.
+* eviction: the ``torch.cat`` cache update becomes ``cache_update`` (K/V plus true positions),
+  attention becomes ``attention_pos`` (mask from positions, so it always matches the kept
+  entries; a prefill graph, whose cache held nothing, keeps ``attention`` with the model's own
+  mask), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
+  Position ids the model derived from the cache length pass through ``true_positions``.
+
+A pool shape (``SitePlan.pool``, raas's decode steps): ``pool_write`` writes the new token into a slot
+of the stored pool in place, ``decode_attention`` reads the pool, and the pool itself is stored.
+
+A fourth shape, ``overwrite`` (chunk fusion, ``kvpass.fusion.router``), is selected by a plan whose
+``overwrite`` attribute is true: the ``torch.cat`` pair becomes ``cache_overwrite`` (the new tokens
+written over their slots of a merged cache, same length), attention becomes ``attention_slots`` (the
+exact causal mask by true positions: slot j is position j), and the overwritten tensors are what the cache stores.
+
+Either shape reads the cache of a decode step with ``decode_attention`` (ART) instead of exact
+attention when the plan carries a ``DecodeRead`` and the site allows it (``decode_read_problem``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from kvpass import ops
+from kvpass.cache.slots import pending_positions, write_slots
+from kvpass.compiler.detect import Detection, Site, is_fn
+from kvpass.ops.kernels.decode_attention import ORDER_MAP
+from kvpass.compiler.maskcheck import is_causal_mask
+from kvpass.policies.contract import DecodeRead, SlotHooks
+
+OPS = torch.ops.kvpass
+
+
+def _first(graph: fx.Graph, nodes) -> fx.Node:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return min(nodes, key=order.__getitem__)
+
+
+def _items(graph: fx.Graph, node: fx.Node, n: int) -> list[fx.Node]:
+    with graph.inserting_after(node):
+        items = [graph.call_function(operator.getitem, (node, i)) for i in range(n)]
+    return items
+
+
+def _erase(graph: fx.Graph, nodes) -> None:
+    """Erase the nodes that have become dead, users before their inputs."""
+    pending = list(nodes)
+    progress = True
+    while pending and progress:
+        progress = False
+        for n in list(pending):
+            if getattr(n, "_erased", False):
+                pending.remove(n)
+            elif not n.users:
+                graph.erase_node(n)
+                pending.remove(n)
+                progress = True
+
+
+def _model_mask(site: Site) -> tuple:
+    """The mask and causal mode an exact ``attention`` of this site uses: the causal mode in place
+    of a materialised mask that is checked to be exactly causal (``kvpass.compiler.maskcheck``), else the
+    model's own."""
+    if site.mask is not None and is_causal_mask(site.mask):
+        return None, ops.CAUSAL_BOTTOM_RIGHT
+    return site.mask, site.causal
+
+
+def _query_and_scale(graph: fx.Graph, site: Site):
+    """A symbolic scale (dynamic float) is folded into q, so the op's scale is a constant 1.0."""
+    if not isinstance(site.scale, fx.Node):
+        return site.q, site.scale
+    with graph.inserting_before(site.out):
+        return graph.call_function(operator.mul, (site.q, site.scale)), 1.0
+
+
+def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, k, v, mask, kv_pos, q_pos,
+                 scale, window, kv_len=None, bmap=None) -> fx.Node:
+    """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it.
+    A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``), a
+    SlotCache read the blocks of ``bmap`` when given."""
+    if bmap is None and getattr(read, "pages", False):
+        bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.layer))
+    att = graph.call_function(OPS.decode_attention.default, (
+        q, k, v, mask, kv_pos, q_pos, None, kv_len, bmap, scale, site.softcap, window, read.tau, read.phi,
+        read.patience, read.block, read.order, read.probe, read.horizon))
+    out, visited = (graph.call_function(operator.getitem, (att, i)) for i in range(2))
+    if read.stats:
+        out = graph.call_function(OPS.count_visits.default, (out, visited, k, read.block, handle, site.layer))
+    return out
+
+
+def _attention_only(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
+    q, scale = _query_and_scale(graph, site)
+    with graph.inserting_before(site.out):
+        if read is not None:
+            new = _decode_read(graph, site, read, handle, q, site.k, site.v, site.mask, None, None, scale, 0)
+        else:
+            mask, causal = _model_mask(site)
+            new = graph.call_function(OPS.attention.default, (q, site.k, site.v, mask, scale, causal, site.softcap))
+    site.out.replace_all_uses_with(new)
+    _erase(graph, [site.out] + site.erase)
+
+
+def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
+              tokens: fx.Node | None = None) -> None:
+    mask, causal = _model_mask(site)
+    with graph.inserting_before(_first(graph, [site.k, site.v])):
+        upd = graph.call_function(OPS.cache_update.default, (
+            site.k_past, site.v_past, site.k_new, site.v_new, mask, handle, site.layer))
+    k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
+    q, scale = _query_and_scale(graph, site)
+    window = site.sliding_window or 0
+    with graph.inserting_before(site.out):
+        if read is not None:
+            att = _decode_read(graph, site, read, handle, q, k_all, v_all, None, kv_pos, q_pos, scale, window)
+        elif site.phase == "prefill":
+            # The cache held nothing: K/V are exactly the prompt and the model's own mask (causal and
+            # padding) matches them. It keeps SDPA's fused kernels, where attention_pos would build an
+            # [N, N] position mask per head: gigabytes at 32k-128k tokens.
+            att = graph.call_function(OPS.attention.default, (q, k_all, v_all, mask, scale, causal, site.softcap))
+        else:
+            att = graph.call_function(OPS.attention_pos.default, (
+                q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))
+        # compact gets q with the scale folded in (q . k is the logit), whatever graph it runs in, so a
+        # scoring policy never depends on which graph's site it is told about
+        q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+        args = (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer) + ((tokens,) if tokens is not None else ())
+        cmp = graph.call_function(OPS.compact.default, args)
+    k_st, v_st = _items(graph, cmp, 2)
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    for old, new in ((site.k, k_st), (site.v, v_st)):
+        old.replace_all_uses_with(new)  # what remains are the stored tensors (graph outputs)
+        _erase(graph, [old])
+    _after(graph, k_st if _first(graph, [k_st, v_st]) is v_st else v_st)
+
+
+def _after(graph: fx.Graph, anchor: fx.Node) -> None:
+    """Move the nodes that now read a value defined after them (a sliding layer's stored slice
+    ``cat[:, :, -(W-1):]`` sits right after the concatenation) to just after ``anchor``, users with them."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = [n for n in graph.nodes if order[n] < order[anchor]
+            and any(order[a] > order[n] for a in n.all_input_nodes)]
+    todo, moved = list(late), []
+    while todo:
+        n = todo.pop(0)
+        if n in moved:
+            continue
+        moved.append(n)
+        todo += [u for u in n.users if order[u] < order[anchor]]
+    at = anchor
+    for n in sorted(moved, key=order.__getitem__):
+        at.append(n)
+        at = n
+
+
+def _pool_write(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
+    """A pool policy's decode step (raas): the new token is written into a slot of the stored pool in
+    place (``pool_write``) and the pool is read by ``decode_attention`` (exact unless the plan reads
+    with ART). The graph stores the mutated pool tensors themselves: no concatenation, no compaction."""
+    q, scale = _query_and_scale(graph, site)
+    with graph.inserting_before(site.out):
+        q_pos = graph.call_function(OPS.step_position.default, (site.k_past, handle, site.layer))
+        q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+        kv_pos = graph.call_function(OPS.pool_write.default, (
+            site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.layer))
+        att = _decode_read(graph, site, read or DecodeRead(), handle, q, site.k_past, site.v_past, None, kv_pos,
+                           q_pos, scale, site.sliding_window or 0)
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    for old, new in ((site.k, site.k_past), (site.v, site.v_past)):
+        old.replace_all_uses_with(new)  # the graph stores the pool it wrote into
+        _erase(graph, [old])
+
+
+def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
+    """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask;
+    with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
+    with graph.inserting_before(_first(graph, [site.k, site.v])):
+        upd = graph.call_function(OPS.cache_overwrite.default, (
+            site.k_past, site.v_past, site.k_new, site.v_new, handle, site.layer))
+    k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
+    q, scale = _query_and_scale(graph, site)
+    with graph.inserting_before(site.out):
+        # slot j holds position j: attention_slots is attention_pos with that known, so on CUDA a
+        # FlashAttention-style kernel masks by position and skips key blocks past each query tile
+        att = graph.call_function(OPS.attention_slots.default, (q, k_all, v_all, q_pos, scale, site.softcap))
+        if votes:
+            att = graph.call_function(OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap,
+                                                                 handle, site.layer))
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    for old, new in ((site.k, k_all), (site.v, v_all)):
+        old.replace_all_uses_with(new)  # the stored tensors (graph outputs)
+        _erase(graph, [old])
+
+
+def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
+    """A ``kvpass.SlotCache`` site (``kvpass.cache.slots``): the cache's own ``slot_append`` is replaced.
+
+    * prefill: exact attention over the prompt with the model's mask; ``slot_prefill`` lets the policy
+      keep entries and writes them into the slots;
+    * decode: ``write_slots`` puts the token into the victim slot the policy's rule picks on the device,
+      then ``decode_attention`` reads every slot by position (ART when the plan reads with it);
+    * append (several tokens on a filled cache): attention by position over the slots and the new
+      tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache).
+
+    A sliding-window layer is a ring of its window's slots (``slot_prefill`` keeps the prompt's last
+    entries), read by position within the window."""
+    rule, protect = plan.slot
+    window = site.sliding_window or 0  # a sliding layer: a ring of its window, read within the window
+    keys, values, pos, count = site.slot.args[:4]
+    state = site.slot.args[6]
+    hooks = plan.slot_hooks or SlotHooks()
+    q, scale = _query_and_scale(graph, site)
+    with graph.inserting_before(site.out):
+        if site.phase == "prefill":
+            mask, causal = _model_mask(site)
+            att = graph.call_function(OPS.attention.default, (q, site.k_new, site.v_new, mask, scale, causal,
+                                                              site.softcap))
+            q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+            graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, q_scaled, site.k_new, site.v_new,
+                                                           mask, handle, site.layer,
+                                                           site.tokens if plan.tokens else None))
+            if hooks.refresh is not None:
+                graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
+        elif site.phase == "decode":
+            slot = None if hooks.place is None else graph.call_function(hooks.place, (pos, count, state, *hooks.args))
+            w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect,
+                                                  slot))
+            q_pos, kv_len = (graph.call_function(operator.getitem, (w, i)) for i in range(2))
+            read, bmap = plan.read or DecodeRead(), None
+            if hooks.update is not None:
+                q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+                graph.call_function(hooks.update, (q_scaled, keys, pos, count, state, site.k_new, *hooks.args))
+            if hooks.select is not None:
+                bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
+                read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)
+            att = _decode_read(graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, window, kv_len,
+                               bmap)
+        else:
+            pend = graph.call_function(pending_positions, (pos, count, site.k_new, rule, protect))
+            q_pos, kv_pos = (graph.call_function(operator.getitem, (pend, i)) for i in range(2))
+            k_all = graph.call_function(torch.cat, ([keys, site.k_new], -2))
+            v_all = graph.call_function(torch.cat, ([values, site.v_new], -2))
+            att = graph.call_function(OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap,
+                                                                  window))
+            graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
+            if hooks.refresh is not None:
+                graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
+    site.out.replace_all_uses_with(att)
+    _erase(graph, [site.out] + site.erase)
+    graph.erase_node(site.slot)
+
+
+def _derived(pos: fx.Node) -> bool:
+    """True when position ids were computed inside the graph (from the cache length), not passed in.
+
+    Only tensor values count as "passed in": an integer tensor input reached through data edges.
+    Shape edges (``input_ids.size(1)`` under dynamic shapes) carry lengths, not positions.
+    """
+    stack, seen = [pos], set()
+    while stack:
+        n = stack.pop()
+        ex = n.meta.get("example_value")
+        if not isinstance(ex, torch.Tensor):
+            continue  # a SymInt / int: shape information
+        if n.op == "placeholder":
+            if not ex.is_floating_point():
+                return False
+            continue
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return True
+
+
+def _float(node: fx.Node) -> bool:
+    ex = node.meta.get("example_value")
+    return not isinstance(ex, torch.Tensor) or ex.is_floating_point()
+
+
+_VIEWS = {"unsqueeze", "view", "reshape", "expand", "__getitem__"}
+
+
+def _view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(the integer tensor ``pos`` is a view of, through indexing / unsqueeze / view / expand; the
+    node on that path that reads it, None when ``pos`` is its own root)."""
+    child = None
+    while True:
+        src = pos.args[0] if pos.args and isinstance(pos.args[0], fx.Node) else None
+        view = (pos.op == "call_function" and pos.target is operator.getitem) or \
+            (pos.op == "call_method" and pos.target in _VIEWS)
+        ex = src.meta.get("example_value") if src is not None else None
+        if not view or not isinstance(ex, torch.Tensor) or ex.is_floating_point():
+            return pos, child
+        pos, child = src, pos
+
+
+def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]:
+    """Route derived position ids through ``true_positions``. Several RoPEs (Gemma 3: local and global)
+    read views of one position tensor: that tensor is fixed once, since every ``true_positions`` of a
+    graph must see the state of the call's start, and Inductor may run a second one after layers of the
+    same call recorded their new count (it moved Gemma 3's global layers by one position)."""
+    fixed = []
+    # RoPE's positions, and learned absolute positions (GPT-2: an embedding table looked up by position)
+    learned = [n.args[0] for n in graph.nodes if is_fn(n, {F.embedding, torch.embedding}) and
+               isinstance(n.args[0], fx.Node) and not _float(n.args[0])]
+    derived = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + learned)
+               if _derived(p)]
+    paths = [_view_root(p) for p in derived]
+    if len({root for root, _ in paths}) == 1 and len(derived) > 1:
+        # one op on the shared tensor, read through it only by the views that lead to the RoPEs
+        root, readers = paths[0][0], {child for _, child in paths}
+        targets = [(root, None if None in readers else (lambda u: u in readers))]
+    else:
+        targets = [(p, None) for p in derived]
+    for pos, only in targets:
+        with graph.inserting_after(pos):
+            tp = graph.call_function(OPS.true_positions.default, (pos, handle))
+        pos.replace_all_uses_with(tp, delete_user_cb=lambda u, only=only: u is not tp and (only is None or only(u)))
+        fixed.append(pos.name)
+    return fixed
+
+
+def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
+    """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
+    graph = gm.graph
+    evicting, appending, slots = [], [], []
+    for site in found.sites:
+        plan = plans[site.layer]
+        read = plan.read
+        if site.cache == "slot":
+            _slot(graph, site, plan, handle)
+            slots.append(site.layer)
+        elif getattr(plan, "overwrite", False):
+            _overwrite(graph, site, handle, getattr(plan, "votes", False))
+        elif plan.pool:
+            _pool_write(graph, site, read, handle)
+            evicting.append(site)
+        elif plan.evict or (plan.append and _model_mask(site)[0] is not None):
+            # (an appending site whose mask is not plain causal keeps the exact path: a padding mask is
+            # sized by true lengths, not by what the shrunk cache stores)
+            _evicting(graph, site, read, handle, site.tokens if plan.tokens else None)
+            evicting.append(site)
+        elif plan.append:
+            _attention_only(graph, site, read, handle)
+            appending.append(site)
+        elif plan.attention:
+            _attention_only(graph, site, read, handle)
+    # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
+    # model derives positions from: fix them all.
+    fixed = _fix_positions(graph, found.sites, handle) if evicting or appending else []
+    passed = next((s.positions for s in found.sites if s.positions is not None), None)
+    after_prefill = any(s.phase != "prefill" for s in found.sites)
+    if (appending or evicting) and after_prefill and not fixed and passed is not None:
+        # positions passed in: checked against the tokens seen, and noted (how far the sequence reached)
+        with graph.inserting_after(passed):
+            noted = graph.call_function(OPS.note_positions.default, (passed, handle))
+        passed.replace_all_uses_with(noted, delete_user_cb=lambda u: u is not noted)
+    graph.lint()
+    gm.recompile()
+    return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict or getattr(p, "overwrite", False)),
+            "evicting": [s.layer for s in evicting], "appending": [s.layer for s in appending],
+            "slots": slots, "positions_fixed": fixed}

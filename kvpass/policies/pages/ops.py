@@ -1,0 +1,178 @@
+"""The page family's operators (quest, raas), registered on import; their kernels sit in ``kernels/``.
+
+``kvpass::page_scores(q, kmin, kmax, live, ts, alpha, now) -> (ub [B, H_kv, P] fp32, ts_new)``
+    Quest's page upper bounds from the pages' min/max keys and RaaS's timestamp update
+    (``kvpass.policies.pages.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_scores_ref``
+    elsewhere.
+
+``kvpass::page_bounds(q, kmin, kmax) -> ub [B, H, P] fp32``
+    Quest's page upper bounds alone, per query head (``page_bounds_reference``), read by the SlotCache
+    decode steps of Quest and RaaS; its kernel is parallel over blocks of pages
+    (``kvpass.policies.pages.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
+    elsewhere.
+
+``kvpass::raas_stamp(q, k_new, count, kmin, kmax, live, ts, born, meta, seen, decode_pages, alpha)``
+    RaaS's per-layer decode update of its page tables on a SlotCache, in place (fold the token into its
+    page's bounds, stamp the decode pages, plan the next slot; ``kvpass.policies.pages.kernels.raas_stamp``). A
+    ``triton_op``: two Triton launches on CUDA, ``kvpass::raas_stamp_ref`` elsewhere.
+
+``kvpass::top_pages(ub, top) -> idx [..., top] int32``
+    The ``top`` best pages of each row of scores ``ub [..., P]`` (``-inf`` = not eligible), in
+    ascending index order, -1 padded; ties go to the lower index (``top_pages_reference``). Quest's
+    page choice on a SlotCache; its kernel selects without sorting (``kvpass.policies.pages.kernels.top_pages``).
+    A ``triton_op``: Triton on CUDA (rows up to ``MAX_PAGES``), ``kvpass::top_pages_ref`` elsewhere.
+
+``kvpass::page_select(q, k, handle, site) -> block_map [B, H_kv, steps] int32``
+    The pages (blocks of 16) a page-selecting policy's decode step reads, -1 = none (Quest's top
+    pages by upper bound and the current page); ``k`` is the cache with the new token last, which the
+    policy folds into its page bounds first (stateful like ``compact``, idempotent for equal inputs).
+    Feeds ``decode_attention``'s ``block_map``.
+
+``kvpass::step_position(k_pool, handle, site) -> q_pos [B, 1]`` and
+``kvpass::pool_write(k_pool!, v_pool!, k_new, v_new, q, q_pos, handle, site) -> kv_pos``
+    The decode step of a pool site (``SitePlan.pool``, raas): the new token's true position (read
+    from the layer's record), then the policy writes the token's K/V into a slot of the stored pool
+    in place (the graph stores the mutated pool; nothing is concatenated or gathered) and returns
+    every slot's position after the write. The write depends only on its inputs and the policy's
+    plan for the step, so a replayed call writes the same slot.
+
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpass.cache import runtime
+from kvpass.cache.runtime import past_length
+from kvpass.ops import OPS, attention_pos_reference  # noqa: F401
+from kvpass.policies.pages.kernels import page_scores as _pscores
+from kvpass.policies.pages.kernels import raas_stamp as _stamp
+from kvpass.policies.pages.kernels import top_pages as _top
+
+
+@torch.library.custom_op("kvpass::page_scores_ref", mutates_args=())
+def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float,
+                    now: int) -> tuple[Tensor, Tensor]:
+    return _pscores.page_scores_reference(q, kmin, kmax, live, ts, alpha, now)
+
+
+@page_scores_ref.register_fake
+def _(q, kmin, kmax, live, ts, alpha, now):
+    return kmin.new_empty(kmin.shape[:3], dtype=torch.float32), ts.new_empty(ts.shape, dtype=torch.int64)
+
+
+@torch.library.triton_op("kvpass::page_scores", mutates_args=())
+def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float,
+                now: int) -> tuple[Tensor, Tensor]:
+    """Page upper bounds (max over the group) and RaaS timestamps stamped ``now`` where a query head's
+    softmax share of a live page exceeds ``alpha``; see ``kvpass.policies.pages.kernels.page_scores``. Triton on
+    CUDA, the reference operator elsewhere."""
+    if q.device.type == "cuda" and _pscores.triton is not None:
+        return _pscores.page_scores_triton(q, kmin, kmax, live, ts, alpha, now, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.page_scores_ref(q, kmin, kmax, live, ts, alpha, now)
+
+
+@torch.library.custom_op("kvpass::page_bounds_ref", mutates_args=())
+def page_bounds_ref(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
+    return _pscores.page_bounds_reference(q, kmin, kmax)
+
+
+@page_bounds_ref.register_fake
+def _(q, kmin, kmax):
+    return q.new_empty((q.shape[0], q.shape[1], kmin.shape[2]), dtype=torch.float32)
+
+
+@torch.library.triton_op("kvpass::page_bounds", mutates_args=())
+def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
+    """Quest's upper bound ``[B, H, P]`` (fp32) of every page for every query head; see
+    ``kvpass.policies.pages.kernels.page_scores``. Triton on CUDA, the reference operator elsewhere."""
+    if q.device.type == "cuda" and _pscores.triton is not None:
+        return _pscores.page_bounds_triton(q, kmin, kmax, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.page_bounds_ref(q, kmin, kmax)
+
+
+_TABLES = ("kmin", "kmax", "live", "ts", "born", "meta", "seen")
+
+
+@torch.library.custom_op("kvpass::raas_stamp_ref", mutates_args=_TABLES)
+def raas_stamp_ref(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
+                   born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float) -> None:
+    _stamp.raas_stamp_reference(q, k_new, count, kmin, kmax, live, ts, born, meta, seen, decode_pages, alpha)
+
+
+@torch.library.triton_op("kvpass::raas_stamp", mutates_args=_TABLES)
+def raas_stamp(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
+               born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float) -> None:
+    """RaaS's decode update of one layer's page tables, in place; see ``kvpass.policies.pages.kernels.raas_stamp``.
+    Triton on CUDA (contiguous tables, as a SlotCache allocates them), the reference operator elsewhere."""
+    tables = (kmin, kmax, live, ts, born, meta, seen)
+    if q.device.type == "cuda" and _stamp.triton is not None and all(t.is_contiguous() for t in tables):
+        return _stamp.raas_stamp_triton(q, k_new, count, *tables, decode_pages, alpha, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.raas_stamp_ref(q, k_new, count, *tables, decode_pages, alpha)
+
+
+@torch.library.custom_op("kvpass::top_pages_ref", mutates_args=())
+def top_pages_ref(ub: Tensor, top: int) -> Tensor:
+    return _top.top_pages_reference(ub, top)
+
+
+@top_pages_ref.register_fake
+def _(ub, top):
+    return ub.new_empty((*ub.shape[:-1], top), dtype=torch.int32)
+
+
+@torch.library.triton_op("kvpass::top_pages", mutates_args=())
+def top_pages(ub: Tensor, top: int) -> Tensor:
+    """The ``top`` best pages of each row of ``ub`` in index order, -1 padded; see
+    ``kvpass.policies.pages.kernels.top_pages``. Triton on CUDA, the reference operator elsewhere."""
+    if ub.device.type == "cuda" and _top.triton is not None and ub.shape[-1] <= _top.MAX_PAGES:
+        return _top.top_pages_triton(ub, top, launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.top_pages_ref(ub, top)
+
+
+def _pager(policy):
+    """The policy (or member of a composition) that selects pages for decode reads."""
+    for m in getattr(policy, "members", [policy]):
+        if hasattr(type(m), "page_map"):
+            return m
+    raise RuntimeError(f"kvpass: policy '{policy.name}' selects no pages (kvpass::page_select)")
+
+
+@torch.library.custom_op("kvpass::page_select", mutates_args=())
+def page_select(q: Tensor, k: Tensor, handle: int, site: int) -> Tensor:
+    rt = runtime.get(handle)
+    return _pager(rt.policy).page_map(rt.sites[site], q, k, rt.state.layer(site))
+
+
+@page_select.register_fake
+def _(q, k, handle, site):
+    steps = _pager(runtime.get(handle).policy).map_steps
+    return k.new_empty((k.shape[0], k.shape[1], steps), dtype=torch.int32)
+
+
+@torch.library.custom_op("kvpass::step_position", mutates_args=())
+def step_position(k_pool: Tensor, handle: int, site: int) -> Tensor:
+    return runtime.get(handle).step_position(site, k_pool)
+
+
+@step_position.register_fake
+def _(k_pool, handle, site):
+    return k_pool.new_empty((k_pool.shape[0], 1), dtype=torch.long)
+
+
+@torch.library.custom_op("kvpass::pool_write", mutates_args=("k_pool", "v_pool"))
+def pool_write(k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q: Tensor, q_pos: Tensor,
+               handle: int, site: int) -> Tensor:
+    return runtime.get(handle).pool_write(site, q, k_pool, v_pool, k_new, v_new, q_pos)
+
+
+@pool_write.register_fake
+def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site):
+    return k_pool.new_empty(k_pool.shape[:3], dtype=torch.long)
+
+
+
+OPS.update(page_scores=page_scores, page_scores_ref=page_scores_ref, page_bounds=page_bounds,
+           page_bounds_ref=page_bounds_ref, raas_stamp=raas_stamp, raas_stamp_ref=raas_stamp_ref, top_pages=top_pages,
+           top_pages_ref=top_pages_ref, page_select=page_select, step_position=step_position, pool_write=pool_write)

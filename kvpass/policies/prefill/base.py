@@ -1,0 +1,83 @@
+"""``PrefillEviction``: the frame shared by the policies that compress the prompt's cache once.
+
+**Budget.** ``budget`` is the total number of entries each global attention layer keeps per KV head
+after prefill, the observation window included (the same unit as ``streamingllm``'s budget, so
+policies compare at equal memory). It must exceed ``window``. A prompt no longer than the budget is
+kept whole, which makes ``budget >= prompt length`` identical to ``full``. PyramidKV overrides
+``layer_budget`` to give each layer its own.
+
+**When.** Eviction happens at prefill only (the first call on an empty cache). Decode and append
+calls append to what was kept; their graphs are still planned as evicting (``cache_update`` +
+``attention_pos`` + ``compact``) so that masks come from the kept entries' true positions and
+positions derived from the shortened cache are corrected (``kvpass.compiler.rewrite``).
+
+**What.** Subclasses implement ``priority``: a score per candidate (real, non-window entries); the
+window and then the highest priorities are kept (``scoring.keep_top``). Left padding is never kept
+over a real token. Sliding-window layers are bounded by their window and left to the model, as
+``streamingllm`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpass.policies.prefill import scoring
+from kvpass.policies.contract import ConfigError, Param, Policy, SitePlan, shrinking_plan
+
+BUDGET = Param("budget", int, 2048, 2, 1 << 24,
+               "entries kept per layer and KV head after prefill, observation window included")
+WINDOW = Param("window", int, 32, 1, 1 << 16, "observation window: last prompt tokens, always kept")
+
+
+class PrefillEviction(Policy):
+    """Base class: budget/window checks, planning, the shape contract and the selection frame."""
+
+    evicts = True
+    decode_appends = True  # stored_length is the total outside the prefill
+    params = (BUDGET, WINDOW)
+
+    def check_config(self) -> None:
+        if self.budget <= self.window:
+            raise ConfigError(f"policy '{self.name}': parameter 'budget' must be > window ({self.window}), got "
+                              f"{self.budget}; the budget counts the observation window, so pass a larger "
+                              f"budget or a smaller window")
+
+    def plan(self, site) -> SitePlan | str:
+        return shrinking_plan(site)
+
+    # on a SlotCache: the kept prompt, then every decoded token in the next free slot
+    slot_rule = "append"
+
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        return min(max_length, self.slot_budget(layer, layers) + max_new_tokens)
+
+    def slot_budget(self, layer: int, layers: int) -> int:
+        """The most entries layer ``layer`` of ``layers`` keeps from any prompt."""
+        return self.budget
+
+    def layer_budget(self, site) -> int:
+        """Entries this site keeps after a prefill longer than it."""
+        return self.budget
+
+    def kept(self, site, total):
+        """Entries this site keeps from a ``total``-entry prompt (SymInt-safe)."""
+        return torch.sym_min(total, self.layer_budget(site))
+
+    def stored_length(self, site, total):
+        if site.phase != "prefill":
+            return total                    # decode / append: nothing is evicted
+        return self.kept(site, total)
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None):
+        n = kv_pos.shape[-1]
+        keep = self.kept(site, n)
+        if n != q_pos.shape[1] or n <= keep:  # not a prefill, or nothing to evict
+            return None
+        valid, forced = scoring.window_layout(kv_pos, self.window)
+        priority = self.priority(site, q, k, kv_pos, q_pos, valid & ~forced, keep - self.window, tokens)
+        return scoring.keep_top(priority, forced, valid, keep)
+
+    def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
+        """Score ``[B, H_kv, N]`` of every candidate (higher = kept first); ``quota`` candidates are
+        kept in rows long enough to evict."""
+        raise NotImplementedError

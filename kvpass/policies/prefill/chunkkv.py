@@ -1,0 +1,35 @@
+"""``chunkkv``: keep whole chunks of consecutive tokens (Liu et al., 2025).
+
+The prompt before the observation window is cut into fixed chunks of ``chunk`` tokens (10),
+counted from the first real token, so padding never moves a boundary. A chunk's score is the
+window attention its tokens receive, summed over the window queries and over **all** query heads of
+the layer: one ranking, hence one index set shared by every KV head of the layer (what ChunkKV
+keeps is semantic units, which do not depend on the head). The best chunks are kept until the
+layer's ``budget - window`` candidate entries are covered; the last chunk taken is trimmed to its
+best tokens so the budget is exact. No pooling: the chunk sum already aggregates neighbours.
+
+``budget`` counts the window (see ``kvpass.policies.prefill.base``). Decode steps append.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpass.policies.prefill import scoring
+from kvpass.policies.contract import Param
+from kvpass.policies.prefill.base import PrefillEviction
+
+
+class ChunkKV(PrefillEviction):
+    name = "chunkkv"
+    summary = "fixed chunks of 10 tokens ranked by window attention, one index set per layer"
+    params = PrefillEviction.params + (Param("chunk", int, 10, 1, 1 << 16, "tokens per chunk"),)
+
+    def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
+        votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
+        shared = cand.all(dim=1)                              # [B, N]: the same tokens in every head
+        score = votes.sum(dim=1).masked_fill(~shared, 0.0)    # all heads of the layer
+        seg = torch.where(shared, 0, -1)                      # one segment: the whole candidate region
+        quota_t = torch.full((score.shape[0], 1), quota, device=score.device, dtype=torch.long)
+        chosen = scoring.block_fill(score.double(), seg, self.chunk, quota_t)
+        return chosen[:, None, :].expand_as(cand).float()

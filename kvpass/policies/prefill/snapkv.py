@@ -1,0 +1,42 @@
+"""``snapkv``: keep what the observation window attends to (Li et al., 2024).
+
+At prefill the last ``window`` prompt tokens (32) score every earlier token by the attention they
+give it (softmax over keys, causal inside the window, fp32), summed over the window queries and
+over the query heads of each KV group: one score per token and **KV head**, the granularity the
+cache is stored at (GQA groups share one index set, never one per query head). The scores are
+max-pooled (``kernel`` 7, stride 1) so that a kept token brings its neighbours, and each layer and
+KV head keeps the window plus its ``budget - window`` best tokens, in their original order.
+
+``budget`` counts the window (see ``kvpass.policies.prefill.base``). Decode steps append.
+"""
+
+from __future__ import annotations
+
+from kvpass.policies.prefill import scoring
+from kvpass.policies.contract import ConfigError, Param
+from kvpass.policies.prefill.base import PrefillEviction
+
+KERNEL = Param("kernel", int, 7, 1, 1025, "pooling kernel over token scores (odd; 1 = no pooling)")
+POOL = Param("pool", str, "max", doc="pooling: 'max' (SnapKV's choice here) or 'avg'")
+
+
+def check_pooling(policy) -> None:
+    if policy.kernel % 2 == 0:
+        raise ConfigError(f"policy '{policy.name}': parameter 'kernel' must be an odd int in [1, 1025], "
+                          f"got {policy.kernel}")
+    if policy.pool not in ("max", "avg"):
+        raise ConfigError(f"policy '{policy.name}': parameter 'pool' must be 'max' or 'avg', got {policy.pool!r}")
+
+
+class SnapKV(PrefillEviction):
+    name = "snapkv"
+    summary = "window attention (pooled) picks the prompt tokens each layer and KV head keeps"
+    params = PrefillEviction.params + (KERNEL, POOL)
+
+    def check_config(self) -> None:
+        super().check_config()
+        check_pooling(self)
+
+    def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
+        votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
+        return scoring.pool(votes, cand, self.kernel, self.pool)

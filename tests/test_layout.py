@@ -1,0 +1,95 @@
+"""The package's layering: no module imports from a layer above its own, and no import cycle.
+
+Layers, lowest first (``docs/ARCHITECTURE.md``): errors and the core kernels; the cache and runtime state; the
+core operators; policies (the contract, the registry, each policy with its family's operators and kernels);
+the compiler pass; chunk fusion's driver; evaluation; the CLI and the public API. Imports inside functions
+count too: a lazy import that hides an upward edge is still one.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "kvpass"
+
+LAYERS = [  # (prefix, layer); the longest matching prefix decides
+    ("kvpass.errors", 0), ("kvpass.ops.kernels", 0),
+    ("kvpass.cache", 1),
+    ("kvpass.ops", 2),
+    ("kvpass.policies", 3),
+    ("kvpass.compiler", 4),
+    ("kvpass.fusion", 5),
+    ("kvpass.eval", 6),
+    ("kvpass.cli", 7), ("kvpass", 7),
+]
+
+
+def layer(module: str) -> int:
+    for prefix, n in sorted(LAYERS, key=lambda p: -len(p[0])):
+        if module == prefix or module.startswith(prefix + "."):
+            return n
+    raise AssertionError(f"{module} is in no layer")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def imports(name: str, path: pathlib.Path, known) -> set[str]:
+    """The kvpass modules ``name`` imports (``from a import b`` counts ``a.b`` when that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("kvpass"):
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            found.update(subs or [node.module])
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("kvpass"))
+    found.discard(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, mods) for name, path in mods.items()}
+
+
+def test_no_import_reaches_a_higher_layer():
+    bad = [f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
+           for m, targets in sorted(graph().items()) for t in sorted(targets) if layer(t) > layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    g = graph()
+    # the registry (kvpass.policies) and the public API import their members; an edge from a package to its
+    # own submodules is how a package is assembled, not a cycle
+    edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in g.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_every_subpackage_says_what_it_is():
+    for p in PKG.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(p.read_text()))
+        assert doc and len(doc) > 40 and "TODO" not in doc, f"{p.relative_to(PKG.parent)} needs a module docstring"
