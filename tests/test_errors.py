@@ -10,7 +10,7 @@ import pytest
 
 import kvpass
 from kvpass.cache import runtime
-from kvpass.policies import POLICIES, Policy, make_policy
+from kvpass.policies import POLICIES, Needs, Policy, make_policy
 from kvpass.policies.compose import Composed
 from kvpass.policies.streamingllm import StreamingLLM
 
@@ -107,12 +107,12 @@ class KeepFirst(Policy):
     """A stand-in second eviction policy."""
 
     name = "keepfirst"
-    evicts = True
+    needs = Needs(evicts=True)
 
 
 class KeepLast(Policy):
     name = "keeplast"
-    evicts = True
+    needs = Needs(evicts=True)
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_two_evicting_policies_through_backend(two_more_evictors, no_runtime_lea
 
 def test_one_evicting_policy_composes(two_more_evictors):
     be = kvpass.backend("full+keepfirst", compiler="eager")
-    assert be.policy.evicts and be.policy.evictor.name == "keepfirst"
+    assert be.policy.needs.evicts and be.policy.evictor.name == "keepfirst"
     runtime.release(be.runtime.handle)
 
 
@@ -186,3 +186,13 @@ def test_versions_below_the_floor_are_named(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.10.0+cpu")
     with pytest.raises(ImportError, match=r"kvpass needs torch >= 2\.11, found 2\.10\.0\+cpu"):
         kvpass._check_versions()
+
+
+def test_a_policy_declaring_needs_as_loose_attributes_is_refused():
+    """Before the Needs descriptor a policy said ``evicts = True``; now that attribute would be ignored, so a
+    class that still sets it is refused at definition, naming the fix."""
+    with pytest.raises(TypeError, match=r"declare evicts, slot_rule in its Needs descriptor"):
+        class Old(Policy):  # noqa: F841
+            name = "old"
+            evicts = True
+            slot_rule = "append"

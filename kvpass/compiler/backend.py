@@ -8,7 +8,6 @@ The whole pipeline is ``KVPass.__call__`` below; the pieces live in ``detect``, 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from torch import fx
 from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
+from kvpass.compiler import plan as _plan
 from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.compiler import rewrite as _rewrite
@@ -32,12 +32,6 @@ except ImportError:  # pragma: no cover
     CustomGraphPass = object
 
 COMPILERS = ("inductor", "aot_eager", "eager")
-
-
-def _replaces_mask(plan: SitePlan) -> bool:
-    """Whether a plan's rewrite stops reading the model's mask somewhere (it masks by true position after
-    eviction, in a slot cache, in a pool): only a boolean visible / masked mask survives that."""
-    return bool(plan.evict or plan.append or plan.pool or plan.slot is not None or getattr(plan, "overwrite", False))
 
 
 @dataclass
@@ -122,23 +116,16 @@ class KVPass(CustomGraphPass):
                 warn_once(f"kvpass: {idle}", self)
             for site in found.sites:
                 site.phase = phase
-                plan = self.policy.plan(site)
-                if site.cache == "slot" and not isinstance(plan, str):
-                    plan = self._slot_plan(site, plan)
-                if not isinstance(plan, str) and _replaces_mask(plan) and (bias := _detect.mask_bias(site.mask)):
-                    plan = f"layer {site.layer}: {bias}"
+                plan = _plan.plan_site(self.policy, site)
                 if isinstance(plan, str):
                     problems.append(f"policy '{self.policy.name}': {plan}")
                     break
-                # (a sliding layer that evicts keeps evicting: it drops what leaves its window, by position)
-                if plan.evict and phase in ("decode", "append") and self.policy.decode_appends \
-                        and not site.sliding_window and plan.slot is None:
-                    plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
                 plans[site.layer] = plan
                 self.runtime.sites[site.layer] = site
         report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
                              plans={i: p.describe(phase) for i, p in plans.items()}, problems=problems)
-        gates = getattr(self.policy, "gates", False) and phase == "prefill"
+        needs = self.policy.needs
+        gates = needs.gates and phase == "prefill"
         if gates and not problems:
             why = _gate.check(found.sites, self.policy)
             if why:
@@ -152,13 +139,9 @@ class KVPass(CustomGraphPass):
         report.rewritten = summary["rewritten"]
         report.evicting = summary["evicting"]
         report.appending = summary["appending"]
-        for layer in summary["evicting"]:
-            if plans[layer].append:  # the rewrite kept the exact shape: the site's mask is not plain causal
-                report.plans[layer] = (dataclasses.replace(plans[layer], append=False, evict=True).describe(phase)
-                                       + " (appending, but its mask is not plain causal)")
         report.positions_fixed = summary["positions_fixed"]
         report.slots = summary["slots"]
-        if getattr(self.policy, "renumber", False) and phase != "prefill":
+        if needs.renumber and phase != "prefill":
             report.positions_fixed += (_gate.shift_slot_positions(gm, found.sites) if summary["slots"] else
                                        _gate.shift_passed_positions(gm, found.sites, self.runtime.handle))
         if gates:
@@ -172,19 +155,9 @@ class KVPass(CustomGraphPass):
                     report.plans[layer] += " + gate candidate"
         return report
 
-    def _slot_plan(self, site, plan: SitePlan) -> SitePlan | str:
-        """The plan of a ``kvpass.SlotCache`` site: the policy's, with its device-side slot rule."""
-        rule = self.policy.slot_rule
-        if rule is None:
-            return "no fixed-capacity decode for this policy (its slot_rule is None); use a DynamicCache"
-        if site.sliding_window:  # a ring of the window's slots, whatever the policy (it leaves sliding layers be)
-            return SitePlan(attention=True, slot=(_cache.RING, 0))
-        return dataclasses.replace(plan, slot=(_cache.RULES[rule], self.policy.slot_protect),
-                                   slot_hooks=self.policy.slot_hooks(site))
-
     def uuid(self) -> str:
         h = hashlib.sha256(self.policy.uuid().encode())
-        for mod in (_detect, _rewrite, _ops, _runtime, _gate, _cache):
+        for mod in (_detect, _plan, _rewrite, _ops, _runtime, _gate, _cache):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -197,8 +170,8 @@ class Backend:
             raise ConfigError(f"parameter 'compiler' must be one of {', '.join(COMPILERS)}, got {compiler!r}")
         self.policy = make_policy(policy, **params)
         self.compiler = compiler
-        for member in getattr(self.policy, "members", ()):
-            if getattr(member, "gates", False):
+        for member in getattr(self.policy, "members", ()):  # a composition (kvpass.policies.compose)
+            if member.needs.gates:
                 raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
                                   f"prefill graph and does not compose with other policies yet; use it alone")
         self.runtime = _runtime.Runtime(self.policy)

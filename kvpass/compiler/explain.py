@@ -10,6 +10,63 @@ COLUMNS = ("layer", "attention", "kind", "heads", "kv_heads", "head_dim", "scale
            "rope", "positions", "residual", "plan")
 
 
+# What str(Explanation) and `kvpass explain` print: the per-layer columns, layers grouped.
+GROUPED_COLUMNS = ("layers",) + COLUMNS[1:]
+
+LEGEND = [
+    "legend:",
+    "  layers     layer indices in graph order; a range (0-29) groups consecutive layers with identical rows",
+    "  attention  sdpa (F.scaled_dot_product_attention), eager (softmax(q @ k^T) @ v) or flash (left as is)",
+    "  kind       global: attends to every earlier token; sliding(W): to the last W tokens only",
+    "  heads, kv_heads, head_dim: query heads, key/value heads (fewer: grouped-query), size of a head",
+    "  scale, softcap: factor on q @ k^T before the softmax; c of the logit cap c*tanh(s/c) (0.0: none)",
+    "  cache      the KV cache the model updates: dynamic (DynamicCache), static (StaticCache), slot",
+    "             (kvpass.SlotCache) or none",
+    "  rope       RoPE source: the graph node of the cos that rotates the new keys (same name: same rotary",
+    "             embedding)",
+    "  positions  the graph node of the integer position ids behind that RoPE (kvpass keeps them right",
+    "             when a policy evicts or gathers tokens)",
+    "  residual   found: the residual add after the attention was located (gated policies cut the graph",
+    "             there)",
+    "  plan       what the policy does at this layer (unchanged: the model's own attention and cache)",
+    "  -: not found. Node names are those of the traced FX graph; Explanation.rows has every layer's values.",
+]
+
+
+def _cell(row: dict, column: str) -> str:
+    value = row.get(column)
+    if column == "kind" and row.get("sliding_window"):
+        return f"sliding({row['sliding_window']})"
+    if column == "residual":
+        return "found" if value is not None else "-"
+    if column in ("rope", "positions") and value is None:
+        return "-"
+    return str(value if value is not None else "")
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _grouped(rows: list[dict]) -> list[list[str]]:
+    """Rows of GROUPED_COLUMNS: runs of consecutive layers with identical cells share one row."""
+    out: list[list[str]] = []
+    run: tuple | None = None  # (first layer, last layer, cells)
+    for r in rows:
+        cells = [_cell(r, c) for c in COLUMNS[1:]]
+        layer = r.get("layer")
+        if (run is not None and cells == run[2] and isinstance(layer, int) and isinstance(run[1], int)
+                and layer == run[1] + 1):
+            run = (run[0], layer, cells)
+            continue
+        if run is not None:
+            out.append([_span(run[0], run[1])] + run[2])
+        run = (layer, layer, cells)
+    if run is not None:
+        out.append([_span(run[0], run[1])] + run[2])
+    return out
+
+
 @dataclass
 class Explanation:
     """Structured result: one row per attention site of each compiled graph, plus problems."""
@@ -29,18 +86,31 @@ class Explanation:
     def problems(self) -> list[str]:
         return [p for g in self.graphs for p in g.problems]
 
-    def table(self) -> str:
-        rows = [[str(r.get(c, "")) for c in COLUMNS] for r in self.rows]
-        widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(COLUMNS)]
+    def table(self, grouped: bool = False, legend: bool = False) -> str:
+        """The table as text. By default one row per layer with the raw values (FX node names for
+        ``rope``, ``positions`` and ``residual``). ``grouped``: consecutive layers whose rows are
+        identical apart from the layer index share one row ("0-29"), ``residual`` reads "found"
+        (its node name differs in every layer) and a sliding ``kind`` shows its window.
+        ``legend``: a few lines under the table saying what each column means. ``str()`` and
+        ``kvpass.explain(verbose=True)`` give the grouped table with its legend."""
+        if grouped:
+            columns, rows = GROUPED_COLUMNS, _grouped(self.rows)
+        else:
+            columns, rows = COLUMNS, [[str(r.get(c, "")) for c in COLUMNS] for r in self.rows]
+        widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = [fmt.format(*COLUMNS), fmt.format(*("-" * w for w in widths))]
+        lines = [fmt.format(*columns), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*r) for r in rows]
+        if grouped:  # no trailing blanks after the last (plan) column
+            lines = [line.rstrip() for line in lines]
         lines.append(f"policy: {self.policy}; sites: {len(self.rows)}")
         lines += [f"problem: {p}" for p in self.problems]
+        if legend:
+            lines += LEGEND
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.table()
+        return self.table(grouped=True, legend=True)
 
     def __repr__(self) -> str:
         return f"Explanation(policy={self.policy!r}, sites={len(self.rows)}, problems={len(self.problems)})"
@@ -51,7 +121,8 @@ def explain(model, example_inputs, policy="full", *, verbose: bool = True, **par
 
     ``example_inputs`` is a dict of keyword arguments (``{"input_ids": ids}``), a tuple of positional
     arguments, or a single tensor. The model runs once, under ``torch.no_grad``; it is not modified.
-    Prints the table when ``verbose``; returns an ``Explanation`` either way.
+    Prints the table (consecutive identical layers grouped, with a legend of the columns) when
+    ``verbose``; returns an ``Explanation`` either way.
     """
     from kvpass.compiler.backend import Backend
 
@@ -70,5 +141,5 @@ def explain(model, example_inputs, policy="full", *, verbose: bool = True, **par
             compiled(example_inputs)
     result = Explanation(policy=repr(be.policy), graphs=be.reports)
     if verbose:
-        print(result.table())
+        print(result)
     return result

@@ -255,8 +255,8 @@ class GatedGraph:
             return why
         cut_nodes = [sites[layer].residual for layer in self.cuts]
         length = sites[self.cuts[0]].q_len
-        self.two_pass = bool(getattr(self.policy, "two_pass", False))
-        self.renumber = bool(getattr(self.policy, "renumber", False))
+        self.two_pass = self.policy.needs.two_pass
+        self.renumber = self.policy.needs.renumber
         # a two-pass policy sets the RoPE positions of its second pass: the position tensors derived
         # inside the graph end a segment of their own, so the runner can replace their value
         self.pos_nodes = list(dict.fromkeys(_after_fix(s.positions) for s in sites.values() if s.positions is not None))

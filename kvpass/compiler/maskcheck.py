@@ -28,6 +28,8 @@ import sympy
 import torch
 from torch import fx
 
+from kvpass.ops import CAUSAL_BOTTOM_RIGHT
+
 METADATA = {"size", "dim", "shape", "device", "dtype", "numel"}
 MAX_PROBE = 1 << 22     # entries of one probe mask
 
@@ -166,3 +168,12 @@ def _check(node: fx.Node) -> bool:
     except Exception:  # an op the probe cannot run concretely: keep the model's mask
         return False
     return True
+
+
+def site_mask(site) -> tuple:
+    """The mask and causal mode an exact ``attention`` of this site uses: the causal mode in place
+    of a materialised mask that is checked to be exactly causal (``kvpass.compiler.maskcheck``), else the
+    model's own."""
+    if site.mask is not None and is_causal_mask(site.mask):
+        return None, CAUSAL_BOTTOM_RIGHT
+    return site.mask, site.causal

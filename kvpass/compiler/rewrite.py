@@ -1,25 +1,25 @@
-"""Rewrite: replace detected sites with kvpass operators, as the policy planned them.
+"""Rewrite: replace detected sites with kvpass operators, in the shape each site's plan names.
 
-Per site, one of two shapes (DESIGN.md section 1):
+``SHAPES`` maps ``SitePlan.shape`` (decided by ``kvpass.compiler.plan``) to the function that rewrites it:
 
-* attention only: ``attention(q, k, v, mask, scale, causal, softcap)`` takes the place of the
-  SDPA call or of the eager ``softmax(q k^T) v`` chain; the cache update is the model's own.
-* eviction: the ``torch.cat`` cache update becomes ``cache_update`` (K/V plus true positions),
-  attention becomes ``attention_pos`` (mask from positions, so it always matches the kept
-  entries; a prefill graph, whose cache held nothing, keeps ``attention`` with the model's own
-  mask), and ``compact`` produces the tensors the cache stores, so evicted entries are freed.
-  Position ids the model derived from the cache length pass through ``true_positions``.
+* ``attention`` (and ``append``, whose cache the model updates itself): ``attention(q, k, v, mask, scale,
+  causal, softcap)`` takes the place of the SDPA call or of the eager ``softmax(q k^T) v`` chain;
+* ``evict``: the ``torch.cat`` cache update becomes ``cache_update`` (K/V plus true positions), attention
+  becomes ``attention_pos`` (mask from positions, so it always matches the kept entries; a prefill graph,
+  whose cache held nothing, keeps ``attention`` with the model's own mask), and ``compact`` produces the
+  tensors the cache stores, so evicted entries are freed;
+* ``pool`` (raas's decode steps on a DynamicCache): ``pool_write`` writes the new token into a slot of the
+  stored pool in place, ``decode_attention`` reads the pool, and the pool itself is stored;
+* ``overwrite`` (chunk fusion's recompute, ``kvpass.fusion.router``): the ``torch.cat`` pair becomes
+  ``cache_overwrite`` (the new tokens written over their slots of a merged cache, same length), attention
+  becomes ``attention_slots`` (slot j is position j), and the overwritten tensors are what the cache stores;
+* ``slot`` (a ``kvpass.SlotCache``): the cache's ``slot_append`` becomes the slot writes of the policy's rule
+  and hooks, and decode steps read the slots by position with ``decode_attention``;
+* ``unchanged``: nothing.
 
-A pool shape (``SitePlan.pool``, raas's decode steps): ``pool_write`` writes the new token into a slot
-of the stored pool in place, ``decode_attention`` reads the pool, and the pool itself is stored.
-
-A fourth shape, ``overwrite`` (chunk fusion, ``kvpass.fusion.router``), is selected by a plan whose
-``overwrite`` attribute is true: the ``torch.cat`` pair becomes ``cache_overwrite`` (the new tokens
-written over their slots of a merged cache, same length), attention becomes ``attention_slots`` (the
-exact causal mask by true positions: slot j is position j), and the overwritten tensors are what the cache stores.
-
-Either shape reads the cache of a decode step with ``decode_attention`` (ART) instead of exact
-attention when the plan carries a ``DecodeRead`` and the site allows it (``decode_read_problem``).
+Any shape reads a decode step's cache with ``decode_attention`` (ART) instead of exact attention when the plan
+carries a ``DecodeRead``. Once a site evicts or appends to a shrunk cache, position ids the model derived from
+the cache length pass through ``true_positions`` (``_fix_positions``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from kvpass import ops
 from kvpass.cache.slots import pending_positions, write_slots
 from kvpass.compiler.detect import Detection, Site, is_fn
 from kvpass.ops.kernels.decode_attention import ORDER_MAP
-from kvpass.compiler.maskcheck import is_causal_mask
-from kvpass.policies.contract import DecodeRead, SlotHooks
+from kvpass.compiler.maskcheck import site_mask
+from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks
 
 OPS = torch.ops.kvpass
 
@@ -67,15 +67,6 @@ def _erase(graph: fx.Graph, nodes) -> None:
                 progress = True
 
 
-def _model_mask(site: Site) -> tuple:
-    """The mask and causal mode an exact ``attention`` of this site uses: the causal mode in place
-    of a materialised mask that is checked to be exactly causal (``kvpass.compiler.maskcheck``), else the
-    model's own."""
-    if site.mask is not None and is_causal_mask(site.mask):
-        return None, ops.CAUSAL_BOTTOM_RIGHT
-    return site.mask, site.causal
-
-
 def _query_and_scale(graph: fx.Graph, site: Site):
     """A symbolic scale (dynamic float) is folded into q, so the op's scale is a constant 1.0."""
     if not isinstance(site.scale, fx.Node):
@@ -89,7 +80,7 @@ def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, 
     """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it.
     A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``), a
     SlotCache read the blocks of ``bmap`` when given."""
-    if bmap is None and getattr(read, "pages", False):
+    if bmap is None and read.pages:
         bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.layer))
     att = graph.call_function(OPS.decode_attention.default, (
         q, k, v, mask, kv_pos, q_pos, None, kv_len, bmap, scale, site.softcap, window, read.tau, read.phi,
@@ -100,21 +91,22 @@ def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, 
     return out
 
 
-def _attention_only(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
+def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+    read = plan.read
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
         if read is not None:
             new = _decode_read(graph, site, read, handle, q, site.k, site.v, site.mask, None, None, scale, 0)
         else:
-            mask, causal = _model_mask(site)
+            mask, causal = site_mask(site)
             new = graph.call_function(OPS.attention.default, (q, site.k, site.v, mask, scale, causal, site.softcap))
     site.out.replace_all_uses_with(new)
     _erase(graph, [site.out] + site.erase)
 
 
-def _evicting(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int,
-              tokens: fx.Node | None = None) -> None:
-    mask, causal = _model_mask(site)
+def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+    read, tokens = plan.read, (site.tokens if plan.tokens else None)
+    mask, causal = site_mask(site)
     with graph.inserting_before(_first(graph, [site.k, site.v])):
         upd = graph.call_function(OPS.cache_update.default, (
             site.k_past, site.v_past, site.k_new, site.v_new, mask, handle, site.layer))
@@ -165,7 +157,7 @@ def _after(graph: fx.Graph, anchor: fx.Node) -> None:
         at = n
 
 
-def _pool_write(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: int) -> None:
+def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     """A pool policy's decode step (raas): the new token is written into a slot of the stored pool in
     place (``pool_write``) and the pool is read by ``decode_attention`` (exact unless the plan reads
     with ART). The graph stores the mutated pool tensors themselves: no concatenation, no compaction."""
@@ -175,7 +167,7 @@ def _pool_write(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: in
         q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
         kv_pos = graph.call_function(OPS.pool_write.default, (
             site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.layer))
-        att = _decode_read(graph, site, read or DecodeRead(), handle, q, site.k_past, site.v_past, None, kv_pos,
+        att = _decode_read(graph, site, plan.read or DecodeRead(), handle, q, site.k_past, site.v_past, None, kv_pos,
                            q_pos, scale, site.sliding_window or 0)
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)
@@ -184,7 +176,7 @@ def _pool_write(graph: fx.Graph, site: Site, read: DecodeRead | None, handle: in
         _erase(graph, [old])
 
 
-def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
+def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask;
     with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
     with graph.inserting_before(_first(graph, [site.k, site.v])):
@@ -196,7 +188,7 @@ def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
         # slot j holds position j: attention_slots is attention_pos with that known, so on CUDA a
         # FlashAttention-style kernel masks by position and skips key blocks past each query tile
         att = graph.call_function(OPS.attention_slots.default, (q, k_all, v_all, q_pos, scale, site.softcap))
-        if votes:
+        if plan.votes:
             att = graph.call_function(OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap,
                                                                  handle, site.layer))
     site.out.replace_all_uses_with(att)
@@ -206,7 +198,7 @@ def _overwrite(graph: fx.Graph, site: Site, handle: int, votes: bool) -> None:
         _erase(graph, [old])
 
 
-def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
+def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     """A ``kvpass.SlotCache`` site (``kvpass.cache.slots``): the cache's own ``slot_append`` is replaced.
 
     * prefill: exact attention over the prompt with the model's mask; ``slot_prefill`` lets the policy
@@ -226,7 +218,7 @@ def _slot(graph: fx.Graph, site: Site, plan, handle: int) -> None:
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
         if site.phase == "prefill":
-            mask, causal = _model_mask(site)
+            mask, causal = site_mask(site)
             att = graph.call_function(OPS.attention.default, (q, site.k_new, site.v_new, mask, scale, causal,
                                                               site.softcap))
             q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
@@ -338,28 +330,12 @@ def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]
 def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
     """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
     graph = gm.graph
-    evicting, appending, slots = [], [], []
+    done: dict[str, list[int]] = {shape: [] for shape in SHAPES}
     for site in found.sites:
         plan = plans[site.layer]
-        read = plan.read
-        if site.cache == "slot":
-            _slot(graph, site, plan, handle)
-            slots.append(site.layer)
-        elif getattr(plan, "overwrite", False):
-            _overwrite(graph, site, handle, getattr(plan, "votes", False))
-        elif plan.pool:
-            _pool_write(graph, site, read, handle)
-            evicting.append(site)
-        elif plan.evict or (plan.append and _model_mask(site)[0] is not None):
-            # (an appending site whose mask is not plain causal keeps the exact path: a padding mask is
-            # sized by true lengths, not by what the shrunk cache stores)
-            _evicting(graph, site, read, handle, site.tokens if plan.tokens else None)
-            evicting.append(site)
-        elif plan.append:
-            _attention_only(graph, site, read, handle)
-            appending.append(site)
-        elif plan.attention:
-            _attention_only(graph, site, read, handle)
+        SHAPES[plan.shape](graph, site, plan, handle)
+        done[plan.shape].append(site.layer)
+    evicting, appending = done["evict"] + done["pool"], done["append"]
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
     # model derives positions from: fix them all.
     fixed = _fix_positions(graph, found.sites, handle) if evicting or appending else []
@@ -372,6 +348,13 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
         passed.replace_all_uses_with(noted, delete_user_cb=lambda u: u is not noted)
     graph.lint()
     gm.recompile()
-    return {"rewritten": sum(1 for p in plans.values() if p.attention or p.evict or getattr(p, "overwrite", False)),
-            "evicting": [s.layer for s in evicting], "appending": [s.layer for s in appending],
-            "slots": slots, "positions_fixed": fixed}
+    return {"rewritten": sum(len(v) for k, v in done.items() if k != "unchanged"), "evicting": evicting,
+            "appending": appending, "slots": done["slot"], "positions_fixed": fixed}
+
+
+def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+    """A site the policy leaves to the model."""
+
+
+SHAPES = {"attention": _attention_only, "append": _attention_only, "evict": _evicting, "pool": _pool_write,
+          "overwrite": _overwrite, "slot": _slot, "unchanged": _unchanged}

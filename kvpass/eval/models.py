@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 
 __all__ = ["MODELS", "ModelSpec", "ModelNotAvailable", "ModelCacheWarning", "available", "load",
-           "cache_dir", "gguf_file", "converted_dir"]
+           "cache_dir", "gguf_file", "converted_dir", "ModelStatus", "status"]
 
 MANIFEST = "kvpass-manifest.json"
 FORMAT = 1
@@ -133,6 +133,48 @@ def converted_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     return _root(cache_dir) / "models" / name
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """Where a registry model stands here (one row of ``kvpass models``).
+
+    ``installed``: the pip package that ships its GGUF is importable. ``converted``: ``folder`` holds a
+    finished conversion (a manifest of this format whose files are all present with their recorded
+    sizes; :func:`load` still checks their hashes, and converts again if they changed).
+    """
+
+    name: str
+    description: str
+    package: str
+    install_cmd: str
+    installed: bool
+    converted: bool
+    folder: Path
+
+
+def _looks_converted(folder: Path) -> bool:
+    """A cheap check (no hashing) that ``folder`` holds a finished conversion."""
+    m = _read_manifest(folder)
+    if m is None or m.get("format") != FORMAT or not m.get("files"):
+        return False
+    try:
+        return all((folder / name).is_file() and (folder / name).stat().st_size == info["size"]
+                   for name, info in m["files"].items())
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def status(cache_dir: str | os.PathLike | None = None) -> list[ModelStatus]:
+    """One :class:`ModelStatus` per registry model, in registry order; nothing is installed, converted
+    or hashed (``cache_dir`` overrides :func:`cache_dir`)."""
+    rows = []
+    for name, spec in MODELS.items():
+        folder = converted_dir(name, cache_dir)
+        rows.append(ModelStatus(name=name, description=spec.description, package=spec.package,
+                                install_cmd=spec.install_cmd, installed=spec.installed,
+                                converted=_looks_converted(folder), folder=folder))
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------

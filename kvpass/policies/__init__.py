@@ -6,7 +6,7 @@ from kvpass.policies.fusion.a3 import A3
 from kvpass.policies.fusion.a3_evict import A3Evict
 from kvpass.policies.art import ART
 from kvpass.policies.gated.asl import ASL, ASL2Pass, ASLFullKV
-from kvpass.policies.contract import ConfigError, DecodeRead, Param, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan
 from kvpass.policies.fusion.cacheblend import CacheBlend
 from kvpass.policies.prefill.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
@@ -70,4 +70,4 @@ def make_policy(spec: str | Policy, **params) -> Policy:
     return Composed(members)
 
 
-__all__ = ["ConfigError", "DecodeRead", "Param", "Policy", "SitePlan", "POLICIES", "PLANNED", "available", "make_policy"]
+__all__ = ["ConfigError", "DecodeRead", "Needs", "Param", "Policy", "SitePlan", "POLICIES", "PLANNED", "available", "make_policy"]

@@ -24,14 +24,14 @@ different q and v head sizes) keep exact attention through ``kvpass::attention``
 
 from __future__ import annotations
 
-from kvpass.policies.contract import ConfigError, DecodeRead, Param, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan
 
 
 class ART(Policy):
     name = "art"
     summary = "early-terminating decode attention (stop when the output stops moving)"
-    slot_rule = "append"
-    plain_prefill = True  # the prefill is exact attention and an append: an uncompiled one writes the same
+    # the prefill is exact attention and an append: an uncompiled one writes the same
+    needs = Needs(slot_rule="append", plain_prefill=True)
     params = (
         Param("tau", float, 1e-5, 0.0, 1.0, "relative output change below which a block is stable"),
         Param("phi", float, 1e-3, 0.0, 1.0, "direction change (1 - cos) below which a block is stable"),

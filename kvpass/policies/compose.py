@@ -9,7 +9,9 @@ to every member that declares them.
 
 from __future__ import annotations
 
-from kvpass.policies.contract import ConfigError, Policy, SitePlan
+import dataclasses
+
+from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan
 
 
 class Composed(Policy):
@@ -19,7 +21,7 @@ class Composed(Policy):
         names = [m.name for m in members]
         if len(set(names)) != len(names):
             raise ConfigError(f"policy '{'+'.join(names)}' names a policy twice")
-        evictors = [m for m in members if m.evicts]
+        evictors = [m for m in members if m.needs.evicts]
         if len(evictors) > 1:
             raise ConfigError(f"policy '{'+'.join(names)}': {evictors[0].name} and {evictors[1].name} both "
                               "evict; compose at most one eviction policy with attention policies")
@@ -28,17 +30,12 @@ class Composed(Policy):
         self.config = {f"{m.name}.{k}": v for m in members for k, v in m.config.items()}
 
     @property
-    def evicts(self) -> bool:  # type: ignore[override]
-        return self.evictor is not None
-
-    @property
-    def decode_appends(self) -> bool:  # type: ignore[override]
-        return self.evictor is not None and self.evictor.decode_appends
-
-    @property
-    def slot_rule(self) -> str | None:  # type: ignore[override]
-        rules = [m.slot_rule for m in self.members]
-        return None if None in rules else (self.evictor.slot_rule if self.evictor else rules[0])
+    def needs(self) -> Needs:  # type: ignore[override]
+        """The evicting member's needs (what the cache stores is its choice), with a SlotCache rule only when
+        every member has one."""
+        rules = [m.needs.slot_rule for m in self.members]
+        base = self.evictor.needs if self.evictor else self.members[0].needs
+        return dataclasses.replace(base, slot_rule=None if None in rules else base.slot_rule, plain_prefill=False)
 
     @property
     def slot_protect(self) -> int:
@@ -79,7 +76,8 @@ class Composed(Policy):
             return "two members both set how decode attention reads the cache"
         return SitePlan(attention=any(p.attention for p in plans), evict=any(p.evict for p in plans),
                         read=reads[0] if reads else None, tokens=any(p.tokens for p in plans),
-                        pool=any(p.pool for p in plans))
+                        pool=any(p.pool for p in plans), overwrite=any(p.overwrite for p in plans),
+                        votes=any(p.votes for p in plans))
 
     def stored_length(self, site, total):
         return self.evictor.stored_length(site, total) if self.evictor else total

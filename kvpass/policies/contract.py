@@ -1,18 +1,17 @@
-"""The policy interface every kvpass policy implements, and parameter validation.
+"""The policy contract: what every kvpass policy declares and answers, and parameter validation.
 
-A policy answers two kinds of questions:
+A policy is a class with a ``name``, its parameters (``Param``, checked when ``kvpass.backend(...)`` builds it,
+before anything compiles) and a ``needs`` descriptor (``Needs``): whether it evicts, whether its decode only
+appends after the prefill, whether it gates the prefill, how a ``kvpass.SlotCache`` places its tokens. The
+compiler, the runtime and the cache read ``needs``; they never branch on a policy's name.
 
-* At compile time, ``plan(site)``: what happens at this attention site (``site.phase`` says
-  whether the graph is a prefill, a decode step, an append, or shape-dynamic). A ``SitePlan`` says
-  whether attention runs through the kvpass attention operator and whether the cache update is
-  rewritten so the policy can evict (``cache_update`` + ``compact`` operators, DESIGN.md 2).
-  Returning a string instead says why the site cannot be planned; the backend then warns and
-  compiles the graph unchanged.
-* At run time, from inside the operators: ``stored_length`` (the shape contract of ``compact``,
-  must work on SymInts) and ``select`` (which entries of the cache to keep).
-
-Parameters are declared as ``Param`` objects and validated when the policy is built, i.e. when
-``kvpass.backend(...)`` is called, before anything is compiled.
+It answers at compile time ``plan(site)``: a ``SitePlan`` for one attention site (``site.phase`` says whether
+the graph is a prefill, a decode step, an append, or shape-dynamic), whose ``shape`` names one of the
+rewrites of ``kvpass.compiler.rewrite``; or a string saying why the site cannot be planned (the graph is
+then compiled unchanged, with a warning). At run time, from inside the operators: ``stored_length`` (the
+shape contract of ``compact``, SymInt-safe), ``select`` (which entries to keep), ``write`` (a pool site's
+decode step), and on a SlotCache its ``slot_state`` / ``slot_hooks`` (device tensor code captured with
+the graph).
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ class DecodeRead:
     probe: int = 0           # probe elements (0: all of head_dim)
     horizon: int = 0         # steps within which ART may stop (0: all); past it the rest is read split-KV
     stats: bool = False      # count blocks read (kvpass::count_visits)
+    pages: bool = False      # read only the blocks the policy's ``page_map`` picks (kvpass::page_select; quest)
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,27 @@ class SitePlan:
     # a kvpass.SlotCache site: (rule, protected slots) of kvpass.cache.slots.write_slots, set by the backend
     slot: tuple[int, int] | None = None
     slot_hooks: SlotHooks | None = None  # the policy's SlotCache state code at this site (set with ``slot``)
+    # chunk fusion's recompute graphs: the new tokens overwrite their slots of a merged cache (``cache_overwrite``,
+    # ``attention_slots``); ``votes`` adds ``fusion_votes`` (the question's attention, for a3+evict)
+    overwrite: bool = False
+    votes: bool = False
+
+    @property
+    def shape(self) -> str:
+        """The rewrite this plan selects (``kvpass.compiler.rewrite.SHAPES``): ``slot``, ``overwrite``,
+        ``pool``, ``evict``, ``append``, ``attention`` or ``unchanged``."""
+        if self.slot is not None:
+            return "slot"
+        for name in ("overwrite", "pool", "evict", "append", "attention"):
+            if getattr(self, name):
+                return name
+        return "unchanged"
+
+    @property
+    def replaces_mask(self) -> bool:
+        """Whether the rewrite stops reading the model's mask somewhere (it masks by true position after
+        eviction, in a slot cache, in a pool, over a merged cache): only a boolean mask survives that."""
+        return self.shape not in ("attention", "unchanged")
 
     def describe(self, phase: str = "") -> str:
         """One line for reports; ``phase`` is the graph's (a prefill's eviction shape keeps ``attention``
@@ -112,6 +133,9 @@ class SitePlan:
             if hooks.select is not None:
                 read += f" over the blocks of {hooks.select.__name__} (block {hooks.block})"
             return f"slot: write_slots {rule} in place + {read} by position"
+        if self.overwrite:
+            return ("overwrite: cache_overwrite + attention_slots" + (" + fusion_votes" if self.votes else "")
+                    + " (chunk fusion)")
         if self.pool:
             return f"pool: step_position + pool_write (in place) + {read or 'decode_attention (exact)'}"
         if self.evict:
@@ -120,6 +144,41 @@ class SitePlan:
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"
         return (read or "attention op (exact)") if self.attention else "unchanged"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a policy needs from the compiler and the cache, declared once per policy class. The pass, the
+    rewrite, the SlotCache and the runtime read it; none of them branches on a policy's name.
+
+    * ``evicts``: it changes which entries the cache stores (at most one member of a composition may);
+    * ``decode_appends``: after its prefill it never evicts, so decode and append graphs keep the model's own
+      cache update and only positions are fixed (``SitePlan.append``);
+    * ``gates``: its prefill is split at a selection layer (``kvpass.compiler.gate``), ``two_pass``: the
+      selected tokens are prefilled again from layer 0, ``renumber``: at positions ``0..n-1``;
+    * ``slot_rule``: how a decode step on a ``kvpass.SlotCache`` picks a new token's slot (``"append"``: the
+      next free slot; ``"ring"``: an empty slot, else the oldest past ``slot_protect``; ``"placed"``: the
+      policy's ``SlotHooks.place``), or None: no fixed-capacity decode (a SlotCache refuses it);
+    * ``slot_prefill``: its own prefill runs on a SlotCache (False: a driver fills one, as
+      ``kvpass.ChunkFusion(..., cache="slot")`` does);
+    * ``plain_prefill``: its prefill keeps every token in the append layout with no per-layer state, so a
+      forward the pass did not rewrite writes what its compiled prefill would (``full``, ``art``).
+    """
+
+    evicts: bool = False
+    decode_appends: bool = False
+    gates: bool = False
+    two_pass: bool = False
+    renumber: bool = False
+    slot_rule: str | None = None
+    slot_prefill: bool = True
+    plain_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if self.slot_rule not in (None, "append", "ring", "placed"):
+            raise ValueError(f"Needs.slot_rule must be None, 'append', 'ring' or 'placed', got {self.slot_rule!r}")
+        if (self.two_pass or self.renumber) and not self.gates:
+            raise ValueError("Needs.two_pass / renumber describe a gated prefill: set gates=True")
 
 
 @dataclass(frozen=True)
@@ -178,22 +237,15 @@ class Policy:
 
     name: ClassVar[str] = "?"
     params: ClassVar[tuple[Param, ...]] = ()
-    evicts: ClassVar[bool] = False
-    # after its prefill the policy never evicts: decode and append graphs only add entries, so they
-    # keep the model's own cache update (see SitePlan.append)
-    decode_appends: ClassVar[bool] = False
     summary: ClassVar[str] = ""
-    # How a decode step on a kvpass.SlotCache picks the slot of a new token (kvpass.cache.slots.write_slots):
-    # "append" (the next free slot), "ring" (an empty slot, else the oldest past the first
-    # ``slot_protect``), or None: the policy has no fixed-capacity decode yet (SlotCache refuses it).
-    slot_rule: ClassVar[str | None] = None
-    # False: the policy's own prefill does not run on a SlotCache; its driver fills one
-    # (kvpass.ChunkFusion(..., cache="slot") for the chunk-fusion policies)
-    slot_prefill: ClassVar[bool] = True
-    # True: on a SlotCache the policy's prefill keeps every token in the append layout and no per-layer
-    # state (full, art), so a forward the pass did not rewrite (generate's uncompiled prefill under a
-    # compile_config) writes what its compiled prefill would; a SlotCache refuses such a forward otherwise
-    plain_prefill: ClassVar[bool] = False
+    needs: ClassVar[Needs] = Needs()
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        old = sorted(set(vars(cls)) & set(Needs.__dataclass_fields__))
+        if old:  # the attributes before the Needs descriptor: ignored now, so refused rather than silently dropped
+            raise TypeError(f"policy class {cls.__name__}: declare {', '.join(old)} in its Needs descriptor "
+                            f"(needs = Needs({old[0]}=...)), not as class attributes")
 
     @property
     def slot_protect(self) -> int:

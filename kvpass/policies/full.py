@@ -7,14 +7,13 @@ compared with, and the proof that the pass itself changes nothing.
 
 from __future__ import annotations
 
-from kvpass.policies.contract import Policy, SitePlan
+from kvpass.policies.contract import Needs, Policy, SitePlan
 
 
 class Full(Policy):
     name = "full"
     summary = "exact attention through the kvpass operator; the cache is untouched"
-    slot_rule = "append"
-    plain_prefill = True
+    needs = Needs(slot_rule="append", plain_prefill=True)
 
     def plan(self, site) -> SitePlan:
         return SitePlan(attention=True, evict=False)

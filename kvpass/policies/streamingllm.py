@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.contract import ConfigError, Param, Policy, SitePlan, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, shrinking_plan
 
 
 class StreamingLLM(Policy):
     name = "streamingllm"
     summary = "keep `sinks` first tokens + a recent window, `budget` entries per layer"
-    evicts = True
+    needs = Needs(evicts=True, slot_rule="ring")
     params = (
         Param("budget", int, 2048, 2, 1 << 24, "entries kept per layer and KV head"),
         Param("sinks", int, 4, 0, 1 << 20, "first tokens always kept (attention sinks)"),
@@ -34,8 +34,6 @@ class StreamingLLM(Policy):
 
     # on a SlotCache: the budget plus the slot of the token being decoded (a step attends over the kept
     # entries and itself, as on a DynamicCache), the sinks in the first slots, the rest a ring
-    slot_rule = "ring"
-
     @property
     def slot_protect(self) -> int:
         return self.sinks

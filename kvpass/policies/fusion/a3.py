@@ -39,22 +39,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, Param, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan
 
 RATIO = Param("ratio", float, 0.15, 0.0, 1.0, "share r of the document tokens recomputed")
 SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
-
-
-@dataclass(frozen=True)
-class FusionPlan(SitePlan):
-    """A site of a recompute pass: new tokens overwrite their slots of the merged cache."""
-
-    overwrite: bool = True
-    votes: bool = False   # fusion_votes after the attention (the question's attention, for a3+evict)
-
-    def describe(self, phase: str = "") -> str:
-        return ("overwrite: cache_overwrite + attention_slots" + (" + fusion_votes" if self.votes else "")
-                + " (chunk fusion)")
 
 
 @dataclass
@@ -79,11 +67,9 @@ class ChunkFusionPolicy(Policy):
     collects_votes: bool = False      # plans fusion_votes into recompute graphs (the shared router)
     # decode graphs keep the model's cache update; positions come from the layers' records, which
     # ChunkFusion writes after every request (a3+evict's cache is shorter than the request)
-    decode_appends = True
     # on a kvpass.SlotCache (ChunkFusion(..., cache="slot") loads the fused entries into its slots):
     # decode and append graphs write the next free slot, in one device-resident graph
-    slot_rule = "append"
-    slot_prefill = False
+    needs = Needs(decode_appends=True, slot_rule="append", slot_prefill=False)
 
     def __init__(self, **values) -> None:
         super().__init__(**values)
@@ -103,8 +89,8 @@ class ChunkFusionPolicy(Policy):
                 return SitePlan(attention=True, evict=True)   # compact sees layer 1's q and fresh k
             return SitePlan(attention=True)
         if site.phase == "decode":
-            return SitePlan(attention=True, evict=True)   # the backend turns it into `append`
-        return FusionPlan(attention=True, votes=self.collects_votes)
+            return SitePlan(attention=True, evict=True)   # append (Needs.decode_appends; kvpass.compiler.plan)
+        return SitePlan(overwrite=True, votes=self.collects_votes)   # a recompute pass (kvpass.ChunkFusion)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
         req = self.request

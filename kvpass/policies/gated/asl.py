@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, Param, SitePlan
+from kvpass.policies.contract import ConfigError, Needs, Param, SitePlan
 from kvpass.policies.prefill.base import BUDGET, WINDOW, PrefillEviction
 
 KERNEL = Param("kernel", int, 7, 1, 1025, "average-pooling kernel over token scores (odd; 1 = none)")
@@ -99,7 +99,7 @@ class ASL(PrefillEviction):
     name = "asl"
     summary = "adaptive selection layer: deeper layers compute only the selected tokens (rank-variance rule)"
     params = (BUDGET, WINDOW, KERNEL, TAU, L_OBS, L_MIN, LAYER)
-    gates = True
+    needs = Needs(evicts=True, decode_appends=True, gates=True, slot_rule="append")
     compress = True        # layers up to the selection layer keep a SnapKV-compressed cache
 
     def check_config(self) -> None:
@@ -181,7 +181,7 @@ class ASL2Pass(ASL):
     name = "asl_2pass"
     summary = "asl's layer picks tokens; a second prefill of only those from layer 0 (original positions)"
     compress = False
-    two_pass = True
+    needs = Needs(evicts=True, decode_appends=True, gates=True, two_pass=True, slot_rule="append")
 
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
         # every layer stores the selected tokens, unless the adaptive rule never fires (the whole prompt)

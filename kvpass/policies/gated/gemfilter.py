@@ -21,7 +21,7 @@ after ASL's adaptive layer, keeping the original positions.
 from __future__ import annotations
 
 from kvpass.policies.gated.asl import ASL, LAYER
-from kvpass.policies.contract import Param
+from kvpass.policies.contract import Needs, Param
 from kvpass.policies.prefill.base import BUDGET
 
 WINDOW1 = Param("window", int, 1, 1, 1 << 16, "last prompt tokens that score the others, always kept")
@@ -32,8 +32,7 @@ class GemFilter(ASL):
     name = "gemfilter"
     summary = "filter layer picks tokens; a second prefill of only those, positions renumbered 0..n-1"
     params = (BUDGET, WINDOW1, KERNEL1, LAYER)
-    two_pass = True
-    renumber = True
+    needs = Needs(evicts=True, decode_appends=True, gates=True, two_pass=True, renumber=True, slot_rule="append")
     compress = False
     tau = 0.0
     l_obs = 1

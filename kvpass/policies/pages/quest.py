@@ -47,21 +47,13 @@ only: nothing is evicted, so the model's own positions and cache length stay tru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, DecodeRead, Param, Policy, SitePlan, SlotHooks
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan, SlotHooks
 
 PAGE = 16
-
-
-@dataclass(frozen=True)
-class PageRead(DecodeRead):
-    """A decode read whose blocks (pages) are chosen by the policy each step (``kvpass::page_select``)."""
-
-    pages: bool = True
 
 
 def page_bounds(k: Tensor, ok: Tensor, pages: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -191,7 +183,7 @@ class Quest(Policy):
                               f"[{PAGE}, {1 << 24}], got {self.budget}")
 
     # on a SlotCache: every token kept (the append layout), the pages' bounds as layer state
-    slot_rule = "append"
+    needs = Needs(slot_rule="append")
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         pages = -(-capacity // PAGE)
@@ -234,7 +226,7 @@ class Quest(Policy):
         if site.phase == "prefill":  # exact attention; compact keeps everything and computes the bounds
             return SitePlan(attention=True, evict=True)
         if site.phase == "decode" and decode_read_problem(site) is None:
-            return SitePlan(attention=True, read=PageRead(block=PAGE, order=ORDER_MAP, stats=self.stats))
+            return SitePlan(attention=True, read=DecodeRead(block=PAGE, order=ORDER_MAP, stats=self.stats, pages=True))
         # appends, shape-dynamic graphs, decode sites the kernel cannot serve: exact attention over the
         # model's own cache; the next page_select folds every entry added since into the bounds
         return SitePlan(attention=True)

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.contract import ConfigError, Param, Policy, SitePlan, SlotHooks
+from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, SlotHooks
 from kvpass.policies.pages.quest import page_bounds
 
 PAGE = 16
@@ -76,7 +76,7 @@ STATE = ("fill", "cur", "live", "ts", "born", "kmin", "kmax", "evicted", "next")
 class RaaS(Policy):
     name = "raas"
     summary = "decode-time page eviction by attention timestamps, constant memory (page pool of budget/16 + 1)"
-    evicts = True
+    needs = Needs(evicts=True, slot_rule="placed")
     params = (
         Param("budget", int, 1024, PAGE, 1 << 24, "decode tokens kept per layer and KV head (a multiple of 16), "
               "besides the prompt and the current page"),
@@ -94,8 +94,6 @@ class RaaS(Policy):
         return self.budget // PAGE + 1
 
     # on a kvpass.SlotCache: the pool is the layer's slots, its page tables are layer state
-    slot_rule = "placed"
-
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
         # pages of any prompt P <= max_length - new plus its decode pages (at most budget/16 + 1, at most what
         # the new tokens fill); over every split of max_length that is never more than max_length/16 + 2

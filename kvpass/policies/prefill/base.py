@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, Param, Policy, SitePlan, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, shrinking_plan
 
 BUDGET = Param("budget", int, 2048, 2, 1 << 24,
                "entries kept per layer and KV head after prefill, observation window included")
@@ -32,8 +32,8 @@ WINDOW = Param("window", int, 32, 1, 1 << 16, "observation window: last prompt t
 class PrefillEviction(Policy):
     """Base class: budget/window checks, planning, the shape contract and the selection frame."""
 
-    evicts = True
-    decode_appends = True  # stored_length is the total outside the prefill
+    # on a SlotCache: the kept prompt, then every decoded token in the next free slot; decode steps append
+    needs = Needs(evicts=True, decode_appends=True, slot_rule="append")
     params = (BUDGET, WINDOW)
 
     def check_config(self) -> None:
@@ -44,9 +44,6 @@ class PrefillEviction(Policy):
 
     def plan(self, site) -> SitePlan | str:
         return shrinking_plan(site)
-
-    # on a SlotCache: the kept prompt, then every decoded token in the next free slot
-    slot_rule = "append"
 
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
         return min(max_length, self.slot_budget(layer, layers) + max_new_tokens)

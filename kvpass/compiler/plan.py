@@ -1,0 +1,45 @@
+"""The one place a site's rewrite is decided: the policy's plan, completed from its ``Needs`` and the site.
+
+``plan_site`` asks the policy (``Policy.plan``), then:
+
+* on a ``kvpass.SlotCache`` site, adds the device-side slot rule the policy declares (``Needs.slot_rule``)
+  and its slot hooks; a sliding-window layer is a ring of its window whatever the policy;
+* on a decode or append graph of a policy that only appends after its prefill (``Needs.decode_appends``),
+  turns an evicting plan into ``append`` (the model's own cache update, positions fixed), unless the site's
+  mask is not plainly causal: a padding mask is sized by true lengths, not by what the shrunk cache stores,
+  so such a site keeps the evicting shape, which masks by true position;
+* refuses a plan that stops reading the model's mask where that mask may carry a bias (ALiBi).
+
+The rewrite (``kvpass.compiler.rewrite``) then runs ``plan.shape`` and decides nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvpass.cache import slots as _slots
+from kvpass.compiler.detect import mask_bias
+from kvpass.compiler.maskcheck import site_mask
+from kvpass.policies.contract import Policy, SitePlan
+
+
+def plan_site(policy: Policy, site) -> SitePlan | str:
+    """The plan of ``site`` (its ``phase`` set), or why it cannot be planned."""
+    plan = policy.plan(site)
+    if isinstance(plan, str):
+        return plan
+    needs = policy.needs
+    if site.cache == "slot":
+        if needs.slot_rule is None:
+            return "no fixed-capacity decode for this policy (its Needs.slot_rule is None); use a DynamicCache"
+        if site.sliding_window:  # a ring of the window's slots, whatever the policy (it leaves sliding layers be)
+            plan = SitePlan(attention=True, slot=(_slots.RING, 0))
+        else:
+            plan = dataclasses.replace(plan, slot=(_slots.RULES[needs.slot_rule], policy.slot_protect),
+                                       slot_hooks=policy.slot_hooks(site))
+    elif (plan.evict and needs.decode_appends and site.phase in ("decode", "append") and not site.sliding_window
+          and site_mask(site)[0] is None):
+        plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
+    if plan.replaces_mask and (bias := mask_bias(site.mask)):
+        return f"layer {site.layer}: {bias}"
+    return plan
