@@ -42,7 +42,25 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"generated {out.shape[1] - ids.shape[1]} tokens in {dt:.1f}s (compile included)")
     print(f"tokens: {out[0, ids.shape[1]:].tolist()}")
-    print(f"state after generation: {be.state}")
+    state = be.state
+    print(f"state after generation: {state}")
+    # seen: the prompt plus every generated token fed back (the last one is never fed back), e.g.
+    # 96 + 31 = 127. stored: cache entries each layer holds now (per KV head and batch row).
+    # evicted_tokens: tokens seen that the cache no longer holds, summed over layers, KV heads and batch
+    # rows. With streamingllm and --budget 32 on this 4-layer model with 2 KV heads:
+    # (127 seen - 32 kept) = 95 per layer and KV head, x 4 layers x 2 KV heads x 1 batch row = 760.
+    stored = state.stored_tokens()
+    kv_heads, rows = cfg.num_key_value_heads, ids.shape[0]
+    dropped = {layer: state.seen - n for layer, n in stored.items()}
+    if stored and len(set(dropped.values())) == 1:
+        per = next(iter(dropped.values()))
+        derived = per * len(stored) * kv_heads * rows
+        print(f"evicted_tokens = tokens seen - tokens kept, summed over layers, KV heads and batch rows: "
+              f"({state.seen} seen - {state.seen - per} kept) = {per} per layer and KV head, x {len(stored)} "
+              f"layers x {kv_heads} KV heads x {rows} batch row{'s' if rows != 1 else ''} = {derived}"
+              + ("" if derived == state.evicted_tokens else f" (the state counts {state.evicted_tokens})"))
+    else:
+        print("evicted_tokens = tokens seen - tokens kept, summed over layers, KV heads and batch rows")
     for i, report in enumerate(be.reports):
         print(f"graph {i}: phase={report.phase} rewritten={report.rewritten} evicting={report.evicting} "
               f"positions_fixed={report.positions_fixed}")

@@ -145,27 +145,28 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog="Run `kvpass COMMAND --help` for the options of each command.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     names, epilog = _policy_names(), _policies_epilog()
-    raw = _HelpFormatter  # keeps the epilog's one line per policy
+    fmt = _HelpFormatter  # keeps the epilog's one line per policy
     c = sub.add_parser("compare", help="run several policies on the same tasks, one table",
                        description="Run several policies on the same tasks and print one table; the "
-                                   "results are written to --out.", epilog=epilog, formatter_class=raw)
+                                   "results are written to --out.", epilog=epilog, formatter_class=fmt)
     c.add_argument("--policies", type=parse_list, default=["full", "streamingllm"], metavar="P[,P...]",
                    help=f"policies to compare, comma-separated (default full,streamingllm); one of: {names}")
     _run_args(c)
     e = sub.add_parser("eval", help="run one policy",
                        description="Run one policy on the tasks; the results are written to --out.",
-                       epilog=epilog, formatter_class=raw)
+                       epilog=epilog, formatter_class=fmt)
     e.add_argument("--policy", default="full", help=f"the policy to run (default full); one of: {names}")
     _run_args(e)
     x = sub.add_parser("explain", help="per-layer detection table of a model",
                        description="Trace the model once on a short prompt and print what kvpass finds "
                                    "at each attention layer and what the policy would do there.",
-                       epilog=epilog, formatter_class=raw)
+                       epilog=epilog, formatter_class=fmt)
     _common(x)
     x.add_argument("--policy", default="full",
                    help=f"the policy whose plan is shown (default full); one of: {names}")
     x.add_argument("--budget", type=int, default=None,
-                   help="KV entries kept per layer, for the policies that take a budget")
+                   help="KV entries kept per layer, for the policies that take a budget (an error for "
+                        "policies without one, such as full)")
     x.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="any other policy parameter, e.g. --param sinks=4 (repeat for several)")
     sub.add_parser("models", help="list the registry models: installed? converted? where?",

@@ -71,7 +71,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     A kvpass-compiled graph never runs this: the pass replaces it with the policy's write. It runs in an
     uncompiled forward, in a graph compiled by another backend, or in one kvpass compiled unchanged; for a
     policy whose prefill is not a plain append (``policy`` names it; empty for ``full`` and ``art``, see
-    ``Policy.plain_prefill``) the tokens would be kept without the policy, so it refuses, naming the fix."""
+    ``Needs.plain_prefill``) the tokens would be kept without the policy, so it refuses, naming the fix."""
     if policy:
         raise RuntimeError(
             f"kvpass SlotCache: a forward that the kvpass backend did not rewrite wrote into the cache of policy "
@@ -345,10 +345,10 @@ class SlotCache(Cache):
         policy = backend.policy
         if not isinstance(max_length, int) or max_length < 1:
             raise ConfigError(f"SlotCache: parameter 'max_length' must be an int >= 1, got {max_length!r}")
-        if policy.slot_rule is None:
+        if policy.needs.slot_rule is None:
             raise ConfigError(f"SlotCache: policy '{policy.name}' has no fixed-capacity decode (its slot_rule is "
                               f"None); use it with a DynamicCache (the default cache)")
-        if not policy.slot_prefill and not _driver:
+        if not policy.needs.slot_prefill and not _driver:
             raise ConfigError(f"SlotCache: policy '{policy.name}' is a chunk-fusion policy; its SlotCache is built "
                               f"and filled by kvpass.ChunkFusion(model, store, '{policy.name}', cache='slot')")
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -373,7 +373,7 @@ class SlotCache(Cache):
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
-            lay.policy = "" if policy.plain_prefill else policy.name
+            lay.policy = "" if policy.needs.plain_prefill else policy.name
 
     @property
     def seen(self) -> int:
