@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import statistics
-import sys
 import warnings
 
 import pytest
@@ -30,7 +29,7 @@ from transformers import DynamicCache
 import kvpass
 import kvpass.compiler.backend
 from families import FAMILIES, skip_uneven_layers_on_old_stacks
-from kvpass.errors import KVPassWarning
+from kvpass.errors import _WARNED, KVPassWarning
 from kvpass.policies import ConfigError, make_policy
 
 BUDGET, WINDOW, KERNEL = 20, 6, 7
@@ -538,7 +537,7 @@ def test_shift_positions_op():
 @pytest.mark.parametrize("family,attn", [(f, "eager" if f == "gemma2" else "sdpa") for f in sorted(FAMILIES)]
                          + [("llama", "eager")])
 def test_families_run_or_fall_back(family, attn):
-    sys.modules['kvpass.backend']._WARNED.clear()
+    _WARNED.clear()
     model = build(family, layers=4, attn=attn)
     ids = prompt(40, seed=8)
     be = kvpass.backend("asl", compiler="eager", budget=BUDGET, window=WINDOW, layer=2)
@@ -592,7 +591,7 @@ def test_left_padded_batch_through_generate_equals_single_runs():
 def test_static_length_equal_to_a_model_dimension_falls_back():
     model = build("llama", layers=6)
     ids = prompt(64, seed=11)                      # 64 = hidden size: literal sizes would be ambiguous
-    sys.modules['kvpass.backend']._WARNED.clear()
+    _WARNED.clear()
     be = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
     with pytest.warns(KVPassWarning, match="equals a model dimension"):
         got, _ = run(model, ids, be, steps=1)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpass.policies.fusion.kernels import slot_attention as S
-from kvpass.ops import attention_slots_reference
+from kvpass.policies.fusion.ops import attention_slots_reference
 
 pytestmark = pytest.mark.skipif(S.triton is None, reason="needs Triton")
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

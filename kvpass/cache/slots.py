@@ -125,6 +125,8 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
         keep = kv_pos.topk(min(cap, length), dim=-1).indices if length > cap else None
     else:
         keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
+        if isinstance(keep, tuple):  # (keep, bookkeeping): a SlotCache keeps a policy's state in its own tensors
+            keep = keep[0]
     if keep is None:
         idx, kept_pos = None, kv_pos
     else:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from kvpass import ops
+from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.slots import pending_positions, write_slots
 from kvpass.compiler.detect import Detection, Site, is_fn
 from kvpass.ops.kernels.decode_attention import ORDER_MAP
@@ -227,6 +227,8 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
                                                            site.tokens if plan.tokens else None))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
+            if hooks.prefill is not None:
+                graph.call_function(hooks.prefill, (q_scaled, site.k_new, mask, pos, count, state, *hooks.args))
         elif site.phase == "decode":
             slot = None if hooks.place is None else graph.call_function(hooks.place, (pos, count, state, *hooks.args))
             w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect,

@@ -69,6 +69,7 @@ class _Router(ChunkFusionPolicy):
     summary = "graphs shared by the chunk-fusion policies"
     needs_probe = True
     collects_votes = True
+    drives_graphs = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 import kvpass
 from families import build
 from kvpass.policies.fusion.kernels import rope as K
-from kvpass.ops import attention_slots_reference
+from kvpass.policies.fusion.ops import attention_slots_reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -65,6 +65,8 @@ class ChunkFusionPolicy(Policy):
     needs_probe: bool = False         # run the two-layer selection pass first
     needs_votes: bool = False         # evicts after fusion by the question's attention (a3+evict)
     collects_votes: bool = False      # plans fusion_votes into recompute graphs (the shared router)
+    drives_graphs: bool = False       # the policy a ChunkFusion backend compiles (the shared router), not a
+    #                                   user-facing fusion policy, whose plain forward is refused
     # decode graphs keep the model's cache update; positions come from the layers' records, which
     # ChunkFusion writes after every request (a3+evict's cache is shorter than the request)
     # on a kvpass.SlotCache (ChunkFusion(..., cache="slot") loads the fused entries into its slots):
@@ -76,6 +78,9 @@ class ChunkFusionPolicy(Policy):
         self.request: FusionRequest | None = None
 
     def plan(self, site) -> SitePlan | str:
+        if not self.drives_graphs:
+            return (f"'{self.name}' is a chunk-fusion policy: run requests through kvpass.ChunkFusion(model, store, "
+                    f"'{self.name}'), which compiles the fusion graphs itself; a plain forward has no chunks to fuse")
         if site.sliding_window:
             return (f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window layer "
                     f"(window {site.sliding_window}) cannot hold a merged cache")

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from kvpass.cache import runtime
 from kvpass.cache.runtime import past_length
-from kvpass.ops import OPS, attention_pos_reference  # noqa: F401
+from kvpass.ops import OPS, attention_pos_reference
 from kvpass.policies.fusion.kernels import rope as _rope
 from kvpass.policies.fusion.kernels import slot_attention as _slots
 

@@ -44,8 +44,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
-from kvpass.cache.runtime import past_length
-from kvpass.ops import OPS, attention_pos_reference  # noqa: F401
+from kvpass.ops import OPS
 from kvpass.policies.pages.kernels import page_scores as _pscores
 from kvpass.policies.pages.kernels import raas_stamp as _stamp
 from kvpass.policies.pages.kernels import top_pages as _top

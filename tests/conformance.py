@@ -1,0 +1,61 @@
+"""The conformance list: every registered policy with a cheap and a demanding setting.
+
+``tests/test_conformance.py`` runs every entry through one loop of checks (a no-op equal to ``full``, the
+budget respected in stored bytes, state reset between prompts, a SlotCache equal to a DynamicCache, a
+left-padded batch equal to its rows alone). A new policy adds one entry here; a policy without one fails
+``test_every_policy_has_an_entry``. Prompts are ``PROMPT`` tokens, decoded ``NEW`` steps, on the tiny
+two-layer Llama of ``tests/families.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+PROMPT, NEW = 40, 6
+PUNCT = [5, 7]          # sentence-end token ids of the conformance prompts (sablock's segments)
+GATE = dict(layer=0)    # the two-layer model's only selection layer
+UNEVEN = ("its layers store different lengths and transformers sizes a decode step's padding mask from layer 0's "
+          "(a known limit on a DynamicCache: docs/policies/pyramidkv.md)")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How one policy is checked. ``noop``: parameters under which it equals ``full`` on these prompts;
+    ``demanding``: parameters under which it acts on them (evicts, stops early, gates); ``kept(P, T)``: the
+    most entries a layer stores after a ``P``-token prompt and ``T`` decode steps under ``demanding``;
+    ``unpadded``: why a left-padded batch is not checked (empty: it is); ``driver``: ``"fusion"`` for a policy that only
+    ``kvpass.ChunkFusion`` runs (its own tests cover it; here the plain path must refuse it)."""
+
+    noop: dict = field(default_factory=dict)
+    demanding: dict = field(default_factory=dict)
+    kept: Callable[[int, int], int] = lambda p, t: p + t
+    unpadded: str = ""
+    driver: str = ""
+
+
+def _prefill(budget: int, window: int = 4, **more) -> dict:
+    return dict(budget=budget, window=window, **more)
+
+
+CONFORMANCE: dict[str, Entry] = {
+    "full": Entry(),
+    "streamingllm": Entry(dict(budget=1000), dict(budget=16, sinks=2), kept=lambda p, t: 16),
+    "art": Entry(dict(tau=0.0, phi=0.0, block=16), dict(tau=0.9, phi=0.9, patience=1, block=16),
+                 unpadded="its stop rule reads blocks of 16 slots and left padding moves their boundaries, so a "
+                          "padded row may stop at another block than alone (exact with tau=0)"),
+    "snapkv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t),
+    "pyramidkv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 2 * 16 + t, unpadded=UNEVEN),
+    "chunkkv": Entry(_prefill(1000, chunk=4), _prefill(16, chunk=4), kept=lambda p, t: 16 + t),
+    "sablock": Entry(_prefill(1000, punctuation_ids=PUNCT), _prefill(16, punctuation_ids=PUNCT),
+                     kept=lambda p, t: 16 + t),
+    "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing
+    # keeps every prompt page and budget/16 + 1 decode pages (a pool of 16-entry pages)
+    "raas": Entry(dict(budget=1024), dict(budget=16, alpha=0.5), kept=lambda p, t: (-(-p // 16) + 2) * 16),
+    "asl": Entry(_prefill(1000), _prefill(16, **GATE), kept=lambda p, t: 16 + t),
+    "asl_fullkv": Entry(_prefill(1000), _prefill(16, **GATE), unpadded=UNEVEN),  # layers to the gate keep all
+    "asl_2pass": Entry(_prefill(1000), _prefill(16, **GATE), kept=lambda p, t: 16 + t),
+    "fastkv": Entry(_prefill(1000), _prefill(16, **GATE), kept=lambda p, t: 16 + t),
+    "gemfilter": Entry(dict(budget=1000), dict(budget=16, **GATE), kept=lambda p, t: 16 + t),
+    **{name: Entry(driver="fusion") for name in ("a3", "a3+evict", "cacheblend", "legolink", "pie", "full_reuse")},
+}

@@ -1,0 +1,161 @@
+"""One loop of checks over every registered policy (the entries of ``tests/conformance.py``).
+
+A policy's checks share its runs (a module-level memo) and run in one worker (``xdist_group``), so the loop
+costs about six compiled generations per policy.
+
+For each policy with its cheap (``noop``) and demanding setting, on the tiny two-layer Llama:
+
+* the no-op setting gives ``full``'s logits at every call (prefill and each greedy decode step);
+* the demanding setting stores at most ``kept(P, T)`` entries per layer, in bytes of the cache's tensors;
+* a backend reused for a second prompt gives what a fresh one gives (state resets between prompts);
+* on a ``kvpass.SlotCache`` the demanding setting gives the DynamicCache's logits, fed the same tokens;
+* a left-padded batch gives each row what the row gives alone;
+* a chunk-fusion policy outside ``kvpass.ChunkFusion`` is refused with a message naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpass
+from conformance import CONFORMANCE, NEW, PROMPT, PUNCT
+from families import build, skip_uneven_layers_on_old_stacks
+from kvpass.errors import KVPassWarning
+from kvpass.policies import POLICIES
+
+PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
+FUSION = sorted(n for n, e in CONFORMANCE.items() if e.driver == "fusion")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama")
+
+
+def prompt(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 90, (1, n), generator=g)
+    ids[torch.rand(1, n, generator=g) < 0.15] = PUNCT[seed % 2]
+    return ids
+
+
+def decode(model, be, ids, cache, tokens=None, mask=None):
+    """Prefill ``ids`` then ``NEW`` steps (greedy from row 0's logits per row, or feeding ``tokens``); returns
+    (tokens fed ``[NEW, B, 1]``, logits of every call)."""
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    kw = {} if mask is None else dict(attention_mask=mask)
+    fed, logits = [], []
+    with torch.no_grad():
+        logits.append(fwd(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits[:, -1])
+        for step in range(NEW):
+            nxt = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
+            fed.append(nxt)
+            if mask is not None:
+                kw["attention_mask"] = torch.cat([kw["attention_mask"], torch.ones_like(nxt)], 1)
+            logits.append(fwd(input_ids=nxt, past_key_values=cache, use_cache=True, **kw).logits[:, -1])
+    return torch.stack(fed), logits
+
+
+def dynamic(model, policy, ids, params, **kw):
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler="eager", **params)
+    cache = DynamicCache(config=model.config)
+    fed, logits = decode(model, be, ids, cache, **kw)
+    return be, cache, fed, logits
+
+
+LONG, SHORT = prompt(PROMPT, seed=2), prompt(PROMPT - 7, seed=4)
+_RUNS: dict = {}
+
+
+def memo(model, policy, which: str):
+    """The runs several checks share: ``full`` and the demanding setting on ``LONG`` and ``SHORT``."""
+    key = (policy, which)
+    if key not in _RUNS:
+        params = {} if policy == "full" else CONFORMANCE[policy].demanding
+        _RUNS[key] = dynamic(model, policy, LONG if which == "long" else SHORT, params)
+    return _RUNS[key]
+
+
+def by_policy(names):
+    return [pytest.param(n, marks=pytest.mark.xdist_group(f"conformance-{n}")) for n in names]
+
+
+def close(got, ref):
+    for call, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, c=call: f"call {c}: {m}")
+
+
+def test_every_policy_has_an_entry():
+    assert set(CONFORMANCE) == set(POLICIES), "add the policy to tests/conformance.py"
+
+
+@pytest.mark.parametrize("policy", by_policy(PLAIN))
+def test_noop_equals_full(model, policy):
+    skip_uneven_layers_on_old_stacks(policy)
+    _, _, fed, ref = memo(model, "full", "long")
+    _, _, _, got = dynamic(model, policy, LONG, CONFORMANCE[policy].noop, tokens=fed)
+    close(got, ref)
+
+
+@pytest.mark.parametrize("policy", by_policy(PLAIN))
+def test_budget_is_respected_in_bytes(model, policy):
+    skip_uneven_layers_on_old_stacks(policy)
+    _, cache, _, _ = memo(model, policy, "long")
+    cfg = model.config
+    per_entry = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4   # K and V, fp32
+    bound = CONFORMANCE[policy].kept(PROMPT, NEW)
+    for i, layer in enumerate(cache.layers):
+        stored = layer.keys.nbytes + layer.values.nbytes
+        assert stored <= bound * per_entry, f"layer {i}: {stored} bytes, bound {bound} entries of {per_entry} bytes"
+    if bound < PROMPT:   # the demanding setting evicts: the memory is freed, not masked
+        assert all(layer.keys.shape[-2] < PROMPT for layer in cache.layers)
+
+
+@pytest.mark.parametrize("policy", by_policy(PLAIN))
+def test_state_resets_between_prompts(model, policy):
+    skip_uneven_layers_on_old_stacks(policy)
+    be, _, _, _ = memo(model, policy, "long")
+    torch._dynamo.reset()
+    _, reused = decode(model, be, SHORT, DynamicCache(config=model.config))
+    close(reused, memo(model, policy, "short")[3])
+
+
+@pytest.mark.parametrize("policy", by_policy(PLAIN))
+def test_slot_cache_equals_dynamic_cache(model, policy):
+    skip_uneven_layers_on_old_stacks(policy)
+    _, _, fed, ref = memo(model, policy, "long")
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler="eager", **CONFORMANCE[policy].demanding)
+    cache = kvpass.SlotCache(model, be, max_length=PROMPT + NEW, max_new_tokens=NEW)
+    _, got = decode(model, be, LONG, cache, tokens=fed)
+    close(got, ref)
+    assert cache.seen == PROMPT + NEW
+
+
+@pytest.mark.parametrize("policy", by_policy(PLAIN))
+def test_left_padded_batch_equals_rows_alone(model, policy):
+    if CONFORMANCE[policy].unpadded:
+        pytest.skip(CONFORMANCE[policy].unpadded)
+    skip_uneven_layers_on_old_stacks(policy)
+    pad = PROMPT - SHORT.shape[1]
+    ids = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), SHORT], 1), LONG])
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    _, _, _, both = dynamic(model, policy, ids, CONFORMANCE[policy].demanding, mask=mask)
+    for row, which in ((0, "short"), (1, "long")):   # greedy per row: the rows pick their own tokens
+        close([x[row:row + 1] for x in both], memo(model, policy, which)[3])
+
+
+@pytest.mark.parametrize("policy", by_policy(FUSION))
+def test_fusion_policy_outside_chunk_fusion_is_refused(model, policy):
+    """Compiled on its own, a chunk-fusion policy has nothing to fuse: the graph runs unchanged (the model's
+    own prefill) and a warning names kvpass.ChunkFusion, never a silent run that looks like the policy's."""
+    be = kvpass.backend(policy, compiler="eager")
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    with pytest.warns(KVPassWarning, match="run requests through kvpass.ChunkFusion"):
+        with torch.no_grad():
+            fwd(input_ids=LONG, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    assert be.reports and not any(r.changed for r in be.reports)
