@@ -49,6 +49,7 @@ CONFORMANCE: dict[str, Entry] = {
     "chunkkv": Entry(_prefill(1000, chunk=4), _prefill(16, chunk=4), kept=lambda p, t: 16 + t),
     "sablock": Entry(_prefill(1000, punctuation_ids=PUNCT), _prefill(16, punctuation_ids=PUNCT),
                      kept=lambda p, t: 16 + t),
+    "h2o": Entry(dict(budget=1000), dict(budget=16, heavy=0.5), kept=lambda p, t: 16),
     "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing
     # keeps every prompt page and budget/16 + 1 decode pages (a pool of 16-entry pages)
     "raas": Entry(dict(budget=1024), dict(budget=16, alpha=0.5), kept=lambda p, t: (-(-p // 16) + 2) * 16),

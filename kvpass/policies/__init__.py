@@ -12,6 +12,7 @@ from kvpass.policies.prefill.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
 from kvpass.policies.gated.fastkv import FastKV
 from kvpass.policies.full import Full
+from kvpass.policies.h2o import H2O
 from kvpass.policies.gated.gemfilter import GemFilter
 from kvpass.policies.fusion.full_reuse import FullReuse
 from kvpass.policies.fusion.legolink import LegoLink
@@ -28,10 +29,10 @@ FUSION = (A3, A3Evict, PIE, FullReuse, CacheBlend, LegoLink)
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,
                                                                 SABlock, RaaS, Quest, ASL, ASLFullKV, FastKV, ASL2Pass,
-                                                                GemFilter) + FUSION}
+                                                                GemFilter, H2O) + FUSION}
 
-# Named in DESIGN.md and on the roadmap, not implemented yet: asking for one is a clear error.
-PLANNED = ("h2o",)
+# Named on the roadmap, not implemented yet: asking for one is a clear error (none at present).
+PLANNED: tuple[str, ...] = ()
 
 
 def available() -> list[str]:

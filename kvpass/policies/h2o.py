@@ -1,0 +1,144 @@
+"""``h2o``: heavy hitters plus a recent window, by accumulated attention (Zhang et al., 2023, "H2O:
+Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models").
+
+Every stored entry carries the attention it has received so far, summed over every query that saw it
+(prompt queries at prefill, then each decode token) and over the query heads of its KV group: one score
+per entry and **KV head**, the granularity the cache is stored at. Each global attention layer keeps at
+most ``budget`` entries per KV head: the ``recent = budget - round(heavy * budget)`` latest tokens always,
+and of the older ones the heavy hitters, those with the largest accumulated attention. The paper's setting
+splits the cache evenly between the two (its 10 % heavy + 10 % recent of the sequence), hence ``heavy=0.5``.
+
+When. A prompt longer than the budget is cut at prefill (its queries' attention, causal, accumulated over
+all of them); then every decode step adds its token, adds its attention to every kept entry and, once the
+layer holds ``budget + 1`` entries, evicts the one with the least accumulated attention outside the recent
+window (the paper's greedy one-per-step eviction). Left padding is evicted before any real token; among
+equal scores the later entry goes (the earlier is kept, as everywhere in kvpass). ``budget >= prompt +
+new tokens`` never evicts: equal to ``full``. Sliding-window layers are left to the model.
+
+Where. On a DynamicCache the scores are the layer's bookkeeping beside the stored positions (``compact``
+gathers them with the kept entries). On a ``kvpass.SlotCache`` they are one fp32 tensor per layer
+(``acc [B, H_kv, budget + 1]``), set by the prefill hook and kept by two pieces of tensor code in the
+decode graph: ``place`` picks the slot of the new token (a free slot, else the victim) and ``update`` adds
+the step's attention (``kvpass::window_scores`` over the slots, one query). The victim is chosen one step
+later than on a DynamicCache, from the same scores, so both caches keep the same entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpass.cache.runtime import key_validity
+from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, SlotHooks, shrinking_plan
+from kvpass.policies.prefill.scoring import keep_top, window_layout
+
+ROWS = 1024  # prompt queries scored per kvpass::window_scores call (bounds its [B, H, rows, N] work space)
+
+
+def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float) -> Tensor:
+    """``[B, H_kv, N]`` fp32: the attention every key receives from the queries ``q [B, H, L, D]`` (scale
+    folded in), causal by true position, summed over the queries and the query heads of each KV group."""
+    total = None
+    for s in range(0, q.shape[2], ROWS):
+        part = torch.ops.kvpass.window_scores(q[:, :, s:s + ROWS], k, kv_pos, q_pos[:, s:s + ROWS].contiguous(),
+                                              1.0, float(softcap))
+        total = part if total is None else total + part
+    return total
+
+
+class H2O(Policy):
+    name = "h2o"
+    summary = "heavy hitters by accumulated attention + a recent window, one eviction per decode step"
+    params = (
+        Param("budget", int, 2048, 2, 1 << 24, "entries kept per layer and KV head (heavy hitters + recent)"),
+        Param("heavy", float, 0.5, 0.0, 0.99, "share of the budget for heavy hitters (the rest: recent tokens)"),
+    )
+    needs = Needs(evicts=True, slot_rule="placed")
+
+    @property
+    def recent(self) -> int:
+        return self.budget - round(self.heavy * self.budget)
+
+    def check_config(self) -> None:
+        if self.recent < 1:
+            raise ConfigError(f"policy 'h2o': parameter 'heavy' must leave at least one recent entry of the budget "
+                              f"({self.budget}), got {self.heavy}")
+
+    def plan(self, site) -> SitePlan | str:
+        if site.cache == "slot" and site.phase not in ("prefill", "decode") and not site.sliding_window:
+            return (f"layer {site.layer}: h2o on a SlotCache runs prefills and one-token decode steps; this "
+                    f"'{site.phase}' graph appends several tokens to a filled cache")
+        return shrinking_plan(site)
+
+    # -- DynamicCache: the scores are the layer's bookkeeping -------------------------------------------
+    def stored_length(self, site, total):
+        return torch.sym_min(total, self.budget)
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+        n, new = kv_pos.shape[-1], q_pos.shape[1]
+        acc = accumulated(q, k, kv_pos, q_pos, site.softcap)
+        if n > new:  # entries stored before this call carry their scores
+            old = layer_state.extra.get("acc") if layer_state is not None else None
+            if old is None or old.shape[-1] != n - new:
+                raise RuntimeError("policy 'h2o': the cache holds entries without accumulated attention (it was "
+                                   "not filled by this backend's h2o); start a new cache")
+            acc = torch.cat([acc[..., :n - new] + old, acc[..., n - new:]], -1)
+        if n <= self.budget:
+            return None, {"acc": acc}
+        valid, recent = window_layout(kv_pos, self.recent)
+        keep = keep_top(acc, recent, valid, self.budget)
+        return keep, {"acc": acc.gather(-1, keep)}
+
+    # -- SlotCache: the scores are a layer tensor, kept by tensor code in the graphs ---------------------
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+        return min(max_length, self.budget + 1)  # the kept entries and the token being decoded
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict:
+        return {"acc": ((capacity,), torch.float32, 0.0)}
+
+    def slot_hooks(self, site) -> SlotHooks | None:
+        if site.sliding_window:
+            return None
+        return SlotHooks(prefill=slot_scores, place=slot_victim, update=slot_attend,
+                         args=(float(site.softcap), self.recent))
+
+
+def slot_scores(q, k, mask, pos, count, state: list, softcap: float, recent: int) -> None:
+    """After the prefill wrote the kept prompt entries into the slots: each slot's accumulated attention is
+    its prompt position's, over every prompt query (as ``select`` scored them); empty slots score 0."""
+    (acc,) = state
+    b, hkv, length, _ = k.shape
+    kv_pos = torch.arange(length, device=k.device).expand(b, hkv, length)
+    valid = key_validity(mask, b, length)
+    if valid is not None:
+        kv_pos = torch.where(valid[:, None, :], kv_pos, -1)
+    scores = accumulated(q, k, kv_pos, torch.arange(length, device=k.device).expand(b, length), softcap)
+    held = pos.long()
+    acc.copy_(torch.where(held >= 0, scores.gather(-1, held.clamp_min(0)), 0.0))
+
+
+def slot_victim(pos, count, state: list, softcap: float, recent: int):
+    """Before a decode step's write: the slot ``[B, H_kv, 1]`` of the new token. While the layer has a free
+    slot, the next one; else the entry ``select`` would have evicted after the last step: padding first,
+    then the least accumulated attention outside the ``recent`` latest tokens, the latest such on a tie."""
+    (acc,) = state
+    cap = pos.shape[-1]
+    nxt = count[0] - count[2]                       # the new token's position
+    held = pos.long()
+    old = (held >= 0) & (held < nxt - recent)      # evictable real entries (the recent window stays)
+    score = torch.where(held < 0, float("-inf"), torch.where(old, acc, float("inf")))
+    low = score.amin(-1, keepdim=True)
+    tied = score == low
+    victim = torch.where(tied, held, torch.iinfo(torch.int64).min).argmax(-1, keepdim=True)  # the latest
+    free = count[1].expand_as(victim)
+    slot = torch.where(count[1] < cap, free, victim)
+    acc.scatter_(-1, slot, 0.0)                      # the new token starts with no attention received
+    return slot
+
+
+def slot_attend(q, keys, pos, count, state: list, k_new, softcap: float, recent: int) -> None:
+    """After a decode step's write: every slot's score gains the attention the step's token gave it."""
+    (acc,) = state
+    b = keys.shape[0]
+    q_pos = (count[0] - count[2] - 1).expand(b, 1).contiguous()
+    acc.add_(torch.ops.kvpass.window_scores(q, keys, pos.long(), q_pos, 1.0, softcap))
