@@ -930,7 +930,7 @@ def test_opcheck_slot_prefill(rt, padded):
         allowed[1, :, :, :9] = False
         mask = torch.zeros(B, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
     keys, values, pos, count = _slots(BUDGET + 1)
-    args = (keys, values, pos, count, q, k_new, v_new, mask, rt.handle, 0)
+    args = (keys, values, pos, count, [], q, k_new, v_new, mask, rt.handle, 0)
     torch.library.opcheck(torch.ops.kvpass.slot_prefill, args)
     torch.ops.kvpass.slot_prefill(*args)
     assert count.tolist() == [n, BUDGET, 0]

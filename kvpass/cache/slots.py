@@ -101,12 +101,17 @@ def _(keys, values, pos, count, k_new, v_new, state, window=0, policy=""):
 
 
 @torch.library.custom_op("kvpass::slot_prefill",
-                         mutates_args=("keys", "values", "pos", "count"))
-def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Tensor, k_new: Tensor,
-                 v_new: Tensor, mask: Tensor | None, handle: int, site: int, tokens: Tensor | None = None) -> None:
+                         mutates_args=("keys", "values", "pos", "count", "state"))
+def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], q: Tensor,
+                 k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int,
+                 tokens: Tensor | None = None) -> None:
     """A prefill on an empty slot cache: the policy keeps entries of the prompt (``Policy.select``, as
     ``compact`` does on a DynamicCache) and they are written into the first slots, in position order;
-    the other slots are emptied. Runs once per prompt, outside any CUDA graph."""
+    the other slots are emptied. A policy's ``select`` may return ``(keep, bookkeeping)``: a bookkeeping
+    entry named like one of its ``slot_state`` tensors holds a value per kept entry (``[B, H_kv, n]``, in
+    ``keep``'s order, or per prompt entry when ``keep`` is None), written into that state tensor in slot
+    order (0 past the kept entries): h2o's accumulated attention. Runs once per prompt, outside any CUDA
+    graph."""
     from kvpass.cache import runtime
 
     rt = runtime.get(handle)
@@ -121,12 +126,13 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
         kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
     extra = {} if tokens is None else {"tokens": tokens}
+    kept_state = {}
     if rt.sites[site].sliding_window:  # a sliding layer's ring holds the window's most recent entries
         keep = kv_pos.topk(min(cap, length), dim=-1).indices if length > cap else None
     else:
         keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
-        if isinstance(keep, tuple):  # (keep, bookkeeping): a SlotCache keeps a policy's state in its own tensors
-            keep = keep[0]
+        if isinstance(keep, tuple):  # (keep, bookkeeping): per-entry values of the policy's slot state
+            keep, kept_state = keep
     if keep is None:
         idx, kept_pos = None, kv_pos
     else:
@@ -149,11 +155,15 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, q: Te
     values[:, :, :n].copy_(kept_v)
     pos.fill_(-1)
     pos[:, :, :n].copy_(kept_pos)
+    for name, tensor in zip(rt.policy.slot_state(cap, keys.shape[-1]), state):
+        if isinstance(kept_state, dict) and name in kept_state:
+            tensor.zero_()
+            tensor[:, :, :n].copy_(kept_state[name].gather(2, order).to(tensor.dtype))
     count[0], count[1], count[2] = length, n, 0
 
 
 @slot_prefill.register_fake
-def _(keys, values, pos, count, q, k_new, v_new, mask, handle, site, tokens=None):
+def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, tokens=None):
     return None
 
 

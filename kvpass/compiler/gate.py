@@ -357,7 +357,7 @@ class GatedGraph:
                     and sites[node.args[6]].sliding_window:
                 self.stored[node.args[6]] = _outputs_from(node, out_nodes)
         # a kvpass.SlotCache: each layer's slot positions and counts (inputs the segments write in place)
-        self.slots = {node.args[9]: (node.args[2], node.args[3]) for node in graph.nodes
+        self.slots = {node.args[10]: (node.args[2], node.args[3]) for node in graph.nodes
                       if node.target is torch.ops.kvpass.slot_prefill.default}
         if any(p.op != "placeholder" or c.op != "placeholder" for p, c in self.slots.values()):
             return "the SlotCache's positions are not graph inputs (the gate could not record true positions)"

@@ -222,13 +222,11 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
             att = graph.call_function(OPS.attention.default, (q, site.k_new, site.v_new, mask, scale, causal,
                                                               site.softcap))
             q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
-            graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, q_scaled, site.k_new, site.v_new,
-                                                           mask, handle, site.layer,
+            graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, state, q_scaled, site.k_new,
+                                                           site.v_new, mask, handle, site.layer,
                                                            site.tokens if plan.tokens else None))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
-            if hooks.prefill is not None:
-                graph.call_function(hooks.prefill, (q_scaled, site.k_new, mask, pos, count, state, *hooks.args))
         elif site.phase == "decode":
             slot = None if hooks.place is None else graph.call_function(hooks.place, (pos, count, state, *hooks.args))
             w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect,

@@ -123,7 +123,7 @@ class SitePlan:
             hooks = self.slot_hooks or SlotHooks()
             if phase == "prefill":
                 return ("slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
-                        + "".join(f" + {h.__name__}" for h in (hooks.refresh, hooks.prefill) if h is not None))
+                        + (f" + {hooks.refresh.__name__}" if hooks.refresh is not None else ""))
             rule = ("append", f"ring (first {self.slot[1]} kept)", "placed")[self.slot[0]]
             if hooks.place is not None:
                 rule += f" at {hooks.place.__name__}"
@@ -190,9 +190,6 @@ class SlotHooks:
 
     * ``refresh(keys, pos, count, state, *args)``: after a prefill or an append wrote the slots, rebuild
       the state from them (in place);
-    * ``prefill(q, k, mask, pos, count, state, *args)``: after a prefill wrote the slots, set state that depends
-      on the prompt's attention (``q`` the prompt's queries with the scale applied, ``k`` its keys, ``mask`` the
-      model's mask or None when it is plainly causal; ``pos`` says which prompt positions the slots kept);
     * ``place(pos, count, state, *args) -> slot [B, H_kv, 1]``: before a decode step's write, the slot
       its token goes into (the ``"placed"`` slot rule; the hook may empty the slots it evicts);
     * ``update(q, keys, pos, count, state, k_new, *args)``: after a decode step wrote its token (``count``
@@ -202,7 +199,6 @@ class SlotHooks:
     """
 
     refresh: Callable | None = None
-    prefill: Callable | None = None
     place: Callable | None = None
     update: Callable | None = None
     select: Callable | None = None

@@ -15,12 +15,13 @@ window (the paper's greedy one-per-step eviction). Left padding is evicted befor
 equal scores the later entry goes (the earlier is kept, as everywhere in kvpass). ``budget >= prompt +
 new tokens`` never evicts: equal to ``full``. Sliding-window layers are left to the model.
 
-Where. On a DynamicCache the scores are the layer's bookkeeping beside the stored positions (``compact``
-gathers them with the kept entries). On a ``kvpass.SlotCache`` they are one fp32 tensor per layer
-(``acc [B, H_kv, budget + 1]``), set by the prefill hook and kept by two pieces of tensor code in the
-decode graph: ``place`` picks the slot of the new token (a free slot, else the victim) and ``update`` adds
-the step's attention (``kvpass::window_scores`` over the slots, one query). The victim is chosen one step
-later than on a DynamicCache, from the same scores, so both caches keep the same entries.
+Where. ``select`` scores and keeps (the prefill, and every step on a DynamicCache) and returns the kept
+entries' scores as bookkeeping: on a DynamicCache they stay beside the stored positions, on a
+``kvpass.SlotCache`` ``slot_prefill`` writes them into the layer's ``acc [B, H_kv, budget + 1]`` (fp32).
+There two pieces of tensor code in the decode graph keep it: ``place`` picks the slot of the new token (a
+free slot, else the victim) and ``update`` adds the step's attention (``kvpass::window_scores`` over the
+slots, one query). The victim is chosen one step later than on a DynamicCache, from the same scores, so
+both caches keep the same entries.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.cache.runtime import key_validity
 from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, SlotHooks, shrinking_plan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
@@ -99,22 +99,8 @@ class H2O(Policy):
     def slot_hooks(self, site) -> SlotHooks | None:
         if site.sliding_window:
             return None
-        return SlotHooks(prefill=slot_scores, place=slot_victim, update=slot_attend,
+        return SlotHooks(place=slot_victim, update=slot_attend,
                          args=(float(site.softcap), self.recent))
-
-
-def slot_scores(q, k, mask, pos, count, state: list, softcap: float, recent: int) -> None:
-    """After the prefill wrote the kept prompt entries into the slots: each slot's accumulated attention is
-    its prompt position's, over every prompt query (as ``select`` scored them); empty slots score 0."""
-    (acc,) = state
-    b, hkv, length, _ = k.shape
-    kv_pos = torch.arange(length, device=k.device).expand(b, hkv, length)
-    valid = key_validity(mask, b, length)
-    if valid is not None:
-        kv_pos = torch.where(valid[:, None, :], kv_pos, -1)
-    scores = accumulated(q, k, kv_pos, torch.arange(length, device=k.device).expand(b, length), softcap)
-    held = pos.long()
-    acc.copy_(torch.where(held >= 0, scores.gather(-1, held.clamp_min(0)), 0.0))
 
 
 def slot_victim(pos, count, state: list, softcap: float, recent: int):
