@@ -126,6 +126,8 @@ def read_entries(name: str, ctx: int, budget: int, layers: int, decoded: int = 0
         return pool + pool / 16
     if policy == "streamingllm":  # a ring of the budget
         return min(seq, budget)
+    if policy == "h2o":           # budget + 1 slots, and one fp32 score per slot read and written (8 of 512 bytes)
+        return min(seq, budget + 1) * (1 + 8 / 512)
     if policy == "pyramidkv":
         from kvpass.policies.prefill.pyramidkv import PyramidKV, pyramid
         p = PyramidKV(budget=budget)

@@ -23,6 +23,8 @@
 #      raas, then full and raas at 32k (batch 1)
 #   S: the small per-layer kernels alone (bench/tune_small_kernels.py: ART's scan, quest's top_pages)
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
+#   V: issue 21's h2o: its GPU tests (CUDA-graph replay = eager), then full, streamingllm, snapkv and h2o at 32k
+#      (batch 1); W: h2o in its own setting, a 2k prompt decoded to 32k tokens, beside full and streamingllm
 #   K: the kvpress 0.5.5 baseline (bench/bench_kvpress.py), 8 layers, batch 1, 32k and 128k: hf_eager,
 #      SnapKVPress, StreamingLLMPress at the 2,048-token budget, in a second process on transformers 5.2.
 #      kvpress needs transformers < 5.3, so its wheels (kvpress, transformers 5.2.0, tokenizers 0.22.2,
@@ -33,7 +35,7 @@ set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 B="python bench/bench_decode_step.py --layers 8"
-case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, U, X, Y or Z}" in
+case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, U, V, W, X, Y or Z}" in
   A) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k.json \
        --configs hf_eager,hf_eager_cudnn,hf_static,full,streamingllm,snapkv,pyramidkv,quest,art,raas 2>&1 | grep '^{' ;;
   G) timeout 560 $B --batch 1 --contexts 32768 --out $out/b1_32k_gated.json \
@@ -78,6 +80,12 @@ case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, U, X, Y or Z}" in
   U) python -m pytest -p no:cacheprovider -p no:logging --tb=short -q tests/gpu/test_gpu_raas.py \
        tests/gpu/test_gpu_slot_cache.py -k raas 2>&1 | grep --line-buffered -v DEBUG | tee $out/gpu_tests_raas.txt | tail -4
      timeout 280 $B --batch 1 --contexts 32768 --out $out/b1_32k_raas.json --configs full,raas 2>&1 | grep '"config"' ;;
+  V) python -m pytest -p no:cacheprovider -p no:logging --tb=short -q tests/gpu/test_gpu_slot_cache.py -k h2o 2>&1 \
+       | grep --line-buffered -v DEBUG | tee $out/gpu_tests_h2o.txt | tail -4
+     timeout 400 $B --batch 1 --contexts 32768 --out $out/b1_32k_h2o.json --configs full,streamingllm,snapkv,h2o \
+       2>&1 | grep '"config"' ;;
+  W) timeout 580 $B --batch 1 --contexts 2048 --decode-to 32768 --out $out/b1_2k_decode_to_32k_h2o.json \
+       --configs full,streamingllm,h2o 2>&1 | grep '"config"' ;;
   S) timeout 300 python bench/tune_small_kernels.py --out $out/small_kernels.json 2>&1 | grep '^{' ;;
   T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;

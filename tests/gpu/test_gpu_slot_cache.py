@@ -22,7 +22,7 @@ CASES = [("full", {}), ("art", {}), ("streamingllm", dict(budget=64, sinks=4)),
          ("snapkv+quest", dict(budget=64, window=8, dense_layers=1)), ("raas", dict(budget=64)),
          ("raas+art", dict(budget=64)), ("asl", dict(budget=64, window=8, layer=1)),
          ("fastkv", dict(budget=64, window=8)), ("asl_2pass", dict(budget=64, window=8, layer=1)),
-         ("gemfilter", dict(budget=64, layer=1))]
+         ("gemfilter", dict(budget=64, layer=1)), ("h2o", dict(budget=64)), ("h2o+art", dict(budget=64))]
 
 
 def model(sliding: bool = False):
