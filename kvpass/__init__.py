@@ -22,7 +22,8 @@ def _check_versions() -> None:
 
 _check_versions()
 
-from kvpass.compiler.backend import Backend, GraphReport, KVPass, KVPassWarning, backend  # noqa: E402
+from kvpass.compiler.backend import Backend, GraphReport, KVPass, backend  # noqa: E402
+from kvpass.errors import KVPassWarning  # noqa: E402
 from kvpass.cache.slots import SlotCache  # noqa: E402
 from kvpass.fusion.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning  # noqa: E402
 from kvpass.compiler.explain import Explanation, explain  # noqa: E402

@@ -4,13 +4,14 @@ itself: before anything is compiled, and without leaving a registered runtime be
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 import kvpass
 from kvpass.cache import runtime
-from kvpass.policies import POLICIES, Needs, Policy, make_policy
+from kvpass.policies import POLICIES, Needs, Param, Policy, make_policy
 from kvpass.policies.compose import Composed
 from kvpass.policies.streamingllm import StreamingLLM
 
@@ -192,8 +193,24 @@ def test_versions_below_the_floor_are_named(monkeypatch):
 def test_a_policy_declaring_needs_as_loose_attributes_is_refused():
     """Before the Needs descriptor a policy said ``evicts = True``; now that attribute would be ignored, so a
     class that still sets it is refused at definition, naming the fix."""
-    with pytest.raises(TypeError, match=r"declare evicts, slot_rule in its Needs descriptor"):
+    with pytest.raises(TypeError, match=r"declare evicts, slot_rule as Needs fields or parameter fields"):
         class Old(Policy):  # noqa: F841
             name = "old"
             evicts = True
             slot_rule = "append"
+    with pytest.raises(TypeError, match=r"declare params as"):   # parameters are fields now
+        class OldParams(Policy):  # noqa: F841
+            name = "oldparams"
+            params = (Param("budget", int, 8, 1, 64),)
+
+
+def test_parameters_are_fields_with_their_ranges():
+    """``budget`` is a field of the policy class: its value is checked against its range when the policy is
+    built, an unknown keyword names the parameters, and ``params`` lists them for the CLI and compositions."""
+    assert [f.name for f in dataclasses.fields(StreamingLLM)] == ["budget", "sinks"]
+    assert StreamingLLM(budget=64).budget == 64
+    with pytest.raises(kvpass.ConfigError, match=r"'budget' must be int in \[2, 16777216\], got 1"):
+        StreamingLLM(budget=1)
+    with pytest.raises(kvpass.ConfigError, match="has no parameter 'budgett'; its parameters are: budget, sinks"):
+        StreamingLLM(budgett=64)
+    assert {p.name for p in POLICIES["fastkv"].params} == {"budget", "window", "kernel", "layer"}  # no hidden tau

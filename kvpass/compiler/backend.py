@@ -23,7 +23,7 @@ from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementa
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.compiler import rewrite as _rewrite
 from kvpass.cache import runtime as _runtime
-from kvpass.errors import ConfigError, KVPassWarning, warn_once  # noqa: F401  (KVPassWarning: re-exported)
+from kvpass.errors import ConfigError, warn_once
 from kvpass.policies import Policy, SitePlan, make_policy
 
 try:  # Inductor's base class for custom passes: uuid() keys its caches

@@ -24,7 +24,7 @@ different q and v head sizes) keep exact attention through ``kvpass::attention``
 
 from __future__ import annotations
 
-from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, param, SitePlan
 
 
 class ART(Policy):
@@ -32,17 +32,15 @@ class ART(Policy):
     summary = "early-terminating decode attention (stop when the output stops moving)"
     # the prefill is exact attention and an append: an uncompiled one writes the same
     needs = Needs(slot_rule="append", plain_prefill=True)
-    params = (
-        Param("tau", float, 1e-5, 0.0, 1.0, "relative output change below which a block is stable"),
-        Param("phi", float, 1e-3, 0.0, 1.0, "direction change (1 - cos) below which a block is stable"),
-        Param("patience", int, 5, 1, 1 << 20, "consecutive stable blocks before the rest is skipped"),
-        Param("block", int, 128, 16, 1024, "KV entries per block (a power of two)"),
-        Param("order", str, "recency", doc="block order: 'recency' (0, n-1, ..., 1) or 'natural'"),
-        Param("probe", int, 0, 0, 1 << 16, "probe elements of head_dim (0: all)"),
-        Param("horizon", int, 16, 0, 1 << 20, "blocks within which the read may stop (0: anywhere); a read "
-              "that has not stopped by then reads the rest in parallel (split-KV)"),
-        Param("stats", bool, False, doc="count blocks read (Backend.runtime.blocks_read())"),
-    )
+    tau: float = param(1e-5, 0.0, 1.0, "relative output change below which a block is stable")
+    phi: float = param(1e-3, 0.0, 1.0, "direction change (1 - cos) below which a block is stable")
+    patience: int = param(5, 1, 1 << 20, "consecutive stable blocks before the rest is skipped")
+    block: int = param(128, 16, 1024, "KV entries per block (a power of two)")
+    order: str = param("recency", doc="block order: 'recency' (0, n-1, ..., 1) or 'natural'")
+    probe: int = param(0, 0, 1 << 16, "probe elements of head_dim (0: all)")
+    horizon: int = param(16, 0, 1 << 20, "blocks within which the read may stop (0: anywhere); a read "
+                        "that has not stopped by then reads the rest in parallel (split-KV)")
+    stats: bool = param(False, doc="count blocks read (Backend.runtime.blocks_read())")
 
     def check_config(self) -> None:
         if self.block & (self.block - 1):

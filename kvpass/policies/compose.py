@@ -27,7 +27,10 @@ class Composed(Policy):
                               "evict; compose at most one eviction policy with attention policies")
         self.members = members
         self.evictor = evictors[0] if evictors else None
-        self.config = {f"{m.name}.{k}": v for m in members for k, v in m.config.items()}
+
+    @property
+    def config(self) -> dict:  # type: ignore[override]
+        return {f"{m.name}.{k}": v for m in self.members for k, v in m.config.items()}
 
     @property
     def needs(self) -> Needs:  # type: ignore[override]

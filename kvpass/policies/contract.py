@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -56,6 +57,21 @@ class Param:
             raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
                               f"got {value!r}")
         return value
+
+
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _kind(annotation) -> type:
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return _KINDS.get(name, object)
+
+
+def param(default: Any, lo: float | None = None, hi: float | None = None, doc: str = "") -> Any:
+    """A policy parameter: a dataclass field of the policy class, its range and meaning in the field's
+    metadata. ``budget: int = param(2048, 2, 1 << 24, "entries kept per layer and KV head")``: the value is
+    checked against the annotation's type and ``[lo, hi]`` when the policy is built (``ConfigError``)."""
+    return field(default=default, metadata={"lo": lo, "hi": hi, "doc": doc})
 
 
 @dataclass(frozen=True)
@@ -233,7 +249,9 @@ def decode_read_problem(site) -> str | None:
 
 
 class Policy:
-    """Base class. Subclasses set ``name``, ``params`` and override the hooks they need."""
+    """Base class. A subclass sets ``name``, ``summary`` and ``needs``, declares its parameters as fields
+    (``budget: int = param(...)``: every subclass is a keyword-only dataclass) and overrides the hooks it
+    needs. ``params`` lists the parameters (``Param`` records, for the CLI, composition and reports)."""
 
     name: ClassVar[str] = "?"
     params: ClassVar[tuple[Param, ...]] = ()
@@ -242,10 +260,26 @@ class Policy:
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
-        old = sorted(set(vars(cls)) & set(Needs.__dataclass_fields__))
-        if old:  # the attributes before the Needs descriptor: ignored now, so refused rather than silently dropped
-            raise TypeError(f"policy class {cls.__name__}: declare {', '.join(old)} in its Needs descriptor "
-                            f"(needs = Needs({old[0]}=...)), not as class attributes")
+        old = sorted(set(vars(cls)) & (set(Needs.__dataclass_fields__) | {"params"}))
+        if old:  # the attributes before Needs and parameter fields: ignored now, so refused, not silently dropped
+            raise TypeError(f"policy class {cls.__name__}: declare {', '.join(old)} as Needs fields or parameter "
+                            f"fields (needs = Needs(...); budget: int = param(...)), not as class attributes")
+        own_init = "__init__" in vars(cls)
+        dataclass(cls, kw_only=True, repr=False, eq=False)
+        cls.params = tuple(Param(f.name, _kind(f.type), f.default, f.metadata.get("lo"),
+                                 f.metadata.get("hi"), f.metadata.get("doc", "")) for f in fields(cls))
+        if not own_init:  # an unknown keyword is a ConfigError naming the parameters, not a TypeError
+            cls.__init__ = _checked_init(cls, cls.__init__)
+
+    def __post_init__(self) -> None:
+        for p in self.params:
+            setattr(self, p.name, p.check(self.name, getattr(self, p.name)))
+        self.check_config()
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The parameters' values, by name."""
+        return {p.name: getattr(self, p.name) for p in self.params}
 
     @property
     def slot_protect(self) -> int:
@@ -266,10 +300,6 @@ class Policy:
     def slot_hooks(self, site) -> SlotHooks | None:
         """The tensor code that keeps ``slot_state`` at ``site`` (None: the slots alone suffice)."""
         return None
-
-    def __init__(self, **values: Any) -> None:
-        self.config = validate(self.name, self.params, values)
-        self.check_config()
 
     def check_config(self) -> None:
         """Cross-parameter checks; raise ConfigError."""
@@ -312,21 +342,23 @@ class Policy:
         src = inspect.getsource(type(self))
         return hashlib.sha256((self.key() + src).encode()).hexdigest()
 
-    def __getattr__(self, item):
-        config = self.__dict__.get("config")
-        if config is not None and item in config:
-            return config[item]
-        raise AttributeError(item)
-
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"{type(self).__name__}({args})"
 
 
-def validate(policy: str, params: tuple[Param, ...], values: dict) -> dict:
-    known = {p.name: p for p in params}
-    unknown = sorted(set(values) - set(known))
+def unknown_parameter(policy: str, params: tuple[Param, ...], values) -> None:
+    """Raise ``ConfigError`` when ``values`` names a parameter ``params`` does not declare."""
+    known = {p.name for p in params}
+    unknown = sorted(set(values) - known)
     if unknown:
-        allowed = ", ".join(sorted(known)) or "none"
-        raise ConfigError(f"policy '{policy}' has no parameter '{unknown[0]}'; its parameters are: {allowed}")
-    return {p.name: p.check(policy, values.get(p.name, p.default)) for p in params}
+        raise ConfigError(f"policy '{policy}' has no parameter '{unknown[0]}'; its parameters are: "
+                          f"{', '.join(sorted(known)) or 'none'}")
+
+
+def _checked_init(cls, init):
+    @functools.wraps(init)
+    def checked(self, **values):
+        unknown_parameter(cls.name, cls.params, values)
+        init(self, **values)
+    return checked

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, SlotHooks, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan, SlotHooks, shrinking_plan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
 ROWS = 1024  # prompt queries scored per kvpass::window_scores call (bounds its [B, H, rows, N] work space)
@@ -49,10 +49,8 @@ def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: fl
 class H2O(Policy):
     name = "h2o"
     summary = "heavy hitters by accumulated attention + a recent window, one eviction per decode step"
-    params = (
-        Param("budget", int, 2048, 2, 1 << 24, "entries kept per layer and KV head (heavy hitters + recent)"),
-        Param("heavy", float, 0.5, 0.0, 0.99, "share of the budget for heavy hitters (the rest: recent tokens)"),
-    )
+    budget: int = param(2048, 2, 1 << 24, "entries kept per layer and KV head (heavy hitters + recent)")
+    heavy: float = param(0.5, 0.0, 0.99, "share of the budget for heavy hitters (the rest: recent tokens)")
     needs = Needs(evicts=True, slot_rule="placed")
 
     @property

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan, shrinking_plan
 
 
 class StreamingLLM(Policy):
     name = "streamingllm"
     summary = "keep `sinks` first tokens + a recent window, `budget` entries per layer"
     needs = Needs(evicts=True, slot_rule="ring")
-    params = (
-        Param("budget", int, 2048, 2, 1 << 24, "entries kept per layer and KV head"),
-        Param("sinks", int, 4, 0, 1 << 20, "first tokens always kept (attention sinks)"),
-    )
+    budget: int = param(2048, 2, 1 << 24, "entries kept per layer and KV head")
+    sinks: int = param(4, 0, 1 << 20, "first tokens always kept (attention sinks)")
 
     def check_config(self) -> None:
         if self.sinks >= self.budget:

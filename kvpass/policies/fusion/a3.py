@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, param
 
-RATIO = Param("ratio", float, 0.15, 0.0, 1.0, "share r of the document tokens recomputed")
 SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
 
 
@@ -61,11 +61,11 @@ class FusionRequest:
 class ChunkFusionPolicy(Policy):
     """Base of the chunk-fusion policies: planning, the selection hook and the recompute rule."""
 
-    recover_positions: bool = True    # rotate stored keys to their concatenated positions
-    needs_probe: bool = False         # run the two-layer selection pass first
-    needs_votes: bool = False         # evicts after fusion by the question's attention (a3+evict)
-    collects_votes: bool = False      # plans fusion_votes into recompute graphs (the shared router)
-    drives_graphs: bool = False       # the policy a ChunkFusion backend compiles (the shared router), not a
+    recover_positions: ClassVar[bool] = True   # rotate stored keys to their concatenated positions
+    needs_probe: ClassVar[bool] = False        # run the two-layer selection pass first
+    needs_votes: ClassVar[bool] = False        # evicts after fusion by the question's attention (a3+evict)
+    collects_votes: ClassVar[bool] = False     # plans fusion_votes into recompute graphs (the shared router)
+    drives_graphs: ClassVar[bool] = False      # the policy a ChunkFusion backend compiles (the shared router), not a
     #                                   user-facing fusion policy, whose plain forward is refused
     # decode graphs keep the model's cache update; positions come from the layers' records, which
     # ChunkFusion writes after every request (a3+evict's cache is shorter than the request)
@@ -73,8 +73,8 @@ class ChunkFusionPolicy(Policy):
     # decode and append graphs write the next free slot, in one device-resident graph
     needs = Needs(decode_appends=True, slot_rule="append", slot_prefill=False)
 
-    def __init__(self, **values) -> None:
-        super().__init__(**values)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.request: FusionRequest | None = None
 
     def plan(self, site) -> SitePlan | str:
@@ -137,7 +137,7 @@ class ChunkFusionPolicy(Policy):
 class A3(ChunkFusionPolicy):
     name = "a3"
     summary = "chunk fusion: re-rotated stored KV, recompute the top r document tokens by the question's attention"
-    params = (RATIO,)
+    ratio: float = param(0.15, 0.0, 1.0, "share r of the document tokens recomputed")
     needs_probe = True
 
     def score(self, site, q, k, kv_pos, q_pos, req):

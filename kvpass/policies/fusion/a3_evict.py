@@ -21,19 +21,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.policies.fusion.a3 import RATIO, A3, FusionRequest
-from kvpass.policies.contract import ConfigError, Param
+from kvpass.policies.fusion.a3 import A3, FusionRequest
+from kvpass.policies.contract import ConfigError, param
 from kvpass.policies.prefill.scoring import keep_top, pool
 
 
 class A3Evict(A3):
     name = "a3+evict"
     summary = "a3, then keep S, Q and the SnapKV top (capacity - |S| - |Q|) document tokens per layer and KV head"
-    params = (
-        RATIO,
-        Param("capacity", int, 1024, 2, 1 << 24, "entries each layer keeps per KV head after fusion (C)"),
-        Param("kernel", int, 7, 1, 63, "SnapKV max-pooling width over the document tokens (odd)"),
-    )
+    capacity: int = param(1024, 2, 1 << 24, "entries each layer keeps per KV head after fusion (C)")
+    kernel: int = param(7, 1, 63, "SnapKV max-pooling width over the document tokens (odd)")
     needs_votes = True
 
     def check_config(self) -> None:

@@ -9,13 +9,14 @@ baseline is specified with (DESIGN.md section 3).
 
 from __future__ import annotations
 
-from kvpass.policies.fusion.a3 import RATIO, ChunkFusionPolicy
+from kvpass.policies.contract import param
+from kvpass.policies.fusion.a3 import ChunkFusionPolicy
 
 
 class CacheBlend(ChunkFusionPolicy):
     name = "cacheblend"
     summary = "chunk fusion: recompute the top r document tokens by layer-1 key deviation"
-    params = (RATIO,)
+    ratio: float = param(0.15, 0.0, 1.0, "share r of the document tokens recomputed")
     needs_probe = True
 
     def score(self, site, q, k, kv_pos, q_pos, req):

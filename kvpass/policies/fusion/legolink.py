@@ -11,15 +11,13 @@ from __future__ import annotations
 import torch
 
 from kvpass.policies.fusion.a3 import ChunkFusionPolicy
-from kvpass.policies.contract import Param
-
-PREFIX = Param("prefix", int, 16, 0, 1 << 20, "tokens recomputed at the start of every chunk after the first")
+from kvpass.policies.contract import param
 
 
 class LegoLink(ChunkFusionPolicy):
     name = "legolink"
     summary = "chunk fusion: recompute the first 16 tokens of every chunk after the first"
-    params = (PREFIX,)
+    prefix: int = param(16, 0, 1 << 20, "tokens recomputed at the start of every chunk after the first")
 
     def recompute(self, req):
         ends = req.chunk_starts[1:] + [req.length - req.question]

@@ -52,14 +52,10 @@ import torch
 from torch import Tensor
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, Needs, Param, SitePlan
-from kvpass.policies.prefill.base import BUDGET, WINDOW, PrefillEviction
+from typing import ClassVar
 
-KERNEL = Param("kernel", int, 7, 1, 1025, "average-pooling kernel over token scores (odd; 1 = none)")
-TAU = Param("tau", float, 0.3, 0.0, 1.0, "select at the first layer where var / var0 < tau (0 = never)")
-L_OBS = Param("l_obs", int, 8, 1, 1024, "layers whose rank variance is measured")
-L_MIN = Param("l_min", int, -1, -1, 1 << 16, "first candidate layer (-1: floor(layers / 3))")
-LAYER = Param("layer", int, -1, -1, 1 << 16, "force the selection layer (-1: the adaptive rule)")
+from kvpass.policies.contract import ConfigError, Needs, SitePlan, param
+from kvpass.policies.prefill.base import PrefillEviction
 
 
 def pooled(scores: Tensor, kv_pos: Tensor, window: int, kernel: int) -> Tensor:
@@ -95,12 +91,15 @@ def rank_variance(layer_ranks: list[Tensor], top: int) -> Tensor:
     return (var * in_u).sum(-1) / in_u.sum(-1).clamp_min(1)
 
 
-class ASL(PrefillEviction):
-    name = "asl"
-    summary = "adaptive selection layer: deeper layers compute only the selected tokens (rank-variance rule)"
-    params = (BUDGET, WINDOW, KERNEL, TAU, L_OBS, L_MIN, LAYER)
+class GatedSelection(PrefillEviction):
+    """The frame of the gated policies (asl, fastkv, gemfilter): the gate's token choice, the compressed cache
+    of the layers up to the selection layer, planning. A subclass says where the gate may fire
+    (``gate_layers``) and whether it fires (``gate_fires``)."""
+
+    kernel: int = param(7, 1, 1025, "average-pooling kernel over token scores (odd; 1 = none)")
+    layer: int = param(-1, -1, 1 << 16, "force the selection layer (-1: the policy's rule)")
     needs = Needs(evicts=True, decode_appends=True, gates=True, slot_rule="append")
-    compress = True        # layers up to the selection layer keep a SnapKV-compressed cache
+    compress: ClassVar[bool] = True   # layers up to the selection layer keep a SnapKV-compressed cache
 
     def check_config(self) -> None:
         super().check_config()
@@ -115,11 +114,47 @@ class ASL(PrefillEviction):
                     f"a kvpass.SlotCache; this graph uses a {site.cache} cache")
         return SitePlan(attention=True, evict=True)   # sliding layers too: see "Sliding-window layers"
 
+    def gate_layers(self, n_layers: int) -> tuple[list[int], list[int]]:
+        """(layers whose scores are recorded, layers after which the gate may fire)."""
+        raise NotImplementedError
+
+    def gate_fires(self, layer: int, history: dict, keep: int, ctx: dict) -> bool:
+        """Whether the gate fires after ``layer`` (``history``: the scores recorded so far)."""
+        raise NotImplementedError
+
+    def gate_select(self, scores: Tensor, keep: int, ctx: dict) -> Tensor:
+        """Ascending token indices ``[B, keep]``: the window plus the best pooled candidates."""
+        kv_pos = ctx["kv_pos"]
+        valid, forced = scoring.window_layout(kv_pos, self.window)
+        return scoring.keep_top(pooled(scores, kv_pos, self.window, self.kernel), forced, valid, keep)
+
+    # -- run time: the cache of the layers up to the selection layer -----------------------------
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None):
+        if site.sliding_window:
+            return last_entries(kv_pos, site.sliding_window - 1)
+        return super().select(site, q, k, v, kv_pos, q_pos, layer_state, tokens) if self.compress else None
+
+    def stored_length(self, site, total):
+        if site.sliding_window:
+            return torch.sym_min(total, site.sliding_window - 1)
+        return super().stored_length(site, total) if self.compress else total
+
+    def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
+        votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
+        return scoring.pool(votes, cand, self.kernel, "avg")
+
+
+class ASL(GatedSelection):
+    name = "asl"
+    summary = "adaptive selection layer: deeper layers compute only the selected tokens (rank-variance rule)"
+    tau: float = param(0.3, 0.0, 1.0, "select at the first layer where var / var0 < tau (0 = never)")
+    l_obs: int = param(8, 1, 1024, "layers whose rank variance is measured")
+    l_min: int = param(-1, -1, 1 << 16, "first candidate layer (-1: floor(layers / 3))")
+
     def first_layer(self, n_layers: int) -> int:
         return self.l_min if self.l_min >= 0 else n_layers // 3
 
     def gate_layers(self, n_layers: int) -> tuple[list[int], list[int]]:
-        """(layers whose scores are recorded, layers after which the gate may fire)."""
         if self.layer >= 0:
             return ([self.layer], [self.layer]) if self.layer < n_layers - 1 else ([], [])
         first = self.first_layer(n_layers)
@@ -142,27 +177,6 @@ class ASL(PrefillEviction):
         ratio = torch.where(var0 > 0, var / var0.clamp_min(1e-300), torch.full_like(var, float("inf")))
         ctx.setdefault("ratios", {})[layer] = [round(float(x), 6) for x in ratio]
         return bool((ratio < self.tau).all())
-
-    def gate_select(self, scores: Tensor, keep: int, ctx: dict) -> Tensor:
-        """Ascending token indices ``[B, keep]``: the window plus the best pooled candidates."""
-        kv_pos = ctx["kv_pos"]
-        valid, forced = scoring.window_layout(kv_pos, self.window)
-        return scoring.keep_top(pooled(scores, kv_pos, self.window, self.kernel), forced, valid, keep)
-
-    # -- run time: the cache of the layers up to the selection layer -----------------------------
-    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None):
-        if site.sliding_window:
-            return last_entries(kv_pos, site.sliding_window - 1)
-        return super().select(site, q, k, v, kv_pos, q_pos, layer_state, tokens) if self.compress else None
-
-    def stored_length(self, site, total):
-        if site.sliding_window:
-            return torch.sym_min(total, site.sliding_window - 1)
-        return super().stored_length(site, total) if self.compress else total
-
-    def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
-        votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
-        return scoring.pool(votes, cand, self.kernel, "avg")
 
 
 class ASLFullKV(ASL):

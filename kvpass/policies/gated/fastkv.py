@@ -12,17 +12,14 @@ prompt length. ``budget >= prompt length`` computes and keeps everything (equal 
 
 from __future__ import annotations
 
-from kvpass.policies.gated.asl import ASL, KERNEL, LAYER
-from kvpass.policies.prefill.base import BUDGET, WINDOW
+from kvpass.policies.contract import param
+from kvpass.policies.gated.asl import GatedSelection
 
 
-class FastKV(ASL):
+class FastKV(GatedSelection):
     name = "fastkv"
     summary = "fixed selection layer (default L/2): deeper layers compute only the selected tokens"
-    params = (BUDGET, WINDOW, KERNEL, LAYER)
-    tau = 0.0
-    l_obs = 1
-    l_min = -1
+    layer: int = param(-1, -1, 1 << 16, "the selection layer (-1: layers // 2)")
 
     def gate_layers(self, n_layers: int):
         layer = self.layer if self.layer >= 0 else n_layers // 2

@@ -20,23 +20,18 @@ after ASL's adaptive layer, keeping the original positions.
 
 from __future__ import annotations
 
-from kvpass.policies.gated.asl import ASL, LAYER
-from kvpass.policies.contract import Needs, Param
-from kvpass.policies.prefill.base import BUDGET
-
-WINDOW1 = Param("window", int, 1, 1, 1 << 16, "last prompt tokens that score the others, always kept")
-KERNEL1 = Param("kernel", int, 1, 1, 1025, "average-pooling kernel over token scores (odd; 1 = none)")
+from kvpass.policies.contract import Needs, param
+from kvpass.policies.gated.asl import GatedSelection
 
 
-class GemFilter(ASL):
+class GemFilter(GatedSelection):
     name = "gemfilter"
     summary = "filter layer picks tokens; a second prefill of only those, positions renumbered 0..n-1"
-    params = (BUDGET, WINDOW1, KERNEL1, LAYER)
+    window: int = param(1, 1, 1 << 16, "last prompt tokens that score the others, always kept")
+    kernel: int = param(1, 1, 1025, "average-pooling kernel over token scores (odd; 1 = none)")
+    layer: int = param(-1, -1, 1 << 16, "the filter layer (-1: 13 layers / 32)")
     needs = Needs(evicts=True, decode_appends=True, gates=True, two_pass=True, renumber=True, slot_rule="append")
     compress = False
-    tau = 0.0
-    l_obs = 1
-    l_min = -1
 
     def gate_layers(self, n_layers: int):
         layer = self.layer if self.layer >= 0 else (13 * n_layers) // 32

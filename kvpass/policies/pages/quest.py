@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan, SlotHooks
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, SitePlan, SlotHooks, param
 
 PAGE = 16
 
@@ -170,12 +170,10 @@ def with_current(chosen: Tensor, cur) -> Tensor:
 class Quest(Policy):
     name = "quest"
     summary = "query-aware decode attention over the top budget/16 pages by Quest's bound (keeps every page)"
-    params = (
-        Param("budget", int, 1024, PAGE, 1 << 24, "tokens a decode step reads per layer and KV head (a multiple "
-              "of 16): the top max(3, budget/16) pages by upper bound, plus the current page"),
-        Param("dense_layers", int, 2, 0, 1 << 16, "the first layers that read every page"),
-        Param("stats", bool, False, doc="count pages read (Backend.runtime.blocks_read())"),
-    )
+    budget: int = param(1024, PAGE, 1 << 24, "tokens a decode step reads per layer and KV head (a multiple of "
+                        "16): the top max(3, budget/16) pages by upper bound, plus the current page")
+    dense_layers: int = param(2, 0, 1 << 16, "the first layers that read every page")
+    stats: bool = param(False, doc="count pages read (Backend.runtime.blocks_read())")
 
     def check_config(self) -> None:
         if self.budget % PAGE:

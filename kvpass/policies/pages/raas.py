@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, SlotHooks
+from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, SlotHooks, param
 from kvpass.policies.pages.quest import page_bounds
 
 PAGE = 16
@@ -77,11 +77,9 @@ class RaaS(Policy):
     name = "raas"
     summary = "decode-time page eviction by attention timestamps, constant memory (page pool of budget/16 + 1)"
     needs = Needs(evicts=True, slot_rule="placed")
-    params = (
-        Param("budget", int, 1024, PAGE, 1 << 24, "decode tokens kept per layer and KV head (a multiple of 16), "
-              "besides the prompt and the current page"),
-        Param("alpha", float, 0.02, 0.0, 1.0, "softmax share above which a page's timestamp is refreshed"),
-    )
+    budget: int = param(1024, PAGE, 1 << 24, "decode tokens kept per layer and KV head (a multiple of 16), "
+                        "besides the prompt and the current page")
+    alpha: float = param(0.02, 0.0, 1.0, "softmax share above which a page's timestamp is refreshed")
 
     def check_config(self) -> None:
         if self.budget % PAGE:

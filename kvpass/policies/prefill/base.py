@@ -22,11 +22,8 @@ from __future__ import annotations
 import torch
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, Needs, Param, Policy, SitePlan, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, param, shrinking_plan
 
-BUDGET = Param("budget", int, 2048, 2, 1 << 24,
-               "entries kept per layer and KV head after prefill, observation window included")
-WINDOW = Param("window", int, 32, 1, 1 << 16, "observation window: last prompt tokens, always kept")
 
 
 class PrefillEviction(Policy):
@@ -34,7 +31,9 @@ class PrefillEviction(Policy):
 
     # on a SlotCache: the kept prompt, then every decoded token in the next free slot; decode steps append
     needs = Needs(evicts=True, decode_appends=True, slot_rule="append")
-    params = (BUDGET, WINDOW)
+    budget: int = param(2048, 2, 1 << 24, "entries kept per layer and KV head after prefill, observation window "
+                        "included")
+    window: int = param(32, 1, 1 << 16, "observation window: last prompt tokens, always kept")
 
     def check_config(self) -> None:
         if self.budget <= self.window:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import Param
+from kvpass.policies.contract import param
 from kvpass.policies.prefill.base import PrefillEviction
 
 
 class ChunkKV(PrefillEviction):
     name = "chunkkv"
     summary = "fixed chunks of 10 tokens ranked by window attention, one index set per layer"
-    params = PrefillEviction.params + (Param("chunk", int, 10, 1, 1 << 16, "tokens per chunk"),)
+    chunk: int = param(10, 1, 1 << 16, "tokens per chunk")
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
         votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)

@@ -16,17 +16,16 @@ As in PyramidKV's code, a prompt no longer than ``budget`` is kept whole in ever
 ``budget >= prompt length`` equals ``full``); the schedule applies to longer prompts. Under
 ``dynamic=True`` this puts a guard on the prompt length at ``budget`` (one graph each side).
 
-Scoring is SnapKV's: window votes summed over the GQA group per KV head, max-pooled.
+Scoring is SnapKV's (it is a ``SnapKV`` with a per-layer budget): window votes summed over the GQA group per
+KV head, max-pooled.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import Param
-from kvpass.policies.prefill.base import PrefillEviction
-from kvpass.policies.prefill.snapkv import KERNEL, POOL, check_pooling
+from kvpass.policies.contract import param
+from kvpass.policies.prefill.snapkv import SnapKV
 
 
 def pyramid(budget: int, window: int, n: int, steepness: int) -> list[int]:
@@ -42,15 +41,10 @@ def pyramid(budget: int, window: int, n: int, steepness: int) -> list[int]:
     return [window + x for x in cand]
 
 
-class PyramidKV(PrefillEviction):
+class PyramidKV(SnapKV):
     name = "pyramidkv"
     summary = "SnapKV scoring, budgets decreasing linearly with depth (mean = budget)"
-    params = PrefillEviction.params + (
-        KERNEL, POOL, Param("steepness", int, 20, 1, 1 << 20, "first/last layer budget ratio is about 2*steepness"))
-
-    def check_config(self) -> None:
-        super().check_config()
-        check_pooling(self)
+    steepness: int = param(20, 1, 1 << 20, "first/last layer budget ratio is about 2*steepness")
 
     def kept(self, site, total):
         if total <= self.budget:          # PyramidKV compresses only prompts longer than the budget
@@ -65,7 +59,3 @@ class PyramidKV(PrefillEviction):
         layers = site.global_layers or (site.layer,)
         budgets = pyramid(self.budget, self.window, len(layers), self.steepness)
         return budgets[layers.index(site.layer)] if site.layer in layers else self.budget
-
-    def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
-        votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
-        return scoring.pool(votes, cand, self.kernel, self.pool)

@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, Param, SitePlan
+from kvpass.policies.contract import ConfigError, SitePlan, param
 from kvpass.policies.prefill.base import PrefillEviction
 from kvpass.policies.prefill.punctuation import punctuation_ids
 
@@ -179,18 +179,16 @@ def _parse_ids(value) -> tuple[int, ...]:
 class SABlock(PrefillEviction):
     name = "sablock"
     summary = "segments at punctuation, segment-weighted scores, adaptive block size per segment"
-    params = PrefillEviction.params + (
-        Param("lam", float, 0.7, 0.0, 1.0, "segment weight: share of importance (rest: diversity)"),
-        Param("beta", float, 1.0, 0.0, 1e6, "tokens gain beta * w_S times their segment's mean score"),
-        Param("epsilon", float, 0.01, 0.0, 1.0, "uniform share mixed into a segment's score distribution"),
-        Param("theta", float, 0.9, 0.0, 1.0, "accept a block size keeping >= theta of the token-level score"),
-        Param("tokenizer", object, None, doc="the model's HF tokenizer (punctuation ids are derived from it)"),
-        Param("punctuation_ids", object, None, doc="explicit punctuation token ids (instead of a tokenizer)"),
-    )
+    lam: float = param(0.7, 0.0, 1.0, "segment weight: share of importance (rest: diversity)")
+    beta: float = param(1.0, 0.0, 1e6, "tokens gain beta * w_S times their segment's mean score")
+    epsilon: float = param(0.01, 0.0, 1.0, "uniform share mixed into a segment's score distribution")
+    theta: float = param(0.9, 0.0, 1.0, "accept a block size keeping >= theta of the token-level score")
+    tokenizer: object = param(None, doc="the model's HF tokenizer (punctuation ids are derived from it)")
+    punctuation_ids: object = param(None, doc="explicit punctuation token ids (instead of a tokenizer)")
 
     def check_config(self) -> None:
         super().check_config()
-        tok, ids = self.config["tokenizer"], self.config["punctuation_ids"]
+        tok, ids = self.tokenizer, self.punctuation_ids
         if tok is None and ids is None:
             raise ConfigError(f"policy 'sablock' needs the model's punctuation token ids: {HOW_TO_PASS}")
         if ids is None:
@@ -199,8 +197,8 @@ class SABlock(PrefillEviction):
                                   f"(with batch_decode), got {type(tok).__name__}")
             ids = punctuation_ids(tok)
         if tok is not None:  # explicit ids win; the config keeps a printable, hashable name
-            self.config["tokenizer"] = getattr(tok, "name_or_path", "") or type(tok).__name__
-        self.config["punctuation_ids"] = _parse_ids(ids)
+            self.tokenizer = getattr(tok, "name_or_path", "") or type(tok).__name__
+        self.punctuation_ids = _parse_ids(ids)
         self._ids: dict = {}
 
     def plan(self, site) -> SitePlan | str:

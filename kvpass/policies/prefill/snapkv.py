@@ -13,29 +13,23 @@ KV head keeps the window plus its ``budget - window`` best tokens, in their orig
 from __future__ import annotations
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, Param
+from kvpass.policies.contract import ConfigError, param
 from kvpass.policies.prefill.base import PrefillEviction
-
-KERNEL = Param("kernel", int, 7, 1, 1025, "pooling kernel over token scores (odd; 1 = no pooling)")
-POOL = Param("pool", str, "max", doc="pooling: 'max' (SnapKV's choice here) or 'avg'")
-
-
-def check_pooling(policy) -> None:
-    if policy.kernel % 2 == 0:
-        raise ConfigError(f"policy '{policy.name}': parameter 'kernel' must be an odd int in [1, 1025], "
-                          f"got {policy.kernel}")
-    if policy.pool not in ("max", "avg"):
-        raise ConfigError(f"policy '{policy.name}': parameter 'pool' must be 'max' or 'avg', got {policy.pool!r}")
 
 
 class SnapKV(PrefillEviction):
     name = "snapkv"
     summary = "window attention (pooled) picks the prompt tokens each layer and KV head keeps"
-    params = PrefillEviction.params + (KERNEL, POOL)
+    kernel: int = param(7, 1, 1025, "pooling kernel over token scores (odd; 1 = no pooling)")
+    pool: str = param("max", doc="pooling: 'max' (SnapKV's choice here) or 'avg'")
 
     def check_config(self) -> None:
         super().check_config()
-        check_pooling(self)
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"policy '{self.name}': parameter 'kernel' must be an odd int in [1, 1025], "
+                              f"got {self.kernel}")
+        if self.pool not in ("max", "avg"):
+            raise ConfigError(f"policy '{self.name}': parameter 'pool' must be 'max' or 'avg', got {self.pool!r}")
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
         votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
