@@ -98,7 +98,7 @@ def ranks_naive(p: list[float]) -> list[int]:
 
 def selection_layer_naive(votes: dict[int, list[float]], first: int, l_obs: int, tau: float, keep: int,
                           window: int, kernel: int, last: int):
-    """The rank-variance rule of DESIGN.md section 3, written out plainly."""
+    """ASL's rank-variance rule, written out plainly."""
     rk = {i: ranks_naive(pooled_candidates(v, window, kernel)) for i, v in votes.items()}
     var0 = None
     for layer in range(first, last + 1):

@@ -53,7 +53,7 @@ class Problem:
 
 @dataclass
 class Site:
-    """One attention call and the KV-cache update that feeds it (DESIGN.md section 2)."""
+    """One attention call and the KV-cache update that feeds it."""
 
     layer: int                  # index in graph order
     attention: str              # "sdpa" | "eager" | "flash"

@@ -7,7 +7,7 @@ middle of the graph: with static shapes the length is a literal in every ``view`
 the deeper layers, with dynamic shapes it is the input's symbol, and for ASL the layer where it
 happens is only known at run time.
 
-How kvpass carries it (docs/ARCHITECTURE.md section 5, "Layer-gated propagation"): the rewritten
+How kvpass carries it (docs/ARCHITECTURE.md section 3, "Layer-gated propagation"): the rewritten
 prefill graph is **split at the gates** (the residual add after each candidate layer's attention)
 into segments, and the backend returns a small Python runner instead of one compiled graph. The
 runner executes the segments in order; after a candidate layer it asks the policy whether this is

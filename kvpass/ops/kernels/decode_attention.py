@@ -26,7 +26,7 @@ group stops together, and only when no head still moves. The first block read is
 has nothing to compare with). After ``patience`` consecutive stable steps the remaining blocks are
 skipped. ``tau = 0`` or ``phi = 0`` never stops (both tests are strict), which is exact attention.
 
-Choices DESIGN.md leaves open, and why:
+Choices the ART paper leaves open, and why:
 
 * block 128 by default: on captured attention it reads fewer blocks at lower error than block 64
   for the same thresholds, and the stop rule's per-step reductions cost less per entry read;

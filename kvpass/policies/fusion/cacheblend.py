@@ -4,7 +4,7 @@ Position recovery as ``pie``; the selection pass (the first two layers on all to
 ``kvpass.policies.fusion.a3``) gives every document token its fresh layer-1 key, and the recompute set is
 the top ``ratio * n`` document tokens by the L2 deviation between the fresh key and the stored,
 re-rotated one, summed over KV heads. CacheBlend picks by KV deviation; the key alone is what this
-baseline is specified with (DESIGN.md section 3).
+baseline is specified with.
 """
 
 from __future__ import annotations

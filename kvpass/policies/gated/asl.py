@@ -5,7 +5,7 @@ the selected tokens travel through the deeper layers (``kvpass.compiler.gate``: 
 residual add after each candidate layer's attention, the residual stream, original position ids,
 RoPE cos/sin and masks are gathered, and the deeper segments run at ``budget`` tokens).
 
-**The rule** (DESIGN.md section 3). After each observed layer's attention, the last ``window``
+**The rule**. After each observed layer's attention, the last ``window``
 prompt tokens score every token: softmax(q k^T / sqrt d) in fp32, causal inside the window, summed
 over the window queries and over all query heads (``kvpass::layer_scores``), then average-pooled
 (``kernel`` 7, stride 1, zero padding) over the candidates (tokens before the window; the window and
@@ -54,7 +54,7 @@ from torch import Tensor
 from kvpass.policies.prefill import scoring
 from typing import ClassVar
 
-from kvpass.policies.contract import ConfigError, Needs, SitePlan, param
+from kvpass.policies.contract import Needs, SitePlan, param
 from kvpass.policies.prefill.base import PrefillEviction
 
 
@@ -103,9 +103,7 @@ class GatedSelection(PrefillEviction):
 
     def check_config(self) -> None:
         super().check_config()
-        if self.kernel % 2 == 0:
-            raise ConfigError(f"policy '{self.name}': parameter 'kernel' must be an odd int in [1, 1025], "
-                              f"got {self.kernel}")
+        self.check_kernel()
 
     # -- compile time ----------------------------------------------------------------------------
     def plan(self, site) -> SitePlan | str:
@@ -140,8 +138,7 @@ class GatedSelection(PrefillEviction):
         return super().stored_length(site, total) if self.compress else total
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
-        votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
-        return scoring.pool(votes, cand, self.kernel, "avg")
+        return self.pooled_votes(site, q, k, kv_pos, q_pos, cand, "avg")
 
 
 class ASL(GatedSelection):

@@ -54,7 +54,7 @@ so its natural scale is ``1 / resident pages`` (1/37 in the sweep).
 On a ``kvpass.SlotCache`` the pool is the layer's slots (``slot_capacity``: the prompt's pages plus the
 decode pages) and the page tables are its layer state (``slot_state``); the same rules run per layer
 as tensor code inside the compiled graphs (``slot_pool`` after the prefill, ``slot_place`` and
-``slot_stamp`` at each step), so the decode step is captured whole (docs/ARCHITECTURE.md, 3b).
+``slot_stamp`` at each step), so the decode step is captured whole (docs/ARCHITECTURE.md, 6b).
 
 Positions stay true: every slot's token index is in ``LayerState.pos`` and RoPE continues from the
 tokens seen. Batch > 1 works with per-(sequence, KV head) page tables. Graphs that append several

@@ -73,6 +73,16 @@ class PrefillEviction(Policy):
         priority = self.priority(site, q, k, kv_pos, q_pos, valid & ~forced, keep - self.window, tokens)
         return scoring.keep_top(priority, forced, valid, keep)
 
+    def check_kernel(self) -> None:
+        """The pooling kernel of a policy that pools window votes (``kernel`` field) must be odd."""
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"policy '{self.name}': parameter 'kernel' must be an odd int in [1, 1025], "
+                              f"got {self.kernel}")
+
+    def pooled_votes(self, site, q, k, kv_pos, q_pos, cand, mode: str):
+        """SnapKV's priority: the window's votes (``scoring.window_scores``), pooled over the candidates."""
+        return scoring.pool(scoring.window_scores(site, q, k, kv_pos, q_pos, self.window), cand, self.kernel, mode)
+
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
         """Score ``[B, H_kv, N]`` of every candidate (higher = kept first); ``quota`` candidates are
         kept in rows long enough to evict."""

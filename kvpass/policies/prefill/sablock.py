@@ -29,7 +29,7 @@ for every prefill policy, see ``kvpass.policies.prefill.base``):
    least ``theta`` times the score of the segment's token-level top ``b_S``; size 1 is the
    token-level top ``b_S`` itself, so a size is always found and every quota is met exactly.
 
-The paper's formulas and values were lost (DESIGN.md 3); these are the choices, and why:
+The paper's formulas and values were not available to us; these are the choices, and why:
 
 * ``lam = 0.7``: importance is the signal that SnapKV-style eviction has shown to work, so it
   leads; diversity breaks ties between comparably important segments in favour of those whose
@@ -53,7 +53,7 @@ The paper's formulas and values were lost (DESIGN.md 3); these are the choices, 
   quotas blocks cover the important tokens at almost no loss and size 9 wins; with small quotas a
   few blocks cannot reach scattered important tokens, and the search falls back to token-level
   selection (always below a quota of 3).
-* block sizes 9, 7, 5, 3, 1 (DESIGN.md): odd sizes centred like SnapKV's pooling kernel of 7,
+* block sizes 9, 7, 5, 3, 1: odd sizes centred like SnapKV's pooling kernel of 7,
   the largest a little above it.
 
 The sensitivity of accuracy to ``lam``, ``beta`` and ``theta`` is in the README and

@@ -12,7 +12,6 @@ KV head keeps the window plus its ``budget - window`` best tokens, in their orig
 
 from __future__ import annotations
 
-from kvpass.policies.prefill import scoring
 from kvpass.policies.contract import ConfigError, param
 from kvpass.policies.prefill.base import PrefillEviction
 
@@ -25,12 +24,9 @@ class SnapKV(PrefillEviction):
 
     def check_config(self) -> None:
         super().check_config()
-        if self.kernel % 2 == 0:
-            raise ConfigError(f"policy '{self.name}': parameter 'kernel' must be an odd int in [1, 1025], "
-                              f"got {self.kernel}")
+        self.check_kernel()
         if self.pool not in ("max", "avg"):
             raise ConfigError(f"policy '{self.name}': parameter 'pool' must be 'max' or 'avg', got {self.pool!r}")
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
-        votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
-        return scoring.pool(votes, cand, self.kernel, self.pool)
+        return self.pooled_votes(site, q, k, kv_pos, q_pos, cand, self.pool)
