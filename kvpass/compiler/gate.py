@@ -43,6 +43,8 @@ import torch
 from torch import Tensor, fx
 
 from kvpass.cache import runtime as _runtime
+from kvpass.compiler.detect import val
+from kvpass.compiler.positions import derived, view_root
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,12 +92,11 @@ def _(pos, handle):
 def shift_passed_positions(gm: fx.GraphModule, sites, handle: int) -> list[str]:
     """Decode/append graphs of a renumbering policy: route position ids that were passed in (not derived
     from the cache length, which ``true_positions`` already fixes) through ``shift_positions``."""
-    from kvpass.compiler.rewrite import _derived
 
     done = []
     graph = gm.graph
     for pos in dict.fromkeys(s.positions for s in sites if s.positions is not None):
-        if _derived(pos):
+        if derived(pos):
             continue
         with graph.inserting_after(pos):
             sp = graph.call_function(torch.ops.kvpass.shift_positions.default, (pos, handle))
@@ -114,7 +115,6 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     prefill left in ``count[2]``, on the device (the counters of the graph's first slot write: every
     layer's hold the same shift)."""
     from kvpass.cache.slots import pending_positions, write_slots
-    from kvpass.compiler.rewrite import _view_root
 
     count = next((n.args[3] if n.target is write_slots else n.args[1] for n in gm.graph.nodes
                   if n.op == "call_function" and n.target in (write_slots, pending_positions)), None)
@@ -124,7 +124,7 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     # once per position tensor: several RoPEs (Gemma 3: local and global) may read views of one
-    for pos in dict.fromkeys(_view_root(s.positions)[0] for s in sites if s.positions is not None):
+    for pos in dict.fromkeys(view_root(s.positions)[0] for s in sites if s.positions is not None):
         # (passed-in positions are an input that may come before the counters' input)
         with graph.inserting_after(max(pos, count, key=order.__getitem__)):
             shift = graph.call_function(operator.getitem, (count, 2))
@@ -141,10 +141,6 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # analysis
 # ----------------------------------------------------------------------------------------------
-
-
-def _val(node):
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
 def _same(a, b) -> bool:
@@ -320,9 +316,9 @@ class GatedGraph:
             seg.outputs = outs
         # how each value that can cross a gate is carried to the shorter segments
         for n in {a for seg in segs[1:] for a in seg.inputs}:
-            v = _val(n)
+            v = val(n)
             if v is None and n.op == "call_function" and n.target in _SHAPE_OF_INPUT and n.args:
-                v = _val(n.args[0])     # an op the rewrite inserted: same shape as its input
+                v = val(n.args[0])     # an op the rewrite inserted: same shape as its input
             if v is None and n.op != "placeholder":
                 return f"'{n.name}' crosses a gate without a recorded shape; the gate cannot tell its token dims"
             if isinstance(v, torch.Tensor):
@@ -340,7 +336,7 @@ class GatedGraph:
         self.tokens = next((s.tokens for s in sites.values() if s.tokens is not None), None)
         self.ph_dims = {}
         for n in self.placeholders:
-            v = _val(n)
+            v = val(n)
             if isinstance(v, torch.Tensor):
                 if any(_mentions(d, length) and not _same(d, length) for d in v.shape):
                     return f"input '{n.name}' has a size derived from the prompt length ({tuple(v.shape)})"
@@ -377,7 +373,7 @@ class GatedGraph:
         Dynamo left unspecialized is a 0-d tensor whose ``item()`` only that mode's fake can answer)."""
         given = dict(zip(self.placeholders, example_inputs))
         for seg in self.segments:
-            fakes = [given[x] if x in given else _val(x) for x in seg.inputs]
+            fakes = [given[x] if x in given else val(x) for x in seg.inputs]
             if all(isinstance(f, (Tensor, int, float, torch.SymInt, torch.SymFloat)) for f in fakes):
                 seg.compiled, seg.fakes = self.compile_segment(seg.gm, fakes), fakes
 
@@ -527,9 +523,9 @@ class GatedGraph:
     def transform_dims(self, node) -> tuple:
         t = self.transform.get(node)
         if t is None or t[0] != "gather":
-            v = _val(node)
+            v = val(node)
             if v is None and node.args:   # an op the rewrite inserted (true_positions): its input's shape
-                v = _val(node.args[0])
+                v = val(node.args[0])
             return tuple(d for d in range(v.dim()) if _same(v.shape[d], self.length))
         return t[1]
 
@@ -653,7 +649,7 @@ def _check(sites, cuts) -> str | None:
         res = by_layer[layer].residual
         if res is None:
             return f"layer {layer}: no residual add after the attention output (the gate's place)"
-        v = _val(res)
+        v = val(res)
         if not (isinstance(v, torch.Tensor) and v.dim() == 3 and _same(v.shape[1], by_layer[layer].q_len)):
             return f"layer {layer}: the residual stream at '{res.name}' is not [batch, tokens, hidden]"
         cut_nodes.append(res)
@@ -664,9 +660,9 @@ def _check(sites, cuts) -> str | None:
     graph = cut_nodes[0].graph
     if not isinstance(length, torch.SymInt):
         clash = {s.heads for s in sites} | {s.kv_heads for s in sites} | {s.head_dim for s in sites}
-        clash.add(_val(cut_nodes[0]).shape[0])
+        clash.add(val(cut_nodes[0]).shape[0])
         for n in graph.nodes:
-            v = _val(n)
+            v = val(n)
             if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.is_floating_point():
                 clash |= {d for d in v.shape if isinstance(d, int)}
         if length in clash:

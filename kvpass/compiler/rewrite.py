@@ -19,7 +19,7 @@
 
 Any shape reads a decode step's cache with ``decode_attention`` (ART) instead of exact attention when the plan
 carries a ``DecodeRead``. Once a site evicts or appends to a shrunk cache, position ids the model derived from
-the cache length pass through ``true_positions`` (``_fix_positions``).
+the cache length pass through ``true_positions`` (``kvpass.compiler.positions``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import dataclasses
 import operator
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.slots import pending_positions, write_slots
-from kvpass.compiler.detect import Detection, Site, is_fn
+from kvpass.compiler.detect import Detection, Site
 from kvpass.ops.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
+from kvpass.compiler.positions import fix_positions
 from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks
 
 OPS = torch.ops.kvpass
@@ -256,77 +256,6 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     graph.erase_node(site.slot)
 
 
-def _derived(pos: fx.Node) -> bool:
-    """True when position ids were computed inside the graph (from the cache length), not passed in.
-
-    Only tensor values count as "passed in": an integer tensor input reached through data edges.
-    Shape edges (``input_ids.size(1)`` under dynamic shapes) carry lengths, not positions.
-    """
-    stack, seen = [pos], set()
-    while stack:
-        n = stack.pop()
-        ex = n.meta.get("example_value")
-        if not isinstance(ex, torch.Tensor):
-            continue  # a SymInt / int: shape information
-        if n.op == "placeholder":
-            if not ex.is_floating_point():
-                return False
-            continue
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return True
-
-
-def _float(node: fx.Node) -> bool:
-    ex = node.meta.get("example_value")
-    return not isinstance(ex, torch.Tensor) or ex.is_floating_point()
-
-
-_VIEWS = {"unsqueeze", "view", "reshape", "expand", "__getitem__"}
-
-
-def _view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
-    """(the integer tensor ``pos`` is a view of, through indexing / unsqueeze / view / expand; the
-    node on that path that reads it, None when ``pos`` is its own root)."""
-    child = None
-    while True:
-        src = pos.args[0] if pos.args and isinstance(pos.args[0], fx.Node) else None
-        view = (pos.op == "call_function" and pos.target is operator.getitem) or \
-            (pos.op == "call_method" and pos.target in _VIEWS)
-        ex = src.meta.get("example_value") if src is not None else None
-        if not view or not isinstance(ex, torch.Tensor) or ex.is_floating_point():
-            return pos, child
-        pos, child = src, pos
-
-
-def _fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]:
-    """Route derived position ids through ``true_positions``. Several RoPEs (Gemma 3: local and global)
-    read views of one position tensor: that tensor is fixed once, since every ``true_positions`` of a
-    graph must see the state of the call's start, and Inductor may run a second one after layers of the
-    same call recorded their new count (it moved Gemma 3's global layers by one position)."""
-    fixed = []
-    # RoPE's positions, and learned absolute positions (GPT-2: an embedding table looked up by position)
-    learned = [n.args[0] for n in graph.nodes if is_fn(n, {F.embedding, torch.embedding}) and
-               isinstance(n.args[0], fx.Node) and not _float(n.args[0])]
-    derived = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + learned)
-               if _derived(p)]
-    paths = [_view_root(p) for p in derived]
-    if len({root for root, _ in paths}) == 1 and len(derived) > 1:
-        # one op on the shared tensor, read through it only by the views that lead to the RoPEs
-        root, readers = paths[0][0], {child for _, child in paths}
-        targets = [(root, None if None in readers else (lambda u: u in readers))]
-    else:
-        targets = [(p, None) for p in derived]
-    for pos, only in targets:
-        with graph.inserting_after(pos):
-            tp = graph.call_function(OPS.true_positions.default, (pos, handle))
-        pos.replace_all_uses_with(tp, delete_user_cb=lambda u, only=only: u is not tp and (only is None or only(u)))
-        fixed.append(pos.name)
-    return fixed
-
-
 def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
     """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
     graph = gm.graph
@@ -338,7 +267,7 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     evicting, appending = done["evict"] + done["pool"], done["append"]
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
     # model derives positions from: fix them all.
-    fixed = _fix_positions(graph, found.sites, handle) if evicting or appending else []
+    fixed = fix_positions(graph, found.sites, handle) if evicting or appending else []
     passed = next((s.positions for s in found.sites if s.positions is not None), None)
     after_prefill = any(s.phase != "prefill" for s in found.sites)
     if (appending or evicting) and after_prefill and not fixed and passed is not None:

@@ -1,0 +1,87 @@
+"""Positions after eviction: position ids the model derived from the cache's (shortened) length are routed
+through ``kvpass::true_positions``, so RoPE and learned positions stay the true token indices. ``derived``
+tells derived position ids from ones passed in, ``view_root`` finds the tensor several RoPEs read views of.
+Used by the rewrite and by the gate (a gated prefill's segments)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from kvpass.compiler.detect import Site, is_fn
+
+OPS = torch.ops.kvpass
+
+
+def derived(pos: fx.Node) -> bool:
+    """True when position ids were computed inside the graph (from the cache length), not passed in.
+
+    Only tensor values count as "passed in": an integer tensor input reached through data edges.
+    Shape edges (``input_ids.size(1)`` under dynamic shapes) carry lengths, not positions.
+    """
+    stack, seen = [pos], set()
+    while stack:
+        n = stack.pop()
+        ex = n.meta.get("example_value")
+        if not isinstance(ex, torch.Tensor):
+            continue  # a SymInt / int: shape information
+        if n.op == "placeholder":
+            if not ex.is_floating_point():
+                return False
+            continue
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return True
+
+
+def _float(node: fx.Node) -> bool:
+    ex = node.meta.get("example_value")
+    return not isinstance(ex, torch.Tensor) or ex.is_floating_point()
+
+
+_VIEWS = {"unsqueeze", "view", "reshape", "expand", "__getitem__"}
+
+
+def view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(the integer tensor ``pos`` is a view of, through indexing / unsqueeze / view / expand; the
+    node on that path that reads it, None when ``pos`` is its own root)."""
+    child = None
+    while True:
+        src = pos.args[0] if pos.args and isinstance(pos.args[0], fx.Node) else None
+        view = (pos.op == "call_function" and pos.target is operator.getitem) or \
+            (pos.op == "call_method" and pos.target in _VIEWS)
+        ex = src.meta.get("example_value") if src is not None else None
+        if not view or not isinstance(ex, torch.Tensor) or ex.is_floating_point():
+            return pos, child
+        pos, child = src, pos
+
+
+def fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]:
+    """Route derived position ids through ``true_positions``. Several RoPEs (Gemma 3: local and global)
+    read views of one position tensor: that tensor is fixed once, since every ``true_positions`` of a
+    graph must see the state of the call's start, and Inductor may run a second one after layers of the
+    same call recorded their new count (it moved Gemma 3's global layers by one position)."""
+    fixed = []
+    # RoPE's positions, and learned absolute positions (GPT-2: an embedding table looked up by position)
+    learned = [n.args[0] for n in graph.nodes if is_fn(n, {F.embedding, torch.embedding}) and
+               isinstance(n.args[0], fx.Node) and not _float(n.args[0])]
+    found = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + learned)
+             if derived(p)]
+    paths = [view_root(p) for p in found]
+    if len({root for root, _ in paths}) == 1 and len(found) > 1:
+        # one op on the shared tensor, read through it only by the views that lead to the RoPEs
+        root, readers = paths[0][0], {child for _, child in paths}
+        targets = [(root, None if None in readers else (lambda u: u in readers))]
+    else:
+        targets = [(p, None) for p in found]
+    for pos, only in targets:
+        with graph.inserting_after(pos):
+            tp = graph.call_function(OPS.true_positions.default, (pos, handle))
+        pos.replace_all_uses_with(tp, delete_user_cb=lambda u, only=only: u is not tp and (only is None or only(u)))
+        fixed.append(pos.name)
+    return fixed
