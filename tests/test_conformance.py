@@ -22,7 +22,6 @@ from transformers import DynamicCache
 import kvpass
 from conformance import CONFORMANCE, NEW, PROMPT, PUNCT
 from families import build, skip_uneven_layers_on_old_stacks
-from kvpass.errors import KVPassWarning
 from kvpass.policies import POLICIES
 
 PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
@@ -151,11 +150,11 @@ def test_left_padded_batch_equals_rows_alone(model, policy):
 
 @pytest.mark.parametrize("policy", by_policy(FUSION))
 def test_fusion_policy_outside_chunk_fusion_is_refused(model, policy):
-    """Compiled on its own, a chunk-fusion policy has nothing to fuse: the graph runs unchanged (the model's
-    own prefill) and a warning names kvpass.ChunkFusion, never a silent run that looks like the policy's."""
+    """Compiled on its own, a chunk-fusion policy has nothing to fuse: its prefill raises, naming
+    kvpass.ChunkFusion, never a silent run that looks like the policy's (pie, legolink and full_reuse ran as
+    ``full`` before this loop)."""
     be = kvpass.backend(policy, compiler="eager")
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
-    with pytest.warns(KVPassWarning, match="run requests through kvpass.ChunkFusion"):
+    with pytest.raises(kvpass.ConfigError, match="run requests through kvpass.ChunkFusion"):
         with torch.no_grad():
             fwd(input_ids=LONG, past_key_values=DynamicCache(config=model.config), use_cache=True)
-    assert be.reports and not any(r.changed for r in be.reports)

@@ -78,9 +78,11 @@ class ChunkFusionPolicy(Policy):
         self.request: FusionRequest | None = None
 
     def plan(self, site) -> SitePlan | str:
-        if not self.drives_graphs:
+        if not self.drives_graphs:  # a plain forward under a fusion name: ``select`` refuses it when it runs
+            if site.cache in ("dynamic", "slot"):
+                return SitePlan(attention=True, evict=True)
             return (f"'{self.name}' is a chunk-fusion policy: run requests through kvpass.ChunkFusion(model, store, "
-                    f"'{self.name}'), which compiles the fusion graphs itself; a plain forward has no chunks to fuse")
+                    f"'{self.name}'); this graph uses a {site.cache} cache")
         if site.sliding_window:
             return (f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window layer "
                     f"(window {site.sliding_window}) cannot hold a merged cache")
