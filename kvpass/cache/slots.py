@@ -155,10 +155,11 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     values[:, :, :n].copy_(kept_v)
     pos.fill_(-1)
     pos[:, :, :n].copy_(kept_pos)
-    for name, tensor in zip(rt.policy.slot_state(cap, keys.shape[-1]), state):
-        if isinstance(kept_state, dict) and name in kept_state:
-            tensor.zero_()
-            tensor[:, :, :n].copy_(kept_state[name].gather(2, order).to(tensor.dtype))
+    if isinstance(kept_state, dict) and kept_state:
+        for name, tensor in zip(rt.policy.slot_state(cap, keys.shape[-1]), state):
+            if name in kept_state:
+                tensor.zero_()
+                tensor[:, :, :n].copy_(kept_state[name].gather(2, order).to(tensor.dtype))
     count[0], count[1], count[2] = length, n, 0
 
 

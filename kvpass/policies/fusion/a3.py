@@ -122,6 +122,14 @@ class ChunkFusionPolicy(Policy):
         """Ascending positions of the document tokens to recompute (Re)."""
         return torch.zeros(0, dtype=torch.long)
 
+
+class TopRatio(ChunkFusionPolicy):
+    """Recompute the ``ratio`` share of the document tokens that the policy's ``score`` ranks highest, found by
+    the two-layer selection pass (a3: the question's attention; cacheblend: the layer-1 key deviation)."""
+
+    ratio: float = param(0.15, 0.0, 1.0, "share r of the document tokens recomputed")
+    needs_probe = True
+
     def top_ratio(self, req: FusionRequest) -> Tensor:
         """The ``ceil(ratio * n)`` document tokens of highest ``req.scores`` (ties: earlier), ascending."""
         doc = req.doc.nonzero().reshape(-1)
@@ -135,18 +143,16 @@ class ChunkFusionPolicy(Policy):
         order = torch.sort(-s, stable=True).indices[:take]
         return doc[order].sort().values
 
+    def recompute(self, req: FusionRequest) -> Tensor:
+        return self.top_ratio(req)
 
-class A3(ChunkFusionPolicy):
+
+class A3(TopRatio):
     name = "a3"
     summary = "chunk fusion: re-rotated stored KV, recompute the top r document tokens by the question's attention"
-    ratio: float = param(0.15, 0.0, 1.0, "share r of the document tokens recomputed")
-    needs_probe = True
 
     def score(self, site, q, k, kv_pos, q_pos, req):
         w = req.question
         votes = torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
                                                float(site.softcap))      # [B, H_kv, L], summed over Q and group
         return votes.sum(dim=1)[0]
-
-    def recompute(self, req):
-        return self.top_ratio(req)

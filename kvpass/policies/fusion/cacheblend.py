@@ -9,15 +9,12 @@ baseline is specified with.
 
 from __future__ import annotations
 
-from kvpass.policies.contract import param
-from kvpass.policies.fusion.a3 import ChunkFusionPolicy
+from kvpass.policies.fusion.a3 import TopRatio
 
 
-class CacheBlend(ChunkFusionPolicy):
+class CacheBlend(TopRatio):
     name = "cacheblend"
     summary = "chunk fusion: recompute the top r document tokens by layer-1 key deviation"
-    ratio: float = param(0.15, 0.0, 1.0, "share r of the document tokens recomputed")
-    needs_probe = True
 
     def score(self, site, q, k, kv_pos, q_pos, req):
         cached = req.cached_keys
@@ -26,6 +23,3 @@ class CacheBlend(ChunkFusionPolicy):
         out = dev.new_zeros(k.shape[2])
         out[:n] = dev
         return out
-
-    def recompute(self, req):
-        return self.top_ratio(req)
