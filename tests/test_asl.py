@@ -511,9 +511,9 @@ def test_layer_scores_op():
     got = torch.ops.kvpass.layer_scores(q, k, mask, 0.3, 0.0, 4)
     s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.3
     s = s.masked_fill(~mask, float("-inf"))
-    want = s.softmax(-1)[:, :, -4:].sum((1, 2))
+    want = s.softmax(-1)[:, :, -4:].sum(2).unflatten(1, (2, 2)).sum(2)   # per KV head: its group's queries
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert (got[1, :3] == 0).all()
+    assert got.shape == (2, 2, 10) and (got[1, :, :3] == 0).all()
     torch.library.opcheck(torch.ops.kvpass.layer_scores.default, (q, k, mask, 0.3, 0.0, 4))
     torch.library.opcheck(torch.ops.kvpass.layer_scores.default, (q, k, None, 0.3, 5.0, 16))
 

@@ -44,6 +44,12 @@ def past_length(k_past: Tensor) -> int:
     return k_past.shape[-2] if k_past.dim() == 4 else 0
 
 
+def selection_inputs(tokens: Tensor | None, votes: Tensor | None) -> dict:
+    """The optional inputs of ``Policy.select``: only policies whose plan asks for them get them (``tokens``:
+    the call's input ids; ``votes``: the window votes of every KV head of the layer)."""
+    return {k: v for k, v in (("tokens", tokens), ("votes", votes)) if v is not None}
+
+
 def key_validity(mask: Tensor | None, b: int, length: int) -> Tensor | None:
     """[B, L] True where a key is visible to at least one query (False = padding), from an HF mask."""
     if mask is None or mask.dim() != 4 or mask.shape[-1] != length:
@@ -91,9 +97,9 @@ class Runtime:
         return kv_pos.contiguous(), q_pos
 
     def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor,
-                tokens: Tensor | None = None):
+                tokens: Tensor | None = None, votes: Tensor | None = None):
         info = self.sites[site]
-        extra = {} if tokens is None else {"tokens": tokens}  # only policies that plan for tokens get them
+        extra = selection_inputs(tokens, votes)
         keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site), **extra)
         # A policy may return (keep, extra): `extra` becomes the layer's bookkeeping (a paged policy's
         # page tables). Index -1 in `keep` is an empty slot of a preallocated pool: stored, never visible.

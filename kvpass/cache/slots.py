@@ -104,7 +104,7 @@ def _(keys, values, pos, count, k_new, v_new, state, window=0, policy=""):
                          mutates_args=("keys", "values", "pos", "count", "state"))
 def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], q: Tensor,
                  k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int,
-                 tokens: Tensor | None = None) -> None:
+                 tokens: Tensor | None = None, votes: Tensor | None = None) -> None:
     """A prefill on an empty slot cache: the policy keeps entries of the prompt (``Policy.select``, as
     ``compact`` does on a DynamicCache) and they are written into the first slots, in position order;
     the other slots are emptied. A policy's ``select`` may return ``(keep, bookkeeping)``: a bookkeeping
@@ -125,7 +125,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if valid is not None:
         kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
-    extra = {} if tokens is None else {"tokens": tokens}
+    extra = runtime.selection_inputs(tokens, votes)
     kept_state = {}
     if rt.sites[site].sliding_window:  # a sliding layer's ring holds the window's most recent entries
         keep = kv_pos.topk(min(cap, length), dim=-1).indices if length > cap else None
@@ -164,7 +164,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
 
 
 @slot_prefill.register_fake
-def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, tokens=None):
+def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, tokens=None, votes=None):
     return None
 
 
@@ -345,7 +345,8 @@ class SlotCache(Cache):
 
     Args:
         model: the HF model (its config gives layers, KV heads and head size; its first parameter
-            the dtype and device unless given).
+            the dtype and device unless given). A model split by transformers' tensor parallelism
+            (``tp_plan="auto"``) gets a cache of this rank's KV heads.
         backend: the ``kvpass.backend(...)`` the model is compiled with; its policy sizes the slots.
         max_length: the most tokens a sequence will see (prompt + new tokens).
         batch_size: rows of the batch.
@@ -372,6 +373,10 @@ class SlotCache(Cache):
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        ranks = getattr(model, "tp_size", None) or 1   # transformers' tensor parallelism: this rank's heads
+        if kv_heads % ranks:
+            raise ConfigError(f"SlotCache: {kv_heads} KV heads do not split over {ranks} tensor-parallel ranks")
+        kv_heads //= ranks
         p = next(model.parameters())
         dtype, device = dtype or p.dtype, device or p.device
         new = max_length if max_new_tokens is None else max_new_tokens

@@ -22,6 +22,7 @@ from kvpass.compiler import plan as _plan
 from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.compiler import rewrite as _rewrite
+from kvpass.compiler import tp as _tp
 from kvpass.cache import runtime as _runtime
 from kvpass.errors import ConfigError, warn_once
 from kvpass.policies import Policy, SitePlan, make_policy
@@ -49,6 +50,8 @@ class GraphReport:
     gate: object = None      # kvpass.compiler.gate.GatedGraph: the prefill runs split at the gates (ASL, FastKV)
     slots: list[int] = field(default_factory=list)     # kvpass.SlotCache sites (kvpass.cache.slots)
     cudagraphs: bool = False  # compiled with Inductor's CUDA graphs (mode="reduce-overhead")
+    tp: str = ""              # tensor parallel: this rank's share of the heads (kvpass.compiler.tp)
+    reductions: list[str] = field(default_factory=list)  # collectives the pass inserted (decisions across heads)
 
     @property
     def changed(self) -> bool:
@@ -109,13 +112,16 @@ class KVPass(CustomGraphPass):
         gm = graph.owning_module
         found = _detect.detect(gm)
         problems = [str(p) for p in found.problems]
+        tp = None if problems else _tp.find(gm, found.sites)
+        if isinstance(tp, str):
+            problems.append(tp)
         phase = _phase(found)
         plans: dict[int, SitePlan] = {}
         if not problems:
             if idle := self.policy.idle_reason(found.sites):
                 warn_once(f"kvpass: {idle}", self)
             for site in found.sites:
-                site.phase = phase
+                site.phase, site.tp = phase, tp
                 plan = _plan.plan_site(self.policy, site)
                 if isinstance(plan, str):
                     problems.append(f"policy '{self.policy.name}': {plan}")
@@ -124,6 +130,8 @@ class KVPass(CustomGraphPass):
                 self.runtime.sites[site.layer] = site
         report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
                              plans={i: p.describe(phase) for i, p in plans.items()}, problems=problems)
+        if tp is not None and not isinstance(tp, str):
+            report.tp = tp.describe(found.sites[0].heads, found.sites[0].kv_heads)
         needs = self.policy.needs
         gates = needs.gates and phase == "prefill"
         if gates and not problems:
@@ -141,6 +149,7 @@ class KVPass(CustomGraphPass):
         report.appending = summary["appending"]
         report.positions_fixed = summary["positions_fixed"]
         report.slots = summary["slots"]
+        report.reductions = summary["reductions"]
         if needs.renumber and phase != "prefill":
             report.positions_fixed += (_gate.shift_slot_positions(gm, found.sites) if summary["slots"] else
                                        _gate.shift_passed_positions(gm, found.sites, self.runtime.handle))
@@ -151,13 +160,14 @@ class KVPass(CustomGraphPass):
                           f"every token in every layer: {gated}", self)
             else:
                 report.gate = gated
+                report.reductions += gated.reductions
                 for layer in gated.cuts:
                     report.plans[layer] += " + gate candidate"
         return report
 
     def uuid(self) -> str:
         h = hashlib.sha256(self.policy.uuid().encode())
-        for mod in (_detect, _plan, _rewrite, _ops, _runtime, _gate, _cache):
+        for mod in (_detect, _plan, _rewrite, _ops, _runtime, _gate, _cache, _tp):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 

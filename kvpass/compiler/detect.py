@@ -83,6 +83,7 @@ class Site:
     tokens: fx.Node | None = None    # the graph's input token ids (the embedding's input), if any
     slot: fx.Node | None = None      # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
     global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
+    tp: object = None                # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
 
     @property
@@ -118,6 +119,16 @@ def val(node):
     if isinstance(node, fx.Node):
         return node.meta.get("example_value")
     return None
+
+
+def local_of(node):
+    """The local tensor a ``DTensor.from_local`` wraps (tensor parallelism wraps the token ids before the
+    embedding), else ``node``."""
+    t = getattr(node, "target", None)
+    if (isinstance(node, fx.Node) and node.op == "call_function" and getattr(t, "__name__", "") == "from_local"
+            and getattr(t, "__module__", "").startswith("torch.distributed") and node.args):
+        return node.args[0]
+    return node
 
 
 def is_fn(node, fns) -> bool:
@@ -613,7 +624,7 @@ def _token_ids(gm: fx.GraphModule) -> fx.Node | None:
     """The integer ids fed to the first embedding lookup, when they are a graph input."""
     for n in gm.graph.nodes:
         if is_fn(n, {F.embedding, torch.embedding}) and n.args:
-            ids = n.args[0]
+            ids = local_of(n.args[0])
             ex = val(ids)
             if (isinstance(ids, fx.Node) and ids.op == "placeholder" and isinstance(ex, torch.Tensor)
                     and not ex.is_floating_point()):

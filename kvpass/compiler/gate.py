@@ -44,35 +44,13 @@ from torch import Tensor, fx
 
 from kvpass.cache import runtime as _runtime
 from kvpass.compiler.detect import val
+from kvpass.compiler import tp as _tp
 from kvpass.compiler.positions import derived, view_root
 
 
 # ----------------------------------------------------------------------------------------------
-# the scoring operator inserted after every observed layer's attention
+# the position operators of a renumbering (two-pass) prefill
 # ----------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("kvpass::layer_scores", mutates_args=())
-def layer_scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, window: int) -> Tensor:
-    """Attention ``[B, N]`` (fp32) that the last ``window`` queries give each prompt token, summed over
-    those queries and over all query heads (GQA groups and KV heads); causal inside the window,
-    padding keys (from a 4-D model mask) get nothing. ``q [B, H, N, D]``, ``k [B, H_kv, N, D]``.
-    Runs ``kvpass::window_scores`` (Triton on CUDA: no ``[H, W, N]`` score tensor)."""
-    b, _, n, _ = q.shape
-    w = min(window, n)
-    pos = torch.arange(n, device=q.device).expand(b, n)
-    valid = _runtime.key_validity(mask, b, n)
-    if valid is not None:
-        pos = torch.where(valid, pos, torch.full_like(pos, -1))
-    kv_pos = pos[:, None, :].expand(b, k.shape[1], n).contiguous()
-    q_pos = torch.arange(n - w, n, device=q.device).expand(b, w).contiguous()
-    votes = torch.ops.kvpass.window_scores(q[:, :, n - w:], k, kv_pos, q_pos, float(scale), float(softcap))
-    return votes.sum(1)
-
-
-@layer_scores.register_fake
-def _(q, k, mask, scale, softcap, window):
-    return q.new_empty((q.shape[0], q.shape[2]), dtype=torch.float32)
 
 
 @torch.library.custom_op("kvpass::shift_positions", mutates_args=())
@@ -240,6 +218,7 @@ class GatedGraph:
         self.transform: dict[fx.Node, tuple] = {}
         self.length = None
         self.output = None
+        self.reductions: list[str] = []   # collectives inserted for decisions across heads (kvpass.compiler.tp)
 
     # -- construction -----------------------------------------------------------------------------
     def prepare(self) -> str | None:
@@ -271,8 +250,13 @@ class GatedGraph:
                 if isinstance(scale, fx.Node):
                     q = graph.call_function(operator.mul, (q, scale))
                     scale = 1.0
-                score_nodes[layer] = graph.call_function(torch.ops.kvpass.layer_scores.default, (
+                per_head = graph.call_function(torch.ops.kvpass.layer_scores.default, (
                     q, s.k_new, s.mask, float(scale), float(s.softcap), int(self.policy.window)))
+            every_head = _tp.gather_heads(graph, per_head, s.tp)   # the whole layer's heads on every rank
+            if every_head is not per_head:
+                self.reductions.append(f"layer {layer}: layer_scores all_gather over {s.tp.size} ranks")
+            with graph.inserting_after(every_head):
+                score_nodes[layer] = graph.call_function(torch.sum, (every_head, 1))
         order = {n: i for i, n in enumerate(graph.nodes)}
         if pos_cuts and max(order[p] for p in pos_cuts) > order[cut_nodes[0]]:
             return "a position tensor is computed after the first candidate layer"

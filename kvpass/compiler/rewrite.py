@@ -36,6 +36,7 @@ from kvpass.compiler.detect import Detection, Site
 from kvpass.ops.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
 from kvpass.compiler.positions import fix_positions
+from kvpass.compiler.tp import gather_heads
 from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks
 
 OPS = torch.ops.kvpass
@@ -91,7 +92,7 @@ def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, 
     return out
 
 
-def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
     read = plan.read
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
@@ -104,7 +105,22 @@ def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) ->
     _erase(graph, [site.out] + site.erase)
 
 
-def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductions: list) -> fx.Node | None:
+    """A prefill whose selection reads the whole layer's window votes (``SitePlan.layer_votes``): they are
+    computed in the graph (``layer_scores``, ``[B, H_kv, N]``) and, on a tensor-parallel rank, gathered from
+    every rank (``kvpass.compiler.tp``), so each rank's ``select`` sees what one device's would. Under dynamic
+    shapes (one graph for every call) too: its ``select`` acts only on a prefill."""
+    if not plan.layer_votes or site.phase not in ("prefill", "dynamic"):
+        return None
+    local = graph.call_function(OPS.layer_scores.default, (q_scaled, site.k_new, site.mask, 1.0, float(site.softcap),
+                                                           int(plan.layer_votes)))
+    every = gather_heads(graph, local, site.tp)
+    if every is not local:
+        reductions.append(f"layer {site.layer}: selection votes all_gather over {site.tp.size} ranks")
+    return every
+
+
+def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
     read, tokens = plan.read, (site.tokens if plan.tokens else None)
     mask, causal = site_mask(site)
     with graph.inserting_before(_first(graph, [site.k, site.v])):
@@ -127,8 +143,9 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
         # compact gets q with the scale folded in (q . k is the logit), whatever graph it runs in, so a
         # scoring policy never depends on which graph's site it is told about
         q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
-        args = (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer) + ((tokens,) if tokens is not None else ())
-        cmp = graph.call_function(OPS.compact.default, args)
+        votes = _layer_votes(graph, site, plan, q_scaled, reductions)
+        cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer,
+                                                        tokens, votes))
     k_st, v_st = _items(graph, cmp, 2)
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)
@@ -157,7 +174,7 @@ def _after(graph: fx.Graph, anchor: fx.Node) -> None:
         at = n
 
 
-def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
     """A pool policy's decode step (raas): the new token is written into a slot of the stored pool in
     place (``pool_write``) and the pool is read by ``decode_attention`` (exact unless the plan reads
     with ART). The graph stores the mutated pool tensors themselves: no concatenation, no compaction."""
@@ -176,7 +193,7 @@ def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> Non
         _erase(graph, [old])
 
 
-def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
     """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask;
     with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
     with graph.inserting_before(_first(graph, [site.k, site.v])):
@@ -198,7 +215,7 @@ def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None
         _erase(graph, [old])
 
 
-def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
     """A ``kvpass.SlotCache`` site (``kvpass.cache.slots``): the cache's own ``slot_append`` is replaced.
 
     * prefill: exact attention over the prompt with the model's mask; ``slot_prefill`` lets the policy
@@ -222,9 +239,10 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
             att = graph.call_function(OPS.attention.default, (q, site.k_new, site.v_new, mask, scale, causal,
                                                               site.softcap))
             q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+            votes = _layer_votes(graph, site, plan, q_scaled, reductions)
             graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, state, q_scaled, site.k_new,
                                                            site.v_new, mask, handle, site.layer,
-                                                           site.tokens if plan.tokens else None))
+                                                           site.tokens if plan.tokens else None, votes))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif site.phase == "decode":
@@ -260,9 +278,10 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
     graph = gm.graph
     done: dict[str, list[int]] = {shape: [] for shape in SHAPES}
+    reductions: list[str] = []   # collectives inserted for decisions across heads (tensor parallelism)
     for site in found.sites:
         plan = plans[site.layer]
-        SHAPES[plan.shape](graph, site, plan, handle)
+        SHAPES[plan.shape](graph, site, plan, handle, reductions)
         done[plan.shape].append(site.layer)
     evicting, appending = done["evict"] + done["pool"], done["append"]
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
@@ -278,10 +297,10 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     graph.lint()
     gm.recompile()
     return {"rewritten": sum(len(v) for k, v in done.items() if k != "unchanged"), "evicting": evicting,
-            "appending": appending, "slots": done["slot"], "positions_fixed": fixed}
+            "appending": appending, "slots": done["slot"], "positions_fixed": fixed, "reductions": reductions}
 
 
-def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
+def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
     """A site the policy leaves to the model."""
 
 

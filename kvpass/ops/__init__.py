@@ -26,16 +26,23 @@ Operators
     Appends the new K/V to the stored ones and returns ``(k, v, kv_pos, q_pos)``; positions come
     from the generation state (see ``kvpass.cache.state``). Reads the state, never writes it.
 
-``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?)``
+``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?, votes?)``
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
     Records the kept positions in the generation state (idempotent for equal inputs). ``q`` comes
     with the softmax scale folded in (``q . k`` is the logit, before softcapping); ``tokens`` (the
-    call's input ids) is passed when the policy's plan asks for it (SABlock's punctuation).
+    call's input ids) is passed when the policy's plan asks for it (SABlock's punctuation), ``votes`` (the
+    ``layer_scores`` of every KV head of the layer) when the plan's ``layer_votes`` does (ChunkKV).
 
 ``kvpass::window_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
     Attention that the window queries ``q [B, H, W, D]`` give each key, summed over the window
     and over the query heads of each KV group (``kvpass.ops.kernels.window_scores``); the scorer of the
     SnapKV family. A ``triton_op``: Triton on CUDA, ``kvpass::window_scores_ref`` elsewhere.
+
+``kvpass::layer_scores(q, k, mask?, scale, softcap, window) -> [B, H_kv, N] fp32``
+    ``window_scores`` for a prefill, positions from the model's mask: the votes of a layer's last ``window``
+    queries per KV head. Gated policies read their sum over heads after every observed layer, ChunkKV's
+    selection reads it per layer (``SitePlan.layer_votes``); under tensor parallelism the graph gathers it
+    over the ranks first (``kvpass.compiler.tp``).
 
 ``kvpass::gather_kv(k, v, idx) -> (k_kept, v_kept)``
     Compaction of the kept entries ``idx [B, H_kv, n]`` into fresh contiguous tensors
@@ -212,16 +219,39 @@ def _(k_past, v_past, k_new, v_new, mask, handle, site):
 
 @torch.library.custom_op("kvpass::compact", mutates_args=())
 def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, handle: int,
-            site: int, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens)
+            site: int, tokens: Tensor | None = None, votes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens, votes)
     return k_out.contiguous(), v_out.contiguous()
 
 
 @compact.register_fake
-def _(q, k, v, kv_pos, q_pos, handle, site, tokens=None):
+def _(q, k, v, kv_pos, q_pos, handle, site, tokens=None, votes=None):
     keep = runtime.get(handle).stored_length(site, k.shape[2])
     b, hkv = k.shape[:2]
     return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))
+
+
+@torch.library.custom_op("kvpass::layer_scores", mutates_args=())
+def layer_scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, window: int) -> Tensor:
+    """Attention ``[B, H_kv, N]`` (fp32) that the last ``window`` queries give each prompt token, summed over
+    those queries and over the query heads of each KV group; causal inside the window, padding keys (from a
+    4-D model mask) get nothing. ``q [B, H, N, D]``, ``k [B, H_kv, N, D]``. The graph sums it over the KV
+    heads (after gathering every rank's heads under tensor parallelism: ``kvpass.compiler.tp``).
+    Runs ``kvpass::window_scores`` (Triton on CUDA: no ``[H, W, N]`` score tensor)."""
+    b, _, n, _ = q.shape
+    w = min(window, n)
+    pos = torch.arange(n, device=q.device).expand(b, n)
+    valid = runtime.key_validity(mask, b, n)
+    if valid is not None:
+        pos = torch.where(valid, pos, torch.full_like(pos, -1))
+    kv_pos = pos[:, None, :].expand(b, k.shape[1], n).contiguous()
+    q_pos = torch.arange(n - w, n, device=q.device).expand(b, w).contiguous()
+    return torch.ops.kvpass.window_scores(q[:, :, n - w:], k, kv_pos, q_pos, float(scale), float(softcap))
+
+
+@layer_scores.register_fake
+def _(q, k, mask, scale, softcap, window):
+    return q.new_empty((q.shape[0], k.shape[1], q.shape[2]), dtype=torch.float32)
 
 
 @torch.library.custom_op("kvpass::true_positions", mutates_args=())

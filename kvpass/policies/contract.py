@@ -110,6 +110,9 @@ class SitePlan:
     # ``attention_slots``); ``votes`` adds ``fusion_votes`` (the question's attention, for a3+evict)
     overwrite: bool = False
     votes: bool = False
+    # a prefill's selection reads the window votes of every KV head of the layer (``kvpass::layer_scores`` of
+    # this observation window, passed as ``select(..., votes=)``; gathered over a tensor-parallel group): ChunkKV
+    layer_votes: int = 0
 
     @property
     def shape(self) -> str:

@@ -64,13 +64,14 @@ class PrefillEviction(Policy):
             return total                    # decode / append: nothing is evicted
         return self.kept(site, total)
 
-    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None):
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None, votes=None):
         n = kv_pos.shape[-1]
         keep = self.kept(site, n)
         if n != q_pos.shape[1] or n <= keep:  # not a prefill, or nothing to evict
             return None
         valid, forced = scoring.window_layout(kv_pos, self.window)
-        priority = self.priority(site, q, k, kv_pos, q_pos, valid & ~forced, keep - self.window, tokens)
+        extra = {} if votes is None else {"votes": votes}   # a plan with layer_votes (chunkkv)
+        priority = self.priority(site, q, k, kv_pos, q_pos, valid & ~forced, keep - self.window, tokens, **extra)
         return scoring.keep_top(priority, forced, valid, keep)
 
     def check_kernel(self) -> None:

@@ -1,0 +1,112 @@
+"""Tensor parallelism: every policy decides on two ranks what it decides on one process.
+
+Two processes (``torchrun``, gloo on the CPU, ``tests/tp_worker.py``) load a tiny model with transformers'
+tensor-parallel plan (``tp_plan="auto"``: each rank holds half the heads) and generate with every plain
+policy's demanding setting (``tests/conformance.py``), on a DynamicCache and on a kvpass.SlotCache; rank 0
+then run the same on one process (half each). Two families: the conformance Llama (4 query heads, 2 KV heads: one KV
+head per rank) and a Qwen3 (q/k norms) with 8 query heads on 2 KV heads, a GQA ratio (4) above the rank count.
+
+Checked per policy and cache: the tokens equal the single process's token for token, both ranks agree, each
+layer stores what one process stores and half its KV heads; the pass reports the rank's share of the heads, and
+the policies whose decisions span a layer's heads (chunkkv's chunk ranking, the gated policies' selection
+layer and tokens) get an all_gather inserted while per-head policies get none. ChunkFusion refuses a split model
+with a message naming the reason. chunkkv also runs under Inductor (the gathers compiled with the graph).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers as tf
+
+from conformance import CONFORMANCE
+from families import COMMON, build
+
+HERE = os.path.dirname(__file__)
+PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
+SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"}   # decisions over a layer's heads
+FAMILIES = ("llama", "qwen3_gqa4")
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+
+
+def _qwen3_gqa4():
+    cfg = tf.Qwen3Config(**{**COMMON, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16})
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)   # sharp logits: greedy tokens stable (tests/families.py)
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ranks(request, tmp_path_factory):
+    """(rank 0's results, rank 1's results) of one family's two-process run."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"tp_{family}")
+    (build("llama") if family == "llama" else _qwen3_gqa4()).save_pretrained(root / "model")
+    names = PLAIN + ["chunkkv@inductor"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), os.path.join(HERE, "tp_worker.py"), "--model", str(root / "model"),
+           "--out", str(root), "--policies", ",".join(names)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    r0, r1 = (json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0["single"].update(r1["single"])    # each rank ran half of the one-process references
+    return r0, r1
+
+
+def _runs(ranks, key):
+    r0, r1 = ranks
+    tp0, tp1, one = r0["tp"][key], r1["tp"][key], r0["single"][key]
+    for what, run in (("rank 0", tp0), ("rank 1", tp1), ("one process", one)):
+        assert "error" not in run, f"{key} on {what}: {run.get('error')}"
+    return tp0, tp1, one
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "slot"])
+@pytest.mark.parametrize("policy", PLAIN)
+def test_two_ranks_decide_as_one_process(ranks, policy, cache):
+    tp0, tp1, one = _runs(ranks, f"{cache}:{policy}")
+    assert tp0["tokens"] == one["tokens"], f"{policy} on a {cache} cache: tokens differ from one process"
+    assert tp1["tokens"] == tp0["tokens"], f"{policy}: the two ranks generated different tokens"
+    assert tp0["kept"] == one["kept"] == tp1["kept"], f"{policy}: entries kept per layer differ"
+    assert [2 * h for h in tp0["kv_heads"]] == one["kv_heads"], "each rank stores half the KV heads"
+    assert not tp0["problems"] and not one["problems"], tp0["problems"] or one["problems"]
+    assert tp0["tp"] and all(line.startswith("tensor parallel: rank 0 of 2") for line in tp0["tp"]), tp0["tp"]
+    assert one["tp"] == [""]
+
+
+@pytest.mark.parametrize("policy", PLAIN)
+def test_gathers_only_where_decisions_span_heads(ranks, policy):
+    tp0, _, one = _runs(ranks, f"dynamic:{policy}")
+    if policy in SPANNING:
+        assert tp0["reductions"] and all("all_gather over 2 ranks" in r for r in tp0["reductions"])
+    else:
+        assert tp0["reductions"] == [], f"{policy} decides per KV head; no collective is needed"
+    assert one["reductions"] == []
+
+
+def test_inductor_compiles_the_gathers(ranks):
+    tp0, tp1, one = _runs(ranks, "dynamic:chunkkv@inductor")
+    assert tp0["tokens"] == tp1["tokens"] == one["tokens"] == ranks[0]["single"]["dynamic:chunkkv"]["tokens"]
+    assert tp0["reductions"]
+
+
+def test_chunk_fusion_refuses_a_split_model(ranks):
+    for r in ranks:
+        assert "does not run under tensor parallelism" in r["fusion"] and "split over 2 ranks" in r["fusion"]

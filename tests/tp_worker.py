@@ -1,0 +1,110 @@
+"""One rank of ``tests/test_tensor_parallel.py`` (run by ``torchrun``, gloo on the CPU).
+
+Loads the saved model at ``--model`` with transformers' tensor-parallel plan (``tp_plan="auto"``), generates
+with every listed policy (its conformance ``demanding`` setting) on a DynamicCache and on a SlotCache, and
+writes what it saw to ``--out``/rank<r>.json: tokens, kept entries per layer, KV heads per layer, the pass's
+tensor-parallel line and the collectives it inserted. Then each rank runs half of the same generations on one
+process (the model loaded whole, no collectives) as the reference. Both ranks also record what
+``kvpass.ChunkStore`` (chunk fusion's first step) says on the split model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conformance import CONFORMANCE, NEW, PROMPT, PUNCT  # noqa: E402
+
+import kvpass  # noqa: E402
+
+
+def load(path: str, tp: bool):
+    from transformers import AutoModelForCausalLM
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # transformers >= 5.18: tp_plan= is deprecated for distributed_config
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **({"tp_plan": "auto"} if tp else {}))
+    return model.eval()
+
+
+def prompt() -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(10, 90, (1, PROMPT), generator=g)
+    ids[torch.rand(1, PROMPT, generator=g) < 0.15] = PUNCT[0]
+    return ids
+
+
+def generate(model, name: str, cache_kind: str) -> dict:
+    """Greedy prefill + NEW steps under ``name`` (``policy`` or ``policy@compiler``)."""
+    from transformers import DynamicCache
+    policy, _, compiler = name.partition("@")
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler=compiler or "eager",
+                        **({} if policy == "full" else CONFORMANCE[policy].demanding))
+    cache = (kvpass.SlotCache(model, be, max_length=PROMPT + NEW, max_new_tokens=NEW) if cache_kind == "slot"
+             else DynamicCache(config=model.config))
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    ids, tokens = prompt(), []
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        for _ in range(NEW):
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(int(nxt))
+            logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+    if cache_kind == "slot":
+        kept = [int(layer.count[1]) for layer in cache.layers]
+    else:
+        kept = [int(layer.keys.shape[-2]) for layer in cache.layers]
+    return {"tokens": tokens, "kept": kept, "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
+            "tp": sorted({r.tp for r in be.reports}), "reductions": [x for r in be.reports for x in r.reductions],
+            "problems": [p for r in be.reports for p in r.problems],
+            "warnings": sorted({str(w.message)[:300] for w in caught if "kvpass" in str(w.message)})}
+
+
+def run_all(model, names: list[str], share: slice = slice(None)) -> dict:
+    out = {}
+    runs = [(c, n) for c in ("dynamic", "slot") for n in names if not (c == "slot" and "@" in n)]
+    for cache_kind, name in runs[share]:
+        try:
+            out[f"{cache_kind}:{name}"] = generate(model, name, cache_kind)
+        except Exception as e:  # recorded: the test names the policy and the error
+            out[f"{cache_kind}:{name}"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+    return out
+
+
+def fusion_refusal(model) -> str:
+    try:
+        kvpass.ChunkStore(tempfile.mkdtemp(), model)
+    except kvpass.ConfigError as e:
+        return str(e)
+    return ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--policies", required=True)
+    args = ap.parse_args()
+    names = args.policies.split(",")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {"tp": run_all(load(args.model, tp=True), names)}
+    result["fusion"] = fusion_refusal(load(args.model, tp=True))
+    result["single"] = run_all(load(args.model, tp=False), names, slice(rank, None, 2))
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
