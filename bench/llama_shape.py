@@ -34,7 +34,12 @@ def random_llama(cfg, device: str = "cuda", dtype: torch.dtype = torch.bfloat16)
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
-    model.model.rotary_emb.__init__(cfg, device=device)  # its inv_freq buffer was left on meta
+    rotary = model.model.rotary_emb   # its inv_freq buffer was left on meta
+    try:
+        rotary.__init__(cfg, device=device)
+    except TypeError:                 # transformers >= 5.2x: no device argument
+        rotary.__init__(cfg)
+        rotary.to(device)
     return model.eval()
 
 

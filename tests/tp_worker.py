@@ -69,9 +69,9 @@ def generate(model, name: str, cache_kind: str) -> dict:
             "warnings": sorted({str(w.message)[:300] for w in caught if "kvpass" in str(w.message)})}
 
 
-def run_all(model, names: list[str], share: slice = slice(None)) -> dict:
+def run_all(model, names: list[str], caches: list[str], share: slice = slice(None)) -> dict:
     out = {}
-    runs = [(c, n) for c in ("dynamic", "slot") for n in names if not (c == "slot" and "@" in n)]
+    runs = [(c, n) for c in caches for n in names if not (c == "slot" and "@" in n)]
     for cache_kind, name in runs[share]:
         try:
             out[f"{cache_kind}:{name}"] = generate(model, name, cache_kind)
@@ -93,13 +93,14 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--policies", required=True)
+    ap.add_argument("--caches", default="dynamic,slot")
     args = ap.parse_args()
-    names = args.policies.split(",")
+    names, caches = args.policies.split(","), args.caches.split(",")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"tp": run_all(load(args.model, tp=True), names)}
+    result = {"tp": run_all(load(args.model, tp=True), names, caches)}
     result["fusion"] = fusion_refusal(load(args.model, tp=True))
-    result["single"] = run_all(load(args.model, tp=False), names, slice(rank, None, 2))
+    result["single"] = run_all(load(args.model, tp=False), names, caches, slice(rank, None, 2))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -1,0 +1,241 @@
+"""Issue 22's benchmark: kvpass policies on a model split over two GPUs (transformers' tensor parallelism)
+against the same model on one GPU, in one job.
+
+A random-weight Llama-3.1-8B shape (32 layers, bf16) is saved once (``save``); ``run`` loads it whole on one
+GPU, or under ``torchrun --nproc_per_node 2`` with ``tp_plan="auto"`` (each rank holds half the heads and half
+the MLP), and for every policy and context prefills a random prompt on a ``kvpass.SlotCache`` (once: it
+compiles; ``mode="reduce-overhead"``: decode steps replay CUDA graphs per rank), then decodes greedily. Per row:
+the first call's time (prefill and compilation), TPOT (mean of ``--steps`` steps after 8 warm-up steps), peak memory and KV bytes of each GPU, and the
+decisions: a digest of the positions every (layer, KV head) holds after the last step (gathered over the ranks in
+head order) and the greedy tokens. ``compare`` writes the ratios (two GPUs / one GPU) and how many digests agree.
+
+    python bench/bench_tp.py save --dir /tmp/llama8b
+    python bench/bench_tp.py run --dir /tmp/llama8b --out one_gpu.json
+    torchrun --nproc_per_node 2 bench/bench_tp.py run --dir /tmp/llama8b --out two_gpu.json
+    python bench/bench_tp.py compare one_gpu.json two_gpu.json --out tp.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvpass  # noqa: E402
+from bench_decode_step import policy_of  # noqa: E402
+from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
+
+WARMUP = 8
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU runs a tiny smoke test of this script (gloo)
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        sync()
+
+
+def peak_bytes() -> int:
+    return torch.cuda.max_memory_allocated() if DEV == "cuda" else 0
+
+
+def save(args) -> None:
+    model = random_llama(llama8b_config(args.layers, tiny=args.tiny), DEV, torch.bfloat16)
+    t = time.perf_counter()
+    model.save_pretrained(args.dir, max_shard_size="8GB")
+    print(json.dumps({"saved": args.dir, "layers": args.layers, "save_s": time.perf_counter() - t}), flush=True)
+
+
+def load(path: str, tp: bool):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if tp:
+            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, tp_plan="auto")
+        else:
+            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
+    return model.eval()
+
+
+def digests(cache, tp: bool) -> list[int]:
+    """One number per (layer, KV head): a weighted sum of the sorted positions the head holds (-1 = empty)."""
+    out = []
+    for layer in cache.layers:
+        pos = layer.pos.sort(dim=-1).values + 2                         # [B, H_kv(local), C]
+        w = torch.arange(1, pos.shape[-1] + 1, device=pos.device, dtype=torch.int64) * 1000003 % 998244353
+        d = (pos * w).sum(-1).flatten(0)                                 # [B * H_kv]
+        if tp:
+            parts = [torch.empty_like(d) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, d)
+            d = torch.stack(parts, 0).flatten()  # rank order = head order (batch 1)
+        out += [int(x) for x in d.tolist()]
+    return out
+
+
+@torch.no_grad()
+def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: str) -> dict:
+    policy, extra = policy_of(name)
+    params = {} if policy in ("full", "art") else {"budget": budget}
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler=compiler, **params, **extra)
+    mode = "reduce-overhead" if compiler == "inductor" else None
+    fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=True)
+    n_new = WARMUP + steps + 2
+    ctx = ids.shape[1]
+
+    def new_cache():
+        return kvpass.SlotCache(model, be, max_length=ctx + n_new, max_new_tokens=n_new)
+
+    def prefill(cache):
+        return fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    # one prefill (a 32-layer prefill of 128k tokens takes seconds): its time includes compiling both graphs'
+    # first use, so it is reported as the first call, not as TTFT; the peak counts the device's memory only
+    sync()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    cache = new_cache()
+    if tp:
+        dist.barrier()
+    sync()
+    t = time.perf_counter()
+    logits = prefill(cache)
+    sync()
+    ttft = time.perf_counter() - t
+    nxt = logits.argmax(-1, keepdim=True)
+    pos = torch.full((1, 1), ctx, device=DEV, dtype=torch.long)
+    tokens = [nxt]
+    for i in range(WARMUP + steps):
+        if i == WARMUP:
+            sync()
+            t = time.perf_counter()
+        torch.compiler.cudagraph_mark_step_begin()
+        nxt = fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
+                  logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        pos = pos + 1
+    sync()
+    tpot = (time.perf_counter() - t) / steps
+    row = {"config": name, "context": ctx, "first_call_s": ttft, "tpot_ms": tpot * 1e3,
+           "peak_GiB": peak_bytes() / 2**30, "kv_GiB": cache.kv_bytes() / 2**30,
+           "tokens": torch.cat(tokens, 1)[0].tolist(), "digests": digests(cache, tp),
+           "graphs": [(r.phase, r.cudagraphs) for r in be.reports], "plans": be.plans(),
+           "tp": sorted({r.tp for r in be.reports}), "reductions": sorted({x for r in be.reports for x in r.reductions})}
+    if be.gate_info:
+        row["gate"] = {k: be.gate_info[k] for k in ("selection_layer", "kept")}
+    if tp:   # every rank's peak and KV bytes
+        mine = torch.tensor([row["peak_GiB"], row["kv_GiB"]], device=DEV, dtype=torch.float64)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        row["peak_GiB_per_rank"] = [float(p[0]) for p in parts]
+        row["kv_GiB_per_rank"] = [float(p[1]) for p in parts]
+    return row
+
+
+def run(args) -> None:
+    tp = "RANK" in os.environ
+    if tp:
+        if DEV == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
+    rank = dist.get_rank() if tp else 0
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+    t = time.perf_counter()
+    model = load(args.dir, tp)
+    result = {"device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor() or "cpu", "gpus": dist.get_world_size() if tp else 1,
+              "torch": torch.__version__, "transformers": tf.__version__, "python": platform.python_version(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": model.config.num_hidden_layers,
+              "budget": args.budget, "steps": args.steps, "load_s": time.perf_counter() - t,
+              "copy_bandwidth_GBps": copy_bandwidth(DEV) / 1e9, "compiler": args.compiler,
+              "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "rows": []}
+    if rank == 0:
+        print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        vocab = model.config.vocab_size
+        ids = torch.randint(10, vocab, (1, ctx), device=DEV, generator=torch.Generator(device=DEV).manual_seed(ctx))
+        for name in args.configs.split(","):
+            t0 = time.perf_counter()
+            try:
+                row = run_one(model, name, ids, args.steps, args.budget, tp, args.compiler)
+            except Exception as e:  # a failed row is reported, the others go on
+                row = {"config": name, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+            row["wall_s"] = time.perf_counter() - t0
+            if rank == 0:
+                print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "digests")}), flush=True)
+                result["rows"].append(row)
+                Path(args.out).write_text(json.dumps(result, indent=1))
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    if tp:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def compare(args) -> None:
+    one, two = (json.loads(Path(p).read_text()) for p in (args.one, args.two))
+    key = lambda r: (r["config"], r["context"])  # noqa: E731
+    base = {key(r): r for r in one["rows"] if "error" not in r}
+    lines = [f"# Tensor parallelism: {two['gpus']} x {two['device']} against 1 GPU ({one['device']})", "",
+             f"{one['layers']} layers, Llama-3.1-8B shape, bf16, batch 1, budget {one['budget']}, kvpass.SlotCache, "
+             f"reduce-overhead; torch {two['torch']}, transformers {two['transformers']}; {two['date']}; "
+             f"NCCL_NVLS_ENABLE={two.get('nccl_nvls_enable')}", "",
+             "| policy | context | TPOT 1 GPU ms | TPOT 2 GPUs ms | ratio | KV GiB 1 GPU | KV GiB per GPU (2) | "
+             "peak GiB 1 GPU | peak GiB per GPU (2) | first call 1 / 2 s | digests equal | tokens equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = []
+    for r in two["rows"]:
+        b = base.get(key(r))
+        if "error" in r or b is None:
+            lines.append(f"| {r['config']} | {r['context']} | {(r.get('error') or 'no 1-GPU row')[:300]} |" + " |" * 9)
+            continue
+        same = sum(x == y for x, y in zip(b["digests"], r["digests"]))
+        toks = sum(x == y for x, y in zip(b["tokens"], r["tokens"]))
+        ratio = r["tpot_ms"] / b["tpot_ms"]
+        lines.append(f"| {r['config']} | {r['context']} | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} | {ratio:.2f} | "
+                     f"{b['kv_GiB']:.2f} | {' / '.join(f'{x:.2f}' for x in r['kv_GiB_per_rank'])} | "
+                     f"{b['peak_GiB']:.1f} | {' / '.join(f'{x:.1f}' for x in r['peak_GiB_per_rank'])} | "
+                     f"{b['first_call_s']:.1f} / {r['first_call_s']:.1f} | {same}/{len(b['digests'])} | "
+                     f"{toks}/{len(b['tokens'])} |")
+        summary.append({"config": r["config"], "context": r["context"], "tpot_ratio": ratio,
+                        "kv_ratio_per_gpu": max(r["kv_GiB_per_rank"]) / b["kv_GiB"],
+                        "digests_equal": same / len(b["digests"]), "tokens_equal": toks / len(b["tokens"])})
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps(summary))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("save")
+    s.add_argument("--dir", required=True)
+    s.add_argument("--layers", type=int, default=32)
+    s.add_argument("--tiny", action="store_true", help="the same layout at test size (a CPU smoke test)")
+    r = sub.add_parser("run")
+    r.add_argument("--dir", required=True)
+    r.add_argument("--contexts", default="131072,32768")
+    r.add_argument("--configs", default="full,snapkv,raas,asl@layer=8")
+    r.add_argument("--steps", type=int, default=64)
+    r.add_argument("--budget", type=int, default=2048)
+    r.add_argument("--out", required=True)
+    r.add_argument("--compiler", default="inductor", help="eager: the CPU smoke test")
+    c = sub.add_parser("compare")
+    c.add_argument("one")
+    c.add_argument("two")
+    c.add_argument("--out", required=True)
+    args = ap.parse_args()
+    {"save": save, "run": run, "compare": compare}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 22's device calls, on two GPUs of one host (nvidia-h200-x2 / nvidia-h100-x2); results land in $OUT.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the others the machine sets; set again here).
+#   T1: the 32-layer Llama-3.1-8B shape saved once, then full, snapkv, raas and asl (selection layer 8) at 128k on
+#       one GPU and on two (torchrun, tp_plan="auto"), then the comparison table
+#   T2: the same at 32k
+set -u
+out=${OUT:?set OUT}
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+ckpt=/tmp/kvpass_llama8b
+ctx=${2:-}
+case "${1:?call T1 or T2}" in
+  T1) ctx=${ctx:-131072} ;;
+  T2) ctx=${ctx:-32768} ;;
+esac
+configs=${CONFIGS:-full,snapkv,raas,asl@layer=8}
+[ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
+timeout ${ONE_S:-230} python bench/bench_tp.py run --dir $ckpt --contexts $ctx --configs $configs \
+  --out $out/one_gpu_$ctx.json 2>&1 | grep '^{\|Error' | cut -c1-600
+timeout ${TWO_S:-260} torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $ckpt --contexts $ctx --configs $configs \
+  --out $out/two_gpu_$ctx.json 2>&1 | grep '^{\|Error' | cut -c1-600
+python bench/bench_tp.py compare $out/one_gpu_$ctx.json $out/two_gpu_$ctx.json --out $out/tp_$ctx.md 2>&1 | tail -12
