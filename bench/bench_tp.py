@@ -42,7 +42,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU runs a tiny smo
 
 def sync() -> None:
     if DEV == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def peak_bytes() -> int:
