@@ -169,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "policies without one, such as full)")
     x.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="any other policy parameter, e.g. --param sinks=4 (repeat for several)")
+    x.add_argument("--tp", action="store_true",
+                   help="split the model with transformers' tensor-parallel plan (tp_plan='auto'); run under "
+                        "torchrun, e.g. torchrun --nproc_per_node 2 -m kvpass.cli explain --tp ...: each rank "
+                        "prints its local heads and the collectives kvpass inserted")
     sub.add_parser("models", help="list the registry models: installed? converted? where?",
                    description="List the registry models, whether each one's pip package is installed and "
                                "whether it has been converted into the kvpass cache folder.")
@@ -276,7 +280,7 @@ def _remove_empty(folders: list[Path]) -> None:
 def _load(args):
     from kvpass.eval import models
     try:
-        return models.load(args.model, dtype=_dtype(args), device=args.device)
+        return models.load(args.model, dtype=_dtype(args), device=args.device, tp=getattr(args, "tp", False))
     except models.ModelNotAvailable as e:
         raise SystemExit(f"kvpass: {e}") from None
 

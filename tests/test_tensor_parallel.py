@@ -11,7 +11,8 @@ Checked per policy and cache: the tokens equal the single process's token for to
 layer stores what one process stores and half its KV heads; the pass reports the rank's share of the heads, and
 the policies whose decisions span a layer's heads (chunkkv's chunk ranking, the gated policies' selection
 layer and tokens) get an all_gather inserted while per-head policies get none. ChunkFusion refuses a split model
-with a message naming the reason. chunkkv also runs under Inductor (the gathers compiled with the graph).
+with a message naming the reason; ``kvpass.explain`` on a rank shows its local heads and the gathers. chunkkv also
+runs under Inductor (the gathers compiled with the graph).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
 SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"}   # decisions over a layer's heads
 FAMILIES = ("llama", "qwen3_gqa4")
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+# one xdist worker runs the module: a module fixture is built once per worker, and each build is two processes
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
+              pytest.mark.xdist_group("tensor_parallel")]
 
 
 def _qwen3_gqa4():
@@ -114,3 +117,10 @@ def test_inductor_compiles_the_gathers(ranks):
 def test_chunk_fusion_refuses_a_split_model(ranks):
     for r in ranks:
         assert "does not run under tensor parallelism" in r["fusion"] and "split over 2 ranks" in r["fusion"]
+
+
+def test_explain_shows_the_local_heads_and_the_gathers(ranks):
+    for rank, r in enumerate(ranks):
+        text = r["explain"]
+        assert f"tensor parallel: rank {rank} of 2" in text and "(heads and kv_heads above are this rank's)" in text
+        assert "reductions: layer 0: selection votes all_gather over 2 ranks" in text, text

@@ -5,7 +5,7 @@ with every listed policy (its conformance ``demanding`` setting) on a DynamicCac
 writes what it saw to ``--out``/rank<r>.json: tokens, kept entries per layer, KV heads per layer, the pass's
 tensor-parallel line and the collectives it inserted. Then each rank runs half of the same generations on one
 process (the model loaded whole, no collectives) as the reference. Both ranks also record what
-``kvpass.ChunkStore`` (chunk fusion's first step) says on the split model.
+``kvpass.ChunkStore`` (chunk fusion's first step) says on the split model, and what ``kvpass.explain`` prints.
 """
 
 from __future__ import annotations
@@ -80,6 +80,13 @@ def run_all(model, names: list[str], caches: list[str], share: slice = slice(Non
     return out
 
 
+def explained(model) -> str:
+    """What ``kvpass.explain`` prints for chunkkv on this rank (its local heads and the gathers)."""
+    torch._dynamo.reset()
+    return str(kvpass.explain(model, {"input_ids": prompt(), "use_cache": True}, "chunkkv", verbose=False,
+                              **CONFORMANCE["chunkkv"].demanding))
+
+
 def fusion_refusal(model) -> str:
     try:
         kvpass.ChunkStore(tempfile.mkdtemp(), model)
@@ -99,7 +106,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {"tp": run_all(load(args.model, tp=True), names, caches)}
-    result["fusion"] = fusion_refusal(load(args.model, tp=True))
+    split = load(args.model, tp=True)
+    result["explain"] = explained(split)
+    result["fusion"] = fusion_refusal(split)
     result["single"] = run_all(load(args.model, tp=False), names, caches, slice(rank, None, 2))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

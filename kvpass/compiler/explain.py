@@ -83,6 +83,16 @@ class Explanation:
         return []
 
     @property
+    def tensor_parallel(self) -> str:
+        """The rank's share of the heads when the model is split by tensor parallelism, else ''."""
+        return next((g.tp for g in self.graphs if getattr(g, "tp", "")), "")
+
+    @property
+    def reductions(self) -> list[str]:
+        """The collectives kvpass inserted for decisions that span a layer's heads (tensor parallelism)."""
+        return [r for g in self.graphs for r in getattr(g, "reductions", [])]
+
+    @property
     def problems(self) -> list[str]:
         return [p for g in self.graphs for p in g.problems]
 
@@ -104,6 +114,10 @@ class Explanation:
         if grouped:  # no trailing blanks after the last (plan) column
             lines = [line.rstrip() for line in lines]
         lines.append(f"policy: {self.policy}; sites: {len(self.rows)}")
+        if self.tensor_parallel:
+            lines.append(f"{self.tensor_parallel} (heads and kv_heads above are this rank's)")
+            lines.append("reductions: " + ("; ".join(self.reductions) or
+                                           "none (every decision of this policy is per KV head)"))
         lines += [f"problem: {p}" for p in self.problems]
         if legend:
             lines += LEGEND

@@ -967,14 +967,16 @@ def _install_hint() -> str:
     return "; ".join(f"'{s.name}': {s.install_cmd}" for s in MODELS.values())
 
 
-def _from_folder(folder, *, dtype, device, attn_implementation, **kw):
+def _from_folder(folder, *, dtype, device, attn_implementation, tp=False, **kw):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_transformers(True):
+    split = {"tp_plan": "auto"} if tp else {}   # transformers places each rank's shard on its own device
+    with _quiet_transformers(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # transformers >= 5.18 prefers distributed_config
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
-                                                     **kw)
+                                                     **split, **kw)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
-    return model.to(device).eval(), tokenizer
+    return (model if tp else model.to(device)).eval(), tokenizer
 
 
 def _gguf_key(path: Path, sha: str) -> str:
@@ -997,7 +999,7 @@ def _looks_like_path(s: str) -> bool:
 
 def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None, progress: bool = True,
-         attn_implementation: str = "sdpa"):
+         attn_implementation: str = "sdpa", tp: bool = False):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)``, the model in eval mode.
 
     ``name_or_path`` is one of
@@ -1011,12 +1013,14 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
 
     ``cache_dir`` overrides :func:`cache_dir`. ``progress`` prints short lines to stderr while a GGUF
     is converted (loads from the cache print nothing). The weights are cast to ``dtype`` and moved to
-    ``device``; attention uses ``attn_implementation`` ("sdpa" unless given).
+    ``device``; attention uses ``attn_implementation`` ("sdpa" unless given). ``tp``: split the model over the
+    ranks of a ``torchrun`` job with transformers' tensor-parallel plan (``tp_plan="auto"``; each rank holds its
+    share of the heads on its own device).
 
     Raises :class:`ModelNotAvailable` (with the pip command to run) when the model cannot be had.
     """
     root = _root(cache_dir)
-    kw = dict(dtype=dtype, device=device, attn_implementation=attn_implementation)
+    kw = dict(dtype=dtype, device=device, attn_implementation=attn_implementation, tp=tp)
     name = os.fspath(name_or_path)
     with _using_root(root):
         if name in MODELS:
