@@ -159,7 +159,8 @@ class SitePlan:
             return f"pool: step_position + pool_write (in place) + {read or 'decode_attention (exact)'}"
         if self.evict:
             att = "attention (the model's mask)" if phase == "prefill" else "attention_pos"
-            return f"evict: cache_update + {read or att} + compact"
+            votes = " + layer_scores (the layer's votes)" if self.layer_votes and phase in ("prefill", "dynamic") else ""
+            return f"evict: cache_update + {read or att}{votes} + compact"
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"
         return (read or "attention op (exact)") if self.attention else "unchanged"
