@@ -152,12 +152,19 @@ def run(args) -> None:
     torch._dynamo.config.accumulated_cache_size_limit = 512
     t = time.perf_counter()
     model = load(args.dir, tp)
+    if tp and args.one_shot:   # Inductor lowers small all_reduces to symmetric memory's one-shot (P2P, no multicast)
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        from torch.distributed.tensor import DTensor
+        mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+        enable_symm_mem_for_group(mesh.get_group().group_name)
+        torch._inductor.config._collective.auto_select = True
     result = {"device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor() or "cpu", "gpus": dist.get_world_size() if tp else 1,
               "torch": torch.__version__, "transformers": tf.__version__, "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": model.config.num_hidden_layers,
               "budget": args.budget, "steps": args.steps, "load_s": time.perf_counter() - t,
               "copy_bandwidth_GBps": copy_bandwidth(DEV) / 1e9, "compiler": args.compiler,
-              "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "rows": []}
+              "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "one_shot_all_reduce": bool(args.one_shot),
+              "rows": []}
     if rank == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for ctx in (int(c) for c in args.contexts.split(",")):
@@ -229,6 +236,9 @@ def main() -> None:
     r.add_argument("--budget", type=int, default=2048)
     r.add_argument("--out", required=True)
     r.add_argument("--compiler", default="inductor", help="eager: the CPU smoke test")
+    r.add_argument("--one-shot", action="store_true",
+                   help="two GPUs: let Inductor lower the decode step's small all_reduces to symmetric memory's "
+                        "one-shot all-reduce (torch._inductor.config._collective.auto_select); not yet measured")
     c = sub.add_parser("compare")
     c.add_argument("one")
     c.add_argument("two")

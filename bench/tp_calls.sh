@@ -4,15 +4,24 @@
 #   T1: the 32-layer Llama-3.1-8B shape saved once, then full, snapkv, raas and asl (selection layer 8) at 128k on
 #       one GPU and on two (torchrun, tp_plan="auto"), then the comparison table
 #   T2: the same at 32k
+#   G: tests/gpu/test_gpu_tp.py (every plain policy split over two GPUs with NCCL against one GPU, fp32)
+#   S: full and snapkv at 128k on two GPUs with NCCL's all_reduce, then with symmetric memory's one-shot
+#      all-reduce lowered by Inductor (bench_tp.py --one-shot), for the all-reduce share of the step
 set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1 or T2}" in
+case "${1:?call T1, T2, G or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
+  G) timeout 560 python -m pytest -q -x tests/gpu/test_gpu_tp.py 2>&1 | tail -15; exit ;;
+  S) [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
+     for flag in "" --one-shot; do
+       timeout 250 torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $ckpt --contexts 131072 \
+         --configs full,snapkv $flag --out $out/two_gpu_131072${flag//-/_}.json 2>&1 | grep '^{\|Error' | cut -c1-600
+     done; exit ;;
 esac
 configs=${CONFIGS:-full,snapkv,raas,asl@layer=8}
 [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'

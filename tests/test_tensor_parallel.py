@@ -59,15 +59,19 @@ def _free_port() -> int:
 def ranks(request, tmp_path_factory):
     """(rank 0's results, rank 1's results) of one family's two-process run."""
     family = request.param
-    root = tmp_path_factory.mktemp(f"tp_{family}")
+    return two_ranks(tmp_path_factory.mktemp(f"tp_{family}"), family, "cpu")
+
+
+def two_ranks(root, family: str, device: str):
+    """Run ``tests/tp_worker.py`` on two ranks for ``family`` (``device`` cpu: gloo; cuda: NCCL, two GPUs)."""
     (build("llama") if family == "llama" else _qwen3_gqa4()).save_pretrained(root / "model")
     names = PLAIN + (["chunkkv@inductor"] if family == "llama" else [])
-    caches = "dynamic,slot" if family == "llama" else "dynamic"
+    caches = "dynamic,slot" if family == "llama" or device == "cuda" else "dynamic"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), os.path.join(HERE, "tp_worker.py"), "--model", str(root / "model"),
-           "--out", str(root), "--policies", ",".join(names), "--caches", caches]
+           "--out", str(root), "--policies", ",".join(names), "--caches", caches, "--device", device]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     r0, r1 = (json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))

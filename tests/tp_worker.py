@@ -1,4 +1,5 @@
-"""One rank of ``tests/test_tensor_parallel.py`` (run by ``torchrun``, gloo on the CPU).
+"""One rank of ``tests/test_tensor_parallel.py`` (run by ``torchrun``, gloo on the CPU; ``--device cuda``: NCCL,
+``tests/gpu/test_gpu_tp.py``).
 
 Loads the saved model at ``--model`` with transformers' tensor-parallel plan (``tp_plan="auto"``), generates
 with every listed policy (its conformance ``demanding`` setting) on a DynamicCache and on a SlotCache, and
@@ -26,19 +27,22 @@ from conformance import CONFORMANCE, NEW, PROMPT, PUNCT  # noqa: E402
 import kvpass  # noqa: E402
 
 
+DEVICE = "cpu"   # --device cuda: NCCL, each rank on its GPU (tests/gpu/test_gpu_tp.py)
+
+
 def load(path: str, tp: bool):
     from transformers import AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")      # transformers >= 5.18: tp_plan= is deprecated for distributed_config
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **({"tp_plan": "auto"} if tp else {}))
-    return model.eval()
+    return (model if tp else model.to(DEVICE)).eval()
 
 
 def prompt() -> torch.Tensor:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(10, 90, (1, PROMPT), generator=g)
     ids[torch.rand(1, PROMPT, generator=g) < 0.15] = PUNCT[0]
-    return ids
+    return ids.to(DEVICE)
 
 
 def generate(model, name: str, cache_kind: str) -> dict:
@@ -101,9 +105,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--policies", required=True)
     ap.add_argument("--caches", default="dynamic,slot")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     names, caches = args.policies.split(","), args.caches.split(",")
-    dist.init_process_group("gloo")
+    global DEVICE
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        DEVICE = f"cuda:{os.environ['LOCAL_RANK']}"
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
     result = {"tp": run_all(load(args.model, tp=True), names, caches)}
     split = load(args.model, tp=True)
