@@ -57,10 +57,11 @@ def save(args) -> None:
 
 
 def load(path: str, tp: bool):
+    from kvpass.eval.models import tensor_parallel_kwargs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if tp:
-            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, tp_plan="auto")
+            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tensor_parallel_kwargs())
         else:
             model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
     return model.eval()

@@ -32,9 +32,8 @@ DEVICE = "cpu"   # --device cuda: NCCL, each rank on its GPU (tests/gpu/test_gpu
 
 def load(path: str, tp: bool):
     from transformers import AutoModelForCausalLM
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")      # transformers >= 5.18: tp_plan= is deprecated for distributed_config
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **({"tp_plan": "auto"} if tp else {}))
+    from kvpass.eval.models import tensor_parallel_kwargs
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **(tensor_parallel_kwargs() if tp else {}))
     return (model if tp else model.to(DEVICE)).eval()
 
 

@@ -967,12 +967,21 @@ def _install_hint() -> str:
     return "; ".join(f"'{s.name}': {s.install_cmd}" for s in MODELS.values())
 
 
+def tensor_parallel_kwargs() -> dict:
+    """``from_pretrained`` keywords that split a model with transformers' tensor-parallel plan over the ranks of
+    a ``torchrun`` job (``DistributedConfig(tp_plan="auto")``; ``tp_plan="auto"`` on transformers without it)."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
+
+
 def _from_folder(folder, *, dtype, device, attn_implementation, tp=False, **kw):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    split = {"tp_plan": "auto"} if tp else {}   # transformers places each rank's shard on its own device
-    with _quiet_transformers(True), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)   # transformers >= 5.18 prefers distributed_config
+    split = tensor_parallel_kwargs() if tp else {}   # transformers places each rank's shard on its own device
+    with _quiet_transformers(True):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
                                                      **split, **kw)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
