@@ -8,7 +8,8 @@ kvpass.SlotCache, and a Qwen3 (q/k norms) with 8 query heads on 2 KV heads, a GQ
 count, on a DynamicCache (the SlotCache path is the same code per rank; one family keeps CI's time).
 
 Checked per policy and cache: the tokens equal the single process's token for token, both ranks agree, each
-layer stores what one process stores and half its KV heads; the pass reports the rank's share of the heads, and
+rank's KV heads hold the positions the same heads hold on one process (the decision itself), each layer stores
+half the KV heads; the pass reports the rank's share of the heads, and
 the policies whose decisions span a layer's heads (chunkkv's chunk ranking, the gated policies' selection
 layer and tokens) get an all_gather inserted while per-head policies get none. ChunkFusion refuses a split model
 with a message naming the reason; ``kvpass.explain`` on a rank shows its local heads and the gathers. chunkkv also
@@ -97,6 +98,11 @@ def test_two_ranks_decide_as_one_process(ranks, policy, cache):
     assert tp1["tokens"] == tp0["tokens"], f"{policy}: the two ranks generated different tokens"
     assert tp0["kept"] == one["kept"] == tp1["kept"], f"{policy}: entries kept per layer differ"
     assert [2 * h for h in tp0["kv_heads"]] == one["kv_heads"], "each rank stores half the KV heads"
+    for rank, tp in enumerate((tp0, tp1)):   # each rank's heads hold what the same heads hold on one process
+        for layer, (mine, whole) in enumerate(zip(tp["positions"], one["positions"])):
+            h = tp["kv_heads"][layer]
+            assert mine == (None if whole is None else whole[rank * h:(rank + 1) * h]), \
+                f"{policy} on a {cache} cache, rank {rank}, layer {layer}: other positions kept than one process"
     assert not tp0["problems"] and not one["problems"], tp0["problems"] or one["problems"]
     assert tp0["tp"] and all(line.startswith("tensor parallel: rank 0 of 2") for line in tp0["tp"]), tp0["tp"]
     assert one["tp"] == [""]

@@ -3,7 +3,8 @@
 
 Loads the saved model at ``--model`` with transformers' tensor-parallel plan (``tp_plan="auto"``), generates
 with every listed policy (its conformance ``demanding`` setting) on a DynamicCache and on a SlotCache, and
-writes what it saw to ``--out``/rank<r>.json: tokens, kept entries per layer, KV heads per layer, the pass's
+writes what it saw to ``--out``/rank<r>.json: tokens, kept entries per layer, the positions each KV head holds,
+KV heads per layer, the pass's
 tensor-parallel line and the collectives it inserted. Then each rank runs half of the same generations on one
 process (the model loaded whole, no collectives) as the reference. Both ranks also record what
 ``kvpass.ChunkStore`` (chunk fusion's first step) says on the split model, and what ``kvpass.explain`` prints.
@@ -64,9 +65,14 @@ def generate(model, name: str, cache_kind: str) -> dict:
             logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
     if cache_kind == "slot":
         kept = [int(layer.count[1]) for layer in cache.layers]
+        held = [layer.pos for layer in cache.layers]
     else:
         kept = [int(layer.keys.shape[-2]) for layer in cache.layers]
+        held = [st.pos if (st := be.state.layer(i)) is not None else None for i in range(len(cache.layers))]
+    # the decision itself: the sorted true positions each KV head holds (row 0), per layer
+    positions = [None if p is None else p[0].sort(-1).values.tolist() for p in held]
     return {"tokens": tokens, "kept": kept, "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
+            "positions": positions,
             "tp": sorted({r.tp for r in be.reports}), "reductions": [x for r in be.reports for x in r.reductions],
             "problems": [p for r in be.reports for p in r.problems],
             "warnings": sorted({str(w.message)[:300] for w in caught if "kvpass" in str(w.message)})}

@@ -130,7 +130,7 @@ class KVPass(CustomGraphPass):
                 self.runtime.sites[site.layer] = site
         report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
                              plans={i: p.describe(phase) for i, p in plans.items()}, problems=problems)
-        if tp is not None and not isinstance(tp, str):
+        if isinstance(tp, _tp.TensorParallel):
             report.tp = tp.describe(found.sites[0].heads, found.sites[0].kv_heads)
         needs = self.policy.needs
         gates = needs.gates and phase == "prefill"

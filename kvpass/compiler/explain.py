@@ -85,12 +85,12 @@ class Explanation:
     @property
     def tensor_parallel(self) -> str:
         """The rank's share of the heads when the model is split by tensor parallelism, else ''."""
-        return next((g.tp for g in self.graphs if getattr(g, "tp", "")), "")
+        return next((g.tp for g in self.graphs if g.tp), "")
 
     @property
     def reductions(self) -> list[str]:
         """The collectives kvpass inserted for decisions that span a layer's heads (tensor parallelism)."""
-        return [r for g in self.graphs for r in getattr(g, "reductions", [])]
+        return [r for g in self.graphs for r in g.reductions]
 
     @property
     def problems(self) -> list[str]:

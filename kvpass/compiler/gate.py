@@ -252,9 +252,8 @@ class GatedGraph:
                     scale = 1.0
                 per_head = graph.call_function(torch.ops.kvpass.layer_scores.default, (
                     q, s.k_new, s.mask, float(scale), float(s.softcap), int(self.policy.window)))
-            every_head = _tp.gather_heads(graph, per_head, s.tp)   # the whole layer's heads on every rank
-            if every_head is not per_head:
-                self.reductions.append(f"layer {layer}: layer_scores all_gather over {s.tp.size} ranks")
+            # the whole layer's heads on every rank
+            every_head = _tp.gather_heads(graph, per_head, s.tp, f"layer {layer}: layer_scores", self.reductions)
             with graph.inserting_after(every_head):
                 score_nodes[layer] = graph.call_function(torch.sum, (every_head, 1))
         order = {n: i for i, n in enumerate(graph.nodes)}

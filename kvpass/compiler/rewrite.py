@@ -114,10 +114,7 @@ def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductio
         return None
     local = graph.call_function(OPS.layer_scores.default, (q_scaled, site.k_new, site.mask, 1.0, float(site.softcap),
                                                            int(plan.layer_votes)))
-    every = gather_heads(graph, local, site.tp)
-    if every is not local:
-        reductions.append(f"layer {site.layer}: selection votes all_gather over {site.tp.size} ranks")
-    return every
+    return gather_heads(graph, local, site.tp, f"layer {site.layer}: selection votes", reductions)
 
 
 def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:

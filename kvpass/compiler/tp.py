@@ -116,11 +116,13 @@ def _heads_back(x: torch.Tensor) -> torch.Tensor:
     return x.movedim(0, 1)
 
 
-def gather_heads(graph: fx.Graph, x: fx.Node, tp: TensorParallel | None) -> fx.Node:
+def gather_heads(graph: fx.Graph, x: fx.Node, tp: TensorParallel | None, what: str, reductions: list) -> fx.Node:
     """A node holding ``x [B, h, ...]`` (this rank's heads) of every rank: ``[B, h * N, ...]`` in head order.
-    Inserted right after ``x``; on one device (``tp`` None) it is ``x`` itself."""
+    Inserted right after ``x``, and said in ``reductions`` (``what`` names it); on one device (``tp`` None) it is
+    ``x`` itself."""
     if tp is None or tp.size == 1:
         return x
+    reductions.append(f"{what} all_gather over {tp.size} ranks")
     with graph.inserting_after(x):
         first = graph.call_function(_heads_first, (x,))
     with graph.inserting_after(first):
