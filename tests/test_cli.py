@@ -336,15 +336,14 @@ def _site(layer, kind="global", residual=None, plan_rope="cos"):
 
 
 def test_explain_groups_identical_layers_and_has_a_legend():
-    from types import SimpleNamespace
-
+    from kvpass.compiler.backend import GraphReport
     from kvpass.compiler.explain import Explanation
 
     kinds = ["sliding"] * 5 + ["global"] + ["sliding"] * 5 + ["global"] * 3
     sites = [_site(i, k, plan_rope="cos" if k == "sliding" else "cos_2") for i, k in enumerate(kinds)]
     plans = {i: "evict" if k == "global" else "attention op (exact)" for i, k in enumerate(kinds)}
     plans[13] = "unchanged"
-    ex = Explanation("StreamingLLM(budget=8, sinks=4)", [SimpleNamespace(sites=sites, plans=plans, problems=[])])
+    ex = Explanation("StreamingLLM(budget=8, sinks=4)", [GraphReport("prefill", sites, plans, [])])
     # the per-layer table is as before: one row per layer, raw values
     assert len(ex.table().splitlines()) == len(kinds) + 3 and "hidden_states_3" in ex.table()
     text = str(ex)
