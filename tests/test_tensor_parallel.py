@@ -11,9 +11,10 @@ Checked per policy and cache: the tokens equal the single process's token for to
 rank's KV heads hold the positions the same heads hold on one process (the decision itself), each layer stores
 half the KV heads; the pass reports the rank's share of the heads, and
 the policies whose decisions span a layer's heads (chunkkv's chunk ranking, the gated policies' selection
-layer and tokens) get an all_gather inserted while per-head policies get none. ChunkFusion refuses a split model
-with a message naming the reason; ``kvpass.explain`` on a rank shows its local heads and the gathers. chunkkv also
-runs under Inductor (the gathers compiled with the graph).
+layer and tokens) get an all_gather inserted while per-head policies get none. Chunk fusion (``kvpass.ChunkFusion``,
+every fusion policy, one store shared by the ranks) recomputes the same tokens, keeps the same positions per head
+and generates the same tokens as on one process. ``kvpass.explain`` on a rank shows its local heads and the
+gathers. chunkkv also runs under Inductor (the gathers compiled with the graph).
 """
 
 from __future__ import annotations
@@ -124,9 +125,25 @@ def test_inductor_compiles_the_gathers(ranks):
     assert tp0["reductions"]
 
 
-def test_chunk_fusion_refuses_a_split_model(ranks):
-    for r in ranks:
-        assert "does not run under tensor parallelism" in r["fusion"] and "split over 2 ranks" in r["fusion"]
+FUSION = ["a3", "a3+evict", "cacheblend", "legolink", "pie", "full_reuse", "a3+evict:slot"]
+
+
+@pytest.mark.parametrize("policy", FUSION)
+def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
+    r0, r1 = ranks
+    tp0, tp1, one = r0["fusion"][policy], r1["fusion"][policy], r0["single_fusion"][policy]
+    for what, run in (("rank 0", tp0), ("rank 1", tp1), ("one process", one)):
+        assert "error" not in run, f"{policy} on {what}: {run.get('error')}"
+    # the recompute set spans the heads (a3: the question's attention, cacheblend: key deviation, summed over
+    # every head of every rank); a3+evict's kept documents are per KV head
+    assert tp0["recompute"] == tp1["recompute"] == one["recompute"], f"{policy}: another recompute set"
+    assert tp0["tokens"] == tp1["tokens"] == one["tokens"], f"{policy}: tokens differ from one process"
+    for rank, tp in enumerate((tp0, tp1)):
+        for layer, (mine, whole) in enumerate(zip(tp["positions"], one["positions"])):
+            h = tp["kv_heads"][layer]
+            assert 2 * h == one["kv_heads"][layer], "each rank stores half the KV heads"
+            assert mine == whole[rank * h:(rank + 1) * h], f"{policy}, rank {rank}, layer {layer}: other positions"
+    assert tp0["stored"] >= 2 * one["stored"] > 0, "each rank stores its own heads' chunk KV under its own key"
 
 
 def test_explain_shows_the_local_heads_and_the_gathers(ranks):

@@ -6,8 +6,9 @@ with every listed policy (its conformance ``demanding`` setting) on a DynamicCac
 writes what it saw to ``--out``/rank<r>.json: tokens, kept entries per layer, the positions each KV head holds,
 KV heads per layer, the pass's
 tensor-parallel line and the collectives it inserted. Then each rank runs half of the same generations on one
-process (the model loaded whole, no collectives) as the reference. Both ranks also record what
-``kvpass.ChunkStore`` (chunk fusion's first step) says on the split model, and what ``kvpass.explain`` prints.
+process (the model loaded whole, no collectives) as the reference. Both ranks also run every chunk-fusion
+policy (``kvpass.ChunkFusion``, one store directory shared by the ranks) and record what ``kvpass.explain``
+prints.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import warnings
 
 import torch
@@ -96,12 +96,40 @@ def explained(model) -> str:
                               **CONFORMANCE["chunkkv"].demanding))
 
 
-def fusion_refusal(model) -> str:
-    try:
-        kvpass.ChunkStore(tempfile.mkdtemp(), model)
-    except kvpass.ConfigError as e:
-        return str(e)
-    return ""
+FUSION = {"a3": {"ratio": 0.3}, "a3+evict": {"ratio": 0.3, "capacity": 24}, "cacheblend": {"ratio": 0.3},
+          "legolink": {"prefix": 4}, "pie": {}, "full_reuse": {}}
+
+
+def fusion_request():
+    g = torch.Generator().manual_seed(3)
+    system = [1] + torch.randint(3, 90, (5,), generator=g).tolist()
+    chunks = [torch.randint(3, 90, (12,), generator=g).tolist() for _ in range(3)]
+    return system, chunks, torch.randint(3, 90, (4,), generator=g).tolist()
+
+
+def fuse(model, store_dir: str, name: str) -> dict:
+    """One chunk-fusion request (``policy`` or ``policy:slot``): its recompute set, the positions each KV head
+    keeps per layer, the tokens generated, and the store's work (each rank stores its own heads)."""
+    policy, _, cache = name.partition(":")
+    torch._dynamo.reset()
+    system, chunks, question = fusion_request()
+    fusion = kvpass.ChunkFusion(model, kvpass.ChunkStore(store_dir, model), policy, compiler="eager",
+                                cache=cache or "dynamic", **FUSION[policy])
+    fused = fusion.prepare(chunks, question, system=system, max_new_tokens=NEW)
+    out = fusion.generate(chunks, question, system=system, max_new_tokens=NEW, do_sample=False)
+    return {"recompute": fused.recompute.tolist(), "positions": [p[0].tolist() for p in fused.kept],
+            "kv_heads": [int(p.shape[1]) for p in fused.kept], "tokens": out[0, -NEW:].tolist(),
+            "stored": fusion.store.stats()["disk_entries"]}
+
+
+def fuse_all(model, store_dir: str, share: slice = slice(None)) -> dict:
+    out = {}
+    for name in (list(FUSION) + ["a3+evict:slot"])[share]:
+        try:
+            out[name] = fuse(model, store_dir, name)
+        except Exception as e:  # recorded: the test names the policy and the error
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+    return out
 
 
 def main() -> None:
@@ -122,8 +150,10 @@ def main() -> None:
     result = {"tp": run_all(load(args.model, tp=True), names, caches)}
     split = load(args.model, tp=True)
     result["explain"] = explained(split)
-    result["fusion"] = fusion_refusal(split)
-    result["single"] = run_all(load(args.model, tp=False), names, caches, slice(rank, None, 2))
+    result["fusion"] = fuse_all(split, os.path.join(args.out, "store_tp"))   # one store directory for both ranks
+    whole = load(args.model, tp=False)
+    result["single"] = run_all(whole, names, caches, slice(rank, None, 2))
+    result["single_fusion"] = fuse_all(whole, os.path.join(args.out, f"store_{rank}"), slice(rank, None, 2))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

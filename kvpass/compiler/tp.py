@@ -17,6 +17,10 @@ statistic of *every* head: ``gather_heads`` inserts an ``all_gather`` (a functio
 compiles, no host round trip) that puts the per-head statistic of all ranks, in head order, on every rank. The
 reduction over heads then runs on the same tensor, in the same order, as on one device, so every rank takes
 the same decision as a single device does (a sum of per-rank partial sums would round differently).
+
+One decision is a host decision by construction: chunk fusion's recompute set (``kvpass.ChunkFusion``), whose
+size shapes the next pass's input, so its scores go to the host anyway. Its selection callback gathers the
+per-head scores with ``all_heads``, the same collectives run eagerly, before they leave the device.
 """
 
 from __future__ import annotations
@@ -114,6 +118,15 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def _heads_back(x: torch.Tensor) -> torch.Tensor:
     return x.movedim(0, 1)
+
+
+def all_heads(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    """Eagerly, ``x [B, h, ...]`` (this rank's heads) of every rank: ``[B, h * N, ...]`` in head order; on one
+    device ``x`` itself. Every rank of the group must call it (the host-side selection of chunk fusion)."""
+    if tp is None or tp.size == 1:
+        return x
+    gathered = _C10D.all_gather_into_tensor.default(_heads_first(x), tp.size, tp.group)
+    return _heads_back(_C10D.wait_tensor.default(gathered))
 
 
 def gather_heads(graph: fx.Graph, x: fx.Node, tp: TensorParallel | None, what: str, reductions: list) -> fx.Node:

@@ -66,15 +66,6 @@ INDEX = "index.json"
 LOCK = ".lock"
 
 
-def refuse_split(model, what: str) -> None:
-    """Chunk fusion is refused on a model split by tensor parallelism (``tp_plan="auto"``), with the reason."""
-    ranks = getattr(model, "tp_size", None) or 1
-    if ranks > 1:
-        raise ConfigError(f"{what} does not run under tensor parallelism (this model is split over {ranks} ranks): "
-                          f"stored chunks hold every head of a layer and the recompute choice reads all of them, "
-                          f"which are not gathered across ranks yet; load the model on one device for chunk fusion")
-
-
 class ChunkStoreWarning(UserWarning):
     """A stored chunk could not be used (corrupt, foreign, unreadable); it counts as a miss."""
 
@@ -121,8 +112,13 @@ def model_fingerprint(model) -> str:
     cfg = model.config.to_dict()
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k != "transformers_version"}
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    ranks = getattr(model, "tp_size", None) or 1
+    if ranks > 1:   # a split model: each rank stores its own heads' KV, under its own key
+        import torch.distributed as dist
+        h.update(f"tensor parallel: rank {dist.get_rank()} of {ranks}".encode())
     with torch.no_grad():
         for name, t in model.state_dict().items():
+            t = t.to_local() if hasattr(t, "to_local") else t      # a DTensor: this rank's shard
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
             flat = t.detach().reshape(-1)
             if flat.numel() == 0:
@@ -176,7 +172,6 @@ class ChunkStore:
 
     def __init__(self, path: str | os.PathLike, model, *, tokenizer=None, max_bytes: int = 16 << 30,
                  memory_bytes: int = 2 << 30, fingerprint: str | None = None, durable: bool = True) -> None:
-        refuse_split(model, "kvpass.ChunkStore")
         if not isinstance(max_bytes, int) or max_bytes < 1:
             raise ConfigError(f"parameter 'max_bytes' must be int in [1, inf], got {max_bytes!r}")
         if not isinstance(memory_bytes, int) or memory_bytes < 0:

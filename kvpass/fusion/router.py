@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from kvpass.compiler.backend import backend as _backend
-from kvpass.fusion.chunkstore import ChunkStore, refuse_split
+from kvpass.fusion.chunkstore import ChunkStore
 from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.fusion.a3 import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
 from kvpass.fusion.rope import rotate
@@ -160,7 +160,6 @@ class ChunkFusion:
             raise ConfigError(f"parameter 'store' must be a kvpass.ChunkStore, got {type(store).__name__}")
         if store.model is not model:
             raise ConfigError("parameter 'store' belongs to another model object; build the ChunkStore with this model")
-        refuse_split(model, f"kvpass.ChunkFusion (policy '{pol.name}')")
         self.model = model
         self.store = store
         self.policy = pol

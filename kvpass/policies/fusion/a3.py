@@ -40,6 +40,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvpass.compiler.tp import all_heads
 from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, param
 
 SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
@@ -106,11 +107,14 @@ class ChunkFusionPolicy(Policy):
                               f"kvpass.ChunkFusion(model, store, '{self.name}'); a plain prefill has no stored "
                               f"chunks to fuse")
         if site.layer == SELECT_LAYER and kv_pos.shape[-1] == req.length:
-            req.scores = self.score(site, q, k, kv_pos, q_pos, req).float().reshape(-1)[: req.length]
+            # every head's score (a split model: every rank's, kvpass.compiler.tp), summed over the heads
+            per_head = all_heads(self.score(site, q, k, kv_pos, q_pos, req), site.tp)
+            req.scores = per_head.sum(dim=1)[0].float()[: req.length]
         return None                                            # the selection pass keeps everything
 
     def score(self, site, q, k, kv_pos, q_pos, req: FusionRequest) -> Tensor:
-        """Priority ``[L]`` of every token of the request (the selection pass, layer 1)."""
+        """Priority ``[B, H_kv, L]`` of every token of the request per KV head of this device (the selection
+        pass, layer 1); ``select`` sums it over all heads of the layer."""
         raise NotImplementedError
 
     def keep_after_fusion(self, votes: Tensor, req: FusionRequest) -> Tensor | None:
@@ -153,6 +157,5 @@ class A3(TopRatio):
 
     def score(self, site, q, k, kv_pos, q_pos, req):
         w = req.question
-        votes = torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
-                                               float(site.softcap))      # [B, H_kv, L], summed over Q and group
-        return votes.sum(dim=1)[0]
+        return torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
+                                              float(site.softcap))       # [B, H_kv, L], summed over Q and group
