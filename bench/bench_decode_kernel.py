@@ -9,6 +9,8 @@ Achieved bandwidth counts the bytes of K, V, q and the output once. Times are CU
 warps runs first and is reported too.
 
     python bench/bench_decode_kernel.py --out bench/results
+    # a tensor-parallel rank's share of the 8B shape (16 query heads, 4 KV heads), the split cap as it was
+    python bench/bench_decode_kernel.py --heads 16,4 --batches 1 --contexts 131072 --max-splits 64 --no-sweep
 """
 
 from __future__ import annotations
@@ -48,11 +50,17 @@ def sdpa_time(q, k, v) -> tuple[float, str]:
 
 
 def main() -> None:
+    global HQ, HKV
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="4096,16384,32768,131072")
+    ap.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads,KV heads")
+    ap.add_argument("--max-splits", type=int, default=K.MAX_SPLITS, help="the kernel's split cap (K.MAX_SPLITS)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the block/warps sweep: block 128, 4 warps")
     args = ap.parse_args()
+    HQ, HKV = (int(x) for x in args.heads.split(","))
+    K.MAX_SPLITS = args.max_splits
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     free = torch.cuda.mem_get_info()[0]
@@ -64,7 +72,7 @@ def main() -> None:
         return q, k, v
 
     sweep = []
-    for b, n in ((1, 32768), (8, 16384), (64, 16384)):
+    for b, n in () if args.no_sweep else ((1, 32768), (8, 16384), (64, 16384)):
         q, k, v = make(b, n)
         for block in (32, 64, 128):
             for warps in (4, 8):
@@ -73,7 +81,7 @@ def main() -> None:
                 print(f"sweep b={b} n={n} block={block} warps={warps}: {t * 1e3:.3f} ms", flush=True)
         del q, k, v
     best = min(sweep, key=lambda r: sum(s["ms"] for s in sweep if (s["block"], s["num_warps"]) ==
-                                         (r["block"], r["num_warps"])))
+                                         (r["block"], r["num_warps"]))) if sweep else dict(block=128, num_warps=4)
     block, warps = best["block"], best["num_warps"]
 
     rows = []
@@ -100,7 +108,7 @@ def main() -> None:
 
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name, sms=props.multi_processor_count,
                 torch=torch.__version__, triton=triton.__version__, shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16",
-                block=block, num_warps=warps)
+                max_splits=K.MAX_SPLITS, block=block, num_warps=warps)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_kernel.json").write_text(json.dumps(dict(meta=meta, sweep=sweep, rows=rows), indent=2))
     lines = [f"# Decode kernel (ART off) vs PyTorch SDPA, {meta['gpu']}, {meta['date']}", "",

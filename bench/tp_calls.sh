@@ -5,6 +5,8 @@
 #       one GPU and on two (torchrun, tp_plan="auto"), then the comparison table
 #   T2: the same at 32k
 #   G: tests/gpu/test_gpu_tp.py (every plain policy split over two GPUs with NCCL against one GPU, fp32)
+#   K: the decode kernel alone at one rank's share (16 query heads, 4 KV heads, batch 1, 128k) with the split
+#      cap before (64) and now (256), and the whole shape (32, 8): does the cap explain part of the TP step?
 #   S: full and snapkv at 128k on two GPUs with NCCL's all_reduce, then with symmetric memory's one-shot
 #      all-reduce lowered by Inductor (bench_tp.py --one-shot), for the all-reduce share of the step
 set -u
@@ -13,9 +15,12 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, G or S}" in
+case "${1:?call T1, T2, K, G or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
+  K) for hs in 16,4 32,8; do for cap in 64 256; do
+       python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
+         --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
   G) timeout 560 python -m pytest -q -x tests/gpu/test_gpu_tp.py 2>&1 | tail -15; exit ;;
   S) [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
      for flag in "" --one-shot; do

@@ -228,6 +228,26 @@ def test_real_skipping_happens_on_converging_attention():
     assert (vis < 10).all() and (vis >= 3).all(), vis
 
 
+def test_few_programs_take_enough_splits_to_fill_the_gpu(monkeypatch):
+    """A tensor-parallel rank's share at batch 1 (4 KV heads, or 1) still launches about 4 programs per SM
+    at 128k (a cap of 64 splits left 256 programs on 132 SMs), and the many-split launch, empty splits
+    included, is exact."""
+    monkeypatch.setattr(K, "_sms", lambda device: 132)
+    blocks = 131072 // 128
+    for programs in (1, 2, 4, 8, 32):
+        splits = K.num_splits(programs, blocks, torch.device("cpu"))
+        assert programs * splits >= min(4 * 132, programs * blocks // 4), (programs, splits)
+        assert splits <= K.MAX_SPLITS and blocks // splits >= 4
+    assert K.num_splits(4, 16, torch.device("cpu")) == 4          # at least four blocks per split
+    # one program over 38 blocks of 4: 9 splits of 5 (the last one empty) with 132 SMs, 8 splits with 2
+    q, k, v = qkv(1, 4, 1, 150, 16, torch.float32, 5)
+    for sms in (132, 2):
+        monkeypatch.setattr(K, "_sms", lambda device, n=sms: n)
+        out_k, vis_k, out_r, vis_r = run_both(q, k, v, split=True, block=4)
+        torch.testing.assert_close(out_k, out_r, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+        assert torch.equal(vis_k, vis_r)
+
+
 def test_split_with_termination_needs_a_horizon():
     q, k, v = qkv(1, 2, 1, 40, 16, torch.float32, 0)
     with pytest.raises(ValueError, match="horizon"):

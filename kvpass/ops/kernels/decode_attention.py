@@ -527,12 +527,17 @@ def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+MAX_SPLITS = 256
+
+
 def num_splits(programs, n_blocks, device) -> int:
-    """How many KV splits fill the GPU: about 4 programs per SM, at most 64 splits, at least four
-    blocks per split (below that the merge costs more than it saves). SymInt-safe (no guards on
-    symbolic batch or length)."""
+    """How many KV splits fill the GPU: about 4 programs per SM, at least four blocks per split (below
+    that the merge costs more than it saves), at most ``MAX_SPLITS``. SymInt-safe (no guards on symbolic
+    batch or length). Few (sequence, KV head) programs take many splits: a tensor-parallel rank's share
+    of an 8-KV-head layer at batch 1 is 4 programs, which a cap of 64 splits left at 2 programs per SM
+    (an H200 has 132); the cap only bounds the partial buffers (``MAX_SPLITS`` x query heads x head dim, fp32)."""
     want = _cdiv(4 * _sms(device), programs)
-    return torch.sym_max(1, torch.sym_min(torch.sym_min(want, 64), n_blocks // 4))
+    return torch.sym_max(1, torch.sym_min(torch.sym_min(want, MAX_SPLITS), n_blocks // 4))
 
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
