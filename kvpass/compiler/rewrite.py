@@ -92,7 +92,7 @@ def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, 
     return out
 
 
-def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
+def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     read = plan.read
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
@@ -117,7 +117,7 @@ def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductio
     return gather_heads(graph, local, site.tp, f"layer {site.layer}: selection votes", reductions)
 
 
-def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
+def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]:
     read, tokens = plan.read, (site.tokens if plan.tokens else None)
     mask, causal = site_mask(site)
     with graph.inserting_before(_first(graph, [site.k, site.v])):
@@ -140,6 +140,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductio
         # compact gets q with the scale folded in (q . k is the logit), whatever graph it runs in, so a
         # scoring policy never depends on which graph's site it is told about
         q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+        reductions: list[str] = []
         votes = _layer_votes(graph, site, plan, q_scaled, reductions)
         cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer,
                                                         tokens, votes))
@@ -150,6 +151,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductio
         old.replace_all_uses_with(new)  # what remains are the stored tensors (graph outputs)
         _erase(graph, [old])
     _after(graph, k_st if _first(graph, [k_st, v_st]) is v_st else v_st)
+    return reductions
 
 
 def _after(graph: fx.Graph, anchor: fx.Node) -> None:
@@ -171,7 +173,7 @@ def _after(graph: fx.Graph, anchor: fx.Node) -> None:
         at = n
 
 
-def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
+def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     """A pool policy's decode step (raas): the new token is written into a slot of the stored pool in
     place (``pool_write``) and the pool is read by ``decode_attention`` (exact unless the plan reads
     with ART). The graph stores the mutated pool tensors themselves: no concatenation, no compaction."""
@@ -190,7 +192,7 @@ def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reduct
         _erase(graph, [old])
 
 
-def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
+def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask;
     with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
     with graph.inserting_before(_first(graph, [site.k, site.v])):
@@ -212,7 +214,7 @@ def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reducti
         _erase(graph, [old])
 
 
-def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
+def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]:
     """A ``kvpass.SlotCache`` site (``kvpass.cache.slots``): the cache's own ``slot_append`` is replaced.
 
     * prefill: exact attention over the prompt with the model's mask; ``slot_prefill`` lets the policy
@@ -229,6 +231,7 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: 
     keys, values, pos, count = site.slot.args[:4]
     state = site.slot.args[6]
     hooks = plan.slot_hooks or SlotHooks()
+    reductions: list[str] = []
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
         if site.phase == "prefill":
@@ -269,6 +272,7 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: 
     site.out.replace_all_uses_with(att)
     _erase(graph, [site.out] + site.erase)
     graph.erase_node(site.slot)
+    return reductions
 
 
 def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
@@ -278,7 +282,7 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     reductions: list[str] = []   # collectives inserted for decisions across heads (tensor parallelism)
     for site in found.sites:
         plan = plans[site.layer]
-        SHAPES[plan.shape](graph, site, plan, handle, reductions)
+        reductions += SHAPES[plan.shape](graph, site, plan, handle) or []   # the gathers a shape inserted
         done[plan.shape].append(site.layer)
     evicting, appending = done["evict"] + done["pool"], done["append"]
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
@@ -297,7 +301,7 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
             "appending": appending, "slots": done["slot"], "positions_fixed": fixed, "reductions": reductions}
 
 
-def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, reductions: list) -> None:
+def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     """A site the policy leaves to the model."""
 
 
