@@ -20,7 +20,8 @@ the same decision as a single device does (a sum of per-rank partial sums would 
 
 One decision is a host decision by construction: chunk fusion's recompute set (``kvpass.ChunkFusion``), whose
 size shapes the next pass's input, so its scores go to the host anyway. Its selection callback gathers the
-per-head scores with ``all_heads``, the same collectives run eagerly, before they leave the device.
+per-head scores with ``TensorParallel.all_heads`` (the same collectives, run eagerly) before they leave the
+device.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ class TensorParallel:
     def describe(self, heads: int, kv_heads: int) -> str:
         return (f"tensor parallel: rank {self.rank} of {self.size} (group '{self.group}'), local heads "
                 f"{heads} of {heads * self.size}, KV heads {kv_heads} of {kv_heads * self.size}")
+
+    def all_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Eagerly, ``x [B, h, ...]`` (this rank's heads) of every rank: ``[B, h * N, ...]`` in head order.
+        Every rank of the group must call it (the host-side selection of chunk fusion)."""
+        if self.size == 1:
+            return x
+        gathered = _C10D.all_gather_into_tensor.default(_heads_first(x), self.size, self.group)
+        return _heads_back(_C10D.wait_tensor.default(gathered))
 
     def __repr__(self) -> str:
         return f"TensorParallel(group={self.group!r}, size={self.size}, rank={self.rank})"
@@ -118,15 +127,6 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def _heads_back(x: torch.Tensor) -> torch.Tensor:
     return x.movedim(0, 1)
-
-
-def all_heads(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
-    """Eagerly, ``x [B, h, ...]`` (this rank's heads) of every rank: ``[B, h * N, ...]`` in head order; on one
-    device ``x`` itself. Every rank of the group must call it (the host-side selection of chunk fusion)."""
-    if tp is None or tp.size == 1:
-        return x
-    gathered = _C10D.all_gather_into_tensor.default(_heads_first(x), tp.size, tp.group)
-    return _heads_back(_C10D.wait_tensor.default(gathered))
 
 
 def gather_heads(graph: fx.Graph, x: fx.Node, tp: TensorParallel | None, what: str, reductions: list) -> fx.Node:

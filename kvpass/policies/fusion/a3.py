@@ -40,7 +40,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvpass.compiler.tp import all_heads
 from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, param
 
 SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
@@ -108,7 +107,9 @@ class ChunkFusionPolicy(Policy):
                               f"chunks to fuse")
         if site.layer == SELECT_LAYER and kv_pos.shape[-1] == req.length:
             # every head's score (a split model: every rank's, kvpass.compiler.tp), summed over the heads
-            per_head = all_heads(self.score(site, q, k, kv_pos, q_pos, req), site.tp)
+            per_head = self.score(site, q, k, kv_pos, q_pos, req)
+            if site.tp is not None:
+                per_head = site.tp.all_heads(per_head)
             req.scores = per_head.sum(dim=1)[0].float()[: req.length]
         return None                                            # the selection pass keeps everything
 
