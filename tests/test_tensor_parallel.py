@@ -31,6 +31,7 @@ import transformers as tf
 
 from conformance import CONFORMANCE
 from families import COMMON, build
+from tp_worker import FUSION_RUNS
 
 HERE = os.path.dirname(__file__)
 PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
@@ -126,10 +127,7 @@ def test_inductor_compiles_the_gathers(ranks):
     assert tp0["reductions"]
 
 
-FUSION = ["a3", "a3+evict", "cacheblend", "legolink", "pie", "full_reuse", "a3+evict:slot"]
-
-
-@pytest.mark.parametrize("policy", FUSION)
+@pytest.mark.parametrize("policy", FUSION_RUNS)
 def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
     r0, r1 = ranks
     tp0, tp1, one = r0["fusion"][policy], r1["fusion"][policy], r0["single_fusion"][policy]
@@ -145,6 +143,7 @@ def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
             assert 2 * h == one["kv_heads"][layer], "each rank stores half the KV heads"
             assert mine == whole[rank * h:(rank + 1) * h], f"{policy}, rank {rank}, layer {layer}: other positions"
     assert tp0["stored"] >= 2 * one["stored"] > 0, "each rank stores its own heads' chunk KV under its own key"
+    assert r0["pinned"] != r1["pinned"], "a pinned fingerprint must still tell the ranks' entries apart"
 
 
 def test_explain_shows_the_local_heads_and_the_gathers(ranks):

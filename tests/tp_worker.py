@@ -98,6 +98,7 @@ def explained(model) -> str:
 
 FUSION = {"a3": {"ratio": 0.3}, "a3+evict": {"ratio": 0.3, "capacity": 24}, "cacheblend": {"ratio": 0.3},
           "legolink": {"prefix": 4}, "pie": {}, "full_reuse": {}}
+FUSION_RUNS = list(FUSION) + ["a3+evict:slot"]   # ``policy`` or ``policy:cache``
 
 
 def fusion_request():
@@ -124,7 +125,7 @@ def fuse(model, store_dir: str, name: str) -> dict:
 
 def fuse_all(model, store_dir: str, share: slice = slice(None)) -> dict:
     out = {}
-    for name in (list(FUSION) + ["a3+evict:slot"])[share]:
+    for name in FUSION_RUNS[share]:
         try:
             out[name] = fuse(model, store_dir, name)
         except Exception as e:  # recorded: the test names the policy and the error
@@ -151,6 +152,7 @@ def main() -> None:
     split = load(args.model, tp=True)
     result["explain"] = explained(split)
     result["fusion"] = fuse_all(split, os.path.join(args.out, "store_tp"))   # one store directory for both ranks
+    result["pinned"] = kvpass.ChunkStore(os.path.join(args.out, "store_tp"), split, fingerprint="pinned").fingerprint
     whole = load(args.model, tp=False)
     result["single"] = run_all(whole, names, caches, slice(rank, None, 2))
     result["single_fusion"] = fuse_all(whole, os.path.join(args.out, f"store_{rank}"), slice(rank, None, 2))

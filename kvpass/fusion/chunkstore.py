@@ -112,10 +112,6 @@ def model_fingerprint(model) -> str:
     cfg = model.config.to_dict()
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k != "transformers_version"}
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    ranks = getattr(model, "tp_size", None) or 1
-    if ranks > 1:   # a split model: each rank stores its own heads' KV, under its own key
-        import torch.distributed as dist
-        h.update(f"tensor parallel: rank {dist.get_rank()} of {ranks}".encode())
     with torch.no_grad():
         for name, t in model.state_dict().items():
             t = t.to_local() if hasattr(t, "to_local") else t      # a DTensor: this rank's shard
@@ -184,6 +180,10 @@ class ChunkStore:
         self.memory_bytes = memory_bytes
         self.durable = durable
         self.fingerprint = fingerprint or model_fingerprint(model)
+        ranks = getattr(model, "tp_size", None) or 1
+        if ranks > 1:   # a split model: each rank stores its own heads' KV, under its own key (a pinned one too)
+            import torch.distributed as dist
+            self.fingerprint += f"/tensor parallel rank {dist.get_rank()} of {ranks}"
         self._rotary = None
         self._memory: OrderedDict[str, ChunkKV] = OrderedDict()
         self._memory_used = 0
