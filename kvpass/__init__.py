@@ -25,6 +25,7 @@ _check_versions()
 from kvpass.compiler.backend import Backend, GraphReport, KVPass, backend  # noqa: E402
 from kvpass.errors import KVPassWarning  # noqa: E402
 from kvpass.cache.slots import SlotCache  # noqa: E402
+from kvpass.compiler.fastpath import compile  # noqa: E402
 from kvpass.fusion.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning  # noqa: E402
 from kvpass.compiler.explain import Explanation, explain  # noqa: E402
 from kvpass.fusion.router import ChunkFusion, FusedPrompt  # noqa: E402
@@ -34,4 +35,4 @@ from kvpass.cache.state import GenerationState  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",
            "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "ChunkKV",
-           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache"]
+           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile"]

@@ -5,9 +5,11 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
 * ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
   (left padding and evicted slots too);
-* ``count`` ``[3]`` int64: tokens seen (padding included, the index HF's masks count in), slots
-  filled in order (the append layout's next free slot), and the positions a renumbering prefill
-  dropped (``gemfilter``: ``L - n``, else 0): the next token's position is ``count[0] - count[2]``.
+* ``count`` ``[4]`` int64: tokens seen (padding included, the index HF's masks count in), slots
+  filled in order (the append layout's next free slot), the positions a renumbering prefill
+  dropped (``gemfilter``: ``L - n``, else 0): the next token's position is ``count[0] - count[2]``;
+  and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule (a ring
+  would otherwise wrap over entries its policy keeps).
 
 * ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
   kept by tensor code the rewrite places in the graphs (``Policy.slot_hooks``).
@@ -15,7 +17,7 @@ Every layer owns, allocated once at construction and never reallocated:
 ``C`` is the layer's capacity (``Policy.slot_capacity``): the whole sequence for ``full``, the budget
 plus the decode steps for a policy that evicts at prefill only (pyramidkv: its layer's budget), the
 budget plus one for a policy that evicts at every step, raas's page pool. A sliding-window layer (the
-config's ``layer_types``) is a ring of ``min(window, max_length)`` slots whatever the policy. All of
+config's ``layer_types``) is a ring of ``window`` slots whatever the policy. All of
 them are static addresses (``torch._dynamo.mark_static_address``), so a decode graph that writes them
 in place can be replayed as a CUDA graph; the host learns nothing per step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
 does), so ``generate`` and a bare ``forward`` derive true positions however much was evicted.
@@ -53,6 +55,8 @@ except ImportError:  # pragma: no cover
     Cache = CacheLayerMixin = object
 
 APPEND, RING, PLACED = 0, 1, 2
+LIMIT = ("kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
+         "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call)")
 RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 
@@ -62,11 +66,12 @@ RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 @torch.library.custom_op("kvpass::slot_append", mutates_args=("keys", "values", "pos", "count"))
 def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
-                state: list[Tensor], window: int = 0, policy: str = "") -> None:
+                state: list[Tensor], window: int = 0, policy: str = "", spec: str = "") -> None:
     """The cache's own update: ``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` go into slots ``seen .. seen+q-1``.
     Valid only while the layout is the append layout (no eviction yet) and the tokens fit. ``state`` (the
     policy's per-layer tensors) and ``window`` (a sliding-window layer's window, 0 for a global layer)
-    are not used here: they are passed so the kvpass pass finds them in the graph.
+    are not used here: they are passed so the kvpass pass finds them in the graph, as is ``spec``, the
+    configuration the cache was built for (``Policy.key``), which a kvpass graph of another policy refuses.
 
     A kvpass-compiled graph never runs this: the pass replaces it with the policy's write. It runs in an
     uncompiled forward, in a graph compiled by another backend, or in one kvpass compiled unchanged; for a
@@ -87,6 +92,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
                                              "(build it with a larger max_length; if kvpass warned that it compiled "
                                              "a graph unchanged, the policy the cache was sized for did not run: "
                                              "the warning says why)")
+    torch._assert_async(count[0] + q <= count[3], LIMIT)
     idx = count[1] + torch.arange(q, device=keys.device)
     keys.index_copy_(2, idx, k_new.to(keys.dtype))
     values.index_copy_(2, idx, v_new.to(values.dtype))
@@ -96,7 +102,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
 
 
 @slot_append.register_fake
-def _(keys, values, pos, count, k_new, v_new, state, window=0, policy=""):
+def _(keys, values, pos, count, k_new, v_new, state, window=0, policy="", spec=""):
     return None
 
 
@@ -120,6 +126,9 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if (b, hkv) != tuple(keys.shape[:2]):
         raise ValueError(f"kvpass SlotCache: a batch of {b} rows x {hkv} KV heads on a cache built for "
                          f"{keys.shape[0]} x {keys.shape[1]}; build it with batch_size={b}")
+    if length > int(count[3]):
+        raise ValueError(f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
+                         f"{int(count[3])}; build it with max_length >= prompt + new tokens")
     kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
     valid = runtime.key_validity(mask, b, length)
     if valid is not None:
@@ -214,6 +223,7 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     ar = torch.arange(q, device=pos.device)
     q_pos = (count[0] - count[2] + ar).expand(b, q)
     new_pos = q_pos[:, None, :].expand(b, hkv, q).to(pos.dtype)
+    torch._assert_async(count[0] + q <= count[3], LIMIT)
     if rule == APPEND:
         torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
                                                  "max_length (or max_new_tokens)")
@@ -243,6 +253,39 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
 # the cache
 # ------------------------------------------------------------------------------------------------
 
+def layer_windows(cfg) -> list[int]:
+    """Per layer, its sliding window (0: global attention), read from the config as transformers' own
+    caches read it: ``layer_types`` where the config has them, else every layer slides when the config
+    sets ``sliding_window`` (Mistral 7B v0.1, Phi-3). Attention a slot cannot hold exactly (chunked,
+    linear, shared KV) is refused, naming the layer."""
+    layers = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        kind = ("sliding_attention" if window is not None else
+                "chunked_attention" if getattr(cfg, "attention_chunk_size", None) is not None else "full_attention")
+        types = [kind] * layers
+    windows = []
+    for i, kind in enumerate(types[:layers]):
+        if kind == "sliding_attention" and window:
+            windows.append(int(window))
+        elif kind == "full_attention":
+            windows.append(0)
+        else:
+            raise ConfigError(f"SlotCache: layer {i} of this model has '{kind}' attention (config.layer_types"
+                              f"{'' if getattr(cfg, 'layer_types', None) else ', inferred as transformers does'}, "
+                              f"sliding_window={window}); a kvpass.SlotCache holds global and sliding-window layers "
+                              f"only: use the model's default cache (DynamicCache)")
+    return windows
+
+
+def capacity_dims(policy, capacity: int, head_dim: int) -> list[tuple[int, ...]]:
+    """Per tensor of ``policy.slot_state``: the dimensions whose size follows the capacity (quest's
+    pages), found by asking for the state at another capacity; the others are static."""
+    here, there = policy.slot_state(capacity, head_dim), policy.slot_state(capacity + 64 * 16, head_dim)
+    return [tuple(2 + i for i, (a, b) in enumerate(zip(here[name][0], there[name][0])) if a != b) for name in here]
+
+
 class SlotLayer(CacheLayerMixin):
     """One layer's fixed slots (see the module docstring)."""
 
@@ -250,10 +293,11 @@ class SlotLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, v_head_dim: int,
-                 dtype: torch.dtype, device, state: dict | None = None, window: int = 0) -> None:
+                 dtype: torch.dtype, device, state: dict | None = None, window: int = 0,
+                 state_dims: list[tuple[int, ...]] | None = None, limit: int = 1 << 62) -> None:
         super().__init__()
         self.capacity = capacity
-        # a sliding-window layer (``window`` > 0) is a ring of min(window, max_length) slots whatever the
+        # a sliding-window layer (``window`` > 0) is a ring of ``window`` slots whatever the
         # policy: the token at position p overwrites p - window, which no later query sees
         self.window = window
         self.is_sliding = window > 0
@@ -263,10 +307,11 @@ class SlotLayer(CacheLayerMixin):
         # does, and slot_append then refuses the compressed cache)
         self.read_length = capacity
         self.policy = ""  # the cache's policy, unless its prefill is a plain append (SlotCache sets it)
+        self.spec = ""    # the policy configuration the cache was built for (Policy.key; SlotCache sets it)
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
-        self.count = torch.zeros(3, dtype=torch.int64, device=device)
+        self.count = torch.tensor([0, 0, 0, limit], dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
         self.state = [torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
@@ -276,9 +321,17 @@ class SlotLayer(CacheLayerMixin):
         self.is_initialized = True
         for t in (self.keys, self.values, self.pos, self.count, *self.state):
             torch._dynamo.mark_static_address(t)
-            # static shapes too: under torch.compile(dynamic=True) the slots' sizes would be symbolic,
-            # and the decode site (kv heads read off the slots) could not be rewritten
-            torch._dynamo.mark_static(t)
+        # Shapes: rows, KV heads and head size are static (the decode site reads its KV heads off the slots);
+        # a global layer's capacity, and the state dimensions that follow it (quest's pages), stay symbolic,
+        # so one compiled graph serves every capacity: a cache sized for another prompt compiles nothing new.
+        # A sliding layer's ring (its window) is static: it is the same for every cache of the model.
+        for t, symbolic in zip((self.keys, self.values, self.pos, self.count, *self.state),
+                               [(2,), (2,), (2,), (), *(state_dims or [()] * len(self.state))]):
+            for dim in range(t.dim()):
+                if dim not in symbolic or window:
+                    torch._dynamo.mark_static(t, dim)
+                else:  # symbolic from the first compile on, whatever torch.compile's dynamic= says
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
 
     def fill(self, keys: Tensor, values: Tensor, pos: Tensor, seen: int) -> None:
         """Load ``K`` entries a driver computed outside the compiled graphs (chunk fusion's merged cache):
@@ -291,15 +344,20 @@ class SlotLayer(CacheLayerMixin):
         self.values[:, :, :k].copy_(values)
         self.pos.fill_(-1)
         self.pos[:, :, :k].copy_(pos)
-        self.count.copy_(torch.tensor([seen, k, 0]))
+        self.count[:3].copy_(torch.tensor([seen, k, 0]))
         self.filled = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass  # allocated at construction
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if key_states.dtype != self.keys.dtype or key_states.device != self.keys.device:
+            raise ConfigError(f"kvpass SlotCache: the model computes {key_states.dtype} keys on "
+                              f"{key_states.device}, the cache holds {self.keys.dtype} on {self.keys.device}; "
+                              f"build the SlotCache after model.to(...), with the model's dtype and device "
+                              f"(the defaults)")
         torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states,
-                                     self.state, self.window, self.policy)
+                                     self.state, self.window, self.policy, self.spec)
         if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
             self.filled = True
             return key_states, value_states
@@ -321,7 +379,7 @@ class SlotLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.pos.fill_(-1)
-        self.count.zero_()
+        self.count[:3].zero_()
         for t, fill in zip(self.state, self._fills):
             t.fill_(fill)
         self.filled = False
@@ -356,9 +414,18 @@ class SlotCache(Cache):
 
     def __init__(self, model, backend, max_length: int, batch_size: int = 1, max_new_tokens: int | None = None,
                  dtype: torch.dtype | None = None, device=None, *, _driver: bool = False) -> None:
-        policy = backend.policy
-        if not isinstance(max_length, int) or max_length < 1:
-            raise ConfigError(f"SlotCache: parameter 'max_length' must be an int >= 1, got {max_length!r}")
+        policy = getattr(backend, "policy", None)
+        if not hasattr(policy, "needs"):
+            raise ConfigError(f"SlotCache: parameter 'backend' must be the kvpass.backend(...) the model is compiled "
+                              f"with, got {type(backend).__name__}")
+        for name, value, lo in (("max_length", max_length, 1), ("batch_size", batch_size, 1),
+                                ("max_new_tokens", max_new_tokens, 0)):
+            if (value is not None or name != "max_new_tokens") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < lo):
+                raise ConfigError(f"SlotCache: parameter '{name}' must be an int >= {lo}"
+                                  f"{' or None' if name == 'max_new_tokens' else ''}, got {value!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"SlotCache: parameter 'dtype' must be a torch.dtype or None, got {dtype!r}")
         if policy.needs.slot_rule is None:
             raise ConfigError(f"SlotCache: policy '{policy.name}' has no fixed-capacity decode (its slot_rule is "
                               f"None); use it with a DynamicCache (the default cache)")
@@ -367,9 +434,7 @@ class SlotCache(Cache):
                               f"and filled by kvpass.ChunkFusion(model, store, '{policy.name}', cache='slot')")
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         layers = cfg.num_hidden_layers
-        types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
-        window = getattr(cfg, "sliding_window", None) or 0
-        windows = [window if t == "sliding_attention" else 0 for t in types]
+        windows = layer_windows(cfg)
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -379,19 +444,33 @@ class SlotCache(Cache):
         kv_heads //= ranks
         p = next(model.parameters())
         dtype, device = dtype or p.dtype, device or p.device
-        new = max_length if max_new_tokens is None else max_new_tokens
-        # per layer: pyramidkv keeps more in lower layers
-        self.capacities = [min(max_length, w) if w else policy.slot_capacity(max_length, new, i, layers)
-                           for i, w in enumerate(windows)]
+        new = max_length if max_new_tokens is None else min(max_new_tokens, max_length)
+        self._policy, self._windows = policy, windows
+        self.capacities = self._capacities(max_length, new)
         self.capacity = max(self.capacities)
         self.policy_name = policy.name
         super().__init__(layers=[SlotLayer(batch_size, kv_heads, cap, head_dim, head_dim, dtype, device,
-                                           {} if w else policy.slot_state(cap, head_dim), w)
+                                           {} if w else policy.slot_state(cap, head_dim), w,
+                                           None if w else capacity_dims(policy, cap, head_dim), max_length)
                                  for cap, w in zip(self.capacities, windows)])
+        self.max_length, self.max_new_tokens = max_length, new
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
             lay.policy = "" if policy.needs.plain_prefill else policy.name
+            lay.spec = policy.key()
+
+    def _capacities(self, max_length: int, max_new_tokens: int) -> list[int]:
+        layers = len(self._windows)  # per layer: pyramidkv keeps more in lower layers; a sliding layer its window
+        return [w or self._policy.slot_capacity(max_length, max_new_tokens, i, layers)
+                for i, w in enumerate(self._windows)]
+
+    def fits(self, max_length: int, max_new_tokens: int, batch_size: int) -> bool:
+        """Whether a generation of ``batch_size`` rows, at most ``max_length`` tokens of which
+        ``max_new_tokens`` new, fits this cache (after ``reset()``): a cache can serve any shorter one."""
+        return (batch_size == self.layers[0].keys.shape[0] and max_length <= self.max_length and
+                all(need <= have for need, have in zip(self._capacities(max_length, min(max_new_tokens, max_length)),
+                                                        self.capacities)))
 
     @property
     def seen(self) -> int:

@@ -91,7 +91,7 @@ def _keep_slot_appends(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (_detect.SLOT_APPEND, _detect.SLOT_APPEND.default):
             if len(node.args) > 8:
-                node.args = (*node.args[:8], "")
+                node.args = (*node.args[:8], "", *node.args[9:])
                 changed = True
             elif node.kwargs.get("policy"):
                 node.kwargs = {**node.kwargs, "policy": ""}
@@ -111,6 +111,8 @@ class KVPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> GraphReport:
         gm = graph.owning_module
         found = _detect.detect(gm)
+        if foreign := _plan.foreign_cache(self.policy, found.sites):
+            raise ConfigError(foreign)
         problems = [str(p) for p in found.problems]
         tp = None if problems else _tp.find(gm, found.sites)
         if isinstance(tp, str):
@@ -223,9 +225,25 @@ class Backend:
     def uuid(self) -> str:
         return self.kvpass.uuid()
 
+    def recompile_advice(self) -> str:
+        """What to tell a user whose forward reaches Dynamo's recompile limit under this backend."""
+        phases: dict[str, int] = {}
+        for r in self.reports:
+            phases[r.phase] = phases.get(r.phase, 0) + 1
+        return (f"kvpass: the model's forward reached Dynamo's recompile_limit "
+                f"({torch._dynamo.config.recompile_limit}; graphs so far per phase: {phases}). kvpass compiles one "
+                f"prefill and one decode graph for any prompt length and cache size; each new batch size, dtype "
+                f"or cache kind, and each other model compiled in this process (transformers models share one "
+                f"forward), adds graphs. Call torch._dynamo.reset() between models, or raise "
+                f"torch._dynamo.config.recompile_limit.")
+
     def __call__(self, gm: fx.GraphModule, example_inputs, **compile_kwargs):
         # torch.compile passes mode=/options= to a callable backend when they are set (HF's
         # CompileConfig defaults to mode="reduce-overhead").
+        cid = torch._guards.CompileContext.current_compile_id()
+        if cid is not None and (cid.frame_compile_id or 0) + 1 >= torch._dynamo.config.recompile_limit:
+            warn_once(self.recompile_advice() + " The next recompile of this forward fails with Dynamo's "
+                      "FailOnRecompileLimitHit.", self)
         report = self.kvpass(gm.graph)
         self.reports.append(report)
         if report.gate is not None:

@@ -82,6 +82,7 @@ class Site:
     phase: str = "unknown"           # "prefill" | "decode" | "append" | "dynamic" (set per graph)
     tokens: fx.Node | None = None    # the graph's input token ids (the embedding's input), if any
     slot: fx.Node | None = None      # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
+    slot_spec: str = ""              # the policy configuration that SlotCache was built for (Policy.key)
     global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
     tp: object = None                # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
@@ -207,6 +208,7 @@ def _slot_of(site: Site) -> Problem | None | bool:
             site.k_past, site.v_past, site.k_new, site.v_new = keys, values, k_new, v_new
             site.cache_layer = _source_layer(keys) if keys.op == "placeholder" else None
             window = u.args[7] if len(u.args) > 7 else u.kwargs.get("window", 0)
+            site.slot_spec = u.args[9] if len(u.args) > 9 else u.kwargs.get("spec", "")
             site.sliding_window = _concrete_int(window) or None  # the layer says it is a sliding ring
             return None
     return False

@@ -23,6 +23,17 @@ from kvpass.compiler.maskcheck import site_mask
 from kvpass.policies.contract import Policy, SitePlan
 
 
+def foreign_cache(policy: Policy, sites) -> str | None:
+    """Why a graph must not be compiled for ``policy``: a ``kvpass.SlotCache`` built for another policy
+    configuration (its slots are sized and its decode rule chosen for that one), or None."""
+    for site in sites:
+        if site.cache == "slot" and site.slot_spec and site.slot_spec != policy.key():
+            return (f"kvpass: layer {site.layer}'s kvpass.SlotCache was built for policy {site.slot_spec}, but this "
+                    f"model is compiled with a kvpass backend of policy {policy.key()}; build the cache with the "
+                    f"backend the model is compiled with: kvpass.SlotCache(model, be, ...)")
+    return None
+
+
 def plan_site(policy: Policy, site) -> SitePlan | str:
     """The plan of ``site`` (its ``phase`` set), or why it cannot be planned."""
     plan = policy.plan(site)

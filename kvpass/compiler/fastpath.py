@@ -1,0 +1,126 @@
+"""``kvpass.compile``: the fast path in one call.
+
+    be = kvpass.compile(model, "snapkv", budget=2048)
+    model.generate(ids, max_new_tokens=256)          # any prompt length, no cache to size by hand
+
+It compiles ``model.forward`` with a kvpass backend (``dynamic=True``; on a GPU with Inductor,
+``mode="reduce-overhead"``: the decode step replays as a CUDA graph) and gives ``model.generate`` a
+``kvpass.SlotCache`` whenever the call does not bring its own cache. The cache is sized in buckets
+(``bucket``: a quarter of an octave, so at most a quarter of it is never used) and kept: the next call
+that fits it resets and reuses it, so its slots keep their addresses and the recorded CUDA graphs
+replay. A capacity never enters the compiled code (the slots' capacity dimension is symbolic,
+``kvpass.cache.slots``), so every prompt length runs on the one prefill graph and the one decode graph.
+
+A call that brings ``past_key_values``, or that ``generate`` cannot run on a SlotCache (beam search,
+assisted decoding), goes to the model's own ``generate`` unchanged; the compiled forward still applies
+the policy where it can, and refuses where it cannot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvpass.cache.slots import SlotCache
+from kvpass.compiler.backend import Backend, backend
+from kvpass.errors import ConfigError
+
+# generate() arguments whose decoding a SlotCache does not run (it holds one sequence per row)
+_OWN_DECODING = ("num_beams", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def bucket(n: int, floor: int = 64) -> int:
+    """The capacity bucket of ``n`` tokens: ``floor`` or more, rounded up to a multiple of a quarter of
+    ``n``'s power of two (64, 80, 96, 112, 128, 160, ..., 1024, 1280, ...)."""
+    if n <= floor:
+        return floor
+    step = 1 << max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
+
+
+class FastGenerate:
+    """``model.generate`` with a reused, bucket-sized ``kvpass.SlotCache`` (see the module docstring).
+    ``caches`` holds the caches kept, one per (rows, dtype, device); ``original`` is the model's own
+    ``generate``."""
+
+    def __init__(self, model, be: Backend, original) -> None:
+        self.model, self.backend, self.original = model, be, original
+        self.caches: dict[tuple, SlotCache] = {}
+        functools.update_wrapper(self, original)
+
+    def cache_for(self, rows: int, prompt: int, new: int) -> SlotCache:
+        """A reset cache for ``rows`` sequences of ``prompt`` tokens and ``new`` new ones: the one kept
+        for these rows when it fits, else a new one of the next bucket (which replaces it)."""
+        p = next(self.model.parameters())
+        key = (rows, p.dtype, p.device)
+        cache = self.caches.get(key)
+        if cache is None or not cache.fits(prompt + new, new, rows):
+            self.caches.pop(key, None)   # its memory goes back before the larger one is allocated
+            cache = SlotCache(self.model, self.backend, max_length=bucket(prompt + new), batch_size=rows,
+                              max_new_tokens=bucket(new, floor=16))
+            self.caches[key] = cache
+        cache.reset()
+        return cache
+
+    def __call__(self, inputs=None, *args, **kwargs):
+        ids = kwargs.get("input_ids", inputs)
+        config = kwargs.get("generation_config") or self.model.generation_config
+        own = [k for k in _OWN_DECODING if (kwargs.get(k) if k in kwargs else getattr(config, k, None))
+               not in (None, 1, False)]
+        if (args or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or own
+                or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None):
+            return self.original(inputs, *args, **kwargs)
+        prompt = ids.shape[1]
+        new = kwargs.get("max_new_tokens") or config.max_new_tokens
+        if new is None:
+            new = (kwargs.get("max_length") or config.max_length) - prompt
+        if new < 1:
+            raise ConfigError(f"kvpass.compile: generate() was asked for {new} new tokens after a {prompt}-token "
+                              f"prompt; pass max_new_tokens >= 1")
+        rows = ids.shape[0] * (kwargs.get("num_return_sequences") or config.num_return_sequences or 1)
+        cache = self.cache_for(rows, prompt, new)
+        try:
+            return self.original(inputs, *args, past_key_values=cache, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise ConfigError(self.backend.recompile_advice()) from e
+
+    def __repr__(self) -> str:
+        held = ", ".join(f"{rows} rows x {c.max_length}" for (rows, _, _), c in self.caches.items())
+        return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
+
+
+def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = "inductor", fullgraph: bool = False,
+            **params) -> Backend:
+    """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path.
+
+    Args:
+        model: a HuggingFace decoder (``PreTrainedModel``), not compiled yet.
+        policy: a policy name, a composition ``"a+b"`` or a ``Policy`` (as ``kvpass.backend``).
+        mode: ``torch.compile``'s mode; ``"auto"`` (default) is ``"reduce-overhead"`` (CUDA-graph decode)
+            on a GPU with ``compiler="inductor"``, else None.
+        compiler: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (as ``kvpass.backend``).
+        fullgraph: passed to ``torch.compile``.
+        **params: the policy's parameters, checked here (``ConfigError`` names a bad one).
+
+    Returns the ``kvpass.Backend``: ``be.reports``, ``be.plans()``, ``be.state`` as usual. ``model.generate``
+    becomes a ``FastGenerate`` (``model.generate.original`` is the model's own). Policies without a
+    SlotCache decode (chunk fusion: ``kvpass.ChunkFusion``) are refused.
+    """
+    if hasattr(model.forward, "_torchdynamo_orig_callable") or isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ConfigError("kvpass.compile: the model is already compiled; pass the uncompiled model "
+                          "(kvpass.compile compiles model.forward itself)")
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise ConfigError(f"kvpass.compile: parameter 'model' must be a transformers model with generate(), "
+                          f"got {type(model).__name__}")
+    be = backend(policy, compiler=compiler, **params)
+    needs = be.policy.needs
+    if needs.slot_rule is None or not needs.slot_prefill:
+        raise ConfigError(f"kvpass.compile: policy '{be.policy.name}' has no SlotCache decode of its own "
+                          f"(chunk fusion runs through kvpass.ChunkFusion); use kvpass.backend with torch.compile")
+    if mode == "auto":
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
+    model.forward = torch.compile(model.forward, backend=be, dynamic=True, fullgraph=fullgraph, mode=mode)
+    model.generate = FastGenerate(model, be, model.generate)
+    return be
