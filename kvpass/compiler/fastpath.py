@@ -19,6 +19,7 @@ the policy where it can, and refuses where it cannot.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -47,6 +48,8 @@ class FastGenerate:
     def __init__(self, model, be: Backend, original) -> None:
         self.model, self.backend, self.original = model, be, original
         self.caches: dict[tuple, SlotCache] = {}
+        # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` is deprecated there)
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         functools.update_wrapper(self, original)
 
     def cache_for(self, rows: int, prompt: int, new: int) -> SlotCache:
@@ -81,7 +84,7 @@ class FastGenerate:
         rows = ids.shape[0] * (kwargs.get("num_return_sequences") or config.num_return_sequences or 1)
         cache = self.cache_for(rows, prompt, new)
         try:
-            return self.original(inputs, *args, past_key_values=cache, **kwargs)
+            return self.original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise ConfigError(self.backend.recompile_advice()) from e
 

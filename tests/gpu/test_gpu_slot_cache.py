@@ -87,3 +87,25 @@ def test_sliding_layers_cuda_graph_replay(policy, params):
     decode step); replay equals the eager kvpass path, one decode graph."""
     cache = replay_equals_eager(model(sliding=True), policy, params)
     assert cache.capacities[:2] == [64, 64]
+
+
+@pytest.mark.parametrize("policy,params", [("full", {}), ("streamingllm", dict(budget=64, sinks=4)),
+                                           ("snapkv", dict(budget=64, window=8)), ("quest", dict(budget=64)),
+                                           ("raas", dict(budget=64)), ("h2o", dict(budget=64))],
+                         ids=["full", "streamingllm", "snapkv", "quest", "raas", "h2o"])
+def test_compile_once_for_every_prompt_length(policy, params):
+    """``kvpass.compile`` on CUDA (Inductor, CUDA graphs): seven prompt lengths over four capacity buckets
+    through ``generate`` give the tokens of the same policy under the eager compiler, with one prefill and
+    one decode graph for all of them (the capacity is symbolic; a new bucket re-records a CUDA graph)."""
+    m, ref = model(), model()
+    torch._dynamo.reset()
+    be = kvpass.compile(m, policy, **params)
+    want_be = kvpass.compile(ref, policy, compiler="eager", **params)
+    for n in (40, 51, 90, 130, 200, 333, 100):
+        ids = torch.randint(3, 250, (1, n), generator=torch.Generator().manual_seed(n)).cuda()
+        got = m.generate(ids, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        assert got.tolist() == want.tolist(), n
+    assert [r.phase for r in be.reports] == ["prefill", "decode"], [r.phase for r in be.reports]
+    assert be.reports[-1].cudagraphs
+    assert [r.phase for r in want_be.reports] == ["prefill", "decode"]

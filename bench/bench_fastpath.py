@@ -1,0 +1,150 @@
+"""Issue 36's benchmark: one compile for every prompt length, through ``generate`` as a user calls it.
+
+One process, one GPU, a random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16). Per policy,
+``be = kvpass.compile(model, policy, budget=...)`` (``dynamic=True``, ``mode="reduce-overhead"``), then
+``model.generate(ids, max_new_tokens=--new)`` on prompts of every ``--lengths`` in turn (no cache
+sized by hand). Reported per policy:
+
+* per prompt length: the call's wall time (the first includes the compile), the graphs the backend
+  compiled so far per phase, and Dynamo's unique graphs;
+* TPOT as the user pays it: at the last length, ``(T(new2) - T(new1)) / (new2 - new1)`` from two warm
+  ``generate`` calls (HF's loop syncs every step); beside it the device's: the same compiled forward
+  on the same cache in a bare loop, 64 steps queued with one sync, and with a sync after each step;
+* HF's own path for the same prompts (``cache_implementation="static"``, which HF compiles with its
+  default ``CompileConfig``): wall time per length.
+
+cuDNN SDPA is off for every row (on torch 2.11 it re-plans for every new key length).
+
+    python bench/bench_fastpath.py --layers 8 --lengths 2000,4500,9000,17000,33000 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpass  # noqa: E402
+from llama_shape import llama8b_config, random_llama  # noqa: E402
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1000, 100000, (1, n), generator=torch.Generator().manual_seed(seed + n)).cuda()
+
+
+def gen(model, ids, new: int, **kw):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, **kw)
+
+
+@torch.no_grad()
+def bare_loop(model, cache, ids, steps: int = 64, sync_each: bool = False) -> float:
+    """Seconds per decode step of the compiled forward on ``cache`` (reset, prefilled with ``ids``)."""
+    cache.reset()
+    kw = {model.generate.cache_kwarg: cache, "use_cache": True}
+    nxt = model(input_ids=ids, **kw).logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(8):
+        torch.compiler.cudagraph_mark_step_begin()
+        nxt = model(input_ids=nxt, **kw).logits[:, -1].argmax(-1, keepdim=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()
+        nxt = model(input_ids=nxt, **kw).logits[:, -1].argmax(-1, keepdim=True)
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
+
+
+def phases(be) -> dict:
+    out: dict[str, int] = {}
+    for r in be.reports:
+        out[r.phase] = out.get(r.phase, 0) + 1
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--lengths", default="2000,4500,9000,17000,33000")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--policies", default="full,snapkv,quest,streamingllm")
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--hf", action="store_true", help="also HF generate on a StaticCache")
+    ap.add_argument("--out", default="fastpath.json")
+    args = ap.parse_args()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
+    model.generation_config.pad_token_id = 0
+    rows = []
+    for policy in args.policies.split(","):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for attr in ("forward", "generate"):   # the previous policy's compile: back to the class's methods
+            model.__dict__.pop(attr, None)
+        params = {} if policy in ("full", "art") else {"budget": args.budget}
+        t0 = time.perf_counter()
+        be = kvpass.compile(model, policy, **params)
+        calls = []
+        for n in lengths:
+            dt, _ = timed(lambda: gen(model, prompt(n), args.new))
+            calls.append({"prompt": n, "seconds": round(dt, 3), "graphs": phases(be),
+                          "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})
+            print(policy, calls[-1], flush=True)
+        ids = prompt(lengths[-1])
+        t1, _ = timed(lambda: gen(model, ids, args.new))
+        t2, _ = timed(lambda: gen(model, ids, 4 * args.new))
+        user = (t2 - t1) / (3 * args.new)
+        graphs_after_generate = phases(be)
+        cache = next(iter(model.generate.caches.values()))
+        queued = bare_loop(model, cache, ids)
+        synced = bare_loop(model, cache, ids, sync_each=True)
+        row = {"policy": policy, "params": params, "calls": calls, "first_call_s": calls[0]["seconds"],
+               "later_calls_s": [c["seconds"] for c in calls[1:]], "graphs": graphs_after_generate,
+               "generate_tpot_ms": round(user * 1e3, 3), "queued_tpot_ms": round(queued * 1e3, 3),
+               "synced_tpot_ms": round(synced * 1e3, 3), "generate_over_queued": round(user / queued, 3),
+               "caches": repr(model.generate), "total_s": round(time.perf_counter() - t0, 1),
+               "plans": be.plans()}
+        rows.append(row)
+        print({k: v for k, v in row.items() if k not in ("calls", "plans")}, flush=True)
+    if args.hf:
+        torch._dynamo.reset()
+        hf = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
+        hf.generation_config.pad_token_id = 0
+        calls = []
+        for n in lengths:
+            dt, _ = timed(lambda: gen(hf, prompt(n), args.new, cache_implementation="static"))
+            calls.append({"prompt": n, "seconds": round(dt, 3),
+                          "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})
+            print("hf_static", calls[-1], flush=True)
+        rows.append({"policy": "hf_static", "calls": calls, "first_call_s": calls[0]["seconds"],
+                     "later_calls_s": [c["seconds"] for c in calls[1:]],
+                     "note": "HF generate, cache_implementation='static', HF's own compile of the decode step"})
+        print({k: v for k, v in rows[-1].items() if k != "calls"}, flush=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
+            "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
+            "shape": "Llama-3.1-8B (random weights), bf16, batch 1", "lengths": lengths, "new": args.new,
+            "budget": args.budget, "cudnn_sdpa": False}
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
