@@ -171,12 +171,12 @@ def test_configuration_errors():
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 3), pages=st.sampled_from([1, 3, 16, 17, 40, 130, 600]),
        top=st.sampled_from([0, 1, 3, 16, 40, 200]), values=st.sampled_from(["normal", "ties", "wide"]),
-       holes=st.floats(0.0, 1.0), nan=st.booleans())
-def test_top_pages_kernel_equals_reference(seed, rows, pages, top, values, holes, nan):
+       holes=st.floats(0.0, 1.0), nan=st.booleans(), block=st.sampled_from([16, 128, 2048]))
+def test_top_pages_kernel_equals_reference(seed, rows, pages, top, values, holes, nan, block):
     """``kvpass::top_pages``' selection kernel (Triton interpreter) equals ``top_pages_reference``: the
     ``top`` best pages ascending, -1 padded, ties to the lower index (few distinct values force ties at
-    the cut), ``-inf`` and NaN never chosen, fewer eligible pages than ``top``, negative scores, zeros of
-    both signs; the reference itself agrees with a selection written out by hand."""
+    the cut, across the kernel's blocks of pages), ``-inf`` and NaN never chosen, fewer eligible pages than
+    ``top``, negative scores, zeros of both signs; the reference itself agrees with a selection by hand."""
     from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
     gen = torch.Generator().manual_seed(seed)
     if values == "ties":
@@ -194,5 +194,5 @@ def test_top_pages_kernel_equals_reference(seed, rows, pages, top, values, holes
         ok = [p for p in range(pages) if ub[r, p] > float("-inf")]
         best = sorted(sorted(ok, key=lambda p: -float(ub[r, p]))[:top])  # sorted() is stable
         assert ref[r].tolist() == best + [-1] * (top - len(best))
-    got = top_pages_triton(ub, top)
+    got = top_pages_triton(ub, top, block=block)     # rows over several blocks too (pages > block)
     assert got.dtype == torch.int32 and torch.equal(got, ref)
