@@ -91,8 +91,10 @@ def test_sliding_layers_cuda_graph_replay(policy, params):
 
 @pytest.mark.parametrize("policy,params", [("full", {}), ("streamingllm", dict(budget=64, sinks=4)),
                                            ("snapkv", dict(budget=64, window=8)), ("quest", dict(budget=64)),
-                                           ("raas", dict(budget=64)), ("h2o", dict(budget=64))],
-                         ids=["full", "streamingllm", "snapkv", "quest", "raas", "h2o"])
+                                           ("raas", dict(budget=64)), ("h2o", dict(budget=64)),
+                                           ("art", dict(tau=0.5, phi=0.5, patience=1)),
+                                           ("asl", dict(budget=64, window=8, layer=1))],
+                         ids=["full", "streamingllm", "snapkv", "quest", "raas", "h2o", "art", "asl"])
 def test_compile_once_for_every_prompt_length(policy, params):
     """``kvpass.compile`` on CUDA (Inductor, CUDA graphs): seven prompt lengths over four capacity buckets
     through ``generate`` give the tokens of the same policy under the eager compiler, with one prefill and

@@ -195,8 +195,9 @@ def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kma
     """Launch the two kernels; arguments and effects as ``raas_stamp_reference``. The tables must be
     contiguous (a SlotCache allocates them so); ``q`` and ``k_new`` are read through their strides.
     ``block_p`` pages per bounds program (``warps`` warps; the defaults won ``bench/tune_small_kernels.py``
-    on an H200); ``block_b`` pages (0: sized to the pool) and ``block_w`` window pages per step of the plan's
-    two loops."""
+    on an H200); ``block_b`` pages (0: 2,048 bounds per step over the group's heads, what a 32k pool took;
+    never sized by the pool, whose page count Inductor would then guard on, so a SlotCache of another
+    capacity compiled another decode graph) and ``block_w`` window pages per step of the plan's two loops."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass raas_stamp needs Triton")
     wrap = launch or (lambda fn: fn)
@@ -215,4 +216,4 @@ def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kma
     g_pad = pow2(g, 1)
     wrap(_kvpass_raas_plan)[(b * hkv,)](
         ub, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages, G=g, G_PAD=g_pad,
-        BLOCK_B=block_b or max(16, min(1024, pow2(n_pages) // g_pad)), BLOCK_W=min(block_w, pow2(decode_pages)))
+        BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)), BLOCK_W=min(block_w, pow2(decode_pages)))
