@@ -78,6 +78,13 @@ def phases(be) -> dict:
         out[r.phase] = out.get(r.phase, 0) + 1
     return out
 
+def meta_of(args, lengths) -> dict:
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
+            "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
+            "shape": "Llama-3.1-8B (random weights), bf16, batch 1", "lengths": lengths, "new": args.new,
+            "budget": args.budget, "cudnn_sdpa": False}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -125,6 +132,7 @@ def main() -> None:
                "plans": be.plans()}
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("calls", "plans")}, flush=True)
+        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths), "rows": rows}, indent=1))
     if args.hf:
         torch._dynamo.reset()
         hf = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
@@ -139,12 +147,7 @@ def main() -> None:
                      "later_calls_s": [c["seconds"] for c in calls[1:]],
                      "note": "HF generate, cache_implementation='static', HF's own compile of the decode step"})
         print({k: v for k, v in rows[-1].items() if k != "calls"}, flush=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
-            "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
-            "shape": "Llama-3.1-8B (random weights), bf16, batch 1", "lengths": lengths, "new": args.new,
-            "budget": args.budget, "cudnn_sdpa": False}
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
