@@ -56,7 +56,8 @@ CONFORMANCE: dict[str, Entry] = {
     "asl": Entry(_prefill(1000), _prefill(16, **GATE), kept=lambda p, t: 16 + t),
     "asl_fullkv": Entry(_prefill(1000), _prefill(16, **GATE), unpadded=UNEVEN),  # layers to the gate keep all
     "asl_2pass": Entry(_prefill(1000), _prefill(16, **GATE), kept=lambda p, t: 16 + t),
-    "fastkv": Entry(_prefill(1000), _prefill(16, **GATE), kept=lambda p, t: 16 + t),
+    "fastkv": Entry(_prefill(1000, **GATE), _prefill(16, **GATE), kept=lambda p, t: 16 + t),  # its default layer
+    # (L // 2) is the two-layer model's last: no gate, so the no-op would not run the gated path
     "gemfilter": Entry(dict(budget=1000), dict(budget=16, **GATE), kept=lambda p, t: 16 + t),
     **{name: Entry(driver="fusion") for name in ("a3", "a3+evict", "cacheblend", "legolink", "pie", "full_reuse")},
 }

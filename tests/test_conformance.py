@@ -10,6 +10,8 @@ For each policy with its cheap (``noop``) and demanding setting, on the tiny two
 * a backend reused for a second prompt gives what a fresh one gives (state resets between prompts);
 * on a ``kvpass.SlotCache`` the demanding setting gives the DynamicCache's logits, fed the same tokens;
 * a left-padded batch gives each row what the row gives alone;
+* the no-op setting equals the uncompiled model on sliding-window layers, spelled with and without
+  ``layer_types``, on a DynamicCache and on a SlotCache;
 * a chunk-fusion policy outside ``kvpass.ChunkFusion`` is refused with a message naming it.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers as tf
 from transformers import DynamicCache
 
 import kvpass
@@ -43,7 +46,7 @@ def prompt(n: int, seed: int) -> torch.Tensor:
 def decode(model, be, ids, cache, tokens=None, mask=None):
     """Prefill ``ids`` then ``NEW`` steps (greedy from row 0's logits per row, or feeding ``tokens``); returns
     (tokens fed ``[NEW, B, 1]``, logits of every call)."""
-    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    fwd = model.forward if be == "eager-uncompiled" else torch.compile(model.forward, backend=be, fullgraph=True)
     kw = {} if mask is None else dict(attention_mask=mask)
     fed, logits = [], []
     with torch.no_grad():
@@ -146,6 +149,49 @@ def test_left_padded_batch_equals_rows_alone(model, policy):
     _, _, _, both = dynamic(model, policy, ids, CONFORMANCE[policy].demanding, mask=mask)
     for row, which in ((0, "short"), (1, "long")):   # greedy per row: the rows pick their own tokens
         close([x[row:row + 1] for x in both], memo(model, policy, which)[3])
+
+
+SPELLINGS = {  # a sliding window as configs spell it: no layer_types (Mistral 7B v0.1, Phi-3), and layer_types
+    "sliding_window": lambda: tf.MistralConfig(**SMALL, sliding_window=8),
+    "layer_types": lambda: tf.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+}
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def sliding_models():
+    """Per spelling: a tiny model whose layers slide over 8 tokens (all of them, or the second), and the
+    uncompiled model's logits for ``LONG`` (40 tokens, five windows) and greedy tokens after it."""
+    out = {}
+    for name, make in SPELLINGS.items():
+        cfg = make()
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        m = (tf.MistralForCausalLM if name == "sliding_window" else tf.Qwen2ForCausalLM)(cfg).eval()
+        with torch.no_grad():
+            m.get_output_embeddings().weight.mul_(8.0)
+        fed, ref = decode(m, "eager-uncompiled", LONG, DynamicCache(config=m.config))
+        out[name] = (m, fed, ref)
+    return out
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "slot"])
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+@pytest.mark.parametrize("policy", by_policy(PLAIN))
+def test_noop_equals_uncompiled_on_sliding_windows(sliding_models, policy, spelling, cache):
+    """Every policy's no-op setting equals the uncompiled model on a model whose layers slide, however the
+    config spells it, on both caches. It found two silent errors: a SlotCache read ``layer_types`` only (under a
+    Mistral-style config even ``full`` diverged from the second new token on), and a gated prefill with a sliding
+    layer deeper than the gate on a DynamicCache diverged (now refused by ``kvpass.compiler.gate.check``)."""
+    skip_uneven_layers_on_old_stacks(policy)
+    m, fed, ref = sliding_models[spelling]
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler="eager", **CONFORMANCE[policy].noop)
+    kv = (DynamicCache(config=m.config) if cache == "dynamic" else
+          kvpass.SlotCache(m, be, max_length=PROMPT + NEW, max_new_tokens=NEW))
+    _, got = decode(m, be, LONG, kv, tokens=fed)
+    close(got, ref)
 
 
 @pytest.mark.parametrize("policy", by_policy(FUSION))

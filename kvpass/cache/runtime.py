@@ -73,6 +73,7 @@ class Runtime:
         # the last such layer noted in ``overflow``
         self.first_pass: bool = False
         self.overflow: int | None = None
+        self.unchanged_prefill = ""  # why the last prefill graph was compiled unchanged (compiler.backend)
         self.handle = register(self)
 
     # -- called from operators ------------------------------------------------------------------

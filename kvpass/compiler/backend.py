@@ -140,6 +140,7 @@ class KVPass(CustomGraphPass):
             why = _gate.check(found.sites, self.policy)
             if why:
                 problems.append(f"policy '{self.policy.name}' (gate): {why}")
+        self._follow_prefill(phase, problems)
         if problems:
             warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
                       f"{problems[0]}", self)
@@ -166,6 +167,17 @@ class KVPass(CustomGraphPass):
                 for layer in gated.cuts:
                     report.plans[layer] += " + gate candidate"
         return report
+
+    def _follow_prefill(self, phase: str, problems: list[str]) -> None:
+        """Decode steps follow their prefill: when a prefill graph of an evicting policy was compiled unchanged,
+        its decode and append graphs are too (they read positions and state only a rewritten prefill records;
+        rewritten over an unchanged prefill's cache they were wrong without a word)."""
+        if phase == "prefill":
+            self.runtime.unchanged_prefill = problems[0] if problems else ""
+        elif phase in ("decode", "append") and not problems and self.runtime.unchanged_prefill \
+                and self.policy.needs.evicts:
+            problems.append(f"the prefill graph was compiled unchanged ({self.runtime.unchanged_prefill}), so "
+                            f"its {phase} steps run unchanged too")
 
     def uuid(self) -> str:
         h = hashlib.sha256(self.policy.uuid().encode())
