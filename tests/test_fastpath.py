@@ -1,0 +1,189 @@
+"""Compile once for every prompt length (issue 36) and the SlotCache's misuse refusals (issue 35).
+
+* ``kvpass.compile`` + ``generate`` over 30 prompt lengths: one prefill and one decode graph for every
+  policy with a SlotCache decode, whatever the lengths, and ``full``'s tokens equal the uncompiled model;
+* the cache is kept and reused while it fits, a bucket of a quarter octave;
+* a SlotCache built for another policy configuration, a sequence past ``max_length`` (a ring too), a cache of
+  another dtype, bad constructor arguments, a model compiled twice: refused, naming kvpass and the fix;
+* Dynamo's recompile limit under ``kvpass.compile`` becomes a ConfigError that says what to do.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import kvpass
+from conformance import CONFORMANCE
+from families import build
+from kvpass.compiler.fastpath import bucket
+
+SLOT = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
+LENGTHS = [10 + 3 * i for i in range(30)]
+
+
+def ids_of(n: int, b: int = 1) -> torch.Tensor:
+    return torch.randint(3, 90, (b, n), generator=torch.Generator().manual_seed(n))
+
+
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.xdist_group(f"conformance-{p}")) for p in SLOT])
+def test_one_prefill_and_one_decode_graph_for_30_prompt_lengths(policy):
+    """30 distinct prompt lengths (10..97, 3..9 new tokens) through ``generate``: the backend compiles one
+    prefill and one decode graph, and Dynamo no more (before: every length compiled both again and the fifth
+    hit the recompile limit). The demanding setting, so evicting policies evict."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = build("llama")
+    be = kvpass.compile(model, policy, compiler="eager", **CONFORMANCE[policy].demanding)
+    for n in LENGTHS:
+        new = 3 + n % 7
+        out = model.generate(ids_of(n), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert out.shape[1] == n + new
+    assert collections.Counter(r.phase for r in be.reports) == {"prefill": 1, "decode": 1}, be.plans()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert all(not r.problems for r in be.reports), be.plans()
+
+
+def test_full_through_compile_equals_the_model_and_reuses_its_cache():
+    """``full`` through ``kvpass.compile`` gives the uncompiled model's tokens on every length; one cache per
+    row count is kept: reused while it fits (same object, reset), replaced by a larger bucket when not."""
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    be = kvpass.compile(model, "full", compiler="eager")
+    seen = []
+    for n in (12, 20, 30, 90, 14):
+        ids = ids_of(n)
+        got = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert torch.equal(got, ref.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)), n
+        seen.append(model.generate.caches[(1, torch.float32, torch.device("cpu"))])
+    assert seen[0] is seen[1] is seen[2] and seen[3] is not seen[2] and seen[4] is seen[3]
+    assert seen[0].max_length == 64 and seen[3].max_length == bucket(96) == 96
+    assert "full" in repr(model.generate) and be.reports
+
+
+def test_bucket_is_a_quarter_octave():
+    assert [bucket(n) for n in (1, 64, 65, 80, 81, 1000, 1025, 40000)] == [64, 64, 80, 80, 96, 1024, 1280, 40960]
+    assert all(n <= bucket(n) < 1.26 * n for n in range(65, 5000))
+
+
+def test_batch_and_padding_through_compile():
+    """A left-padded batch of two through ``kvpass.compile``: each row gets what it gets alone, on a cache of
+    two rows."""
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "streamingllm", compiler="eager", budget=16, sinks=2)
+    short, long = ids_of(11), ids_of(25)
+    alone = [model.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, x.shape[1]:] for x in (short, long)]
+    ids = torch.cat([torch.cat([torch.zeros(1, 14, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(ids)
+    mask[0, :14] = 0
+    both = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)[:, 25:]
+    assert both[0].tolist() == alone[0].tolist() and both[1].tolist() == alone[1].tolist()
+    assert (2, torch.float32, torch.device("cpu")) in model.generate.caches
+
+
+def test_compile_refusals():
+    model = build("llama")
+    with pytest.raises(kvpass.ConfigError, match="budget"):
+        kvpass.compile(model, "snapkv", compiler="eager", budget=-1)
+    with pytest.raises(kvpass.ConfigError, match="ChunkFusion"):
+        kvpass.compile(model, "a3", compiler="eager")
+    kvpass.compile(model, "full", compiler="eager")
+    with pytest.raises(kvpass.ConfigError, match="already compiled"):
+        kvpass.compile(model, "full", compiler="eager")
+
+
+def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
+    """Past Dynamo's recompile limit (here 2: batch 1 takes both graphs, batch 2 needs more), the error says
+    kvpass, what compiles graphs and what to do, instead of torch's bare FailOnRecompileLimitHit."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    model = build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    model.generate(ids_of(12), max_new_tokens=3, do_sample=False)
+    with pytest.raises(kvpass.ConfigError, match=r"kvpass: .*recompile_limit.*torch._dynamo.reset\(\)"):
+        model.generate(ids_of(12, b=2), max_new_tokens=3, do_sample=False)
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------------
+# SlotCache misuse (issue 35): each was a wrong answer or an error that named neither kvpass nor the fix
+# ------------------------------------------------------------------------------------------------
+
+def compiled(policy, **params):
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.backend(policy, compiler="eager", **params)
+    model.forward = torch.compile(model.forward, backend=be, dynamic=True)
+    return model, be
+
+
+@pytest.mark.parametrize("model_policy,cache_policy", [
+    (("streamingllm", dict(budget=8)), ("full", {})),
+    (("full", {}), ("streamingllm", dict(budget=8))),
+    (("snapkv", dict(budget=8, window=4)), ("streamingllm", dict(budget=8))),
+    (("streamingllm", dict(budget=8)), ("streamingllm", dict(budget=16)))])
+def test_cache_built_for_another_policy_is_refused(model_policy, cache_policy):
+    """A SlotCache knows the configuration it was built for; a graph of another refuses, naming both (a
+    ``full`` cache under streamingllm kept 15 entries where 8 were asked, a streamingllm cache under ``full``
+    advised a larger max_length)."""
+    model, _ = compiled(*model_policy[:1], **model_policy[1])
+    other = kvpass.backend(cache_policy[0], compiler="eager", **cache_policy[1])
+    cache = kvpass.SlotCache(model, other, max_length=40)
+    with pytest.raises(Exception, match=r"kvpass: layer 0's kvpass.SlotCache was built for policy "
+                                        rf"{cache_policy[0]}\(.*compiled with a kvpass backend of policy "
+                                        rf"{model_policy[0]}\(.*kvpass.SlotCache\(model, be"):
+        model.generate(ids_of(20), past_key_values=cache, max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.parametrize("policy,params", [("full", {}), ("snapkv", dict(budget=64, window=4)),
+                                           ("streamingllm", dict(budget=64)), ("h2o", dict(budget=64)),
+                                           ("raas", dict(budget=64))])
+def test_past_max_length_fails_loudly_for_every_rule(policy, params):
+    """A 20-token prompt and 24 new tokens on a cache built for 30 (budget 64: a no-op): every policy fails
+    at the 11th token, rings too (streamingllm and h2o wrapped without a word and left the model's output
+    from token 33 / 40 on), with a message naming max_length."""
+    model, be = compiled(policy, **params)
+    cache = kvpass.SlotCache(model, be, max_length=30, max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="longer than the max_length the cache was built for"):
+        model.generate(ids_of(20), past_key_values=cache, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    cache = kvpass.SlotCache(model, be, max_length=30, max_new_tokens=4)
+    with pytest.raises(ValueError, match="a 40-token prompt on a cache built for max_length=30"):
+        model.generate(ids_of(40), past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+def test_cache_of_another_dtype_is_named():
+    """A SlotCache built before ``model.to(bfloat16)``: the error names the cache and the fix (it was Dynamo's
+    'Expected query, key, and value to have the same dtype')."""
+    model, be = compiled("full")
+    cache = kvpass.SlotCache(model, be, max_length=40)
+    model.to(torch.bfloat16)
+    with pytest.raises(Exception, match=r"kvpass SlotCache: the model computes torch.bfloat16 keys .* holds "
+                                        r"torch.float32 .*build the SlotCache after model.to"):
+        model.generate(ids_of(20), past_key_values=cache, max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(batch_size=0), "'batch_size' must be an int >= 1, got 0"),
+                                      (dict(batch_size=2.0), "'batch_size' must be an int >= 1, got 2.0"),
+                                      (dict(max_new_tokens=-5), "'max_new_tokens' must be an int >= 0 or None"),
+                                      (dict(max_length=True), "'max_length' must be an int >= 1, got True"),
+                                      (dict(dtype="bf16"), "'dtype' must be a torch.dtype")])
+def test_slot_cache_arguments_are_checked(kw, match):
+    model = build("llama")
+    be = kvpass.backend("full", compiler="eager")
+    args = {"max_length": 40, **kw}
+    with pytest.raises(kvpass.ConfigError, match=match):
+        kvpass.SlotCache(model, be, **args)
+    with pytest.raises(kvpass.ConfigError, match="'backend' must be the kvpass.backend"):
+        kvpass.SlotCache(model, "full", max_length=40)
+
+
+def test_chunked_attention_config_is_refused():
+    """A layer kind a slot cannot hold exactly (Llama 4's chunked attention, inferred as transformers infers it)
+    is refused by name, not run as global attention."""
+    model = build("llama")
+    model.config.attention_chunk_size = 8
+    with pytest.raises(kvpass.ConfigError, match="layer 0 of this model has 'chunked_attention' attention"):
+        kvpass.SlotCache(model, kvpass.backend("full", compiler="eager"), max_length=40)
