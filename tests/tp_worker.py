@@ -123,9 +123,9 @@ def fuse(model, store_dir: str, name: str) -> dict:
             "stored": fusion.store.stats()["disk_entries"]}
 
 
-def fuse_all(model, store_dir: str, share: slice = slice(None)) -> dict:
+def fuse_all(model, store_dir: str, runs: list[str]) -> dict:
     out = {}
-    for name in FUSION_RUNS[share]:
+    for name in runs:
         try:
             out[name] = fuse(model, store_dir, name)
         except Exception as e:  # recorded: the test names the policy and the error
@@ -140,7 +140,9 @@ def main() -> None:
     ap.add_argument("--policies", required=True)
     ap.add_argument("--caches", default="dynamic,slot")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--fusion", default="all", help="the FUSION_RUNS to run, comma-separated, or 'all'")
     args = ap.parse_args()
+    runs = FUSION_RUNS if args.fusion == "all" else [r for r in args.fusion.split(",") if r]
     names, caches = args.policies.split(","), args.caches.split(",")
     global DEVICE
     if args.device == "cuda":
@@ -151,11 +153,11 @@ def main() -> None:
     result = {"tp": run_all(load(args.model, tp=True), names, caches)}
     split = load(args.model, tp=True)
     result["explain"] = explained(split)
-    result["fusion"] = fuse_all(split, os.path.join(args.out, "store_tp"))   # one store directory for both ranks
+    result["fusion"] = fuse_all(split, os.path.join(args.out, "store_tp"), runs)   # one store directory, both ranks
     result["pinned"] = kvpass.ChunkStore(os.path.join(args.out, "store_tp"), split, fingerprint="pinned").fingerprint
     whole = load(args.model, tp=False)
     result["single"] = run_all(whole, names, caches, slice(rank, None, 2))
-    result["single_fusion"] = fuse_all(whole, os.path.join(args.out, f"store_{rank}"), slice(rank, None, 2))
+    result["single_fusion"] = fuse_all(whole, os.path.join(args.out, f"store_{rank}"), runs[rank::2])
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
