@@ -82,9 +82,11 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"kvpass SlotCache: a forward that the kvpass backend did not rewrite wrote into the cache of policy "
             f"'{policy}'; the policy runs only inside graphs the kvpass backend compiles, so this call would keep "
             f"every token without it. Compile model.forward itself with the backend the cache was built with "
-            f"(model.forward = torch.compile(model.forward, backend=be, ...)): generate()'s compile_config "
-            f"compiles only the decode steps, and its prefill runs uncompiled. If kvpass warned that it compiled "
-            f"a graph unchanged, that warning says why.")
+            f"(model.forward = torch.compile(model.forward, backend=be, ...), or kvpass.compile(model, ...)): "
+            f"generate()'s compile_config compiles only the decode steps, and its prefill runs uncompiled. A "
+            f"forward that was compiled so gets here when its graph broke between the attention and the cache "
+            f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
+            f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
     q, cap = k_new.shape[2], keys.shape[2]
     torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
                                               "run it through the torch.compile backend that filled it")
