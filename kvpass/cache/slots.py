@@ -88,8 +88,11 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
             f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
     q, cap = k_new.shape[2], keys.shape[2]
-    torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy; "
-                                              "run it through the torch.compile backend that filled it")
+    torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy and "
+                                              "this call was not rewritten by it: a continued generation (several "
+                                              "new tokens) of a policy without an append graph on a SlotCache "
+                                              "(h2o, raas: the KVPassWarning says so), or a forward compiled "
+                                              "without the backend that filled the cache")
     torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity "
                                              "(build it with a larger max_length; if kvpass warned that it compiled "
                                              "a graph unchanged, the policy the cache was sized for did not run: "
