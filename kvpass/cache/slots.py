@@ -338,10 +338,11 @@ class SlotLayer(CacheLayerMixin):
                 else:  # symbolic from the first compile on, whatever torch.compile's dynamic= says
                     torch._dynamo.maybe_mark_dynamic(t, dim)
 
-    def fill(self, keys: Tensor, values: Tensor, pos: Tensor, seen: int) -> None:
+    def fill(self, keys: Tensor, values: Tensor, pos: Tensor, seen: int, limit: int) -> None:
         """Load ``K`` entries a driver computed outside the compiled graphs (chunk fusion's merged cache):
         ``keys`` / ``values`` ``[B, H_kv, K, D]`` into the first slots, their true positions ``pos``
-        ``[B, H_kv, K]``, and ``seen`` tokens counted; the next token goes into slot ``K``."""
+        ``[B, H_kv, K]``, and ``seen`` tokens counted; the next token goes into slot ``K``. ``limit``: the
+        most tokens the sequence may see (``seen`` counts the tokens the driver did not keep too)."""
         k = keys.shape[2]
         if k > self.capacity:
             raise ValueError(f"kvpass SlotCache: {k} entries do not fit a layer of {self.capacity} slots")
@@ -349,7 +350,7 @@ class SlotLayer(CacheLayerMixin):
         self.values[:, :, :k].copy_(values)
         self.pos.fill_(-1)
         self.pos[:, :, :k].copy_(pos)
-        self.count[:3].copy_(torch.tensor([seen, k, 0]))
+        self.count.copy_(torch.tensor([seen, k, 0, limit]))
         self.filled = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:

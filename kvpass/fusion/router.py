@@ -375,7 +375,7 @@ class ChunkFusion:
         longest = max(int(k.shape[-1]) for k in kept)
         slots = SlotCache(self.model, self.backend, max_length=longest + 1 + max_new_tokens, _driver=True)
         for lay, src, pos in zip(slots.layers, cache.layers, kept):
-            lay.fill(src.keys, src.values, pos, seen)
+            lay.fill(src.keys, src.values, pos, seen, limit=seen + 1 + max_new_tokens)
         return slots
 
     @contextlib.contextmanager
