@@ -72,12 +72,6 @@ def bare_loop(model, cache, ids, steps: int = 64, sync_each: bool = False) -> fl
     return (time.perf_counter() - t) / steps
 
 
-def phases(be) -> dict:
-    out: dict[str, int] = {}
-    for r in be.reports:
-        out[r.phase] = out.get(r.phase, 0) + 1
-    return out
-
 def meta_of(args, lengths) -> dict:
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
             "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
@@ -112,7 +106,7 @@ def main() -> None:
         calls = []
         for n in lengths:
             dt, _ = timed(lambda: gen(model, prompt(n), args.new))
-            calls.append({"prompt": n, "seconds": round(dt, 3), "graphs": phases(be),
+            calls.append({"prompt": n, "seconds": round(dt, 3), "graphs": be.graph_counts(),
                           "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})
             print(policy, calls[-1], flush=True)
         ids = prompt(lengths[-1])
@@ -120,7 +114,7 @@ def main() -> None:
         t1, _ = timed(lambda: gen(model, ids, args.new))
         t2, _ = timed(lambda: gen(model, ids, 4 * args.new))
         user = (t2 - t1) / (3 * args.new)
-        graphs_after_generate = phases(be)
+        graphs_after_generate = be.graph_counts()
         cache = next(iter(model.generate.caches.values()))
         queued = bare_loop(model, cache, ids)
         synced = bare_loop(model, cache, ids, sync_each=True)

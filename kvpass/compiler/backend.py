@@ -237,13 +237,17 @@ class Backend:
     def uuid(self) -> str:
         return self.kvpass.uuid()
 
+    def graph_counts(self) -> dict[str, int]:
+        """Graphs compiled so far per phase ("prefill", "decode", ...): one each for any prompt length."""
+        counts: dict[str, int] = {}
+        for r in self.reports:
+            counts[r.phase] = counts.get(r.phase, 0) + 1
+        return counts
+
     def recompile_advice(self) -> str:
         """What to tell a user whose forward reaches Dynamo's recompile limit under this backend."""
-        phases: dict[str, int] = {}
-        for r in self.reports:
-            phases[r.phase] = phases.get(r.phase, 0) + 1
-        return (f"kvpass: the model's forward reached Dynamo's recompile_limit "
-                f"({torch._dynamo.config.recompile_limit}; graphs so far per phase: {phases}). kvpass compiles one "
+        return (f"kvpass: the model's forward reached Dynamo's recompile_limit ({torch._dynamo.config.recompile_limit}; "
+                f"graphs so far per phase: {self.graph_counts()}). kvpass compiles one "
                 f"prefill and one decode graph for any prompt length and cache size; each new batch size, dtype "
                 f"or cache kind, and each other model compiled in this process (transformers models share one "
                 f"forward), adds graphs. Call torch._dynamo.reset() between models, or raise "
