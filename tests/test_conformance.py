@@ -220,3 +220,17 @@ def test_fusion_policy_outside_chunk_fusion_is_refused(model, policy):
     with pytest.raises(kvpass.ConfigError, match="run requests through kvpass.ChunkFusion"):
         with torch.no_grad():
             fwd(input_ids=LONG, past_key_values=DynamicCache(config=model.config), use_cache=True)
+
+
+def test_decode_follows_a_prefill_compiled_unchanged(sliding_models):
+    """fastkv at its default layer (L // 2: the two-layer model's last, so no gate) compiles its prefill
+    unchanged, with a warning; its decode graphs must follow (they read state only a rewritten prefill
+    records). Rewritten over the unchanged prefill's sliding cache they left the model from the second step."""
+    m, fed, ref = sliding_models["sliding_window"]
+    torch._dynamo.reset()
+    be = kvpass.backend("fastkv", compiler="eager", budget=1000, window=4)
+    with pytest.warns(kvpass.KVPassWarning, match="no candidate selection layer"):
+        _, got = decode(m, be, LONG, DynamicCache(config=m.config), tokens=fed)
+    close(got, ref)
+    assert be.plans()["decode"] == [f"unchanged: the prefill graph was compiled unchanged ({be.reports[0].problems[0]}),"
+                                    f" so its decode steps run unchanged too"]
