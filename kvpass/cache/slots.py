@@ -449,16 +449,15 @@ class SlotCache(Cache):
         kv_heads //= ranks
         p = next(model.parameters())
         dtype, device = dtype or p.dtype, device or p.device
-        new = max_length if max_new_tokens is None else min(max_new_tokens, max_length)
         self._policy, self._windows = policy, windows
-        self.capacities = self._capacities(max_length, new)
+        self.capacities = self._capacities(max_length, max_length if max_new_tokens is None else max_new_tokens)
         self.capacity = max(self.capacities)
         self.policy_name = policy.name
         super().__init__(layers=[SlotLayer(batch_size, kv_heads, cap, head_dim, head_dim, dtype, device,
                                            {} if w else policy.slot_state(cap, head_dim), w,
                                            None if w else capacity_dims(policy, cap, head_dim), max_length)
                                  for cap, w in zip(self.capacities, windows)])
-        self.max_length, self.max_new_tokens = max_length, new
+        self.max_length = max_length
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
@@ -466,16 +465,15 @@ class SlotCache(Cache):
             lay.spec = policy.key()
 
     def _capacities(self, max_length: int, max_new_tokens: int) -> list[int]:
-        layers = len(self._windows)  # per layer: pyramidkv keeps more in lower layers; a sliding layer its window
-        return [w or self._policy.slot_capacity(max_length, max_new_tokens, i, layers)
-                for i, w in enumerate(self._windows)]
+        layers, new = len(self._windows), min(max_new_tokens, max_length)
+        # per layer: pyramidkv keeps more in lower layers; a sliding layer its window
+        return [w or self._policy.slot_capacity(max_length, new, i, layers) for i, w in enumerate(self._windows)]
 
     def fits(self, max_length: int, max_new_tokens: int, batch_size: int) -> bool:
         """Whether a generation of ``batch_size`` rows, at most ``max_length`` tokens of which
         ``max_new_tokens`` new, fits this cache (after ``reset()``): a cache can serve any shorter one."""
         return (batch_size == self.layers[0].keys.shape[0] and max_length <= self.max_length and
-                all(need <= have for need, have in zip(self._capacities(max_length, min(max_new_tokens, max_length)),
-                                                        self.capacities)))
+                all(need <= have for need, have in zip(self._capacities(max_length, max_new_tokens), self.capacities)))
 
     @property
     def seen(self) -> int:
