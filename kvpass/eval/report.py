@@ -36,19 +36,23 @@ def environment(device: str) -> dict:
     return env
 
 
-def table_rows(results) -> list[list[str]]:
+def table_rows(results, params: dict | None = None) -> list[list[str]]:
+    """One row per policy; ``params`` are the run's (a ``budget`` that a policy other than ``full`` does not
+    take, such as ``art``'s, is noted)."""
     full = next((r.summary() for r in results if r.policy == "full" and r.available), None)
     rows = []
     for r in results:
         s = r.summary()
         if not r.available:
-            rows.append([r.policy, "unavailable", "-", "-", "-", "-", "-", r.reason or ""])
+            rows.append([r.policy, "failed" if r.failed else "unavailable", "-", "-", "-", "-", "-", r.reason or ""])
             continue
         kv = fmt_bytes(s["kv_bytes"])
         if full and full["kv_bytes"] and s["kv_bytes"] is not None and r.policy != "full":
             kv += f" ({s['kv_bytes'] / full['kv_bytes']:.0%})"
         acc = "-" if s["accuracy"] is None else f"{s['accuracy']:.3f}"
         notes = [f"ppl {s['ppl']:.2f}"] if s["ppl"] is not None else []
+        if (params or {}).get("budget") is not None and r.policy != "full" and not takes_budget(r.policy):
+            notes.append("no budget: --budget not used, keeps every entry")
         if s["blocks_read"] is not None:
             notes.append(f"read {s['blocks_read']:.0%} of KV blocks")
         if s["selection_layers"]:
@@ -71,8 +75,9 @@ def footnote(results) -> str:
             f"holds after a task's generation (x%: of full's); per task: results.csv")
 
 
-def print_table(results, title: str) -> None:
-    rows = table_rows(results)
+def print_table(results, title: str, params: dict | None = None) -> None:
+    """The comparison table on the terminal (rich when installed), under ``title``, with its footnote."""
+    rows = table_rows(results, params)
     note = footnote(results)
     try:
         from rich.console import Console
@@ -96,11 +101,13 @@ def print_table(results, title: str) -> None:
 
 
 def write(results, out_dir: Path, meta: dict) -> list[Path]:
-    """results.json (everything), results.csv (one row per policy x task), heatmap PNGs (one per policy
-    and heatmaps.png with all of them side by side)."""
+    """results.json (everything, failed policies with their error and the tasks done before it),
+    results.csv (one row per policy x task) and heatmap PNGs (one per policy and heatmaps.png with all of
+    them side by side); a policy that failed mid-run has no rows or heatmap, as it has no complete result."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {"meta": meta, "summary": [r.summary() for r in results],
             "tasks": {r.policy: [t.row() for t in r.tasks] for r in results}}
+    complete = [r for r in results if not r.failed]
     paths = [out_dir / "results.json", out_dir / "results.csv"]
     paths[0].write_text(json.dumps(data, indent=2))
     with paths[1].open("w", newline="") as f:
@@ -108,14 +115,14 @@ def write(results, out_dir: Path, meta: dict) -> list[Path]:
                   "tpot_s", "new_tokens", "ppl", "selection_layer", "output"]
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
-        for r in results:
+        for r in complete:
             for t in r.tasks:
                 w.writerow({"policy": r.policy, **{k: v for k, v in t.row().items() if k in fields}})
-    for r in results:
+    for r in complete:
         p = heatmap(r, out_dir, meta)
         if p:
             paths.append(p)
-    p = heatmaps(results, out_dir, meta)
+    p = heatmaps(complete, out_dir, meta)
     if p:
         paths.append(p)
     return paths
@@ -133,6 +140,11 @@ def _samples_text(cells: dict) -> str:
     counts = sorted({len(v) for v in cells.values()})
     n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return f"{n} sample{'s' if counts[-1] != 1 else ''} per cell"
+
+
+def takes_budget(policy: str) -> bool:
+    """Whether the policy (or a member of ``a+b``) declares a ``budget``; ``full`` and ``art`` do not."""
+    return not budget_text(policy, None).startswith("no budget")
 
 
 def budget_text(policy: str, params: dict | None) -> str:

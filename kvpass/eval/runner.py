@@ -67,6 +67,12 @@ class PolicyResult:
     blocks_read: float | None = None   # ART: fraction of KV blocks decode attention read
     tasks: list[TaskResult] = field(default_factory=list)
 
+    @property
+    def failed(self) -> bool:
+        """The policy raised during its tasks (:meth:`Runner.run`), unlike one unavailable by
+        configuration (planned, or not applicable to this model); ``tasks`` holds those done before."""
+        return not self.available and (self.reason or "").startswith("failed on task")
+
     def summary(self) -> dict:
         """Means over tasks (None where not measured)."""
         def mean(vals):
@@ -74,7 +80,7 @@ class PolicyResult:
             return sum(vals) / len(vals) if vals else None
         t = self.tasks
         return {
-            "policy": self.policy, "available": self.available, "reason": self.reason,
+            "policy": self.policy, "available": self.available, "failed": self.failed, "reason": self.reason,
             "tasks": len(t), "accuracy": mean([r.score for r in t]),
             "kv_bytes": mean([r.kv_bytes for r in t]), "peak_mem": mean([r.peak_mem for r in t]),
             "ttft_s": mean([r.ttft_s for r in t]), "tpot_s": mean([r.tpot_s for r in t]),
