@@ -9,23 +9,60 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
-import torch
+# torch, transformers and the policy registry (which imports torch) are imported inside the functions that
+# need them: `kvpass --help`, `kvpass models` and a mistyped command line answer in well under a second.
 
 
 def parse_length(text: str) -> int:
+    """``512`` -> 512, ``1k`` -> 1024, ``1.5k`` -> 1536; a positive number of tokens."""
     t = text.strip().lower()
     try:
-        return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+        n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a length is like 512, 1k or 4k; got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a length is a positive number of tokens; got {text!r}")
+    return n
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (budgets, limits, token counts)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def parse_depths(text: str) -> list[float]:
+    """``0,0.5,1`` -> [0.0, 0.5, 1.0]; each depth in [0, 1] (0: the needle first, 1: just before the question)."""
+    try:
+        depths = [float(x) for x in parse_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"depths are numbers in [0, 1] like 0,0.5,1; got {text!r}") from None
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad or not depths:
+        raise argparse.ArgumentTypeError(f"each depth must be in [0, 1] (0: start of the text, 1: its end); "
+                                         f"got {text!r}")
+    return depths
+
+
+def did_you_mean(name: str, choices) -> str:
+    """" (did you mean 'x'?)" for the closest of ``choices`` to a mistyped ``name``, else ""."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def parse_list(text: str) -> list[str]:
@@ -52,6 +89,33 @@ def parse_params(items: list[str]) -> dict:
 
 LENGTHS_HELP = ("prompt lengths in tokens, comma-separated: a number of tokens or a number with k "
                 "(1k = 1024 tokens), e.g. 512,1k,2k (default 1k,2k)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose texts that need the policy registry (and so torch) are filled in by
+    ``lazy_help`` only when this parser's own help is printed: `kvpass --help` stays fast."""
+
+    lazy_help: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def format_help(self) -> str:
+        fill, self.lazy_help = self.lazy_help, None
+        if fill is not None:
+            fill(self)
+        return super().format_help()
+
+
+POLICY_NAMES = "<policy names>"  # in a help text, replaced by the registry's names when the help is printed
+
+
+def _fill_policy_help(parser: argparse.ArgumentParser) -> None:
+    """The policy names and one line per policy in a command's help; the device a run would take here."""
+    names = _policy_names()
+    parser.epilog = _policies_epilog()
+    for action in parser._actions:
+        if action.help and POLICY_NAMES in action.help:
+            action.help = action.help.replace(POLICY_NAMES, names)
+        if action.dest == "device":
+            action.help = action.help.rstrip(")") + f"; here {_default_device()})"
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -100,24 +164,29 @@ def _task_names() -> str:
         return "niah, ruler, long_decode, chunk_qa"
 
 
+def _default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     from kvpass.eval import models
     p.add_argument("--model", default="smollm2-135m",
                    help=f"a registry model ({', '.join(models.available())}; see `kvpass models`), a local "
                         f"Hugging Face folder, a local .gguf file or a Hugging Face Hub id (default smollm2-135m)")
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    p.add_argument("--device", default=default_device,
-                   help=f"torch device the model runs on: cpu, cuda or cuda:N (default: cuda when a GPU is "
-                        f"visible, else cpu; here {default_device})")
+    p.add_argument("--device", default=None,
+                   help="torch device the model runs on: cpu, cuda or cuda:N (default: cuda when a GPU is "
+                        "visible, else cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default: bfloat16 on CUDA, float32 on CPU)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     _common(p)
-    p.add_argument("--budget", type=int, default=None,
+    p.add_argument("--budget", type=positive_int, default=None,
                    help="KV entries kept per layer, for the policies that take a budget (each policy's own "
-                        "default otherwise; policies without one, such as full, ignore it)")
+                        "default otherwise; policies without one, full and art, ignore it and the table "
+                        "says so)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="any other policy parameter, e.g. --param sinks=4 (repeat for several; the "
                         "parameters of each policy are listed below)")
@@ -125,12 +194,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help=f"task families, comma-separated: {_task_names()} (default niah)")
     p.add_argument("--lengths", type=lambda s: [parse_length(x) for x in parse_list(s)], default=[1024, 2048],
                    metavar="N[,N...]", help=LENGTHS_HELP)
-    p.add_argument("--depths", type=lambda s: [float(x) for x in parse_list(s)], default=None,
+    p.add_argument("--depths", type=parse_depths, default=None,
                    metavar="D[,D...]",
                    help="NIAH needle depths in [0, 1], comma-separated (default 0,0.25,0.5,0.75,1)")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="at most this many tasks per family and length (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                    help="override every task's generation length (default: each task's own)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks (default 0)")
     p.add_argument("--compiler", default=None, choices=["inductor", "aot_eager", "eager"],
@@ -141,10 +210,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvpass", description="Compare KV-cache policies on real models.",
-                                 epilog="Run `kvpass COMMAND --help` for the options of each command.")
+    ap = _Parser(prog="kvpass", description="Compare KV-cache policies on real models.",
+                 epilog="Run `kvpass COMMAND --help` for the options of each command.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    names, epilog = _policy_names(), _policies_epilog()
+    names, epilog = POLICY_NAMES, None  # filled in by _fill_policy_help when a command's help is printed
     fmt = _HelpFormatter  # keeps the epilog's one line per policy
     c = sub.add_parser("compare", help="run several policies on the same tasks, one table",
                        description="Run several policies on the same tasks and print one table; the "
@@ -152,11 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--policies", type=parse_list, default=["full", "streamingllm"], metavar="P[,P...]",
                    help=f"policies to compare, comma-separated (default full,streamingllm); one of: {names}")
     _run_args(c)
+    c.lazy_help = _fill_policy_help
     e = sub.add_parser("eval", help="run one policy",
                        description="Run one policy on the tasks; the results are written to --out.",
                        epilog=epilog, formatter_class=fmt)
     e.add_argument("--policy", default="full", help=f"the policy to run (default full); one of: {names}")
     _run_args(e)
+    e.lazy_help = _fill_policy_help
     x = sub.add_parser("explain", help="per-layer detection table of a model",
                        description="Trace the model once on a short prompt and print what kvpass finds "
                                    "at each attention layer and what the policy would do there.",
@@ -164,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(x)
     x.add_argument("--policy", default="full",
                    help=f"the policy whose plan is shown (default full); one of: {names}")
-    x.add_argument("--budget", type=int, default=None,
+    x.add_argument("--budget", type=positive_int, default=None,
                    help="KV entries kept per layer, for the policies that take a budget (an error for "
                         "policies without one, such as full)")
     x.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -173,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the model with transformers' tensor-parallel plan (tp_plan='auto'); run under "
                         "torchrun, e.g. torchrun --nproc_per_node 2 -m kvpass.cli explain --tp ...: each rank "
                         "prints its local heads and the collectives kvpass inserted")
+    x.lazy_help = _fill_policy_help
     sub.add_parser("models", help="list the registry models: installed? converted? where?",
                    description="List the registry models, whether each one's pip package is installed and "
                                "whether it has been converted into the kvpass cache folder.")
@@ -197,11 +269,12 @@ def print_models() -> None:
     for r in rows:
         print(f"{r.name}: {r.description}")
     print(f"converted: the model's GGUF has been dequantized into its cache folder (under {models.cache_dir()};\n"
-          f"  $KVPASS_CACHE moves it). An installed model is converted once on first use (tens of seconds),\n"
+          f"  $KVPASS_CACHE moves it). An installed model is converted once on first use (about 20 s on 2 cores),\n"
           f"  e.g. by `kvpass eval --model NAME`; later loads read the folder in about a second.")
 
 
-def _dtype(args) -> torch.dtype:
+def _dtype(args):
+    import torch
     name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     return getattr(torch, name)
 
@@ -212,15 +285,24 @@ def _usage_error(msg: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _note(msg: str) -> None:
+    print(f"kvpass: note: {msg}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# what is checked before the model loads
+# ------------------------------------------------------------------------------------------------
+
+
 def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: str = "eager",
                    flag: str = "--policies") -> None:
     """Every policy name and ``--param`` checked before any model loads, as the run will check them.
 
     Each spec is built with ``kvpass.backend`` on the parameters ``Runner.compile`` gives it (the
     subset of ``params`` it declares), so a bad value fails here with the library's own ``ConfigError``
-    message. Planned policies (``h2o``) pass: the run reports them unavailable, as before. A key of
+    message. Planned policies pass: the run reports them unavailable, as before. A key of
     ``param_keys`` (those given with ``--param``) that none of the policies declares is an error too:
-    the run would silently drop it. Errors exit with status 2.
+    the run would silently drop it. Errors exit with status 2; a mistyped name gets "did you mean".
     """
     import kvpass
     from kvpass.eval.runner import policy_params
@@ -232,8 +314,8 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
         names = [spec.strip()] if spec.strip() in POLICIES else [n.strip() for n in spec.split("+")]
         unknown = [n for n in names if n and n not in POLICIES and n not in PLANNED]
         if unknown:
-            _usage_error(f"unknown policy '{unknown[0]}' in {flag} {','.join(specs)}; "
-                         f"known policies: {', '.join(available())}")
+            _usage_error(f"unknown policy '{unknown[0]}' in {flag} {','.join(specs)}"
+                         f"{did_you_mean(unknown[0], available())}; known policies: {', '.join(available())}")
         if any(n in PLANNED for n in names):
             continue
         checked += 1
@@ -248,6 +330,108 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
     for key in param_keys:
         if checked and key not in declared:
             _usage_error(f"--param {key}: none of the policies ({', '.join(specs)}) has a parameter '{key}'")
+
+
+def check_tasks(names: list[str]) -> None:
+    """Unknown ``--task`` names are a usage error (with "did you mean"), before the model loads."""
+    from kvpass.eval import tasks as T
+    unknown = [n for n in names if n not in T.FAMILIES]
+    if unknown:
+        _usage_error(f"unknown task '{unknown[0]}' in --task {','.join(names)}{did_you_mean(unknown[0], T.FAMILIES)}; "
+                     f"known tasks: {', '.join(sorted(T.FAMILIES))}")
+
+
+def check_model(name: str) -> int | None:
+    """Check ``--model`` without loading it; returns its context in tokens where known without loading.
+
+    A registry model must be installed (or already converted): else the install line, exit status 1. An
+    existing local folder's context comes from its ``config.json``. A name that is neither, but close to
+    a registry name, is a usage error with "did you mean"; any other name is left to the loader (a Hub id).
+    """
+    from kvpass.eval import models
+    spec = models.MODELS.get(name)
+    if spec is not None:
+        if not spec.installed and not models.status()[models.available().index(name)].converted:
+            raise SystemExit(f"kvpass: model '{name}' needs the package '{spec.package}', which is not "
+                             f"installed. Install it (as install.sh does) with:\n    {spec.install_cmd}")
+        return spec.context
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            return models.context_length(json.loads((path / "config.json").read_text()))
+        except (OSError, ValueError):
+            return None  # the loader says what is wrong with it
+    if not path.exists() and models.close_matches(name):
+        _usage_error(f"--model {name}: not a registry model or a local path"
+                     f"{did_you_mean(name, models.available())}; registry models: {', '.join(models.available())} "
+                     f"(`kvpass models` says which are installed)")
+    return None
+
+
+def new_tokens_needed(families: list[str], max_new_tokens: int | None) -> int:
+    """The most tokens a task of these families generates after its prompt (``--max-new-tokens`` when given)."""
+    if max_new_tokens:
+        return max_new_tokens
+    from kvpass.eval import tasks as T
+    most = 0
+    for family in families:
+        budget = getattr(getattr(T, family, None), "MAX_NEW_TOKENS", 0)
+        most = max(most, max(budget.values()) if isinstance(budget, dict) else budget)
+    return most
+
+
+def check_lengths(lengths: list[int], context: int | None, model: str, new_tokens: int) -> None:
+    """Each prompt length plus the tokens generated after it must fit the model's context (exit status 2)."""
+    if context is None:
+        return
+    longest = context - new_tokens
+    too_long = [n for n in lengths if n > longest]
+    if too_long:
+        _usage_error(f"--lengths {too_long[0]}: {model}'s context is {context} tokens (max_position_embeddings) and "
+                     f"a task generates up to {new_tokens} tokens after its prompt, so each length must be "
+                     f"between 1 and {longest}; pass shorter lengths, e.g. --lengths 1k,{longest}")
+
+
+def check_budget_taken(args, policies: list[str]) -> None:
+    """``eval --budget`` for a policy without a budget (full, art) is a usage error: it would be ignored.
+    (``compare`` runs policies with and without one together; its table says which ignored it.)"""
+    if args.cmd != "eval" or args.budget is None:
+        return
+    from kvpass.eval.report import takes_budget
+    if not takes_budget(policies[0]):
+        _usage_error(f"--budget: policy '{policies[0]}' has no parameter 'budget' (it keeps every entry); "
+                     f"drop --budget")
+
+
+# Policies whose budget counts decode tokens kept besides the prompt, not prompt entries (raas keeps every
+# prompt entry): a budget above the prompt does not make them keep everything.
+_BUDGET_BESIDES_PROMPT = frozenset({"raas"})
+
+
+def budget_notes(policies: list[str], params: dict, lengths: list[int]) -> list[str]:
+    """Notes for policies whose budget (given or default) is not below any prompt length: they keep or read
+    every prompt entry there, so they equal ``full``; the run goes on (a no-op setting is a valid check)."""
+    from kvpass.eval.report import budget_text
+    from kvpass.policies import POLICIES
+    notes = []
+    for spec in policies:
+        members = [spec] if spec in POLICIES else [n.strip() for n in spec.split("+")]
+        text = budget_text(spec, params)
+        if not text.startswith("budget ") or any(m in _BUDGET_BESIDES_PROMPT for m in members):
+            continue
+        budget = int(text.split()[1])
+        if budget >= max(lengths):
+            notes.append(f"{spec}'s {text} is not below any of --lengths {','.join(map(str, lengths))}: it keeps "
+                         f"every prompt entry and gives what full gives; pass --budget below {max(lengths)}")
+    return notes
+
+
+def check_device(device: str) -> None:
+    """``--device cuda`` on a machine without a visible GPU is a usage error, before the model loads."""
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _usage_error(f"--device {device}: no CUDA device is visible here (torch.cuda.is_available() is False); "
+                     f"pass --device cpu")
 
 
 def _prepare_out(out: Path) -> list[Path]:
@@ -285,13 +469,9 @@ def _load(args):
         raise SystemExit(f"kvpass: {e}") from None
 
 
-def check_tasks(names: list[str]) -> None:
-    """Unknown ``--task`` names are a usage error, before the model loads."""
-    from kvpass.eval import tasks as T
-    unknown = [n for n in names if n not in T.FAMILIES]
-    if unknown:
-        _usage_error(f"unknown task '{unknown[0]}' in --task {','.join(names)}; known tasks: "
-                     f"{', '.join(sorted(T.FAMILIES))}")
+# ------------------------------------------------------------------------------------------------
+# what is checked once the model is loaded, before a task runs
+# ------------------------------------------------------------------------------------------------
 
 
 def _tasks(args, tokenizer):
@@ -300,7 +480,10 @@ def _tasks(args, tokenizer):
     for family in args.task:
         options = {"depths": args.depths} if (family == "niah" and args.depths) else {}
         for length in args.lengths:
-            batch = T.build(family, tokenizer, [length], seed=args.seed, **options)
+            try:
+                batch = T.build(family, tokenizer, [length], seed=args.seed, **options)
+            except ValueError as e:  # e.g. "length 64 is too short for niah/passkey"
+                _usage_error(f"--lengths {length}: {e}; pass longer lengths (a few hundred tokens at least)")
             out += batch[: args.limit] if args.limit else batch
     if args.max_new_tokens:
         for t in out:
@@ -308,8 +491,78 @@ def _tasks(args, tokenizer):
     return out
 
 
+def check_tasks_fit(tasks, context: int | None, model: str) -> None:
+    """Every built task, prompt plus generation, fits the loaded model's context (exit status 2)."""
+    if context is None:
+        return
+    for t in tasks:
+        if len(t.input_ids) + t.max_new_tokens > context:
+            _usage_error(f"--lengths {len(t.input_ids)}: {model}'s context is {context} tokens "
+                         f"(max_position_embeddings) and {t.name} generates {t.max_new_tokens} tokens after its "
+                         f"prompt; each length must be between 1 and {context - t.max_new_tokens}")
+
+
+def describe_tasks(tasks) -> str:
+    """What one policy runs, e.g. ``12 tasks (niah: 2 lengths x 3 depths x 2 needle kinds)``."""
+    parts = []
+    for family in dict.fromkeys(t.family for t in tasks):
+        mine = [t for t in tasks if t.family == family]
+        lengths = len({len(t.input_ids) for t in mine})
+        depths = len({t.meta.get("depth") for t in mine if t.meta.get("depth") is not None})
+        kinds = len({t.name for t in mine})
+        axes = [f"{lengths} length{'s' * (lengths != 1)}"]
+        if depths:
+            axes.append(f"{depths} depth{'s' * (depths != 1)}")
+        axes.append(f"{kinds} {'needle kind' if family == 'niah' else 'task'}{'s' * (kinds != 1)}")
+        product = lengths * max(depths, 1) * kinds
+        parts.append(f"{family}: {' x '.join(axes)}" + ("" if product == len(mine) else f", {len(mine)} in all"))
+    return f"{len(tasks)} task{'s' * (len(tasks) != 1)} ({'; '.join(parts)})"
+
+
+# ------------------------------------------------------------------------------------------------
+# compare / eval
+# ------------------------------------------------------------------------------------------------
+
+
+def _progress_bar(n_policies: int, n_tasks: int):
+    """One bar over every (policy, task) run, labelled as such; returns (bar, step) or (None, None)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return None, None
+    bar = tqdm(total=n_policies * n_tasks, desc=f"{n_policies} policies x {n_tasks} tasks", unit="run",
+               file=sys.stderr)
+    return bar, bar.update
+
+
+def _finish(results, out: Path, created: list[Path], meta: dict) -> int:
+    """Write the results of the policies that ran and say what failed; the exit status (1: a policy failed).
+
+    A policy that raised during its tasks is a failed run (unlike one unavailable by configuration). When
+    no policy completed, nothing is written and a results folder this run created is removed."""
+    from kvpass.eval import report
+
+    failed = [r for r in results if r.failed]
+    complete = [r for r in results if r.available]
+    for r in failed:
+        print(f"kvpass: {r.policy} {r.reason}", file=sys.stderr)
+    if failed and not complete:
+        _remove_empty(created)
+        print(f"kvpass: all {len(failed)} policies that ran failed; no results written", file=sys.stderr)
+        return 1
+    paths = report.write(results, out, meta)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    if failed:
+        print(f"kvpass: {len(failed)} of {len(results)} policies failed ({', '.join(r.policy for r in failed)}); "
+              f"the results of {', '.join(r.policy for r in complete)} are in {out} (results.json has the "
+              f"failures' errors)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_comparison(args, policies: list[str]) -> int:
-    """Run the policies and write the results; the exit status is 1 when a policy failed mid-run."""
+    """Check everything that can be checked, run the policies and write the results; the exit status is
+    1 when a policy failed mid-run."""
     from kvpass.eval import compare, report
 
     params = parse_params(args.param)
@@ -320,17 +573,20 @@ def run_comparison(args, policies: list[str]) -> int:
     check_policies(policies, params, param_keys=parse_params(args.param), compiler=compiler,
                    flag="--policies" if args.cmd == "compare" else "--policy")
     check_tasks(args.task)
+    check_budget_taken(args, policies)
+    context = check_model(args.model)
+    check_lengths(args.lengths, context, args.model, new_tokens_needed(args.task, args.max_new_tokens))
+    check_device(args.device)
+    for note in budget_notes(policies, params, args.lengths):
+        _note(note)
     out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
     created = _prepare_out(out)
     try:
         model, tokenizer = _load(args)
+        from kvpass.eval import models
         tasks = _tasks(args, tokenizer)
-        try:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(tasks) * len(policies), desc="tasks", unit="task", file=sys.stderr)
-            step = bar.update
-        except ImportError:  # pragma: no cover
-            bar, step = None, None
+        check_tasks_fit(tasks, models.context_length(getattr(model, "config", None)), args.model)
+        bar, step = _progress_bar(len(policies), len(tasks))
         t0 = time.perf_counter()
         results = compare(model, tokenizer, policies, tasks, params, compiler=compiler, device=args.device,
                           progress=step)
@@ -343,42 +599,41 @@ def run_comparison(args, policies: list[str]) -> int:
     meta = {**report.environment(args.device), "model": args.model, "policies": policies, "params": params,
             "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler,
             "wall_s": round(wall, 1), "n_tasks": len(tasks)}
-    title = (f"{args.model} | {', '.join(args.task)} | lengths {','.join(map(str, args.lengths))} | "
-             f"{len(tasks)} tasks | {args.device} | {wall:.0f}s")
-    report.print_table(results, title)
-    paths = report.write(results, out, meta)
-    print(f"wrote {', '.join(str(p) for p in paths)}")
-    # A policy that raised during its tasks (Runner.run: reason "failed on task ...") is a failed run,
-    # unlike one that is unavailable by configuration (planned, or not applicable to this model).
-    failed = [r for r in results if not r.available and (r.reason or "").startswith("failed on task")]
-    for r in failed:
-        print(f"kvpass: {r.policy} {r.reason}", file=sys.stderr)
-    if failed:
-        print(f"kvpass: {len(failed)} of {len(results)} policies failed; the others' results are in {out}",
-              file=sys.stderr)
-        return 1
+    title = (f"{args.model} | lengths {','.join(map(str, args.lengths))} | {describe_tasks(tasks)} x "
+             f"{len(policies)} polic{'ies' if len(policies) != 1 else 'y'} | {args.device}, {compiler} compiler | "
+             f"{wall:.0f}s")
+    report.print_table(results, title, params)
+    return _finish(results, out, created, meta)
+
+
+def explain(args) -> int:
+    """``kvpass explain``: the per-layer detection table of the model under a policy."""
+    import kvpass
+    from kvpass.eval.runner import policy_params
+    params = parse_params(args.param)
+    if args.budget is not None:
+        params["budget"] = args.budget
+    check_policies([args.policy], params, param_keys=parse_params(args.param), flag="--policy")
+    if args.budget is not None and not policy_params(args.policy, {"budget": args.budget}):
+        _usage_error(f"--budget: policy '{args.policy}' has no parameter 'budget' (it keeps every entry)")
+    check_model(args.model)
+    check_device(args.device)
+    model, tokenizer = _load(args)
+    params = {**policy_params(args.policy, {"tokenizer": tokenizer}), **params}  # sablock's punctuation
+    ids = tokenizer("kvpass explains what it finds in this model.", return_tensors="pt").input_ids
+    kvpass.explain(model, {"input_ids": ids.to(args.device), "use_cache": True}, policy=args.policy, **params)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``kvpass`` command; returns its exit status."""
     args = build_parser().parse_args(argv)
     if args.cmd == "models":
         print_models()
         return 0
+    args.device = args.device or _default_device()
     if args.cmd == "explain":
-        import kvpass
-        params = parse_params(args.param)
-        if args.budget is not None:
-            params["budget"] = args.budget
-        check_policies([args.policy], params, param_keys=parse_params(args.param), flag="--policy")
-        from kvpass.eval.runner import policy_params
-        if args.budget is not None and not policy_params(args.policy, {"budget": args.budget}):
-            _usage_error(f"--budget: policy '{args.policy}' has no parameter 'budget' (it keeps every entry)")
-        model, tokenizer = _load(args)
-        params = {**policy_params(args.policy, {"tokenizer": tokenizer}), **params}  # sablock's punctuation
-        ids = tokenizer("kvpass explains what it finds in this model.", return_tensors="pt").input_ids
-        kvpass.explain(model, {"input_ids": ids.to(args.device), "use_cache": True}, policy=args.policy, **params)
-        return 0
+        return explain(args)
     from kvpass.policies import ConfigError
     try:
         return run_comparison(args, args.policies if args.cmd == "compare" else [args.policy])
