@@ -176,30 +176,22 @@ def sliding_models():
     return out
 
 
-# Found by this loop (2026-11-26), open: the gated policies on a DynamicCache of the layer_types model (a global
-# layer 0, the gate after it, a sliding layer 1) differ from the model from the second decode step on, at the
-# no-op setting, without a warning. The same structure on Gemma-2/3 and Cohere-2 (tests/test_asl.py) and on the
-# all-sliding Mistral config is exact, and so is every case on a SlotCache; the cause is not found yet.
-GATED_QWEN2 = "open bug: gated prefill, global layer 0 then sliding layers, DynamicCache: wrong from the second step"
-KNOWN_WRONG = {(p, "layer_types", "dynamic") for p in ("asl", "asl_2pass", "asl_fullkv", "fastkv", "gemfilter")}
-
-
 def sliding_cases():
     for policy in PLAIN:
         for spelling in SPELLINGS:
             for cache in ("dynamic", "slot"):
-                marks = [pytest.mark.xdist_group(f"conformance-{policy}")]
-                if (policy, spelling, cache) in KNOWN_WRONG:   # strict: fixing it makes this fail, remove it then
-                    marks.append(pytest.mark.xfail(strict=True, reason=GATED_QWEN2))
-                yield pytest.param(policy, spelling, cache, marks=marks, id=f"{policy}-{spelling}-{cache}")
+                yield pytest.param(policy, spelling, cache, marks=pytest.mark.xdist_group(f"conformance-{policy}"),
+                                   id=f"{policy}-{spelling}-{cache}")
 
 
 @pytest.mark.parametrize("policy,spelling,cache", list(sliding_cases()))
 def test_noop_equals_uncompiled_on_sliding_windows(sliding_models, policy, spelling, cache):
     """Every policy's no-op setting equals the uncompiled model on a model whose layers slide, however the
-    config spells it, on both caches. It found two silent errors: a SlotCache read ``layer_types`` only (under a
-    Mistral-style config even ``full`` diverged from the second new token on), and an evicting policy's decode
-    graphs rewritten over a prefill compiled unchanged (fastkv without a gate); one is open (``KNOWN_WRONG``)."""
+    config spells it, on both caches. It found three silent errors: a SlotCache read ``layer_types`` only (under a
+    Mistral-style config even ``full`` diverged from the second new token on); an evicting policy's decode
+    graphs rewritten over a prefill compiled unchanged (fastkv without a gate); and the gated policies on the
+    ``layer_types`` model's DynamicCache (a global layer 0 that appends, a sliding layer 1 that records its ring)
+    took the tokens seen from layer 0's stale record, so RoPE positions stopped moving from the second step."""
     skip_uneven_layers_on_old_stacks(policy)
     m, fed, ref = sliding_models[spelling]
     torch._dynamo.reset()

@@ -68,6 +68,8 @@ class GenerationState:
         self.offset: int | Tensor = 0
         self.tail: Tensor | None = None
         self.tail_at = -1
+        self.latest: int | Tensor = 0   # ``seen`` of the last layer recorded (the latest count a record holds)
+        self.base: int | Tensor = 0     # the model's first derived position (OPT's learned table: 2)
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)
@@ -79,6 +81,7 @@ class GenerationState:
         st = LayerState(pos=pos, seen=seen, extra=extra)
         self.layers[site] = st
         self.records += 1
+        self.latest = seen
         return st
 
     def appended(self, s: LayerState) -> int:
@@ -97,12 +100,13 @@ class GenerationState:
         return max((int(s.seen) + self.appended(s) for s in self.layers.values()), default=0)
 
     def seen_now(self) -> int | Tensor:
-        """``seen`` without a device sync (an int or a 0-d tensor), for operators: between forward
-        calls every layer holds the same count, so the first layer's is the count, unless graphs that
-        only append (``tail``, set after the last record) took the sequence further."""
+        """``seen`` without a device sync (an int or a 0-d tensor), for operators: the count of the last
+        record, unless graphs that only append (``tail``, set after the last record) took the sequence
+        further. Not the first layer's count: a decode graph may append to some layers and record others
+        (a global layer 0 appends, a deeper sliding layer records its ring), and the first then lags."""
         if self.tail is not None and self.tail_at == self.records:
             return self.tail
-        return next(iter(self.layers.values())).seen if self.layers else 0
+        return self.latest if self.layers else 0
 
     def note_tail(self, tail: Tensor) -> None:
         """The true count after the tokens of this call (a 0-d tensor)."""
@@ -124,7 +128,7 @@ class GenerationState:
     def reset(self) -> None:
         self.layers.clear()
         self.fusion_votes.clear()
-        self.anchor_at, self.offset, self.tail, self.tail_at = -1, 0, None, -1
+        self.anchor_at, self.offset, self.tail, self.tail_at, self.latest, self.base = -1, 0, None, -1, 0, 0
 
     def __repr__(self) -> str:
         return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "
