@@ -147,22 +147,61 @@ def test_cross_attention_is_refused_not_evicted():
     assert be.state.seen == 0
 
 
-# 4. learned absolute positions -------------------------------------------------------------------------
+# 4. absolute positions ---------------------------------------------------------------------------------
 
-def test_learned_positions_are_true_after_eviction():
-    """GPT-2 looks its positions up in a table (wpe) by the ids the model derives from the stored length.
-    After streamingllm evicts, a bare forward with derived positions equals one given the true positions."""
+ABSOLUTE = {  # every decoder-only family transformers ships whose positions are absolute (a table or sinusoids)
+    "gpt2": lambda a: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, **a)),
+    "gpt_bigcode": lambda a: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4,
+                                                                          vocab_size=100, **a)),
+    # OPT and BioGPT derive positions from the mask and look them up at +2 (the first two rows are unused)
+    "opt": lambda a: tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=64, ffn_dim=128,
+                                                    num_attention_heads=4, vocab_size=100, word_embed_proj_dim=64, **a)),
+    "biogpt": lambda a: tf.BioGptForCausalLM(tf.BioGptConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                             num_attention_heads=4, vocab_size=100, **a)),
+    # decoders of encoder-decoder families as causal LMs: BART's table from 2, Pegasus's sinusoids
+    "bart": lambda a: tf.BartForCausalLM(tf.BartConfig(decoder_layers=2, d_model=64, decoder_ffn_dim=128, vocab_size=100,
+                                                       decoder_attention_heads=4, is_decoder=True, **a)),
+    "pegasus": lambda a: tf.PegasusForCausalLM(tf.PegasusConfig(decoder_layers=2, d_model=64, decoder_ffn_dim=128,
+                                                                decoder_attention_heads=4, vocab_size=100,
+                                                                is_decoder=True, **a)),
+    # CTRL indexes a sinusoid buffer; a Dynamo graph break (its buffer assignment) computes the ids outside
+    "ctrl": lambda a: tf.CTRLLMHeadModel(tf.CTRLConfig(n_layer=2, n_embd=64, n_head=4, dff=128, vocab_size=100, **a)),
+    # eager attention only: kvpass does not recognise it, warns and compiles unchanged
+    "gpt_neo": lambda a: tf.GPTNeoForCausalLM(tf.GPTNeoConfig(num_layers=2, attention_types=[[["global"], 2]],
+                                                              hidden_size=64, num_heads=4, vocab_size=100, **a)),
+    "xglm": lambda a: tf.XGLMForCausalLM(tf.XGLMConfig(num_layers=2, d_model=64, ffn_dim=128, attention_heads=4,
+                                                       vocab_size=100, **a)),
+}
+
+
+@pytest.mark.parametrize("family", ABSOLUTE)
+def test_absolute_positions_are_true_after_eviction_or_refused(family):
+    """After streamingllm evicts, a bare forward whose positions the model derives (from the stored length)
+    equals one given the true positions: GPT-2 and GPTBigCode look them up from 0, OPT and BioGPT from 2 (the
+    operator learns the first position in the prefill; a fixed offset of 0 moved them by 2). CTRL derives
+    them in a graph without attention (a graph break), so kvpass sees them as passed in: refused at the first
+    step behind the tokens seen. Eager-only families compile unchanged, with a warning."""
+    eager = family in ("gpt_neo", "xglm")
     torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
-                                             attn_implementation="sdpa")).eval()
+    model = ABSOLUTE[family](dict(attn_implementation="eager" if eager else "sdpa")).eval()
     runs = []
-    for positions in (False, True):
+    for positions in (True, False):
         torch._dynamo.reset()
         be = kvpass.backend("streamingllm", budget=16, compiler="eager")
-        runs.append(greedy(torch.compile(model.forward, backend=be), model, PROMPT, 6, positions=positions))
-        assert be.state.seen == 46
-        assert any(r.positions_fixed for r in be.reports) != positions   # derived ids are fixed, given ones not
-    torch.testing.assert_close(runs[0], runs[1], atol=1e-5, rtol=1e-5)
+        fwd = torch.compile(model.forward, backend=be)
+        if family == "ctrl" and not positions:
+            with pytest.raises(ValueError, match="position passed in is behind the tokens seen"):
+                greedy(fwd, model, PROMPT, 6)
+            return
+        out, said = kvpass_warnings(lambda: greedy(fwd, model, PROMPT, 6, positions=positions))
+        runs.append(out)
+        if eager:
+            assert be.state.seen == 0 and said, said
+            torch.testing.assert_close(out, greedy(model.forward, model, PROMPT, 6), atol=1e-5, rtol=1e-5)
+            return
+        assert be.state.seen == 46 and max(be.state.stored_tokens().values()) == 16
+        assert positions or any(r.positions_fixed for r in be.reports)   # derived ids are fixed
+    torch.testing.assert_close(runs[1], runs[0], atol=1e-5, rtol=1e-5)
 
 
 # 5. ALiBi / 6. attention kvpass does not recognise ------------------------------------------------------

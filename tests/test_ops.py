@@ -417,7 +417,7 @@ def test_opcheck_compact_nonempty_past(rt):
 
 
 def test_opcheck_true_positions(rt):
-    opcheck("true_positions", (torch.arange(6)[None], rt.handle))      # prefill: unchanged
+    opcheck("true_positions", (torch.arange(6)[None], rt.handle, True))   # prefill: unchanged
     _prefill(rt, 12)                                                     # seen 12, stored 8
     derived = torch.tensor([[BUDGET]])                                   # the model's guess: stored length
     opcheck("true_positions", (derived, rt.handle))
@@ -428,11 +428,24 @@ def test_opcheck_true_positions(rt):
     opcheck("true_positions", (torch.zeros(1, 0, dtype=torch.long), rt.handle))
 
 
+def test_true_positions_learn_the_first_position_in_the_prefill(rt):
+    """OPT looks positions up at +2 and pads from the mask: a left-padded prefill row starts lower. The
+    prefill teaches the first position (2), so a decode step's derived ``2 + stored`` becomes ``2 + seen``."""
+    padded = torch.tensor([[1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    assert OP.true_positions(padded, rt.handle, True).tolist() == padded.tolist()
+    _prefill(rt, 12)                                                     # seen 12, stored 8
+    assert OP.true_positions(torch.tensor([[2 + BUDGET]] * 2), rt.handle).tolist() == [[14]] * 2
+
+
 def test_opcheck_note_positions(rt):
     """Passed positions of an appending graph: unchanged, and the state counts the appended tokens;
-    several tokens that start below the tokens seen (generate re-feeding an evicted cache) are refused."""
+    tokens that start below the tokens seen (generate re-feeding an evicted cache, or positions derived from
+    the stored length outside the rewritten graph) are refused."""
+    opcheck("note_positions", (torch.tensor([[12]]), rt.handle))         # (repeated calls: before a prefill)
     _prefill(rt, 12)                                                     # seen 12, stored 8
-    opcheck("note_positions", (torch.tensor([[12]]), rt.handle))         # (repeated calls: one token)
+    assert OP.note_positions(torch.tensor([[12]]), rt.handle).tolist() == [[12]]
+    with pytest.raises(ValueError, match="position passed in is behind the tokens seen"):
+        OP.note_positions(torch.tensor([[BUDGET]]), rt.handle)           # one token at the stored length
     assert OP.note_positions(torch.tensor([[13, 14]]), rt.handle).tolist() == [[13, 14]]
     assert rt.state.seen == 15 and rt.state.stored_tokens()[SITE] == BUDGET + 3
     with pytest.raises(ValueError, match="feeds again the tokens from position 13"):

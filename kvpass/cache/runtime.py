@@ -156,14 +156,17 @@ class Runtime:
         """Position ids passed into a graph that appends to a cache: true already. ``generate`` continuing
         a cache this policy evicted from passes the positions of every token past the *stored* length
         (transformers counts entries, not tokens), so its first tokens were seen before: refused (one
-        sync per call of several tokens). Otherwise the state learns how far the sequence reached."""
+        sync per call of several tokens; a single token per row is checked too, see ``_check_step``).
+        Otherwise the state learns how far the sequence reached."""
         st = self.state
         if pos.numel() == 0 or not st.layers:
             return
         rows = pos.reshape(pos.shape[0], -1)
         # several tokens: the row that reaches furthest (unpadded) must start at the tokens seen
         first = int(rows[rows.max(-1).values.argmax()].min()) if rows.shape[1] > 1 else None
-        if first is not None and first < (seen := st.seen):
+        if first is None:   # one token per row: the row that reaches furthest must be at the tokens seen
+            self._check_step(pos.max())
+        elif first < (seen := st.seen):
             raise ValueError(
                 f"kvpass: policy '{self.policy.name}' evicted from this cache, which holds fewer entries than the "
                 f"{seen} tokens seen; transformers counts stored entries, so this call (generate continuing with "
@@ -172,19 +175,44 @@ class Runtime:
                 f"a new cache")
         st.note_tail(pos.max() + 1)
 
-    def true_positions(self, pos: Tensor) -> Tensor:
-        """Position ids the model derived from the stored length -> the true token count."""
-        # Derived positions are arange(q_len) + stored_length in any layout ([1, q], [1, q, 1], ...).
+    def _check_step(self, last: Tensor) -> None:
+        """A decode step's position passed in, behind the tokens seen: positions computed from the stored
+        length where kvpass could not fix them (CTRL computes them before a graph break, so they reach the
+        attention graph as an input). On the CPU a ValueError; on a GPU a device assert (no sync)."""
+        msg = (f"kvpass: policy '{self.policy.name}' evicted from this cache, and a decode step's position passed in "
+               f"is behind the tokens seen: the model computed it from the stored length outside the graph kvpass "
+               f"rewrote (a graph break before its positions?). Pass position_ids (generate does), or use a policy "
+               f"that evicts nothing")
+        if last.device.type == "cpu":
+            if int(last) < self.state.seen:
+                raise ValueError(msg)
+        else:
+            torch._assert_async(last >= torch.as_tensor(self.state.seen_now(), device=last.device), msg)
+
+    def true_positions(self, pos: Tensor, prefill: bool = False) -> Tensor:
+        """Position ids the model derived from the stored length -> the true token count.
+
+        Derived positions are ``base + stored + arange(q)`` in any layout (``[1, q]``, ``[B, q]``,
+        ``[1, q, 1]``): ``base`` is the model's first position (0 for RoPE and GPT-2's table, 2 for OPT's
+        and BioGPT's), learned in the prefill (``prefill``: the cache was empty, nothing changes). After an
+        eviction ``stored`` lags the tokens seen; the true positions are ``base + seen + arange(q)``."""
         if pos.numel() == 0:
             return pos.clone()
-        first = pos.min()  # 0 in a prefill (the cache was empty): derived positions are exact there
         st = self.state
+        if prefill:
+            # the largest position is the last token's in an unpadded row (padded rows of OPT's
+            # mask-derived positions start lower), so the first is largest + 1 - q
+            q = max(pos.shape[1:], default=pos.shape[0]) if pos.dim() > 1 else pos.shape[0]
+            st.base = pos.max() + 1 - q      # a 0-d tensor: no device sync
+            st.note_tail(torch.full_like(st.base, q))
+            return pos.clone()
         if st.anchor_at != st.records:
             # A layer recorded its count since the last call: the distance between true and derived
             # positions is taken there. Graphs that only append (SitePlan.append) record nothing, and
             # add as many tokens to the stored length as to the true count, so the distance holds.
             # (No record at all: nothing was evicted, derived positions are true.)
-            st.offset, st.anchor_at = (st.seen_now() - first) if st.layers else 0, st.records
-        true = torch.where(first == 0, pos, pos + st.offset)  # no device sync
-        st.note_tail(true.max() + 1)
+            st.offset = (st.seen_now() + st.base - pos.min()) if st.layers else 0
+            st.anchor_at = st.records
+        true = pos + st.offset
+        st.note_tail(true.max() + 1 - st.base)
         return true

@@ -1,7 +1,9 @@
 """Positions after eviction: position ids the model derived from the cache's (shortened) length are routed
-through ``kvpass::true_positions``, so RoPE and learned positions stay the true token indices. ``derived``
-tells derived position ids from ones passed in, ``view_root`` finds the tensor several RoPEs read views of.
-Used by the rewrite and by the gate (a gated prefill's segments)."""
+through ``kvpass::true_positions``, so RoPE and absolute positions stay the true token indices. Absolute
+positions are found by structure: an integer tensor derived in the graph that looks rows up in a float table
+(``embedding``: GPT-2, OPT, BioGPT; indexing: CTRL's sinusoids). ``derived`` tells derived position ids from
+ones passed in, ``view_root`` finds the tensor several RoPEs read views of. Used by the rewrite and by the
+gate (a gated prefill's segments)."""
 
 from __future__ import annotations
 
@@ -61,16 +63,34 @@ def view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
         pos, child = src, pos
 
 
-def fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]:
-    """Route derived position ids through ``true_positions``. Several RoPEs (Gemma 3: local and global)
-    read views of one position tensor: that tensor is fixed once, since every ``true_positions`` of a
-    graph must see the state of the call's start, and Inductor may run a second one after layers of the
-    same call recorded their new count (it moved Gemma 3's global layers by one position)."""
+def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
+    """Integer tensors that pick rows of a float table: ``embedding(ids, table)`` (unless not ``embedding``:
+    token ids are looked up that way too) or ``table[ids]``."""
+    found = []
+    for n in graph.nodes:
+        if embedding and is_fn(n, {F.embedding, torch.embedding}):
+            index, table = n.args[0], (n.args[1] if len(n.args) > 1 else None)
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            table, index = n.args[0], n.args[1]
+            index = next((i for i in index if isinstance(i, fx.Node)), None) if isinstance(index, tuple) else index
+        else:
+            continue
+        ex = table.meta.get("example_value") if isinstance(table, fx.Node) else None
+        if isinstance(index, fx.Node) and not _float(index) and (is_fn(n, {F.embedding, torch.embedding}) or (
+                isinstance(ex, torch.Tensor) and ex.is_floating_point())):
+            found.append(index)
+    return found
+
+
+def fix_positions(graph: fx.Graph, sites: list[Site], handle: int, prefill: bool) -> list[str]:
+    """Route derived position ids through ``true_positions`` (``prefill``: the graph starts from an empty
+    cache, where they are true and the operator learns the model's first position). Several RoPEs (Gemma 3:
+    local and global) read views of one position tensor: that tensor is fixed once, since every
+    ``true_positions`` of a graph must see the state of the call's start, and Inductor may run a second one
+    after layers of the same call recorded their new count (it moved Gemma 3's global layers by one position)."""
     fixed = []
-    # RoPE's positions, and learned absolute positions (GPT-2: an embedding table looked up by position)
-    learned = [n.args[0] for n in graph.nodes if is_fn(n, {F.embedding, torch.embedding}) and
-               isinstance(n.args[0], fx.Node) and not _float(n.args[0])]
-    found = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + learned)
+    # RoPE's positions, and absolute positions looked up in a table (token ids are passed in: not derived)
+    found = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + table_lookups(graph))
              if derived(p)]
     paths = [view_root(p) for p in found]
     if len({root for root, _ in paths}) == 1 and len(found) > 1:
@@ -81,7 +101,7 @@ def fix_positions(graph: fx.Graph, sites: list[Site], handle: int) -> list[str]:
         targets = [(p, None) for p in found]
     for pos, only in targets:
         with graph.inserting_after(pos):
-            tp = graph.call_function(OPS.true_positions.default, (pos, handle))
+            tp = graph.call_function(OPS.true_positions.default, (pos, handle, prefill))
         pos.replace_all_uses_with(tp, delete_user_cb=lambda u, only=only: u is not tp and (only is None or only(u)))
         fixed.append(pos.name)
     return fixed

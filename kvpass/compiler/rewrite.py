@@ -32,14 +32,20 @@ from torch import fx
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.slots import pending_positions, write_slots
-from kvpass.compiler.detect import Detection, Site
+from kvpass.compiler.detect import Detection, Site, val
 from kvpass.ops.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
-from kvpass.compiler.positions import fix_positions
+from kvpass.compiler.positions import fix_positions, table_lookups
 from kvpass.compiler.tp import gather_heads
 from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks
 
 OPS = torch.ops.kvpass
+
+
+def _empty(k_past) -> bool:
+    """A site with no stored entries in this graph (a prefill: no past, or a past of static length 0)."""
+    past = val(k_past)
+    return k_past is None or (isinstance(past, torch.Tensor) and 0 in past.shape)   # (a symbolic size is never 0)
 
 
 def _first(graph: fx.Graph, nodes) -> fx.Node:
@@ -287,8 +293,11 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
     evicting, appending = done["evict"] + done["pool"], done["append"]
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
     # model derives positions from: fix them all.
-    fixed = fix_positions(graph, found.sites, handle) if evicting or appending else []
-    passed = next((s.positions for s in found.sites if s.positions is not None), None)
+    fixed = fix_positions(graph, found.sites, handle, prefill=all(_empty(s.k_past) for s in found.sites)) \
+        if evicting or appending else []
+    # positions passed in: RoPE's, or an integer input indexing a float table (CTRL's sinusoids)
+    passed = next((p for p in [s.positions for s in found.sites] + table_lookups(graph, embedding=False)
+                   if p is not None), None)
     after_prefill = any(s.phase != "prefill" for s in found.sites)
     if (appending or evicting) and after_prefill and not fixed and passed is not None:
         # positions passed in: checked against the tokens seen, and noted (how far the sequence reached)

@@ -57,9 +57,10 @@ softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visi
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
-``kvpass::true_positions(pos, handle)``
+``kvpass::true_positions(pos, handle, prefill)``
     Replaces position ids that the model derived from the (compressed) cache length with the
-    true token count, so RoPE positions stay exact after eviction.
+    true token count, so RoPE and learned positions stay exact after eviction. In a prefill it
+    learns the model's first position (0, or 2 for OPT's learned table) and changes nothing.
 """
 
 from __future__ import annotations
@@ -255,12 +256,12 @@ def _(q, k, mask, scale, softcap, window):
 
 
 @torch.library.custom_op("kvpass::true_positions", mutates_args=())
-def true_positions(pos: Tensor, handle: int) -> Tensor:
-    return runtime.get(handle).true_positions(pos).contiguous()
+def true_positions(pos: Tensor, handle: int, prefill: bool = False) -> Tensor:
+    return runtime.get(handle).true_positions(pos, prefill).contiguous()
 
 
 @true_positions.register_fake
-def _(pos, handle):
+def _(pos, handle, prefill=False):
     return torch.empty_like(pos, memory_format=torch.contiguous_format)
 
 
