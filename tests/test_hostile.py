@@ -61,6 +61,41 @@ def test_continuing_an_evicted_dynamic_cache_is_refused(policy, params):
         model.generate(more, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False)
 
 
+@pytest.mark.parametrize("seed", [1, 2])   # refused on one token behind (1), on several drafts (2)
+def test_prompt_lookup_decoding_after_eviction_is_refused(seed):
+    """Prompt-lookup (assisted) decoding crops the drafts it rejects and counts positions from what is left,
+    after the policy evicted real tokens for them: the output differed from plain streamingllm with 5 of 8
+    entries left. Refused whichever call finds it first (several draft tokens, or one token behind the
+    tokens seen); ``full`` evicts nothing and equals plain generate."""
+    ids = torch.randint(10, 90, (1, 20), generator=torch.Generator().manual_seed(seed))
+    ids = torch.cat([ids, ids[:, :8]], 1)           # a repeat, so lookup finds drafts
+    model = build("llama")
+    fwd = model.forward
+    for policy, params in (("full", {}), ("streamingllm", dict(budget=8)))[seed - 1:]:
+        torch._dynamo.reset()
+        model.forward = torch.compile(fwd, backend=kvpass.backend(policy, compiler="eager", **params))
+        if policy == "full":
+            got = model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+            torch.testing.assert_close(got, model.generate(ids, max_new_tokens=12, do_sample=False))
+            continue
+        with pytest.raises(ValueError, match="prompt-lookup decoding"):
+            model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+
+
+def test_a_cache_cropped_after_eviction_is_refused():
+    """Entries removed behind kvpass (``DynamicCache.crop``, as assisted decoding does) after an eviction:
+    the next bare forward cannot tell which tokens are left; refused, not read as tokens 0..n-1."""
+    torch._dynamo.reset()
+    model = build("llama")
+    fwd = torch.compile(model.forward, backend=kvpass.backend("streamingllm", budget=16, compiler="eager"))
+    cache = DynamicCache(config=model.config)
+    greedy(fwd, model, PROMPT, 3, cache=cache)
+    cache.crop(-4)                                  # 16 kept -> 12
+    with pytest.raises(ValueError, match="now holds 12 entries: something removed entries behind kvpass"):
+        with torch.no_grad():
+            fwd(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+
+
 def test_continuing_on_a_slot_cache_counts_tokens_seen():
     """The same chat on a kvpass.SlotCache: get_seq_length is the tokens seen, so the second turn feeds
     exactly the new tokens (47 + 9 + 4 = 60 seen)."""
@@ -190,7 +225,7 @@ def test_absolute_positions_are_true_after_eviction_or_refused(family):
         be = kvpass.backend("streamingllm", budget=16, compiler="eager")
         fwd = torch.compile(model.forward, backend=be)
         if family == "ctrl" and not positions:
-            with pytest.raises(ValueError, match="position passed in is behind the tokens seen"):
+            with pytest.raises(ValueError, match="this step's position is 16: positions were counted from the stored"):
                 greedy(fwd, model, PROMPT, 6)
             return
         out, said = kvpass_warnings(lambda: greedy(fwd, model, PROMPT, 6, positions=positions))

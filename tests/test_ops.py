@@ -444,7 +444,7 @@ def test_opcheck_note_positions(rt):
     opcheck("note_positions", (torch.tensor([[12]]), rt.handle))         # (repeated calls: before a prefill)
     _prefill(rt, 12)                                                     # seen 12, stored 8
     assert OP.note_positions(torch.tensor([[12]]), rt.handle).tolist() == [[12]]
-    with pytest.raises(ValueError, match="position passed in is behind the tokens seen"):
+    with pytest.raises(ValueError, match="this step's position is 8"):
         OP.note_positions(torch.tensor([[BUDGET]]), rt.handle)           # one token at the stored length
     assert OP.note_positions(torch.tensor([[13, 14]]), rt.handle).tolist() == [[13, 14]]
     assert rt.state.seen == 15 and rt.state.stored_tokens()[SITE] == BUDGET + 3

@@ -88,6 +88,12 @@ class Runtime:
             # entries past the record were added by a graph that only appends (SitePlan.append)
             past_pos, seen = st.extended(lp - st.pos.shape[2])
             past_pos, valid = past_pos.to(dev), None
+        elif 0 < lp < (m := st.pos.shape[2] if st is not None else 0) and int(st.seen) > m:
+            raise ValueError(
+                f"kvpass: policy '{self.policy.name}' evicted from layer {site}'s cache ({int(st.seen)} tokens seen, "
+                f"{m} kept), and it now holds {lp} entries: something removed entries behind kvpass (assisted or "
+                f"prompt-lookup decoding crops rejected drafts; the tokens evicted for them cannot come back). "
+                f"Decode without an assistant with this policy, or start a new cache with this backend's prefill")
         else:  # a new prefill, or a cache kvpass did not write: entries are the tokens 0..lp-1
             past_pos = torch.arange(lp, device=dev).expand(b, hkv, lp)
             seen, valid = lp, key_validity(mask, b, lp + ln)
@@ -153,41 +159,37 @@ class Runtime:
         return self.policy.stored_length(self.sites[site], total)
 
     def note_positions(self, pos: Tensor) -> None:
-        """Position ids passed into a graph that appends to a cache: true already. ``generate`` continuing
-        a cache this policy evicted from passes the positions of every token past the *stored* length
-        (transformers counts entries, not tokens), so its first tokens were seen before: refused (one
-        sync per call of several tokens; a single token per row is checked too, see ``_check_step``).
-        Otherwise the state learns how far the sequence reached."""
+        """Position ids passed into a graph that appends to a cache: true already, unless they were counted
+        from the *stored* length, which eviction shortened: ``generate`` continuing a cache with
+        past_key_values, assisted or prompt-lookup decoding (it crops rejected drafts and counts what is
+        left), or a model that computes positions before a graph break (CTRL). Such positions start behind
+        the tokens seen: refused (one sync per call of several tokens; a device assert for one token per
+        row on a GPU). Otherwise the state learns how far the sequence reached."""
         st = self.state
         if pos.numel() == 0 or not st.layers:
             return
         rows = pos.reshape(pos.shape[0], -1)
-        # several tokens: the row that reaches furthest (unpadded) must start at the tokens seen
-        first = int(rows[rows.max(-1).values.argmax()].min()) if rows.shape[1] > 1 else None
-        if first is None:   # one token per row: the row that reaches furthest must be at the tokens seen
-            self._check_step(pos.max())
-        elif first < (seen := st.seen):
-            raise ValueError(
-                f"kvpass: policy '{self.policy.name}' evicted from this cache, which holds fewer entries than the "
-                f"{seen} tokens seen; transformers counts stored entries, so this call (generate continuing with "
-                f"past_key_values) feeds again the tokens from position {first}. Continue on a kvpass.SlotCache "
-                f"(its get_seq_length counts tokens seen), pass only the new tokens to a bare forward, or start "
-                f"a new cache")
+        # the row that reaches furthest (unpadded) must start at the tokens seen
+        if rows.shape[1] > 1:
+            first = int(rows[rows.max(-1).values.argmax()].min())
+            if first < st.seen:
+                raise ValueError(self._behind(f"this call feeds again the tokens from position {first}", st.seen))
+        elif pos.device.type == "cpu":
+            if int(pos.max()) < st.seen:
+                raise ValueError(self._behind(f"this step's position is {int(pos.max())}", st.seen))
+        else:
+            torch._assert_async(pos.max() >= torch.as_tensor(st.seen_now(), device=pos.device),
+                                self._behind("this step's position is behind them"))
         st.note_tail(pos.max() + 1)
 
-    def _check_step(self, last: Tensor) -> None:
-        """A decode step's position passed in, behind the tokens seen: positions computed from the stored
-        length where kvpass could not fix them (CTRL computes them before a graph break, so they reach the
-        attention graph as an input). On the CPU a ValueError; on a GPU a device assert (no sync)."""
-        msg = (f"kvpass: policy '{self.policy.name}' evicted from this cache, and a decode step's position passed in "
-               f"is behind the tokens seen: the model computed it from the stored length outside the graph kvpass "
-               f"rewrote (a graph break before its positions?). Pass position_ids (generate does), or use a policy "
-               f"that evicts nothing")
-        if last.device.type == "cpu":
-            if int(last) < self.state.seen:
-                raise ValueError(msg)
-        else:
-            torch._assert_async(last >= torch.as_tensor(self.state.seen_now(), device=last.device), msg)
+    def _behind(self, what: str, seen: int | None = None) -> str:
+        count = f"{seen} tokens seen" if seen is not None else "tokens seen"   # (no device sync on a GPU)
+        return (f"kvpass: policy '{self.policy.name}' evicted from this cache ({count}, fewer "
+                f"stored), and {what}: positions were counted from the stored entries. transformers does this when "
+                f"generate continues with past_key_values and in assisted or prompt-lookup decoding (which also "
+                f"crops entries it cannot give back); a model does it when it computes positions before a graph "
+                f"break. Continue on a kvpass.SlotCache (it counts tokens seen), decode without an assistant, pass "
+                f"position_ids, or start a new cache")
 
     def true_positions(self, pos: Tensor, prefill: bool = False) -> Tensor:
         """Position ids the model derived from the stored length -> the true token count.
