@@ -391,3 +391,30 @@ def test_each_backend_warns_once():
         fwd = torch.compile(model.forward, backend=be)
         said.append(kvpass_warnings(lambda: greedy(fwd, model, PROMPT, 2))[1])
     assert all(len([w for w in s if "does not recognize" in w]) == 1 for s in said), said
+
+
+# 8. every way of calling the compiler that the README shows ----------------------------------------------
+
+def test_torch_compile_of_the_module_warns_that_generate_is_not_compiled():
+    """``torch.compile(model, backend=be)`` compiles calls of the module it returns; ``.generate()`` runs the
+    uncompiled forward (torch's rule: 27 entries kept under budget 8, no kvpass graph). kvpass warns when
+    torch.compile is given such a model; the forms that apply the policy to generate do not warn."""
+    model = build("llama")
+    be = kvpass.backend("streamingllm", budget=8, compiler="eager")
+    _, said = kvpass_warnings(lambda: torch.compile(model, backend=be))
+    assert any("not to .generate()" in w and "kvpass.compile(model, 'streamingllm')" in w for w in said), said
+    for form in (lambda: model.compile(backend=be), lambda: torch.compile(model.forward, backend=be)):
+        _, said = kvpass_warnings(form)
+        assert not any(".generate()" in w for w in said), said
+
+
+def test_compile_config_on_a_slot_cache_is_refused():
+    """``generate(compile_config=CompileConfig(backend=be))`` compiles decode steps only (transformers' rule),
+    so the prefill would write every token into the policy's cache: the SlotCache refuses, naming the fix.
+    (On the default cache transformers skips compiling and says so; kvpass is never called there.)"""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.backend("streamingllm", budget=8, compiler="eager")
+    with pytest.raises(RuntimeError, match=r"did not rewrite wrote into the cache .* kvpass.compile\(model"):
+        model.generate(PROMPT, max_new_tokens=3, do_sample=False, past_key_values=kvpass.SlotCache(model, be, 64),
+                       compile_config=tf.CompileConfig(backend=be, fullgraph=False))

@@ -186,6 +186,18 @@ class KVPass(CustomGraphPass):
         return h.hexdigest()
 
 
+def _module_being_compiled():
+    """The ``model`` argument of the ``torch.compile`` call on the stack, or None (read from its frame:
+    torch hands a backend nothing else; anything unexpected reads as None)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "compile" and frame.f_globals.get("__name__") == "torch":
+            model = frame.f_locals.get("model")
+            return model if isinstance(model, torch.nn.Module) else None
+        frame = frame.f_back
+    return None
+
+
 class Backend:
     """A ``torch.compile`` backend that applies a kvpass policy. Build it with ``kvpass.backend``."""
 
@@ -292,6 +304,20 @@ class Backend:
                       f"'{self.policy.name}': {stateful[0]} updates Python-side policy state, which a replay "
                       f"would skip (a decode step on a kvpass.SlotCache has none)", self)
         return patches
+
+    @property
+    def __name__(self) -> str:
+        """The name ``torch.compile`` gives this backend; reading it is the one moment torch.compile shows a
+        backend the object it compiles (torch hands a callable backend nothing else). ``torch.compile(model,
+        backend=...)`` compiles calls of the module it returns, while ``.generate()`` (also reached through
+        it) calls the uncompiled model: the policy would silently not apply there, so kvpass warns."""
+        model = _module_being_compiled()
+        if model is not None and hasattr(model, "generate"):
+            warn_once(f"kvpass: torch.compile({type(model).__name__}, backend=kvpass.backend({self.policy.name!r})) "
+                      f"applies the policy to calls of the module it returns, not to .generate(), which runs the "
+                      f"uncompiled forward (torch's rule). Use kvpass.compile(model, {self.policy.name!r}), "
+                      f"model.compile(backend=...) or model.forward = torch.compile(model.forward, backend=...)", self)
+        return f"kvpass_{self.policy.name}"
 
     def __deepcopy__(self, memo):
         # HF's CompileConfig.to_dict() deep-copies its backend; a copy would split reports and the
