@@ -321,7 +321,7 @@ def test_a_commands_help_still_lists_the_policies(capsys):
         cli.main(["compare", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert cli.POLICY_NAMES not in text and all(p in text for p in available())
-    assert "art" in text and "here cpu" in text or "here cuda" in text
+    assert "here cpu" in text or "here cuda" in text  # the device a run would take, found only now
 
 
 # ------------------------------------------------------------------------------------------------
