@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
+import kvpass.ops  # noqa: E402,F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
 from kvpass.policies import make_policy  # noqa: E402
 
 PRESETS = {

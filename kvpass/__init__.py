@@ -2,19 +2,28 @@
 
     import torch, kvpass
     model.forward = torch.compile(model.forward, backend=kvpass.backend(policy="full"))
+
+The public names are imported on first use (``kvpass.backend`` imports the compiler, and with it torch
+and transformers), so the ``kvpass`` command answers ``--help`` without them.
 """
+
+import importlib
 
 # The supported range (pyproject.toml; CI runs the suite on the newest and a subset on these floors).
 TORCH_FLOOR, TRANSFORMERS_FLOOR = "2.11", "5.14.1"
 
 
 def _check_versions() -> None:
-    import torch
-    import transformers
+    """The installed torch and transformers against the floors, read from their metadata (no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from packaging.version import Version
 
-    for name, have, floor in (("torch", torch.__version__, TORCH_FLOOR),
-                              ("transformers", transformers.__version__, TRANSFORMERS_FLOOR)):
+    for name, floor in (("torch", TORCH_FLOOR), ("transformers", TRANSFORMERS_FLOOR)):
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            raise ImportError(f"kvpass needs {name} >= {floor}; install it: pip install '{name}>={floor}'") from None
         if Version(have.split("+")[0]) < Version(floor):
             raise ImportError(f"kvpass needs {name} >= {floor}, found {have}; install a newer one: "
                               f"pip install '{name}>={floor}'")
@@ -22,15 +31,31 @@ def _check_versions() -> None:
 
 _check_versions()
 
-from kvpass.compiler.backend import Backend, GraphReport, KVPass, backend  # noqa: E402
-from kvpass.errors import KVPassWarning  # noqa: E402
-from kvpass.cache.slots import SlotCache  # noqa: E402
-from kvpass.compiler.fastpath import compile  # noqa: E402
-from kvpass.fusion.chunkstore import ChunkKV, ChunkStore, ChunkStoreWarning  # noqa: E402
-from kvpass.compiler.explain import Explanation, explain  # noqa: E402
-from kvpass.fusion.router import ChunkFusion, FusedPrompt  # noqa: E402
-from kvpass.policies import ConfigError, Policy, available as available_policies  # noqa: E402
-from kvpass.cache.state import GenerationState  # noqa: E402
+_PUBLIC = {  # name -> the module that defines it
+    "Backend": "kvpass.compiler.backend", "GraphReport": "kvpass.compiler.backend",
+    "KVPass": "kvpass.compiler.backend", "backend": "kvpass.compiler.backend",
+    "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots", "compile": "kvpass.compiler.fastpath",
+    "ChunkKV": "kvpass.fusion.chunkstore", "ChunkStore": "kvpass.fusion.chunkstore",
+    "ChunkStoreWarning": "kvpass.fusion.chunkstore", "Explanation": "kvpass.compiler.explain",
+    "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.fusion.router", "FusedPrompt": "kvpass.fusion.router",
+    "ConfigError": "kvpass.policies", "Policy": "kvpass.policies", "GenerationState": "kvpass.cache.state",
+}
+
+
+def __getattr__(name: str):
+    if name == "available_policies":
+        value = importlib.import_module("kvpass.policies").available
+    elif name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    else:
+        raise AttributeError(f"module 'kvpass' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import CompileConfig, DynamicCache, StaticCache
 
 import kvpass
+import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
 from families import FAMILIES, build
 
 ATOL = RTOL = 1e-4

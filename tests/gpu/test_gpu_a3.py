@@ -18,6 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import DynamicCache
 
 import kvpass
+import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
 from families import build
 from kvpass.policies.fusion.kernels import rope as K
 from kvpass.policies.fusion.ops import attention_slots_reference
