@@ -418,3 +418,15 @@ def test_compile_config_on_a_slot_cache_is_refused():
     with pytest.raises(RuntimeError, match=r"did not rewrite wrote into the cache .* kvpass.compile\(model"):
         model.generate(PROMPT, max_new_tokens=3, do_sample=False, past_key_values=kvpass.SlotCache(model, be, 64),
                        compile_config=tf.CompileConfig(backend=be, fullgraph=False))
+
+
+def test_output_attentions_on_a_slot_cache_names_the_graph_break():
+    """``output_attentions=True`` under SDPA makes transformers 5.2x capture attentions outside the graph, so
+    the forward breaks between the attention and the cache write: the SlotCache refuses and says so."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.backend("streamingllm", budget=8, compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be)
+    with pytest.raises(RuntimeError, match="output_attentions=True does"):
+        model.generate(PROMPT, max_new_tokens=3, do_sample=False, past_key_values=kvpass.SlotCache(model, be, 64),
+                       output_attentions=True, return_dict_in_generate=True)
