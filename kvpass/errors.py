@@ -1,9 +1,24 @@
 """What kvpass raises and warns: ``ConfigError`` for a bad name or parameter, ``KVPassWarning`` (said once per
-backend through ``warn_once``) when a graph is compiled unchanged or a setting cannot take effect."""
+backend through ``warn_once``) when a graph is compiled unchanged or a setting cannot take effect;
+``device_assert`` for a check that must not sync the GPU."""
 
 from __future__ import annotations
 
 import warnings
+
+import torch
+
+DEVICE_MESSAGE_LIMIT = 254   # torch refuses a device assert's message of 255 characters or more on a GPU
+
+
+def device_assert(cond, msg: str) -> None:
+    """``torch._assert_async(cond, msg)``: fails on the device, without a host sync. On a GPU torch refuses a
+    message of 255 characters or more when the assert is *called* (even when it holds, so every call of an
+    eager operator failed there while the CPU tests passed); checked here on every device."""
+    if len(msg) > DEVICE_MESSAGE_LIMIT:
+        raise ValueError(f"kvpass bug: a device assert's message is {len(msg)} characters (torch's limit on a GPU: "
+                         f"{DEVICE_MESSAGE_LIMIT}): {msg[:80]}...")
+    torch._assert_async(cond, msg)
 
 
 class ConfigError(ValueError):

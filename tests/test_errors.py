@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 import kvpass
 from kvpass.cache import runtime
@@ -213,3 +214,21 @@ def test_parameters_are_fields_with_their_ranges():
     with pytest.raises(kvpass.ConfigError, match="has no parameter 'budgett'; its parameters are: budget, sinks"):
         StreamingLLM(budgett=64)
     assert {p.name for p in POLICIES["fastkv"].params} == {"budget", "window", "kernel", "layer"}  # no hidden tau
+
+
+def test_device_asserts_go_through_the_length_check():
+    """On a GPU torch refuses a device assert's message of 255 characters or more, at the call, even when
+    the condition holds: every DynamicCache generate of an evicting policy failed on an H100 while the CPU
+    suite passed. Every device assert in kvpass goes through ``device_assert``, which checks the length on
+    every device, so the CPU suite fails on a long message."""
+    from pathlib import Path
+
+    from kvpass.errors import device_assert
+
+    root = Path(kvpass.__file__).parent
+    direct = [str(p.relative_to(root)) for p in root.rglob("*.py")
+              if "torch._assert_async(" in p.read_text() and p.name != "errors.py"]
+    assert not direct, direct
+    device_assert(torch.tensor(True), "x" * 254)
+    with pytest.raises(ValueError, match="device assert's message is 255 characters"):
+        device_assert(torch.tensor(True), "x" * 255)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache.state import GenerationState
+from kvpass.errors import device_assert
 
 # Weak: a runtime lives as long as its backend object (which torch.compile keeps alive for as
 # long as the compiled function exists).
@@ -178,8 +179,11 @@ class Runtime:
             if int(pos.max()) < st.seen:
                 raise ValueError(self._behind(f"this step's position is {int(pos.max())}", st.seen))
         else:
-            torch._assert_async(pos.max() >= torch.as_tensor(st.seen_now(), device=pos.device),
-                                self._behind("this step's position is behind them"))
+            # (torch caps a device assert's message at 255 characters; the CPU's message says more)
+            device_assert(pos.max() >= torch.as_tensor(st.seen_now(), device=pos.device),
+"kvpass: the policy evicted from this cache, and a decode position passed in is behind "
+"the tokens seen (assisted decoding? generate continuing? a graph break?): see "
+"kvpass.cache.runtime.Runtime.note_positions")
         st.note_tail(pos.max() + 1)
 
     def _behind(self, what: str, seen: int | None = None) -> str:

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from kvpass.errors import ConfigError
+from kvpass.errors import device_assert
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -88,16 +89,13 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
             f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
     q, cap = k_new.shape[2], keys.shape[2]
-    torch._assert_async(count[0] == count[1], "kvpass SlotCache: this cache was compressed by a kvpass policy and "
-                                              "this call was not rewritten by it: a continued generation (several "
-                                              "new tokens) of a policy without an append graph on a SlotCache "
-                                              "(h2o, raas: the KVPassWarning says so), or a forward compiled "
-                                              "without the backend that filled the cache")
-    torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity "
-                                             "(build it with a larger max_length; if kvpass warned that it compiled "
-                                             "a graph unchanged, the policy the cache was sized for did not run: "
-                                             "the warning says why)")
-    torch._assert_async(count[0] + q <= count[3], LIMIT)
+    device_assert(count[0] == count[1], "kvpass SlotCache: a kvpass policy compressed this cache and this call "
+                                        "was not rewritten by it: several new tokens for a policy without an append "
+                                        "graph (h2o, raas), or a forward compiled without the cache's backend")
+    device_assert(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity: "
+                                       "build it with a larger max_length (if kvpass warned that it compiled a "
+                                       "graph unchanged, the policy did not run: the warning says why)")
+    device_assert(count[0] + q <= count[3], LIMIT)
     idx = count[1] + torch.arange(q, device=keys.device)
     keys.index_copy_(2, idx, k_new.to(keys.dtype))
     values.index_copy_(2, idx, v_new.to(values.dtype))
@@ -228,10 +226,10 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     ar = torch.arange(q, device=pos.device)
     q_pos = (count[0] - count[2] + ar).expand(b, q)
     new_pos = q_pos[:, None, :].expand(b, hkv, q).to(pos.dtype)
-    torch._assert_async(count[0] + q <= count[3], LIMIT)
+    device_assert(count[0] + q <= count[3], LIMIT)
     if rule == APPEND:
-        torch._assert_async(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
-                                                 "max_length (or max_new_tokens)")
+        device_assert(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
+                                           "max_length (or max_new_tokens)")
         slot = (count[1] + ar).clamp_max(cap - 1)
         keys.index_copy_(2, slot, k_new.to(keys.dtype))
         values.index_copy_(2, slot, v_new.to(values.dtype))

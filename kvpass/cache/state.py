@@ -75,8 +75,11 @@ class GenerationState:
         return self.layers.get(site)
 
     def set_layer(self, site: int, pos: Tensor, seen: int | Tensor, fresh: bool) -> LayerState:
-        """Record what site `site` stores after a call; `fresh` drops the policy's extra state."""
+        """Record what site `site` stores after a call; `fresh` (a new prefill) drops the policy's extra state
+        and the previous generation's ``tail`` (it would count that generation's tokens as seen)."""
         old = self.layers.get(site)
+        if fresh:
+            self.tail, self.tail_at = None, -1
         extra = {} if fresh or old is None else old.extra
         st = LayerState(pos=pos, seen=seen, extra=extra)
         self.layers[site] = st

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, SitePlan, SlotHooks, param
+from kvpass.errors import device_assert
 
 PAGE = 16
 
@@ -131,8 +132,8 @@ def slot_fold(q: Tensor, keys: Tensor, pos: Tensor, count: Tensor, state: list[T
     bounds. Bounds that do not cover the slots before it (a cache filled without this backend) fail a
     device-side assert instead of ranking pages wrongly."""
     kmin, kmax, live, covered = state
-    torch._assert_async((covered == count[1] - 1).all(), "kvpass quest: the SlotCache's page bounds do not cover "
-                                                         "its slots (it was filled without this backend)")
+    device_assert((covered == count[1] - 1).all(), "kvpass quest: the SlotCache's page bounds do not cover "
+                                                   "its slots (it was filled without this backend)")
     p = ((count[1] - 1) // PAGE).view(1)
     old = live.index_select(2, p)[..., None]
     knew = k_new.to(kmin.dtype)

@@ -67,6 +67,7 @@ import torch
 
 from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, SlotHooks, param
 from kvpass.policies.pages.quest import page_bounds
+from kvpass.errors import device_assert
 
 PAGE = 16
 _STAMP = -2  # page_scores writes this where a page passes alpha; replaced by the token count on the device
@@ -330,8 +331,8 @@ def slot_pool(keys, pos, count, state: list, decode_pages: int, alpha: float) ->
     kmin, kmax, live, ts, born, meta, seen = state
     pages = kmin.shape[2]
     n_pre = (count[1] + PAGE - 1) // PAGE
-    torch._assert_async(n_pre < pages, "kvpass raas: the prompt leaves no decode page in the SlotCache; build it "
-                                       "with a larger max_length")
+    device_assert(n_pre < pages, "kvpass raas: the prompt leaves no decode page in the SlotCache; build it "
+                                 "with a larger max_length")
     new_min, new_max, new_live = page_bounds(keys, pos >= 0, pages)
     kmin.copy_(torch.where(new_live[..., None], new_min, 0))
     kmax.copy_(torch.where(new_live[..., None], new_max, 0))
@@ -349,9 +350,9 @@ def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
     emptied) and the token's slot ``16 cur + fill`` is returned ``[B, H_kv, 1]``. Tables that are behind
     the slots (a cache written without this backend) fail a device-side assert."""
     _, _, _, _, _, meta, seen = state
-    torch._assert_async((seen == count[0]).all(), "kvpass raas: the SlotCache's page tables do not match its slots: "
-                                                  "it was written without this backend, or the sequence is longer "
-                                                  "than the SlotCache's max_length (no decode page left to evict)")
+    device_assert((seen == count[0]).all(), "kvpass raas: the SlotCache's page tables do not match its slots: "
+                                            "it was written without this backend, or the sequence is longer "
+                                            "than the SlotCache's max_length (no decode page left to evict)")
     b, hkv, _ = pos.shape
     gone = meta[..., 3]
     at = gone.clamp_min(0)[..., None] * PAGE + torch.arange(PAGE, device=pos.device)      # [B, H_kv, 16]
