@@ -11,7 +11,10 @@ sized by hand). Reported per policy:
   ``generate`` calls (HF's loop syncs every step); beside it the device's: the same compiled forward
   on the same cache in a bare loop, 64 steps queued with one sync, and with a sync after each step;
 * HF's own path for the same prompts (``cache_implementation="static"``, which HF compiles with its
-  default ``CompileConfig``): wall time per length.
+  default ``CompileConfig``): wall time per length;
+* peak memory, the roofline (weight bytes + the K/V a step must read, over the copy bandwidth measured in
+  this process; ``bench_decode_step.read_entries``), Dynamo/Inductor's compile-time breakdown, and with
+  ``--profile`` the host's top operators over 16 ``generate`` steps (where the time between steps goes).
 
 cuDNN SDPA is off for every row (on torch 2.11 it re-plans for every new key length).
 
@@ -32,7 +35,8 @@ import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from llama_shape import llama8b_config, random_llama  # noqa: E402
+from bench_decode_step import read_entries  # noqa: E402
+from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 
 
 def timed(fn):
@@ -72,8 +76,17 @@ def bare_loop(model, cache, ids, steps: int = 64, sync_each: bool = False) -> fl
     return (time.perf_counter() - t) / steps
 
 
-def meta_of(args, lengths) -> dict:
+def host_profile(model, ids, new: int) -> str:
+    """The top host operators (self CPU time) over one ``generate`` of ``new`` steps, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        gen(model, ids, new)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+
+
+def meta_of(args, lengths, bw: float) -> dict:
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
+            "copy_bandwidth_GBps": round(bw / 1e9, 1),
             "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
             "shape": "Llama-3.1-8B (random weights), bf16, batch 1", "lengths": lengths, "new": args.new,
@@ -88,12 +101,17 @@ def main() -> None:
     ap.add_argument("--policies", default="full,snapkv,quest,streamingllm")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--hf", action="store_true", help="also HF generate on a StaticCache")
+    ap.add_argument("--profile", action="store_true", help="a host profile of 16 generate steps per policy")
     ap.add_argument("--out", default="fastpath.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
     lengths = [int(x) for x in args.lengths.split(",")]
     model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
     model.generation_config.pad_token_id = 0
+    bw = copy_bandwidth()
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    cfg = model.config
+    per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     rows = []
     for policy in args.policies.split(","):
         torch._dynamo.reset()
@@ -101,6 +119,7 @@ def main() -> None:
         for attr in ("forward", "generate"):   # the previous policy's compile: back to the class's methods
             model.__dict__.pop(attr, None)
         params = {} if policy in ("full", "art") else {"budget": args.budget}
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         be = kvpass.compile(model, policy, **params)
         calls = []
@@ -118,15 +137,21 @@ def main() -> None:
         cache = next(iter(model.generate.caches.values()))
         queued = bare_loop(model, cache, ids)
         synced = bare_loop(model, cache, ids, sync_each=True)
+        roof = (weights + per_entry * read_entries(policy, lengths[-1], args.budget, args.layers)) / bw
         row = {"policy": policy, "params": params, "calls": calls, "first_call_s": calls[0]["seconds"],
                "later_calls_s": [c["seconds"] for c in calls[1:]], "graphs": graphs_after_generate,
                "generate_tpot_ms": round(user * 1e3, 3), "queued_tpot_ms": round(queued * 1e3, 3),
                "synced_tpot_ms": round(synced * 1e3, 3), "generate_over_queued": round(user / queued, 3),
+               "roofline_ms": round(roof * 1e3, 3), "queued_over_roofline": round(queued / roof, 3),
+               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                "caches": repr(model.generate), "total_s": round(time.perf_counter() - t0, 1),
-               "plans": be.plans()}
+               "compile_times": torch._dynamo.utils.compile_times(repr="str"), "plans": be.plans()}
+        if args.profile:
+            row["host_profile"] = host_profile(model, ids, 16)
+            print(row["host_profile"], flush=True)
         rows.append(row)
-        print({k: v for k, v in row.items() if k not in ("calls", "plans")}, flush=True)
-        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths), "rows": rows}, indent=1))
+        print({k: v for k, v in row.items() if k not in ("calls", "plans", "host_profile")}, flush=True)
+        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths, bw), "rows": rows}, indent=1))
     if args.hf:
         torch._dynamo.reset()
         hf = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
@@ -141,7 +166,7 @@ def main() -> None:
                      "later_calls_s": [c["seconds"] for c in calls[1:]],
                      "note": "HF generate, cache_implementation='static', HF's own compile of the decode step"})
         print({k: v for k, v in rows[-1].items() if k != "calls"}, flush=True)
-        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths), "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths, bw), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -816,7 +816,7 @@ def test_policy_that_did_not_run_overflows_with_the_reason():
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     cache = kvpass.SlotCache(model, be, max_length=40, max_new_tokens=4)
     with pytest.warns(kvpass.KVPassWarning, match="not a selection layer"), \
-            pytest.raises(RuntimeError, match="the policy the cache was sized for did not run"):
+            pytest.raises(RuntimeError, match="the policy did not run"):
         run(fwd, cache, prompt(36, seed=3), 1)
 
 
