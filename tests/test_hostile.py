@@ -96,6 +96,20 @@ def test_a_cache_cropped_after_eviction_is_refused():
             fwd(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
 
 
+def test_continuing_h2o_on_a_slot_cache_names_the_missing_append_graph():
+    """h2o has no append graph on a SlotCache: a second turn (several new tokens) after it evicted is refused,
+    naming that case (it used to say "run it through the backend that filled it", though it was)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.backend("h2o", budget=16, compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be)
+    cache = kvpass.SlotCache(model, be, max_length=64)
+    out = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    more = torch.cat([out, torch.randint(10, 90, (1, 9))], 1)
+    with pytest.raises(RuntimeError, match=r"several new tokens for a policy without an append graph \(h2o, raas\)"):
+        model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False)
+
+
 def test_continuing_on_a_slot_cache_counts_tokens_seen():
     """The same chat on a kvpass.SlotCache: get_seq_length is the tokens seen, so the second turn feeds
     exactly the new tokens (47 + 9 + 4 = 60 seen)."""

@@ -78,9 +78,11 @@ def generate(model, name: str, cache_kind: str) -> dict:
             "warnings": sorted({str(w.message)[:300] for w in caught if "kvpass" in str(w.message)})}
 
 
-def run_all(model, names: list[str], caches: list[str], share: slice = slice(None)) -> dict:
+def run_all(model, names: list[str], caches: list[str], share: slice = slice(None), on_slots=None) -> dict:
+    """Every (cache, policy) run; ``on_slots``: the policies also run on a SlotCache (None: all)."""
     out = {}
-    runs = [(c, n) for c in caches for n in names if not (c == "slot" and "@" in n)]
+    runs = [(c, n) for c in caches for n in names
+            if not (c == "slot" and ("@" in n or (on_slots is not None and n not in on_slots)))]
     for cache_kind, name in runs[share]:
         try:
             out[f"{cache_kind}:{name}"] = generate(model, name, cache_kind)
@@ -139,24 +141,26 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--policies", required=True)
     ap.add_argument("--caches", default="dynamic,slot")
+    ap.add_argument("--slot-policies", default="", help="the policies run on a SlotCache, comma-separated (default all)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fusion", default="all", help="the FUSION_RUNS to run, comma-separated, or 'all'")
     args = ap.parse_args()
     runs = FUSION_RUNS if args.fusion == "all" else [r for r in args.fusion.split(",") if r]
     names, caches = args.policies.split(","), args.caches.split(",")
+    on_slots = set(args.slot_policies.split(",")) if args.slot_policies else None
     global DEVICE
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         DEVICE = f"cuda:{os.environ['LOCAL_RANK']}"
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
-    result = {"tp": run_all(load(args.model, tp=True), names, caches)}
+    result = {"tp": run_all(load(args.model, tp=True), names, caches, on_slots=on_slots)}
     split = load(args.model, tp=True)
     result["explain"] = explained(split)
     result["fusion"] = fuse_all(split, os.path.join(args.out, "store_tp"), runs)   # one store directory, both ranks
     result["pinned"] = kvpass.ChunkStore(os.path.join(args.out, "store_tp"), split, fingerprint="pinned").fingerprint
     whole = load(args.model, tp=False)
-    result["single"] = run_all(whole, names, caches, slice(rank, None, 2))
+    result["single"] = run_all(whole, names, caches, slice(rank, None, 2), on_slots)
     result["single_fusion"] = fuse_all(whole, os.path.join(args.out, f"store_{rank}"), runs[rank::2])
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
