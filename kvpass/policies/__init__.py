@@ -24,7 +24,7 @@ from kvpass.policies.prefill.sablock import SABlock
 from kvpass.policies.prefill.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
-# chunk fusion (kvpass.ChunkFusion drives these; see kvpass/policies/a3.py)
+# chunk fusion (kvpass.ChunkFusion drives these; see kvpass/policies/fusion/a3.py)
 FUSION = (A3, A3Evict, PIE, FullReuse, CacheBlend, LegoLink)
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,
