@@ -96,16 +96,22 @@ def test_a_cache_cropped_after_eviction_is_refused():
             fwd(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
 
 
-def test_continuing_h2o_on_a_slot_cache_names_the_missing_append_graph():
-    """h2o has no append graph on a SlotCache: a second turn (several new tokens) after it evicted is refused,
-    naming that case (it used to say "run it through the backend that filled it", though it was)."""
+def first_turn_on_a_slot_cache(policy: str):
+    """A chat's first turn (8 new tokens after ``PROMPT``) on a SlotCache under ``policy`` with budget 16: the
+    model, the cache, and the second turn's input (the conversation so far and 9 new tokens)."""
     torch._dynamo.reset()
     model = build("llama")
-    be = kvpass.backend("h2o", budget=16, compiler="eager")
+    be = kvpass.backend(policy, budget=16, compiler="eager")
     model.forward = torch.compile(model.forward, backend=be)
     cache = kvpass.SlotCache(model, be, max_length=64)
     out = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
-    more = torch.cat([out, torch.randint(10, 90, (1, 9))], 1)
+    return model, cache, torch.cat([out, torch.randint(10, 90, (1, 9))], 1)
+
+
+def test_continuing_h2o_on_a_slot_cache_names_the_missing_append_graph():
+    """h2o has no append graph on a SlotCache: a second turn (several new tokens) after it evicted is refused,
+    naming that case (it used to say "run it through the backend that filled it", though it was)."""
+    model, cache, more = first_turn_on_a_slot_cache("h2o")
     with pytest.raises(RuntimeError, match=r"several new tokens for a policy without an append graph \(h2o, raas\)"):
         model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False)
 
@@ -113,13 +119,7 @@ def test_continuing_h2o_on_a_slot_cache_names_the_missing_append_graph():
 def test_continuing_on_a_slot_cache_counts_tokens_seen():
     """The same chat on a kvpass.SlotCache: get_seq_length is the tokens seen, so the second turn feeds
     exactly the new tokens (47 + 9 + 4 = 60 seen)."""
-    torch._dynamo.reset()
-    model = build("llama")
-    be = kvpass.backend("streamingllm", budget=16, compiler="eager")
-    model.forward = torch.compile(model.forward, backend=be)
-    cache = kvpass.SlotCache(model, be, max_length=64)
-    out = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
-    more = torch.cat([out, torch.randint(10, 90, (1, 9))], 1)
+    model, cache, more = first_turn_on_a_slot_cache("streamingllm")
     model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert cache.seen == 40 + 7 + 9 + 4 - 1 + 1    # generate's last token is never fed back
 
