@@ -209,8 +209,7 @@ class Runtime:
             # the largest position is the last token's in an unpadded row (padded rows of OPT's
             # mask-derived positions start lower), so the first is largest + 1 - q
             q = max(pos.shape[1:], default=pos.shape[0]) if pos.dim() > 1 else pos.shape[0]
-            st.base = pos.max() + 1 - q      # a 0-d tensor: no device sync
-            st.note_tail(torch.full_like(st.base, q))
+            st.base = pos.max() + 1 - q      # a 0-d tensor: no device sync (the layers' fresh records set the count)
             return pos.clone()
         if st.anchor_at != st.records:
             # A layer recorded its count since the last call: the distance between true and derived
