@@ -181,14 +181,13 @@ class Runtime:
         else:
             # (torch caps a device assert's message at 255 characters; the CPU's message says more)
             device_assert(pos.max() >= torch.as_tensor(st.seen_now(), device=pos.device),
-"kvpass: the policy evicted from this cache, and a decode position passed in is behind "
-"the tokens seen (assisted decoding? generate continuing? a graph break?): see "
-"kvpass.cache.runtime.Runtime.note_positions")
+                          "kvpass: the policy evicted from this cache, and a decode position passed in is behind "
+                          "the tokens seen (assisted decoding? generate continuing? a graph break?): see "
+                          "kvpass.cache.runtime.Runtime.note_positions")
         st.note_tail(pos.max() + 1)
 
-    def _behind(self, what: str, seen: int | None = None) -> str:
-        count = f"{seen} tokens seen" if seen is not None else "tokens seen"   # (no device sync on a GPU)
-        return (f"kvpass: policy '{self.policy.name}' evicted from this cache ({count}, fewer "
+    def _behind(self, what: str, seen: int) -> str:
+        return (f"kvpass: policy '{self.policy.name}' evicted from this cache ({seen} tokens seen, fewer "
                 f"stored), and {what}: positions were counted from the stored entries. transformers does this when "
                 f"generate continues with past_key_values and in assisted or prompt-lookup decoding (which also "
                 f"crops entries it cannot give back); a model does it when it computes positions before a graph "

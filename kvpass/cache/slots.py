@@ -47,8 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.errors import ConfigError
-from kvpass.errors import device_assert
+from kvpass.errors import ConfigError, device_assert
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin

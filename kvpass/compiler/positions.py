@@ -69,15 +69,15 @@ def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
     found = []
     for n in graph.nodes:
         if embedding and is_fn(n, {F.embedding, torch.embedding}):
-            index, table = n.args[0], (n.args[1] if len(n.args) > 1 else None)
+            index, table_ok = n.args[0], True
         elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-            table, index = n.args[0], n.args[1]
+            index = n.args[1]
             index = next((i for i in index if isinstance(i, fx.Node)), None) if isinstance(index, tuple) else index
+            table = n.args[0].meta.get("example_value")
+            table_ok = isinstance(table, torch.Tensor) and table.is_floating_point()
         else:
             continue
-        ex = table.meta.get("example_value") if isinstance(table, fx.Node) else None
-        if isinstance(index, fx.Node) and not _float(index) and (is_fn(n, {F.embedding, torch.embedding}) or (
-                isinstance(ex, torch.Tensor) and ex.is_floating_point())):
+        if table_ok and isinstance(index, fx.Node) and not _float(index):
             found.append(index)
     return found
 
