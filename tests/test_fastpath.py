@@ -84,6 +84,35 @@ def test_batch_and_padding_through_compile():
     assert (2, torch.float32, torch.device("cpu")) in model.generate.caches
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
+    """kvpass's decoding loop (it reads "every row finished" one step late and undoes the extra step) gives HF's
+    loop's tokens when end-of-sequence tokens stop one row, then the other, before max_new_tokens, and when
+    max_new_tokens stops them; greedy and sampled (same seed). HF's loop runs through
+    ``return_dict_in_generate``, which kvpass's loop hands to it."""
+    from kvpass.compiler import decode_loop
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
+    ids = ids_of(20, b=2)
+    kw = dict(max_new_tokens=12, do_sample=sample, top_k=20 if sample else None, pad_token_id=0)
+    reads = []
+    monkeypatch.setattr(decode_loop._LateFlag, "read", lambda self, read=decode_loop._LateFlag.read:
+                        reads.append(1) or read(self))
+
+    def ours_and_hf(**extra):
+        torch.manual_seed(1)
+        ours = model.generate(ids, **kw, **extra)
+        torch.manual_seed(1)
+        return ours, model.generate(ids, **kw, **extra, return_dict_in_generate=True).sequences
+
+    free, hf = ours_and_hf()
+    assert reads and free.shape[1] == 32 and torch.equal(free, hf)
+    eos = [int(free[0, 23]), int(free[1, 26])]   # row 0 stops by its 4th new token, row 1 by its 7th
+    ours, hf = ours_and_hf(eos_token_id=eos)
+    assert ours.shape[1] <= 27 and torch.equal(ours, hf), (ours, hf)
+
+
 def test_compile_refusals():
     model = build("llama")
     with pytest.raises(kvpass.ConfigError, match="budget"):

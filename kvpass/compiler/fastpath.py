@@ -5,7 +5,8 @@
 
 It compiles ``model.forward`` with a kvpass backend (``dynamic=True``; on a GPU with Inductor,
 ``mode="reduce-overhead"``: the decode step replays as a CUDA graph) and gives ``model.generate`` a
-``kvpass.SlotCache`` whenever the call does not bring its own cache. The cache is sized in buckets
+``kvpass.SlotCache`` whenever the call does not bring its own cache, and a decoding loop that queues the
+next step before it asks whether the last one finished (``kvpass.compiler.decode_loop``). The cache is sized in buckets
 (``bucket``: a quarter of an octave, so at most a quarter of it is never used) and kept: the next call
 that fits it resets and reuses it, so its slots keep their addresses and the recorded CUDA graphs
 replay. A capacity never enters the compiled code (the slots' capacity dimension is symbolic,
@@ -24,6 +25,7 @@ import inspect
 import torch
 
 from kvpass.cache.slots import SlotCache
+from kvpass.compiler import decode_loop
 from kvpass.compiler.backend import Backend, backend
 from kvpass.errors import ConfigError
 
@@ -83,6 +85,11 @@ class FastGenerate:
                               f"prompt; pass max_new_tokens >= 1")
         rows = ids.shape[0] * (kwargs.get("num_return_sequences") or config.num_return_sequences or 1)
         cache = self.cache_for(rows, prompt, new)
+        if decode_loop.usable(self.model, kwargs):
+            kwargs["custom_generate"] = decode_loop.decode
+        if kwargs.get("compile_config") is None:
+            kwargs.setdefault("disable_compile", True)   # the forward is compiled already; HF's own compile of
+            # model.__call__ around it would only add a Dynamo frame (and its guards) per step
         try:
             return self.original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:

@@ -1,0 +1,105 @@
+"""The decoding loop ``kvpass.compile`` gives ``generate``: HF's sampling loop without its per-step stall.
+
+HF's loop (``GenerationMixin._sample``) asks the device after every token whether every row has finished
+(``unfinished.max() == 0``), so the host waits for each step to end before it prepares the next. On a
+decode step replayed as a CUDA graph the host's work per step (Dynamo's guards, the replay's launch,
+HF's own Python: 2.7 ms at 32 layers on an H100, ``bench/results/fastpath_h100_2026-11-27``) is then
+paid on top of the device's instead of beside it.
+
+``decode`` reads that flag one step late: it is copied to pinned host memory without blocking, and read
+after the next step has been queued. When it says that every row had finished, the step queued
+meanwhile is undone: its token is dropped (the cache is kvpass's own, reset by the next call). A step
+that reaches ``max_length`` is known on the host and stops at once. The tokens are HF's: the same
+logits processors and stopping criteria, the same pad rule for finished rows, and the same random draws
+in the same order (the undone step draws after every kept one).
+
+It returns token ids. A call that wants more (``return_dict_in_generate``) runs HF's own loop. ``generate``
+hands a ``custom_generate`` callable no streamer and no ``synced_gpus`` (transformers 5.14 .. 5.24), so
+``FastGenerate`` does not pass this loop to a call that has them (``usable``). One difference a user can see:
+when an end-of-sequence token stops the call early, the undone step has drawn from the random generator once
+more than HF's loop would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24
+_USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
+
+
+class _LateFlag:
+    """A device boolean copied to pinned host memory without blocking, read (waiting for the copy) later."""
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        pinned = flag.device.type == "cuda"
+        self.host = torch.empty((), dtype=torch.bool, pin_memory=pinned)
+        self.host.copy_(flag, non_blocking=pinned)
+        self.ready = torch.cuda.Event() if pinned else None
+        if self.ready is not None:
+            self.ready.record()
+
+    def read(self) -> bool:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return bool(self.host)
+
+
+def usable(model, kwargs: dict) -> bool:
+    """Whether a ``generate`` call with these keyword arguments may run ``decode``: no streamer, no
+    ``synced_gpus`` (which ``generate`` would not pass on), no decoding method of the caller's own, and a
+    model with the generation methods ``decode`` calls."""
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+        zero3 = is_deepspeed_zero3_enabled()
+    except ImportError:  # pragma: no cover
+        zero3 = False
+    return (kwargs.get("streamer") is None and not kwargs.get("synced_gpus") and not zero3
+            and kwargs.get("custom_generate") is None and all(hasattr(model, name) for name in _USES))
+
+
+@torch.no_grad()
+def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+    """``generate``'s decoding method for greedy search and sampling (passed as ``custom_generate``);
+    the arguments are those ``generate`` gives ``GenerationMixin._sample``, less the streamer and
+    ``synced_gpus`` (see ``usable``)."""
+    if generation_config.return_dict_in_generate:
+        return type(model)._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                   **model_kwargs)
+    cfg = generation_config
+    pad = cfg._pad_token_tensor
+    if pad is not None:
+        pad = pad.to(input_ids.device)
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    max_length = getattr(stopping_criteria, "max_length", None)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    optimize = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
+    outputs = model._prefill(input_ids, cfg, model_kwargs)
+    previous = None   # the step before's "every row finished", read one step late
+    with optimize():
+        while True:
+            model_kwargs = model._update_model_kwargs_for_generation(
+                outputs, model_kwargs, is_encoder_decoder=model.config.is_encoder_decoder)
+            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+            del outputs   # a prefill's logits can be large
+            scores = logits_processor(input_ids, logits)
+            if cfg.do_sample:
+                tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                tokens = torch.argmax(scores, dim=-1)
+            if has_eos:
+                tokens = tokens * unfinished + pad * (1 - unfinished)
+            input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+            unfinished = unfinished & ~stopping_criteria(input_ids, None)
+            if max_length is not None and input_ids.shape[1] >= max_length:
+                break
+            if previous is not None and previous.read():
+                input_ids = input_ids[:, :-1]   # HF's loop stopped before this step
+                break
+            previous = _LateFlag(unfinished.max() == 0)
+            inputs = model.prepare_inputs_for_generation(
+                input_ids, next_sequence_length=1 if model_kwargs.get("use_cache") else None, **model_kwargs)
+            outputs = model(**inputs, return_dict=True)
+    return input_ids
