@@ -8,8 +8,11 @@ sized by hand). Reported per policy:
 * per prompt length: the call's wall time (the first includes the compile), the graphs the backend
   compiled so far per phase, and Dynamo's unique graphs;
 * TPOT as the user pays it: at the last length, ``(T(new2) - T(new1)) / (new2 - new1)`` from two warm
-  ``generate`` calls (HF's loop syncs every step); beside it the device's: the same compiled forward
-  on the same cache in a bare loop, 64 steps queued with one sync, and with a sync after each step;
+  ``generate`` calls (kvpass's decoding loop), and the same through HF's own loop (``_sample``, which
+  waits for every step: ``return_dict_in_generate=True`` calls run it); beside them the device's: the same
+  compiled forward, called with ``generate``'s arguments on the kept cache, 64 steps queued with one sync,
+  and with a sync after each step;
+* the first token's time (``generate`` of one token, warm) and the peak memory of that call;
 * HF's own path for the same prompts (``cache_implementation="static"``, which HF compiles with its
   default ``CompileConfig``): wall time per length;
 * peak memory, the roofline (weight bytes + the K/V a step must read, over the copy bandwidth measured in
@@ -24,6 +27,7 @@ cuDNN SDPA is off for every row (on torch 2.11 it re-plans for every new key len
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -56,20 +60,49 @@ def gen(model, ids, new: int, **kw):
                           do_sample=False, **kw)
 
 
+def decode_kwargs(model, ids) -> dict:
+    """The keyword arguments ``generate`` passed to the forward at its last decode step of a 2-token call
+    (the kept cache, reset and prefilled with ``ids``), moved on by one token: what the next step takes."""
+    seen = {}
+    compiled = model.forward
+
+    @functools.wraps(compiled)   # HF reads the forward's signature to choose what it passes
+    def record(*a, **kw):
+        seen.update(kw)
+        return compiled(*a, **kw)
+
+    model.forward = record
+    try:
+        out = gen(model, ids, 2)
+    finally:
+        model.forward = compiled
+    return step_on(seen, out[:, -1:].clone(memory_format=torch.contiguous_format))
+
+
+def step_on(kw: dict, token: torch.Tensor) -> dict:
+    """``kw`` for the next token: ``input_ids`` is ``token``, positions move by one, the 2-D mask grows."""
+    kw = dict(kw, input_ids=token)
+    for name in ("position_ids", "cache_position"):
+        if isinstance(kw.get(name), torch.Tensor):
+            kw[name] = kw[name] + 1
+    if isinstance(kw.get("attention_mask"), torch.Tensor) and kw["attention_mask"].dim() == 2:
+        kw["attention_mask"] = torch.cat([kw["attention_mask"], kw["attention_mask"][:, -1:]], 1)
+    return kw
+
+
 @torch.no_grad()
-def bare_loop(model, cache, ids, steps: int = 64, sync_each: bool = False) -> float:
-    """Seconds per decode step of the compiled forward on ``cache`` (reset, prefilled with ``ids``)."""
-    cache.reset()
-    kw = {model.generate.cache_kwarg: cache, "use_cache": True}
-    nxt = model(input_ids=ids, **kw).logits[:, -1].argmax(-1, keepdim=True)
-    for _ in range(8):
+def bare_loop(model, ids, steps: int = 64, sync_each: bool = False) -> float:
+    """Seconds per decode step of the compiled forward alone, called with the arguments ``generate`` passes
+    (so it runs ``generate``'s decode graph, compiling nothing), continuing on the kept cache after a
+    2-token ``generate`` of ``ids``: ``steps`` queued with one sync, or with a sync after each."""
+    kw = decode_kwargs(model, ids)
+    for i in range(8 + steps):
+        if i == 8:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
-        nxt = model(input_ids=nxt, **kw).logits[:, -1].argmax(-1, keepdim=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        torch.compiler.cudagraph_mark_step_begin()
-        nxt = model(input_ids=nxt, **kw).logits[:, -1].argmax(-1, keepdim=True)
+        nxt = model(**kw).logits[:, -1].argmax(-1, keepdim=True)
+        kw = step_on(kw, nxt)
         if sync_each:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
@@ -102,6 +135,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--hf", action="store_true", help="also HF generate on a StaticCache")
     ap.add_argument("--profile", action="store_true", help="a host profile of 16 generate steps per policy")
+    ap.add_argument("--prefill-compiler", default=None, help="kvpass.compile's prefill_compiler (default: Inductor)")
     ap.add_argument("--out", default="fastpath.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -121,7 +155,7 @@ def main() -> None:
         params = {} if policy in ("full", "art") else {"budget": args.budget}
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        be = kvpass.compile(model, policy, **params)
+        be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
         calls = []
         for n in lengths:
             dt, _ = timed(lambda: gen(model, prompt(n), args.new))
@@ -133,17 +167,26 @@ def main() -> None:
         t1, _ = timed(lambda: gen(model, ids, args.new))
         t2, _ = timed(lambda: gen(model, ids, 4 * args.new))
         user = (t2 - t1) / (3 * args.new)
-        graphs_after_generate = be.graph_counts()
-        cache = next(iter(model.generate.caches.values()))
-        queued = bare_loop(model, cache, ids)
-        synced = bare_loop(model, cache, ids, sync_each=True)
+        # HF's own loop on the same compiled forward and cache (kvpass's loop hands it return_dict calls)
+        h1, _ = timed(lambda: gen(model, ids, args.new, return_dict_in_generate=True))
+        h2, _ = timed(lambda: gen(model, ids, 4 * args.new, return_dict_in_generate=True))
+        peak = torch.cuda.max_memory_allocated() / 2**30   # since the compile, every call above included
+        torch.cuda.reset_peak_memory_stats()
+        ttft, _ = timed(lambda: gen(model, ids, 1))
+        prefill_peak = torch.cuda.max_memory_allocated() / 2**30
+        queued = bare_loop(model, ids)
+        synced = bare_loop(model, ids, sync_each=True)
+        graphs_after = be.graph_counts()
         roof = (weights + per_entry * read_entries(policy, lengths[-1], args.budget, args.layers)) / bw
         row = {"policy": policy, "params": params, "calls": calls, "first_call_s": calls[0]["seconds"],
-               "later_calls_s": [c["seconds"] for c in calls[1:]], "graphs": graphs_after_generate,
+               "later_calls_s": [c["seconds"] for c in calls[1:]], "graphs": graphs_after,
                "generate_tpot_ms": round(user * 1e3, 3), "queued_tpot_ms": round(queued * 1e3, 3),
+               "hf_loop_tpot_ms": round((h2 - h1) / (3 * args.new) * 1e3, 3), "ttft_s": round(ttft, 3),
+               "prefill_peak_gib": round(prefill_peak, 2), "prefill_compiler": be.prefill_compiler,
+               "cache_counters": {k: dict(torch._dynamo.utils.counters[k]) for k in ("inductor", "aot_autograd")},
                "synced_tpot_ms": round(synced * 1e3, 3), "generate_over_queued": round(user / queued, 3),
                "roofline_ms": round(roof * 1e3, 3), "queued_over_roofline": round(queued / roof, 3),
-               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+               "peak_gib": round(peak, 2),
                "caches": repr(model.generate), "total_s": round(time.perf_counter() - t0, 1),
                "compile_times": torch._dynamo.utils.compile_times(repr="str"), "plans": be.plans()}
         if args.profile:

@@ -113,6 +113,22 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
     assert ours.shape[1] <= 27 and torch.equal(ours, hf), (ours, hf)
 
 
+def test_prefill_compiler_compiles_only_the_prefill():
+    """``prefill_compiler="eager"`` runs the rewritten prefill graph as it is and compiles the decode graph with
+    ``compiler``; the tokens are those of one compiler for both (a bad name is refused, naming the parameter)."""
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    kw = dict(budget=16, window=4)
+    be = kvpass.compile(model, "snapkv", compiler="aot_eager", prefill_compiler="eager", **kw)
+    kvpass.compile(ref, "snapkv", compiler="eager", **kw)
+    ids = ids_of(30)
+    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False))
+    assert be.graph_counts() == {"prefill": 1, "decode": 1} and "prefill_compiler='eager'" in repr(be)
+    with pytest.raises(kvpass.ConfigError, match="'prefill_compiler' must be one of"):
+        kvpass.backend("full", prefill_compiler="tvm")
+
+
 def test_compile_refusals():
     model = build("llama")
     with pytest.raises(kvpass.ConfigError, match="budget"):

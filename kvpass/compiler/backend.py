@@ -201,17 +201,20 @@ def _module_being_compiled():
 class Backend:
     """A ``torch.compile`` backend that applies a kvpass policy. Build it with ``kvpass.backend``."""
 
-    def __init__(self, policy: str | Policy = "full", *, compiler: str = "inductor", **params) -> None:
-        if compiler not in COMPILERS:
-            raise ConfigError(f"parameter 'compiler' must be one of {', '.join(COMPILERS)}, got {compiler!r}")
+    def __init__(self, policy: str | Policy = "full", *, compiler: str = "inductor", prefill_compiler: str | None = None,
+                 **params) -> None:
+        for name, value in (("compiler", compiler), ("prefill_compiler", prefill_compiler or compiler)):
+            if value not in COMPILERS:
+                raise ConfigError(f"parameter '{name}' must be one of {', '.join(COMPILERS)}, got {value!r}")
         self.policy = make_policy(policy, **params)
-        self.compiler = compiler
+        self.compiler, self.prefill_compiler = compiler, prefill_compiler or compiler
         for member in getattr(self.policy, "members", ()):  # a composition (kvpass.policies.compose)
             if member.needs.gates:
                 raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
                                   f"prefill graph and does not compose with other policies yet; use it alone")
         self.runtime = _runtime.Runtime(self.policy)
-        self.kvpass = KVPass(self.policy, self.runtime, self._inner)
+        self.kvpass = KVPass(self.policy, self.runtime,   # gated prefills' segments
+                             lambda gm, example_inputs, patches=None: self._inner(gm, example_inputs, patches, self.prefill_compiler))
         self.reports: list[GraphReport] = []
         # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
         # run outside the policy on the cache it evicted. transformers models share one wrapper code
@@ -277,20 +280,22 @@ class Backend:
         if report.gate is not None:
             report.gate.precompile(example_inputs)  # each segment with the inner compiler (short static versions: on first use)
             return report.gate        # runs the segments, gathering the selected tokens at the gate
-        patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"))
+        compiler = self.prefill_compiler if report.phase == "prefill" else self.compiler
+        patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"), compiler)
         report.cudagraphs = bool(patches.get("triton.cudagraphs"))
-        return self._inner(gm, example_inputs, patches)
+        return self._inner(gm, example_inputs, patches, compiler)
 
-    def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options) -> dict:
+    def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options, compiler: str) -> dict:
         """Inductor settings of a ``torch.compile`` mode / options for this graph. CUDA graphs replay
         device work only, so they are applied to graphs whose kvpass operators keep no Python-side state
         (a decode step on a ``kvpass.SlotCache``; ``full``/``art`` attention-only graphs); a graph whose
         operators call back into the policy's runtime (``handle``) compiles without them, said once."""
         if mode in (None, "default") and not options:
             return {}
-        if self.compiler != "inductor":
-            warn_once(f"kvpass: torch.compile mode={mode!r} options={options} apply to compiler='inductor' only; "
-                      f"this backend compiles with {self.compiler!r}", self)
+        if compiler != "inductor":
+            if self.compiler != "inductor":   # not said for a prefill that runs without Inductor by choice
+                warn_once(f"kvpass: torch.compile mode={mode!r} options={options} apply to compiler='inductor' only; "
+                          f"this backend compiles with {self.compiler!r}", self)
             return {}
         from torch._inductor import list_mode_options
         patches = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **(options or {})}
@@ -324,10 +329,11 @@ class Backend:
         # runtime (compile-time sites on the copy, run-time lookups by handle on the original).
         return self
 
-    def _inner(self, gm, example_inputs, patches: dict | None = None):
-        if self.compiler == "eager":
+    def _inner(self, gm, example_inputs, patches: dict | None = None, compiler: str | None = None):
+        compiler = compiler or self.compiler
+        if compiler == "eager":
             return gm.forward
-        if self.compiler == "aot_eager":
+        if compiler == "aot_eager":
             from torch._dynamo.backends.registry import lookup_backend
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
@@ -335,10 +341,12 @@ class Backend:
 
     def __repr__(self) -> str:
         graphs = len(self.reports)
-        return f"kvpass.Backend(policy={self.policy!r}, compiler={self.compiler!r}, graphs_compiled={graphs})"
+        prefill = f", prefill_compiler={self.prefill_compiler!r}" if self.prefill_compiler != self.compiler else ""
+        return f"kvpass.Backend(policy={self.policy!r}, compiler={self.compiler!r}{prefill}, graphs_compiled={graphs})"
 
 
-def backend(policy: str | Policy = "full", *, compiler: str = "inductor", **params) -> Backend:
+def backend(policy: str | Policy = "full", *, compiler: str = "inductor", prefill_compiler: str | None = None,
+            **params) -> Backend:
     """Return a ``torch.compile`` backend that applies the KV-cache ``policy``.
 
     Args:
@@ -346,7 +354,11 @@ def backend(policy: str | Policy = "full", *, compiler: str = "inductor", **para
             ``Policy`` object.
         compiler: what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or
             ``"eager"`` (fast to compile; for tests and debugging).
+        prefill_compiler: what compiles prefill graphs, when not ``compiler`` (one of the same three). A
+            prefill runs once per prompt and is mostly large matmuls and the attention; its Inductor compile
+            is about half of a first call's compile time (32 layers: ``bench/results/``), which
+            ``"eager"`` saves for a slower first token.
         **params: the policy's parameters, e.g. ``budget=1024``. Every value is checked here, before
             anything is compiled; a bad one raises ``ConfigError`` naming the parameter and its range.
     """
-    return Backend(policy, compiler=compiler, **params)
+    return Backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, **params)

@@ -100,8 +100,8 @@ class FastGenerate:
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
 
 
-def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = "inductor", fullgraph: bool = False,
-            **params) -> Backend:
+def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = "inductor",
+            prefill_compiler: str | None = None, fullgraph: bool = False, **params) -> Backend:
     """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path.
 
     Args:
@@ -110,6 +110,7 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
         mode: ``torch.compile``'s mode; ``"auto"`` (default) is ``"reduce-overhead"`` (CUDA-graph decode)
             on a GPU with ``compiler="inductor"``, else None.
         compiler: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (as ``kvpass.backend``).
+        prefill_compiler: what compiles the prefill graph when not ``compiler`` (as ``kvpass.backend``).
         fullgraph: passed to ``torch.compile``.
         **params: the policy's parameters, checked here (``ConfigError`` names a bad one).
 
@@ -123,7 +124,7 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise ConfigError(f"kvpass.compile: parameter 'model' must be a transformers model with generate(), "
                           f"got {type(model).__name__}")
-    be = backend(policy, compiler=compiler, **params)
+    be = backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, **params)
     needs = be.policy.needs
     if needs.slot_rule is None or not needs.slot_prefill:
         raise ConfigError(f"kvpass.compile: policy '{be.policy.name}' has no SlotCache decode of its own "
