@@ -111,3 +111,22 @@ def test_compile_once_for_every_prompt_length(policy, params):
     assert [r.phase for r in be.reports] == ["prefill", "decode"], [r.phase for r in be.reports]
     assert be.reports[-1].cudagraphs
     assert [r.phase for r in want_be.reports] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize("policy,params", [("full", {}), ("snapkv", dict(budget=64, window=8)),
+                                           ("quest", dict(budget=64))], ids=["full", "snapkv", "quest"])
+def test_decode_loop_equals_hf_loop_under_cuda_graphs(policy, params):
+    """kvpass's decoding loop (queues the next CUDA-graph replay before it reads the stop flag, undoes the extra
+    step) gives HF's loop's tokens (``return_dict_in_generate`` runs HF's), batch 2, when end-of-sequence
+    tokens stop one row and then the other before ``max_new_tokens``."""
+    m = model()
+    torch._dynamo.reset()
+    kvpass.compile(m, policy, **params)
+    ids = torch.randint(3, 250, (2, 120), generator=torch.Generator().manual_seed(7)).cuda()
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0)
+    free = m.generate(ids, **kw)
+    assert torch.equal(free, m.generate(ids, **kw, return_dict_in_generate=True).sequences)
+    eos = [int(free[0, 125]), int(free[1, 140])]
+    ours = m.generate(ids, eos_token_id=eos, **kw)
+    hf = m.generate(ids, eos_token_id=eos, **kw, return_dict_in_generate=True).sequences
+    assert ours.shape[1] <= 141 and torch.equal(ours, hf), (ours, hf)
