@@ -65,6 +65,28 @@ def _runtime_op(node: fx.Node) -> bool:
             and any(a.name == "handle" for a in t._schema.arguments))
 
 
+def mark_cacheable(gm: fx.GraphModule, key: str) -> list[str]:
+    """Let AOTAutograd's cache keep a graph that calls kvpass's own tensor functions (``write_slots``, a
+    policy's ``SlotHooks``). It refuses any Python function it does not know (a second process then traced
+    a 32-layer decode graph again: 30 s); torch's ``unsafe_marked_cacheable_functions`` names the ones a
+    caller vouches for, with a string that joins the cache key: here kvpass's pass key (``KVPass.uuid``,
+    which hashes the policy, the compiler's, ops' and cache's sources) and the function's own source.
+    Process-wide, as the setting is; it names kvpass functions only. Returns the names marked."""
+    marked = getattr(torch._inductor.config, "unsafe_marked_cacheable_functions", None)
+    if marked is None:   # a torch without the setting: the graph is simply not cached by AOTAutograd
+        return []
+    names = []
+    for node in gm.graph.nodes:
+        fn = node.target
+        if node.op == "call_function" and inspect.isfunction(fn) and fn.__module__.startswith("kvpass."):
+            name = f"{fn.__module__}.{fn.__name__}"
+            if name not in marked:
+                source = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+                marked[name] = f"{key[:16]}-{source}"
+            names.append(name)
+    return names
+
+
 def _phase(found: _detect.Detection) -> str:
     if not found.sites:
         return "none"
@@ -337,6 +359,7 @@ class Backend:
             from torch._dynamo.backends.registry import lookup_backend
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
+        mark_cacheable(gm, self.kvpass.uuid())
         return compile_fx(gm, example_inputs, config_patches=patches or None)
 
     def __repr__(self) -> str:

@@ -59,6 +59,15 @@ def _items(graph: fx.Graph, node: fx.Node, n: int) -> list[fx.Node]:
     return items
 
 
+def _replace_output(site, new: fx.Node) -> None:
+    """The site's attention output becomes ``new`` (same shape and dtype), which takes over Dynamo's
+    ``example_value``: AOTAutograd's cache refuses a graph with a method called on a tensor whose node has
+    none (HF's ``attn_output.transpose(1, 2)``)."""
+    if "example_value" in site.out.meta:
+        new.meta.setdefault("example_value", site.out.meta["example_value"])
+    site.out.replace_all_uses_with(new)
+
+
 def _erase(graph: fx.Graph, nodes) -> None:
     """Erase the nodes that have become dead, users before their inputs."""
     pending = list(nodes)
@@ -107,7 +116,7 @@ def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) ->
         else:
             mask, causal = site_mask(site)
             new = graph.call_function(OPS.attention.default, (q, site.k, site.v, mask, scale, causal, site.softcap))
-    site.out.replace_all_uses_with(new)
+    _replace_output(site, new)
     _erase(graph, [site.out] + site.erase)
 
 
@@ -151,7 +160,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
         cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer,
                                                         tokens, votes))
     k_st, v_st = _items(graph, cmp, 2)
-    site.out.replace_all_uses_with(att)
+    _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, k_st), (site.v, v_st)):
         old.replace_all_uses_with(new)  # what remains are the stored tensors (graph outputs)
@@ -191,7 +200,7 @@ def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> Non
             site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.layer))
         att = _decode_read(graph, site, plan.read or DecodeRead(), handle, q, site.k_past, site.v_past, None, kv_pos,
                            q_pos, scale, site.sliding_window or 0)
-    site.out.replace_all_uses_with(att)
+    _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, site.k_past), (site.v, site.v_past)):
         old.replace_all_uses_with(new)  # the graph stores the pool it wrote into
@@ -213,7 +222,7 @@ def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None
         if plan.votes:
             att = graph.call_function(OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap,
                                                                  handle, site.layer))
-    site.out.replace_all_uses_with(att)
+    _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, k_all), (site.v, v_all)):
         old.replace_all_uses_with(new)  # the stored tensors (graph outputs)
@@ -275,7 +284,7 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
-    site.out.replace_all_uses_with(att)
+    _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
     graph.erase_node(site.slot)
     return reductions

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 36's GPU calls of 2026-11-27 (one H100 each): `bash bench/fastpath_calls.sh A|B|C` with $OUT set.
+# A: GPU tests of the decoding loop; 32 layers, prefill without Inductor: a first process, then a second one on
+#    its Inductor caches (TORCH_LOGS=recompiles says which guard a second decode graph failed, if any).
+# B: 8 layers at 33k and 130k, prefill without Inductor, the policies side by side (TPOT: kvpass's loop, HF's
+#    loop, the step queued; TTFT and peaks), then `full` with an Inductor prefill for the TTFT it buys.
+# C: 32 layers, full, up to 130k, prefill without Inductor: a first process and a second one on its caches.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case "$1" in
+A)
+  timeout 170 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py \
+      -k "decode_loop or (compile_once and (full or quest or h2o))" > "$OUT/gpu_tests_A.txt" 2>&1; tail -3 "$OUT/gpu_tests_A.txt"
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-A
+  timeout 250 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies full,snapkv \
+      --prefill-compiler eager --out "$OUT/l32_process1.json" > "$OUT/l32_process1.log" 2>&1; tail -2 "$OUT/l32_process1.log"
+  TORCH_LOGS=recompiles timeout 140 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies full \
+      --prefill-compiler eager --out "$OUT/l32_process2.json" > "$OUT/l32_process2.log" 2>&1; tail -2 "$OUT/l32_process2.log"
+  ;;
+B)
+  timeout 60 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py -k decode_loop \
+      > "$OUT/gpu_tests_B.txt" 2>&1; tail -3 "$OUT/gpu_tests_B.txt"
+  timeout 290 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000,130000 \
+      --policies full,quest,snapkv,streamingllm,raas --prefill-compiler eager --out "$OUT/l8_130k.json" > "$OUT/l8_130k.log" 2>&1
+  timeout 125 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 \
+      --policies full,quest,snapkv,streamingllm --prefill-compiler eager --out "$OUT/l8_33k.json" > "$OUT/l8_33k.log" 2>&1
+  timeout 100 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full \
+      --out "$OUT/l8_130k_inductor_prefill.json" > "$OUT/l8_130k_inductor_prefill.log" 2>&1
+  ;;
+C)
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-C
+  for p in 1 2; do
+    TORCH_LOGS=recompiles timeout 250 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000,130000 --policies full \
+        --prefill-compiler eager --out "$OUT/l32_process$p.json" > "$OUT/l32_process$p.log" 2>&1
+  done
+  ;;
+esac
+grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
