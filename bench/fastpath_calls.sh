@@ -29,9 +29,11 @@ B)
       --out "$OUT/l8_130k_inductor_prefill.json" > "$OUT/l8_130k_inductor_prefill.log" 2>&1
   ;;
 C)
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_art.py \
+      -k "decode_loop or full_read or horizon" > "$OUT/gpu_tests_C.txt" 2>&1; tail -3 "$OUT/gpu_tests_C.txt"
   export TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-C
   for p in 1 2; do
-    TORCH_LOGS=recompiles timeout 250 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000,130000 --policies full \
+    TORCH_LOGS=recompiles timeout 230 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000,130000 --policies full \
         --prefill-compiler eager --out "$OUT/l32_process$p.json" > "$OUT/l32_process$p.log" 2>&1
   done
   ;;

@@ -530,14 +530,14 @@ def _sms(device) -> int:
 MAX_SPLITS = 256
 
 
-def num_splits(programs, n_blocks, device) -> int:
-    """How many KV splits fill the GPU: about 4 programs per SM, at least four blocks per split (below
-    that the merge costs more than it saves), at most ``MAX_SPLITS``. SymInt-safe (no guards on symbolic
-    batch or length). Few (sequence, KV head) programs take many splits: a tensor-parallel rank's share
-    of an 8-KV-head layer at batch 1 is 4 programs, which a cap of 64 splits left at 2 programs per SM
-    (an H200 has 132); the cap only bounds the partial buffers (``MAX_SPLITS`` x query heads x head dim, fp32)."""
-    want = _cdiv(4 * _sms(device), programs)
-    return torch.sym_max(1, torch.sym_min(torch.sym_min(want, MAX_SPLITS), n_blocks // 4))
+def num_splits(programs, device) -> int:
+    """How many KV splits fill the GPU: about 4 programs per SM, at most ``MAX_SPLITS``. Few (sequence, KV
+    head) programs take many splits: a tensor-parallel rank's share of an 8-KV-head layer at batch 1 is 4
+    programs, which a cap of 64 splits left at 2 programs per SM (an H200 has 132); the cap only bounds the
+    partial buffers (``MAX_SPLITS`` x query heads x head dim, fp32). It does not follow the cache's length:
+    a min/max of the symbolic length let Inductor specialize the graph to a range of lengths, a guard that
+    its on-disk cache brought back in the next process (a second decode graph outside it)."""
+    return max(1, min(_cdiv(4 * _sms(device), programs), MAX_SPLITS))
 
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
@@ -598,8 +598,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         split = not art or horizon > 0
     after_art = bool(split and art)                       # the horizon launch shape
     rest = torch.sym_max(n_blocks - horizon, 1) if after_art else n_blocks
-    n_splits = num_splits(b * hkv, rest, q.device) if split else 1
-    per_split = _cdiv(rest, n_splits)
+    n_splits = num_splits(b * hkv, q.device) if split else 1
+    per_split = _cdiv(rest, n_splits)   # a short cache leaves the last splits empty: they store an empty state
     if parallel_horizon is None:
         parallel_horizon = b * hkv < _sms(q.device)
     # parts: [horizon steps, one each, when parallel] + [the horizon's kept state] + [the rest's splits];
