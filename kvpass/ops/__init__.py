@@ -38,6 +38,12 @@ Operators
     and over the query heads of each KV group (``kvpass.ops.kernels.window_scores``); the scorer of the
     SnapKV family. A ``triton_op``: Triton on CUDA, ``kvpass::window_scores_ref`` elsewhere.
 
+``kvpass::accumulated_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
+    Attention that every query of ``q [B, H, L, D]`` gives each key, causal by true position, summed over
+    the queries and over the query heads of each KV group (``kvpass.ops.kernels.accumulated_scores``); H2O's
+    scorer at prefill, whose cost is a prefill's attention rather than a window's. A ``triton_op``: two
+    flash-style Triton passes on CUDA, ``kvpass::accumulated_scores_ref`` elsewhere.
+
 ``kvpass::layer_scores(q, k, mask?, scale, softcap, window) -> [B, H_kv, N] fp32``
     ``window_scores`` for a prefill, positions from the model's mask: the votes of a layer's last ``window``
     queries per KV head. Gated policies read their sum over heads after every observed layer, ChunkKV's
@@ -71,6 +77,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
+from kvpass.ops.kernels import accumulated_scores as _accumulated
 from kvpass.ops.kernels import decode_attention as _decode
 from kvpass.ops.kernels import gather as _gather
 from kvpass.ops.kernels import window_scores as _wscores
@@ -335,6 +342,27 @@ def window_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: fl
     if q.device.type == "cuda" and _wscores.triton is not None:
         return _wscores.window_scores_triton(q, k, kv_pos, q_pos, scale, softcap, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.window_scores_ref(q, k, kv_pos, q_pos, scale, softcap)
+
+
+@torch.library.custom_op("kvpass::accumulated_scores_ref", mutates_args=())
+def accumulated_scores_ref(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float,
+                           softcap: float) -> Tensor:
+    return _accumulated.accumulated_scores_reference(q, k, kv_pos, q_pos, scale, softcap)
+
+
+@accumulated_scores_ref.register_fake
+def _(q, k, kv_pos, q_pos, scale, softcap):
+    return q.new_empty((q.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
+
+
+@torch.library.triton_op("kvpass::accumulated_scores", mutates_args=())
+def accumulated_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention per key from every query, causal by position, summed over queries and group heads; see
+    ``kvpass.ops.kernels.accumulated_scores``. Triton on CUDA, the reference operator elsewhere."""
+    if q.device.type == "cuda" and _accumulated.triton is not None:
+        return _accumulated.accumulated_scores_triton(q, k, kv_pos, q_pos, scale, softcap,
+                                                      launch=torch.library.wrap_triton)
+    return torch.ops.kvpass.accumulated_scores_ref(q, k, kv_pos, q_pos, scale, softcap)
 
 
 @torch.library.custom_op("kvpass::gather_kv_ref", mutates_args=())

@@ -3,6 +3,8 @@
 * the window-scoring kernel equals its reference at long context (up to 128k keys), for bf16 /
   fp16 / fp32, GQA ratios 1-8, head_dim 64-256, padding and softcapping, and its peak memory stays
   far below the ``[heads, window, N]`` fp32 scores the reference materialises;
+* the accumulated-attention kernel (h2o's prefill scorer) equals its reference at 4k-16k prompts, bf16, GQA 4,
+  with padding and softcapping, without materialising the ``[heads, L, N]`` scores;
 * the gather kernel equals ``torch.gather`` at real cache sizes, contiguous and strided;
 * under Inductor, functions calling ``kvpass::window_scores`` / ``kvpass::gather_kv`` launch the
   kvpass Triton kernels;
@@ -19,6 +21,7 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build, skip_uneven_layers_on_old_stacks
+from kvpass.ops.kernels import accumulated_scores as A
 from kvpass.ops.kernels import gather as G
 from kvpass.ops.kernels import window_scores as W
 
@@ -68,6 +71,45 @@ def test_window_kernel_at_128k_without_materialising_scores():
     assert extra < full_scores / 12, f"kernel used {extra / 2**20:.1f} MiB"   # ~20 MiB: block statistics
     want = W.window_scores_reference(q, k, kv_pos, q_pos, d ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-5 * w * (h // hkv), rtol=1e-3)
+
+
+@pytest.mark.parametrize("b,l,pad,softcap", [(1, 4096, 0, 0.0), (2, 8192, 1500, 0.0), (1, 16384, 0, 30.0)])
+def test_accumulated_kernel_equals_reference(b, l, pad, softcap):
+    h, hkv, d = 16, 4, 128
+    g = torch.Generator(device=DEV).manual_seed(l)
+    q = torch.randn(b, h, l, d, device=DEV, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, hkv, l, d, device=DEV, generator=g).to(torch.bfloat16)
+    k[:, :, :4] += 2 * q.view(b, hkv, h // hkv, l, d).mean((2, 3))[:, :, None]   # a few heavy hitters
+    kv_pos = torch.arange(l, device=DEV).expand(b, hkv, l).clone()
+    kv_pos[-1, :, :pad] = -1                                                         # left padding, last row
+    q_pos = torch.arange(l, device=DEV).expand(b, l).contiguous()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d ** -0.5, softcap)   # the Triton passes
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 4 * b * h * l * 4 + (8 << 20), f"kernel used {extra / 2**20:.1f} MiB"   # row statistics
+    want = A.accumulated_scores_reference(q, k, kv_pos, q_pos, d ** -0.5, softcap)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    real = got[-1, :, pad:]
+    torch.testing.assert_close(real.sum(-1), torch.full_like(real[:, 0], (h // hkv) * (l - pad)), rtol=1e-4, atol=0)
+    top_g, top_w = got.topk(1024, -1).indices.sort(-1).values, want.topk(1024, -1).indices.sort(-1).values
+    assert torch.isin(top_g.flatten(1), top_w.flatten(1)).float().mean() > 0.99
+
+
+def test_inductor_launches_the_accumulated_kernels():
+    q = torch.randn(1, 8, 3000, 64, device=DEV).to(torch.bfloat16)
+    k = torch.randn(1, 2, 3000, 64, device=DEV).to(torch.bfloat16)
+    kv_pos = torch.arange(3000, device=DEV).expand(1, 2, -1).contiguous()
+    q_pos = torch.arange(3000, device=DEV).expand(1, -1).contiguous()
+
+    def f(q, k, kv_pos, q_pos):
+        return torch.ops.kvpass.accumulated_scores(q * 2, k, kv_pos, q_pos, 0.0625, 0.0) + 1
+
+    got, codes = run_and_get_code(torch.compile(f, backend="inductor"), q, k, kv_pos, q_pos)
+    assert any("_kvpass_accumulated_cols_kernel" in c for c in codes), "Inductor did not launch the kernel"
+    torch.testing.assert_close(got, f(q, k, kv_pos, q_pos), atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("b,hkv,n,keep,d", [(1, 8, 131072, 1024, 128), (4, 8, 32768, 2048, 128),
