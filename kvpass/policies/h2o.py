@@ -32,18 +32,12 @@ from torch import Tensor
 from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan, SlotHooks, shrinking_plan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
-ROWS = 1024  # prompt queries scored per kvpass::window_scores call (bounds its [B, H, rows, N] work space)
-
-
 def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float) -> Tensor:
     """``[B, H_kv, N]`` fp32: the attention every key receives from the queries ``q [B, H, L, D]`` (scale
-    folded in), causal by true position, summed over the queries and the query heads of each KV group."""
-    total = None
-    for s in range(0, q.shape[2], ROWS):
-        part = torch.ops.kvpass.window_scores(q[:, :, s:s + ROWS], k, kv_pos, q_pos[:, s:s + ROWS].contiguous(),
-                                              1.0, float(softcap))
-        total = part if total is None else total + part
-    return total
+    folded in), causal by true position, summed over the queries and the query heads of each KV group.
+    One ``kvpass::accumulated_scores`` call: on CUDA two flash-style Triton passes that never hold the
+    ``[H, L, N]`` scores, on CPU its reference (chunked over queries)."""
+    return torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, 1.0, float(softcap))
 
 
 class H2O(Policy):
