@@ -509,6 +509,17 @@ def test_opcheck_window_scores_ref(softcap):
     opcheck("window_scores_ref", _window_args(softcap))
 
 
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_opcheck_accumulated_scores(softcap):
+    """A triton_op (H2O's prompt scoring); same arguments as window_scores."""
+    opcheck("accumulated_scores", _window_args(softcap))
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_opcheck_accumulated_scores_ref(softcap):
+    opcheck("accumulated_scores_ref", _window_args(softcap))
+
+
 def _gather_args():
     gen = torch.Generator().manual_seed(15)
     k, v = _randn((B, HKV, 19, D), gen, torch.float32), _randn((B, HKV, 19, 2 * D), gen, torch.float32)

@@ -415,6 +415,8 @@ OPS = {
     "count_visits": count_visits,
     "window_scores": window_scores,
     "window_scores_ref": window_scores_ref,
+    "accumulated_scores": accumulated_scores,
+    "accumulated_scores_ref": accumulated_scores_ref,
     "gather_kv": gather_kv,
     "gather_kv_ref": gather_kv_ref,
 }
