@@ -32,6 +32,7 @@ from torch import Tensor
 from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan, SlotHooks, shrinking_plan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
+
 def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float) -> Tensor:
     """``[B, H_kv, N]`` fp32: the attention every key receives from the queries ``q [B, H, L, D]`` (scale
     folded in), causal by true position, summed over the queries and the query heads of each KV group.
