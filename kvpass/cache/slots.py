@@ -5,11 +5,12 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
 * ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
   (left padding and evicted slots too);
-* ``count`` ``[4]`` int64: tokens seen (padding included, the index HF's masks count in), slots
-  filled in order (the append layout's next free slot), the positions a renumbering prefill
-  dropped (``gemfilter``: ``L - n``, else 0): the next token's position is ``count[0] - count[2]``;
-  and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule (a ring
-  would otherwise wrap over entries its policy keeps).
+* ``count`` ``[B, 4]`` int64, per row: tokens seen (padding included, the index HF's masks count in),
+  slots filled in order (the append layout's next free slot), the positions a renumbering prefill
+  dropped (``gemfilter``: ``L - n``, else 0): the row's next token's position is ``count[b, 0] -
+  count[b, 2]``; and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule
+  (a ring would otherwise wrap over entries its policy keeps). ``generate`` keeps the rows of a batch
+  at one length; the counts are per row so that a row can be emptied and refilled on its own.
 
 * ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
   kept by tensor code the rewrite places in the graphs (``Policy.slot_hooks``).
@@ -87,20 +88,21 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"forward that was compiled so gets here when its graph broke between the attention and the cache "
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
             f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
-    q, cap = k_new.shape[2], keys.shape[2]
-    device_assert(count[0] == count[1], "kvpass SlotCache: a kvpass policy compressed this cache and this call "
-                                        "was not rewritten by it: several new tokens for a policy without an append "
-                                        "graph (h2o, raas), or a forward compiled without the cache's backend")
-    device_assert(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity: "
-                                       "build it with a larger max_length (if kvpass warned that it compiled a "
-                                       "graph unchanged, the policy did not run: the warning says why)")
-    device_assert(count[0] + q <= count[3], LIMIT)
-    idx = count[1] + torch.arange(q, device=keys.device)
-    keys.index_copy_(2, idx, k_new.to(keys.dtype))
-    values.index_copy_(2, idx, v_new.to(values.dtype))
-    pos.index_copy_(2, idx, (count[0] + torch.arange(q, device=pos.device)).to(pos.dtype).expand(
-        pos.shape[0], pos.shape[1], q).contiguous())
-    count[:2].add_(q)
+    b, hkv, q = k_new.shape[:3]
+    cap = keys.shape[2]
+    seen, filled = count[:, 0], count[:, 1]
+    device_assert((seen == filled).all(), "kvpass SlotCache: a kvpass policy compressed this cache and this call "
+                                          "was not rewritten by it: several new tokens for a policy without an "
+                                          "append graph (h2o, raas), or a forward compiled without the cache's "
+                                          "backend")
+    device_assert((filled + q <= cap).all(), "kvpass SlotCache: the sequence is longer than the cache's capacity: "
+                                             "build it with a larger max_length (if kvpass warned that it compiled "
+                                             "a graph unchanged, the policy did not run: the warning says why)")
+    device_assert((seen + q <= count[:, 3]).all(), LIMIT)
+    ar = torch.arange(q, device=keys.device)
+    idx = (filled[:, None, None] + ar).expand(b, hkv, q)
+    _put(keys, values, pos, idx, k_new, v_new, (seen[:, None, None] + ar).expand(b, hkv, q))
+    count[:, :2].add_(q)
 
 
 @slot_append.register_fake
@@ -128,9 +130,9 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if (b, hkv) != tuple(keys.shape[:2]):
         raise ValueError(f"kvpass SlotCache: a batch of {b} rows x {hkv} KV heads on a cache built for "
                          f"{keys.shape[0]} x {keys.shape[1]}; build it with batch_size={b}")
-    if length > int(count[3]):
+    if length > int(count[0, 3]):
         raise ValueError(f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
-                         f"{int(count[3])}; build it with max_length >= prompt + new tokens")
+                         f"{int(count[0, 3])}; build it with max_length >= prompt + new tokens")
     kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
     valid = runtime.key_validity(mask, b, length)
     if valid is not None:
@@ -171,7 +173,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
             if name in kept_state:
                 tensor.zero_()
                 tensor[:, :, :n].copy_(kept_state[name].gather(2, order).to(tensor.dtype))
-    count[0], count[1], count[2] = length, n, 0
+    count[:, 0], count[:, 1], count[:, 2] = length, n, 0
 
 
 @slot_prefill.register_fake
@@ -197,7 +199,7 @@ def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, prot
     writes its token over, ``capacity = budget + 1``): its next victim is already evicted for these
     tokens (-1), as on a DynamicCache."""
     b, hkv, q = k_new.shape[:3]
-    q_pos = (count[0] - count[2] + torch.arange(q, device=pos.device)).expand(b, q)
+    q_pos = (count[:, 0] - count[:, 2])[:, None] + torch.arange(q, device=pos.device)
     kv_pos = pos.long()
     if rule == RING:
         idx = torch.arange(pos.shape[-1], device=pos.device)
@@ -223,32 +225,35 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     b, hkv, q, d = k_new.shape
     cap = keys.shape[2]
     ar = torch.arange(q, device=pos.device)
-    q_pos = (count[0] - count[2] + ar).expand(b, q)
-    new_pos = q_pos[:, None, :].expand(b, hkv, q).to(pos.dtype)
-    device_assert(count[0] + q <= count[3], LIMIT)
+    q_pos = (count[:, 0] - count[:, 2])[:, None] + ar
+    device_assert((count[:, 0] + q <= count[:, 3]).all(), LIMIT)
     if rule == APPEND:
-        device_assert(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
-                                           "max_length (or max_new_tokens)")
-        slot = (count[1] + ar).clamp_max(cap - 1)
-        keys.index_copy_(2, slot, k_new.to(keys.dtype))
-        values.index_copy_(2, slot, v_new.to(values.dtype))
-        pos.index_copy_(2, slot, new_pos.contiguous())
-    else:
-        if rule == RING:
-            torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
-            slot = ring_victims(pos, protect, q)
-        # index_put_ (not scatter_): Inductor writes it in place; a scatter_ became a copy of every slot
-        rows = torch.arange(b, device=pos.device)[:, None, None]
-        heads = torch.arange(hkv, device=pos.device)[None, :, None]
-        keys.index_put_((rows, heads, slot), k_new.to(keys.dtype))
-        values.index_put_((rows, heads, slot), v_new.to(values.dtype))
-        pos.index_put_((rows, heads, slot), new_pos)
-    count[:2].add_(q)
+        device_assert((count[:, 1] + q <= cap).all(), "kvpass SlotCache: the cache is full; build it with a "
+                                                      "larger max_length (or max_new_tokens)")
+        slot = (count[:, 1, None, None] + ar).clamp_max(cap - 1).expand(b, hkv, q)
+    elif rule == RING:
+        torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
+        slot = ring_victims(pos, protect, q)
+    _put(keys, values, pos, slot, k_new, v_new, q_pos[:, None, :].expand(b, hkv, q))
+    count[:, :2].add_(q)
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
-        count[1:2].clamp_(max=cap)
+        count[:, 1:2].clamp_(max=cap)
     elif rule == PLACED:  # the read covers every slot up to the highest one written
-        count[1:2] = torch.maximum(count[1] - q, slot.max() + 1)
-    return q_pos, count[1].expand(b).to(torch.int32)
+        count[:, 1] = torch.maximum(count[:, 1] - q, slot.amax(dim=(1, 2)) + 1)
+    return q_pos, count[:, 1].to(torch.int32)
+
+
+def _put(keys: Tensor, values: Tensor, pos: Tensor, slot: Tensor, k_new: Tensor, v_new: Tensor,
+         new_pos: Tensor) -> None:
+    """Write the new tokens ``[B, H_kv, q, D]`` into ``slot [B, H_kv, q]`` of each (row, KV head), with
+    their positions. ``index_put_`` (not ``scatter_``): Inductor writes it in place, where a ``scatter_``
+    became a copy of every slot."""
+    b, hkv = slot.shape[:2]
+    rows = torch.arange(b, device=pos.device)[:, None, None]
+    heads = torch.arange(hkv, device=pos.device)[None, :, None]
+    keys.index_put_((rows, heads, slot), k_new.to(keys.dtype))
+    values.index_put_((rows, heads, slot), v_new.to(values.dtype))
+    pos.index_put_((rows, heads, slot), new_pos.to(pos.dtype))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,7 +318,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
-        self.count = torch.tensor([0, 0, 0, limit], dtype=torch.int64, device=device)
+        self.count = torch.tensor([[0, 0, 0, limit]] * batch, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
         self.state = [torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
@@ -347,7 +352,7 @@ class SlotLayer(CacheLayerMixin):
         self.values[:, :, :k].copy_(values)
         self.pos.fill_(-1)
         self.pos[:, :, :k].copy_(pos)
-        self.count.copy_(torch.tensor([seen, k, 0, limit]))
+        self.count.copy_(torch.tensor([seen, k, 0, limit]))   # every row
         self.filled = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -372,7 +377,7 @@ class SlotLayer(CacheLayerMixin):
         return (query_length if not self.filled else self.read_length), 0
 
     def get_seq_length(self) -> Tensor | int:
-        return self.count[0] if self.filled else 0
+        return self.count[0, 0] if self.filled else 0   # generate's rows share one length
 
     def get_max_length(self) -> int:
         return self.capacity
@@ -382,7 +387,7 @@ class SlotLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.pos.fill_(-1)
-        self.count[:3].zero_()
+        self.count[:, :3].zero_()
         for t, fill in zip(self.state, self._fills):
             t.fill_(fill)
         self.filled = False
@@ -475,7 +480,7 @@ class SlotCache(Cache):
     @property
     def seen(self) -> int:
         """Tokens the sequence has seen (a host sync; for inspection, not for the decode loop)."""
-        return int(self.layers[0].count[0])
+        return int(self.layers[0].count[0, 0])
 
     def positions(self, layer: int) -> Tensor:
         """``[B, H_kv, C]`` true position of each slot of ``layer`` (-1 = empty)."""
