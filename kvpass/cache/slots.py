@@ -392,6 +392,17 @@ class SlotLayer(CacheLayerMixin):
             t.fill_(fill)
         self.filled = False
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every per-row tensor of the layer: slots, positions, counters, the policy's state."""
+        return (self.keys, self.values, self.pos, self.count, *self.state)
+
+    def reset_row(self, row: int) -> None:
+        """Empty one row (positions -1, counters 0, the policy's state at its fill); the others keep theirs."""
+        self.pos[row].fill_(-1)
+        self.count[row, :3].zero_()
+        for t, fill in zip(self.state, self._fills):
+            t[row].fill_(fill)
+
     def reorder_cache(self, beam_idx: Tensor) -> None:
         raise NotImplementedError("kvpass SlotCache does not support beam search yet")
 
@@ -477,6 +488,37 @@ class SlotCache(Cache):
         return (batch_size == self.layers[0].keys.shape[0] and max_length <= self.max_length and
                 all(need <= have for need, have in zip(self._capacities(max_length, max_new_tokens), self.capacities)))
 
+    def admit(self, row: int, other: "SlotCache", source: int = 0) -> None:
+        """Row ``row`` takes row ``source`` of ``other``, a cache of the same policy configuration and
+        capacities whose prefill has run (a batch-1 cache that prefilled one request): its slots, positions,
+        counters and the policy's state are copied in place (static addresses: a recorded CUDA graph of this
+        cache's decode step stays valid), and the other rows keep theirs. After it this cache decodes
+        (``forward`` with one token per row and each row's own ``position_ids``, ``kvpass.serve``)."""
+        mine, theirs = self.layers[0], other.layers[0]
+        if not 0 <= row < mine.keys.shape[0]:
+            raise ConfigError(f"SlotCache.admit: parameter 'row' must be in 0..{mine.keys.shape[0] - 1}, got {row}")
+        if (other.capacities != self.capacities or mine.spec != theirs.spec or other.max_length != self.max_length
+                or mine.keys.dtype != theirs.keys.dtype or mine.keys.shape[1:] != theirs.keys.shape[1:]):
+            raise ConfigError("SlotCache.admit: the two caches differ (policy configuration, capacities, max_length, "
+                              "dtype or heads); build both for the same model and backend with the same max_length "
+                              "and max_new_tokens")
+        if not theirs.filled:
+            raise ConfigError("SlotCache.admit: the source cache has not been prefilled")
+        for a, b in zip(self.layers, other.layers):
+            for mine_t, theirs_t in zip(a.tensors(), b.tensors()):
+                mine_t[row].copy_(theirs_t[source])
+            a.filled = True
+
+    def reset_row(self, row: int) -> None:
+        """Empty row ``row`` of every layer (the others keep decoding)."""
+        for lay in self.layers:
+            lay.reset_row(row)
+
+    def row_positions(self) -> Tensor:
+        """``[B, 1]`` int64 on the device: each row's next position as the model counts it (tokens seen,
+        padding included), the ``position_ids`` of a decode step whose rows have different lengths."""
+        return self.layers[0].count[:, :1].clone()
+
     @property
     def seen(self) -> int:
         """Tokens the sequence has seen (a host sync; for inspection, not for the decode loop)."""
@@ -489,7 +531,7 @@ class SlotCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""
         return sum(t.numel() * t.element_size() for lay in self.layers
-                   for t in (lay.keys, lay.values, lay.pos, lay.count, *lay.state))
+                   for t in lay.tensors())
 
     def reset(self) -> None:
         for lay in self.layers:
