@@ -619,7 +619,7 @@ def _stamp_args(fill: int):
     gen = torch.Generator().manual_seed(fill)
     a, c = torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
     meta = torch.tensor([2, fill, 1, -1]).repeat(2, 2, 1)
-    return (torch.randn(2, 4, 8, generator=gen), torch.randn(2, 2, 8, generator=gen), torch.tensor([40, 0, 0]),
+    return (torch.randn(2, 4, 8, generator=gen), torch.randn(2, 2, 8, generator=gen), torch.tensor([[40, 0, 0, 1 << 40], [41, 0, 0, 1 << 40]]),
             torch.minimum(a, c), torch.maximum(a, c), torch.ones(2, 2, 5, dtype=torch.bool),
             torch.randint(0, 40, (2, 2, 5), generator=gen), torch.arange(5).repeat(2, 2, 1), meta,
             torch.full((2, 2), 39), 4, 0.1)

@@ -274,7 +274,7 @@ def _stamp_tables(gen, b, hkv, g, d, pages, first, fill, live_p, dtype):
     cur = (first + torch.randint(0, 3, (b, hkv), generator=gen)).clamp_max(pages - 1)
     live.scatter_(2, cur[..., None], True)
     meta = torch.stack([cur, torch.full_like(cur, fill), torch.full_like(cur, first), torch.full_like(cur, -1)], -1)
-    return dict(q=q, k_new=k_new, count=torch.tensor([now, 0, 0]), kmin=torch.minimum(x, y).to(dtype),
+    return dict(q=q, k_new=k_new, count=torch.tensor([[now + i, 0, 0, 1 << 40] for i in range(b)]), kmin=torch.minimum(x, y).to(dtype),
                 kmax=torch.maximum(x, y).to(dtype), live=live, ts=ts, born=born, meta=meta,
                 seen=torch.full((b, hkv), 999))
 
@@ -324,13 +324,13 @@ def test_raas_stamp_reference_evicts_the_oldest_decode_page():
     tables = dict(kmin=kmin, kmax=kmax, live=torch.tensor([[[True] * 5 + [False]]]),
                   ts=torch.tensor([[[1, 9, 7, 3, 8, 0]]]), born=torch.tensor([[[0, 1, 5, 6, 7, -1]]]),
                   meta=torch.tensor([[[4, 15, 2, -1]]]), seen=torch.tensor([[99]]))
-    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([100, 0, 0]),
+    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[100, 0, 0, 1 << 40]]),
                             *tables.values(), 3, 0.5)
     assert tables["ts"].tolist() == [[[1, 9, 100, 100, 8, 0]]]   # page 2 stamped, page 3 taken now
     assert tables["born"].tolist() == [[[0, 1, 5, 100, 7, -1]]]
     assert tables["meta"].tolist() == [[[3, 0, 2, 3]]] and tables["seen"].tolist() == [[100]]
     tables["live"][..., 5], tables["meta"][..., 1] = True, 15  # page 3 full too, the pool has no free page
-    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([101, 0, 0]),
+    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[101, 0, 0, 1 << 40]]),
                             *tables.values(), 5, 0.5)  # a window of 5 from page 2 runs past the 6-page pool
     assert tables["seen"].tolist() == [[RS.OVERFLOW]]  # an eviction from 4 of 5 decode pages: marked
 

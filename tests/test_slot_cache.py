@@ -483,7 +483,7 @@ def test_write_slots_ring_rule():
     pos = torch.tensor([[[0, 1, 5, 3, -1, 4], [0, 1, 5, 3, 7, 4]],
                         [[-1, -1, -1, -1, -1, -1], [2, 0, 6, 9, 8, 7]]], dtype=torch.int32)
     keys, values = torch.zeros(2, 2, cap, d), torch.zeros(2, 2, cap, d)
-    count = torch.tensor([20, cap, 0, 1 << 40])
+    count = torch.tensor([[20, cap, 0, 1 << 40]] * 2)
     k_new, v_new = torch.ones(2, 2, 1, d), torch.full((2, 2, 1, d), 2.0)
     p = pos.clone()
     q_pos, kv_len = write_slots(keys, values, p, count, k_new, v_new, RING, protect)
@@ -496,20 +496,20 @@ def test_write_slots_ring_rule():
             assert p[b, h].tolist() == expect.tolist(), (b, h)
             assert keys[b, h, v].eq(1).all() and values[b, h, v].eq(2).all()
             assert keys[b, h].sum() == d                                 # nothing else written
-    assert q_pos.tolist() == [[20], [20]] and kv_len.tolist() == [cap, cap] and count[:3].tolist() == [21, cap, 0]
+    assert q_pos.tolist() == [[20], [20]] and kv_len.tolist() == [cap, cap] and count[:, :3].tolist() == [[21, cap, 0]] * 2
     # two tokens at once: (row 0, head 0) takes its empty slot and then the oldest (pos 3)
     p = pos.clone()
-    write_slots(keys, values, p, torch.tensor([20, cap, 0, 1 << 40]), torch.ones(2, 2, 2, d), torch.ones(2, 2, 2, d), RING,
+    write_slots(keys, values, p, torch.tensor([[20, cap, 0, 1 << 40]] * 2), torch.ones(2, 2, 2, d), torch.ones(2, 2, 2, d), RING,
                 protect)
     assert sorted(p[0, 0].tolist()) == [0, 1, 4, 5, 20, 21] and p[0, 0, :2].tolist() == [0, 1]
     assert sorted(p[1, 1].tolist()) == [0, 2, 8, 9, 20, 21] and p[1, 1, :2].tolist() == [2, 0]
     # the append rule: the next free slot, whatever the positions say; a renumbering prefill's shift
     # (count[2]) moves the token's position back and stays
     p = torch.full((1, 1, cap), -1, dtype=torch.int32)
-    keys, count = torch.zeros(1, 1, cap, d), torch.tensor([7, 2, 3, 1 << 40])
+    keys, count = torch.zeros(1, 1, cap, d), torch.tensor([[7, 2, 3, 1 << 40]])
     q_pos, _ = write_slots(keys, keys.clone(), p, count, torch.ones(1, 1, 1, d), torch.ones(1, 1, 1, d), APPEND, 0)
     assert p[0, 0].tolist() == [-1, -1, 4, -1, -1, -1] and keys[0, 0, 2].eq(1).all()
-    assert q_pos.tolist() == [[4]] and count[:3].tolist() == [8, 3, 3]
+    assert q_pos.tolist() == [[4]] and count[0, :3].tolist() == [8, 3, 3]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -891,7 +891,7 @@ B, HKV, H, D = 2, 2, 4, 8
 
 def _slots(cap: int):
     return (torch.zeros(B, HKV, cap, D), torch.zeros(B, HKV, cap, D), torch.full((B, HKV, cap), -1, dtype=torch.int32),
-            torch.tensor([0, 0, 0, 1 << 40]))
+            torch.tensor([[0, 0, 0, 1 << 40]] * B))
 
 
 def test_opcheck_slot_append():
@@ -903,7 +903,7 @@ def test_opcheck_slot_append():
     keys, values, pos, count = _slots(8)
     torch.ops.kvpass.slot_append(keys, values, pos, count, k_new, v_new, [])
     torch.ops.kvpass.slot_append(keys, values, pos, count, k_new[:, :, :1], v_new[:, :, :1], [])
-    assert count[:3].tolist() == [4, 4, 0] and pos[0, 0].tolist() == [0, 1, 2, 0 + 3, -1, -1, -1, -1]
+    assert (count[:, :3] == torch.tensor([4, 4, 0])).all() and pos[0, 0].tolist() == [0, 1, 2, 0 + 3, -1, -1, -1, -1]
     assert torch.equal(keys[:, :, :3], k_new) and torch.equal(values[:, :, 3], v_new[:, :, 0])
 
 
@@ -933,7 +933,7 @@ def test_opcheck_slot_prefill(rt, padded):
     args = (keys, values, pos, count, [], q, k_new, v_new, mask, rt.handle, 0)
     torch.library.opcheck(torch.ops.kvpass.slot_prefill, args)
     torch.ops.kvpass.slot_prefill(*args)
-    assert count[:3].tolist() == [n, BUDGET, 0]
+    assert (count[:, :3] == torch.tensor([n, BUDGET, 0])).all()
     assert pos[0, 0].tolist() == [0, 1] + list(range(n - BUDGET + SINKS, n)) + [-1]
     assert torch.equal(keys[0, :, :SINKS], k_new[0, :, :SINKS]) and torch.equal(values[0, :, 2:BUDGET], v_new[0, :, 7:])
     if padded:

@@ -64,7 +64,7 @@ def generate(model, name: str, cache_kind: str) -> dict:
             tokens.append(int(nxt))
             logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
     if cache_kind == "slot":
-        kept = [int(layer.count[1]) for layer in cache.layers]
+        kept = [int(layer.count[0, 1]) for layer in cache.layers]
         held = [layer.pos for layer in cache.layers]
     else:
         kept = [int(layer.keys.shape[-2]) for layer in cache.layers]

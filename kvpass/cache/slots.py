@@ -5,11 +5,12 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
 * ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
   (left padding and evicted slots too);
-* ``count`` ``[4]`` int64: tokens seen (padding included, the index HF's masks count in), slots
-  filled in order (the append layout's next free slot), the positions a renumbering prefill
-  dropped (``gemfilter``: ``L - n``, else 0): the next token's position is ``count[0] - count[2]``;
-  and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule (a ring
-  would otherwise wrap over entries its policy keeps).
+* ``count`` ``[B, 4]`` int64, per row: tokens seen (padding included, the index HF's masks count in),
+  slots filled in order (the append layout's next free slot), the positions a renumbering prefill
+  dropped (``gemfilter``: ``L - n``, else 0): the row's next token's position is ``count[b, 0] -
+  count[b, 2]``; and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule
+  (a ring would otherwise wrap over entries its policy keeps). ``generate`` keeps the rows of a batch
+  at one length; the counts are per row so that a row can be emptied and refilled on its own.
 
 * ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
   kept by tensor code the rewrite places in the graphs (``Policy.slot_hooks``).
@@ -87,20 +88,21 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"forward that was compiled so gets here when its graph broke between the attention and the cache "
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
             f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
-    q, cap = k_new.shape[2], keys.shape[2]
-    device_assert(count[0] == count[1], "kvpass SlotCache: a kvpass policy compressed this cache and this call "
-                                        "was not rewritten by it: several new tokens for a policy without an append "
-                                        "graph (h2o, raas), or a forward compiled without the cache's backend")
-    device_assert(count[1] + q <= cap, "kvpass SlotCache: the sequence is longer than the cache's capacity: "
-                                       "build it with a larger max_length (if kvpass warned that it compiled a "
-                                       "graph unchanged, the policy did not run: the warning says why)")
-    device_assert(count[0] + q <= count[3], LIMIT)
-    idx = count[1] + torch.arange(q, device=keys.device)
-    keys.index_copy_(2, idx, k_new.to(keys.dtype))
-    values.index_copy_(2, idx, v_new.to(values.dtype))
-    pos.index_copy_(2, idx, (count[0] + torch.arange(q, device=pos.device)).to(pos.dtype).expand(
-        pos.shape[0], pos.shape[1], q).contiguous())
-    count[:2].add_(q)
+    b, hkv, q = k_new.shape[:3]
+    cap = keys.shape[2]
+    seen, filled = count[:, 0], count[:, 1]
+    device_assert((seen == filled).all(), "kvpass SlotCache: a kvpass policy compressed this cache and this call "
+                                          "was not rewritten by it: several new tokens for a policy without an "
+                                          "append graph (h2o, raas), or a forward compiled without the cache's "
+                                          "backend")
+    device_assert((filled + q <= cap).all(), "kvpass SlotCache: the sequence is longer than the cache's capacity: "
+                                             "build it with a larger max_length (if kvpass warned that it compiled "
+                                             "a graph unchanged, the policy did not run: the warning says why)")
+    device_assert((seen + q <= count[:, 3]).all(), LIMIT)
+    ar = torch.arange(q, device=keys.device)
+    idx = (filled[:, None, None] + ar).expand(b, hkv, q)
+    _put(keys, values, pos, idx, k_new, v_new, (seen[:, None, None] + ar).expand(b, hkv, q))
+    count[:, :2].add_(q)
 
 
 @slot_append.register_fake
@@ -128,9 +130,9 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if (b, hkv) != tuple(keys.shape[:2]):
         raise ValueError(f"kvpass SlotCache: a batch of {b} rows x {hkv} KV heads on a cache built for "
                          f"{keys.shape[0]} x {keys.shape[1]}; build it with batch_size={b}")
-    if length > int(count[3]):
+    if length > int(count[0, 3]):
         raise ValueError(f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
-                         f"{int(count[3])}; build it with max_length >= prompt + new tokens")
+                         f"{int(count[0, 3])}; build it with max_length >= prompt + new tokens")
     kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
     valid = runtime.key_validity(mask, b, length)
     if valid is not None:
@@ -171,7 +173,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
             if name in kept_state:
                 tensor.zero_()
                 tensor[:, :, :n].copy_(kept_state[name].gather(2, order).to(tensor.dtype))
-    count[0], count[1], count[2] = length, n, 0
+    count[:, 0], count[:, 1], count[:, 2] = length, n, 0
 
 
 @slot_prefill.register_fake
@@ -197,7 +199,7 @@ def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, prot
     writes its token over, ``capacity = budget + 1``): its next victim is already evicted for these
     tokens (-1), as on a DynamicCache."""
     b, hkv, q = k_new.shape[:3]
-    q_pos = (count[0] - count[2] + torch.arange(q, device=pos.device)).expand(b, q)
+    q_pos = (count[:, 0] - count[:, 2])[:, None] + torch.arange(q, device=pos.device)
     kv_pos = pos.long()
     if rule == RING:
         idx = torch.arange(pos.shape[-1], device=pos.device)
@@ -223,32 +225,35 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     b, hkv, q, d = k_new.shape
     cap = keys.shape[2]
     ar = torch.arange(q, device=pos.device)
-    q_pos = (count[0] - count[2] + ar).expand(b, q)
-    new_pos = q_pos[:, None, :].expand(b, hkv, q).to(pos.dtype)
-    device_assert(count[0] + q <= count[3], LIMIT)
+    q_pos = (count[:, 0] - count[:, 2])[:, None] + ar
+    device_assert((count[:, 0] + q <= count[:, 3]).all(), LIMIT)
     if rule == APPEND:
-        device_assert(count[1] + q <= cap, "kvpass SlotCache: the cache is full; build it with a larger "
-                                           "max_length (or max_new_tokens)")
-        slot = (count[1] + ar).clamp_max(cap - 1)
-        keys.index_copy_(2, slot, k_new.to(keys.dtype))
-        values.index_copy_(2, slot, v_new.to(values.dtype))
-        pos.index_copy_(2, slot, new_pos.contiguous())
-    else:
-        if rule == RING:
-            torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
-            slot = ring_victims(pos, protect, q)
-        # index_put_ (not scatter_): Inductor writes it in place; a scatter_ became a copy of every slot
-        rows = torch.arange(b, device=pos.device)[:, None, None]
-        heads = torch.arange(hkv, device=pos.device)[None, :, None]
-        keys.index_put_((rows, heads, slot), k_new.to(keys.dtype))
-        values.index_put_((rows, heads, slot), v_new.to(values.dtype))
-        pos.index_put_((rows, heads, slot), new_pos)
-    count[:2].add_(q)
+        device_assert((count[:, 1] + q <= cap).all(), "kvpass SlotCache: the cache is full; build it with a "
+                                                      "larger max_length (or max_new_tokens)")
+        slot = (count[:, 1, None, None] + ar).clamp_max(cap - 1).expand(b, hkv, q)
+    elif rule == RING:
+        torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
+        slot = ring_victims(pos, protect, q)
+    _put(keys, values, pos, slot, k_new, v_new, q_pos[:, None, :].expand(b, hkv, q))
+    count[:, :2].add_(q)
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
-        count[1:2].clamp_(max=cap)
+        count[:, 1:2].clamp_(max=cap)
     elif rule == PLACED:  # the read covers every slot up to the highest one written
-        count[1:2] = torch.maximum(count[1] - q, slot.max() + 1)
-    return q_pos, count[1].expand(b).to(torch.int32)
+        count[:, 1] = torch.maximum(count[:, 1] - q, slot.amax(dim=(1, 2)) + 1)
+    return q_pos, count[:, 1].to(torch.int32)
+
+
+def _put(keys: Tensor, values: Tensor, pos: Tensor, slot: Tensor, k_new: Tensor, v_new: Tensor,
+         new_pos: Tensor) -> None:
+    """Write the new tokens ``[B, H_kv, q, D]`` into ``slot [B, H_kv, q]`` of each (row, KV head), with
+    their positions. ``index_put_`` (not ``scatter_``): Inductor writes it in place, where a ``scatter_``
+    became a copy of every slot."""
+    b, hkv = slot.shape[:2]
+    rows = torch.arange(b, device=pos.device)[:, None, None]
+    heads = torch.arange(hkv, device=pos.device)[None, :, None]
+    keys.index_put_((rows, heads, slot), k_new.to(keys.dtype))
+    values.index_put_((rows, heads, slot), v_new.to(values.dtype))
+    pos.index_put_((rows, heads, slot), new_pos.to(pos.dtype))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,7 +318,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
-        self.count = torch.tensor([0, 0, 0, limit], dtype=torch.int64, device=device)
+        self.count = torch.tensor([[0, 0, 0, limit]] * batch, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
         self.state = [torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
@@ -347,7 +352,7 @@ class SlotLayer(CacheLayerMixin):
         self.values[:, :, :k].copy_(values)
         self.pos.fill_(-1)
         self.pos[:, :, :k].copy_(pos)
-        self.count.copy_(torch.tensor([seen, k, 0, limit]))
+        self.count.copy_(torch.tensor([seen, k, 0, limit]))   # every row
         self.filled = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -372,7 +377,7 @@ class SlotLayer(CacheLayerMixin):
         return (query_length if not self.filled else self.read_length), 0
 
     def get_seq_length(self) -> Tensor | int:
-        return self.count[0] if self.filled else 0
+        return self.count[0, 0] if self.filled else 0   # generate's rows share one length
 
     def get_max_length(self) -> int:
         return self.capacity
@@ -382,10 +387,21 @@ class SlotLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.pos.fill_(-1)
-        self.count[:3].zero_()
+        self.count[:, :3].zero_()
         for t, fill in zip(self.state, self._fills):
             t.fill_(fill)
         self.filled = False
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every per-row tensor of the layer: slots, positions, counters, the policy's state."""
+        return (self.keys, self.values, self.pos, self.count, *self.state)
+
+    def reset_row(self, row: int) -> None:
+        """Empty one row (positions -1, counters 0, the policy's state at its fill); the others keep theirs."""
+        self.pos[row].fill_(-1)
+        self.count[row, :3].zero_()
+        for t, fill in zip(self.state, self._fills):
+            t[row].fill_(fill)
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         raise NotImplementedError("kvpass SlotCache does not support beam search yet")
@@ -472,10 +488,41 @@ class SlotCache(Cache):
         return (batch_size == self.layers[0].keys.shape[0] and max_length <= self.max_length and
                 all(need <= have for need, have in zip(self._capacities(max_length, max_new_tokens), self.capacities)))
 
+    def admit(self, row: int, other: "SlotCache", source: int = 0) -> None:
+        """Row ``row`` takes row ``source`` of ``other``, a cache of the same policy configuration and
+        capacities whose prefill has run (a batch-1 cache that prefilled one request): its slots, positions,
+        counters and the policy's state are copied in place (static addresses: a recorded CUDA graph of this
+        cache's decode step stays valid), and the other rows keep theirs. After it this cache decodes
+        (``forward`` with one token per row and each row's own ``position_ids``, ``kvpass.serve``)."""
+        mine, theirs = self.layers[0], other.layers[0]
+        if not 0 <= row < mine.keys.shape[0]:
+            raise ConfigError(f"SlotCache.admit: parameter 'row' must be in 0..{mine.keys.shape[0] - 1}, got {row}")
+        if (other.capacities != self.capacities or mine.spec != theirs.spec or other.max_length != self.max_length
+                or mine.keys.dtype != theirs.keys.dtype or mine.keys.shape[1:] != theirs.keys.shape[1:]):
+            raise ConfigError("SlotCache.admit: the two caches differ (policy configuration, capacities, max_length, "
+                              "dtype or heads); build both for the same model and backend with the same max_length "
+                              "and max_new_tokens")
+        if not theirs.filled:
+            raise ConfigError("SlotCache.admit: the source cache has not been prefilled")
+        for a, b in zip(self.layers, other.layers):
+            for mine_t, theirs_t in zip(a.tensors(), b.tensors()):
+                mine_t[row].copy_(theirs_t[source])
+            a.filled = True
+
+    def reset_row(self, row: int) -> None:
+        """Empty row ``row`` of every layer (the others keep decoding)."""
+        for lay in self.layers:
+            lay.reset_row(row)
+
+    def row_positions(self) -> Tensor:
+        """``[B, 1]`` int64 on the device: each row's next position as the model counts it (tokens seen,
+        padding included), the ``position_ids`` of a decode step whose rows have different lengths."""
+        return self.layers[0].count[:, :1].clone()
+
     @property
     def seen(self) -> int:
         """Tokens the sequence has seen (a host sync; for inspection, not for the decode loop)."""
-        return int(self.layers[0].count[0])
+        return int(self.layers[0].count[0, 0])
 
     def positions(self, layer: int) -> Tensor:
         """``[B, H_kv, C]`` true position of each slot of ``layer`` (-1 = empty)."""
@@ -484,7 +531,7 @@ class SlotCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""
         return sum(t.numel() * t.element_size() for lay in self.layers
-                   for t in (lay.keys, lay.values, lay.pos, lay.count, *lay.state))
+                   for t in lay.tensors())
 
     def reset(self) -> None:
         for lay in self.layers:

@@ -86,6 +86,14 @@ def shift_passed_positions(gm: fx.GraphModule, sites, handle: int) -> list[str]:
     return done
 
 
+def row_shift(count: Tensor, positions: Tensor) -> Tensor:
+    """The positions a renumbering prefill dropped (``count[:, 2]``), shaped to move ``positions``: per row
+    for ``[B, q]`` position ids, else the first row's (a batch prefilled together shares it)."""
+    if positions.dim() == 2 and positions.shape[0] == count.shape[0]:
+        return count[:, 2, None]
+    return count[0, 2]
+
+
 def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     """Decode/append graphs of a renumbering policy on a ``kvpass.SlotCache``: the cache counts every
     token of the prompt (``generate`` and a bare ``forward`` derive positions from it) and holds the
@@ -105,7 +113,7 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     for pos in dict.fromkeys(view_root(s.positions)[0] for s in sites if s.positions is not None):
         # (passed-in positions are an input that may come before the counters' input)
         with graph.inserting_after(max(pos, count, key=order.__getitem__)):
-            shift = graph.call_function(operator.getitem, (count, 2))
+            shift = graph.call_function(row_shift, (count, pos))
         with graph.inserting_after(shift):
             moved = graph.call_function(operator.sub, (pos, shift))
         pos.replace_all_uses_with(moved, delete_user_cb=lambda u: u not in (moved, shift))
@@ -528,7 +536,7 @@ class GatedGraph:
             if layer in self.slots:    # a SlotCache layer: its slots hold local indices 0..n-1 in order
                 pos, count = (env[x] for x in self.slots[layer])
                 pos.copy_(_true_of(pos, true))
-                count[0], count[2] = seen + shift, shift
+                count[:, 0], count[:, 2] = seen + shift, shift
                 continue
             ls = st.layer(layer)
             if ls is None:

@@ -102,15 +102,15 @@ def slot_victim(pos, count, state: list, softcap: float, recent: int):
     then the least accumulated attention outside the ``recent`` latest tokens, the latest such on a tie."""
     (acc,) = state
     cap = pos.shape[-1]
-    nxt = count[0] - count[2]                       # the new token's position
+    nxt = (count[:, 0] - count[:, 2])[:, None, None]   # each row's new token's position
     held = pos.long()
     old = (held >= 0) & (held < nxt - recent)      # evictable real entries (the recent window stays)
     score = torch.where(held < 0, float("-inf"), torch.where(old, acc, float("inf")))
     low = score.amin(-1, keepdim=True)
     tied = score == low
     victim = torch.where(tied, held, torch.iinfo(torch.int64).min).argmax(-1, keepdim=True)  # the latest
-    free = count[1].expand_as(victim)
-    slot = torch.where(count[1] < cap, free, victim)
+    filled = count[:, 1, None, None]
+    slot = torch.where(filled < cap, filled.expand_as(victim), victim)
     acc.scatter_(-1, slot, 0.0)                      # the new token starts with no attention received
     return slot
 
@@ -118,6 +118,5 @@ def slot_victim(pos, count, state: list, softcap: float, recent: int):
 def slot_attend(q, keys, pos, count, state: list, k_new, softcap: float, recent: int) -> None:
     """After a decode step's write: every slot's score gains the attention the step's token gave it."""
     (acc,) = state
-    b = keys.shape[0]
-    q_pos = (count[0] - count[2] - 1).expand(b, 1).contiguous()
+    q_pos = (count[:, 0] - count[:, 2] - 1)[:, None].contiguous()
     acc.add_(torch.ops.kvpass.window_scores(q, keys, pos.long(), q_pos, 1.0, softcap))

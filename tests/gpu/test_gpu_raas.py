@@ -98,14 +98,14 @@ def test_raas_stamp_kernels_equal_reference(b, h, hkv, pages, window, d, fill):
                   seen=torch.full((b, hkv), 4999, device=DEV))
     q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * 2 * d ** -0.5).bfloat16()[:, :, -1]
     k_new = torch.randn(b, hkv, d, device=DEV, generator=g).bfloat16()
-    args = (q, k_new, torch.tensor([5000, 0, 0], device=DEV))
+    args = (q, k_new, torch.tensor([[5000 + i, 0, 0, 1 << 40] for i in range(b)], device=DEV))   # rows' own counts
     ref, got, op = ({k: v.clone() for k, v in tables.items()} for _ in range(3))
     RS.raas_stamp_reference(*args, *ref.values(), window, 1e-3)
     RS.raas_stamp_triton(*args, *got.values(), window, 1e-3)
     torch.ops.kvpass.raas_stamp(*args, *op.values(), window, 1e-3)
     assert all(torch.equal(op[k], got[k]) for k in tables)
     assert torch.equal(got["kmin"], ref["kmin"]) and torch.equal(got["kmax"], ref["kmax"])
-    assert bool((ref["ts"] == 5000).any())  # some pages were stamped
+    assert bool((ref["ts"] >= 5000).any())  # some pages were stamped
     flips = (got["ts"] != ref["ts"]).sum().item()  # a share within rounding of alpha may flip
     assert flips <= max(2, ref["ts"].numel() // 10000)
     if flips == 0:

@@ -56,7 +56,8 @@ def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, 
                          ts: Tensor, born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int,
                          alpha: float) -> None:
     """In place, as the module docstring: ``q [B, H, D]`` (the step's queries), ``k_new [B, H_kv, D]``,
-    ``count`` the SlotCache's counters (``count[0]`` tokens seen), tables ``[B, H_kv, P(, D)]``."""
+    ``count`` the SlotCache's counters ``[B, 4]`` (``count[b, 0]`` tokens row ``b`` has seen), tables
+    ``[B, H_kv, P(, D)]``."""
     b, hkv, pages, _ = kmin.shape
     g = q.shape[1] // hkv
     cur, fill, first = meta[..., 0], meta[..., 1], meta[..., 2]
@@ -67,7 +68,7 @@ def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, 
     kmin.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.minimum(kmin[rows, heads, cur], knew)))
     kmax.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.maximum(kmax[rows, heads, cur], knew)))
     fill = fill + 1
-    now = count[0]
+    now = count[:, 0, None, None]   # [B, 1, 1]
     ub = page_bounds_reference(q, kmin, kmax).masked_fill(~live.repeat_interleave(g, 1), float("-inf"))
     share = (ub - torch.logsumexp(ub, -1, keepdim=True)).exp()  # NaN for a row with no live page: no stamp
     idx = torch.arange(pages, device=q.device)
@@ -88,7 +89,7 @@ def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, 
     ts.copy_(torch.where(take, now, stamped))
     born.copy_(torch.where(take, now, born))
     meta.copy_(torch.stack([nxt, torch.where(new_page, 0, fill), first, torch.where(evict, victim, -1)], -1))
-    seen.copy_(torch.where(evict & (first + decode_pages > pages), OVERFLOW, now))
+    seen.copy_(torch.where(evict & (first + decode_pages > pages), OVERFLOW, now[..., 0]))
 
 
 if triton is not None:
@@ -129,7 +130,7 @@ if triton is not None:
             tl.store(Ub + (bh * G + j) * n_pages + pi, ub, mask=pm)
 
     @triton.jit(do_not_specialize=["n_pages"])
-    def _kvpass_raas_plan(Ub, Count, Live, Ts, Born, Meta, Seen, n_pages, alpha, W: tl.constexpr,
+    def _kvpass_raas_plan(Ub, Count, Live, Ts, Born, Meta, Seen, n_pages, alpha, W: tl.constexpr, HKV: tl.constexpr,
                           G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         gi = tl.arange(0, G_PAD)
@@ -147,7 +148,7 @@ if triton is not None:
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(ub - m_safe[:, None]), axis=1)
             m = m_new
         lse = tl.where(m == float("-inf"), float("inf"), m + tl.log(tl.maximum(s, 1.0)))  # no live page: shares 0
-        now = tl.load(Count)
+        now = tl.load(Count + (bh // HKV) * 4)   # the row's tokens seen
         cur = tl.load(Meta + bh * 4)
         fill = tl.load(Meta + bh * 4 + 1) + 1
         first = tl.load(Meta + bh * 4 + 2)
@@ -215,5 +216,5 @@ def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kma
         num_warps=warps)
     g_pad = pow2(g, 1)
     wrap(_kvpass_raas_plan)[(b * hkv,)](
-        ub, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages, G=g, G_PAD=g_pad,
+        ub, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages, HKV=hkv, G=g, G_PAD=g_pad,
         BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)), BLOCK_W=min(block_w, pow2(decode_pages)))
