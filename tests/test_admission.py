@@ -8,8 +8,6 @@ policy with a SlotCache decode, at its no-op setting and at a demanding one.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -25,22 +23,18 @@ def ids_of(n: int) -> torch.Tensor:
     return torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n))
 
 
-def cache_kwarg(model) -> str:
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def prefill(model, staging, ids) -> torch.Tensor:
     """The request's first token (greedy), its prompt in ``staging``'s row 0."""
     staging.reset()
-    return model(input_ids=ids, use_cache=True, **{cache_kwarg(model): staging}).logits[:, -1].argmax(-1)
+    return model(input_ids=ids, use_cache=True, **{model.generate.cache_kwarg: staging}).logits[:, -1].argmax(-1)
 
 
 @torch.no_grad()
 def step(model, cache, tokens) -> torch.Tensor:
     """One decode step of every row (each at its own position): the next tokens ``[B]``."""
     out = model(input_ids=tokens[:, None], position_ids=cache.row_positions(), use_cache=True,
-                **{cache_kwarg(model): cache})
+                **{model.generate.cache_kwarg: cache})
     return out.logits[:, -1].argmax(-1)
 
 

@@ -181,6 +181,12 @@ def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, toke
     return None
 
 
+def next_positions(count: Tensor, q: int) -> Tensor:
+    """``[B, q]``: the true positions of each row's next ``q`` tokens (tokens seen, less a renumbering
+    prefill's shift)."""
+    return (count[:, 0] - count[:, 2])[:, None] + torch.arange(q, device=count.device)
+
+
 def ring_victims(pos: Tensor, protect: int, q: int) -> Tensor:
     """``[B, H_kv, q]`` slots a ``RING`` writes ``q`` new tokens over: empty slots first (lowest index
     first), then the unprotected slots (index >= ``protect``) holding the oldest positions, protected
@@ -199,7 +205,7 @@ def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, prot
     writes its token over, ``capacity = budget + 1``): its next victim is already evicted for these
     tokens (-1), as on a DynamicCache."""
     b, hkv, q = k_new.shape[:3]
-    q_pos = (count[:, 0] - count[:, 2])[:, None] + torch.arange(q, device=pos.device)
+    q_pos = next_positions(count, q)
     kv_pos = pos.long()
     if rule == RING:
         idx = torch.arange(pos.shape[-1], device=pos.device)
@@ -225,7 +231,7 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     b, hkv, q, d = k_new.shape
     cap = keys.shape[2]
     ar = torch.arange(q, device=pos.device)
-    q_pos = (count[:, 0] - count[:, 2])[:, None] + ar
+    q_pos = next_positions(count, q)
     device_assert((count[:, 0] + q <= count[:, 3]).all(), LIMIT)
     if rule == APPEND:
         device_assert((count[:, 1] + q <= cap).all(), "kvpass SlotCache: the cache is full; build it with a "
@@ -493,7 +499,7 @@ class SlotCache(Cache):
         capacities whose prefill has run (a batch-1 cache that prefilled one request): its slots, positions,
         counters and the policy's state are copied in place (static addresses: a recorded CUDA graph of this
         cache's decode step stays valid), and the other rows keep theirs. After it this cache decodes
-        (``forward`` with one token per row and each row's own ``position_ids``, ``kvpass.serve``)."""
+        (``forward`` with one token per row and each row's own ``position_ids``: ``row_positions``)."""
         mine, theirs = self.layers[0], other.layers[0]
         if not 0 <= row < mine.keys.shape[0]:
             raise ConfigError(f"SlotCache.admit: parameter 'row' must be in 0..{mine.keys.shape[0] - 1}, got {row}")
@@ -530,8 +536,7 @@ class SlotCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""
-        return sum(t.numel() * t.element_size() for lay in self.layers
-                   for t in lay.tensors())
+        return sum(t.numel() * t.element_size() for lay in self.layers for t in lay.tensors())
 
     def reset(self) -> None:
         for lay in self.layers:

@@ -65,17 +65,16 @@ def _runtime_op(node: fx.Node) -> bool:
             and any(a.name == "handle" for a in t._schema.arguments))
 
 
-def mark_cacheable(gm: fx.GraphModule, key: str) -> list[str]:
+def mark_cacheable(gm: fx.GraphModule, key: str) -> None:
     """Let AOTAutograd's cache keep a graph that calls kvpass's own tensor functions (``write_slots``, a
     policy's ``SlotHooks``). It refuses any Python function it does not know (a second process then traced
     a 32-layer decode graph again: 30 s); torch's ``unsafe_marked_cacheable_functions`` names the ones a
     caller vouches for, with a string that joins the cache key: here kvpass's pass key (``KVPass.uuid``,
     which hashes the policy, the compiler's, ops' and cache's sources) and the function's own source.
-    Process-wide, as the setting is; it names kvpass functions only. Returns the names marked."""
+    Process-wide, as the setting is; it names kvpass functions only."""
     marked = getattr(torch._inductor.config, "unsafe_marked_cacheable_functions", None)
     if marked is None:   # a torch without the setting: the graph is simply not cached by AOTAutograd
-        return []
-    names = []
+        return
     for node in gm.graph.nodes:
         fn = node.target
         if node.op == "call_function" and inspect.isfunction(fn) and fn.__module__.startswith("kvpass."):
@@ -83,8 +82,6 @@ def mark_cacheable(gm: fx.GraphModule, key: str) -> list[str]:
             if name not in marked:
                 source = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
                 marked[name] = f"{key[:16]}-{source}"
-            names.append(name)
-    return names
 
 
 def _phase(found: _detect.Detection) -> str:
@@ -235,8 +232,7 @@ class Backend:
                 raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
                                   f"prefill graph and does not compose with other policies yet; use it alone")
         self.runtime = _runtime.Runtime(self.policy)
-        self.kvpass = KVPass(self.policy, self.runtime,   # gated prefills' segments
-                             lambda gm, example_inputs, patches=None: self._inner(gm, example_inputs, patches, self.prefill_compiler))
+        self.kvpass = KVPass(self.policy, self.runtime, self._compile_segment)
         self.reports: list[GraphReport] = []
         # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
         # run outside the policy on the cache it evicted. transformers models share one wrapper code
@@ -351,8 +347,11 @@ class Backend:
         # runtime (compile-time sites on the copy, run-time lookups by handle on the original).
         return self
 
-    def _inner(self, gm, example_inputs, patches: dict | None = None, compiler: str | None = None):
-        compiler = compiler or self.compiler
+    def _compile_segment(self, gm, example_inputs):
+        """A segment of a gated prefill (``kvpass.compiler.gate``), with the prefill's compiler."""
+        return self._inner(gm, example_inputs, None, self.prefill_compiler)
+
+    def _inner(self, gm, example_inputs, patches: dict | None, compiler: str):
         if compiler == "eager":
             return gm.forward
         if compiler == "aot_eager":

@@ -38,8 +38,8 @@ class _LateFlag:
         self.host = torch.empty((), dtype=torch.bool, pin_memory=pinned)
         self.host.copy_(flag, non_blocking=pinned)
         self.ready = torch.cuda.Event() if pinned else None
-        if self.ready is not None:
-            self.ready.record()
+        if self.ready is not None:   # on the flag's device's stream, whichever device is current
+            self.ready.record(torch.cuda.current_stream(flag.device))
 
     def read(self) -> bool:
         if self.ready is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpass.cache.slots import next_positions
 from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan, SlotHooks, shrinking_plan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
@@ -102,7 +103,7 @@ def slot_victim(pos, count, state: list, softcap: float, recent: int):
     then the least accumulated attention outside the ``recent`` latest tokens, the latest such on a tie."""
     (acc,) = state
     cap = pos.shape[-1]
-    nxt = (count[:, 0] - count[:, 2])[:, None, None]   # each row's new token's position
+    nxt = next_positions(count, 1)[:, :, None]       # each row's new token's position
     held = pos.long()
     old = (held >= 0) & (held < nxt - recent)      # evictable real entries (the recent window stays)
     score = torch.where(held < 0, float("-inf"), torch.where(old, acc, float("inf")))
@@ -118,5 +119,5 @@ def slot_victim(pos, count, state: list, softcap: float, recent: int):
 def slot_attend(q, keys, pos, count, state: list, k_new, softcap: float, recent: int) -> None:
     """After a decode step's write: every slot's score gains the attention the step's token gave it."""
     (acc,) = state
-    q_pos = (count[:, 0] - count[:, 2] - 1)[:, None].contiguous()
+    q_pos = next_positions(count, 1) - 1              # the token just written
     acc.add_(torch.ops.kvpass.window_scores(q, keys, pos.long(), q_pos, 1.0, softcap))
