@@ -94,9 +94,12 @@ def step_on(kw: dict, token: torch.Tensor) -> dict:
 def bare_loops(model, ids, steps: int = 64) -> tuple[float, float]:
     """Seconds per decode step of the compiled forward alone, called with the arguments ``generate`` passes
     (so it runs ``generate``'s decode graph, compiling nothing), continuing on the kept cache after a
-    2-token ``generate`` of ``ids``: ``steps`` queued with one sync, then ``steps`` with a sync after each."""
-    kw, out = decode_kwargs(model, ids), []
+    2-token ``generate`` of ``ids``: ``steps`` queued with one sync, then ``steps`` with a sync after each.
+    Each loop starts from a fresh 2-token call: a policy's capacity (snapkv: budget + the bucket of new
+    tokens) holds one loop's steps, not both."""
+    out = []
     for sync_each in (False, True):
+        kw = decode_kwargs(model, ids)
         for i in range(8 + steps):
             if i == 8:
                 torch.cuda.synchronize()

@@ -5,6 +5,8 @@
 # B: 8 layers at 33k and 130k, prefill without Inductor, the policies side by side (TPOT: kvpass's loop, HF's
 #    loop, the step queued; TTFT and peaks), then `full` with an Inductor prefill for the TTFT it buys.
 # C: 32 layers, full, up to 130k, prefill without Inductor: a first process and a second one on its caches.
+# T (2026-11-27, session 45): the GPU tests of the per-row counters (raas_stamp kernel), h2o's scoring kernel, the
+#    decoding loop and admission, verbose so that a cut run still says what passed.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -36,6 +38,11 @@ C)
     TORCH_LOGS=recompiles timeout 230 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000,130000 --policies full \
         --prefill-compiler eager --out "$OUT/l32_process$p.json" > "$OUT/l32_process$p.log" 2>&1
   done
+  ;;
+T)
+  timeout 570 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_slot_cache.py \
+      tests/gpu/test_gpu_eviction.py $(ls tests/gpu/test_gpu_admission.py 2>/dev/null) > "$OUT/gpu_tests_T.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_T.txt" | tail -60
   ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600

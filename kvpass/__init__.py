@@ -35,6 +35,7 @@ _PUBLIC = {  # name -> the module that defines it
     "Backend": "kvpass.compiler.backend", "GraphReport": "kvpass.compiler.backend",
     "KVPass": "kvpass.compiler.backend", "backend": "kvpass.compiler.backend",
     "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots", "compile": "kvpass.compiler.fastpath",
+    "RequestQueue": "kvpass.compiler.requests",
     "ChunkKV": "kvpass.fusion.chunkstore", "ChunkStore": "kvpass.fusion.chunkstore",
     "ChunkStoreWarning": "kvpass.fusion.chunkstore", "Explanation": "kvpass.compiler.explain",
     "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.fusion.router", "FusedPrompt": "kvpass.fusion.router",
@@ -60,4 +61,4 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",
            "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "ChunkKV",
-           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile"]
+           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile", "RequestQueue"]

@@ -476,7 +476,7 @@ class SlotCache(Cache):
                                            {} if w else policy.slot_state(cap, head_dim), w,
                                            None if w else capacity_dims(policy, cap, head_dim), max_length)
                                  for cap, w in zip(self.capacities, windows)])
-        self.max_length = max_length
+        self.max_length, self.max_new_tokens = max_length, max_new_tokens
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest

@@ -27,6 +27,7 @@ import torch
 from kvpass.cache.slots import SlotCache
 from kvpass.compiler import decode_loop
 from kvpass.compiler.backend import Backend, backend
+from kvpass.compiler.requests import RequestQueue
 from kvpass.errors import ConfigError
 
 # generate() arguments whose decoding a SlotCache does not run (it holds one sequence per row)
@@ -51,25 +52,32 @@ class FastGenerate:
         self.model, self.backend, self.original = model, be, original
         self.caches: dict[tuple, SlotCache] = {}
         # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` is deprecated there)
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        takes = inspect.signature(type(model).forward).parameters
+        self.cache_kwarg = "cache" if "cache" in takes else "past_key_values"
+        self.keeps_logits = "logits_to_keep" in takes
         functools.update_wrapper(self, original)
 
-    def cache_for(self, rows: int, prompt: int, new: int) -> SlotCache:
+    def cache_for(self, rows: int, prompt: int, new: int, like: SlotCache | None = None) -> SlotCache:
         """A reset cache for ``rows`` sequences of ``prompt`` tokens and ``new`` new ones: the one kept
-        for these rows when it fits, else a new one of the next bucket (which replaces it)."""
+        for these rows when it fits, else a new one of the next bucket (which replaces it). With ``like``,
+        one of exactly ``like``'s sizes (a staging cache whose rows ``like.admit`` takes)."""
         p = next(self.model.parameters())
         key = (rows, p.dtype, p.device)
         cache = self.caches.get(key)
-        if cache is None or not cache.fits(prompt + new, new, rows):
+        length, room = (like.max_length, like.max_new_tokens) if like is not None else (bucket(prompt + new),
+                                                                                       bucket(new, floor=16))
+        same = like is None or (cache is not None and cache.max_length == length and cache.capacities == like.capacities)
+        if cache is None or not same or not cache.fits(prompt + new, new, rows):
             self.caches.pop(key, None)   # its memory goes back before the larger one is allocated
-            cache = SlotCache(self.model, self.backend, max_length=bucket(prompt + new), batch_size=rows,
-                              max_new_tokens=bucket(new, floor=16))
+            cache = SlotCache(self.model, self.backend, max_length=length, batch_size=rows, max_new_tokens=room)
             self.caches[key] = cache
         cache.reset()
         return cache
 
     def __call__(self, inputs=None, *args, **kwargs):
         ids = kwargs.get("input_ids", inputs)
+        if isinstance(ids, (list, tuple)) and ids and not isinstance(ids[0], int) and not args:
+            return self.many(ids, **kwargs)
         config = kwargs.get("generation_config") or self.model.generation_config
         own = [k for k in _OWN_DECODING if (kwargs.get(k) if k in kwargs else getattr(config, k, None))
                not in (None, 1, False)]
@@ -94,6 +102,21 @@ class FastGenerate:
             return self.original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise ConfigError(self.backend.recompile_advice()) from e
+
+    def many(self, prompts, max_batch: int = 8, progress: bool = False, **generation) -> list[torch.Tensor]:
+        """``generate`` over a list of prompts of any lengths (1-D tensors or lists of ids, no padding): up to
+        ``max_batch`` decode together, each prefilled alone and admitted into a free row as one finishes
+        (``kvpass.RequestQueue``, which documents ``generation``'s options). Returns each prompt followed by its
+        new tokens, 1-D, in order."""
+        generation.pop("input_ids", None)
+        if generation.pop("attention_mask", None) is not None:
+            raise ConfigError("kvpass.compile: generate() over a list of prompts takes no attention_mask (the "
+                              "prompts are not padded: pass each one's tokens alone)")
+        queue = RequestQueue(self.model, max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int)
+                             else max_batch, **generation)
+        for p in prompts:
+            queue.add(p)
+        return queue.run(progress=progress)
 
     def __repr__(self) -> str:
         held = ", ".join(f"{rows} rows x {c.max_length}" for (rows, _, _), c in self.caches.items())

@@ -1,0 +1,292 @@
+"""``kvpass.RequestQueue``: many prompts of many lengths on one GPU, admitted one at a time into a decoding batch.
+
+    be = kvpass.compile(model, "snapkv", budget=2048)
+    outs = model.generate([ids_a, ids_b, ids_c], max_new_tokens=256, max_batch=2)   # a list in, a list out
+
+    queue = kvpass.RequestQueue(model, max_batch=32)
+    for ids in prompts:
+        queue.add(ids, max_new_tokens=256)
+    outs = queue.run()                       # a progress bar; queue.stats says what it cost
+
+The batch is a ``SlotCache`` of ``max_batch`` rows. Each request is prefilled alone, on a one-row staging
+cache of the same capacities (so the prefill's peak is one request's, whatever the batch), and its row is
+copied into a free row of the batch (``SlotCache.admit``). Every step decodes all the rows together (one
+compiled decode graph, a CUDA graph under ``kvpass.compile``'s default mode), each at its own position
+(``SlotCache.row_positions``). A finished row is refilled by the next request while the others go on; a row
+with no request left decodes a copy of a live row (its tokens are dropped), so the batch shape and the
+recorded graph never change and every row always holds a valid sequence.
+
+The host learns each step's tokens one step late: they are copied to pinned memory without blocking and read
+after the next step is queued (as ``kvpass.compiler.decode_loop``), so the device does not wait for the host
+between steps. A row that finished (its end-of-sequence token or its ``max_new_tokens``) has then run one step
+more, whose token is dropped; the room for it is in the cache (a row stops at ``prompt + max_new_tokens``
+entries at most).
+
+Decoding: greedy, or sampling with ``temperature``, ``top_k`` and ``top_p``; the model's generation config
+gives the defaults. Any other option that changes the tokens (repetition penalty, beams, ...) is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from torch import Tensor
+
+from kvpass.errors import ConfigError
+
+# generation options this queue runs; any other that differs from GenerationConfig's default is refused
+_RUNS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id")
+_CHANGES_TOKENS = {   # option -> its values that change nothing (None and empty ones too)
+    "num_beams": (1,), "num_return_sequences": (1,), "repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
+    "bad_words_ids": (), "min_length": (0,), "min_new_tokens": (0,), "encoder_repetition_penalty": (1.0,),
+    "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "min_p": (0.0,), "sequence_bias": (),
+    "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
+    "guidance_scale": (1.0,), "stop_strings": (), "watermarking_config": (), "renormalize_logits": (False,),
+    "top_h": (),
+}
+
+
+@dataclasses.dataclass
+class Request:
+    """One prompt in the queue: ``ids`` (1-D), the tokens wanted, and once run the tokens made and why it
+    stopped (``"eos"`` or ``"length"``)."""
+    index: int
+    ids: Tensor
+    max_new_tokens: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    stopped: str | None = None
+
+    def output(self) -> Tensor:
+        """The prompt followed by the new tokens (1-D, on the prompt's device)."""
+        return torch.cat([self.ids, torch.tensor(self.tokens, dtype=self.ids.dtype, device=self.ids.device)])
+
+
+class _Sampler:
+    """Next tokens ``[B]`` from last-position logits ``[B, V]``: argmax, or a draw after temperature,
+    top-k and top-p (transformers' own warpers)."""
+
+    def __init__(self, config) -> None:
+        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                            TopPLogitsWarper)
+        self.sample = bool(config.do_sample)
+        self.warpers = []
+        if self.sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k is not None and config.top_k != 0:
+                self.warpers.append(TopKLogitsWarper(config.top_k))
+            if config.top_p is not None and config.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(config.top_p))
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        scores = logits.float()
+        if not self.sample:
+            return scores.argmax(-1)
+        for warp in self.warpers:
+            scores = warp(None, scores)
+        return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
+
+
+class _Late:
+    """A device tensor copied to pinned host memory without blocking, read (waiting for that copy) later."""
+
+    def __init__(self, t: Tensor) -> None:
+        cuda = t.device.type == "cuda"
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        self.host.copy_(t, non_blocking=cuda)
+        self.ready = torch.cuda.Event() if cuda else None
+        if cuda:
+            self.ready.record(torch.cuda.current_stream(t.device))
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+class RequestQueue:
+    """Prompts decoded together in a batch of ``max_batch`` rows, each request prefilled alone and admitted
+    into a free row (see the module docstring).
+
+    Args:
+        model: a model compiled with ``kvpass.compile`` (its ``generate`` is kvpass's).
+        max_batch: rows decoded together (1 .. 4096).
+        max_length: the cache's capacity in tokens per row (``prompt + max_new_tokens`` of the longest
+            request at most); default: sized at ``run`` from the requests queued.
+        **generation: ``max_new_tokens`` (the default of ``add``), ``do_sample``, ``temperature``, ``top_k``,
+            ``top_p``, ``eos_token_id``; unset ones come from ``model.generation_config``.
+
+    ``stats`` (after ``run``): requests, prompt and new tokens, steps, seconds in prefill and in all, and the
+    tokens per second (new tokens over the whole run; ``decode_tokens_per_s`` over the time outside prefills).
+    """
+
+    def __init__(self, model, max_batch: int = 8, max_length: int | None = None, **generation) -> None:
+        fast = getattr(model, "generate", None)
+        if not hasattr(fast, "cache_for"):
+            raise ConfigError("kvpass.RequestQueue: parameter 'model' must be compiled with kvpass.compile first "
+                              "(its generate allocates the SlotCaches the queue decodes in)")
+        if not isinstance(max_batch, int) or not 1 <= max_batch <= 4096:
+            raise ConfigError(f"kvpass.RequestQueue: parameter 'max_batch' must be an int in 1..4096, got {max_batch!r}")
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+            raise ConfigError(f"kvpass.RequestQueue: parameter 'max_length' must be an int >= 2, got {max_length!r}")
+        self.model, self.fast, self.max_batch, self.max_length = model, fast, max_batch, max_length
+        self.device = next(model.parameters()).device
+        self.one_logit = fast.keeps_logits   # the forward takes logits_to_keep: a prefill returns one row of logits
+        self.config = _generation_config(model, generation)
+        self.requests: list[Request] = []
+        self.stats: dict = {}
+
+    def add(self, ids, max_new_tokens: int | None = None) -> int:
+        """Queue a prompt (a 1-D tensor or list of token ids, or a ``[1, L]`` tensor); returns its index
+        in ``run``'s result."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ConfigError(f"kvpass.RequestQueue.add: parameter 'ids' must be a non-empty 1-D sequence of token "
+                              f"ids (or one row [1, L]), got shape {tuple(ids.shape)}")
+        new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not isinstance(new, int) or new < 1:
+            raise ConfigError(f"kvpass.RequestQueue.add: parameter 'max_new_tokens' must be an int >= 1, got {new!r}")
+        if self.max_length is not None and ids.numel() + new > self.max_length:
+            raise ConfigError(f"kvpass.RequestQueue.add: a {ids.numel()}-token prompt with max_new_tokens={new} "
+                              f"exceeds max_length={self.max_length}")
+        self.requests.append(Request(len(self.requests), ids.to(self.device), new))
+        return len(self.requests) - 1
+
+    @torch.no_grad()
+    def run(self, progress: bool = True) -> list[Tensor]:
+        """Decode every queued request; returns their outputs (prompt + new tokens, 1-D) in the order added.
+        ``progress`` shows a bar (tqdm) of the requests finished."""
+        todo = [r for r in self.requests if r.stopped is None]
+        if not todo:
+            return [r.output() for r in self.requests]
+        prompt = max(r.ids.numel() + r.max_new_tokens for r in todo) if self.max_length is None else self.max_length
+        new = max(r.max_new_tokens for r in todo)
+        batch = self.fast.cache_for(self.max_batch, prompt - new, new)
+        staging = self.fast.cache_for(1, prompt - new, new, like=batch)
+        bar = _bar(len(todo), progress)
+        t0, prefill_s, steps, made = time.perf_counter(), 0.0, 0, 0
+        waiting = list(reversed(todo))
+        rows: list[Request | None] = [None] * self.max_batch
+        since = [0] * self.max_batch          # the step from which a row's tokens are its request's
+        parked: list[tuple | None] = [None] * self.max_batch   # an idle row's (source row, its request)
+        tokens = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
+        sample = _Sampler(self.config)
+        eos = set(self.config.eos_token_id or ())
+        pending: _Late | None = None
+        while True:
+            for row in range(self.max_batch):   # free rows take the next requests, each prefilled alone
+                while rows[row] is None and waiting:
+                    req = waiting.pop()
+                    t = time.perf_counter()
+                    staging.reset()
+                    first = sample(self._forward(req.ids[None], staging).logits[:, -1])
+                    batch.admit(row, staging)
+                    tokens[row] = first[0]
+                    req.tokens.append(int(first[0]))   # waits for the prefill
+                    prefill_s += time.perf_counter() - t
+                    made += 1
+                    rows[row], since[row], parked[row] = req, steps, None
+                    if self._finished(req, eos):
+                        rows[row] = None
+                        bar.update(1)
+            live = [i for i, r in enumerate(rows) if r is not None]
+            if not live:
+                break
+            for row in range(self.max_batch):   # an idle row decodes a copy of a live row (copied once)
+                if rows[row] is None and (parked[row] is None or rows[parked[row][0]] is not parked[row][1]):
+                    batch.admit(row, batch, source=live[0])
+                    tokens[row] = tokens[live[0]]
+                    parked[row] = (live[0], rows[live[0]])
+            torch.compiler.cudagraph_mark_step_begin()
+            tokens = sample(self._forward(tokens[:, None], batch, batch.row_positions()).logits[:, -1])
+            steps += 1
+            late, pending = pending, _Late(tokens)
+            if late is None:
+                continue
+            made += self._collect(late.read(), steps - 1, rows, since, eos, bar)
+        if pending is not None:
+            made += self._collect(pending.read(), steps, rows, since, eos, bar)
+        bar.close()
+        wall = time.perf_counter() - t0
+        self.stats = {"requests": len(todo), "max_batch": self.max_batch, "max_length": batch.max_length,
+                      "prompt_tokens": sum(r.ids.numel() for r in todo), "new_tokens": made, "steps": steps,
+                      "prefill_s": round(prefill_s, 3), "wall_s": round(wall, 3),
+                      "tokens_per_s": round(made / wall, 1),
+                      "decode_tokens_per_s": round((made - len(todo)) / max(wall - prefill_s, 1e-9), 1)}
+        return [r.output() for r in self.requests]
+
+    def _forward(self, ids: Tensor, cache, positions: Tensor | None = None):
+        kw = {self.fast.cache_kwarg: cache}
+        if self.one_logit:
+            kw["logits_to_keep"] = 1
+        if positions is not None:
+            kw["position_ids"] = positions
+        return self.model(input_ids=ids, use_cache=True, **kw)
+
+    @staticmethod
+    def _finished(req: Request, eos: set[int]) -> bool:
+        if req.tokens[-1] in eos:
+            req.stopped = "eos"
+        elif len(req.tokens) >= req.max_new_tokens:
+            req.stopped = "length"
+        return req.stopped is not None
+
+    def _collect(self, host: list[int], step: int, rows, since, eos, bar) -> int:
+        """Step ``step``'s tokens (read late) into their requests; frees the rows that finished."""
+        made = 0
+        for row, req in enumerate(rows):
+            if req is None or since[row] >= step:
+                continue   # an idle row's copy, or a request admitted after this step was queued
+            req.tokens.append(host[row])
+            made += 1
+            if self._finished(req, eos):
+                rows[row] = None
+                bar.update(1)
+        return made
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __repr__(self) -> str:
+        done = sum(r.stopped is not None for r in self.requests)
+        return (f"kvpass.RequestQueue(policy={self.fast.backend.policy.name!r}, max_batch={self.max_batch}, "
+                f"requests={len(self.requests)}, done={done})")
+
+
+def _generation_config(model, given: dict):
+    """``model.generation_config`` with ``given`` applied; refuses an option this queue does not run."""
+    from transformers import GenerationConfig
+    unknown = sorted(set(given) - set(_RUNS) - set(_CHANGES_TOKENS))
+    if unknown:
+        raise ConfigError(f"kvpass.RequestQueue: generation option(s) {unknown} are not run by the queue (it runs "
+                          f"{list(_RUNS)}); call generate() one prompt batch at a time for them")
+    config = GenerationConfig.from_dict({**model.generation_config.to_dict(), **given})
+    changed = [k for k, neutral in _CHANGES_TOKENS.items()
+               if getattr(config, k, None) not in (None, [], {}, "", *neutral)]
+    if changed:
+        raise ConfigError(f"kvpass.RequestQueue: {changed} (given, or from the model's generation config) change "
+                          f"the tokens in a way the queue does not run (it runs greedy search and sampling with "
+                          f"temperature, top_k and top_p); leave them at their defaults or call generate() one "
+                          f"prompt batch at a time")
+    if config.max_new_tokens is None:
+        config.max_new_tokens = 20
+    eos = config.eos_token_id
+    config.eos_token_id = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return config
+
+
+def _bar(total: int, show: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        show = False
+    if not show:
+        class _NoBar:
+            def update(self, n): pass
+            def close(self): pass
+        return _NoBar()
+    return tqdm(total=total, unit="req", desc="kvpass")

@@ -1,0 +1,103 @@
+"""``kvpass.RequestQueue`` and ``generate`` over a list of prompts (issue 37): requests of different lengths
+decoded in a batch of fewer rows than requests, each admitted into a row another one freed, give every request
+the tokens ``generate`` gives it alone, for every policy with a SlotCache decode; and the queue refuses what it
+does not run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpass
+from conformance import CONFORMANCE
+from families import build
+
+SLOT = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
+LENGTHS, NEWS = (20, 33, 27, 41, 25), (12, 5, 9, 7, 3)
+
+
+def prompts() -> list[torch.Tensor]:
+    return [torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
+
+
+def alone(model, ids, new, **kw) -> torch.Tensor:
+    return model.generate(ids[None], max_new_tokens=new, do_sample=False, **kw)[0]
+
+
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.xdist_group(f"conformance-{p}")) for p in SLOT])
+def test_queue_gives_every_request_its_tokens_alone(policy):
+    """Five requests through two rows: rows are refilled while the other decodes, an idle row decodes a copy at
+    the end; each output equals ``generate`` on that prompt alone, and the batch compiles one decode graph."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, policy, compiler="eager", **CONFORMANCE[policy].demanding)
+    want = [alone(model, p, n, min_new_tokens=n) for p, n in zip(prompts(), NEWS)]
+    decode_graphs = be.graph_counts().get("decode", 0)
+    queue = kvpass.RequestQueue(model, max_batch=2, eos_token_id=None)
+    for p, n in zip(prompts(), NEWS):
+        queue.add(p, max_new_tokens=n)
+    got = queue.run(progress=False)
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [r.stopped for r in queue.requests] == ["length"] * 5
+    assert queue.stats["new_tokens"] == sum(NEWS) and queue.stats["requests"] == 5
+    assert be.graph_counts().get("decode", 0) <= decode_graphs + 1   # the 2-row step: one graph more at most
+    assert all(not r.problems for r in be.reports), be.plans()
+
+
+def test_a_request_stops_at_its_end_token_and_its_row_is_refilled():
+    """The end-of-sequence token a request emits ends it (kept, as ``generate`` keeps it); its row takes the
+    next request, which still gets its tokens alone."""
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
+    ps = prompts()
+    free = alone(model, ps[0], 12, min_new_tokens=12)[20:].tolist()
+    eos = free[3]                               # request 0 emits it as its 4th new token
+    cut = free[:free.index(eos) + 1]
+    queue = kvpass.RequestQueue(model, max_batch=2, eos_token_id=eos)
+    for p, n in zip(ps, NEWS):
+        queue.add(p, max_new_tokens=n)
+    got = queue.run(progress=False)
+    assert got[0][20:].tolist() == cut and queue.requests[0].stopped == "eos"
+    for p, n, g in zip(ps[1:], NEWS[1:], got[1:]):
+        want = alone(model, p, n, eos_token_id=eos)
+        assert g.tolist() == want[:len(g)].tolist() and (len(g) == len(want) or want[len(g)] == eos)
+
+
+def test_generate_over_a_list_is_the_queue():
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "quest", compiler="eager", budget=16, dense_layers=0)
+    ps = prompts()
+    outs = model.generate(ps, max_new_tokens=6, max_batch=3, do_sample=False, eos_token_id=None)
+    assert [o.tolist() for o in outs] == [alone(model, p, 6, min_new_tokens=6).tolist() for p in ps]
+    sampled = model.generate([p.tolist() for p in ps[:2]], max_new_tokens=4, do_sample=True, top_k=5,
+                             temperature=0.7, eos_token_id=None)
+    assert [len(o) for o in sampled] == [LENGTHS[0] + 4, LENGTHS[1] + 4]
+
+
+def test_queue_refuses_what_it_does_not_run():
+    torch._dynamo.reset()
+    model = build("llama")
+    with pytest.raises(kvpass.ConfigError, match="compiled with kvpass.compile"):
+        kvpass.RequestQueue(model)
+    kvpass.compile(model, "full", compiler="eager")
+    with pytest.raises(kvpass.ConfigError, match="'max_batch' must be an int in 1..4096"):
+        kvpass.RequestQueue(model, max_batch=0)
+    with pytest.raises(kvpass.ConfigError, match=r"\['repetition_penalty'\] \(given, or from"):
+        kvpass.RequestQueue(model, repetition_penalty=1.2)
+    with pytest.raises(kvpass.ConfigError, match=r"\['streamer'\] are not run by the queue"):
+        kvpass.RequestQueue(model, streamer=object())
+    with pytest.raises(kvpass.ConfigError, match="takes no attention_mask"):
+        model.generate(prompts(), attention_mask=torch.ones(5, 20))
+    queue = kvpass.RequestQueue(model, max_length=30)
+    with pytest.raises(kvpass.ConfigError, match="exceeds max_length=30"):
+        queue.add(prompts()[1], max_new_tokens=5)
+    with pytest.raises(kvpass.ConfigError, match="'ids' must be a non-empty 1-D"):
+        queue.add(torch.zeros(2, 3, dtype=torch.long))
+    model.generation_config.repetition_penalty = 1.3
+    with pytest.raises(kvpass.ConfigError, match=r"\['repetition_penalty'\] \(given, or from the model's"):
+        kvpass.RequestQueue(model)
+    assert "kvpass.RequestQueue(policy='full', max_batch=8, requests=0, done=0)" == repr(
+        kvpass.RequestQueue(model, repetition_penalty=1.0))
