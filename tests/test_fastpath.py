@@ -57,7 +57,7 @@ def test_full_through_compile_equals_the_model_and_reuses_its_cache():
         ids = ids_of(n)
         got = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
         assert torch.equal(got, ref.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)), n
-        seen.append(model.generate.caches[(1, torch.float32, torch.device("cpu"))])
+        seen.append(model.generate.caches[(1, torch.float32, torch.device("cpu"), False)])
     assert seen[0] is seen[1] is seen[2] and seen[3] is not seen[2] and seen[4] is seen[3]
     assert seen[0].max_length == 64 and seen[3].max_length == bucket(96) == 96
     assert "full" in repr(model.generate) and be.reports
@@ -81,7 +81,7 @@ def test_batch_and_padding_through_compile():
     mask[0, :14] = 0
     both = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)[:, 25:]
     assert both[0].tolist() == alone[0].tolist() and both[1].tolist() == alone[1].tolist()
-    assert (2, torch.float32, torch.device("cpu")) in model.generate.caches
+    assert (2, torch.float32, torch.device("cpu"), False) in model.generate.caches
 
 
 @pytest.mark.parametrize("sample", [False, True])

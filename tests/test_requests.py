@@ -101,3 +101,19 @@ def test_queue_refuses_what_it_does_not_run():
         kvpass.RequestQueue(model)
     assert "kvpass.RequestQueue(policy='full', max_batch=8, requests=0, done=0)" == repr(
         kvpass.RequestQueue(model, repetition_penalty=1.0))
+
+
+def test_a_batch_of_one_keeps_its_staging_cache_apart():
+    """``max_batch=1``: the staging cache and the batch are two caches (one would reset the other), and
+    ``max_length`` sizes them exactly."""
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "streamingllm", compiler="eager", budget=16, sinks=2)
+    ps = prompts()[:3]
+    queue = kvpass.RequestQueue(model, max_batch=1, max_length=50, eos_token_id=None)
+    for p in ps:
+        queue.add(p, max_new_tokens=4)
+    got = queue.run(progress=False)
+    assert [g.tolist() for g in got] == [alone(model, p, 4, min_new_tokens=4).tolist() for p in ps]
+    lengths = sorted(c.max_length for c in model.generate.caches.values())
+    assert "(staging)" in repr(model.generate) and 50 in lengths

@@ -45,7 +45,7 @@ def bucket(n: int, floor: int = 64) -> int:
 
 class FastGenerate:
     """``model.generate`` with a reused, bucket-sized ``kvpass.SlotCache`` (see the module docstring).
-    ``caches`` holds the caches kept, one per (rows, dtype, device); ``original`` is the model's own
+    ``caches`` holds the caches kept, one per (rows, dtype, device, staging); ``original`` is the model's own
     ``generate``."""
 
     def __init__(self, model, be: Backend, original) -> None:
@@ -57,15 +57,21 @@ class FastGenerate:
         self.keeps_logits = "logits_to_keep" in takes
         functools.update_wrapper(self, original)
 
-    def cache_for(self, rows: int, prompt: int, new: int, like: SlotCache | None = None) -> SlotCache:
+    def cache_for(self, rows: int, prompt: int, new: int, like: SlotCache | None = None,
+                  exact: bool = False) -> SlotCache:
         """A reset cache for ``rows`` sequences of ``prompt`` tokens and ``new`` new ones: the one kept
         for these rows when it fits, else a new one of the next bucket (which replaces it). With ``like``,
-        one of exactly ``like``'s sizes (a staging cache whose rows ``like.admit`` takes)."""
+        one of exactly ``like``'s sizes (a staging cache whose rows ``like.admit`` takes); ``exact``: sized
+        ``prompt + new`` and ``new``, not in buckets."""
         p = next(self.model.parameters())
-        key = (rows, p.dtype, p.device)
+        key = (rows, p.dtype, p.device, like is not None)   # a staging cache is kept apart from a batch of one
         cache = self.caches.get(key)
-        length, room = (like.max_length, like.max_new_tokens) if like is not None else (bucket(prompt + new),
-                                                                                       bucket(new, floor=16))
+        if like is not None:
+            length, room = like.max_length, like.max_new_tokens
+        else:
+            length, room = (prompt + new, new) if exact else (bucket(prompt + new), bucket(new, floor=16))
+        if exact and cache is not None and cache.max_length != length:
+            cache = None
         same = like is None or (cache is not None and cache.max_length == length and cache.capacities == like.capacities)
         if cache is None or not same or not cache.fits(prompt + new, new, rows):
             self.caches.pop(key, None)   # its memory goes back before the larger one is allocated
@@ -119,7 +125,8 @@ class FastGenerate:
         return queue.run(progress=progress)
 
     def __repr__(self) -> str:
-        held = ", ".join(f"{rows} rows x {c.max_length}" for (rows, _, _), c in self.caches.items())
+        held = ", ".join(f"{rows} rows x {c.max_length}{' (staging)' if staging else ''}"
+                         for (rows, _, _, staging), c in self.caches.items())
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
 
 

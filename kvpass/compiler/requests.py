@@ -113,8 +113,9 @@ class RequestQueue:
     Args:
         model: a model compiled with ``kvpass.compile`` (its ``generate`` is kvpass's).
         max_batch: rows decoded together (1 .. 4096).
-        max_length: the cache's capacity in tokens per row (``prompt + max_new_tokens`` of the longest
-            request at most); default: sized at ``run`` from the requests queued.
+        max_length: the cache's capacity in tokens per row, exactly (``prompt + max_new_tokens`` of the longest
+            request at most); default: sized at ``run`` from the requests queued, in ``kvpass.compile``'s
+            buckets (up to a quarter more).
         **generation: ``max_new_tokens`` (the default of ``add``), ``do_sample``, ``temperature``, ``top_k``,
             ``top_p``, ``eos_token_id``; unset ones come from ``model.generation_config``.
 
@@ -165,7 +166,7 @@ class RequestQueue:
             return [r.output() for r in self.requests]
         prompt = max(r.ids.numel() + r.max_new_tokens for r in todo) if self.max_length is None else self.max_length
         new = max(r.max_new_tokens for r in todo)
-        batch = self.fast.cache_for(self.max_batch, prompt - new, new)
+        batch = self.fast.cache_for(self.max_batch, prompt - new, new, exact=self.max_length is not None)
         staging = self.fast.cache_for(1, prompt - new, new, like=batch)
         bar = _bar(len(todo), progress)
         t0, prefill_s, steps, made = time.perf_counter(), 0.0, 0, 0

@@ -1,0 +1,211 @@
+"""Issue 37's benchmark: tokens per second at a fixed memory, many requests through one GPU.
+
+One process, one GPU, the random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16). The memory is
+capped for every row alike (``torch.cuda.set_per_process_memory_fraction``: weights + ``--kv-gib`` +
+``--workspace-gib``). Per kvpass configuration: ``kvpass.compile(model, policy, budget=...)``, then a
+``kvpass.RequestQueue`` of ``--requests`` prompts of ``--context`` tokens, ``--new`` new tokens each (greedy,
+no end token), at the largest ``max_batch`` whose rows fit ``--kv-gib`` beside the one-row staging cache the
+queue prefills in (the rows' bytes are the SlotCache's own: slots, positions, policy state). A warm-up queue of
+one short request compiles both graphs and records the CUDA graph on the same caches first; its seconds are
+``compile_s``.
+
+Baselines in the same process, at the largest batch whose KV fits the same ``--kv-gib``:
+* ``hf_static``: ``generate`` on ``cache_implementation="static"`` (HF compiles its decode step), the requests
+  in waves of that batch (prompts of one length: no padding);
+* ``hf_continuous``: transformers' continuous batching (``generate_batch``, its paged cache sized to
+  ``--kv-gib``), no compile.
+
+Rows: ``{config, workload, context, new_tokens, requests, max_batch, tokens_per_s, decode_tokens_per_s,
+peak_gib, kv_row_mib, compile_s, prefill_s, wall_s}``; ``tokens_per_s`` counts new tokens over the whole run
+(prefill included), ``decode_tokens_per_s`` over the time outside prefills. cuDNN SDPA is off.
+
+    python bench/bench_throughput.py --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4 --out t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpass  # noqa: E402
+from llama_shape import llama8b_config, random_llama  # noqa: E402
+
+GIB = 2**30
+CUDA = torch.cuda.is_available()   # off CUDA (a smoke run with --tiny): no memory cap, no peaks
+
+
+def sync() -> None:
+    if CUDA:
+        sync()
+
+
+def empty_cache() -> None:
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def reset_peak() -> None:
+    if CUDA:
+        reset_peak()
+
+
+def peak_gib() -> float:
+    return peak_gib() if CUDA else 0.0
+
+
+VOCAB = 100000
+
+
+def prompts(n: int, length: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(length)
+    return [torch.randint(VOCAB // 100, VOCAB, (length,), generator=g) for _ in range(n)]
+
+
+def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
+    torch._dynamo.reset()
+    for attr in ("forward", "generate"):   # the previous configuration's compile: back to the class's methods
+        model.__dict__.pop(attr, None)
+    params = {} if policy in ("full", "art") else {"budget": args.budget}
+    be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
+    length = args.context + args.new
+    one = kvpass.SlotCache(model, be, max_length=length, batch_size=1, max_new_tokens=args.new).kv_bytes()
+    rows = max(1, min(args.requests, kv_bytes // one - 1))   # one row's bytes go to the staging cache
+    t = time.perf_counter()
+    warm = kvpass.RequestQueue(model, max_batch=rows, max_length=length, eos_token_id=None)
+    warm.add(prompts(1, min(512, args.context))[0], max_new_tokens=4)
+    warm.run(progress=False)
+    sync()
+    compile_s = time.perf_counter() - t
+    reset_peak()
+    queue = kvpass.RequestQueue(model, max_batch=rows, max_length=length, eos_token_id=None)
+    for p in prompts(args.requests, args.context):
+        queue.add(p, max_new_tokens=args.new)
+    queue.run(progress=False)
+    sync()
+    s = queue.stats
+    return {"config": policy, "params": params, "max_batch": rows, "tokens_per_s": s["tokens_per_s"],
+            "decode_tokens_per_s": s["decode_tokens_per_s"], "peak_gib": peak_gib(),
+            "kv_row_mib": round(one / 2**20, 1), "compile_s": round(compile_s, 1), "prefill_s": s["prefill_s"],
+            "wall_s": s["wall_s"], "steps": s["steps"], "graphs": be.graph_counts()}
+
+
+def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
+    torch._dynamo.reset()
+    for attr in ("forward", "generate"):
+        model.__dict__.pop(attr, None)
+    rows = max(1, min(args.requests, kv_bytes // (per_token * (args.context + args.new))))
+    reqs = prompts(args.requests, args.context)
+
+    def wave(batch):
+        ids = torch.stack(batch).to(model.device)
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                              min_new_tokens=args.new, do_sample=False, cache_implementation="static")
+
+    t = time.perf_counter()
+    wave([prompts(1, min(512, args.context))[0]] * rows)   # compiles HF's decode step for this batch
+    sync()
+    compile_s = time.perf_counter() - t
+    reset_peak()
+    t = time.perf_counter()
+    made = 0
+    for i in range(0, len(reqs), rows):
+        made += (wave(reqs[i:i + rows]).shape[1] - args.context) * len(reqs[i:i + rows])
+    sync()
+    wall = time.perf_counter() - t
+    return {"config": "hf_static", "max_batch": rows, "tokens_per_s": round(made / wall, 1), "decode_tokens_per_s": None,
+            "peak_gib": peak_gib(), "compile_s": round(compile_s, 1),
+            "wall_s": round(wall, 3), "note": "waves of max_batch; the last wave may be partial (padded to its own size)"}
+
+
+def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
+    import inspect
+    torch._dynamo.reset()
+    for attr in ("forward", "generate"):
+        model.__dict__.pop(attr, None)
+    page = 256
+    blocks = kv_bytes // (per_token * page)
+    gen = tf.GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    kw = {}
+    if "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=blocks, page_size=page)
+    else:   # transformers <= 5.2x: the paged cache's sizes on the generation config
+        gen.num_blocks, gen.block_size = blocks, page
+    reqs = [p.tolist() for p in prompts(args.requests, args.context)]
+    reset_peak()
+    t = time.perf_counter()
+    out = model.generate_batch(reqs, generation_config=gen, **kw)
+    sync()
+    wall = time.perf_counter() - t
+    made = sum(len(o.generated_tokens) for o in out.values())
+    return {"config": "hf_continuous", "max_batch": None, "tokens_per_s": round(made / wall, 1),
+            "decode_tokens_per_s": None, "peak_gib": peak_gib(),
+            "wall_s": round(wall, 3), "kv_blocks": blocks, "page": page,
+            "attn_implementation": model.config._attn_implementation}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--workload", default="long_context")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--kv-gib", type=float, default=4.0)
+    ap.add_argument("--workspace-gib", type=float, default=6.0)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--policies", default="full,snapkv,pyramidkv,streamingllm,h2o,raas,quest,asl")
+    ap.add_argument("--baselines", default="hf_static,hf_continuous")
+    ap.add_argument("--prefill-compiler", default=None)
+    ap.add_argument("--tiny", action="store_true", help="the same layout at test size (a smoke run, CPU too)")
+    ap.add_argument("--out", default="throughput.json")
+    args = ap.parse_args()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    model = random_llama(llama8b_config(args.layers, tiny=args.tiny), "cuda" if CUDA else "cpu",
+                         torch.bfloat16 if CUDA else torch.float32)
+    model.generation_config.pad_token_id = 0
+    cfg = model.config
+    global VOCAB
+    VOCAB = min(VOCAB, cfg.vocab_size)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cap = weights + (args.kv_gib + args.workspace_gib) * GIB
+    if CUDA:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    kv_bytes = int(args.kv_gib * GIB)
+    meta = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu", "torch": torch.__version__, "transformers": tf.__version__,
+            "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
+            "shape": "Llama-3.1-8B (random weights), bf16", "workload": args.workload, "context": args.context,
+            "new_tokens": args.new, "requests": args.requests, "budget": args.budget,
+            "cap_gib": round(cap / GIB, 2), "weights_gib": round(weights / GIB, 2), "kv_gib": args.kv_gib,
+            "workspace_gib": args.workspace_gib, "cudnn_sdpa": False}
+    rows = []
+    runs = [(p, lambda p=p: kvpass_row(model, p, args, kv_bytes)) for p in args.policies.split(",") if p]
+    runs += [(b, {"hf_static": lambda: hf_static_row(model, args, kv_bytes, per_token),
+                  "hf_continuous": lambda: hf_continuous_row(model, args, kv_bytes, per_token)}[b])
+             for b in args.baselines.split(",") if b]
+    for name, fn in runs:
+        try:
+            row = fn()
+        except Exception as e:   # an out-of-memory row says so and the others still run
+            row = {"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            traceback.print_exc()
+        row = {"workload": args.workload, "context": args.context, "new_tokens": args.new, **row}
+        empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
