@@ -11,7 +11,8 @@ one short request compiles both graphs and records the CUDA graph on the same ca
 
 Baselines in the same process, at the largest batch whose KV fits the same ``--kv-gib``:
 * ``hf_static``: ``generate`` on ``cache_implementation="static"`` (HF compiles its decode step), the requests
-  in waves of that batch (prompts of one length: no padding);
+  in waves of that batch (prompts of one length: no padding), after one wave that compiles at the same shape;
+  fewer rows where a wave's prefill (all its prompts at once) does not fit the cap;
 * ``hf_continuous``: transformers' continuous batching (``generate_batch``, its paged cache sized to
   ``--kv-gib``), no compile.
 
@@ -45,7 +46,7 @@ CUDA = torch.cuda.is_available()   # off CUDA (a smoke run with --tiny): no memo
 
 def sync() -> None:
     if CUDA:
-        sync()
+        torch.cuda.synchronize()
 
 
 def empty_cache() -> None:
@@ -55,11 +56,11 @@ def empty_cache() -> None:
 
 def reset_peak() -> None:
     if CUDA:
-        reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def peak_gib() -> float:
-    return peak_gib() if CUDA else 0.0
+    return round(torch.cuda.max_memory_allocated() / GIB, 2) if CUDA else 0.0
 
 
 VOCAB = 100000
@@ -110,20 +111,28 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
                               min_new_tokens=args.new, do_sample=False, cache_implementation="static")
 
-    t = time.perf_counter()
-    wave([prompts(1, min(512, args.context))[0]] * rows)   # compiles HF's decode step for this batch
-    sync()
-    compile_s = time.perf_counter() - t
-    reset_peak()
-    t = time.perf_counter()
-    made = 0
-    for i in range(0, len(reqs), rows):
-        made += (wave(reqs[i:i + rows]).shape[1] - args.context) * len(reqs[i:i + rows])
-    sync()
-    wall = time.perf_counter() - t
+    while True:   # HF prefills a wave's prompts together: fewer rows when their prefill does not fit the cap
+        try:
+            t = time.perf_counter()
+            wave(reqs[:rows])   # compiles HF's decode step for this batch and this cache's shape
+            sync()
+            compile_s = time.perf_counter() - t
+            reset_peak()
+            t = time.perf_counter()
+            made = 0
+            for i in range(0, len(reqs), rows):
+                made += (wave(reqs[i:i + rows]).shape[1] - args.context) * len(reqs[i:i + rows])
+            sync()
+            wall = time.perf_counter() - t
+            break
+        except torch.OutOfMemoryError:
+            if rows == 1:
+                raise
+            rows -= 1
+            empty_cache()
     return {"config": "hf_static", "max_batch": rows, "tokens_per_s": round(made / wall, 1), "decode_tokens_per_s": None,
             "peak_gib": peak_gib(), "compile_s": round(compile_s, 1),
-            "wall_s": round(wall, 3), "note": "waves of max_batch; the last wave may be partial (padded to its own size)"}
+            "wall_s": round(wall, 3), "note": "waves of max_batch (the most rows whose KV fits, fewer where a wave's prefill did not fit the cap)"}
 
 
 def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
@@ -137,9 +146,12 @@ def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
     kw = {}
     if "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
-        kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=blocks, page_size=page)
+        fields = inspect.signature(ContinuousBatchingConfig).parameters   # the page's name moved (5.17: block_size)
+        size = "page_size" if "page_size" in fields else "block_size"
+        tokens = {"max_batch_tokens": 4096} if "max_batch_tokens" in fields else {}   # its logits' rows
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=blocks, **{size: page}, **tokens)
     else:   # transformers <= 5.2x: the paged cache's sizes on the generation config
-        gen.num_blocks, gen.block_size = blocks, page
+        gen.num_blocks, gen.block_size, gen.max_batch_tokens = blocks, page, 4096
     reqs = [p.tolist() for p in prompts(args.requests, args.context)]
     reset_peak()
     t = time.perf_counter()
