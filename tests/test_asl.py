@@ -315,6 +315,33 @@ def test_forced_layer_matches_gathering_reference(policy, layer, dynamic, attn):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("policy", ["asl", "asl_fullkv"])
+def test_the_runner_drops_each_value_after_its_last_segment(policy, monkeypatch):
+    """The gated prefill's runner holds a segment's outputs only until the last segment that reads them: when a
+    segment runs, at most two earlier full-length residual streams are alive (its input, and one the graph
+    returns), not one per layer boundary (1 GiB each at 128k tokens on the 8B shape)."""
+    import weakref
+    from kvpass.compiler import gate
+    n, hidden, alive = 40, None, []
+    made: list[weakref.ref] = []
+    run_segment = gate.GatedGraph._run
+
+    def spy(self, seg, short, length, ins):
+        alive.append(sum(r() is not None for r in made))
+        outs = run_segment(self, seg, short, length, ins)
+        made.extend(weakref.ref(t) for t in outs if isinstance(t, torch.Tensor) and tuple(t.shape) == (1, n, hidden))
+        return outs
+
+    monkeypatch.setattr(gate.GatedGraph, "_run", spy)
+    model = build("llama", layers=8)
+    hidden = model.config.hidden_size
+    # the adaptive rule: a cut (a segment boundary) after every candidate layer from l_min on
+    be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=WINDOW)
+    run(model, prompt(n, seed=1), be, steps=1, dynamic=True)
+    assert len(alive) >= 5, alive
+    assert max(alive) <= 2, alive
+
+
 @pytest.mark.parametrize("family,attn,policy,gate,budget", [
     ("gemma3", "sdpa", "asl", 2, 10), ("cohere2", "sdpa", "asl_fullkv", 3, 10), ("gemma2", "eager", "asl", 3, 10),
     ("gemma3", "sdpa", "fastkv", 2, 5)])

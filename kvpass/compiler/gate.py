@@ -348,6 +348,15 @@ class GatedGraph:
                       if node.target is torch.ops.kvpass.slot_prefill.default}
         if any(p.op != "placeholder" or c.op != "placeholder" for p, c in self.slots.values()):
             return "the SlotCache's positions are not graph inputs (the gate could not record true positions)"
+        # the runner drops each value after the last segment that reads it (a residual stream per layer boundary
+        # is 1 GiB at 128k tokens); graph outputs and the position tensors a second pass reads stay
+        self.out_nodes = out_nodes
+        keep = out_nodes | set(self.pos_nodes)
+        self.free_after: list[list[fx.Node]] = [[] for _ in segs]
+        for seg in segs:
+            for x in seg.outputs:
+                if x not in keep:
+                    self.free_after[max(needed_later.get(x, -1), seg.index)].append(x)
         self.length = length
         self.segments = segs
         for seg in segs:
@@ -451,9 +460,11 @@ class GatedGraph:
         policy = self.policy
         n = sel = gate_layer = length = None
         for seg in self.segments:
-            ins = [env[x] for x in seg.inputs]
-            outs = self._run(seg, n, length, ins)
+            for x in self.free_after[seg.index - 1] if seg.index else ():
+                env.pop(x, None)
+            outs = self._run(seg, n, length, [env[x] for x in seg.inputs])
             env.update(zip(seg.outputs, outs))
+            del outs
             if seg.cut is None or n is not None:
                 continue
             if length is None:
@@ -478,7 +489,8 @@ class GatedGraph:
                     t = self.transform.get(x, ("keep",))
                     if t[0] == "keep":
                         continue
-                    orig[x] = env[x]
+                    if x in self.out_nodes:   # the graph returns it at full length
+                        orig[x] = env[x]
                     env[x] = n if t[0] == "length" else _take(env[x], sel, t[1])
         return sel, n, gate_layer, length
 
