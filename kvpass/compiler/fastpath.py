@@ -68,12 +68,13 @@ class FastGenerate:
         cache = self.caches.get(key)
         if like is not None:
             length, room = like.max_length, like.max_new_tokens
+        elif exact:
+            length, room = prompt + new, new
         else:
-            length, room = (prompt + new, new) if exact else (bucket(prompt + new), bucket(new, floor=16))
-        if exact and cache is not None and cache.max_length != length:
-            cache = None
-        same = like is None or (cache is not None and cache.max_length == length and cache.capacities == like.capacities)
-        if cache is None or not same or not cache.fits(prompt + new, new, rows):
+            length, room = bucket(prompt + new), bucket(new, floor=16)
+        if (cache is None or not cache.fits(prompt + new, new, rows)   # else any kept cache that fits serves
+                or (exact or like is not None) and cache.max_length != length
+                or like is not None and cache.capacities != like.capacities):
             self.caches.pop(key, None)   # its memory goes back before the larger one is allocated
             cache = SlotCache(self.model, self.backend, max_length=length, batch_size=rows, max_new_tokens=room)
             self.caches[key] = cache

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from kvpass.errors import ConfigError
 
-# generation options this queue runs; any other that differs from GenerationConfig's default is refused
+# generation options this queue runs; those below at a value other than a neutral one, and any other, are refused
 _RUNS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id")
 _CHANGES_TOKENS = {   # option -> its values that change nothing (None and empty ones too)
     "num_beams": (1,), "num_return_sequences": (1,), "repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
@@ -164,10 +164,10 @@ class RequestQueue:
         todo = [r for r in self.requests if r.stopped is None]
         if not todo:
             return [r.output() for r in self.requests]
-        prompt = max(r.ids.numel() + r.max_new_tokens for r in todo) if self.max_length is None else self.max_length
+        length = self.max_length or max(r.ids.numel() + r.max_new_tokens for r in todo)
         new = max(r.max_new_tokens for r in todo)
-        batch = self.fast.cache_for(self.max_batch, prompt - new, new, exact=self.max_length is not None)
-        staging = self.fast.cache_for(1, prompt - new, new, like=batch)
+        batch = self.fast.cache_for(self.max_batch, length - new, new, exact=self.max_length is not None)
+        staging = self.fast.cache_for(1, length - new, new, like=batch)
         bar = _bar(len(todo), progress)
         t0, prefill_s, steps, made = time.perf_counter(), 0.0, 0, 0
         waiting = list(reversed(todo))
