@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import kvpass
 from conformance import CONFORMANCE
@@ -75,6 +76,9 @@ def test_generate_over_a_list_is_the_queue():
     sampled = model.generate([p.tolist() for p in ps[:2]], max_new_tokens=4, do_sample=True, top_k=5,
                              temperature=0.7, eos_token_id=None)
     assert [len(o) for o in sampled] == [LENGTHS[0] + 4, LENGTHS[1] + 4]
+    config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False)
+    assert [len(o) for o in model.generate(ps[:2], generation_config=config, eos_token_id=None)] == [
+        LENGTHS[0] + 3, LENGTHS[1] + 3]
 
 
 def test_queue_refuses_what_it_does_not_run():

@@ -117,7 +117,8 @@ class RequestQueue:
             request at most); default: sized at ``run`` from the requests queued, in ``kvpass.compile``'s
             buckets (up to a quarter more).
         **generation: ``max_new_tokens`` (the default of ``add``), ``do_sample``, ``temperature``, ``top_k``,
-            ``top_p``, ``eos_token_id``; unset ones come from ``model.generation_config``.
+            ``top_p``, ``eos_token_id``; unset ones come from ``generation_config`` (a ``GenerationConfig``,
+            default ``model.generation_config``).
 
     ``stats`` (after ``run``): requests, prompt and new tokens, steps, seconds in prefill and in all, and the
     tokens per second (new tokens over the whole run; ``decode_tokens_per_s`` over the time outside prefills).
@@ -259,13 +260,16 @@ class RequestQueue:
 
 
 def _generation_config(model, given: dict):
-    """``model.generation_config`` with ``given`` applied; refuses an option this queue does not run."""
+    """``given['generation_config']`` (default ``model.generation_config``) with the other ``given`` options
+    applied; refuses an option this queue does not run."""
     from transformers import GenerationConfig
+    given = dict(given)
+    base = given.pop("generation_config", None) or model.generation_config
     unknown = sorted(set(given) - set(_RUNS) - set(_CHANGES_TOKENS))
     if unknown:
         raise ConfigError(f"kvpass.RequestQueue: generation option(s) {unknown} are not run by the queue (it runs "
                           f"{list(_RUNS)}); call generate() one prompt batch at a time for them")
-    config = GenerationConfig.from_dict({**model.generation_config.to_dict(), **given})
+    config = GenerationConfig.from_dict({**base.to_dict(), **given})
     changed = [k for k, neutral in _CHANGES_TOKENS.items()
                if getattr(config, k, None) not in (None, [], {}, "", *neutral)]
     if changed:
