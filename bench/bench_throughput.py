@@ -66,15 +66,20 @@ def peak_gib() -> float:
 VOCAB = 100000
 
 
+def uncompiled(model) -> None:
+    """The previous configuration's compile undone: the class's own forward and generate, Dynamo reset."""
+    torch._dynamo.reset()
+    for attr in ("forward", "generate"):
+        model.__dict__.pop(attr, None)
+
+
 def prompts(n: int, length: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(length)
     return [torch.randint(VOCAB // 100, VOCAB, (length,), generator=g) for _ in range(n)]
 
 
 def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
-    torch._dynamo.reset()
-    for attr in ("forward", "generate"):   # the previous configuration's compile: back to the class's methods
-        model.__dict__.pop(attr, None)
+    uncompiled(model)
     params = {} if policy in ("full", "art") else {"budget": args.budget}
     be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
     length = args.context + args.new
@@ -100,9 +105,7 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
 
 
 def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
-    torch._dynamo.reset()
-    for attr in ("forward", "generate"):
-        model.__dict__.pop(attr, None)
+    uncompiled(model)
     rows = max(1, min(args.requests, kv_bytes // (per_token * (args.context + args.new))))
     reqs = prompts(args.requests, args.context)
 
@@ -137,9 +140,7 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
 
 def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
     import inspect
-    torch._dynamo.reset()
-    for attr in ("forward", "generate"):
-        model.__dict__.pop(attr, None)
+    uncompiled(model)
     page = 256
     blocks = kv_bytes // (per_token * page)
     gen = tf.GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)

@@ -97,7 +97,7 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
     ids = ids_of(20, b=2)
     kw = dict(max_new_tokens=12, do_sample=sample, top_k=20 if sample else None, pad_token_id=0)
     reads = []
-    monkeypatch.setattr(decode_loop._LateFlag, "read", lambda self, read=decode_loop._LateFlag.read:
+    monkeypatch.setattr(decode_loop.Late, "read", lambda self, read=decode_loop.Late.read:
                         reads.append(1) or read(self))
 
     def ours_and_hf(**extra):

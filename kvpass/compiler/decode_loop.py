@@ -30,21 +30,22 @@ import torch
 _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
 
 
-class _LateFlag:
-    """A device boolean copied to pinned host memory without blocking, read (waiting for the copy) later."""
+class Late:
+    """A device tensor copied to pinned host memory without blocking, read (waiting for that copy) later:
+    ``read`` gives its values as Python numbers (a 0-d tensor: one number)."""
 
-    def __init__(self, flag: torch.Tensor) -> None:
-        pinned = flag.device.type == "cuda"
-        self.host = torch.empty((), dtype=torch.bool, pin_memory=pinned)
-        self.host.copy_(flag, non_blocking=pinned)
+    def __init__(self, t: torch.Tensor) -> None:
+        pinned = t.device.type == "cuda"
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+        self.host.copy_(t, non_blocking=pinned)
         self.ready = torch.cuda.Event() if pinned else None
-        if self.ready is not None:   # on the flag's device's stream, whichever device is current
-            self.ready.record(torch.cuda.current_stream(flag.device))
+        if self.ready is not None:   # on the tensor's device's stream, whichever device is current
+            self.ready.record(torch.cuda.current_stream(t.device))
 
-    def read(self) -> bool:
+    def read(self):
         if self.ready is not None:
             self.ready.synchronize()
-        return bool(self.host)
+        return self.host.tolist()
 
 
 def usable(model, kwargs: dict) -> bool:
@@ -98,7 +99,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             if previous is not None and previous.read():
                 input_ids = input_ids[:, :-1]   # HF's loop stopped before this step
                 break
-            previous = _LateFlag(unfinished.max() == 0)
+            previous = Late(unfinished.max() == 0)
             inputs = model.prepare_inputs_for_generation(
                 input_ids, next_sequence_length=1 if model_kwargs.get("use_cache") else None, **model_kwargs)
             outputs = model(**inputs, return_dict=True)

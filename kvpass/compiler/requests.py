@@ -34,6 +34,7 @@ import time
 import torch
 from torch import Tensor
 
+from kvpass.compiler.decode_loop import Late
 from kvpass.errors import ConfigError
 
 # generation options this queue runs; those below at a value other than a neutral one, and any other, are refused
@@ -87,23 +88,6 @@ class _Sampler:
         for warp in self.warpers:
             scores = warp(None, scores)
         return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
-
-
-class _Late:
-    """A device tensor copied to pinned host memory without blocking, read (waiting for that copy) later."""
-
-    def __init__(self, t: Tensor) -> None:
-        cuda = t.device.type == "cuda"
-        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-        self.host.copy_(t, non_blocking=cuda)
-        self.ready = torch.cuda.Event() if cuda else None
-        if cuda:
-            self.ready.record(torch.cuda.current_stream(t.device))
-
-    def read(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
 
 
 class RequestQueue:
@@ -178,7 +162,7 @@ class RequestQueue:
         tokens = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
         sample = _Sampler(self.config)
         eos = set(self.config.eos_token_id or ())
-        pending: _Late | None = None
+        pending: Late | None = None
         while True:
             for row in range(self.max_batch):   # free rows take the next requests, each prefilled alone
                 while rows[row] is None and waiting:
@@ -206,7 +190,7 @@ class RequestQueue:
             torch.compiler.cudagraph_mark_step_begin()
             tokens = sample(self._forward(tokens[:, None], batch, batch.row_positions()).logits[:, -1])
             steps += 1
-            late, pending = pending, _Late(tokens)
+            late, pending = pending, Late(tokens)
             if late is None:
                 continue
             made += self._collect(late.read(), steps - 1, rows, since, eos, bar)
@@ -285,13 +269,5 @@ def _generation_config(model, given: dict):
 
 
 def _bar(total: int, show: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        show = False
-    if not show:
-        class _NoBar:
-            def update(self, n): pass
-            def close(self): pass
-        return _NoBar()
-    return tqdm(total=total, unit="req", desc="kvpass")
+    from tqdm.auto import tqdm   # a dependency of transformers
+    return tqdm(total=total, unit="req", desc="kvpass", disable=not show)
