@@ -78,6 +78,13 @@ def prompts(n: int, length: int) -> list[torch.Tensor]:
     return [torch.randint(VOCAB // 100, VOCAB, (length,), generator=g) for _ in range(n)]
 
 
+def run_requests(args, rows: int) -> int:
+    """The requests a configuration runs: all of them, or ``--max-waves`` batches' worth where its batch is
+    smaller. Every prompt has one length and no end token stops a request early, so the rows refill in
+    lockstep and a few waves give the rate of all of them (the row's ``requests_run`` says how many ran)."""
+    return args.requests if args.max_waves is None else min(args.requests, rows * args.max_waves)
+
+
 def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
     uncompiled(model)
     params = {} if policy in ("full", "art") else {"budget": args.budget}
@@ -85,6 +92,7 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
     length = args.context + args.new
     one = kvpass.SlotCache(model, be, max_length=length, batch_size=1, max_new_tokens=args.new).kv_bytes()
     rows = max(1, min(args.requests, kv_bytes // one - 1))   # one row's bytes go to the staging cache
+    reqs = run_requests(args, rows)
     t = time.perf_counter()
     warm = kvpass.RequestQueue(model, max_batch=rows, max_length=length, eos_token_id=None)
     warm.add(prompts(1, min(512, args.context))[0], max_new_tokens=4)
@@ -93,12 +101,12 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
     compile_s = time.perf_counter() - t
     reset_peak()
     queue = kvpass.RequestQueue(model, max_batch=rows, max_length=length, eos_token_id=None)
-    for p in prompts(args.requests, args.context):
+    for p in prompts(reqs, args.context):
         queue.add(p, max_new_tokens=args.new)
     queue.run(progress=False)
     sync()
     s = queue.stats
-    return {"config": policy, "params": params, "max_batch": rows, "tokens_per_s": s["tokens_per_s"],
+    return {"config": policy, "params": params, "max_batch": rows, "requests_run": reqs, "tokens_per_s": s["tokens_per_s"],
             "decode_tokens_per_s": s["decode_tokens_per_s"], "peak_gib": peak_gib(),
             "kv_row_mib": round(one / 2**20, 1), "compile_s": round(compile_s, 1), "prefill_s": s["prefill_s"],
             "wall_s": s["wall_s"], "steps": s["steps"], "graphs": be.graph_counts()}
@@ -107,7 +115,6 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
 def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
     uncompiled(model)
     rows = max(1, min(args.requests, kv_bytes // (per_token * (args.context + args.new))))
-    reqs = prompts(args.requests, args.context)
 
     def wave(batch):
         ids = torch.stack(batch).to(model.device)
@@ -117,10 +124,11 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
     while True:   # HF prefills a wave's prompts together: fewer rows when their prefill does not fit the cap
         try:
             t = time.perf_counter()
-            wave(reqs[:rows])   # compiles HF's decode step for this batch and this cache's shape
+            wave(prompts(rows, args.context))   # compiles HF's decode step for this batch and this cache's shape
             sync()
             compile_s = time.perf_counter() - t
             reset_peak()
+            reqs = prompts(run_requests(args, rows), args.context)
             t = time.perf_counter()
             made = 0
             for i in range(0, len(reqs), rows):
@@ -133,7 +141,7 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
                 raise
             rows -= 1
             empty_cache()
-    return {"config": "hf_static", "max_batch": rows, "tokens_per_s": round(made / wall, 1), "decode_tokens_per_s": None,
+    return {"config": "hf_static", "max_batch": rows, "requests_run": len(reqs), "tokens_per_s": round(made / wall, 1), "decode_tokens_per_s": None,
             "peak_gib": peak_gib(), "compile_s": round(compile_s, 1),
             "wall_s": round(wall, 3), "note": "waves of max_batch (the most rows whose KV fits, fewer where a wave's prefill did not fit the cap)"}
 
@@ -153,14 +161,15 @@ def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
         kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=blocks, **{size: page}, **tokens)
     else:   # transformers <= 5.2x: the paged cache's sizes on the generation config
         gen.num_blocks, gen.block_size, gen.max_batch_tokens = blocks, page, 4096
-    reqs = [p.tolist() for p in prompts(args.requests, args.context)]
+    fits = max(1, kv_bytes // (per_token * (args.context + args.new)))   # sequences its pages hold at once
+    reqs = [p.tolist() for p in prompts(run_requests(args, fits), args.context)]
     reset_peak()
     t = time.perf_counter()
     out = model.generate_batch(reqs, generation_config=gen, **kw)
     sync()
     wall = time.perf_counter() - t
     made = sum(len(o.generated_tokens) for o in out.values())
-    return {"config": "hf_continuous", "max_batch": None, "tokens_per_s": round(made / wall, 1),
+    return {"config": "hf_continuous", "max_batch": None, "requests_run": len(reqs), "tokens_per_s": round(made / wall, 1),
             "decode_tokens_per_s": None, "peak_gib": peak_gib(),
             "wall_s": round(wall, 3), "kv_blocks": blocks, "page": page,
             "attn_implementation": model.config._attn_implementation}
@@ -176,6 +185,8 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--workspace-gib", type=float, default=6.0)
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--max-waves", type=int, default=None,
+                    help="run at most this many batches of requests per configuration (all by default)")
     ap.add_argument("--policies", default="full,snapkv,pyramidkv,streamingllm,h2o,raas,quest,asl")
     ap.add_argument("--baselines", default="hf_static,hf_continuous")
     ap.add_argument("--prefill-compiler", default=None)

@@ -12,14 +12,15 @@ A1) timeout 560 $T --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4
 A2) timeout 440 $T --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4 --policies quest,h2o,pyramidkv,asl \
         --baselines hf_static,hf_continuous --out "$OUT/l8_long_context_2.json" > "$OUT/l8_long_context_2.log" 2>&1 ;;
 # 32 layers (weights 15 GiB) with 16 GiB of KV: full about 3 rows of 32k beside the staging row, the compressing
-# policies all 64 requests. About 100 s of prefill per row of the table: one call per two configurations.
-B)  timeout 580 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 \
-        --policies full,streamingllm --baselines "" --out "$OUT/l32_long_context.json" > "$OUT/l32_long_context.log" 2>&1 ;;
+# policies about 55 rows. About 100 s of prefill for 64 requests: a configuration whose batch is small runs 4
+# waves of it (--max-waves). B and D run together on a two-GPU machine (one GPU each, `full` on both).
+B)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 --max-waves 4 \
+        --policies full,streamingllm,snapkv --baselines "" --out "$OUT/l32_long_context.json" > "$OUT/l32_long_context.log" 2>&1 ;;
 # RaaS's setting: 1k prompts, 16k new tokens; per-step eviction (raas, streamingllm, h2o) against full.
 C)  timeout 580 $T --layers 8 --workload long_generation --context 1024 --new 16384 --requests 64 --kv-gib 4 \
         --policies full,raas,streamingllm,h2o --baselines "" --out "$OUT/l8_long_generation.json" \
         > "$OUT/l8_long_generation.log" 2>&1 ;;
-D)  timeout 580 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 \
-        --policies "" --baselines hf_static,hf_continuous --out "$OUT/l32_baselines.json" > "$OUT/l32_baselines.log" 2>&1 ;;
+D)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 --max-waves 4 \
+        --policies full --baselines hf_static,hf_continuous --out "$OUT/l32_baselines.json" > "$OUT/l32_baselines.log" 2>&1 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400
