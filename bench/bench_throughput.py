@@ -26,6 +26,8 @@ peak_gib, kv_row_mib, compile_s, prefill_s, wall_s}``; ``tokens_per_s`` counts n
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
 import json
 import platform
 import sys
@@ -67,10 +69,13 @@ VOCAB = 100000
 
 
 def uncompiled(model) -> None:
-    """The previous configuration's compile undone: the class's own forward and generate, Dynamo reset."""
+    """The previous configuration's compile undone: the class's own forward and generate, Dynamo reset, and
+    its caches freed (they sit in reference cycles: without a collection the next row's cap held them)."""
     torch._dynamo.reset()
     for attr in ("forward", "generate"):
         model.__dict__.pop(attr, None)
+    gc.collect()
+    empty_cache()
 
 
 def prompts(n: int, length: int) -> list[torch.Tensor]:
@@ -148,6 +153,8 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
 
 def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
     import inspect
+    import logging
+    logging.getLogger("transformers.generation.continuous_batching").setLevel(logging.INFO)   # its progress
     uncompiled(model)
     page = 256
     blocks = kv_bytes // (per_token * page)
@@ -190,9 +197,13 @@ def main() -> None:
     ap.add_argument("--policies", default="full,snapkv,pyramidkv,streamingllm,h2o,raas,quest,asl")
     ap.add_argument("--baselines", default="hf_static,hf_continuous")
     ap.add_argument("--prefill-compiler", default=None)
+    ap.add_argument("--stacks-after", type=float, default=None,
+                    help="print every thread's stack every this many seconds (where a slow baseline waits)")
     ap.add_argument("--tiny", action="store_true", help="the same layout at test size (a smoke run, CPU too)")
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
+    if args.stacks_after:
+        faulthandler.dump_traceback_later(args.stacks_after, repeat=True)
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = random_llama(llama8b_config(args.layers, tiny=args.tiny), "cuda" if CUDA else "cpu",
                          torch.bfloat16 if CUDA else torch.float32)
@@ -225,7 +236,9 @@ def main() -> None:
             row = {"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             traceback.print_exc()
         row = {"workload": args.workload, "context": args.context, "new_tokens": args.new, **row}
-        empty_cache()
+        uncompiled(model)
+        if CUDA:   # what the next row starts from: the weights alone, or a leak
+            row["left_allocated_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

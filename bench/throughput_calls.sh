@@ -17,10 +17,16 @@ A2) timeout 440 $T --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4
 B)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 --max-waves 4 \
         --policies full,streamingllm,snapkv --baselines "" --out "$OUT/l32_long_context.json" > "$OUT/l32_long_context.log" 2>&1 ;;
 # RaaS's setting: 1k prompts, 16k new tokens; per-step eviction (raas, streamingllm, h2o) against full.
-C)  timeout 580 $T --layers 8 --workload long_generation --context 1024 --new 16384 --requests 64 --kv-gib 4 \
+C)  timeout 560 $T --layers 8 --workload long_generation --context 1024 --new 16384 --requests 64 --kv-gib 4 --max-waves 2 \
         --policies full,raas,streamingllm,h2o --baselines "" --out "$OUT/l8_long_generation.json" \
         > "$OUT/l8_long_generation.log" 2>&1 ;;
 D)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 --max-waves 4 \
         --policies full --baselines hf_static,hf_continuous --out "$OUT/l32_baselines.json" > "$OUT/l32_baselines.log" 2>&1 ;;
+# Session 46 (two H200s, one GPU each): C on GPU 0; E on GPU 1 (continuous batching at 8 layers beside full, its
+# threads' stacks every 60 s: at 32 layers it ran 300 s on 8 requests without a result; then the prefill peaks).
+E)  timeout 170 $T --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4 --max-waves 2 --stacks-after 60 \
+        --policies full --baselines hf_continuous --out "$OUT/l8_continuous.json" > "$OUT/l8_continuous.log" 2>&1
+    timeout 390 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 \
+        --policies full,h2o,asl,snapkv,pyramidkv,streamingllm,quest,raas --out "$OUT/l8_prefill.json" > "$OUT/l8_prefill.log" 2>&1 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400
