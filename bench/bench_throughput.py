@@ -99,13 +99,13 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
     rows = max(1, min(args.requests, kv_bytes // one - 1))   # one row's bytes go to the staging cache
     reqs = run_requests(args, rows)
     t = time.perf_counter()
-    warm = kvpass.RequestQueue(model, max_batch=rows, max_length=length, eos_token_id=None)
+    warm = kvpass.RequestQueue(model, max_batch=rows, max_length=length, max_new_tokens=args.new, eos_token_id=None)
     warm.add(prompts(1, min(512, args.context))[0], max_new_tokens=4)
     warm.run(progress=False)
     sync()
     compile_s = time.perf_counter() - t
     reset_peak()
-    queue = kvpass.RequestQueue(model, max_batch=rows, max_length=length, eos_token_id=None)
+    queue = kvpass.RequestQueue(model, max_batch=rows, max_length=length, max_new_tokens=args.new, eos_token_id=None)
     for p in prompts(reqs, args.context):
         queue.add(p, max_new_tokens=args.new)
     queue.run(progress=False)

@@ -121,3 +121,20 @@ def test_a_batch_of_one_keeps_its_staging_cache_apart():
     assert [g.tolist() for g in got] == [alone(model, p, 4, min_new_tokens=4).tolist() for p in ps]
     lengths = sorted(c.max_length for c in model.generate.caches.values())
     assert "(staging)" in repr(model.generate) and 50 in lengths
+
+
+def test_max_length_sizes_the_caches_for_the_queues_max_new_tokens():
+    """With ``max_length``, a queue is sized for its own ``max_new_tokens`` (or a request's, if more): a short
+    warm-up request then the real ones run on the same caches, even for raas, whose capacity splits the prompt's
+    entries from the new tokens' pool (the warm-up's 3 new tokens once sized a prompt-sized cache, and the
+    benchmark's next queue ran out of memory)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "raas", compiler="eager", **CONFORMANCE["raas"].demanding)
+    kept = []
+    for new in (3, 30):
+        queue = kvpass.RequestQueue(model, max_batch=2, max_length=60, max_new_tokens=30, eos_token_id=None)
+        queue.add(prompts()[0], max_new_tokens=new)
+        queue.run(progress=False)
+        kept.append({k: (id(c), c.max_new_tokens, c.capacities) for k, c in model.generate.caches.items()})
+    assert kept[0] == kept[1] and all(room == 30 for _, room, _ in kept[0].values())

@@ -98,8 +98,10 @@ class RequestQueue:
         model: a model compiled with ``kvpass.compile`` (its ``generate`` is kvpass's).
         max_batch: rows decoded together (1 .. 4096).
         max_length: the cache's capacity in tokens per row, exactly (``prompt + max_new_tokens`` of the longest
-            request at most); default: sized at ``run`` from the requests queued, in ``kvpass.compile``'s
-            buckets (up to a quarter more).
+            request at most), with room for the queue's ``max_new_tokens`` new tokens (or a request's, if more):
+            a policy whose capacity splits prompt and new tokens (raas) gets the same caches, and the same
+            compiled graphs, for any requests queued; default: sized at ``run`` from the requests queued, in
+            ``kvpass.compile``'s buckets (up to a quarter more).
         **generation: ``max_new_tokens`` (the default of ``add``), ``do_sample``, ``temperature``, ``top_k``,
             ``top_p``, ``eos_token_id``; unset ones come from ``generation_config`` (a ``GenerationConfig``,
             default ``model.generation_config``).
@@ -151,6 +153,8 @@ class RequestQueue:
             return [r.output() for r in self.requests]
         length = self.max_length or max(r.ids.numel() + r.max_new_tokens for r in todo)
         new = max(r.max_new_tokens for r in todo)
+        if self.max_length is not None:   # sized for the queue's max_new_tokens too: the same caches for any requests
+            new = min(max(new, self.config.max_new_tokens), length - 1)
         batch = self.fast.cache_for(self.max_batch, length - new, new, exact=self.max_length is not None)
         staging = self.fast.cache_for(1, length - new, new, like=batch)
         bar = _bar(len(todo), progress)
