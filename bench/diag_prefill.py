@@ -2,7 +2,8 @@
 
 One prefill of the 8B shape (``--layers``) on a SlotCache, compiled as the decode benchmark does: the
 CUDA kernels by total time (torch.profiler) and the largest live allocations at the peak with the
-Python frames that made them (the allocator's memory history). Prints one JSON object.
+Python frames that made them (the allocator's memory history), and every allocation of 64 MiB or more
+alive when the traced peak was reached. Prints one JSON object.
 
     python bench/diag_prefill.py --layers 8 --context 32768 --policy full
 """
@@ -53,20 +54,31 @@ def main() -> None:
     wall = time.perf_counter() - t
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    allocs = []
-    for trace in snap.get("device_traces", [[]])[0]:
-        if trace.get("action") == "alloc" and trace.get("size", 0) >= 256 << 20:
+    allocs, live, total, top, at_peak = [], {}, 0, 0, []
+    for trace in snap.get("device_traces", [[]])[0]:   # replayed: what was alive when the peak was reached
+        size, action = trace.get("size", 0), trace.get("action")
+        if action == "alloc":
             frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in trace.get("frames", [])
                       if "site-packages/torch/" not in f["filename"] or "transformers" in f["filename"]]
-            allocs.append({"GiB": trace["size"] / 2**30, "frames": frames[:8]})
+            if size >= 256 << 20:
+                allocs.append({"GiB": size / 2**30, "frames": frames[:8]})
+            live[trace["addr"]] = (size, frames[:6])
+            total += size
+            if total > top:
+                top = total
+                at_peak = [v for v in live.values() if v[0] >= 64 << 20]
+        elif action in ("free_requested", "free") and trace.get("addr") in live:
+            total -= live.pop(trace["addr"])[0]
     allocs.sort(key=lambda a: -a["GiB"])
+    at_peak = [{"GiB": round(size / 2**30, 3), "frames": frames} for size, frames in sorted(at_peak, key=lambda v: -v[0])]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         prefill()
     kernels = [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
                for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
     print(json.dumps({"policy": args.policy, "context": args.context, "layers": args.layers, "wall_s": wall,
                       "peak_over_base_GiB": (torch.cuda.max_memory_allocated() - base) / 2**30,
-                      "largest_allocs": allocs[:12], "kernels": kernels}, indent=1))
+                      "traced_peak_GiB": top / 2**30, "live_at_peak_GiB": sum(a["GiB"] for a in at_peak),
+                      "live_at_peak": at_peak[:40], "largest_allocs": allocs[:12], "kernels": kernels}, indent=1))
 
 
 if __name__ == "__main__":

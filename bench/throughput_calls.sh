@@ -16,8 +16,10 @@ A2) timeout 440 $T --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4
 # waves of it (--max-waves). B and D run together on a two-GPU machine (one GPU each, `full` on both).
 B)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 --max-waves 4 \
         --policies full,streamingllm,snapkv --baselines "" --out "$OUT/l32_long_context.json" > "$OUT/l32_long_context.log" 2>&1 ;;
-# RaaS's setting: 1k prompts, 16k new tokens; per-step eviction (raas, streamingllm, h2o) against full.
-C)  timeout 560 $T --layers 8 --workload long_generation --context 1024 --new 16384 --requests 64 --kv-gib 4 --max-waves 2 \
+# RaaS's setting: 1k prompts, 16k new tokens; per-step eviction (raas, streamingllm, h2o) against full. 4.25 GiB of
+# KV: the compressing policies' 64 rows of about 65 MiB fit beside the staging row (at 4 GiB 62 did, and two
+# requests ran a second 16k-step wave alone); full fits 6 rows of 548 MiB.
+C)  timeout 520 $T --layers 8 --workload long_generation --context 1024 --new 16384 --requests 64 --kv-gib 4.25 --max-waves 2 \
         --policies full,raas,streamingllm,h2o --baselines "" --out "$OUT/l8_long_generation.json" \
         > "$OUT/l8_long_generation.log" 2>&1 ;;
 D)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16 --workspace-gib 10 --max-waves 4 \
@@ -28,5 +30,12 @@ E)  timeout 170 $T --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4
         --policies full --baselines hf_continuous --out "$OUT/l8_continuous.json" > "$OUT/l8_continuous.log" 2>&1
     timeout 390 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 \
         --policies full,h2o,asl,snapkv,pyramidkv,streamingllm,quest,raas --out "$OUT/l8_prefill.json" > "$OUT/l8_prefill.log" 2>&1 ;;
+# F (session 46, beside C): where asl's 128k prefill peak (1.7x full's) comes from, then the GPU tests left.
+F)  for p in full asl; do timeout 100 python bench/diag_prefill.py --layers 8 --context 131072 --policy $p \
+        > "$OUT/diag_prefill_$p.log" 2>&1; done
+    timeout 330 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_admission.py \
+        tests/gpu/test_gpu_eviction.py -k "decode_loop or (admission and art) or compile_once or sliding or policy_on_gpu \
+        or (replay and (raas or art or h2o or asl or sablock or gemfilter or fastkv))" > "$OUT/gpu_tests_F.txt" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_F.txt" | tail -40 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400
