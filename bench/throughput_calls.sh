@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37's throughput calls (one GPU each, $OUT set): `bash bench/throughput_calls.sh A|B|C|D`.
-# Run 2026-11-27 (bench/results/throughput_2026-11-27): the 8-layer long-context rows (A1, A2 below).
-# Still to run: B (32 layers, 64 requests of 32k), C (long generation), D (baselines at 32 layers).
+# Run 2026-11-27 (bench/results/throughput_2026-11-27): A1, A2 (session 45, H100); B, C, D, E, F (session 46, two H200s).
+# Still to run: G and H (below).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -37,5 +37,16 @@ F)  for p in full asl; do timeout 100 python bench/diag_prefill.py --layers 8 --
         tests/gpu/test_gpu_eviction.py -k "decode_loop or (admission and art) or compile_once or sliding or policy_on_gpu \
         or (replay and (raas or art or h2o or asl or sablock or gemfilter or fastkv))" > "$OUT/gpu_tests_F.txt" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_F.txt" | tail -40 ;;
+# Left for the next session (two GPUs, one call): G on GPU 0, H on GPU 1.
+# G: what asl's 128k prefill holds at its peak, through generate (full beside it), then the GPU tests F did not reach.
+G)  for p in full asl; do timeout 150 python bench/diag_prefill.py --generate --layers 8 --context 131072 --policy $p \
+        > "$OUT/diag_prefill_generate_$p.log" 2>&1; done
+    timeout 270 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_admission.py \
+        tests/gpu/test_gpu_eviction.py -k "decode_loop or (admission and art) or compile_once or sliding or policy_on_gpu" \
+        > "$OUT/gpu_tests_G.txt" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_G.txt" | tail -40 ;;
+# H: the other compressing policies at 32 layers (16.5 GiB of KV: 63 rows of 258 MiB fit the queue; full 3 rows).
+H)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
+        --policies snapkv,h2o,full --baselines "" --out "$OUT/l32_long_context_2.json" > "$OUT/l32_long_context_2.log" 2>&1 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400
