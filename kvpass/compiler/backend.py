@@ -19,6 +19,7 @@ from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
 from kvpass.compiler import plan as _plan
+from kvpass.compiler import positions as _positions
 from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.compiler import rewrite as _rewrite
@@ -173,8 +174,8 @@ class KVPass(CustomGraphPass):
         report.slots = summary["slots"]
         report.reductions = summary["reductions"]
         if needs.renumber and phase != "prefill":
-            report.positions_fixed += (_gate.shift_slot_positions(gm, found.sites) if summary["slots"] else
-                                       _gate.shift_passed_positions(gm, found.sites, self.runtime.handle))
+            report.positions_fixed += (_positions.shift_slot_positions(gm, found.sites) if summary["slots"] else
+                                       _positions.shift_passed_positions(gm, found.sites, self.runtime.handle))
         if gates:
             gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
             if isinstance(gated, str):  # after the rewrite: the graph evicts but computes every token

@@ -3,7 +3,9 @@ through ``kvpass::true_positions``, so RoPE and absolute positions stay the true
 positions are found by structure: an integer tensor derived in the graph that looks rows up in a float table
 (``embedding``: GPT-2, OPT, BioGPT; indexing: CTRL's sinusoids). ``derived`` tells derived position ids from
 ones passed in, ``view_root`` finds the tensor several RoPEs read views of. Used by the rewrite and by the
-gate (a gated prefill's segments)."""
+gate (a gated prefill's segments). After a renumbering prefill (``gemfilter``: the cache holds the selected
+tokens at ``0..n-1``) the decode graphs' positions move back by what it dropped: ``shift_passed_positions``
+(a DynamicCache: ``kvpass::shift_positions``) and ``shift_slot_positions`` (a SlotCache: its counters)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import operator
 
 import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import Tensor, fx
 
+from kvpass.cache import runtime as _runtime
 from kvpass.compiler.detect import Site, is_fn
 
 OPS = torch.ops.kvpass
@@ -105,3 +108,79 @@ def fix_positions(graph: fx.Graph, sites: list[Site], handle: int, prefill: bool
         pos.replace_all_uses_with(tp, delete_user_cb=lambda u, only=only: u is not tp and (only is None or only(u)))
         fixed.append(pos.name)
     return fixed
+
+
+# ----------------------------------------------------------------------------------------------
+# the position operators of a renumbering (two-pass) prefill
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvpass::shift_positions", mutates_args=())
+def shift_positions(pos: Tensor, handle: int) -> Tensor:
+    """Position ids passed in after a renumbering prefill (``gemfilter``): ``generate`` counts the whole
+    prompt, the cache holds its ``n`` selected tokens at positions ``0..n-1``; move them back by ``L - n``."""
+    info = getattr(_runtime.get(handle), "gate", None)
+    shift = info.shift if info is not None else 0
+    return (pos - shift).contiguous() if shift else pos.clone(memory_format=torch.contiguous_format)
+
+
+@shift_positions.register_fake
+def _(pos, handle):
+    return torch.empty_like(pos, memory_format=torch.contiguous_format)
+
+
+def shift_passed_positions(gm: fx.GraphModule, sites, handle: int) -> list[str]:
+    """Decode/append graphs of a renumbering policy: route position ids that were passed in (not derived
+    from the cache length, which ``true_positions`` already fixes) through ``shift_positions``."""
+
+    done = []
+    graph = gm.graph
+    for pos in dict.fromkeys(s.positions for s in sites if s.positions is not None):
+        if derived(pos):
+            continue
+        with graph.inserting_after(pos):
+            sp = graph.call_function(torch.ops.kvpass.shift_positions.default, (pos, handle))
+        pos.replace_all_uses_with(sp, delete_user_cb=lambda u: u is not sp)
+        done.append(pos.name)
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
+def row_shift(count: Tensor, positions: Tensor) -> Tensor:
+    """The positions a renumbering prefill dropped (``count[:, 2]``), shaped to move ``positions``: per row
+    for ``[B, q]`` position ids, else the first row's (a batch prefilled together shares it)."""
+    if positions.dim() == 2 and positions.shape[0] == count.shape[0]:
+        return count[:, 2, None]
+    return count[0, 2]
+
+
+def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
+    """Decode/append graphs of a renumbering policy on a ``kvpass.SlotCache``: the cache counts every
+    token of the prompt (``generate`` and a bare ``forward`` derive positions from it) and holds the
+    prefill's tokens at ``0..n-1``; RoPE's positions, passed in or derived, move back by the shift the
+    prefill left in ``count[2]``, on the device (the counters of the graph's first slot write: every
+    layer's hold the same shift)."""
+    from kvpass.cache.slots import pending_positions, write_slots
+
+    count = next((n.args[3] if n.target is write_slots else n.args[1] for n in gm.graph.nodes
+                  if n.op == "call_function" and n.target in (write_slots, pending_positions)), None)
+    if count is None:
+        return []
+    done = []
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # once per position tensor: several RoPEs (Gemma 3: local and global) may read views of one
+    for pos in dict.fromkeys(view_root(s.positions)[0] for s in sites if s.positions is not None):
+        # (passed-in positions are an input that may come before the counters' input)
+        with graph.inserting_after(max(pos, count, key=order.__getitem__)):
+            shift = graph.call_function(row_shift, (count, pos))
+        with graph.inserting_after(shift):
+            moved = graph.call_function(operator.sub, (pos, shift))
+        pos.replace_all_uses_with(moved, delete_user_cb=lambda u: u not in (moved, shift))
+        done.append(pos.name)
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
