@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
-from kvpass.eval import models
+from kvpass.eval import gguf_tokenizer, models
 from kvpass.eval.models import MANIFEST, MODELS, ModelCacheWarning, ModelNotAvailable
 
 PROMPT = "The capital of France is"
@@ -471,9 +471,9 @@ def test_sentencepiece_vocabulary_read_and_tokenized_as_llama_cpp_does(tmp_path)
     for sentencepiece in (False, True):
         path = write_tiny_gguf(tmp_path / f"tiny-{sentencepiece}.gguf", sentencepiece=sentencepiece)
         fields = gguf.GGUFReader(str(path)).fields
-        assert models._gguf_tokenizer_metadata(path) == {
+        assert gguf_tokenizer._gguf_tokenizer_metadata(path) == {
             key: field.contents() for key, field in fields.items() if key.startswith("tokenizer.")}
-    vocab = models._gguf_vocab(tmp_path / "tiny-True.gguf")
+    vocab = gguf_tokenizer._gguf_vocab(tmp_path / "tiny-True.gguf")
     tokens = _spm_tokens()[0]
     assert (vocab.model, vocab.tokens, vocab.special) == ("llama", tokens, {"bos": 2, "eos": 1, "unk": 3, "pad": 0})
     assert vocab.add_bos and not vocab.add_eos and not vocab.add_space_prefix
@@ -482,25 +482,25 @@ def test_sentencepiece_vocabulary_read_and_tokenized_as_llama_cpp_does(tmp_path)
         return [tokens[i] for i in ids]
 
     # The best-scored merge first; user-defined tokens whole; a character outside the vocabulary as bytes.
-    assert pieces(models._spm_encode("the cat sat on the mat", vocab)) == [
+    assert pieces(gguf_tokenizer._spm_encode("the cat sat on the mat", vocab)) == [
         "<bos>", "t", "he", "▁cat", "▁sat", "▁on", "▁the", "▁mat"]
-    assert pieces(models._spm_encode("  The cat\n<b>é", vocab)) == [
+    assert pieces(gguf_tokenizer._spm_encode("  The cat\n<b>é", vocab)) == [
         "<bos>", "  ", "The", "▁cat", "\n", "<b>", "<0xC3>", "<0xA9>"]
-    assert models._spm_encode("", vocab) == [2]
+    assert gguf_tokenizer._spm_encode("", vocab) == [2]
     prefixed = dataclasses.replace(vocab, add_space_prefix=True)
-    assert pieces(models._spm_encode("the cat\nthe", prefixed)) == ["<bos>", "▁the", "▁cat", "\n", "▁the"]
+    assert pieces(gguf_tokenizer._spm_encode("the cat\nthe", prefixed)) == ["<bos>", "▁the", "▁cat", "\n", "▁the"]
 
     # The fast tokenizer built from the vocabulary alone encodes the same, and decodes back.
-    texts = [*models.TOKENIZER_PROBES, "the cat sat on the mat", "  The   cat\n\n<b>in</b>", " x", ""]
+    texts = [*gguf_tokenizer.TOKENIZER_PROBES, "the cat sat on the mat", "  The   cat\n\n<b>in</b>", " x", ""]
     for v in (vocab, prefixed):
-        tok = models._sentencepiece_tokenizer(v)
+        tok = gguf_tokenizer._sentencepiece_tokenizer(v)
         assert len(tok) == len(tokens)
         for text in texts:
             ids = tok(text).input_ids
-            assert ids == models._spm_encode(text, v), text
+            assert ids == gguf_tokenizer._spm_encode(text, v), text
             if not v.add_space_prefix:  # (with a prefix, text after "\n" decodes with a space)
                 assert tok.decode(ids, skip_special_tokens=True) == text
-        assert models._tokenizer_problem(tok, v, tmp_path / f"saved-{v.add_space_prefix}") is None
+        assert gguf_tokenizer._tokenizer_problem(tok, v, tmp_path / f"saved-{v.add_space_prefix}") is None
 
 
 def _replace_gguf_tokenizer(monkeypatch, make) -> None:
@@ -523,17 +523,17 @@ def test_a_wrong_gguf_tokenizer_is_rebuilt_from_the_vocabulary(tmp_path, monkeyp
     src = tmp_path / "src"
     src.mkdir()
     path = write_tiny_gguf(src / "spm.gguf", sentencepiece=True)
-    vocab = models._gguf_vocab(path)
+    vocab = gguf_tokenizer._gguf_vocab(path)
     direct = AutoModelForCausalLM.from_pretrained(src, gguf_file="spm.gguf", dtype=torch.float32).eval()
     _replace_gguf_tokenizer(monkeypatch,
-                            lambda p: models._sentencepiece_tokenizer(dataclasses.replace(vocab, add_bos=False)))
+                            lambda p: gguf_tokenizer._sentencepiece_tokenizer(dataclasses.replace(vocab, add_bos=False)))
     capfd.readouterr()
     model, tok = models.load(path, cache_dir=tmp_path / "cache")
     err = capfd.readouterr().err
     assert "transformers' tokenizer is wrong (it encodes 'The capital of France is' as [" in err
     assert "building it from the GGUF's vocabulary" in err and "converted in" in err
-    for text in models.TOKENIZER_PROBES:
-        assert tok(text).input_ids == models._spm_encode(text, vocab)
+    for text in gguf_tokenizer.TOKENIZER_PROBES:
+        assert tok(text).input_ids == gguf_tokenizer._spm_encode(text, vocab)
     assert torch.equal(_logits(model, tok), _logits(direct, tok))
 
     def fails(p):
@@ -542,7 +542,7 @@ def test_a_wrong_gguf_tokenizer_is_rebuilt_from_the_vocabulary(tmp_path, monkeyp
     _replace_gguf_tokenizer(monkeypatch, fails)
     _, tok = models.load(path, cache_dir=tmp_path / "cache2")
     assert "transformers could not build the tokenizer (ValueError: no tokenizer here)" in capfd.readouterr().err
-    assert tok(PROMPT).input_ids == models._spm_encode(PROMPT, vocab)
+    assert tok(PROMPT).input_ids == gguf_tokenizer._spm_encode(PROMPT, vocab)
 
 
 def test_a_wrong_tokenizer_is_never_saved(tmp_path, monkeypatch):
@@ -550,9 +550,9 @@ def test_a_wrong_tokenizer_is_never_saved(tmp_path, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()
     spm, bpe = write_tiny_gguf(src / "spm.gguf", sentencepiece=True), write_tiny_gguf(src / "bpe.gguf")
-    vocab, build = models._gguf_vocab(spm), models._sentencepiece_tokenizer
+    vocab, build = gguf_tokenizer._gguf_vocab(spm), gguf_tokenizer._sentencepiece_tokenizer
     _replace_gguf_tokenizer(monkeypatch, lambda p: build(dataclasses.replace(vocab, add_bos=False)))
-    monkeypatch.setattr(models, "_sentencepiece_tokenizer", lambda v: build(dataclasses.replace(v, add_bos=False)))
+    monkeypatch.setattr(gguf_tokenizer, "_sentencepiece_tokenizer", lambda v: build(dataclasses.replace(v, add_bos=False)))
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="the tokenizer built from the vocabulary of spm.gguf is wrong too"):
         models.load(spm, cache_dir=cache)
