@@ -26,6 +26,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from bench_fastpath import gen, prompt, timed  # noqa: E402
+from bench_throughput import uncompiled  # noqa: E402
 from llama_shape import llama8b_config, random_llama  # noqa: E402
 
 GIB = 2**30
@@ -50,10 +51,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rows, full = [], {}
     for policy in args.policies.split(","):
-        torch._dynamo.reset()
-        for attr in ("forward", "generate"):   # the previous policy's compile undone
-            model.__dict__.pop(attr, None)
-        torch.cuda.empty_cache()
+        uncompiled(model)   # the previous policy's compile undone, its caches freed
         params = {} if policy in ("full", "art") else {"budget": args.budget}
         try:
             kvpass.compile(model, policy, **params)
