@@ -246,7 +246,7 @@ def test_corrupt_gguf_is_model_not_available(content, tmp_path, monkeypatch, cap
         models.load(bad, cache_dir=cache)
     assert e.value.__cause__ is not None             # transformers' own error, chained
     # nothing half-converted is left for a later load to pick up: only the lock file
-    assert [p.name for p in (cache / "models").iterdir()] == [f".{models._gguf_key(bad, models._sha256(bad))}.lock"]
+    assert [p.name for p in (cache / "models").iterdir()] == [f".{models._gguf_key(bad, models.sha256(bad))}.lock"]
     with pytest.raises(models.ModelNotAvailable, match="as GGUF"):  # and the next load fails the same way
         models.load(bad, cache_dir=cache)
 

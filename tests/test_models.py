@@ -447,11 +447,11 @@ def test_local_gguf_is_converted_cached_checked_and_reconverted(tmp_path, capfd)
     assert torch.equal(_logits(model, tok), _logits(direct, tok))
 
     # A different source GGUF (as if the package were updated) is caught by its recorded sha256.
-    with models._using_root(cache.resolve()):
-        assert models._verify(folder, "0" * 64).startswith("the source GGUF changed")
-        assert models._verify(folder, manifest["source"]["sha256"]) is None
+    with models.using_root(cache.resolve()):
+        assert models.verify(folder, "0" * 64).startswith("the source GGUF changed")
+        assert models.verify(folder, manifest["source"]["sha256"]) is None
         (folder / MANIFEST).unlink()
-        assert "no readable" in models._verify(folder, None)
+        assert "no readable" in models.verify(folder, None)
 
     # Two GGUFs in a folder are ambiguous.
     write_tiny_gguf(src / "other.gguf", seed=1)

