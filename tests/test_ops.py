@@ -304,8 +304,7 @@ def rt():
     """A real runtime (eviction policy with budget 8) and one global DynamicCache site."""
     be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
     be.runtime.sites[SITE] = SimpleNamespace(sliding_window=None, cache="dynamic", layer=SITE)
-    yield be.runtime
-    runtime.release(be.runtime.handle)
+    yield be.runtime   # held by `be` until the test ends (the registry is weak)
 
 
 def _prefill(rt, n: int, mask=None):

@@ -912,8 +912,7 @@ def rt():
     """A real runtime (streamingllm, budget 8, sinks 2) and one SlotCache site."""
     be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
     be.runtime.sites[0] = SimpleNamespace(sliding_window=None, cache="slot", layer=0)
-    yield be.runtime
-    runtime.release(be.runtime.handle)
+    yield be.runtime   # held by `be` until the test ends (the registry is weak)
 
 
 @pytest.mark.parametrize("padded", [False, True])

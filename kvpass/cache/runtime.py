@@ -33,11 +33,8 @@ def get(handle: int) -> "Runtime":
     try:
         return _RUNTIMES[handle]
     except KeyError:
-        raise RuntimeError(f"kvpass: no runtime with handle {handle}; was its backend released?") from None
-
-
-def release(handle: int) -> None:
-    _RUNTIMES.pop(handle, None)
+        raise RuntimeError(f"kvpass: no runtime with handle {handle}; its backend is gone (a runtime lives as long as "
+                           f"its kvpass.backend object)") from None
 
 
 def past_length(k_past: Tensor) -> int:

@@ -54,10 +54,6 @@ class GraphReport:
     tp: str = ""              # tensor parallel: this rank's share of the heads (kvpass.compiler.tp)
     reductions: list[str] = field(default_factory=list)  # collectives the pass inserted (decisions across heads)
 
-    @property
-    def changed(self) -> bool:
-        return self.rewritten > 0
-
 
 def _runtime_op(node: fx.Node) -> bool:
     """A kvpass operator that calls back into a policy's Python runtime (it takes a ``handle``)."""
