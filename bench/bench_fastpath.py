@@ -40,7 +40,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from bench_decode_step import read_entries  # noqa: E402
-from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
+from llama_shape import copy_bandwidth, llama8b_config, random_llama, uncompiled  # noqa: E402
 
 
 def timed(fn):
@@ -152,10 +152,8 @@ def main() -> None:
     per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     rows = []
     for policy in args.policies.split(","):
-        torch._dynamo.reset()
+        uncompiled(model)   # the previous policy's compile undone, its caches freed
         torch._dynamo.utils.counters.clear()
-        for attr in ("forward", "generate"):   # the previous policy's compile: back to the class's methods
-            model.__dict__.pop(attr, None)
         params = {} if policy in ("full", "art") else {"budget": args.budget}
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()

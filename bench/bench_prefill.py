@@ -26,8 +26,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from bench_fastpath import gen, prompt, timed  # noqa: E402
-from bench_throughput import uncompiled  # noqa: E402
-from llama_shape import llama8b_config, random_llama  # noqa: E402
+from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
 
 GIB = 2**30
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import gc
 import json
 import platform
 import sys
@@ -40,7 +39,7 @@ import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from llama_shape import llama8b_config, random_llama  # noqa: E402
+from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
 
 GIB = 2**30
 CUDA = torch.cuda.is_available()   # off CUDA (a smoke run with --tiny): no memory cap, no peaks
@@ -68,16 +67,6 @@ def peak_gib() -> float:
 VOCAB = 100000
 
 
-def uncompiled(model) -> None:
-    """The previous configuration's compile undone: the class's own forward and generate, Dynamo reset, and
-    its caches freed (they sit in reference cycles: without a collection the next row's cap held them)."""
-    torch._dynamo.reset()
-    for attr in ("forward", "generate"):
-        model.__dict__.pop(attr, None)
-    gc.collect()
-    empty_cache()
-
-
 def prompts(n: int, length: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(length)
     return [torch.randint(VOCAB // 100, VOCAB, (length,), generator=g) for _ in range(n)]
@@ -91,7 +80,6 @@ def run_requests(args, rows: int) -> int:
 
 
 def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
-    uncompiled(model)
     params = {} if policy in ("full", "art") else {"budget": args.budget}
     be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
     length = args.context + args.new
@@ -118,7 +106,6 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
 
 
 def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
-    uncompiled(model)
     rows = max(1, min(args.requests, kv_bytes // (per_token * (args.context + args.new))))
 
     def wave(batch):
@@ -155,7 +142,6 @@ def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
     import inspect
     import logging
     logging.getLogger("transformers.generation.continuous_batching").setLevel(logging.INFO)   # its progress
-    uncompiled(model)
     page = 256
     blocks = kv_bytes // (per_token * page)
     gen = tf.GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)

@@ -43,6 +43,19 @@ def random_llama(cfg, device: str = "cuda", dtype: torch.dtype = torch.bfloat16)
     return model.eval()
 
 
+def uncompiled(model) -> None:
+    """A benchmark's previous configuration undone on ``model``: the class's own forward and generate (what
+    ``kvpass.compile`` replaced), Dynamo reset, and the caches it held freed (they sit in reference cycles:
+    without a collection the next configuration's memory cap still held them)."""
+    import gc
+    torch._dynamo.reset()
+    for attr in ("forward", "generate"):
+        model.__dict__.pop(attr, None)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def sync(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()

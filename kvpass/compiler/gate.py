@@ -44,7 +44,7 @@ from torch import Tensor, fx
 
 from kvpass.cache import runtime as _runtime
 from kvpass.compiler.detect import val
-from kvpass.compiler import positions as _positions
+from kvpass.compiler import positions as _positions  # noqa: F401  (registers kvpass::shift_positions)
 from kvpass.compiler import tp as _tp
 
 
@@ -530,7 +530,7 @@ def _take(x, sel: Tensor, dims: tuple) -> Tensor:
     return x
 
 
-_SHAPE_OF_INPUT = (torch.ops.kvpass.true_positions.default, _positions.shift_positions._opoverload)
+_SHAPE_OF_INPUT = (torch.ops.kvpass.true_positions.default, torch.ops.kvpass.shift_positions.default)
 
 
 def _after_fix(pos: fx.Node) -> fx.Node:
