@@ -138,3 +138,7 @@ def test_max_length_sizes_the_caches_for_the_queues_max_new_tokens():
         queue.run(progress=False)
         kept.append({k: (id(c), c.max_new_tokens, c.capacities) for k, c in model.generate.caches.items()})
     assert kept[0] == kept[1] and all(room == 30 for _, room, _ in kept[0].values())
+    # a prompt that leaves less than the queue's max_new_tokens keeps its room: sized by its own new tokens
+    queue = kvpass.RequestQueue(model, max_batch=2, max_length=60, max_new_tokens=30, eos_token_id=None)
+    queue.add(prompts()[3], max_new_tokens=5)   # 41 tokens
+    assert queue.run(progress=False)[0].tolist() == alone(model, prompts()[3], 5, min_new_tokens=5).tolist()

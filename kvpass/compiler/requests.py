@@ -153,8 +153,9 @@ class RequestQueue:
             return [r.output() for r in self.requests]
         length = self.max_length or max(r.ids.numel() + r.max_new_tokens for r in todo)
         new = max(r.max_new_tokens for r in todo)
-        if self.max_length is not None:   # sized for the queue's max_new_tokens too: the same caches for any requests
-            new = min(max(new, self.config.max_new_tokens), length - 1)
+        if self.max_length is not None:   # room for the queue's max_new_tokens too, where the longest prompt leaves
+            longest = max(r.ids.numel() for r in todo)   # it: the same caches for a warm-up and the real requests
+            new = max(new, min(self.config.max_new_tokens, length - longest))
         batch = self.fast.cache_for(self.max_batch, length - new, new, exact=self.max_length is not None)
         staging = self.fast.cache_for(1, length - new, new, like=batch)
         bar = _bar(len(todo), progress)
