@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37's throughput calls (one GPU each, $OUT set): `bash bench/throughput_calls.sh A|B|C|D`.
 # Run 2026-11-27 (bench/results/throughput_2026-11-27): A1, A2 (session 45, H100); B, C, D, E, F (session 46, two H200s).
-# Still to run: G and H (below).
+# G and H ran in session 47 (two H200s); I and J too.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -48,5 +48,17 @@ G)  for p in full asl; do timeout 150 python bench/diag_prefill.py --generate --
 # H: the other compressing policies at 32 layers (16.5 GiB of KV: 63 rows of 258 MiB fit the queue; full 3 rows).
 H)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
         --policies snapkv,h2o,full --baselines "" --out "$OUT/l32_long_context_2.json" > "$OUT/l32_long_context_2.log" 2>&1 ;;
+# Session 47, one call on two GPUs. I (GPU 0): the scoring kernel's tiles, the prefill peaks after the mask fix,
+# the GPU tests G did not reach. J (GPU 1): long generation on 32 layers (eager prefill: 1k-token prompts).
+I)  timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+    timeout 200 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,asl \
+        --out "$OUT/l8_prefill_asl.json" > "$OUT/l8_prefill_asl.log" 2>&1
+    timeout 170 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_admission.py tests/gpu/test_gpu_eviction.py \
+        tests/gpu/test_gpu_slot_cache.py -k "decode_loop or (admission and art) or policy_on_gpu or (compile_once and \
+        not (full or streamingllm or snapkv or quest))" > "$OUT/gpu_tests_I.txt" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_I.txt" | tail -40 ;;
+J)  timeout 580 $T --layers 32 --workload long_generation --context 1024 --new 16384 --requests 64 --kv-gib 17 \
+        --workspace-gib 8 --max-waves 1 --prefill-compiler eager --policies streamingllm,full --baselines "" \
+        --out "$OUT/l32_long_generation.json" > "$OUT/l32_long_generation.log" 2>&1 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400

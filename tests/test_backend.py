@@ -111,14 +111,18 @@ def test_composition_runs_and_routes_parameters():
     assert be.reports[-1].phase == "decode"
 
 
-def _attention_masks(be, call):
-    """Run ``call`` and return (mask, causal) of every kvpass attention op the backend compiled."""
+def _compiled_nodes(be, call, op):
+    """Run ``call`` and return every ``op`` node of the graphs (and gated segments) the backend compiled."""
     graphs = []
     inner = be._inner
     be._inner = lambda gm, ex, *rest: (graphs.append(gm), inner(gm, ex, *rest))[1]
     call()
-    return [(n.args[3], n.args[5]) for gm in graphs for n in gm.graph.nodes
-            if n.target is torch.ops.kvpass.attention.default]
+    return [n for gm in graphs for n in gm.graph.nodes if n.target is op]
+
+
+def _attention_masks(be, call):
+    """Run ``call`` and return (mask, causal) of every kvpass attention op the backend compiled."""
+    return [(n.args[3], n.args[5]) for n in _compiled_nodes(be, call, torch.ops.kvpass.attention.default)]
 
 
 @pytest.mark.parametrize("policy", ["full", "snapkv"])
@@ -143,6 +147,30 @@ def test_a_mask_built_from_shapes_alone_becomes_the_causal_mode(policy):
             assert sites and all((m is None and c == CAUSAL_BOTTOM_RIGHT) == dropped for m, c in sites), sites
             want = model(**kw, past_key_values=DynamicCache(config=model.config)).logits
             torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy,params", [("asl", dict(budget=16, window=4, layer=0)),
+                                           ("gemfilter", dict(budget=16, window=4, layer=0)),
+                                           ("chunkkv", dict(budget=16, window=4))])
+def test_window_scoring_never_keeps_a_plain_causal_mask(policy, params):
+    """The prefill's window scoring (``layer_scores``) takes no mask where the model's is shapes-only causal,
+    so the [B, 1, N, N] mask is never materialised (at 128k it was 16 GiB, asl's prefill peak 1.7x full's);
+    with a padding mask it keeps it. Both runs give the same tokens when the padding mask is all ones."""
+    from transformers import DynamicCache
+    model = build("llama", attn="eager")
+    ids = torch.randint(3, 90, (1, 40))
+    outs = []
+    with torch.no_grad():
+        for mask_in, dropped in ((None, True), (torch.ones_like(ids), False)):
+            torch._dynamo.reset()
+            be = kvpass.backend(policy, compiler="eager", **params)
+            fwd = torch.compile(model.forward, backend=be)
+            kw = dict(input_ids=ids, attention_mask=mask_in, use_cache=True)
+            scoring = _compiled_nodes(be, lambda: outs.append(
+                fwd(**kw, past_key_values=DynamicCache(config=model.config)).logits),
+                torch.ops.kvpass.layer_scores.default)
+            assert scoring and all((n.args[2] is None) == dropped for n in scoring), scoring
+    torch.testing.assert_close(outs[0], outs[1])
 
 
 def test_a_window_mask_is_never_taken_for_causal():

@@ -56,7 +56,8 @@ def key_validity(mask: Tensor | None, b: int, length: int) -> Tensor | None:
         vis = mask
     else:
         vis = mask > torch.finfo(mask.dtype).min / 2
-    return vis.any(dim=1).any(dim=1).expand(b, length)
+    # the query dimension first: [B, 1, L, L] reduced over its size-1 head dimension first would copy it
+    return vis.any(dim=-2).any(dim=1).expand(b, length)
 
 
 class Runtime:

@@ -46,6 +46,7 @@ from kvpass.cache import runtime as _runtime
 from kvpass.compiler.detect import val
 from kvpass.compiler import positions as _positions  # noqa: F401  (registers kvpass::shift_positions)
 from kvpass.compiler import tp as _tp
+from kvpass.compiler.maskcheck import site_mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ class GatedGraph:
                     q = graph.call_function(operator.mul, (q, scale))
                     scale = 1.0
                 per_head = graph.call_function(torch.ops.kvpass.layer_scores.default, (
-                    q, s.k_new, s.mask, float(scale), float(s.softcap), int(self.policy.window)))
+                    q, s.k_new, site_mask(s)[0], float(scale), float(s.softcap), int(self.policy.window)))
             # the whole layer's heads on every rank
             every_head = _tp.gather_heads(graph, per_head, s.tp, f"layer {layer}: layer_scores", self.reductions)
             with graph.inserting_after(every_head):
@@ -223,7 +224,7 @@ class GatedGraph:
                 needed_later[a] = max(needed_later.get(a, -1), seg.index)
         for a in self.output.all_input_nodes:
             needed_later[a] = len(segs)
-        masks = {sites[c].mask for c in self.cuts if isinstance(sites[c].mask, fx.Node)}  # the runner reads them
+        masks = {m for c in self.cuts if isinstance(m := site_mask(sites[c])[0], fx.Node)}  # the runner reads them
         for seg in segs:
             outs = [n for n in seg.nodes if needed_later.get(n, -1) > seg.index]
             outs += [n for n in seg.scores.values() if n not in outs]
@@ -399,7 +400,7 @@ class GatedGraph:
             if keep >= length:
                 continue  # everything fits the budget: nothing to prune
             if "kv_pos" not in ctx:
-                mask = self.sites[seg.cut].mask
+                mask = site_mask(self.sites[seg.cut])[0]
                 ctx["kv_pos"] = _masked_positions(env[mask] if isinstance(mask, fx.Node) else None,
                                                   history[seg.cut].shape[0], length, history[seg.cut].device)
             if policy.gate_fires(seg.cut, history, keep, ctx):

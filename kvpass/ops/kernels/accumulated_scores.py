@@ -61,6 +61,8 @@ except ImportError:  # pragma: no cover - kvpass runs its references without Tri
 
 ELEMENTS = 1 << 24  # the most fp32 scores one chunk of the reference holds (64 MiB)
 _NONE = 1 << 62     # the least visible position of a key block that holds only padding
+# (block_m, block_n, num_warps, num_stages) of pass 1 and of pass 2 (bench/tune_accumulated.py)
+TILES = ((128, 64, 4, 3), (64, 128, 8, 3))  # H200, 2026-11-27: 529 ms at 128k where (64, 64, 4, 2) twice took 689
 
 
 def accumulated_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
@@ -204,27 +206,29 @@ if triton is not None:
         kp = tl.load(KvPos + b * sp_b + g * sp_h + cols.to(tl.int64) * sp_n, mask=cmask, other=-1)
         acc = tl.zeros([BLOCK_N], tl.float32)
         span = bg.to(tl.int64) * n_blocks + nb
-        for mb in range(tl.load(QLo + span), tl.load(QHi + span)):
-            rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        # one flat loop over (query block, head of the group), which the compiler can pipeline
+        for t in range(tl.load(QLo + span) * GROUP, tl.load(QHi + span) * GROUP):
+            rows = (t // GROUP) * BLOCK_M + tl.arange(0, BLOCK_M)
+            h = g * GROUP + t % GROUP
             rmask = rows < n_queries
             qp = tl.load(QPos + b * sqp_b + rows.to(tl.int64) * sqp_l, mask=rmask, other=-1)
-            for j in range(GROUP):
-                h = g * GROUP + j
-                q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_l + d[None, :],
-                            mask=rmask[:, None] & dmask[None, :], other=0.0)
-                lse = tl.load(Lse + (b * (HKV * GROUP) + h) * n_queries + rows, mask=rmask, other=float("inf"))
-                s = _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP, UPCAST)
-                acc += tl.sum(tl.exp2(s - lse[:, None]), 0)   # unseen (s = -inf) and empty rows add 0
+            q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_l + d[None, :],
+                        mask=rmask[:, None] & dmask[None, :], other=0.0)
+            lse = tl.load(Lse + (b * (HKV * GROUP) + h) * n_queries + rows, mask=rmask, other=float("inf"))
+            s = _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP, UPCAST)
+            acc += tl.sum(tl.exp2(s - lse[:, None]), 0)   # unseen (s = -inf) and empty rows add 0
         tl.store(Out + bg.to(tl.int64) * n_keys + cols, acc, mask=cmask)
 
 
 def accumulated_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
-                              softcap: float = 0.0, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                              launch=None) -> Tensor:
+                              softcap: float = 0.0, block_m: int | None = None, block_n: int | None = None,
+                              tiles: tuple | None = None, launch=None) -> Tensor:
     """Launch the two passes; arguments and result as ``accumulated_scores_reference``.
 
-    ``launch`` wraps each kernel before its launch (``torch.library.wrap_triton`` inside a ``triton_op``;
-    identity when called directly)."""
+    ``tiles``: ``((block_m, block_n, num_warps, num_stages) of pass 1, the same of pass 2)``, default
+    ``TILES``; ``block_m`` / ``block_n`` replace the block sizes of both (tests use small ones). ``launch``
+    wraps each kernel before its launch (``torch.library.wrap_triton`` inside a ``triton_op``; identity when
+    called directly)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass accumulated scoring needs Triton")
     wrap = launch or (lambda fn: fn)
@@ -237,16 +241,18 @@ def accumulated_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tenso
         return out
     q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    m_blocks, n_blocks = _cdiv(l, block_m), _cdiv(n, block_n)
-    k_lo, k_hi, q_lo, q_hi = block_ranges(kv_pos, q_pos, block_m, block_n)
+    (m1, n1, w1, s1), (m2, n2, w2, s2) = (
+        (block_m or bm, block_n or bn, warps, stages) for bm, bn, warps, stages in (tiles or TILES))
+    k_lo, k_hi = block_ranges(kv_pos, q_pos, m1, n1)[:2]
+    q_lo, q_hi = block_ranges(kv_pos, q_pos, m2, n2)[2:]
     lse = torch.empty((b, h, l), dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                kv_pos.stride(0), kv_pos.stride(1), kv_pos.stride(2), q_pos.stride(0), q_pos.stride(1))
-    meta = dict(HKV=hkv, D=d, D_PAD=pow2(d), BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=softcap > 0,
-                UPCAST=q.dtype == torch.float32 or interpreting(), num_warps=num_warps)
-    wrap(_kvpass_accumulated_lse_kernel)[(b * h, m_blocks)](
-        q, k, kv_pos, q_pos, k_lo, k_hi, lse, float(scale), float(softcap), l, n, m_blocks, *strides, H=h, **meta)
-    wrap(_kvpass_accumulated_cols_kernel)[(b * hkv, n_blocks)](
-        q, k, kv_pos, q_pos, q_lo, q_hi, lse, out, float(scale), float(softcap), l, n, n_blocks, *strides,
-        GROUP=h // hkv, **meta)
+    meta = dict(HKV=hkv, D=d, D_PAD=pow2(d), SOFTCAP=softcap > 0, UPCAST=q.dtype == torch.float32 or interpreting())
+    wrap(_kvpass_accumulated_lse_kernel)[(b * h, _cdiv(l, m1))](
+        q, k, kv_pos, q_pos, k_lo, k_hi, lse, float(scale), float(softcap), l, n, _cdiv(l, m1), *strides, H=h,
+        BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1, **meta)
+    wrap(_kvpass_accumulated_cols_kernel)[(b * hkv, _cdiv(n, n2))](
+        q, k, kv_pos, q_pos, q_lo, q_hi, lse, out, float(scale), float(softcap), l, n, _cdiv(n, n2), *strides,
+        GROUP=h // hkv, BLOCK_M=m2, BLOCK_N=n2, num_warps=w2, num_stages=s2, **meta)
     return out
