@@ -60,5 +60,17 @@ I)  timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.js
 J)  timeout 580 $T --layers 32 --workload long_generation --context 1024 --new 16384 --requests 64 --kv-gib 17 \
         --workspace-gib 8 --max-waves 1 --prefill-compiler eager --policies streamingllm,full --baselines "" \
         --out "$OUT/l32_long_generation.json" > "$OUT/l32_long_generation.log" 2>&1 ;;
+# Session 47's last call. K (GPU 0): the one-pass h2o scoring (attention_lse) on the GPU and its prefill time,
+# then the GPU tests not reached. L (GPU 1): h2o and asl at 32 layers, long context (16.5 GiB of KV, as H).
+K)  timeout 100 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_eviction.py -k "attention_lse or accumulated \
+        or (policy_on_gpu and h2o)" > "$OUT/gpu_tests_K1.txt" 2>&1
+    timeout 170 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,h2o \
+        --out "$OUT/l8_prefill_h2o.json" > "$OUT/l8_prefill_h2o.log" 2>&1
+    timeout 230 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_admission.py \
+        -k "decode_loop or (compile_once and not (full or streamingllm or snapkv or quest or raas))" \
+        > "$OUT/gpu_tests_K2.txt" 2>&1
+    grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/gpu_tests_K*.txt | tail -40 ;;
+L)  timeout 500 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
+        --policies h2o,asl --baselines "" --out "$OUT/l32_long_context_3.json" > "$OUT/l32_long_context_3.log" 2>&1 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400

@@ -157,6 +157,37 @@ def test_strided_queries_and_keys():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 4), n=st.integers(1, 70),
+       dtype=st.sampled_from(list(TOL)), seed=st.integers(0, 10_000))
+def test_given_row_statistics_replace_the_first_pass(b, hkv, group, n, dtype, seed):
+    """A plain prompt's rows' log-sum-exp from the prefill's attention (``kvpass::attention_lse``, here its
+    reference) in place of pass 1: the same scores, in the kernel and in the reference."""
+    q, k, kv_pos, q_pos = case(b, hkv, group, n, 16, dtype, "causal", [0, 0], seed)
+    _, lse = torch.ops.kvpass.attention_lse(q, k, k, 0.3)
+    want = A.accumulated_scores_reference(q, k, kv_pos, q_pos, 0.3)
+    tol = dict(atol=TOL[dtype] * group * n ** 0.5, rtol=1e-4)
+    torch.testing.assert_close(A.accumulated_scores_reference(q, k, kv_pos, q_pos, 0.3, lse=lse, rows=9), want,
+                               **tol)
+    got = A.accumulated_scores_triton(q, k, kv_pos, q_pos, 0.3, block_m=16, block_n=16, lse=lse)
+    torch.testing.assert_close(got, want, **tol)
+    # every row hands out one unit per query head: the statistics were those of the keys it sees
+    torch.testing.assert_close(got.sum(-1), torch.full((b, hkv), float(group * n)), atol=1e-3 * n, rtol=1e-4)
+
+
+def test_attention_lse_is_attention_and_its_log_sum_exp():
+    from kvpass import ops
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 6, 21, 16, generator=g), torch.randn(2, 2, 21, 16, generator=g), \
+        torch.randn(2, 2, 21, 16, generator=g)
+    out, lse = torch.ops.kvpass.attention_lse(q, k, v, 0.3)
+    torch.testing.assert_close(out, ops.attention_reference(q, k, v, None, 0.3, ops.CAUSAL_TOP_LEFT))
+    logits = q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.3
+    visible = torch.ones(21, 21, dtype=torch.bool).tril()
+    torch.testing.assert_close(lse, logits.masked_fill(~visible, float("-inf")).logsumexp(-1))
+    torch.library.opcheck(torch.ops.kvpass.attention_lse.default, (q, k, v, 0.3))
+
+
 def test_op_is_the_reference_on_cpu():
     q, k, kv_pos, q_pos = case(1, 2, 2, 30, 16, torch.float32, "padded", [3], 1)
     got = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, 0.25, 0.0)
@@ -169,3 +200,6 @@ def test_opcheck(op, softcap):
     """A triton_op: its fake is its own body, which on CPU calls ``accumulated_scores_ref``."""
     q, k, kv_pos, q_pos = case(2, 2, 2, 23, 8, torch.float32, "padded", [0, 4], 6)
     torch.library.opcheck(getattr(torch.ops.kvpass, op).default, (q, k, kv_pos, q_pos, 0.35, softcap))
+    q, k, kv_pos, q_pos = case(2, 2, 2, 23, 8, torch.float32, "causal", [0, 0], 6)
+    lse = torch.ops.kvpass.attention_lse(q, k, k, 0.35)[1]
+    torch.library.opcheck(getattr(torch.ops.kvpass, op).default, (q, k, kv_pos, q_pos, 0.35, softcap, lse))

@@ -173,6 +173,46 @@ def test_window_scoring_never_keeps_a_plain_causal_mask(policy, params):
     torch.testing.assert_close(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("slots", [False, True])
+def test_a_plain_prompt_hands_its_attention_statistics_to_h2o(slots):
+    """h2o's prefill scoring takes the rows' log-sum-exp from the prefill's own attention (``attention_lse``:
+    one scoring pass, not two) where the attention is plainly causal, on a DynamicCache and on a SlotCache;
+    a left-padded batch keeps its mask and scores alone. The next step's logits equal those of h2o scoring
+    in two passes (its plan without ``lse``)."""
+    import dataclasses
+    from kvpass.policies.h2o import H2O
+
+    class TwoPass(H2O):
+        def plan(self, site):
+            plan = super().plan(site)
+            return dataclasses.replace(plan, lse=False) if not isinstance(plan, str) else plan
+
+    model = build("llama")
+    ids = torch.randint(3, 90, (2, 40))
+    pad = torch.ones_like(ids)
+    pad[1, :5] = 0
+    for mask_in, fused in ((None, True), (pad, False)):
+        steps = []
+        for policy in (H2O(budget=16), TwoPass(budget=16)):
+            torch._dynamo.reset()
+            be = kvpass.backend(policy, compiler="eager")
+            fwd = torch.compile(model.forward, backend=be)
+            cache = kvpass.SlotCache(model, be, max_length=48, batch_size=2) if slots \
+                else DynamicCache(config=model.config)
+            logits = []
+
+            def run():
+                first = fwd(input_ids=ids, attention_mask=mask_in, past_key_values=cache, use_cache=True).logits
+                nxt = first[:, -1:].argmax(-1)
+                more = None if mask_in is None else torch.cat([mask_in, torch.ones_like(nxt)], -1)
+                logits.append(fwd(input_ids=nxt, attention_mask=more, past_key_values=cache, use_cache=True).logits)
+            with torch.no_grad():
+                nodes = _compiled_nodes(be, run, torch.ops.kvpass.attention_lse.default)
+            assert bool(nodes) == (fused and not isinstance(policy, TwoPass)), nodes
+            steps.append(logits[0])
+        torch.testing.assert_close(steps[0], steps[1], atol=1e-5, rtol=1e-5)
+
+
 def test_a_window_mask_is_never_taken_for_causal():
     """A sliding-window mask whose cache does not slice (DynamicCache() without the config), traced
     dynamically at a prompt shorter than the window: it looks causal there, but the check probes

@@ -42,10 +42,11 @@ def past_length(k_past: Tensor) -> int:
     return k_past.shape[-2] if k_past.dim() == 4 else 0
 
 
-def selection_inputs(tokens: Tensor | None, votes: Tensor | None) -> dict:
+def selection_inputs(tokens: Tensor | None, votes: Tensor | None, lse: Tensor | None = None) -> dict:
     """The optional inputs of ``Policy.select``: only policies whose plan asks for them get them (``tokens``:
-    the call's input ids; ``votes``: the window votes of every KV head of the layer)."""
-    return {k: v for k, v in (("tokens", tokens), ("votes", votes)) if v is not None}
+    the call's input ids; ``votes``: the window votes of every KV head of the layer; ``lse``: the prefill
+    attention's row log-sum-exp)."""
+    return {k: v for k, v in (("tokens", tokens), ("votes", votes), ("lse", lse)) if v is not None}
 
 
 def key_validity(mask: Tensor | None, b: int, length: int) -> Tensor | None:
@@ -103,9 +104,9 @@ class Runtime:
         return kv_pos.contiguous(), q_pos
 
     def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor,
-                tokens: Tensor | None = None, votes: Tensor | None = None):
+                tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None):
         info = self.sites[site]
-        extra = selection_inputs(tokens, votes)
+        extra = selection_inputs(tokens, votes, lse)
         keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site), **extra)
         # A policy may return (keep, extra): `extra` becomes the layer's bookkeeping (a paged policy's
         # page tables). Index -1 in `keep` is an empty slot of a preallocated pool: stored, never visible.

@@ -114,7 +114,7 @@ def _(keys, values, pos, count, k_new, v_new, state, window=0, policy="", spec="
                          mutates_args=("keys", "values", "pos", "count", "state"))
 def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], q: Tensor,
                  k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int,
-                 tokens: Tensor | None = None, votes: Tensor | None = None) -> None:
+                 tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None) -> None:
     """A prefill on an empty slot cache: the policy keeps entries of the prompt (``Policy.select``, as
     ``compact`` does on a DynamicCache) and they are written into the first slots, in position order;
     the other slots are emptied. A policy's ``select`` may return ``(keep, bookkeeping)``: a bookkeeping
@@ -138,7 +138,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if valid is not None:
         kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
-    extra = runtime.selection_inputs(tokens, votes)
+    extra = runtime.selection_inputs(tokens, votes, lse)
     kept_state = {}
     if rt.sites[site].sliding_window:  # a sliding layer's ring holds the window's most recent entries
         keep = kv_pos.topk(min(cap, length), dim=-1).indices if length > cap else None
@@ -177,7 +177,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
 
 
 @slot_prefill.register_fake
-def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, tokens=None, votes=None):
+def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, tokens=None, votes=None, lse=None):
     return None
 
 

@@ -33,6 +33,7 @@ from torch import fx
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.slots import pending_positions, write_slots
 from kvpass.compiler.detect import Detection, Site, val
+from kvpass.ops import CAUSAL_NONE
 from kvpass.ops.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
 from kvpass.compiler.positions import fix_positions, table_lookups
@@ -120,6 +121,16 @@ def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) ->
     _erase(graph, [site.out] + site.erase)
 
 
+def _prefill_attention(graph: fx.Graph, site: Site, plan: SitePlan, q, k, v, mask, scale, causal) -> tuple:
+    """A prefill's exact attention over the prompt: ``(out, lse)``, where a plan that asks for the rows'
+    log-sum-exp (``SitePlan.lse``) gets it from ``attention_lse`` when the attention is plainly causal (no
+    mask left, no softcap), else ``(attention, None)`` and the policy computes what it needs itself."""
+    if plan.lse and mask is None and causal != CAUSAL_NONE and not site.softcap:
+        both = graph.call_function(OPS.attention_lse.default, (q, k, v, scale))
+        return tuple(graph.call_function(operator.getitem, (both, i)) for i in range(2))
+    return graph.call_function(OPS.attention.default, (q, k, v, mask, scale, causal, site.softcap)), None
+
+
 def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductions: list) -> fx.Node | None:
     """A prefill whose selection reads the whole layer's window votes (``SitePlan.layer_votes``): they are
     computed in the graph (``layer_scores``, ``[B, H_kv, N]``) and, on a tensor-parallel rank, gathered from
@@ -141,6 +152,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
     q, scale = _query_and_scale(graph, site)
     window = site.sliding_window or 0
+    lse = None
     with graph.inserting_before(site.out):
         if read is not None:
             att = _decode_read(graph, site, read, handle, q, k_all, v_all, None, kv_pos, q_pos, scale, window)
@@ -148,7 +160,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
             # The cache held nothing: K/V are exactly the prompt and the model's own mask (causal and
             # padding) matches them. It keeps SDPA's fused kernels, where attention_pos would build an
             # [N, N] position mask per head: gigabytes at 32k-128k tokens.
-            att = graph.call_function(OPS.attention.default, (q, k_all, v_all, mask, scale, causal, site.softcap))
+            att, lse = _prefill_attention(graph, site, plan, q, k_all, v_all, mask, scale, causal)
         else:
             att = graph.call_function(OPS.attention_pos.default, (
                 q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))
@@ -158,7 +170,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
         reductions: list[str] = []
         votes = _layer_votes(graph, site, plan, q_scaled, reductions)
         cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer,
-                                                        tokens, votes))
+                                                        tokens, votes, lse))
     k_st, v_st = _items(graph, cmp, 2)
     _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
@@ -251,13 +263,12 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
     with graph.inserting_before(site.out):
         if site.phase == "prefill":
             mask, causal = site_mask(site)
-            att = graph.call_function(OPS.attention.default, (q, site.k_new, site.v_new, mask, scale, causal,
-                                                              site.softcap))
+            att, lse = _prefill_attention(graph, site, plan, q, site.k_new, site.v_new, mask, scale, causal)
             q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
             votes = _layer_votes(graph, site, plan, q_scaled, reductions)
             graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, state, q_scaled, site.k_new,
                                                            site.v_new, mask, handle, site.layer,
-                                                           site.tokens if plan.tokens else None, votes))
+                                                           site.tokens if plan.tokens else None, votes, lse))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif site.phase == "decode":

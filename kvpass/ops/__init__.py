@@ -16,6 +16,11 @@ Operators
     query head ``h`` reads KV head ``h // (H // H_kv)``. ``mask`` is boolean (True = attend) or
     additive, broadcastable to ``[B, H, Lq, Lk]``. Fully masked rows give zeros.
 
+``kvpass::attention_lse(q, k, v, scale) -> (out, lse)``
+    ``attention`` of a plain causal prompt (``Lq == Lk``, no mask, no softcap) that also returns every query
+    row's log-sum-exp ``[B, H, L]`` (fp32, natural log), which flash attention computes anyway: H2O's prefill
+    scoring takes it instead of a pass of its own (``SitePlan.lse``).
+
 ``kvpass::attention_pos(q, k, v, q_pos, kv_pos, scale, softcap, window)``
     The same attention with the mask derived from true token indices: key ``j`` of KV head ``g``
     is visible to query ``i`` when ``0 <= kv_pos[b, g, j] <= q_pos[b, i]`` and, for a sliding layer
@@ -26,12 +31,13 @@ Operators
     Appends the new K/V to the stored ones and returns ``(k, v, kv_pos, q_pos)``; positions come
     from the generation state (see ``kvpass.cache.state``). Reads the state, never writes it.
 
-``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?, votes?)``
+``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?, votes?, lse?)``
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
     Records the kept positions in the generation state (idempotent for equal inputs). ``q`` comes
     with the softmax scale folded in (``q . k`` is the logit, before softcapping); ``tokens`` (the
     call's input ids) is passed when the policy's plan asks for it (SABlock's punctuation), ``votes`` (the
-    ``layer_scores`` of every KV head of the layer) when the plan's ``layer_votes`` does (ChunkKV).
+    ``layer_scores`` of every KV head of the layer) when the plan's ``layer_votes`` does (ChunkKV), ``lse``
+    (``attention_lse``'s row statistics) when the plan's ``lse`` does and the prefill is plainly causal (H2O).
 
 ``kvpass::window_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
     Attention that the window queries ``q [B, H, W, D]`` give each key, summed over the window
@@ -186,6 +192,17 @@ def _(q, k, v, mask, scale, causal, softcap):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
+@torch.library.custom_op("kvpass::attention_lse", mutates_args=())
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return (attention_reference(q, k, v, None, scale, CAUSAL_TOP_LEFT),
+            _accumulated.causal_lse_reference(q, k, scale))
+
+
+@attention_lse.register_fake
+def _(q, k, v, scale):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 @torch.library.custom_op("kvpass::attention_pos", mutates_args=())
 def attention_pos(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, scale: float,
                   softcap: float, window: int) -> Tensor:
@@ -227,13 +244,14 @@ def _(k_past, v_past, k_new, v_new, mask, handle, site):
 
 @torch.library.custom_op("kvpass::compact", mutates_args=())
 def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, handle: int,
-            site: int, tokens: Tensor | None = None, votes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens, votes)
+            site: int, tokens: Tensor | None = None, votes: Tensor | None = None,
+            lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens, votes, lse)
     return k_out.contiguous(), v_out.contiguous()
 
 
 @compact.register_fake
-def _(q, k, v, kv_pos, q_pos, handle, site, tokens=None, votes=None):
+def _(q, k, v, kv_pos, q_pos, handle, site, tokens=None, votes=None, lse=None):
     keep = runtime.get(handle).stored_length(site, k.shape[2])
     b, hkv = k.shape[:2]
     return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))
@@ -346,23 +364,25 @@ def window_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: fl
 
 @torch.library.custom_op("kvpass::accumulated_scores_ref", mutates_args=())
 def accumulated_scores_ref(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float,
-                           softcap: float) -> Tensor:
-    return _accumulated.accumulated_scores_reference(q, k, kv_pos, q_pos, scale, softcap)
+                           softcap: float, lse: Tensor | None = None) -> Tensor:
+    return _accumulated.accumulated_scores_reference(q, k, kv_pos, q_pos, scale, softcap, lse=lse)
 
 
 @accumulated_scores_ref.register_fake
-def _(q, k, kv_pos, q_pos, scale, softcap):
+def _(q, k, kv_pos, q_pos, scale, softcap, lse=None):
     return q.new_empty((q.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
 
 
 @torch.library.triton_op("kvpass::accumulated_scores", mutates_args=())
-def accumulated_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
+def accumulated_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float,
+                       lse: Tensor | None = None) -> Tensor:
     """Attention per key from every query, causal by position, summed over queries and group heads; see
-    ``kvpass.ops.kernels.accumulated_scores``. Triton on CUDA, the reference operator elsewhere."""
+    ``kvpass.ops.kernels.accumulated_scores``. ``lse``: the rows' log-sum-exp from the prefill's attention
+    (``attention_lse``), which spares the first pass. Triton on CUDA, the reference operator elsewhere."""
     if q.device.type == "cuda" and _accumulated.triton is not None:
-        return _accumulated.accumulated_scores_triton(q, k, kv_pos, q_pos, scale, softcap,
+        return _accumulated.accumulated_scores_triton(q, k, kv_pos, q_pos, scale, softcap, lse=lse,
                                                       launch=torch.library.wrap_triton)
-    return torch.ops.kvpass.accumulated_scores_ref(q, k, kv_pos, q_pos, scale, softcap)
+    return torch.ops.kvpass.accumulated_scores_ref(q, k, kv_pos, q_pos, scale, softcap, lse)
 
 
 @torch.library.custom_op("kvpass::gather_kv_ref", mutates_args=())
@@ -405,6 +425,7 @@ def _(out, visited, k, block, handle, site):
 # every kvpass operator by name (a family's module adds its own: kvpass.policies.pages.ops, ...fusion.ops)
 OPS = {
     "attention": attention,
+    "attention_lse": attention_lse,
     "attention_pos": attention_pos,
     "cache_update": cache_update,
     "compact": compact,

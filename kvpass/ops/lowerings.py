@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpass import ops
+from kvpass.ops.kernels import accumulated_scores as _accumulated
 from kvpass.ops.kernels import decode_attention as _decode_attention
 
 
@@ -70,6 +71,24 @@ def _attention_cuda(q, k, v, mask, scale, causal, softcap):
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     return _sdpa(q, k, v, mask, scale, is_causal=mask is None and causal == ops.CAUSAL_TOP_LEFT)
+
+
+@ops.attention_lse.register_kernel("cuda")
+def _attention_lse_cuda(q, k, v, scale):
+    """Flash attention's own kernel returns the row log-sum-exp with the output (the GQA heads expanded as in
+    ``_sdpa``); where it does not serve (fp32, a head size it lacks), the attention and the reference's
+    log-sum-exp."""
+    d = q.shape[-1]
+    if (q.dtype in (torch.float16, torch.bfloat16) and d == v.shape[-1] and d <= 256 and d % 8 == 0
+            and torch.cuda.get_device_capability(q.device)[0] >= 8):
+        if k.shape[1] != q.shape[1]:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, False, scale=scale)[:2]
+        return out.contiguous(), lse.float().contiguous()
+    return _attention_cuda(q, k, v, None, scale, ops.CAUSAL_TOP_LEFT, 0.0), \
+        _accumulated.causal_lse_reference(q, k, scale)
 
 
 MASK_ELEMENTS = 1 << 30  # the most mask entries one SDPA call of attention_pos materialises

@@ -113,6 +113,9 @@ class SitePlan:
     # a prefill's selection reads the window votes of every KV head of the layer (``kvpass::layer_scores`` of
     # this observation window, passed as ``select(..., votes=)``; gathered over a tensor-parallel group): ChunkKV
     layer_votes: int = 0
+    # a prefill's selection reads every query row's log-sum-exp from the prefill's own attention (``select(...,
+    # lse=)``, ``kvpass::attention_lse``), given only where that attention is plainly causal: H2O
+    lse: bool = False
 
     @property
     def shape(self) -> str:

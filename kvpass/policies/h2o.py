@@ -26,6 +26,8 @@ both caches keep the same entries.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -34,12 +36,13 @@ from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
 
-def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float) -> Tensor:
+def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float, lse: Tensor | None = None) -> Tensor:
     """``[B, H_kv, N]`` fp32: the attention every key receives from the queries ``q [B, H, L, D]`` (scale
     folded in), causal by true position, summed over the queries and the query heads of each KV group.
     One ``kvpass::accumulated_scores`` call: on CUDA two flash-style Triton passes that never hold the
-    ``[H, L, N]`` scores, on CPU its reference (chunked over queries)."""
-    return torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, 1.0, float(softcap))
+    ``[H, L, N]`` scores (one, given the prefill attention's row log-sum-exp ``lse``), on CPU its reference
+    (chunked over queries)."""
+    return torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, 1.0, float(softcap), lse)
 
 
 class H2O(Policy):
@@ -62,15 +65,17 @@ class H2O(Policy):
         if site.cache == "slot" and site.phase not in ("prefill", "decode") and not site.sliding_window:
             return (f"layer {site.layer}: h2o on a SlotCache runs prefills and one-token decode steps; this "
                     f"'{site.phase}' graph appends several tokens to a filled cache")
-        return shrinking_plan(site)
+        plan = shrinking_plan(site)
+        # a plainly causal prefill's attention hands its row log-sum-exp to the scoring (one pass, not two)
+        return dataclasses.replace(plan, lse=True) if isinstance(plan, SitePlan) and plan.evict else plan
 
     # -- DynamicCache: the scores are the layer's bookkeeping -------------------------------------------
     def stored_length(self, site, total):
         return torch.sym_min(total, self.budget)
 
-    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, lse=None):
         n, new = kv_pos.shape[-1], q_pos.shape[1]
-        acc = accumulated(q, k, kv_pos, q_pos, site.softcap)
+        acc = accumulated(q, k, kv_pos, q_pos, site.softcap, lse)
         if n > new:  # entries stored before this call carry their scores
             old = layer_state.extra.get("acc") if layer_state is not None else None
             if old is None or old.shape[-1] != n - new:

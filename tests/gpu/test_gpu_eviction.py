@@ -5,6 +5,8 @@
   far below the ``[heads, window, N]`` fp32 scores the reference materialises;
 * the accumulated-attention kernel (h2o's prefill scorer) equals its reference at 4k-16k prompts, bf16, GQA 4,
   with padding and softcapping, without materialising the ``[heads, L, N]`` scores;
+* ``attention_lse`` gives flash attention's row statistics, and the one-pass scoring that takes them equals
+  the two-pass scoring;
 * the gather kernel equals ``torch.gather`` at real cache sizes, contiguous and strided;
 * under Inductor, functions calling ``kvpass::window_scores`` / ``kvpass::gather_kv`` launch the
   kvpass Triton kernels;
@@ -96,6 +98,27 @@ def test_accumulated_kernel_equals_reference(b, l, pad, softcap):
     torch.testing.assert_close(real.sum(-1), torch.full_like(real[:, 0], (h // hkv) * (l - pad)), rtol=1e-4, atol=0)
     top_g, top_w = got.topk(1024, -1).indices.sort(-1).values, want.topk(1024, -1).indices.sort(-1).values
     assert torch.isin(top_g.flatten(1), top_w.flatten(1)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype,l,h,hkv", [(torch.bfloat16, 8192, 16, 4), (torch.float16, 3000, 8, 8),
+                                          (torch.float32, 1000, 8, 2)])
+def test_attention_lse_gives_flash_statistics_for_one_pass_scoring(dtype, l, h, hkv):
+    """``attention_lse`` on CUDA (flash attention's own row log-sum-exp; fp32 through the reference) equals its
+    reference, and the scoring that takes it (pass 2 only) equals the two-pass scoring."""
+    from kvpass import ops
+    d = 128
+    g = torch.Generator(device=DEV).manual_seed(l)
+    q, k, v = (torch.randn(1, x, l, d, device=DEV, generator=g).to(dtype) for x in (h, hkv, hkv))
+    out, lse = torch.ops.kvpass.attention_lse(q, k, v, d ** -0.5)
+    assert lse.shape == (1, h, l) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, A.causal_lse_reference(q, k, d ** -0.5), atol=2e-3, rtol=1e-4)
+    want_out = ops.attention_reference(q, k, v, None, d ** -0.5, ops.CAUSAL_TOP_LEFT)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    kv_pos = torch.arange(l, device=DEV).expand(1, hkv, l).contiguous()
+    q_pos = torch.arange(l, device=DEV).expand(1, l).contiguous()
+    one = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d ** -0.5, 0.0, lse)
+    two = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d ** -0.5, 0.0)
+    torch.testing.assert_close(one, two, atol=1e-3 * (h // hkv), rtol=1e-3)
 
 
 def test_inductor_launches_the_accumulated_kernels():

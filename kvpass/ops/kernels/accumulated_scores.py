@@ -28,6 +28,10 @@ Kernel. Two passes in the manner of FlashAttention, the scores never stored:
    recomputes the scores, ``p = exp2(s - lse)`` (masked) and adds the column sums: ``acc[b, g, block]`` is
    written once by one program, no atomics, deterministic.
 
+Given row statistics. A prefill's own attention can return each query's log-sum-exp
+(``kvpass::attention_lse``: flash attention computes it anyway); given it as ``lse``, pass 1 does not run and
+the scoring costs one ``QK^T`` pass (H2O's prefill on a plain prompt).
+
 Which tiles a pass visits comes from the positions, without a host synchronisation: per key block the least
 visible position, per query block the greatest query position; a tile can contribute only when the first is
 at most the second. A few PyTorch reductions (cumulative min / max, ``searchsorted``) turn these into one
@@ -61,17 +65,20 @@ except ImportError:  # pragma: no cover - kvpass runs its references without Tri
 
 ELEMENTS = 1 << 24  # the most fp32 scores one chunk of the reference holds (64 MiB)
 _NONE = 1 << 62     # the least visible position of a key block that holds only padding
+LOG2E = 1.4426950408889634
 # (block_m, block_n, num_warps, num_stages) of pass 1 and of pass 2 (bench/tune_accumulated.py)
 TILES = ((128, 64, 4, 3), (64, 128, 8, 3))  # H200, 2026-11-27: 529 ms at 128k where (64, 64, 4, 2) twice took 689
 
 
 def accumulated_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
-                                 softcap: float = 0.0, rows: int | None = None) -> Tensor:
+                                 softcap: float = 0.0, rows: int | None = None, lse: Tensor | None = None) -> Tensor:
     """Attention received by every key from every query, summed over the queries and the group's heads.
 
     ``q [B, H, L, D]``, ``k [B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, ``q_pos [B, L]`` -> ``[B, H_kv, N]``
     fp32 (see the module docstring). ``rows`` query rows are scored at a time (default: as many as keep
-    the chunk's scores within ``ELEMENTS``)."""
+    the chunk's scores within ``ELEMENTS``). ``lse [B, H, L]`` (fp32, natural log), when given, is every
+    row's log-sum-exp over the keys it sees, computed elsewhere (the prefill's own attention,
+    ``kvpass::attention_lse``); the weights are then ``exp(s - lse)``."""
     b, h, l, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     if h % hkv:
@@ -90,6 +97,10 @@ def accumulated_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Te
         qp = q_pos[:, None, None, start:start + rows, None]              # [B, 1, 1, rows, 1]
         seen = (kp >= 0) & (kp <= qp)
         logits = logits.masked_fill(~seen, float("-inf"))
+        if lse is not None:
+            given = lse[:, :, start:start + rows].float().reshape(b, hkv, h // hkv, -1, 1)
+            total += (logits - given).exp().sum(dim=(2, 3))
+            continue
         peak = logits.amax(-1, keepdim=True)
         peak = torch.where(peak == float("-inf"), torch.zeros_like(peak), peak)
         weights = (logits - peak).exp()
@@ -97,6 +108,25 @@ def accumulated_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Te
         weights = weights / torch.where(norm > 0, norm, torch.ones_like(norm))
         total += weights.sum(dim=(2, 3))
     return total
+
+
+def causal_lse_reference(q: Tensor, k: Tensor, scale: float | None = None) -> Tensor:
+    """``[B, H, L]`` fp32: every query row's log-sum-exp (natural log) over the keys a plain causal prompt lets it
+    see (query ``i`` sees keys ``0..i``); ``q [B, H, L, D]``, ``k [B, H_kv, L, D]``, GQA packed. Chunked over
+    rows as the scores' reference."""
+    b, h, l, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    rows = max(1, ELEMENTS // max(1, b * h * l))
+    kf = k.float()
+    keys = torch.arange(l, device=q.device)
+    out = []
+    for start in range(0, l, rows):
+        qc = q[:, :, start:start + rows].float().reshape(b, hkv, h // hkv, -1, d)
+        logits = torch.einsum("bgxid,bgnd->bgxin", qc, kf) * scale
+        seen = keys[None, :] <= torch.arange(start, start + qc.shape[3], device=q.device)[:, None]
+        out.append(logits.masked_fill(~seen, float("-inf")).logsumexp(-1).reshape(b, h, -1))
+    return torch.cat(out, -1)
 
 
 def block_ranges(kv_pos: Tensor, q_pos: Tensor, block_m: int, block_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -222,11 +252,12 @@ if triton is not None:
 
 def accumulated_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
                               softcap: float = 0.0, block_m: int | None = None, block_n: int | None = None,
-                              tiles: tuple | None = None, launch=None) -> Tensor:
+                              tiles: tuple | None = None, lse: Tensor | None = None, launch=None) -> Tensor:
     """Launch the two passes; arguments and result as ``accumulated_scores_reference``.
 
     ``tiles``: ``((block_m, block_n, num_warps, num_stages) of pass 1, the same of pass 2)``, default
-    ``TILES``; ``block_m`` / ``block_n`` replace the block sizes of both (tests use small ones). ``launch``
+    ``TILES``; ``block_m`` / ``block_n`` replace the block sizes of both (tests use small ones). ``lse`` (as
+    the reference's) replaces pass 1: only the column sums run. ``launch``
     wraps each kernel before its launch (``torch.library.wrap_triton`` inside a ``triton_op``; identity when
     called directly)."""
     if triton is None:  # pragma: no cover
@@ -243,15 +274,17 @@ def accumulated_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tenso
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     (m1, n1, w1, s1), (m2, n2, w2, s2) = (
         (block_m or bm, block_n or bn, warps, stages) for bm, bn, warps, stages in (tiles or TILES))
-    k_lo, k_hi = block_ranges(kv_pos, q_pos, m1, n1)[:2]
     q_lo, q_hi = block_ranges(kv_pos, q_pos, m2, n2)[2:]
-    lse = torch.empty((b, h, l), dtype=torch.float32, device=q.device)
+    given = lse is not None
+    lse = (lse.float() * LOG2E).contiguous() if given else torch.empty((b, h, l), dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                kv_pos.stride(0), kv_pos.stride(1), kv_pos.stride(2), q_pos.stride(0), q_pos.stride(1))
     meta = dict(HKV=hkv, D=d, D_PAD=pow2(d), SOFTCAP=softcap > 0, UPCAST=q.dtype == torch.float32 or interpreting())
-    wrap(_kvpass_accumulated_lse_kernel)[(b * h, _cdiv(l, m1))](
-        q, k, kv_pos, q_pos, k_lo, k_hi, lse, float(scale), float(softcap), l, n, _cdiv(l, m1), *strides, H=h,
-        BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1, **meta)
+    if not given:
+        k_lo, k_hi = block_ranges(kv_pos, q_pos, m1, n1)[:2]
+        wrap(_kvpass_accumulated_lse_kernel)[(b * h, _cdiv(l, m1))](
+            q, k, kv_pos, q_pos, k_lo, k_hi, lse, float(scale), float(softcap), l, n, _cdiv(l, m1), *strides, H=h,
+            BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1, **meta)
     wrap(_kvpass_accumulated_cols_kernel)[(b * hkv, _cdiv(n, n2))](
         q, k, kv_pos, q_pos, q_lo, q_hi, lse, out, float(scale), float(softcap), l, n, _cdiv(n, n2), *strides,
         GROUP=h // hkv, BLOCK_M=m2, BLOCK_N=n2, num_warps=w2, num_stages=s2, **meta)
