@@ -534,6 +534,15 @@ def test_opcheck_gather_kv_ref():
     opcheck("gather_kv_ref", _gather_args())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_opcheck_attention_lse(dtype, ratio):
+    gen = torch.Generator().manual_seed(ratio)
+    q = _randn((2, 2 * ratio, 9, D), gen, dtype)
+    k, v = _randn((2, 2, 9, D), gen, dtype), _randn((2, 2, 9, D), gen, dtype)
+    torch.library.opcheck(torch.ops.kvpass.attention_lse.default, (q, k, v, 0.3))
+
+
 def test_every_op_is_opchecked():
     """A new operator in kvpass.ops.OPS must get a ``test_opcheck_<name>...`` test here."""
     tests = [name for name in globals() if name.startswith("test_opcheck_")]
