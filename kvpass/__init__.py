@@ -36,9 +36,9 @@ _PUBLIC = {  # name -> the module that defines it
     "KVPass": "kvpass.compiler.backend", "backend": "kvpass.compiler.backend",
     "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots", "compile": "kvpass.compiler.fastpath",
     "RequestQueue": "kvpass.compiler.requests",
-    "ChunkKV": "kvpass.fusion.chunkstore", "ChunkStore": "kvpass.fusion.chunkstore",
-    "ChunkStoreWarning": "kvpass.fusion.chunkstore", "Explanation": "kvpass.compiler.explain",
-    "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.fusion.router", "FusedPrompt": "kvpass.fusion.router",
+    "ChunkKV": "kvpass.chunks.chunkstore", "ChunkStore": "kvpass.chunks.chunkstore",
+    "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
+    "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
     "ConfigError": "kvpass.policies", "Policy": "kvpass.policies", "GenerationState": "kvpass.cache.state",
 }
 

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 import families
 import kvpass
 from kvpass import ConfigError
-from kvpass.fusion.rope import layer_keys
+from kvpass.chunks.rope import layer_keys
 
 
 @pytest.fixture(scope="module")

@@ -667,3 +667,34 @@ def test_short_segments_keep_kvpass_constants_that_equal_the_length(monkeypatch)
         assert be.gate_info["kept"] == BUDGET
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+
+
+def test_a_gated_policy_without_the_gated_protocol_compiles_unchanged():
+    """The gate reads a policy only through ``GatedPolicy`` (kvpass.policies.contract): a policy that declares
+    ``Needs(gates=True)`` without it is named in a warning and its graph compiled unchanged (the model's
+    tokens), not half-run on attributes the gate hoped for."""
+    from kvpass.policies.contract import GatedPolicy, Needs, Policy, SitePlan, param
+
+    class NoProtocol(Policy):
+        name = "no_protocol"
+        summary = "declares a gate, brings none of its methods"
+        budget: int = param(16, 1, 1 << 20, "tokens kept")
+        needs = Needs(evicts=True, gates=True)
+
+        def plan(self, site):
+            return SitePlan(attention=True, evict=True)
+
+    assert not isinstance(NoProtocol(), GatedPolicy) and isinstance(make_policy("asl"), GatedPolicy)
+    cfg, cls = FAMILIES["llama"]()
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    ids = torch.randint(3, 90, (1, 30))
+    torch._dynamo.reset()
+    _WARNED.clear()
+    fwd = torch.compile(model.forward, backend=kvpass.backend(NoProtocol(), compiler="eager"))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fwd(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+        want = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+    assert any("GatedPolicy protocol" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    torch.testing.assert_close(got, want)

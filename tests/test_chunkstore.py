@@ -11,8 +11,8 @@ import torch
 
 import families
 from kvpass import ConfigError
-from kvpass.fusion.chunkstore import ChunkStore, ChunkStoreWarning
-from kvpass.fusion.rope import layer_keys, rotate
+from kvpass.chunks.chunkstore import ChunkStore, ChunkStoreWarning
+from kvpass.chunks.rope import layer_keys, rotate
 
 IDS = list(range(3, 40))
 
@@ -153,7 +153,7 @@ def test_memory_tier_is_lru(model, tmp_path):
 
 
 def test_fingerprint_follows_weights_and_handles_large_tensors(model):
-    from kvpass.fusion.chunkstore import model_fingerprint
+    from kvpass.chunks.chunkstore import model_fingerprint
 
     class Big(torch.nn.Module):                 # float32 linspace would index past the end of this one
         def __init__(self):

@@ -19,7 +19,7 @@ LAYERS = [  # (prefix, layer); the longest matching prefix decides
     ("kvpass.ops", 2),
     ("kvpass.policies", 3),
     ("kvpass.compiler", 4),
-    ("kvpass.fusion", 5),
+    ("kvpass.chunks", 5),
     ("kvpass.eval", 6),
     ("kvpass.cli", 7), ("kvpass", 7),
 ]

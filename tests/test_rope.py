@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import families
 from kvpass import ConfigError
-from kvpass.policies.fusion.kernels import rope as K
-from kvpass.fusion.rope import RotaryMap, layer_keys, rotate, unrotate
+from kvpass.policies.chunk_fusion.kernels import rope as K
+from kvpass.chunks.rope import RotaryMap, layer_keys, rotate, unrotate
 
 SETTINGS = dict(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -140,7 +140,7 @@ def test_rotary_map_partial_rotary_and_qk_norm(family):
 def test_unknown_rotation_is_refused(monkeypatch):
     model = families.build("llama")
     # pretend the model rotates interleaved pairs: no candidate reproduces it
-    import kvpass.fusion.rope as R
+    import kvpass.chunks.rope as R
     real = R.layer_keys
 
     def scrambled(m, ids, pos):

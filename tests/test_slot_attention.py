@@ -3,7 +3,7 @@
 Without a GPU the Triton kernel runs in Triton's interpreter (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``), called directly at tiny shapes; the interpreter computes bf16 dots wrongly,
 so the kernel upcasts there while inputs still come in fp16 / bf16 / fp32. The reference itself is
-checked against ``kvpass.policies.fusion.ops.attention_slots_reference`` (``attention_pos`` with slot j at position j)
+checked against ``kvpass.policies.chunk_fusion.ops.attention_slots_reference`` (``attention_pos`` with slot j at position j)
 and against SDPA's causal attention.
 """
 
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpass.policies.fusion.kernels import slot_attention as S
-from kvpass.policies.fusion.ops import attention_slots_reference
+from kvpass.policies.chunk_fusion.kernels import slot_attention as S
+from kvpass.policies.chunk_fusion.ops import attention_slots_reference
 
 pytestmark = pytest.mark.skipif(S.triton is None, reason="needs Triton")
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

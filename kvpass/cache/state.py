@@ -52,7 +52,7 @@ class GenerationState:
 
     def __init__(self) -> None:
         self.layers: dict[int, LayerState] = {}
-        # chunk fusion (kvpass.fusion.router): true positions [n] of the tokens of the current call, which
+        # chunk fusion (kvpass.chunks.router): true positions [n] of the tokens of the current call, which
         # kvpass::cache_overwrite writes over a merged cache (slot == position); None otherwise
         self.fusion: Tensor | None = None
         # a3+evict: how many query rows of a recompute call are the question (0: no votes), and the

@@ -47,6 +47,7 @@ from kvpass.compiler.detect import val
 from kvpass.compiler import positions as _positions  # noqa: F401  (registers kvpass::shift_positions)
 from kvpass.compiler import tp as _tp
 from kvpass.compiler.maskcheck import site_mask
+from kvpass.policies.contract import GatedPolicy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -613,9 +614,12 @@ def check(sites, policy) -> str | None:
     """Before the rewrite: why the policy's gate cannot be placed in this graph, or None."""
     if not sites:
         return "no attention sites"
+    if not isinstance(policy, GatedPolicy):
+        return (f"policy '{policy.name}' declares Needs(gates=True) without the GatedPolicy protocol "
+                f"(kvpass.policies.contract: budget, window, layer, gate_layers, gate_fires, gate_select)")
     observe, cuts = policy.gate_layers(len(sites))
     if not cuts:
-        forced = getattr(policy, "layer", -1)
+        forced = policy.layer
         if forced >= 0:
             return (f"parameter 'layer' = {forced} is not a selection layer of this {len(sites)}-layer model "
                     f"(allowed: 0 to {len(sites) - 2}; a gate after the last layer prunes nothing)")

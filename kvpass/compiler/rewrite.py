@@ -10,7 +10,7 @@
   tensors the cache stores, so evicted entries are freed;
 * ``pool`` (raas's decode steps on a DynamicCache): ``pool_write`` writes the new token into a slot of the
   stored pool in place, ``decode_attention`` reads the pool, and the pool itself is stored;
-* ``overwrite`` (chunk fusion's recompute, ``kvpass.fusion.router``): the ``torch.cat`` pair becomes
+* ``overwrite`` (chunk fusion's recompute, ``kvpass.chunks.router``): the ``torch.cat`` pair becomes
   ``cache_overwrite`` (the new tokens written over their slots of a merged cache, same length), attention
   becomes ``attention_slots`` (slot j is position j), and the overwritten tensors are what the cache stores;
 * ``slot`` (a ``kvpass.SlotCache``): the cache's ``slot_append`` becomes the slot writes of the policy's rule

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from kvpass.policies.fusion.a3 import A3
-from kvpass.policies.fusion.a3_evict import A3Evict
+from kvpass.policies.chunk_fusion.a3 import A3
+from kvpass.policies.chunk_fusion.a3_evict import A3Evict
 from kvpass.policies.art import ART
 from kvpass.policies.gated.asl import ASL, ASL2Pass, ASLFullKV
 from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan
-from kvpass.policies.fusion.cacheblend import CacheBlend
+from kvpass.policies.chunk_fusion.cacheblend import CacheBlend
 from kvpass.policies.prefill.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
 from kvpass.policies.gated.fastkv import FastKV
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
 from kvpass.policies.gated.gemfilter import GemFilter
-from kvpass.policies.fusion.full_reuse import FullReuse
-from kvpass.policies.fusion.legolink import LegoLink
-from kvpass.policies.fusion.pie import PIE
+from kvpass.policies.chunk_fusion.full_reuse import FullReuse
+from kvpass.policies.chunk_fusion.legolink import LegoLink
+from kvpass.policies.chunk_fusion.pie import PIE
 from kvpass.policies.prefill.pyramidkv import PyramidKV
 from kvpass.policies.pages.quest import Quest
 from kvpass.policies.pages.raas import RaaS
@@ -24,7 +24,7 @@ from kvpass.policies.prefill.sablock import SABlock
 from kvpass.policies.prefill.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
-# chunk fusion (kvpass.ChunkFusion drives these; see kvpass/policies/fusion/a3.py)
+# chunk fusion (kvpass.ChunkFusion drives these; their frame: kvpass/policies/chunk_fusion/base.py)
 FUSION = (A3, A3Evict, PIE, FullReuse, CacheBlend, LegoLink)
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,

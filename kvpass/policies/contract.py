@@ -20,7 +20,7 @@ import hashlib
 import inspect
 import functools
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import fx
@@ -202,6 +202,27 @@ class Needs:
             raise ValueError(f"Needs.slot_rule must be None, 'append', 'ring' or 'placed', got {self.slot_rule!r}")
         if (self.two_pass or self.renumber) and not self.gates:
             raise ValueError("Needs.two_pass / renumber describe a gated prefill: set gates=True")
+
+
+@runtime_checkable
+class GatedPolicy(Protocol):
+    """The protocol of a policy whose ``Needs.gates`` is set (``kvpass.policies.gated``): all that
+    ``kvpass.compiler.gate`` reads of it. The gate keeps ``budget`` tokens, the last ``window`` of them always;
+    ``layer >= 0`` forces the selection layer. After each layer of ``gate_layers(n)[0]`` the graph records
+    ``[B, N]`` window scores (``kvpass::layer_scores``, summed over heads) in ``history``; after each layer
+    of ``gate_layers(n)[1]`` the runner asks ``gate_fires`` and, when it does, takes ``gate_select``'s
+    ascending token indices ``[B, keep]`` for the deeper layers (``ctx["kv_pos"]``: the prompt's positions,
+    -1 for padding)."""
+
+    budget: int
+    window: int
+    layer: int
+
+    def gate_layers(self, n_layers: int) -> tuple[list[int], list[int]]: ...
+
+    def gate_fires(self, layer: int, history: dict, keep: int, ctx: dict) -> bool: ...
+
+    def gate_select(self, scores: torch.Tensor, keep: int, ctx: dict) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

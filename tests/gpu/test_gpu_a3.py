@@ -3,7 +3,7 @@
 * the RoPE rotation kernel equals its reference at real sizes (layers x KV heads up to 256 rows,
   16k-32k positions, head_dim 64/128, partial rotary, fp32/bf16) and through ``kvpass::rope_rotate``;
 * the scatter kernel equals its reference at real sizes and through ``kvpass::scatter_rows``;
-* ``kvpass::attention_slots`` (the recompute pass's attention, ``kvpass.policies.fusion.kernels.slot_attention``) on
+* ``kvpass::attention_slots`` (the recompute pass's attention, ``kvpass.policies.chunk_fusion.kernels.slot_attention``) on
   CUDA equals its reference;
 * under ``torch.compile`` Inductor launches the three kernels itself (``triton_op``);
 * ``ChunkFusion`` on CUDA with Inductor: a3 with r = 1 equals a full prefill, and a3 at r = 0.15
@@ -20,8 +20,8 @@ from transformers import DynamicCache
 import kvpass
 import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
 from families import build
-from kvpass.policies.fusion.kernels import rope as K
-from kvpass.policies.fusion.ops import attention_slots_reference
+from kvpass.policies.chunk_fusion.kernels import rope as K
+from kvpass.policies.chunk_fusion.ops import attention_slots_reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

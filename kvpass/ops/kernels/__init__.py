@@ -9,5 +9,5 @@
 * ``gather``: compaction of the kept KV entries into fresh contiguous tensors (``kvpass::gather_kv``).
 
 A policy family's own kernels sit with the family: ``kvpass.policies.pages.kernels``,
-``kvpass.policies.fusion.kernels``.
+``kvpass.policies.chunk_fusion.kernels``.
 """

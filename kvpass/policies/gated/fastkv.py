@@ -13,7 +13,7 @@ prompt length. ``budget >= prompt length`` computes and keeps everything (equal 
 from __future__ import annotations
 
 from kvpass.policies.contract import param
-from kvpass.policies.gated.asl import GatedSelection
+from kvpass.policies.gated.base import GatedSelection
 
 
 class FastKV(GatedSelection):

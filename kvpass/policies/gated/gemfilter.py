@@ -21,7 +21,7 @@ after ASL's adaptive layer, keeping the original positions.
 from __future__ import annotations
 
 from kvpass.policies.contract import Needs, param
-from kvpass.policies.gated.asl import GatedSelection
+from kvpass.policies.gated.base import GatedSelection
 
 
 class GemFilter(GatedSelection):

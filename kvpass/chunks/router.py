@@ -52,10 +52,10 @@ import torch
 from torch import Tensor
 
 from kvpass.compiler.backend import backend as _backend
-from kvpass.fusion.chunkstore import ChunkStore
+from kvpass.chunks.chunkstore import ChunkStore
 from kvpass.policies import ConfigError, make_policy
-from kvpass.policies.fusion.a3 import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
-from kvpass.fusion.rope import rotate
+from kvpass.policies.chunk_fusion.base import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
+from kvpass.chunks.rope import rotate
 
 _SHARED = "_kvpass_chunk_fusion"   # attribute of the model: lives and dies with it
 

@@ -1,6 +1,6 @@
 """Attention over a merged cache whose slot ``j`` holds position ``j``: the Triton kernel and its reference.
 
-Chunk fusion (``kvpass.fusion.router``) recomputes a scattered subset of a long request's tokens. Their
+Chunk fusion (``kvpass.chunks.router``) recomputes a scattered subset of a long request's tokens. Their
 queries ``q [B, H, Lq, D]`` sit at true positions ``q_pos [B, Lq]`` and attend over the merged cache
 ``k, v [B, H_kv, Lk, D]``, in which slot ``j`` holds position ``j``::
 
@@ -62,7 +62,7 @@ def slot_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, sca
                              softcap: float = 0.0) -> Tensor:
     """Attention of ``q [B, H, Lq, D]`` at positions ``q_pos [B, Lq]`` over ``k [B, H_kv, Lk, D]``,
     ``v [B, H_kv, Lk, Dv]`` with slot ``j`` at position ``j`` -> ``[B, H, Lq, Dv]`` in ``q.dtype``
-    (fp32 math; see the module docstring). Equal to ``kvpass.policies.fusion.ops.attention_slots_reference``."""
+    (fp32 math; see the module docstring). Equal to ``kvpass.policies.chunk_fusion.ops.attention_slots_reference``."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if h % hkv:

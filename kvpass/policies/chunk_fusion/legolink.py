@@ -3,14 +3,14 @@
 Position recovery as ``pie``; the recompute set is the first ``prefix`` (16) tokens of every stored
 segment that does not start the sequence (the segment at position 0, the system part when there is
 one, is exact as stored). These are the tokens that acted as each chunk's attention sink when it was
-computed alone. See ``kvpass.policies.fusion.a3`` for the machinery.
+computed alone. See ``kvpass.policies.chunk_fusion.a3`` for the machinery.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpass.policies.fusion.a3 import ChunkFusionPolicy
+from kvpass.policies.chunk_fusion.base import ChunkFusionPolicy
 from kvpass.policies.contract import param
 
 

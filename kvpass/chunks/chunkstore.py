@@ -6,11 +6,11 @@
 
 What a chunk's entry holds: for every layer, the keys **before RoPE** and the values of the chunk
 computed alone (a plain forward of its tokens at positions ``0..n-1`` on an empty cache), so that a
-request can rotate the keys to whatever positions the chunk takes in it (``kvpass.fusion.rope``).
+request can rotate the keys to whatever positions the chunk takes in it (``kvpass.chunks.rope``).
 
 **How pre-RoPE keys are obtained without touching model code.** The chunk is run through the model
 as it is; its cache holds keys rotated to ``0..n-1``. Each layer's keys are then rotated back with
-the inverse of that layer's own rotation (``kvpass.fusion.rope.RotaryMap``: the model's rotary module,
+the inverse of that layer's own rotation (``kvpass.chunks.rope.RotaryMap``: the model's rotary module,
 with its scaling type, found and checked per layer by a one-token calibration). For every RoPE
 variant whose rotation is a per-position rotation (default, linear, llama3, YaRN, LongRoPE below
 its switch) the result is exactly the model's pre-RoPE key. Dynamic NTK scaling changes the
@@ -193,9 +193,9 @@ class ChunkStore:
 
     @property
     def rotary(self):
-        """The model's per-layer rotation (``kvpass.fusion.rope.RotaryMap``), calibrated on first use."""
+        """The model's per-layer rotation (``kvpass.chunks.rope.RotaryMap``), calibrated on first use."""
         if self._rotary is None:
-            from kvpass.fusion.rope import RotaryMap
+            from kvpass.chunks.rope import RotaryMap
             self._rotary = RotaryMap(self.model)
         return self._rotary
 
@@ -264,7 +264,7 @@ class ChunkStore:
 
     def compute(self, chunk) -> ChunkKV:
         """The chunk's KV computed alone at positions ``0..n-1``, keys rotated back to before RoPE."""
-        from kvpass.fusion.rope import layer_keys, unrotate
+        from kvpass.chunks.rope import layer_keys, unrotate
 
         ids = self.ids(chunk)
         t0 = time.perf_counter()

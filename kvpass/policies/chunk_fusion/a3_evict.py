@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.policies.fusion.a3 import A3, FusionRequest
+from kvpass.policies.chunk_fusion.a3 import A3
+from kvpass.policies.chunk_fusion.base import FusionRequest
 from kvpass.policies.contract import ConfigError, param
 from kvpass.policies.prefill.scoring import keep_top, pool
 

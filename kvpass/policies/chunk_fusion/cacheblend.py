@@ -1,7 +1,7 @@
 """``cacheblend``: chunk fusion that recomputes the tokens whose keys deviate most (CacheBlend).
 
 Position recovery as ``pie``; the selection pass (the first two layers on all tokens, see
-``kvpass.policies.fusion.a3``) gives every document token its fresh layer-1 key, and the recompute set is
+``kvpass.policies.chunk_fusion.a3``) gives every document token its fresh layer-1 key, and the recompute set is
 the top ``ratio * n`` document tokens by the L2 deviation between the fresh key and the stored,
 re-rotated one, summed over KV heads. CacheBlend picks by KV deviation; the key alone is what this
 baseline is specified with.
@@ -9,7 +9,7 @@ baseline is specified with.
 
 from __future__ import annotations
 
-from kvpass.policies.fusion.a3 import TopRatio
+from kvpass.policies.chunk_fusion.base import TopRatio
 
 
 class CacheBlend(TopRatio):
