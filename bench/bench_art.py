@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from kvpass.eval import models  # noqa: E402
 from kvpass.eval import tasks
-from kvpass.ops.kernels import decode_attention as K  # noqa: E402
+from kvpass.kernels import decode_attention as K  # noqa: E402
 
 SETTINGS = [  # (tau, phi, patience, block, horizon)
     (1e-5, 1e-3, 5, 64, 0), (1e-5, 1e-3, 5, 128, 0), (1e-4, 1e-3, 5, 128, 0), (1e-3, 1e-2, 3, 128, 0),

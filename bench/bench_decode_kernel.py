@@ -27,7 +27,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvpass.ops.kernels import decode_attention as K  # noqa: E402
+from kvpass.kernels import decode_attention as K  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 

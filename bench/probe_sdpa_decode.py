@@ -22,7 +22,7 @@ def run(L0, n, grow, mask):
 for grow in (False, True):
     for mask in (False, True):
         print("grow",grow,"mask",mask, run(32768, 30, grow, mask), flush=True)
-import kvpass.ops.kernels.decode_attention as K
+import kvpass.kernels.decode_attention as K
 k=torch.randn(1,3,32768+30,64,device=dev,dtype=torch.bfloat16); v=torch.randn_like(k); q=torch.randn(1,9,1,64,device=dev,dtype=torch.bfloat16)
 ts=[]
 for i in range(30):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvpass.ops.kernels import accumulated_scores as A  # noqa: E402
+from kvpass.kernels import accumulated_scores as A  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 PASS1 = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3),

@@ -20,7 +20,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from kvpass.ops.kernels import decode_attention as DA
+from kvpass.kernels import decode_attention as DA
 from kvpass.policies.pages.kernels import raas_stamp as RS
 from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
 

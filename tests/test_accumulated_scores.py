@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpass  # noqa: F401  (registers the kvpass:: operators)
-from kvpass.ops.kernels import accumulated_scores as A
+from kvpass.kernels import accumulated_scores as A
 from kvpass.policies.h2o import accumulated
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpass import ops
-from kvpass.ops.kernels import decode_attention as K
+from kvpass.kernels import decode_attention as K
 
 pytestmark = pytest.mark.skipif(K.triton is None, reason="needs Triton")
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

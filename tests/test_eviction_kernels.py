@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpass.ops.kernels import gather as G
-from kvpass.ops.kernels import window_scores as W
+from kvpass.kernels import gather as G
+from kvpass.kernels import window_scores as W
 
 pytestmark = pytest.mark.skipif(W.triton is None, reason="needs Triton")
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

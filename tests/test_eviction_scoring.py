@@ -24,7 +24,7 @@ import kvpass
 from eviction_reference import (chunkkv_naive, fill_naive, sablock_naive, sablock_row, snapkv_naive,
                                 votes_naive)
 from kvpass.cache import runtime
-from kvpass.ops.kernels.window_scores import window_scores_reference
+from kvpass.kernels.window_scores import window_scores_reference
 from kvpass.policies import make_policy
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.pyramidkv import pyramid

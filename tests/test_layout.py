@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "kvpass"
 
 LAYERS = [  # (prefix, layer); the longest matching prefix decides
-    ("kvpass.errors", 0), ("kvpass.ops.kernels", 0),
+    ("kvpass.errors", 0), ("kvpass.kernels", 0),
     ("kvpass.cache", 1),
     ("kvpass.ops", 2),
     ("kvpass.policies", 3),
@@ -42,7 +43,9 @@ def modules() -> dict[str, pathlib.Path]:
 
 
 def imports(name: str, path: pathlib.Path, known) -> set[str]:
-    """The kvpass modules ``name`` imports (``from a import b`` counts ``a.b`` when that is a module)."""
+    """The kvpass modules ``name`` imports (``from a import b`` counts ``a.b`` when that is a module), with the
+    packages above each (importing ``kvpass.a.b`` runs ``kvpass/a/__init__.py`` first; the root package, the
+    public API, excepted)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("kvpass"):
@@ -50,8 +53,8 @@ def imports(name: str, path: pathlib.Path, known) -> set[str]:
             found.update(subs or [node.module])
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("kvpass"))
-    found.discard(name)
-    return found
+    found |= {".".join(m.split(".")[:i]) for m in found for i in range(2, m.count(".") + 1)}
+    return {m for m in found if m != name and not name.startswith(m + ".")}
 
 
 def graph() -> dict[str, set[str]]:
@@ -93,3 +96,34 @@ def test_every_subpackage_says_what_it_is():
     for p in PKG.rglob("__init__.py"):
         doc = ast.get_docstring(ast.parse(p.read_text()))
         assert doc and len(doc) > 40 and "TODO" not in doc, f"{p.relative_to(PKG.parent)} needs a module docstring"
+
+
+def operators() -> tuple[dict[str, str], dict[str, set[str]]]:
+    """``(op -> module defining it, module -> ops it calls)``: an op is defined by ``custom_op`` / ``triton_op``
+    on ``"kvpass::name"`` and called as ``torch.ops.kvpass.name`` (or through an alias ``X = torch.ops.kvpass``)."""
+    defined, called = {}, {}
+    for name, path in modules().items():
+        src = path.read_text()
+        for op in re.findall(r'(?:custom_op|triton_op)\(\s*"kvpass::(\w+)"', src):
+            assert op not in defined, f"kvpass::{op} is defined in {defined[op]} and in {name}"
+            defined[op] = name
+        aliases = re.findall(r"^\s*(\w+)\s*=\s*torch\.ops\.kvpass\s*$", src, re.M)
+        uses = set(re.findall(r"torch\.ops\.kvpass\.(\w+)", src))
+        for alias in aliases:
+            uses |= set(re.findall(rf"\b{alias}\.(\w+)", src))
+        called[name] = uses
+    return defined, called
+
+
+def test_no_operator_call_reaches_a_higher_layer():
+    """Calling ``torch.ops.kvpass.x`` depends on the module that defines ``x`` as much as an import does, but
+    no import shows it: a lower layer calling (or a graph pass emitting) an operator a higher layer defines
+    is an upward edge all the same."""
+    defined, called = operators()
+    assert len(defined) > 30, sorted(defined)   # the scan sees the operators (36 when written)
+    unknown = {f"{m}: {op}" for m, ops in called.items() for op in ops
+               if op not in defined and op not in ("default",)}
+    assert not unknown, f"calls of operators no module defines: {sorted(unknown)}"
+    bad = [f"{m} (layer {layer(m)}) calls kvpass::{op}, defined in {defined[op]} (layer {layer(defined[op])})"
+           for m, ops in sorted(called.items()) for op in sorted(ops) if layer(defined[op]) > layer(m)]
+    assert not bad, "\n".join(bad)

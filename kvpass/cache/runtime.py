@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kvpass.cache.state import GenerationState
 from kvpass.errors import device_assert
+from kvpass.kernels.gather import gather_pair
 
 # Weak: a runtime lives as long as its backend object (which torch.compile keeps alive for as
 # long as the compiled function exists).
@@ -119,7 +120,7 @@ class Runtime:
         else:
             empty = keep < 0
             idx = keep.clamp_min(0)
-            k_out, v_out = torch.ops.kvpass.gather_kv(k, v, idx)  # Triton compaction on CUDA
+            k_out, v_out = gather_pair(k, v, idx)  # Triton compaction on CUDA
             pos = kv_pos.gather(2, idx).masked_fill(empty, -1)
         seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
         st = self.state.set_layer(site, pos, seen, fresh=fresh)

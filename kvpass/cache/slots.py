@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from kvpass.errors import ConfigError, device_assert
+from kvpass.kernels.gather import gather_pair
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -155,7 +156,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     # first slots (StreamingLLM's sinks must be a padded row's first real tokens, not its padding)
     order = torch.where(kept_pos < 0, torch.iinfo(torch.int64).max, kept_pos.long()).argsort(dim=-1, stable=True)
     kept_pos = kept_pos.gather(2, order)
-    kept_k, kept_v = torch.ops.kvpass.gather_kv(k_new, v_new, order if idx is None else idx.gather(2, order))
+    kept_k, kept_v = gather_pair(k_new, v_new, order if idx is None else idx.gather(2, order))
     n = kept_pos.shape[-1]
     if n > cap and rt.first_pass:
         rt.overflow = site    # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot

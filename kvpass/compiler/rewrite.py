@@ -34,7 +34,7 @@ from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.slots import pending_positions, write_slots
 from kvpass.compiler.detect import Detection, Site, val
 from kvpass.ops import CAUSAL_NONE
-from kvpass.ops.kernels.decode_attention import ORDER_MAP
+from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
 from kvpass.compiler.positions import fix_positions, table_lookups
 from kvpass.compiler.tp import gather_heads

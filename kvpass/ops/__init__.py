@@ -41,12 +41,12 @@ Operators
 
 ``kvpass::window_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
     Attention that the window queries ``q [B, H, W, D]`` give each key, summed over the window
-    and over the query heads of each KV group (``kvpass.ops.kernels.window_scores``); the scorer of the
+    and over the query heads of each KV group (``kvpass.kernels.window_scores``); the scorer of the
     SnapKV family. A ``triton_op``: Triton on CUDA, ``kvpass::window_scores_ref`` elsewhere.
 
 ``kvpass::accumulated_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
     Attention that every query of ``q [B, H, L, D]`` gives each key, causal by true position, summed over
-    the queries and over the query heads of each KV group (``kvpass.ops.kernels.accumulated_scores``); H2O's
+    the queries and over the query heads of each KV group (``kvpass.kernels.accumulated_scores``); H2O's
     scorer at prefill, whose cost is a prefill's attention rather than a window's. A ``triton_op``: two
     flash-style Triton passes on CUDA, ``kvpass::accumulated_scores_ref`` elsewhere.
 
@@ -58,12 +58,12 @@ Operators
 
 ``kvpass::gather_kv(k, v, idx) -> (k_kept, v_kept)``
     Compaction of the kept entries ``idx [B, H_kv, n]`` into fresh contiguous tensors
-    (``kvpass.ops.kernels.gather``). A ``triton_op``: Triton on CUDA, ``kvpass::gather_kv_ref`` elsewhere.
+    (``kvpass.kernels.gather``). A ``triton_op``: Triton on CUDA, ``kvpass::gather_kv_ref`` elsewhere.
 
 ``kvpass::decode_attention(q, k, v, mask?, kv_pos?, q_pos?, page_table?, kv_len?, block_map?, scale,
 softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visited)``
     One-token decode attention read block by block with ART early termination, over a contiguous
-    or paged cache (``kvpass.ops.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
+    or paged cache (``kvpass.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
     launch its Triton kernel directly; elsewhere it runs ``kvpass::decode_attention_ref``.
 
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
@@ -83,10 +83,10 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
-from kvpass.ops.kernels import accumulated_scores as _accumulated
-from kvpass.ops.kernels import decode_attention as _decode
-from kvpass.ops.kernels import gather as _gather
-from kvpass.ops.kernels import window_scores as _wscores
+from kvpass.kernels import accumulated_scores as _accumulated
+from kvpass.kernels import decode_attention as _decode
+from kvpass.kernels import gather as _gather
+from kvpass.kernels import window_scores as _wscores
 from kvpass.cache.runtime import past_length
 
 # ----------------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_po
                      block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
                      phi: float, patience: int, block: int, order: int, probe: int,
                      horizon: int) -> tuple[Tensor, Tensor]:
-    """Decode attention with ART termination; see ``kvpass.ops.kernels.decode_attention``.
+    """Decode attention with ART termination; see ``kvpass.kernels.decode_attention``.
 
     A ``triton_op``: under ``torch.compile`` Inductor traces into it and the compiled CUDA graph
     launches ``_kvpass_decode_kernel`` itself. On other devices it is the reference operator.
@@ -356,7 +356,7 @@ def _(q, k, kv_pos, q_pos, scale, softcap):
 @torch.library.triton_op("kvpass::window_scores", mutates_args=())
 def window_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
     """Window attention per key, summed over window queries and group heads; see
-    ``kvpass.ops.kernels.window_scores``. Triton on CUDA, the reference operator elsewhere."""
+    ``kvpass.kernels.window_scores``. Triton on CUDA, the reference operator elsewhere."""
     if q.device.type == "cuda" and _wscores.triton is not None:
         return _wscores.window_scores_triton(q, k, kv_pos, q_pos, scale, softcap, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.window_scores_ref(q, k, kv_pos, q_pos, scale, softcap)
@@ -377,7 +377,7 @@ def _(q, k, kv_pos, q_pos, scale, softcap, lse=None):
 def accumulated_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float,
                        lse: Tensor | None = None) -> Tensor:
     """Attention per key from every query, causal by position, summed over queries and group heads; see
-    ``kvpass.ops.kernels.accumulated_scores``. ``lse``: the rows' log-sum-exp from the prefill's attention
+    ``kvpass.kernels.accumulated_scores``. ``lse``: the rows' log-sum-exp from the prefill's attention
     (``attention_lse``), which spares the first pass. Triton on CUDA, the reference operator elsewhere."""
     if q.device.type == "cuda" and _accumulated.triton is not None:
         return _accumulated.accumulated_scores_triton(q, k, kv_pos, q_pos, scale, softcap, lse=lse,
@@ -398,7 +398,7 @@ def _(k, v, idx):
 
 @torch.library.triton_op("kvpass::gather_kv", mutates_args=())
 def gather_kv(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
-    """K and V rows at ``idx [B, H_kv, n]`` as fresh contiguous tensors; see ``kvpass.ops.kernels.gather``.
+    """K and V rows at ``idx [B, H_kv, n]`` as fresh contiguous tensors; see ``kvpass.kernels.gather``.
     Triton on CUDA, the reference operator elsewhere."""
     if k.device.type == "cuda" and _gather.triton is not None:
         wrap = torch.library.wrap_triton

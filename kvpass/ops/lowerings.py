@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpass import ops
-from kvpass.ops.kernels import accumulated_scores as _accumulated
-from kvpass.ops.kernels import decode_attention as _decode_attention
+from kvpass.kernels import accumulated_scores as _accumulated
+from kvpass.kernels import decode_attention as _decode_attention
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):

@@ -4,7 +4,7 @@ Decode attention reads the cache block by block (block 0, then the most recent b
 backwards) with a streaming softmax, and stops once the normalised output has stopped moving:
 ``patience`` consecutive blocks whose relative change ``d_scale`` is below ``tau`` and whose
 direction change ``1 - cos`` is below ``phi``, for every query head of a KV group. The kernel,
-its reference and the choices behind them are in ``kvpass.ops.kernels.decode_attention``.
+its reference and the choices behind them are in ``kvpass.kernels.decode_attention``.
 
 Prefill is untouched (the model's own attention). Nothing is evicted: composed with an eviction
 policy (``snapkv+art``, ``streamingllm+art``) the evictor decides what the cache keeps and ART
@@ -50,7 +50,7 @@ class ART(Policy):
             raise ConfigError(f"policy 'art': parameter 'order' must be 'recency' or 'natural', got {self.order!r}")
 
     def plan(self, site) -> SitePlan:
-        from kvpass.ops.kernels.decode_attention import ORDERS
+        from kvpass.kernels.decode_attention import ORDERS
         from kvpass.policies.contract import decode_read_problem
         if site.phase != "decode":
             # exact attention through the kvpass op, as `full`: a proven-causal mask becomes the causal mode

@@ -82,7 +82,7 @@ class DecodeRead:
     phi: float = 0.0
     patience: int = 5
     block: int = 128
-    order: int = 1           # kvpass.ops.kernels.decode_attention.ORDER_*
+    order: int = 1           # kvpass.kernels.decode_attention.ORDER_*
     probe: int = 0           # probe elements (0: all of head_dim)
     horizon: int = 0         # steps within which ART may stop (0: all); past it the rest is read split-KV
     stats: bool = False      # count blocks read (kvpass::count_visits)

@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import kvpass
 from families import build
-from kvpass.ops.kernels import decode_attention as K
+from kvpass.kernels import decode_attention as K
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

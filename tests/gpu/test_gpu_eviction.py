@@ -23,9 +23,9 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build, skip_uneven_layers_on_old_stacks
-from kvpass.ops.kernels import accumulated_scores as A
-from kvpass.ops.kernels import gather as G
-from kvpass.ops.kernels import window_scores as W
+from kvpass.kernels import accumulated_scores as A
+from kvpass.kernels import gather as G
+from kvpass.kernels import window_scores as W
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build
-from kvpass.ops.kernels import decode_attention as DA
+from kvpass.kernels import decode_attention as DA
 from kvpass.policies.pages.kernels import page_scores as PS
 
 pytestmark = pytest.mark.gpu

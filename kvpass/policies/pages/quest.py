@@ -216,7 +216,7 @@ class Quest(Policy):
         return None
 
     def plan(self, site) -> SitePlan | str:
-        from kvpass.ops.kernels.decode_attention import ORDER_MAP
+        from kvpass.kernels.decode_attention import ORDER_MAP
         from kvpass.policies.contract import decode_read_problem
         if site.sliding_window or site.layer < self.dense_layers:
             return SitePlan(attention=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.ops.kernels.decode_attention import pow2
+from kvpass.kernels.decode_attention import pow2
 
 try:
     import triton

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.ops.kernels.decode_attention import pow2
+from kvpass.kernels.decode_attention import pow2
 from kvpass.policies.pages.kernels.page_scores import page_bounds_reference
 
 try:

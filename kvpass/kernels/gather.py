@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.ops.kernels.decode_attention import pow2
+from kvpass.kernels.decode_attention import pow2
 
 try:
     import triton
@@ -63,3 +63,12 @@ def gather_triton(src: Tensor, idx: Tensor, block: int = 64, num_warps: int = 4,
         src, idx, out, n, src.stride(0), src.stride(1), src.stride(2), idx.stride(0), idx.stride(1),
         idx.stride(2), HKV=hkv, D=d, D_PAD=pow2(d), BLOCK=block, num_warps=num_warps)
     return out
+
+
+def gather_pair(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V rows at ``idx`` as fresh contiguous tensors: Triton on CUDA, the reference elsewhere. What the
+    ``kvpass::gather_kv`` operator runs, for code that is itself inside an operator (the cache layer's
+    compaction and slot prefill, below the operators' layer)."""
+    if k.device.type == "cuda" and triton is not None:
+        return gather_triton(k, idx), gather_triton(v, idx)
+    return gather_reference(k, idx), gather_reference(v, idx)

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvpass.ops.kernels.decode_attention import interpreting, pow2
+from kvpass.kernels.decode_attention import interpreting, pow2
 
 try:
     import triton

@@ -33,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvpass.ops.kernels.decode_attention import interpreting, pow2
+from kvpass.kernels.decode_attention import interpreting, pow2
 
 try:
     import triton
