@@ -15,7 +15,7 @@ import re
 PKG = pathlib.Path(__file__).resolve().parents[1] / "kvpass"
 
 LAYERS = [  # (prefix, layer); the longest matching prefix decides
-    ("kvpass.errors", 0), ("kvpass.kernels", 0),
+    ("kvpass.errors", 0), ("kvpass.operators", 0), ("kvpass.kernels", 0),
     ("kvpass.cache", 1),
     ("kvpass.ops", 2),
     ("kvpass.policies", 3),

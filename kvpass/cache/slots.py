@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from kvpass.errors import ConfigError, device_assert
+from kvpass.operators import register
 from kvpass.kernels.gather import gather_pair
 
 try:
@@ -180,6 +181,9 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
 @slot_prefill.register_fake
 def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, tokens=None, votes=None, lse=None):
     return None
+
+
+register(slot_append=slot_append, slot_prefill=slot_prefill)
 
 
 def next_positions(count: Tensor, q: int) -> Tensor:

@@ -17,6 +17,7 @@ from torch import Tensor, fx
 
 from kvpass.cache import runtime as _runtime
 from kvpass.compiler.detect import Site, is_fn
+from kvpass.operators import register
 
 OPS = torch.ops.kvpass
 
@@ -127,6 +128,9 @@ def shift_positions(pos: Tensor, handle: int) -> Tensor:
 @shift_positions.register_fake
 def _(pos, handle):
     return torch.empty_like(pos, memory_format=torch.contiguous_format)
+
+
+register(shift_positions=shift_positions)
 
 
 def shift_passed_positions(gm: fx.GraphModule, sites, handle: int) -> list[str]:

@@ -88,6 +88,7 @@ from kvpass.kernels import decode_attention as _decode
 from kvpass.kernels import gather as _gather
 from kvpass.kernels import window_scores as _wscores
 from kvpass.cache.runtime import past_length
+from kvpass.operators import OPS, register  # noqa: F401  (OPS: re-exported, the one registry)
 
 # ----------------------------------------------------------------------------------------------
 # references
@@ -422,22 +423,9 @@ def _(out, visited, k, block, handle, site):
     return torch.empty_like(out)
 
 
-# every kvpass operator by name (a family's module adds its own: kvpass.policies.pages.ops, ...fusion.ops)
-OPS = {
-    "attention": attention,
-    "attention_lse": attention_lse,
-    "attention_pos": attention_pos,
-    "cache_update": cache_update,
-    "compact": compact,
-    "true_positions": true_positions,
-    "note_positions": note_positions,
-    "decode_attention": decode_attention,
-    "decode_attention_ref": decode_attention_ref,
-    "count_visits": count_visits,
-    "window_scores": window_scores,
-    "window_scores_ref": window_scores_ref,
-    "accumulated_scores": accumulated_scores,
-    "accumulated_scores_ref": accumulated_scores_ref,
-    "gather_kv": gather_kv,
-    "gather_kv_ref": gather_kv_ref,
-}
+# the core operators in the one registry (kvpass.operators; OPS is that registry, every family's included)
+register(attention=attention, attention_lse=attention_lse, attention_pos=attention_pos, cache_update=cache_update,
+         compact=compact, true_positions=true_positions, note_positions=note_positions, layer_scores=layer_scores,
+         decode_attention=decode_attention, decode_attention_ref=decode_attention_ref, count_visits=count_visits,
+         window_scores=window_scores, window_scores_ref=window_scores_ref, accumulated_scores=accumulated_scores,
+         accumulated_scores_ref=accumulated_scores_ref, gather_kv=gather_kv, gather_kv_ref=gather_kv_ref)

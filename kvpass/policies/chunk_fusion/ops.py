@@ -29,7 +29,8 @@ from torch import Tensor
 
 from kvpass.cache import runtime
 from kvpass.cache.runtime import past_length
-from kvpass.ops import OPS, attention_pos_reference
+from kvpass.ops import attention_pos_reference
+from kvpass.operators import register
 from kvpass.policies.chunk_fusion.kernels import rope as _rope
 from kvpass.policies.chunk_fusion.kernels import slot_attention as _slots
 
@@ -153,6 +154,6 @@ def attention_slots(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
 
 
 
-OPS.update(rope_rotate=rope_rotate, rope_rotate_ref=rope_rotate_ref, scatter_rows=scatter_rows,
+register(rope_rotate=rope_rotate, rope_rotate_ref=rope_rotate_ref, scatter_rows=scatter_rows,
            scatter_rows_ref=scatter_rows_ref, cache_overwrite=cache_overwrite, fusion_votes=fusion_votes,
            attention_slots=attention_slots, attention_slots_ref=attention_slots_ref)

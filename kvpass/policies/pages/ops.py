@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
-from kvpass.ops import OPS
+from kvpass.operators import register
 from kvpass.policies.pages.kernels import page_scores as _pscores
 from kvpass.policies.pages.kernels import raas_stamp as _stamp
 from kvpass.policies.pages.kernels import top_pages as _top
@@ -172,6 +172,6 @@ def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site):
 
 
 
-OPS.update(page_scores=page_scores, page_scores_ref=page_scores_ref, page_bounds=page_bounds,
+register(page_scores=page_scores, page_scores_ref=page_scores_ref, page_bounds=page_bounds,
            page_bounds_ref=page_bounds_ref, raas_stamp=raas_stamp, raas_stamp_ref=raas_stamp_ref, top_pages=top_pages,
            top_pages_ref=top_pages_ref, page_select=page_select, step_position=step_position, pool_write=pool_write)
