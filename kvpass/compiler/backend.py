@@ -125,43 +125,64 @@ class KVPass(CustomGraphPass):
         self.compile_segment = compile_segment  # compiles one segment of a gated graph (kvpass.compiler.gate)
 
     def __call__(self, graph: fx.Graph) -> GraphReport:
+        """The passes, in order; each fills its part of the report, and the first problem stops the rewrite
+        (the graph compiles unchanged, the reason warned once)."""
         gm = graph.owning_module
-        found = _detect.detect(gm)
+        found = _detect.detect(gm)                                  # 1. sites: attention + cache update
         if foreign := _plan.foreign_cache(self.policy, found.sites):
-            raise ConfigError(foreign)
-        problems = [str(p) for p in found.problems]
-        tp = None if problems else _tp.find(gm, found.sites)
-        if isinstance(tp, str):
-            problems.append(tp)
-        phase = _phase(found)
-        plans: dict[int, SitePlan] = {}
-        if not problems:
-            if idle := self.policy.idle_reason(found.sites):
-                warn_once(f"kvpass: {idle}", self)
-            for site in found.sites:
-                site.phase, site.tp = phase, tp
-                plan = _plan.plan_site(self.policy, site)
-                if isinstance(plan, str):
-                    problems.append(f"policy '{self.policy.name}': {plan}")
-                    break
-                plans[site.layer] = plan
-                self.runtime.sites[site.layer] = site
-        report = GraphReport(phase=phase, sites=[s.row() for s in found.sites],
-                             plans={i: p.describe(phase) for i, p in plans.items()}, problems=problems)
-        if isinstance(tp, _tp.TensorParallel):
-            report.tp = tp.describe(found.sites[0].heads, found.sites[0].kv_heads)
-        needs = self.policy.needs
-        gates = needs.gates and phase == "prefill"
-        if gates and not problems:
-            why = _gate.check(found.sites, self.policy)
-            if why:
-                problems.append(f"policy '{self.policy.name}' (gate): {why}")
-        self._follow_prefill(phase, problems)
-        if problems:
+            raise ConfigError(foreign)                              #    a cache filled by another policy
+        report = GraphReport(phase=_phase(found), sites=[], plans={}, problems=[str(p) for p in found.problems])
+        tp = self._tensor_parallel(gm, found, report)               # 2. the rank's share of the heads
+        plans = self._plan(found, tp, report)                       # 3. policy.plan per site -> SitePlan
+        report.sites = [s.row() for s in found.sites]
+        gates = self.policy.needs.gates and report.phase == "prefill"
+        if gates and not report.problems and (why := _gate.check(found.sites, self.policy)):
+            report.problems.append(f"policy '{self.policy.name}' (gate): {why}")   # 4. can the gate be placed
+        self._follow_prefill(report.phase, report.problems)         # 5. decode follows an unchanged prefill
+        if report.problems:
             warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
-                      f"{problems[0]}", self)
+                      f"{report.problems[0]}", self)
             _keep_slot_appends(gm)
             return report
+        self._rewrite(gm, found, plans, report)                     # 6. SHAPES[plan.shape] per site
+        if self.policy.needs.renumber and report.phase != "prefill":  # 7. a renumbering gate's positions
+            report.positions_fixed += (_positions.shift_slot_positions(gm, found.sites) if report.slots else
+                                       _positions.shift_passed_positions(gm, found.sites, self.runtime.handle))
+        if gates:
+            self._gate(gm, found, report)                           # 8. split the prefill at the gates
+        return report
+
+    def _tensor_parallel(self, gm, found, report: GraphReport):
+        """``TensorParallel`` when the graph is one rank of a head-split model, else None (a problem when the
+        split is one kvpass cannot follow); ``report.tp`` says the rank's share."""
+        tp = None if report.problems else _tp.find(gm, found.sites)
+        if isinstance(tp, str):
+            report.problems.append(tp)
+            return None
+        if isinstance(tp, _tp.TensorParallel):
+            report.tp = tp.describe(found.sites[0].heads, found.sites[0].kv_heads)
+        return tp
+
+    def _plan(self, found, tp, report: GraphReport) -> dict[int, SitePlan]:
+        """The policy's plan of every site (``report.plans`` in words); the first site it refuses is the
+        graph's problem."""
+        plans: dict[int, SitePlan] = {}
+        if report.problems:
+            return plans
+        if idle := self.policy.idle_reason(found.sites):
+            warn_once(f"kvpass: {idle}", self)
+        for site in found.sites:
+            site.phase, site.tp = report.phase, tp
+            plan = _plan.plan_site(self.policy, site)
+            if isinstance(plan, str):
+                report.problems.append(f"policy '{self.policy.name}': {plan}")
+                return {}
+            plans[site.layer] = plan
+            report.plans[site.layer] = plan.describe(report.phase)
+            self.runtime.sites[site.layer] = site
+        return plans
+
+    def _rewrite(self, gm, found, plans: dict[int, SitePlan], report: GraphReport) -> None:
         summary = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
         report.rewritten = summary["rewritten"]
         report.evicting = summary["evicting"]
@@ -169,20 +190,19 @@ class KVPass(CustomGraphPass):
         report.positions_fixed = summary["positions_fixed"]
         report.slots = summary["slots"]
         report.reductions = summary["reductions"]
-        if needs.renumber and phase != "prefill":
-            report.positions_fixed += (_positions.shift_slot_positions(gm, found.sites) if summary["slots"] else
-                                       _positions.shift_passed_positions(gm, found.sites, self.runtime.handle))
-        if gates:
-            gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
-            if isinstance(gated, str):  # after the rewrite: the graph evicts but computes every token
-                warn_once(f"kvpass: policy '{self.policy.name}': the gate is not applied, the prefill computes "
-                          f"every token in every layer: {gated}", self)
-            else:
-                report.gate = gated
-                report.reductions += gated.reductions
-                for layer in gated.cuts:
-                    report.plans[layer] += " + gate candidate"
-        return report
+
+    def _gate(self, gm, found, report: GraphReport) -> None:
+        """A gated prefill's runner (``report.gate``); after the rewrite, a gate that cannot be built leaves the
+        graph evicting but computing every token, said once."""
+        gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
+        if isinstance(gated, str):
+            warn_once(f"kvpass: policy '{self.policy.name}': the gate is not applied, the prefill computes "
+                      f"every token in every layer: {gated}", self)
+            return
+        report.gate = gated
+        report.reductions += gated.reductions
+        for layer in gated.cuts:
+            report.plans[layer] += " + gate candidate"
 
     def _follow_prefill(self, phase: str, problems: list[str]) -> None:
         """Decode steps follow their prefill: when a prefill graph of an evicting policy was compiled unchanged,
