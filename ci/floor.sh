@@ -15,5 +15,7 @@ LOG=$(mktemp)
 # the venv must really see the floor, not the newest transformers it shares the site-packages with
 "$VENV/bin/python" -c "import sys, transformers, torch; print('floor: transformers', transformers.__version__, 'torch',
 torch.__version__); sys.exit(transformers.__version__ != '$FLOOR')"
-"$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider tests/test_models.py tests/test_equivalence.py \
+# Inductor-marked tests are left to the main run: Inductor lowers the graph kvpass hands it, which the eager and
+# aot_eager tests here check on this transformers' graphs
+"$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider -m "not inductor" tests/test_models.py tests/test_equivalence.py \
     tests/test_eviction_models.py tests/test_streaming.py tests/test_slot_cache.py tests/test_hostile.py

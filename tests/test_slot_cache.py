@@ -595,6 +595,7 @@ GATED = [("llama", "asl", dict(layer=2), None), ("llama", "asl", dict(layer=-1, 
          ("gemma3", "gemfilter", dict(layer=2), True)]
 
 
+@pytest.mark.inductor
 def test_gated_batch_under_inductor_equals_rows_alone():
     """asl at batch 2 on a SlotCache through Inductor, shapes dynamic: the segments after the gate read
     the RoPE tables of ``position_ids [1, L]`` gathered per row (``[2, n, D]``), which the segment compiled
@@ -648,6 +649,7 @@ def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
         assert (cache.positions(i)[..., n:n + 10] == torch.arange(first, first + 10, dtype=torch.int32)).all()
 
 
+@pytest.mark.inductor
 def test_gated_inductor_dynamic_equals_eager():
     """The gated segments compiled by Inductor as a user compiles (``dynamic=True``, no ``fullgraph``:
     Dynamo then hands the backend fake inputs of its own backend mode, and an unspecialized float
