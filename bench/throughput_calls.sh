@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37's throughput calls (one GPU each, $OUT set): `bash bench/throughput_calls.sh A|B|C|D`.
 # Run 2026-11-27 (bench/results/throughput_2026-11-27): A1, A2 (session 45, H100); B, C, D, E, F (session 46, two H200s).
-# G and H ran in session 47 (two H200s); I and J too.
+# G, H, I, J, K, L ran in session 47 (two H200s). Next: M and N (below).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -72,5 +72,14 @@ K)  timeout 100 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_evict
     grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/gpu_tests_K*.txt | tail -40 ;;
 L)  timeout 500 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
         --policies h2o,asl --baselines "" --out "$OUT/l32_long_context_3.json" > "$OUT/l32_long_context_3.log" 2>&1 ;;
+# Next session, one call on two GPUs. M (GPU 0): h2o's one-pass scoring after the diagonal-only masking (its tiles,
+# then its first-token time beside full). N (GPU 1): the 32-layer long-context rows not run (asl, pyramidkv).
+M)  timeout 240 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+    timeout 200 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,h2o \
+        --out "$OUT/l8_prefill_h2o.json" > "$OUT/l8_prefill_h2o.log" 2>&1
+    timeout 120 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_eviction.py -k "attention_lse or accumulated" \
+        > "$OUT/gpu_tests_M.txt" 2>&1 ;;
+N)  timeout 560 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
+        --policies asl,pyramidkv,full --baselines "" --out "$OUT/l32_long_context_4.json" > "$OUT/l32_long_context_4.log" 2>&1 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400
