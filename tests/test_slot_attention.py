@@ -3,8 +3,8 @@
 Without a GPU the Triton kernel runs in Triton's interpreter (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``), called directly at tiny shapes; the interpreter computes bf16 dots wrongly,
 so the kernel upcasts there while inputs still come in fp16 / bf16 / fp32. The reference itself is
-checked against ``kvpass.policies.chunk_fusion.ops.attention_slots_reference`` (``attention_pos`` with slot j at position j)
-and against SDPA's causal attention.
+checked against ``kvpass.policies.chunk_fusion.ops.attention_slots_reference`` (``attention_pos`` with slot j at
+position j) and against SDPA's causal attention.
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductio
     shapes (one graph for every call) too: its ``select`` acts only on a prefill."""
     if not plan.layer_votes or site.phase not in ("prefill", "dynamic"):
         return None
-    local = graph.call_function(OPS.layer_scores.default, (q_scaled, site.k_new, site_mask(site)[0], 1.0, float(site.softcap),
-                                                           int(plan.layer_votes)))
+    local = graph.call_function(OPS.layer_scores.default, (q_scaled, site.k_new, site_mask(site)[0], 1.0,
+                                                           float(site.softcap), int(plan.layer_votes)))
     return gather_heads(graph, local, site.tp, f"layer {site.layer}: selection votes", reductions)
 
 

@@ -36,7 +36,8 @@ from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
 
-def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float, lse: Tensor | None = None) -> Tensor:
+def accumulated(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float,
+                lse: Tensor | None = None) -> Tensor:
     """``[B, H_kv, N]`` fp32: the attention every key receives from the queries ``q [B, H, L, D]`` (scale
     folded in), causal by true position, summed over the queries and the query heads of each KV group.
     One ``kvpass::accumulated_scores`` call: on CUDA two flash-style Triton passes that never hold the

@@ -3,8 +3,8 @@
 * the RoPE rotation kernel equals its reference at real sizes (layers x KV heads up to 256 rows,
   16k-32k positions, head_dim 64/128, partial rotary, fp32/bf16) and through ``kvpass::rope_rotate``;
 * the scatter kernel equals its reference at real sizes and through ``kvpass::scatter_rows``;
-* ``kvpass::attention_slots`` (the recompute pass's attention, ``kvpass.policies.chunk_fusion.kernels.slot_attention``) on
-  CUDA equals its reference;
+* ``kvpass::attention_slots`` (the recompute pass's attention,
+  ``kvpass.policies.chunk_fusion.kernels.slot_attention``) on CUDA equals its reference;
 * under ``torch.compile`` Inductor launches the three kernels itself (``triton_op``);
 * ``ChunkFusion`` on CUDA with Inductor: a3 with r = 1 equals a full prefill, and a3 at r = 0.15
   on a longer request keeps the cache's shape and the store's entries on the GPU.

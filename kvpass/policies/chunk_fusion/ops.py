@@ -16,8 +16,8 @@
 ``kvpass::attention_slots(q, k, v, q_pos, scale, softcap)``
     ``attention_pos`` over a merged cache whose slot ``j`` holds position ``j`` (chunk fusion's
     recompute graph): key ``j`` is visible to query ``i`` when ``j <= q_pos[b, i]``
-    (``kvpass.policies.chunk_fusion.kernels.slot_attention``). A ``triton_op``: on CUDA a FlashAttention-style Triton kernel
-    that derives the mask from ``q_pos`` and skips the slots past each query tile,
+    (``kvpass.policies.chunk_fusion.kernels.slot_attention``). A ``triton_op``: on CUDA a FlashAttention-style
+    Triton kernel that derives the mask from ``q_pos`` and skips the slots past each query tile,
     ``kvpass::attention_slots_ref`` elsewhere.
 
 """
