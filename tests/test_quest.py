@@ -196,3 +196,17 @@ def test_top_pages_kernel_equals_reference(seed, rows, pages, top, values, holes
         assert ref[r].tolist() == best + [-1] * (top - len(best))
     got = top_pages_triton(ub, top, block=block)     # rows over several blocks too (pages > block)
     assert got.dtype == torch.int32 and torch.equal(got, ref)
+
+
+def test_page_select_finds_its_pager_by_the_contracts_protocol():
+    """``kvpass::page_select`` asks the policy, or the member of a composition, that brings ``PagePolicy``
+    (kvpass.policies.contract); a policy without it is refused by name."""
+    from kvpass.policies import make_policy
+    from kvpass.policies.contract import PagePolicy
+    from kvpass.policies.pages.ops import _pager
+    quest = make_policy("quest", budget=64)
+    assert isinstance(quest, PagePolicy) and not isinstance(make_policy("snapkv"), PagePolicy)
+    composed = make_policy("quest+art", budget=64)
+    assert isinstance(_pager(composed), type(quest))
+    with pytest.raises(RuntimeError, match="policy 'snapkv' selects no pages"):
+        _pager(make_policy("snapkv"))

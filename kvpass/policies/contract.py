@@ -225,6 +225,18 @@ class GatedPolicy(Protocol):
     def gate_select(self, scores: torch.Tensor, keep: int, ctx: dict) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class PagePolicy(Protocol):
+    """The protocol of a policy that picks the pages a decode step reads on a DynamicCache
+    (``kvpass::page_select``, ``kvpass.policies.pages``: quest): ``map_steps`` columns of the block map and
+    ``page_map``, which returns them ``[B, H_kv, map_steps]`` int32 (-1 = none) for a step's query ``q`` and keys
+    ``k`` (the new token last) from the layer's bookkeeping ``layer_state``."""
+
+    map_steps: int
+
+    def page_map(self, site, q: torch.Tensor, k: torch.Tensor, layer_state) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class SlotHooks:
     """Tensor code a policy runs on its ``kvpass.SlotCache`` layer state (``Policy.slot_state``), placed by

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
+from kvpass.policies.contract import PagePolicy
 from kvpass.operators import register
 from kvpass.policies.pages.kernels import page_scores as _pscores
 from kvpass.policies.pages.kernels import raas_stamp as _stamp
@@ -130,10 +131,11 @@ def top_pages(ub: Tensor, top: int) -> Tensor:
     return torch.ops.kvpass.top_pages_ref(ub, top)
 
 
-def _pager(policy):
-    """The policy (or member of a composition) that selects pages for decode reads."""
+def _pager(policy) -> PagePolicy:
+    """The policy (or member of a composition) that selects pages for decode reads: the one that brings the
+    contract's ``PagePolicy`` protocol."""
     for m in getattr(policy, "members", [policy]):
-        if hasattr(type(m), "page_map"):
+        if isinstance(m, PagePolicy):
             return m
     raise RuntimeError(f"kvpass: policy '{policy.name}' selects no pages (kvpass::page_select)")
 
