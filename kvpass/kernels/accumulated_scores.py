@@ -70,15 +70,10 @@ LOG2E = 1.4426950408889634
 TILES = ((128, 64, 4, 3), (64, 128, 8, 3))  # H200, 2026-11-27: 529 ms at 128k where (64, 64, 4, 2) twice took 689
 
 
-def accumulated_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
-                                 softcap: float = 0.0, rows: int | None = None, lse: Tensor | None = None) -> Tensor:
-    """Attention received by every key from every query, summed over the queries and the group's heads.
-
-    ``q [B, H, L, D]``, ``k [B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, ``q_pos [B, L]`` -> ``[B, H_kv, N]``
-    fp32 (see the module docstring). ``rows`` query rows are scored at a time (default: as many as keep
-    the chunk's scores within ``ELEMENTS``). ``lse [B, H, L]`` (fp32, natural log), when given, is every
-    row's log-sum-exp over the keys it sees, computed elsewhere (the prefill's own attention,
-    ``kvpass::attention_lse``); the weights are then ``exp(s - lse)``."""
+def _masked_logits(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None, softcap: float,
+                   rows: int | None):
+    """``(start, logits)`` per chunk of ``rows`` query rows: fp32 ``[B, H_kv, G, rows, N]`` scores, softcapped,
+    ``-inf`` where the query may not see the key (``0 <= kv_pos <= q_pos``); the references' common part."""
     b, h, l, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     if h % hkv:
@@ -88,17 +83,30 @@ def accumulated_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Te
         rows = max(1, ELEMENTS // max(1, b * h * n))
     kf = k.float()
     kp = kv_pos[:, :, None, None, :]                      # [B, H_kv, 1, 1, N]
-    total = torch.zeros((b, hkv, n), dtype=torch.float32, device=q.device)
     for start in range(0, l, rows):
         qc = q[:, :, start:start + rows].float().reshape(b, hkv, h // hkv, -1, d)
         logits = torch.einsum("bgxid,bgnd->bgxin", qc, kf) * scale       # [B, H_kv, G, rows, N]
         if softcap > 0:
             logits = softcap * torch.tanh(logits / softcap)
         qp = q_pos[:, None, None, start:start + rows, None]              # [B, 1, 1, rows, 1]
-        seen = (kp >= 0) & (kp <= qp)
-        logits = logits.masked_fill(~seen, float("-inf"))
+        yield start, logits.masked_fill(~((kp >= 0) & (kp <= qp)), float("-inf"))
+
+
+def accumulated_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
+                                 softcap: float = 0.0, rows: int | None = None, lse: Tensor | None = None) -> Tensor:
+    """Attention received by every key from every query, summed over the queries and the group's heads.
+
+    ``q [B, H, L, D]``, ``k [B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, ``q_pos [B, L]`` -> ``[B, H_kv, N]``
+    fp32 (see the module docstring). ``rows`` query rows are scored at a time (default: as many as keep
+    the chunk's scores within ``ELEMENTS``). ``lse [B, H, L]`` (fp32, natural log), when given, is every
+    row's log-sum-exp over the keys it sees, computed elsewhere (the prefill's own attention,
+    ``kvpass::attention_lse``); the weights are then ``exp(s - lse)``."""
+    b, h = q.shape[:2]
+    hkv, n = k.shape[1], k.shape[2]
+    total = torch.zeros((b, hkv, n), dtype=torch.float32, device=q.device)
+    for start, logits in _masked_logits(q, k, kv_pos, q_pos, scale, softcap, rows):
         if lse is not None:
-            given = lse[:, :, start:start + rows].float().reshape(b, hkv, h // hkv, -1, 1)
+            given = lse[:, :, start:start + logits.shape[3]].float().reshape(b, hkv, h // hkv, -1, 1)
             total += (logits - given).exp().sum(dim=(2, 3))
             continue
         peak = logits.amax(-1, keepdim=True)
@@ -114,19 +122,10 @@ def causal_lse_reference(q: Tensor, k: Tensor, scale: float | None = None) -> Te
     """``[B, H, L]`` fp32: every query row's log-sum-exp (natural log) over the keys a plain causal prompt lets it
     see (query ``i`` sees keys ``0..i``); ``q [B, H, L, D]``, ``k [B, H_kv, L, D]``, GQA packed. Chunked over
     rows as the scores' reference."""
-    b, h, l, d = q.shape
-    hkv = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    rows = max(1, ELEMENTS // max(1, b * h * l))
-    kf = k.float()
-    keys = torch.arange(l, device=q.device)
-    out = []
-    for start in range(0, l, rows):
-        qc = q[:, :, start:start + rows].float().reshape(b, hkv, h // hkv, -1, d)
-        logits = torch.einsum("bgxid,bgnd->bgxin", qc, kf) * scale
-        seen = keys[None, :] <= torch.arange(start, start + qc.shape[3], device=q.device)[:, None]
-        out.append(logits.masked_fill(~seen, float("-inf")).logsumexp(-1).reshape(b, h, -1))
-    return torch.cat(out, -1)
+    b, h, l = q.shape[:3]
+    pos = torch.arange(l, device=q.device)
+    chunks = _masked_logits(q, k, pos.expand(b, k.shape[1], l), pos.expand(b, l), scale, 0.0, None)
+    return torch.cat([logits.logsumexp(-1).reshape(b, h, -1) for _, logits in chunks], -1)
 
 
 def block_ranges(kv_pos: Tensor, q_pos: Tensor, block_m: int, block_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
