@@ -129,20 +129,26 @@ def test_rows_that_see_nothing_add_nothing():
 
 
 def test_plain_prompt_visits_the_causal_triangle():
-    """Positions 0..L-1: pass 1 stops at the diagonal, pass 2 starts there; a block of padding only is
-    never visited."""
+    """Positions 0..L-1: pass 1 stops at the diagonal, pass 2 starts there, and only the diagonal tiles take
+    the position mask; a block of padding only is never visited, a block with any padding always masked."""
     l, bm, bn = 64, 16, 16
     kv_pos = torch.arange(l).expand(1, 2, l).clone()
     q_pos = torch.arange(l).expand(1, l).contiguous()
-    k_lo, k_hi, q_lo, q_hi = A.block_ranges(kv_pos, q_pos, bm, bn)
+    r = A.block_ranges(kv_pos, q_pos, bm, bn)
     blocks = torch.arange(l // bm, dtype=torch.int32).expand(1, 2, -1)
-    assert k_lo.eq(0).all() and torch.equal(k_hi, blocks + 1)
-    assert torch.equal(q_lo, blocks) and q_hi.eq(l // bm).all()
-    kv_pos[0, 1, :20] = -1   # head 1: its first key block holds only padding
-    k_lo, k_hi, q_lo, q_hi = A.block_ranges(kv_pos, q_pos, bm, bn)
-    assert q_lo[0, 1, 0] >= q_hi[0, 1, 0]                    # no query visits key block 0
-    assert k_lo[0, 1, 0] >= k_hi[0, 1, 0]                    # query block 0 sees nothing at all
-    assert k_lo[0, 1, 1:].eq(1).all() and torch.equal(k_hi[0, 1, 1:], torch.tensor([2, 3, 4], dtype=torch.int32))
+    assert r.k_lo.eq(0).all() and torch.equal(r.k_hi, blocks + 1) and torch.equal(r.k_full, blocks)
+    assert torch.equal(r.q_lo, blocks) and r.q_hi.eq(l // bm).all() and torch.equal(r.q_full, blocks + 1)
+    kv_pos[0, 1, :20] = -1   # head 1: its first key block holds only padding, its second some
+    r = A.block_ranges(kv_pos, q_pos, bm, bn)
+    assert r.q_lo[0, 1, 0] >= r.q_hi[0, 1, 0]                    # no query visits key block 0
+    assert r.k_lo[0, 1, 0] >= r.k_hi[0, 1, 0]                    # query block 0 sees nothing at all
+    assert r.k_lo[0, 1, 1:].eq(1).all() and torch.equal(r.k_hi[0, 1, 1:], torch.tensor([2, 3, 4], dtype=torch.int32))
+    assert torch.equal(r.k_full[0, 1], r.k_lo[0, 1])              # pass 1 meets block 1 first: all masked
+    assert r.q_full[0, 1, 1] == r.q_hi[0, 1, 1]                   # block 1 is masked for every query block
+    assert torch.equal(r.q_full[0, 1, 2:], torch.tensor([3, 4], dtype=torch.int32))
+    # a ragged end: the last key block is partial, so it is always masked
+    r = A.block_ranges(torch.arange(40).expand(1, 1, 40), torch.arange(40).expand(1, 40), 16, 16)
+    assert r.q_full[0, 0, 2] == r.q_hi[0, 0, 2] and torch.equal(r.k_full[0, 0], torch.tensor([0, 1, 2], dtype=torch.int32))
 
 
 def test_strided_queries_and_keys():

@@ -38,7 +38,10 @@ at most the second. A few PyTorch reductions (cumulative min / max, ``searchsort
 range of key blocks per query block (pass 1) and one range of query blocks per key block (pass 2), the
 first and the last tile that can contribute; inside a range the position mask decides per element. For a
 plain prompt (positions ``0..L-1``) the ranges are the causal triangle: pass 1 stops at the diagonal, pass 2
-starts there, so about half of the ``L x N`` tiles are visited. Left padding only moves the ranges' ends; an
+starts there, so about half of the ``L x N`` tiles are visited. The same reductions over the greatest key
+position of a block (without padding) and the least query position find the tiles whose every query sees every
+key: each pass walks them in a loop of its own that skips the position mask, so only the diagonal tiles
+compute it. Left padding only moves the ranges' ends; an
 evicted cache (ascending positions with gaps) is still cut by the diagonal of its positions.
 
 Cost. Each pass computes the visited scores once with ``tl.dot`` and one ``exp2`` per score: together about
@@ -50,6 +53,7 @@ four small range tensors. Pass 2 sums the column of each key over all ``G x L`` 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,31 +132,52 @@ def causal_lse_reference(q: Tensor, k: Tensor, scale: float | None = None) -> Te
     return torch.cat([logits.logsumexp(-1).reshape(b, h, -1) for _, logits in chunks], -1)
 
 
-def block_ranges(kv_pos: Tensor, q_pos: Tensor, block_m: int, block_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The tiles that can contribute, as ranges: ``(k_lo, k_hi)`` ``[B, H_kv, M]`` key blocks for every query
-    block, ``(q_lo, q_hi)`` ``[B, H_kv, NB]`` query blocks for every key block (int32, half-open; empty when
-    ``lo >= hi``). A tile (query block m, key block n) can contribute only if ``kmin[n] <= qmax[m]``, where
-    ``kmin`` is the least visible key position of the block and ``qmax`` the greatest query position."""
+class Ranges(NamedTuple):
+    """Which tiles the passes visit (int32, half-open, empty when ``lo >= hi``): pass 1 walks key blocks
+    ``[k_lo, k_hi)`` ``[B, H_kv, M]`` for every query block, of which ``[k_lo, k_full)`` need no position mask;
+    pass 2 walks query blocks ``[q_lo, q_hi)`` ``[B, H_kv, NB]`` for every key block, of which ``[q_full, q_hi)``
+    need none."""
+    k_lo: Tensor
+    k_hi: Tensor
+    k_full: Tensor
+    q_lo: Tensor
+    q_hi: Tensor
+    q_full: Tensor
+
+
+def block_ranges(kv_pos: Tensor, q_pos: Tensor, block_m: int, block_n: int) -> Ranges:
+    """The tiles that can contribute and those that need no mask (``Ranges``). A tile (query block m, key
+    block n) can contribute only if ``kmin[n] <= qmax[m]``, where ``kmin`` is the least visible key position of
+    the block and ``qmax`` the greatest query position; every query of the tile sees every key when
+    ``kmax[n] <= qmin[m]``, where ``kmax`` is the greatest key position of a block without padding (a block with
+    any, or past the end, always takes the mask) and ``qmin`` the least query position."""
     b, hkv, n = kv_pos.shape
     l = q_pos.shape[1]
     n_blocks, m_blocks = _cdiv(n, block_n), _cdiv(l, block_m)
-    kp = kv_pos.long()
-    kp = torch.where(kp >= 0, kp, torch.full_like(kp, _NONE))
-    kmin = F.pad(kp, (0, n_blocks * block_n - n), value=_NONE).view(b, hkv, n_blocks, block_n).amin(-1)
-    qmax = F.pad(q_pos.long(), (0, m_blocks * block_m - l), value=-1).view(b, m_blocks, block_m).amax(-1)
-    qmax = qmax[:, None, :].expand(b, hkv, m_blocks).contiguous()
+    kp = F.pad(kv_pos.long(), (0, n_blocks * block_n - n), value=-1).view(b, hkv, n_blocks, block_n)
+    kmin = torch.where(kp >= 0, kp, torch.full_like(kp, _NONE)).amin(-1)
+    kmax = torch.where((kp >= 0).all(-1), kp.amax(-1), torch.full_like(kmin, _NONE))
+    qp = q_pos.long()
+    qmax = F.pad(qp, (0, m_blocks * block_m - l), value=-1).view(b, m_blocks, block_m).amax(-1)
+    qmin = F.pad(qp, (0, m_blocks * block_m - l), value=_NONE).view(b, m_blocks, block_m).amin(-1)
+    qmax, qmin = (x[:, None, :].expand(b, hkv, m_blocks).contiguous() for x in (qmax, qmin))
     # pass 1: key blocks n with kmin[n] <= qmax[m]; the first is where the running min reaches qmax[m],
-    # the last where the min of the rest stops reaching it
+    # the last where the min of the rest stops reaching it; unmasked: the leading blocks whose running max
+    # of kmax stays within qmin[m]
     first_min = kmin.cummin(-1).values                      # non-increasing
     rest_min = kmin.flip(-1).cummin(-1).values.flip(-1)     # non-decreasing
     k_lo = torch.searchsorted(-first_min, -qmax, side="left", out_int32=True)
     k_hi = torch.searchsorted(rest_min, qmax, side="right", out_int32=True)
-    # pass 2: query blocks m with qmax[m] >= kmin[n], the same way with running maxima
+    k_full = torch.searchsorted(kmax.cummax(-1).values, qmin, side="right", out_int32=True)
+    # pass 2: query blocks m with qmax[m] >= kmin[n], the same way with running maxima; unmasked: the
+    # trailing blocks whose least qmin (of them and all after) reaches kmax[n]
     first_max = qmax.cummax(-1).values                      # non-decreasing
     rest_max = qmax.flip(-1).cummax(-1).values.flip(-1)     # non-increasing
     q_lo = torch.searchsorted(first_max, kmin, side="left", out_int32=True)
     q_hi = torch.searchsorted(-rest_max, -kmin, side="right", out_int32=True)
-    return k_lo, k_hi, q_lo, q_hi
+    q_full = torch.searchsorted(qmin.flip(-1).cummin(-1).values.flip(-1), kmax, side="left", out_int32=True)
+    return Ranges(k_lo, k_hi, torch.maximum(torch.minimum(k_full, k_hi), k_lo),
+                  q_lo, q_hi, torch.maximum(torch.minimum(q_full, q_hi), q_lo))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -162,28 +187,51 @@ def _cdiv(a: int, b: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
-        """Scores ``[BLOCK_M, BLOCK_N]`` of a query tile against a key tile, in the log2 domain, ``-inf``
-        where the query may not see the key."""
+    def _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+                                   MASKED: tl.constexpr):
+        """Scores ``[BLOCK_M, BLOCK_N]`` of a query tile against a key tile, in the log2 domain; with ``MASKED``,
+        ``-inf`` where the query may not see the key (a tile whose queries all see all its keys skips it)."""
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s.to(tl.float32) * scale
         if SOFTCAP:
+            s = s.to(tl.float32) * scale
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)       # softcap * tanh(s / softcap)
-        s = (s * 1.4426950408889634).to(tl.float32)  # Inductor passes float scalars as fp64
-        seen = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
-        return tl.where(seen, s, float("-inf"))
+            s = (s * 1.4426950408889634).to(tl.float32)  # Inductor passes float scalars as fp64
+        else:
+            s = (s.to(tl.float32) * (scale * 1.4426950408889634)).to(tl.float32)   # one multiply
+        if MASKED:
+            seen = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
+            s = tl.where(seen, s, float("-inf"))
+        return s
+
+    @triton.jit
+    def _kvpass_accumulated_lse_step(
+        q, qp, top, total, nb, K, KvPos, k_base, p_base, d, dmask, n_keys, sk_n, sp_n, scale, softcap,
+        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+    ):
+        """One key block of pass 1: the rows' running maximum and sum of ``exp2`` (online softmax)."""
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < n_keys
+        k = tl.load(K + k_base + cols[:, None].to(tl.int64) * sk_n + d[None, :],
+                    mask=cmask[:, None] & dmask[None, :], other=0.0)
+        kp = tl.load(KvPos + p_base + cols.to(tl.int64) * sp_n, mask=cmask, other=-1)
+        s = _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP, UPCAST, MASKED)
+        new_top = tl.maximum(top, tl.max(s, 1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)   # rows that saw nothing yet stay 0
+        total = total * tl.exp2(top - shift) + tl.sum(tl.exp2(s - shift[:, None]), 1)
+        return new_top, total
 
     @triton.jit
     def _kvpass_accumulated_lse_kernel(
-        Q, K, KvPos, QPos, KLo, KHi, Lse, scale, softcap, n_queries, n_keys, m_blocks,
+        Q, K, KvPos, QPos, KLo, KHi, KFull, Lse, scale, softcap, n_queries, n_keys, m_blocks,
         sq_b, sq_h, sq_l, sk_b, sk_h, sk_n, sp_b, sp_h, sp_n, sqp_b, sqp_l,
         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        """Pass 1: the log-sum-exp (log2) of every query row of one head and query block over its keys."""
+        """Pass 1: the log-sum-exp (log2) of every query row of one head and query block over its keys: the
+        key blocks every row sees whole first, without the mask, then the rest with it."""
         bh = tl.program_id(0)
         mb = m_blocks - 1 - tl.program_id(1)          # the longest rows first
         b = (bh // H).to(tl.int64)
@@ -199,29 +247,48 @@ if triton is not None:
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         span = (b * HKV + g) * m_blocks + mb
-        for nb in range(tl.load(KLo + span), tl.load(KHi + span)):
-            cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            cmask = cols < n_keys
-            k = tl.load(K + b * sk_b + g * sk_h + cols[:, None].to(tl.int64) * sk_n + d[None, :],
-                        mask=cmask[:, None] & dmask[None, :], other=0.0)
-            kp = tl.load(KvPos + b * sp_b + g * sp_h + cols.to(tl.int64) * sp_n, mask=cmask, other=-1)
-            s = _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP, UPCAST)
-            new_top = tl.maximum(top, tl.max(s, 1))
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)   # rows that saw nothing yet stay 0
-            total = total * tl.exp2(top - shift) + tl.sum(tl.exp2(s - shift[:, None]), 1)
-            top = new_top
+        k_base, p_base = b * sk_b + g * sk_h, b * sp_b + g * sp_h
+        full = tl.load(KFull + span)
+        for nb in range(tl.load(KLo + span), full):
+            top, total = _kvpass_accumulated_lse_step(q, qp, top, total, nb, K, KvPos, k_base, p_base, d, dmask,
+                                                      n_keys, sk_n, sp_n, scale, softcap, BLOCK_N, SOFTCAP, UPCAST,
+                                                      False)
+        for nb in range(full, tl.load(KHi + span)):
+            top, total = _kvpass_accumulated_lse_step(q, qp, top, total, nb, K, KvPos, k_base, p_base, d, dmask,
+                                                      n_keys, sk_n, sp_n, scale, softcap, BLOCK_N, SOFTCAP, UPCAST,
+                                                      True)
         seen = total > 0
         lse = tl.where(seen, top + tl.log2(tl.where(seen, total, 1.0)), float("inf"))  # +inf: adds 0 in pass 2
         tl.store(Lse + bh.to(tl.int64) * n_queries + rows, lse, mask=rmask)
 
     @triton.jit
+    def _kvpass_accumulated_cols_step(
+        acc, t, k, kp, Q, QPos, Lse, b, g, d, dmask, n_queries, sq_b, sq_h, sq_l, sqp_b, sqp_l, scale, softcap,
+        HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr, MASKED: tl.constexpr,
+    ):
+        """One (query block, head of the group) of pass 2, ``t = block * GROUP + head``: the attention its rows
+        give the key block, added to ``acc``."""
+        rows = (t // GROUP) * BLOCK_M + tl.arange(0, BLOCK_M)
+        h = g * GROUP + t % GROUP
+        rmask = rows < n_queries
+        qp = tl.load(QPos + b * sqp_b + rows.to(tl.int64) * sqp_l, mask=rmask, other=-1)
+        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_l + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        lse = tl.load(Lse + (b * (HKV * GROUP) + h) * n_queries + rows, mask=rmask, other=float("inf"))
+        s = _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP, UPCAST, MASKED)
+        return acc + tl.sum(tl.exp2(s - lse[:, None]), 0)   # unseen (s = -inf) and empty rows add 0
+
+    @triton.jit
     def _kvpass_accumulated_cols_kernel(
-        Q, K, KvPos, QPos, QLo, QHi, Lse, Out, scale, softcap, n_queries, n_keys, n_blocks,
+        Q, K, KvPos, QPos, QLo, QHi, QFull, Lse, Out, scale, softcap, n_queries, n_keys, n_blocks,
         sq_b, sq_h, sq_l, sk_b, sk_h, sk_n, sp_b, sp_h, sp_n, sqp_b, sqp_l,
         HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        """Pass 2: the attention one key block receives from every query row of the group's heads."""
+        """Pass 2: the attention one key block receives from every query row of the group's heads; one flat
+        loop over (query block, head) that the compiler can pipeline, the masked blocks (the diagonal) first,
+        then those whose rows all see the whole key block."""
         bg = tl.program_id(0)
         nb = tl.program_id(1)
         b = (bg // HKV).to(tl.int64)
@@ -235,17 +302,15 @@ if triton is not None:
         kp = tl.load(KvPos + b * sp_b + g * sp_h + cols.to(tl.int64) * sp_n, mask=cmask, other=-1)
         acc = tl.zeros([BLOCK_N], tl.float32)
         span = bg.to(tl.int64) * n_blocks + nb
-        # one flat loop over (query block, head of the group), which the compiler can pipeline
-        for t in range(tl.load(QLo + span) * GROUP, tl.load(QHi + span) * GROUP):
-            rows = (t // GROUP) * BLOCK_M + tl.arange(0, BLOCK_M)
-            h = g * GROUP + t % GROUP
-            rmask = rows < n_queries
-            qp = tl.load(QPos + b * sqp_b + rows.to(tl.int64) * sqp_l, mask=rmask, other=-1)
-            q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_l + d[None, :],
-                        mask=rmask[:, None] & dmask[None, :], other=0.0)
-            lse = tl.load(Lse + (b * (HKV * GROUP) + h) * n_queries + rows, mask=rmask, other=float("inf"))
-            s = _kvpass_accumulated_logits(q, k, qp, kp, scale, softcap, SOFTCAP, UPCAST)
-            acc += tl.sum(tl.exp2(s - lse[:, None]), 0)   # unseen (s = -inf) and empty rows add 0
+        full = tl.load(QFull + span) * GROUP
+        for t in range(tl.load(QLo + span) * GROUP, full):
+            acc = _kvpass_accumulated_cols_step(acc, t, k, kp, Q, QPos, Lse, b, g, d, dmask, n_queries, sq_b, sq_h,
+                                                sq_l, sqp_b, sqp_l, scale, softcap, HKV, GROUP, BLOCK_M, SOFTCAP,
+                                                UPCAST, True)
+        for t in range(full, tl.load(QHi + span) * GROUP):
+            acc = _kvpass_accumulated_cols_step(acc, t, k, kp, Q, QPos, Lse, b, g, d, dmask, n_queries, sq_b, sq_h,
+                                                sq_l, sqp_b, sqp_l, scale, softcap, HKV, GROUP, BLOCK_M, SOFTCAP,
+                                                UPCAST, False)
         tl.store(Out + bg.to(tl.int64) * n_keys + cols, acc, mask=cmask)
 
 
@@ -273,18 +338,18 @@ def accumulated_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tenso
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     (m1, n1, w1, s1), (m2, n2, w2, s2) = (
         (block_m or bm, block_n or bn, warps, stages) for bm, bn, warps, stages in (tiles or TILES))
-    q_lo, q_hi = block_ranges(kv_pos, q_pos, m2, n2)[2:]
+    cols = block_ranges(kv_pos, q_pos, m2, n2)
     given = lse is not None
     lse = (lse.float() * LOG2E).contiguous() if given else torch.empty((b, h, l), dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                kv_pos.stride(0), kv_pos.stride(1), kv_pos.stride(2), q_pos.stride(0), q_pos.stride(1))
     meta = dict(HKV=hkv, D=d, D_PAD=pow2(d), SOFTCAP=softcap > 0, UPCAST=q.dtype == torch.float32 or interpreting())
     if not given:
-        k_lo, k_hi = block_ranges(kv_pos, q_pos, m1, n1)[:2]
+        rows = block_ranges(kv_pos, q_pos, m1, n1)
         wrap(_kvpass_accumulated_lse_kernel)[(b * h, _cdiv(l, m1))](
-            q, k, kv_pos, q_pos, k_lo, k_hi, lse, float(scale), float(softcap), l, n, _cdiv(l, m1), *strides, H=h,
+            q, k, kv_pos, q_pos, rows.k_lo, rows.k_hi, rows.k_full, lse, float(scale), float(softcap), l, n, _cdiv(l, m1), *strides, H=h,
             BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1, **meta)
     wrap(_kvpass_accumulated_cols_kernel)[(b * hkv, _cdiv(n, n2))](
-        q, k, kv_pos, q_pos, q_lo, q_hi, lse, out, float(scale), float(softcap), l, n, _cdiv(n, n2), *strides,
+        q, k, kv_pos, q_pos, cols.q_lo, cols.q_hi, cols.q_full, lse, out, float(scale), float(softcap), l, n, _cdiv(n, n2), *strides,
         GROUP=h // hkv, BLOCK_M=m2, BLOCK_N=n2, num_warps=w2, num_stages=s2, **meta)
     return out
