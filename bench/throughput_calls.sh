@@ -74,11 +74,12 @@ L)  timeout 500 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 
         --policies h2o,asl --baselines "" --out "$OUT/l32_long_context_3.json" > "$OUT/l32_long_context_3.log" 2>&1 ;;
 # Next session, one call on two GPUs. M (GPU 0): h2o's one-pass scoring with the diagonal-only masking (merge branch
 # h2o-diagonal-mask first: its tiles, its GPU tests, then its first-token time beside full). N (GPU 1): the 32-layer long-context rows not run (asl, pyramidkv).
-M)  timeout 240 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+M)  timeout 110 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_eviction.py -k "attention_lse or accumulated" \
+        > "$OUT/gpu_tests_M.txt" 2>&1
+    timeout 230 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
     timeout 200 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,h2o \
         --out "$OUT/l8_prefill_h2o.json" > "$OUT/l8_prefill_h2o.log" 2>&1
-    timeout 120 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_eviction.py -k "attention_lse or accumulated" \
-        > "$OUT/gpu_tests_M.txt" 2>&1 ;;
+    grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/gpu_tests_M.txt | tail -20 ;;
 N)  timeout 560 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
         --policies asl,pyramidkv,full --baselines "" --out "$OUT/l32_long_context_4.json" > "$OUT/l32_long_context_4.log" 2>&1 ;;
 esac
