@@ -52,5 +52,18 @@ T)
       tests/gpu/test_gpu_eviction.py $(ls tests/gpu/test_gpu_admission.py 2>/dev/null) > "$OUT/gpu_tests_T.txt" 2>&1
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_T.txt" | tail -60
   ;;
+E)   # session 48 (GPU 0 of two): the GPU tests the operator registry's lazy import broke, then TPOT rows
+  timeout 80 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_eviction.py -k "attention_lse or accumulated" \
+      > "$OUT/gpu_tests_E1.txt" 2>&1
+  timeout 120 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_art.py \
+      > "$OUT/gpu_tests_E2.txt" 2>&1
+  grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/gpu_tests_E*.txt | tail -40
+  timeout 340 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000,130000 \
+      --policies full,snapkv,streamingllm,raas --prefill-compiler eager --out "$OUT/l8_E.json" > "$OUT/l8_E.log" 2>&1
+  ;;
+F)   # session 48: the TPOT rows of the other policies (8 layers, 33k and 130k, beside full)
+  timeout 550 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000,130000 \
+      --policies full,h2o,pyramidkv,asl,art --prefill-compiler eager --out "$OUT/l8_F.json" > "$OUT/l8_F.log" 2>&1
+  ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600

@@ -82,5 +82,12 @@ M)  timeout 110 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_evict
     grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/gpu_tests_M.txt | tail -20 ;;
 N)  timeout 560 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
         --policies asl,pyramidkv,full --baselines "" --out "$OUT/l32_long_context_4.json" > "$OUT/l32_long_context_4.log" 2>&1 ;;
+# Session 48 (N ran on two H100s: asl and pyramidkv; full was cut). O: full beside asl in one process (32 layers).
+# P: the scoring kernel's tiles after the diagonal-only masking, then h2o's first token beside full.
+O)  timeout 560 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
+        --policies full,asl --baselines "" --out "$OUT/l32_long_context_5.json" > "$OUT/l32_long_context_5.log" 2>&1 ;;
+P)  timeout 230 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+    timeout 200 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,h2o \
+        --out "$OUT/l8_prefill_h2o_P.json" > "$OUT/l8_prefill_h2o_P.log" 2>&1 ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-400

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kvpass  # noqa: E402,F401  (registers kvpass::attention_lse)
+import kvpass.ops  # noqa: E402,F401  (registers torch.ops.kvpass: kvpass::attention_lse; `import kvpass` loads lazily)
 from kvpass.kernels import accumulated_scores as A  # noqa: E402
 
 H, HKV, D = 32, 8, 128
@@ -85,7 +85,7 @@ def main() -> None:
                 A.accumulated_scores_triton(q, k, kv_pos, q_pos, scale, tiles=row["best"])
             torch.cuda.synchronize()
         row["kernels_ms"] = {e.key: e.device_time / 1e3 for e in prof.key_averages() if "kvpass" in e.key}
-        print(json.dumps({k: v for k, v in row.items() if k not in ("pass1", "pass2")}), flush=True)
+        print(json.dumps({key: val for key, val in row.items() if key not in ("pass1", "pass2")}), flush=True)
         rows.append(row)
         del q, k, v, kv_pos, q_pos
     q, k, _, kv_pos, q_pos = inputs(8192)

@@ -22,6 +22,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import DynamicCache
 
 import kvpass
+import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
 from families import build, skip_uneven_layers_on_old_stacks
 from kvpass.kernels import accumulated_scores as A
 from kvpass.kernels import gather as G
