@@ -127,3 +127,55 @@ def test_no_operator_call_reaches_a_higher_layer():
     bad = [f"{m} (layer {layer(m)}) calls kvpass::{op}, defined in {defined[op]} (layer {layer(defined[op])})"
            for m, ops in sorted(called.items()) for op in sorted(ops) if layer(defined[op]) > layer(m)]
     assert not bad, "\n".join(bad)
+
+
+POLICY_HOLDERS = {"policy", "pol", "member", "evictor", "active"}   # how the compiler, cache and driver name one
+
+
+def policy_reads(path: pathlib.Path) -> set[tuple[str, int]]:
+    """``(attribute, line)`` of every attribute read or written on a policy object in ``path``: ``policy.x``,
+    ``self.policy.x``, ``getattr(policy, "x")`` (the names in ``POLICY_HOLDERS``)."""
+    def holds_policy(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id in POLICY_HOLDERS
+                or isinstance(node, ast.Attribute) and node.attr in POLICY_HOLDERS)
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and holds_policy(node.value):
+            found.add((node.attr, node.lineno))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and holds_policy(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+            found.add((node.args[1].value, node.lineno))
+    return found
+
+
+def declared_policy_names() -> set[str]:
+    """What the contract declares of a policy: the ``Policy`` base's public names and every family protocol's."""
+    from kvpass.policies import contract
+
+    names = {n for n in dir(contract.Policy) if not n.startswith("_")}
+    for proto in (contract.GatedPolicy, contract.PagePolicy, contract.FusionPolicy):
+        names |= set(proto.__annotations__) | {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+    return names
+
+
+def test_the_compiler_reads_policies_only_through_the_contract():
+    """The compiler, the cache and chunk fusion's driver read of a policy only what the contract declares (the
+    base class and the family protocols), never an attribute they hope a policy has."""
+    declared = declared_policy_names()
+    assert {"select", "budget", "page_map", "recompute"} <= declared
+    bad, seen = [], 0
+    for package in ("compiler", "cache", "chunks"):
+        for path in sorted((PKG / package).rglob("*.py")):
+            reads = policy_reads(path)
+            seen += len(reads)
+            bad += [f"{path.relative_to(PKG.parent)}:{line}: policy.{name}" for name, line in sorted(reads)
+                    if name not in declared]
+    assert seen > 40, seen   # the scan sees the reads (about 80 when written)
+    assert not bad, "read of a policy attribute no contract protocol declares:\n" + "\n".join(bad)
+
+
+def test_the_policy_read_scan_sees_an_undeclared_read(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(self, policy):\n    return policy.budget + self.policy.hoped_for + getattr(policy, 'also')\n")
+    assert {n for n, _ in policy_reads(src)} - declared_policy_names() == {"hoped_for", "also"}

@@ -55,6 +55,7 @@ from kvpass.compiler.backend import backend as _backend
 from kvpass.chunks.chunkstore import ChunkStore
 from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.chunk_fusion.base import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
+from kvpass.policies.contract import FusionPolicy
 from kvpass.chunks.rope import rotate
 
 _SHARED = "_kvpass_chunk_fusion"   # attribute of the model: lives and dies with it
@@ -153,7 +154,7 @@ class ChunkFusion:
         if cache not in ("dynamic", "slot"):
             raise ConfigError(f"parameter 'cache' must be 'dynamic' or 'slot', got {cache!r}")
         pol = make_policy(policy, **params)
-        if not isinstance(pol, ChunkFusionPolicy):
+        if not isinstance(pol, FusionPolicy):
             raise ConfigError(f"parameter 'policy' must be a chunk-fusion policy (a3, cacheblend, legolink, pie, "
                               f"full_reuse), got {pol.name!r}")
         if not isinstance(store, ChunkStore):

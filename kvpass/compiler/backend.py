@@ -244,7 +244,7 @@ class Backend:
                 raise ConfigError(f"parameter '{name}' must be one of {', '.join(COMPILERS)}, got {value!r}")
         self.policy = make_policy(policy, **params)
         self.compiler, self.prefill_compiler = compiler, prefill_compiler or compiler
-        for member in getattr(self.policy, "members", ()):  # a composition (kvpass.policies.compose)
+        for member in self.policy.members:  # a composition (kvpass.policies.compose)
             if member.needs.gates:
                 raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
                                   f"prefill graph and does not compose with other policies yet; use it alone")

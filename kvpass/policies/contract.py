@@ -237,6 +237,25 @@ class PagePolicy(Protocol):
     def page_map(self, site, q: torch.Tensor, k: torch.Tensor, layer_state) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class FusionPolicy(Protocol):
+    """The protocol of a chunk-fusion policy (``kvpass.policies.chunk_fusion``): all that the driver
+    ``kvpass.ChunkFusion`` reads of it. ``recover_positions``: rotate stored keys to their positions in the
+    request (else to their own ``0..n-1``); ``needs_probe``: run the two-layer selection pass first, whose
+    ``select`` sets ``request.scores``; ``recompute(request)``: the ascending positions recomputed ``[R]``;
+    ``needs_votes``: after the recompute pass, ``keep_after_fusion(votes, request)`` gives each layer's kept
+    entries (``None`` keeps all). The driver sets ``request`` for the selection pass and clears it after."""
+
+    recover_positions: bool
+    needs_probe: bool
+    needs_votes: bool
+    request: Any
+
+    def recompute(self, request) -> torch.Tensor: ...
+
+    def keep_after_fusion(self, votes: torch.Tensor, request) -> torch.Tensor | None: ...
+
+
 @dataclass(frozen=True)
 class SlotHooks:
     """Tensor code a policy runs on its ``kvpass.SlotCache`` layer state (``Policy.slot_state``), placed by
@@ -297,6 +316,7 @@ class Policy:
     params: ClassVar[tuple[Param, ...]] = ()
     summary: ClassVar[str] = ""
     needs: ClassVar[Needs] = Needs()
+    members: ClassVar[tuple] = ()   # a composition's policies (kvpass.policies.compose); empty for one policy
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
