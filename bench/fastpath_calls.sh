@@ -61,9 +61,16 @@ E)   # session 48 (GPU 0 of two): the GPU tests the operator registry's lazy imp
   timeout 340 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000,130000 \
       --policies full,snapkv,streamingllm,raas --prefill-compiler eager --out "$OUT/l8_E.json" > "$OUT/l8_E.log" 2>&1
   ;;
-F)   # session 48: the TPOT rows of the other policies (8 layers, 33k and 130k, beside full)
-  timeout 550 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000,130000 \
+F)   # session 48: the TPOT rows of the other policies (8 layers, 130k, beside full)
+  timeout 500 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
       --policies full,h2o,pyramidkv,asl,art --prefill-compiler eager --out "$OUT/l8_F.json" > "$OUT/l8_F.log" 2>&1
+  ;;
+G)   # session 48 (GPU 1 beside F): the GPU tests call E cut (raas from raas+art on, art), asl after gate.py's split
+  timeout 300 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_art.py \
+      tests/gpu/test_gpu_asl.py -k "not (page_scores or page_bounds or top_pages or raas_stamp)" \
+      > "$OUT/gpu_tests_G.txt" 2>&1
+  grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_G.txt" | tail -40
+  timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
   ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
