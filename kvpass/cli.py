@@ -132,12 +132,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _policy_names() -> str:
-    """The policy names, read from the registry at runtime (and the planned ones, which the run reports
-    unavailable)."""
+    """The policy names, read from the registry at runtime."""
     try:
-        from kvpass.policies import PLANNED, available
-        names = ", ".join(available())
-        return names + (f" (planned, reported unavailable: {', '.join(PLANNED)})" if PLANNED else "")
+        from kvpass.policies import available
+        return ", ".join(available())
     except Exception:  # noqa: BLE001  (the help must print even if a policy module is broken)
         return "see kvpass.policies.available()"
 
@@ -300,24 +298,22 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
 
     Each spec is built with ``kvpass.backend`` on the parameters ``Runner.compile`` gives it (the
     subset of ``params`` it declares), so a bad value fails here with the library's own ``ConfigError``
-    message. Planned policies pass: the run reports them unavailable, as before. A key of
+    message. A key of
     ``param_keys`` (those given with ``--param``) that none of the policies declares is an error too:
     the run would silently drop it. Errors exit with status 2; a mistyped name gets "did you mean".
     """
     import kvpass
     from kvpass.eval.runner import policy_params
-    from kvpass.policies import PLANNED, POLICIES, ConfigError, available
+    from kvpass.policies import POLICIES, ConfigError, available
 
     declared: set[str] = set()
     checked = 0
     for spec in specs:
         names = [spec.strip()] if spec.strip() in POLICIES else [n.strip() for n in spec.split("+")]
-        unknown = [n for n in names if n and n not in POLICIES and n not in PLANNED]
+        unknown = [n for n in names if n and n not in POLICIES]
         if unknown:
             _usage_error(f"unknown policy '{unknown[0]}' in {flag} {','.join(specs)}"
                          f"{did_you_mean(unknown[0], available())}; known policies: {', '.join(available())}")
-        if any(n in PLANNED for n in names):
-            continue
         checked += 1
         declared |= set(policy_params(spec, dict.fromkeys(param_keys)))
         # sablock takes its punctuation ids from the model's tokenizer, which is not loaded yet: a stand-in

@@ -43,24 +43,17 @@ def test_parse_helpers():
 
 
 
-@pytest.fixture
-def planned(monkeypatch):
-    """A policy name on the roadmap ("oracle"): the run reports it unavailable instead of skipping it."""
-    import kvpass.policies
-    monkeypatch.setattr(kvpass.policies, "PLANNED", ("oracle",))
-
 @needs_smol
-def test_compare_end_to_end(tiny_model_dir, tmp_path, capsys, planned):
+def test_compare_end_to_end(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "res"
-    code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,oracle,asl",
+    code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,asl",
                      "--budget", "64", "--task", "niah", "--lengths", "256", "--depths", "0,1",
                      "--max-new-tokens", "4", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "streamingllm" in printed and "unavailable" in printed  # oracle is planned, not silently skipped
+    assert "streamingllm" in printed and "asl" in printed
     data = json.loads((out / "results.json").read_text())
     summary = {s["policy"]: s for s in data["summary"]}
-    assert summary["oracle"]["available"] is False and "planned" in summary["oracle"]["reason"]
     assert summary["full"]["tasks"] == summary["streamingllm"]["tasks"] > 0
     # eviction is real: streamingllm stores 64 entries per layer where full stores the whole prompt
     assert summary["streamingllm"]["kv_bytes"] < summary["full"]["kv_bytes"]
@@ -193,14 +186,13 @@ def test_bad_policies_and_params_fail_before_the_model_loads(argv, says, tmp_pat
     assert not out.exists()
 
 
-def test_policy_check_lets_through_what_the_run_handles(planned):
-    # planned policies are reported unavailable by the run; sablock gets its punctuation from the
-    # tokenizer later; a --budget that `full` does not take is dropped for it, as the run does
-    cli.check_policies(["full", "oracle", "sablock", "snapkv+art"], {"budget": 64, "tau": 0.1}, param_keys=["tau"])
-    cli.check_policies(["oracle"], {"whatever": 1}, param_keys=["whatever"])
+def test_policy_check_lets_through_what_the_run_handles():
+    # sablock gets its punctuation from the tokenizer later; a --budget that `full` does not take is dropped
+    # for it, as the run does
+    cli.check_policies(["full", "sablock", "snapkv+art"], {"budget": 64, "tau": 0.1}, param_keys=["tau"])
 
 
-def test_a_policy_failing_mid_run_makes_the_exit_status_nonzero(tmp_path, monkeypatch, capsys, planned):
+def test_a_policy_failing_mid_run_makes_the_exit_status_nonzero(tmp_path, monkeypatch, capsys):
     """The results of the others are written, and the exit status says the run failed."""
     from kvpass import eval as kv_eval
     from kvpass.eval.runner import PolicyResult
@@ -210,19 +202,19 @@ def test_a_policy_failing_mid_run_makes_the_exit_status_nonzero(tmp_path, monkey
 
     def compare(model, tokenizer, policies, tasks, params, **kw):
         return [PolicyResult("full", {}),
-                PolicyResult("oracle", {}, available=False, reason="policy 'oracle' is planned but not implemented yet"),
+                PolicyResult("quest", {}, available=False, reason="layer 0: a sliding-window layer (refused by the model)"),
                 PolicyResult("streamingllm", {}, available=False,
                              reason="failed on task niah-0 (256 tokens) after 1 tasks: RuntimeError: boom")]
     monkeypatch.setattr(kv_eval, "compare", compare)
     out = tmp_path / "res"
-    code = cli.main(["compare", "--policies", "full,oracle,streamingllm", "--budget", "64", "--out", str(out)])
+    code = cli.main(["compare", "--policies", "full,quest,streamingllm", "--budget", "64", "--out", str(out)])
     assert code == 1
     assert (out / "results.json").exists()
     err = capsys.readouterr().err
     assert "streamingllm failed on task niah-0" in err and "1 of 3 policies failed" in err
-    # unavailable by configuration alone (planned) is not a failed run
+    # unavailable by configuration alone (a model that refuses the policy) is not a failed run
     monkeypatch.setattr(kv_eval, "compare", lambda *a, **kw: compare(*a, **kw)[:2])
-    assert cli.main(["compare", "--policies", "full,oracle", "--out", str(tmp_path / "res2")]) == 0
+    assert cli.main(["compare", "--policies", "full,quest", "--out", str(tmp_path / "res2")]) == 0
 
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None
@@ -370,7 +362,7 @@ def test_report_says_what_the_means_are_over_and_draws_all_heatmaps(tmp_path, ca
 
     results = [PolicyResult("full", {}, tasks=tasks(True)),
                PolicyResult("streamingllm", {"budget": 64}, tasks=tasks(False)),
-               PolicyResult("oracle", {}, available=False, reason="planned")]
+               PolicyResult("quest", {}, available=False, reason="refused by the model")]
     report.print_table(results, "title")
     printed = " ".join(capsys.readouterr().out.split())
     assert "mean over tasks of lengths 512, 1024 tokens" in printed

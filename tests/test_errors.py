@@ -26,10 +26,6 @@ CASES = {
     "unknown policy, wrong case": (dict(policy="Full"), ["unknown policy 'Full'", KNOWN]),
     "unknown member of a composition": (dict(policy="full+nope"),
                                         ["unknown policy 'nope'", KNOWN]),
-    "planned policy": (dict(policy="oracle"),
-                       ["policy 'oracle' is planned but not implemented yet", KNOWN]),
-    "planned member of a composition": (dict(policy="full+oracle"),
-                                        ["policy 'oracle' is planned", KNOWN]),
     "empty policy": (dict(policy=""), ["policy must be a non-empty string", KNOWN]),
     "policy is not a string": (dict(policy=None), ["policy must be a non-empty string", "got None"]),
     # parameter values
@@ -76,7 +72,6 @@ def no_runtime_leak():
 
 @pytest.mark.parametrize("kwargs,fragments", CASES.values(), ids=list(CASES))
 def test_backend_rejects_bad_configuration(kwargs, fragments, no_runtime_leak, monkeypatch):
-    monkeypatch.setattr(kvpass.policies, "PLANNED", ("oracle",))   # a name on the roadmap
     kwargs = dict(kwargs)
     policy = kwargs.pop("policy")
     with pytest.raises(kvpass.ConfigError) as err:

@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-from kvpass.policies.chunk_fusion.a3 import A3
-from kvpass.policies.chunk_fusion.a3_evict import A3Evict
+from kvpass.policies import chunk_fusion, gated, pages, prefill
 from kvpass.policies.art import ART
-from kvpass.policies.gated.asl import ASL, ASL2Pass, ASLFullKV
-from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan
-from kvpass.policies.chunk_fusion.cacheblend import CacheBlend
-from kvpass.policies.prefill.chunkkv import ChunkKV
 from kvpass.policies.compose import Composed
-from kvpass.policies.gated.fastkv import FastKV
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
-from kvpass.policies.gated.gemfilter import GemFilter
-from kvpass.policies.chunk_fusion.full_reuse import FullReuse
-from kvpass.policies.chunk_fusion.legolink import LegoLink
-from kvpass.policies.chunk_fusion.pie import PIE
-from kvpass.policies.prefill.pyramidkv import PyramidKV
-from kvpass.policies.pages.quest import Quest
-from kvpass.policies.pages.raas import RaaS
-from kvpass.policies.prefill.sablock import SABlock
-from kvpass.policies.prefill.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
 # chunk fusion (kvpass.ChunkFusion drives these; their frame: kvpass/policies/chunk_fusion/base.py)
-FUSION = (A3, A3Evict, PIE, FullReuse, CacheBlend, LegoLink)
+FUSION = chunk_fusion.FAMILY
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART, SnapKV, PyramidKV, ChunkKV,
-                                                                SABlock, RaaS, Quest, ASL, ASLFullKV, FastKV, ASL2Pass,
-                                                                GemFilter, H2O) + FUSION}
-
-# Named on the roadmap, not implemented yet: asking for one is a clear error (none at present).
-PLANNED: tuple[str, ...] = ()
+# the single-file policies, then each family's (a family folder lists its own in its FAMILY)
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART) + prefill.FAMILY + pages.FAMILY
+                                     + gated.FAMILY + (H2O,) + FUSION}
 
 
 def available() -> list[str]:
@@ -55,9 +38,6 @@ def make_policy(spec: str | Policy, **params) -> Policy:
         if not n:
             raise ConfigError(f"policy '{spec}' has an empty name around '+'; write e.g. 'snapkv+art'")
         if n not in POLICIES:
-            if n in PLANNED:
-                raise ConfigError(f"policy '{n}' is planned but not implemented yet; "
-                                  f"available policies: {', '.join(available())}")
             raise ConfigError(f"unknown policy '{n}'; known policies: {', '.join(available())}")
     classes = [POLICIES[n] for n in names]
     if len(classes) == 1:
@@ -71,4 +51,4 @@ def make_policy(spec: str | Policy, **params) -> Policy:
     return Composed(members)
 
 
-__all__ = ["ConfigError", "DecodeRead", "Needs", "Param", "Policy", "SitePlan", "POLICIES", "PLANNED", "available", "make_policy"]
+__all__ = ["ConfigError", "DecodeRead", "Needs", "Param", "Policy", "SitePlan", "POLICIES", "available", "make_policy"]
