@@ -134,7 +134,7 @@ def top_pages(ub: Tensor, top: int) -> Tensor:
 def _pager(policy) -> PagePolicy:
     """The policy (or member of a composition) that selects pages for decode reads: the one that brings the
     contract's ``PagePolicy`` protocol."""
-    for m in getattr(policy, "members", [policy]):
+    for m in policy.members or (policy,):
         if isinstance(m, PagePolicy):
             return m
     raise RuntimeError(f"kvpass: policy '{policy.name}' selects no pages (kvpass::page_select)")
