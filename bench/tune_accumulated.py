@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kvpass.ops  # noqa: E402,F401  (registers torch.ops.kvpass: kvpass::attention_lse; `import kvpass` loads lazily)
+import kvpass.ops.lowerings  # noqa: E402,F401  (torch.ops.kvpass with their CUDA implementations: attention_lse is flash)
 from kvpass.kernels import accumulated_scores as A  # noqa: E402
 
 H, HKV, D = 32, 8, 128
