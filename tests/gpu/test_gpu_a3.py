@@ -18,7 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import DynamicCache
 
 import kvpass
-import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
+import kvpass.ops.lowerings  # noqa: F401  (torch.ops.kvpass and their CUDA implementations; `import kvpass` loads lazily)
 from families import build
 from kvpass.policies.chunk_fusion.kernels import rope as K
 from kvpass.policies.chunk_fusion.ops import attention_slots_reference

@@ -14,7 +14,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import kvpass
-import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
+import kvpass.ops.lowerings  # noqa: F401  (torch.ops.kvpass and their CUDA implementations; `import kvpass` loads lazily)
 from families import build
 from kvpass.kernels import decode_attention as K
 

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
+import kvpass.ops.lowerings  # noqa: F401  (torch.ops.kvpass and their CUDA implementations; `import kvpass` loads lazily)
 from families import skip_uneven_layers_on_old_stacks
 from test_asl import build, cache_lengths, prompt
 

@@ -22,7 +22,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import DynamicCache
 
 import kvpass
-import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
+import kvpass.ops.lowerings  # noqa: F401  (torch.ops.kvpass and their CUDA implementations; `import kvpass` loads lazily)
 from families import build, skip_uneven_layers_on_old_stacks
 from kvpass.kernels import accumulated_scores as A
 from kvpass.kernels import gather as G
@@ -110,6 +110,8 @@ def test_attention_lse_gives_flash_statistics_for_one_pass_scoring(dtype, l, h, 
     d = 128
     g = torch.Generator(device=DEV).manual_seed(l)
     q, k, v = (torch.randn(1, x, l, d, device=DEV, generator=g).to(dtype) for x in (h, hkv, hkv))
+    # the CUDA implementation (kvpass.ops.lowerings) is what runs, not the reference compared with itself
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kvpass::attention_lse", "CUDA")
     out, lse = torch.ops.kvpass.attention_lse(q, k, v, d ** -0.5)
     assert lse.shape == (1, h, l) and lse.dtype == torch.float32
     torch.testing.assert_close(lse, A.causal_lse_reference(q, k, d ** -0.5), atol=2e-3, rtol=1e-4)

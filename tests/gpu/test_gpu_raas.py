@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` loads lazily)
+import kvpass.ops.lowerings  # noqa: F401  (torch.ops.kvpass and their CUDA implementations; `import kvpass` loads lazily)
 import kvpass.policies.pages.ops  # noqa: F401  (the page operators)
 from families import build
 from kvpass.kernels import decode_attention as DA
