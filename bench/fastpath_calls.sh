@@ -72,5 +72,17 @@ G)   # session 48 (GPU 1 beside F): the GPU tests call E cut (raas from raas+art
   grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_G.txt" | tail -40
   timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
   ;;
+H)   # next session (GPU 0): the GPU tests fixed in session 48 (quest's pager, layer_scores' total, attention_lse
+     # through its CUDA kernel), each file in its own run so a failure keeps its text; pyramidkv's second decode
+     # graph at 130k with the recompile reason; the tile sweep for the diagonal-masking kernel
+  for f in "test_gpu_raas.py -k quest" "test_gpu_asl.py -k layer_scores" "test_gpu_eviction.py -k attention_lse"; do
+    timeout 120 python -m pytest -q -p no:cacheprovider --tb=short tests/gpu/$f >> "$OUT/gpu_tests_H.txt" 2>&1
+  done
+  grep -E "passed|failed|^E " "$OUT/gpu_tests_H.txt" | tail -20
+  TORCH_LOGS=recompiles timeout 200 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies pyramidkv \
+      --prefill-compiler eager --out "$OUT/l8_H_pyramidkv.json" > "$OUT/l8_H_pyramidkv.log" 2>&1
+  grep -A6 "Recompiling" "$OUT/l8_H_pyramidkv.log" | head -30
+  timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+  ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
