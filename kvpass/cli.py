@@ -298,9 +298,9 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
 
     Each spec is built with ``kvpass.backend`` on the parameters ``Runner.compile`` gives it (the
     subset of ``params`` it declares), so a bad value fails here with the library's own ``ConfigError``
-    message. A key of
-    ``param_keys`` (those given with ``--param``) that none of the policies declares is an error too:
-    the run would silently drop it. Errors exit with status 2; a mistyped name gets "did you mean".
+    message. A key of ``param_keys`` (those given with ``--param``) that none of the policies declares is
+    an error too: the run would silently drop it. Errors exit with status 2; a mistyped name gets "did you
+    mean".
     """
     import kvpass
     from kvpass.eval.runner import policy_params

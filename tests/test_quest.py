@@ -206,6 +206,7 @@ def test_page_select_finds_its_pager_by_the_contracts_protocol():
     from kvpass.policies.pages.ops import _pager
     quest = make_policy("quest", budget=64)
     assert isinstance(quest, PagePolicy) and not isinstance(make_policy("snapkv"), PagePolicy)
+    assert _pager(quest) is quest              # a single policy is its own pager (its members are empty)
     composed = make_policy("quest+art", budget=64)
     assert isinstance(_pager(composed), type(quest))
     with pytest.raises(RuntimeError, match="policy 'snapkv' selects no pages"):
