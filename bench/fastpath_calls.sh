@@ -70,19 +70,26 @@ G)   # session 48 (GPU 1 beside F): the GPU tests call E cut (raas from raas+art
       tests/gpu/test_gpu_asl.py -k "not (page_scores or page_bounds or top_pages or raas_stamp)" \
       > "$OUT/gpu_tests_G.txt" 2>&1
   grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_G.txt" | tail -40
-  timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+  timeout 150 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
   ;;
 H)   # next session (GPU 0): the GPU tests fixed in session 48 (quest's pager, layer_scores' total, attention_lse
      # through its CUDA kernel), each file in its own run so a failure keeps its text; pyramidkv's second decode
      # graph at 130k with the recompile reason; the tile sweep for the diagonal-masking kernel
   for f in "test_gpu_raas.py -k quest" "test_gpu_asl.py -k layer_scores" "test_gpu_eviction.py -k attention_lse"; do
-    timeout 120 python -m pytest -q -p no:cacheprovider --tb=short tests/gpu/$f >> "$OUT/gpu_tests_H.txt" 2>&1
+    timeout 100 python -m pytest -q -p no:cacheprovider --tb=short tests/gpu/$f >> "$OUT/gpu_tests_H.txt" 2>&1
   done
   grep -E "passed|failed|^E " "$OUT/gpu_tests_H.txt" | tail -20
-  TORCH_LOGS=recompiles timeout 200 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies pyramidkv \
+  TORCH_LOGS=recompiles timeout 180 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies pyramidkv \
       --prefill-compiler eager --out "$OUT/l8_H_pyramidkv.json" > "$OUT/l8_H_pyramidkv.log" 2>&1
   grep -A6 "Recompiling" "$OUT/l8_H_pyramidkv.log" | head -30
-  timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+  timeout 150 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+  ;;
+I)   # session 49 (GPU 1 beside H): where a decode step's host time goes, 8 layers (bench/probe_host.py):
+     # at 130k the policies whose generate TPOT missed 1.15x the queued step or full's, at 2k the host-bound case
+  timeout 380 python bench/probe_host.py --layers 8 --length 130000 --policies full,art,snapkv,asl,raas \
+      --out "$OUT/host_l8_130k.json" > "$OUT/host_l8_130k.log" 2>&1; grep "^{" "$OUT/host_l8_130k.log"
+  timeout 150 python bench/probe_host.py --layers 8 --length 2000 --policies full,snapkv \
+      --out "$OUT/host_l8_2k.json" > "$OUT/host_l8_2k.log" 2>&1; grep "^{" "$OUT/host_l8_2k.log"
   ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600

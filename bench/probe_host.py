@@ -1,0 +1,108 @@
+"""Where a ``generate`` decode step's host time goes (issue 36, item 4), one GPU, one process.
+
+Per policy, on a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) compiled by ``kvpass.compile``
+(reduce-overhead, prefill without Inductor), warm, at one prompt length:
+
+* TPOT through ``generate`` (kvpass's loop), the compiled step queued and synced (``bench_fastpath``'s
+  measures), so the rows say which steps are host-bound;
+* Dynamo's guard check of each compiled frame, timed alone (``guard_us``: the check of the entry Dynamo
+  built, on the locals it was built from, 2,000 times);
+* a torch.profiler table (CPU and CUDA) over one ``generate`` of ``--new`` tokens: syncs, launches, copies;
+* a cProfile table over the same call: the Python functions (HF's loop, cudagraph trees, kvpass).
+
+    python bench/probe_host.py --layers 8 --length 2000 --policies full,snapkv,art --out host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch._dynamo.guards as dynamo_guards
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvpass  # noqa: E402
+from bench_fastpath import bare_loops, gen, prompt, timed  # noqa: E402
+from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
+
+FRAMES: list = []   # (guard manager, the locals it was built from), one per compiled frame
+
+
+def _record_frame(manager, scope, builder) -> None:
+    FRAMES.append((manager, dict(scope)))
+
+
+def guard_us(n: int = 2000) -> list[float]:
+    """Microseconds per guard check of each compiled frame whose guards pass on their own locals now."""
+    out = []
+    with torch.no_grad():
+        for manager, scope in FRAMES:
+            if not manager.root.check(scope):
+                continue
+            t = time.perf_counter()
+            for _ in range(n):
+                manager.root.check(scope)
+            out.append(round((time.perf_counter() - t) / n * 1e6, 1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--length", type=int, default=2000)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--policies", default="full,snapkv,art")
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--out", default="host.json")
+    args = ap.parse_args()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    dynamo_guards.guard_manager_testing_hook_fn = _record_frame
+    model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
+    model.generation_config.pad_token_id = 0
+    rows = []
+    for policy in args.policies.split(","):
+        uncompiled(model)
+        FRAMES.clear()
+        params = {} if policy in ("full", "art") else {"budget": args.budget}
+        kvpass.compile(model, policy, prefill_compiler="eager", **params)
+        ids = prompt(args.length)
+        for _ in range(2):
+            gen(model, ids, args.new)
+        t1, _ = timed(lambda: gen(model, ids, args.new))
+        t2, _ = timed(lambda: gen(model, ids, 4 * args.new))
+        queued, synced = bare_loops(model, ids)
+        row = {"policy": policy, "generate_tpot_ms": round((t2 - t1) / (3 * args.new) * 1e3, 3),
+               "queued_tpot_ms": round(queued * 1e3, 3), "synced_tpot_ms": round(synced * 1e3, 3),
+               "guard_us": guard_us()}
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gen(model, ids, args.new)
+            torch.cuda.synchronize()
+        row["torch_profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
+                                                         max_name_column_width=60)
+        pr = cProfile.Profile()
+        pr.enable()
+        gen(model, ids, args.new)
+        torch.cuda.synchronize()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
+        row["cprofile"] = s.getvalue()
+        rows.append(row)
+        print({k: v for k, v in row.items() if k not in ("torch_profile", "cprofile")}, flush=True)
+        print(row["torch_profile"], row["cprofile"], sep="\n", flush=True)
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+                "length": args.length, "new": args.new, "budget": args.budget,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
