@@ -3,10 +3,8 @@
 Per policy, on a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) compiled by ``kvpass.compile``
 (reduce-overhead, prefill without Inductor), warm, at one prompt length:
 
-* TPOT through ``generate`` (kvpass's loop), the compiled step queued and synced (``bench_fastpath``'s
-  measures), so the rows say which steps are host-bound;
-* Dynamo's guard check of each compiled frame, timed alone (``guard_us``: the check of the entry Dynamo
-  built, on the locals it was built from, 2,000 times);
+* TPOT through ``generate`` (kvpass's loop, ``bench_fastpath.StepClock``), the compiled step queued and
+  synced (``bench_fastpath``'s measures), so the rows say which steps are host-bound;
 * a torch.profiler table (CPU and CUDA) over one ``generate`` of ``--new`` tokens: syncs, launches, copies;
 * a cProfile table over the same call: the Python functions (HF's loop, cudagraph trees, kvpass).
 
@@ -25,32 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch._dynamo.guards as dynamo_guards
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvpass  # noqa: E402
-from bench_fastpath import bare_loops, gen, prompt, timed  # noqa: E402
+from bench_fastpath import bare_loops, clocked_tpot, gen, prompt  # noqa: E402
 from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
-
-FRAMES: list = []   # (guard manager, the locals it was built from), one per compiled frame
-
-
-def _record_frame(manager, scope, builder) -> None:
-    FRAMES.append((manager, dict(scope)))
-
-
-def guard_us(n: int = 2000) -> list[float]:
-    """Microseconds per guard check of each compiled frame whose guards pass on their own locals now."""
-    out = []
-    with torch.no_grad():
-        for manager, scope in FRAMES:
-            if not manager.root.check(scope):
-                continue
-            t = time.perf_counter()
-            for _ in range(n):
-                manager.root.check(scope)
-            out.append(round((time.perf_counter() - t) / n * 1e6, 1))
-    return out
 
 
 def main() -> None:
@@ -63,25 +41,18 @@ def main() -> None:
     ap.add_argument("--out", default="host.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
-    dynamo_guards.guard_manager_testing_hook_fn = _record_frame
     model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
     model.generation_config.pad_token_id = 0
     rows = []
     for policy in args.policies.split(","):
         uncompiled(model)
-        FRAMES.clear()
         params = {} if policy in ("full", "art") else {"budget": args.budget}
         kvpass.compile(model, policy, prefill_compiler="eager", **params)
         ids = prompt(args.length)
-        for _ in range(2):
-            gen(model, ids, args.new)
-        t1, _ = timed(lambda: gen(model, ids, args.new))
-        t2, _ = timed(lambda: gen(model, ids, 4 * args.new))
+        gen(model, ids, 4 * args.new)   # the cache for 4 * new tokens built before any timing
         queued, synced = bare_loops(model, ids)
-        row = {"policy": policy, "generate_tpot_ms": round((t2 - t1) / (3 * args.new) * 1e3, 3),
-               "queued_tpot_ms": round(queued * 1e3, 3), "synced_tpot_ms": round(synced * 1e3, 3),
-               "guard_us": guard_us()}
-        from torch.profiler import ProfilerActivity, profile
+        row = {"policy": policy, "generate_tpot_ms": round(clocked_tpot(model, ids, 4 * args.new) * 1e3, 3),
+               "queued_tpot_ms": round(queued * 1e3, 3), "synced_tpot_ms": round(synced * 1e3, 3)}
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             gen(model, ids, args.new)
             torch.cuda.synchronize()
