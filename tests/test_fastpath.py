@@ -46,6 +46,23 @@ def test_one_prefill_and_one_decode_graph_for_every_prompt_length(policy):
     assert all(not r.problems for r in be.reports), be.plans()
 
 
+def test_layers_of_unequal_capacity_after_equal_ones_compile_no_second_decode_graph():
+    """pyramidkv gives lower layers more slots: after a short prompt every layer holds the whole bucket (the
+    capacities equal the read length), after a long one they differ. The first decode graph must serve both
+    (the cache's read once branched on read length against capacity, and the H100 benchmark compiled a second
+    decode graph at 130k)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, "pyramidkv", compiler="eager", budget=64)
+    capacities = []
+    for n in (20, 300, 40):
+        model.generate(ids_of(n), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        cache, = model.generate.caches.values()
+        capacities.append([lay.capacity for lay in cache.layers])
+        assert be.graph_counts() == {"prefill": 1, "decode": 1}, (n, capacities)
+    assert len(set(capacities[0])) == 1 and len(set(capacities[1])) > 1, capacities
+
+
 def test_full_through_compile_equals_the_model_and_reuses_its_cache():
     """``full`` through ``kvpass.compile`` gives the uncompiled model's tokens on every length; one cache per
     row count is kept: reused while it fits (same object, reset), replaced by a larger bucket when not."""

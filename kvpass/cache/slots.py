@@ -380,9 +380,10 @@ class SlotLayer(CacheLayerMixin):
         if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
             self.filled = True
             return key_states, value_states
-        if self.read_length < self.capacity:
-            return self.keys[:, :, :self.read_length], self.values[:, :, :self.read_length]
-        return self.keys, self.values
+        # always sliced, also where read_length is the whole capacity: a branch on the two specialized the decode
+        # graph on which is larger (a short prompt, where every pyramidkv layer holds the whole bucket, compiled a
+        # second decode graph for a long one, where they do not)
+        return self.keys[:, :, :self.read_length], self.values[:, :, :self.read_length]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return (query_length if not self.filled else self.read_length), 0
