@@ -91,5 +91,20 @@ I)   # session 49 (GPU 1 beside H): where a decode step's host time goes, 8 laye
   timeout 150 python bench/probe_host.py --layers 8 --length 2000 --policies full,snapkv \
       --out "$OUT/host_l8_2k.json" > "$OUT/host_l8_2k.log" 2>&1; grep "^{" "$OUT/host_l8_2k.log"
   ;;
+J)   # session 49, GPU 0: the GPU tests of the changed SlotCache read; TPOT off the step clock (bench_fastpath's
+     # StepClock, the 4*new cache built first), 8 layers, at 130k then at 33k (each process has its own full)
+  timeout 70 python -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_gpu_slot_cache.py \
+      -k "decode_loop or (compile_once and (full or pyramidkv))" > "$OUT/gpu_tests_J.txt" 2>&1; tail -3 "$OUT/gpu_tests_J.txt"
+  timeout 300 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full,snapkv,streamingllm,raas,quest \
+      --prefill-compiler eager --out "$OUT/l8_J_130k.json" > "$OUT/l8_J_130k.log" 2>&1
+  timeout 150 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,snapkv,raas \
+      --prefill-compiler eager --out "$OUT/l8_J_33k.json" > "$OUT/l8_J_33k.log" 2>&1
+  ;;
+K)   # session 49, GPU 1 beside J: the other policies the same way; pyramidkv with the recompile log
+  TORCH_LOGS=recompiles timeout 330 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
+      --policies full,h2o,pyramidkv,asl,art --prefill-compiler eager --out "$OUT/l8_K_130k.json" > "$OUT/l8_K_130k.log" 2>&1
+  timeout 170 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,pyramidkv,art \
+      --prefill-compiler eager --out "$OUT/l8_K_33k.json" > "$OUT/l8_K_33k.log" 2>&1
+  ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
