@@ -32,7 +32,7 @@ from torch import fx
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.slots import pending_positions, write_slots
-from kvpass.compiler.detect import Detection, Site, val
+from kvpass.compiler.detect import Detection, Site, seq_slice, val
 from kvpass.ops import CAUSAL_NONE
 from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
@@ -296,7 +296,9 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
     _replace_output(site, att)
-    _erase(graph, [site.out] + site.erase)
+    # the model's reads of the slots' leading entries go too: AOT would trace a dead view of the slots and
+    # guard on whether it is contiguous (capacity == read length), a second decode graph for pyramidkv
+    _erase(graph, [site.out] + site.erase + [r for r in (site.k, site.v) if seq_slice(r) is not None])
     graph.erase_node(site.slot)
     return reductions
 
