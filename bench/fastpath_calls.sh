@@ -106,5 +106,20 @@ K)   # session 49, GPU 1 beside J: the other policies the same way; pyramidkv wi
   timeout 170 python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,pyramidkv,art \
       --prefill-compiler eager --out "$OUT/l8_K_33k.json" > "$OUT/l8_K_33k.log" 2>&1
   ;;
+L)   # session 49, GPU 0: the GPU tests of the changed SlotCache read and slot rewrite (J's cut at 70 s); pyramidkv and
+     # the policies J/K left above 1.15x at 130k, with the recompile log
+  timeout 240 python -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_gpu_slot_cache.py \
+      -k "decode_loop or compile_once" > "$OUT/gpu_tests_L.txt" 2>&1; tail -3 "$OUT/gpu_tests_L.txt"
+  TORCH_LOGS=recompiles timeout 200 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
+      --policies pyramidkv,streamingllm --prefill-compiler eager --out "$OUT/l8_L_130k.json" > "$OUT/l8_L_130k.log" 2>&1
+  grep -h "0/1:\|0/2:" "$OUT/l8_L_130k.log" | cut -c1-300 | head -6
+  ;;
+M)   # session 49, GPU 1 beside L: host time per step by part of the decoding loop (probe_host.py), 8 layers at
+     # 33k, the policies whose TPOT missed; then 32 layers, full and snapkv, TPOT at 33k
+  timeout 230 python bench/probe_host.py --layers 8 --length 33000 --policies full,snapkv,streamingllm,h2o \
+      --out "$OUT/host_M_l8_33k.json" > "$OUT/host_M_l8_33k.log" 2>&1; grep "^{" "$OUT/host_M_l8_33k.log"
+  timeout 290 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies full,snapkv \
+      --prefill-compiler eager --out "$OUT/l32_M_33k.json" > "$OUT/l32_M_33k.log" 2>&1
+  ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600

@@ -5,6 +5,9 @@ Per policy, on a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) 
 
 * TPOT through ``generate`` (kvpass's loop, ``bench_fastpath.StepClock``), the compiled step queued and
   synced (``bench_fastpath``'s measures), so the rows say which steps are host-bound;
+* the host's time per step in each part of kvpass's decoding loop (``sections``: HF's input preparation and
+  keyword update, the compiled forward's call, the wait for the step before; a part that holds a hidden sync
+  shows the device's step time);
 * a torch.profiler table (CPU and CUDA) over one ``generate`` of ``--new`` tokens: syncs, launches, copies;
 * a cProfile table over the same call: the Python functions (HF's loop, cudagraph trees, kvpass).
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import pstats
@@ -27,8 +31,46 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvpass  # noqa: E402
+from kvpass.compiler import decode_loop  # noqa: E402
 from bench_fastpath import bare_loops, clocked_tpot, gen, prompt  # noqa: E402
 from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
+
+
+def sections(model, ids, new: int) -> dict[str, float]:
+    """Milliseconds of host time per decode step in each part of one warm ``generate`` of ``new`` tokens (the
+    parts wrapped for this call only; ``step`` is the step clock's time per step, ``rest`` what no part holds:
+    sampling, stopping criteria, launches of the small ops between steps)."""
+    spent: dict[str, list[float]] = {}
+
+    def timed(label, fn):
+        @functools.wraps(fn)   # HF reads the forward's signature
+        def run(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent.setdefault(label, []).append(time.perf_counter() - t)
+        return run
+
+    parts = {"prepare_inputs": (model, "prepare_inputs_for_generation"),
+             "update_kwargs": (model, "_update_model_kwargs_for_generation"), "forward": (model, "forward"),
+             "wait_step_before": (decode_loop.Late, "read")}
+    saved = {label: getattr(obj, name) for label, (obj, name) in parts.items()}
+    for label, (obj, name) in parts.items():
+        setattr(obj, name, timed(label, saved[label]))
+    try:
+        step = clocked_tpot(model, ids, new)
+    finally:
+        for label, (obj, name) in parts.items():
+            if obj is model:
+                delattr(model, name) if name != "forward" else setattr(model, name, saved[label])
+            else:
+                setattr(obj, name, saved[label])
+    # each part's mean per call, its first call left out (the prefill's forward and input preparation)
+    out = {label: round(sum(t[1:]) / max(len(t) - 1, 1) * 1e3, 3) for label, t in spent.items()}
+    out["step"] = round(step * 1e3, 3)
+    out["rest"] = round(out["step"] - sum(v for k, v in out.items() if k not in ("step", "wait_step_before")), 3)
+    return out
 
 
 def main() -> None:
@@ -52,7 +94,8 @@ def main() -> None:
         gen(model, ids, 4 * args.new)   # the cache for 4 * new tokens built before any timing
         queued, synced = bare_loops(model, ids)
         row = {"policy": policy, "generate_tpot_ms": round(clocked_tpot(model, ids, 4 * args.new) * 1e3, 3),
-               "queued_tpot_ms": round(queued * 1e3, 3), "synced_tpot_ms": round(synced * 1e3, 3)}
+               "queued_tpot_ms": round(queued * 1e3, 3), "synced_tpot_ms": round(synced * 1e3, 3),
+               "host_ms_per_step": sections(model, ids, 4 * args.new)}
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             gen(model, ids, args.new)
             torch.cuda.synchronize()
