@@ -86,3 +86,18 @@ def skip_uneven_layers_on_old_stacks(policy: str) -> None:
     if Version(tf.__version__) < Version("5.23") or Version(torch.__version__.split("+")[0]) < Version("2.13"):
         pytest.skip(f"transformers {tf.__version__} with torch {torch.__version__} sizes the decode mask by "
                     f"layer 0: {policy}'s uneven layers cannot be traced (README, 'Known limit of pyramidkv')")
+
+
+def symbolic_lengths(cache, mask=None) -> None:
+    """After a prefill, mark a DynamicCache's sequence lengths (and a growing 2-D mask) as dynamic where the
+    graph allows it, so a test's first decode step compiles the graph every later step runs. Left alone, Dynamo
+    compiles the first step for its length and the second again with the length symbolic: a third compile per
+    run (CI's time; the first-step graph stays covered by the tests that decode through ``generate``)."""
+    from transformers import DynamicCache
+
+    for layer in getattr(cache, "layers", ()) if isinstance(cache, DynamicCache) else ():
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        torch._dynamo.maybe_mark_dynamic(mask, 1)

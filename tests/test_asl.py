@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 import kvpass
 import kvpass.compiler.backend
-from families import FAMILIES, skip_uneven_layers_on_old_stacks
+from families import FAMILIES, skip_uneven_layers_on_old_stacks, symbolic_lengths
 from kvpass.errors import _WARNED, KVPassWarning
 from kvpass.policies import ConfigError, make_policy
 
@@ -59,6 +59,8 @@ def run(model, ids, be, steps: int = 3, dynamic=None):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         logits = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+        if dynamic is None:
+            symbolic_lengths(cache)
         for _ in range(steps):
             logits.append(fwd(input_ids=logits[-1].argmax(-1, keepdim=True), past_key_values=cache,
                               use_cache=True).logits[:, -1])

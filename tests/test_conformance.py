@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 import kvpass
 from conformance import CONFORMANCE, NEW, PROMPT, PUNCT
-from families import build, skip_uneven_layers_on_old_stacks
+from families import build, skip_uneven_layers_on_old_stacks, symbolic_lengths
 from kvpass.policies import POLICIES
 
 PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
@@ -51,6 +51,7 @@ def decode(model, be, ids, cache, tokens=None, mask=None):
     fed, logits = [], []
     with torch.no_grad():
         logits.append(fwd(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits[:, -1])
+        symbolic_lengths(cache, kw.get("attention_mask"))
         for step in range(NEW):
             nxt = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
             fed.append(nxt)

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import kvpass
-from families import build
+from families import build, symbolic_lengths
 from kvpass.policies.pages.kernels import page_scores as PS
 from kvpass.policies.pages.kernels import raas_stamp as RS
 from kvpass.policies import ConfigError, make_policy
@@ -46,6 +46,8 @@ def decode(policy: str, ids: torch.Tensor, steps: int, family: str = "llama", dy
     with torch.no_grad():
         lg = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
         logits.append(lg)
+        if dynamic is None:
+            symbolic_lengths(cache)
         for _ in range(steps):
             lg = fwd(input_ids=lg.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
             logits.append(lg)

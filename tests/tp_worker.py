@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conformance import CONFORMANCE, NEW, PROMPT, PUNCT  # noqa: E402
+from families import symbolic_lengths  # noqa: E402
 
 import kvpass  # noqa: E402
 
@@ -59,6 +60,7 @@ def generate(model, name: str, cache_kind: str) -> dict:
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        symbolic_lengths(cache)
         for _ in range(NEW):
             nxt = logits.argmax(-1, keepdim=True)
             tokens.append(int(nxt))
