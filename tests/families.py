@@ -92,7 +92,8 @@ def symbolic_lengths(cache, mask=None) -> None:
     """After a prefill, mark a DynamicCache's sequence lengths (and a growing 2-D mask) as dynamic where the
     graph allows it, so a test's first decode step compiles the graph every later step runs. Left alone, Dynamo
     compiles the first step for its length and the second again with the length symbolic: a third compile per
-    run (CI's time; the first-step graph stays covered by the tests that decode through ``generate``)."""
+    run (CI's time; the first-step graph stays covered by test_equivalence's decode scenario and the tests that
+    decode through ``generate``)."""
     from transformers import DynamicCache
 
     for layer in getattr(cache, "layers", ()) if isinstance(cache, DynamicCache) else ():

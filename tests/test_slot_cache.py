@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-from families import build, skip_uneven_layers_on_old_stacks
+from families import build, skip_uneven_layers_on_old_stacks, symbolic_lengths
 from kvpass.cache import runtime
 from kvpass.cache.slots import APPEND, RING, write_slots
 
@@ -52,6 +52,7 @@ def run(fwd, cache, ids, steps: int, tokens=None, explicit: bool = False, mask=N
         logits.append(fwd(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits[:, -1])
         if on_prefill is not None:
             on_prefill()
+        symbolic_lengths(cache, kw.get("attention_mask"))
         for step in range(steps):
             nxt = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
             fed.append(nxt)
