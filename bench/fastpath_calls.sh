@@ -121,5 +121,19 @@ M)   # session 49, GPU 1 beside L: host time per step by part of the decoding lo
   timeout 290 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies full,snapkv \
       --prefill-compiler eager --out "$OUT/l32_M_33k.json" > "$OUT/l32_M_33k.log" 2>&1
   ;;
+N)   # next session, GPU 0: the whole SlotCache GPU file after session 49's read and rewrite changes (J and L were cut
+     # by their timeouts), verbose so a cut run still lists what passed; then 32 layers at 128k, full and snapkv
+  timeout 330 python -m pytest -v -p no:cacheprovider --tb=short tests/gpu/test_gpu_slot_cache.py \
+      > "$OUT/gpu_tests_N.txt" 2>&1; grep -cE "PASSED" "$OUT/gpu_tests_N.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests_N.txt" | head
+  timeout 230 python bench/bench_fastpath.py --layers 32 --lengths 2000,130000 --policies full,snapkv \
+      --prefill-compiler eager --out "$OUT/l32_N_130k.json" > /dev/null 2>&1
+  ;;
+O)   # next session, GPU 1 beside N: the 32-layer compile, a first process and a second one on its caches
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-O
+  for p in 1 2; do
+    TORCH_LOGS=recompiles timeout 230 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies full \
+        --prefill-compiler eager --out "$OUT/l32_O_process$p.json" > "$OUT/l32_O_process$p.log" 2>&1
+  done
+  ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
