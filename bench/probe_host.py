@@ -56,16 +56,17 @@ def sections(model, ids, new: int) -> dict[str, float]:
              "update_kwargs": (model, "_update_model_kwargs_for_generation"), "forward": (model, "forward"),
              "wait_step_before": (decode_loop.Late, "read")}
     saved = {label: getattr(obj, name) for label, (obj, name) in parts.items()}
+    own = {label: name in vars(obj) for label, (obj, name) in parts.items()}   # else a class attribute shadowed
     for label, (obj, name) in parts.items():
         setattr(obj, name, timed(label, saved[label]))
     try:
         step = clocked_tpot(model, ids, new)
     finally:
         for label, (obj, name) in parts.items():
-            if obj is model:
-                delattr(model, name) if name != "forward" else setattr(model, name, saved[label])
-            else:
+            if own[label]:
                 setattr(obj, name, saved[label])
+            else:
+                delattr(obj, name)
     # each part's mean per call, its first call left out (the prefill's forward and input preparation)
     out = {label: round(sum(t[1:]) / max(len(t) - 1, 1) * 1e3, 3) for label, t in spent.items()}
     out["step"] = round(step * 1e3, 3)

@@ -96,8 +96,8 @@ def symbolic_lengths(cache, mask=None) -> None:
     decode through ``generate``)."""
     from transformers import DynamicCache
 
-    for layer in getattr(cache, "layers", ()) if isinstance(cache, DynamicCache) else ():
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+    for layer in cache.layers if isinstance(cache, DynamicCache) else ():
+        for t in (layer.keys, layer.values):
             if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] > 1:
                 torch._dynamo.maybe_mark_dynamic(t, 2)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
