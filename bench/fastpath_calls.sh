@@ -135,5 +135,22 @@ O)   # next session, GPU 1 beside N: the 32-layer compile, a first process and a
         --prefill-compiler eager --out "$OUT/l32_O_process$p.json" > "$OUT/l32_O_process$p.log" 2>&1
   done
   ;;
+P)   # session 50, GPU 0: the decoding loop's GPU test after its per-step device work was cut (one token buffer,
+     # the max-length rule on the host, two reused pinned flags), then compile-once (N's run was cut before both)
+  F=tests/gpu/test_gpu_slot_cache.py
+  timeout 540 python -m pytest -v -p no:cacheprovider --tb=short "$F::test_decode_loop_equals_hf_loop_under_cuda_graphs" \
+      "$F::test_compile_once_for_every_prompt_length" > "$OUT/gpu_tests_P.txt" 2>&1
+  grep -cE "PASSED" "$OUT/gpu_tests_P.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests_P.txt" | head
+  ;;
+Q)   # session 50, GPU 1 beside P: host time per step after the loop's cut, 8 layers at 33k (the short steps that missed
+     # 1.15x), then the replay tests N's run did not reach
+  timeout 230 python bench/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
+      --out "$OUT/host_Q_l8_33k.json" > "$OUT/host_Q_l8_33k.log" 2>&1; grep "^{" "$OUT/host_Q_l8_33k.log"
+  F=tests/gpu/test_gpu_slot_cache.py::test_cuda_graph_replay_equals_eager_kvpass
+  timeout 320 python -m pytest -v -p no:cacheprovider --tb=short "$F[snapkv+quest]" "$F[raas]" "$F[raas+art]" "$F[asl]" \
+      "$F[fastkv]" "$F[asl_2pass]" "$F[gemfilter]" "$F[h2o]" "$F[h2o+art]" \
+      tests/gpu/test_gpu_slot_cache.py::test_sliding_layers_cuda_graph_replay > "$OUT/gpu_tests_Q.txt" 2>&1
+  grep -cE "PASSED" "$OUT/gpu_tests_Q.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests_Q.txt" | head
+  ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -130,6 +132,48 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
     eos = [int(free[0, 23]), int(free[1, 26])]   # row 0 stops by its 4th new token, row 1 by its 7th
     ours, hf = ours_and_hf(eos_token_id=eos)
     assert ours.shape[1] <= 27 and torch.equal(ours, hf), (ours, hf)
+
+
+def test_decode_loop_device_work_per_step_is_small():
+    """kvpass's loop adds at most 9 device operations per step around HF's input preparation and the compiled
+    forward, end-of-sequence tokens checked (logits copy, argmax, padding, the token's column, the EOS check, the
+    finished flags and their copy to the host): no new sequence tensor, no max-length check on the device, no
+    pinned allocation per step. Each launch costs the host 10-40 us on a GPU, where a short step is host-bound."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    ids = ids_of(20)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=[1, 2])
+    model.generate(ids, max_new_tokens=4, **kw)
+    ops, inside = [], []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside and not func.is_view:
+                ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def hf_part(fn):   # HF's own per-step work and the forward are not the loop's
+        @functools.wraps(fn)   # HF reads the forward's signature
+        def run(*a, **k):
+            inside.append(1)
+            try:
+                return fn(*a, **k)
+            finally:
+                inside.pop()
+        return run
+
+    for name in ("forward", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation"):
+        setattr(model, name, hf_part(getattr(model, name)))
+    counts = []
+    for new in (8, 24):   # the difference is the steps' (generate's set-up costs the same in both)
+        ops.clear()
+        with Count():
+            out = model.generate(ids, max_new_tokens=new, **kw)
+        assert out.shape[1] == 20 + new   # no EOS drawn: every step ran
+        counts.append(len(ops))
+    assert (counts[1] - counts[0]) / 16 <= 9, (counts, sorted(set(ops)))
 
 
 def test_prefill_compiler_compiles_only_the_prefill():

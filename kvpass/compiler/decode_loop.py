@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 # GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24
 _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
@@ -32,15 +33,27 @@ _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_
 
 class Late:
     """A device tensor copied to pinned host memory without blocking, read (waiting for that copy) later:
-    ``read`` gives its values as Python numbers (a 0-d tensor: one number)."""
+    ``read`` gives its values as Python numbers (a 0-d tensor: one number). ``Late.ring(n, like)`` makes
+    ``n`` of them with their buffers and events allocated once; ``put`` refills one in place (a decoding
+    loop reuses two instead of allocating pinned memory and an event every step)."""
 
-    def __init__(self, t: torch.Tensor) -> None:
-        pinned = t.device.type == "cuda"
-        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
-        self.host.copy_(t, non_blocking=pinned)
+    def __init__(self, t: torch.Tensor | None = None, *, like: torch.Tensor | None = None) -> None:
+        src = t if t is not None else like
+        pinned = src.device.type == "cuda"
+        self.host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
         self.ready = torch.cuda.Event() if pinned else None
+        if t is not None:
+            self.put(t)
+
+    @classmethod
+    def ring(cls, n: int, like: torch.Tensor) -> list["Late"]:
+        return [cls(like=like) for _ in range(n)]
+
+    def put(self, t: torch.Tensor) -> "Late":
+        self.host.copy_(t, non_blocking=self.ready is not None)
         if self.ready is not None:   # on the tensor's device's stream, whichever device is current
             self.ready.record(torch.cuda.current_stream(t.device))
+        return self
 
     def read(self):
         if self.ready is not None:
@@ -66,7 +79,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     """``generate``'s decoding method for greedy search and sampling (passed as ``custom_generate``);
     the arguments are those ``generate`` gives ``GenerationMixin._sample``, less the streamer and
     ``synced_gpus`` (see ``usable``)."""
-    if generation_config.return_dict_in_generate:
+    # the maximum length is the host's rule (HF's MaxLengthCriteria answers every row alike from the length):
+    # it is checked on the host, the other criteria on the device
+    limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
+    on_device = [c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)]
+    if generation_config.return_dict_in_generate or not limits:
         return type(model)._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                    **model_kwargs)
     cfg = generation_config
@@ -74,11 +91,17 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if pad is not None:
         pad = pad.to(input_ids.device)
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    max_length = getattr(stopping_criteria, "max_length", None)
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    rows, length = input_ids.shape
+    max_length = min(limits)
+    # the sequence so far is a view of one buffer that each step writes a column of (HF's loop concatenates a
+    # new tensor every step)
+    ids = input_ids.new_empty(rows, max(max_length, length + 1))
+    ids[:, :length] = input_ids
+    finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+    flags = Late.ring(2, finished.all()) if on_device else None
+    previous = None   # the step before's "every row finished", read one step late
     optimize = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     outputs = model._prefill(input_ids, cfg, model_kwargs)
-    previous = None   # the step before's "every row finished", read one step late
     with optimize():
         while True:
             model_kwargs = model._update_model_kwargs_for_generation(
@@ -90,17 +113,21 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             else:
                 tokens = torch.argmax(scores, dim=-1)
-            if has_eos:
-                tokens = tokens * unfinished + pad * (1 - unfinished)
-            input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
-            unfinished = unfinished & ~stopping_criteria(input_ids, None)
-            if max_length is not None and input_ids.shape[1] >= max_length:
+            if has_eos:   # a row that finished before this step gets padding (HF's rule)
+                tokens = torch.where(finished, pad, tokens)
+            ids[:, length] = tokens
+            length += 1
+            input_ids = ids[:, :length]
+            for criterion in on_device:
+                torch.logical_or(finished, criterion(input_ids, None), out=finished)
+            if length >= max_length:
                 break
             if previous is not None and previous.read():
-                input_ids = input_ids[:, :-1]   # HF's loop stopped before this step
+                length -= 1   # HF's loop stopped before this step
                 break
-            previous = Late(unfinished.max() == 0)
+            if flags is not None:
+                previous = flags[length % 2].put(finished.all())
             inputs = model.prepare_inputs_for_generation(
                 input_ids, next_sequence_length=1 if model_kwargs.get("use_cache") else None, **model_kwargs)
             outputs = model(**inputs, return_dict=True)
-    return input_ids
+    return ids[:, :length].contiguous()
