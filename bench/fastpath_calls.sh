@@ -142,15 +142,19 @@ P)   # session 50, GPU 0: the decoding loop's GPU test after its per-step device
       "$F::test_compile_once_for_every_prompt_length" > "$OUT/gpu_tests_P.txt" 2>&1
   grep -cE "PASSED" "$OUT/gpu_tests_P.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests_P.txt" | head
   ;;
-Q)   # session 50, GPU 1 beside P: host time per step after the loop's cut, 8 layers at 33k (the short steps that missed
-     # 1.15x), then the replay tests N's run did not reach
-  timeout 230 python bench/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
-      --out "$OUT/host_Q_l8_33k.json" > "$OUT/host_Q_l8_33k.log" 2>&1; grep "^{" "$OUT/host_Q_l8_33k.log"
+R)   # session 50, GPU 0: the replay tests N's run did not reach (Q's first form never ran: a second "Q)" case)
   F=tests/gpu/test_gpu_slot_cache.py::test_cuda_graph_replay_equals_eager_kvpass
-  timeout 320 python -m pytest -v -p no:cacheprovider --tb=short "$F[snapkv+quest]" "$F[raas]" "$F[raas+art]" "$F[asl]" \
+  timeout 390 python -m pytest -v -p no:cacheprovider --tb=short "$F[snapkv+quest]" "$F[raas]" "$F[raas+art]" "$F[asl]" \
       "$F[fastkv]" "$F[asl_2pass]" "$F[gemfilter]" "$F[h2o]" "$F[h2o+art]" \
-      tests/gpu/test_gpu_slot_cache.py::test_sliding_layers_cuda_graph_replay > "$OUT/gpu_tests_Q.txt" 2>&1
-  grep -cE "PASSED" "$OUT/gpu_tests_Q.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests_Q.txt" | head
+      tests/gpu/test_gpu_slot_cache.py::test_sliding_layers_cuda_graph_replay > "$OUT/gpu_tests_R.txt" 2>&1
+  grep -cE "PASSED" "$OUT/gpu_tests_R.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests_R.txt" | head
+  ;;
+S)   # session 50, GPU 1 beside R: host time per step after the loop's cut, 8 layers at 33k (the short steps that missed
+     # 1.15x); what Dynamo's guards cost a step at 2k (probe_guards.py)
+  timeout 220 python bench/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
+      --out "$OUT/host_S_l8_33k.json" > "$OUT/host_S_l8_33k.log" 2>&1; grep "^{" "$OUT/host_S_l8_33k.log"
+  timeout 160 python bench/probe_guards.py --layers 8 --length 2000 --policies full,streamingllm \
+      --out "$OUT/guards_S_l8_2k.json" > "$OUT/guards_S.log" 2>&1; grep "^{" "$OUT/guards_S.log"
   ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
