@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -135,45 +136,108 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
 
 
 def test_decode_loop_device_work_per_step_is_small():
-    """kvpass's loop adds at most 9 device operations per step around HF's input preparation and the compiled
-    forward, end-of-sequence tokens checked (logits copy, argmax, padding, the token's column, the EOS check, the
-    finished flags and their copy to the host): no new sequence tensor, no max-length check on the device, no
-    pinned allocation per step. Each launch costs the host 10-40 us on a GPU, where a short step is host-bound."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """kvpass's loop adds at most 9 device operations per step around the compiled forward, end-of-sequence
+    tokens checked (logits copy, argmax, padding, the token's column, the EOS check, the finished flags and
+    their copy to the host): no new sequence tensor, no max-length check on the device, no pinned allocation
+    per step. HF's input preparation runs at most 4 (a SlotCache decode graph reads no attention mask, so the
+    first step's 4-D mask is passed again instead of built: about 20 operations). Each launch costs the host
+    10-40 us on a GPU, where a short step is host-bound."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     torch._dynamo.reset()
     model = build("llama")
-    kvpass.compile(model, "full", compiler="eager")
+    be = kvpass.compile(model, "full", compiler="eager")
     ids = ids_of(20)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=[1, 2])
-    model.generate(ids, max_new_tokens=4, **kw)
-    ops, inside = [], []
+    want = model.generate(ids, max_new_tokens=24, **kw, return_dict_in_generate=True).sequences   # HF's loop
+    assert be.decode_ignores_mask(2)
+    ops, where = [], ["loop"]
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside and not func.is_view:
-                ops.append(str(func))
+            if where[-1] != "hf" and not func.is_view:
+                ops.append(where[-1])
             return func(*args, **(kwargs or {}))
 
-    def hf_part(fn):   # HF's own per-step work and the forward are not the loop's
+    def part(fn, label):
         @functools.wraps(fn)   # HF reads the forward's signature
         def run(*a, **k):
-            inside.append(1)
-            try:
-                return fn(*a, **k)
+            where.append(label)
+            try:   # HF's own parts and the forward run outside the mode (under it, Dynamo runs the forward eagerly)
+                with _disable_current_modes() if label == "hf" else contextlib.nullcontext():
+                    return fn(*a, **k)
             finally:
-                inside.pop()
+                where.pop()
         return run
 
-    for name in ("forward", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation"):
-        setattr(model, name, hf_part(getattr(model, name)))
+    for name, label in (("forward", "hf"), ("_update_model_kwargs_for_generation", "hf"),
+                        ("prepare_inputs_for_generation", "prepare")):
+        setattr(model, name, part(getattr(model, name), label))
     counts = []
     for new in (8, 24):   # the difference is the steps' (generate's set-up costs the same in both)
         ops.clear()
         with Count():
             out = model.generate(ids, max_new_tokens=new, **kw)
         assert out.shape[1] == 20 + new   # no EOS drawn: every step ran
-        counts.append(len(ops))
-    assert (counts[1] - counts[0]) / 16 <= 9, (counts, sorted(set(ops)))
+        counts.append({label: ops.count(label) for label in ("loop", "prepare")})
+    assert torch.equal(out, want)
+    per_step = {label: (counts[1][label] - counts[0][label]) / 16 for label in counts[0]}
+    assert per_step["loop"] <= 9 and per_step["prepare"] <= 4, per_step
+
+
+def test_decode_loop_rebuilds_the_mask_when_a_step_would_compile(monkeypatch):
+    """A step that passes the first step's attention mask again runs under ``fail_on_recompile``: when it would
+    compile a graph (here Dynamo's caches are emptied mid-call), it is refused before it runs and rerun with the
+    mask transformers builds (one mask more than a call without the interruption builds: the prefill's and the
+    first decode step's); the tokens are those of a call without it."""
+    import transformers.generation.utils as hf_generation
+    from transformers import LogitsProcessor, LogitsProcessorList
+    builds = []
+    real = hf_generation.create_masks_for_generate
+    monkeypatch.setattr(hf_generation, "create_masks_for_generate", lambda *a, **k: builds.append(1) or real(*a, **k))
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
+    ids, kw = ids_of(25), dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    model.generate(ids, **kw)
+    builds.clear()
+    want = model.generate(ids, **kw)
+    assert len(builds) == 2   # the prefill's and the first decode step's: the later steps reuse the latter
+    compiled = len(be.reports)
+
+    class ResetAt(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 5:
+                torch._dynamo.reset()
+            return scores
+
+    builds.clear()
+    got = model.generate(ids, **kw, logits_processor=LogitsProcessorList([ResetAt()]))
+    assert torch.equal(got, want) and len(builds) == 3
+    assert [r.phase for r in be.reports[compiled:]] == ["decode"]   # the decode graph compiled again, once
+
+
+def test_decode_loop_never_hands_a_reused_mask_to_uncompiled_attention():
+    """Under a torch dispatch mode Dynamo runs the forward eagerly: the model's own attention then reads the
+    mask, so a step given the first step's mask again is refused by the SlotCache before it writes (``MaskReused``)
+    and rerun with the mask built anew: the tokens are HF's loop's (they diverged after 10 steps without it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    ids, kw = ids_of(20), dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    want = model.generate(ids, **kw, return_dict_in_generate=True).sequences   # HF's loop, masks built
+    with Passthrough():
+        got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
 
 
 def test_prefill_compiler_compiles_only_the_prefill():

@@ -45,6 +45,9 @@ A cache a policy has compressed no longer has the append layout: ``slot_append``
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from torch import Tensor
 
@@ -58,6 +61,26 @@ except ImportError:  # pragma: no cover
     Cache = CacheLayerMixin = object
 
 APPEND, RING, PLACED = 0, 1, 2
+_reuse = threading.local()
+
+
+class MaskReused(RuntimeError):
+    """A SlotCache layer was updated outside a compiled graph while the decoding loop passed an earlier step's
+    attention mask (``reused_mask``): the model's own attention would read it. Raised before anything is
+    written; the loop reruns the step with the mask built anew."""
+
+
+@contextlib.contextmanager
+def reused_mask():
+    """While open (in this thread), a SlotCache layer refuses an update made outside a compiled graph
+    (``MaskReused``): kvpass's decoding loop passes a compiled decode graph, which reads the slots by position,
+    an earlier step's attention mask, which uncompiled code (a frame Dynamo skips, a graph break) would read."""
+    before = getattr(_reuse, "on", False)
+    _reuse.on = True
+    try:
+        yield
+    finally:
+        _reuse.on = before
 LIMIT = ("kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
          "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call)")
 RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
@@ -370,6 +393,9 @@ class SlotLayer(CacheLayerMixin):
         pass  # allocated at construction
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not torch.compiler.is_compiling() and getattr(_reuse, "on", False):   # folded away in a traced graph
+            raise MaskReused("kvpass SlotCache: updated outside a compiled graph while the attention mask was an "
+                             "earlier step's")
         if key_states.dtype != self.keys.dtype or key_states.device != self.keys.device:
             raise ConfigError(f"kvpass SlotCache: the model computes {key_states.dtype} keys on "
                               f"{key_states.device}, the cache holds {self.keys.dtype} on {self.keys.device}; "

@@ -18,6 +18,7 @@ from torch import fx
 from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
+from kvpass.compiler.maskcheck import mask_is_read
 from kvpass.compiler import plan as _plan
 from kvpass.compiler import positions as _positions
 from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
@@ -53,6 +54,7 @@ class GraphReport:
     cudagraphs: bool = False  # compiled with Inductor's CUDA graphs (mode="reduce-overhead")
     tp: str = ""              # tensor parallel: this rank's share of the heads (kvpass.compiler.tp)
     reductions: list[str] = field(default_factory=list)  # collectives the pass inserted (decisions across heads)
+    reads_mask: bool = True   # the graph reads the model's attention mask (maskcheck.mask_is_read)
 
 
 def _runtime_op(node: fx.Node) -> bool:
@@ -294,6 +296,14 @@ class Backend:
             counts[r.phase] = counts.get(r.phase, 0) + 1
         return counts
 
+    def decode_ignores_mask(self, layers: int) -> bool:
+        """Whether every graph compiled so far other than a prefill is a whole decode step over ``layers``
+        SlotCache layers (no graph break between them, where eager code would run) that reads no attention
+        mask (it reads the slots by position): kvpass's decoding loop then passes each decode step the mask
+        transformers built for the first."""
+        steps = [r for r in self.reports if r.phase != "prefill"]
+        return bool(steps) and all(not r.reads_mask and len(r.slots) == layers for r in steps)
+
     def recompile_advice(self) -> str:
         """What to tell a user whose forward reaches Dynamo's recompile limit under this backend."""
         return (f"kvpass: the model's forward reached Dynamo's recompile_limit ({torch._dynamo.config.recompile_limit}; "
@@ -311,6 +321,7 @@ class Backend:
             warn_once(self.recompile_advice() + " The next recompile of this forward fails with Dynamo's "
                       "FailOnRecompileLimitHit.", self)
         report = self.kvpass(gm.graph)
+        report.reads_mask = report.phase == "prefill" or mask_is_read(gm)
         self.reports.append(report)
         if report.gate is not None:
             report.gate.precompile(example_inputs)  # each segment with the inner compiler (short static versions: on first use)

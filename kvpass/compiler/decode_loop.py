@@ -27,6 +27,8 @@ import contextlib
 import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
+from kvpass.cache.slots import MaskReused, reused_mask
+
 # GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24
 _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
 
@@ -100,6 +102,10 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
     flags = Late.ring(2, finished.all()) if on_device else None
     previous = None   # the step before's "every row finished", read one step late
+    be = getattr(model.generate, "backend", None)   # kvpass.compile's FastGenerate
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    layers = len(getattr(cache, "layers", ()))
+    mask = None   # the attention mask of the step before, passed again while no decode graph reads it
     optimize = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     outputs = model._prefill(input_ids, cfg, model_kwargs)
     with optimize():
@@ -127,7 +133,42 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 break
             if flags is not None:
                 previous = flags[length % 2].put(finished.all())
-            inputs = model.prepare_inputs_for_generation(
-                input_ids, next_sequence_length=1 if model_kwargs.get("use_cache") else None, **model_kwargs)
-            outputs = model(**inputs, return_dict=True)
+            outputs, mask = forward(model, input_ids, model_kwargs, mask)
+            if be is None or not be.decode_ignores_mask(layers):
+                mask = None
     return ids[:, :length].contiguous()
+
+
+_RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+def forward(model, input_ids, model_kwargs: dict, mask=None):
+    """One decode step: HF's input preparation, then the compiled forward; returns the outputs and the
+    attention mask passed. With ``mask`` (the one transformers built for an earlier step, passed while no graph
+    the backend compiled other than a prefill reads it: a SlotCache decode reads the slots by position),
+    transformers does not build its 4-D mask again (the model's ``create_masks_for_generate`` hands it back,
+    for this call only), and the step runs under ``set_stance("fail_on_recompile")`` and ``reused_mask``: a step
+    that would compile a graph (which might read the mask) or run a SlotCache update outside a compiled graph (the
+    model's own attention reads the mask) is refused before it writes anything and rerun with the mask built
+    anew."""
+    step = 1 if model_kwargs.get("use_cache") else None
+    if mask is not None:
+        own = model.__dict__.get("create_masks_for_generate")
+        model.create_masks_for_generate = lambda *args, **kwargs: mask
+        try:
+            inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=step, **model_kwargs)
+        finally:
+            if own is None:
+                del model.create_masks_for_generate
+            else:
+                model.create_masks_for_generate = own
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"), reused_mask():
+                return model(**inputs, return_dict=True), mask
+        except MaskReused:
+            pass
+        except RuntimeError as e:
+            if _RECOMPILE not in str(e):
+                raise
+    inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=step, **model_kwargs)
+    return model(**inputs, return_dict=True), inputs.get("attention_mask")

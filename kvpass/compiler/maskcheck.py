@@ -177,3 +177,36 @@ def site_mask(site) -> tuple:
     if site.mask is not None and is_causal_mask(site.mask):
         return None, CAUSAL_BOTTOM_RIGHT
     return site.mask, site.causal
+
+
+def _has_effect(n: fx.Node) -> bool:
+    """Whether a node does something beyond computing its value: the output, an in-place method, a module
+    call, a mutating or non-aten operator (kvpass's own, whose Python side a graph may call), a Python
+    function of its own (``write_slots``). Only torch's and ``operator``'s pure functions are not."""
+    if n.op in ("output", "call_module"):
+        return True
+    if n.op == "call_method":
+        return n.target.endswith("_")
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return t.namespace != "aten" or n.is_impure()
+    module = getattr(t, "__module__", None) or ""
+    if module in ("_operator", "operator") or module.startswith("torch") and not module.startswith("torch._ops"):
+        return n.is_impure() or getattr(t, "__name__", "").endswith("_")
+    return True
+
+
+def mask_is_read(gm: fx.GraphModule) -> bool:
+    """Whether the model's attention mask reaches anything the graph does: True unless the graph has the
+    mask among its inputs (a placeholder named for ``attention_mask``, one per key of a dict of masks) and
+    every use left of it is dead (after kvpass's slot rewrite, a decode step reads the slots by position)."""
+    masks = [n for n in gm.graph.nodes if n.op == "placeholder" and "attention_mask" in n.name.lower()]
+    if not masks:
+        return True   # the mask is not where this check can see it: assume it is read
+    live: set[fx.Node] = set()
+    for n in reversed(gm.graph.nodes):
+        if _has_effect(n) or any(u in live for u in n.users):
+            live.add(n)
+    return any(m in live for m in masks)
