@@ -13,6 +13,13 @@ that reaches ``max_length`` is known on the host and stops at once. The tokens a
 logits processors and stopping criteria, the same pad rule for finished rows, and the same random draws
 in the same order (the undone step draws after every kept one).
 
+The loop's own device work is 9 operations a step: the tokens go into one buffer (HF's loop concatenates a
+new sequence tensor each step), the max-length rule is the host's, the finished flags reuse two pinned
+buffers. transformers builds a 4-D attention mask for every step of a compileable cache (about 20 operations);
+a SlotCache decode graph reads the slots by position and never reads it, so while every graph the backend
+compiled other than a prefill is such a whole decode step (``Backend.decode_ignores_mask``), each step is
+given the mask built for the first one (``forward``), guarded so that it never reaches code that reads it.
+
 It returns token ids. A call that wants more (``return_dict_in_generate``) runs HF's own loop. ``generate``
 hands a ``custom_generate`` callable no streamer and no ``synced_gpus`` (transformers 5.14 .. 5.24), so
 ``FastGenerate`` does not pass this loop to a call that has them (``usable``). One difference a user can see:
