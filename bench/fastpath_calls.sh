@@ -156,5 +156,21 @@ S)   # session 50, GPU 1 beside R: host time per step after the loop's cut, 8 la
   timeout 160 python bench/probe_guards.py --layers 8 --length 2000 --policies full,streamingllm \
       --out "$OUT/guards_S_l8_2k.json" > "$OUT/guards_S.log" 2>&1; grep "^{" "$OUT/guards_S.log"
   ;;
+U)   # next session, GPU 0: the decoding loop's GPU tests after session 50's mask reuse (P ran before it), then
+     # 8 layers at 130k, the policies whose short steps missed 1.15x (TPOT off the step clock, beside full)
+  F=tests/gpu/test_gpu_slot_cache.py
+  timeout 360 python -m pytest -v -p no:cacheprovider --tb=short "$F::test_decode_loop_equals_hf_loop_under_cuda_graphs" \
+      "$F::test_compile_once_for_every_prompt_length" > "$OUT/gpu_tests_U.txt" 2>&1
+  grep -cE "PASSED" "$OUT/gpu_tests_U.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests_U.txt" | head
+  timeout 220 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full,streamingllm,h2o,pyramidkv \
+      --prefill-compiler eager --out "$OUT/l8_U_130k.json" > "$OUT/l8_U_130k.log" 2>&1
+  ;;
+V)   # next session, GPU 1 beside U: host time per step with the mask reused (prepare_inputs was 0.52-0.58 ms in S),
+     # 8 layers at 33k; then the other policies at 130k
+  timeout 220 python bench/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
+      --out "$OUT/host_V_l8_33k.json" > "$OUT/host_V_l8_33k.log" 2>&1; grep "^{" "$OUT/host_V_l8_33k.log"
+  timeout 360 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full,snapkv,raas,quest,asl,art \
+      --prefill-compiler eager --out "$OUT/l8_V_130k.json" > "$OUT/l8_V_130k.log" 2>&1
+  ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
