@@ -15,19 +15,15 @@ On a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) compiled by 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch._dynamo.guards as dynamo_guards
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kvpass  # noqa: E402
-from bench_fastpath import clocked_tpot, gen, prompt  # noqa: E402
-from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
+from bench_fastpath import clocked_tpot, gen  # noqa: E402
+from probe_host import each_policy, probe_args, save  # noqa: E402
 
 _built: list = []   # (CheckFunctionManager, the frame's locals) of every entry compiled since the last clear
 
@@ -56,26 +52,13 @@ def guard_costs(iters: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--length", type=int, default=2000)
-    ap.add_argument("--new", type=int, default=128)
+    ap = probe_args(128, "full,streamingllm", "guards.json")
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--policies", default="full,streamingllm")
-    ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--out", default="guards.json")
     args = ap.parse_args()
-    torch.backends.cuda.enable_cudnn_sdp(False)
     _record_guards()
-    model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
-    model.generation_config.pad_token_id = 0
     rows = []
-    for policy in args.policies.split(","):
-        uncompiled(model)
-        _built.clear()
-        params = {} if policy in ("full", "art") else {"budget": args.budget}
-        kvpass.compile(model, policy, prefill_compiler="eager", **params)
-        ids = prompt(args.length)
+    for model, policy, ids in each_policy(args):
+        _built.clear()   # the entries compiled for this policy only (each_policy reset Dynamo)
         gen(model, ids, 2 * args.new)   # compiles, builds the cache, records the CUDA graphs
         row = {"policy": policy, "entries": guard_costs(args.iters)}
         tpot, skip = [], []
@@ -90,10 +73,7 @@ def main() -> None:
                    same_tokens=bool(torch.equal(want, got)))
         rows.append(row)
         print(row, flush=True)
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-                "length": args.length, "new": args.new, "budget": args.budget,
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        save(args, rows)
 
 
 if __name__ == "__main__":

@@ -74,24 +74,44 @@ def sections(model, ids, new: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def probe_args(new: int, policies: str, out: str) -> argparse.ArgumentParser:
+    """The options the probes share (``--layers``, ``--length``, ``--new``, ``--policies``, ``--budget``,
+    ``--out``), with these defaults."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--length", type=int, default=2000)
-    ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--policies", default="full,snapkv,art")
+    ap.add_argument("--new", type=int, default=new)
+    ap.add_argument("--policies", default=policies)
     ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--out", default="host.json")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def each_policy(args):
+    """Yields (model, policy, prompt) per policy of ``args.policies``: the random-weight model of ``args.layers``
+    compiled by ``kvpass.compile`` (reduce-overhead, prefill without Inductor) with that policy, the one before
+    undone."""
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
     model.generation_config.pad_token_id = 0
-    rows = []
     for policy in args.policies.split(","):
         uncompiled(model)
         params = {} if policy in ("full", "art") else {"budget": args.budget}
         kvpass.compile(model, policy, prefill_compiler="eager", **params)
-        ids = prompt(args.length)
+        yield model, policy, prompt(args.length)
+
+
+def save(args, rows: list[dict]) -> None:
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+            "length": args.length, "new": args.new, "budget": args.budget,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def main() -> None:
+    args = probe_args(32, "full,snapkv,art", "host.json").parse_args()
+    rows = []
+    for model, policy, ids in each_policy(args):
         gen(model, ids, 4 * args.new)   # the cache for 4 * new tokens built before any timing
         queued, synced = bare_loops(model, ids)
         row = {"policy": policy, "generate_tpot_ms": round(clocked_tpot(model, ids, 4 * args.new) * 1e3, 3),
@@ -113,10 +133,7 @@ def main() -> None:
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("torch_profile", "cprofile")}, flush=True)
         print(row["torch_profile"], row["cprofile"], sep="\n", flush=True)
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-                "length": args.length, "new": args.new, "budget": args.budget,
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        save(args, rows)
 
 
 if __name__ == "__main__":
