@@ -359,3 +359,41 @@ def test_chunked_attention_config_is_refused():
     model.config.attention_chunk_size = 8
     with pytest.raises(kvpass.ConfigError, match="layer 0 of this model has 'chunked_attention' attention"):
         kvpass.SlotCache(model, kvpass.backend("full", compiler="eager"), max_length=40)
+
+
+def test_mask_is_read_follows_the_mask_to_what_the_graph_does():
+    """``maskcheck.mask_is_read``: a mask whose only uses are dead is not read; one that reaches the output, an
+    in-place method, a non-aten operator (packet or overload) or a Python function of its own is; a graph without
+    a mask input is assumed to read one."""
+    from torch import fx
+    from kvpass.compiler.maskcheck import mask_is_read
+
+    def own(x, m):   # a Python function the check cannot see into
+        return x
+
+    def dead(x, attention_mask):
+        attention_mask[:, 0] + 1
+        return x * 2
+
+    def read(x, attention_mask):
+        return x + attention_mask[:, :1]
+
+    def in_place(x, attention_mask):
+        x.add_(attention_mask.sum())
+        return x * 2
+
+    def kvpass_op(x, attention_mask):
+        torch.ops.kvpass.slot_append(x, x, attention_mask, attention_mask, x, x, [], 0, "", "")
+        return x * 2
+
+    def no_mask(x, y):
+        return x + y
+
+    got = {f.__name__: mask_is_read(fx.symbolic_trace(f)) for f in (dead, read, in_place, kvpass_op, no_mask)}
+    g = fx.Graph()   # a call of a Python function of its own (kvpass's write_slots is one), as Dynamo records it
+    x, m = g.placeholder("x"), g.placeholder("l_attention_mask_")
+    g.call_function(own, (x, g.call_method("float", (m,))))
+    g.output(g.call_function(torch.mul, (x, 2)))
+    got["python_fn"] = mask_is_read(fx.GraphModule(torch.nn.Module(), g))
+    assert got == {"dead": False, "read": True, "in_place": True, "kvpass_op": True, "python_fn": True,
+                   "no_mask": True}

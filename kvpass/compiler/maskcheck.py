@@ -190,7 +190,9 @@ def _has_effect(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
     t = n.target
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(t, torch._ops.OpOverloadPacket):   # torch.ops.ns.op as Dynamo records a direct call
+        return t._qualified_op_name.split("::")[0] != "aten" or n.is_impure()
+    if isinstance(t, torch._ops.OpOverload):
         return t.namespace != "aten" or n.is_impure()
     module = getattr(t, "__module__", None) or ""
     if module in ("_operator", "operator") or module.startswith("torch") and not module.startswith("torch._ops"):

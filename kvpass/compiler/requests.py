@@ -168,6 +168,7 @@ class RequestQueue:
         sample = _Sampler(self.config)
         eos = set(self.config.eos_token_id or ())
         pending: Late | None = None
+        ring = Late.ring(2, tokens)   # the step's tokens on their way to the host: two buffers, allocated once
         while True:
             for row in range(self.max_batch):   # free rows take the next requests, each prefilled alone
                 while rows[row] is None and waiting:
@@ -195,7 +196,7 @@ class RequestQueue:
             torch.compiler.cudagraph_mark_step_begin()
             tokens = sample(self._forward(tokens[:, None], batch, batch.row_positions()).logits[:, -1])
             steps += 1
-            late, pending = pending, Late(tokens)
+            late, pending = pending, ring[steps % 2].put(tokens)   # the step before's buffer is read below
             if late is None:
                 continue
             made += self._collect(late.read(), steps - 1, rows, since, eos, bar)
