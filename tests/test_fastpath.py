@@ -363,8 +363,8 @@ def test_chunked_attention_config_is_refused():
 
 def test_mask_is_read_follows_the_mask_to_what_the_graph_does():
     """``maskcheck.mask_is_read``: a mask whose only uses are dead is not read; one that reaches the output, an
-    in-place method, a non-aten operator (packet or overload) or a Python function of its own is; a graph without
-    a mask input is assumed to read one."""
+    in-place method, an item assignment, a non-aten operator (packet or overload) or a Python function of its own
+    is; a graph without a mask input is assumed to read one."""
     from torch import fx
     from kvpass.compiler.maskcheck import mask_is_read
 
@@ -386,14 +386,20 @@ def test_mask_is_read_follows_the_mask_to_what_the_graph_does():
         torch.ops.kvpass.slot_append(x, x, attention_mask, attention_mask, x, x, [], 0, "", "")
         return x * 2
 
+    def set_item(x, attention_mask):
+        y = x * 2
+        y[:, :1] = attention_mask[:, :1]
+        return y
+
     def no_mask(x, y):
         return x + y
 
-    got = {f.__name__: mask_is_read(fx.symbolic_trace(f)) for f in (dead, read, in_place, kvpass_op, no_mask)}
+    got = {f.__name__: mask_is_read(fx.symbolic_trace(f))
+           for f in (dead, read, in_place, kvpass_op, set_item, no_mask)}
     g = fx.Graph()   # a call of a Python function of its own (kvpass's write_slots is one), as Dynamo records it
     x, m = g.placeholder("x"), g.placeholder("l_attention_mask_")
     g.call_function(own, (x, g.call_method("float", (m,))))
     g.output(g.call_function(torch.mul, (x, 2)))
     got["python_fn"] = mask_is_read(fx.GraphModule(torch.nn.Module(), g))
-    assert got == {"dead": False, "read": True, "in_place": True, "kvpass_op": True, "python_fn": True,
-                   "no_mask": True}
+    assert got == {"dead": False, "read": True, "in_place": True, "kvpass_op": True, "set_item": True,
+                   "python_fn": True, "no_mask": True}

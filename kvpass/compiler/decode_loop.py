@@ -113,6 +113,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     layers = len(getattr(cache, "layers", ()))
     mask = None   # the attention mask of the step before, passed again while no decode graph reads it
+    reuse = be is not None
     optimize = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     outputs = model._prefill(input_ids, cfg, model_kwargs)
     with optimize():
@@ -140,8 +141,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 break
             if flags is not None:
                 previous = flags[length % 2].put(finished.all())
-            outputs, mask = forward(model, input_ids, model_kwargs, mask)
-            if be is None or not be.decode_ignores_mask(layers):
+            outputs, mask, eager = forward(model, input_ids, model_kwargs, mask)
+            reuse = reuse and not eager   # a forward run outside the compiled graph: not for this call again
+            if not reuse or not be.decode_ignores_mask(layers):
                 mask = None
     return ids[:, :length].contiguous()
 
@@ -150,15 +152,17 @@ _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile
 
 
 def forward(model, input_ids, model_kwargs: dict, mask=None):
-    """One decode step: HF's input preparation, then the compiled forward; returns the outputs and the
-    attention mask passed. With ``mask`` (the one transformers built for an earlier step, passed while no graph
-    the backend compiled other than a prefill reads it: a SlotCache decode reads the slots by position),
+    """One decode step: HF's input preparation, then the compiled forward; returns the outputs, the attention
+    mask passed and whether a reused mask was refused because the forward ran outside a compiled graph.
+
+    With ``mask`` (the one transformers built for an earlier step, passed while no graph the backend compiled
+    other than a prefill reads it: a SlotCache decode reads the slots by position),
     transformers does not build its 4-D mask again (the model's ``create_masks_for_generate`` hands it back,
     for this call only), and the step runs under ``set_stance("fail_on_recompile")`` and ``reused_mask``: a step
     that would compile a graph (which might read the mask) or run a SlotCache update outside a compiled graph (the
     model's own attention reads the mask) is refused before it writes anything and rerun with the mask built
     anew."""
-    step = 1 if model_kwargs.get("use_cache") else None
+    step, eager = (1 if model_kwargs.get("use_cache") else None), False
     if mask is not None:
         own = model.__dict__.get("create_masks_for_generate")
         model.create_masks_for_generate = lambda *args, **kwargs: mask
@@ -171,11 +175,11 @@ def forward(model, input_ids, model_kwargs: dict, mask=None):
                 model.create_masks_for_generate = own
         try:
             with torch.compiler.set_stance("fail_on_recompile"), reused_mask():
-                return model(**inputs, return_dict=True), mask
+                return model(**inputs, return_dict=True), mask, False
         except MaskReused:
-            pass
+            eager = True
         except RuntimeError as e:
             if _RECOMPILE not in str(e):
                 raise
     inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=step, **model_kwargs)
-    return model(**inputs, return_dict=True), inputs.get("attention_mask")
+    return model(**inputs, return_dict=True), inputs.get("attention_mask"), eager

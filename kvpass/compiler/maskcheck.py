@@ -179,10 +179,15 @@ def site_mask(site) -> tuple:
     return site.mask, site.causal
 
 
+_OPERATOR_IN_PLACE = {"setitem", "delitem", "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imod", "imul",
+                      "imatmul", "ior", "ipow", "irshift", "isub", "itruediv", "ixor"}
+
+
 def _has_effect(n: fx.Node) -> bool:
-    """Whether a node does something beyond computing its value: the output, an in-place method, a module
-    call, a mutating or non-aten operator (kvpass's own, whose Python side a graph may call), a Python
-    function of its own (``write_slots``). Only torch's and ``operator``'s pure functions are not."""
+    """Whether a node does something beyond computing its value: the output, an in-place method or function
+    (``x[i] = v``, ``out=``), a module call, a mutating or non-aten operator (kvpass's own, whose Python side a
+    graph may call), a Python function of its own (``write_slots``). Only torch's and ``operator``'s pure
+    functions are not."""
     if n.op in ("output", "call_module"):
         return True
     if n.op == "call_method":
@@ -194,9 +199,11 @@ def _has_effect(n: fx.Node) -> bool:
         return t._qualified_op_name.split("::")[0] != "aten" or n.is_impure()
     if isinstance(t, torch._ops.OpOverload):
         return t.namespace != "aten" or n.is_impure()
-    module = getattr(t, "__module__", None) or ""
-    if module in ("_operator", "operator") or module.startswith("torch") and not module.startswith("torch._ops"):
-        return n.is_impure() or getattr(t, "__name__", "").endswith("_")
+    module, name = getattr(t, "__module__", None) or "", getattr(t, "__name__", "")
+    if module in ("_operator", "operator"):
+        return name in _OPERATOR_IN_PLACE
+    if module.startswith("torch") and not module.startswith("torch._ops"):
+        return n.is_impure() or name.endswith("_") or "out" in n.kwargs
     return True
 
 
