@@ -5,7 +5,10 @@
 * the cache is kept and reused while it fits, a bucket of a quarter octave;
 * a SlotCache built for another policy configuration, a sequence past ``max_length`` (a ring too), a cache of
   another dtype, bad constructor arguments, a model compiled twice: refused, naming kvpass and the fix;
-* Dynamo's recompile limit under ``kvpass.compile`` becomes a ConfigError that says what to do.
+* Dynamo's recompile limit under ``kvpass.compile`` becomes a ConfigError that says what to do;
+* the decoding loop: HF's tokens when rows stop early, its device work per step counted, the attention mask
+  transformers built for the first decode step passed again only where no code reads it (``mask_is_read``, a
+  step that would compile, a forward run outside the compiled graph).
 """
 
 from __future__ import annotations
