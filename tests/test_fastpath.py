@@ -407,3 +407,18 @@ def test_mask_is_read_follows_the_mask_to_what_the_graph_does():
     got["set_item"] = mask_is_read(fx.GraphModule(torch.nn.Module(), g))
     assert got == {"dead": False, "read": True, "in_place": True, "kvpass_op": True, "set_item": True,
                    "python_fn": True, "no_mask": True}
+
+
+@pytest.mark.parametrize("family", ["gemma3", "cohere2"])
+def test_reused_mask_on_sliding_window_layers_equals_the_model(family):
+    """Sliding-window families get a dict of masks (one per layer type) that changes every step as the window
+    moves; the SlotCache decode reads neither (its sliding layers are rings read by position), so the first
+    step's are passed again: 40 new tokens wrap the 8-slot rings five times and equal the uncompiled model's."""
+    torch._dynamo.reset()
+    model, ref = build(family), build(family)
+    be = kvpass.compile(model, "full", compiler="eager")
+    ids, kw = ids_of(30), dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    got = model.generate(ids, **kw)
+    cache, = model.generate.caches.values()
+    assert be.decode_ignores_mask(len(cache.layers))   # the reuse was on
+    assert torch.equal(got, ref.generate(ids, **kw))
