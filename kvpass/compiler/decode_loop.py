@@ -41,22 +41,19 @@ _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_
 
 
 class Late:
-    """A device tensor copied to pinned host memory without blocking, read (waiting for that copy) later:
-    ``read`` gives its values as Python numbers (a 0-d tensor: one number). ``Late.ring(n, like)`` makes
-    ``n`` of them with their buffers and events allocated once; ``put`` refills one in place (a decoding
-    loop reuses two instead of allocating pinned memory and an event every step)."""
+    """Pinned host memory that a device tensor is copied to without blocking (``put``) and read later, waiting
+    for that copy (``read``: its values as Python numbers; a 0-d tensor gives one number). Its buffer and event
+    are allocated once: ``Late.ring(2, like)`` gives a decoding loop two to alternate between, instead of
+    allocating pinned memory and an event every step."""
 
-    def __init__(self, t: torch.Tensor | None = None, *, like: torch.Tensor | None = None) -> None:
-        src = t if t is not None else like
-        pinned = src.device.type == "cuda"
-        self.host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
+    def __init__(self, like: torch.Tensor) -> None:
+        pinned = like.device.type == "cuda"
+        self.host = torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
         self.ready = torch.cuda.Event() if pinned else None
-        if t is not None:
-            self.put(t)
 
     @classmethod
     def ring(cls, n: int, like: torch.Tensor) -> list["Late"]:
-        return [cls(like=like) for _ in range(n)]
+        return [cls(like) for _ in range(n)]
 
     def put(self, t: torch.Tensor) -> "Late":
         self.host.copy_(t, non_blocking=self.ready is not None)
