@@ -5,6 +5,7 @@
 # B: 8 layers at 33k and 130k, prefill without Inductor, the policies side by side (TPOT: kvpass's loop, HF's
 #    loop, the step queued; TTFT and peaks), then `full` with an Inductor prefill for the TTFT it buys.
 # C: 32 layers, full, up to 130k, prefill without Inductor: a first process and a second one on its caches.
+# W (session 51, 4 GPUs): tests/gpu in four lanes but test_gpu_tp.py.
 # T (2026-11-27, session 45): the GPU tests of the per-row counters (raas_stamp kernel), h2o's scoring kernel, the
 #    decoding loop and admission, verbose so that a cut run still says what passed.
 set -u
@@ -172,5 +173,14 @@ V)   # next session, GPU 1 beside U: host time per step with the mask reused (pr
   timeout 360 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full,snapkv,raas,quest,asl,art \
       --prefill-compiler eager --out "$OUT/l8_V_130k.json" > "$OUT/l8_V_130k.log" 2>&1
   ;;
+W)   # session 51, a 4-GPU machine (one lane per GPU, bench/lanes.sh): the whole of tests/gpu but the two-GPU file
+     # (issue 39) on the current code, for issue 38's "behaviour unchanged"; U ran the decoding-loop cases
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  F=tests/gpu/test_gpu_slot_cache.py
+  bash bench/lanes.sh "$OUT" 560 "$T $F -k replay_equals" "$T $F tests/gpu/test_gpu_admission.py -k 'sliding or queue'" \
+      "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py" \
+      "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py"
+  grep -hE "passed|failed" "$OUT"/lane*.log
+  exit ;;
 esac
 grep -h "^{" "$OUT"/*.log 2>/dev/null | cut -c1-600
