@@ -172,6 +172,8 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also HF generate on a StaticCache")
     ap.add_argument("--profile", action="store_true", help="a host profile of 16 generate steps per policy")
     ap.add_argument("--prefill-compiler", default=None, help="kvpass.compile's prefill_compiler (default: Inductor)")
+    ap.add_argument("--no-share-layers", action="store_true",
+                    help="kvpass.compile(..., share_layers=False): Inductor lowers every layer (before session 51)")
     ap.add_argument("--out", default="fastpath.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -189,7 +191,8 @@ def main() -> None:
         params = {} if policy in ("full", "art") else {"budget": args.budget}
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
+        be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler,
+                            share_layers=not args.no_share_layers, **params)
         calls = []
         for n in lengths:
             dt, _ = timed(lambda: gen(model, prompt(n), args.new))
@@ -213,6 +216,7 @@ def main() -> None:
         roof = (weights + per_entry * read_entries(policy, lengths[-1], args.budget, args.layers)) / bw
         row = {"policy": policy, "params": params, "calls": calls, "first_call_s": calls[0]["seconds"],
                "later_calls_s": [c["seconds"] for c in calls[1:]], "graphs": graphs_after,
+               "shared_layers": {r.phase: r.shared_layers for r in be.reports},
                "generate_tpot_ms": round(user * 1e3, 3), "queued_tpot_ms": round(queued * 1e3, 3),
                "hf_loop_tpot_ms": round(hf_loop * 1e3, 3), "ttft_s": round(ttft, 3),
                "prefill_peak_gib": round(prefill_peak, 2), "prefill_compiler": be.prefill_compiler,

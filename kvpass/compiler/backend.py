@@ -18,6 +18,7 @@ from torch import fx
 from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
+from kvpass.compiler import layers as _layers
 from kvpass.compiler.maskcheck import mask_is_read
 from kvpass.compiler import plan as _plan
 from kvpass.compiler import positions as _positions
@@ -55,6 +56,7 @@ class GraphReport:
     tp: str = ""              # tensor parallel: this rank's share of the heads (kvpass.compiler.tp)
     reductions: list[str] = field(default_factory=list)  # collectives the pass inserted (decisions across heads)
     reads_mask: bool = True   # the graph reads the model's attention mask (maskcheck.mask_is_read)
+    shared_layers: int = 0    # decoder layers compiled once and called per layer (kvpass.compiler.layers)
 
 
 def _runtime_op(node: fx.Node) -> bool:
@@ -240,12 +242,15 @@ class Backend:
     """A ``torch.compile`` backend that applies a kvpass policy. Build it with ``kvpass.backend``."""
 
     def __init__(self, policy: str | Policy = "full", *, compiler: str = "inductor", prefill_compiler: str | None = None,
-                 **params) -> None:
+                 share_layers: bool = True, **params) -> None:
         for name, value in (("compiler", compiler), ("prefill_compiler", prefill_compiler or compiler)):
             if value not in COMPILERS:
                 raise ConfigError(f"parameter '{name}' must be one of {', '.join(COMPILERS)}, got {value!r}")
         self.policy = make_policy(policy, **params)
         self.compiler, self.prefill_compiler = compiler, prefill_compiler or compiler
+        if not isinstance(share_layers, bool):
+            raise ConfigError(f"parameter 'share_layers' must be True or False, got {share_layers!r}")
+        self.share_layers = share_layers
         for member in self.policy.members:  # a composition (kvpass.policies.compose)
             if member.needs.gates:
                 raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
@@ -329,7 +334,7 @@ class Backend:
         compiler = self.prefill_compiler if report.phase == "prefill" else self.compiler
         patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"), compiler)
         report.cudagraphs = bool(patches.get("triton.cudagraphs"))
-        return self._inner(gm, example_inputs, patches, compiler)
+        return self._inner(gm, example_inputs, patches, compiler, report)
 
     def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options, compiler: str) -> dict:
         """Inductor settings of a ``torch.compile`` mode / options for this graph. CUDA graphs replay
@@ -379,7 +384,7 @@ class Backend:
         """A segment of a gated prefill (``kvpass.compiler.gate``), with the prefill's compiler."""
         return self._inner(gm, example_inputs, None, self.prefill_compiler)
 
-    def _inner(self, gm, example_inputs, patches: dict | None, compiler: str):
+    def _inner(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None = None):
         if compiler == "eager":
             return gm.forward
         if compiler == "aot_eager":
@@ -387,6 +392,18 @@ class Backend:
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
         mark_cacheable(gm, self.kvpass.uuid())
+        shared, count = _layers.shared_copy(gm) if self.share_layers and report is not None else (None, 0)
+        if shared is not None:
+            try:
+                compiled = compile_fx(shared, example_inputs, config_patches=patches or None)
+            except Exception as e:  # noqa: BLE001  (any failure: compile the layers inline, as before)
+                warn_once(f"kvpass: compiling the decoder's {count} repeated layers once failed "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling "
+                          f"every layer instead (slower to compile, same result). "
+                          f"kvpass.backend(..., share_layers=False) skips the attempt", self)
+            else:
+                report.shared_layers = count
+                return compiled
         return compile_fx(gm, example_inputs, config_patches=patches or None)
 
     def __repr__(self) -> str:
@@ -396,7 +413,7 @@ class Backend:
 
 
 def backend(policy: str | Policy = "full", *, compiler: str = "inductor", prefill_compiler: str | None = None,
-            **params) -> Backend:
+            share_layers: bool = True, **params) -> Backend:
     """Return a ``torch.compile`` backend that applies the KV-cache ``policy``.
 
     Args:
@@ -408,7 +425,10 @@ def backend(policy: str | Policy = "full", *, compiler: str = "inductor", prefil
             prefill runs once per prompt and is mostly large matmuls and the attention; its Inductor compile
             is about half of a first call's compile time (32 layers: ``bench/results/``), which
             ``"eager"`` saves for a slower first token.
+        share_layers: with Inductor, compile a graph's repeated decoder layers once and call that code
+            per layer (``kvpass.compiler.layers``), instead of lowering the same layer for every layer of
+            the model. On by default; ``False`` compiles every layer inline.
         **params: the policy's parameters, e.g. ``budget=1024``. Every value is checked here, before
             anything is compiled; a bad one raises ``ConfigError`` naming the parameter and its range.
     """
-    return Backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, **params)
+    return Backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, share_layers=share_layers, **params)

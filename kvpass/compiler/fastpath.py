@@ -143,7 +143,8 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
         compiler: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (as ``kvpass.backend``).
         prefill_compiler: what compiles the prefill graph when not ``compiler`` (as ``kvpass.backend``).
         fullgraph: passed to ``torch.compile``.
-        **params: the policy's parameters, checked here (``ConfigError`` names a bad one).
+        **params: the policy's parameters, checked here (``ConfigError`` names a bad one), and
+            ``share_layers`` (as ``kvpass.backend``).
 
     Returns the ``kvpass.Backend``: ``be.reports``, ``be.plans()``, ``be.state`` as usual. ``model.generate``
     becomes a ``FastGenerate`` (``model.generate.original`` is the model's own). Policies without a

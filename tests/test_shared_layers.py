@@ -1,0 +1,159 @@
+"""A decoder's repeated layers compiled once (``kvpass.compiler.layers``, issue 36's compile time).
+
+* on a Dynamo graph: identical layers become calls of one shared subgraph and compute what the inlined
+  layers did; a layer whose nodes are not one contiguous run, or a graph without repeated layers, is left
+  as it is;
+* through Inductor: every policy's decode graph calls the shared layer code, with the tokens of the eager
+  compiler; layers of another form (quest's dense first layer, a global layer among sliding ones) keep
+  their own code; a failure to compile the shared form warns and compiles every layer, as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kvpass
+from families import FAMILIES, build
+from kvpass.compiler.layers import share_layers
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, buf):
+        buf.add_(1.0)                       # an in-place write into a graph input, like a cache update
+        return x + self.down(torch.relu(self.up(x))) * buf.sum()
+
+
+class Stack(nn.Module):
+    def __init__(self, order=(0, 1, 2)):
+        super().__init__()
+        self.layers, self.order = nn.ModuleList(Block() for _ in range(3)), order
+        self.requires_grad_(False)          # inference, as a decode step runs
+
+    def forward(self, x, bufs):
+        for i in self.order:
+            x = self.layers[i](x, bufs[i])
+        return x.sum(-1)
+
+
+def _graph(module, *args):
+    """The Dynamo graph of ``module(*args)`` and its example inputs (a capturing backend, nothing compiled)."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append((gm, example_inputs))
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(module, backend=capture, fullgraph=True)(*args)
+    return seen[0]
+
+
+def test_identical_layers_call_one_subgraph_and_compute_the_same():
+    torch.manual_seed(0)
+    stack, x = Stack(), torch.randn(2, 8)
+    bufs = [torch.zeros(3) for _ in range(3)]
+    gm, _ = _graph(stack, x, bufs)
+    want_bufs = [b.clone() for b in bufs]
+    want = gm(*_flat(gm, stack, x, want_bufs))
+    assert share_layers(gm) == 3
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 3 and len({n.args[1] for n in calls}) == 1   # three calls of one subgraph
+    got_bufs = [b.clone() for b in bufs]
+    got = gm(*_flat(gm, stack, x, got_bufs))
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_bufs, want_bufs):
+        torch.testing.assert_close(g, w)                                 # the in-place writes happened
+
+
+def _flat(gm, stack, x, bufs):
+    """The graph's inputs in placeholder order, from their Dynamo source names."""
+    params = dict(stack.named_parameters())
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        name = n.name.lower()
+        if "bufs" in name:
+            out.append(bufs[int(name.split("bufs_")[1].split("_")[0])])
+        elif "layers" in name:
+            i = int(name.split("layers_modules_")[1].split("_")[0])
+            part = "up" if "modules_up" in name else "down"
+            kind = "weight" if name.endswith("weight_") else "bias"
+            out.append(params[f"layers.{i}.{part}.{kind}"])
+        else:
+            out.append(x)
+    return out
+
+
+def test_layers_that_are_not_contiguous_runs_are_left_inline():
+    torch.manual_seed(0)
+    stack = Stack(order=(0, 1, 0))          # layer 0 runs again after layer 1: not one run of nodes
+    gm, _ = _graph(stack, torch.randn(2, 8), [torch.zeros(3) for _ in range(3)])
+    before = len(gm.graph.nodes)
+    assert share_layers(gm) == 0 and len(gm.graph.nodes) == before
+
+
+def _llama(layers: int):
+    cfg, cls = FAMILIES["llama"]()
+    cfg.num_hidden_layers = layers
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def _tokens(model, policy, **kw):
+    """Greedy tokens of two prompt lengths through ``kvpass.compile`` (the prefill without Inductor)."""
+    torch._dynamo.reset()
+    be = kvpass.compile(model, policy, prefill_compiler="eager", **kw)
+    return be, [model.generate(torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)),
+                               max_new_tokens=5, min_new_tokens=5, do_sample=False)[0].tolist() for n in (20, 37)]
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("policy,params,shared", [("full", {}, 4), ("quest", dict(budget=32, dense_layers=1), 3)])
+def test_inductor_decode_calls_the_shared_layer_and_gives_the_eager_tokens(policy, params, shared):
+    """4 layers; quest's dense first layer reads every entry, a form of its own, so it stays inline."""
+    _, want = _tokens(_llama(4), policy, compiler="eager", **params)
+    be, got = _tokens(_llama(4), policy, **params)
+    assert got == want
+    decode = [r for r in be.reports if r.phase == "decode"]
+    assert [r.shared_layers for r in decode] == [shared], be.plans()
+
+
+@pytest.mark.inductor
+def test_sliding_layers_share_apart_from_the_global_one():
+    """cohere2: three sliding layers and a global one (no RoPE): the sliding three share, the global stays."""
+    _, want = _tokens(build("cohere2"), "full", compiler="eager")
+    be, got = _tokens(build("cohere2"), "full")
+    assert got == want
+    assert [r.shared_layers for r in be.reports if r.phase == "decode"] == [3]
+
+
+@pytest.mark.inductor
+def test_a_failed_shared_compile_warns_and_compiles_every_layer(monkeypatch):
+    import torch._inductor.compile_fx as cfx
+    real = cfx.compile_fx
+
+    def refuse_shared(gm, *a, **k):
+        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
+            raise RuntimeError("no shared layers today")
+        return real(gm, *a, **k)
+    monkeypatch.setattr(cfx, "compile_fx", refuse_shared)
+    _, want = _tokens(_llama(2), "full", compiler="eager")
+    with pytest.warns(kvpass.KVPassWarning, match="repeated layers once failed .*no shared layers today"):
+        be, got = _tokens(_llama(2), "full")
+    assert got == want
+    assert all(r.shared_layers == 0 for r in be.reports)
+
+
+def test_share_layers_is_checked():
+    with pytest.raises(kvpass.ConfigError, match="share_layers"):
+        kvpass.backend("full", share_layers="yes")
