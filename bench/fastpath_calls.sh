@@ -5,7 +5,8 @@
 # B: 8 layers at 33k and 130k, prefill without Inductor, the policies side by side (TPOT: kvpass's loop, HF's
 #    loop, the step queued; TTFT and peaks), then `full` with an Inductor prefill for the TTFT it buys.
 # C: 32 layers, full, up to 130k, prefill without Inductor: a first process and a second one on its caches.
-# W (session 51, 4 GPUs): tests/gpu in four lanes but test_gpu_tp.py.
+# W (session 51, 4 GPUs): tests/gpu in four lanes but test_gpu_tp.py. X, Y (session 51, 4 GPUs each): the shared-layer
+#    compile against inline layers (32 layers, 8 layers at 130k and 33k) beside tests/gpu in two halves.
 # T (2026-11-27, session 45): the GPU tests of the per-row counters (raas_stamp kernel), h2o's scoring kernel, the
 #    decoding loop and admission, verbose so that a cut run still says what passed.
 set -u
@@ -180,6 +181,44 @@ W)   # session 51, a 4-GPU machine (one lane per GPU, bench/lanes.sh): the whole
   bash bench/lanes.sh "$OUT" 560 "$T $F -k replay_equals" "$T $F tests/gpu/test_gpu_admission.py -k 'sliding or queue'" \
       "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py" \
       "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py"
+  grep -hE "passed|failed" "$OUT"/lane*.log
+  exit ;;
+X)   # session 51, a 4-GPU machine: the shared-layer compile (kvpass.compiler.layers) against inline layers in
+     # one call, and half of tests/gpu beside it (Y runs the other half)
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  bash bench/lanes.sh "$OUT" 545 'OUT=$LANE bash bench/fastpath_calls.sh X0' 'OUT=$LANE bash bench/fastpath_calls.sh X1' \
+      "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
+      "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py"
+  grep -hE "passed|failed" "$OUT"/lane*.log
+  exit ;;
+X0)  # 32 layers, full, shared layers: a first process and a second on its caches; then 8 layers at 130k
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-X0
+  for p in 1 2; do
+    timeout 130 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies full \
+        --prefill-compiler eager --out "$OUT/l32_shared_process$p.json" > "$OUT/l32_shared_process$p.log" 2>&1
+  done
+  timeout 260 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full,quest,raas,art \
+      --prefill-compiler eager --out "$OUT/l8_shared_130k.json" > "$OUT/l8_shared_130k.log" 2>&1
+  grep -h "^{" "$OUT"/*.log | cut -c1-400
+  exit ;;
+X1)  # beside X0: 32 layers, full, every layer inline (before session 51), first process; snapkv shared, first
+     # process; then 32 layers at 130k, full and snapkv, shared
+  TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-X1a timeout 150 python bench/bench_fastpath.py --layers 32 \
+      --lengths 2000,33000 --policies full --prefill-compiler eager --no-share-layers \
+      --out "$OUT/l32_inline_process1.json" > "$OUT/l32_inline_process1.log" 2>&1
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-X1b
+  timeout 120 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies snapkv \
+      --prefill-compiler eager --out "$OUT/l32_shared_snapkv_process1.json" > "$OUT/l32_shared_snapkv_process1.log" 2>&1
+  timeout 250 python bench/bench_fastpath.py --layers 32 --lengths 2000,130000 --policies full,snapkv \
+      --prefill-compiler eager --out "$OUT/l32_shared_130k.json" > "$OUT/l32_shared_130k.log" 2>&1
+  grep -h "^{" "$OUT"/*.log | cut -c1-400
+  exit ;;
+Y)   # session 51, a 4-GPU machine after X: the other half of tests/gpu (but the two-GPU file), and 8 layers at 33k
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  F=tests/gpu/test_gpu_slot_cache.py
+  bash bench/lanes.sh "$OUT" 545 "$T $F -k 'sliding or decode_loop or compile_once'" "$T tests/gpu/test_gpu_admission.py" \
+      "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
+      'python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --prefill-compiler eager --out $LANE/l8_33k.json > $LANE/l8_33k.log 2>&1; grep -h "^{" $LANE/l8_33k.log | cut -c1-400'
   grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
 esac
