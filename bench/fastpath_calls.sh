@@ -202,16 +202,16 @@ X0)  # 32 layers, full, shared layers: a first process and a second on its cache
   grep -h "^{" "$OUT"/*.log | cut -c1-400
   exit ;;
 X1)  # beside X0: 32 layers, full, every layer inline (before session 51), first process; snapkv shared, first
-     # process; then 32 layers at 130k, full and snapkv, shared
+     # process; then the decoding loop's GPU tests (CUDA graphs, one compile for every length) on the shared layers
   TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-X1a timeout 150 python bench/bench_fastpath.py --layers 32 \
       --lengths 2000,33000 --policies full --prefill-compiler eager --no-share-layers \
       --out "$OUT/l32_inline_process1.json" > "$OUT/l32_inline_process1.log" 2>&1
   export TORCHINDUCTOR_CACHE_DIR=/tmp/kvpass-inductor-X1b
-  timeout 120 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies snapkv \
+  timeout 140 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies snapkv \
       --prefill-compiler eager --out "$OUT/l32_shared_snapkv_process1.json" > "$OUT/l32_shared_snapkv_process1.log" 2>&1
-  timeout 250 python bench/bench_fastpath.py --layers 32 --lengths 2000,130000 --policies full,snapkv \
-      --prefill-compiler eager --out "$OUT/l32_shared_130k.json" > "$OUT/l32_shared_130k.log" 2>&1
-  grep -h "^{" "$OUT"/*.log | cut -c1-400
+  timeout 230 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py \
+      -k "decode_loop or (compile_once and (full or quest or raas or asl))" > "$OUT/gpu_tests.txt" 2>&1
+  grep -h "^{" "$OUT"/*.log | cut -c1-400; grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt"
   exit ;;
 Y)   # session 51, a 4-GPU machine after X: the other half of tests/gpu (but the two-GPU file), and 8 layers at 33k
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'

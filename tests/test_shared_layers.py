@@ -90,6 +90,20 @@ def _flat(gm, stack, x, bufs):
     return out
 
 
+def test_the_shared_copy_keeps_what_tells_static_inputs_apart():
+    """AOTAutograd finds the parameters and static-address caches (which CUDA graphs must not copy in at
+    each replay) from what Dynamo attached to the module and its placeholders. The first shared copy lost
+    it: every weight and cache was copied at each replay (H200, 32 layers: 18.9 ms a step against 7.2)."""
+    from torch._functorch._aot_autograd.frontend_utils import _try_get_metadata_from_dynamo
+    from kvpass.compiler.layers import shared_copy
+    gm, _ = _graph(Stack(), torch.randn(2, 8), [torch.zeros(3) for _ in range(3)])
+    n = len(gm.graph.find_nodes(op="placeholder"))
+    static = _try_get_metadata_from_dynamo(gm, {}.keys(), n, [])[1]
+    copy, shared = shared_copy(gm)
+    assert shared == 3 and len(static) == 12     # the six weights and six biases
+    assert _try_get_metadata_from_dynamo(copy, {}.keys(), n, [])[1] == static
+
+
 def test_layers_that_are_not_contiguous_runs_are_left_inline():
     torch.manual_seed(0)
     stack = Stack(order=(0, 1, 0))          # layer 0 runs again after layer 1: not one run of nodes

@@ -137,11 +137,29 @@ def _subgraph(layer: _Layer) -> fx.GraphModule:
 def shared_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, int]:
     """A copy of ``gm`` whose repeated layers call shared subgraphs, and how many do; (None, 0) where no
     layer repeats (``gm`` itself is never changed: the caller compiles it as it is if the copy fails)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    copy = fx.GraphModule(gm, graph)
+    copy = _copy(gm)
     count = share_layers(copy)
     return (copy, count) if count else (None, 0)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a copy of its graph, keeping what Dynamo attached to the module and its placeholders
+    (``meta["dynamo_compile_id"]``, ``_param_name_to_source``, each input's ``_dynamo_source``).
+    AOTAutograd reads them to tell parameters and static-address caches from other inputs; without them
+    CUDA graphs copied every weight and cache into their own buffers at each replay (H200, 32 layers:
+    18.9 ms a step against 7.2)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    for old, new in env.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    for name, value in vars(gm).items():
+        if name not in vars(copy):
+            setattr(copy, name, value)
+    return copy
 
 
 def share_layers(gm: fx.GraphModule) -> int:
