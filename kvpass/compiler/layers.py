@@ -11,7 +11,8 @@ once; the step calls it once per layer. (This is what ``torch.compiler.nested_co
 function marked in model code; here the backend marks the layers itself, so no model code changes.)
 
 A layer whose form differs (a dense first layer, a gate layer, another capacity pattern) gets its own
-subgraph, or stays inline if it is the only one of its form. The kvpass operators a rewrite inserts carry
+subgraph, or stays inline if it is the only one of its form; a layer that writes through a mutating
+``triton_op`` stays inline (``_blocked``). The kvpass operators a rewrite inserts carry
 no module of their own; they belong to the layer around them. A graph whose layers are not contiguous
 runs of nodes, or that holds module attributes, is left as it is (``share_layers`` returns 0).
 """
@@ -121,6 +122,43 @@ class _Layer:
         self.form = (tuple(steps), kinds, tuple(index[o] for o in self.outputs))
 
 
+def _blocked(layer: _Layer) -> bool:
+    """A layer that writes through a ``torch.library.triton_op`` (raas's page stamp) stays inline: AOTAutograd
+    decomposes such an operator into its body when it functionalizes, which it refuses inside a subgraph
+    ("a custom operator whose output has alias annotations", torch 2.11 and 2.13). The operator is either a
+    node's target or called by name from a Python function the rewrite put in the graph (a policy's slot
+    hook); a name shared by another operator only keeps a layer inline, which is always correct."""
+    names = _mutating_triton_ops()
+    for n in layer.run:
+        fn = n.target
+        if isinstance(fn, torch._ops.OpOverload):
+            if fn._name in names.values():
+                return True
+        elif callable(fn) and hasattr(fn, "__code__") and set(_names_used(fn.__code__)) & set(names):
+            return True
+    return False
+
+
+def _mutating_triton_ops() -> dict[str, str]:
+    """Short name -> qualified name of every registered ``triton_op`` that writes to an argument."""
+    registered = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels", {})
+    out = {}
+    for qualified in registered:
+        ns, _, short = qualified.partition("::")
+        op = getattr(getattr(getattr(torch.ops, ns, None), short, None), "default", None)
+        if op is not None and op._schema.is_mutable:
+            out[short] = qualified
+    return out
+
+
+def _names_used(code) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names += _names_used(const)
+    return names
+
+
 def _subgraph(layer: _Layer) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -176,12 +214,14 @@ def share_layers(gm: fx.GraphModule) -> int:
     forms: dict[tuple, list[_Layer]] = {}
     for lay in layers:
         forms.setdefault(lay.form, []).append(lay)
+    groups = [g for g in forms.values() if len(g) > 1 and not _blocked(g[0])]
+    # every subgraph is built before any layer is replaced: a replacement rewires the next layer's nodes
+    for k, group in enumerate(groups):
+        gm.register_module(f"kvpass_layer_{k}", _subgraph(group[0]))
     shared, moved = 0, {}
-    for k, group in enumerate(g for g in forms.values() if len(g) > 1):
-        name = f"kvpass_layer_{k}"
-        gm.register_module(name, _subgraph(group[0]))
+    for k, group in enumerate(groups):
         for lay in group:
-            _replace(graph, lay, name, moved)
+            _replace(graph, lay, f"kvpass_layer_{k}", moved)
             shared += 1
     if shared:
         graph.lint()
