@@ -106,6 +106,26 @@ def test_the_shared_copy_keeps_what_tells_static_inputs_apart():
     assert _try_get_metadata_from_dynamo(copy, {}.keys(), n, [])[1] == static
 
 
+class MoEBlock(nn.Module):
+    """A layer holding more numbered children (experts) than the stack has layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x, buf):
+        buf.add_(1.0)
+        return x + sum(e(x) for e in self.experts) * buf.sum()
+
+
+def test_the_layers_are_the_container_owning_most_nodes_not_the_one_with_most_children():
+    stack = Stack()
+    stack.layers = nn.ModuleList(MoEBlock() for _ in range(3)).requires_grad_(False)
+    gm, _ = _graph(stack, torch.randn(2, 8), [torch.zeros(3) for _ in range(3)])
+    assert share_layers(gm) == 3
+    assert len([n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]) == 3
+
+
 def test_layers_that_are_not_contiguous_runs_are_left_inline():
     torch.manual_seed(0)
     stack = Stack(order=(0, 1, 0))          # layer 0 runs again after layer 1: not one run of nodes

@@ -39,15 +39,18 @@ def _owners(node: fx.Node) -> list[tuple[str, int]]:
 
 
 def _layer_tags(nodes: list[fx.Node]) -> list[int | None]:
-    """Each node's layer number under the container with the most numbered children, or None."""
+    """Each node's layer number under the container whose numbered children own the most nodes (a decoder's
+    ``model.layers``, not the experts of one layer's MoE block, which has more children), or None."""
+    owned: dict[str, int] = {}
     children: dict[str, set[int]] = {}
     owners = [_owners(n) for n in nodes]
     for own in owners:
         for path, i in own:
+            owned[path] = owned.get(path, 0) + 1
             children.setdefault(path, set()).add(i)
-    if not children:
+    if not owned:
         return [None] * len(nodes)
-    container = max(children, key=lambda p: len(children[p]))
+    container = max(owned, key=lambda p: (len(children[p]) > 1, owned[p]))
     if len(children[container]) < 2:
         return [None] * len(nodes)
     tags: list[int | None] = [next((i for p, i in own if p == container), None) for own in owners]
@@ -80,17 +83,18 @@ def _value(n: fx.Node):
 
 def _kind(v, symbols: dict) -> tuple:
     """What an input must share with another layer's for one subgraph to serve both: dtype, device,
-    static sizes and strides, and which sizes are the same symbol (numbered by first appearance)."""
+    static sizes, strides and storage offset, which of them are the same symbol (numbered by first
+    appearance), and the value of anything else (the subgraph is traced with the first layer's)."""
     def dim(s):
         if isinstance(s, torch.SymInt):
             return ("s", symbols.setdefault(str(s.node.expr), len(symbols)))
         return int(s)
     if isinstance(v, torch.Tensor):
         return ("t", v.dtype, str(v.device), tuple(dim(s) for s in v.shape), tuple(dim(s) for s in v.stride()),
-                v.requires_grad)
+                dim(v.storage_offset()), v.requires_grad)
     if isinstance(v, torch.SymInt):
         return ("i", dim(v))
-    return ("v", type(v).__name__)
+    return ("v", type(v).__name__, repr(v))
 
 
 class _Layer:
