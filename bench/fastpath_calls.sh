@@ -6,7 +6,10 @@
 #    loop, the step queued; TTFT and peaks), then `full` with an Inductor prefill for the TTFT it buys.
 # C: 32 layers, full, up to 130k, prefill without Inductor: a first process and a second one on its caches.
 # W (session 51, 4 GPUs): tests/gpu in four lanes but test_gpu_tp.py. X, Y (session 51, 4 GPUs each): the shared-layer
-#    compile against inline layers (32 layers, 8 layers at 130k and 33k) beside tests/gpu in two halves.
+#    compile against inline layers (32 layers, 8 layers at 130k and 33k) beside tests/gpu in two halves (4-GPU
+#    machines were not lent; X0 + X1 ran as two lanes: `bash bench/lanes.sh $OUT 520 'OUT=$LANE bash
+#    bench/fastpath_calls.sh X0' 'OUT=$LANE bash bench/fastpath_calls.sh X1'`). Z, Z2, Z3 (next session, two GPUs
+#    each): the shared-layer fixes and AOT's time (probe_compile.py), then the rest of tests/gpu.
 # T (2026-11-27, session 45): the GPU tests of the per-row counters (raas_stamp kernel), h2o's scoring kernel, the
 #    decoding loop and admission, verbose so that a cut run still says what passed.
 set -u
@@ -218,6 +221,28 @@ Y)   # session 51, a 4-GPU machine after X: the other half of tests/gpu (but the
   F=tests/gpu/test_gpu_slot_cache.py
   bash bench/lanes.sh "$OUT" 545 "$T $F -k 'sliding or decode_loop or compile_once'" "$T tests/gpu/test_gpu_admission.py" \
       "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
+      'python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --prefill-compiler eager --out $LANE/l8_33k.json > $LANE/l8_33k.log 2>&1; grep -h "^{" $LANE/l8_33k.log | cut -c1-400'
+  grep -hE "passed|failed" "$OUT"/lane*.log
+  exit ;;
+Z)   # next session, first call, two GPUs (lanes): the shared-layer fixes of session 51 on the GPU (compile-once
+     # quest failed with a KeyError, raas fell back; fixed on the CPU), and where AOTAutograd's 19.5 s go
+     # (bench/probe_compile.py: Triton mutation analysis per traced call, without and with a memo)
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  F=tests/gpu/test_gpu_slot_cache.py
+  bash bench/lanes.sh "$OUT" 545 \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-Z0 timeout 120 python bench/probe_compile.py --out \$LANE/probe_plain.json; $T $F -k 'compile_once or sliding'" \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-Z1 timeout 120 python bench/probe_compile.py --memo --out \$LANE/probe_memo.json; $T $F tests/gpu/test_gpu_admission.py -k 'decode_loop or queue'"
+  grep -hE "^\{|passed|failed" "$OUT"/lane*.log | cut -c1-400
+  exit ;;
+Z2)  # next session, two GPUs: the rest of tests/gpu but the two-GPU file
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  bash bench/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
+      "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py"
+  grep -hE "passed|failed" "$OUT"/lane*.log
+  exit ;;
+Z3)  # next session, two GPUs: the gated and foundation GPU tests; 8 layers at 33k for every policy
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  bash bench/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
       'python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --prefill-compiler eager --out $LANE/l8_33k.json > $LANE/l8_33k.log 2>&1; grep -h "^{" $LANE/l8_33k.log | cut -c1-400'
   grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
