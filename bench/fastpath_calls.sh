@@ -5,9 +5,8 @@
 # B: 8 layers at 33k and 130k, prefill without Inductor, the policies side by side (TPOT: kvpass's loop, HF's
 #    loop, the step queued; TTFT and peaks), then `full` with an Inductor prefill for the TTFT it buys.
 # C: 32 layers, full, up to 130k, prefill without Inductor: a first process and a second one on its caches.
-# W (session 51, 4 GPUs): tests/gpu in four lanes but test_gpu_tp.py. X, Y (session 51, 4 GPUs each): the shared-layer
-#    compile against inline layers (32 layers, 8 layers at 130k and 33k) beside tests/gpu in two halves (4-GPU
-#    machines were not lent; X0 + X1 ran as two lanes: `bash bench/lanes.sh $OUT 520 'OUT=$LANE bash
+# X (session 51, 4 GPUs): the shared-layer compile against inline layers (32 layers; 8 layers at 130k) beside half
+#    of tests/gpu (4-GPU machines were not lent; X0 + X1 ran as two lanes: `bash bench/lanes.sh $OUT 520 'OUT=$LANE bash
 #    bench/fastpath_calls.sh X0' 'OUT=$LANE bash bench/fastpath_calls.sh X1'`). Z, Z2, Z3 (next session, two GPUs
 #    each): the shared-layer fixes and AOT's time (probe_compile.py), then the rest of tests/gpu.
 # T (2026-11-27, session 45): the GPU tests of the per-row counters (raas_stamp kernel), h2o's scoring kernel, the
@@ -177,15 +176,6 @@ V)   # next session, GPU 1 beside U: host time per step with the mask reused (pr
   timeout 360 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full,snapkv,raas,quest,asl,art \
       --prefill-compiler eager --out "$OUT/l8_V_130k.json" > "$OUT/l8_V_130k.log" 2>&1
   ;;
-W)   # session 51, a 4-GPU machine (one lane per GPU, bench/lanes.sh): the whole of tests/gpu but the two-GPU file
-     # (issue 39) on the current code, for issue 38's "behaviour unchanged"; U ran the decoding-loop cases
-  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
-  F=tests/gpu/test_gpu_slot_cache.py
-  bash bench/lanes.sh "$OUT" 560 "$T $F -k replay_equals" "$T $F tests/gpu/test_gpu_admission.py -k 'sliding or queue'" \
-      "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py" \
-      "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py"
-  grep -hE "passed|failed" "$OUT"/lane*.log
-  exit ;;
 X)   # session 51, a 4-GPU machine: the shared-layer compile (kvpass.compiler.layers) against inline layers in
      # one call, and half of tests/gpu beside it (Y runs the other half)
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
@@ -215,14 +205,6 @@ X1)  # beside X0: 32 layers, full, every layer inline (before session 51), first
   timeout 230 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py \
       -k "decode_loop or (compile_once and (full or quest or raas or asl))" > "$OUT/gpu_tests.txt" 2>&1
   grep -h "^{" "$OUT"/*.log | cut -c1-400; grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt"
-  exit ;;
-Y)   # session 51, a 4-GPU machine after X: the other half of tests/gpu (but the two-GPU file), and 8 layers at 33k
-  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
-  F=tests/gpu/test_gpu_slot_cache.py
-  bash bench/lanes.sh "$OUT" 545 "$T $F -k 'sliding or decode_loop or compile_once'" "$T tests/gpu/test_gpu_admission.py" \
-      "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
-      'python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --prefill-compiler eager --out $LANE/l8_33k.json > $LANE/l8_33k.log 2>&1; grep -h "^{" $LANE/l8_33k.log | cut -c1-400'
-  grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
 Z)   # next session, first call, two GPUs (lanes): the shared-layer fixes of session 51 on the GPU (compile-once
      # quest failed with a KeyError, raas fell back; fixed on the CPU), and where AOTAutograd's 19.5 s go
