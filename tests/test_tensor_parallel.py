@@ -14,7 +14,9 @@ the policies whose decisions span a layer's heads (chunkkv's chunk ranking, the 
 layer and tokens) get an all_gather inserted while per-head policies get none. Chunk fusion (``kvpass.ChunkFusion``,
 every fusion policy, one store shared by the ranks) recomputes the same tokens, keeps the same positions per head
 and generates the same tokens as on one process. ``kvpass.explain`` on a rank shows its local heads and the
-gathers. chunkkv also runs under Inductor (the gathers compiled with the graph).
+gathers. chunkkv also runs under Inductor (the gathers compiled with the graph). ``kvpass.compile``'s fast path
+on two ranks (issue 39) compiles one prefill and one decode graph for prompts of four lengths and generates the
+single process's tokens, each rank's caches holding half the KV heads.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ SPANNING_FUSION = ("a3", "cacheblend")   # fusion policies whose recompute set s
 # decision over heads; the others' slot writes are the same rules (tests/test_conformance.py covers them all)
 ON_SLOTS = ("full", "streamingllm", "snapkv", "quest", "raas", "asl", "chunkkv")
 FAMILIES = ("llama", "qwen3_gqa4")
+COMPILED = ("full", "snapkv")            # through kvpass.compile (the llama only: CI time)
 
 # one xdist worker runs the module: a module fixture is built once per worker, and each build is two processes
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
@@ -84,11 +87,12 @@ def two_ranks(root, family: str, device: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), os.path.join(HERE, "tp_worker.py"), "--model", str(root / "model"),
            "--out", str(root), "--policies", ",".join(names), "--caches", caches, "--device", device,
-           "--fusion", fusion] + (["--slot-policies", ",".join(ON_SLOTS)] if device == "cpu" else [])
+           "--fusion", fusion, "--compiled", ",".join(COMPILED) if full else ""] + \
+        (["--slot-policies", ",".join(ON_SLOTS)] if device == "cpu" else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     r0, r1 = (json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))
-    for part in ("single", "single_fusion"):   # each rank ran half of the one-process references
+    for part in ("single", "single_fusion", "single_compiled"):   # each rank ran half of the one-process references
         r0[part].update(r1[part])
     return r0, r1
 
@@ -157,6 +161,19 @@ def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
             assert mine == whole[rank * h:(rank + 1) * h], f"{policy}, rank {rank}, layer {layer}: other positions"
     assert tp0["stored"] >= 2 * one["stored"] > 0, "each rank stores its own heads' chunk KV under its own key"
     assert r0["pinned"] != r1["pinned"], "a pinned fingerprint must still tell the ranks' entries apart"
+
+
+@pytest.mark.parametrize("policy", COMPILED)
+def test_kvpass_compile_on_two_ranks_compiles_once_for_every_length(ranks, policy):
+    r0, r1 = ranks
+    if policy not in r0["compiled"]:
+        pytest.skip(f"{policy}: not run through kvpass.compile for this family (CI time: the llama runs it)")
+    tp0, tp1, one = r0["compiled"][policy], r1["compiled"][policy], r0["single_compiled"][policy]
+    for what, run in (("rank 0", tp0), ("rank 1", tp1), ("one process", one)):
+        assert "error" not in run, f"{policy} on {what}: {run.get('error')}"
+    assert tp0["tokens"] == tp1["tokens"] == one["tokens"], f"{policy}: tokens differ from one process"
+    assert tp0["graphs"] == tp1["graphs"] == one["graphs"] == {"prefill": 1, "decode": 1}, (tp0["graphs"], one["graphs"])
+    assert [2 * h for h in tp0["kv_heads"]] == one["kv_heads"], "each rank's caches hold half the KV heads"
 
 
 def test_explain_shows_the_local_heads_and_the_gathers(ranks):

@@ -8,7 +8,8 @@ KV heads per layer, the pass's
 tensor-parallel line and the collectives it inserted. Then each rank runs half of the same generations on one
 process (the model loaded whole, no collectives) as the reference. Both ranks also run every chunk-fusion
 policy (``kvpass.ChunkFusion``, one store directory shared by the ranks) and record what ``kvpass.explain``
-prints.
+prints, and ``kvpass.compile``'s fast path (``--compiled``): ``generate`` on prompts of several lengths, the
+tokens and the graphs compiled per phase.
 """
 
 from __future__ import annotations
@@ -100,6 +101,34 @@ def explained(model) -> str:
                               **CONFORMANCE["chunkkv"].demanding))
 
 
+LENGTHS = (11, 17, 26, 40)   # prompts through kvpass.compile's generate: three capacity buckets
+
+
+def compile_once(path: str, tp: bool, policy: str) -> dict:
+    """``kvpass.compile`` (eager compiler) on a fresh copy of the model, then ``generate`` on prompts of every
+    ``LENGTHS``: the new tokens of each and the graphs the backend compiled per phase."""
+    model = load(path, tp)
+    torch._dynamo.reset()
+    be = kvpass.compile(model, policy, compiler="eager", **({} if policy == "full" else CONFORMANCE[policy].demanding))
+    tokens = []
+    for n in LENGTHS:
+        ids = torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
+        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        tokens.append(out[0, n:].tolist())
+    return {"tokens": tokens, "graphs": be.graph_counts(),
+            "kv_heads": sorted({int(c.layers[0].keys.shape[1]) for c in model.generate.caches.values()})}
+
+
+def compile_all(path: str, tp: bool, policies: list[str]) -> dict:
+    out = {}
+    for policy in policies:
+        try:
+            out[policy] = compile_once(path, tp, policy)
+        except Exception as e:  # recorded: the test names the policy and the error
+            out[policy] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+    return out
+
+
 FUSION = {"a3": {"ratio": 0.3}, "a3+evict": {"ratio": 0.3, "capacity": 24}, "cacheblend": {"ratio": 0.3},
           "legolink": {"prefix": 4}, "pie": {}, "full_reuse": {}}
 FUSION_RUNS = list(FUSION) + ["a3+evict:slot"]   # ``policy`` or ``policy:cache``
@@ -146,6 +175,7 @@ def main() -> None:
     ap.add_argument("--slot-policies", default="", help="the policies run on a SlotCache, comma-separated (default all)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fusion", default="all", help="the FUSION_RUNS to run, comma-separated, or 'all'")
+    ap.add_argument("--compiled", default="", help="policies run through kvpass.compile, comma-separated")
     args = ap.parse_args()
     runs = FUSION_RUNS if args.fusion == "all" else [r for r in args.fusion.split(",") if r]
     names, caches = args.policies.split(","), args.caches.split(",")
@@ -161,6 +191,9 @@ def main() -> None:
     result["explain"] = explained(split)
     result["fusion"] = fuse_all(split, os.path.join(args.out, "store_tp"), runs)   # one store directory, both ranks
     result["pinned"] = kvpass.ChunkStore(os.path.join(args.out, "store_tp"), split, fingerprint="pinned").fingerprint
+    compiled = [p for p in args.compiled.split(",") if p]
+    result["compiled"] = compile_all(args.model, True, compiled)
+    result["single_compiled"] = compile_all(args.model, False, compiled[rank::2])
     whole = load(args.model, tp=False)
     result["single"] = run_all(whole, names, caches, slice(rank, None, 2), on_slots)
     result["single_fusion"] = fuse_all(whole, os.path.join(args.out, f"store_{rank}"), runs[rank::2])
