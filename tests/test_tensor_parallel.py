@@ -16,7 +16,8 @@ every fusion policy, one store shared by the ranks) recomputes the same tokens, 
 and generates the same tokens as on one process. ``kvpass.explain`` on a rank shows its local heads and the
 gathers. chunkkv also runs under Inductor (the gathers compiled with the graph). ``kvpass.compile``'s fast path
 on two ranks (issue 39) compiles one prefill and one decode graph for prompts of four lengths and generates the
-single process's tokens, each rank's caches holding half the KV heads.
+single process's tokens, alone and admitted into a ``RequestQueue`` of two rows, each rank's caches holding half
+the KV heads.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ def test_kvpass_compile_on_two_ranks_compiles_once_for_every_length(ranks, polic
     for what, run in (("rank 0", tp0), ("rank 1", tp1), ("one process", one)):
         assert "error" not in run, f"{policy} on {what}: {run.get('error')}"
     assert tp0["tokens"] == tp1["tokens"] == one["tokens"], f"{policy}: tokens differ from one process"
+    assert tp0["queued"] == tp1["queued"] == one["queued"], f"{policy}: a RequestQueue's tokens differ"
     assert tp0["graphs"] == tp1["graphs"] == one["graphs"] == {"prefill": 1, "decode": 1}, (tp0["graphs"], one["graphs"])
+    assert tp0["graphs_with_queue"] == one["graphs_with_queue"] == {"prefill": 2, "decode": 2}   # its batch of two
     assert [2 * h for h in tp0["kv_heads"]] == one["kv_heads"], "each rank's caches hold half the KV heads"
 
 

@@ -8,8 +8,8 @@ KV heads per layer, the pass's
 tensor-parallel line and the collectives it inserted. Then each rank runs half of the same generations on one
 process (the model loaded whole, no collectives) as the reference. Both ranks also run every chunk-fusion
 policy (``kvpass.ChunkFusion``, one store directory shared by the ranks) and record what ``kvpass.explain``
-prints, and ``kvpass.compile``'s fast path (``--compiled``): ``generate`` on prompts of several lengths, the
-tokens and the graphs compiled per phase.
+prints, and ``kvpass.compile``'s fast path (``--compiled``): ``generate`` and a ``RequestQueue`` on prompts of
+several lengths, the tokens and the graphs compiled per phase.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ LENGTHS = (11, 17, 26, 40)   # prompts through kvpass.compile's generate: three 
 
 def compile_once(path: str, tp: bool, policy: str) -> dict:
     """``kvpass.compile`` (eager compiler) on a fresh copy of the model, then ``generate`` on prompts of every
-    ``LENGTHS``: the new tokens of each and the graphs the backend compiled per phase."""
+    ``LENGTHS`` and the same prompts through a ``RequestQueue`` of two rows: the new tokens of each and the
+    graphs the backend compiled per phase."""
     model = load(path, tp)
     torch._dynamo.reset()
     be = kvpass.compile(model, policy, compiler="eager", **({} if policy == "full" else CONFORMANCE[policy].demanding))
@@ -115,7 +116,14 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
         ids = torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
         out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         tokens.append(out[0, n:].tolist())
-    return {"tokens": tokens, "graphs": be.graph_counts(),
+    graphs = be.graph_counts()
+    # the same prompts admitted into a running batch of two rows (kvpass.RequestQueue: a graph per phase for its
+    # batch of two)
+    queue = kvpass.RequestQueue(model, max_batch=2, eos_token_id=None)
+    for n in LENGTHS:
+        queue.add(torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE), max_new_tokens=NEW)
+    queued = [t[-NEW:].tolist() for t in queue.run(progress=False)]
+    return {"tokens": tokens, "queued": queued, "graphs": graphs, "graphs_with_queue": be.graph_counts(),
             "kv_heads": sorted({int(c.layers[0].keys.shape[1]) for c in model.generate.caches.values()})}
 
 
