@@ -21,6 +21,12 @@ peak_gib, kv_row_mib, compile_s, prefill_s, wall_s}``; ``tokens_per_s`` counts n
 (prefill included), ``decode_tokens_per_s`` over the time outside prefills. cuDNN SDPA is off.
 
     python bench/bench_throughput.py --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4 --out t.json
+
+Two GPUs (issue 39): the model saved once by ``bench/bench_tp.py save --dir D``, then
+``torchrun --nproc_per_node 2 bench/bench_throughput.py --dir D ...``: each rank loads it with transformers'
+tensor-parallel plan (half the heads and half the MLP per GPU), caps its own GPU the same way (its share of the
+weights + ``--kv-gib`` + ``--workspace-gib``) and runs the same queue; rank 0 writes the rows. ``--dir`` without
+torchrun loads the same saved model on one GPU, for the comparison in the same job.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import platform
 import sys
 import time
@@ -35,6 +42,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,6 +73,11 @@ def peak_gib() -> float:
 
 
 VOCAB = 100000
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel parameter (a DTensor), or the parameter itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def prompts(n: int, length: int) -> list[torch.Tensor]:
@@ -186,22 +199,40 @@ def main() -> None:
     ap.add_argument("--stacks-after", type=float, default=None,
                     help="print every thread's stack every this many seconds (where a slow baseline waits)")
     ap.add_argument("--tiny", action="store_true", help="the same layout at test size (a smoke run, CPU too)")
+    ap.add_argument("--dir", default=None, help="a model saved by bench/bench_tp.py save (needed under torchrun)")
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
     if args.stacks_after:
         faulthandler.dump_traceback_later(args.stacks_after, repeat=True)
     torch.backends.cuda.enable_cudnn_sdp(False)
-    model = random_llama(llama8b_config(args.layers, tiny=args.tiny), "cuda" if CUDA else "cpu",
-                         torch.bfloat16 if CUDA else torch.float32)
+    tp = "RANK" in os.environ   # under torchrun: this rank's half of a model saved with --dir
+    if tp:
+        if CUDA:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if CUDA else "gloo")
+    if args.dir:
+        from kvpass.eval.models import tensor_parallel_kwargs
+        model = tf.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16 if CUDA else torch.float32,
+                                                        **(tensor_parallel_kwargs() if tp else {})).eval()
+        if not tp:
+            model.to("cuda" if CUDA else "cpu")
+    elif tp:
+        raise SystemExit("bench_throughput.py under torchrun needs --dir (a model saved by bench/bench_tp.py save)")
+    else:
+        model = random_llama(llama8b_config(args.layers, tiny=args.tiny), "cuda" if CUDA else "cpu",
+                             torch.bfloat16 if CUDA else torch.float32)
+    world = dist.get_world_size() if tp else 1
+    rank = dist.get_rank() if tp else 0
     model.generation_config.pad_token_id = 0
     cfg = model.config
     global VOCAB
     VOCAB = min(VOCAB, cfg.vocab_size)
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 // world   # this GPU's share
+    weights = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     cap = weights + (args.kv_gib + args.workspace_gib) * GIB
     if CUDA:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+        dev = torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(dev).total_memory))
     kv_bytes = int(args.kv_gib * GIB)
     meta = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu", "torch": torch.__version__, "transformers": tf.__version__,
             "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
@@ -209,7 +240,8 @@ def main() -> None:
             "shape": "Llama-3.1-8B (random weights), bf16", "workload": args.workload, "context": args.context,
             "new_tokens": args.new, "requests": args.requests, "budget": args.budget,
             "cap_gib": round(cap / GIB, 2), "weights_gib": round(weights / GIB, 2), "kv_gib": args.kv_gib,
-            "workspace_gib": args.workspace_gib, "cudnn_sdpa": False}
+            "workspace_gib": args.workspace_gib, "cudnn_sdpa": False, "gpus": world,
+            "model": args.dir or "random_llama"}
     rows = []
     runs = [(p, lambda p=p: kvpass_row(model, p, args, kv_bytes)) for p in args.policies.split(",") if p]
     runs += [(b, {"hf_static": lambda: hf_static_row(model, args, kv_bytes, per_token),
@@ -226,8 +258,12 @@ def main() -> None:
         if CUDA:   # what the next row starts from: the weights alone, or a leak
             row["left_allocated_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if tp:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,19 +9,27 @@
 #      cap before (64) and now (256), and the whole shape (32, 8): does the cap explain part of the TP step?
 #   S: full and snapkv at 128k on two GPUs with NCCL's all_reduce, then with symmetric memory's one-shot
 #      all-reduce lowered by Inductor (bench_tp.py --one-shot), for the all-reduce share of the step
+#   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
+#      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, K, G or S}" in
+case "${1:?call T1, T2, K, G, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   K) for hs in 16,4 32,8; do for cap in 64 256; do
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
          --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
   G) timeout 560 python -m pytest -q -x tests/gpu/test_gpu_tp.py 2>&1 | tail -15; exit ;;
+  P) d=/tmp/kvpass_llama8b_l8
+     [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
+     common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies full,snapkv --baselines= --max-waves 2"
+     timeout 250 python bench/bench_throughput.py $common --out $out/tput_one_gpu.json 2>&1 | grep '^{' | cut -c1-400
+     timeout 280 torchrun --nproc_per_node 2 bench/bench_throughput.py $common --out $out/tput_two_gpu.json 2>&1 \
+       | grep '^{' | cut -c1-400; exit ;;
   S) [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
      for flag in "" --one-shot; do
        timeout 250 torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $ckpt --contexts 131072 \
