@@ -98,12 +98,13 @@ def two_ranks(root, family: str, device: str):
     return r0, r1
 
 
-def _runs(ranks, key):
+def _runs(ranks, key, part="tp", single="single", why="the llama runs every policy on a DynamicCache and "
+          "ON_SLOTS on a SlotCache, the second family the policies whose decisions span heads"):
+    """Rank 0's, rank 1's and the one-process run of ``key`` in ``part``, none of them an error."""
     r0, r1 = ranks
-    if key not in r0["tp"]:
-        pytest.skip(f"{key}: not run (CI time: the llama runs every policy on a DynamicCache and ON_SLOTS on a "
-                    f"SlotCache, the second family the policies whose decisions span heads)")
-    tp0, tp1, one = r0["tp"][key], r1["tp"][key], r0["single"][key]
+    if key not in r0[part]:
+        pytest.skip(f"{key}: not run for this family (CI time: {why})")
+    tp0, tp1, one = r0[part][key], r1[part][key], r0[single][key]
     for what, run in (("rank 0", tp0), ("rank 1", tp1), ("one process", one)):
         assert "error" not in run, f"{key} on {what}: {run.get('error')}"
     return tp0, tp1, one
@@ -146,11 +147,7 @@ def test_inductor_compiles_the_gathers(ranks):
 @pytest.mark.parametrize("policy", FUSION_RUNS)
 def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
     r0, r1 = ranks
-    if policy not in r0["fusion"]:
-        pytest.skip(f"{policy}: not run for this family (CI time: the llama runs every fusion policy)")
-    tp0, tp1, one = r0["fusion"][policy], r1["fusion"][policy], r0["single_fusion"][policy]
-    for what, run in (("rank 0", tp0), ("rank 1", tp1), ("one process", one)):
-        assert "error" not in run, f"{policy} on {what}: {run.get('error')}"
+    tp0, tp1, one = _runs(ranks, policy, "fusion", "single_fusion", "the llama runs every fusion policy")
     # the recompute set spans the heads (a3: the question's attention, cacheblend: key deviation, summed over
     # every head of every rank); a3+evict's kept documents are per KV head
     assert tp0["recompute"] == tp1["recompute"] == one["recompute"], f"{policy}: another recompute set"
@@ -166,12 +163,7 @@ def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
 
 @pytest.mark.parametrize("policy", COMPILED)
 def test_kvpass_compile_on_two_ranks_compiles_once_for_every_length(ranks, policy):
-    r0, r1 = ranks
-    if policy not in r0["compiled"]:
-        pytest.skip(f"{policy}: not run through kvpass.compile for this family (CI time: the llama runs it)")
-    tp0, tp1, one = r0["compiled"][policy], r1["compiled"][policy], r0["single_compiled"][policy]
-    for what, run in (("rank 0", tp0), ("rank 1", tp1), ("one process", one)):
-        assert "error" not in run, f"{policy} on {what}: {run.get('error')}"
+    tp0, tp1, one = _runs(ranks, policy, "compiled", "single_compiled", "the llama runs kvpass.compile")
     assert tp0["tokens"] == tp1["tokens"] == one["tokens"], f"{policy}: tokens differ from one process"
     assert tp0["queued"] == tp1["queued"] == one["queued"], f"{policy}: a RequestQueue's tokens differ"
     assert tp0["graphs"] == tp1["graphs"] == one["graphs"] == {"prefill": 1, "decode": 1}, (tp0["graphs"], one["graphs"])

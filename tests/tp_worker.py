@@ -83,14 +83,20 @@ def generate(model, name: str, cache_kind: str) -> dict:
 
 def run_all(model, names: list[str], caches: list[str], share: slice = slice(None), on_slots=None) -> dict:
     """Every (cache, policy) run; ``on_slots``: the policies also run on a SlotCache (None: all)."""
-    out = {}
-    runs = [(c, n) for c in caches for n in names
+    runs = [f"{c}:{n}" for c in caches for n in names
             if not (c == "slot" and ("@" in n or (on_slots is not None and n not in on_slots)))]
-    for cache_kind, name in runs[share]:
+    return recorded(lambda key: generate(model, key.partition(":")[2], key.partition(":")[0]), runs[share])
+
+
+def recorded(fn, keys) -> dict:
+    """``fn(key)`` for every key; a run that raises is recorded as its error (the test names the run and the
+    error) and the others go on."""
+    out = {}
+    for key in keys:
         try:
-            out[f"{cache_kind}:{name}"] = generate(model, name, cache_kind)
-        except Exception as e:  # recorded: the test names the policy and the error
-            out[f"{cache_kind}:{name}"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+            out[key] = fn(key)
+        except Exception as e:
+            out[key] = {"error": f"{type(e).__name__}: {e}"[:1000]}
     return out
 
 
@@ -127,16 +133,6 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
             "kv_heads": sorted({int(c.layers[0].keys.shape[1]) for c in model.generate.caches.values()})}
 
 
-def compile_all(path: str, tp: bool, policies: list[str]) -> dict:
-    out = {}
-    for policy in policies:
-        try:
-            out[policy] = compile_once(path, tp, policy)
-        except Exception as e:  # recorded: the test names the policy and the error
-            out[policy] = {"error": f"{type(e).__name__}: {e}"[:1000]}
-    return out
-
-
 FUSION = {"a3": {"ratio": 0.3}, "a3+evict": {"ratio": 0.3, "capacity": 24}, "cacheblend": {"ratio": 0.3},
           "legolink": {"prefix": 4}, "pie": {}, "full_reuse": {}}
 FUSION_RUNS = list(FUSION) + ["a3+evict:slot"]   # ``policy`` or ``policy:cache``
@@ -164,16 +160,6 @@ def fuse(model, store_dir: str, name: str) -> dict:
             "stored": fusion.store.stats()["disk_entries"]}
 
 
-def fuse_all(model, store_dir: str, runs: list[str]) -> dict:
-    out = {}
-    for name in runs:
-        try:
-            out[name] = fuse(model, store_dir, name)
-        except Exception as e:  # recorded: the test names the policy and the error
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -197,14 +183,14 @@ def main() -> None:
     result = {"tp": run_all(load(args.model, tp=True), names, caches, on_slots=on_slots)}
     split = load(args.model, tp=True)
     result["explain"] = explained(split)
-    result["fusion"] = fuse_all(split, os.path.join(args.out, "store_tp"), runs)   # one store directory, both ranks
+    result["fusion"] = recorded(lambda r: fuse(split, os.path.join(args.out, "store_tp"), r), runs)   # one store, both ranks
     result["pinned"] = kvpass.ChunkStore(os.path.join(args.out, "store_tp"), split, fingerprint="pinned").fingerprint
     compiled = [p for p in args.compiled.split(",") if p]
-    result["compiled"] = compile_all(args.model, True, compiled)
-    result["single_compiled"] = compile_all(args.model, False, compiled[rank::2])
+    result["compiled"] = recorded(lambda p: compile_once(args.model, True, p), compiled)
+    result["single_compiled"] = recorded(lambda p: compile_once(args.model, False, p), compiled[rank::2])
     whole = load(args.model, tp=False)
     result["single"] = run_all(whole, names, caches, slice(rank, None, 2), on_slots)
-    result["single_fusion"] = fuse_all(whole, os.path.join(args.out, f"store_{rank}"), runs[rank::2])
+    result["single_fusion"] = recorded(lambda r: fuse(whole, os.path.join(args.out, f"store_{rank}"), r), runs[rank::2])
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
