@@ -57,39 +57,17 @@ def _graph(module, *args):
 
 def test_identical_layers_call_one_subgraph_and_compute_the_same():
     torch.manual_seed(0)
-    stack, x = Stack(), torch.randn(2, 8)
-    bufs = [torch.zeros(3) for _ in range(3)]
-    gm, _ = _graph(stack, x, bufs)
-    want_bufs = [b.clone() for b in bufs]
-    want = gm(*_flat(gm, stack, x, want_bufs))
+    gm, inputs = _graph(Stack(), torch.randn(2, 8), [torch.zeros(3) for _ in range(3)])
+    want_in = [a.clone() for a in inputs]          # Dynamo hands the backend the real inputs, in graph order
+    want = gm(*want_in)
     assert share_layers(gm) == 3
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     assert len(calls) == 3 and len({n.args[1] for n in calls}) == 1   # three calls of one subgraph
-    got_bufs = [b.clone() for b in bufs]
-    got = gm(*_flat(gm, stack, x, got_bufs))
+    got_in = [a.clone() for a in inputs]
+    got = gm(*got_in)
     torch.testing.assert_close(got, want)
-    for g, w in zip(got_bufs, want_bufs):
+    for g, w in zip(got_in, want_in):
         torch.testing.assert_close(g, w)                                 # the in-place writes happened
-
-
-def _flat(gm, stack, x, bufs):
-    """The graph's inputs in placeholder order, from their Dynamo source names."""
-    params = dict(stack.named_parameters())
-    out = []
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        name = n.name.lower()
-        if "bufs" in name:
-            out.append(bufs[int(name.split("bufs_")[1].split("_")[0])])
-        elif "layers" in name:
-            i = int(name.split("layers_modules_")[1].split("_")[0])
-            part = "up" if "modules_up" in name else "down"
-            kind = "weight" if name.endswith("weight_") else "bias"
-            out.append(params[f"layers.{i}.{part}.{kind}"])
-        else:
-            out.append(x)
-    return out
 
 
 def test_the_shared_copy_keeps_what_tells_static_inputs_apart():
