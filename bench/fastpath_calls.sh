@@ -216,6 +216,17 @@ Z)   # next session, first call, two GPUs (lanes): the shared-layer fixes of ses
       "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-Z1 timeout 120 python bench/probe_compile.py --memo --out \$LANE/probe_memo.json; $T $F tests/gpu/test_gpu_admission.py -k 'decode_loop or queue'"
   grep -hE "^\{|passed|failed" "$OUT"/lane*.log | cut -c1-400
   exit ;;
+W)   # session 52, first call, four GPUs (lanes): Z's two lanes (the shared-layer fixes, AOTAutograd's time with and
+     # without a TTIR memo) beside Z2's (the rest of tests/gpu but the asl/foundation/hostile and two-GPU files)
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  F=tests/gpu/test_gpu_slot_cache.py
+  bash bench/lanes.sh "$OUT" 560 \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W0 timeout 120 python bench/probe_compile.py --out \$LANE/probe_plain.json; $T $F -k 'compile_once or sliding'" \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W1 timeout 120 python bench/probe_compile.py --memo --out \$LANE/probe_memo.json; $T $F tests/gpu/test_gpu_admission.py -k 'decode_loop or queue'" \
+      "$T $F -k replay_equals" \
+      "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py"
+  grep -hE "^\{|passed|failed" "$OUT"/lane*.log | cut -c1-400
+  exit ;;
 Z2)  # next session, two GPUs: the rest of tests/gpu but the two-GPU file
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   bash bench/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
