@@ -12,7 +12,8 @@ function marked in model code; here the backend marks the layers itself, so no m
 
 A layer whose form differs (a dense first layer, a gate layer, another capacity pattern) gets its own
 subgraph, or stays inline if it is the only one of its form; a layer that writes through a mutating
-``triton_op`` stays inline (``_blocked``). The kvpass operators a rewrite inserts carry
+``triton_op`` stays inline (``_blocked``), and so does a layer that writes a tensor (its cache) that
+a node outside it reads (``_read_outside``). The kvpass operators a rewrite inserts carry
 no module of their own; they belong to the layer around them. A graph whose layers are not contiguous
 runs of nodes, or that holds module attributes, is left as it is (``share_layers`` returns 0).
 """
@@ -143,6 +144,31 @@ def _blocked(layer: _Layer) -> bool:
     return False
 
 
+def _written(layer: _Layer) -> list[int]:
+    """Positions of the inputs the layer writes in place (its cache), found by running its subgraph on fake
+    copies of its inputs and reading their version counters (the writes may sit in a Python function the
+    rewrite put in the graph, whose effects no schema declares)."""
+    values = [_value(a) for a in layer.inputs]
+    mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return list(range(len(values)))  # nothing to run on: every input counts as written
+    with mode:
+        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                 if isinstance(v, torch.Tensor) else v for v in values]
+        before = [f._version if isinstance(f, torch.Tensor) else None for f in fakes]
+        _subgraph(layer)(*fakes)
+    return [k for k, f in enumerate(fakes) if isinstance(f, torch.Tensor) and f._version != before[k]]
+
+
+def _read_outside(layer: _Layer, written: list[int]) -> bool:
+    """Whether a tensor the layer writes is also read by a node outside the layer (e.g. the position of the
+    step taken from layer 0's token count). Such a layer stays inline: Inductor does not see the writes
+    inside a subgraph call, and may compute that outside read after the call (torch 2.11 and 2.13; on the
+    Gemma-3 shape the global layer's RoPE then used the next position)."""
+    run = set(layer.run)
+    return any(u not in run for k in written for u in layer.inputs[k].users)
+
+
 def _mutating_triton_ops() -> dict[str, str]:
     """Short name -> qualified name of every registered ``triton_op`` that writes to an argument."""
     registered = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels", {})
@@ -218,7 +244,14 @@ def share_layers(gm: fx.GraphModule) -> int:
     forms: dict[tuple, list[_Layer]] = {}
     for lay in layers:
         forms.setdefault(lay.form, []).append(lay)
-    groups = [g for g in forms.values() if len(g) > 1 and not _blocked(g[0])]
+    groups = []
+    for group in forms.values():
+        if len(group) < 2 or _blocked(group[0]):
+            continue
+        written = _written(group[0])
+        group = [lay for lay in group if not _read_outside(lay, written)]
+        if len(group) > 1:
+            groups.append(group)
     # every subgraph is built before any layer is replaced: a replacement rewires the next layer's nodes
     for k, group in enumerate(groups):
         gm.register_module(f"kvpass_layer_{k}", _subgraph(group[0]))
