@@ -227,6 +227,19 @@ W)   # session 52, first call, four GPUs (lanes): Z's two lanes (the shared-laye
       "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py"
   grep -hE "^\{|passed|failed" "$OUT"/lane*.log | cut -c1-400
   exit ;;
+W2)  # session 52, second call, four GPUs: the compile time alone on its GPU (32 layers: full in a first process and a
+     # second on its caches, snapkv first); the GPU tests W left (the sliding replay after the shared-layer fix, the
+     # last a3 test) and the asl/foundation/hostile files; 8 layers at 33k for every policy; 32 layers at 130k
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  F=tests/gpu/test_gpu_slot_cache.py
+  B='python bench/bench_fastpath.py --prefill-compiler eager'
+  bash bench/lanes.sh "$OUT" 570 \
+      "export TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W2; for p in 1 2; do $B --layers 32 --lengths 2000,33000 --policies full --out \$LANE/l32_full_process\$p.json > \$LANE/l32_full_process\$p.log 2>&1; done; TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W2b $B --layers 32 --lengths 2000,33000 --policies snapkv --out \$LANE/l32_snapkv_process1.json > \$LANE/l32_snapkv_process1.log 2>&1; grep -h '^{' \$LANE/*.log | cut -c1-300" \
+      "$T $F -k sliding tests/gpu/test_gpu_a3.py -k 'sliding or slot_decode_cuda_graphs'; $T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
+      "$B --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --out \$LANE/l8_33k.json > \$LANE/l8_33k.log 2>&1; grep -h '^{' \$LANE/l8_33k.log | cut -c1-300" \
+      "$B --layers 32 --lengths 2000,130000 --policies full,snapkv,raas --out \$LANE/l32_130k.json > \$LANE/l32_130k.log 2>&1; grep -h '^{' \$LANE/l32_130k.log | cut -c1-300"
+  grep -hE "passed|failed" "$OUT"/lane*.log
+  exit ;;
 Z2)  # next session, two GPUs: the rest of tests/gpu but the two-GPU file
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   bash bench/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
