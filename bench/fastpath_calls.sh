@@ -235,7 +235,7 @@ W2)  # session 52, second call, four GPUs: the compile time alone on its GPU (32
   B='python bench/bench_fastpath.py --prefill-compiler eager'
   bash bench/lanes.sh "$OUT" 570 \
       "export TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W2; for p in 1 2; do $B --layers 32 --lengths 2000,33000 --policies full --out \$LANE/l32_full_process\$p.json > \$LANE/l32_full_process\$p.log 2>&1; done; TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W2b $B --layers 32 --lengths 2000,33000 --policies snapkv --out \$LANE/l32_snapkv_process1.json > \$LANE/l32_snapkv_process1.log 2>&1; grep -h '^{' \$LANE/*.log | cut -c1-300" \
-      "$T $F -k sliding tests/gpu/test_gpu_a3.py -k 'sliding or slot_decode_cuda_graphs'; $T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
+      "$T $F tests/gpu/test_gpu_a3.py -k 'sliding_layers or slot_decode_cuda_graphs'; $T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
       "$B --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --out \$LANE/l8_33k.json > \$LANE/l8_33k.log 2>&1; grep -h '^{' \$LANE/l8_33k.log | cut -c1-300" \
       "$B --layers 32 --lengths 2000,130000 --policies full,snapkv,raas --out \$LANE/l32_130k.json > \$LANE/l32_130k.log 2>&1; grep -h '^{' \$LANE/l32_130k.log | cut -c1-300"
   grep -hE "passed|failed" "$OUT"/lane*.log
