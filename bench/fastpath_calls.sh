@@ -240,11 +240,13 @@ W2)  # session 52, second call, four GPUs: the compile time alone on its GPU (32
       "$B --layers 32 --lengths 2000,130000 --policies full,snapkv,raas --out \$LANE/l32_130k.json > \$LANE/l32_130k.log 2>&1; grep -h '^{' \$LANE/l32_130k.log | cut -c1-300"
   grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
-W3)  # session 52, third call, four GPUs as two pairs (issue 39): tests/gpu/test_gpu_tp.py on GPUs 0-1; the 32-layer
-     # step at 128k on one GPU and on two (full, snapkv, asl) on GPUs 2-3 (bench/tp_calls.sh T1)
-  bash bench/lanes.sh "$OUT" 575 \
-      'CUDA_VISIBLE_DEVICES=0,1 OUT=$LANE bash bench/tp_calls.sh G > $LANE/G.txt 2>&1; tail -15 $LANE/G.txt' \
-      'CUDA_VISIBLE_DEVICES=2,3 CONFIGS=full,snapkv,asl@layer=8 ONE_S=200 TWO_S=220 OUT=$LANE bash bench/tp_calls.sh T1'
+W3)  # session 52, last call (580 s of device time left), four GPUs: the GPU tests W2's cut left (the Inductor
+     # families, streamingllm, the hostile cases) on GPUs 0 and 1; tests/gpu/test_gpu_tp.py on GPUs 2-3
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  bash bench/lanes.sh "$OUT" 400 "$T tests/gpu/test_gpu_foundation.py -k full_inductor" \
+      "$T tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py -k 'streamingllm_generate or case7'" \
+      'CUDA_VISIBLE_DEVICES=2,3 timeout 390 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py'
+  grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
 Z2)  # next session, two GPUs: the rest of tests/gpu but the two-GPU file
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
