@@ -25,6 +25,7 @@ import re
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _INDEXED = re.compile(r"(.*?)(?:\.(\d+)|\[(\d+)\])")
 
@@ -145,19 +146,53 @@ def _blocked(layer: _Layer) -> bool:
 
 
 def _written(layer: _Layer) -> list[int]:
-    """Positions of the inputs the layer writes in place (its cache), found by running its subgraph on fake
-    copies of its inputs and reading their version counters (the writes may sit in a Python function the
-    rewrite put in the graph, whose effects no schema declares)."""
-    values = [_value(a) for a in layer.inputs]
-    mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-    if mode is None:
-        return list(range(len(values)))  # nothing to run on: every input counts as written
-    with mode:
-        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                 if isinstance(v, torch.Tensor) else v for v in values]
-        before = [f._version if isinstance(f, torch.Tensor) else None for f in fakes]
-        _subgraph(layer)(*fakes)
-    return [k for k, f in enumerate(fakes) if isinstance(f, torch.Tensor) and f._version != before[k]]
+    """Positions of the inputs the layer may write in place (its cache): an input shares its storage with a
+    tensor that a node of the layer writes (``_writes``). Read from the example values Dynamo attached, which
+    keep views on their input's storage; nothing is run."""
+    inputs: dict = {}
+    for k, a in enumerate(layer.inputs):
+        v = _value(a)
+        if isinstance(v, torch.Tensor):
+            inputs.setdefault(_storage(v), []).append(k)
+    out: set[int] = set()
+    for n in layer.run:
+        for v in _writes(n):
+            out.update(inputs.get(_storage(v), ()))
+    return sorted(out)
+
+
+def _storage(v: torch.Tensor):
+    return StorageWeakRef(v.untyped_storage())
+
+
+def _writes(n: fx.Node) -> list[torch.Tensor]:
+    """The tensors a node may write: an in-place method's or function's first argument (``x.add_``,
+    ``torch.Tensor.copy_``, ``x[i] = y``), an ``out=``, an operator's arguments its schema marks written, and
+    every tensor passed to a Python function of no torch namespace (the rewrite's cache writes and policy
+    hooks, whose effects nothing declares)."""
+    def tensors(a):
+        found = []
+        fx.node.map_aggregate(a, lambda x: found.append(_value(x)) if isinstance(x, fx.Node) else None)
+        return [v for v in found if isinstance(v, torch.Tensor)]
+    t = n.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    first = tensors(n.args[:1])
+    if n.op == "call_method":
+        return first if name.endswith("_") and not name.endswith("__") else []
+    if n.op != "call_function":
+        return []
+    written = tensors(n.kwargs.get("out"))
+    if isinstance(t, torch._ops.OpOverload):
+        for k, arg in enumerate(t._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written += tensors(n.args[k] if k < len(n.args) else n.kwargs.get(arg.name))
+        return written
+    if t is operator.setitem or (name.endswith("_") and not name.endswith("__")):
+        return written + first
+    module = getattr(t, "__module__", None) or ""
+    if module.split(".")[0] in ("torch", "_operator", "operator", "builtins", "math"):
+        return written
+    return tensors((n.args, n.kwargs))
 
 
 def _read_outside(layer: _Layer, written: list[int]) -> bool:
