@@ -32,8 +32,8 @@ import pytest
 import torch
 import transformers as tf
 
-from conformance import CONFORMANCE
-from families import COMMON, build
+from conformance import CONFORMANCE, UNEVEN
+from families import COMMON, build, skip_uneven_layers_on_old_stacks
 from tp_worker import FUSION_RUNS
 
 HERE = os.path.dirname(__file__)
@@ -102,6 +102,9 @@ def _runs(ranks, key, part="tp", single="single", why="the llama runs every poli
           "ON_SLOTS on a SlotCache, the second family the policies whose decisions span heads"):
     """Rank 0's, rank 1's and the one-process run of ``key`` in ``part``, none of them an error."""
     r0, r1 = ranks
+    cache, _, policy = key.partition(":")
+    if cache == "dynamic" and policy in CONFORMANCE and CONFORMANCE[policy].unpadded == UNEVEN:
+        skip_uneven_layers_on_old_stacks(policy)   # the GPU machine's transformers 5.17: the model's own trace fails
     if key not in r0[part]:
         pytest.skip(f"{key}: not run for this family (CI time: {why})")
     tp0, tp1, one = r0[part][key], r1[part][key], r0[single][key]
