@@ -93,6 +93,7 @@ def recorded(fn, keys) -> dict:
     error) and the others go on."""
     out = {}
     for key in keys:
+        print(f"tp_worker: {key}", flush=True)   # a run that kills the process (a device-side assert) is the last named
         try:
             out[key] = fn(key)
         except Exception as e:
