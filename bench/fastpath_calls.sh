@@ -248,6 +248,24 @@ W3)  # session 52, last call (580 s of device time left), four GPUs: the GPU tes
       'CUDA_VISIBLE_DEVICES=2,3 timeout 390 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py'
   grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
+Y)   # next session (53), four GPUs: the GPU tests of session 52's last shared-layer change (what a layer writes, read
+     # off the graph: test_gpu_hostile errored on the version before it) and the compile-once / sliding paths; 32
+     # layers at 130k beside full; tests/gpu/test_gpu_tp.py on GPUs 2-3 (each run is named on stdout before it starts)
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  B='python bench/bench_fastpath.py --prefill-compiler eager'
+  bash bench/lanes.sh "$OUT" 575 "$T tests/gpu/test_gpu_hostile.py tests/gpu/test_gpu_slot_cache.py -k 'case7 or sliding or compile_once'" \
+      "$B --layers 32 --lengths 2000,130000 --policies full,quest,streamingllm,h2o --out \$LANE/l32_130k_a.json > \$LANE/l32_130k_a.log 2>&1; grep -h '^{' \$LANE/l32_130k_a.log | cut -c1-300" \
+      'CUDA_VISIBLE_DEVICES=2,3 timeout 560 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py'
+  grep -hE "passed|failed" "$OUT"/lane*.log
+  exit ;;
+Y2)  # next session, four GPUs: the other policies at 32 layers and 130k beside full; issue 39's 128k step on one GPU
+     # and on two (bench/tp_calls.sh T1) on GPUs 2-3
+  B='python bench/bench_fastpath.py --prefill-compiler eager'
+  bash bench/lanes.sh "$OUT" 575 \
+      "$B --layers 32 --lengths 2000,130000 --policies full,pyramidkv,asl,art --out \$LANE/l32_130k_b.json > \$LANE/l32_130k_b.log 2>&1; grep -h '^{' \$LANE/l32_130k_b.log | cut -c1-300" \
+      "$B --layers 32 --lengths 2000,130000 --policies full,raas --out \$LANE/l32_130k_c.json > \$LANE/l32_130k_c.log 2>&1; grep -h '^{' \$LANE/l32_130k_c.log | cut -c1-300" \
+      'CUDA_VISIBLE_DEVICES=2,3 CONFIGS=full,snapkv,asl@layer=8 ONE_S=240 TWO_S=280 OUT=$LANE bash bench/tp_calls.sh T1'
+  exit ;;
 Z2)  # next session, two GPUs: the rest of tests/gpu but the two-GPU file
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   bash bench/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
