@@ -11,9 +11,9 @@ once; the step calls it once per layer. (This is what ``torch.compiler.nested_co
 function marked in model code; here the backend marks the layers itself, so no model code changes.)
 
 A layer whose form differs (a dense first layer, a gate layer, another capacity pattern) gets its own
-subgraph, or stays inline if it is the only one of its form; a layer that writes through a mutating
-``triton_op`` stays inline (``_blocked``), and so does a layer that writes a tensor (its cache) that
-a node outside it reads (``_read_outside``). The kvpass operators a rewrite inserts carry
+subgraph, or stays inline if it is the only one of its form. A layer that writes through a custom operator
+(``_blocking``: raas's page stamp), or that writes a tensor (its cache) that a node outside it reads
+(``_read_outside``), stays inline. The kvpass operators a rewrite inserts carry
 no module of their own; they belong to the layer around them. A graph whose layers are not contiguous
 runs of nodes, or that holds module attributes, is left as it is (``share_layers`` returns 0).
 """
@@ -128,21 +128,19 @@ class _Layer:
         self.form = (tuple(steps), kinds, tuple(index[o] for o in self.outputs))
 
 
-def _blocked(layer: _Layer) -> bool:
-    """A layer that writes through a ``torch.library.triton_op`` (raas's page stamp) stays inline: AOTAutograd
-    decomposes such an operator into its body when it functionalizes, which it refuses inside a subgraph
-    ("a custom operator whose output has alias annotations", torch 2.11 and 2.13). The operator is either a
-    node's target or called by name from a Python function the rewrite put in the graph (a policy's slot
-    hook); a name shared by another operator only keeps a layer inline, which is always correct."""
-    names = _mutating_triton_ops()
-    for n in layer.run:
-        fn = n.target
-        if isinstance(fn, torch._ops.OpOverload):
-            if fn._name in names.values():
-                return True
-        elif callable(fn) and hasattr(fn, "__code__") and set(_names_used(fn.__code__)) & set(names):
-            return True
-    return False
+def _blocking(n: fx.Node, mutating: set[str]) -> bool:
+    """A node that writes through a custom (non-ATen) operator keeps its layer inline: AOTAutograd refuses such
+    an operator inside a subgraph ("a custom (non-ATen) operator whose output has alias annotations", torch 2.11
+    and 2.13; a ``triton_op`` too, and raas's page stamp is one). Sharing the layer's parts around the node fails
+    in Inductor instead (its fake-tensor update after reinplacing the node wants every call of a subgraph to
+    have the same size symbols, and each layer's cache has its own). The operator is either the node's target
+    or called by name from a Python function the rewrite put in the graph (a policy's slot hook); a name shared
+    by another operator only keeps a layer inline, which is always correct."""
+    fn = n.target
+    if isinstance(fn, torch._ops.OpOverload):
+        return fn._schema.is_mutable and fn.namespace != "aten"
+    code = getattr(fn, "__code__", None)
+    return code is not None and bool(set(_names_used(code)) & mutating)
 
 
 def _written(layer: _Layer) -> list[int]:
@@ -204,15 +202,15 @@ def _read_outside(layer: _Layer, written: list[int]) -> bool:
     return any(u not in run for k in written for u in layer.inputs[k].users)
 
 
-def _mutating_triton_ops() -> dict[str, str]:
-    """Short name -> qualified name of every registered ``triton_op`` that writes to an argument."""
-    registered = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels", {})
-    out = {}
-    for qualified in registered:
-        ns, _, short = qualified.partition("::")
-        op = getattr(getattr(getattr(torch.ops, ns, None), short, None), "default", None)
-        if op is not None and op._schema.is_mutable:
-            out[short] = qualified
+def _mutating_kvpass_ops() -> set[str]:
+    """Short names of kvpass's registered operators that write to an argument."""
+    out = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, _, name = qualified.partition("::")
+        if ns == "kvpass":
+            op = getattr(getattr(torch.ops.kvpass, name.split(".")[0], None), "default", None)
+            if op is not None and op._schema.is_mutable:
+                out.add(name.split(".")[0])
     return out
 
 
@@ -275,13 +273,14 @@ def share_layers(gm: fx.GraphModule) -> int:
     runs = _runs(nodes, _layer_tags(nodes))
     if not runs or len(runs) < 2:
         return 0
-    layers = [_Layer(run) for _, run in sorted(runs.items())]
+    mutating = _mutating_kvpass_ops()
+    layers = [_Layer(run) for _, run in sorted(runs.items()) if not any(_blocking(n, mutating) for n in run)]
     forms: dict[tuple, list[_Layer]] = {}
     for lay in layers:
         forms.setdefault(lay.form, []).append(lay)
     groups = []
     for group in forms.values():
-        if len(group) < 2 or _blocked(group[0]):
+        if len(group) < 2:
             continue
         written = _written(group[0])
         group = [lay for lay in group if not _read_outside(lay, written)]
