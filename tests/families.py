@@ -76,13 +76,16 @@ def build(family: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, s
 
 
 def skip_uneven_layers_on_old_stacks(policy: str) -> None:
-    """Skip a decode test of a policy whose layers keep different cache lengths (pyramidkv,
-    asl_fullkv) where transformers adds a decode mask sized by layer 0 to every layer under
-    torch.compile (transformers < 5.23, or torch < 2.13, whose Dynamo reports every compile as an
+    """Skip a decode test of a policy whose layers keep different cache lengths (pyramidkv, asl_fullkv:
+    ``UNEVEN`` in ``tests/conformance.py``; any other policy runs) where transformers adds a decode mask
+    sized by layer 0 to every layer under torch.compile (transformers < 5.23, or torch < 2.13, whose Dynamo reports every compile as an
     export): Dynamo cannot trace that model code (README, 'Known limit of pyramidkv')."""
     import pytest
     from packaging.version import Version
 
+    from conformance import CONFORMANCE, UNEVEN
+    if getattr(CONFORMANCE.get(policy), "unpadded", None) != UNEVEN:
+        return  # its layers keep one length
     if Version(tf.__version__) < Version("5.23") or Version(torch.__version__.split("+")[0]) < Version("2.13"):
         pytest.skip(f"transformers {tf.__version__} with torch {torch.__version__} sizes the decode mask by "
                     f"layer 0: {policy}'s uneven layers cannot be traced (README, 'Known limit of pyramidkv')")

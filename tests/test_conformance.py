@@ -23,8 +23,8 @@ import transformers as tf
 from transformers import DynamicCache
 
 import kvpass
-from conformance import CONFORMANCE, NEW, PROMPT, PUNCT, UNEVEN
-from families import build, skip_uneven_layers_on_old_stacks as _skip_uneven, symbolic_lengths
+from conformance import CONFORMANCE, NEW, PROMPT, PUNCT
+from families import build, skip_uneven_layers_on_old_stacks, symbolic_lengths
 from kvpass.policies import POLICIES
 
 PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
@@ -93,12 +93,6 @@ def close(got, ref):
 
 def test_every_policy_has_an_entry():
     assert set(CONFORMANCE) == set(POLICIES), "add the policy to tests/conformance.py"
-
-
-def skip_uneven_layers_on_old_stacks(policy: str) -> None:
-    """Only the policies whose layers keep different lengths fail on stacks that size the decode mask by layer 0."""
-    if CONFORMANCE[policy].unpadded == UNEVEN:
-        _skip_uneven(policy)
 
 
 @pytest.mark.parametrize("policy", by_policy(PLAIN))
