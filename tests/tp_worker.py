@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 import warnings
 
 import torch
@@ -97,6 +98,7 @@ def recorded(fn, keys) -> dict:
         try:
             out[key] = fn(key)
         except Exception as e:
+            traceback.print_exc()                   # the whole trace on stderr; the test shows its tail
             out[key] = {"error": f"{type(e).__name__}: {e}"[:1000]}
     return out
 
