@@ -271,6 +271,18 @@ def test_compile_refusals():
         kvpass.compile(model, "full", compiler="eager")
 
 
+def test_compile_refuses_a_module_backward_hook():
+    """transformers 5.17's tensor-parallel plan puts a full backward hook on Qwen3's q_norm / k_norm. Dynamo breaks
+    the graph there (it needs compiled autograd), kvpass then sees fragments and the SlotCache overflowed on the GPU
+    (a device-side assert, session 53): kvpass.compile refuses such a model up front, naming the module."""
+    model = build("llama")
+    handle = model.model.layers[1].self_attn.register_full_backward_hook(lambda *a: None)
+    with pytest.raises(kvpass.ConfigError, match=r"module 'model\.layers\.1\.self_attn' .*backward hook"):
+        kvpass.compile(model, "full", compiler="eager")
+    handle.remove()
+    kvpass.compile(model, "full", compiler="eager")
+
+
 def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     """Past Dynamo's recompile limit (here 2: batch 1 takes both graphs, batch 2 needs more), the error says
     kvpass, what compiles graphs and what to do, instead of torch's bare FailOnRecompileLimitHit."""

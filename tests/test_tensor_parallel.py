@@ -93,6 +93,8 @@ def two_ranks(root, family: str, device: str):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     r0, r1 = (json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))
+    if "skip" in r0:   # the model cannot be compiled as one graph on this transformers (the worker says why)
+        pytest.skip(r0["skip"])
     for part in ("single", "single_fusion", "single_compiled"):   # each rank ran half of the one-process references
         r0[part].update(r1[part])
     return r0, r1

@@ -131,6 +131,15 @@ class FastGenerate:
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
 
 
+def backward_hooked(model) -> str | None:
+    """The name of the first submodule of ``model`` with a module-level backward hook (``register_full_backward_hook``
+    or ``register_full_backward_pre_hook``), or None. Dynamo breaks the graph at such a module."""
+    for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            return name or type(module).__name__
+    return None
+
+
 def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = "inductor",
             prefill_compiler: str | None = None, fullgraph: bool = False, **params) -> Backend:
     """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path.
@@ -156,6 +165,14 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise ConfigError(f"kvpass.compile: parameter 'model' must be a transformers model with generate(), "
                           f"got {type(model).__name__}")
+    hooked = backward_hooked(model)
+    if hooked is not None:
+        raise ConfigError(
+            f"kvpass.compile: module '{hooked}' of the model has a module-level backward hook, which Dynamo cannot "
+            f"trace without compiled autograd: the forward would split into several graphs and the policy could not "
+            f"run on them. transformers' tensor-parallel plan registers such hooks on some versions (5.17 for "
+            f"'replicated_with_grad_allreduce' modules, e.g. Qwen3's q_norm / k_norm; 5.24 uses parameter hooks, "
+            f"which Dynamo traces); remove the hook or use a transformers version without it")
     be = backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, **params)
     needs = be.policy.needs
     if needs.slot_rule is None or not needs.slot_prefill:
