@@ -8,6 +8,8 @@ compiles; ``mode="reduce-overhead"``: decode steps replay CUDA graphs per rank),
 the first call's time (prefill and compilation), TPOT (mean of ``--steps`` steps after 8 warm-up steps), peak memory and KV bytes of each GPU, and the
 decisions: a digest of the positions every (layer, KV head) holds after the last step (gathered over the ranks in
 head order) and the greedy tokens. ``compare`` writes the ratios (two GPUs / one GPU) and how many digests agree.
+With ``--profile`` (GPU) each row also profiles a few more steps: the device time per step by kind of kernel
+(NCCL's all-reduce, kvpass's attention, matmuls, the rest), which ``compare`` lists beside the step's wall time.
 
     python bench/bench_tp.py save --dir /tmp/llama8b
     python bench/bench_tp.py run --dir /tmp/llama8b --out one_gpu.json
@@ -33,7 +35,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvpass  # noqa: E402
-from bench_decode_step import policy_of  # noqa: E402
+from bench_decode_step import PROFILE_STEPS, policy_of, profile_steps  # noqa: E402
 from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 
 WARMUP = 8
@@ -83,14 +85,14 @@ def digests(cache, tp: bool) -> list[int]:
 
 
 @torch.no_grad()
-def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: str) -> dict:
+def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: str, profile: bool = False) -> dict:
     policy, extra = policy_of(name)
     params = {} if policy in ("full", "art") else {"budget": budget}
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler=compiler, **params, **extra)
     mode = "reduce-overhead" if compiler == "inductor" else None
     fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=True)
-    n_new = WARMUP + steps + 2
+    n_new = WARMUP + steps + 2 + (PROFILE_STEPS if profile else 0)
     ctx = ids.shape[1]
 
     def new_cache():
@@ -126,11 +128,20 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
         pos = pos + 1
     sync()
     tpot = (time.perf_counter() - t) / steps
+    kernels = None
+    if profile and DEV == "cuda":   # PROFILE_STEPS more steps under torch.profiler (CUDA-graph replays included)
+        def step(nxt, pos, cache):
+            torch.compiler.cudagraph_mark_step_begin()
+            return fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+        kernels = profile_steps(step, nxt, pos, cache, top=1000)
     row = {"config": name, "context": ctx, "first_call_s": ttft, "tpot_ms": tpot * 1e3,
            "peak_GiB": peak_bytes() / 2**30, "kv_GiB": cache.kv_bytes() / 2**30,
            "tokens": torch.cat(tokens, 1)[0].tolist(), "digests": digests(cache, tp),
            "graphs": [(r.phase, r.cudagraphs) for r in be.reports], "plans": be.plans(),
            "tp": sorted({r.tp for r in be.reports}), "reductions": sorted({x for r in be.reports for x in r.reductions})}
+    if kernels is not None:
+        row["kernels"], row["device_ms_by_kind"] = kernels[:25], kinds_of(kernels)
     if be.gate_info:
         row["gate"] = {k: be.gate_info[k] for k in ("selection_layer", "kept")}
     if tp:   # every rank's peak and KV bytes
@@ -140,6 +151,24 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
         row["peak_GiB_per_rank"] = [float(p[0]) for p in parts]
         row["kv_GiB_per_rank"] = [float(p[1]) for p in parts]
     return row
+
+
+KINDS = (("all_reduce (NCCL)", ("nccl",)), ("attention (kvpass)", ("decode_attention", "kvpass")),
+         ("matmul", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "splitk")))
+
+
+def kinds_of(kernels: list) -> dict:
+    """A profile's device time per step (ms) by kind of kernel: NCCL's all-reduce, kvpass's attention kernels,
+    matrix multiplies, the rest (Inductor's fused elementwise kernels, copies); ``kernels[0]`` is the total, the
+    others every kernel of the profile. Kernel time on two GPUs overlaps nothing, so ``all kernels`` against the
+    step's wall time is the device's idle share."""
+    out = {name: 0.0 for name, _ in KINDS} | {"other": 0.0}
+    for k in kernels[1:]:
+        name = k["kernel"].lower()
+        kind = next((n for n, keys in KINDS if any(x in name for x in keys)), "other")
+        out[kind] += k["us_per_step"] / 1e3
+    out["all kernels"] = kernels[0]["us_per_step"] / 1e3
+    return out
 
 
 def run(args) -> None:
@@ -174,7 +203,7 @@ def run(args) -> None:
         for name in args.configs.split(","):
             t0 = time.perf_counter()
             try:
-                row = run_one(model, name, ids, args.steps, args.budget, tp, args.compiler)
+                row = run_one(model, name, ids, args.steps, args.budget, tp, args.compiler, args.profile)
             except Exception as e:  # a failed row is reported, the others go on
                 row = {"config": name, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:600]}"}
             row["wall_s"] = time.perf_counter() - t0
@@ -217,6 +246,15 @@ def compare(args) -> None:
         summary.append({"config": r["config"], "context": r["context"], "tpot_ratio": ratio,
                         "kv_ratio_per_gpu": max(r["kv_GiB_per_rank"]) / b["kv_GiB"],
                         "digests_equal": same / len(b["digests"]), "tokens_equal": toks / len(b["tokens"])})
+    profiled = [(r, base[key(r)]) for r in two["rows"] if "device_ms_by_kind" in r and "device_ms_by_kind" in
+                base.get(key(r), {})]
+    if profiled:   # --profile: device time per step by kind of kernel, one GPU against rank 0 of two
+        lines += ["", "Device time per step (ms) by kind of kernel (`--profile`; two GPUs: rank 0), beside the step:", "",
+                  "| policy | context | kind | 1 GPU | 2 GPUs |", "|---|---|---|---|---|"]
+        for r, b in profiled:
+            for kind, ms in r["device_ms_by_kind"].items():
+                lines.append(f"| {r['config']} | {r['context']} | {kind} | {b['device_ms_by_kind'][kind]:.3f} | {ms:.3f} |")
+            lines.append(f"| {r['config']} | {r['context']} | step (wall) | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps(summary))
@@ -240,6 +278,9 @@ def main() -> None:
     r.add_argument("--one-shot", action="store_true",
                    help="two GPUs: let Inductor lower the decode step's small all_reduces to symmetric memory's "
                         "one-shot all-reduce (torch._inductor.config._collective.auto_select); not yet measured")
+    r.add_argument("--profile", action="store_true",
+                   help="on a GPU: a kernel table of a few more steps per row and its device time by kind "
+                        "(all-reduce, attention, matmul, other), to see where a two-GPU step loses")
     c = sub.add_parser("compare")
     c.add_argument("one")
     c.add_argument("two")

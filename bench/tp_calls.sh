@@ -9,6 +9,8 @@
 #      cap before (64) and now (256), and the whole shape (32, 8): does the cap explain part of the TP step?
 #   S: full and snapkv at 128k on two GPUs with NCCL's all_reduce, then with symmetric memory's one-shot
 #      all-reduce lowered by Inductor (bench_tp.py --one-shot), for the all-reduce share of the step
+#   R: T1 with a kernel profile of each row (bench_tp.py --profile): device time per step by kind (NCCL's
+#      all-reduce, kvpass's attention, matmuls, the rest) on one GPU and on two, for where the two-GPU step loses
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -17,9 +19,10 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, K, G, P or S}" in
+case "${1:?call T1, T2, R, K, G, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
+  R) ctx=${ctx:-131072}; prof=--profile ;;
   K) for hs in 16,4 32,8; do for cap in 64 256; do
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
          --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
@@ -37,9 +40,10 @@ case "${1:?call T1, T2, K, G, P or S}" in
      done; exit ;;
 esac
 configs=${CONFIGS:-full,snapkv,raas,asl@layer=8}
+prof=${prof:-}
 [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
-timeout ${ONE_S:-230} python bench/bench_tp.py run --dir $ckpt --contexts $ctx --configs $configs \
+timeout ${ONE_S:-230} python bench/bench_tp.py run --dir $ckpt --contexts $ctx --configs $configs $prof \
   --out $out/one_gpu_$ctx.json 2>&1 | grep '^{\|Error' | cut -c1-600
-timeout ${TWO_S:-260} torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $ckpt --contexts $ctx --configs $configs \
+timeout ${TWO_S:-260} torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $ckpt --contexts $ctx --configs $configs $prof \
   --out $out/two_gpu_$ctx.json 2>&1 | grep '^{\|Error' | cut -c1-600
 python bench/bench_tp.py compare $out/one_gpu_$ctx.json $out/two_gpu_$ctx.json --out $out/tp_$ctx.md 2>&1 | tail -12
