@@ -258,6 +258,25 @@ Y)   # next session (53), four GPUs: the GPU tests of session 52's last shared-l
       'CUDA_VISIBLE_DEVICES=2,3 timeout 560 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py'
   grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
+V1)  # session 54, two GPUs (4-GPU kinds were no longer lent at the end of session 53): issue 36's rows still missing at
+     # 32 layers: art and h2o at 130k beside full (Y's and Y2's lanes ran out of time before them); five policies at 33k
+  B='python bench/bench_fastpath.py --prefill-compiler eager'
+  bash bench/lanes.sh "$OUT" 575 \
+      "$B --layers 32 --lengths 2000,130000 --policies full,art,h2o --out \$LANE/l32_130k_d.json > \$LANE/l32_130k_d.log 2>&1; grep -h '^{' \$LANE/l32_130k_d.log | cut -c1-300" \
+      "$B --layers 32 --lengths 2000,33000 --policies full,quest,streamingllm,asl,pyramidkv --out \$LANE/l32_33k_a.json > \$LANE/l32_33k_a.log 2>&1; grep -h '^{' \$LANE/l32_33k_a.log | cut -c1-300"
+  exit ;;
+V2)  # session 54, two GPUs: the rest of 32 layers at 33k (raas's first compile alone takes about 2 minutes) beside a
+     # regression run of the decoding loop, CUDA-graph replay and Inductor family GPU tests
+  B='python bench/bench_fastpath.py --prefill-compiler eager'
+  bash bench/lanes.sh "$OUT" 575 \
+      "$B --layers 32 --lengths 2000,33000 --policies full,raas,art,h2o --out \$LANE/l32_33k_b.json > \$LANE/l32_33k_b.log 2>&1; grep -h '^{' \$LANE/l32_33k_b.log | cut -c1-300" \
+      "python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_slot_cache.py -k 'decode_loop or replay_equals or full_inductor'"
+  exit ;;
+V3)  # session 54, two GPUs: tests/gpu/test_gpu_tp.py, then the two-GPU step's profile (bench/tp_calls.sh R, full)
+  timeout 360 python -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py > "$OUT/gpu_tp_tests.txt" 2>&1
+  grep -E "passed|failed" "$OUT/gpu_tp_tests.txt" | tail -3
+  CONFIGS=full ONE_S=100 TWO_S=120 bash bench/tp_calls.sh R
+  exit ;;
 Y2)  # next session, four GPUs: the other policies at 32 layers and 130k beside full; issue 39's 128k step on one GPU
      # and on two (bench/tp_calls.sh T1) on GPUs 2-3
   B='python bench/bench_fastpath.py --prefill-compiler eager'
