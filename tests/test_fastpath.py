@@ -280,6 +280,12 @@ def test_compile_refuses_a_module_backward_hook():
     with pytest.raises(kvpass.ConfigError, match=r"module 'model\.layers\.1\.self_attn' .*backward hook"):
         kvpass.compile(model, "full", compiler="eager")
     handle.remove()
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *a: None)   # a global one: every module
+    try:
+        with pytest.raises(kvpass.ConfigError, match=r"every module \(a global backward hook"):
+            kvpass.compile(model, "full", compiler="eager")
+    finally:
+        handle.remove()
     kvpass.compile(model, "full", compiler="eager")
 
 

@@ -190,7 +190,7 @@ def main() -> None:
     if hooked is not None:   # transformers 5.17's plan for Qwen3's q_norm / k_norm: Dynamo breaks the graph there
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump({"skip": f"transformers {transformers.__version__}'s tensor-parallel plan puts a module-level "
-                               f"backward hook on '{hooked}': Dynamo cannot compile the model as one graph "
+                               f"backward hook on {hooked}: Dynamo cannot compile the model as one graph "
                                f"(kvpass.compile refuses it); later versions use parameter hooks"}, f)
         dist.barrier()
         dist.destroy_process_group()

@@ -132,11 +132,15 @@ class FastGenerate:
 
 
 def backward_hooked(model) -> str | None:
-    """The name of the first submodule of ``model`` with a module-level backward hook (``register_full_backward_hook``
-    or ``register_full_backward_pre_hook``), or None. Dynamo breaks the graph at such a module."""
+    """Where ``model`` has a module-level backward hook (``register_full_backward_hook`` or
+    ``register_full_backward_pre_hook``), as ``"module 'name'"`` for the first such submodule, or ``"every module
+    (...)"`` for a global one; None without. Dynamo breaks the graph at such a module."""
+    import torch.nn.modules.module as mm
+    if mm._global_backward_hooks or mm._global_backward_pre_hooks:
+        return "every module (a global backward hook, torch.nn.modules.module.register_module_full_backward_hook)"
     for name, module in model.named_modules():
         if module._backward_hooks or module._backward_pre_hooks:
-            return name or type(module).__name__
+            return f"module '{name or type(module).__name__}'"
     return None
 
 
@@ -168,7 +172,7 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
     hooked = backward_hooked(model)
     if hooked is not None:
         raise ConfigError(
-            f"kvpass.compile: module '{hooked}' of the model has a module-level backward hook, which Dynamo cannot "
+            f"kvpass.compile: {hooked} of the model has a module-level backward hook, which Dynamo cannot "
             f"trace without compiled autograd: the forward would split into several graphs and the policy could not "
             f"run on them. transformers' tensor-parallel plan registers such hooks on some versions (5.17 for "
             f"'replicated_with_grad_allreduce' modules, e.g. Qwen3's q_norm / k_norm; 5.24 uses parameter hooks, "
