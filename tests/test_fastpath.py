@@ -289,6 +289,31 @@ def test_compile_refuses_a_module_backward_hook():
     kvpass.compile(model, "full", compiler="eager")
 
 
+def test_ordinary_generate_options_give_the_uncompiled_tokens():
+    """Calls a user makes that the fast path got wrong without a word (session 53's probe as a user): without a
+    cache every step reran the whole sequence into the SlotCache (wrong tokens from the second step); a list of
+    prompts took ``max_length`` as the queue's capacity (each output shorter than asked); no length at all, or a
+    length only in the generation config, failed with a TypeError. Each now equals the uncompiled model."""
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    ids = ids_of(5)
+    for kw in ({"max_new_tokens": 4, "use_cache": False}, {}, {"max_length": 12}):
+        want = ref.generate(ids, do_sample=False, **kw)
+        assert torch.equal(model.generate(ids, do_sample=False, **kw), want), kw
+    prompts = [ids_of(5)[0], ids_of(4)[0]]
+    outs = model.generate(prompts, max_length=26, do_sample=False)
+    for p, out in zip(prompts, outs):
+        assert torch.equal(out, ref.generate(p[None], max_length=26, do_sample=False)[0])
+    with pytest.raises(kvpass.ConfigError, match="max_new_tokens >= 1"):
+        model.generate(ids, max_new_tokens=0)
+    with pytest.raises(kvpass.ConfigError, match="leaves no new token"):
+        model.generate(prompts, max_length=5)
+    with pytest.raises(kvpass.ConfigError, match="output_attentions=True"):
+        model.generate(ids, max_new_tokens=3, output_attentions=True, return_dict_in_generate=True)
+    torch._dynamo.reset()
+
+
 def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     """Past Dynamo's recompile limit (here 2: batch 1 takes both graphs, batch 2 needs more), the error says
     kvpass, what compiles graphs and what to do, instead of torch's bare FailOnRecompileLimitHit."""

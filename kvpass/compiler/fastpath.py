@@ -12,9 +12,12 @@ that fits it resets and reuses it, so its slots keep their addresses and the rec
 replay. A capacity never enters the compiled code (the slots' capacity dimension is symbolic,
 ``kvpass.cache.slots``), so every prompt length runs on the one prefill graph and the one decode graph.
 
-A call that brings ``past_key_values``, or that ``generate`` cannot run on a SlotCache (beam search,
-assisted decoding), goes to the model's own ``generate`` unchanged; the compiled forward still applies
-the policy where it can, and refuses where it cannot.
+A call that brings ``past_key_values``, asks for no cache (``use_cache=False``) or for one of transformers'
+(``cache_implementation=``), or that ``generate`` cannot run on a SlotCache (beam search, assisted decoding),
+goes to the model's own ``generate`` unchanged; the compiled forward still applies the policy where it can,
+and refuses where it cannot. ``output_attentions=True`` is refused: the model's attention is replaced. A list
+of prompts goes through a ``RequestQueue``; its ``max_length`` means what ``generate``'s does (prompt plus new
+tokens, per prompt).
 """
 
 from __future__ import annotations
@@ -86,15 +89,22 @@ class FastGenerate:
         if isinstance(ids, (list, tuple)) and ids and not isinstance(ids[0], int) and not args:
             return self.many(ids, **kwargs)
         config = kwargs.get("generation_config") or self.model.generation_config
-        own = [k for k in _OWN_DECODING if (kwargs.get(k) if k in kwargs else getattr(config, k, None))
-               not in (None, 1, False)]
+
+        def option(name):   # a keyword wins over the generation config, as in transformers
+            return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+
+        if option("output_attentions"):
+            raise ConfigError("kvpass.compile: generate(output_attentions=True): kvpass replaces the model's attention, "
+                              "so there are no attention weights of the model's own to return (a decode step's would "
+                              "span the SlotCache's slots); generate with an uncompiled copy of the model for them")
+        own = [k for k in _OWN_DECODING if option(k) not in (None, 1, False)]
         if (args or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or own
-                or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None):
+                or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+                or option("use_cache") is False            # no cache: every step reruns the whole sequence
+                or kwargs.get("cache_implementation") is not None):   # the caller chose transformers' cache
             return self.original(inputs, *args, **kwargs)
         prompt = ids.shape[1]
-        new = kwargs.get("max_new_tokens") or config.max_new_tokens
-        if new is None:
-            new = (kwargs.get("max_length") or config.max_length) - prompt
+        new = new_tokens(kwargs, config, prompt)
         if new < 1:
             raise ConfigError(f"kvpass.compile: generate() was asked for {new} new tokens after a {prompt}-token "
                               f"prompt; pass max_new_tokens >= 1")
@@ -119,16 +129,40 @@ class FastGenerate:
         if generation.pop("attention_mask", None) is not None:
             raise ConfigError("kvpass.compile: generate() over a list of prompts takes no attention_mask (the "
                               "prompts are not padded: pass each one's tokens alone)")
+        total = generation.pop("max_length", None)   # generate's meaning: prompt + new tokens, per prompt
+        if generation.get("max_new_tokens") is not None:
+            total = None                              # max_new_tokens wins, as in transformers
         queue = RequestQueue(self.model, max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int)
                              else max_batch, **generation)
         for p in prompts:
-            queue.add(p)
+            new = None if total is None else total - len(p)
+            if new is not None and new < 1:
+                raise ConfigError(f"kvpass.compile: generate(max_length={total}) leaves no new token after a "
+                                  f"{len(p)}-token prompt; pass max_new_tokens or a larger max_length")
+            queue.add(p, max_new_tokens=new)
         return queue.run(progress=progress)
 
     def __repr__(self) -> str:
         held = ", ".join(f"{rows} rows x {c.max_length}{' (staging)' if staging else ''}"
                          for (rows, _, _, staging), c in self.caches.items())
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
+
+
+def new_tokens(kwargs: dict, config, prompt: int) -> int:
+    """The most new tokens ``generate(**kwargs)`` may produce after a ``prompt``-token prompt, for sizing its cache:
+    ``max_new_tokens`` first (a keyword, then the generation config), then a ``max_length`` keyword (the total);
+    a ``max_length`` only in the generation config is read as new tokens, since transformers versions take it as
+    the total (5.24) or, when it is the model's default, as new tokens (5.14): room for either; else transformers'
+    default of 20 new tokens."""
+    if kwargs.get("max_new_tokens") is not None:
+        return kwargs["max_new_tokens"]
+    if kwargs.get("max_length") is not None:
+        return kwargs["max_length"] - prompt
+    if getattr(config, "max_new_tokens", None) is not None:
+        return config.max_new_tokens
+    if getattr(config, "max_length", None) is not None:
+        return config.max_length
+    return 20
 
 
 def backward_hooked(model) -> str | None:
