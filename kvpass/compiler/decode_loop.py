@@ -23,8 +23,9 @@ given the mask built for the first one (``forward``), guarded so that it never r
 It returns token ids. A call that wants more (``return_dict_in_generate``) runs HF's own loop. ``generate``
 hands a ``custom_generate`` callable no streamer and no ``synced_gpus`` (transformers 5.14 .. 5.24), so
 ``FastGenerate`` does not pass this loop to a call that has them (``usable``). One difference a user can see:
-when an end-of-sequence token stops the call early, the undone step has drawn from the random generator once
-more than HF's loop would.
+when an end-of-sequence token stops the call early, the undone step has run the logits processors and drawn
+from the random generator once more than HF's loop would (a stateful processor counts one more call; the next
+sampling call's draws follow from a generator one draw further on).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ tokens, per prompt).
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -102,7 +103,7 @@ class FastGenerate:
                 or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
                 or option("use_cache") is False            # no cache: every step reruns the whole sequence
                 or kwargs.get("cache_implementation") is not None):   # the caller chose transformers' cache
-            return self.original(inputs, *args, **kwargs)
+            return self._run(self.original, inputs, *args, **kwargs)
         prompt = ids.shape[1]
         new = new_tokens(kwargs, config, prompt)
         if new < 1:
@@ -112,11 +113,21 @@ class FastGenerate:
         cache = self.cache_for(rows, prompt, new)
         if decode_loop.usable(self.model, kwargs):
             kwargs["custom_generate"] = decode_loop.decode
-        if kwargs.get("compile_config") is None:
-            kwargs.setdefault("disable_compile", True)   # the forward is compiled already; HF's own compile of
-            # model.__call__ around it would only add a Dynamo frame (and its guards) per step
+        if kwargs.get("compile_config") is None and "disable_compile" not in kwargs:
+            # the forward is compiled already; HF's own compile of model.__call__ around it would only add a Dynamo
+            # frame (and its guards) per step. On a copy of a caller's generation config, since transformers warns
+            # of keywords passed beside one as if the caller had passed them
+            if kwargs.get("generation_config") is not None:
+                kwargs["generation_config"] = copy.copy(kwargs["generation_config"])
+                kwargs["generation_config"].disable_compile = True
+            else:
+                kwargs["disable_compile"] = True
+        return self._run(self.original, inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
+
+    def _run(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, with Dynamo's recompile-limit failure told as kvpass's advice."""
         try:
-            return self.original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
+            return fn(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise ConfigError(self.backend.recompile_advice()) from e
 
