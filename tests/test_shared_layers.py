@@ -236,3 +236,30 @@ def test_a_failed_shared_compile_warns_and_compiles_every_layer(monkeypatch):
 def test_share_layers_is_checked():
     with pytest.raises(kvpass.ConfigError, match="share_layers"):
         kvpass.backend("full", share_layers="yes")
+
+
+def test_a_restart_of_dynamos_analysis_is_passed_on_not_taken_for_a_failure(monkeypatch):
+    """AOT's tensorify pass restarts Dynamo's analysis (an exception) when it specializes a float; raised while
+    the shared copy compiled, it was caught as a failure of the shared layers (a warning, then every layer inline,
+    which restarted anyway). It must reach Dynamo; a real failure still falls back with the warning."""
+    import torch._inductor.compile_fx as cfx
+    from kvpass.compiler import layers
+    from kvpass.compiler.backend import GraphReport
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    shared = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    monkeypatch.setattr(layers, "shared_copy", lambda g: (shared, 2))
+    be = kvpass.backend("full")
+    for error, passed_on in ((torch._dynamo.exc.TensorifyScalarRestartAnalysis, True), (RuntimeError, False)):
+        def compile_fx(g, inputs, config_patches=None, error=error):
+            if g is shared:
+                raise error("from the shared copy")
+            return "inline"
+        monkeypatch.setattr(cfx, "compile_fx", compile_fx)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if passed_on:
+                with pytest.raises(error):
+                    be._inner(gm, [], None, "inductor", GraphReport(phase="decode", sites=[], plans={}, problems=[]))
+            else:
+                assert be._inner(gm, [], None, "inductor", GraphReport(phase="decode", sites=[], plans={}, problems=[])) == "inline"
+        assert any("repeated layers once failed" in str(w.message) for w in seen) is not passed_on

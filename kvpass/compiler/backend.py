@@ -396,6 +396,8 @@ class Backend:
         if shared is not None:
             try:
                 compiled = compile_fx(shared, example_inputs, config_patches=patches or None)
+            except torch._dynamo.exc.RestartAnalysis:
+                raise   # Dynamo's own control flow (AOT specializing a float restarts the frame's analysis), no failure
             except Exception as e:  # noqa: BLE001  (any failure: compile the layers inline, as before)
                 warn_once(f"kvpass: compiling the decoder's {count} repeated layers once failed "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling "
