@@ -103,7 +103,7 @@ class FastGenerate:
                 or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
                 or option("use_cache") is False            # no cache: every step reruns the whole sequence
                 or kwargs.get("cache_implementation") is not None):   # the caller chose transformers' cache
-            return self._run(self.original, inputs, *args, **kwargs)
+            return self._original(inputs, *args, **kwargs)
         prompt = ids.shape[1]
         new = new_tokens(kwargs, config, prompt)
         if new < 1:
@@ -122,12 +122,12 @@ class FastGenerate:
                 kwargs["generation_config"].disable_compile = True
             else:
                 kwargs["disable_compile"] = True
-        return self._run(self.original, inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
+        return self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
 
-    def _run(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``, with Dynamo's recompile-limit failure told as kvpass's advice."""
+    def _original(self, *args, **kwargs):
+        """The model's own ``generate``, with Dynamo's recompile-limit failure told as kvpass's advice."""
         try:
-            return fn(*args, **kwargs)
+            return self.original(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise ConfigError(self.backend.recompile_advice()) from e
 

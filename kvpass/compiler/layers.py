@@ -174,9 +174,10 @@ def _writes(n: fx.Node) -> list[torch.Tensor]:
         return [v for v in found if isinstance(v, torch.Tensor)]
     t = n.target
     name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")   # add_, copy_, not __setitem__
     first = tensors(n.args[:1])
     if n.op == "call_method":
-        return first if name.endswith("_") and not name.endswith("__") else []
+        return first if in_place else []
     if n.op != "call_function":
         return []
     written = tensors(n.kwargs.get("out"))
@@ -185,7 +186,7 @@ def _writes(n: fx.Node) -> list[torch.Tensor]:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 written += tensors(n.args[k] if k < len(n.args) else n.kwargs.get(arg.name))
         return written
-    if t is operator.setitem or (name.endswith("_") and not name.endswith("__")):
+    if t is operator.setitem or in_place:
         return written + first
     module = getattr(t, "__module__", None) or ""
     if module.split(".")[0] in ("torch", "_operator", "operator", "builtins", "math"):
