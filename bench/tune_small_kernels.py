@@ -3,7 +3,8 @@
 * ``_kvpass_art_scan`` (ART's parallel horizon: 16 parts merged in order) by warps and prefetch;
 * ``kvpass::top_pages`` (quest's page choice) by warps, beside ``torch.topk`` + sort, the step it replaced;
 * ``kvpass::raas_stamp`` (raas's per-layer page-table update, two launches) by the bounds kernel's pages per
-  program and warps, at 32k and 128k pools (batch 1) and 32k at batch 16.
+  program and warps, with and without its partial log-sum-exps (``parts``), at 32k and 128k pools (batch 1)
+  and 32k at batch 16.
 
 Each time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so launch cost is
 left out; shapes are Llama-3.1-8B's (32 query heads, 8 KV heads, head_dim 128).
@@ -97,21 +98,21 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
         print(json.dumps(row), flush=True)
         out.append(row)
         first_ts = None
-        for block_p in (16, 32, 64):
-            for warps in (2, 4, 8):
-                t = {k: v.clone() for k, v in tables.items()}
-                RS.raas_stamp_triton(*args, *t.values(), window, 1e-3, block_p=block_p, warps=warps)
-                first_ts = t["ts"].clone() if first_ts is None else first_ts
-                same = bool(torch.equal(t["ts"], first_ts))
-                row = dict(kernel="raas_stamp", b=b, pages=pages, block_p=block_p, warps=warps, stamps_as_first=same)
-                plan = RS._kvpass_raas_plan
-                for part in ("both", "bounds"):  # the bounds kernel alone: the plan's launch made a no-op
-                    RS._kvpass_raas_plan = plan if part == "both" else _NoLaunch()
-                    row[f"{part}_us"] = round(do_bench_cudagraph(lambda: RS.raas_stamp_triton(
-                        *args, *t.values(), window, 1e-3, block_p=block_p, warps=warps)) * 1e3, 2)
-                RS._kvpass_raas_plan = plan
-                print(json.dumps(row), flush=True)
-                out.append(row)
+        for parts, block_p, warps in [(p, bp, w) for p in (True, False) for bp in (16, 32, 64) for w in (2, 4, 8)]:
+            opts = dict(block_p=block_p, warps=warps, parts=parts)
+            t = {k: v.clone() for k, v in tables.items()}
+            RS.raas_stamp_triton(*args, *t.values(), window, 1e-3, **opts)
+            first_ts = t["ts"].clone() if first_ts is None else first_ts
+            same = bool(torch.equal(t["ts"], first_ts))
+            row = dict(kernel="raas_stamp", b=b, pages=pages, **opts, stamps_as_first=same)
+            plan = RS._kvpass_raas_plan
+            for part in ("both", "bounds"):  # the bounds kernel alone: the plan's launch made a no-op
+                RS._kvpass_raas_plan = plan if part == "both" else _NoLaunch()
+                row[f"{part}_us"] = round(do_bench_cudagraph(lambda: RS.raas_stamp_triton(
+                    *args, *t.values(), window, 1e-3, **opts)) * 1e3, 2)
+            RS._kvpass_raas_plan = plan
+            print(json.dumps(row), flush=True)
+            out.append(row)
 
 
 class _NoLaunch:

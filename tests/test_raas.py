@@ -290,13 +290,15 @@ TABLES = ("kmin", "kmax", "live", "ts", "born", "meta", "seen")
        window=st.sampled_from([1, 2, 5, 17, 40]), fill=st.sampled_from([0, 7, 15]),
        live_p=st.sampled_from([0.0, 0.5, 1.0]), alpha=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
        block_p=st.sampled_from([16, 32]), block_w=st.sampled_from([16, 256]), block_b=st.sampled_from([16, 0]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), parts=st.booleans())
 @example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=15, live_p=1.0, alpha=1.0, block_p=16,
-         block_w=16, block_b=16, dtype=torch.float32)  # an eviction whose oldest key ties across the window's three blocks
+         block_w=16, block_b=16, dtype=torch.float32, parts=True)  # an eviction whose oldest key ties across the window's three blocks
 @example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=7, live_p=1.0, alpha=0.02, block_p=16,
-         block_w=256, block_b=16, dtype=torch.float32)  # the log-sum-exp over five blocks of pages, shares near alpha
+         block_w=256, block_b=16, dtype=torch.float32, parts=True)  # the log-sum-exp over five blocks, shares near alpha
+@example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=7, live_p=1.0, alpha=0.02, block_p=16,
+         block_w=256, block_b=16, dtype=torch.float32, parts=False)  # the same from every page's bound
 def test_raas_stamp_kernels_equal_reference(seed, b, hkv, g, d, pages, first, window, fill, live_p, alpha, block_p,
-                                            block_w, block_b, dtype):
+                                            block_w, block_b, dtype, parts):
     """Every table after ``raas_stamp_triton`` equals the reference's, bit for bit (bounds, live pages,
     timestamps, allocation steps, the planned slot and eviction, the overflow mark)."""
     gen = torch.Generator().manual_seed(seed)
@@ -305,7 +307,8 @@ def test_raas_stamp_kernels_equal_reference(seed, b, hkv, g, d, pages, first, wi
     got = {k: v.clone() for k, v in ref.items()}
     before = {k: ref[k].clone() for k in TABLES}
     RS.raas_stamp_reference(*ref.values(), window, alpha)
-    RS.raas_stamp_triton(*got.values(), window, alpha, block_p=block_p, block_w=block_w, block_b=block_b)
+    RS.raas_stamp_triton(*got.values(), window, alpha, block_p=block_p, block_w=block_w, block_b=block_b,
+                         parts=parts)
     for name in TABLES:
         assert torch.equal(got[name], ref[name]), name
     if fill == 15:  # a new page every row: the planned page is live, stamped and born now

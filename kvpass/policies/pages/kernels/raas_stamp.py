@@ -25,11 +25,19 @@ launches per layer:
 
 * ``_kvpass_raas_bounds``, one program per (sequence, KV head, block of pages): the block's bounds
   with the token folded into page ``cur`` (the program holding ``cur`` writes its bounds back),
-  and every query head's bound ``ub [B, H, P]`` (fp32, ``-inf`` where the page is not live);
-* ``_kvpass_raas_plan``, one program per (sequence, KV head): the log-sum-exp of each query head's
-  bounds over all pages, then the window in blocks: shares, stamps, and the running first free
+  every query head's bound (fp32, ``-inf`` where the page is not live), and per query head the block's
+  share of the log-sum-exp (its max and the sum of ``exp`` below it, ``[B, H, pages / block]``); only
+  the window's bounds are stored (``[B, H, W]``);
+* ``_kvpass_raas_plan``, one program per (sequence, KV head): each query head's log-sum-exp from the
+  blocks' partial sums, then the window in blocks: shares, stamps, and the running first free
   page and oldest live page; after a barrier (the window's stamp stores and the new page's stores
   may hit the same address from different threads) the new page and the metadata.
+
+The partial sums (``parts``, the default) replaced a plan that read every page's bound: its one program
+per (sequence, KV head), eight at batch 1, walked 8,321 pages per query head at a 128k prompt, serially,
+in every layer, which with the bounds put raas's generate step 1.14x ``full``'s at 32 layers
+(``bench/results/fastpath_decode_loop_2026-11-27``, session 53). ``parts=False`` keeps that plan for
+comparison (``bench/tune_small_kernels.py``).
 """
 
 from __future__ import annotations
@@ -94,10 +102,10 @@ def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, 
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n_pages"])
-    def _kvpass_raas_bounds(Q, Knew, Kmin, Kmax, Live, Meta, Ub, n_pages, sq_b, sq_h, sn_b, sn_h, sk_b, sk_h, sk_p,
-                            HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                            BLOCK_P: tl.constexpr):
+    @triton.jit(do_not_specialize=["n_pages", "n_parts"])
+    def _kvpass_raas_bounds(Q, Knew, Kmin, Kmax, Live, Meta, Ub, PartM, PartS, n_pages, n_parts, sq_b, sq_h, sn_b,
+                            sn_h, sk_b, sk_h, sk_p, W: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                            D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr, PARTS: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // HKV, bh % HKV
         blk = tl.program_id(1)
@@ -111,6 +119,7 @@ if triton is not None:
         kx = tl.load(Kmax + off, mask=km, other=0.0).to(tl.float32)
         kn = tl.load(Kmin + off, mask=km, other=0.0).to(tl.float32)
         cur = tl.load(Meta + bh * 4)
+        first = tl.load(Meta + bh * 4 + 2)
         if (cur >= blk * BLOCK_P) & (cur < blk * BLOCK_P + BLOCK_P):  # this program holds page cur: fold the token
             fresh = tl.load(Meta + bh * 4 + 1) == 0
             x = tl.load(Kmax + cur * sk_p + d, mask=d < D)
@@ -124,28 +133,45 @@ if triton is not None:
             kx = tl.where(at, x.to(tl.float32)[None, :], kx)
             kn = tl.where(at, n.to(tl.float32)[None, :], kn)
         ok = tl.load(Live + bh * n_pages + pi, mask=pm, other=0) != 0
+        wi = pi - first
+        win = pm & (wi >= 0) & (wi < W)  # the window's bounds are kept for the plan, the others only summed
         for j in tl.static_range(G):  # one query head at a time (a [G, BLOCK_P, D] product spills)
             q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + d, mask=d < D, other=0.0).to(tl.float32)
             ub = tl.where(ok, _kvpass_head_bound(q, kx, kn), float("-inf"))
-            tl.store(Ub + (bh * G + j) * n_pages + pi, ub, mask=pm)
+            if PARTS:  # this block's share of the head's log-sum-exp: its max and sum of exp below it
+                mj = tl.max(ub, axis=0)
+                tl.store(PartM + (bh * G + j) * n_parts + blk, mj)
+                tl.store(PartS + (bh * G + j) * n_parts + blk,
+                         tl.sum(tl.exp(ub - tl.where(mj == float("-inf"), 0.0, mj)), axis=0))
+                tl.store(Ub + (bh * G + j) * W + wi, ub, mask=win)
+            else:
+                tl.store(Ub + (bh * G + j) * n_pages + pi, ub, mask=pm)
 
-    @triton.jit(do_not_specialize=["n_pages"])
-    def _kvpass_raas_plan(Ub, Count, Live, Ts, Born, Meta, Seen, n_pages, alpha, W: tl.constexpr, HKV: tl.constexpr,
-                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
+    @triton.jit(do_not_specialize=["n_pages", "n_parts"])
+    def _kvpass_raas_plan(Ub, PartM, PartS, Count, Live, Ts, Born, Meta, Seen, n_pages, n_parts, alpha,
+                          W: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                          BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         gi = tl.arange(0, G_PAD)
-        rows = (bh * G + gi) * n_pages
-        # each query head's log-sum-exp over all pages (online, fp32); partial sums left by the bounds programs
-        # and merged here were slower at 32k (a barrier per head in each bounds program; call of 2026-11-26)
+        # each query head's log-sum-exp over all pages (online, fp32): from the bounds programs' partial
+        # sums (PARTS: n_parts per head), or from every page's bound (a partial of one page: its max, sum 1)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         s = tl.zeros([G_PAD], tl.float32)
-        for p0 in range(0, n_pages, BLOCK_B):
+        n = n_parts if PARTS else n_pages
+        rows = (bh * G + gi) * n
+        for p0 in range(0, n, BLOCK_B):
             pi = p0 + tl.arange(0, BLOCK_B)
-            ub = tl.load(Ub + rows[:, None] + pi[None, :], mask=(gi < G)[:, None] & (pi < n_pages)[None, :],
-                         other=float("-inf"))
-            m_new = tl.maximum(m, tl.max(ub, axis=1))
+            at = rows[:, None] + pi[None, :]
+            there = (gi < G)[:, None] & (pi < n)[None, :]
+            if PARTS:
+                pm = tl.load(PartM + at, mask=there, other=float("-inf"))
+                ps = tl.load(PartS + at, mask=there, other=0.0)
+            else:
+                pm = tl.load(Ub + at, mask=there, other=float("-inf"))
+                ps = tl.where(pm == float("-inf"), 0.0, 1.0)
+            m_new = tl.maximum(m, tl.max(pm, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(ub - m_safe[:, None]), axis=1)
+            s = s * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
             m = m_new
         lse = tl.where(m == float("-inf"), float("inf"), m + tl.log(tl.maximum(s, 1.0)))  # no live page: shares 0
         now = tl.load(Count + (bh // HKV) * 4)   # the row's tokens seen
@@ -160,8 +186,12 @@ if triton is not None:
             wi = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
             page = first + wi
             inside = (wi < W) & (page < n_pages)
-            ub = tl.load(Ub + rows[:, None] + page[None, :], mask=(gi < G)[:, None] & inside[None, :],
-                         other=float("-inf"))
+            if PARTS:  # the bounds kept for the window only
+                ub = tl.load(Ub + ((bh * G + gi) * W)[:, None] + wi[None, :], mask=(gi < G)[:, None] & inside[None, :],
+                             other=float("-inf"))
+            else:
+                ub = tl.load(Ub + rows[:, None] + page[None, :], mask=(gi < G)[:, None] & inside[None, :],
+                             other=float("-inf"))
             hit = tl.max(tl.where(tl.exp(ub - lse[:, None]) > alpha, 1, 0), axis=0) > 0
             ok = tl.load(Live + bh * n_pages + page, mask=inside, other=0) != 0
             t = tl.load(Ts + bh * n_pages + page, mask=inside, other=0)
@@ -192,13 +222,17 @@ if triton is not None:
 
 def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
                       born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float,
-                      block_p: int = 16, warps: int = 2, block_w: int = 256, block_b: int = 0, launch=None) -> None:
+                      block_p: int = 16, warps: int = 2, block_w: int = 256, block_b: int = 0, parts: bool = True,
+                      launch=None) -> None:
     """Launch the two kernels; arguments and effects as ``raas_stamp_reference``. The tables must be
     contiguous (a SlotCache allocates them so); ``q`` and ``k_new`` are read through their strides.
     ``block_p`` pages per bounds program (``warps`` warps; the defaults won ``bench/tune_small_kernels.py``
-    on an H200); ``block_b`` pages (0: 2,048 bounds per step over the group's heads, what a 32k pool took;
-    never sized by the pool, whose page count Inductor would then guard on, so a SlotCache of another
-    capacity compiled another decode graph) and ``block_w`` window pages per step of the plan's two loops."""
+    on an H200); with ``parts`` each bounds program also leaves its pages' share of every query head's
+    log-sum-exp (max and sum of exp) and the bounds of the window's pages only, so the plan (one program per
+    sequence and KV head) merges ``pages / block_p`` partial sums, not every page's bound; ``block_b``
+    values per step of the plan's merge (0: 2,048 over the group's heads; never sized by the pool, whose
+    page count Inductor would then guard on, so a SlotCache of another capacity compiled another decode
+    graph) and ``block_w`` window pages per step of its window loop."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass raas_stamp needs Triton")
     wrap = launch or (lambda fn: fn)
@@ -209,12 +243,20 @@ def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kma
         q = q.contiguous()
     if k_new.stride(-1) != 1:
         k_new = k_new.contiguous()
-    ub = torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32)
-    wrap(_kvpass_raas_bounds)[(b * hkv, triton.cdiv(n_pages, block_p))](
-        q, k_new, kmin, kmax, live, meta, ub, n_pages, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2), HKV=hkv, G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p,
-        num_warps=warps)
+    n_parts = triton.cdiv(n_pages, block_p)
+    if parts:
+        ub = torch.empty((b, h, decode_pages), device=q.device, dtype=torch.float32)
+        part_m = torch.empty((b, h, n_parts), device=q.device, dtype=torch.float32)
+        part_s = torch.empty((b, h, n_parts), device=q.device, dtype=torch.float32)
+    else:
+        ub = torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32)
+        part_m = part_s = ub
+    wrap(_kvpass_raas_bounds)[(b * hkv, n_parts)](
+        q, k_new, kmin, kmax, live, meta, ub, part_m, part_s, n_pages, n_parts, q.stride(0), q.stride(1),
+        k_new.stride(0), k_new.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), W=decode_pages, HKV=hkv,
+        G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p, PARTS=parts, num_warps=warps)
     g_pad = pow2(g, 1)
     wrap(_kvpass_raas_plan)[(b * hkv,)](
-        ub, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages, HKV=hkv, G=g, G_PAD=g_pad,
-        BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)), BLOCK_W=min(block_w, pow2(decode_pages)))
+        ub, part_m, part_s, count, live, ts, born, meta, seen, n_pages, n_parts, float(alpha), W=decode_pages,
+        HKV=hkv, G=g, G_PAD=g_pad, BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)),
+        BLOCK_W=min(block_w, pow2(decode_pages)), PARTS=parts)
