@@ -277,6 +277,15 @@ V3)  # session 54, two GPUs: tests/gpu/test_gpu_tp.py, then the two-GPU step's p
   grep -E "passed|failed" "$OUT/gpu_tp_tests.txt" | tail -3
   CONFIGS=full ONE_S=100 TWO_S=120 bash bench/tp_calls.sh R
   exit ;;
+V4)  # session 54, two GPUs: raas's stamp with partial log-sum-exps (the plan no longer walks every page): its GPU
+     # tests, the kernel timings with and without the partials, and raas beside full at 32 layers, 33k and 130k;
+     # then h2o and art (V1 left h2o at 130k, V2 never ran) as far as the lanes time allows (rows are saved as they end)
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
+  B='python bench/bench_fastpath.py --prefill-compiler eager'
+  bash bench/lanes.sh "$OUT" 575 \
+      "$T tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_slot_cache.py -k 'raas_stamp or no_evict or long_decode or (slot_cache and raas)' > \$LANE/gpu_tests.txt 2>&1; grep -E 'passed|failed' \$LANE/gpu_tests.txt; python bench/tune_small_kernels.py --only stamp --out \$LANE/tune_stamp.json > \$LANE/tune_stamp.log 2>&1; $B --layers 32 --lengths 2000,33000 --policies full,raas,h2o,art --out \$LANE/l32_33k_raas.json > \$LANE/l32_33k_raas.log 2>&1; grep -h '^{' \$LANE/*.log | cut -c1-300" \
+      "$B --layers 32 --lengths 2000,130000 --policies full,raas,h2o --out \$LANE/l32_130k_raas.json > \$LANE/l32_130k_raas.log 2>&1; grep -h '^{' \$LANE/l32_130k_raas.log | cut -c1-300"
+  exit ;;
 Y2)  # next session, four GPUs: the other policies at 32 layers and 130k beside full; issue 39's 128k step on one GPU
      # and on two (bench/tp_calls.sh T1) on GPUs 2-3
   B='python bench/bench_fastpath.py --prefill-compiler eager'

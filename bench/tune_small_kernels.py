@@ -98,7 +98,7 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
         print(json.dumps(row), flush=True)
         out.append(row)
         first_ts = None
-        for parts, block_p, warps in [(p, bp, w) for p in (True, False) for bp in (16, 32, 64) for w in (2, 4, 8)]:
+        for parts, block_p, warps in [(p, bp, w) for p in (True, False) for bp in (16, 32, 64) for w in (2, 4)]:
             opts = dict(block_p=block_p, warps=warps, parts=parts)
             t = {k: v.clone() for k, v in tables.items()}
             RS.raas_stamp_triton(*args, *t.values(), window, 1e-3, **opts)
