@@ -102,8 +102,8 @@ def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, 
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n_pages", "n_parts"])
-    def _kvpass_raas_bounds(Q, Knew, Kmin, Kmax, Live, Meta, Ub, PartM, PartS, n_pages, n_parts, sq_b, sq_h, sn_b,
+    @triton.jit(do_not_specialize=["n_pages"])
+    def _kvpass_raas_bounds(Q, Knew, Kmin, Kmax, Live, Meta, Ub, PartM, PartS, n_pages, sq_b, sq_h, sn_b,
                             sn_h, sk_b, sk_h, sk_p, W: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr, PARTS: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
@@ -140,25 +140,25 @@ if triton is not None:
             ub = tl.where(ok, _kvpass_head_bound(q, kx, kn), float("-inf"))
             if PARTS:  # this block's share of the head's log-sum-exp: its max and sum of exp below it
                 mj = tl.max(ub, axis=0)
-                tl.store(PartM + (bh * G + j) * n_parts + blk, mj)
-                tl.store(PartS + (bh * G + j) * n_parts + blk,
+                tl.store(PartM + (bh * G + j) * n_pages + blk, mj)  # rows of n_pages, the first pages/BLOCK_P used
+                tl.store(PartS + (bh * G + j) * n_pages + blk,
                          tl.sum(tl.exp(ub - tl.where(mj == float("-inf"), 0.0, mj)), axis=0))
                 tl.store(Ub + (bh * G + j) * W + wi, ub, mask=win)
             else:
                 tl.store(Ub + (bh * G + j) * n_pages + pi, ub, mask=pm)
 
-    @triton.jit(do_not_specialize=["n_pages", "n_parts"])
-    def _kvpass_raas_plan(Ub, PartM, PartS, Count, Live, Ts, Born, Meta, Seen, n_pages, n_parts, alpha,
+    @triton.jit(do_not_specialize=["n_pages"])
+    def _kvpass_raas_plan(Ub, PartM, PartS, Count, Live, Ts, Born, Meta, Seen, n_pages, alpha,
                           W: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                          BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr):
+                          BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr, PARTS: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         gi = tl.arange(0, G_PAD)
         # each query head's log-sum-exp over all pages (online, fp32): from the bounds programs' partial
-        # sums (PARTS: n_parts per head), or from every page's bound (a partial of one page: its max, sum 1)
+        # sums (PARTS: one per BLOCK_P pages), or from every page's bound (a partial of one page: its max, sum 1)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         s = tl.zeros([G_PAD], tl.float32)
-        n = n_parts if PARTS else n_pages
-        rows = (bh * G + gi) * n
+        n = tl.cdiv(n_pages, BLOCK_P) if PARTS else n_pages
+        rows = (bh * G + gi) * n_pages
         for p0 in range(0, n, BLOCK_B):
             pi = p0 + tl.arange(0, BLOCK_B)
             at = rows[:, None] + pi[None, :]
@@ -222,41 +222,41 @@ if triton is not None:
 
 def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
                       born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float,
-                      block_p: int = 16, warps: int = 2, block_w: int = 256, block_b: int = 0, parts: bool = True,
-                      launch=None) -> None:
+                      block_p: int = 16, warps: int = 2, block_w: int = 256, block_b: int = 0,
+                      parts: bool | None = None, launch=None) -> None:
     """Launch the two kernels; arguments and effects as ``raas_stamp_reference``. The tables must be
     contiguous (a SlotCache allocates them so); ``q`` and ``k_new`` are read through their strides.
     ``block_p`` pages per bounds program (``warps`` warps; the defaults won ``bench/tune_small_kernels.py``
     on an H200); with ``parts`` each bounds program also leaves its pages' share of every query head's
     log-sum-exp (max and sum of exp) and the bounds of the window's pages only, so the plan (one program per
-    sequence and KV head) merges ``pages / block_p`` partial sums, not every page's bound; ``block_b``
-    values per step of the plan's merge (0: 2,048 over the group's heads; never sized by the pool, whose
-    page count Inductor would then guard on, so a SlotCache of another capacity compiled another decode
-    graph) and ``block_w`` window pages per step of its window loop."""
+    sequence and KV head) merges ``pages / block_p`` partial sums, not every page's bound. ``None``: parts
+    when there are at most 32 (sequence, KV head) rows, where the plan's few programs walking every page were
+    the cost (H200, 8 rows: 22 us against 32 us per layer at a 128k pool); at 128 rows the plan runs wide
+    anyway and the partial sums only slow the bounds (78 us against 59 us at 32k). ``block_b`` values per
+    step of the plan's merge (0: 2,048 over the group's heads) and ``block_w`` window pages per step of its
+    window loop. Nothing is sized by the pool but its own page count (the partial sums' rows are
+    ``n_pages`` long): an expression of it would be a new symbol for Inductor to guard on, and a SlotCache
+    of another capacity compiled another decode graph."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass raas_stamp needs Triton")
     wrap = launch or (lambda fn: fn)
     b, h, d = q.shape
     hkv, n_pages = kmin.shape[1], kmin.shape[2]
     g = h // hkv
+    parts = b * hkv <= 32 if parts is None else parts
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_new.stride(-1) != 1:
         k_new = k_new.contiguous()
-    n_parts = triton.cdiv(n_pages, block_p)
-    if parts:
-        ub = torch.empty((b, h, decode_pages), device=q.device, dtype=torch.float32)
-        part_m = torch.empty((b, h, n_parts), device=q.device, dtype=torch.float32)
-        part_s = torch.empty((b, h, n_parts), device=q.device, dtype=torch.float32)
-    else:
-        ub = torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32)
-        part_m = part_s = ub
-    wrap(_kvpass_raas_bounds)[(b * hkv, n_parts)](
-        q, k_new, kmin, kmax, live, meta, ub, part_m, part_s, n_pages, n_parts, q.stride(0), q.stride(1),
+    ub = torch.empty((b, h, decode_pages if parts else n_pages), device=q.device, dtype=torch.float32)
+    part_m, part_s = (torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32) for _ in range(2)) \
+        if parts else (ub, ub)
+    wrap(_kvpass_raas_bounds)[(b * hkv, triton.cdiv(n_pages, block_p))](
+        q, k_new, kmin, kmax, live, meta, ub, part_m, part_s, n_pages, q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), W=decode_pages, HKV=hkv,
         G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p, PARTS=parts, num_warps=warps)
     g_pad = pow2(g, 1)
     wrap(_kvpass_raas_plan)[(b * hkv,)](
-        ub, part_m, part_s, count, live, ts, born, meta, seen, n_pages, n_parts, float(alpha), W=decode_pages,
+        ub, part_m, part_s, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages,
         HKV=hkv, G=g, G_PAD=g_pad, BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)),
-        BLOCK_W=min(block_w, pow2(decode_pages)), PARTS=parts)
+        BLOCK_W=min(block_w, pow2(decode_pages)), BLOCK_P=block_p, PARTS=parts)
