@@ -11,6 +11,8 @@
 #      all-reduce lowered by Inductor (bench_tp.py --one-shot), for the all-reduce share of the step
 #   R: T1 with a kernel profile of each row (bench_tp.py --profile): device time per step by kind (NCCL's
 #      all-reduce, kvpass's attention, matmuls, the rest) on one GPU and on two, for where the two-GPU step loses
+#   R8: R at 8 layers, full only (about 4 minutes with the machine's start; session 54 had that much device time
+#       left, and the two-GPU kinds were no longer lent): where the step's device time goes, per layer
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -19,7 +21,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, K, G, P or S}" in
+case "${1:?call T1, T2, R, R8, K, G, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -27,6 +29,13 @@ case "${1:?call T1, T2, R, K, G, P or S}" in
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
          --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
   G) timeout 560 python -m pytest -q -x tests/gpu/test_gpu_tp.py 2>&1 | tail -15; exit ;;
+  R8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile"
+     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
+     timeout 90 python bench/bench_tp.py run $c --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-400
+     timeout 110 torchrun --nproc_per_node 2 bench/bench_tp.py run $c --out $out/two_gpu_l8_131072.json 2>&1 \
+       | grep '^{\|Error' | cut -c1-400
+     python bench/bench_tp.py compare $out/one_gpu_l8_131072.json $out/two_gpu_l8_131072.json \
+       --out $out/tp_l8_131072.md 2>&1 | tail -16; exit ;;
   P) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies full,snapkv --baselines= --max-waves 2"
