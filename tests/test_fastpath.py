@@ -314,6 +314,61 @@ def test_ordinary_generate_options_give_the_uncompiled_tokens():
     torch._dynamo.reset()
 
 
+def test_stops_lengths_and_threads_give_the_uncompiled_tokens():
+    """Session 54's probe as a user found these silently wrong or failing:
+    * a generation whose every row finished one step before ``max_new_tokens`` (an EOS, or a criterion of the
+      caller's) got one more column (the loop, which reads "every row finished" one step late, broke at the
+      length limit before reading it);
+    * ``max_new_tokens`` in the generation config beside a ``max_length`` keyword: transformers takes the
+      former, kvpass sized the cache from the latter and refused the sequence;
+    * two threads' ``generate`` calls wrote into one kept cache (wrong tokens in both).
+    Each now equals the uncompiled model."""
+    import threading
+
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    ids = ids_of(13)
+    free = ref.generate(ids, max_new_tokens=12, do_sample=False)[0, 13:].tolist()
+    k = next(i for i in range(10, 0, -1) if free[i] not in free[:i])   # a token first drawn at new token k
+    for rows in (ids, torch.cat([ids, ids])):
+        kw = dict(max_new_tokens=k + 2, eos_token_id=free[k], do_sample=False)   # drawn at the step before last
+        want = ref.generate(rows, **kw)
+        assert want.shape[1] == 13 + k + 1
+        assert torch.equal(model.generate(rows, **kw), want)
+
+    class AtLength(StoppingCriteria):   # the caller's own criterion: every row done at new token k + 1
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 13 + k + 1)
+
+    kw = dict(max_new_tokens=k + 2, do_sample=False, stopping_criteria=StoppingCriteriaList([AtLength()]))
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    for m in (model, ref):
+        m.generation_config.max_new_tokens = 30
+    try:
+        assert torch.equal(model.generate(ids, max_length=20, do_sample=False),
+                           ref.generate(ids, max_length=20, do_sample=False))
+    finally:
+        for m in (model, ref):
+            m.generation_config.max_new_tokens = None
+    model.generate(ids_of(120), max_new_tokens=2)   # a kept cache large enough for both threads' sequences
+    prompts = [ids_of(14), ids_of(15)]
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    want, got = [ref.generate(p, **kw) for p in prompts], [None, None]
+
+    def run(i):
+        got[i] = model.generate(prompts[i], **kw)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    torch._dynamo.reset()
+
+
 def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     """Past Dynamo's recompile limit (here 2: batch 1 takes both graphs, batch 2 needs more), the error says
     kvpass, what compiles graphs and what to do, instead of torch's bare FailOnRecompileLimitHit."""

@@ -130,12 +130,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             ids[:, length] = tokens
             length += 1
             input_ids = ids[:, :length]
-            for criterion in on_device:
+            for criterion in on_device:   # scores None, as HF's loop passes them without return_dict_in_generate
                 torch.logical_or(finished, criterion(input_ids, None), out=finished)
-            if length >= max_length:
-                break
-            if previous is not None and previous.read():
-                length -= 1   # HF's loop stopped before this step
+            stopped = previous is not None and previous.read()
+            if stopped or length >= max_length:
+                length -= stopped   # HF's loop stopped before this step, the last one allowed or not
                 break
             if flags is not None:
                 previous = flags[length % 2].put(finished.all())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import threading
 
 import torch
 
@@ -55,6 +56,9 @@ class FastGenerate:
     def __init__(self, model, be: Backend, original) -> None:
         self.model, self.backend, self.original = model, be, original
         self.caches: dict[tuple, SlotCache] = {}
+        # one call at a time: calls share the kept caches (two threads' generations wrote into one cache) and the
+        # decoding loop sets torch's process-wide compile stance around its steps
+        self.lock = threading.RLock()
         # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` is deprecated there)
         takes = inspect.signature(type(model).forward).parameters
         self.cache_kwarg = "cache" if "cache" in takes else "past_key_values"
@@ -86,6 +90,12 @@ class FastGenerate:
         return cache
 
     def __call__(self, inputs=None, *args, **kwargs):
+        """``generate``: the fast path, or the model's own ``generate`` (module docstring). Calls from several
+        threads run one after another."""
+        with self.lock:
+            return self._generate(inputs, *args, **kwargs)
+
+    def _generate(self, inputs=None, *args, **kwargs):
         ids = kwargs.get("input_ids", inputs)
         if isinstance(ids, (list, tuple)) and ids and not isinstance(ids[0], int) and not args:
             return self.many(ids, **kwargs)
@@ -143,15 +153,16 @@ class FastGenerate:
         total = generation.pop("max_length", None)   # generate's meaning: prompt + new tokens, per prompt
         if generation.get("max_new_tokens") is not None:
             total = None                              # max_new_tokens wins, as in transformers
-        queue = RequestQueue(self.model, max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int)
-                             else max_batch, **generation)
-        for p in prompts:
-            new = None if total is None else total - len(p)
-            if new is not None and new < 1:
-                raise ConfigError(f"kvpass.compile: generate(max_length={total}) leaves no new token after a "
-                                  f"{len(p)}-token prompt; pass max_new_tokens or a larger max_length")
-            queue.add(p, max_new_tokens=new)
-        return queue.run(progress=progress)
+        with self.lock:
+            queue = RequestQueue(self.model, max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int)
+                                 else max_batch, **generation)
+            for p in prompts:
+                new = None if total is None else total - len(p)
+                if new is not None and new < 1:
+                    raise ConfigError(f"kvpass.compile: generate(max_length={total}) leaves no new token after a "
+                                      f"{len(p)}-token prompt; pass max_new_tokens or a larger max_length")
+                queue.add(p, max_new_tokens=new)
+            return queue.run(progress=progress)
 
     def __repr__(self) -> str:
         held = ", ".join(f"{rows} rows x {c.max_length}{' (staging)' if staging else ''}"
@@ -161,16 +172,16 @@ class FastGenerate:
 
 def new_tokens(kwargs: dict, config, prompt: int) -> int:
     """The most new tokens ``generate(**kwargs)`` may produce after a ``prompt``-token prompt, for sizing its cache:
-    ``max_new_tokens`` first (a keyword, then the generation config), then a ``max_length`` keyword (the total);
-    a ``max_length`` only in the generation config is read as new tokens, since transformers versions take it as
-    the total (5.24) or, when it is the model's default, as new tokens (5.14): room for either; else transformers'
-    default of 20 new tokens."""
+    ``max_new_tokens`` first (a keyword, then the generation config: transformers takes it over a ``max_length``
+    keyword, with a warning), then a ``max_length`` keyword (the total); a ``max_length`` only in the generation
+    config is read as new tokens, since transformers versions take it as the total (5.24) or, when it is the
+    model's default, as new tokens (5.14): room for either; else transformers' default of 20 new tokens."""
     if kwargs.get("max_new_tokens") is not None:
         return kwargs["max_new_tokens"]
-    if kwargs.get("max_length") is not None:
-        return kwargs["max_length"] - prompt
     if getattr(config, "max_new_tokens", None) is not None:
         return config.max_new_tokens
+    if kwargs.get("max_length") is not None:
+        return kwargs["max_length"] - prompt
     if getattr(config, "max_length", None) is not None:
         return config.max_length
     return 20
