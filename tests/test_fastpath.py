@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import warnings
 
 import pytest
 import torch
@@ -366,6 +367,36 @@ def test_stops_lengths_and_threads_give_the_uncompiled_tokens():
     for t in threads:
         t.join()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("flags", [dict(multi_query=True, alibi=False), dict(multi_query=False, alibi=True)],
+                         ids=["multi_query", "alibi"])
+def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
+    """Falcon's ``multi_query`` config flag gives its attention one KV head where the config's head counts say
+    four (the SlotCache is sized from those: the error blamed the batch size); its ALiBi builds its bias from a 2-D
+    mask, which a static-shape cache's 4-D mask breaks (transformers' own error). Both now say what kvpass's fast
+    path is and how to generate without it, and that way equals the uncompiled model."""
+    from transformers import DynamicCache, FalconConfig, FalconForCausalLM
+
+    torch._dynamo.reset()
+    cfg = FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2, **flags)
+    cfg._attn_implementation = "sdpa"
+    model, ref = (FalconForCausalLM(cfg).eval() for _ in range(2))
+    ref.load_state_dict(model.state_dict())
+    kvpass.compile(model, "full", compiler="eager")
+    ids = ids_of(10)
+    with pytest.raises(Exception) as info:
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+    if flags["multi_query"]:
+        assert "writes 1 KV heads per layer, the cache was sized for 4" in str(info.value)
+    if hasattr(info.value, "add_note"):
+        assert any("kvpass.compile's fast path" in n for n in info.value.__notes__)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # ALiBi: the graph is compiled unchanged, said once
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=cfg))
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
     torch._dynamo.reset()
 
 

@@ -152,9 +152,15 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     rt = runtime.get(handle)
     b, hkv, length, _ = k_new.shape
     cap = keys.shape[2]
-    if (b, hkv) != tuple(keys.shape[:2]):
-        raise ValueError(f"kvpass SlotCache: a batch of {b} rows x {hkv} KV heads on a cache built for "
-                         f"{keys.shape[0]} x {keys.shape[1]}; build it with batch_size={b}")
+    if b != keys.shape[0]:
+        raise ValueError(f"kvpass SlotCache: a batch of {b} rows on a cache built for {keys.shape[0]}; build it "
+                         f"with batch_size={b}")
+    if hkv != keys.shape[1]:
+        raise ValueError(f"kvpass SlotCache: the model's attention writes {hkv} KV heads per layer, the cache was "
+                         f"sized for {keys.shape[1]} from the model's config (num_key_value_heads, or "
+                         f"num_attention_heads without it), which does not describe this attention (a config flag "
+                         f"such as Falcon's multi_query); use the model's own cache (a DynamicCache) with "
+                         f"kvpass.backend")
     if length > int(count[0, 3]):
         raise ValueError(f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
                          f"{int(count[0, 3])}; build it with max_length >= prompt + new tokens")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from kvpass.cache import slots as _cache  # noqa: F401  (registers kvpass::slot_append)
 from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
@@ -553,8 +554,14 @@ def _make_site(out, kind, q, k, v, mask, scale, causal, softcap, erase) -> Site 
     qv, kv_, vv = val(q), val(k), val(v)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv_, vv)):
         return Problem(out.name, "q/k/v are not 4-D [batch, heads, seq, head_dim] tensors")
-    heads, kv_heads = qv.shape[1], kv_.shape[1]
-    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % kv_heads:
+    # a size Dynamo traced as a SymInt of a constant (a cache's head dimension under dynamic=True) is that int
+    heads, kv_heads = (int(n) if is_concrete_int(n) else n for n in (qv.shape[1], kv_.shape[1]))
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return Problem(out.name, f"the head counts are symbolic in this graph (query heads {heads!r}, KV heads "
+                                 f"{kv_heads!r}): the cache's tensors were traced with a dynamic head dimension (e.g. "
+                                 f"transformers' StaticCache under torch.compile(dynamic=True)); a kvpass.SlotCache "
+                                 f"keeps them static")
+    if heads % kv_heads:
         return Problem(out.name, f"query heads {heads} are not a multiple of kv heads {kv_heads}")
     head_dim = qv.shape[-1]
     if scale is None:

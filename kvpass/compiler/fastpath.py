@@ -39,6 +39,12 @@ from kvpass.errors import ConfigError
 _OWN_DECODING = ("num_beams", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
+_FAST_PATH_NOTE = ("kvpass: this generate() call ran on kvpass.compile's fast path: a kvpass.SlotCache, whose shapes "
+                   "are static as a StaticCache's (transformers gives the model a 4-D attention mask). A model that "
+                   "cannot run on such a cache can still generate with its own DynamicCache: pass "
+                   "past_key_values=DynamicCache(config=model.config), and the compiled policy runs where it can")
+
+
 def bucket(n: int, floor: int = 64) -> int:
     """The capacity bucket of ``n`` tokens: ``floor`` or more, rounded up to a multiple of a quarter of
     ``n``'s power of two (64, 80, 96, 112, 128, 160, ..., 1024, 1280, ...)."""
@@ -132,7 +138,14 @@ class FastGenerate:
                 kwargs["generation_config"].disable_compile = True
             else:
                 kwargs["disable_compile"] = True
-        return self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
+        try:
+            return self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
+        except ConfigError:
+            raise
+        except Exception as e:   # the model's code may not run on a static-shape cache (Falcon's ALiBi reads a 2-D mask)
+            if hasattr(e, "add_note"):   # Python >= 3.11
+                e.add_note(_FAST_PATH_NOTE)
+            raise
 
     def _original(self, *args, **kwargs):
         """The model's own ``generate``, with Dynamo's recompile-limit failure told as kvpass's advice."""
