@@ -400,6 +400,26 @@ def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
     torch._dynamo.reset()
 
 
+def test_a_filled_slot_cache_and_a_shorter_prompt_is_refused():
+    """A SlotCache of one's own passed again with a new, shorter prompt failed deep in the model (a reshape of
+    0 elements): transformers took the prompt as a continuation. Refused with the fix (``reset``); a real
+    continuation, and the reset cache, give the uncompiled tokens."""
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    be = kvpass.compile(model, "full", compiler="eager")
+    cache = kvpass.SlotCache(model, be, max_length=40, max_new_tokens=8)
+    out = model.generate(ids_of(20), max_new_tokens=6, do_sample=False, past_key_values=cache)
+    with pytest.raises(kvpass.ConfigError, match=r"already holds 25 tokens and a 12-token prompt.*reset\(\)"):
+        model.generate(ids_of(12), max_new_tokens=6, do_sample=False, past_key_values=cache)
+    more = torch.cat([out, ids_of(3)], 1)
+    assert torch.equal(model.generate(more, max_new_tokens=4, do_sample=False, past_key_values=cache),
+                       ref.generate(more, max_new_tokens=4, do_sample=False))
+    cache.reset()
+    assert torch.equal(model.generate(ids_of(12), max_new_tokens=6, do_sample=False, past_key_values=cache),
+                       ref.generate(ids_of(12), max_new_tokens=6, do_sample=False))
+    torch._dynamo.reset()
+
+
 def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     """Past Dynamo's recompile limit (here 2: batch 1 takes both graphs, batch 2 needs more), the error says
     kvpass, what compiles graphs and what to do, instead of torch's bare FailOnRecompileLimitHit."""

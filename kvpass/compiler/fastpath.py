@@ -15,7 +15,9 @@ replay. A capacity never enters the compiled code (the slots' capacity dimension
 A call that brings ``past_key_values``, asks for no cache (``use_cache=False``) or for one of transformers'
 (``cache_implementation=``), or that ``generate`` cannot run on a SlotCache (beam search, assisted decoding),
 goes to the model's own ``generate`` unchanged; the compiled forward still applies the policy where it can,
-and refuses where it cannot. ``output_attentions=True`` is refused: the model's attention is replaced. A list
+and refuses where it cannot (a SlotCache of the caller's that already holds as many tokens as the prompt is
+refused: transformers would read the prompt as a continuation). ``output_attentions=True`` is refused: the
+model's attention is replaced. A list
 of prompts goes through a ``RequestQueue``; its ``max_length`` means what ``generate``'s does (prompt plus new
 tokens, per prompt).
 """
@@ -114,6 +116,12 @@ class FastGenerate:
             raise ConfigError("kvpass.compile: generate(output_attentions=True): kvpass replaces the model's attention, "
                               "so there are no attention weights of the model's own to return (a decode step's would "
                               "span the SlotCache's slots); generate with an uncompiled copy of the model for them")
+        given = kwargs.get("past_key_values", kwargs.get("cache"))
+        if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+                and given.seen >= ids.shape[1]:
+            raise ConfigError(f"kvpass.compile: generate() got a SlotCache that already holds {given.seen} tokens "
+                              f"and a {ids.shape[1]}-token prompt: continuing a generation passes the whole "
+                              f"sequence so far plus the new tokens; for a new prompt call cache.reset() first")
         own = [k for k in _OWN_DECODING if option(k) not in (None, 1, False)]
         if (args or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or own
                 or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
