@@ -17,9 +17,8 @@ A call that brings ``past_key_values``, asks for no cache (``use_cache=False``) 
 goes to the model's own ``generate`` unchanged; the compiled forward still applies the policy where it can,
 and refuses where it cannot (a SlotCache of the caller's that already holds as many tokens as the prompt is
 refused: transformers would read the prompt as a continuation). ``output_attentions=True`` is refused: the
-model's attention is replaced. A list
-of prompts goes through a ``RequestQueue``; its ``max_length`` means what ``generate``'s does (prompt plus new
-tokens, per prompt).
+model's attention is replaced. A list of prompts goes through a ``RequestQueue``; its ``max_length`` means what
+``generate``'s does (prompt plus new tokens, per prompt). Calls run one at a time (a lock).
 """
 
 from __future__ import annotations

@@ -33,11 +33,11 @@ launches per layer:
   page and oldest live page; after a barrier (the window's stamp stores and the new page's stores
   may hit the same address from different threads) the new page and the metadata.
 
-The partial sums (``parts``, the default) replaced a plan that read every page's bound: its one program
-per (sequence, KV head), eight at batch 1, walked 8,321 pages per query head at a 128k prompt, serially,
-in every layer, which with the bounds put raas's generate step 1.14x ``full``'s at 32 layers
-(``bench/results/fastpath_decode_loop_2026-11-27``, session 53). ``parts=False`` keeps that plan for
-comparison (``bench/tune_small_kernels.py``).
+The partial sums (``parts``, chosen for up to 32 (sequence, KV head) rows) replaced, at small batches, a
+plan that read every page's bound: its one program per (sequence, KV head), eight at batch 1, walked 8,321
+pages per query head at a 128k prompt, serially, in every layer, which with the bounds put raas's generate
+step 1.14x ``full``'s at 32 layers (1.11x with the partial sums; ``bench/results/fastpath_decode_loop_2026-11-27``,
+sessions 53-54). Wider batches keep that plan, which is faster there (``bench/tune_small_kernels.py``).
 """
 
 from __future__ import annotations
@@ -187,11 +187,10 @@ if triton is not None:
             page = first + wi
             inside = (wi < W) & (page < n_pages)
             if PARTS:  # the bounds kept for the window only
-                ub = tl.load(Ub + ((bh * G + gi) * W)[:, None] + wi[None, :], mask=(gi < G)[:, None] & inside[None, :],
-                             other=float("-inf"))
+                at = ((bh * G + gi) * W)[:, None] + wi[None, :]
             else:
-                ub = tl.load(Ub + rows[:, None] + page[None, :], mask=(gi < G)[:, None] & inside[None, :],
-                             other=float("-inf"))
+                at = rows[:, None] + page[None, :]
+            ub = tl.load(Ub + at, mask=(gi < G)[:, None] & inside[None, :], other=float("-inf"))
             hit = tl.max(tl.where(tl.exp(ub - lse[:, None]) > alpha, 1, 0), axis=0) > 0
             ok = tl.load(Live + bh * n_pages + page, mask=inside, other=0) != 0
             t = tl.load(Ts + bh * n_pages + page, mask=inside, other=0)
