@@ -306,6 +306,9 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
     from kvpass.eval.runner import policy_params
     from kvpass.policies import POLICIES, ConfigError, available
 
+    if not specs:
+        _usage_error(f"{flag}: no policy given; pass at least one, e.g. {flag} full,streamingllm; known policies: "
+                     f"{', '.join(available())}")
     declared: set[str] = set()
     checked = 0
     for spec in specs:

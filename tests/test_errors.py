@@ -35,6 +35,8 @@ CASES = {
     "sinks below range": (dict(policy="streamingllm", sinks=-1), ["'sinks'", "int in [0, 1048576]", "got -1"]),
     "budget out of range in a composition": (dict(policy="full+streamingllm", budget=1),
                                              ["'budget'", RANGE_BUDGET]),
+    "a float that is NaN": (dict(policy="raas", alpha=float("nan")), ["'alpha'", "float in [0.0, 1.0]", "got nan"]),
+    "a NaN converted to an int": (dict(policy="h2o", heavy=float("nan")), ["'heavy'", "got nan"]),
     # parameter types
     "budget is a str": (dict(policy="streamingllm", budget="x"), ["'budget'", RANGE_BUDGET, "got str 'x'"]),
     "budget is a float": (dict(policy="streamingllm", budget=2.5), ["'budget'", RANGE_BUDGET, "got float 2.5"]),

@@ -271,7 +271,9 @@ class Backend:
 
     @property
     def state(self):
-        """The generation state (true positions, stored lengths) of the last generation."""
+        """The generation state (true positions, stored lengths) of the last generation on the model's own
+        cache (a DynamicCache). A ``kvpass.SlotCache`` keeps its own: ``cache.seen``, ``cache.positions(layer)``,
+        ``cache.kv_bytes()``; this state does not follow it (it still shows the last DynamicCache generation)."""
         return self.runtime.state
 
     def plans(self) -> dict[str, list[str]]:

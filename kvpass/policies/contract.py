@@ -53,7 +53,7 @@ class Param:
         if not ok_type:
             raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
                               f"got {type(value).__name__} {value!r}")
-        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+        if value != value or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
             raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
                               f"got {value!r}")
         return value
