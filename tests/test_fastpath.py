@@ -306,6 +306,7 @@ def test_ordinary_generate_options_give_the_uncompiled_tokens():
     outs = model.generate(prompts, max_length=26, do_sample=False)
     for p, out in zip(prompts, outs):
         assert torch.equal(out, ref.generate(p[None], max_length=26, do_sample=False)[0])
+    assert model.generate([], max_new_tokens=3) == []   # no prompts, no outputs (was transformers' AttributeError)
     with pytest.raises(kvpass.ConfigError, match="max_new_tokens >= 1"):
         model.generate(ids, max_new_tokens=0)
     with pytest.raises(kvpass.ConfigError, match="leaves no new token"):

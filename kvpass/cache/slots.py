@@ -82,7 +82,8 @@ def reused_mask():
     finally:
         _reuse.on = before
 LIMIT = ("kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
-         "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call)")
+         "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "
+         "before a new prompt")
 RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 

@@ -104,8 +104,8 @@ class FastGenerate:
 
     def _generate(self, inputs=None, *args, **kwargs):
         ids = kwargs.get("input_ids", inputs)
-        if isinstance(ids, (list, tuple)) and ids and not isinstance(ids[0], int) and not args:
-            return self.many(ids, **kwargs)
+        if isinstance(ids, (list, tuple)) and not args and (not ids or not isinstance(ids[0], int)):
+            return self.many(ids, **kwargs) if ids else []   # no prompts, no outputs (as RequestQueue.run)
         config = kwargs.get("generation_config") or self.model.generation_config
 
         def option(name):   # a keyword wins over the generation config, as in transformers
