@@ -421,6 +421,29 @@ def test_a_filled_slot_cache_and_a_shorter_prompt_is_refused():
     torch._dynamo.reset()
 
 
+def test_backend_state_follows_the_last_generation_on_either_cache():
+    """``be.state`` (the README's inspection line) showed only DynamicCache generations: after
+    ``kvpass.compile``'s generate, which runs on a SlotCache, it was empty or the previous run's numbers. It
+    now reports the cache the last prefill wrote, whichever kind."""
+    from kvpass.cache.slots import SlotCacheState
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, "streamingllm", compiler="eager", budget=8, sinks=2)
+    model.generate(ids_of(13), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    state = be.state
+    assert isinstance(state, SlotCacheState) and state.seen == 20 and state.layers == 2
+    assert all(n <= 9 for n in state.stored.values()) and state.evicted_tokens > 0
+    model.generate(ids_of(13), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                   past_key_values=DynamicCache(config=model.config))
+    assert not isinstance(be.state, SlotCacheState) and be.state.seen == 20
+    assert be.state.stored_tokens() == {0: 8, 1: 8}
+    model.generate(ids_of(5), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert isinstance(be.state, SlotCacheState) and be.state.seen == 7
+    torch._dynamo.reset()
+
+
 def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     """Past Dynamo's recompile limit (here 2: batch 1 takes both graphs, batch 2 needs more), the error says
     kvpass, what compiles graphs and what to do, instead of torch's bare FailOnRecompileLimitHit."""

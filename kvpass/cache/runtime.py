@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from kvpass.cache.state import GenerationState
+from kvpass.cache.state import TICKS, GenerationState
 from kvpass.errors import device_assert
 from kvpass.kernels.gather import gather_pair
 
@@ -75,7 +75,26 @@ class Runtime:
         self.first_pass: bool = False
         self.overflow: int | None = None
         self.unchanged_prefill = ""  # why the last prefill graph was compiled unchanged (compiler.backend)
+        # the kvpass.SlotCaches built for this backend, and (TICKS, the one the last SlotCache prefill wrote)
+        self.slot_caches: weakref.WeakSet = weakref.WeakSet()
+        self.slot_view: tuple | None = None
         self.handle = register(self)
+
+    def slot_prefilled(self, count: Tensor) -> None:
+        """A SlotCache prefill wrote the layer whose counters are ``count``: note its cache as the last one."""
+        for cache in list(self.slot_caches):
+            if any(lay.count.data_ptr() == count.data_ptr() for lay in cache.layers):
+                self.slot_view = (next(TICKS), weakref.ref(cache))
+                return
+
+    def last_state(self):
+        """The state of the last generation: this runtime's (a DynamicCache) or, when a SlotCache prefill came
+        after its last fresh record, that cache's ``state()``."""
+        if self.slot_view is not None and self.slot_view[0] > self.state.fresh_at:
+            cache = self.slot_view[1]()
+            if cache is not None:
+                return cache.state()
+        return self.state
 
     # -- called from operators ------------------------------------------------------------------
 

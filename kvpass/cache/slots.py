@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -151,6 +152,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     from kvpass.cache import runtime
 
     rt = runtime.get(handle)
+    rt.slot_prefilled(count)
     b, hkv, length, _ = k_new.shape
     cap = keys.shape[2]
     if b != keys.shape[0]:
@@ -455,6 +457,16 @@ class SlotLayer(CacheLayerMixin):
         return f"SlotLayer(capacity={self.capacity}, shape={tuple(self.keys.shape)}, dtype={self.keys.dtype})"
 
 
+@dataclass(frozen=True)
+class SlotCacheState:
+    """``SlotCache.state()``: the counts ``GenerationState`` reports, read off a SlotCache."""
+
+    seen: int
+    layers: int
+    stored: dict
+    evicted_tokens: int
+
+
 class SlotCache(Cache):
     """A fixed-capacity KV cache for a kvpass policy; pass it to ``generate`` or ``forward``.
 
@@ -516,6 +528,8 @@ class SlotCache(Cache):
                                            None if w else capacity_dims(policy, cap, head_dim), max_length)
                                  for cap, w in zip(self.capacities, windows)])
         self.max_length, self.max_new_tokens = max_length, max_new_tokens
+        if getattr(backend, "runtime", None) is not None:
+            backend.runtime.slot_caches.add(self)   # so be.state can name the cache a prefill ran on
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
@@ -572,6 +586,17 @@ class SlotCache(Cache):
     def positions(self, layer: int) -> Tensor:
         """``[B, H_kv, C]`` true position of each slot of ``layer`` (-1 = empty)."""
         return self.layers[layer].pos
+
+    def state(self) -> "SlotCacheState":
+        """What the cache holds now, as ``Backend.state`` reports a DynamicCache generation: tokens seen (row
+        0), per layer the most entries a (row, KV head) holds, and the tokens seen but not held (summed over
+        layers, rows and KV heads). ``be.state`` returns it when this cache had the backend's last prefill."""
+        stored, evicted = {}, 0
+        for i, lay in enumerate(self.layers):
+            held = (lay.pos >= 0).sum(-1)                     # [B, H_kv]
+            stored[i] = int(held.max())
+            evicted += int((lay.count[:, :1] - held).clamp_min(0).sum())
+        return SlotCacheState(self.seen, len(self.layers), stored, evicted)
 
     def kv_bytes(self) -> int:
         """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""

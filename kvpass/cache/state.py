@@ -17,6 +17,7 @@ Rules the operators follow:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,9 @@ class LayerState:
         return torch.cat([self.pos, tail], -1), self.seen + n
 
 
+TICKS = itertools.count(1)   # orders generations that start on a DynamicCache and on a kvpass.SlotCache
+
+
 class GenerationState:
     """The state of one generation (one prompt batch and its continuation)."""
 
@@ -70,6 +74,7 @@ class GenerationState:
         self.tail_at = -1
         self.latest: int | Tensor = 0   # ``seen`` of the last layer recorded (the latest count a record holds)
         self.base: int | Tensor = 0     # the model's first derived position (OPT's learned table: 2)
+        self.fresh_at = 0               # TICKS when the last fresh record was set
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)
@@ -80,6 +85,7 @@ class GenerationState:
         old = self.layers.get(site)
         if fresh:
             self.tail, self.tail_at = None, -1
+            self.fresh_at = next(TICKS)
         extra = {} if fresh or old is None else old.extra
         st = LayerState(pos=pos, seen=seen, extra=extra)
         self.layers[site] = st

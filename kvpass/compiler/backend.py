@@ -271,10 +271,10 @@ class Backend:
 
     @property
     def state(self):
-        """The generation state (true positions, stored lengths) of the last generation on the model's own
-        cache (a DynamicCache). A ``kvpass.SlotCache`` keeps its own: ``cache.seen``, ``cache.positions(layer)``,
-        ``cache.kv_bytes()``; this state does not follow it (it still shows the last DynamicCache generation)."""
-        return self.runtime.state
+        """The state of the last generation: on the model's own cache (a DynamicCache) the ``GenerationState``
+        (true positions, stored lengths), on a ``kvpass.SlotCache`` that cache's ``state()`` (the same counts;
+        the cache also gives ``positions(layer)`` and ``kv_bytes()``)."""
+        return self.runtime.last_state()
 
     def plans(self) -> dict[str, list[str]]:
         """Per graph phase ("prefill", "decode", ...), the distinct site plans of the graphs compiled
