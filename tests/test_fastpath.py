@@ -444,6 +444,26 @@ def test_backend_state_follows_the_last_generation_on_either_cache():
     torch._dynamo.reset()
 
 
+def test_a_static_cache_under_dynamic_shapes_is_rewritten_not_refused():
+    """transformers' StaticCache passed to a ``kvpass.compile``d model (``dynamic=True``): Dynamo traces its head
+    dimension as a SymInt of a constant, which the pass took for a symbolic head count and refused with a
+    nonsense reason ("query heads 4 are not a multiple of kv heads 2", graph unchanged). It is that int: the
+    graph is rewritten, with no warning, and gives the uncompiled tokens."""
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    be = kvpass.compile(model, "full", compiler="eager")
+    ids = ids_of(12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvpass.KVPassWarning)
+        got = model.generate(ids, max_new_tokens=5, do_sample=False,
+                             past_key_values=StaticCache(config=model.config, max_cache_len=64))
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=5, do_sample=False))
+    assert all(not r.problems for r in be.reports)
+    torch._dynamo.reset()
+
+
 def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     """Past Dynamo's recompile limit (here 2: batch 1 takes both graphs, batch 2 needs more), the error says
     kvpass, what compiles graphs and what to do, instead of torch's bare FailOnRecompileLimitHit."""
