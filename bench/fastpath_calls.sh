@@ -288,11 +288,13 @@ V4)  # session 54, two GPUs: raas's stamp with partial log-sum-exps (the plan no
   exit ;;
 V6)  # next session, two GPUs: the two 32-layer rows lanes cut twice (h2o at 130k came third in its lane in V1 and
      # V4; art at 33k fourth in V4), each now second after full; then the two-GPU profile (tp_calls.sh R) at 8
-     # layers, where a call of session 54 was refused (two-GPU kinds no longer lent at its end)
+     # layers, where a call of session 54 was refused (two-GPU kinds no longer lent at its end). Lane 1 first runs
+     # the GPU tests of session 54's last changes (the raas plan's window load, the decoding loop's last-step read)
+  T='python -m pytest -v -rfE --tb=short -p no:cacheprovider -p no:logging'
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 480 \
+  bash bench/lanes.sh "$OUT" 540 \
       "$B --layers 32 --lengths 2000,130000 --policies full,h2o --out \$LANE/l32_130k_h2o.json > \$LANE/l32_130k_h2o.log 2>&1; grep -h '^{' \$LANE/l32_130k_h2o.log | cut -c1-300" \
-      "$B --layers 32 --lengths 2000,33000 --policies full,art --out \$LANE/l32_33k_art.json > \$LANE/l32_33k_art.log 2>&1; grep -h '^{' \$LANE/l32_33k_art.log | cut -c1-300"
+      "$T tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_slot_cache.py -k 'raas_stamp or decode_loop' > \$LANE/gpu_tests.txt 2>&1; grep -E 'passed|failed' \$LANE/gpu_tests.txt; $B --layers 32 --lengths 2000,33000 --policies full,art --out \$LANE/l32_33k_art.json > \$LANE/l32_33k_art.log 2>&1; grep -h '^{' \$LANE/l32_33k_art.log | cut -c1-300"
   exit ;;
 Y2)  # next session, four GPUs: the other policies at 32 layers and 130k beside full; issue 39's 128k step on one GPU
      # and on two (bench/tp_calls.sh T1) on GPUs 2-3
