@@ -309,6 +309,10 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
     if not specs:
         _usage_error(f"{flag}: no policy given; pass at least one, e.g. {flag} full,streamingllm; known policies: "
                      f"{', '.join(available())}")
+    twice = next((p for i, p in enumerate(specs) if p in specs[:i]), None)
+    if twice is not None:
+        _usage_error(f"{flag}: policy '{twice}' is given twice in {','.join(specs)} (it would run twice, "
+                     f"under one name in the table)")
     declared: set[str] = set()
     checked = 0
     for spec in specs:
