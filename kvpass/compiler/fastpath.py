@@ -115,7 +115,7 @@ class FastGenerate:
             raise ConfigError("kvpass.compile: generate(output_attentions=True): kvpass replaces the model's attention, "
                               "so there are no attention weights of the model's own to return (a decode step's would "
                               "span the SlotCache's slots); generate with an uncompiled copy of the model for them")
-        given = kwargs.get("past_key_values", kwargs.get("cache"))
+        given = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
         if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
                 and given.seen >= ids.shape[1]:
             raise ConfigError(f"kvpass.compile: generate() got a SlotCache that already holds {given.seen} tokens "
@@ -123,7 +123,7 @@ class FastGenerate:
                               f"sequence so far plus the new tokens; for a new prompt call cache.reset() first")
         own = [k for k in _OWN_DECODING if option(k) not in (None, 1, False)]
         if (args or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or own
-                or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+                or given is not None
                 or option("use_cache") is False            # no cache: every step reruns the whole sequence
                 or kwargs.get("cache_implementation") is not None):   # the caller chose transformers' cache
             return self._original(inputs, *args, **kwargs)
