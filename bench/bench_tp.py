@@ -153,7 +153,8 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     return row
 
 
-KINDS = (("all_reduce (NCCL)", ("nccl",)), ("attention (kvpass)", ("decode_attention", "kvpass")),
+KINDS = (("all_reduce (NCCL, one-shot)", ("nccl", "all_reduce", "allreduce")),
+         ("attention (kvpass)", ("decode_attention", "kvpass")),
          ("matmul", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "splitk")))
 
 

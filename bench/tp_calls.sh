@@ -13,6 +13,8 @@
 #      all-reduce, kvpass's attention, matmuls, the rest) on one GPU and on two, for where the two-GPU step loses
 #   R8: R at 8 layers, full only (about 4 minutes with the machine's start; session 54 had that much device time
 #       left, and the two-GPU kinds were no longer lent): where the step's device time goes, per layer
+#   S8: R8's model and row with --one-shot (symmetric memory's one-shot all-reduce lowered by Inductor), to set
+#       beside R8's NCCL all-reduce: 16 all-reduces a step at 8 layers took 0.147 ms of 2.274 (2026-11-28)
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -21,7 +23,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, K, G, P or S}" in
+case "${1:?call T1, T2, R, R8, S8, K, G, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -36,6 +38,10 @@ case "${1:?call T1, T2, R, R8, K, G, P or S}" in
        | grep '^{\|Error' | cut -c1-400
      python bench/bench_tp.py compare $out/one_gpu_l8_131072.json $out/two_gpu_l8_131072.json \
        --out $out/tp_l8_131072.md 2>&1 | tail -16; exit ;;
+  S8) d=/tmp/kvpass_llama8b_l8
+     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
+     timeout 130 torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $d --contexts 131072 --configs full --steps 32 \
+       --profile --one-shot --out $out/two_gpu_l8_131072_one_shot.json 2>&1 | grep '^{\|Error' | cut -c1-400; exit ;;
   P) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies full,snapkv --baselines= --max-waves 2"

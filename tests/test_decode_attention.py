@@ -93,6 +93,23 @@ def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structur
     torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
 
 
+@settings(SETTINGS, max_examples=10)
+@given(shape=shapes, combine=st.sampled_from([2, 4]), sms=st.sampled_from([2, 5]), horizon=st.integers(0, 4),
+       seed=st.integers(0, 10_000))
+def test_combine_merges_parts_in_blocks(shape, combine, sms, horizon, seed):
+    """The combine merges its parts ``COMBINE_BLOCK`` at a time: blocks that end past the last part, empty
+    splits, and a first part after the horizon's steps give the reference's output."""
+    b, (h, hkv), length, d = shape
+    q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K, "COMBINE_BLOCK", combine)
+        mp.setattr(K, "_sms", lambda device: sms)
+        kw = dict(block=16, tau=0.1, phi=0.3, patience=2, horizon=horizon) if horizon else dict(block=16)
+        out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
+    assert torch.equal(vis_k, vis_r)
+    torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
+
+
 @SETTINGS
 @given(shape=shapes, tau=st.sampled_from([1e-2, 0.1, 0.5]), horizon=st.integers(1, 6), seed=st.integers(0, 10_000))
 def test_horizon_stops_as_art_or_reads_everything(shape, tau, horizon, seed):
