@@ -115,8 +115,9 @@ def test_batch_and_padding_through_compile():
 def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
     """kvpass's decoding loop (it reads "every row finished" one step late and undoes the extra step) gives HF's
     loop's tokens when end-of-sequence tokens stop one row, then the other, before max_new_tokens, and when
-    max_new_tokens stops them; greedy and sampled (same seed). HF's loop runs through
-    ``return_dict_in_generate``, which kvpass's loop hands to it."""
+    max_new_tokens stops them; greedy and sampled (same seed), and the random generator is left where HF's loop
+    leaves it (the undone step's draw given back: a next sampling call drew one draw further on). HF's loop runs
+    through ``return_dict_in_generate``, which kvpass's loop hands to it."""
     from kvpass.compiler import decode_loop
     torch._dynamo.reset()
     model = build("llama")
@@ -130,8 +131,11 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
     def ours_and_hf(**extra):
         torch.manual_seed(1)
         ours = model.generate(ids, **kw, **extra)
+        after = torch.rand(4)   # the generator after the call: the undone step gives its draw back
         torch.manual_seed(1)
-        return ours, model.generate(ids, **kw, **extra, return_dict_in_generate=True).sequences
+        hf = model.generate(ids, **kw, **extra, return_dict_in_generate=True).sequences
+        assert torch.equal(after, torch.rand(4))
+        return ours, hf
 
     free, hf = ours_and_hf()
     assert reads and free.shape[1] == 32 and torch.equal(free, hf)

@@ -206,12 +206,14 @@ class Runtime:
         st.note_tail(pos.max() + 1)
 
     def _behind(self, what: str, seen: int) -> str:
-        return (f"kvpass: policy '{self.policy.name}' evicted from this cache ({seen} tokens seen, fewer "
-                f"stored), and {what}: positions were counted from the stored entries. transformers does this when "
-                f"generate continues with past_key_values and in assisted or prompt-lookup decoding (which also "
-                f"crops entries it cannot give back); a model does it when it computes positions before a graph "
-                f"break. Continue on a kvpass.SlotCache (it counts tokens seen), decode without an assistant, pass "
-                f"position_ids, or start a new cache")
+        return (f"kvpass: this cache has seen {seen} tokens under policy '{self.policy.name}', and {what}: "
+                f"positions were counted from the entries stored, which are fewer after an eviction or after "
+                f"transformers cropped the cache. transformers counts so when generate continues with "
+                f"past_key_values, and crops in assisted and prompt-lookup decoding (the rejected drafts, which "
+                f"'{self.policy.name}' has already seen and cannot give back); a model counts so when it computes "
+                f"positions before a graph break. Continue on a kvpass.SlotCache (it counts tokens seen), decode "
+                f"without an assistant or prompt lookup (or use policy 'full'), pass position_ids, or start a new "
+                f"cache")
 
     def true_positions(self, pos: Tensor, prefill: bool = False) -> Tensor:
         """Position ids the model derived from the stored length -> the true token count.

@@ -547,6 +547,20 @@ class SlotCache(Cache):
         return (batch_size == self.layers[0].keys.shape[0] and max_length <= self.max_length and
                 all(need <= have for need, have in zip(self._capacities(max_length, max_new_tokens), self.capacities)))
 
+    def holds_all(self, max_length: int, max_new_tokens: int) -> bool:
+        """Whether every global layer keeps every token of such a generation (no eviction: ``full``, ``art``, a
+        budget above ``max_length``); sliding-window layers keep their window whatever the policy."""
+        return all(c >= max_length for c, w in zip(self._capacities(max_length, max_new_tokens), self._windows)
+                   if not w)
+
+    def crop(self, max_length: int) -> None:
+        """Refused: transformers crops a cache to give back rejected draft tokens (assisted and prompt-lookup
+        decoding), and a SlotCache's slots are placed by the policy, not in sequence order."""
+        raise ConfigError(f"kvpass.SlotCache cannot crop to {max_length} tokens: transformers crops a cache in assisted "
+                          f"and prompt-lookup decoding, to drop rejected drafts. An assistant model given "
+                          f"kvpass.compile decodes on a SlotCache: give the assistant an uncompiled model (or one "
+                          f"compiled with torch.compile and the 'full' backend on its DynamicCache)")
+
     def admit(self, row: int, other: "SlotCache", source: int = 0) -> None:
         """Row ``row`` takes row ``source`` of ``other``, a cache of the same policy configuration and
         capacities whose prefill has run (a batch-1 cache that prefilled one request): its slots, positions,

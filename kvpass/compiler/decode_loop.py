@@ -22,10 +22,11 @@ given the mask built for the first one (``forward``), guarded so that it never r
 
 It returns token ids. A call that wants more (``return_dict_in_generate``) runs HF's own loop. ``generate``
 hands a ``custom_generate`` callable no streamer and no ``synced_gpus`` (transformers 5.14 .. 5.24), so
-``FastGenerate`` does not pass this loop to a call that has them (``usable``). One difference a user can see:
-when an end-of-sequence token stops the call early, the undone step has run the logits processors and drawn
-from the random generator once more than HF's loop would (a stateful processor counts one more call; the next
-sampling call's draws follow from a generator one draw further on).
+``FastGenerate`` does not pass this loop to a call that has them (``usable``). When an end-of-sequence token
+stops a sampling call early, the undone step's draw is given back (the device's random generator is set to its
+state before that draw), so a next call draws what it would after HF's loop. One difference a user can see:
+the undone step has run the logits processors once more than HF's loop would (a stateful processor counts one
+more call).
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     mask = None   # the attention mask of the step before, passed again while no decode graph reads it
     reuse = be is not None
     optimize = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
+    # a step undone after an end-of-sequence token gives its random draw back: the generator's state before it
+    rng = generator(input_ids.device) if cfg.do_sample and flags is not None else None
+    before = None
     outputs = model._prefill(input_ids, cfg, model_kwargs)
     with optimize():
         while True:
@@ -122,6 +126,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             del outputs   # a prefill's logits can be large
             scores = logits_processor(input_ids, logits)
             if cfg.do_sample:
+                before = rng.get_state() if rng is not None else None
                 tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             else:
                 tokens = torch.argmax(scores, dim=-1)
@@ -135,6 +140,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             stopped = previous is not None and previous.read()
             if stopped or length >= max_length:
                 length -= stopped   # HF's loop stopped before this step, the last one allowed or not
+                if stopped and before is not None:
+                    rng.set_state(before)
                 break
             if flags is not None:
                 previous = flags[length % 2].put(finished.all())
@@ -143,6 +150,13 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             if not reuse or not be.decode_ignores_mask(layers):
                 mask = None
     return ids[:, :length].contiguous()
+
+
+def generator(device: torch.device) -> torch.Generator:
+    """The default random generator of ``device`` (the one ``torch.multinomial`` draws from there)."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"

@@ -12,12 +12,16 @@ that fits it resets and reuses it, so its slots keep their addresses and the rec
 replay. A capacity never enters the compiled code (the slots' capacity dimension is symbolic,
 ``kvpass.cache.slots``), so every prompt length runs on the one prefill graph and the one decode graph.
 
-A call that brings ``past_key_values``, asks for no cache (``use_cache=False``) or for one of transformers'
-(``cache_implementation=``), or that ``generate`` cannot run on a SlotCache (beam search, assisted decoding),
-goes to the model's own ``generate`` unchanged; the compiled forward still applies the policy where it can,
+A call whose output carries the cache (``return_dict_in_generate=True``) gives it to that output: the caller
+may continue from it, and the next call builds another. A ``cache_implementation`` in the model's own generation
+config (a hub model's default) gives way to the SlotCache. A call that brings ``past_key_values`` (checked
+against the size of a SlotCache), asks for no cache (``use_cache=False``) or for one of transformers' (a
+``cache_implementation`` keyword, or in a generation config passed), or that ``generate`` cannot run on a
+SlotCache (beam search, assisted decoding), goes to the model's own ``generate`` unchanged; the compiled forward still applies the policy where it can,
 and refuses where it cannot (a SlotCache of the caller's that already holds as many tokens as the prompt is
 refused: transformers would read the prompt as a continuation). ``output_attentions=True`` is refused: the
-model's attention is replaced. A list of prompts goes through a ``RequestQueue``; its ``max_length`` means what
+model's attention is replaced, and so is ``prefill_chunk_size`` where the policy keeps part of the prompt (it
+selects from the whole prompt at once). A list of prompts goes through a ``RequestQueue``; its ``max_length`` means what
 ``generate``'s does (prompt plus new tokens, per prompt). Calls run one at a time (a lock).
 """
 
@@ -116,16 +120,15 @@ class FastGenerate:
                               "so there are no attention weights of the model's own to return (a decode step's would "
                               "span the SlotCache's slots); generate with an uncompiled copy of the model for them")
         given = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
-        if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
-                and given.seen >= ids.shape[1]:
-            raise ConfigError(f"kvpass.compile: generate() got a SlotCache that already holds {given.seen} tokens "
-                              f"and a {ids.shape[1]}-token prompt: continuing a generation passes the whole "
-                              f"sequence so far plus the new tokens; for a new prompt call cache.reset() first")
+        if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self._check_continuation(given, ids.shape[1], new_tokens(kwargs, config, ids.shape[1]))
         own = [k for k in _OWN_DECODING if option(k) not in (None, 1, False)]
+        chosen = kwargs.get("cache_implementation") or getattr(kwargs.get("generation_config"), "cache_implementation",
+                                                               None)
         if (args or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or own
                 or given is not None
                 or option("use_cache") is False            # no cache: every step reruns the whole sequence
-                or kwargs.get("cache_implementation") is not None):   # the caller chose transformers' cache
+                or chosen is not None):                    # the caller chose one of transformers' caches
             return self._original(inputs, *args, **kwargs)
         prompt = ids.shape[1]
         new = new_tokens(kwargs, config, prompt)
@@ -134,6 +137,12 @@ class FastGenerate:
                               f"prompt; pass max_new_tokens >= 1")
         rows = ids.shape[0] * (kwargs.get("num_return_sequences") or config.num_return_sequences or 1)
         cache = self.cache_for(rows, prompt, new)
+        chunk = option("prefill_chunk_size")
+        if chunk and chunk < prompt and not cache.holds_all(prompt + new, new):
+            raise ConfigError(f"kvpass.compile: generate(prefill_chunk_size={chunk}) prefills the {prompt}-token prompt "
+                              f"in chunks, and policy '{self.backend.policy.name}' keeps only part of a prompt, "
+                              f"chosen from the whole prompt at once (a later chunk would overflow the cache); drop "
+                              f"prefill_chunk_size (kvpass's prefill never builds the [prompt, prompt] scores)")
         if decode_loop.usable(self.model, kwargs):
             kwargs["custom_generate"] = decode_loop.decode
         if kwargs.get("compile_config") is None and "disable_compile" not in kwargs:
@@ -145,14 +154,42 @@ class FastGenerate:
                 kwargs["generation_config"].disable_compile = True
             else:
                 kwargs["disable_compile"] = True
+        # A cache_implementation in the model's own generation config (a hub model may ship "static") is a default
+        # that kvpass's SlotCache replaces; transformers refuses a cache passed beside one, and fills a caller's
+        # generation config from the model's, so it is set aside for the call
+        defaults = self.model.generation_config
+        shipped, defaults.cache_implementation = getattr(defaults, "cache_implementation", None), None
         try:
-            return self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
+            out = self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
         except ConfigError:
             raise
         except Exception as e:   # the model's code may not run on a static-shape cache (Falcon's ALiBi reads a 2-D mask)
             if hasattr(e, "add_note"):   # Python >= 3.11
                 e.add_note(_FAST_PATH_NOTE)
             raise
+        finally:
+            defaults.cache_implementation = shipped
+        if any(getattr(out, name, None) is cache for name in ("past_key_values", "cache")):
+            # the output carries the cache (return_dict_in_generate): it is the caller's now, to read or to continue
+            # from; reusing it for the next call would change it under them. The next call builds another
+            self.caches = {k: c for k, c in self.caches.items() if c is not cache}
+        return out
+
+    @staticmethod
+    def _check_continuation(cache: SlotCache, length: int, new: int) -> None:
+        """A SlotCache passed back to ``generate`` continues a sequence: ``length`` tokens (the whole sequence so
+        far plus the new prompt tokens) and ``new`` more must fit it, and it must hold fewer than ``length``."""
+        seen = cache.seen
+        if seen >= length:
+            raise ConfigError(f"kvpass.compile: generate() got a SlotCache that already holds {seen} tokens "
+                              f"and a {length}-token prompt: continuing a generation passes the whole "
+                              f"sequence so far plus the new tokens; for a new prompt call cache.reset() first")
+        if length + new > cache.max_length:
+            raise ConfigError(f"kvpass.compile: generate() continues a SlotCache built for {cache.max_length} tokens "
+                              f"(a cache an earlier generate() returned is sized for that call) with {length} tokens "
+                              f"and {new} new ones; to go further, call generate() on the whole sequence without the "
+                              f"cache (it is prefilled again into a cache sized for it), or build a "
+                              f"kvpass.SlotCache(model, backend, max_length=...) of your own")
 
     def _original(self, *args, **kwargs):
         """The model's own ``generate``, with Dynamo's recompile-limit failure told as kvpass's advice."""

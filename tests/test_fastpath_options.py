@@ -1,0 +1,109 @@
+"""``kvpass.compile``'s ``generate`` under options a user passes, found by probing as a user (2026-11-28): each
+gave wrong tokens without a word, or an error that blamed the wrong thing.
+
+* a cache returned in the output (``return_dict_in_generate``) is the caller's: the next call no longer resets
+  and refills it under them (continuing the first conversation gave other tokens);
+* continuing a returned cache past its size names the size and the way on;
+* a ``cache_implementation`` in the model's own generation config (hub models ship one) no longer makes every
+  call fail in transformers: kvpass's SlotCache replaces that default;
+* chunked prefill with a policy that keeps part of the prompt is refused up front (the cache overflowed);
+* an assistant model given ``kvpass.compile`` is refused by name when transformers crops its SlotCache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpass
+from families import build
+
+
+def ids_of(n: int, b: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 90, (b, n), generator=torch.Generator().manual_seed(n + 1000 * seed))
+
+
+def test_a_returned_cache_is_the_callers():
+    """Two calls with ``return_dict_in_generate``: the first output's cache stays as the first call left it, and
+    continuing from it gives the uncompiled model's tokens (before: the second call had reset and refilled the
+    same object, and the continuation differed with no error). A call that returns no cache still reuses the
+    kept one."""
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    first = model.generate(ids_of(12), **kw)
+    second = model.generate(ids_of(15), **kw)
+    assert first.past_key_values is not second.past_key_values
+    assert isinstance(first.past_key_values, kvpass.SlotCache) and first.past_key_values.seen == 15
+    more = torch.cat([first.sequences, ids_of(3, seed=1)], 1)
+    got = model.generate(more, past_key_values=first.past_key_values, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, ref.generate(more, max_new_tokens=3, do_sample=False))
+    model.generate(ids_of(9), max_new_tokens=3, do_sample=False)
+    kept, = model.generate.caches.values()
+    model.generate(ids_of(10), max_new_tokens=3, do_sample=False)
+    assert next(iter(model.generate.caches.values())) is kept
+    torch._dynamo.reset()
+
+
+def test_continuing_past_a_returned_cache_names_its_size_and_the_way_on():
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    out = model.generate(ids_of(20), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    size = out.past_key_values.max_length
+    more = torch.cat([out.sequences, ids_of(size - 20, seed=2)], 1)
+    with pytest.raises(kvpass.ConfigError, match=rf"built for {size} tokens.*without the cache"):
+        model.generate(more, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("shipped", ["static", "dynamic"])
+def test_a_cache_implementation_the_model_ships_gives_way_to_the_slot_cache(shipped):
+    """A model whose generation config carries ``cache_implementation`` (as hub models ship it): every call
+    failed in transformers ("Passing both cache_implementation ... and cache"). The SlotCache replaces the
+    default, the tokens are the uncompiled model's, and the model's config is left as it was. A caller's own
+    ``cache_implementation`` still runs transformers' cache."""
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    model.generation_config.cache_implementation = shipped
+    ids = ids_of(14)
+    got = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=5, do_sample=False))
+    assert model.generate.caches and model.generation_config.cache_implementation == shipped
+    model.generation_config.cache_implementation = None
+    got = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="dynamic",
+                         return_dict_in_generate=True)
+    assert not isinstance(got.past_key_values, kvpass.SlotCache)
+    torch._dynamo.reset()
+
+
+def test_chunked_prefill_is_refused_where_the_policy_keeps_part_of_the_prompt():
+    """``prefill_chunk_size`` with snapkv: the first chunk was taken as the prompt and the later ones overflowed
+    the cache ("the cache is full"). Refused up front, naming the option; ``full`` keeps every token and runs
+    chunked, with the uncompiled model's tokens."""
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "snapkv", compiler="eager", budget=32, window=8)
+    with pytest.raises(kvpass.ConfigError, match=r"prefill_chunk_size=16.*'snapkv' keeps only part"):
+        model.generate(ids_of(60), max_new_tokens=4, do_sample=False, prefill_chunk_size=16)
+    torch._dynamo.reset()
+    model, ref = build("llama"), build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    ids = ids_of(60)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=16),
+                       ref.generate(ids, max_new_tokens=4, do_sample=False))
+    torch._dynamo.reset()
+
+
+def test_an_assistant_given_kvpass_compile_is_refused_by_name():
+    """Assisted decoding crops the assistant's cache to drop rejected drafts; an assistant compiled with
+    ``kvpass.compile`` decodes on a SlotCache, which failed inside transformers ("'SlotLayer' object has no
+    attribute 'crop'"). The SlotCache now refuses the crop and says what to give the assistant."""
+    torch._dynamo.reset()
+    model, assistant = build("llama"), build("llama", seed=1)   # other weights: its drafts get rejected
+    kvpass.compile(assistant, "full", compiler="eager")
+    with pytest.raises(kvpass.ConfigError, match="cannot crop.*give the assistant an uncompiled model"):
+        model.generate(ids_of(16), max_new_tokens=8, do_sample=False, assistant_model=assistant)
+    torch._dynamo.reset()
