@@ -130,3 +130,34 @@ def test_decode_loop_equals_hf_loop_under_cuda_graphs(policy, params):
     ours = m.generate(ids, eos_token_id=eos, **kw)
     hf = m.generate(ids, eos_token_id=eos, **kw, return_dict_in_generate=True).sequences
     assert ours.shape[1] <= 141 and torch.equal(ours, hf), (ours, hf)
+
+
+def test_decode_loop_sampled_stop_and_a_returned_cache_under_cuda_graphs():
+    """On CUDA graphs: a sampled call stopped early by end-of-sequence tokens gives HF's loop's tokens and leaves
+    the device's generator where HF's loop leaves it (the undone step's draw given back); a cache returned with
+    ``return_dict_in_generate`` stays the caller's through a later call (which builds, and records, another)
+    and continuing from it gives what a fresh prefill of the whole sequence gives."""
+    m = model()
+    torch._dynamo.reset()
+    kvpass.compile(m, "full")
+    ids = torch.randint(3, 250, (2, 120), generator=torch.Generator().manual_seed(9)).cuda()
+    kw = dict(max_new_tokens=40, do_sample=True, top_k=20, pad_token_id=0)
+    torch.manual_seed(3)
+    free = m.generate(ids, **kw)
+    eos = [int(free[0, 125]), int(free[1, 140])]
+
+    def sampled(**extra):
+        torch.manual_seed(3)
+        out = m.generate(ids, eos_token_id=eos, **kw, **extra)
+        return getattr(out, "sequences", out), torch.rand(4, device="cuda")
+
+    (ours, after_ours), (hf, after_hf) = sampled(), sampled(return_dict_in_generate=True)
+    assert ours.shape[1] <= 141 and torch.equal(ours, hf), (ours, hf)
+    assert torch.equal(after_ours, after_hf)
+    greedy = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    first = m.generate(ids[:1], **greedy)
+    second = m.generate(ids[1:], **greedy)
+    assert first.past_key_values is not second.past_key_values and first.past_key_values.seen == 127
+    more = torch.cat([first.sequences, ids[1:, :5]], 1)
+    got = m.generate(more, past_key_values=first.past_key_values, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, m.generate(more, max_new_tokens=6, do_sample=False))
