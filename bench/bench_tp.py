@@ -85,13 +85,14 @@ def digests(cache, tp: bool) -> list[int]:
 
 
 @torch.no_grad()
-def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: str, profile: bool = False) -> dict:
+def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: str, profile: bool = False,
+            dynamic: bool | None = True) -> dict:
     policy, extra = policy_of(name)
     params = {} if policy in ("full", "art") else {"budget": budget}
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler=compiler, **params, **extra)
     mode = "reduce-overhead" if compiler == "inductor" else None
-    fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=True)
+    fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=dynamic)
     n_new = WARMUP + steps + 2 + (PROFILE_STEPS if profile else 0)
     ctx = ids.shape[1]
 
@@ -195,6 +196,7 @@ def run(args) -> None:
               "budget": args.budget, "steps": args.steps, "load_s": time.perf_counter() - t,
               "copy_bandwidth_GBps": copy_bandwidth(DEV) / 1e9, "compiler": args.compiler,
               "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "one_shot_all_reduce": bool(args.one_shot),
+              "static_batch": bool(args.static_batch),
               "rows": []}
     if rank == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
@@ -204,7 +206,8 @@ def run(args) -> None:
         for name in args.configs.split(","):
             t0 = time.perf_counter()
             try:
-                row = run_one(model, name, ids, args.steps, args.budget, tp, args.compiler, args.profile)
+                row = run_one(model, name, ids, args.steps, args.budget, tp, args.compiler, args.profile,
+                              None if args.static_batch else True)
             except Exception as e:  # a failed row is reported, the others go on
                 row = {"config": name, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:600]}"}
             row["wall_s"] = time.perf_counter() - t0
@@ -278,7 +281,11 @@ def main() -> None:
     r.add_argument("--compiler", default="inductor", help="eager: the CPU smoke test")
     r.add_argument("--one-shot", action="store_true",
                    help="two GPUs: let Inductor lower the decode step's small all_reduces to symmetric memory's "
-                        "one-shot all-reduce (torch._inductor.config._collective.auto_select); not yet measured")
+                        "one-shot all-reduce (torch._inductor.config._collective.auto_select); needs --static-batch")
+    r.add_argument("--static-batch", action="store_true",
+                   help="torch.compile(dynamic=None): the batch stays static (the slots' capacity is symbolic either "
+                        "way); Inductor's one-shot lowering compares the all-reduce's size with a threshold and failed "
+                        "on a symbolic batch (torch 2.11, 2026-11-28)")
     r.add_argument("--profile", action="store_true",
                    help="on a GPU: a kernel table of a few more steps per row and its device time by kind "
                         "(all-reduce, attention, matmul, other), to see where a two-GPU step loses")

@@ -13,8 +13,11 @@
 #      all-reduce, kvpass's attention, matmuls, the rest) on one GPU and on two, for where the two-GPU step loses
 #   R8: R at 8 layers, full only (about 4 minutes with the machine's start; session 54 had that much device time
 #       left, and the two-GPU kinds were no longer lent): where the step's device time goes, per layer
-#   S8: R8's model and row with --one-shot (symmetric memory's one-shot all-reduce lowered by Inductor), to set
-#       beside R8's NCCL all-reduce: 16 all-reduces a step at 8 layers took 0.147 ms of 2.274 (2026-11-28)
+#   S8: R8's model and row on two GPUs with a static batch (--static-batch), NCCL's all-reduce then symmetric
+#       memory's one-shot (--one-shot): 16 all-reduces a step at 8 layers took 0.155 ms of 2.112 (2026-11-28); the
+#       one-shot lowering failed on the symbolic batch of dynamic=True (Inductor compares its size with a threshold)
+#   K2: the decode kernel at a rank's share (16 query, 4 KV heads, batch 1, 128k) with split caps 32, 64 and 128
+#       (132 splits now: a rank's kernel reads at 3.0 TB/s where one GPU's reads at 3.4), and the whole shape
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -23,10 +26,13 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, S8, K, G, P or S}" in
+case "${1:?call T1, T2, R, R8, S8, K, K2, G, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
+  K2) for hc in 16,4,32 16,4,64 16,4,128 16,4,256 32,8,256; do
+       timeout 75 python bench/bench_decode_kernel.py --heads ${hc%,*} --batches 1 --contexts 131072 \
+         --max-splits ${hc##*,} --no-sweep --out $out/k_${hc//,/_} 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
   K) for hs in 16,4 32,8; do for cap in 64 256; do
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
          --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
@@ -40,8 +46,11 @@ case "${1:?call T1, T2, R, R8, S8, K, G, P or S}" in
        --out $out/tp_l8_131072.md 2>&1 | tail -16; exit ;;
   S8) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
-     timeout 130 torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $d --contexts 131072 --configs full --steps 32 \
-       --profile --one-shot --out $out/two_gpu_l8_131072_one_shot.json 2>&1 | grep '^{\|Error' | cut -c1-400; exit ;;
+     for flag in "" --one-shot; do   # a static batch for both: the one-shot lowering failed on a symbolic one
+       timeout 130 torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $d --contexts 131072 --configs full \
+         --steps 32 --profile --static-batch $flag --out $out/two_gpu_l8_131072_static${flag//-/_}.json 2>&1 \
+         | grep '^{\|Error' | cut -c1-400
+     done; exit ;;
   P) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies full,snapkv --baselines= --max-waves 2"
