@@ -5,6 +5,7 @@
 #       one GPU and on two (torchrun, tp_plan="auto"), then the comparison table
 #   T2: the same at 32k
 #   G: tests/gpu/test_gpu_tp.py (every plain policy split over two GPUs with NCCL against one GPU, fp32)
+#   Q3: G's Qwen3 cases on a carried transformers 5.24 (the machine's 5.17 cannot compile a split Qwen3)
 #   K: the decode kernel alone at one rank's share (16 query heads, 4 KV heads, batch 1, 128k) with the split
 #      cap before (64) and now (256), and the whole shape (32, 8): does the cap explain part of the TP step?
 #   S: full and snapkv at 128k on two GPUs with NCCL's all_reduce, then with symmetric memory's one-shot
@@ -26,7 +27,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, S8, K, K2, G, P or S}" in
+case "${1:?call T1, T2, R, R8, S8, K, K2, G, Q3, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -37,6 +38,13 @@ case "${1:?call T1, T2, R, R8, S8, K, K2, G, P or S}" in
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
          --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
   G) timeout 560 python -m pytest -q -x tests/gpu/test_gpu_tp.py 2>&1 | tail -15; exit ;;
+  Q3) # the Qwen3 half of G on transformers >= 5.24 (5.17's plan hooks q_norm/k_norm with module backward hooks that
+      # Dynamo cannot compile). Here first: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+      # -d .whl transformers==5.24.0; the call carries .whl (run's carry=[".whl"])
+     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+       && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+     python -c "import transformers; print('transformers', transformers.__version__)"
+     timeout 500 python -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_gpu_tp.py -k qwen3 2>&1 | tail -15; exit ;;
   R8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile"
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      timeout 90 python bench/bench_tp.py run $c --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-400
