@@ -3,7 +3,8 @@ gave wrong tokens without a word, or an error that blamed the wrong thing.
 
 * a cache returned in the output (``return_dict_in_generate``) is the caller's: the next call no longer resets
   and refills it under them (continuing the first conversation gave other tokens);
-* continuing a returned cache past its size names the size and the way on;
+* continuing a returned cache past its size names the size and the way on; continuing it with a hole in the
+  attention mask (a pad token inside the text) is refused: the SlotCache reads its slots without the mask;
 * a ``cache_implementation`` in the model's own generation config (hub models ship one) no longer makes every
   call fail in transformers: kvpass's SlotCache replaces that default;
 * chunked prefill with a policy that keeps part of the prompt is refused up front (the cache overflowed);
@@ -106,4 +107,32 @@ def test_an_assistant_given_kvpass_compile_is_refused_by_name():
     kvpass.compile(assistant, "full", compiler="eager")
     with pytest.raises(kvpass.ConfigError, match="cannot crop.*give the assistant an uncompiled model"):
         model.generate(ids_of(16), max_new_tokens=8, do_sample=False, assistant_model=assistant)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_continuing_with_a_hole_in_the_mask_is_refused(family):
+    """Continuing a returned SlotCache with a 0 inside the attention mask, passed or inferred by transformers from a
+    pad token in the ids: the appended tokens read the slots by position, without the mask, and gave other tokens
+    than transformers' continuation, silently (gemma3's sliding layers, qwen3, cohere2; on llama the logits moved
+    by 0.17). Refused; a continuation whose mask has no hole gives the uncompiled model's tokens."""
+    torch._dynamo.reset()
+    model, ref = build(family), build(family)
+    kvpass.compile(model, "full", compiler="eager")
+    out = model.generate(ids_of(12), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    more = torch.cat([out.sequences, ids_of(6, seed=5)], 1)
+    holed = torch.ones_like(more)
+    holed[0, 19] = 0
+    with pytest.raises(kvpass.ConfigError, match="a 0 after a row's first token"):
+        model.generate(more, attention_mask=holed, past_key_values=out.past_key_values, max_new_tokens=4,
+                       do_sample=False)
+    padded = more.clone()
+    padded[0, 19] = 0   # the pad id: transformers infers the hole
+    with pytest.raises(kvpass.ConfigError, match="a 0 after a row's first token"):
+        model.generate(padded, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+    got = model.generate(more, attention_mask=torch.ones_like(more), past_key_values=out.past_key_values,
+                         max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, ref.generate(more, attention_mask=torch.ones_like(more), max_new_tokens=4,
+                                         do_sample=False))
     torch._dynamo.reset()

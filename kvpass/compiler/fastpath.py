@@ -14,8 +14,8 @@ replay. A capacity never enters the compiled code (the slots' capacity dimension
 
 A call whose output carries the cache (``return_dict_in_generate=True``) gives it to that output: the caller
 may continue from it, and the next call builds another. A ``cache_implementation`` in the model's own generation
-config (a hub model's default) gives way to the SlotCache. A call that brings ``past_key_values`` (checked
-against the size of a SlotCache), asks for no cache (``use_cache=False``) or for one of transformers' (a
+config (a hub model's default) gives way to the SlotCache. A call that brings ``past_key_values`` (a SlotCache is
+checked against its size, and for a hole in the attention mask, which its slots are read without), asks for no cache (``use_cache=False``) or for one of transformers' (a
 ``cache_implementation`` keyword, or in a generation config passed), or that ``generate`` cannot run on a
 SlotCache (beam search, assisted decoding), goes to the model's own ``generate`` unchanged; the compiled forward still applies the policy where it can,
 and refuses where it cannot (a SlotCache of the caller's that already holds as many tokens as the prompt is
@@ -122,6 +122,7 @@ class FastGenerate:
         given = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
         if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self._check_continuation(given, ids.shape[1], new_tokens(kwargs, config, ids.shape[1]))
+            self._check_no_holes(ids, kwargs.get("attention_mask"), option("pad_token_id"), option("eos_token_id"))
         own = [k for k in _OWN_DECODING if option(k) not in (None, 1, False)]
         chosen = kwargs.get("cache_implementation") or getattr(kwargs.get("generation_config"), "cache_implementation",
                                                                None)
@@ -174,6 +175,25 @@ class FastGenerate:
             # from; reusing it for the next call would change it under them. The next call builds another
             self.caches = {k: c for k, c in self.caches.items() if c is not cache}
         return out
+
+    @staticmethod
+    def _check_no_holes(ids: torch.Tensor, mask, pad, eos) -> None:
+        """A continuation on a SlotCache appends its new tokens by position and reads the slots without the attention
+        mask: a row whose mask has a 0 after its first 1 (a pad token inside the text, which transformers masks when
+        it infers the mask from the ids, or a mask passed with a hole) would attend to what the mask hides. Left
+        padding (0s before a row's first 1) is what the cache's prefill already keeps out."""
+        if mask is None and pad is not None:   # transformers' inference: ids != pad, unless pad is an eos token
+            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            mask = None if pad in eos else ids.ne(pad)
+        if mask is None or mask.dim() != 2:
+            return
+        started = mask.bool().cummax(dim=-1).values
+        if (started & ~mask.bool()).any():
+            raise ConfigError("kvpass.compile: generate() continues a SlotCache with an attention mask that has a 0 "
+                              "after a row's first token (a pad token inside the sequence: transformers masks it when "
+                              "it infers the mask from the ids). A SlotCache reads its slots by position, without the "
+                              "mask, so it would attend to that token; continue without the cache (the whole sequence "
+                              "is prefilled with its mask), or on a DynamicCache")
 
     @staticmethod
     def _check_continuation(cache: SlotCache, length: int, new: int) -> None:
