@@ -13,6 +13,8 @@ gave wrong tokens without a word, or an error that blamed the wrong thing.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -105,8 +107,14 @@ def test_an_assistant_given_kvpass_compile_is_refused_by_name():
     torch._dynamo.reset()
     model, assistant = build("llama"), build("llama", seed=1)   # other weights: its drafts get rejected
     kvpass.compile(assistant, "full", compiler="eager")
-    with pytest.raises(kvpass.ConfigError, match="cannot crop.*give the assistant an uncompiled model"):
-        model.generate(ids_of(16), max_new_tokens=8, do_sample=False, assistant_model=assistant)
+    ids = ids_of(16)
+    try:
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=assistant)
+    except kvpass.ConfigError as e:   # transformers 5.2x: the assistant's generate runs on its SlotCache
+        assert re.search("cannot crop.*give the assistant an uncompiled model", str(e)), e
+    else:   # transformers 5.14 gives the assistant a cache of its own: the fast path is not taken
+        assert not assistant.generate.caches
+        assert torch.equal(got, model.generate(ids, max_new_tokens=8, do_sample=False))
     torch._dynamo.reset()
 
 
