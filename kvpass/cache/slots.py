@@ -556,8 +556,8 @@ class SlotCache(Cache):
     def crop(self, max_length: int) -> None:
         """Refused: transformers crops a cache to give back rejected draft tokens (assisted and prompt-lookup
         decoding), and a SlotCache's slots are placed by the policy, not in sequence order."""
-        raise ConfigError(f"kvpass.SlotCache cannot crop to {max_length} tokens: transformers crops a cache in assisted "
-                          f"and prompt-lookup decoding, to drop rejected drafts. An assistant model given "
+        raise ConfigError(f"kvpass.SlotCache cannot crop to {max_length} tokens: transformers crops a cache in "
+                          f"assisted and prompt-lookup decoding, to drop rejected drafts. An assistant model given "
                           f"kvpass.compile decodes on a SlotCache: give the assistant an uncompiled model (or one "
                           f"compiled with torch.compile and the 'full' backend on its DynamicCache)")
 

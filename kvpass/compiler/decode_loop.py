@@ -155,7 +155,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
 def generator(device: torch.device) -> torch.Generator:
     """The default random generator of ``device`` (the one ``torch.multinomial`` draws from there)."""
     if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
     return torch.default_generator
 
 

@@ -13,16 +13,18 @@ replay. A capacity never enters the compiled code (the slots' capacity dimension
 ``kvpass.cache.slots``), so every prompt length runs on the one prefill graph and the one decode graph.
 
 A call whose output carries the cache (``return_dict_in_generate=True``) gives it to that output: the caller
-may continue from it, and the next call builds another. A ``cache_implementation`` in the model's own generation
-config (a hub model's default) gives way to the SlotCache. A call that brings ``past_key_values`` (a SlotCache is
-checked against its size, and for a hole in the attention mask, which its slots are read without), asks for no cache (``use_cache=False``) or for one of transformers' (a
-``cache_implementation`` keyword, or in a generation config passed), or that ``generate`` cannot run on a
-SlotCache (beam search, assisted decoding), goes to the model's own ``generate`` unchanged; the compiled forward still applies the policy where it can,
-and refuses where it cannot (a SlotCache of the caller's that already holds as many tokens as the prompt is
-refused: transformers would read the prompt as a continuation). ``output_attentions=True`` is refused: the
-model's attention is replaced, and so is ``prefill_chunk_size`` where the policy keeps part of the prompt (it
-selects from the whole prompt at once). A list of prompts goes through a ``RequestQueue``; its ``max_length`` means what
-``generate``'s does (prompt plus new tokens, per prompt). Calls run one at a time (a lock).
+may continue from it, and the next call builds another. A ``cache_implementation`` in the model's own
+generation config (a hub model's default) gives way to the SlotCache. A call that brings ``past_key_values``
+(a SlotCache is checked against its size, and for a hole in the attention mask, which its slots are read
+without), asks for no cache (``use_cache=False``) or for one of transformers' (a ``cache_implementation``
+keyword, or in a generation config passed), or that ``generate`` cannot run on a SlotCache (beam search,
+assisted decoding), goes to the model's own ``generate`` unchanged; the compiled forward still applies the
+policy where it can, and refuses where it cannot (a SlotCache of the caller's that already holds as many tokens
+as the prompt is refused: transformers would read the prompt as a continuation). ``output_attentions=True`` is
+refused: the model's attention is replaced, and so is ``prefill_chunk_size`` where the policy keeps part of the
+prompt (it selects from the whole prompt at once). A list of prompts goes through a ``RequestQueue``; its
+``max_length`` means what ``generate``'s does (prompt plus new tokens, per prompt). Calls run one at a time (a
+lock).
 """
 
 from __future__ import annotations
@@ -140,8 +142,8 @@ class FastGenerate:
         cache = self.cache_for(rows, prompt, new)
         chunk = option("prefill_chunk_size")
         if chunk and chunk < prompt and not cache.holds_all(prompt + new, new):
-            raise ConfigError(f"kvpass.compile: generate(prefill_chunk_size={chunk}) prefills the {prompt}-token prompt "
-                              f"in chunks, and policy '{self.backend.policy.name}' keeps only part of a prompt, "
+            raise ConfigError(f"kvpass.compile: generate(prefill_chunk_size={chunk}) prefills the {prompt}-token "
+                              f"prompt in chunks, and policy '{self.backend.policy.name}' keeps only part of a prompt, "
                               f"chosen from the whole prompt at once (a later chunk would overflow the cache); drop "
                               f"prefill_chunk_size (kvpass's prefill never builds the [prompt, prompt] scores)")
         if decode_loop.usable(self.model, kwargs):
