@@ -8,7 +8,8 @@ gave wrong tokens without a word, or an error that blamed the wrong thing.
 * a ``cache_implementation`` in the model's own generation config (hub models ship one) no longer makes every
   call fail in transformers: kvpass's SlotCache replaces that default;
 * chunked prefill with a policy that keeps part of the prompt is refused up front (the cache overflowed);
-* an assistant model given ``kvpass.compile`` is refused by name when transformers crops its SlotCache.
+* an assistant model given ``kvpass.compile`` is refused by name when transformers crops its SlotCache;
+* a forward without a cache no longer makes the sliding layers unknown to later prefills (gemma2).
 """
 
 from __future__ import annotations
@@ -143,4 +144,21 @@ def test_continuing_with_a_hole_in_the_mask_is_refused(family):
                          max_new_tokens=4, do_sample=False)
     assert torch.equal(got, ref.generate(more, attention_mask=torch.ones_like(more), max_new_tokens=4,
                                          do_sample=False))
+    torch._dynamo.reset()
+
+
+def test_a_forward_without_a_cache_leaves_the_sliding_layers_known():
+    """gemma2 (sliding window 8): a ``use_cache=False`` forward between two ``generate`` calls compiled a graph whose
+    sites knew no window, and it replaced what the cache's graphs had registered: every later prompt longer than the
+    window was refused ("layer 0 keeps 9 entries ... the cache holds 8 slots"). Now the later calls give the
+    uncompiled model's tokens."""
+    torch._dynamo.reset()
+    model, ref = build("gemma2", attn="eager"), build("gemma2", attn="eager")
+    kvpass.compile(model, "full", compiler="eager")
+    model.generate(ids_of(6), max_new_tokens=6, do_sample=False)
+    model(ids_of(6), use_cache=False)
+    for n in (9, 20):
+        ids = ids_of(n, seed=3)
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                           ref.generate(ids, max_new_tokens=6, do_sample=False)), n
     torch._dynamo.reset()
