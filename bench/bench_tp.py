@@ -190,13 +190,19 @@ def run(args) -> None:
         mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
         enable_symm_mem_for_group(mesh.get_group().group_name)
         torch._inductor.config._collective.auto_select = True
+    if args.blas:   # which BLAS library ATen's mm calls (cuBLAS picks split-K kernels for a rank's half-width GEMVs)
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    if args.mm_autotune:   # Inductor times its Triton mm templates against ATen's per shape and keeps the faster
+        torch._inductor.config.max_autotune_gemm = True
+        torch._inductor.config.max_autotune_gemm_backends = "ATEN,TRITON"
     result = {"device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor() or "cpu", "gpus": dist.get_world_size() if tp else 1,
               "torch": torch.__version__, "transformers": tf.__version__, "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": model.config.num_hidden_layers,
               "budget": args.budget, "steps": args.steps, "load_s": time.perf_counter() - t,
               "copy_bandwidth_GBps": copy_bandwidth(DEV) / 1e9, "compiler": args.compiler,
               "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "one_shot_all_reduce": bool(args.one_shot),
-              "static_batch": bool(args.static_batch),
+              "static_batch": bool(args.static_batch), "blas": str(torch.backends.cuda.preferred_blas_library()),
+              "mm_autotune": bool(args.mm_autotune),
               "rows": []}
     if rank == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
@@ -286,6 +292,10 @@ def main() -> None:
                    help="torch.compile(dynamic=None): the batch stays static (the slots' capacity is symbolic either "
                         "way); Inductor's one-shot lowering compares the all-reduce's size with a threshold and failed "
                         "on a symbolic batch (torch 2.11, 2026-11-28)")
+    r.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
+                   help="torch.backends.cuda.preferred_blas_library for ATen's matmuls (default: torch's choice)")
+    r.add_argument("--mm-autotune", action="store_true",
+                   help="Inductor's max_autotune_gemm with Triton templates beside ATen (longer compile)")
     r.add_argument("--profile", action="store_true",
                    help="on a GPU: a kernel table of a few more steps per row and its device time by kind "
                         "(all-reduce, attention, matmul, other), to see where a two-GPU step loses")

@@ -19,6 +19,9 @@
 #       one-shot lowering failed on the symbolic batch of dynamic=True (Inductor compares its size with a threshold)
 #   K2: the decode kernel at a rank's share (16 query, 4 KV heads, batch 1, 128k) with split caps 32, 64 and 128
 #       (132 splits now: a rank's kernel reads at 3.0 TB/s where one GPU's reads at 3.4), and the whole shape
+#   M8: the matmul share at 8 layers (a rank's matmuls took 0.63x one GPU's, 2026-11-28): one GPU and two with a
+#       static batch, then two GPUs with the one-shot all-reduce, with cuBLASLt as ATen's BLAS (and one GPU so), and
+#       with Inductor's Triton mm templates autotuned beside ATen's (--mm-autotune)
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -27,7 +30,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, S8, K, K2, G, Q3, P or S}" in
+case "${1:?call T1, T2, R, R8, S8, M8, K, K2, G, Q3, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -59,6 +62,16 @@ case "${1:?call T1, T2, R, R8, S8, K, K2, G, Q3, P or S}" in
          --steps 32 --profile --static-batch $flag --out $out/two_gpu_l8_131072_static${flag//-/_}.json 2>&1 \
          | grep '^{\|Error' | cut -c1-400
      done; exit ;;
+  M8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile --static-batch"
+     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
+     one() { timeout 100 python bench/bench_tp.py run $c "${@:2}" --out $out/one_gpu_l8_$1.json 2>&1 \
+       | grep '^{\|Error' | cut -c1-300; }
+     two() { timeout 140 torchrun --nproc_per_node 2 bench/bench_tp.py run $c "${@:2}" --out $out/two_gpu_l8_$1.json \
+       2>&1 | grep '^{\|Error' | cut -c1-300; }
+     one static; two static; two one_shot --one-shot; two cublaslt --blas cublaslt; one cublaslt --blas cublaslt
+     two autotune --mm-autotune
+     for v in static cublaslt; do python bench/bench_tp.py compare $out/one_gpu_l8_$v.json $out/two_gpu_l8_$v.json \
+       --out $out/tp_l8_$v.md 2>&1 | tail -14; done; exit ;;
   P) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies full,snapkv --baselines= --max-waves 2"
