@@ -118,13 +118,16 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     nxt = logits.argmax(-1, keepdim=True)
     pos = torch.full((1, 1), ctx, device=DEV, dtype=torch.long)
     tokens = [nxt]
+    host = 0.0   # the host's own time per step (the call returns once its work is queued): near TPOT, host-bound
     for i in range(WARMUP + steps):
         if i == WARMUP:
             sync()
             t = time.perf_counter()
+        h = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
         nxt = fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
                   logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        host += (time.perf_counter() - h) if i >= WARMUP else 0.0
         tokens.append(nxt)
         pos = pos + 1
     sync()
@@ -136,13 +139,14 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
             return fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
                        logits_to_keep=1).logits[:, -1]
         kernels = profile_steps(step, nxt, pos, cache, top=1000)
-    row = {"config": name, "context": ctx, "first_call_s": ttft, "tpot_ms": tpot * 1e3,
+        host_top = host_profile(step, nxt, pos, cache)
+    row = {"config": name, "context": ctx, "first_call_s": ttft, "tpot_ms": tpot * 1e3, "host_ms": host / steps * 1e3,
            "peak_GiB": peak_bytes() / 2**30, "kv_GiB": cache.kv_bytes() / 2**30,
            "tokens": torch.cat(tokens, 1)[0].tolist(), "digests": digests(cache, tp),
            "graphs": [(r.phase, r.cudagraphs) for r in be.reports], "plans": be.plans(),
            "tp": sorted({r.tp for r in be.reports}), "reductions": sorted({x for r in be.reports for x in r.reductions})}
     if kernels is not None:
-        row["kernels"], row["device_ms_by_kind"] = kernels[:25], kinds_of(kernels)
+        row["kernels"], row["device_ms_by_kind"], row["host_top"] = kernels[:25], kinds_of(kernels), host_top
     if be.gate_info:
         row["gate"] = {k: be.gate_info[k] for k in ("selection_layer", "kept")}
     if tp:   # every rank's peak and KV bytes
@@ -152,6 +156,23 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
         row["peak_GiB_per_rank"] = [float(p[0]) for p in parts]
         row["kv_GiB_per_rank"] = [float(p[1]) for p in parts]
     return row
+
+
+def host_profile(step, nxt, pos, cache, n: int = 16, top: int = 20) -> list[str]:
+    """cProfile of ``n`` more steps (host only; each step waits for the device, so the device's time shows as
+    the wait): the ``top`` functions by own time, as lines "ms per step, calls per step, function"."""
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step(nxt, pos, cache)
+        sync()
+    pr.disable()
+    stats = pstats.Stats(pr).stats   # {(file, line, name): (calls, primitive calls, own time, cumulative, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [f"{own / n * 1e3:.3f} ms  {calls / n:g}x  {Path(f).name}:{line}({fn})  cum {cum / n * 1e3:.3f}"
+            for (f, line, fn), (calls, _, own, cum, _) in rows]
 
 
 KINDS = (("all_reduce (NCCL, one-shot)", ("nccl", "all_reduce", "allreduce")),
@@ -265,6 +286,8 @@ def compare(args) -> None:
             for kind, ms in r["device_ms_by_kind"].items():
                 lines.append(f"| {r['config']} | {r['context']} | {kind} | {b['device_ms_by_kind'][kind]:.3f} | {ms:.3f} |")
             lines.append(f"| {r['config']} | {r['context']} | step (wall) | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} |")
+            if "host_ms" in r and "host_ms" in b:
+                lines.append(f"| {r['config']} | {r['context']} | host per step | {b['host_ms']:.3f} | {r['host_ms']:.3f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps(summary))

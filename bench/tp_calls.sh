@@ -22,6 +22,8 @@
 #   M8: the matmul share at 8 layers (a rank's matmuls took 0.63x one GPU's, 2026-11-28): one GPU and two with a
 #       static batch, then two GPUs with the one-shot all-reduce, with cuBLASLt as ATen's BLAS (and one GPU so), and
 #       with Inductor's Triton mm templates autotuned beside ATen's (--mm-autotune)
+#   H8: R8 for full and snapkv, with the host's time per step and a cProfile of the host (is a two-GPU step, snapkv's
+#       above all, bound by the host's per-step work: Dynamo's guards on 226 DTensor parameters, the graph's wrappers?)
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -30,7 +32,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, S8, M8, K, K2, G, Q3, P or S}" in
+case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, G, Q3, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -47,14 +49,15 @@ case "${1:?call T1, T2, R, R8, S8, M8, K, K2, G, Q3, P or S}" in
      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
      python -c "import transformers; print('transformers', transformers.__version__)"
-     timeout 500 python -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_gpu_tp.py -k qwen3 2>&1 | tail -15; exit ;;
-  R8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile"
+     timeout ${Q3_S:-500} python -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_gpu_tp.py -k qwen3 2>&1 | tail -15; exit ;;
+  R8|H8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile"
+     [ $1 = H8 ] && c="--dir $d --contexts 131072 --configs full,snapkv --steps 32 --profile"
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
-     timeout 90 python bench/bench_tp.py run $c --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-400
-     timeout 110 torchrun --nproc_per_node 2 bench/bench_tp.py run $c --out $out/two_gpu_l8_131072.json 2>&1 \
+     timeout 150 python bench/bench_tp.py run $c --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-400
+     timeout 190 torchrun --nproc_per_node 2 bench/bench_tp.py run $c --out $out/two_gpu_l8_131072.json 2>&1 \
        | grep '^{\|Error' | cut -c1-400
      python bench/bench_tp.py compare $out/one_gpu_l8_131072.json $out/two_gpu_l8_131072.json \
-       --out $out/tp_l8_131072.md 2>&1 | tail -16; exit ;;
+       --out $out/tp_l8_131072.md 2>&1 | tail -30; exit ;;
   S8) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      for flag in "" --one-shot; do   # a static batch for both: the one-shot lowering failed on a symbolic one
