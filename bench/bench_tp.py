@@ -39,6 +39,7 @@ from bench_decode_step import PROFILE_STEPS, policy_of, profile_steps  # noqa: E
 from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 
 WARMUP = 8
+HOST_STEPS = 16   # --profile: steps under cProfile (host_profile), after the kernel profile's
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU runs a tiny smoke test of this script (gloo)
 
 
@@ -93,7 +94,7 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     be = kvpass.backend(policy, compiler=compiler, **params, **extra)
     mode = "reduce-overhead" if compiler == "inductor" else None
     fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=dynamic)
-    n_new = WARMUP + steps + 2 + (PROFILE_STEPS if profile else 0)
+    n_new = WARMUP + steps + 2 + (PROFILE_STEPS + HOST_STEPS if profile else 0)   # the cache holds every step
     ctx = ids.shape[1]
 
     def new_cache():
@@ -158,15 +159,15 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     return row
 
 
-def host_profile(step, nxt, pos, cache, n: int = 16, top: int = 20) -> list[str]:
+def host_profile(step, nxt, pos, cache, n: int = HOST_STEPS, top: int = 20) -> list[str]:
     """cProfile of ``n`` more steps (host only; each step waits for the device, so the device's time shows as
     the wait): the ``top`` functions by own time, as lines "ms per step, calls per step, function"."""
     import cProfile
     import pstats
     pr = cProfile.Profile()
     pr.enable()
-    for _ in range(n):
-        step(nxt, pos, cache)
+    for i in range(n):
+        step(nxt, pos + PROFILE_STEPS + i, cache)
         sync()
     pr.disable()
     stats = pstats.Stats(pr).stats   # {(file, line, name): (calls, primitive calls, own time, cumulative, callers)}

@@ -24,6 +24,10 @@
 #       with Inductor's Triton mm templates autotuned beside ATen's (--mm-autotune)
 #   H8: R8 for full and snapkv, with the host's time per step and a cProfile of the host (is a two-GPU step, snapkv's
 #       above all, bound by the host's per-step work: Dynamo's guards on 226 DTensor parameters, the graph's wrappers?)
+#   K3: the decode kernel at a rank's share (16 query, 4 KV heads) and the whole shape (32, 8), batch 1, 32k and 128k,
+#       with a floor on the blocks a split reads (--min-split-blocks 1, 16, 32) and the cap at 32: K2 had 32 splits
+#       of 32 blocks at 3.84 TB/s and 132 splits of 8 blocks at 3.41 (a rank's share at 128k); the floor keeps the
+#       split count fixed (no guard on the length) and leaves the last splits empty
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -32,13 +36,18 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, G, Q3, P or S}" in
+case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K3, G, Q3, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
   K2) for hc in 16,4,32 16,4,64 16,4,128 16,4,256 32,8,256; do
        timeout 75 python bench/bench_decode_kernel.py --heads ${hc%,*} --batches 1 --contexts 131072 \
          --max-splits ${hc##*,} --no-sweep --out $out/k_${hc//,/_} 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
+  K3) for hmc in 16,4,256,1 16,4,256,16 16,4,256,32 16,4,32,1 32,8,256,1 32,8,256,16 32,8,256,32; do
+       set -- ${hmc//,/ }
+       echo "== heads $1,$2 cap $3 min blocks $4"
+       timeout 45 python bench/bench_decode_kernel.py --heads $1,$2 --batches 1 --contexts 32768,131072 --max-splits $3 \
+         --min-split-blocks $4 --no-sweep --out /tmp/k3 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
   K) for hs in 16,4 32,8; do for cap in 64 256; do
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
          --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
@@ -49,7 +58,8 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, G, Q3, P or S}" in
      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
      python -c "import transformers; print('transformers', transformers.__version__)"
-     timeout ${Q3_S:-500} python -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_gpu_tp.py -k qwen3 2>&1 | tail -15; exit ;;
+     timeout ${Q3_S:-500} python -m pytest -q -rfEs -p no:cacheprovider ${Q3_ARGS:-} tests/gpu/test_gpu_tp.py \
+       -k "${Q3_K:-qwen3}" 2>&1 | tail -${Q3_TAIL:-15}; exit ;;
   R8|H8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile"
      [ $1 = H8 ] && c="--dir $d --contexts 131072 --configs full,snapkv --steps 32 --profile"
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvpass import ops
@@ -95,15 +95,19 @@ def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structur
 
 @settings(SETTINGS, max_examples=10)
 @given(shape=shapes, combine=st.sampled_from([2, 4]), sms=st.sampled_from([2, 5]), horizon=st.integers(0, 4),
-       seed=st.integers(0, 10_000))
-def test_combine_merges_parts_in_blocks(shape, combine, sms, horizon, seed):
+       min_blocks=st.sampled_from([1, 2, 3]), seed=st.integers(0, 10_000))
+@example(shape=(2, (4, 2), 150, 16), combine=2, sms=2, horizon=0, min_blocks=3, seed=0)   # 2 splits of 5 blocks
+@example(shape=(1, (1, 1), 150, 16), combine=4, sms=5, horizon=0, min_blocks=3, seed=1)   # 4 of 20 splits read
+def test_combine_merges_parts_in_blocks(shape, combine, sms, horizon, min_blocks, seed):
     """The combine merges its parts ``COMBINE_BLOCK`` at a time: blocks that end past the last part, empty
-    splits, and a first part after the horizon's steps give the reference's output."""
+    splits (also those a floor of blocks per split, ``MIN_SPLIT_BLOCKS``, leaves), and a first part after the
+    horizon's steps give the reference's output."""
     b, (h, hkv), length, d = shape
     q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(K, "COMBINE_BLOCK", combine)
         mp.setattr(K, "_sms", lambda device: sms)
+        mp.setattr(K, "MIN_SPLIT_BLOCKS", min_blocks)
         kw = dict(block=16, tau=0.1, phi=0.3, patience=2, horizon=horizon) if horizon else dict(block=16)
         out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
     assert torch.equal(vis_k, vis_r)
