@@ -57,12 +57,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,16384,32768,131072")
     ap.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads,KV heads")
     ap.add_argument("--max-splits", type=int, default=K.MAX_SPLITS, help="the kernel's split cap (K.MAX_SPLITS)")
-    ap.add_argument("--min-split-blocks", type=int, default=K.MIN_SPLIT_BLOCKS,
-                    help="blocks a split reads at least (K.MIN_SPLIT_BLOCKS)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block/warps sweep: block 128, 4 warps")
     args = ap.parse_args()
     HQ, HKV = (int(x) for x in args.heads.split(","))
-    K.MAX_SPLITS, K.MIN_SPLIT_BLOCKS = args.max_splits, args.min_split_blocks
+    K.MAX_SPLITS = args.max_splits
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     free = torch.cuda.mem_get_info()[0]
@@ -100,7 +98,7 @@ def main() -> None:
             ref = F.scaled_dot_product_attention(q.view(b, HKV, HQ // HKV, D), k, v).view(b, HQ, 1, D)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             moved = kv_bytes + 2 * b * HQ * D * 2
-            splits = min(int(K.num_splits(b * HKV, dev)), -(-n // block // K.MIN_SPLIT_BLOCKS))   # splits that read
+            splits = int(K.num_splits(b * HKV, dev))
             rows.append(dict(batch=b, context=n, sdpa_ms=t_sdpa * 1e3, sdpa_form=form, kvpass_ms=t_ours * 1e3,
                              ratio_vs_sdpa=t_sdpa / t_ours, kvpass_tbps=moved / t_ours / 1e12,
                              sdpa_tbps=moved / t_sdpa / 1e12, splits=splits, rel_err=err))
@@ -110,7 +108,7 @@ def main() -> None:
 
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name, sms=props.multi_processor_count,
                 torch=torch.__version__, triton=triton.__version__, shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16",
-                max_splits=K.MAX_SPLITS, min_split_blocks=K.MIN_SPLIT_BLOCKS, block=block, num_warps=warps)
+                max_splits=K.MAX_SPLITS, block=block, num_warps=warps)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_kernel.json").write_text(json.dumps(dict(meta=meta, sweep=sweep, rows=rows), indent=2))
     lines = [f"# Decode kernel (ART off) vs PyTorch SDPA, {meta['gpu']}, {meta['date']}", "",

@@ -24,10 +24,10 @@
 #       with Inductor's Triton mm templates autotuned beside ATen's (--mm-autotune)
 #   H8: R8 for full and snapkv, with the host's time per step and a cProfile of the host (is a two-GPU step, snapkv's
 #       above all, bound by the host's per-step work: Dynamo's guards on 226 DTensor parameters, the graph's wrappers?)
-#   K3: the decode kernel at a rank's share (16 query, 4 KV heads) and the whole shape (32, 8), batch 1, 32k and 128k,
-#       with a floor on the blocks a split reads (--min-split-blocks 1, 16, 32) and the cap at 32: K2 had 32 splits
-#       of 32 blocks at 3.84 TB/s and 132 splits of 8 blocks at 3.41 (a rank's share at 128k); the floor keeps the
-#       split count fixed (no guard on the length) and leaves the last splits empty
+#   K3 (session 56, ran at commit f7b5a75 with a floor on the blocks a split reads, since removed): 16/4 heads read
+#       3.97 TB/s at 128k in 32 splits against 3.45 in 132; the split rule is now one program per SM
+#   K4: the new rule (num_splits: one program per SM) on the kernel alone, 16/4 and 32/8 heads, batch 1 and 4, 32k
+#       and 128k, against K3's rows (32/8 at 128k in 17 splits: K3 had 4.01 TB/s in 66 splits)
 #   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
@@ -36,18 +36,16 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K3, G, Q3, P or S}" in
+case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
   K2) for hc in 16,4,32 16,4,64 16,4,128 16,4,256 32,8,256; do
        timeout 75 python bench/bench_decode_kernel.py --heads ${hc%,*} --batches 1 --contexts 131072 \
          --max-splits ${hc##*,} --no-sweep --out $out/k_${hc//,/_} 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
-  K3) for hmc in 16,4,256,1 16,4,256,16 16,4,256,32 16,4,32,1 32,8,256,1 32,8,256,16 32,8,256,32; do
-       set -- ${hmc//,/ }
-       echo "== heads $1,$2 cap $3 min blocks $4"
-       timeout 45 python bench/bench_decode_kernel.py --heads $1,$2 --batches 1 --contexts 32768,131072 --max-splits $3 \
-         --min-split-blocks $4 --no-sweep --out /tmp/k3 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
+  K4) for hs in 16,4 32,8; do
+       timeout 60 python bench/bench_decode_kernel.py --heads $hs --batches 1,4 --contexts 32768,131072 --no-sweep \
+         --out /tmp/k4 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
   K) for hs in 16,4 32,8; do for cap in 64 256; do
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
          --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;

@@ -538,21 +538,31 @@ def _sms(device) -> int:
 
 
 MAX_SPLITS = 256
-# Blocks a split reads at least: 1 splits the cache over every split. A higher floor leaves the last splits
-# empty and gives the others longer runs; at a tensor-parallel rank's share (4 KV heads, batch 1, 128k, H200)
-# 132 splits of 8 blocks read at 3.41 TB/s, 32 splits of 32 blocks at 3.84 (2026-11-28). Being measured.
-MIN_SPLIT_BLOCKS = 1
 COMBINE_BLOCK = 64   # parts the combine merges per load (64 x head dim fp32 per program)
+PROGRAMS_PER_SM = 1  # split-KV programs a launch aims at per SM
+
+
+def _split_slots(device) -> int:
+    """Split-KV programs that fill ``device``: ``PROGRAMS_PER_SM`` per SM on a GPU; 8 off CUDA and in the
+    interpreter, so that tiny test shapes are still cut into several splits."""
+    if device.type != "cuda" or interpreting():
+        return 8
+    return PROGRAMS_PER_SM * _sms(device)
 
 
 def num_splits(programs, device) -> int:
-    """How many KV splits fill the GPU: about 4 programs per SM, at most ``MAX_SPLITS``. Few (sequence, KV
-    head) programs take many splits: a tensor-parallel rank's share of an 8-KV-head layer at batch 1 is 4
-    programs, which a cap of 64 splits left at 2 programs per SM (an H200 has 132); the cap only bounds the
-    partial buffers (``MAX_SPLITS`` x query heads x head dim, fp32). It does not follow the cache's length:
-    a min/max of the symbolic length let Inductor specialize the graph to a range of lengths, a guard that
-    its on-disk cache brought back in the next process (a second decode graph outside it)."""
-    return max(1, min(_cdiv(4 * _sms(device), programs), MAX_SPLITS))
+    """How many KV splits fill the GPU: about one program per SM (``_split_slots``), at most ``MAX_SPLITS``.
+
+    Few (sequence, KV head) programs take many splits: a tensor-parallel rank's share of an 8-KV-head layer
+    at batch 1 is 4 programs, 33 splits on an H200's 132 SMs. One program per SM with long runs beat four
+    with short ones at every shape measured (H200, batch 1, 2026-11-28, ``bench/results/tp_h200x2_2026-11-28``,
+    call K3): 16 query / 4 KV heads read 3.97 TB/s at 128k in 32 splits against 3.45 in 132, and 2.82
+    against 2.04 at 32k; 32 / 8 heads read 3.09 TB/s at 32k in 16 splits against 2.85 in 66, and about the
+    same at 128k (4.0). The cap only bounds the partial buffers (``MAX_SPLITS`` x query heads x head dim,
+    fp32). The count does not follow the cache's length: a min/max of the symbolic length let Inductor
+    specialize the graph to a range of lengths, a guard that its on-disk cache brought back in the next
+    process (a second decode graph outside it)."""
+    return max(1, min(_cdiv(_split_slots(device), programs), MAX_SPLITS))
 
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
@@ -615,8 +625,6 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     rest = torch.sym_max(n_blocks - horizon, 1) if after_art else n_blocks
     n_splits = num_splits(b * hkv, q.device) if split else 1
     per_split = _cdiv(rest, n_splits)   # a short cache leaves the last splits empty: they store an empty state
-    if MIN_SPLIT_BLOCKS > 1:   # a symbolic max, no guard on the length
-        per_split = torch.sym_max(per_split, MIN_SPLIT_BLOCKS)
     if parallel_horizon is None:
         parallel_horizon = b * hkv < _sms(q.device)
     # parts: [horizon steps, one each, when parallel] + [the horizon's kept state] + [the rest's splits];
