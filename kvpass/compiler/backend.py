@@ -19,6 +19,7 @@ from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
 from kvpass.compiler import layers as _layers
+from kvpass.compiler import local_weights as _local_weights
 from kvpass.compiler.maskcheck import mask_is_read
 from kvpass.compiler import plan as _plan
 from kvpass.compiler import positions as _positions
@@ -393,6 +394,10 @@ class Backend:
     def _inner(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None = None):
         if compiler == "eager":
             return gm.forward
+        gm, example_inputs, wrap = _local_weights.local_weights(gm, example_inputs)   # tensor parallel: per call
+        return wrap(self._compile(gm, example_inputs, patches, compiler, report))
+
+    def _compile(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None):
         if compiler == "aot_eager":
             from torch._dynamo.backends.registry import lookup_backend
             return lookup_backend("aot_eager")(gm, example_inputs)

@@ -1,0 +1,83 @@
+"""``kvpass.compiler.local_weights``: a compiled graph's DTensor inputs taken as their local tensors.
+
+One process, a gloo group of one rank: a module whose weight is a DTensor, compiled by a backend that applies
+``local_weights`` before AOTAutograd, computes what the uncompiled module does, and hands AOTAutograd plain
+tensors, at compile time and on every call (so its runtime wrapper has no DTensor to unwrap). The two-rank checks of every policy run with it in
+``tests/test_tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kvpass.compiler.local_weights import local_weights
+
+tensor = pytest.importorskip("torch.distributed.tensor")
+DTensor, Replicate = tensor.DTensor, tensor.Replicate
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    yield init_device_mesh("cpu", (1,))
+    if own:
+        dist.destroy_process_group()
+
+
+class Projection(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        w = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+        self.w = torch.nn.Parameter(DTensor.from_local(w, mesh, [Replicate()]), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(1)), requires_grad=False)
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(DTensor.from_local(x, self.w.device_mesh, [Replicate()]), self.w)
+        return y.to_local().relu() + self.b
+
+
+def _compiled(model, local: bool, compiled_inputs: list, call_inputs: list):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        wrap = lambda compiled: compiled  # noqa: E731
+        if local:
+            gm, example_inputs, wrap = local_weights(gm, example_inputs)
+        compiled_inputs.extend(example_inputs)
+        inner = lookup_backend("aot_eager")(gm, example_inputs)
+
+        def spy(*args):   # what AOTAutograd's compiled function is called with on every call
+            call_inputs.append([type(a) for a in args])
+            return inner(*args)
+        return wrap(spy)
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, fullgraph=True)
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_dtensor_weights_reach_the_compiler_as_local_tensors(mesh, local):
+    model = Projection(mesh)
+    compiled_inputs, call_inputs = [], []
+    compiled = _compiled(model, local, compiled_inputs, call_inputs)
+    with torch.no_grad():
+        for s in range(4):
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(s))
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(call_inputs) == 4
+    had_dtensor = [any(issubclass(t, DTensor) for t in types) for types in call_inputs]
+    if local:   # the compiler and every call see plain tensors: nothing for AOTAutograd to unwrap per call
+        assert not any(isinstance(t, DTensor) for t in compiled_inputs) and not any(had_dtensor)
+    else:       # without it: what the test catches (the weight reaches AOTAutograd as a DTensor on every call)
+        assert any(isinstance(t, DTensor) for t in compiled_inputs) and all(had_dtensor)
+
+
+def test_graphs_without_dtensors_are_left_alone():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 2))
+    example = [torch.randn(1, 4)]
+    out_gm, out_example, wrap = local_weights(gm, example)
+    assert out_gm is gm and out_example is example and wrap(len) is len
