@@ -2,8 +2,9 @@
 
 One process, a gloo group of one rank: a module whose weight is a DTensor, compiled by a backend that applies
 ``local_weights`` before AOTAutograd, computes what the uncompiled module does, and hands AOTAutograd plain
-tensors, at compile time and on every call (so its runtime wrapper has no DTensor to unwrap). The two-rank checks of every policy run with it in
-``tests/test_tensor_parallel.py``.
+tensors, at compile time and on every call (so its runtime wrapper has no DTensor to unwrap). ``undo`` gives
+the graph back, and kvpass's backend falls back to it, warning, when the changed graph fails to compile. The
+two-rank checks of every policy run with it in ``tests/test_tensor_parallel.py``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _compiled(model, local: bool, compiled_inputs: list, call_inputs: list):
     def backend(gm, example_inputs):
         wrap = lambda compiled: compiled  # noqa: E731
         if local:
-            gm, example_inputs, wrap = local_weights(gm, example_inputs)
+            example_inputs, wrap, _ = local_weights(gm, example_inputs)
         compiled_inputs.extend(example_inputs)
         inner = lookup_backend("aot_eager")(gm, example_inputs)
 
@@ -76,8 +77,47 @@ def test_dtensor_weights_reach_the_compiler_as_local_tensors(mesh, local):
         assert any(isinstance(t, DTensor) for t in compiled_inputs) and all(had_dtensor)
 
 
+def test_undo_gives_the_graph_back(mesh):
+    """A failed compile falls back to the graph as Dynamo gave it (``Backend._inner``): ``undo`` restores it."""
+    codes = []
+
+    def backend(gm, example_inputs):
+        before = gm.code
+        inputs, _, undo = local_weights(gm, example_inputs)
+        changed = gm.code
+        undo()
+        codes.append((before, changed, gm.code, inputs is example_inputs))
+        return gm.forward
+    torch._dynamo.reset()
+    model = Projection(mesh)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend, fullgraph=True)(x), model(x))
+    (before, changed, after, same), = codes
+    assert changed != before and after == before and not same
+
+
 def test_graphs_without_dtensors_are_left_alone():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 2))
     example = [torch.randn(1, 4)]
-    out_gm, out_example, wrap = local_weights(gm, example)
-    assert out_gm is gm and out_example is example and wrap(len) is len
+    code = gm.code
+    out_example, wrap, undo = local_weights(gm, example)
+    undo()
+    assert out_example is example and wrap(len) is len and gm.code == code
+
+
+def test_a_failed_compile_falls_back_to_the_dtensor_graph_with_a_warning(mesh, monkeypatch):
+    import kvpass
+    be = kvpass.backend("full", compiler="aot_eager")
+    real = type(be)._compile
+
+    def fails_on_locals(self, gm, example_inputs, *args):
+        if not any(isinstance(t, DTensor) for t in example_inputs):
+            raise RuntimeError("cannot trace from_local here")
+        return real(self, gm, example_inputs, *args)
+    monkeypatch.setattr(type(be), "_compile", fails_on_locals)
+    torch._dynamo.reset()
+    model = Projection(mesh)
+    x = torch.randn(3, 6)
+    with pytest.warns(UserWarning, match="weights as local tensors failed .*cannot trace from_local"), torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=be, fullgraph=True)(x), model(x))

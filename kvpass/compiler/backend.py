@@ -394,8 +394,19 @@ class Backend:
     def _inner(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None = None):
         if compiler == "eager":
             return gm.forward
-        gm, example_inputs, wrap = _local_weights.local_weights(gm, example_inputs)   # tensor parallel: per call
-        return wrap(self._compile(gm, example_inputs, patches, compiler, report))
+        inputs, wrap, undo = _local_weights.local_weights(gm, example_inputs)   # tensor parallel: DTensor weights
+        if inputs is example_inputs:
+            return self._compile(gm, example_inputs, patches, compiler, report)
+        try:
+            return wrap(self._compile(gm, inputs, patches, compiler, report))
+        except torch._dynamo.exc.RestartAnalysis:
+            raise
+        except Exception as e:  # noqa: BLE001  (any failure: the graph as Dynamo gave it, as before)
+            undo()
+            warn_once(f"kvpass: compiling the tensor-parallel weights as local tensors failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); compiling them as DTensors (same result; "
+                      f"torch unwraps each one on every call, slower on the host)", self)
+            return self._compile(gm, example_inputs, patches, compiler, report)
 
     def _compile(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None):
         if compiler == "aot_eager":

@@ -36,16 +36,17 @@ def _rebuilder(mesh, placements: tuple, shape: tuple, stride: tuple):
 
 
 def local_weights(gm: fx.GraphModule, example_inputs: list):
-    """``(gm, example_inputs, wrap)``: the graph and inputs with every DTensor input taken as its local tensor,
-    and ``wrap(compiled)``, the compiled graph called with the DTensor arguments' local tensors. Unchanged (and
-    ``wrap`` the identity) where no input is a DTensor."""
+    """``(example_inputs, wrap, undo)``: ``gm`` changed in place so that every DTensor input (of static size) is
+    taken as its local tensor, the inputs to compile it with, ``wrap(compiled)`` (the compiled graph called with
+    the DTensor arguments' local tensors) and ``undo()``, which gives ``gm`` back as it was. Where no input is
+    such a DTensor, the same ``example_inputs`` list, and ``wrap`` and ``undo`` do nothing."""
     dtensor = _dtensor_type()
     idx = [i for i, x in enumerate(example_inputs) if dtensor is not None and isinstance(x, dtensor)
            and all(type(n) is int for n in (*x.shape, *x.stride()))]   # a weight's: a symbolic size stays as it was
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if not idx or len(placeholders) != len(example_inputs):
-        return gm, example_inputs, lambda compiled: compiled
-    example_inputs = list(example_inputs)
+        return example_inputs, lambda compiled: compiled, lambda: None
+    inputs, done = list(example_inputs), []
     for i in idx:
         ph, d = placeholders[i], example_inputs[i]
         users = list(ph.users)
@@ -54,13 +55,18 @@ def local_weights(gm: fx.GraphModule, example_inputs: list):
                                                       tuple(d.stride())), (ph,))
         for u in users:
             u.replace_input_with(ph, whole)
-        local = d._local_tensor
-        for key in ("example_value", "val"):
-            if key in ph.meta:
-                ph.meta[key] = local
-        example_inputs[i] = local
+        done.append((ph, whole, {k: ph.meta[k] for k in ("example_value", "val") if k in ph.meta}))
+        inputs[i] = d._local_tensor
+        ph.meta.update({k: inputs[i] for k in done[-1][2]})
     gm.recompile()
-    return gm, example_inputs, lambda compiled: _taking_locals(compiled, idx)
+
+    def undo():
+        for ph, whole, meta in done:
+            whole.replace_all_uses_with(ph)
+            gm.graph.erase_node(whole)
+            ph.meta.update(meta)
+        gm.recompile()
+    return inputs, lambda compiled: _taking_locals(compiled, idx), undo
 
 
 def _taking_locals(compiled, idx: list[int]):
