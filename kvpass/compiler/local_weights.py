@@ -18,19 +18,13 @@ from __future__ import annotations
 
 from torch import fx
 
-
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover  (a torch without distributed)
-        return None
-    return DTensor
+from kvpass.compiler.tp import dtensor_type
 
 
 def _rebuilder(mesh, placements: tuple, shape: tuple, stride: tuple):
     """A graph op: one input's local tensor as the DTensor it was taken from (traced away by AOTAutograd)."""
     def rebuild(local):
-        return _dtensor_type().from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return dtensor_type().from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
     rebuild.__name__ = "kvpass_rebuild_dtensor"   # the FX code names it so (Dynamo's from_local is built alike)
     return rebuild
 
@@ -40,9 +34,10 @@ def local_weights(gm: fx.GraphModule, example_inputs: list):
     taken as its local tensor, the inputs to compile it with, ``wrap(compiled)`` (the compiled graph called with
     the DTensor arguments' local tensors) and ``undo()``, which gives ``gm`` back as it was. Where no input is
     such a DTensor, the same ``example_inputs`` list, and ``wrap`` and ``undo`` do nothing."""
-    dtensor = _dtensor_type()
-    idx = [i for i, x in enumerate(example_inputs) if dtensor is not None and isinstance(x, dtensor)
-           and all(type(n) is int for n in (*x.shape, *x.stride()))]   # a weight's: a symbolic size stays as it was
+    dtensor = dtensor_type()
+    idx = [] if dtensor is None else [
+        i for i, x in enumerate(example_inputs) if isinstance(x, dtensor)
+        and all(type(n) is int for n in (*x.shape, *x.stride()))]   # a weight's: a symbolic size stays as it was
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if not idx or len(placeholders) != len(example_inputs):
         return example_inputs, lambda compiled: compiled, lambda: None

@@ -67,12 +67,18 @@ def _is(node: fx.Node, packet) -> bool:
     return node.op == "call_function" and node.target in (packet, packet.default)
 
 
-def _dtensor(x) -> bool:
+def dtensor_type():
+    """torch's DTensor class, or None in a torch without distributed."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover  (a torch without distributed)
-        return False
-    return isinstance(x, DTensor)
+        return None
+    return DTensor
+
+
+def _dtensor(x) -> bool:
+    dtensor = dtensor_type()
+    return dtensor is not None and isinstance(x, dtensor)
 
 
 def _reduced_over(out: fx.Node, depth: int = 12) -> set[str]:

@@ -558,10 +558,10 @@ def num_splits(programs, device) -> int:
     with short ones at every shape measured (H200, batch 1, 2026-11-28, ``bench/results/tp_h200x2_2026-11-28``,
     call K3): 16 query / 4 KV heads read 3.97 TB/s at 128k in 32 splits against 3.45 in 132, and 2.82
     against 2.04 at 32k; 32 / 8 heads read 3.09 TB/s at 32k in 16 splits against 2.85 in 66, and 4.09 at
-    128k in 32 against 4.01 in 66 (its 17 splits now: not measured yet). The cap only bounds the partial buffers (``MAX_SPLITS`` x query heads x head dim,
-    fp32). The count does not follow the cache's length: a min/max of the symbolic length let Inductor
-    specialize the graph to a range of lengths, a guard that its on-disk cache brought back in the next
-    process (a second decode graph outside it)."""
+    128k in 32 against 4.01 in 66 (its 17 splits now: not measured yet). The cap only bounds the partial
+    buffers (``MAX_SPLITS`` x query heads x head dim, fp32). The count does not follow the cache's length: a
+    min/max of the symbolic length let Inductor specialize the graph to a range of lengths, a guard that its
+    on-disk cache brought back in the next process (a second decode graph outside it)."""
     return max(1, min(_cdiv(_split_slots(device), programs), MAX_SPLITS))
 
 
