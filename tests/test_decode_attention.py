@@ -248,16 +248,17 @@ def test_real_skipping_happens_on_converging_attention():
 
 def test_few_programs_take_enough_splits_to_fill_the_gpu(monkeypatch):
     """A tensor-parallel rank's share at batch 1 (4 KV heads, or 1) still launches about one program per SM
-    at 128k (132 on an H200), never past the cap, and the many-split launch, empty splits included, is
-    exact."""
+    at 128k (132 on an H200) and never a partial second wave (a few programs as long as the first wave's),
+    never past the cap; the many-split launch, empty splits included, is exact."""
     monkeypatch.setattr(K, "_split_slots", lambda device: 132)
-    for blocks in (131072 // 128, 16, 5, 1):
-        for programs in (1, 2, 4, 8, 32, 200):
+    for blocks in (131072 // 128, 16, 1):
+        for programs in (1, 2, 3, 4, 8, 32, 132, 200):
             splits = K.num_splits(programs, torch.device("cpu"))
             used = -(-blocks // -(-blocks // splits))                 # splits that read anything
-            assert 1 <= splits <= K.MAX_SPLITS and programs * splits >= min(132, programs * K.MAX_SPLITS)
+            assert 1 <= splits <= K.MAX_SPLITS and programs * splits <= max(132, programs), (programs, splits)
+            assert programs * splits >= min(132 - programs + 1, programs * K.MAX_SPLITS), (programs, splits)
             assert programs * used >= 0.9 * min(132, programs * blocks, programs * K.MAX_SPLITS), (programs, blocks)
-    assert K.num_splits(4, torch.device("cpu")) == 33 and K.num_splits(8, torch.device("cpu")) == 17
+    assert [K.num_splits(p, torch.device("cpu")) for p in (4, 8, 16, 32)] == [33, 16, 8, 4]
     # one program over 38 blocks of 4: 8 splits of 5 (the last one of 3) with 8 slots, 38 of 1 with 132
     q, k, v = qkv(1, 4, 1, 150, 16, torch.float32, 5)
     for slots in (132, 8):

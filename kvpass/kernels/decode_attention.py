@@ -551,18 +551,20 @@ def _split_slots(device) -> int:
 
 
 def num_splits(programs, device) -> int:
-    """How many KV splits fill the GPU: about one program per SM (``_split_slots``), at most ``MAX_SPLITS``.
+    """How many KV splits fill the GPU in one wave: as many as fit ``programs`` into ``_split_slots`` (about one
+    program per SM), rounded down, at least 1 and at most ``MAX_SPLITS``.
 
-    Few (sequence, KV head) programs take many splits: a tensor-parallel rank's share of an 8-KV-head layer
-    at batch 1 is 4 programs, 33 splits on an H200's 132 SMs. One program per SM with long runs beat four
-    with short ones at every shape measured (H200, batch 1, 2026-11-28, ``bench/results/tp_h200x2_2026-11-28``,
-    call K3): 16 query / 4 KV heads read 3.97 TB/s at 128k in 32 splits against 3.45 in 132, and 2.82
-    against 2.04 at 32k; 32 / 8 heads read 3.09 TB/s at 32k in 16 splits against 2.85 in 66, and 4.09 at
-    128k in 32 against 4.01 in 66 (its 17 splits now: not measured yet). The cap only bounds the partial
-    buffers (``MAX_SPLITS`` x query heads x head dim, fp32). The count does not follow the cache's length: a
-    min/max of the symbolic length let Inductor specialize the graph to a range of lengths, a guard that its
-    on-disk cache brought back in the next process (a second decode graph outside it)."""
-    return max(1, min(_cdiv(_split_slots(device), programs), MAX_SPLITS))
+    Few (sequence, KV head) programs take many splits: a tensor-parallel rank's share of an 8-KV-head layer at
+    batch 1 is 4 programs, 33 splits on an H200's 132 SMs. One program per SM with long runs beat four with
+    short ones (H200, batch 1, 2026-11-28, ``bench/results/tp_h200x2_2026-11-28``, call K3): 16 query / 4 KV
+    heads read 3.97 TB/s at 128k in 32 splits against 3.45 in 132, and 2.82 against 2.04 at 32k. Rounding up
+    instead left a second wave of a few programs, each as long as the first's (call K4): 32 / 8 heads at 128k
+    in 17 splits (136 programs) read 3.00 TB/s, against 4.09 in 32 (K3); batch 4 in 5 or 9 splits read 2.7-3.1
+    TB/s against SDPA's 4.0-4.5. The cap only bounds the partial buffers (``MAX_SPLITS`` x query heads x head
+    dim, fp32). The count does not follow the cache's length: a min/max of the symbolic length let Inductor
+    specialize the graph to a range of lengths, a guard that its on-disk cache brought back in the next
+    process (a second decode graph outside it)."""
+    return max(1, min(_split_slots(device) // programs, MAX_SPLITS))
 
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
