@@ -35,6 +35,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvpass  # noqa: E402
+from kvpass.compiler.fastpath import compile_options  # noqa: E402
 from bench_decode_step import PROFILE_STEPS, policy_of, profile_steps  # noqa: E402
 from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 
@@ -93,7 +94,8 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler=compiler, **params, **extra)
     mode = "reduce-overhead" if compiler == "inductor" else None
-    fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=dynamic)
+    # as kvpass.compile compiles it (the mode's settings, and the guard filter for the weights' specs)
+    fwd = torch.compile(model.forward, backend=be, dynamic=dynamic, options=compile_options(be, mode))
     n_new = WARMUP + steps + 2 + (PROFILE_STEPS + HOST_STEPS if profile else 0)   # the cache holds every step
     ctx = ids.shape[1]
 

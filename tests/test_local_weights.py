@@ -121,3 +121,59 @@ def test_a_failed_compile_falls_back_to_the_dtensor_graph_with_a_warning(mesh, m
     x = torch.randn(3, 6)
     with pytest.warns(UserWarning, match="weights as local tensors failed .*cannot trace from_local"), torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend=be, fullgraph=True)(x), model(x))
+
+
+def _kvpass_compiled(model, be, spy: list):
+    """``model`` compiled as ``kvpass.compile`` compiles a forward: ``be.spec_guards`` as the guard filter (each
+    call's guard entries and answers recorded in ``spy``)."""
+    def keep(entries):
+        answers = be.spec_guards(entries)
+        spy.extend(zip([e.guard_type for e in entries], answers))
+        return answers
+    torch._dynamo.reset()
+    return torch.compile(model, backend=be, fullgraph=True, options={"guard_filter_fn": keep})
+
+
+def test_the_compiled_callable_checks_the_specs_whose_guards_kvpass_drops(mesh):
+    """Dynamo's guard on each weight's spec (a Python comparison per weight per call) is dropped for the weights
+    the compiled callable checks itself, and only those: the same weights give the same outputs without a
+    recompile, and a weight re-sharded after the compile is an error, never a graph run for the old placement."""
+    import kvpass
+    be = kvpass.backend("full", compiler="aot_eager")
+    model = Projection(mesh)
+    spy = []
+    compiled = _kvpass_compiled(model, be, spy)
+    with torch.no_grad():
+        for s in range(3):
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(s))
+            torch.testing.assert_close(compiled(x), model(x))
+    spec_guards = [keep for kind, keep in spy if kind == "DTENSOR_SPEC_MATCH"]
+    assert spec_guards and not any(spec_guards), spy        # the weight's spec guard, dropped
+    assert any(keep for kind, keep in spy if kind != "DTENSOR_SPEC_MATCH")   # every other guard kept
+    assert len(be.reports) == 1 and len(be.spec_guards.checked) == 1
+    # the same placement in a new spec object (a weight loaded again): checked equal, no recompile
+    model.w = torch.nn.Parameter(DTensor.from_local(model.w.to_local().clone(), mesh, [Replicate()]),
+                                 requires_grad=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert len(be.reports) == 1
+    model.w = torch.nn.Parameter(DTensor.from_local(model.w.to_local(), mesh, [tensor.Shard(0)]), requires_grad=False)
+    with pytest.raises(RuntimeError, match="changed its placement since it was compiled"), torch.no_grad():
+        compiled(x)
+
+
+def test_without_the_filter_dynamo_still_guards_the_spec(mesh):
+    """The contrast: a backend used without kvpass.compile's guard filter keeps Dynamo's guard, which recompiles
+    for the re-sharded weight (the callable's own check is then never the one that decides)."""
+    import kvpass
+    be = kvpass.backend("full", compiler="aot_eager")
+    torch._dynamo.reset()
+    model = Projection(mesh)
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        compiled(x)
+        model.w = torch.nn.Parameter(DTensor.from_local(model.w.to_local(), mesh, [tensor.Shard(0)]),
+                                     requires_grad=False)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert len(be.reports) == 2

@@ -261,6 +261,9 @@ class Backend:
                 raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
                                   f"prefill graph and does not compose with other policies yet; use it alone")
         self.runtime = _runtime.Runtime(self.policy)
+        # the DTensor specs the compiled callables check themselves (tensor parallel: local_weights); kvpass.compile
+        # passes it to torch.compile as guard_filter_fn, which drops Dynamo's guard on those specs
+        self.spec_guards = _local_weights.SpecGuards()
         self.kvpass = KVPass(self.policy, self.runtime, self._compile_segment)
         self.reports: list[GraphReport] = []
         # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
@@ -398,7 +401,7 @@ class Backend:
         if inputs is example_inputs:
             return self._compile(gm, example_inputs, patches, compiler, report)
         try:
-            return wrap(self._compile(gm, inputs, patches, compiler, report))
+            compiled = wrap(self._compile(gm, inputs, patches, compiler, report))
         except torch._dynamo.exc.RestartAnalysis:
             raise
         except Exception as e:  # noqa: BLE001  (any failure: the graph as Dynamo gave it, as before)
@@ -407,6 +410,8 @@ class Backend:
                       f"{str(e).splitlines()[0] if str(e) else ''}); compiling them as DTensors (same result; "
                       f"torch unwraps each one on every call, slower on the host)", self)
             return self._compile(gm, example_inputs, patches, compiler, report)
+        self.spec_guards.add(compiled.specs)
+        return compiled
 
     def _compile(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None):
         if compiler == "aot_eager":

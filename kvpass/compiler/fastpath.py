@@ -279,6 +279,18 @@ def backward_hooked(model) -> str | None:
     return None
 
 
+def compile_options(be: Backend, mode: str | None) -> dict:
+    """``torch.compile``'s ``options`` for a forward compiled with ``be`` in ``mode``: the mode's own settings
+    (torch.compile takes a mode or options, not both) and ``be.spec_guards`` as the ``guard_filter_fn``, which
+    drops Dynamo's guard on a tensor-parallel weight's spec where the compiled callable checks that spec itself
+    (``kvpass.compiler.local_weights``)."""
+    options = {"guard_filter_fn": be.spec_guards}
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+        options.update(list_mode_options(mode))
+    return options
+
+
 def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = "inductor",
             prefill_compiler: str | None = None, fullgraph: bool = False, **params) -> Backend:
     """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path.
@@ -320,6 +332,7 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
     if mode == "auto":
         on_gpu = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
-    model.forward = torch.compile(model.forward, backend=be, dynamic=True, fullgraph=fullgraph, mode=mode)
+    model.forward = torch.compile(model.forward, backend=be, dynamic=True, fullgraph=fullgraph,
+                                  options=compile_options(be, mode))
     model.generate = FastGenerate(model, be, model.generate)
     return be

@@ -12,9 +12,17 @@ placeholder for its local tensor, rebuilt into the same DTensor (mesh, placement
 ``DTensor.from_local`` as the graph's first use of it, which AOTAutograd traces away at compile time. The callable
 it wraps reads ``_local_tensor`` off those arguments (an attribute each) before calling the compiled graph. The
 placeholders keep their Dynamo sources, so weights stay static inputs (CUDA graphs do not copy them).
+
+Dynamo also guards each DTensor's spec (mesh, placements) on every call, in Python (``DTENSOR_SPEC_MATCH``: 57
+``DTensorSpec._check_equals`` a step at 8 layers, a quarter of the host's excess after the change above). The
+callable checks the specs itself: the same spec object as at compile time (an identity test), else an equal one,
+else an error that says so. ``SpecGuards``, the ``guard_filter_fn`` ``kvpass.compile`` gives ``torch.compile``,
+then drops Dynamo's guard on the specs the compiled callables check, and only those.
 """
 
 from __future__ import annotations
+
+import copy
 
 from torch import fx
 
@@ -32,8 +40,9 @@ def _rebuilder(mesh, placements: tuple, shape: tuple, stride: tuple):
 def local_weights(gm: fx.GraphModule, example_inputs: list):
     """``(example_inputs, wrap, undo)``: ``gm`` changed in place so that every DTensor input (of static size) is
     taken as its local tensor, the inputs to compile it with, ``wrap(compiled)`` (the compiled graph called with
-    the DTensor arguments' local tensors) and ``undo()``, which gives ``gm`` back as it was. Where no input is
-    such a DTensor, the same ``example_inputs`` list, and ``wrap`` and ``undo`` do nothing."""
+    the DTensor arguments' local tensors, their specs checked; ``wrap(compiled).specs`` lists the specs it
+    checks) and ``undo()``, which gives ``gm`` back as it was. Where no input is such a DTensor, the same
+    ``example_inputs`` list, and ``wrap`` and ``undo`` do nothing."""
     dtensor = dtensor_type()
     idx = [] if dtensor is None else [
         i for i, x in enumerate(example_inputs) if isinstance(x, dtensor)
@@ -61,15 +70,47 @@ def local_weights(gm: fx.GraphModule, example_inputs: list):
             gm.graph.erase_node(whole)
             ph.meta.update(meta)
         gm.recompile()
-    return inputs, lambda compiled: _taking_locals(compiled, idx), undo
+    specs = [example_inputs[i]._spec for i in idx]
+    return inputs, lambda compiled: _taking_locals(compiled, idx, specs), undo
 
 
-def _taking_locals(compiled, idx: list[int]):
+def _taking_locals(compiled, idx: list[int], specs: list):
     """``compiled`` called with the arguments at ``idx`` replaced by their local tensors (Dynamo calls a
-    backend's callable with the graph's arguments, unboxed)."""
+    backend's callable with the graph's arguments, unboxed), each argument's spec checked against the one it
+    was compiled with (``specs``): the same object, or else equal to a copy taken now (as Dynamo's guard
+    compares), or an error."""
+    expected = [copy.deepcopy(s) for s in specs]
+
     def call(*args):
         args = list(args)
-        for i in idx:
-            args[i] = args[i]._local_tensor
+        for i, spec, want in zip(idx, specs, expected):
+            a = args[i]
+            if a._spec is not spec and not a._spec._check_equals(want, skip_shapes=True):
+                raise RuntimeError(
+                    f"kvpass: a tensor-parallel weight of this compiled graph (input {i}) changed its placement "
+                    f"since it was compiled ({want.placements} on {want.mesh} -> {a._spec.placements} on "
+                    f"{a._spec.mesh}); kvpass.compile checks the weights' placements itself instead of Dynamo's "
+                    f"guards. Compile the model again after re-sharding it (torch._dynamo.reset())")
+            args[i] = a._local_tensor
         return compiled(*args)
+    call.specs = specs
     return call
+
+
+class SpecGuards:
+    """A ``torch.compile`` ``guard_filter_fn``: keeps every guard but Dynamo's ``DTENSOR_SPEC_MATCH`` on a spec
+    that a compiled callable of ``local_weights`` checks itself (``add``, by object identity; the specs are
+    held, so an identity is never reused)."""
+
+    def __init__(self) -> None:
+        self.checked: dict[int, object] = {}
+
+    def add(self, specs) -> None:
+        self.checked.update((id(s), s) for s in specs)
+
+    def __call__(self, entries) -> list[bool]:
+        return [not (e.guard_type == "DTENSOR_SPEC_MATCH" and e.has_value and self.checked.get(id(e.value)) is e.value)
+                for e in entries]
+
+    def __repr__(self) -> str:
+        return f"SpecGuards(checked={len(self.checked)})"
