@@ -40,7 +40,7 @@ from bench_decode_step import PROFILE_STEPS, policy_of, profile_steps  # noqa: E
 from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 
 WARMUP = 8
-HOST_STEPS = 16   # --profile: steps under cProfile (host_profile), after the kernel profile's
+HOST_STEPS = 16   # --profile: steps under cProfile (host_profile), then as many waited for one by one (host_synced)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU runs a tiny smoke test of this script (gloo)
 
 
@@ -96,7 +96,7 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     mode = "reduce-overhead" if compiler == "inductor" else None
     # as kvpass.compile compiles it (the mode's settings, and the guard filter for the weights' specs)
     fwd = torch.compile(model.forward, backend=be, dynamic=dynamic, options=compile_options(be, mode))
-    n_new = WARMUP + steps + 2 + (PROFILE_STEPS + HOST_STEPS if profile else 0)   # the cache holds every step
+    n_new = WARMUP + steps + 2 + (PROFILE_STEPS + 2 * HOST_STEPS if profile else 0)   # the cache holds every step
     ctx = ids.shape[1]
 
     def new_cache():
@@ -143,6 +143,7 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
                        logits_to_keep=1).logits[:, -1]
         kernels = profile_steps(step, nxt, pos, cache, top=1000)
         host_top = host_profile(step, nxt, pos, cache)
+        host_sync = host_synced(step, nxt, pos, cache)
     row = {"config": name, "context": ctx, "first_call_s": ttft, "tpot_ms": tpot * 1e3, "host_ms": host / steps * 1e3,
            "peak_GiB": peak_bytes() / 2**30, "kv_GiB": cache.kv_bytes() / 2**30,
            "tokens": torch.cat(tokens, 1)[0].tolist(), "digests": digests(cache, tp),
@@ -150,6 +151,7 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
            "tp": sorted({r.tp for r in be.reports}), "reductions": sorted({x for r in be.reports for x in r.reductions})}
     if kernels is not None:
         row["kernels"], row["device_ms_by_kind"], row["host_top"] = kernels[:25], kinds_of(kernels), host_top
+        row["host_synced_ms"] = host_sync
     if be.gate_info:
         row["gate"] = {k: be.gate_info[k] for k in ("selection_layer", "kept")}
     if tp:   # every rank's peak and KV bytes
@@ -159,6 +161,19 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
         row["peak_GiB_per_rank"] = [float(p[0]) for p in parts]
         row["kv_GiB_per_rank"] = [float(p[1]) for p in parts]
     return row
+
+
+def host_synced(step, nxt, pos, cache, n: int = HOST_STEPS) -> float:
+    """The host's time per call in ms over ``n`` more steps, each one waited for before the next (no queue to
+    wait on: the host's own work, where ``host_ms`` of queued steps also counts waiting for room to queue)."""
+    total = 0.0
+    for i in range(n):
+        sync()
+        h = time.perf_counter()
+        step(nxt, pos + PROFILE_STEPS + HOST_STEPS + i, cache)
+        total += time.perf_counter() - h
+    sync()
+    return total / n * 1e3
 
 
 def host_profile(step, nxt, pos, cache, n: int = HOST_STEPS, top: int = 20) -> list[str]:
@@ -291,6 +306,9 @@ def compare(args) -> None:
             lines.append(f"| {r['config']} | {r['context']} | step (wall) | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} |")
             if "host_ms" in r and "host_ms" in b:
                 lines.append(f"| {r['config']} | {r['context']} | host per step | {b['host_ms']:.3f} | {r['host_ms']:.3f} |")
+            if "host_synced_ms" in r and "host_synced_ms" in b:
+                lines.append(f"| {r['config']} | {r['context']} | host per step, each step waited for | "
+                             f"{b['host_synced_ms']:.3f} | {r['host_synced_ms']:.3f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps(summary))
