@@ -36,7 +36,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, P or S}" in
+case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -58,6 +58,20 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, P or S}" in
      python -c "import transformers; print('transformers', transformers.__version__)"
      timeout ${Q3_S:-500} python -m pytest -q -rfEs -p no:cacheprovider ${Q3_ARGS:-} tests/gpu/test_gpu_tp.py \
        -k "${Q3_K:-qwen3}" 2>&1 | tail -${Q3_TAIL:-15}; exit ;;
+  Q3D) # Q3's worker alone with CUDA_LAUNCH_BLOCKING=1 (session 57: a device-side assert on both ranks, after every
+      # plain run, before the fusion runs; asynchronous, so the run that raised it is not known): the first traceback
+      # and the kernel's own assertion line. Carries .whl as Q3.
+     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+       && export PYTHONPATH=/tmp/site:$PWD/tests:$PWD:${PYTHONPATH:-} || exit 1
+     mkdir -p /tmp/q3 && python -c "import test_tensor_parallel as t; t._qwen3_gqa4().save_pretrained('/tmp/q3/model'); \
+       print(','.join(t.PLAIN), ','.join(t.COMPILED))" > /tmp/q3/lists.txt || exit 1
+     read plain compiled < /tmp/q3/lists.txt
+     CUDA_LAUNCH_BLOCKING=1 timeout ${Q3_S:-170} python -m torch.distributed.run --nproc_per_node 2 tests/tp_worker.py \
+       --model /tmp/q3/model --out /tmp/q3 --policies $plain --caches dynamic,slot --device cuda --fusion all \
+       --compiled $compiled > $out/q3d_stdout.txt 2> /tmp/q3/stderr.txt
+     echo "rc $?"; tail -3 $out/q3d_stdout.txt
+     grep -n -m5 "Assertion\|device-side assert triggered\|index out of bounds" /tmp/q3/stderr.txt | cut -c1-600
+     grep -n -m1 -A70 "^Traceback" /tmp/q3/stderr.txt | cut -c1-300; exit ;;
   R8|H8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile"
      [ $1 = H8 ] && c="--dir $d --contexts 131072 --configs full,snapkv --steps 32 --profile"
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
@@ -86,8 +100,8 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, P or S}" in
   P) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies full,snapkv --baselines= --max-waves 2"
-     timeout 250 python bench/bench_throughput.py $common --out $out/tput_one_gpu.json 2>&1 | grep '^{' | cut -c1-400
-     timeout 280 torchrun --nproc_per_node 2 bench/bench_throughput.py $common --out $out/tput_two_gpu.json 2>&1 \
+     timeout ${P_ONE_S:-250} python bench/bench_throughput.py $common --out $out/tput_one_gpu.json 2>&1 | grep '^{' | cut -c1-400
+     timeout ${P_TWO_S:-280} torchrun --nproc_per_node 2 bench/bench_throughput.py $common --out $out/tput_two_gpu.json 2>&1 \
        | grep '^{' | cut -c1-400; exit ;;
   S) [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
      for flag in "" --one-shot; do
