@@ -181,3 +181,25 @@ def test_explain_shows_the_local_heads_and_the_gathers(ranks):
         text = r["explain"]
         assert f"tensor parallel: rank {rank} of 2" in text and "(heads and kv_heads above are this rank's)" in text
         assert "reductions: layer 0: selection votes all_gather over 2 ranks" in text, text
+
+
+@pytest.mark.parametrize("name, module, unwrapped", [
+    ("from_local", "torch.distributed.tensor._api", True),       # torch 2.13's Dynamo: the function itself
+    ("prim from_local", "torch._dynamo.variables.torch", True),  # torch 2.11's: a closure over it, so named
+    ("from_local", "user_code", False)])                          # someone else's function of that name
+def test_token_ids_are_found_behind_either_traced_from_local(name, module, unwrapped):
+    """The token ids a rank's embedding reads are a graph input behind ``DTensor.from_local`` (vocab-parallel
+    embedding, transformers 5.24), however Dynamo named the call; the gate's second prefill gathers them by that
+    (on the GPU machine's torch 2.11 it refused them as an input it could not tell, session 57)."""
+    from kvpass.compiler.detect import _token_ids
+
+    def wrap(x):
+        return x
+    wrap.__name__, wrap.__module__ = name, module
+    g = torch.fx.Graph()
+    ids, weight = g.placeholder("ids"), g.placeholder("weight")
+    ids.meta["example_value"] = torch.zeros(1, 4, dtype=torch.long)
+    emb = g.call_function(torch.nn.functional.embedding, (g.call_function(wrap, (ids,)), weight))
+    g.output(emb)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert (_token_ids(gm) is ids) == unwrapped

@@ -123,12 +123,19 @@ def val(node):
     return None
 
 
+# how Dynamo names a traced ``DTensor.from_local``: the function itself (torch 2.13), or a closure over it that
+# torch 2.11's Dynamo defines in torch._dynamo.variables.torch and names "prim from_local" (on the GPU machine's
+# torch 2.11 the token ids were not found behind it, and the gate's second prefill refused them)
+_FROM_LOCAL = {("from_local", "torch.distributed"), ("prim from_local", "torch._dynamo")}
+
+
 def local_of(node):
     """The local tensor a ``DTensor.from_local`` wraps (tensor parallelism wraps the token ids before the
     embedding), else ``node``."""
     t = getattr(node, "target", None)
-    if (isinstance(node, fx.Node) and node.op == "call_function" and getattr(t, "__name__", "") == "from_local"
-            and getattr(t, "__module__", "").startswith("torch.distributed") and node.args):
+    name, module = getattr(t, "__name__", ""), getattr(t, "__module__", "") or ""
+    if (isinstance(node, fx.Node) and node.op == "call_function" and node.args
+            and any(name == n and module.startswith(m) for n, m in _FROM_LOCAL)):
         return node.args[0]
     return node
 
