@@ -28,7 +28,7 @@
 #       3.97 TB/s at 128k in 32 splits against 3.45 in 132; the split rule is now one program per SM
 #   K4: the new rule (num_splits: one program per SM) on the kernel alone, 16/4 and 32/8 heads, batch 1 and 4, 32k
 #       and 128k, against K3's rows (32/8 at 128k in 17 splits: K3 had 4.01 TB/s in 66 splits)
-#   P: throughput at a fixed memory cap per GPU (issue 39): an 8-layer model saved once, bench_throughput.py on
+#   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u
 out=${OUT:?set OUT}
@@ -99,7 +99,7 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
        --out $out/tp_l8_$v.md 2>&1 | tail -14; done; exit ;;
   P) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
-     common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies full,snapkv --baselines= --max-waves 2"
+     common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies ${P_POLICIES:-full,snapkv} --baselines= --max-waves 2"
      timeout ${P_ONE_S:-250} python bench/bench_throughput.py $common --out $out/tput_one_gpu.json 2>&1 | grep '^{' | cut -c1-400
      timeout ${P_TWO_S:-280} torchrun --nproc_per_node 2 bench/bench_throughput.py $common --out $out/tput_two_gpu.json 2>&1 \
        | grep '^{' | cut -c1-400; exit ;;
