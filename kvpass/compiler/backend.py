@@ -261,8 +261,8 @@ class Backend:
                 raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
                                   f"prefill graph and does not compose with other policies yet; use it alone")
         self.runtime = _runtime.Runtime(self.policy)
-        # the DTensor specs the compiled callables check themselves (tensor parallel: local_weights); kvpass.compile
-        # passes it to torch.compile as guard_filter_fn, which drops Dynamo's guard on those specs
+        # the DTensor specs the frame's compiled callables check themselves (tensor parallel: local_weights);
+        # kvpass.compile passes it to torch.compile as guard_filter_fn, which drops Dynamo's guard on those specs
         self.spec_guards = _local_weights.SpecGuards()
         self.kvpass = KVPass(self.policy, self.runtime, self._compile_segment)
         self.reports: list[GraphReport] = []
@@ -396,9 +396,11 @@ class Backend:
 
     def _inner(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None = None):
         if compiler == "eager":
+            self.spec_guards.unchecked(example_inputs)   # Dynamo keeps its guard on these DTensors' specs
             return gm.forward
         inputs, wrap, undo = _local_weights.local_weights(gm, example_inputs)   # tensor parallel: DTensor weights
         if inputs is example_inputs:
+            self.spec_guards.unchecked(example_inputs)
             return self._compile(gm, example_inputs, patches, compiler, report)
         try:
             compiled = wrap(self._compile(gm, inputs, patches, compiler, report))
@@ -409,8 +411,9 @@ class Backend:
             warn_once(f"kvpass: compiling the tensor-parallel weights as local tensors failed ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); compiling them as DTensors (same result; "
                       f"torch unwraps each one on every call, slower on the host)", self)
+            self.spec_guards.unchecked(example_inputs)
             return self._compile(gm, example_inputs, patches, compiler, report)
-        self.spec_guards.add(compiled.specs)
+        self.spec_guards.checked(compiled.specs)
         return compiled
 
     def _compile(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None):

@@ -17,7 +17,8 @@ Dynamo also guards each DTensor's spec (mesh, placements) on every call, in Pyth
 ``DTensorSpec._check_equals`` a step at 8 layers, a quarter of the host's excess after the change above). The
 callable checks the specs itself: the same spec object as at compile time (an identity test), else an equal one,
 else an error that says so. ``SpecGuards``, the ``guard_filter_fn`` ``kvpass.compile`` gives ``torch.compile``,
-then drops Dynamo's guard on the specs the compiled callables check, and only those.
+then drops Dynamo's guard on a spec where the frame's compiled callables check it, and only there (a graph of the
+frame that takes the DTensor unchecked keeps the guard).
 """
 
 from __future__ import annotations
@@ -98,19 +99,31 @@ def _taking_locals(compiled, idx: list[int], specs: list):
 
 
 class SpecGuards:
-    """A ``torch.compile`` ``guard_filter_fn``: keeps every guard but Dynamo's ``DTENSOR_SPEC_MATCH`` on a spec
-    that a compiled callable of ``local_weights`` checks itself (``add``, by object identity; the specs are
-    held, so an identity is never reused)."""
+    """A ``torch.compile`` ``guard_filter_fn``: keeps every guard but Dynamo's ``DTENSOR_SPEC_MATCH`` on a spec that
+    the frame's compiled callables check themselves. Dynamo builds a frame's guards after the backend has compiled
+    its graphs, so the backend notes each graph's DTensor specs as it compiles (``checked``: a callable of
+    ``local_weights`` checks them; ``unchecked``: a graph that takes the DTensors as they are, compiled eagerly or
+    after a fallback), and the filter, called next, drops the guard on a spec only when it was checked and no
+    graph took it unchecked, then starts the next frame's notes. Specs are held while noted, so an identity is
+    never reused."""
 
     def __init__(self) -> None:
-        self.checked: dict[int, object] = {}
+        self.seen: dict[int, object] = {}
+        self.bare: dict[int, object] = {}
 
-    def add(self, specs) -> None:
-        self.checked.update((id(s), s) for s in specs)
+    def checked(self, specs) -> None:
+        self.seen.update((id(s), s) for s in specs)
+
+    def unchecked(self, example_inputs) -> None:
+        dtensor = dtensor_type()
+        if dtensor is not None:
+            self.bare.update((id(x._spec), x._spec) for x in example_inputs if isinstance(x, dtensor))
 
     def __call__(self, entries) -> list[bool]:
-        return [not (e.guard_type == "DTENSOR_SPEC_MATCH" and e.has_value and self.checked.get(id(e.value)) is e.value)
-                for e in entries]
+        keep = [not (e.guard_type == "DTENSOR_SPEC_MATCH" and e.has_value and self.seen.get(id(e.value)) is e.value
+                     and id(e.value) not in self.bare) for e in entries]
+        self.seen, self.bare = {}, {}
+        return keep
 
     def __repr__(self) -> str:
-        return f"SpecGuards(checked={len(self.checked)})"
+        return f"SpecGuards(checked={len(self.seen)}, unchecked={len(self.bare)})"
