@@ -985,3 +985,16 @@ def test_inductor_equals_eager_compiler():
         assert_logits_close(got, ref, atol=1e-4)
         assert [r.phase for r in be.reports] == ["prefill", "decode"]
         assert cache.seen == 13 + 6
+
+
+def test_a_write_longer_than_the_cache_fails_on_the_host():
+    """More new tokens than the cache has slots is known from the shapes: the model's own update refuses on the
+    host, naming both counts, before the device assert (which on a GPU ends the process: session 57's two-GPU
+    Qwen3 run died so when a policy's graph compiled unchanged)."""
+    b, h, cap, d, q = 1, 2, 4, 8, 6
+    keys, values = torch.zeros(b, h, cap, d), torch.zeros(b, h, cap, d)
+    pos = torch.full((b, h, cap), -1, dtype=torch.long)
+    count = torch.tensor([[0, 0, 0, 100]], dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"longer than the cache's capacity.*\(6 new tokens, 4 slots\)"):
+        torch.ops.kvpass.slot_append(keys, values, pos, count, torch.ones(b, h, q, d), torch.ones(b, h, q, d), [])
+    assert int(count[0, 1]) == 0 and bool((pos == -1).all())   # nothing written

@@ -85,6 +85,8 @@ def reused_mask():
 LIMIT = ("kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
          "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "
          "before a new prompt")
+TOO_LONG = ("kvpass SlotCache: the sequence is longer than the cache's capacity: build it with a larger max_length (if "
+            "kvpass warned that it compiled a graph unchanged, the policy did not run: the warning says why)")
 RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 
@@ -117,14 +119,14 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
     b, hkv, q = k_new.shape[:3]
     cap = keys.shape[2]
+    if q > cap:   # known on the host: an error the process survives, where the device assert below ends it on a GPU
+        raise RuntimeError(f"{TOO_LONG} ({q} new tokens, {cap} slots)")
     seen, filled = count[:, 0], count[:, 1]
     device_assert((seen == filled).all(), "kvpass SlotCache: a kvpass policy compressed this cache and this call "
                                           "was not rewritten by it: several new tokens for a policy without an "
                                           "append graph (h2o, raas), or a forward compiled without the cache's "
                                           "backend")
-    device_assert((filled + q <= cap).all(), "kvpass SlotCache: the sequence is longer than the cache's capacity: "
-                                             "build it with a larger max_length (if kvpass warned that it compiled "
-                                             "a graph unchanged, the policy did not run: the warning says why)")
+    device_assert((filled + q <= cap).all(), TOO_LONG)
     device_assert((seen + q <= count[:, 3]).all(), LIMIT)
     ar = torch.arange(q, device=keys.device)
     idx = (filled[:, None, None] + ar).expand(b, hkv, q)
