@@ -30,7 +30,8 @@
 #       and 128k, against K3's rows (32/8 at 128k in 17 splits: K3 had 4.01 TB/s in 66 splits)
 #   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
-set -u
+set -u -o pipefail
+fail=0; trap 'fail=1' ERR   # the exit status: 1 when any step failed (a row's script, a timeout, no rows printed)
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -42,14 +43,14 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
   R) ctx=${ctx:-131072}; prof=--profile ;;
   K2) for hc in 16,4,32 16,4,64 16,4,128 16,4,256 32,8,256; do
        timeout 75 python bench/bench_decode_kernel.py --heads ${hc%,*} --batches 1 --contexts 131072 \
-         --max-splits ${hc##*,} --no-sweep --out $out/k_${hc//,/_} 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
+         --max-splits ${hc##*,} --no-sweep --out $out/k_${hc//,/_} 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit $fail ;;
   K4) for hs in 16,4 32,8; do
        timeout 60 python bench/bench_decode_kernel.py --heads $hs --batches 1,4 --contexts 32768,131072 --no-sweep \
-         --out /tmp/k4 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit ;;
+         --out /tmp/k4 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit $fail ;;
   K) for hs in 16,4 32,8; do for cap in 64 256; do
        python bench/bench_decode_kernel.py --heads $hs --batches 1 --contexts 32768,131072 --max-splits $cap \
-         --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit ;;
-  G) timeout 560 python -m pytest -q -x tests/gpu/test_gpu_tp.py 2>&1 | tail -15; exit ;;
+         --no-sweep --out $out/kernel_${hs/,/_}_cap$cap 2>&1 | grep '^{'; done; done; exit $fail ;;
+  G) timeout 560 python -m pytest -q -x tests/gpu/test_gpu_tp.py 2>&1 | tail -15; exit $fail ;;
   Q3) # the Qwen3 half of G on transformers >= 5.24 (5.17's plan hooks q_norm/k_norm with module backward hooks that
       # Dynamo cannot compile). Here first: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
       # -d .whl transformers==5.24.0; the call carries .whl (run's carry=[".whl"])
@@ -57,7 +58,7 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
      python -c "import transformers; print('transformers', transformers.__version__)"
      timeout ${Q3_S:-500} python -m pytest -q -rfEs -p no:cacheprovider ${Q3_ARGS:-} tests/gpu/test_gpu_tp.py \
-       -k "${Q3_K:-qwen3}" 2>&1 | tail -${Q3_TAIL:-15}; exit ;;
+       -k "${Q3_K:-qwen3}" 2>&1 | tail -${Q3_TAIL:-15}; exit $fail ;;
   Q3D) # Q3's worker alone with CUDA_LAUNCH_BLOCKING=1 (session 57: a device-side assert on both ranks, after every
       # plain run, before the fusion runs; asynchronous, so the run that raised it is not known): the first traceback
       # and the kernel's own assertion line. Carries .whl as Q3.
@@ -71,7 +72,7 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
        --compiled $compiled > $out/q3d_stdout.txt 2> /tmp/q3/stderr.txt
      echo "rc $?"; tail -3 $out/q3d_stdout.txt
      grep -n -m5 "Assertion\|device-side assert triggered\|index out of bounds" /tmp/q3/stderr.txt | cut -c1-600
-     grep -n -m1 -A70 "^Traceback" /tmp/q3/stderr.txt | cut -c1-300; exit ;;
+     grep -n -m1 -A70 "^Traceback" /tmp/q3/stderr.txt | cut -c1-300; exit $fail ;;
   R8|H8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile"
      [ $1 = H8 ] && c="--dir $d --contexts 131072 --configs full,snapkv --steps 32 --profile"
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
@@ -79,14 +80,14 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
      timeout 190 torchrun --nproc_per_node 2 bench/bench_tp.py run $c --out $out/two_gpu_l8_131072.json 2>&1 \
        | grep '^{\|Error' | cut -c1-400
      python bench/bench_tp.py compare $out/one_gpu_l8_131072.json $out/two_gpu_l8_131072.json \
-       --out $out/tp_l8_131072.md 2>&1 | tail -30; exit ;;
+       --out $out/tp_l8_131072.md 2>&1 | tail -30; exit $fail ;;
   S8) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      for flag in "" --one-shot; do   # a static batch for both: the one-shot lowering failed on a symbolic one
        timeout 130 torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $d --contexts 131072 --configs full \
          --steps 32 --profile --static-batch $flag --out $out/two_gpu_l8_131072_static${flag//-/_}.json 2>&1 \
          | grep '^{\|Error' | cut -c1-400
-     done; exit ;;
+     done; exit $fail ;;
   M8) d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs full --steps 32 --profile --static-batch"
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      one() { timeout 100 python bench/bench_tp.py run $c "${@:2}" --out $out/one_gpu_l8_$1.json 2>&1 \
@@ -96,18 +97,18 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
      one static; two static; two one_shot --one-shot; two cublaslt --blas cublaslt; one cublaslt --blas cublaslt
      two autotune --mm-autotune
      for v in static cublaslt; do python bench/bench_tp.py compare $out/one_gpu_l8_$v.json $out/two_gpu_l8_$v.json \
-       --out $out/tp_l8_$v.md 2>&1 | tail -14; done; exit ;;
+       --out $out/tp_l8_$v.md 2>&1 | tail -14; done; exit $fail ;;
   P) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 120 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      common="--dir $d --context 32768 --new 256 --requests 16 --kv-gib 4 --policies ${P_POLICIES:-full,snapkv} --baselines= --max-waves 2"
      timeout ${P_ONE_S:-250} python bench/bench_throughput.py $common --out $out/tput_one_gpu.json 2>&1 | grep '^{' | cut -c1-400
      timeout ${P_TWO_S:-280} torchrun --nproc_per_node 2 bench/bench_throughput.py $common --out $out/tput_two_gpu.json 2>&1 \
-       | grep '^{' | cut -c1-400; exit ;;
+       | grep '^{' | cut -c1-400; exit $fail ;;
   S) [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
      for flag in "" --one-shot; do
        timeout 250 torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $ckpt --contexts 131072 \
          --configs full,snapkv $flag --out $out/two_gpu_131072${flag//-/_}.json 2>&1 | grep '^{\|Error' | cut -c1-600
-     done; exit ;;
+     done; exit $fail ;;
 esac
 configs=${CONFIGS:-full,snapkv,raas,asl@layer=8}
 prof=${prof:-}
@@ -117,3 +118,4 @@ timeout ${ONE_S:-230} python bench/bench_tp.py run --dir $ckpt --contexts $ctx -
 timeout ${TWO_S:-260} torchrun --nproc_per_node 2 bench/bench_tp.py run --dir $ckpt --contexts $ctx --configs $configs $prof \
   --out $out/two_gpu_$ctx.json 2>&1 | grep '^{\|Error' | cut -c1-600
 python bench/bench_tp.py compare $out/one_gpu_$ctx.json $out/two_gpu_$ctx.json --out $out/tp_$ctx.md 2>&1 | tail -12
+exit $fail
