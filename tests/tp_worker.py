@@ -116,12 +116,14 @@ LENGTHS = (11, 17, 26, 40)   # prompts through kvpass.compile's generate: three 
 
 
 def compile_once(path: str, tp: bool, policy: str) -> dict:
-    """``kvpass.compile`` (eager compiler) on a fresh copy of the model, then ``generate`` on prompts of every
-    ``LENGTHS`` and the same prompts through a ``RequestQueue`` of two rows: the new tokens of each and the
-    graphs the backend compiled per phase."""
+    """``kvpass.compile`` (AOTAutograd's eager compiler: the backend's path to Inductor, local weights and the
+    spec guard filter included) on a fresh copy of the model, then ``generate`` on prompts of every ``LENGTHS``
+    and the same prompts through a ``RequestQueue`` of two rows: the new tokens of each, the graphs the backend
+    compiled per phase and how many of Dynamo's DTensor spec guards the filter dropped."""
     model = load(path, tp)
     torch._dynamo.reset()
-    be = kvpass.compile(model, policy, compiler="eager", **({} if policy == "full" else CONFORMANCE[policy].demanding))
+    be = kvpass.compile(model, policy, compiler="aot_eager",
+                        **({} if policy == "full" else CONFORMANCE[policy].demanding))
     tokens = []
     for n in LENGTHS:
         ids = torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
@@ -135,6 +137,7 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
         queue.add(torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE), max_new_tokens=NEW)
     queued = [t[-NEW:].tolist() for t in queue.run(progress=False)]
     return {"tokens": tokens, "queued": queued, "graphs": graphs, "graphs_with_queue": be.graph_counts(),
+            "spec_guards_dropped": be.spec_guards.dropped,
             "kv_heads": sorted({int(c.layers[0].keys.shape[1]) for c in model.generate.caches.values()})}
 
 

@@ -110,6 +110,7 @@ class SpecGuards:
     def __init__(self) -> None:
         self.seen: dict[int, object] = {}
         self.bare: dict[int, object] = {}
+        self.dropped = 0   # guards dropped so far, over every frame
 
     def checked(self, specs) -> None:
         self.seen.update((id(s), s) for s in specs)
@@ -123,7 +124,8 @@ class SpecGuards:
         keep = [not (e.guard_type == "DTENSOR_SPEC_MATCH" and e.has_value and self.seen.get(id(e.value)) is e.value
                      and id(e.value) not in self.bare) for e in entries]
         self.seen, self.bare = {}, {}
+        self.dropped += keep.count(False)
         return keep
 
     def __repr__(self) -> str:
-        return f"SpecGuards(checked={len(self.seen)}, unchecked={len(self.bare)})"
+        return f"SpecGuards(dropped={self.dropped}, pending checked={len(self.seen)}, unchecked={len(self.bare)})"
