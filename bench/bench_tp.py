@@ -154,12 +154,13 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
         row["host_synced_ms"] = host_sync
     if be.gate_info:
         row["gate"] = {k: be.gate_info[k] for k in ("selection_layer", "kept")}
-    if tp:   # every rank's peak and KV bytes
-        mine = torch.tensor([row["peak_GiB"], row["kv_GiB"]], device=DEV, dtype=torch.float64)
+    if tp:   # every rank's peak and KV bytes, TPOT and host time (rank 0's NCCL kernels include its wait for rank 1)
+        mine = torch.tensor([row["peak_GiB"], row["kv_GiB"], row["tpot_ms"], row["host_ms"],
+                             row.get("host_synced_ms", -1.0)], device=DEV, dtype=torch.float64)
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
-        row["peak_GiB_per_rank"] = [float(p[0]) for p in parts]
-        row["kv_GiB_per_rank"] = [float(p[1]) for p in parts]
+        for k, name in enumerate(("peak_GiB", "kv_GiB", "tpot_ms", "host_ms", "host_synced_ms")):
+            row[f"{name}_per_rank"] = [float(p[k]) for p in parts]
     return row
 
 
@@ -305,7 +306,9 @@ def compare(args) -> None:
                 lines.append(f"| {r['config']} | {r['context']} | {kind} | {b['device_ms_by_kind'][kind]:.3f} | {ms:.3f} |")
             lines.append(f"| {r['config']} | {r['context']} | step (wall) | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} |")
             if "host_ms" in r and "host_ms" in b:
-                lines.append(f"| {r['config']} | {r['context']} | host per step | {b['host_ms']:.3f} | {r['host_ms']:.3f} |")
+                ranks = " / ".join(f"{x:.3f}" for x in r.get("host_ms_per_rank", []))
+                lines.append(f"| {r['config']} | {r['context']} | host per step | {b['host_ms']:.3f} | {r['host_ms']:.3f}"
+                             f"{f' (ranks: {ranks})' if ranks else ''} |")
             if "host_synced_ms" in r and "host_synced_ms" in b:
                 lines.append(f"| {r['config']} | {r['context']} | host per step, each step waited for | "
                              f"{b['host_synced_ms']:.3f} | {r['host_synced_ms']:.3f} |")
