@@ -191,9 +191,9 @@ def test_explain_shows_the_local_heads_and_the_gathers(ranks):
     ("prim from_local", "torch._dynamo.variables.torch", True),  # torch 2.11's: a closure over it, so named
     ("from_local", "user_code", False)])                          # someone else's function of that name
 def test_token_ids_are_found_behind_either_traced_from_local(name, module, unwrapped):
-    """The token ids a rank's embedding reads are a graph input behind ``DTensor.from_local`` (vocab-parallel
-    embedding, transformers 5.24), however Dynamo named the call; the gate's second prefill gathers them by that
-    (on the GPU machine's torch 2.11 it refused them as an input it could not tell, session 57)."""
+    """The token ids a rank's embedding reads are a graph input behind ``DTensor.from_local`` (transformers 5.24
+    wraps them so, Llama and Qwen3), however Dynamo named the call; the gate's second prefill gathers them by
+    that (on the GPU machine's torch 2.11 it refused them as an input it could not tell, session 57)."""
     from kvpass.compiler.detect import _token_ids
 
     def wrap(x):
