@@ -28,6 +28,8 @@
 #       3.97 TB/s at 128k in 32 splits against 3.45 in 132; the split rule is now one program per SM
 #   K4: the new rule (num_splits: one program per SM) on the kernel alone, 16/4 and 32/8 heads, batch 1 and 4, 32k
 #       and 128k, against K3's rows (32/8 at 128k in 17 splits: K3 had 4.01 TB/s in 66 splits)
+#   J: bench_projections.py, one layer's seven projection matmuls against q/k/v and gate/up fused into one each,
+#      one GPU's and a rank's share, batch 1 and 4 (the lever for the rank's matmuls, not built)
 #   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u -o pipefail
@@ -37,13 +39,17 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TO
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, G, Q3, Q3D, P or S}" in
+case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
   K2) for hc in 16,4,32 16,4,64 16,4,128 16,4,256 32,8,256; do
        timeout 75 python bench/bench_decode_kernel.py --heads ${hc%,*} --batches 1 --contexts 131072 \
          --max-splits ${hc##*,} --no-sweep --out $out/k_${hc//,/_} 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit $fail ;;
+  J) # one layer's projections as the model runs them (7 matmuls) against q/k/v and gate/up fused (4), one GPU's
+     # and a rank's share, batch 1 and 4: what fusing them would save (a rank's matmuls took 0.62x one GPU's)
+     timeout 150 python bench/bench_projections.py --out $out/projections.json 2>&1 | grep '^{\|Error' | cut -c1-400
+     exit $fail ;;
   K4) for hs in 16,4 32,8; do
        timeout 60 python bench/bench_decode_kernel.py --heads $hs --batches 1,4 --contexts 32768,131072 --no-sweep \
          --out /tmp/k4 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit $fail ;;
