@@ -162,14 +162,19 @@ def test_the_compiled_callable_checks_the_specs_whose_guards_kvpass_drops(mesh):
         compiled(x)
 
 
-def test_without_the_filter_dynamo_still_guards_the_spec(mesh):
-    """The contrast: a backend used without kvpass.compile's guard filter keeps Dynamo's guard, which recompiles
-    for the re-sharded weight (the callable's own check is then never the one that decides)."""
+@pytest.mark.parametrize("compiler, filtered", [("aot_eager", False), ("eager", True)])
+def test_where_no_callable_checks_the_spec_dynamo_keeps_its_guard(mesh, compiler, filtered):
+    """The contrasts: a backend used through plain ``torch.compile`` (no guard filter), and a graph compiled
+    eagerly under the filter (``prefill_compiler="eager"`` does so: no callable checks its DTensors), keep
+    Dynamo's guard on the spec, which recompiles the frame for a re-sharded weight."""
     import kvpass
-    be = kvpass.backend("full", compiler="aot_eager")
-    torch._dynamo.reset()
-    model = Projection(mesh)
-    compiled = torch.compile(model, backend=be, fullgraph=True)
+    be = kvpass.backend("full", compiler=compiler)
+    model, spy = Projection(mesh), []
+    if filtered:
+        compiled = _kvpass_compiled(model, be, spy)
+    else:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=be, fullgraph=True)
     x = torch.randn(3, 6)
     with torch.no_grad():
         compiled(x)
@@ -177,7 +182,8 @@ def test_without_the_filter_dynamo_still_guards_the_spec(mesh):
                                      requires_grad=False)
         torch.testing.assert_close(compiled(x), model(x))
     assert len(be.reports) == 2
-
+    if filtered:
+        assert [keep for kind, keep in spy if kind == "DTENSOR_SPEC_MATCH"][:1] == [True]
 
 
 def test_the_filter_drops_a_spec_guard_only_for_the_frame_that_checks_it(mesh):
@@ -197,21 +203,3 @@ def test_the_filter_drops_a_spec_guard_only_for_the_frame_that_checks_it(mesh):
     guards.checked([w._spec])
     guards.unchecked([w, torch.zeros(1)])             # and a graph of the same frame takes it as it is
     assert guards([entry]) == [True]
-
-
-def test_a_graph_that_takes_the_dtensors_unchecked_keeps_the_guard(mesh):
-    """A graph compiled eagerly (``prefill_compiler="eager"`` does so) takes the DTensor weights as they are: no
-    callable checks them, so Dynamo's guard on their specs stays, and a re-sharded weight recompiles the frame."""
-    import kvpass
-    be = kvpass.backend("full", compiler="eager")
-    model = Projection(mesh)
-    spy = []
-    compiled = _kvpass_compiled(model, be, spy)
-    x = torch.randn(3, 6)
-    with torch.no_grad():
-        compiled(x)
-        model.w = torch.nn.Parameter(DTensor.from_local(model.w.to_local(), mesh, [tensor.Shard(0)]),
-                                     requires_grad=False)
-        torch.testing.assert_close(compiled(x), model(x))
-    assert [keep for kind, keep in spy if kind == "DTENSOR_SPEC_MATCH"][:1] == [True]
-    assert len(be.reports) == 2
