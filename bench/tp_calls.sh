@@ -38,6 +38,11 @@ out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ckpt=/tmp/kvpass_llama8b
+# Q3, Q3D: the transformers wheel the call carries (.whl) installed beside the machine's, first on the path
+carried_transformers() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+}
 ctx=${2:-}
 case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S}" in
   T1) ctx=${ctx:-131072} ;;
@@ -60,16 +65,14 @@ case "${1:?call T1, T2, R, R8, H8, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S}" in
   Q3) # the Qwen3 half of G on transformers >= 5.24 (5.17's plan hooks q_norm/k_norm with module backward hooks that
       # Dynamo cannot compile). Here first: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
       # -d .whl transformers==5.24.0; the call carries .whl (run's carry=[".whl"])
-     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-       && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+     carried_transformers || exit 1
      python -c "import transformers; print('transformers', transformers.__version__)"
      timeout ${Q3_S:-500} python -m pytest -q -rfEs -p no:cacheprovider ${Q3_ARGS:-} tests/gpu/test_gpu_tp.py \
        -k "${Q3_K:-qwen3}" 2>&1 | tail -${Q3_TAIL:-15}; exit $fail ;;
   Q3D) # Q3's worker alone with CUDA_LAUNCH_BLOCKING=1 (session 57: a device-side assert on both ranks, after every
       # plain run, before the fusion runs; asynchronous, so the run that raised it is not known): the first traceback
       # and the kernel's own assertion line. Carries .whl as Q3.
-     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-       && export PYTHONPATH=/tmp/site:$PWD/tests:$PWD:${PYTHONPATH:-} || exit 1
+     carried_transformers && export PYTHONPATH=$PYTHONPATH:$PWD/tests:$PWD || exit 1
      mkdir -p /tmp/q3 && python -c "import test_tensor_parallel as t; t._qwen3_gqa4().save_pretrained('/tmp/q3/model'); \
        print(','.join(t.PLAIN), ','.join(t.COMPILED))" > /tmp/q3/lists.txt || exit 1
      read plain compiled < /tmp/q3/lists.txt
