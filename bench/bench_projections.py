@@ -96,7 +96,8 @@ def main() -> None:
         read = sum(ws[k].numel() * ws[k].element_size() for k in ("q", "k", "v", "o", "gate", "up", "down"))
         for b in (int(s) for s in args.batches.split(",")):
             x = torch.randn(b, ws["q"].shape[1], device=device, dtype=dtype)
-            torch.testing.assert_close(fused(x, ws), separate(x, ws), rtol=2e-2, atol=2e-2)
+            a, b_ = fused(x, ws).float(), separate(x, ws).float()   # bf16 rounds the chains apart: a relative norm
+            assert (a - b_).norm() <= 2e-2 * b_.norm(), f"fused and separate differ: {(a - b_).norm() / b_.norm():.3g}"
             t_sep, t_fused = (timed(fn, x, ws, args.reps, args.iters) for fn in (separate, fused))
             row = {"share": share, "batch": b, "weight_MB": read / 1e6, "separate_us": t_sep * 1e6,
                    "fused_us": t_fused * 1e6, "saved_us_per_layer": (t_sep - t_fused) * 1e6,
