@@ -33,7 +33,8 @@
 #   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u -o pipefail
-fail=0; trap 'fail=1' ERR   # the exit status: 1 when any step failed (a row's script, a timeout, no rows printed)
+# the exit status: 1 when any step failed (a row's script, a timeout, no rows printed); each failure says which
+fail=0; trap 'rc=$?; fail=1; echo "tp_calls: FAILED (rc $rc): $BASH_COMMAND" >&2' ERR
 out=${OUT:?set OUT}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
