@@ -96,7 +96,7 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     mode = "reduce-overhead" if compiler == "inductor" else None
     # as kvpass.compile compiles it (the mode's settings, and the guard filter for the weights' specs)
     fwd = torch.compile(model.forward, backend=be, dynamic=dynamic, options=compile_options(be, mode))
-    n_new = WARMUP + steps + 2 + (PROFILE_STEPS + 2 * HOST_STEPS if profile else 0)   # the cache holds every step
+    n_new = WARMUP + steps + 2 + (PROFILE_STEPS + 3 * HOST_STEPS if profile else 0)   # the cache holds every step
     ctx = ids.shape[1]
 
     def new_cache():
@@ -144,6 +144,7 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
         kernels = profile_steps(step, nxt, pos, cache, top=1000)
         host_top = host_profile(step, nxt, pos, cache)
         host_sync = host_synced(step, nxt, pos, cache)
+        spans = dynamo_spans(step, nxt, pos, cache)
     row = {"config": name, "context": ctx, "first_call_s": ttft, "tpot_ms": tpot * 1e3, "host_ms": host / steps * 1e3,
            "peak_GiB": peak_bytes() / 2**30, "kv_GiB": cache.kv_bytes() / 2**30,
            "tokens": torch.cat(tokens, 1)[0].tolist(), "digests": digests(cache, tp),
@@ -151,7 +152,7 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
            "tp": sorted({r.tp for r in be.reports}), "reductions": sorted({x for r in be.reports for x in r.reductions})}
     if kernels is not None:
         row["kernels"], row["device_ms_by_kind"], row["host_top"] = kernels[:25], kinds_of(kernels), host_top
-        row["host_synced_ms"] = host_sync
+        row["host_synced_ms"], row["dynamo_spans_ms"] = host_sync, spans
     if be.gate_info:
         row["gate"] = {k: be.gate_info[k] for k in ("selection_layer", "kept")}
     if tp:   # every rank's peak and KV bytes, TPOT and host time (rank 0's NCCL kernels include its wait for rank 1)
@@ -177,7 +178,20 @@ def host_synced(step, nxt, pos, cache, n: int = HOST_STEPS) -> float:
     return total / n * 1e3
 
 
-def host_profile(step, nxt, pos, cache, n: int = HOST_STEPS, top: int = 20) -> list[str]:
+def dynamo_spans(step, nxt, pos, cache, n: int = HOST_STEPS) -> dict:
+    """The host's ms per step in Dynamo's own profiler spans over ``n`` more steps, each waited for: "TorchDynamo
+    Cache Lookup" (the frame's guards, evaluated in C++ where cProfile cannot see them) and the compiled region
+    (everything the compiled code does, the replay included)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(n):
+            step(nxt, pos + PROFILE_STEPS + 2 * HOST_STEPS + i, cache)
+            sync()
+    return {e.key: e.cpu_time_total / n / 1e3 for e in prof.key_averages()
+            if "Dynamo" in e.key or "Compiled Region" in e.key}
+
+
+def host_profile(step, nxt, pos, cache, n: int = HOST_STEPS, top: int = 30) -> list[str]:
     """cProfile of ``n`` more steps (host only; each step waits for the device, so the device's time shows as
     the wait): the ``top`` functions by own time, as lines "ms per step, calls per step, function"."""
     import cProfile
@@ -312,6 +326,9 @@ def compare(args) -> None:
             if "host_synced_ms" in r and "host_synced_ms" in b:
                 lines.append(f"| {r['config']} | {r['context']} | host per step, each step waited for | "
                              f"{b['host_synced_ms']:.3f} | {r['host_synced_ms']:.3f} |")
+            for span in sorted(set(b.get("dynamo_spans_ms", {})) & set(r.get("dynamo_spans_ms", {}))):
+                lines.append(f"| {r['config']} | {r['context']} | host in \"{span}\" | "
+                             f"{b['dynamo_spans_ms'][span]:.3f} | {r['dynamo_spans_ms'][span]:.3f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps(summary))
