@@ -165,6 +165,37 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     return row
 
 
+def generate_tpot(model, name: str, ids, budget: int, counts: tuple[int, int], tp: bool, compiler: str) -> dict:
+    """The user's TPOT: ``model.generate`` through ``kvpass.compile`` (its decoding loop, which reads each step's
+    finished flag one step late, and HF's input preparation per step), greedy, with no end token. Three calls
+    of ``counts[0]``, ``counts[0]`` and ``counts[1]`` new tokens on the same prompt (the first compiles); the
+    difference of the last two over ``counts[1] - counts[0]`` is a decode step as ``generate`` pays it, prefill
+    excluded. The model is given back uncompiled afterwards."""
+    policy, extra = policy_of(name)
+    params = {} if policy in ("full", "art") else {"budget": budget}
+    torch._dynamo.reset()
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None   # a random model's end token must not stop a call early
+    be = kvpass.compile(model, policy, compiler=compiler, **params, **extra)
+    try:
+        wall = []
+        for n in (counts[0], *counts):
+            if tp:
+                dist.barrier()
+            sync()
+            t = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=n, do_sample=False)
+            sync()
+            wall.append(time.perf_counter() - t)
+            assert out.shape[1] == ids.shape[1] + n, f"generate stopped early: {out.shape[1] - ids.shape[1]} of {n}"
+    finally:
+        del model.forward, model.generate   # kvpass.compile set both on the instance
+        model.generation_config.eos_token_id = eos
+    return {"generate_tpot_ms": (wall[2] - wall[1]) / (counts[1] - counts[0]) * 1e3,
+            "generate_s": {str(n): w for n, w in zip((counts[0], *counts), wall)},
+            "generate_graphs": be.graph_counts()}
+
+
 def host_synced(step, nxt, pos, cache, n: int = HOST_STEPS) -> float:
     """The host's time per call in ms over ``n`` more steps, each one waited for before the next (no queue to
     wait on: the host's own work, where ``host_ms`` of queued steps also counts waiting for room to queue)."""
@@ -268,6 +299,10 @@ def run(args) -> None:
             try:
                 row = run_one(model, name, ids, args.steps, args.budget, tp, args.compiler, args.profile,
                               None if args.static_batch else True)
+                if args.generate:
+                    if DEV == "cuda":
+                        torch.cuda.empty_cache()
+                    row |= generate_tpot(model, name, ids, args.budget, args.generate, tp, args.compiler)
             except Exception as e:  # a failed row is reported, the others go on
                 row = {"config": name, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:600]}"}
             row["wall_s"] = time.perf_counter() - t0
@@ -310,6 +345,18 @@ def compare(args) -> None:
         summary.append({"config": r["config"], "context": r["context"], "tpot_ratio": ratio,
                         "kv_ratio_per_gpu": max(r["kv_GiB_per_rank"]) / b["kv_GiB"],
                         "digests_equal": same / len(b["digests"]), "tokens_equal": toks / len(b["tokens"])})
+        if "generate_tpot_ms" in r and "generate_tpot_ms" in b:
+            summary[-1]["generate_tpot_ratio"] = r["generate_tpot_ms"] / b["generate_tpot_ms"]
+    users = [(r, base[key(r)]) for r in two["rows"] if "generate_tpot_ms" in r and "generate_tpot_ms" in
+             base.get(key(r), {})]
+    if users:   # --generate: a decode step as model.generate through kvpass.compile pays it
+        lines += ["", "TPOT of `model.generate` through `kvpass.compile` (`--generate`: the user's step, HF's input "
+                  "preparation and kvpass's decoding loop included), beside the queued step above:", "",
+                  "| policy | context | generate TPOT 1 GPU ms | 2 GPUs ms | ratio | step 1 GPU / 2 GPUs ms |",
+                  "|---|---|---|---|---|---|"]
+        for r, b in users:
+            lines.append(f"| {r['config']} | {r['context']} | {b['generate_tpot_ms']:.3f} | {r['generate_tpot_ms']:.3f} "
+                         f"| {r['generate_tpot_ms'] / b['generate_tpot_ms']:.2f} | {b['tpot_ms']:.3f} / {r['tpot_ms']:.3f} |")
     profiled = [(r, base[key(r)]) for r in two["rows"] if "device_ms_by_kind" in r and "device_ms_by_kind" in
                 base.get(key(r), {})]
     if profiled:   # --profile: device time per step by kind of kernel, one GPU against rank 0 of two
@@ -360,6 +407,9 @@ def main() -> None:
                    help="torch.backends.cuda.preferred_blas_library for ATen's matmuls (default: torch's choice)")
     r.add_argument("--mm-autotune", action="store_true",
                    help="Inductor's max_autotune_gemm with Triton templates beside ATen (longer compile)")
+    r.add_argument("--generate", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                   metavar="N1,N2", help="also time model.generate through kvpass.compile with N1 and N2 new tokens "
+                   "(the user's TPOT: the difference over N2 - N1; compiles the policy once more)")
     r.add_argument("--profile", action="store_true",
                    help="on a GPU: a kernel table of a few more steps per row and its device time by kind "
                         "(all-reduce, attention, matmul, other), to see where a two-GPU step loses")

@@ -31,6 +31,8 @@
 #   J: bench_projections.py, one layer's seven projection matmuls against q/k/v and gate/up fused into one each,
 #      one GPU's and a rank's share, batch 1 and 4 (the lever for the rank's matmuls, not built)
 #   H32: H8 at 32 layers (snapkv on one GPU; full and snapkv on two), Dynamo's guard time beside the host's
+#   U8: the user's TPOT at 8 layers (model.generate through kvpass.compile, bench_tp.py --generate) beside the queued
+#       step, full and snapkv on one GPU and on two
 #   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u -o pipefail
@@ -46,7 +48,7 @@ carried_transformers() {
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 }
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, H8, H32, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S}" in
+case "${1:?call T1, T2, R, R8, H8, H32, U8, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -103,6 +105,15 @@ case "${1:?call T1, T2, R, R8, H8, H32, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S
        --out $out/two_gpu_131072.json 2>&1 | grep '^{\|Error' | cut -c1-300
      python bench/bench_tp.py compare $out/one_gpu_131072.json $out/two_gpu_131072.json --out $out/tp_131072.md 2>&1 \
        | tail -30; exit $fail ;;
+  U8) # the user's TPOT at 8 layers: model.generate through kvpass.compile (bench_tp.py --generate 16,80) beside the
+     # queued step, full and snapkv, one GPU then two
+     d=/tmp/kvpass_llama8b_l8; c="--dir $d --contexts 131072 --configs ${U_CONFIGS:-full,snapkv} --steps 32 --generate 16,80"
+     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
+     timeout ${ONE_S:-200} python bench/bench_tp.py run $c --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-300
+     timeout ${TWO_S:-240} torchrun --nproc_per_node 2 bench/bench_tp.py run $c --out $out/two_gpu_l8_131072.json 2>&1 \
+       | grep '^{\|Error' | cut -c1-300
+     python bench/bench_tp.py compare $out/one_gpu_l8_131072.json $out/two_gpu_l8_131072.json --out $out/tp_l8_131072.md \
+       2>&1 | tail -12; exit $fail ;;
   S8) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      for flag in "" --one-shot; do   # a static batch for both: the one-shot lowering failed on a symbolic one
