@@ -119,16 +119,18 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
     """``kvpass.compile`` (AOTAutograd's eager compiler: the backend's path to Inductor, local weights and the
     spec guard filter included) on a fresh copy of the model, then ``generate`` on prompts of every ``LENGTHS``
     and the same prompts through a ``RequestQueue`` of two rows: the new tokens of each, the graphs the backend
-    compiled per phase and how many of Dynamo's DTensor spec guards the filter dropped."""
+    compiled per phase, how many of Dynamo's DTensor spec guards the filter dropped and how many decode steps
+    called their graph directly (``full`` runs with ``direct_steps``)."""
     model = load(path, tp)
     torch._dynamo.reset()
-    be = kvpass.compile(model, policy, compiler="aot_eager",
+    be = kvpass.compile(model, policy, compiler="aot_eager", direct_steps=policy == "full",   # full: direct steps
                         **({} if policy == "full" else CONFORMANCE[policy].demanding))
-    tokens = []
+    tokens, direct = [], 0
     for n in LENGTHS:
         ids = torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
         out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         tokens.append(out[0, n:].tolist())
+        direct += be.last_direct_steps.direct if be.last_direct_steps is not None else 0
     graphs = be.graph_counts()
     # the same prompts admitted into a running batch of two rows (kvpass.RequestQueue: a graph per phase for its
     # batch of two)
@@ -137,7 +139,7 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
         queue.add(torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE), max_new_tokens=NEW)
     queued = [t[-NEW:].tolist() for t in queue.run(progress=False)]
     return {"tokens": tokens, "queued": queued, "graphs": graphs, "graphs_with_queue": be.graph_counts(),
-            "spec_guards_dropped": be.spec_guards.dropped,
+            "spec_guards_dropped": be.spec_guards.dropped, "direct_steps": direct,
             "kv_heads": sorted({int(c.layers[0].keys.shape[1]) for c in model.generate.caches.values()})}
 
 

@@ -37,6 +37,7 @@ import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from kvpass.cache.slots import MaskReused, reused_mask
+from kvpass.compiler.direct_steps import DirectSteps
 
 # GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24
 _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
@@ -117,6 +118,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     # a step undone after an end-of-sequence token gives its random draw back: the generator's state before it
     rng = generator(input_ids.device) if cfg.do_sample and flags is not None else None
     before = None
+    direct = DirectSteps(model, cache) if reuse and be.direct_steps and cache is not None else None
+    if direct is not None:
+        be.last_direct_steps = direct
     outputs = model._prefill(input_ids, cfg, model_kwargs)
     with optimize():
         while True:
@@ -145,7 +149,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 break
             if flags is not None:
                 previous = flags[length % 2].put(finished.all())
-            outputs, mask, eager = forward(model, input_ids, model_kwargs, mask)
+            outputs, mask, eager = forward(model, input_ids, model_kwargs, mask, direct)
             reuse = reuse and not eager   # a forward run outside the compiled graph: not for this call again
             if not reuse or not be.decode_ignores_mask(layers):
                 mask = None
@@ -163,7 +167,7 @@ def generator(device: torch.device) -> torch.Generator:
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 
 
-def forward(model, input_ids, model_kwargs: dict, mask=None):
+def forward(model, input_ids, model_kwargs: dict, mask=None, direct: DirectSteps | None = None):
     """One decode step: HF's input preparation, then the compiled forward; returns the outputs, the attention
     mask passed and whether a reused mask was refused because the forward ran outside a compiled graph.
 
@@ -185,9 +189,18 @@ def forward(model, input_ids, model_kwargs: dict, mask=None):
                 del model.create_masks_for_generate
             else:
                 model.create_masks_for_generate = own
+        if direct is not None:   # the decode graph called without Dynamo's frame, once two steps agreed
+            with reused_mask():
+                outputs = direct.step(inputs)
+            if outputs is not None:
+                return outputs, mask, False
         try:
-            with torch.compiler.set_stance("fail_on_recompile"), reused_mask():
-                return model(**inputs, return_dict=True), mask, False
+            with torch.compiler.set_stance("fail_on_recompile"), reused_mask(), \
+                    (direct.watch() if direct is not None else contextlib.nullcontext()) as calls:
+                outputs = model(**inputs, return_dict=True)
+            if direct is not None:
+                direct.saw(inputs, outputs, calls)
+            return outputs, mask, False
         except MaskReused:
             eager = True
         except RuntimeError as e:

@@ -1,0 +1,196 @@
+"""Decode steps that call their compiled graph directly, without Dynamo's frame (``kvpass.compile(...,
+direct_steps=True)``; off by default).
+
+Every call of a compiled forward first runs Dynamo's frame: the guards of the frame (in C++), the bytecode that
+gathers the graph's inputs, then the compiled graph, then the bytecode that builds the output and replays the
+frame's Python side effects. On a model split with transformers' tensor-parallel plan the frame grows with the
+modules the plan wraps (about 50 guards each, and each DTensor weight fetched through ``nn.Module.__getattr__``):
+at 32 layers of the Llama-3.1-8B shape on two H200s a rank's host took 6.7 ms of a 7.6 ms decode step, against
+0.76 on one GPU (``bench/results/tp_h200x2_2026-11-29``), so the two-GPU step runs at the host's pace.
+
+Within one ``generate`` call of kvpass's decoding loop the frame does the same thing at every step: the same
+compiled graph, the same weights and cache buffers, new tensors only for the step's inputs. ``DirectSteps``
+watches two consecutive steps run the usual way and then calls the graph itself, with the new step's input
+tensors in the places where they went before, and builds the output from the graph's logits. It does so only
+where both steps showed that:
+
+- each step ran exactly one compiled graph of the backend (no graph break, no eager frame), a decode graph, and
+  the same one;
+- every argument of the graph was the same object both times, an equal number, or the tensor that the step's
+  inputs held under one name (``input_ids``, ``position_ids``, ...) both times;
+- the output held the logits, which the graph returned in the same place, and the cache (under the names
+  the model gives it), and nothing else;
+- the second step changed no Python state of the cache, of its layers or of the model's modules (attributes,
+  parameters, buffers): the frame's side effects, which a direct call does not replay, were none there;
+- the model has no forward hooks of its own (module hooks run outside the compiled forward).
+
+Each direct step checks again that its inputs are those names with the same shapes, strides, dtypes and
+devices, that every other input is the object it was, and that gradients are off; any difference, and every
+later step of the call, goes back to the usual call. What a direct call skips and no check covers: Dynamo's
+guards on state that neither the loop nor the graph changes between two steps of one call (module attributes,
+globals, torch's global settings), and a side effect of the frame on a module-level global, which is not
+replayed (transformers' output-capturing context variable is set and reset within the frame).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch._dynamo.mutation_guard import GenerationTracker
+
+_recording = threading.local()   # .calls: the compiled graphs called while a step is watched, else None
+
+
+def recorded(fn, phase: str):
+    """``fn`` (a compiled graph as the backend hands it to Dynamo), noting each call while a step is watched."""
+    def call(*args):
+        out = fn(*args)
+        calls = getattr(_recording, "calls", None)
+        if calls is not None:
+            calls.append((call, args, out))
+        return out
+    call.phase = phase
+    call.__dict__.update({k: v for k, v in getattr(fn, "__dict__", {}).items() if k not in call.__dict__})
+    return call
+
+
+def _fingerprint(obj) -> dict:
+    """An object's Python state, one level deep: a tensor or another object by identity, a number or string by
+    value, a list, tuple or dict by the identities of what it holds."""
+    def one(v):
+        if isinstance(v, (bool, int, float, str, type(None))):
+            return v
+        if isinstance(v, (list, tuple)):
+            return (type(v), tuple(id(x) for x in v))
+        if isinstance(v, dict):
+            return (dict, tuple((k, id(x)) for k, x in v.items()))
+        return id(v)
+    return {k: one(v) for k, v in vars(obj).items()}
+
+
+def _state(cache, model) -> list:
+    objs = [cache, *getattr(cache, "layers", ()), *model.modules()]
+    return [_fingerprint(o) for o in objs]
+
+
+def _same(x, y) -> bool:
+    """The same object, or (not a tensor) an equal value."""
+    return x is y or (not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and type(x) is type(y)
+                      and x == y)
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+class DirectSteps:
+    """One ``generate`` call's direct decode steps (see the module's docstring): ``watch`` the usual steps until two
+    agree, then ``step`` calls the graph; ``refused`` says why direct steps stopped or never began."""
+
+    def __init__(self, model, cache) -> None:
+        self.model, self.cache = model, cache
+        self.seen: list = []      # (inputs, outputs, calls) of the steps watched, at most two
+        self.plan = None          # (graph, arguments, {argument index: input name}, logits index, output type)
+        self.refused: str | None = None
+        self.direct = 0           # steps called directly so far
+        self._before = None       # the Python state before the second step watched
+        hooks = model._forward_hooks or model._forward_pre_hooks
+        if hooks:
+            self.refused = "the model has forward hooks, which run outside its compiled forward"
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Around a usual step: yields a list that gets the step's compiled calls. The second step watched is also
+        checked for Python side effects (its state before is kept)."""
+        if self.refused is not None or self.plan is not None:
+            yield None
+            return
+        before = _state(self.cache, self.model) if len(self.seen) == 1 else None
+        calls, outer = [], getattr(_recording, "calls", None)
+        _recording.calls = calls
+        try:
+            yield calls
+        finally:
+            _recording.calls = outer
+        self._before = before
+
+    def saw(self, inputs: dict, outputs, calls) -> None:
+        """A watched step's inputs, outputs and compiled calls; after the second, the plan or the refusal. Only
+        the step's inputs, its graphs and their arguments are kept: a graph's outputs held past the step would
+        keep a CUDA graph from replaying into the same memory."""
+        if calls is None:
+            return
+        at = [j for j, o in enumerate(calls[0][2]) if o is outputs.logits] if len(calls) == 1 else []
+        cache_keys = tuple(k for k in outputs.keys() if k != "logits")   # past_key_values, or cache (5.24)
+        fits = all(outputs[k] is self.cache for k in cache_keys)
+        self.seen.append((inputs, [(fn, args) for fn, args, _ in calls], at[0] if at and fits else None,
+                          (type(outputs), cache_keys)))
+        calls.clear()
+        if len(self.seen) == 2:
+            if self._before != _state(self.cache, self.model):
+                self.refused = "a step changed Python state of the cache or the model (Dynamo's side effects)"
+            else:
+                self.refused = self._plan()
+            self.seen, self._before = [], None   # the plan keeps what it needs
+
+    def _plan(self) -> str | None:
+        (in1, c1, at1, _), (in2, c2, at2, kind) = self.seen
+        if len(c1) != 1 or len(c2) != 1:
+            return f"a step ran {max(len(c1), len(c2))} compiled graphs (a graph break) or none"
+        (fn, a1), (fn2, a2) = c1[0], c2[0]
+        if fn is not fn2 or getattr(fn, "phase", None) != "decode" or len(a1) != len(a2):
+            return "the two steps ran different graphs, or not a decode graph"
+        if at1 is None or at1 != at2 or self.seen[0][3] != kind:
+            return "the output holds more than the logits and the cache, or the logits are not the graph's"
+        if in1.keys() != in2.keys():
+            return "the two steps had different inputs"
+        fresh = {}   # the step's new tensors, by name: their shape, stride, dtype and device
+        for k, v in in2.items():
+            if not _same(in1[k], v):
+                if not (isinstance(v, torch.Tensor) and isinstance(in1[k], torch.Tensor) and _meta(v) == _meta(in1[k])):
+                    return f"input {k!r} changed between steps"
+                fresh[k] = _meta(v)
+        subs = {}
+        for i, (x, y) in enumerate(zip(a1, a2)):
+            names = [k for k in fresh if in1[k] is x and in2[k] is y]
+            if names:
+                subs[i] = names[0]
+            elif not _same(x, y):
+                return f"argument {i} of the graph changed between steps and is not one of the step's inputs"
+        same = {k: v for k, v in in2.items() if k not in fresh}
+        self.plan = (fn, list(a2), subs, at2, kind, same, fresh)
+        return None
+
+    def step(self, inputs: dict):
+        """The step's output from the graph called directly, or None (the usual call; direct steps stop for the
+        rest of this call) where the inputs are not as the plan expects."""
+        if self.plan is None:
+            return None
+        fn, args, subs, at, kind, same, fresh = self.plan
+        if inputs.keys() != same.keys() | fresh.keys() or not all(_same(inputs[k], v) for k, v in same.items()):
+            return self._stop("an input other than the step's new tensors changed")
+        for name, meta in fresh.items():
+            t = inputs[name]
+            if not isinstance(t, torch.Tensor) or _meta(t) != meta:
+                return self._stop(f"input {name!r} changed its shape, stride, dtype or device")
+        if torch.is_grad_enabled():
+            return self._stop("gradients are on")
+        args = list(args)
+        for i, name in subs.items():
+            args[i] = inputs[name]
+        # what entering a compiled frame does first: Inductor's CUDA graph trees begin a new generation there (the
+        # last step's outputs, freed by the loop, are not kept alive against a replay)
+        GenerationTracker.generation += 1
+        self.direct += 1
+        cls, cache_keys = kind
+        return cls(logits=fn(*args)[at], **dict.fromkeys(cache_keys, self.cache))
+
+    def _stop(self, why: str):
+        self.plan, self.refused = None, why
+        return None
+
+    def __repr__(self) -> str:
+        state = "ready" if self.plan is not None else f"refused: {self.refused}" if self.refused else "watching"
+        return f"DirectSteps({state}, direct steps={self.direct})"

@@ -1,0 +1,134 @@
+"""``kvpass.compile(..., direct_steps=True)``: decode steps that call the compiled graph without Dynamo's frame.
+
+* they generate what the usual steps generate (greedy and sampled, one row and two, an appending, an evicting, a
+  ring and a paged cache, Inductor's path through AOTAutograd and the eager one), and they do run: every step
+  after the two watched;
+* they are refused, and every step runs the usual way, where a step stores a tensor on a module (a side effect
+  of Dynamo's frame, which a direct call would not replay) or the model has a forward hook;
+* the plan's own refusals on two watched steps (a graph break, different graphs, an argument that changes but is
+  not one of the step's inputs) and a direct step's (an input of another shape);
+* a bad ``direct_steps`` is a ConfigError naming it.
+Two ranks (tensor parallelism) run ``full`` with direct steps in ``tests/test_tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import kvpass
+from conformance import CONFORMANCE
+from families import build
+from kvpass.compiler.direct_steps import DirectSteps, recorded
+from kvpass.errors import ConfigError
+
+NEW = 12   # decode steps: the first (no mask to reuse yet), two watched, then 8 direct
+
+
+def ids_of(n: int, rows: int = 1) -> torch.Tensor:
+    return torch.randint(3, 90, (rows, n), generator=torch.Generator().manual_seed(n))
+
+
+def generate(model, policy: str, direct: bool, compiler: str, rows: int = 1, sample: bool = False):
+    torch._dynamo.reset()
+    be = kvpass.compile(model, policy, compiler=compiler, direct_steps=direct,
+                        **({} if policy == "full" else CONFORMANCE[policy].demanding))
+    try:
+        if sample:
+            torch.manual_seed(0)
+        out = model.generate(ids_of(23, rows), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=sample)
+    finally:
+        del model.forward, model.generate   # kvpass.compile set both on the instance
+    return out, be
+
+
+@pytest.mark.parametrize("policy, compiler, rows, sample", [
+    ("full", "aot_eager", 1, False), ("full", "eager", 2, True), ("snapkv", "eager", 1, False),
+    ("streamingllm", "eager", 2, False), ("raas", "aot_eager", 1, False)])
+def test_direct_steps_generate_the_usual_tokens(policy, compiler, rows, sample):
+    model = build("llama")
+    usual, _ = generate(model, policy, False, compiler, rows, sample)
+    direct, be = generate(model, policy, True, compiler, rows, sample)
+    assert torch.equal(usual, direct), f"{policy}: direct steps changed the tokens"
+    steps = be.last_direct_steps
+    assert steps.refused is None and steps.direct == NEW - 4, steps   # every step after the two watched
+
+
+def test_a_step_that_stores_a_tensor_on_a_module_is_never_called_directly():
+    """The final norm keeps its last input (a side effect Dynamo replays after the graph): direct calls would leave
+    it at the second watched step's. Refused, so every step runs the usual way."""
+    model = build("llama")
+    norm = model.model.norm
+    norm.last = None
+    forward = norm.forward
+
+    def keeping(x):
+        norm.last = x
+        return forward(x)
+    norm.forward = keeping
+    be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
+    model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    steps = be.last_direct_steps
+    assert steps.direct == 0 and "side effects" in steps.refused, steps
+    assert norm.last is not None and norm.last.shape[1] == 1   # a decode step's
+
+
+def test_a_model_with_a_forward_hook_is_never_called_directly():
+    model = build("llama")
+    calls = []
+    model.register_forward_hook(lambda m, a, o: calls.append(1))
+    be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
+    model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    assert be.last_direct_steps.direct == 0 and "hooks" in be.last_direct_steps.refused
+    assert len(calls) == NEW   # the prefill and every decode step ran the hook
+
+
+class _Cache:
+    layers = ()
+
+
+LOGITS = torch.zeros(1, 1, 4)
+
+
+def _step(steps: DirectSteps, graphs: list, inputs: dict) -> None:
+    """One watched step: each ``(graph, args)`` called; the output holds ``LOGITS`` (every fake graph returns it)."""
+    with steps.watch() as calls:
+        for fn, args in graphs:
+            fn(*args)
+    steps.saw(inputs, CausalLMOutputWithPast(logits=LOGITS, past_key_values=steps.cache), calls)
+
+
+def test_the_plan_refuses_what_two_steps_do_not_agree_on():
+    weight, model = torch.ones(2), torch.nn.Linear(2, 2)
+    g, h = (recorded(lambda *args: [LOGITS], "decode") for _ in range(2))
+
+    def watched(*per_step) -> DirectSteps:
+        """Two watched steps; ``per_step``: the step's input ids -> the graphs it calls."""
+        steps = DirectSteps(model, _Cache())
+        for graphs in per_step:
+            ids = torch.zeros(1, 1, dtype=torch.long)
+            _step(steps, graphs(ids), {"input_ids": ids, "use_cache": True})
+        return steps
+
+    same = lambda ids: [(g, (ids, weight))]   # noqa: E731
+    assert "graph break" in watched(lambda ids: [(g, (ids, weight)), (g, (ids, weight))], same).refused
+    assert "different graphs" in watched(same, lambda ids: [(h, (ids, weight))]).refused
+    fresh = lambda ids: [(g, (ids, torch.ones(2)))]   # noqa: E731  (a new tensor that is no input of the step)
+    assert "argument 1" in watched(fresh, fresh).refused
+    steps = watched(same, same)
+    assert steps.refused is None and steps.plan is not None
+    assert steps.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "use_cache": True}) is None
+    assert "gradients" in steps.refused   # the loop runs without them; a direct step checks
+    steps = watched(same, same)
+    with torch.no_grad():
+        out = steps.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "use_cache": True})
+        assert out.logits is LOGITS and out.past_key_values is steps.cache and steps.direct == 1
+        assert steps.step({"input_ids": torch.zeros(1, 2, dtype=torch.long), "use_cache": True}) is None
+    assert "shape" in steps.refused and steps.plan is None   # and no direct step for the rest of the call
+    assert steps.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "use_cache": True}) is None
+
+
+def test_direct_steps_must_be_a_bool():
+    with pytest.raises(ConfigError, match="'direct_steps'"):
+        kvpass.compile(build("llama"), "full", compiler="eager", direct_steps="yes")
