@@ -170,30 +170,35 @@ def generate_tpot(model, name: str, ids, budget: int, counts: tuple[int, int], t
     finished flag one step late, and HF's input preparation per step), greedy, with no end token. Three calls
     of ``counts[0]``, ``counts[0]`` and ``counts[1]`` new tokens on the same prompt (the first compiles); the
     difference of the last two over ``counts[1] - counts[0]`` is a decode step as ``generate`` pays it, prefill
-    excluded. The model is given back uncompiled afterwards."""
+    excluded. Then the same two calls with ``direct_steps`` (the decode graph called without Dynamo's frame once
+    two steps agree; the same compiled graphs). The model is given back uncompiled afterwards."""
     policy, extra = policy_of(name)
     params = {} if policy in ("full", "art") else {"budget": budget}
     torch._dynamo.reset()
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None   # a random model's end token must not stop a call early
     be = kvpass.compile(model, policy, compiler=compiler, **params, **extra)
+    def timed(n: int) -> float:
+        if tp:
+            dist.barrier()
+        sync()
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, do_sample=False)
+        sync()
+        assert out.shape[1] == ids.shape[1] + n, f"generate stopped early: {out.shape[1] - ids.shape[1]} of {n}"
+        return time.perf_counter() - t
     try:
-        wall = []
-        for n in (counts[0], *counts):
-            if tp:
-                dist.barrier()
-            sync()
-            t = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=n, do_sample=False)
-            sync()
-            wall.append(time.perf_counter() - t)
-            assert out.shape[1] == ids.shape[1] + n, f"generate stopped early: {out.shape[1] - ids.shape[1]} of {n}"
+        first = timed(counts[0])
+        wall = [timed(n) for n in counts]
+        be.direct_steps = True
+        direct = [timed(n) for n in counts]
+        steps = be.last_direct_steps
     finally:
         del model.forward, model.generate   # kvpass.compile set both on the instance
         model.generation_config.eos_token_id = eos
-    return {"generate_tpot_ms": (wall[2] - wall[1]) / (counts[1] - counts[0]) * 1e3,
-            "generate_s": {str(n): w for n, w in zip((counts[0], *counts), wall)},
-            "generate_graphs": be.graph_counts()}
+    per = counts[1] - counts[0]
+    return {"generate_tpot_ms": (wall[1] - wall[0]) / per * 1e3, "generate_direct_tpot_ms": (direct[1] - direct[0]) / per * 1e3,
+            "generate_direct": repr(steps), "generate_first_s": first, "generate_graphs": be.graph_counts()}
 
 
 def host_synced(step, nxt, pos, cache, n: int = HOST_STEPS) -> float:
@@ -347,16 +352,18 @@ def compare(args) -> None:
                         "digests_equal": same / len(b["digests"]), "tokens_equal": toks / len(b["tokens"])})
         if "generate_tpot_ms" in r and "generate_tpot_ms" in b:
             summary[-1]["generate_tpot_ratio"] = r["generate_tpot_ms"] / b["generate_tpot_ms"]
+            summary[-1]["generate_direct_tpot_ratio"] = r["generate_direct_tpot_ms"] / b["generate_direct_tpot_ms"]
     users = [(r, base[key(r)]) for r in two["rows"] if "generate_tpot_ms" in r and "generate_tpot_ms" in
              base.get(key(r), {})]
     if users:   # --generate: a decode step as model.generate through kvpass.compile pays it
         lines += ["", "TPOT of `model.generate` through `kvpass.compile` (`--generate`: the user's step, HF's input "
                   "preparation and kvpass's decoding loop included), beside the queued step above:", "",
-                  "| policy | context | generate TPOT 1 GPU ms | 2 GPUs ms | ratio | step 1 GPU / 2 GPUs ms |",
-                  "|---|---|---|---|---|---|"]
+                  "| policy | context | steps | generate TPOT 1 GPU ms | 2 GPUs ms | ratio | queued step 1 GPU / 2 GPUs ms |",
+                  "|---|---|---|---|---|---|---|"]
         for r, b in users:
-            lines.append(f"| {r['config']} | {r['context']} | {b['generate_tpot_ms']:.3f} | {r['generate_tpot_ms']:.3f} "
-                         f"| {r['generate_tpot_ms'] / b['generate_tpot_ms']:.2f} | {b['tpot_ms']:.3f} / {r['tpot_ms']:.3f} |")
+            for kind, k in (("usual", "generate_tpot_ms"), ("direct", "generate_direct_tpot_ms")):
+                lines.append(f"| {r['config']} | {r['context']} | {kind} | {b[k]:.3f} | {r[k]:.3f} | {r[k] / b[k]:.2f} | "
+                             f"{b['tpot_ms']:.3f} / {r['tpot_ms']:.3f} |")
     profiled = [(r, base[key(r)]) for r in two["rows"] if "device_ms_by_kind" in r and "device_ms_by_kind" in
                 base.get(key(r), {})]
     if profiled:   # --profile: device time per step by kind of kernel, one GPU against rank 0 of two

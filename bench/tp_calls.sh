@@ -31,7 +31,8 @@
 #   J: bench_projections.py, one layer's seven projection matmuls against q/k/v and gate/up fused into one each,
 #      one GPU's and a rank's share, batch 1 and 4 (the lever for the rank's matmuls, not built)
 #   H32: H8 at 32 layers (snapkv on one GPU; full and snapkv on two), Dynamo's guard time beside the host's
-#   U8: the user's TPOT at 8 layers (model.generate through kvpass.compile, bench_tp.py --generate) beside the queued
+#   U8: the user's TPOT at 8 layers (model.generate through kvpass.compile, bench_tp.py --generate; usual, then with
+#       direct_steps) beside the queued
 #       step, full and snapkv on one GPU and on two
 #   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
