@@ -53,6 +53,7 @@ def test_direct_steps_generate_the_usual_tokens(policy, compiler, rows, sample):
     assert torch.equal(usual, direct), f"{policy}: direct steps changed the tokens"
     steps = be.last_direct_steps
     assert steps.refused is None and steps.direct == NEW - 4, steps   # every step after the two watched
+    assert steps.plan is None and steps.cache is None and "closed" in repr(steps)   # the call let go of its cache
 
 
 def test_a_step_that_stores_a_tensor_on_a_module_is_never_called_directly():

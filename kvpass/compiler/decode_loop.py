@@ -122,7 +122,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if direct is not None:
         be.last_direct_steps = direct
     outputs = model._prefill(input_ids, cfg, model_kwargs)
-    with optimize():
+    with optimize(), (contextlib.closing(direct) if direct is not None else contextlib.nullcontext()):
         while True:
             model_kwargs = model._update_model_kwargs_for_generation(
                 outputs, model_kwargs, is_encoder_decoder=model.config.is_encoder_decoder)

@@ -67,7 +67,7 @@ def _fingerprint(obj) -> dict:
         if isinstance(v, dict):
             return (dict, tuple((k, id(x)) for k, x in v.items()))
         return id(v)
-    return {k: one(v) for k, v in vars(obj).items()}
+    return {k: one(v) for k, v in getattr(obj, "__dict__", {}).items()}
 
 
 def _state(cache, model) -> list:
@@ -187,10 +187,17 @@ class DirectSteps:
         cls, cache_keys = kind
         return cls(logits=fn(*args)[at], **dict.fromkeys(cache_keys, self.cache))
 
+    def close(self) -> None:
+        """The call is over: drop the plan and what it holds (the graph's arguments: the cache's buffers, which
+        ``be.last_direct_steps`` would otherwise keep alive after the call gives the cache up)."""
+        self.plan, self.seen, self._before = None, [], None
+        self.model = self.cache = None
+
     def _stop(self, why: str):
         self.plan, self.refused = None, why
         return None
 
     def __repr__(self) -> str:
-        state = "ready" if self.plan is not None else f"refused: {self.refused}" if self.refused else "watching"
+        state = f"refused: {self.refused}" if self.refused else "ready" if self.plan is not None else \
+            "closed" if self.cache is None else "watching"
         return f"DirectSteps({state}, direct steps={self.direct})"
