@@ -3,8 +3,9 @@
 # environment that shares this Python's packages (torch, the test tools, the model wheels) and
 # overrides transformers alone, then a subset of the suite that covers model loading, `full` equal to
 # the uncompiled model on every family, every policy's eviction and no-op equality, the SlotCache
-# policies against their DynamicCache path, the never-silently-wrong cases, and kvpass.compile's fast path (its
-# decoding loop calls transformers' generation internals, which move between versions). Run after install.sh.
+# policies against their DynamicCache path, the never-silently-wrong cases, and kvpass.compile's fast path and
+# its direct steps (its decoding loop calls transformers' generation internals, which move between versions; direct
+# steps build the model's output class). Run after install.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FLOOR=$(python -c "import re; print(re.search(r'transformers>=([0-9.]+)', open('pyproject.toml').read()).group(1))")
@@ -20,4 +21,4 @@ torch.__version__); sys.exit(transformers.__version__ != '$FLOOR')"
 # aot_eager tests here check on this transformers' graphs
 "$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider -m "not inductor" tests/test_models.py tests/test_equivalence.py \
     tests/test_eviction_models.py tests/test_streaming.py tests/test_slot_cache.py tests/test_hostile.py \
-    tests/test_fastpath.py tests/test_fastpath_options.py
+    tests/test_fastpath.py tests/test_fastpath_options.py tests/test_direct_steps.py
