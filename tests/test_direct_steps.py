@@ -75,12 +75,19 @@ def test_a_step_that_stores_a_tensor_on_a_module_is_never_called_directly():
     assert norm.last is not None and norm.last.shape[1] == 1   # a decode step's
 
 
-def test_a_model_with_a_forward_hook_is_never_called_directly():
+@pytest.mark.parametrize("everyone", [False, True])
+def test_a_model_with_a_forward_hook_is_never_called_directly(everyone):
+    """A hook of the model's own, or one registered for every module: it runs in ``model(...)``, outside the
+    compiled forward, at every step."""
     model = build("llama")
     calls = []
-    model.register_forward_hook(lambda m, a, o: calls.append(1))
-    be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
-    model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    hook = (torch.nn.modules.module.register_module_forward_hook if everyone else model.register_forward_hook)(
+        lambda m, a, o: calls.append(1) if m is model else None)
+    try:
+        be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
+        model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    finally:
+        hook.remove()
     assert be.last_direct_steps.direct == 0 and "hooks" in be.last_direct_steps.refused
     assert len(calls) == NEW   # the prefill and every decode step ran the hook
 

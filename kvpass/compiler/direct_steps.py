@@ -22,7 +22,8 @@ where both steps showed that:
   the model gives it), and nothing else;
 - the second step changed no Python state of the cache, of its layers or of the model's modules (attributes,
   parameters, buffers): the frame's side effects, which a direct call does not replay, were none there;
-- the model has no forward hooks of its own (module hooks run outside the compiled forward).
+- the model has no forward hooks of its own and none is registered for every module (they run outside the
+  compiled forward).
 
 Each direct step checks again that its inputs are those names with the same shapes, strides, dtypes and
 devices, that every other input is the object it was, and that gradients are off; any difference, and every
@@ -96,8 +97,9 @@ class DirectSteps:
         self.refused: str | None = None
         self.direct = 0           # steps called directly so far
         self._before = None       # the Python state before the second step watched
-        hooks = model._forward_hooks or model._forward_pre_hooks
-        if hooks:
+        everyone = torch.nn.modules.module   # hooks registered for every module (register_module_forward_hook)
+        if model._forward_hooks or model._forward_pre_hooks or everyone._global_forward_hooks or \
+                everyone._global_forward_pre_hooks:
             self.refused = "the model has forward hooks, which run outside its compiled forward"
 
     @contextlib.contextmanager
