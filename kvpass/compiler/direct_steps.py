@@ -39,7 +39,10 @@ import contextlib
 import threading
 
 import torch
-from torch._dynamo.mutation_guard import GenerationTracker
+try:   # where entering a compiled frame counts CUDA graph trees' generations (torch 2.x)
+    from torch._dynamo.mutation_guard import GenerationTracker
+except ImportError:  # pragma: no cover
+    GenerationTracker = None
 
 _recording = threading.local()   # .calls: the compiled graphs called while a step is watched, else None
 
@@ -101,6 +104,8 @@ class DirectSteps:
         if model._forward_hooks or model._forward_pre_hooks or everyone._global_forward_hooks or \
                 everyone._global_forward_pre_hooks:
             self.refused = "the model has forward hooks, which run outside its compiled forward"
+        if GenerationTracker is None:  # pragma: no cover
+            self.refused = "this torch has no torch._dynamo.mutation_guard.GenerationTracker (CUDA graph generations)"
 
     @contextlib.contextmanager
     def watch(self):
