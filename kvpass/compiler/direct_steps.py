@@ -28,11 +28,10 @@ where both steps showed that:
 
 Each direct step checks again that its inputs are those names with the same shapes, strides, dtypes and
 devices, that every other input is the object (or the value) it was, and that gradients are off; any difference,
-and every
-later step of the call, goes back to the usual call. What a direct call skips and no check covers: Dynamo's
-guards on state that neither the loop nor the graph changes between two steps of one call (module attributes,
-globals, torch's global settings), and a side effect of the frame on a module-level global, which is not
-replayed (transformers' output-capturing context variable is set and reset within the frame).
+and every later step of the call, goes back to the usual call. What a direct call skips and no check covers:
+Dynamo's guards on state that neither the loop nor the graph changes between two steps of one call (module
+attributes, globals, torch's global settings), and a side effect of the frame on a module-level global, which is
+not replayed (transformers' output-capturing context variable is set and reset within the frame).
 """
 
 from __future__ import annotations
