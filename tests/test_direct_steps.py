@@ -56,6 +56,25 @@ def test_direct_steps_generate_the_usual_tokens(policy, compiler, rows, sample):
     assert steps.plan is None and steps.cache is None and "closed" in repr(steps)   # the call let go of its cache
 
 
+def test_direct_steps_stop_where_the_usual_steps_stop():
+    """Two rows, an end token that one row reaches after a few direct steps: the same tokens and padding as the
+    usual steps (the loop reads the finished flag one step late and undoes the extra step either way)."""
+    model = build("llama")
+    free, _ = generate(model, "full", False, "eager", rows=2)
+    eos = int(free[0, 23 + 7])   # row 0's eighth new token
+    model.generation_config.pad_token_id = 0
+    outs = []
+    for direct in (False, True):
+        torch._dynamo.reset()
+        be = kvpass.compile(model, "full", compiler="eager", direct_steps=direct)
+        try:
+            outs.append(model.generate(ids_of(23, 2), max_new_tokens=NEW, do_sample=False, eos_token_id=eos))
+        finally:
+            del model.forward, model.generate
+    assert torch.equal(outs[0], outs[1]) and (outs[1][0, 23 + 8:] == 0).all(), outs
+    assert be.last_direct_steps.direct > 0
+
+
 def test_a_step_that_stores_a_tensor_on_a_module_is_never_called_directly():
     """The final norm keeps its last input (a side effect Dynamo replays after the graph): direct calls would leave
     it at the second watched step's. Refused, so every step runs the usual way."""
