@@ -3,8 +3,8 @@
 * they generate what the usual steps generate (greedy and sampled, one row and two, an appending, an evicting, a
   ring and a paged cache, Inductor's path through AOTAutograd and the eager one), and they do run: every step
   after the two watched;
-* they are refused, and every step runs the usual way, where a step stores a tensor on a module (a side effect
-  of Dynamo's frame, which a direct call would not replay) or the model has a forward hook;
+* they are refused, with one warning, and every step runs the usual way, where a step stores a tensor on a
+  module (a side effect of Dynamo's frame, which a direct call would not replay) or a forward hook would run;
 * the plan's own refusals on two watched steps (a graph break, different graphs, an argument that changes but is
   not one of the step's inputs) and a direct step's (an input of another shape);
 * a bad ``direct_steps`` is a ConfigError naming it.
@@ -12,6 +12,8 @@ Two ranks (tensor parallelism) run ``full`` with direct steps in ``tests/test_te
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ import kvpass
 from conformance import CONFORMANCE
 from families import build
 from kvpass.compiler.direct_steps import DirectSteps, recorded
-from kvpass.errors import ConfigError
+from kvpass.errors import ConfigError, KVPassWarning
 
 NEW = 12   # decode steps: the first (no mask to reuse yet), two watched, then 8 direct
 
@@ -49,7 +51,9 @@ def generate(model, policy: str, direct: bool, compiler: str, rows: int = 1, sam
 def test_direct_steps_generate_the_usual_tokens(policy, compiler, rows, sample):
     model = build("llama")
     usual, _ = generate(model, policy, False, compiler, rows, sample)
-    direct, be = generate(model, policy, True, compiler, rows, sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVPassWarning)   # direct steps ran throughout: nothing to say
+        direct, be = generate(model, policy, True, compiler, rows, sample)
     assert torch.equal(usual, direct), f"{policy}: direct steps changed the tokens"
     steps = be.last_direct_steps
     assert steps.refused is None and steps.direct == NEW - 4, steps   # every step after the two watched
@@ -88,7 +92,8 @@ def test_a_step_that_stores_a_tensor_on_a_module_is_never_called_directly():
         return forward(x)
     norm.forward = keeping
     be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
-    model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    with pytest.warns(KVPassWarning, match="direct_steps not used in this generate call: a step changed Python state"):
+        model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     steps = be.last_direct_steps
     assert steps.direct == 0 and "side effects" in steps.refused, steps
     assert norm.last is not None and norm.last.shape[1] == 1   # a decode step's
@@ -104,7 +109,8 @@ def test_a_model_with_a_forward_hook_is_never_called_directly(everyone):
         lambda m, a, o: calls.append(1) if m is model else None)
     try:
         be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
-        model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        with pytest.warns(KVPassWarning, match="direct_steps not used .*forward hooks"):
+            model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     finally:
         hook.remove()
     assert be.last_direct_steps.direct == 0 and "hooks" in be.last_direct_steps.refused

@@ -118,7 +118,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     # a step undone after an end-of-sequence token gives its random draw back: the generator's state before it
     rng = generator(input_ids.device) if cfg.do_sample and flags is not None else None
     before = None
-    direct = DirectSteps(model, cache) if reuse and be.direct_steps and cache is not None else None
+    direct = DirectSteps(model, cache, be) if reuse and be.direct_steps and cache is not None else None
     if direct is not None:
         be.last_direct_steps = direct
     outputs = model._prefill(input_ids, cfg, model_kwargs)

@@ -40,6 +40,9 @@ import contextlib
 import threading
 
 import torch
+
+from kvpass.errors import warn_once
+
 try:   # where entering a compiled frame counts CUDA graph trees' generations (torch 2.x)
     from torch._dynamo.mutation_guard import GenerationTracker
 except ImportError:  # pragma: no cover
@@ -94,8 +97,8 @@ class DirectSteps:
     """One ``generate`` call's direct decode steps (see the module's docstring): ``watch`` the usual steps until two
     agree, then ``step`` calls the graph; ``refused`` says why direct steps stopped or never began."""
 
-    def __init__(self, model, cache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, owner=None) -> None:
+        self.model, self.cache, self.owner = model, cache, owner   # owner: the backend, which warns once
         self.seen: list = []      # (inputs, outputs, calls) of the steps watched, at most two
         self.plan = None          # (graph, arguments, {argument index: input name}, logits index, output type)
         self.refused: str | None = None
@@ -196,8 +199,13 @@ class DirectSteps:
         return cls(logits=fn(*args)[at], **dict.fromkeys(cache_keys, self.cache))
 
     def close(self) -> None:
-        """The call is over: drop the plan and what it holds (the graph's arguments: the cache's buffers, which
+        """The call is over: say once per backend and reason why direct steps stopped or never began (they were
+        asked for), and drop the plan and what it holds (the graph's arguments: the cache's buffers, which
         ``be.last_direct_steps`` would otherwise keep alive after the call gives the cache up)."""
+        if self.refused is not None:
+            done = f"stopped after {self.direct} direct steps" if self.direct else "not used"
+            warn_once(f"kvpass: direct_steps {done} in this generate call: {self.refused}; the other steps ran the "
+                      f"usual way (the same tokens)", self.owner)
         self.plan, self.seen, self._before = None, [], None
         self.model = self.cache = None
 
