@@ -86,13 +86,18 @@ def digests(cache, tp: bool) -> list[int]:
     return out
 
 
+def params_of(name: str, budget: int) -> tuple[str, dict]:
+    """A row's policy and its parameters: ``--budget`` for a compressing policy, and the ``@key=value`` extras."""
+    policy, extra = policy_of(name)
+    return policy, ({} if policy in ("full", "art") else {"budget": budget}) | extra
+
+
 @torch.no_grad()
 def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: str, profile: bool = False,
             dynamic: bool | None = True) -> dict:
-    policy, extra = policy_of(name)
-    params = {} if policy in ("full", "art") else {"budget": budget}
+    policy, params = params_of(name, budget)
     torch._dynamo.reset()
-    be = kvpass.backend(policy, compiler=compiler, **params, **extra)
+    be = kvpass.backend(policy, compiler=compiler, **params)
     mode = "reduce-overhead" if compiler == "inductor" else None
     # as kvpass.compile compiles it (the mode's settings, and the guard filter for the weights' specs)
     fwd = torch.compile(model.forward, backend=be, dynamic=dynamic, options=compile_options(be, mode))
@@ -172,12 +177,14 @@ def generate_tpot(model, name: str, ids, budget: int, counts: tuple[int, int], t
     difference of the last two over ``counts[1] - counts[0]`` is a decode step as ``generate`` pays it, prefill
     excluded. Then the same two calls with ``direct_steps`` (the decode graph called without Dynamo's frame once
     two steps agree; the same compiled graphs). The model is given back uncompiled afterwards."""
-    policy, extra = policy_of(name)
-    params = {} if policy in ("full", "art") else {"budget": budget}
+    policy, params = params_of(name, budget)
     torch._dynamo.reset()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None   # a random model's end token must not stop a call early
-    be = kvpass.compile(model, policy, compiler=compiler, **params, **extra)
+    be = kvpass.compile(model, policy, compiler=compiler, **params)
+
     def timed(n: int) -> float:
         if tp:
             dist.barrier()
@@ -197,8 +204,9 @@ def generate_tpot(model, name: str, ids, budget: int, counts: tuple[int, int], t
         del model.forward, model.generate   # kvpass.compile set both on the instance
         model.generation_config.eos_token_id = eos
     per = counts[1] - counts[0]
-    return {"generate_tpot_ms": (wall[1] - wall[0]) / per * 1e3, "generate_direct_tpot_ms": (direct[1] - direct[0]) / per * 1e3,
-            "generate_direct": repr(steps), "generate_first_s": first, "generate_graphs": be.graph_counts()}
+    return {"generate_tpot_ms": (wall[1] - wall[0]) / per * 1e3,
+            "generate_direct_tpot_ms": (direct[1] - direct[0]) / per * 1e3, "generate_direct": repr(steps),
+            "generate_first_s": first, "generate_peak_GiB": peak_bytes() / 2**30, "generate_graphs": be.graph_counts()}
 
 
 def host_synced(step, nxt, pos, cache, n: int = HOST_STEPS) -> float:
