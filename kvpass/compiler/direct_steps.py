@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -93,14 +94,26 @@ def _meta(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
+class _Plan(NamedTuple):
+    graph: object     # the compiled decode graph (as ``recorded`` wraps it)
+    args: list        # its arguments at the second step watched
+    subs: dict        # {argument index: the input name whose tensor goes there each step}
+    logits_at: int    # the logits' place among the graph's outputs
+    output: tuple     # (the model's output class, its names for the cache)
+    same: dict        # the inputs that stay: {name: object or value}
+    fresh: dict       # the step's new tensors: {name: (shape, stride, dtype, device)}
+
+
 class DirectSteps:
     """One ``generate`` call's direct decode steps (see the module's docstring): ``watch`` the usual steps until two
     agree, then ``step`` calls the graph; ``refused`` says why direct steps stopped or never began."""
 
     def __init__(self, model, cache, owner=None) -> None:
         self.model, self.cache, self.owner = model, cache, owner   # owner: the backend, which warns once
-        self.seen: list = []      # (inputs, outputs, calls) of the steps watched, at most two
-        self.plan = None          # (graph, arguments, {argument index: input name}, logits index, output type)
+        # the steps watched, at most two: (inputs, [(graph, arguments)], the logits' place among the graph's
+        # outputs or None, (output class, the output's names for the cache))
+        self.seen: list = []
+        self.plan: _Plan | None = None
         self.refused: str | None = None
         self.direct = 0           # steps called directly so far
         self._before = None       # the Python state before the second step watched
@@ -171,7 +184,7 @@ class DirectSteps:
             elif not _same(x, y):
                 return f"argument {i} of the graph changed between steps and is not one of the step's inputs"
         same = {k: v for k, v in in2.items() if k not in fresh}
-        self.plan = (fn, list(a2), subs, at2, kind, same, fresh)
+        self.plan = _Plan(fn, list(a2), subs, at2, kind, same, fresh)
         return None
 
     def step(self, inputs: dict):
