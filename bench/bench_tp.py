@@ -54,7 +54,7 @@ def peak_bytes() -> int:
 
 
 def save(args) -> None:
-    model = random_llama(llama8b_config(args.layers, tiny=args.tiny), DEV, torch.bfloat16)
+    model = random_llama(llama8b_config(args.layers, tiny=args.tiny, small=args.small), DEV, torch.bfloat16)
     t = time.perf_counter()
     model.save_pretrained(args.dir, max_shard_size="8GB")
     print(json.dumps({"saved": args.dir, "layers": args.layers, "save_s": time.perf_counter() - t}), flush=True)
@@ -403,6 +403,8 @@ def main() -> None:
     s.add_argument("--dir", required=True)
     s.add_argument("--layers", type=int, default=32)
     s.add_argument("--tiny", action="store_true", help="the same layout at test size (a CPU smoke test)")
+    s.add_argument("--small", action="store_true",
+                   help="SmolLM2-135M's widths (30 layers with --layers 30): on one GPU a step the host can outlast")
     r = sub.add_parser("run")
     r.add_argument("--dir", required=True)
     r.add_argument("--contexts", default="131072,32768")

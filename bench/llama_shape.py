@@ -10,9 +10,16 @@ import torch
 import transformers as tf
 
 
-def llama8b_config(layers: int, tiny: bool = False):
-    """Llama-3.1-8B's shape with ``layers`` of its 32 layers; ``tiny``: the same layout at test size."""
-    if tiny:
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64)   # the small model of the eval (30 layers): a host-bound step
+
+
+def llama8b_config(layers: int, tiny: bool = False, small: bool = False):
+    """Llama-3.1-8B's shape with ``layers`` of its 32 layers; ``tiny``: the same layout at test size; ``small``:
+    SmolLM2-135M's widths (a step short enough on a GPU that the host's work per step shows)."""
+    if small:
+        dims = SMOLLM2_135M
+    elif tiny:
         dims = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16)
     else:

@@ -34,6 +34,8 @@
 #   U8: the user's TPOT at 8 layers (model.generate through kvpass.compile, bench_tp.py --generate; usual, then with
 #       direct_steps) beside the queued
 #       step, full and snapkv on one GPU and on two
+#   D1: one GPU: tests/gpu/test_gpu_direct_steps.py, then U8's measure on SmolLM2-135M's widths (host-bound) and
+#       the 8-layer shape (full)
 #   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u -o pipefail
@@ -49,7 +51,7 @@ carried_transformers() {
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 }
 ctx=${2:-}
-case "${1:?call T1, T2, R, R8, H8, H32, U8, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S}" in
+case "${1:?call T1, T2, R, R8, H8, H32, U8, D1, S8, M8, K, K2, K4, J, G, Q3, Q3D, P or S}" in
   T1) ctx=${ctx:-131072} ;;
   T2) ctx=${ctx:-32768} ;;
   R) ctx=${ctx:-131072}; prof=--profile ;;
@@ -115,6 +117,20 @@ case "${1:?call T1, T2, R, R8, H8, H32, U8, S8, M8, K, K2, K4, J, G, Q3, Q3D, P 
        | grep '^{\|Error' | cut -c1-300
      python bench/bench_tp.py compare $out/one_gpu_l8_131072.json $out/two_gpu_l8_131072.json --out $out/tp_l8_131072.md \
        2>&1 | tail -12; exit $fail ;;
+  D1) # one GPU (session 59: no two-GPU kind lent): direct steps under Inductor's CUDA graphs
+     # (tests/gpu/test_gpu_direct_steps.py), then the user's TPOT, usual and direct, where the host can outlast the
+     # device (SmolLM2-135M's widths, 30 layers, 8k; full and snapkv; the host profile and Dynamo's spans), then the
+     # 8-layer Llama shape at 128k (full: a device-bound step)
+     timeout ${D1_TEST_S:-200} python -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_gpu_direct_steps.py 2>&1 | tail -8
+     d=/tmp/kvpass_smollm2_shape
+     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 30 --small 2>&1 | grep '^{'
+     timeout ${D1_SMALL_S:-200} python bench/bench_tp.py run --dir $d --contexts 8192 --configs full,snapkv --steps 32 \
+       --profile --generate 16,80 --out $out/one_gpu_small_8192.json 2>&1 | grep '^{\|Error' | cut -c1-300
+     d=/tmp/kvpass_llama8b_l8
+     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
+     timeout ${D1_L8_S:-150} python bench/bench_tp.py run --dir $d --contexts 131072 --configs full --steps 32 \
+       --generate 16,80 --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-300
+     exit $fail ;;
   S8) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      for flag in "" --one-shot; do   # a static batch for both: the one-shot lowering failed on a symbolic one
