@@ -109,10 +109,10 @@ case "${1:?call T1, T2, R, R8, H8, H32, U8, D1, S8, M8, K, K2, K4, J, G, Q3, Q3D
      python bench/bench_tp.py compare $out/one_gpu_131072.json $out/two_gpu_131072.json --out $out/tp_131072.md 2>&1 \
        | tail -30; exit $fail ;;
   U8) # the user's TPOT at 8 layers (U_LAYERS=32: at 32 layers, ckpt's model): model.generate through kvpass.compile
-     # (bench_tp.py --generate 16,80; usual, then direct_steps) beside the queued step, full and snapkv (U_CONFIGS),
+     # (bench_tp.py --generate 128; usual, then direct_steps) beside the queued step, full and snapkv (U_CONFIGS),
      # on one GPU then two (U_GPUS=1 or 2: one of them; a 32-layer row takes 150-250 s, so one side per call)
      l=${U_LAYERS:-8}; d=/tmp/kvpass_llama8b_l$l; [ $l = 32 ] && d=$ckpt
-     c="--dir $d --contexts 131072 --configs ${U_CONFIGS:-full,snapkv} --steps 32 --generate 16,80"
+     c="--dir $d --contexts 131072 --configs ${U_CONFIGS:-full,snapkv} --steps 32 --generate 128"
      [ -f $d/config.json ] || timeout 150 python bench/bench_tp.py save --dir $d --layers $l 2>&1 | grep '^{'
      if [ "${U_GPUS:-1}" != 2 ]; then
        timeout ${ONE_S:-200} python bench/bench_tp.py run $c --out $out/one_gpu_l${l}_131072.json 2>&1 \
@@ -124,18 +124,19 @@ case "${1:?call T1, T2, R, R8, H8, H32, U8, D1, S8, M8, K, K2, K4, J, G, Q3, Q3D
        $out/one_gpu_l${l}_131072.json $out/two_gpu_l${l}_131072.json --out $out/tp_l${l}_131072.md 2>&1 | tail -12
      exit $fail ;;
   D1) # one GPU (session 59: no two-GPU kind lent): direct steps under Inductor's CUDA graphs
-     # (tests/gpu/test_gpu_direct_steps.py), then the user's TPOT, usual and direct, where the host can outlast the
-     # device (SmolLM2-135M's widths, 30 layers, 8k; full and snapkv; the host profile and Dynamo's spans), then the
-     # 8-layer Llama shape at 128k (full: a device-bound step)
-     timeout ${D1_TEST_S:-200} python -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_gpu_direct_steps.py 2>&1 | tail -8
-     d=/tmp/kvpass_smollm2_shape
-     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 30 --small 2>&1 | grep '^{'
-     timeout ${D1_SMALL_S:-200} python bench/bench_tp.py run --dir $d --contexts 8192 --configs full,snapkv --steps 32 \
-       --profile --generate 16,80 --out $out/one_gpu_small_8192.json 2>&1 | grep '^{\|Error' | cut -c1-300
+     # (tests/gpu/test_gpu_direct_steps.py; D1_TEST=0 skips it), then the user's TPOT, usual and direct, where the
+     # host can outlast the device (SmolLM2-135M's widths, D1_SMALL_LAYERS of them (16; 30 did not finish a row in
+     # 200 s with --profile), 8k; full and snapkv), then the 8-layer Llama shape at 128k (full: a device-bound step)
+     [ "${D1_TEST:-1}" = 0 ] || timeout ${D1_TEST_S:-200} python -m pytest -q -rfE -p no:cacheprovider \
+       tests/gpu/test_gpu_direct_steps.py 2>&1 | tail -8
+     l=${D1_SMALL_LAYERS:-16}; d=/tmp/kvpass_smollm2_shape_l$l
+     [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers $l --small 2>&1 | grep '^{'
+     timeout ${D1_SMALL_S:-260} python bench/bench_tp.py run --dir $d --contexts 8192 --configs full,snapkv --steps 32 \
+       --generate 128 --out $out/one_gpu_small_l${l}_8192.json 2>&1 | grep '^{\|Error' | cut -c1-300
      d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
      timeout ${D1_L8_S:-150} python bench/bench_tp.py run --dir $d --contexts 131072 --configs full --steps 32 \
-       --generate 16,80 --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-300
+       --generate 128 --out $out/one_gpu_l8_131072.json 2>&1 | grep '^{\|Error' | cut -c1-300
      exit $fail ;;
   S8) d=/tmp/kvpass_llama8b_l8
      [ -f $d/config.json ] || timeout 60 python bench/bench_tp.py save --dir $d --layers 8 2>&1 | grep '^{'
