@@ -7,6 +7,9 @@
   module (a side effect of Dynamo's frame, which a direct call would not replay) or a forward hook would run;
 * the plan's own refusals on two watched steps (a graph break, different graphs, an argument that changes but is
   not one of the step's inputs) and a direct step's (an input of another shape);
+* ``"auto"``, the default, takes them in a plain call and not in one that runs a stopping criterion of the
+  caller's own between steps (``True`` does), without a warning either way; a change of torch's global state
+  between steps stops them;
 * a bad ``direct_steps`` is a ConfigError naming it.
 Two ranks (tensor parallelism) run ``full`` with direct steps in ``tests/test_tensor_parallel.py``.
 """
@@ -17,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from transformers.generation import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import kvpass
@@ -139,9 +143,10 @@ def test_the_plan_refuses_what_two_steps_do_not_agree_on():
     def watched(*per_step) -> DirectSteps:
         """Two watched steps; ``per_step``: the step's input ids -> the graphs it calls."""
         steps = DirectSteps(model, _Cache())
-        for graphs in per_step:
-            ids = torch.zeros(1, 1, dtype=torch.long)
-            _step(steps, graphs(ids), {"input_ids": ids, "use_cache": True})
+        with torch.no_grad():   # as the loop runs: the plan keeps torch's global state of its steps
+            for graphs in per_step:
+                ids = torch.zeros(1, 1, dtype=torch.long)
+                _step(steps, graphs(ids), {"input_ids": ids, "use_cache": True})
         return steps
 
     same = lambda ids: [(g, (ids, weight))]   # noqa: E731
@@ -162,6 +167,71 @@ def test_the_plan_refuses_what_two_steps_do_not_agree_on():
     assert steps.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "use_cache": True}) is None
 
 
-def test_direct_steps_must_be_a_bool():
-    with pytest.raises(ConfigError, match="'direct_steps'"):
+def test_direct_steps_must_be_a_bool_or_auto():
+    with pytest.raises(ConfigError, match="'direct_steps' must be True, False or 'auto'"):
         kvpass.compile(build("llama"), "full", compiler="eager", direct_steps="yes")
+
+
+class Counting(StoppingCriteria):
+    """A stopping criterion of the caller's own: never stops, counts its calls."""
+    calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def test_auto_is_the_default_and_stays_out_of_calls_with_the_callers_own_code():
+    """``"auto"``: direct steps in a plain call, silently; none in a call with a stopping criterion of the caller's
+    own (it runs between steps), silently, with the reason recorded; ``True`` takes them there too."""
+    model = build("llama")
+    usual, _ = generate(model, "full", False, "eager")
+    torch._dynamo.reset()
+    be = kvpass.compile(model, "full", compiler="eager")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KVPassWarning)
+            plain = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+            assert be.direct_steps == "auto" and be.last_direct_steps.direct == NEW - 4
+            counting = Counting()
+            own = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                 stopping_criteria=StoppingCriteriaList([counting]))
+        steps = be.last_direct_steps
+        assert steps.direct == 0 and "stopping criterion of its own between steps (Counting)" in steps.refused, steps
+        be.direct_steps = True
+        again = Counting()
+        forced = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                stopping_criteria=StoppingCriteriaList([again]))
+        assert be.last_direct_steps.direct == NEW - 4 and again.calls == counting.calls
+    finally:
+        del model.forward, model.generate
+    assert torch.equal(usual, plain) and torch.equal(usual, own) and torch.equal(usual, forced)
+
+
+class Deterministic(LogitsProcessor):
+    """Turns torch's deterministic algorithms on at its ``at``-th call (a change of torch's global state between
+    two steps, which Dynamo's frame would guard)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.at:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        return scores
+
+
+def test_a_change_of_torchs_global_state_stops_direct_steps():
+    model = build("llama")
+    usual, _ = generate(model, "full", False, "eager")
+    torch._dynamo.reset()
+    be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
+    try:
+        with pytest.warns(KVPassWarning, match=r"stopped after 3 direct steps .*global state changed \(deterministic"):
+            out = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                 logits_processor=LogitsProcessorList([Deterministic(at=7)]))
+    finally:
+        torch.use_deterministic_algorithms(False)
+        del model.forward, model.generate
+    assert torch.equal(usual, out) and be.last_direct_steps.direct == 3

@@ -267,8 +267,8 @@ class Backend:
         self.spec_guards = _local_weights.SpecGuards()
         self.kvpass = KVPass(self.policy, self.runtime, self._compile_segment)
         self.reports: list[GraphReport] = []
-        # kvpass.compile(..., direct_steps=True): its decoding loop calls a decode graph without Dynamo's frame once
-        # two steps agree (kvpass.compiler.direct_steps); the last generate call's DirectSteps, for its state
+        # kvpass.compile(..., direct_steps="auto" or True) sets it: its decoding loop calls a decode graph without
+        # Dynamo's frame once two steps agree (kvpass.compiler.direct_steps); the last generate call's DirectSteps
         self.direct_steps, self.last_direct_steps = False, None
         # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
         # run outside the policy on the cache it evicted. transformers models share one wrapper code

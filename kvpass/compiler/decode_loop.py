@@ -37,7 +37,7 @@ import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from kvpass.cache.slots import MaskReused, reused_mask
-from kvpass.compiler.direct_steps import DirectSteps
+from kvpass.compiler.direct_steps import DirectSteps, callers_code
 
 # GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24
 _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
@@ -118,7 +118,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     # a step undone after an end-of-sequence token gives its random draw back: the generator's state before it
     rng = generator(input_ids.device) if cfg.do_sample and flags is not None else None
     before = None
-    direct = DirectSteps(model, cache, be) if reuse and be.direct_steps and cache is not None else None
+    direct = None
+    if reuse and be.direct_steps and cache is not None:
+        auto = be.direct_steps == "auto"
+        direct = DirectSteps(model, cache, be, asked=not auto,
+                             refused=callers_code(logits_processor, stopping_criteria) if auto else None)
     if direct is not None:
         be.last_direct_steps = direct
     outputs = model._prefill(input_ids, cfg, model_kwargs)

@@ -1,5 +1,5 @@
 """Decode steps that call their compiled graph directly, without Dynamo's frame (``kvpass.compile(...,
-direct_steps=True)``; off by default).
+direct_steps=...)``: ``"auto"`` by default, ``True`` or ``False``).
 
 Every call of a compiled forward first runs Dynamo's frame: the guards of the frame (in C++), the bytecode that
 gathers the graph's inputs, then the compiled graph, then the bytecode that builds the output and replays the
@@ -27,11 +27,19 @@ where both steps showed that:
   compiled forward).
 
 Each direct step checks again that its inputs are those names with the same shapes, strides, dtypes and
-devices, that every other input is the object (or the value) it was, and that gradients are off; any difference,
-and every later step of the call, goes back to the usual call. What a direct call skips and no check covers:
-Dynamo's guards on state that neither the loop nor the graph changes between two steps of one call (module
-attributes, globals, torch's global settings), and a side effect of the frame on a module-level global, which is
-not replayed (transformers' output-capturing context variable is set and reset within the frame).
+devices, that every other input is the object (or the value) it was, that gradients are off and that torch's
+global state is what it was when the plan was made (Dynamo's own global-state guard: grad mode, autocast,
+deterministic algorithms, default dtype, ...); any difference, and every later step of the call, goes back to
+the usual call. What a direct call skips and no check covers: Dynamo's guards on state that nothing of the
+frame changes and something between two steps of the call could (module attributes, module-level globals),
+and a side effect of the frame on a module-level global, which is not replayed (transformers' output-capturing
+context variable is set and reset within the frame).
+
+Between two steps of kvpass's decoding loop only the loop and the logits processors and stopping criteria of
+the call run. ``"auto"`` (the default) therefore takes direct steps only where all of those are transformers'
+own (``callers_code``): a processor or criterion of the caller's own could change what the frame's guards
+check, so such a call runs the usual way unless ``direct_steps=True``. ``True`` also warns once when direct
+steps stop or never begin; ``"auto"`` only records why in ``be.last_direct_steps``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ try:   # where entering a compiled frame counts CUDA graph trees' generations (t
     from torch._dynamo.mutation_guard import GenerationTracker
 except ImportError:  # pragma: no cover
     GenerationTracker = None
+try:   # Dynamo's guard on torch's global settings, checked in C++
+    from torch._C._dynamo.guards import GlobalStateGuard
+except ImportError:  # pragma: no cover
+    GlobalStateGuard = None
 
 _recording = threading.local()   # .calls: the compiled graphs called while a step is watched, else None
 
@@ -63,6 +75,17 @@ def recorded(fn, phase: str):
     call.phase = phase
     call.__dict__.update({k: v for k, v in getattr(fn, "__dict__", {}).items() if k not in call.__dict__})
     return call
+
+
+def callers_code(logits_processor, stopping_criteria) -> str | None:
+    """What of the caller's own code a ``generate`` call runs between its steps: the first logits processor or
+    stopping criterion that is not one of transformers' (a ``prefix_allowed_tokens_fn`` counts: transformers'
+    processor calls it), or None."""
+    for kind, items in (("logits processor", logits_processor), ("stopping criterion", stopping_criteria)):
+        for x in items or ():
+            if not type(x).__module__.startswith("transformers.") or type(x).__name__ == "PrefixConstrainedLogitsProcessor":
+                return f"the call runs a {kind} of its own between steps ({type(x).__name__})"
+    return None
 
 
 def _fingerprint(obj) -> dict:
@@ -102,27 +125,29 @@ class _Plan(NamedTuple):
     output: tuple     # (the model's output class, its names for the cache)
     same: dict        # the inputs that stay: {name: object or value}
     fresh: dict       # the step's new tensors: {name: (shape, stride, dtype, device)}
+    torch_state: object   # GlobalStateGuard: torch's global settings when the plan was made
 
 
 class DirectSteps:
     """One ``generate`` call's direct decode steps (see the module's docstring): ``watch`` the usual steps until two
     agree, then ``step`` calls the graph; ``refused`` says why direct steps stopped or never began."""
 
-    def __init__(self, model, cache, owner=None) -> None:
+    def __init__(self, model, cache, owner=None, asked: bool = True, refused: str | None = None) -> None:
         self.model, self.cache, self.owner = model, cache, owner   # owner: the backend, which warns once
+        self.asked = asked   # direct_steps=True (warn when they stop or never begin), not "auto"
         # the steps watched, at most two: (inputs, [(graph, arguments)], the logits' place among the graph's
         # outputs or None, (output class, the output's names for the cache))
         self.seen: list = []
         self.plan: _Plan | None = None
-        self.refused: str | None = None
+        self.refused: str | None = refused
         self.direct = 0           # steps called directly so far
         self._before = None       # the Python state before the second step watched
         everyone = torch.nn.modules.module   # hooks registered for every module (register_module_forward_hook)
         if model._forward_hooks or model._forward_pre_hooks or everyone._global_forward_hooks or \
                 everyone._global_forward_pre_hooks:
             self.refused = "the model has forward hooks, which run outside its compiled forward"
-        if GenerationTracker is None:  # pragma: no cover
-            self.refused = "this torch has no torch._dynamo.mutation_guard.GenerationTracker (CUDA graph generations)"
+        if GenerationTracker is None or GlobalStateGuard is None:  # pragma: no cover
+            self.refused = "this torch lacks Dynamo's GenerationTracker or GlobalStateGuard"
 
     @contextlib.contextmanager
     def watch(self):
@@ -184,7 +209,7 @@ class DirectSteps:
             elif not _same(x, y):
                 return f"argument {i} of the graph changed between steps and is not one of the step's inputs"
         same = {k: v for k, v in in2.items() if k not in fresh}
-        self.plan = _Plan(fn, list(a2), subs, at2, kind, same, fresh)
+        self.plan = _Plan(fn, list(a2), subs, at2, kind, same, fresh, GlobalStateGuard())
         return None
 
     def step(self, inputs: dict):
@@ -192,7 +217,7 @@ class DirectSteps:
         rest of this call) where the inputs are not as the plan expects."""
         if self.plan is None:
             return None
-        fn, args, subs, at, kind, same, fresh = self.plan
+        fn, args, subs, at, kind, same, fresh, torch_state = self.plan
         if inputs.keys() != same.keys() | fresh.keys() or not all(_same(inputs[k], v) for k, v in same.items()):
             return self._stop("an input other than the step's new tensors changed")
         for name, meta in fresh.items():
@@ -201,6 +226,8 @@ class DirectSteps:
                 return self._stop(f"input {name!r} changed its shape, stride, dtype or device")
         if torch.is_grad_enabled():
             return self._stop("gradients are on")
+        if not torch_state.check():
+            return self._stop(f"torch's global state changed ({torch_state.reason()})")
         args = list(args)
         for i, name in subs.items():
             args[i] = inputs[name]
@@ -215,7 +242,7 @@ class DirectSteps:
         """The call is over: say once per backend and reason why direct steps stopped or never began (they were
         asked for), and drop the plan and what it holds (the graph's arguments: the cache's buffers, which
         ``be.last_direct_steps`` would otherwise keep alive after the call gives the cache up)."""
-        if self.refused is not None:
+        if self.refused is not None and self.asked:
             done = f"stopped after {self.direct} direct steps" if self.direct else "not used"
             warn_once(f"kvpass: direct_steps {done} in this generate call: {self.refused}; the other steps ran the "
                       f"usual way (the same tokens)", self.owner)

@@ -292,7 +292,7 @@ def compile_options(be: Backend, mode: str | None) -> dict:
 
 
 def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = "inductor",
-            prefill_compiler: str | None = None, fullgraph: bool = False, direct_steps: bool = False,
+            prefill_compiler: str | None = None, fullgraph: bool = False, direct_steps: bool | str = "auto",
             **params) -> Backend:
     """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path.
 
@@ -307,7 +307,9 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
         direct_steps: within a ``generate`` call, once two decode steps have shown the same compiled graph, the
             same arguments and no Python side effects, call that graph directly, without Dynamo's frame (its
             guards and the bytecode around the graph: on a tensor-parallel model, most of a step's host time).
-            Off by default: what it checks and what it does not is in ``kvpass.compiler.direct_steps``;
+            ``"auto"`` (default): so, unless the call runs a logits processor or stopping criterion of the
+            caller's own between steps; ``True``: so in any call, with a warning when they stop or never begin;
+            ``False``: never. What it checks and what it does not is in ``kvpass.compiler.direct_steps``;
             ``be.last_direct_steps`` says whether the last call used it and why not.
         **params: the policy's parameters, checked here (``ConfigError`` names a bad one), and
             ``share_layers`` (as ``kvpass.backend``).
@@ -330,8 +332,9 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
             f"run on them. transformers' tensor-parallel plan registers such hooks on some versions (5.17 for "
             f"'replicated_with_grad_allreduce' modules, e.g. Qwen3's q_norm / k_norm; 5.24 uses parameter hooks, "
             f"which Dynamo traces); remove the hook or use a transformers version without it")
-    if not isinstance(direct_steps, bool):
-        raise ConfigError(f"kvpass.compile: parameter 'direct_steps' must be True or False, got {direct_steps!r}")
+    if not (isinstance(direct_steps, bool) or direct_steps == "auto"):
+        raise ConfigError(f"kvpass.compile: parameter 'direct_steps' must be True, False or 'auto', got "
+                          f"{direct_steps!r}")
     be = backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, **params)
     be.direct_steps = direct_steps
     needs = be.policy.needs
