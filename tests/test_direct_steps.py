@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers.generation import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -208,30 +209,71 @@ def test_auto_is_the_default_and_stays_out_of_calls_with_the_callers_own_code():
     assert torch.equal(usual, plain) and torch.equal(usual, own) and torch.equal(usual, forced)
 
 
-class Deterministic(LogitsProcessor):
-    """Turns torch's deterministic algorithms on at its ``at``-th call (a change of torch's global state between
-    two steps, which Dynamo's frame would guard)."""
+class Noop(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
-    def __init__(self, at: int) -> None:
-        self.at, self.calls = at, 0
+
+class Changes(LogitsProcessor):
+    """At its ``at``-th call, changes what Dynamo's frame guards between two steps: torch's global state
+    (deterministic algorithms on) or the active torch function modes (one entered)."""
+
+    def __init__(self, what: str, at: int = 7) -> None:
+        self.what, self.at, self.calls, self.mode = what, at, 0, Noop()
 
     def __call__(self, input_ids, scores):
         self.calls += 1
         if self.calls == self.at:
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            if self.what == "global state":
+                torch.use_deterministic_algorithms(True, warn_only=True)
+            else:
+                self.mode.__enter__()
         return scores
 
+    def undo(self) -> None:
+        torch.use_deterministic_algorithms(False)
+        if self.what != "global state" and self.calls >= self.at:
+            self.mode.__exit__(None, None, None)
 
-def test_a_change_of_torchs_global_state_stops_direct_steps():
+
+@pytest.mark.parametrize("what, says", [("global state", r"global state changed \(deterministic"),
+                                        ("mode", "a torch function or dispatch mode was entered")])
+def test_a_change_of_torchs_global_state_or_modes_stops_direct_steps(what, says):
     model = build("llama")
     usual, _ = generate(model, "full", False, "eager")
     torch._dynamo.reset()
     be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
+    change = Changes(what)
     try:
-        with pytest.warns(KVPassWarning, match=r"stopped after 3 direct steps .*global state changed \(deterministic"):
+        with pytest.warns(KVPassWarning, match=f"stopped after 3 direct steps .*{says}"):
             out = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                 logits_processor=LogitsProcessorList([Deterministic(at=7)]))
+                                 logits_processor=LogitsProcessorList([change]))
     finally:
-        torch.use_deterministic_algorithms(False)
+        change.undo()
         del model.forward, model.generate
     assert torch.equal(usual, out) and be.last_direct_steps.direct == 3
+
+
+@pytest.mark.parametrize("direct", ["auto", True])
+def test_a_forward_wrapped_after_compile_runs_at_every_step(direct):
+    """``model.forward`` replaced after ``kvpass.compile`` (a wrapper of the caller's around the compiled one): a
+    direct step would skip it, so none is taken (``True`` says why)."""
+    model = build("llama")
+    torch._dynamo.reset()
+    be = kvpass.compile(model, "full", compiler="eager", direct_steps=direct)
+    compiled, calls = model.forward, []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return compiled(*args, **kwargs)
+    model.forward = wrapper
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    finally:
+        del model.forward, model.generate
+    said = [str(w.message) for w in seen if issubclass(w.category, KVPassWarning)]
+    assert len(calls) == NEW and be.last_direct_steps.direct == 0, (len(calls), be.last_direct_steps)
+    assert "model.forward was replaced after kvpass.compile" in be.last_direct_steps.refused
+    assert bool(said) == (direct is True), said

@@ -122,8 +122,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if reuse and be.direct_steps and cache is not None:
         auto = be.direct_steps == "auto"
         direct = DirectSteps(model, cache, be, asked=not auto,
-                             refused=callers_code(logits_processor, stopping_criteria) if auto else None)
-    if direct is not None:
+                             refused=callers_code(logits_processor, stopping_criteria) if auto else None,
+                             forward=getattr(model.generate, "compiled_forward", None))
         be.last_direct_steps = direct
     outputs = model._prefill(input_ids, cfg, model_kwargs)
     with optimize(), (contextlib.closing(direct) if direct is not None else contextlib.nullcontext()):

@@ -27,9 +27,10 @@ where both steps showed that:
   compiled forward).
 
 Each direct step checks again that its inputs are those names with the same shapes, strides, dtypes and
-devices, that every other input is the object (or the value) it was, that gradients are off and that torch's
+devices, that every other input is the object (or the value) it was, that gradients are off, that torch's
 global state is what it was when the plan was made (Dynamo's own global-state guard: grad mode, autocast,
-deterministic algorithms, default dtype, ...); any difference, and every later step of the call, goes back to
+deterministic algorithms, default dtype, ...) with as many torch function and dispatch modes active, and that
+``model.forward`` is still the forward ``kvpass.compile`` compiled (not a wrapper set since); any difference, and every later step of the call, goes back to
 the usual call. What a direct call skips and no check covers: Dynamo's guards on state that nothing of the
 frame changes and something between two steps of the call could (module attributes, module-level globals),
 and a side effect of the frame on a module-level global, which is not replayed (transformers' output-capturing
@@ -113,6 +114,10 @@ def _same(x, y) -> bool:
                       and x == y)
 
 
+def _modes() -> tuple:
+    return torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
+
+
 def _meta(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device)
 
@@ -126,14 +131,18 @@ class _Plan(NamedTuple):
     same: dict        # the inputs that stay: {name: object or value}
     fresh: dict       # the step's new tensors: {name: (shape, stride, dtype, device)}
     torch_state: object   # GlobalStateGuard: torch's global settings when the plan was made
+    modes: tuple      # how many torch function and dispatch modes were active then (Dynamo guards them too)
 
 
 class DirectSteps:
     """One ``generate`` call's direct decode steps (see the module's docstring): ``watch`` the usual steps until two
     agree, then ``step`` calls the graph; ``refused`` says why direct steps stopped or never began."""
 
-    def __init__(self, model, cache, owner=None, asked: bool = True, refused: str | None = None) -> None:
+    def __init__(self, model, cache, owner=None, asked: bool = True, refused: str | None = None,
+                 forward=None) -> None:
         self.model, self.cache, self.owner = model, cache, owner   # owner: the backend, which warns once
+        # the compiled forward kvpass.compile set on the model: a direct step would skip a wrapper set after it
+        self.forward = forward if forward is not None else model.__dict__.get("forward")
         self.asked = asked   # direct_steps=True (warn when they stop or never begin), not "auto"
         # the steps watched, at most two: (inputs, [(graph, arguments)], the logits' place among the graph's
         # outputs or None, (output class, the output's names for the cache))
@@ -146,6 +155,8 @@ class DirectSteps:
         if model._forward_hooks or model._forward_pre_hooks or everyone._global_forward_hooks or \
                 everyone._global_forward_pre_hooks:
             self.refused = "the model has forward hooks, which run outside its compiled forward"
+        if model.__dict__.get("forward") is not self.forward:
+            self.refused = "model.forward was replaced after kvpass.compile (a direct step would skip the new one)"
         if GenerationTracker is None or GlobalStateGuard is None:  # pragma: no cover
             self.refused = "this torch lacks Dynamo's GenerationTracker or GlobalStateGuard"
 
@@ -209,7 +220,7 @@ class DirectSteps:
             elif not _same(x, y):
                 return f"argument {i} of the graph changed between steps and is not one of the step's inputs"
         same = {k: v for k, v in in2.items() if k not in fresh}
-        self.plan = _Plan(fn, list(a2), subs, at2, kind, same, fresh, GlobalStateGuard())
+        self.plan = _Plan(fn, list(a2), subs, at2, kind, same, fresh, GlobalStateGuard(), _modes())
         return None
 
     def step(self, inputs: dict):
@@ -217,7 +228,7 @@ class DirectSteps:
         rest of this call) where the inputs are not as the plan expects."""
         if self.plan is None:
             return None
-        fn, args, subs, at, kind, same, fresh, torch_state = self.plan
+        fn, args, subs, at, kind, same, fresh, torch_state, modes = self.plan
         if inputs.keys() != same.keys() | fresh.keys() or not all(_same(inputs[k], v) for k, v in same.items()):
             return self._stop("an input other than the step's new tensors changed")
         for name, meta in fresh.items():
@@ -228,6 +239,10 @@ class DirectSteps:
             return self._stop("gradients are on")
         if not torch_state.check():
             return self._stop(f"torch's global state changed ({torch_state.reason()})")
+        if _modes() != modes:
+            return self._stop("a torch function or dispatch mode was entered or left")
+        if self.model.__dict__.get("forward") is not self.forward:
+            return self._stop("model.forward was replaced during the call")
         args = list(args)
         for i, name in subs.items():
             args[i] = inputs[name]

@@ -77,6 +77,7 @@ class FastGenerate:
         self.cache_kwarg = "cache" if "cache" in takes else "past_key_values"
         self.keeps_logits = "logits_to_keep" in takes
         functools.update_wrapper(self, original)
+        self.compiled_forward = model.__dict__.get("forward")   # what kvpass.compile set (direct steps check it)
 
     def cache_for(self, rows: int, prompt: int, new: int, like: SlotCache | None = None,
                   exact: bool = False) -> SlotCache:
