@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 import kvpass
 from conformance import CONFORMANCE
 from families import build
-from kvpass.compiler.direct_steps import DirectSteps, recorded
+from kvpass.compiler.direct_steps import DirectSteps, callers_code, recorded
 from kvpass.errors import ConfigError, KVPassWarning
 
 NEW = 12   # decode steps: the first (no mask to reuse yet), two watched, then 8 direct
@@ -207,6 +207,16 @@ def test_auto_is_the_default_and_stays_out_of_calls_with_the_callers_own_code():
     finally:
         del model.forward, model.generate
     assert torch.equal(usual, plain) and torch.equal(usual, own) and torch.equal(usual, forced)
+
+
+def test_callers_code_names_what_is_not_transformers_own():
+    from transformers.generation import MinNewTokensLengthLogitsProcessor, PrefixConstrainedLogitsProcessor
+    ours = [MinNewTokensLengthLogitsProcessor(3, 2, [1])]
+    assert callers_code(ours, StoppingCriteriaList()) is None
+    prefix = PrefixConstrainedLogitsProcessor(lambda batch, ids: [5], num_beams=1)   # calls the caller's function
+    assert "logits processor of its own between steps (PrefixConstrainedLogitsProcessor)" in \
+        callers_code(ours + [prefix], [])
+    assert "(Counting)" in callers_code(ours, [Counting()])
 
 
 class Noop(TorchFunctionMode):

@@ -124,7 +124,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         direct = DirectSteps(model, cache, be, asked=not auto,
                              refused=callers_code(logits_processor, stopping_criteria) if auto else None,
                              forward=getattr(model.generate, "compiled_forward", None))
-        be.last_direct_steps = direct
+    if reuse:
+        be.last_direct_steps = direct   # None: this call took none (direct_steps=False)
     outputs = model._prefill(input_ids, cfg, model_kwargs)
     with optimize(), (contextlib.closing(direct) if direct is not None else contextlib.nullcontext()):
         while True:

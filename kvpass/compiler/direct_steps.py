@@ -30,11 +30,11 @@ Each direct step checks again that its inputs are those names with the same shap
 devices, that every other input is the object (or the value) it was, that gradients are off, that torch's
 global state is what it was when the plan was made (Dynamo's own global-state guard: grad mode, autocast,
 deterministic algorithms, default dtype, ...) with as many torch function and dispatch modes active, and that
-``model.forward`` is still the forward ``kvpass.compile`` compiled (not a wrapper set since); any difference, and every later step of the call, goes back to
-the usual call. What a direct call skips and no check covers: Dynamo's guards on state that nothing of the
-frame changes and something between two steps of the call could (module attributes, module-level globals),
-and a side effect of the frame on a module-level global, which is not replayed (transformers' output-capturing
-context variable is set and reset within the frame).
+``model.forward`` is still the forward ``kvpass.compile`` compiled (not a wrapper set since); any difference,
+and every later step of the call, goes back to the usual call. What a direct call skips and no check covers:
+Dynamo's guards on state that nothing of the frame changes and something between two steps of the call could
+(module attributes, module-level globals), and a side effect of the frame on a module-level global, which is
+not replayed (transformers' output-capturing context variable is set and reset within the frame).
 
 Between two steps of kvpass's decoding loop only the loop and the logits processors and stopping criteria of
 the call run. ``"auto"`` (the default) therefore takes direct steps only where all of those are transformers'
@@ -84,8 +84,10 @@ def callers_code(logits_processor, stopping_criteria) -> str | None:
     processor calls it), or None."""
     for kind, items in (("logits processor", logits_processor), ("stopping criterion", stopping_criteria)):
         for x in items or ():
-            if not type(x).__module__.startswith("transformers.") or type(x).__name__ == "PrefixConstrainedLogitsProcessor":
-                return f"the call runs a {kind} of its own between steps ({type(x).__name__})"
+            cls = type(x)
+            if not cls.__module__.startswith("transformers.") or \
+                    cls.__name__ == "PrefixConstrainedLogitsProcessor":
+                return f"the call runs a {kind} of its own between steps ({cls.__name__})"
     return None
 
 
