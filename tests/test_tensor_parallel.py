@@ -177,11 +177,10 @@ def test_kvpass_compile_on_two_ranks_compiles_once_for_every_length(ranks, polic
     # the split weights reach the compiler as local tensors whose specs the callable checks: Dynamo's per-call
     # spec guards are dropped on the ranks (one process has no DTensor)
     assert tp0["spec_guards_dropped"] > 0 and tp1["spec_guards_dropped"] > 0 and one["spec_guards_dropped"] == 0
-    # full runs with direct_steps: each rank called its decode graph without Dynamo's frame (after two steps
-    # watched per call), with one process's tokens (tests/test_direct_steps.py: a process's direct steps give
-    # its usual tokens)
-    if policy == "full":
-        assert tp0["direct_steps"] == tp1["direct_steps"] == one["direct_steps"] > 0, (tp0["direct_steps"], one)
+    # direct steps (the default): each rank called its decode graph without Dynamo's frame (after two steps
+    # watched per call) as often as one process, with one process's tokens (tests/test_direct_steps.py: a
+    # process's direct steps give its usual tokens)
+    assert tp0["direct_steps"] == tp1["direct_steps"] == one["direct_steps"] > 0, (tp0["direct_steps"], one)
 
 
 def test_explain_shows_the_local_heads_and_the_gathers(ranks):

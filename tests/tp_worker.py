@@ -120,11 +120,10 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
     spec guard filter included) on a fresh copy of the model, then ``generate`` on prompts of every ``LENGTHS``
     and the same prompts through a ``RequestQueue`` of two rows: the new tokens of each, the graphs the backend
     compiled per phase, how many of Dynamo's DTensor spec guards the filter dropped and how many decode steps
-    called their graph directly (``full`` runs with ``direct_steps``)."""
+    called their graph directly (``direct_steps``' default)."""
     model = load(path, tp)
     torch._dynamo.reset()
-    be = kvpass.compile(model, policy, compiler="aot_eager", direct_steps=policy == "full",   # full: direct steps
-                        **({} if policy == "full" else CONFORMANCE[policy].demanding))
+    be = kvpass.compile(model, policy, compiler="aot_eager", **({} if policy == "full" else CONFORMANCE[policy].demanding))
     tokens, direct = [], 0
     for n in LENGTHS:
         ids = torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
