@@ -37,14 +37,16 @@ def ids_of(n: int, rows: int = 1) -> torch.Tensor:
     return torch.randint(3, 90, (rows, n), generator=torch.Generator().manual_seed(n))
 
 
-def generate(model, policy: str, direct: bool, compiler: str, rows: int = 1, sample: bool = False):
+def generate(model, policy: str, direct: bool, compiler: str, rows: int = 1, sample: bool = False, **kw):
+    """``model`` through ``kvpass.compile`` for one ``generate`` call of ``NEW`` tokens (``kw``: more of its
+    arguments), given back uncompiled: the tokens and the backend."""
     torch._dynamo.reset()
     be = kvpass.compile(model, policy, compiler=compiler, direct_steps=direct,
                         **({} if policy == "full" else CONFORMANCE[policy].demanding))
     try:
         if sample:
             torch.manual_seed(0)
-        out = model.generate(ids_of(23, rows), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=sample)
+        out = model.generate(ids_of(23, rows), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=sample, **kw)
     finally:
         del model.forward, model.generate   # kvpass.compile set both on the instance
     return out, be
@@ -251,16 +253,12 @@ class Changes(LogitsProcessor):
 def test_a_change_of_torchs_global_state_or_modes_stops_direct_steps(what, says):
     model = build("llama")
     usual, _ = generate(model, "full", False, "eager")
-    torch._dynamo.reset()
-    be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
     change = Changes(what)
     try:
         with pytest.warns(KVPassWarning, match=f"stopped after 3 direct steps .*{says}"):
-            out = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                 logits_processor=LogitsProcessorList([change]))
+            out, be = generate(model, "full", True, "eager", logits_processor=LogitsProcessorList([change]))
     finally:
         change.undo()
-        del model.forward, model.generate
     assert torch.equal(usual, out) and be.last_direct_steps.direct == 3
 
 
