@@ -67,9 +67,28 @@ def view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
         pos, child = src, pos
 
 
+def from_floats(index: fx.Node) -> bool:
+    """Whether a floating-point tensor of the graph flows into ``index`` (through data edges; sizes do not count):
+    a mixture-of-experts router's ``topk`` / ``argsort`` of its scores does, positions (an ``arange`` from the
+    cache's length, a cumulative sum of an integer mask, an integer input) do not."""
+    stack, seen = [index], {index}
+    while stack:
+        n = stack.pop()
+        ex = n.meta.get("example_value")
+        if isinstance(ex, torch.Tensor) and ex.is_floating_point():
+            return True
+        for a in n.all_input_nodes:
+            if a not in seen and isinstance(a.meta.get("example_value"), (torch.Tensor, tuple, list)):
+                seen.add(a)
+                stack.append(a)
+    return False
+
+
 def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
     """Integer tensors that pick rows of a float table: ``embedding(ids, table)`` (unless not ``embedding``:
-    token ids are looked up that way too) or ``table[ids]``."""
+    token ids are looked up that way too) or ``table[ids]``, where no float tensor flows into the index (a
+    mixture-of-experts layer indexes its routing weights with the experts' token order, which is not a
+    position)."""
     found = []
     for n in graph.nodes:
         if embedding and is_fn(n, {F.embedding, torch.embedding}):
@@ -81,7 +100,7 @@ def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
             table_ok = isinstance(table, torch.Tensor) and table.is_floating_point()
         else:
             continue
-        if table_ok and isinstance(index, fx.Node) and not _float(index):
+        if table_ok and isinstance(index, fx.Node) and not _float(index) and not from_floats(index):
             found.append(index)
     return found
 
