@@ -373,14 +373,17 @@ class SlotLayer(CacheLayerMixin):
         self.is_initialized = True
         for t in (self.keys, self.values, self.pos, self.count, *self.state):
             torch._dynamo.mark_static_address(t)
-        # Shapes: rows, KV heads and head size are static (the decode site reads its KV heads off the slots);
-        # a global layer's capacity, and the state dimensions that follow it (quest's pages), stay symbolic,
-        # so one compiled graph serves every capacity: a cache sized for another prompt compiles nothing new.
-        # A sliding layer's ring (its window) is static: it is the same for every cache of the model.
+        # Shapes: KV heads and head size are static (the decode site reads its KV heads off the slots). The
+        # rows are symbolic (one graph serves every batch of two or more rows; Dynamo specializes a batch of
+        # one), and so are a global layer's capacity and the state dimensions that follow it (quest's pages):
+        # one compiled graph serves every capacity, a cache sized for another prompt compiles nothing new. A
+        # sliding layer's ring (its window) is static: it is the same for every cache of the model.
         for t, symbolic in zip((self.keys, self.values, self.pos, self.count, *self.state),
                                [(2,), (2,), (2,), (), *(state_dims or [()] * len(self.state))]):
             for dim in range(t.dim()):
-                if dim not in symbolic or window:
+                if dim == 0:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+                elif dim not in symbolic or window:
                     torch._dynamo.mark_static(t, dim)
                 else:  # symbolic from the first compile on, whatever torch.compile's dynamic= says
                     torch._dynamo.maybe_mark_dynamic(t, dim)
