@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
+from kvpass.cache.argument import with_cache
 from kvpass.policies.chunk_fusion.kernels.rope import rope_inverse_tables
 from kvpass.policies.contract import ConfigError
 
@@ -102,7 +103,7 @@ def layer_keys(model, ids: Tensor, positions: Tensor) -> list[tuple[Tensor, Tens
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, position_ids=positions, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 

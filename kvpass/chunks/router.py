@@ -8,7 +8,7 @@
     # or prepare the cache and call HF generation yourself
     fused = fusion.prepare(system=..., chunks=[...], question=...)
     out = model.generate(fused.input_ids, attention_mask=fused.attention_mask,
-                         past_key_values=fused.cache, max_new_tokens=32)
+                         cache=fused.cache, max_new_tokens=32)   # past_key_values= before transformers 5.24
 
 A request is ``[S, D1 .. Dk, Q]``. ``prepare``:
 
@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from kvpass.compiler.backend import backend as _backend
+from kvpass.cache.argument import with_cache
 from kvpass.chunks.chunkstore import ChunkStore
 from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.chunk_fusion.base import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
@@ -291,7 +292,7 @@ class ChunkFusion:
         keep = {} if self.cache == "slot" else {"logits_to_keep": 1}
         with torch.no_grad():
             last = fused.input_ids[:, -1:].clone(memory_format=torch.contiguous_format)
-            out = self.decode_forward(input_ids=last, past_key_values=fused.cache,
+            out = self.decode_forward(input_ids=last, **with_cache(self.model, fused.cache),
                                       use_cache=True, **keep)
         fused.timings["last_token"] = self._clock() - t0
         return out.logits[:, -1], fused
@@ -314,7 +315,7 @@ class ChunkFusion:
                                  max_length=total)
             with self._decoding():
                 return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
-                                           past_key_values=fused.cache, **generate_kwargs)
+                                           **with_cache(self.model, fused.cache), **generate_kwargs)
         if self.policy.needs_votes:
             unknown = sorted(set(generate_kwargs) - {"max_new_tokens", "eos_token_id", "do_sample"})
             if unknown or generate_kwargs.get("do_sample"):
@@ -325,7 +326,7 @@ class ChunkFusion:
                                 generate_kwargs.get("eos_token_id", self.model.config.eos_token_id))
         fused = self.prepare(chunks, question, system)
         return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
-                                   past_key_values=fused.cache, **generate_kwargs)
+                                   **with_cache(self.model, fused.cache), **generate_kwargs)
 
     def _greedy(self, chunks, question, system, max_new_tokens: int, eos) -> Tensor:
         logits, fused = self.prefill(chunks, question, system)
@@ -334,7 +335,7 @@ class ChunkFusion:
         with torch.no_grad():
             while len(out) < max_new_tokens and out[-1] not in stop:
                 ids = torch.tensor([[out[-1]]], device=fused.input_ids.device)
-                step = self.forward(input_ids=ids, past_key_values=fused.cache, use_cache=True, logits_to_keep=1)
+                step = self.forward(input_ids=ids, **with_cache(self.model, fused.cache), use_cache=True, logits_to_keep=1)
                 out.append(int(step.logits[0, -1].argmax(-1)))
         return torch.cat([fused.input_ids, torch.tensor([out], device=fused.input_ids.device)], dim=1)
 
@@ -443,7 +444,7 @@ class ChunkFusion:
         before = len(self.backend.reports)
         try:
             with self._first_layers(), torch.no_grad():
-                self.forward(input_ids=ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True,
+                self.forward(input_ids=ids, **with_cache(self.model, DynamicCache(config=self.model.config)), use_cache=True,
                              logits_to_keep=1)
         finally:
             self.policy.request = None
@@ -460,7 +461,7 @@ class ChunkFusion:
         try:
             with torch.no_grad():
                 kw = {} if positions is None else {"position_ids": positions[None].to(ids.device)}
-                self.forward(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw)
+                self.forward(input_ids=ids, **with_cache(self.model, cache), use_cache=True, logits_to_keep=1, **kw)
         finally:
             state.fusion = None
         self._checked(before)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from kvpass.cache.argument import with_cache
 from kvpass.compiler.backend import backend
 from kvpass.policies import POLICIES, ConfigError
 
@@ -126,7 +127,7 @@ class Runner:
     def _step(self, fwd, ids: torch.Tensor, cache) -> torch.Tensor:
         # logits of the last position only: a 128k-token prefill would otherwise materialise
         # [128k, vocab] logits, gigabytes that would dominate the peak memory being measured
-        return fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        return fwd(input_ids=ids, **with_cache(self.model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
     @torch.no_grad()
     def generate(self, fwd, input_ids: list[int], max_new_tokens: int, forced: list[int] | None = None,
