@@ -244,6 +244,16 @@ def _module_being_compiled():
     return None
 
 
+def _recompile_reason() -> str | None:
+    """Dynamo's reason for the recompile under way (the first failed guard), where this torch records it."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except (ImportError, AttributeError):   # pragma: no cover - a torch without the metrics context
+        return None
+    return str(reason).strip() if reason else None
+
+
 class Backend:
     """A ``torch.compile`` backend that applies a kvpass policy. Build it with ``kvpass.backend``."""
 
@@ -323,22 +333,27 @@ class Backend:
         steps = [r for r in self.reports if r.phase != "prefill"]
         return bool(steps) and all(not r.reads_mask and len(r.slots) == layers for r in steps)
 
-    def recompile_advice(self) -> str:
-        """What to tell a user whose forward reaches Dynamo's recompile limit under this backend."""
+    def recompile_advice(self, reason: str | None = None) -> str:
+        """What to tell a user whose forward reaches Dynamo's recompile limit under this backend; ``reason``:
+        Dynamo's reason for the recompile that reached it."""
+        why = f" Dynamo recompiled because: {reason}." if reason else ""
         return (f"kvpass: the model's forward reached Dynamo's recompile_limit ({torch._dynamo.config.recompile_limit}; "
-                f"graphs so far per phase: {self.graph_counts()}). kvpass compiles one "
-                f"prefill and one decode graph for any prompt length and cache size; each new batch size, dtype "
-                f"or cache kind, and each other model compiled in this process (transformers models share one "
-                f"forward), adds graphs. Call torch._dynamo.reset() between models, or raise "
-                f"torch._dynamo.config.recompile_limit.")
+                f"graphs so far per phase: {self.graph_counts()}).{why} kvpass compiles one prefill and one decode "
+                f"graph for any prompt length, cache size and batch of two or more rows (a batch of one, a "
+                f"left-padded batch and inputs_embeds have their own); each new dtype or cache kind, and each other "
+                f"model of the same class compiled with torch.compile in this process (they share one forward), adds "
+                f"graphs. Call torch._dynamo.reset() between models, or raise the limit: "
+                f"torch._dynamo.config.recompile_limit = 64.")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **compile_kwargs):
         # torch.compile passes mode=/options= to a callable backend when they are set (HF's
         # CompileConfig defaults to mode="reduce-overhead").
         cid = torch._guards.CompileContext.current_compile_id()
         if cid is not None and (cid.frame_compile_id or 0) + 1 >= torch._dynamo.config.recompile_limit:
-            warn_once(self.recompile_advice() + " The next recompile of this forward fails with Dynamo's "
-                      "FailOnRecompileLimitHit.", self)
+            # the graph that fills the limit is refused here, where kvpass can still say why: the next recompile
+            # would fail inside Dynamo with its bare FailOnRecompileLimitHit (kvpass sets that flag: past the limit
+            # a decode step would run uncompiled, outside the policy, on the cache a kvpass prefill evicted)
+            raise ConfigError(self.recompile_advice(_recompile_reason()))
         report = self.kvpass(gm.graph)
         report.reads_mask = report.phase == "prefill" or mask_is_read(gm)
         self.reports.append(report)

@@ -33,9 +33,11 @@ import copy
 import functools
 import inspect
 import threading
+import types
 
 import torch
 
+from kvpass.cache.argument import cache_kwarg
 from kvpass.cache.slots import SlotCache
 from kvpass.compiler import decode_loop
 from kvpass.compiler.backend import Backend, backend
@@ -61,6 +63,12 @@ def bucket(n: int, floor: int = 64) -> int:
     return -(-n // step) * step
 
 
+# Dynamo's recompile limit while a generate call runs (the user's, where higher): the graphs of ordinary use are a
+# prefill and a decode graph for a batch of one and for a symbolic batch, a left-padded prefill and one from
+# inputs_embeds per batch kind (up to 8), and the limit counts per forward (each compiled model has its own, own_code)
+RECOMPILE_LIMIT = 16
+
+
 class FastGenerate:
     """``model.generate`` with a reused, bucket-sized ``kvpass.SlotCache`` (see the module docstring).
     ``caches`` holds the caches kept, one per (rows, dtype, device, staging); ``original`` is the model's own
@@ -72,10 +80,8 @@ class FastGenerate:
         # one call at a time: calls share the kept caches (two threads' generations wrote into one cache) and the
         # decoding loop sets torch's process-wide compile stance around its steps
         self.lock = threading.RLock()
-        # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` is deprecated there)
-        takes = inspect.signature(type(model).forward).parameters
-        self.cache_kwarg = "cache" if "cache" in takes else "past_key_values"
-        self.keeps_logits = "logits_to_keep" in takes
+        self.cache_kwarg = cache_kwarg(model)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         functools.update_wrapper(self, original)
         self.compiled_forward = model.__dict__.get("forward")   # what kvpass.compile set (direct steps check it)
 
@@ -106,7 +112,8 @@ class FastGenerate:
     def __call__(self, inputs=None, *args, **kwargs):
         """``generate``: the fast path, or the model's own ``generate`` (module docstring). Calls from several
         threads run one after another."""
-        with self.lock:
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        with self.lock, torch._dynamo.config.patch(recompile_limit=limit):
             return self._generate(inputs, *args, **kwargs)
 
     def _generate(self, inputs=None, *args, **kwargs):
@@ -123,6 +130,9 @@ class FastGenerate:
                               "so there are no attention weights of the model's own to return (a decode step's would "
                               "span the SlotCache's slots); generate with an uncompiled copy of the model for them")
         given = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
+        embeds = kwargs.get("inputs_embeds")
+        if ids is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+            ids = embeds[:, :, 0]   # the prompt's [rows, length], for sizing the cache (generate reads the embeddings)
         if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self._check_continuation(given, ids.shape[1], new_tokens(kwargs, config, ids.shape[1]))
             self._check_no_holes(ids, kwargs.get("attention_mask"), option("pad_token_id"), option("eos_token_id"))
@@ -173,7 +183,7 @@ class FastGenerate:
             raise
         finally:
             defaults.cache_implementation = shipped
-        if any(getattr(out, name, None) is cache for name in ("past_key_values", "cache")):
+        if getattr(out, self.cache_kwarg, None) is cache:
             # the output carries the cache (return_dict_in_generate): it is the caller's now, to read or to continue
             # from; reusing it for the next call would change it under them. The next call builds another
             self.caches = {k: c for k, c in self.caches.items() if c is not cache}
@@ -215,11 +225,16 @@ class FastGenerate:
                               f"kvpass.SlotCache(model, backend, max_length=...) of your own")
 
     def _original(self, *args, **kwargs):
-        """The model's own ``generate``, with Dynamo's recompile-limit failure told as kvpass's advice."""
+        """The model's own ``generate``, with Dynamo's recompile-limit failure told as kvpass's advice and kvpass's
+        errors raised inside Dynamo's compile given as they are."""
         try:
             return self.original(*args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:   # the limit was lowered after a graph compiled
             raise ConfigError(self.backend.recompile_advice()) from e
+        except torch._dynamo.exc.BackendCompilerFailed as e:     # kvpass's own refusal, unwrapped
+            if isinstance(e.inner_exception, ConfigError):
+                raise e.inner_exception from None
+            raise
 
     def many(self, prompts, max_batch: int = 8, progress: bool = False, **generation) -> list[torch.Tensor]:
         """``generate`` over a list of prompts of any lengths (1-D tensors or lists of ids, no padding): up to
@@ -278,6 +293,21 @@ def backward_hooked(model) -> str | None:
         if module._backward_hooks or module._backward_pre_hooks:
             return f"module '{name or type(module).__name__}'"
     return None
+
+
+def own_code(forward):
+    """``forward`` (a bound method) on a copy of its function with a code object of its own. Dynamo keeps a
+    frame's graphs, and counts its recompile limit, per code object, and every model of a class shares its
+    forward's (every transformers forward under one decorator shares the decorator's wrapper): without a copy,
+    the graphs of models compiled earlier in the process count against this model's limit and their guards are
+    checked at every call of this one."""
+    fn = getattr(forward, "__func__", None)
+    if not isinstance(fn, types.FunctionType):
+        return forward   # not a plain bound method (a caller's wrapper): compiled as it is
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__dict__.update(fn.__dict__)   # functools.wraps' __wrapped__, so inspect.signature reads the forward's
+    return types.MethodType(copy, forward.__self__)
 
 
 def compile_options(be: Backend, mode: str | None) -> dict:
@@ -345,7 +375,7 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
     if mode == "auto":
         on_gpu = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
-    model.forward = torch.compile(model.forward, backend=be, dynamic=True, fullgraph=fullgraph,
+    model.forward = torch.compile(own_code(model.forward), backend=be, dynamic=True, fullgraph=fullgraph,
                                   options=compile_options(be, mode))
     model.generate = FastGenerate(model, be, model.generate)
     return be
