@@ -32,6 +32,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+    # pytest's monkeypatch.setattr on a torch config module deletes the setting when it undoes (it read the value
+    # through the module's __getattr__): every later test that reads it failed with an AttributeError. Patch
+    # torch's settings with their own config.patch; this fails the test that did not
+    assert hasattr(torch._dynamo.config, "recompile_limit"), \
+        "a test deleted torch._dynamo.config.recompile_limit: use torch._dynamo.config.patch, not monkeypatch"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -156,10 +156,11 @@ def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params
 
 def test_decode_past_the_recompile_limit_fails_instead_of_running_uncompiled():
     """Past the limit Dynamo runs the frame uncompiled: a decode step after a kvpass prefill would run
-    outside the policy on the cache it evicted. A kvpass backend makes that a hard error."""
+    outside the policy on the cache it evicted. A kvpass backend makes that a hard error (it refuses the graph
+    that would fill the limit: here 2, the prefill compiles and the decode step is refused)."""
     torch._dynamo.reset()
     model = build("llama")
-    with torch._dynamo.config.patch(recompile_limit=1):
+    with torch._dynamo.config.patch(recompile_limit=2):
         be = kvpass.backend("streamingllm", budget=16, compiler="eager")
         fwd = torch.compile(model.forward, backend=be)
         cache = DynamicCache(config=model.config)
@@ -320,7 +321,8 @@ def test_unrecognized_attention_warns(family):
     torch._dynamo.reset()
     be = kvpass.backend("streamingllm", budget=8, compiler="eager")
     _, said = kvpass_warnings(lambda: greedy(torch.compile(model.forward, backend=be), model, PROMPT, 1))
-    assert any("does not recognize" in w for w in said), said
+    # transformers 5.25's Falcon attention is recognized, and then refused for the ALiBi bias in its mask
+    assert any("does not recognize" in w or family == "falcon" and "additive bias (ALiBi)" in w for w in said), said
     assert be.state.seen == 0
 
 
@@ -406,7 +408,7 @@ def test_each_backend_warns_once():
         be = kvpass.backend("streamingllm", budget=8, compiler="eager")
         fwd = torch.compile(model.forward, backend=be)
         said.append(kvpass_warnings(lambda: greedy(fwd, model, PROMPT, 2))[1])
-    assert all(len([w for w in s if "does not recognize" in w]) == 1 for s in said), said
+    assert all(len([w for w in s if "compiling a graph unchanged" in w]) == 1 for s in said), said
 
 
 # 8. every way of calling the compiler that the README shows ----------------------------------------------

@@ -251,7 +251,8 @@ def _recompile_reason() -> str | None:
         reason = get_metrics_context()._metrics.get("recompile_reason")
     except (ImportError, AttributeError):   # pragma: no cover - a torch without the metrics context
         return None
-    return str(reason).strip() if reason else None
+    # the failed guard, on one line (Dynamo follows it with the source line and the user's stack)
+    return " ".join(str(reason).strip().splitlines()[0].split()) if reason else None
 
 
 class Backend:

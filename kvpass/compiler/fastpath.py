@@ -9,8 +9,11 @@ It compiles ``model.forward`` with a kvpass backend (``dynamic=True``; on a GPU 
 next step before it asks whether the last one finished (``kvpass.compiler.decode_loop``). The cache is sized in buckets
 (``bucket``: a quarter of an octave, so at most a quarter of it is never used) and kept: the next call
 that fits it resets and reuses it, so its slots keep their addresses and the recorded CUDA graphs
-replay. A capacity never enters the compiled code (the slots' capacity dimension is symbolic,
-``kvpass.cache.slots``), so every prompt length runs on the one prefill graph and the one decode graph.
+replay. A capacity never enters the compiled code, nor does a batch of two or more rows (the slots' capacity and
+row dimensions are symbolic, ``kvpass.cache.slots``), so every prompt length runs on the one prefill graph and the
+one decode graph of its batch kind (one row; more). A prompt given as ``inputs_embeds`` runs on the SlotCache too.
+The forward is compiled on a code object of its own (``own_code``) and ``generate`` runs with Dynamo's recompile
+limit at least ``RECOMPILE_LIMIT``: the limit counts graphs per code object.
 
 A call whose output carries the cache (``return_dict_in_generate=True``) gives it to that output: the caller
 may continue from it, and the next call builds another. A ``cache_implementation`` in the model's own

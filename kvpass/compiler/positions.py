@@ -67,18 +67,20 @@ def view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
         pos, child = src, pos
 
 
-def from_floats(index: fx.Node) -> bool:
-    """Whether a floating-point tensor of the graph flows into ``index`` (through data edges; sizes do not count):
-    a mixture-of-experts router's ``topk`` / ``argsort`` of its scores does, positions (an ``arange`` from the
-    cache's length, a cumulative sum of an integer mask, an integer input) do not."""
+_RANKS = {"topk", "sort", "argsort", "argmax", "argmin", "nonzero", "multinomial", "kthvalue"}
+
+
+def from_ranking(index: fx.Node) -> bool:
+    """Whether ``index`` is computed (through data edges) from a ranking or selection of values: ``topk``,
+    ``sort``, ``argmax``, ``nonzero`` ... A mixture-of-experts router's token order is; positions (an ``arange``
+    from the cache's length, a cumulative sum of the attention mask, an integer input) never are."""
     stack, seen = [index], {index}
     while stack:
         n = stack.pop()
-        ex = n.meta.get("example_value")
-        if isinstance(ex, torch.Tensor) and ex.is_floating_point():
+        if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) in _RANKS:
             return True
         for a in n.all_input_nodes:
-            if a not in seen and isinstance(a.meta.get("example_value"), (torch.Tensor, tuple, list)):
+            if a not in seen:
                 seen.add(a)
                 stack.append(a)
     return False
@@ -86,7 +88,7 @@ def from_floats(index: fx.Node) -> bool:
 
 def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
     """Integer tensors that pick rows of a float table: ``embedding(ids, table)`` (unless not ``embedding``:
-    token ids are looked up that way too) or ``table[ids]``, where no float tensor flows into the index (a
+    token ids are looked up that way too) or ``table[ids]``, where the index is not a ranking's (a
     mixture-of-experts layer indexes its routing weights with the experts' token order, which is not a
     position)."""
     found = []
@@ -100,7 +102,7 @@ def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
             table_ok = isinstance(table, torch.Tensor) and table.is_floating_point()
         else:
             continue
-        if table_ok and isinstance(index, fx.Node) and not _float(index) and not from_floats(index):
+        if table_ok and isinstance(index, fx.Node) and not _float(index) and not from_ranking(index):
             found.append(index)
     return found
 

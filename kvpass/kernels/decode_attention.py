@@ -431,9 +431,11 @@ if triton is not None:
     def _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i, steps, gmask, gd, d, D: tl.constexpr):
         """Horizon step ``i``'s part (nothing past ``steps``)."""
         there = i < steps
-        ms = tl.load(PartM + rows + i, mask=gmask & there, other=float("-inf"))
-        ls = tl.load(PartL + rows + i, mask=gmask & there, other=0.0)
-        a = tl.load(PartAcc + (rows + i)[:, None] * D + d[None, :], mask=gd & there, other=0.0)
+        # per head, not a scalar: Triton 3.9's interpreter gives `vector & scalar` int32 data, which a load refuses
+        live = gmask & ((rows * 0 + i) < steps)
+        ms = tl.load(PartM + rows + i, mask=live, other=float("-inf"))
+        ls = tl.load(PartL + rows + i, mask=live, other=0.0)
+        a = tl.load(PartAcc + (rows + i)[:, None] * D + d[None, :], mask=gd & live[:, None], other=0.0)
         took = tl.load(Visited + vrow + i, mask=there, other=0)
         return ms, ls, a, took
 
