@@ -397,7 +397,7 @@ def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
         got = model.generate(ids, max_new_tokens=4, do_sample=False)
     except Exception as e:   # noqa: BLE001 - the error is checked below
         if flags["multi_query"]:
-            assert "writes 1 KV heads per layer, the cache was sized for 4" in str(e)
+            assert "writes 1 KV heads per layer" in str(e) and "sized for 4" in str(e)
         if hasattr(e, "add_note"):
             assert any("kvpass.compile's fast path" in n for n in e.__notes__)
     else:   # transformers >= 5.25 gives a multi_query config its one KV head, which the SlotCache is sized from

@@ -117,6 +117,7 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"forward that was compiled so gets here when its graph broke between the attention and the cache "
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
             f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
+    check_heads(keys, values, k_new, v_new)
     b, hkv, q = k_new.shape[:3]
     cap = keys.shape[2]
     if q > cap:   # known on the host: an error the process survives, where the device assert below ends it on a GPU
@@ -137,6 +138,21 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
 @slot_append.register_fake
 def _(keys, values, pos, count, k_new, v_new, state, window=0, policy="", spec=""):
     return None
+
+
+def check_heads(keys: Tensor, values: Tensor, k_new: Tensor, v_new: Tensor) -> None:
+    """The model's attention writes as many KV heads of the sizes the cache was built with (from the config:
+    ``num_key_value_heads``, ``head_dim``), or a ``ValueError`` names kvpass and the way on. A config flag such
+    as Falcon's ``multi_query`` (before transformers 5.25) or a latent attention whose keys and values have sizes
+    of their own (``qk_rope_head_dim``, ``v_head_dim``) is not what the cache read."""
+    want = (keys.shape[1], keys.shape[3], values.shape[3])
+    got = (k_new.shape[1], k_new.shape[3], v_new.shape[3])
+    if got != want:
+        raise ValueError(f"kvpass SlotCache: the model's attention writes {got[0]} KV heads per layer of key size "
+                         f"{got[1]} and value size {got[2]}; the cache was sized for {want[0]} of {want[1]} and "
+                         f"{want[2]} from the model's config (num_key_value_heads, or num_attention_heads without it; "
+                         f"head_dim, or hidden_size / num_attention_heads), which does not describe this attention. "
+                         f"Use the model's own cache (a DynamicCache) with kvpass.backend")
 
 
 @torch.library.custom_op("kvpass::slot_prefill",
@@ -160,12 +176,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if b != keys.shape[0]:
         raise ValueError(f"kvpass SlotCache: a batch of {b} rows on a cache built for {keys.shape[0]}; build it "
                          f"with batch_size={b}")
-    if hkv != keys.shape[1]:
-        raise ValueError(f"kvpass SlotCache: the model's attention writes {hkv} KV heads per layer, the cache was "
-                         f"sized for {keys.shape[1]} from the model's config (num_key_value_heads, or "
-                         f"num_attention_heads without it), which does not describe this attention (a config flag "
-                         f"such as Falcon's multi_query); use the model's own cache (a DynamicCache) with "
-                         f"kvpass.backend")
+    check_heads(keys, values, k_new, v_new)
     if length > int(count[0, 3]):
         raise ValueError(f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
                          f"{int(count[0, 3])}; build it with max_length >= prompt + new tokens")

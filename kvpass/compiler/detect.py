@@ -629,11 +629,27 @@ def detect(gm: fx.GraphModule) -> Detection:
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)
         sites.append(found)
+    if not sites and not problems and (seen := _attention_like(gm)) is not None:
+        problems.append(Problem(seen.name, "no attention site in a form kvpass recognizes, beside a softmax or an "
+                                           "attention operator it cannot read (attention with sinks, flex "
+                                           "attention, a kernel of the model's own); the policy cannot be "
+                                           "applied to this model's attention"))
     tokens = _token_ids(gm)
     global_layers = tuple(s.layer for s in sites if not s.sliding_window)
     for s in sites:
         s.tokens, s.global_layers = tokens, global_layers
     return Detection(sites, problems)
+
+
+def _attention_like(gm: fx.GraphModule) -> fx.Node | None:
+    """The first softmax, or call of an operator named like attention, of a graph: where detection found no site
+    beside one, the model's attention is in a form kvpass cannot read (said, never silently left unapplied)."""
+    for n in gm.graph.nodes:
+        if is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax"):
+            return n
+        if n.op == "call_function" and "attention" in str(getattr(n.target, "__name__", n.target)).lower():
+            return n
+    return None
 
 
 def _token_ids(gm: fx.GraphModule) -> fx.Node | None:
