@@ -264,3 +264,21 @@ def test_a_latent_attention_on_the_slot_cache_is_refused_by_name_and_exact_on_it
     got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=cfg))
     assert torch.equal(got, expected)
     torch._dynamo.reset()
+
+
+def test_a_model_without_attention_is_told_the_policy_does_nothing():
+    """A state-space model (Mamba) has no attention for a policy to act on: compiled through kvpass it gives the
+    uncompiled tokens and one warning that the policy does nothing (it was silent: "unapplied")."""
+    torch._dynamo.reset()
+    cfg = tf.MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.MambaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=2, do_sample=False)
+    model.forward = torch.compile(model.forward, backend=kvpass.backend("snapkv", budget=8, window=4, compiler="eager"),
+                                  dynamic=True)
+    with pytest.warns(kvpass.KVPassWarning, match="has no attention site: policy 'snapkv' does nothing in it"):
+        got = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, expected)
+    torch._dynamo.reset()

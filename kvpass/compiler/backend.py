@@ -145,6 +145,11 @@ class KVPass(CustomGraphPass):
         if gates and not report.problems and (why := _gate.check(found.sites, self.policy)):
             report.problems.append(f"policy '{self.policy.name}' (gate): {why}")   # 4. can the gate be placed
         self._follow_prefill(report.phase, report.problems)         # 5. decode follows an unchanged prefill
+        if not found.sites and not report.problems:                 #    nothing to apply the policy to: said
+            warn_once(f"kvpass: a graph of {len(gm.graph.nodes)} nodes has no attention site: policy "
+                      f"'{self.policy.name}' does nothing in it. A model without attention (a state-space model) "
+                      f"is not changed by kvpass; where the model's forward breaks into several graphs, its attention "
+                      f"may be in another one (kvpass.explain shows what each graph holds)", self)
         if report.problems:
             warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
                       f"{report.problems[0]}", self)
