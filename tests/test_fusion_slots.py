@@ -16,6 +16,7 @@ import torch
 
 import families
 import kvpass
+from kvpass.cache.argument import with_cache
 from kvpass import ConfigError
 
 POLICIES = [("a3", dict(ratio=0.25)), ("a3+evict", dict(ratio=0.25, capacity=24)), ("cacheblend", dict(ratio=0.25)),
@@ -43,8 +44,10 @@ def _decode(fusion, parts, steps: int):
     out = [logits]
     with torch.no_grad():
         for _ in range(steps):
-            step = fusion.decode_forward(input_ids=out[-1].argmax(-1, keepdim=True), past_key_values=fused.cache,
-                                         use_cache=True)
+            # the cache by the name the model's forward takes, as ChunkFusion's own prefill passes it (the other name
+            # would compile a second decode graph)
+            step = fusion.decode_forward(input_ids=out[-1].argmax(-1, keepdim=True),
+                                         **with_cache(fusion.model, fused.cache), use_cache=True)
             out.append(step.logits[:, -1])
     return torch.stack(out), fused
 

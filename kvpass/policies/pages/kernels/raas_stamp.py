@@ -122,16 +122,18 @@ if triton is not None:
         first = tl.load(Meta + bh * 4 + 2)
         if (cur >= blk * BLOCK_P) & (cur < blk * BLOCK_P + BLOCK_P):  # this program holds page cur: fold the token
             fresh = tl.load(Meta + bh * 4 + 1) == 0
+            # in fp32, exact for the cache's dtype (the bound is one of the two values; the new key is rounded to
+            # the cache's dtype first): Triton 3.9's interpreter compares bf16 by its bits in maximum / minimum
             x = tl.load(Kmax + cur * sk_p + d, mask=d < D)
             n = tl.load(Kmin + cur * sk_p + d, mask=d < D)
-            knew = tl.load(Knew + b * sn_b + h * sn_h + d, mask=d < D).to(x.dtype)
-            x = tl.where(fresh, knew, tl.maximum(x, knew))
-            n = tl.where(fresh, knew, tl.minimum(n, knew))
-            tl.store(Kmax + cur * sk_p + d, x, mask=d < D)
-            tl.store(Kmin + cur * sk_p + d, n, mask=d < D)
+            knew = tl.load(Knew + b * sn_b + h * sn_h + d, mask=d < D).to(x.dtype).to(tl.float32)
+            x = tl.where(fresh, knew, tl.maximum(x.to(tl.float32), knew))
+            n = tl.where(fresh, knew, tl.minimum(n.to(tl.float32), knew))
+            tl.store(Kmax + cur * sk_p + d, x.to(Kmax.dtype.element_ty), mask=d < D)
+            tl.store(Kmin + cur * sk_p + d, n.to(Kmin.dtype.element_ty), mask=d < D)
             at = (pi == cur)[:, None]
-            kx = tl.where(at, x.to(tl.float32)[None, :], kx)
-            kn = tl.where(at, n.to(tl.float32)[None, :], kn)
+            kx = tl.where(at, x[None, :], kx)
+            kn = tl.where(at, n[None, :], kn)
         ok = tl.load(Live + bh * n_pages + pi, mask=pm, other=0) != 0
         wi = pi - first
         win = pm & (wi >= 0) & (wi < W)  # the window's bounds are kept for the plan, the others only summed
