@@ -62,9 +62,12 @@ FAMILIES = {
 }
 
 
-def build(family: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Build the tiny model of `family` with attention implementation `attn`, in eval mode."""
+def build(family: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, **config):
+    """Build the tiny model of `family` with attention implementation `attn`, in eval mode; ``config``: fields of
+    its config to set (``num_hidden_layers=4``)."""
     cfg, cls = FAMILIES[family]()
+    for name, value in config.items():
+        setattr(cfg, name, value)
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype).eval()

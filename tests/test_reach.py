@@ -23,26 +23,13 @@ import torch
 import transformers as tf
 
 import kvpass
-from families import COMMON, FAMILIES, build
+from families import COMMON, build
 
 
 def _equal(got, expected) -> bool:
     got = got.sequences if hasattr(got, "sequences") else got
     expected = expected.sequences if hasattr(expected, "sequences") else expected
     return torch.equal(got, expected)
-
-
-def _llama(**over):
-    """The tiny Llama of ``tests/families.py`` with ``over`` in its config."""
-    cfg, cls = FAMILIES["llama"]()
-    for name, value in over.items():
-        setattr(cfg, name, value)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
 
 
 def _ordinary_calls(n: int, seed: int = 0) -> list[dict]:
@@ -96,7 +83,7 @@ def test_a_hundred_ordinary_calls_compile_a_few_graphs_and_equal_the_uncompiled_
     and kind of prompt (tokens; left-padded tokens, which read a mask the unpadded prefill does not build;
     embeddings; a single token). Before, every batch size compiled both graphs again and the tenth call failed."""
     torch._dynamo.reset()
-    model, ref = _llama(max_position_embeddings=512), _llama(max_position_embeddings=512)
+    model, ref = (build("llama", max_position_embeddings=512) for _ in range(2))
     be = kvpass.compile(model, "full", compiler="eager")
     for i, kw in enumerate(_ordinary_calls(100)):
         got, expected = _run(model, kw, seed=i), _run(ref, kw, seed=i)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import kvpass
-from families import FAMILIES, build
+from families import build
 from kvpass.compiler.layers import share_layers
 
 
@@ -134,14 +134,7 @@ def test_layers_that_are_not_contiguous_runs_are_left_inline():
 
 
 def _llama(layers: int):
-    cfg, cls = FAMILIES["llama"]()
-    cfg.num_hidden_layers = layers
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
+    return build("llama", num_hidden_layers=layers)
 
 
 def _tokens(model, policy, **kw):
