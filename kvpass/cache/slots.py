@@ -392,12 +392,10 @@ class SlotLayer(CacheLayerMixin):
         for t, symbolic in zip((self.keys, self.values, self.pos, self.count, *self.state),
                                [(2,), (2,), (2,), (), *(state_dims or [()] * len(self.state))]):
             for dim in range(t.dim()):
-                if dim == 0:
-                    torch._dynamo.maybe_mark_dynamic(t, dim)
-                elif dim not in symbolic or window:
+                if dim == 0 or dim in symbolic and not window:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)   # symbolic from the first compile on, whatever
+                else:                                          # torch.compile's dynamic= says
                     torch._dynamo.mark_static(t, dim)
-                else:  # symbolic from the first compile on, whatever torch.compile's dynamic= says
-                    torch._dynamo.maybe_mark_dynamic(t, dim)
 
     def fill(self, keys: Tensor, values: Tensor, pos: Tensor, seen: int, limit: int) -> None:
         """Load ``K`` entries a driver computed outside the compiled graphs (chunk fusion's merged cache):
