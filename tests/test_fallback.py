@@ -101,6 +101,8 @@ def test_training_dropout_falls_back():
 
 
 def test_graph_without_attention_is_left_alone_silently():
+    """`full` has nothing to apply anywhere, so a graph without attention is no news under it (an evicting
+    policy says so: tests/test_reach.py, the Mamba case)."""
     be = kvpass.backend("full", compiler="eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

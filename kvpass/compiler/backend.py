@@ -145,7 +145,7 @@ class KVPass(CustomGraphPass):
         if gates and not report.problems and (why := _gate.check(found.sites, self.policy)):
             report.problems.append(f"policy '{self.policy.name}' (gate): {why}")   # 4. can the gate be placed
         self._follow_prefill(report.phase, report.problems)         # 5. decode follows an unchanged prefill
-        if not found.sites and not report.problems:                 #    nothing to apply the policy to: said
+        if not found.sites and not report.problems and self.policy.name != "full":   # nothing to apply it to: said
             warn_once(f"kvpass: a graph of {len(gm.graph.nodes)} nodes has no attention site: policy "
                       f"'{self.policy.name}' does nothing in it. A model without attention (a state-space model) "
                       f"is not changed by kvpass; where the model's forward breaks into several graphs, its attention "
