@@ -216,6 +216,16 @@ ABSOLUTE = {  # every decoder-only family transformers ships whose positions are
                                                                 is_decoder=True, **a)),
     # CTRL indexes a sinusoid buffer; a Dynamo graph break (its buffer assignment) computes the ids outside
     "ctrl": lambda a: tf.CTRLLMHeadModel(tf.CTRLConfig(n_layer=2, n_embd=64, n_head=4, dff=128, vocab_size=100, **a)),
+    # BERT-style decoders (RemBERT's attention is eager only, and recognised) read their own position_ids buffer at the cache's length, and build token type ids
+    # (zeros; RoCBert picks them from a buffer at those positions) that are looked up like positions but are not
+    "rembert": lambda a: tf.RemBertForCausalLM(tf.RemBertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                                num_attention_heads=4, vocab_size=100, is_decoder=True,
+                                                                input_embedding_size=64, output_embedding_size=64,
+                                                                **{**a, "attn_implementation": "eager"})),
+    "roc_bert": lambda a: tf.RoCBertForCausalLM(tf.RoCBertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                                 num_attention_heads=4, vocab_size=100, is_decoder=True,
+                                                                 shape_vocab_size=8, pronunciation_vocab_size=8,
+                                                                 bos_token_id=1, eos_token_id=2, **a)),
     # eager attention only: kvpass does not recognise it, warns and compiles unchanged
     "gpt_neo": lambda a: tf.GPTNeoForCausalLM(tf.GPTNeoConfig(num_layers=2, attention_types=[[["global"], 2]],
                                                               hidden_size=64, num_heads=4, vocab_size=100, **a)),

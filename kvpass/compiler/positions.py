@@ -25,8 +25,9 @@ OPS = torch.ops.kvpass
 def derived(pos: fx.Node) -> bool:
     """True when position ids were computed inside the graph (from the cache length), not passed in.
 
-    Only tensor values count as "passed in": an integer tensor input reached through data edges.
-    Shape edges (``input_ids.size(1)`` under dynamic shapes) carry lengths, not positions.
+    Only tensor values count as "passed in": an integer tensor input reached through data edges (a model's
+    own integer buffer, such as BERT-style ``position_ids``, is not an input: the model reads it at the cache's
+    length). Shape edges (``input_ids.size(1)`` under dynamic shapes) carry lengths, not positions.
     """
     stack, seen = [pos], set()
     while stack:
@@ -35,7 +36,7 @@ def derived(pos: fx.Node) -> bool:
         if not isinstance(ex, torch.Tensor):
             continue  # a SymInt / int: shape information
         if n.op == "placeholder":
-            if not ex.is_floating_point():
+            if not ex.is_floating_point() and not _model_tensor(n):
                 return False
             continue
         for a in n.all_input_nodes:
@@ -43,6 +44,11 @@ def derived(pos: fx.Node) -> bool:
                 seen.add(a)
                 stack.append(a)
     return True
+
+
+def _model_tensor(node: fx.Node) -> bool:
+    """A placeholder that is one of the model's own parameters or buffers (Dynamo marks those static)."""
+    return "_dynamo_static_input_type" in node.meta.get("tensor_dict", {})
 
 
 def _float(node: fx.Node) -> bool:
@@ -77,13 +83,51 @@ def from_ranking(index: fx.Node) -> bool:
     stack, seen = [index], {index}
     while stack:
         n = stack.pop()
-        if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) in _RANKS:
+        if _call_name(n) in _RANKS:
             return True
         for a in n.all_input_nodes:
             if a not in seen:
                 seen.add(a)
                 stack.append(a)
     return False
+
+
+_COUNTS = {"arange", "cumsum"}
+_PICKS = {"gather", "index_select", "take", "take_along_dim"}   # values from their first argument
+
+
+def counts_tokens(index: fx.Node) -> bool:
+    """Whether the values of ``index`` count tokens, as derived absolute positions do: they come (through
+    arithmetic and views) from an ``arange`` (from the cache's length on), a ``cumsum`` (of the attention
+    mask) or a window of the model's own integer table read from the cache's length (BERT-style
+    ``position_ids[:, past:past + q]``). Token type ids do not, whether built as ``zeros`` or picked from a
+    buffer of zeros at those positions: a lookup takes its values from the table, not from its index."""
+    stack, seen = [index], {index}
+    while stack:
+        n = stack.pop()
+        if _call_name(n) in _COUNTS or _table_window(n):
+            return True
+        picks = n.op in ("call_function", "call_method") and (n.target is operator.getitem or _call_name(n) in _PICKS)
+        for a in ([n.args[0]] if picks else n.all_input_nodes):
+            if isinstance(a, fx.Node) and a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return False
+
+
+def _call_name(n: fx.Node):
+    return getattr(n.target, "__name__", n.target) if n.op in ("call_function", "call_method") else None
+
+
+def _table_window(n: fx.Node) -> bool:
+    """``table[..., start:stop]`` of a model's integer buffer from a start past 0: the cache's length (a
+    constant where the graph is specialized to it). A window from 0 is not told apart from a table of token
+    type ids read the same way, and needs no fixing: nothing was evicted before the first token."""
+    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "placeholder" and _model_tensor(n.args[0])):
+        return False
+    index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    return any(isinstance(i, slice) and (isinstance(i.start, fx.Node) or (i.start or 0) > 0) for i in index)
 
 
 def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
@@ -114,8 +158,10 @@ def fix_positions(graph: fx.Graph, sites: list[Site], handle: int, prefill: bool
     ``true_positions`` of a graph must see the state of the call's start, and Inductor may run a second one
     after layers of the same call recorded their new count (it moved Gemma 3's global layers by one position)."""
     fixed = []
-    # RoPE's positions, and absolute positions looked up in a table (token ids are passed in: not derived)
-    found = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + table_lookups(graph))
+    # RoPE's positions, and absolute positions looked up in a table (token ids are passed in: not derived;
+    # token type ids built as zeros are derived but count nothing)
+    absolute = [p for p in table_lookups(graph) if counts_tokens(p)]
+    found = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + absolute)
              if derived(p)]
     paths = [view_root(p) for p in found]
     if len({root for root, _ in paths}) == 1 and len(found) > 1:
