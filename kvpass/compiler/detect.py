@@ -503,6 +503,28 @@ def mask_bias(mask, limit: int = 64) -> str | None:
     return None
 
 
+def mask_chunks(mask, limit: int = 256) -> str | None:
+    """Why an attention mask is not a window over positions: it is computed from a floor division of integer
+    tensors (positions grouped into chunks: chunked attention, as Llama 4's local layers). A mask rebuilt
+    from positions (causal, or a sliding window) would let a token see the previous chunk. None otherwise."""
+    if not isinstance(mask, fx.Node):
+        return None
+    todo, seen = [mask], {mask}
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        ex = val(n)
+        floor = is_fn(n, {operator.floordiv, torch.floor_divide}) or is_method(n, "floor_divide", "__floordiv__") \
+            or ((is_fn(n, {torch.div}) or is_method(n, "div")) and n.kwargs.get("rounding_mode") == "floor")
+        if floor and isinstance(ex, torch.Tensor) and not ex.is_floating_point():
+            return (f"the attention mask groups positions into chunks ('{n.name}': a floor division), as chunked "
+                    f"attention does; kvpass rebuilds masks from positions as causal or sliding windows only")
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return None
+
+
 _LINEAR = {F.linear, torch._C._nn.linear}
 
 

@@ -8,7 +8,8 @@
   turns an evicting plan into ``append`` (the model's own cache update, positions fixed), unless the site's
   mask is not plainly causal: a padding mask is sized by true lengths, not by what the shrunk cache stores,
   so such a site keeps the evicting shape, which masks by true position;
-* refuses a plan that stops reading the model's mask where that mask may carry a bias (ALiBi).
+* refuses a plan that stops reading the model's mask where that mask may carry a bias (ALiBi) or groups
+  positions into chunks (chunked attention).
 
 The rewrite (``kvpass.compiler.rewrite``) then runs ``plan.shape`` and decides nothing.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvpass.cache import slots as _slots
-from kvpass.compiler.detect import mask_bias
+from kvpass.compiler.detect import mask_bias, mask_chunks
 from kvpass.compiler.maskcheck import site_mask
 from kvpass.policies.contract import Policy, SitePlan
 
@@ -51,6 +52,6 @@ def plan_site(policy: Policy, site) -> SitePlan | str:
     elif (plan.evict and needs.decode_appends and site.phase in ("decode", "append") and not site.sliding_window
           and site_mask(site)[0] is None):
         plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
-    if plan.replaces_mask and (bias := mask_bias(site.mask)):
-        return f"layer {site.layer}: {bias}"
+    if plan.replaces_mask and (why := mask_bias(site.mask) or mask_chunks(site.mask)):
+        return f"layer {site.layer}: {why}"
     return plan
