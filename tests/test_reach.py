@@ -174,6 +174,31 @@ def test_a_mixture_of_experts_routing_order_is_not_taken_for_positions(kind, pol
     torch._dynamo.reset()
 
 
+def test_a_chunked_attention_mask_is_not_rebuilt_as_a_sliding_window():
+    """Llama 4's local layers attend within chunks of ``attention_chunk_size`` tokens (their mask floor-divides
+    positions), and their cache is a ring of that size. A gated prefill (fastkv) evicts on every layer and
+    masks by position after it: a chunked layer was masked as a sliding window, wrong from the first decode
+    step at a budget that evicts nothing. Refused by the mask's structure, named, equal to the model."""
+    torch._dynamo.reset()
+    cfg = tf.Llama4TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              num_local_experts=2, attention_chunk_size=8, pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.Llama4ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+    be = kvpass.backend("fastkv", budget=1000, layer=0, compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be, dynamic=True)
+    with pytest.warns(kvpass.KVPassWarning, match="groups positions into chunks"):
+        got = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected)
+    torch._dynamo.reset()
+
+
 class _Deprecations(logging.Handler):
     def __init__(self):
         super().__init__()
