@@ -7,6 +7,8 @@ The public names are imported on first use (``kvpass.backend`` imports the compi
 and transformers), so the ``kvpass`` command answers ``--help`` without them.
 """
 
+import copy
+import functools
 import importlib
 
 # The supported range (pyproject.toml; CI runs the suite on the newest and a subset on these floors).
@@ -34,13 +36,50 @@ _check_versions()
 _PUBLIC = {  # name -> the module that defines it
     "Backend": "kvpass.compiler.backend", "GraphReport": "kvpass.compiler.backend",
     "KVPass": "kvpass.compiler.backend", "backend": "kvpass.compiler.backend",
-    "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots", "compile": "kvpass.compiler.fastpath",
+    "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots",
     "RequestQueue": "kvpass.compiler.requests",
     "ChunkKV": "kvpass.chunks.chunkstore", "ChunkStore": "kvpass.chunks.chunkstore",
     "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
     "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
     "ConfigError": "kvpass.policies", "Policy": "kvpass.policies", "GenerationState": "kvpass.cache.state",
 }
+
+
+def compile(model, policy="full", **options):
+    """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path; returns the
+    ``kvpass.Backend``. The options (``mode``, ``compiler``, ``prefill_compiler``, ``fullgraph``, ``direct_steps``,
+    the policy's parameters) and what ``generate`` then does: ``kvpass.compiler.fastpath.compile``.
+
+    An encoder-decoder (``config.is_encoder_decoder``) is refused: kvpass compiles decoder-only models.
+    ``copy.deepcopy`` of the compiled model gives the model uncompiled (its class's ``forward`` and ``generate``)
+    with its own copy of the weights; ``kvpass.compile`` the copy for a policy of its own.
+    """
+    from kvpass.compiler.fastpath import compile as compile_fast_path
+    from kvpass.errors import ConfigError
+
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ConfigError(f"kvpass.compile: parameter 'model' is an encoder-decoder ({type(model).__name__}, "
+                          f"config.is_encoder_decoder=True): kvpass compiles decoder-only models, whose one "
+                          f"self-attention cache its policies manage (a decoder's cross-attention reads the "
+                          f"encoder's output, another cache); run this model uncompiled, or torch.compile it "
+                          f"without kvpass")
+    be = compile_fast_path(model, policy, **options)
+    model.__deepcopy__ = functools.partial(_uncompiled_copy, model)
+    return be
+
+
+_COMPILED = ("forward", "generate", "__deepcopy__")   # what kvpass.compile sets on the model object
+
+
+def _uncompiled_copy(model, memo: dict):
+    """``copy.deepcopy`` of a model ``kvpass.compile`` compiled: everything copied but what the compile set on the
+    model object. The compiled forward is bound to the original model and the fast path's caches and lock are
+    the original's: kept, the copy would run the original's weights."""
+    twin = type(model).__new__(type(model))
+    memo[id(model)] = twin
+    state = {k: v for k, v in model.__getstate__().items() if k not in _COMPILED}
+    twin.__setstate__(copy.deepcopy(state, memo))
+    return twin
 
 
 def __getattr__(name: str):

@@ -439,7 +439,11 @@ def check_device(device: str) -> None:
 
 def _prepare_out(out: Path) -> list[Path]:
     """Create ``out`` and check that a file can be written in it, before anything runs; returns the
-    folders created (innermost first) so that a run that fails can remove them again."""
+    folders created (innermost first) so that a run that fails can remove them again. A folder that
+    cannot be made or written is a usage error (status 2)."""
+    if out.exists() and not out.is_dir():
+        _usage_error(f"--out {out}: cannot write there (it is a file, not a folder); pass a folder's path, "
+                     f"e.g. --out {out.with_name(out.name + '-results')}")
     created = []
     for folder in (out, *out.parents):
         if folder.exists() or folder.is_symlink():
@@ -452,7 +456,7 @@ def _prepare_out(out: Path) -> list[Path]:
         os.unlink(probe)
     except OSError as e:
         _remove_empty(created)
-        raise SystemExit(f"kvpass: --out {out}: cannot write there ({e.strerror or e})") from None
+        _usage_error(f"--out {out}: cannot write there ({e.strerror or e}); pass a folder you can write to")
     return created
 
 
@@ -563,9 +567,31 @@ def _finish(results, out: Path, created: list[Path], meta: dict) -> int:
     return 0
 
 
+INTERRUPTED = 130   # the exit status of a command ended by Ctrl-C (SIGINT), as a shell reports it
+
+
+def _interrupted(finished, policies: list[str], out: Path, created: list[Path], meta: dict) -> int:
+    """Ctrl-C during a run: write the results of the policies that finished, say where and what did not finish;
+    the exit status is 130. With none finished, nothing is written and a results folder this run created is
+    removed."""
+    from kvpass.eval import report
+
+    done = [r for p in policies for r in finished if r.policy == p]
+    if not done:
+        _remove_empty(created)
+        print("kvpass: interrupted before any policy finished; no results written", file=sys.stderr)
+        return INTERRUPTED
+    rest = [p for p in policies if p not in {r.policy for r in done}]
+    paths = report.write(done, out, {**meta, "interrupted": True, "not_finished": rest})
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    print(f"kvpass: interrupted: the results of {', '.join(r.policy for r in done)} are in {out}; not finished: "
+          f"{', '.join(rest)}", file=sys.stderr)
+    return INTERRUPTED
+
+
 def run_comparison(args, policies: list[str]) -> int:
     """Check everything that can be checked, run the policies and write the results; the exit status is
-    1 when a policy failed mid-run."""
+    1 when a policy failed mid-run, 130 when the run was interrupted (Ctrl-C: ``_interrupted``)."""
     from kvpass.eval import compare, report
 
     params = parse_params(args.param)
@@ -584,6 +610,9 @@ def run_comparison(args, policies: list[str]) -> int:
         _note(note)
     out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
     created = _prepare_out(out)
+    meta = {**report.environment(args.device), "model": args.model, "policies": policies, "params": params,
+            "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler}
+    finished, bar, t0 = [], None, time.perf_counter()
     try:
         model, tokenizer = _load(args)
         from kvpass.eval import models
@@ -592,16 +621,18 @@ def run_comparison(args, policies: list[str]) -> int:
         bar, step = _progress_bar(len(policies), len(tasks))
         t0 = time.perf_counter()
         results = compare(model, tokenizer, policies, tasks, params, compiler=compiler, device=args.device,
-                          progress=step)
+                          progress=step, finished=finished.append)
         if bar is not None:
             bar.close()
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        return _interrupted(finished, policies, out, created, {**meta, "wall_s": round(time.perf_counter() - t0, 1)})
     except BaseException:
         _remove_empty(created)  # no empty results folder left behind
         raise
     wall = time.perf_counter() - t0
-    meta = {**report.environment(args.device), "model": args.model, "policies": policies, "params": params,
-            "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler,
-            "wall_s": round(wall, 1), "n_tasks": len(tasks)}
+    meta.update(wall_s=round(wall, 1), n_tasks=len(tasks))
     title = (f"{args.model} | lengths {','.join(map(str, args.lengths))} | {describe_tasks(tasks)} x "
              f"{len(policies)} polic{'ies' if len(policies) != 1 else 'y'} | {args.device}, {compiler} compiler | "
              f"{wall:.0f}s")
@@ -634,14 +665,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "models":
         print_models()
         return 0
-    args.device = args.device or _default_device()
-    if args.cmd == "explain":
-        return explain(args)
-    from kvpass.policies import ConfigError
     try:
-        return run_comparison(args, args.policies if args.cmd == "compare" else [args.policy])
-    except ConfigError as e:
-        raise SystemExit(f"kvpass: {e}") from None
+        args.device = args.device or _default_device()
+        if args.cmd == "explain":
+            return explain(args)
+        from kvpass.policies import ConfigError
+        try:
+            return run_comparison(args, args.policies if args.cmd == "compare" else [args.policy])
+        except ConfigError as e:
+            raise SystemExit(f"kvpass: {e}") from None
+    except KeyboardInterrupt:   # before a run started (a run says what it kept: _interrupted)
+        print("kvpass: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

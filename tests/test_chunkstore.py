@@ -168,3 +168,83 @@ def test_fingerprint_follows_weights_and_handles_large_tensors(model):
     assert model_fingerprint(big) != before
     other = families.build("llama")
     assert model_fingerprint(other) == model_fingerprint(model)   # same seed, same weights
+
+
+def test_weights_changed_in_place_are_never_served_stale_kv(tmp_path):
+    """The fingerprint follows the weights: after an in-place write, neither tier serves the old KV."""
+    model = families.build("llama")
+    stores = [ChunkStore(tmp_path / "both", model), ChunkStore(tmp_path / "disk", model, memory_bytes=0)]
+    for store in stores:
+        store.put([IDS])
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight.mul_(2.0)
+    fresh = ChunkStore(tmp_path / "fresh", model).compute(IDS)
+    for store in stores:
+        assert IDS not in store and store.get(IDS) is None
+        kv = store.get_or_compute(IDS)
+        assert all(torch.equal(a, b) for a, b in zip(kv.k + kv.v, fresh.k + fresh.v))
+        assert store.get(IDS) is not None
+
+
+def test_pie_after_an_in_place_weight_change_equals_a_full_prefill(tmp_path):
+    import kvpass
+
+    model = families.build("llama")
+    chunk, question = list(range(3, 15)), [40, 41, 42, 43]
+    fusion = kvpass.ChunkFusion(model, ChunkStore(tmp_path, model), "pie", compiler="eager")
+    for scale in (1.0, 1.5):
+        with torch.no_grad():
+            model.model.layers[1].mlp.up_proj.weight.mul_(scale)
+            model.model.layers[0].self_attn.k_proj.weight.mul_(scale)
+            ref = model(torch.tensor([chunk + question])).logits[:, -1]
+        logits, fused = fusion.prefill([chunk], question)
+        torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4)
+        assert fused.sources == {"computed": 1}          # never the KV of the weights before
+
+
+def test_a_model_cast_to_another_dtype_gets_kv_of_its_dtype(tmp_path):
+    model = families.build("llama")
+    store = ChunkStore(tmp_path / "auto", model)
+    store.put([IDS])
+    pinned = ChunkStore(tmp_path / "pinned", model, fingerprint="checkpoint-abc")
+    pinned.put([IDS])
+    model.to(torch.bfloat16)
+    assert ChunkStore(tmp_path / "pinned", model, fingerprint="checkpoint-abc").get(IDS) is None
+    for s in (store, pinned):
+        assert s.get(IDS) is None                       # the float32 entries are not this model's KV
+        assert all(t.dtype == torch.bfloat16 for t in s.get_or_compute(IDS).k + s.get(IDS).v)
+
+
+class _Tokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 80 for c in text]
+
+
+def test_keys_from_put_work_with_get_and_in(model, tmp_path):
+    for tok, chunk in ((None, IDS), (_Tokenizer(), "a text chunk"), (_Tokenizer(), IDS)):
+        store = ChunkStore(tmp_path / str(tok is None) / str(type(chunk)), model, tokenizer=tok)
+        (key,) = store.put([chunk])
+        assert key in store and store.get(key).key == key
+        assert ChunkStore(store.path, model, tokenizer=tok).get(key).source == "disk"
+        assert store.get(key).ids.tolist() == store.ids(chunk).tolist()
+        missing = "0" * 64
+        assert missing not in store and store.get(missing) is None
+    with pytest.raises(ConfigError, match="parameter 'chunk'.*key"):
+        ChunkStore(tmp_path / "none", model).get_or_compute("0" * 64)
+
+
+def test_a_chunk_is_one_row_of_integer_token_ids(model, tmp_path):
+    store = ChunkStore(tmp_path, model)
+    assert store.ids(torch.tensor([IDS])).tolist() == IDS        # one row [1, n] is one chunk
+    two_rows = torch.arange(3, 23).reshape(2, 10)
+    for bad in (two_rows, two_rows.tolist(), torch.zeros(1, 2, 3, dtype=torch.long)):
+        with pytest.raises(ConfigError, match=r"kvpass ChunkStore: parameter 'chunk' must be 1-D.*list"):
+            store.ids(bad)
+    with pytest.raises(ConfigError, match="parameter 'chunk' must be 1-D"):
+        store.put(two_rows)
+    for bad in ([3.7, 4.2], torch.tensor([3.0, 4.0]), [True, False]):
+        with pytest.raises(ConfigError, match="parameter 'chunk' must hold integer token ids"):
+            store.put(bad)
+        with pytest.raises(ConfigError, match="integer token ids"):
+            store.get(bad)
+    assert len(store) == 0

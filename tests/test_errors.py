@@ -227,3 +227,73 @@ def test_device_asserts_go_through_the_length_check():
     device_assert(torch.tensor(True), "x" * 254)
     with pytest.raises(ValueError, match="device assert's message is 255 characters"):
         device_assert(torch.tensor(True), "x" * 255)
+
+
+# ------------------------------------------------------------------------------------------------
+# kvpass.compile: what a compiled model refuses or does, by name
+# ------------------------------------------------------------------------------------------------
+
+IDS = torch.tensor([list(range(3, 15))])
+
+
+@pytest.fixture
+def compiled():
+    import families
+
+    model = families.build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    return model
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_training_through_kvpass_says_it_is_for_inference(compiler):
+    import families
+
+    model = families.build("llama")
+    kvpass.compile(model, "full", compiler=compiler)
+    says = r"kvpass.*inference.*torch\.no_grad\(\).*torch\.inference_mode\(\).*without kvpass"
+    with pytest.raises(Exception, match=says) as e:   # eager: at the backward; AOT traces it at the forward
+        model(IDS, labels=IDS).loss.backward()
+    assert isinstance(e.value, kvpass.ConfigError) or isinstance(e.value.__cause__, kvpass.ConfigError) \
+        or "ConfigError" in str(e.value)
+    with torch.no_grad():
+        assert model(IDS).logits.shape == (1, 12, 96)
+
+
+def test_a_deep_copy_of_a_compiled_model_is_an_uncompiled_model(compiled):
+    import copy
+
+    ref = compiled.generate(IDS, max_new_tokens=4, do_sample=False)
+    twin = copy.deepcopy(compiled)
+    assert "forward" not in twin.__dict__ and "generate" not in twin.__dict__
+    assert twin.generate(IDS, max_new_tokens=4, do_sample=False).tolist() == ref.tolist()
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(-1.0)   # the copy's weights are its own: the original is unchanged
+    assert compiled.generate(IDS, max_new_tokens=4, do_sample=False).tolist() == ref.tolist()
+    kvpass.compile(twin, "streamingllm", compiler="eager", budget=8)   # and can be compiled again
+    assert twin.generate(IDS, max_new_tokens=2, do_sample=False).shape == (1, 14)
+
+
+@pytest.mark.parametrize("value", [2.5, True])
+def test_max_new_tokens_must_be_an_int(compiled, value):
+    with pytest.raises(kvpass.ConfigError, match=r"kvpass\.compile.*'max_new_tokens' must be an int >= 1.*got"):
+        compiled.generate(IDS, max_new_tokens=value)
+
+
+def test_a_cache_too_large_for_the_device_is_refused_before_it_is_allocated(compiled):
+    says = r"kvpass\.compile.*max_new_tokens=1000000000.*SlotCache of \d+ tokens.*GiB.*free.*max_new_tokens"
+    with pytest.raises(kvpass.ConfigError, match=says):
+        compiled.generate(IDS, max_new_tokens=10 ** 9, eos_token_id=2)
+    out = compiled.generate(IDS, max_new_tokens=3, do_sample=False)   # still generates
+    assert out.shape == (1, 15)
+
+
+def test_an_encoder_decoder_is_refused_by_kvpass_compile():
+    import transformers as tf
+
+    cfg = tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    model = tf.T5ForConditionalGeneration(cfg).eval()
+    with pytest.raises(kvpass.ConfigError, match=r"kvpass\.compile: parameter 'model' is an encoder-decoder.*"
+                                                 r"is_encoder_decoder.*decoder-only"):
+        kvpass.compile(model, "full", compiler="eager")
+    assert "forward" not in model.__dict__ and "generate" not in model.__dict__

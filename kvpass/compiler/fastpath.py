@@ -66,6 +66,37 @@ def bucket(n: int, floor: int = 64) -> int:
     return -(-n // step) * step
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a new tensor can take on ``device``: CUDA's free memory plus what torch's allocator holds unused, the
+    CPU's ``MemAvailable`` (Linux); None where not known."""
+    if device.type == "cuda":
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + unused
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_room(model, be: Backend, rows: int, length: int, room: int, new: int) -> None:
+    """Refuse a SlotCache of ``rows`` x ``length`` tokens (``room`` of them new) that the model's device has no room
+    for, before it is allocated (sized on the meta device): the fast path sizes its cache for every token a call
+    may generate, and the uncompiled model, stopping at eos, may never need them."""
+    device = next(model.parameters()).device
+    free = free_memory(device) if device.type in ("cpu", "cuda") else None
+    if free is None:
+        return
+    sized = SlotCache(model, be, max_length=length, batch_size=rows, max_new_tokens=room, device="meta")
+    need = sum(t.numel() * t.element_size() for layer in sized.layers for t in layer.tensors())
+    if need > free:
+        raise ConfigError(f"kvpass.compile: generate(max_new_tokens={new}) needs a SlotCache of {length} tokens x "
+                          f"{rows} row(s), {need / 2 ** 30:.1f} GiB, and {device} has {free / 2 ** 30:.1f} GiB free: "
+                          f"the fast path allocates the cache for every token max_new_tokens (or max_length) allows "
+                          f"before it generates, eos or not. Pass a max_new_tokens whose cache fits, or generate on a "
+                          f"cache that grows: past_key_values=DynamicCache(config=model.config)")
+
+
 # Dynamo's recompile limit while a generate call runs (the user's, where higher): the graphs of ordinary use are a
 # prefill and a decode graph for a batch of one and for a symbolic batch, a left-padded prefill and one from
 # inputs_embeds per batch kind (up to 8), and the limit counts per forward (each compiled model has its own, own_code)
@@ -107,6 +138,7 @@ class FastGenerate:
                 or (exact or like is not None) and cache.max_length != length
                 or like is not None and cache.capacities != like.capacities):
             self.caches.pop(key, None)   # its memory goes back before the larger one is allocated
+            check_room(self.model, self.backend, rows, length, room, new)
             cache = SlotCache(self.model, self.backend, max_length=length, batch_size=rows, max_new_tokens=room)
             self.caches[key] = cache
         cache.reset()
@@ -273,7 +305,13 @@ def new_tokens(kwargs: dict, config, prompt: int) -> int:
     ``max_new_tokens`` first (a keyword, then the generation config: transformers takes it over a ``max_length``
     keyword, with a warning), then a ``max_length`` keyword (the total); a ``max_length`` only in the generation
     config is read as new tokens, since transformers versions take it as the total (5.24) or, when it is the
-    model's default, as new tokens (5.14): room for either; else transformers' default of 20 new tokens."""
+    model's default, as new tokens (5.14): room for either; else transformers' default of 20 new tokens. A length
+    that is not an int is refused by name (transformers runs a float, comparing lengths with it)."""
+    for name in ("max_new_tokens", "max_length"):
+        for value in (kwargs.get(name), getattr(config, name, None)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"kvpass.compile: generate() parameter '{name}' must be an int >= 1, got "
+                                  f"{type(value).__name__} {value!r}; pass a whole number of tokens")
     if kwargs.get("max_new_tokens") is not None:
         return kwargs["max_new_tokens"]
     if getattr(config, "max_new_tokens", None) is not None:

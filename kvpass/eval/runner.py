@@ -235,8 +235,9 @@ def _key(task) -> str:
 
 
 def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = None, *,
-            compiler: str = "inductor", device: str = "cpu", progress=None) -> list[PolicyResult]:
-    """Run every policy over the same tasks; ``full`` runs first and provides the references."""
+            compiler: str = "inductor", device: str = "cpu", progress=None, finished=None) -> list[PolicyResult]:
+    """Run every policy over the same tasks; ``full`` runs first and provides the references. ``finished`` is
+    called with each policy's result as it completes, so a caller interrupted mid-run keeps those."""
     params = params or {}
     order = sorted(policies, key=lambda p: p != "full")
     runner = Runner(model, tokenizer, device)
@@ -247,4 +248,6 @@ def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = 
             results["full"] = runner.run("full", params, tasks, compiler=compiler, references=refs)
         results[spec] = runner.run(spec, params, tasks, compiler=compiler, references=refs,
                                    progress=progress)
+        if finished is not None:
+            finished(results[spec])
     return [results[p] for p in policies]
