@@ -39,7 +39,12 @@ def fresh_dynamo():
         "a test deleted torch._dynamo.config.recompile_limit: use torch._dynamo.config.patch, not monkeypatch"
 
 
+# the longest files start first, so that no worker is left running one of them alone at the end (--dist loadfile)
+_FIRST = ("test_tensor_parallel.py", "test_slot_cache.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in _FIRST)   # stable: the order within each group stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -48,7 +48,7 @@ def alone(model, staging, ids, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("setting", ["noop", "demanding"])
-@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.xdist_group(f"conformance-{p}")) for p in SLOT])
+@pytest.mark.parametrize("policy", SLOT)
 def test_a_row_refilled_while_the_others_decode_keeps_every_row_as_alone(policy, setting):
     """Rows 0 and 1 take requests A and B; after 4 steps row 1 is emptied and takes C while row 0 goes on.
     Each row's tokens equal its request decoded alone (which equals ``generate``'s greedy tokens)."""

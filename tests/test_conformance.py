@@ -1,6 +1,6 @@
 """One loop of checks over every registered policy (the entries of ``tests/conformance.py``).
 
-A policy's checks share its runs (a module-level memo) and run in one worker (``xdist_group``), so the loop
+A policy's checks share its runs (a module-level memo; a test file runs in one worker), so the loop
 costs about six compiled generations per policy.
 
 For each policy with its cheap (``noop``) and demanding setting, on the tiny two-layer Llama:
@@ -82,10 +82,6 @@ def memo(model, policy, which: str):
     return _RUNS[key]
 
 
-def by_policy(names):
-    return [pytest.param(n, marks=pytest.mark.xdist_group(f"conformance-{n}")) for n in names]
-
-
 def close(got, ref):
     for call, (a, b) in enumerate(zip(got, ref)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, c=call: f"call {c}: {m}")
@@ -95,7 +91,7 @@ def test_every_policy_has_an_entry():
     assert set(CONFORMANCE) == set(POLICIES), "add the policy to tests/conformance.py"
 
 
-@pytest.mark.parametrize("policy", by_policy(PLAIN))
+@pytest.mark.parametrize("policy", PLAIN)
 def test_noop_equals_full(model, policy):
     skip_uneven_layers_on_old_stacks(policy)
     _, _, fed, ref = memo(model, "full", "long")
@@ -103,7 +99,7 @@ def test_noop_equals_full(model, policy):
     close(got, ref)
 
 
-@pytest.mark.parametrize("policy", by_policy(PLAIN))
+@pytest.mark.parametrize("policy", PLAIN)
 def test_budget_is_respected_in_bytes(model, policy):
     skip_uneven_layers_on_old_stacks(policy)
     _, cache, _, _ = memo(model, policy, "long")
@@ -117,7 +113,7 @@ def test_budget_is_respected_in_bytes(model, policy):
         assert all(layer.keys.shape[-2] < PROMPT for layer in cache.layers)
 
 
-@pytest.mark.parametrize("policy", by_policy(PLAIN))
+@pytest.mark.parametrize("policy", PLAIN)
 def test_state_resets_between_prompts(model, policy):
     skip_uneven_layers_on_old_stacks(policy)
     be, _, _, _ = memo(model, policy, "long")
@@ -126,7 +122,7 @@ def test_state_resets_between_prompts(model, policy):
     close(reused, memo(model, policy, "short")[3])
 
 
-@pytest.mark.parametrize("policy", by_policy(PLAIN))
+@pytest.mark.parametrize("policy", PLAIN)
 def test_slot_cache_equals_dynamic_cache(model, policy):
     skip_uneven_layers_on_old_stacks(policy)
     _, _, fed, ref = memo(model, policy, "long")
@@ -138,7 +134,7 @@ def test_slot_cache_equals_dynamic_cache(model, policy):
     assert cache.seen == PROMPT + NEW
 
 
-@pytest.mark.parametrize("policy", by_policy(PLAIN))
+@pytest.mark.parametrize("policy", PLAIN)
 def test_left_padded_batch_equals_rows_alone(model, policy):
     if CONFORMANCE[policy].unpadded:
         pytest.skip(CONFORMANCE[policy].unpadded)
@@ -181,8 +177,7 @@ def sliding_cases():
     for policy in PLAIN:
         for spelling in SPELLINGS:
             for cache in ("dynamic", "slot"):
-                yield pytest.param(policy, spelling, cache, marks=pytest.mark.xdist_group(f"conformance-{policy}"),
-                                   id=f"{policy}-{spelling}-{cache}")
+                yield pytest.param(policy, spelling, cache, id=f"{policy}-{spelling}-{cache}")
 
 
 @pytest.mark.parametrize("policy,spelling,cache", list(sliding_cases()))
@@ -203,7 +198,7 @@ def test_noop_equals_uncompiled_on_sliding_windows(sliding_models, policy, spell
     close(got, ref)
 
 
-@pytest.mark.parametrize("policy", by_policy(FUSION))
+@pytest.mark.parametrize("policy", FUSION)
 def test_fusion_policy_outside_chunk_fusion_is_refused(model, policy):
     """Compiled on its own, a chunk-fusion policy has nothing to fuse: its prefill raises, naming
     kvpass.ChunkFusion, never a silent run that looks like the policy's (pie, legolink and full_reuse ran as

@@ -36,7 +36,7 @@ def ids_of(n: int, b: int = 1) -> torch.Tensor:
     return torch.randint(3, 90, (b, n), generator=torch.Generator().manual_seed(n))
 
 
-@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.xdist_group(f"conformance-{p}")) for p in SLOT])
+@pytest.mark.parametrize("policy", SLOT)
 def test_one_prefill_and_one_decode_graph_for_every_prompt_length(policy):
     """30 distinct prompt lengths (10..97, 3..9 new tokens; 10 of them for most policies) through ``generate``:
     the backend compiles one prefill and one decode graph, and Dynamo no more (before: every length compiled

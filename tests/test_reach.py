@@ -110,16 +110,20 @@ def test_an_evicting_policy_keeps_its_graphs_across_batch_sizes():
     torch._dynamo.reset()
 
 
-def test_models_of_one_class_compiled_in_turn_do_not_share_a_recompile_budget():
-    """Twelve Llamas, each ``kvpass.compile``d and called with batch 1 and 2 (four graphs each): before each
-    compiled forward had a code object of its own, the third model's graphs reached Dynamo's limit of 8."""
+def test_models_of_one_class_compiled_in_turn_do_not_share_a_recompile_budget(monkeypatch):
+    """Three Llamas, each ``kvpass.compile``d and called with batch 1 and 2 (four graphs and the entries of their
+    guards each), under Dynamo's default limit of 8: before each compiled forward had a code object of its own,
+    the third model's graphs reached it."""
+    from kvpass.compiler import fastpath
     torch._dynamo.reset()
+    monkeypatch.setattr(fastpath, "RECOMPILE_LIMIT", 8)   # a kvpass constant (torch's settings: config.patch)
     ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
-    for seed in range(12):
-        model = build("llama", seed=seed)
-        kvpass.compile(model, "full", compiler="eager")
-        model.generate(ids[:1], max_new_tokens=2, do_sample=False)
-        model.generate(ids, max_new_tokens=2, do_sample=False)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        for seed in range(3):
+            model = build("llama", seed=seed)
+            kvpass.compile(model, "full", compiler="eager")
+            model.generate(ids[:1], max_new_tokens=2, do_sample=False)
+            model.generate(ids, max_new_tokens=2, do_sample=False)
     torch._dynamo.reset()
 
 

@@ -26,7 +26,7 @@ def alone(model, ids, new, **kw) -> torch.Tensor:
     return model.generate(ids[None], max_new_tokens=new, do_sample=False, **kw)[0]
 
 
-@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.xdist_group(f"conformance-{p}")) for p in SLOT])
+@pytest.mark.parametrize("policy", SLOT)
 def test_queue_gives_every_request_its_tokens_alone(policy):
     """Five requests through two rows: rows are refilled while the other decodes, an idle row decodes a copy at
     the end; each output equals ``generate`` on that prompt alone, and the batch compiles one decode graph."""

@@ -47,9 +47,8 @@ ON_SLOTS = ("full", "streamingllm", "snapkv", "quest", "raas", "asl", "chunkkv")
 FAMILIES = ("llama", "qwen3_gqa4")
 COMPILED = ("full", "snapkv")            # through kvpass.compile (the llama only: CI time)
 
-# one xdist worker runs the module: a module fixture is built once per worker, and each build is two processes
-pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
-              pytest.mark.xdist_group("tensor_parallel")]
+# one xdist worker runs the module (--dist loadfile): its fixture is built once per family, each build two processes
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
 
 
 def _qwen3_gqa4():
