@@ -11,7 +11,7 @@ after the next step has been queued. When it says that every row had finished, t
 meanwhile is undone: its token is dropped (the cache is kvpass's own, reset by the next call). A step
 that reaches ``max_length`` is known on the host and stops at once. The tokens are HF's: the same
 logits processors and stopping criteria, the same pad rule for finished rows, and the same random draws
-in the same order (the undone step draws after every kept one).
+in the same order.
 
 The loop's own device work is 9 operations a step: the tokens go into one buffer (HF's loop concatenates a
 new sequence tensor each step), the max-length rule is the host's, the finished flags reuse two pinned
@@ -22,11 +22,15 @@ given the mask built for the first one (``forward``), guarded so that it never r
 
 It returns token ids. A call that wants more (``return_dict_in_generate``) runs HF's own loop. ``generate``
 hands a ``custom_generate`` callable no streamer and no ``synced_gpus`` (transformers 5.14 .. 5.24), so
-``FastGenerate`` does not pass this loop to a call that has them (``usable``). When an end-of-sequence token
-stops a sampling call early, the undone step's draw is given back (the device's random generator is set to its
-state before that draw), so a next call draws what it would after HF's loop. One difference a user can see:
-the undone step has run the logits processors once more than HF's loop would (a stateful processor counts one
-more call).
+``FastGenerate`` does not pass this loop to a call that has them (``usable``). The flag is read before the
+queued step's logits are processed: the undone step runs no logits processor, no stopping criterion and no random
+draw, so a caller's processor or criterion is called as often as in HF's loop, and a next call draws what it would
+after HF's loop.
+
+``run_config`` is the one place that turns a caller's generation arguments into the configuration a call runs
+(``FastGenerate`` and ``kvpass.RequestQueue`` read it): transformers' own merge of the caller's keywords, the
+caller's ``GenerationConfig``, the model's ``generation_config`` and transformers' global defaults (``top_k=50``
+among them).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from kvpass.cache.slots import MaskReused, reused_mask
 from kvpass.compiler.direct_steps import DirectSteps, callers_code
+from kvpass.errors import ConfigError
 
 # GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24
 _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
@@ -83,6 +88,28 @@ def usable(model, kwargs: dict) -> bool:
             and kwargs.get("custom_generate") is None and all(hasattr(model, name) for name in _USES))
 
 
+def run_config(model, kwargs: dict, where: str = "kvpass.compile: generate()"):
+    """The generation configuration a ``generate(**kwargs)`` call of ``model`` runs, and the keywords that are not
+    generation options (the model's): transformers' own merge (``_prepare_generation_config``) of the caller's
+    keywords over the caller's ``generation_config`` (a copy), over ``model.generation_config``, over transformers'
+    global defaults (``top_k=50``, ``max_length=20``, ...), as ``generate`` merges them. Where no ``max_length``
+    was set (by a keyword or either generation config) and no ``max_new_tokens``, transformers generates its
+    default length as new tokens: ``max_new_tokens`` is set to it, so that ``max_new_tokens`` set means new
+    tokens and unset means ``max_length`` is the total, prompt included. ``where``: the caller, for an error."""
+    options = dict(kwargs)
+    given = options.pop("generation_config", None)
+    new = options["max_new_tokens"] if "max_new_tokens" in options else getattr(given, "max_new_tokens", None)
+    if isinstance(new, (int, float)) and not isinstance(new, bool) and new < 1:   # transformers' bare ValueError
+        raise ConfigError(f"{where} parameter 'max_new_tokens' must be an int >= 1, got {new!r}; pass "
+                          f"max_new_tokens >= 1")
+    length_unset = (options.get("max_length") is None and getattr(given, "max_length", None) is None
+                    and getattr(model.generation_config, "max_length", None) is None)
+    config, model_kwargs = model._prepare_generation_config(given, **options)
+    if length_unset and config.max_new_tokens is None:
+        config.max_new_tokens = config.max_length
+    return config, model_kwargs
+
+
 @torch.no_grad()
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
     """``generate``'s decoding method for greedy search and sampling (passed as ``custom_generate``);
@@ -115,9 +142,6 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     mask = None   # the attention mask of the step before, passed again while no decode graph reads it
     reuse = be is not None
     optimize = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
-    # a step undone after an end-of-sequence token gives its random draw back: the generator's state before it
-    rng = generator(input_ids.device) if cfg.do_sample and flags is not None else None
-    before = None
     direct = None
     if reuse and be.direct_steps and cache is not None:
         auto = be.direct_steps == "auto"
@@ -129,13 +153,16 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     outputs = model._prefill(input_ids, cfg, model_kwargs)
     with optimize(), (contextlib.closing(direct) if direct is not None else contextlib.nullcontext()):
         while True:
+            # every row had finished before the step queued last: HF's loop stopped there, so it is undone before
+            # its logits reach a processor, a criterion or a random draw (the host waits for the step before only)
+            if previous is not None and previous.read():
+                break
             model_kwargs = model._update_model_kwargs_for_generation(
                 outputs, model_kwargs, is_encoder_decoder=model.config.is_encoder_decoder)
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
             del outputs   # a prefill's logits can be large
             scores = logits_processor(input_ids, logits)
             if cfg.do_sample:
-                before = rng.get_state() if rng is not None else None
                 tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             else:
                 tokens = torch.argmax(scores, dim=-1)
@@ -146,11 +173,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             input_ids = ids[:, :length]
             for criterion in on_device:   # scores None, as HF's loop passes them without return_dict_in_generate
                 torch.logical_or(finished, criterion(input_ids, None), out=finished)
-            stopped = previous is not None and previous.read()
-            if stopped or length >= max_length:
-                length -= stopped   # HF's loop stopped before this step, the last one allowed or not
-                if stopped and before is not None:
-                    rng.set_state(before)
+            if length >= max_length:
                 break
             if flags is not None:
                 previous = flags[length % 2].put(finished.all())
@@ -159,14 +182,6 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             if not reuse or not be.decode_ignores_mask(layers):
                 mask = None
     return ids[:, :length].contiguous()
-
-
-def generator(device: torch.device) -> torch.Generator:
-    """The default random generator of ``device`` (the one ``torch.multinomial`` draws from there)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index]
-    return torch.default_generator
 
 
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"

@@ -155,10 +155,10 @@ class FastGenerate:
         ids = kwargs.get("input_ids", inputs)
         if isinstance(ids, (list, tuple)) and not args and (not ids or not isinstance(ids[0], int)):
             return self.many(ids, **kwargs) if ids else []   # no prompts, no outputs (as RequestQueue.run)
-        config = kwargs.get("generation_config") or self.model.generation_config
+        config, _ = decode_loop.run_config(self.model, kwargs)   # the options as generate() merges them
 
-        def option(name):   # a keyword wins over the generation config, as in transformers
-            return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+        def option(name):
+            return getattr(config, name, None)
 
         if option("output_attentions"):
             raise ConfigError("kvpass.compile: generate(output_attentions=True): kvpass replaces the model's attention, "
@@ -184,7 +184,7 @@ class FastGenerate:
         if new < 1:
             raise ConfigError(f"kvpass.compile: generate() was asked for {new} new tokens after a {prompt}-token "
                               f"prompt; pass max_new_tokens >= 1")
-        rows = ids.shape[0] * (kwargs.get("num_return_sequences") or config.num_return_sequences or 1)
+        rows = ids.shape[0] * (option("num_return_sequences") or 1)
         cache = self.cache_for(rows, prompt, new)
         chunk = option("prefill_chunk_size")
         if chunk and chunk < prompt and not cache.holds_all(prompt + new, new):
@@ -280,18 +280,11 @@ class FastGenerate:
         if generation.pop("attention_mask", None) is not None:
             raise ConfigError("kvpass.compile: generate() over a list of prompts takes no attention_mask (the "
                               "prompts are not padded: pass each one's tokens alone)")
-        total = generation.pop("max_length", None)   # generate's meaning: prompt + new tokens, per prompt
-        if generation.get("max_new_tokens") is not None:
-            total = None                              # max_new_tokens wins, as in transformers
-        with self.lock:
-            queue = RequestQueue(self.model, max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int)
-                                 else max_batch, **generation)
+        with self.lock:   # max_length keeps generate's meaning there: prompt + new tokens, per prompt
+            queue = RequestQueue.like_generate(self.model, max_batch=min(max_batch, len(prompts))
+                                               if isinstance(max_batch, int) else max_batch, **generation)
             for p in prompts:
-                new = None if total is None else total - len(p)
-                if new is not None and new < 1:
-                    raise ConfigError(f"kvpass.compile: generate(max_length={total}) leaves no new token after a "
-                                      f"{len(p)}-token prompt; pass max_new_tokens or a larger max_length")
-                queue.add(p, max_new_tokens=new)
+                queue.add(p)
             return queue.run(progress=progress)
 
     def __repr__(self) -> str:
