@@ -38,6 +38,7 @@ _PUBLIC = {  # name -> the module that defines it
     "KVPass": "kvpass.compiler.backend", "backend": "kvpass.compiler.backend",
     "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots",
     "RequestQueue": "kvpass.compiler.requests",
+    "RequestFailed": "kvpass.compiler.requests",
     "ChunkKV": "kvpass.chunks.chunkstore", "ChunkStore": "kvpass.chunks.chunkstore",
     "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
     "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
@@ -100,4 +101,5 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",
            "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "ChunkKV",
-           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile", "RequestQueue"]
+           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile", "RequestQueue",
+           "RequestFailed"]

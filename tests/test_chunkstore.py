@@ -238,9 +238,9 @@ def test_a_chunk_is_one_row_of_integer_token_ids(model, tmp_path):
     assert store.ids(torch.tensor([IDS])).tolist() == IDS        # one row [1, n] is one chunk
     two_rows = torch.arange(3, 23).reshape(2, 10)
     for bad in (two_rows, two_rows.tolist(), torch.zeros(1, 2, 3, dtype=torch.long)):
-        with pytest.raises(ConfigError, match=r"kvpass ChunkStore: parameter 'chunk' must be 1-D.*list"):
+        with pytest.raises(ConfigError, match=r"kvpass ChunkStore: parameter 'chunk' must be a non-empty 1-D"):
             store.ids(bad)
-    with pytest.raises(ConfigError, match="parameter 'chunk' must be 1-D"):
+    with pytest.raises(ConfigError, match="parameter 'chunk' must be a non-empty 1-D"):
         store.put(two_rows)
     for bad in ([3.7, 4.2], torch.tensor([3.0, 4.0]), [True, False]):
         with pytest.raises(ConfigError, match="parameter 'chunk' must hold integer token ids"):

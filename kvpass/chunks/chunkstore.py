@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvpass.compiler.token_ids import token_ids, vocab_size
 from kvpass.policies.contract import ConfigError
 
 FORMAT = "kvpass-chunk/1"
@@ -163,33 +164,6 @@ def weights_version(model) -> tuple:
         skip = module._non_persistent_buffers_set
         state += [_tensor_state(t) for name, t in module._buffers.items() if t is not None and name not in skip]
     return tuple(state)
-
-
-def chunk_ids(chunk) -> Tensor:
-    """One chunk's token ids, 1-D int64: a list of ints or an integer tensor ``[n]`` (or one row ``[1, n]``). Floats
-    (a float id was truncated to another token), booleans, negative ids and several rows are refused by name."""
-    try:
-        ids = torch.as_tensor(chunk).detach()
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"kvpass ChunkStore: parameter 'chunk' must be a text, a list of token ids or a 1-D "
-                          f"tensor, got {type(chunk).__name__} ({e})") from None
-    if ids.dim() == 2 and ids.shape[0] == 1:
-        ids = ids[0]
-    if ids.numel() == 0:
-        raise ConfigError("a chunk must have at least one token, got an empty chunk")
-    if ids.dim() != 1:
-        raise ConfigError(f"kvpass ChunkStore: parameter 'chunk' must be 1-D token ids [n] (or one row [1, n]), got "
-                          f"shape {list(ids.shape)}: a chunk is one sequence, and rows are not joined into one. Pass "
-                          f"each row as a chunk of its own in a list (put(list(ids))), or join them yourself where "
-                          f"they are one text")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ConfigError(f"kvpass ChunkStore: parameter 'chunk' must hold integer token ids in [0, vocabulary "
-                          f"size), got {ids.dtype} values; pass the ids as ints (tokenizer.encode gives them), or "
-                          f"the text itself with a tokenizer")
-    if int(ids.min()) < 0:
-        raise ConfigError(f"kvpass ChunkStore: parameter 'chunk' must hold integer token ids in [0, vocabulary "
-                          f"size), got {int(ids.min())}; pass the tokenizer's ids")
-    return ids.long()
 
 
 def _one_chunk(chunks) -> bool:
@@ -308,7 +282,7 @@ class ChunkStore:
             if self.tokenizer is None:
                 raise ConfigError("parameter 'tokenizer' must be given to the ChunkStore to store chunks as text")
             chunk = self.tokenizer.encode(chunk, add_special_tokens=False)
-        return chunk_ids(chunk).cpu()
+        return token_ids(chunk, "kvpass ChunkStore", "chunk", vocab_size(self.model)).cpu()
 
     def key(self, chunk) -> str:
         """The store key of a chunk: sha256 of the model fingerprint and the token ids."""
