@@ -230,3 +230,44 @@ def test_a_callers_stopping_criterion_is_called_as_often_as_by_transformers(mode
                                stopping_criteria=StoppingCriteriaList([criterion])))
         counts.append((criterion.calls, processor.calls, torch.rand(3).tolist()))   # and the generator after
     assert counts[0][:2] == (4, 4) and counts[1] == counts[0] and torch.equal(outs[1], outs[0])
+
+
+OPTIONS = {   # generate's options a user passes with a list of prompts; each gives generate's tokens or is refused
+    "greedy": dict(do_sample=False),
+    "temperature": dict(do_sample=True, temperature=0.7),
+    "top_k": dict(do_sample=True, top_k=5),
+    "top_p": dict(do_sample=True, top_p=0.8),
+    "eos": dict(do_sample=False, eos_token_id=[7, 11]),
+    "pad_token_id": dict(do_sample=False, pad_token_id=0),
+    "min_p": dict(do_sample=True, min_p=0.05),
+    "typical_p": dict(do_sample=True, typical_p=0.9),
+    "epsilon_cutoff": dict(do_sample=True, epsilon_cutoff=3e-4),
+    "repetition_penalty": dict(do_sample=False, repetition_penalty=1.3),
+    "no_repeat_ngram_size": dict(do_sample=False, no_repeat_ngram_size=2),
+    "min_new_tokens": dict(do_sample=False, min_new_tokens=6, eos_token_id=7),
+    "bad_words_ids": dict(do_sample=False, bad_words_ids=[[5], [9, 10]]),
+    "suppress_tokens": dict(do_sample=True, suppress_tokens=[3, 4, 5]),
+    "begin_suppress_tokens": dict(do_sample=False, begin_suppress_tokens=[3, 4]),
+    "sequence_bias": dict(do_sample=False, sequence_bias={(6,): 5.0}),
+}
+RUN = ("greedy", "temperature", "top_k", "top_p", "eos", "pad_token_id")   # the others are refused by name
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_list_of_prompts_gives_generates_tokens_or_refuses_the_option(models, option):
+    """Each option, on a list of prompts one at a time (``max_batch=1``, as ``generate`` on one row), gives
+    ``generate``'s tokens on each prompt with the same seed; the queue runs greedy search, sampling with
+    temperature, top-k and top-p, and end tokens, and refuses every other option that changes tokens, naming it.
+    Nothing is run differently without a word."""
+    model, ref = models
+    kw = dict(OPTIONS[option], max_new_tokens=6)
+    ps = [torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
+    if option not in RUN:
+        with pytest.raises(kvpass.ConfigError, match=rf"kvpass.RequestQueue: \['{option}'\]"):
+            model.generate(ps, max_batch=1, **kw)
+        return
+    for p in ps:
+        torch.manual_seed(0)
+        want = ref.generate(p[None], **kw)[0].tolist()
+        torch.manual_seed(0)
+        assert model.generate([p], max_batch=1, **kw)[0].tolist() == want, option

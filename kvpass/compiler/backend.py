@@ -146,7 +146,7 @@ class KVPass(CustomGraphPass):
             report.problems.append(f"policy '{self.policy.name}' (gate): {why}")   # 4. can the gate be placed
         self._follow_prefill(report.phase, report.problems)         # 5. decode follows an unchanged prefill
         if not found.sites and not report.problems and self.policy.name != "full":   # nothing to apply it to: said
-            warn_once(f"kvpass: a graph of {len(gm.graph.nodes)} nodes has no attention site: policy "
+            warn_once(f"kvpass: a compiled graph has no attention site: policy "   # once per backend
                       f"'{self.policy.name}' does nothing in it. A model without attention (a state-space model) "
                       f"is not changed by kvpass; where the model's forward breaks into several graphs, its attention "
                       f"may be in another one (kvpass.explain shows what each graph holds)", self)

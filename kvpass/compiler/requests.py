@@ -346,7 +346,9 @@ class RequestQueue:
 def _generation_config(model, given: dict):
     """The run's configuration from the options ``given`` (``run_config``: merged as ``generate`` merges them);
     refuses an option this queue does not run, given or from a generation config."""
-    unknown = sorted(set(given) - {"generation_config", "max_length"} - set(_RUNS) - set(_CHANGES_TOKENS))
+    # pad_token_id: each request's tokens end at its own end, so the queue pads nothing
+    unknown = sorted(set(given) - {"generation_config", "max_length", "pad_token_id"} - set(_RUNS)
+                     - set(_CHANGES_TOKENS))
     if unknown:
         raise ConfigError(f"kvpass.RequestQueue: generation option(s) {unknown} are not run by the queue (it runs "
                           f"{list(_RUNS)}); call generate() one prompt batch at a time for them")
