@@ -35,7 +35,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvpass  # noqa: E402
-from kvpass.compiler.fastpath import compile_options  # noqa: E402
+from kvpass.generate.fastpath import compile_options  # noqa: E402
 from bench_decode_step import PROFILE_STEPS, policy_of, profile_steps  # noqa: E402
 from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 

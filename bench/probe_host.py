@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvpass  # noqa: E402
-from kvpass.compiler import decode_loop  # noqa: E402
+from kvpass.generate import decode_loop  # noqa: E402
 from bench_fastpath import bare_loops, clocked_tpot, gen, prompt  # noqa: E402
 from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
 

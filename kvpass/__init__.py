@@ -37,8 +37,8 @@ _PUBLIC = {  # name -> the module that defines it
     "Backend": "kvpass.compiler.backend", "GraphReport": "kvpass.compiler.backend",
     "KVPass": "kvpass.compiler.backend", "backend": "kvpass.compiler.backend",
     "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots",
-    "RequestQueue": "kvpass.compiler.requests",
-    "RequestFailed": "kvpass.compiler.requests",
+    "RequestQueue": "kvpass.generate.requests",
+    "RequestFailed": "kvpass.generate.requests",
     "ChunkKV": "kvpass.chunks.chunkstore", "ChunkStore": "kvpass.chunks.chunkstore",
     "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
     "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
@@ -49,13 +49,13 @@ _PUBLIC = {  # name -> the module that defines it
 def compile(model, policy="full", **options):
     """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path; returns the
     ``kvpass.Backend``. The options (``mode``, ``compiler``, ``prefill_compiler``, ``fullgraph``, ``direct_steps``,
-    the policy's parameters) and what ``generate`` then does: ``kvpass.compiler.fastpath.compile``.
+    the policy's parameters) and what ``generate`` then does: ``kvpass.generate.fastpath.compile``.
 
     An encoder-decoder (``config.is_encoder_decoder``) is refused: kvpass compiles decoder-only models.
     ``copy.deepcopy`` of the compiled model gives the model uncompiled (its class's ``forward`` and ``generate``)
     with its own copy of the weights; ``kvpass.compile`` the copy for a policy of its own.
     """
-    from kvpass.compiler.fastpath import compile as compile_fast_path
+    from kvpass.generate.fastpath import compile as compile_fast_path
     from kvpass.errors import ConfigError
 
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):

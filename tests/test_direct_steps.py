@@ -27,7 +27,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 import kvpass
 from conformance import CONFORMANCE
 from families import build
-from kvpass.compiler.direct_steps import DirectSteps, callers_code, recorded
+from kvpass.compiler.recording import recorded
+from kvpass.generate.direct_steps import DirectSteps, callers_code
 from kvpass.errors import ConfigError, KVPassWarning
 
 NEW = 12   # decode steps: the first (no mask to reuse yet), two watched, then 8 direct

@@ -24,7 +24,7 @@ import torch
 import kvpass
 from conformance import CONFORMANCE
 from families import build
-from kvpass.compiler.fastpath import bucket
+from kvpass.generate.fastpath import bucket
 
 SLOT = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
 LENGTHS = [10 + 3 * i for i in range(30)]
@@ -118,7 +118,7 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
     max_new_tokens stops them; greedy and sampled (same seed), and the random generator is left where HF's loop
     leaves it (the undone step's draw given back: a next sampling call drew one draw further on). HF's loop runs
     through ``return_dict_in_generate``, which kvpass's loop hands to it."""
-    from kvpass.compiler import decode_loop
+    from kvpass.generate import decode_loop
     torch._dynamo.reset()
     model = build("llama")
     kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
@@ -476,7 +476,7 @@ def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     """At Dynamo's recompile limit (here 3, and generate's own floor lowered to it: batch 1 takes two graphs,
     batch 2 needs more), the error says kvpass, what compiles graphs, why Dynamo recompiled and what to do,
     instead of torch's bare FailOnRecompileLimitHit."""
-    from kvpass.compiler import fastpath
+    from kvpass.generate import fastpath
     torch._dynamo.reset()
     monkeypatch.setattr(fastpath, "RECOMPILE_LIMIT", 3)
     model = build("llama")
@@ -491,7 +491,7 @@ def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
 def test_generate_runs_with_a_recompile_limit_of_its_own_floor():
     """A generate call runs with Dynamo's recompile limit at least ``RECOMPILE_LIMIT`` (the graphs of ordinary
     use), the user's own where higher; the process's setting is left as it was."""
-    from kvpass.compiler import fastpath
+    from kvpass.generate import fastpath
     torch._dynamo.reset()
     model = build("llama")
     kvpass.compile(model, "full", compiler="eager")

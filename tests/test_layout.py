@@ -2,7 +2,8 @@
 
 Layers, lowest first (``docs/ARCHITECTURE.md``): errors and the core kernels; the cache and runtime state; the
 core operators; policies (the contract, the registry, each policy with its family's operators and kernels);
-the compiler pass; chunk fusion's driver; evaluation; the CLI and the public API. Imports inside functions
+the compiler pass; the generation runtime and chunk fusion's driver; evaluation; the CLI and the public API
+(nothing in the compiler pass imports the generation runtime that runs what it compiled). Imports inside functions
 count too: a lazy import that hides an upward edge is still one.
 """
 
@@ -20,7 +21,7 @@ LAYERS = [  # (prefix, layer); the longest matching prefix decides
     ("kvpass.ops", 2),
     ("kvpass.policies", 3),
     ("kvpass.compiler", 4),
-    ("kvpass.chunks", 5),
+    ("kvpass.chunks", 5), ("kvpass.generate", 5),
     ("kvpass.eval", 6),
     ("kvpass.cli", 7), ("kvpass", 7),
 ]

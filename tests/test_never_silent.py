@@ -95,7 +95,7 @@ def test_float_token_ids_are_refused_not_truncated(models):
                                                  r"of 96 ids"):
         queue.add([5, 500, 7])
     assert len(queue) == 0
-    from kvpass.compiler.token_ids import token_ids
+    from kvpass.generate.token_ids import token_ids
     ids = torch.tensor([[5, 6, 7]], dtype=torch.int32)
     assert token_ids(ids, "here").tolist() == [5, 6, 7] and token_ids((5, 6), "here").dtype == torch.long
     with pytest.raises(kvpass.ConfigError, match="here: parameter 'chunk' must be a non-empty 1-D"):

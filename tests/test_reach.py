@@ -114,7 +114,7 @@ def test_models_of_one_class_compiled_in_turn_do_not_share_a_recompile_budget(mo
     """Three Llamas, each ``kvpass.compile``d and called with batch 1 and 2 (four graphs and the entries of their
     guards each), under Dynamo's default limit of 8: before each compiled forward had a code object of its own,
     the third model's graphs reached it."""
-    from kvpass.compiler import fastpath
+    from kvpass.generate import fastpath
     torch._dynamo.reset()
     monkeypatch.setattr(fastpath, "RECOMPILE_LIMIT", 8)   # a kvpass constant (torch's settings: config.patch)
     ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -30,7 +30,7 @@ from families import symbolic_lengths  # noqa: E402
 
 import kvpass  # noqa: E402
 import transformers  # noqa: E402
-from kvpass.compiler.fastpath import backward_hooked  # noqa: E402
+from kvpass.generate.fastpath import backward_hooked  # noqa: E402
 
 
 DEVICE = "cpu"   # --device cuda: NCCL, each rank on its GPU (tests/gpu/test_gpu_tp.py)

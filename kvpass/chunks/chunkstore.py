@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvpass.compiler.token_ids import token_ids, vocab_size
+from kvpass.generate.token_ids import token_ids, vocab_size
 from kvpass.policies.contract import ConfigError
 
 FORMAT = "kvpass-chunk/1"

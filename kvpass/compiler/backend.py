@@ -17,11 +17,11 @@ from torch import fx
 
 from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
-from kvpass.compiler import direct_steps as _direct
 from kvpass.compiler import gate as _gate
 from kvpass.compiler import layers as _layers
 from kvpass.compiler import local_weights as _local_weights
 from kvpass.compiler.maskcheck import mask_is_read
+from kvpass.compiler.recording import recorded
 from kvpass.compiler import plan as _plan
 from kvpass.compiler import positions as _positions
 from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
@@ -284,7 +284,7 @@ class Backend:
         self.kvpass = KVPass(self.policy, self.runtime, self._compile_segment)
         self.reports: list[GraphReport] = []
         # kvpass.compile(..., direct_steps="auto" or True) sets it: its decoding loop calls a decode graph without
-        # Dynamo's frame once two steps agree (kvpass.compiler.direct_steps); the last generate call's DirectSteps
+        # Dynamo's frame once two steps agree (kvpass.generate.direct_steps); the last generate call's DirectSteps
         self.direct_steps, self.last_direct_steps = False, None
         # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
         # run outside the policy on the cache it evicted. transformers models share one wrapper code
@@ -369,7 +369,7 @@ class Backend:
         compiler = self.prefill_compiler if report.phase == "prefill" else self.compiler
         patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"), compiler)
         report.cudagraphs = bool(patches.get("triton.cudagraphs"))
-        return _direct.recorded(self._inner(gm, example_inputs, patches, compiler, report), report.phase)
+        return recorded(self._inner(gm, example_inputs, patches, compiler, report), report.phase)
 
     def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options, compiler: str) -> dict:
         """Inductor settings of a ``torch.compile`` mode / options for this graph. CUDA graphs replay

@@ -41,7 +41,7 @@ import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from kvpass.cache.slots import MaskReused, reused_mask
-from kvpass.compiler.direct_steps import DirectSteps, callers_code
+from kvpass.generate.direct_steps import DirectSteps, callers_code
 from kvpass.errors import ConfigError
 
 # GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24

@@ -1,7 +1,7 @@
 """Token ids as kvpass's entry points take them: one check, so that no entry point truncates, wraps or misreads
 what a caller passes.
 
-    from kvpass.compiler.token_ids import token_ids
+    from kvpass.generate.token_ids import token_ids
     ids = token_ids(prompt, "kvpass.RequestQueue.add", vocab_size=vocab_size(model))
 
 A prompt is a 1-D sequence of integer ids (a list, a tuple or a tensor of an integer dtype) or one row ``[1, L]``.

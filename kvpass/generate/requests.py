@@ -17,13 +17,13 @@ with no request left decodes a copy of a live row (its tokens are dropped), so t
 recorded graph never change and every row always holds a valid sequence.
 
 The host learns each step's tokens one step late: they are copied to pinned memory without blocking and read
-after the next step is queued (as ``kvpass.compiler.decode_loop``), so the device does not wait for the host
+after the next step is queued (as ``kvpass.generate.decode_loop``), so the device does not wait for the host
 between steps. A row that finished (its end-of-sequence token or its ``max_new_tokens``) has then run one step
 more, whose token is dropped; the room for it is in the cache (a row stops at ``prompt + max_new_tokens``
 entries at most).
 
 Decoding: greedy, or sampling with ``temperature``, ``top_k`` and ``top_p``. The options are merged as
-``generate`` merges them (``kvpass.compiler.decode_loop.run_config``: the caller's, over the generation config
+``generate`` merges them (``kvpass.generate.decode_loop.run_config``: the caller's, over the generation config
 given, over the model's, over transformers' defaults such as ``top_k=50``), and the tokens are drawn through the
 logits processors transformers builds from them. Any other option that changes the tokens (repetition penalty,
 beams, ...) is refused.
@@ -45,8 +45,8 @@ import time
 import torch
 from torch import Tensor
 
-from kvpass.compiler.decode_loop import Late, run_config
-from kvpass.compiler.token_ids import token_ids, vocab_size
+from kvpass.generate.decode_loop import Late, run_config
+from kvpass.generate.token_ids import token_ids, vocab_size
 from kvpass.errors import ConfigError
 
 # generation options this queue runs; those below at a value other than a neutral one, and any other, are refused

@@ -46,11 +46,11 @@ steps stop or never begin; ``"auto"`` only records why in ``be.last_direct_steps
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import NamedTuple
 
 import torch
 
+from kvpass.compiler.recording import recording
 from kvpass.errors import warn_once
 
 try:   # where entering a compiled frame counts CUDA graph trees' generations (torch 2.x)
@@ -61,22 +61,6 @@ try:   # Dynamo's guard on torch's global settings, checked in C++
     from torch._C._dynamo.guards import GlobalStateGuard
 except ImportError:  # pragma: no cover
     GlobalStateGuard = None
-
-_recording = threading.local()   # .calls: the compiled graphs called while a step is watched, else None
-
-
-def recorded(fn, phase: str):
-    """``fn`` (a compiled graph as the backend hands it to Dynamo), noting each call while a step is watched."""
-    def call(*args):
-        out = fn(*args)
-        calls = getattr(_recording, "calls", None)
-        if calls is not None:
-            calls.append((call, args, out))
-        return out
-    call.phase = phase
-    call.__dict__.update({k: v for k, v in getattr(fn, "__dict__", {}).items() if k not in call.__dict__})
-    return call
-
 
 def callers_code(logits_processor, stopping_criteria) -> str | None:
     """What of the caller's own code a ``generate`` call runs between its steps: the first logits processor or
@@ -170,12 +154,12 @@ class DirectSteps:
             yield None
             return
         before = _state(self.cache, self.model) if len(self.seen) == 1 else None
-        calls, outer = [], getattr(_recording, "calls", None)
-        _recording.calls = calls
+        calls, outer = [], recording.calls
+        recording.calls = calls
         try:
             yield calls
         finally:
-            _recording.calls = outer
+            recording.calls = outer
         self._before = before
 
     def saw(self, inputs: dict, outputs, calls) -> None:

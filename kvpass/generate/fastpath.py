@@ -6,7 +6,7 @@
 It compiles ``model.forward`` with a kvpass backend (``dynamic=True``; on a GPU with Inductor,
 ``mode="reduce-overhead"``: the decode step replays as a CUDA graph) and gives ``model.generate`` a
 ``kvpass.SlotCache`` whenever the call does not bring its own cache, and a decoding loop that queues the
-next step before it asks whether the last one finished (``kvpass.compiler.decode_loop``). The cache is sized in buckets
+next step before it asks whether the last one finished (``kvpass.generate.decode_loop``). The cache is sized in buckets
 (``bucket``: a quarter of an octave, so at most a quarter of it is never used) and kept: the next call
 that fits it resets and reuses it, so its slots keep their addresses and the recorded CUDA graphs
 replay. A capacity never enters the compiled code, nor does a batch of two or more rows (the slots' capacity and
@@ -42,9 +42,9 @@ import torch
 
 from kvpass.cache.argument import cache_kwarg
 from kvpass.cache.slots import SlotCache
-from kvpass.compiler import decode_loop
+from kvpass.generate import decode_loop
 from kvpass.compiler.backend import Backend, backend
-from kvpass.compiler.requests import RequestQueue
+from kvpass.generate.requests import RequestQueue
 from kvpass.errors import ConfigError
 
 # generate() arguments whose decoding a SlotCache does not run (it holds one sequence per row)
@@ -374,7 +374,7 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
             guards and the bytecode around the graph: on a tensor-parallel model, most of a step's host time).
             ``"auto"`` (default): so, unless the call runs a logits processor or stopping criterion of the
             caller's own between steps; ``True``: so in any call, with a warning when they stop or never begin;
-            ``False``: never. What it checks and what it does not is in ``kvpass.compiler.direct_steps``;
+            ``False``: never. What it checks and what it does not is in ``kvpass.generate.direct_steps``;
             ``be.last_direct_steps`` says whether the last call used it and why not.
         **params: the policy's parameters, checked here (``ConfigError`` names a bad one), and
             ``share_layers`` (as ``kvpass.backend``).
