@@ -5,10 +5,10 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
 * ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
   (left padding and evicted slots too);
-* ``count`` ``[B, 4]`` int64, per row: tokens seen (padding included, the index HF's masks count in),
-  slots filled in order (the append layout's next free slot), the positions a renumbering prefill
-  dropped (``gemfilter``: ``L - n``, else 0): the row's next token's position is ``count[b, 0] -
-  count[b, 2]``; and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule
+* ``count`` ``[B, 4]`` int64, per row, its columns named ``SEEN``, ``FILLED``, ``DROPPED``, ``MAX_LENGTH``:
+  tokens seen (padding included, the index HF's masks count in), slots filled in order (the append
+  layout's next free slot), the positions a renumbering prefill dropped (``gemfilter``: ``L - n``, else
+  0): the row's next token's position is ``count[b, SEEN] - count[b, DROPPED]``; and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule
   (a ring would otherwise wrap over entries its policy keeps). ``generate`` keeps the rows of a batch
   at one length; the counts are per row so that a row can be emptied and refilled on its own.
 
@@ -82,6 +82,7 @@ def reused_mask():
         yield
     finally:
         _reuse.on = before
+SEEN, FILLED, DROPPED, MAX_LENGTH = range(4)   # the columns of a layer's ``count`` (the module docstring)
 LIMIT = ("kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
          "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "
          "before a new prompt")
@@ -122,17 +123,17 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     cap = keys.shape[2]
     if q > cap:   # known on the host: an error the process survives, where the device assert below ends it on a GPU
         raise RuntimeError(f"{TOO_LONG} ({q} new tokens, {cap} slots)")
-    seen, filled = count[:, 0], count[:, 1]
+    seen, filled = count[:, SEEN], count[:, FILLED]
     device_assert((seen == filled).all(), "kvpass SlotCache: a kvpass policy compressed this cache and this call "
                                           "was not rewritten by it: several new tokens for a policy without an "
                                           "append graph (h2o, raas), or a forward compiled without the cache's "
                                           "backend")
     device_assert((filled + q <= cap).all(), TOO_LONG)
-    device_assert((seen + q <= count[:, 3]).all(), LIMIT)
+    device_assert((seen + q <= count[:, MAX_LENGTH]).all(), LIMIT)
     ar = torch.arange(q, device=keys.device)
     idx = (filled[:, None, None] + ar).expand(b, hkv, q)
     _put(keys, values, pos, idx, k_new, v_new, (seen[:, None, None] + ar).expand(b, hkv, q))
-    count[:, :2].add_(q)
+    count[:, SEEN:DROPPED].add_(q)   # seen and filled
 
 
 @slot_append.register_fake
@@ -177,9 +178,9 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
         raise ValueError(f"kvpass SlotCache: a batch of {b} rows on a cache built for {keys.shape[0]}; build it "
                          f"with batch_size={b}")
     check_heads(keys, values, k_new, v_new)
-    if length > int(count[0, 3]):
+    if length > int(count[0, MAX_LENGTH]):
         raise ValueError(f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
-                         f"{int(count[0, 3])}; build it with max_length >= prompt + new tokens")
+                         f"{int(count[0, MAX_LENGTH])}; build it with max_length >= prompt + new tokens")
     kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
     valid = runtime.key_validity(mask, b, length)
     if valid is not None:
@@ -220,7 +221,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
             if name in kept_state:
                 tensor.zero_()
                 tensor[:, :, :n].copy_(kept_state[name].gather(2, order).to(tensor.dtype))
-    count[:, 0], count[:, 1], count[:, 2] = length, n, 0
+    count[:, SEEN], count[:, FILLED], count[:, DROPPED] = length, n, 0
 
 
 @slot_prefill.register_fake
@@ -234,7 +235,7 @@ register(slot_append=slot_append, slot_prefill=slot_prefill)
 def next_positions(count: Tensor, q: int) -> Tensor:
     """``[B, q]``: the true positions of each row's next ``q`` tokens (tokens seen, less a renumbering
     prefill's shift)."""
-    return (count[:, 0] - count[:, 2])[:, None] + torch.arange(q, device=count.device)
+    return (count[:, SEEN] - count[:, DROPPED])[:, None] + torch.arange(q, device=count.device)
 
 
 def ring_victims(pos: Tensor, protect: int, q: int) -> Tensor:
@@ -270,7 +271,7 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     Inductor compiles and fuses it; no host sync, capturable). Each of the ``q`` new tokens goes into a
     victim slot chosen on the device:
 
-    * ``APPEND``: slots ``count[1] ..`` in order (a policy that no longer evicts); a full cache fails a
+    * ``APPEND``: slots ``count[FILLED] ..`` in order (a policy that no longer evicts); a full cache fails a
       device-side assert rather than overwrite a token;
     * ``RING``: per (row, KV head) the empty slots first, then the unprotected slot (index >= ``protect``:
       StreamingLLM's sinks are the first slots) holding the oldest position;
@@ -282,21 +283,21 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     cap = keys.shape[2]
     ar = torch.arange(q, device=pos.device)
     q_pos = next_positions(count, q)
-    device_assert((count[:, 0] + q <= count[:, 3]).all(), LIMIT)
+    device_assert((count[:, SEEN] + q <= count[:, MAX_LENGTH]).all(), LIMIT)
     if rule == APPEND:
-        device_assert((count[:, 1] + q <= cap).all(), "kvpass SlotCache: the cache is full; build it with a "
+        device_assert((count[:, FILLED] + q <= cap).all(), "kvpass SlotCache: the cache is full; build it with a "
                                                       "larger max_length (or max_new_tokens)")
-        slot = (count[:, 1, None, None] + ar).clamp_max(cap - 1).expand(b, hkv, q)
+        slot = (count[:, FILLED, None, None] + ar).clamp_max(cap - 1).expand(b, hkv, q)
     elif rule == RING:
         torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
         slot = ring_victims(pos, protect, q)
     _put(keys, values, pos, slot, k_new, v_new, q_pos[:, None, :].expand(b, hkv, q))
-    count[:, :2].add_(q)
+    count[:, SEEN:DROPPED].add_(q)   # seen and filled
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
-        count[:, 1:2].clamp_(max=cap)
+        count[:, FILLED:FILLED + 1].clamp_(max=cap)
     elif rule == PLACED:  # the read covers every slot up to the highest one written
-        count[:, 1] = torch.maximum(count[:, 1] - q, slot.amax(dim=(1, 2)) + 1)
-    return q_pos, count[:, 1].to(torch.int32)
+        count[:, FILLED] = torch.maximum(count[:, FILLED] - q, slot.amax(dim=(1, 2)) + 1)
+    return q_pos, count[:, FILLED].to(torch.int32)
 
 
 def _put(keys: Tensor, values: Tensor, pos: Tensor, slot: Tensor, k_new: Tensor, v_new: Tensor,
@@ -438,7 +439,7 @@ class SlotLayer(CacheLayerMixin):
         return (query_length if not self.filled else self.read_length), 0
 
     def get_seq_length(self) -> Tensor | int:
-        return self.count[0, 0] if self.filled else 0   # generate's rows share one length
+        return self.count[0, SEEN] if self.filled else 0   # generate's rows share one length
 
     def get_max_length(self) -> int:
         return self.capacity
@@ -448,7 +449,7 @@ class SlotLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.pos.fill_(-1)
-        self.count[:, :3].zero_()
+        self.count[:, :MAX_LENGTH].zero_()   # seen, filled, dropped
         for t, fill in zip(self.state, self._fills):
             t.fill_(fill)
         self.filled = False
@@ -460,7 +461,7 @@ class SlotLayer(CacheLayerMixin):
     def reset_row(self, row: int) -> None:
         """Empty one row (positions -1, counters 0, the policy's state at its fill); the others keep theirs."""
         self.pos[row].fill_(-1)
-        self.count[row, :3].zero_()
+        self.count[row, :MAX_LENGTH].zero_()
         for t, fill in zip(self.state, self._fills):
             t[row].fill_(fill)
 
@@ -604,12 +605,12 @@ class SlotCache(Cache):
     def row_positions(self) -> Tensor:
         """``[B, 1]`` int64 on the device: each row's next position as the model counts it (tokens seen,
         padding included), the ``position_ids`` of a decode step whose rows have different lengths."""
-        return self.layers[0].count[:, :1].clone()
+        return self.layers[0].count[:, SEEN:SEEN + 1].clone()
 
     @property
     def seen(self) -> int:
         """Tokens the sequence has seen (a host sync; for inspection, not for the decode loop)."""
-        return int(self.layers[0].count[0, 0])
+        return int(self.layers[0].count[0, SEEN])
 
     def positions(self, layer: int) -> Tensor:
         """``[B, H_kv, C]`` true position of each slot of ``layer`` (-1 = empty)."""
@@ -623,7 +624,7 @@ class SlotCache(Cache):
         for i, lay in enumerate(self.layers):
             held = (lay.pos >= 0).sum(-1)                     # [B, H_kv]
             stored[i] = int(held.max())
-            evicted += int((lay.count[:, :1] - held).clamp_min(0).sum())
+            evicted += int((lay.count[:, SEEN:SEEN + 1] - held).clamp_min(0).sum())
         return SlotCacheState(self.seen, len(self.layers), stored, evicted)
 
     def kv_bytes(self) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from kvpass.cache import runtime as _runtime
+from kvpass.cache.slots import DROPPED
 from kvpass.compiler.detect import Site, is_fn
 from kvpass.operators import register
 
@@ -220,18 +221,18 @@ def shift_passed_positions(gm: fx.GraphModule, sites, handle: int) -> list[str]:
 
 
 def row_shift(count: Tensor, positions: Tensor) -> Tensor:
-    """The positions a renumbering prefill dropped (``count[:, 2]``), shaped to move ``positions``: per row
+    """The positions a renumbering prefill dropped (``count[:, DROPPED]``), shaped to move ``positions``: per row
     for ``[B, q]`` position ids, else the first row's (a batch prefilled together shares it)."""
     if positions.dim() == 2 and positions.shape[0] == count.shape[0]:
-        return count[:, 2, None]
-    return count[0, 2]
+        return count[:, DROPPED, None]
+    return count[0, DROPPED]
 
 
 def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     """Decode/append graphs of a renumbering policy on a ``kvpass.SlotCache``: the cache counts every
     token of the prompt (``generate`` and a bare ``forward`` derive positions from it) and holds the
     prefill's tokens at ``0..n-1``; RoPE's positions, passed in or derived, move back by the shift the
-    prefill left in ``count[2]``, on the device (the counters of the graph's first slot write: every
+    prefill left in ``count[:, DROPPED]``, on the device (the counters of the graph's first slot write: every
     layer's hold the same shift)."""
     from kvpass.cache.slots import pending_positions, write_slots
 

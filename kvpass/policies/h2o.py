@@ -31,7 +31,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from kvpass.cache.slots import next_positions
+from kvpass.cache.slots import FILLED, next_positions
 from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan, SlotHooks, shrinking_plan
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
@@ -116,7 +116,7 @@ def slot_victim(pos, count, state: list, softcap: float, recent: int):
     low = score.amin(-1, keepdim=True)
     tied = score == low
     victim = torch.where(tied, held, torch.iinfo(torch.int64).min).argmax(-1, keepdim=True)  # the latest
-    filled = count[:, 1, None, None]
+    filled = count[:, FILLED, None, None]
     slot = torch.where(filled < cap, filled.expand_as(victim), victim)
     acc.scatter_(-1, slot, 0.0)                      # the new token starts with no attention received
     return slot

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, fx
 
+from kvpass.cache.slots import DROPPED, SEEN
 from kvpass.compiler.detect import val
 from kvpass.compiler.gate.checks import places, same
 from kvpass.compiler.gate.partition import Segment, after_fix, build, carry, free_after, insert_scores, \
@@ -282,7 +283,7 @@ class GatedGraph:
             if layer in self.slots:    # a SlotCache layer: its slots hold local indices 0..n-1 in order
                 pos, count = (env[x] for x in self.slots[layer])
                 pos.copy_(true_of(pos, true))
-                count[:, 0], count[:, 2] = seen + shift, shift
+                count[:, SEEN], count[:, DROPPED] = seen + shift, shift
                 continue
             ls = st.layer(layer)
             if ls is None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpass.cache.slots import FILLED
 from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, SitePlan, SlotHooks, param
 from kvpass.errors import device_assert
 
@@ -118,26 +119,26 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
 
 def slot_bounds(keys: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], *_) -> None:
     """SlotCache refresh (after a prefill or an append wrote the slots): every page's bounds, empty
-    slots excluded, and the entries each row's bounds cover (``count[b, 1]``)."""
+    slots excluded, and the entries each row's bounds cover (``count[b, FILLED]``)."""
     kmin, kmax, live, covered = state
     new_min, new_max, new_live = page_bounds(keys, pos >= 0, kmin.shape[2])
     kmin.copy_(torch.where(new_live[..., None], new_min, 0))
     kmax.copy_(torch.where(new_live[..., None], new_max, 0))
     live.copy_(new_live)
-    covered.copy_(count[:, 1, None].expand_as(covered))
+    covered.copy_(count[:, FILLED, None].expand_as(covered))
 
 
 def slot_fold(q: Tensor, keys: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], k_new: Tensor, *_) -> None:
-    """SlotCache decode step: fold the token just written (each row's slot ``count[b, 1] - 1``) into its
+    """SlotCache decode step: fold the token just written (each row's slot ``count[b, FILLED] - 1``) into its
     page's bounds. Bounds that do not cover the slots before it (a cache filled without this backend) fail
     a device-side assert instead of ranking pages wrongly."""
     kmin, kmax, live, covered = state
-    device_assert((covered == count[:, 1, None] - 1).all(), "kvpass quest: the SlotCache's page bounds do not "
+    device_assert((covered == count[:, FILLED, None] - 1).all(), "kvpass quest: the SlotCache's page bounds do not "
                                                             "cover its slots (it was filled without this backend)")
     b, hkv = live.shape[:2]
     rows = torch.arange(b, device=live.device)[:, None]
     heads = torch.arange(hkv, device=live.device)[None, :]
-    p = ((count[:, 1] - 1) // PAGE)[:, None].expand(b, hkv)
+    p = ((count[:, FILLED] - 1) // PAGE)[:, None].expand(b, hkv)
     old = live[rows, heads, p][..., None]
     knew = k_new[:, :, -1].to(kmin.dtype)
     kmin.index_put_((rows, heads, p), torch.where(old, torch.minimum(kmin[rows, heads, p], knew), knew))
@@ -151,7 +152,7 @@ def slot_pages(q: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], top: 
     ``top`` complete pages by Quest's bound and the current page, in order, -1 padded (as ``page_map``)."""
     kmin, kmax, live, _ = state
     b, hkv, pages, _ = kmin.shape
-    cur = ((count[:, 1] - 1) // PAGE)[:, None, None]   # each row's current page
+    cur = ((count[:, FILLED] - 1) // PAGE)[:, None, None]   # each row's current page
     ok = live & (torch.arange(pages, device=kmin.device) < cur)
     # kvpass::page_bounds, not kvpass::page_scores: page_scores' kernel (one program per KV head, two passes
     # for RaaS's softmax) walked 2,048 pages serially per layer (quest 2.4x slower than full at 32k, H100), and

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpass.cache.slots import FILLED, SEEN
 from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, SlotHooks, param
 from kvpass.policies.pages.quest import page_bounds
 from kvpass.errors import device_assert
@@ -330,20 +331,20 @@ def slot_pool(keys, pos, count, state: list, decode_pages: int, alpha: float) ->
     prefill pages, page ``ceil(n / 16)`` the first decode page and the current one; as ``PagePool.add``."""
     kmin, kmax, live, ts, born, meta, seen = state
     pages = kmin.shape[2]
-    n_pre = (count[:, 1] + PAGE - 1) // PAGE                    # [B]: each row's prompt pages
+    n_pre = (count[:, FILLED] + PAGE - 1) // PAGE                   # [B]: each row's prompt pages
     device_assert((n_pre < pages).all(), "kvpass raas: the prompt leaves no decode page in the SlotCache; build "
                                          "it with a larger max_length")
     new_min, new_max, new_live = page_bounds(keys, pos >= 0, pages)
     kmin.copy_(torch.where(new_live[..., None], new_min, 0))
     kmax.copy_(torch.where(new_live[..., None], new_max, 0))
     idx = torch.arange(pages, device=keys.device)
-    now, first = count[:, 0, None, None], n_pre[:, None, None]
+    now, first = count[:, SEEN, None, None], n_pre[:, None, None]
     live.copy_(new_live | (idx == first))
     ts.copy_(torch.where(idx <= first, now, 0).expand_as(ts))
     born.copy_(torch.where(idx < first, idx, torch.where(idx == first, now, -1)).expand_as(born))
     meta.copy_(torch.stack([n_pre, torch.zeros_like(n_pre), n_pre, torch.full_like(n_pre, -1)], -1)[:, None]
                .expand_as(meta))
-    seen.copy_(count[:, 0, None].expand_as(seen))
+    seen.copy_(count[:, SEEN, None].expand_as(seen))
 
 
 def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
@@ -351,7 +352,7 @@ def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
     emptied) and the token's slot ``16 cur + fill`` is returned ``[B, H_kv, 1]``. Tables that are behind
     the slots (a cache written without this backend) fail a device-side assert."""
     _, _, _, _, _, meta, seen = state
-    device_assert((seen == count[:, 0, None]).all(), "kvpass raas: the SlotCache's page tables do not match its slots: "
+    device_assert((seen == count[:, SEEN, None]).all(), "kvpass raas: the SlotCache's page tables do not match its slots: "
                                             "it was written without this backend, or the sequence is longer "
                                             "than the SlotCache's max_length (no decode page left to evict)")
     b, hkv, _ = pos.shape
