@@ -148,6 +148,21 @@ def is_method(node, *names) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
 
 
+def upstream(node: fx.Node, found, inputs=lambda n: n.all_input_nodes, limit: int | None = None) -> fx.Node | None:
+    """The first node where ``found(n)`` holds, walking up from ``node`` (itself included) through
+    ``inputs(n)`` (its data inputs), visiting at most ``limit`` nodes; None if there is none."""
+    todo, seen = [node], {node}
+    while todo and (limit is None or len(seen) <= limit):
+        n = todo.pop()
+        if found(n):
+            return n
+        for a in inputs(n):
+            if isinstance(a, fx.Node) and a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return None
+
+
 def arg(node: fx.Node, i: int, name: str, default=None):
     if len(node.args) > i:
         return node.args[i]
@@ -507,22 +522,16 @@ def mask_chunks(mask, limit: int = 256) -> str | None:
     """Why an attention mask is not a window over positions: it is computed from a floor division of integer
     tensors (positions grouped into chunks: chunked attention, as Llama 4's local layers). A mask rebuilt
     from positions (causal, or a sliding window) would let a token see the previous chunk. None otherwise."""
-    if not isinstance(mask, fx.Node):
-        return None
-    todo, seen = [mask], {mask}
-    while todo and len(seen) < limit:
-        n = todo.pop()
+    def floor_division(n) -> bool:
         ex = val(n)
-        floor = is_fn(n, {operator.floordiv, torch.floor_divide}) or is_method(n, "floor_divide", "__floordiv__") \
-            or ((is_fn(n, {torch.div}) or is_method(n, "div")) and n.kwargs.get("rounding_mode") == "floor")
-        if floor and isinstance(ex, torch.Tensor) and not ex.is_floating_point():
-            return (f"the attention mask groups positions into chunks ('{n.name}': a floor division), as chunked "
-                    f"attention does; kvpass rebuilds masks from positions as causal or sliding windows only")
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return None
+        return (isinstance(ex, torch.Tensor) and not ex.is_floating_point()
+                and (is_fn(n, {operator.floordiv, torch.floor_divide}) or is_method(n, "floor_divide", "__floordiv__")
+                     or ((is_fn(n, {torch.div}) or is_method(n, "div")) and n.kwargs.get("rounding_mode") == "floor")))
+
+    n = upstream(mask, floor_division, limit=limit) if isinstance(mask, fx.Node) else None
+    return None if n is None else (f"the attention mask groups positions into chunks ('{n.name}': a floor division), "
+                                   f"as chunked attention does; kvpass rebuilds masks from positions as causal or "
+                                   f"sliding windows only")
 
 
 _LINEAR = {F.linear, torch._C._nn.linear}

@@ -17,7 +17,7 @@ from torch import Tensor, fx
 
 from kvpass.cache import runtime as _runtime
 from kvpass.cache.slots import DROPPED
-from kvpass.compiler.detect import Site, is_fn
+from kvpass.compiler.detect import Site, is_fn, upstream
 from kvpass.operators import register
 
 OPS = torch.ops.kvpass
@@ -81,16 +81,7 @@ def from_ranking(index: fx.Node) -> bool:
     """Whether ``index`` is computed (through data edges) from a ranking or selection of values: ``topk``,
     ``sort``, ``argmax``, ``nonzero`` ... A mixture-of-experts router's token order is; positions (an ``arange``
     from the cache's length, a cumulative sum of the attention mask, an integer input) never are."""
-    stack, seen = [index], {index}
-    while stack:
-        n = stack.pop()
-        if _call_name(n) in _RANKS:
-            return True
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return False
+    return upstream(index, lambda n: _call_name(n) in _RANKS) is not None
 
 
 _COUNTS = {"arange", "cumsum"}
@@ -103,17 +94,11 @@ def counts_tokens(index: fx.Node) -> bool:
     mask) or a window of the model's own integer table read from the cache's length (BERT-style
     ``position_ids[:, past:past + q]``). Token type ids do not, whether built as ``zeros`` or picked from a
     buffer of zeros at those positions: a lookup takes its values from the table, not from its index."""
-    stack, seen = [index], {index}
-    while stack:
-        n = stack.pop()
-        if _call_name(n) in _COUNTS or _table_window(n):
-            return True
+    def values_from(n):
         picks = n.op in ("call_function", "call_method") and (n.target is operator.getitem or _call_name(n) in _PICKS)
-        for a in ([n.args[0]] if picks else n.all_input_nodes):
-            if isinstance(a, fx.Node) and a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return False
+        return [n.args[0]] if picks else n.all_input_nodes
+
+    return upstream(index, lambda n: _call_name(n) in _COUNTS or _table_window(n), values_from) is not None
 
 
 def _call_name(n: fx.Node):
