@@ -28,13 +28,11 @@ adds the model's dtype to it, so a checkpoint run in two dtypes keeps two sets o
 ``weights_version``: per parameter and persistent buffer its address and dtype (``model.to`` changes them)
 and autograd's version counter (every in-place write through torch moves it: ``param.mul_``,
 ``load_state_dict``). When it differs from the one the fingerprint was taken at, the digest is taken again
-and the memory tier emptied, so neither tier serves the KV of earlier weights. The check walks the modules.
-On a shared 2-core CPU it took 35-50 us a call on the 2-layer test Llama (21 tensors: a memory hit, or a put
-of a stored chunk, went from 10 to 50-80 us, a disk hit of its 37-token chunk from 0.13-0.17 to 0.18-0.38 ms)
-and 0.4-0.7 ms on the 32 layers of the Llama-3-8B shape (291 tensors), under 1% of the 84 ms a 512-token
-chunk of the 8B shape takes to load from disk. Taking the digest again reads every weight once (5 s per GiB
-of float32 on that CPU). Writes that bypass the version counter are not seen: through ``param.data``
-(``param.data.add_(delta)``) or a NumPy view; after those, build a new ``ChunkStore``.
+and the memory tier emptied, so neither tier serves the KV of earlier weights. The check walks the modules
+and reads no tensor's data, so it stays small beside loading a chunk; taking the digest again reads every
+weight once, which happens only after the weights changed. Writes that bypass the version counter are not
+seen: through ``param.data`` (``param.data.add_(delta)``) or a NumPy view; after those, build a new
+``ChunkStore``.
 
 **Layout on disk** (``path``): ``<key[:2]>/<key>.safetensors`` (tensors ``k.<layer>``,
 ``v.<layer>``; metadata: format, fingerprint, token ids, CRC-32 of the tensor bytes),
