@@ -338,7 +338,7 @@ def test_configuration_errors(policy, params, fragments):
 def test_sablock_plan_needs_token_ids():
     pol = make_policy("sablock", budget=64, punctuation_ids=[1])
     s = site()
-    assert "needs its token ids" in pol.plan(s)
+    assert "needs its token ids" in pol.plan(s).reason
     s.tokens = object()
     plan = pol.plan(s)
     assert plan.evict and plan.tokens

@@ -30,7 +30,7 @@ from kvpass.compiler import rewrite as _rewrite
 from kvpass.compiler import tp as _tp
 from kvpass.cache import runtime as _runtime
 from kvpass.errors import ConfigError, warn_once
-from kvpass.policies import Policy, SitePlan, make_policy
+from kvpass.policies import Policy, Refusal, SitePlan, make_policy
 
 try:  # Inductor's base class for custom passes: uuid() keys its caches
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -52,7 +52,7 @@ class GraphReport:
     evicting: list[int] = field(default_factory=list)
     appending: list[int] = field(default_factory=list)  # sites left to the model's cache update (SitePlan.append)
     positions_fixed: list[str] = field(default_factory=list)
-    gate: object = None      # kvpass.compiler.gate.GatedGraph: the prefill runs split at the gates (ASL, FastKV)
+    gate: _gate.GatedGraph | None = None  # the prefill runs split at the gates (ASL, FastKV)
     slots: list[int] = field(default_factory=list)     # kvpass.SlotCache sites (kvpass.cache.slots)
     cudagraphs: bool = False  # compiled with Inductor's CUDA graphs (mode="reduce-overhead")
     tp: str = ""              # tensor parallel: this rank's share of the heads (kvpass.compiler.tp)
@@ -185,8 +185,8 @@ class KVPass(CustomGraphPass):
         for site in found.sites:
             site.phase, site.tp = report.phase, tp
             plan = _plan.plan_site(self.policy, site)
-            if isinstance(plan, str):
-                report.problems.append(f"policy '{self.policy.name}': {plan}")
+            if isinstance(plan, Refusal):
+                report.problems.append(f"policy '{self.policy.name}': {plan.reason}")
                 return {}
             plans[site.layer] = plan
             report.plans[site.layer] = plan.describe(report.phase)
@@ -198,13 +198,13 @@ class KVPass(CustomGraphPass):
         return plans
 
     def _rewrite(self, gm, found, plans: dict[int, SitePlan], report: GraphReport) -> None:
-        summary = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
-        report.rewritten = summary["rewritten"]
-        report.evicting = summary["evicting"]
-        report.appending = summary["appending"]
-        report.positions_fixed = summary["positions_fixed"]
-        report.slots = summary["slots"]
-        report.reductions = summary["reductions"]
+        done = _rewrite.rewrite(gm, found, plans, self.runtime.handle)
+        report.rewritten = done.rewritten
+        report.evicting = done.evicting
+        report.appending = done.appending
+        report.positions_fixed = done.positions_fixed
+        report.slots = done.slots
+        report.reductions = done.reductions
 
     def _gate(self, gm, found, report: GraphReport) -> None:
         """A gated prefill's runner (``report.gate``); after the rewrite, a gate that cannot be built leaves the

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,14 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from kvpass.cache import slots as _cache  # noqa: F401  (registers kvpass::slot_append)
+from kvpass.compiler.fxargs import arg
 from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
+
+# the cache a site's keys and values come from: transformers' DynamicCache, a StaticCache (a buffer written in
+# place), a kvpass.SlotCache, or none (use_cache=False)
+CacheKind = Literal["dynamic", "static", "slot", "none"]
+# the graph a site is in (set per graph by the backend; "unknown" until then)
+Phase = Literal["unknown", "prefill", "decode", "append", "dynamic"]
 
 SLOT_APPEND = torch.ops.kvpass.slot_append
 
@@ -70,7 +78,7 @@ class Site:
     kv_heads: int
     head_dim: int
     q_len: int | torch.SymInt
-    cache: str                  # "dynamic" | "static" | "slot" (kvpass.SlotCache) | "none"
+    cache: CacheKind
     sliding_window: int | None = None
     k_past: fx.Node | None = None
     v_past: fx.Node | None = None
@@ -80,7 +88,7 @@ class Site:
     rope: str | None = None          # name of the cos node feeding the new keys
     positions: fx.Node | None = None  # integer position tensor behind the RoPE producer
     residual: fx.Node | None = None
-    phase: str = "unknown"           # "prefill" | "decode" | "append" | "dynamic" (set per graph)
+    phase: Phase = "unknown"
     tokens: fx.Node | None = None    # the graph's input token ids (the embedding's input), if any
     slot: fx.Node | None = None      # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
     slot_spec: str = ""              # the policy configuration that SlotCache was built for (Policy.key)
@@ -134,9 +142,9 @@ def local_of(node):
     embedding), else ``node``."""
     t = getattr(node, "target", None)
     name, module = getattr(t, "__name__", ""), getattr(t, "__module__", "") or ""
-    if (isinstance(node, fx.Node) and node.op == "call_function" and node.args
+    if (isinstance(node, fx.Node) and node.op == "call_function"
             and any(name == n and module.startswith(m) for n, m in _FROM_LOCAL)):
-        return node.args[0]
+        return arg(node, 0, "local_tensor", node)
     return node
 
 
@@ -161,12 +169,6 @@ def upstream(node: fx.Node, found, inputs=lambda n: n.all_input_nodes, limit: in
                 seen.add(a)
                 todo.append(a)
     return None
-
-
-def arg(node: fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
 
 
 def _full_slice(s) -> bool:
@@ -230,8 +232,8 @@ def _slot_of(site: Site) -> Problem | None | bool:
             site.cache, site.slot = "slot", u
             site.k_past, site.v_past, site.k_new, site.v_new = keys, values, k_new, v_new
             site.cache_layer = _source_layer(keys) if keys.op == "placeholder" else None
-            window = u.args[7] if len(u.args) > 7 else u.kwargs.get("window", 0)
-            site.slot_spec = u.args[9] if len(u.args) > 9 else u.kwargs.get("spec", "")
+            window = arg(u, 7, "window", 0)
+            site.slot_spec = arg(u, 9, "spec", "")
             site.sliding_window = _concrete_int(window) or None  # the layer says it is a sliding ring
             return None
     return False
@@ -251,10 +253,11 @@ def _cache_of(site: Site) -> Problem | None:
     k, v = site.k, site.v
     if is_fn(k, {torch.cat}) and is_fn(v, {torch.cat}):
         dim = arg(k, 1, "dim", 0)
-        if dim not in (-2, 2) or arg(v, 1, "dim", 0) != dim or len(k.args[0]) != 2:
+        k_parts, v_parts = arg(k, 0, "tensors"), arg(v, 0, "tensors")
+        if dim not in (-2, 2) or arg(v, 1, "dim", 0) != dim or len(k_parts) != 2:
             return Problem(k.name, "torch.cat feeding attention is not a 2-way concat along the sequence dim")
-        site.k_past, site.k_new = k.args[0]
-        site.v_past, site.v_new = v.args[0]
+        site.k_past, site.k_new = k_parts
+        site.v_past, site.v_new = v_parts
         site.cache = "dynamic"
         for user in k.users:  # a stored slice x[:, :, -(w-1):] marks a sliding-window layer
             sl = seq_slice(user)
@@ -275,7 +278,7 @@ def _cache_of(site: Site) -> Problem | None:
         site.cache_layer = _source_layer(base) if base.op == "placeholder" else None
         for user in base.users:
             if is_method(user, "index_copy_"):
-                site.k_new = user.args[3]
+                site.k_new = arg(user, 3, "source")
         return None
     site.cache = "none"
     return None
@@ -316,7 +319,7 @@ def _cos_above(node, steps: int = 12) -> fx.Node | None:
         if is_method(node, "cos") or is_fn(node, {torch.cos}):
             return node
         if is_method(node, *_PASS_THROUGH) or is_fn(node, {operator.getitem, torch.unsqueeze}):
-            node = node.args[0]
+            node = arg(node, 0, "input")
         elif is_fn(node, MUL_FUNCS):  # cos * attention_scaling (a constant, or a SymFloat node)
             tensors = [a for a in node.args[:2] if isinstance(val(a), torch.Tensor)]
             if len(tensors) != 1:
@@ -351,7 +354,7 @@ def _rope_of(k_new: fx.Node | None, depth: int = 0) -> tuple[str | None, fx.Node
     if not isinstance(k_new, fx.Node) or depth > 3:
         return None, None
     if is_fn(k_new, {torch.cat}):  # partial rotary: cat([rotated, pass-through], -1)
-        for a in k_new.args[0]:
+        for a in arg(k_new, 0, "tensors"):
             found = _rope_of(a, depth + 1)
             if found[0]:
                 return found
@@ -395,7 +398,7 @@ def _residual_of(out: fx.Node, order: dict[fx.Node, int], limit: int = 80) -> fx
 
 
 def _sdpa_site(node: fx.Node) -> Site | Problem:
-    q, k, v = node.args[:3]
+    q, k, v = arg(node, 0, "query"), arg(node, 1, "key"), arg(node, 2, "value")
     mask = arg(node, 3, "attn_mask")
     dropout = arg(node, 4, "dropout_p", 0.0)
     is_causal = arg(node, 5, "is_causal", False)
@@ -421,7 +424,7 @@ def _sdpa_site(node: fx.Node) -> Site | Problem:
 def _eager_site(sm: fx.Node) -> Site | Problem | None:
     """Match softmax-centred eager attention; None if this softmax is not attention at all."""
     chain = [sm]
-    x = sm.args[0]
+    x = arg(sm, 0, "input")
     mask = None
     softcap = 0.0
     if is_fn(x, ADD_FUNCS):
@@ -432,17 +435,20 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
             return None
     scale = 1.0
     # softcap: tanh(s / c) * c
-    if is_fn(x, MUL_FUNCS) and is_fn(x.args[0], {torch.tanh}) and isinstance(x.args[1], (int, float)):
-        t = x.args[0]
-        d = t.args[0]
-        if is_fn(d, DIV_FUNCS) and isinstance(d.args[1], (int, float)) and d.args[1] == x.args[1]:
-            softcap = float(x.args[1])
+    t, cap = (arg(x, 0, "input"), arg(x, 1, "other")) if is_fn(x, MUL_FUNCS) else (None, None)
+    if is_fn(t, {torch.tanh}) and isinstance(cap, (int, float)):
+        d = arg(t, 0, "input")
+        div = arg(d, 1, "other") if is_fn(d, DIV_FUNCS) else None
+        if isinstance(div, (int, float)) and div == cap:
+            softcap = float(cap)
             chain += [x, t, d]
-            x = d.args[0]
+            x = arg(d, 0, "input")
         else:
             return None
-    while is_fn(x, MUL_FUNCS | DIV_FUNCS) and (isinstance(x.args[1], (int, float)) or _is_sym_scalar(x.args[1])):
-        factor = x.args[1]
+    while is_fn(x, MUL_FUNCS | DIV_FUNCS):
+        factor = arg(x, 1, "other")
+        if not (isinstance(factor, (int, float)) or _is_sym_scalar(factor)):
+            break
         if isinstance(factor, fx.Node):  # a dynamic float: keep it as a graph value
             if isinstance(scale, fx.Node) or x.target not in MUL_FUNCS or scale != 1.0:
                 return Problem(x.name, "attention scaling mixes several symbolic factors")
@@ -450,13 +456,14 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
         else:
             scale = scale * factor if x.target in MUL_FUNCS else scale / factor
         chain.append(x)
-        x = x.args[0]
+        x = arg(x, 0, "input")
     if not is_fn(x, MATMUL_FUNCS):
         return None
     qk = x
     chain.append(qk)
-    q, kt = qk.args[:2]
-    if not (is_method(kt, "transpose") and tuple(kt.args[1:3]) in {(2, 3), (-2, -1), (3, 2), (-1, -2)}):
+    q, kt = arg(qk, 0, "input"), arg(qk, 1, "other")
+    dims = (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")) if is_method(kt, "transpose") else None
+    if dims not in {(2, 3), (-2, -1), (3, 2), (-1, -2)}:
         return None
     chain.append(kt)
     k_base, k_chain = strip_repeat_kv(kt.args[0])
@@ -472,10 +479,10 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
             continue
         break
     pv = next(iter(p.users)) if len(p.users) == 1 else None
-    if pv is None or not is_fn(pv, MATMUL_FUNCS) or pv.args[0] is not p:
+    if pv is None or not is_fn(pv, MATMUL_FUNCS) or arg(pv, 0, "input") is not p:
         return Problem(sm.name, "attention probabilities are used outside p @ v "
                                 "(output_attentions or an unknown pattern)")
-    v_base, v_chain = strip_repeat_kv(pv.args[1])
+    v_base, v_chain = strip_repeat_kv(arg(pv, 1, "other"))
     for n in chain[1:]:
         if len(n.users) != 1:
             return Problem(n.name, "an eager-attention intermediate has other users")
@@ -506,11 +513,11 @@ def mask_bias(mask, limit: int = 64) -> str | None:
         if not isinstance(ex, torch.Tensor) or not ex.is_floating_point() or n.op in ("placeholder", "get_attr"):
             continue
         if is_fn(n, {torch.where}):
-            todo += [a for a in n.args[1:3] if isinstance(a, fx.Node)]
-        elif is_fn(n, {torch.masked_fill}) or is_method(n, "masked_fill", "masked_fill_"):
-            todo += [n.args[0]] if isinstance(n.args[0], fx.Node) else []
-        elif is_method(n, *_MASK_VIEWS) or is_fn(n, {operator.getitem, torch.reshape}):
-            todo += [n.args[0]] if isinstance(n.args[0], fx.Node) else []
+            todo += [a for a in (arg(n, 1, "input"), arg(n, 2, "other")) if isinstance(a, fx.Node)]
+        elif (is_fn(n, {torch.masked_fill}) or is_method(n, "masked_fill", "masked_fill_")
+              or is_method(n, *_MASK_VIEWS) or is_fn(n, {operator.getitem, torch.reshape})):
+            src = arg(n, 0, "input")
+            todo += [src] if isinstance(src, fx.Node) else []
         elif not is_fn(n, _MASK_CONSTS):
             return (f"the attention mask is computed with '{n.name}' ({getattr(n.target, '__name__', n.target)}), "
                     f"so it may carry an additive bias (ALiBi) that kvpass cannot re-index after moving or "
@@ -547,9 +554,9 @@ def _projected_from(node: fx.Node, limit: int = 80) -> set[fx.Node]:
             continue
         seen.add(n)
         if is_fn(n, _LINEAR):
-            found.add(n.args[0])
+            found.add(arg(n, 0, "input"))
         elif is_fn(n, {torch.addmm}):
-            found.add(n.args[1])
+            found.add(arg(n, 1, "mat1"))
         else:
             todo += n.all_input_nodes
     return found
@@ -686,8 +693,8 @@ def _attention_like(gm: fx.GraphModule) -> fx.Node | None:
 def _token_ids(gm: fx.GraphModule) -> fx.Node | None:
     """The integer ids fed to the first embedding lookup, when they are a graph input."""
     for n in gm.graph.nodes:
-        if is_fn(n, {F.embedding, torch.embedding}) and n.args:
-            ids = local_of(n.args[0])
+        if is_fn(n, {F.embedding, torch.embedding}):
+            ids = local_of(arg(n, 0, "input"))
             ex = val(ids)
             if (isinstance(ids, fx.Node) and ids.op == "placeholder" and isinstance(ex, torch.Tensor)
                     and not ex.is_floating_point()):

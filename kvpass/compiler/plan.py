@@ -21,7 +21,7 @@ import dataclasses
 from kvpass.cache import slots as _slots
 from kvpass.compiler.detect import mask_bias, mask_chunks
 from kvpass.compiler.maskcheck import site_mask
-from kvpass.policies.contract import Policy, SitePlan
+from kvpass.policies.contract import Policy, Refusal, SitePlan
 
 
 def foreign_cache(policy: Policy, sites) -> str | None:
@@ -35,15 +35,18 @@ def foreign_cache(policy: Policy, sites) -> str | None:
     return None
 
 
-def plan_site(policy: Policy, site) -> SitePlan | str:
-    """The plan of ``site`` (its ``phase`` set), or why it cannot be planned."""
+def plan_site(policy: Policy, site) -> SitePlan | Refusal:
+    """The plan of ``site`` (its ``phase`` set), or a ``Refusal`` saying why it cannot be planned (a policy
+    whose ``plan`` answers a bare string refuses with that string)."""
     plan = policy.plan(site)
     if isinstance(plan, str):
+        return Refusal(plan)
+    if isinstance(plan, Refusal):
         return plan
     needs = policy.needs
     if site.cache == "slot":
         if needs.slot_rule is None:
-            return "no fixed-capacity decode for this policy (its Needs.slot_rule is None); use a DynamicCache"
+            return Refusal("no fixed-capacity decode for this policy (its Needs.slot_rule is None); use a DynamicCache")
         if site.sliding_window:  # a ring of the window's slots, whatever the policy (it leaves sliding layers be)
             plan = SitePlan(attention=True, slot=(_slots.RING, 0))
         else:
@@ -53,5 +56,5 @@ def plan_site(policy: Policy, site) -> SitePlan | str:
           and site_mask(site)[0] is None):
         plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
     if plan.replaces_mask and (why := mask_bias(site.mask) or mask_chunks(site.mask)):
-        return f"layer {site.layer}: {why}"
+        return Refusal(f"layer {site.layer}: {why}")
     return plan

@@ -18,6 +18,7 @@ from torch import Tensor, fx
 from kvpass.cache import runtime as _runtime
 from kvpass.cache.slots import DROPPED
 from kvpass.compiler.detect import Site, is_fn, upstream
+from kvpass.compiler.fxargs import arg
 from kvpass.operators import register
 
 OPS = torch.ops.kvpass
@@ -96,7 +97,7 @@ def counts_tokens(index: fx.Node) -> bool:
     buffer of zeros at those positions: a lookup takes its values from the table, not from its index."""
     def values_from(n):
         picks = n.op in ("call_function", "call_method") and (n.target is operator.getitem or _call_name(n) in _PICKS)
-        return [n.args[0]] if picks else n.all_input_nodes
+        return [arg(n, 0, "input")] if picks else n.all_input_nodes
 
     return upstream(index, lambda n: _call_name(n) in _COUNTS or _table_window(n), values_from) is not None
 
@@ -124,7 +125,7 @@ def table_lookups(graph: fx.Graph, embedding: bool = True) -> list[fx.Node]:
     found = []
     for n in graph.nodes:
         if embedding and is_fn(n, {F.embedding, torch.embedding}):
-            index, table_ok = n.args[0], True
+            index, table_ok = arg(n, 0, "input"), True
         elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             index = n.args[1]
             index = next((i for i in index if isinstance(i, fx.Node)), None) if isinstance(index, tuple) else index
@@ -221,7 +222,7 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     layer's hold the same shift)."""
     from kvpass.cache.slots import pending_positions, write_slots
 
-    count = next((n.args[3] if n.target is write_slots else n.args[1] for n in gm.graph.nodes
+    count = next((arg(n, 3, "count") if n.target is write_slots else arg(n, 1, "count") for n in gm.graph.nodes
                   if n.op == "call_function" and n.target in (write_slots, pending_positions)), None)
     if count is None:
         return []

@@ -33,6 +33,7 @@ from torch import fx
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.slots import pending_positions, write_slots
 from kvpass.compiler.detect import Detection, Site, seq_slice, val
+from kvpass.compiler.fxargs import arg
 from kvpass.ops import CAUSAL_NONE
 from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
@@ -41,6 +42,18 @@ from kvpass.compiler.tp import gather_heads
 from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks
 
 OPS = torch.ops.kvpass
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    """What ``rewrite`` did to one graph."""
+
+    rewritten: int                 # sites rewritten (any shape but ``unchanged``)
+    evicting: list[int]            # layers whose cache the policy shrinks (``evict`` and ``pool`` shapes)
+    appending: list[int]           # layers left to the model's cache update, positions fixed (``append``)
+    slots: list[int]               # kvpass.SlotCache layers (``slot``)
+    positions_fixed: list[str]     # position nodes routed through ``true_positions``
+    reductions: list[str]          # collectives inserted for decisions across heads (tensor parallelism)
 
 
 def _empty(k_past) -> bool:
@@ -256,7 +269,7 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
     rule, protect = plan.slot
     window = site.sliding_window or 0  # a sliding layer: a ring of its window, read within the window
     keys, values, pos, count = site.slot.args[:4]
-    state = site.slot.args[6]
+    state = arg(site.slot, 6, "state")
     hooks = plan.slot_hooks or SlotHooks()
     reductions: list[str] = []
     q, scale = _query_and_scale(graph, site)
@@ -303,8 +316,8 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
     return reductions
 
 
-def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> dict:
-    """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns a summary."""
+def rewrite(gm: fx.GraphModule, found: Detection, plans: dict[int, SitePlan], handle: int) -> Rewritten:
+    """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns what was done."""
     graph = gm.graph
     done: dict[str, list[int]] = {shape: [] for shape in SHAPES}
     reductions: list[str] = []   # collectives inserted for decisions across heads (tensor parallelism)
@@ -328,8 +341,8 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict, handle: int) -> d
         passed.replace_all_uses_with(noted, delete_user_cb=lambda u: u is not noted)
     graph.lint()
     gm.recompile()
-    return {"rewritten": sum(len(v) for k, v in done.items() if k != "unchanged"), "evicting": evicting,
-            "appending": appending, "slots": done["slot"], "positions_fixed": fixed, "reductions": reductions}
+    return Rewritten(rewritten=sum(len(v) for k, v in done.items() if k != "unchanged"), evicting=evicting,
+                     appending=appending, slots=done["slot"], positions_fixed=fixed, reductions=reductions)
 
 
 def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:

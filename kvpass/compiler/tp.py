@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from kvpass.compiler.detect import val
+from kvpass.compiler.fxargs import arg
 
 _C10D = getattr(torch.ops, "_c10d_functional")
 _VIEWS = {"view", "reshape", "transpose", "contiguous", "permute", "flatten", "to"}
@@ -93,7 +94,7 @@ def _reduced_over(out: fx.Node, depth: int = 12) -> set[str]:
                     continue
                 seen.add(u)
                 if _is(u, _C10D.all_reduce):
-                    groups.add(u.args[2])
+                    groups.add(arg(u, 2, "group_name"))
                 elif u.op == "call_method" and u.target in _VIEWS:
                     nxt.append((u, through_linear))
                 elif u.op == "call_function" and u.target in _LINEAR and not through_linear:

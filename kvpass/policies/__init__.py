@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvpass.policies import chunk_fusion, gated, pages, prefill
 from kvpass.policies.art import ART
 from kvpass.policies.compose import Composed
-from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Policy, Refusal, SitePlan
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
 from kvpass.policies.streamingllm import StreamingLLM
@@ -51,4 +51,5 @@ def make_policy(spec: str | Policy, **params) -> Policy:
     return Composed(members)
 
 
-__all__ = ["ConfigError", "DecodeRead", "Needs", "Param", "Policy", "SitePlan", "POLICIES", "available", "make_policy"]
+__all__ = ["ConfigError", "DecodeRead", "Needs", "Param", "Policy", "Refusal", "SitePlan", "POLICIES", "available",
+           "make_policy"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan
+from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan
 
 
 class Composed(Policy):
@@ -67,16 +67,16 @@ class Composed(Policy):
     def name(self) -> str:  # type: ignore[override]
         return "+".join(m.name for m in self.members)
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         plans = []
         for m in self.members:
             p = m.plan(site)
-            if isinstance(p, str):
-                return p
+            if isinstance(p, (Refusal, str)):   # a member's refusal (a bare string reads as one) is the site's
+                return p if isinstance(p, Refusal) else Refusal(p)
             plans.append(p)
         reads = [p.read for p in plans if p.read is not None]
         if len(reads) > 1:
-            return "two members both set how decode attention reads the cache"
+            return Refusal("two members both set how decode attention reads the cache")
         return SitePlan(attention=any(p.attention for p in plans), evict=any(p.evict for p in plans),
                         read=reads[0] if reads else None, tokens=any(p.tokens for p in plans),
                         pool=any(p.pool for p in plans), overwrite=any(p.overwrite for p in plans),

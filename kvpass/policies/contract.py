@@ -7,8 +7,8 @@ compiler, the runtime and the cache read ``needs``; they never branch on a polic
 
 It answers at compile time ``plan(site)``: a ``SitePlan`` for one attention site (``site.phase`` says whether
 the graph is a prefill, a decode step, an append, or shape-dynamic), whose ``shape`` names one of the
-rewrites of ``kvpass.compiler.rewrite``; or a string saying why the site cannot be planned (the graph is
-then compiled unchanged, with a warning). At run time, from inside the operators: ``stored_length`` (the
+rewrites of ``kvpass.compiler.rewrite``; or a ``Refusal`` saying why the site cannot be planned (the graph
+is then compiled unchanged, with a warning). At run time, from inside the operators: ``stored_length`` (the
 shape contract of ``compact``, SymInt-safe), ``select`` (which entries to keep), ``write`` (a pool site's
 decode step), and on a SlotCache its ``slot_state`` / ``slot_hooks`` (device tensor code captured with
 the graph).
@@ -170,6 +170,16 @@ class SitePlan:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """Why a site cannot be planned: the answer of ``plan(site)`` when the policy cannot rewrite the site."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True)
 class Needs:
     """What a policy needs from the compiler and the cache, declared once per policy class. The pass, the
     rewrite, the SlotCache and the runtime read it; none of them branches on a policy's name.
@@ -281,14 +291,14 @@ class SlotHooks:
     block: int = 128
 
 
-def shrinking_plan(site) -> SitePlan | str:
+def shrinking_plan(site) -> SitePlan | Refusal:
     """The plan of a policy that evicts from global layers: sliding-window layers are already
     bounded and are left to the model (attention op only); eviction needs a cache that can shrink."""
     if site.sliding_window:
         return SitePlan(attention=True, evict=False)
     if site.cache not in ("dynamic", "slot"):
-        return (f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
-                f"this graph uses a {site.cache} cache")
+        return Refusal(f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
+                       f"this graph uses a {site.cache} cache")
     return SitePlan(attention=True, evict=True)
 
 
@@ -365,7 +375,8 @@ class Policy:
         """Cross-parameter checks; raise ConfigError."""
 
     # -- compile time ---------------------------------------------------------------------------
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
+        """What the rewrite does at ``site``, or a ``Refusal`` saying why it cannot be planned."""
         return SitePlan(attention=True)
 
     def idle_reason(self, sites) -> str | None:

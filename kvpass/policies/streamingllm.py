@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.contract import ConfigError, Needs, Policy, param, SitePlan, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Policy, param, Refusal, SitePlan, shrinking_plan
 
 
 class StreamingLLM(Policy):
@@ -39,7 +39,7 @@ class StreamingLLM(Policy):
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
         return min(max_length, self.budget + 1)
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         return shrinking_plan(site)
 
     def stored_length(self, site, total):

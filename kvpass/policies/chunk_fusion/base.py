@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, param
+from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, param
 
 SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
 
@@ -70,20 +70,20 @@ class ChunkFusionPolicy(Policy):
         super().__post_init__()
         self.request: FusionRequest | None = None
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         if not self.drives_graphs:  # a plain forward under a fusion name: ``select`` refuses it when it runs
             if site.cache in ("dynamic", "slot"):
                 return SitePlan(attention=True, evict=True)
-            return (f"'{self.name}' is a chunk-fusion policy: run requests through kvpass.ChunkFusion(model, store, "
-                    f"'{self.name}'); this graph uses a {site.cache} cache")
+            return Refusal(f"'{self.name}' is a chunk-fusion policy: run requests through kvpass.ChunkFusion(model, "
+                           f"store, '{self.name}'); this graph uses a {site.cache} cache")
         if site.sliding_window:
-            return (f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window layer "
-                    f"(window {site.sliding_window}) cannot hold a merged cache")
+            return Refusal(f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window "
+                           f"layer (window {site.sliding_window}) cannot hold a merged cache")
         if site.cache == "slot" and site.phase in ("decode", "append"):
             return SitePlan(attention=True)   # the fused entries are in the slots: decode appends
         if site.cache != "dynamic":
-            return (f"layer {site.layer}: chunk fusion prepares a DynamicCache (a SlotCache is filled after it by "
-                    f"ChunkFusion(..., cache='slot')); this {site.phase} graph uses a {site.cache} cache")
+            return Refusal(f"layer {site.layer}: chunk fusion prepares a DynamicCache (a SlotCache is filled after "
+                           f"it by ChunkFusion(..., cache='slot')); this {site.phase} graph uses a {site.cache} cache")
         if site.phase == "prefill":
             if self.needs_probe and site.layer == SELECT_LAYER:
                 return SitePlan(attention=True, evict=True)   # compact sees layer 1's q and fresh k

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import Needs, SitePlan, param
+from kvpass.policies.contract import Needs, Refusal, SitePlan, param
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
 
@@ -66,10 +66,10 @@ class GatedSelection(PrefillEviction):
         self.check_kernel()
 
     # -- compile time ----------------------------------------------------------------------------
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         if site.cache not in ("dynamic", "slot"):
-            return (f"layer {site.layer}: {self.name} needs a cache that can shrink (DynamicCache) or "
-                    f"a kvpass.SlotCache; this graph uses a {site.cache} cache")
+            return Refusal(f"layer {site.layer}: {self.name} needs a cache that can shrink (DynamicCache) or "
+                           f"a kvpass.SlotCache; this graph uses a {site.cache} cache")
         return SitePlan(attention=True, evict=True)   # sliding layers too: see "Sliding-window layers"
 
     def gate_layers(self, n_layers: int) -> tuple[list[int], list[int]]:

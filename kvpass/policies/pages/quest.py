@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache.slots import FILLED
-from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, SitePlan, SlotHooks, param
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, Refusal, SitePlan, SlotHooks, param
 from kvpass.errors import device_assert
 
 PAGE = 16
@@ -216,7 +216,7 @@ class Quest(Policy):
                     f"dense_layers < {max(last, 0) + 1}")
         return None
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         from kvpass.kernels.decode_attention import ORDER_MAP
         from kvpass.policies.contract import decode_read_problem
         if site.sliding_window or site.layer < self.dense_layers:
@@ -224,8 +224,8 @@ class Quest(Policy):
         if site.cache == "slot":  # the slot hooks select the pages
             return SitePlan(attention=True, read=DecodeRead(stats=True) if self.stats else None)
         if site.cache != "dynamic":
-            return (f"layer {site.layer}: quest reads the new token at the end of a DynamicCache; "
-                    f"this graph uses a {site.cache} cache")
+            return Refusal(f"layer {site.layer}: quest reads the new token at the end of a DynamicCache; "
+                           f"this graph uses a {site.cache} cache")
         if site.phase == "prefill":  # exact attention; compact keeps everything and computes the bounds
             return SitePlan(attention=True, evict=True)
         if site.phase == "decode" and decode_read_problem(site) is None:

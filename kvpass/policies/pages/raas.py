@@ -66,7 +66,7 @@ from __future__ import annotations
 import torch
 
 from kvpass.cache.slots import FILLED, SEEN
-from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, SlotHooks, param
+from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, SlotHooks, param
 from kvpass.policies.pages.quest import page_bounds
 from kvpass.errors import device_assert
 
@@ -115,19 +115,20 @@ class RaaS(Policy):
             return None
         return SlotHooks(refresh=slot_pool, place=slot_place, update=slot_stamp, args=(self.decode_pages, self.alpha))
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         if site.sliding_window:
             return SitePlan(attention=True, evict=False)
         if site.cache == "slot" and site.phase in ("prefill", "decode"):
             return SitePlan(attention=True)  # the slot hooks keep the pool (a prefill keeps every token)
         if site.cache not in ("dynamic", "slot"):
-            return (f"layer {site.layer}: raas keeps its page pool in a DynamicCache; "
-                    f"this graph uses a {site.cache} cache")
+            return Refusal(f"layer {site.layer}: raas keeps its page pool in a DynamicCache; "
+                           f"this graph uses a {site.cache} cache")
         if site.phase == "decode":
             from kvpass.policies.contract import decode_read_problem
             why = decode_read_problem(site)
             if why is not None:
-                return f"layer {site.layer}: raas decode steps write into the page pool and read it for one token; {why}"
+                return Refusal(f"layer {site.layer}: raas decode steps write into the page pool and read it for "
+                               f"one token; {why}")
             return SitePlan(attention=True, pool=True)
         if site.phase != "prefill":
             raise NotImplementedError(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, Needs, Policy, SitePlan, param, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, param, shrinking_plan
 
 
 
@@ -41,7 +41,7 @@ class PrefillEviction(Policy):
                               f"{self.budget}; the budget counts the observation window, so pass a larger "
                               f"budget or a smaller window")
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         return shrinking_plan(site)
 
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:

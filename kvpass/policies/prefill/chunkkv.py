@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import SitePlan, param
+from kvpass.policies.contract import Refusal, SitePlan, param
 from kvpass.policies.prefill.base import PrefillEviction
 
 
@@ -29,9 +29,9 @@ class ChunkKV(PrefillEviction):
     summary = "fixed chunks of 10 tokens ranked by window attention, one index set per layer"
     chunk: int = param(10, 1, 1 << 16, "tokens per chunk")
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         plan = super().plan(site)
-        if isinstance(plan, str) or not plan.evict:
+        if isinstance(plan, Refusal) or not plan.evict:
             return plan
         return dataclasses.replace(plan, layer_votes=self.window)   # the layer's votes, every head (and rank)
 

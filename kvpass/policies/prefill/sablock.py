@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from kvpass.policies.prefill import scoring
-from kvpass.policies.contract import ConfigError, SitePlan, param
+from kvpass.policies.contract import ConfigError, Refusal, SitePlan, param
 from kvpass.policies.prefill.base import PrefillEviction
 from kvpass.policies.prefill.punctuation import punctuation_ids
 
@@ -201,13 +201,13 @@ class SABlock(PrefillEviction):
         self.punctuation_ids = _parse_ids(ids)
         self._ids: dict = {}
 
-    def plan(self, site) -> SitePlan | str:
+    def plan(self, site) -> SitePlan | Refusal:
         plan = super().plan(site)
-        if isinstance(plan, str) or not plan.evict:
+        if isinstance(plan, Refusal) or not plan.evict:
             return plan
         if site.tokens is None:
-            return (f"layer {site.layer}: sablock segments the prompt at punctuation and needs its token ids, "
-                    "but this graph has no input_ids (call the model with input_ids, not inputs_embeds)")
+            return Refusal(f"layer {site.layer}: sablock segments the prompt at punctuation and needs its token ids, "
+                           "but this graph has no input_ids (call the model with input_ids, not inputs_embeds)")
         return SitePlan(attention=True, evict=True, tokens=True)
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
