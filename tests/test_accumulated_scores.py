@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import kvpass  # noqa: F401  (registers the kvpass:: operators)
 from kvpass.kernels import accumulated_scores as A
-from kvpass.policies.h2o import accumulated
+from kvpass.policies.scored import received as accumulated
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}

@@ -70,7 +70,7 @@ def test_prefill_keeps_the_heavy_hitters_and_the_recent_tokens(n, budget, heavy,
             want = reference_keep(row, kv_pos[bb, gg].tolist(), budget, policy.recent)
             got = list(range(n)) if keep is None else keep[bb, gg].tolist()
             assert got == want
-            torch.testing.assert_close(book["acc"][bb, gg], torch.tensor([row[j] for j in want]),
+            torch.testing.assert_close(book["score"][bb, gg], torch.tensor([row[j] for j in want]),
                                        atol=1e-5, rtol=1e-5)
 
 
@@ -85,7 +85,7 @@ def test_decode_steps_evict_one_least_attended_older_entry_each():
     kv_pos = torch.arange(12).view(1, 1, 12)
     keep, book = policy.select(SITE, qs[:, :, :12], ks[:, :, :12], None, kv_pos, torch.arange(12).view(1, 12), None)
     held = keep[0, 0].tolist()
-    ref = {j: s for j, s in zip(held, book["acc"][0, 0].tolist())}
+    ref = {j: s for j, s in zip(held, book["score"][0, 0].tolist())}
     state = SimpleNamespace(extra=book)
     for t in range(12, total):
         kv_pos = torch.tensor(held + [t]).view(1, 1, -1)
@@ -107,4 +107,4 @@ def test_decode_steps_evict_one_least_attended_older_entry_each():
             del ref[victim]
         got = kv_pos[0, 0].tolist() if keep is None else kv_pos[0, 0, keep[0, 0]].tolist()
         assert got == held, f"step {t}"
-        torch.testing.assert_close(book["acc"][0, 0], torch.tensor([ref[p] for p in held]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(book["score"][0, 0], torch.tensor([ref[p] for p in held]), atol=1e-5, rtol=1e-5)

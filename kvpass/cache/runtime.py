@@ -50,6 +50,22 @@ def selection_inputs(tokens: Tensor | None, votes: Tensor | None, lse: Tensor | 
     return {k: v for k, v in (("tokens", tokens), ("votes", votes), ("lse", lse)) if v is not None}
 
 
+def choose(policy, info, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, layer_state,
+           extra: dict) -> tuple[Tensor | None, Tensor, dict | None]:
+    """What a layer keeps of ``k``/``v`` under ``policy.select``, on either cache: ``(idx, kept_pos, bookkeeping)``
+    with ``idx [B, H_kv, n]`` the entries to gather (None: every entry, as stored), ``kept_pos`` their true
+    positions (-1 for an empty slot of a preallocated pool, which ``select`` marks with index -1) and the
+    policy's bookkeeping for the layer (a ``select`` may return ``(keep, bookkeeping)``), or None."""
+    keep = policy.select(info, q, k, v, kv_pos, q_pos, layer_state, **extra)
+    book = None
+    if isinstance(keep, tuple):
+        keep, book = keep
+    if keep is None:
+        return None, kv_pos, book
+    idx = keep.clamp_min(0)
+    return idx, kv_pos.gather(2, idx).masked_fill(keep < 0, -1), book
+
+
 def key_validity(mask: Tensor | None, b: int, length: int) -> Tensor | None:
     """[B, L] True where a key is visible to at least one query (False = padding), from an HF mask."""
     if mask is None or mask.dim() != 4 or mask.shape[-1] != length:
@@ -125,26 +141,17 @@ class Runtime:
 
     def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor,
                 tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None):
-        info = self.sites[site]
-        extra = selection_inputs(tokens, votes, lse)
-        keep = self.policy.select(info, q, k, v, kv_pos, q_pos, self.state.layer(site), **extra)
-        # A policy may return (keep, extra): `extra` becomes the layer's bookkeeping (a paged policy's
-        # page tables). Index -1 in `keep` is an empty slot of a preallocated pool: stored, never visible.
-        policy_extra = None
-        if isinstance(keep, tuple):
-            keep, policy_extra = keep
+        idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(site),
+                                selection_inputs(tokens, votes, lse))
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
-        if keep is None:
+        if idx is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
         else:
-            empty = keep < 0
-            idx = keep.clamp_min(0)
             k_out, v_out = gather_pair(k, v, idx)  # Triton compaction on CUDA
-            pos = kv_pos.gather(2, idx).masked_fill(empty, -1)
         seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
         st = self.state.set_layer(site, pos, seen, fresh=fresh)
-        if policy_extra is not None:
-            st.extra = policy_extra
+        if book is not None:  # the policy's bookkeeping for the layer (a paged policy's page tables)
+            st.extra = book
         return k_out, v_out
 
     def step_position(self, site: int, k_pool: Tensor) -> Tensor:

@@ -186,19 +186,12 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if valid is not None:
         kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
-    extra = runtime.selection_inputs(tokens, votes, lse)
-    kept_state = {}
     if rt.sites[site].sliding_window:  # a sliding layer's ring holds the window's most recent entries
-        keep = kv_pos.topk(min(cap, length), dim=-1).indices if length > cap else None
-    else:
-        keep = rt.policy.select(rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None, **extra)
-        if isinstance(keep, tuple):  # (keep, bookkeeping): per-entry values of the policy's slot state
-            keep, kept_state = keep
-    if keep is None:
-        idx, kept_pos = None, kv_pos
-    else:
-        idx = keep.clamp_min(0)
-        kept_pos = kv_pos.gather(2, idx).masked_fill(keep < 0, -1)
+        idx = kv_pos.topk(cap, dim=-1).indices if length > cap else None
+        kept_pos, kept_state = (kv_pos if idx is None else kv_pos.gather(2, idx)), None
+    else:  # what the policy keeps, as on a DynamicCache; its bookkeeping: per-entry values of its slot state
+        idx, kept_pos, kept_state = runtime.choose(rt.policy, rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None,
+                                                   runtime.selection_inputs(tokens, votes, lse))
     # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
     # first slots (StreamingLLM's sinks must be a padded row's first real tokens, not its padding)
     order = torch.where(kept_pos < 0, torch.iinfo(torch.int64).max, kept_pos.long()).argsort(dim=-1, stable=True)
