@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU run of the current design on one GPU (device tool kind `nvidia-h200`), from the repository root,
+# with $OUT set. Two steps, one device call each (each under the tool's 600 s per command):
+#   bash bench/calls/gpu_run.sh tests    every tests/gpu file, one pytest run per file (-x --tb=line), four
+#                                        files' runs at a time on the one GPU (their compiles are host-bound)
+#   bash bench/calls/gpu_run.sh decode   8 layers, prompts of 2k then 130k through `generate`, beside the queued
+#                                        step and the roofline in the same process (bench/bench_fastpath.py)
+# At most 8 files come back from a call, so the per-file logs are packed into one tgz beside a summary.
+set -u
+out=${OUT:?set OUT}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+case "${1:?tests | decode}" in
+tests)
+  logs=$(mktemp -d)
+  lane() {  # run the given files one after another, each in its own pytest process
+    for f in "$@"; do
+      timeout -k 10 "${LIMIT:-540}" python -m pytest -v -x --tb=line -p no:cacheprovider "tests/gpu/$f" \
+        > "$logs/${f%.py}.txt" 2>&1
+      echo "$f: $(tail -n 1 "$logs/${f%.py}.txt")"
+    done
+  }
+  lane test_gpu_slot_cache.py test_gpu_direct_steps.py test_gpu_admission.py > "$logs/lane0.txt" &
+  lane test_gpu_raas.py test_gpu_art.py > "$logs/lane1.txt" &
+  lane test_gpu_asl.py test_gpu_hostile.py test_gpu_tp.py > "$logs/lane2.txt" &
+  lane test_gpu_a3.py test_gpu_eviction.py test_gpu_foundation.py > "$logs/lane3.txt" &
+  wait
+  cat "$logs"/lane*.txt | tee "$out/summary.txt"
+  grep -h -E "FAILED|ERROR" "$logs"/test_*.txt | head -40 | tee -a "$out/summary.txt"
+  tar czf "$out/gpu_tests.tgz" -C "$logs" . ;;
+decode)
+  timeout -k 10 "${LIMIT:-540}" python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
+    --policies full,snapkv,streamingllm,quest,h2o,raas --prefill-compiler eager \
+    --out "$out/l8_130k.json" > "$out/l8_130k.log" 2>&1
+  tail -n 30 "$out/l8_130k.log" ;;
+esac
