@@ -7,20 +7,20 @@ complete pages by Quest's upper bound on their logits,
 
     ub[p] = max over the group's query heads of  sum_d max(q_d * kmax[p, d], q_d * kmin[p, d])
 
-(``kvpass::page_scores``, the same operator RaaS uses) and attends to the top
+(``kvpass::page_bounds`` per query head, then the max over the group) and attends to the top
 ``max(3, budget/16)`` pages of each KV head plus the current page, the one holding the new token
 (its bounds are still growing, and it holds the most recent context). That is ``budget/16 + 1``
 pages read per step; a budget at least the cache length reads every page, which is ``full``.
 
-On a ``kvpass.SlotCache`` the same selection is tensor code inside the compiled graphs (so the decode
-step is captured whole): the bounds ``kmin`` / ``kmax`` / ``live`` of the slots' pages of 16 are layer
-state the cache allocates (``slot_state``); the prefill (and an append) rebuilds them from the slots
-(``slot_bounds``), a decode step folds its token into its page (``slot_fold``) and ranks the complete
-pages by the same bound (``slot_pages``: ``kvpass::page_bounds`` per query head, then tensor code). The
-slots hold the prompt in the append layout (a left-padded row's padding after its real tokens), so pages
-are the DynamicCache's pages for an unpadded row.
+Both caches run the same decisions: ``page_bounds`` (a page's min and max over its entries), ``fold`` (a
+decode token into its page's bounds) and ``chosen_pages`` (the ranking and the block map). They differ in
+storage: on a DynamicCache the bounds are the layer's bookkeeping, grown by doubling (``extend_bounds``); on
+a ``kvpass.SlotCache`` they are layer state the cache allocates (``slot_state``), rebuilt from the slots
+after a prefill or an append (``slot_bounds``) and kept by tensor code inside the compiled decode graph
+(``slot_fold``, ``slot_pages``). The slots hold the prompt in the append layout (a left-padded row's
+padding after its real tokens), so pages are the DynamicCache's pages for an unpadded row.
 
-Choices the issue leaves open, and why:
+Choices, and why:
 
 * no extra sink or recent pages: Quest's bound already ranks a page by the largest logit it can
   hold, so attention sinks (large logits) and relevant recent pages are selected when they matter,
@@ -33,16 +33,14 @@ Choices the issue leaves open, and why:
 * GQA: one selection per KV head (the bound is the max over its query heads), because the read
   is per KV head.
 
-Where it runs. The prefill goes through the evicting shape with a ``compact`` that keeps everything
-and computes the prompt's page bounds (left padding excluded); it also starts the layer's state
-afresh for a new generation. A decode step keeps the model's own cache update;
-``kvpass::page_select`` (before attention) folds the new token into the bounds of its page -- one
-page is touched per step, never the whole cache -- and returns the selection as a ``block_map`` for
-``kvpass::decode_attention`` with block 16, which reads only the selected pages (Triton on CUDA, the
-reference elsewhere). Appends of several tokens run exact attention and are folded in by the next
-decode step. The bound update is idempotent (it records how many entries the bounds cover), so a
-replayed call changes nothing. The generation state's ``pos`` / ``seen`` describe the prompt
-only: nothing is evicted, so the model's own positions and cache length stay true.
+Where it runs. On a DynamicCache the prefill goes through the evicting shape with a ``compact`` that keeps
+everything and computes the prompt's page bounds (left padding excluded); it also starts the layer's state
+afresh for a new generation. A decode step keeps the model's own cache update; ``kvpass::page_select``
+(before attention) folds the new token into its page's bounds and returns ``chosen_pages`` as the block map
+of ``kvpass::decode_attention`` with block 16, which reads only the selected pages. Appends of several tokens
+run exact attention and are folded in by the next decode step. The bound update is idempotent (it records
+how many entries the bounds cover), so a replayed call changes nothing. Nothing is evicted, so the model's
+own positions and cache length stay true.
 """
 
 from __future__ import annotations
@@ -85,11 +83,8 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
         raise RuntimeError(f"policy 'quest': page bounds cover {n} entries but the cache holds {length} "
                            "(the cache was not filled through this backend)")
     if n > 0 and length == n + 1 and valid is None and n // PAGE < st["kmin"].shape[2]:  # a decode step
-        p, knew = n // PAGE, k[:, :, -1]
-        old = st["live"][:, :, p, None]
-        st["kmin"][:, :, p] = torch.where(old, torch.minimum(st["kmin"][:, :, p], knew), knew)
-        st["kmax"][:, :, p] = torch.where(old, torch.maximum(st["kmax"][:, :, p], knew), knew)
-        st["live"][:, :, p] = True
+        page = torch.full((b, hkv), n // PAGE, dtype=torch.long, device=k.device)
+        fold(st["kmin"], st["kmax"], st["live"], page, k[:, :, -1])
         st["n"] = length
         return st
     p0, p1 = n // PAGE, -(-length // PAGE)
@@ -135,30 +130,41 @@ def slot_fold(q: Tensor, keys: Tensor, pos: Tensor, count: Tensor, state: list[T
     kmin, kmax, live, covered = state
     device_assert((covered == count[:, FILLED, None] - 1).all(), "kvpass quest: the SlotCache's page bounds do not "
                                                             "cover its slots (it was filled without this backend)")
-    b, hkv = live.shape[:2]
-    rows = torch.arange(b, device=live.device)[:, None]
-    heads = torch.arange(hkv, device=live.device)[None, :]
-    p = ((count[:, FILLED] - 1) // PAGE)[:, None].expand(b, hkv)
-    old = live[rows, heads, p][..., None]
-    knew = k_new[:, :, -1].to(kmin.dtype)
-    kmin.index_put_((rows, heads, p), torch.where(old, torch.minimum(kmin[rows, heads, p], knew), knew))
-    kmax.index_put_((rows, heads, p), torch.where(old, torch.maximum(kmax[rows, heads, p], knew), knew))
-    live.index_put_((rows, heads, p), torch.ones((), dtype=torch.bool, device=live.device))
+    page = ((count[:, FILLED] - 1) // PAGE)[:, None].expand(live.shape[:2])
+    fold(kmin, kmax, live, page, k_new[:, :, -1])
     covered.add_(1)
 
 
 def slot_pages(q: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], top: int) -> Tensor:
-    """SlotCache decode step: the block map ``[B, H_kv, <= top + 1]`` int32 of the pages read, the top
-    ``top`` complete pages by Quest's bound and the current page, in order, -1 padded (as ``page_map``)."""
+    """SlotCache decode step: the block map of the pages read (``chosen_pages``), each row's current page
+    the one holding its last slot written."""
     kmin, kmax, live, _ = state
+    return chosen_pages(q, kmin, kmax, live, ((count[:, FILLED] - 1) // PAGE)[:, None, None], top)
+
+
+def fold(kmin: Tensor, kmax: Tensor, live: Tensor, page: Tensor, knew: Tensor) -> None:
+    """Fold one new key per row and KV head (``knew [B, H_kv, D]``) into the bounds of its page (``page
+    [B, H_kv]``), in place."""
+    b, hkv = live.shape[:2]
+    rows = torch.arange(b, device=live.device)[:, None]
+    heads = torch.arange(hkv, device=live.device)[None, :]
+    old = live[rows, heads, page][..., None]
+    knew = knew.to(kmin.dtype)
+    kmin.index_put_((rows, heads, page), torch.where(old, torch.minimum(kmin[rows, heads, page], knew), knew))
+    kmax.index_put_((rows, heads, page), torch.where(old, torch.maximum(kmax[rows, heads, page], knew), knew))
+    live.index_put_((rows, heads, page), torch.ones((), dtype=torch.bool, device=live.device))
+
+
+def chosen_pages(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, cur: Tensor | int, top: int) -> Tensor:
+    """The block map ``[B, H_kv, top + 1]`` int32 a decode step reads: the ``top`` complete pages (those
+    before ``cur``, the current page: an int or ``[B, 1, 1]``) with the highest Quest bound, in order, then
+    the current page, -1 padded."""
     b, hkv, pages, _ = kmin.shape
-    cur = ((count[:, FILLED] - 1) // PAGE)[:, None, None]   # each row's current page
     ok = live & (torch.arange(pages, device=kmin.device) < cur)
     # kvpass::page_bounds, not kvpass::page_scores: page_scores' kernel (one program per KV head, two passes
-    # for RaaS's softmax) walked 2,048 pages serially per layer (quest 2.4x slower than full at 32k, H100), and
-    # Inductor's reduction of page_bounds_reference re-read the bounds once per query head (~80 us per layer at
-    # 128k, 8 KV heads, bf16 bounds, H100); page_bounds' kernel runs one program per block of 32 pages and
-    # reads each block once for the whole group (~17 us there, CUDA graph)
+    # for RaaS's softmax) walks the pages serially per layer, and Inductor's reduction of page_bounds_reference
+    # re-reads the bounds once per query head; page_bounds' kernel runs one program per block of 32 pages and
+    # reads each block once for the whole group (measured: bench/results/fastpath_decode_loop_2026-11-27)
     ub = torch.ops.kvpass.page_bounds(q[:, :, -1], kmin, kmax).view(b, hkv, -1, pages).amax(2)
     return with_current(torch.ops.kvpass.top_pages(ub.masked_fill(~ok, float("-inf")), top), cur)
 
@@ -251,14 +257,5 @@ class Quest(Policy):
             raise RuntimeError("policy 'quest': a decode step found no page bounds for its cache (the cache "
                                "was not filled by a quest prefill with this backend)")
         st = extend_bounds(layer_state.extra, k)
-        b, hkv, length, _ = k.shape
-        cur = (length - 1) // PAGE              # the current page: always read
-        top, steps, dev = self.top_pages, self.map_steps, k.device
-        if cur <= top:  # every page fits the budget: read them all, in order
-            row = torch.arange(steps, device=dev)
-            return torch.where(row <= cur, row, -1).int().expand(b, hkv, steps).contiguous()
-        live = st["live"][:, :, :cur]
-        ts = torch.zeros(live.shape, dtype=torch.long, device=dev)
-        ub, _ = torch.ops.kvpass.page_scores(q[:, :, -1], st["kmin"][:, :, :cur], st["kmax"][:, :, :cur], live,
-                                             ts, 1.0, 0)
-        return with_current(torch.ops.kvpass.top_pages(ub, top), cur)
+        cur = (k.shape[2] - 1) // PAGE              # the current page: always read
+        return chosen_pages(q, *(st[n][:, :, :cur + 1] for n in ("kmin", "kmax", "live")), cur, self.top_pages)
