@@ -1,10 +1,14 @@
 """The package's layering: no module imports from a layer above its own, and no import cycle.
 
-Layers, lowest first (``docs/ARCHITECTURE.md``): errors and the core kernels; the cache and runtime state; the
-core operators; policies (the contract, the registry, each policy with its family's operators and kernels);
-the compiler pass; the generation runtime and chunk fusion's driver; evaluation; the CLI and the public API
-(nothing in the compiler pass imports the generation runtime that runs what it compiled). Imports inside functions
-count too: a lazy import that hides an upward edge is still one.
+Layers, lowest first (``docs/ARCHITECTURE.md``): errors, the operator registry, the core kernels and the
+process-wide torch settings; the cache and runtime state; the core operators; policies (the contract, the
+registry, each policy with its family's operators and kernels); the compiler pass; the generation runtime and
+chunk fusion's driver; evaluation; the CLI and the public API (nothing in the compiler pass imports the generation
+runtime that runs what it compiled). Imports inside functions count too: a lazy import that hides an upward edge
+is still one.
+
+Two rules on state: a policy, runtime or generation state is read by the attributes its class declares (no
+``getattr`` with a default), and every module-level container a function fills is listed here with what it is.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import re
 PKG = pathlib.Path(__file__).resolve().parents[1] / "kvpass"
 
 LAYERS = [  # (prefix, layer); the longest matching prefix decides
-    ("kvpass.errors", 0), ("kvpass.operators", 0), ("kvpass.kernels", 0),
+    ("kvpass.errors", 0), ("kvpass.operators", 0), ("kvpass.kernels", 0), ("kvpass.settings", 0),
     ("kvpass.cache", 1),
     ("kvpass.ops", 2),
     ("kvpass.policies", 3),
@@ -180,3 +184,143 @@ def test_the_policy_read_scan_sees_an_undeclared_read(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f(self, policy):\n    return policy.budget + self.policy.hoped_for + getattr(policy, 'also')\n")
     assert {n for n, _ in policy_reads(src)} - declared_policy_names() == {"hoped_for", "also"}
+
+
+STATE_HOLDERS = POLICY_HOLDERS | {"rt", "runtime", "state", "st", "layer_state", "lay"}
+# how the code names a policy, a Runtime, a GenerationState, a LayerState and a SlotCache layer. Not ``cache`` and
+# not ``layer``: those hold the model's transformers cache and its layers (any Cache, or None), read with defaults
+
+
+def defaulted_reads(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, call)`` of every ``getattr(x, "name", default)`` in ``path`` whose ``x`` is a policy, a runtime or
+    a generation state: a name in ``STATE_HOLDERS`` (``x`` or ``y.x``) or a handle's runtime (``runtime.get(h)``)."""
+    def holds_state(node) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            return isinstance(node.func.value, ast.Name) and node.func.value.id in ("runtime", "_runtime")
+        return (isinstance(node, ast.Name) and node.id in STATE_HOLDERS
+                or isinstance(node, ast.Attribute) and node.attr in STATE_HOLDERS)
+
+    return sorted((node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) == 3 and holds_state(node.args[0]) and isinstance(node.args[1], ast.Constant))
+
+
+def test_policy_runtime_and_state_attributes_are_declared():
+    """An attribute of a policy, a runtime or a generation state that another module sets or reads is declared
+    on its class (a default in ``__init__`` or a class attribute) and read plainly: ``getattr(rt, "gate", None)``
+    hides who sets it, and a misspelt name reads as the default."""
+    bad = [f"{path.relative_to(PKG.parent)}:{line}: {call}" for path in sorted(PKG.rglob("*.py"))
+           for line, call in defaulted_reads(path)]
+    assert not bad, "getattr with a default on a kvpass object; declare the attribute on its class:\n" + "\n".join(bad)
+
+
+def test_the_defaulted_read_scan_sees_one(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(self, rt, handle, model):\n"
+                   "    return (getattr(rt, 'gate', None), getattr(self.policy, 'x', 0), getattr(_runtime.get(handle), "
+                   "'y', 1),\n            getattr(model.config, 'z', None), getattr(rt, 'gate'))\n")
+    assert {call for _, call in defaulted_reads(src)} == {
+        "getattr(rt, 'gate', None)", "getattr(self.policy, 'x', 0)", "getattr(_runtime.get(handle), 'y', 1)"}
+
+
+MUTABLE_GLOBALS = {   # module-level containers a function changes, "module.NAME": what each one is
+    "kvpass.cache.runtime._RUNTIMES":
+        "the backend handle table operators read (handle -> Runtime): to be replaced by state passed as arguments",
+    "kvpass.operators.OPS": "the registry of kvpass operators by name, filled as each operator module is imported",
+    "kvpass.errors._WARNED": "warn_once's record of the warnings given, per owner and message",
+    "kvpass.policies.prefill.punctuation._CACHE": "a cache: punctuation token ids per tokenizer (weak keys)",
+    "kvpass.eval.tasks._core._UNIT_CACHE": "a cache: a corpus's tokenized units per tokenizer",
+    "kvpass.eval.model_cache._hash_roots": "the model-cache roots in use (using_root's stack), where hashes are kept",
+}
+
+CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque",
+              "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "extend", "insert", "remove", "discard",
+            "clear"}
+
+
+def module_containers(tree: ast.Module) -> dict[str, int]:
+    """``name -> line`` of each module-level assignment of a mutable container (a literal or a constructor call)."""
+    def container(value) -> bool:
+        if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+            return True
+        f = value.func if isinstance(value, ast.Call) else None
+        return (isinstance(f, ast.Name) and f.id in CONTAINERS or isinstance(f, ast.Attribute) and f.attr in CONTAINERS)
+
+    found, todo = {}, list(tree.body)
+    while todo:
+        stmt = todo.pop()
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):   # module level still, inside a block
+            todo += [s for field in ("body", "orelse", "finalbody") for s in getattr(stmt, field, [])]
+            todo += [s for h in getattr(stmt, "handlers", []) for s in h.body]
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and container(stmt.value):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            found.update({t.id: stmt.lineno for t in targets if isinstance(t, ast.Name)})
+    return found
+
+
+def shown(path: pathlib.Path) -> pathlib.Path:
+    return path.relative_to(PKG.parent) if path.is_relative_to(PKG.parent) else path
+
+
+def mutated_globals(mods: dict[str, pathlib.Path]) -> dict[str, str]:
+    """``"module.NAME" -> "file:line"`` of each module-level container that a function mutates: an item assigned
+    or deleted (``X[k] = v``), or a mutating method (``X.append``, ``.add``, ``.update``, ``.setdefault``,
+    ``.pop``, ...), on ``X`` in its own module or on ``alias.X`` where ``alias`` names its module."""
+    trees = {name: ast.parse(path.read_text()) for name, path in mods.items()}
+    containers = {name: module_containers(tree) for name, tree in trees.items()}
+    found = {}
+    for name, tree in trees.items():
+        aliases = {}   # local name -> the module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname})
+
+        def owner(expr) -> str | None:
+            while isinstance(expr, ast.Subscript):   # X[k][j] = v changes X's contents too
+                expr = expr.value
+            if isinstance(expr, ast.Name) and expr.id in containers[name]:
+                return f"{name}.{expr.id}"
+            if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
+                module = aliases.get(expr.value.id)
+                if expr.attr in containers.get(module, ()):
+                    return f"{module}.{expr.attr}"
+            return None
+
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            for node in ast.walk(fn):
+                changed = []
+                if isinstance(node, (ast.Assign, ast.Delete)):
+                    changed = [t.value for t in node.targets if isinstance(t, ast.Subscript)]
+                elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Subscript):
+                    changed = [node.target.value]
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                    changed = [node.func.value]
+                for expr in changed:
+                    if (key := owner(expr)) is not None:
+                        found.setdefault(key, f"{shown(mods[name])}:{node.lineno}")
+    return found
+
+
+def test_every_module_level_registry_is_listed():
+    """A module-level container that functions fill is state shared by the whole process (two backends, two
+    models, two threads): an operator that reads one depends on more than its arguments. Each one is listed in
+    ``MUTABLE_GLOBALS`` with what it is; a new one fails here until it is listed and said why."""
+    found = mutated_globals(modules())
+    new = [f"{where}: {name}" for name, where in sorted(found.items()) if name not in MUTABLE_GLOBALS]
+    gone = sorted(set(MUTABLE_GLOBALS) - set(found))
+    assert not new, "module-level containers a function mutates, not in MUTABLE_GLOBALS:\n" + "\n".join(new)
+    assert not gone, f"listed in MUTABLE_GLOBALS but no longer mutated by a function (drop them): {gone}"
+
+
+def test_the_registry_scan_sees_one(tmp_path):
+    (tmp_path / "a.py").write_text("SEEN = {}\nFIXED = {'x': 1}\nLATER = []\nLATER.append(1)\n"
+                                   "def f(k):\n    SEEN[k] = FIXED[k]\n")
+    (tmp_path / "b.py").write_text("from pkg import a as _a\ndef g(k):\n    _a.LATER.append(k)\n"
+                                   "    _a.FIXED.get(k)\n")
+    found = mutated_globals({"pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py"})
+    assert sorted(found) == ["pkg.a.LATER", "pkg.a.SEEN"]

@@ -91,6 +91,9 @@ class Runtime:
         self.first_pass: bool = False
         self.overflow: int | None = None
         self.unchanged_prefill = ""  # why the last prefill graph was compiled unchanged (compiler.backend)
+        # the last gated prefill's GateInfo (selection layer, prompt length, tokens kept); set by that prefill's
+        # runner (kvpass.compiler.gate.runner), None until one runs
+        self.gate = None
         # the kvpass.SlotCaches built for this backend, and (TICKS, the one the last SlotCache prefill wrote)
         self.slot_caches: weakref.WeakSet = weakref.WeakSet()
         self.slot_view: tuple | None = None

@@ -30,6 +30,7 @@ from kvpass.compiler import rewrite as _rewrite
 from kvpass.compiler import tp as _tp
 from kvpass.cache import runtime as _runtime
 from kvpass.errors import ConfigError, warn_once
+from kvpass import settings as _settings
 from kvpass.policies import Policy, Refusal, SitePlan, make_policy
 
 try:  # Inductor's base class for custom passes: uuid() keys its caches
@@ -74,17 +75,11 @@ def mark_cacheable(gm: fx.GraphModule, key: str) -> None:
     a 32-layer decode graph again: 30 s); torch's ``unsafe_marked_cacheable_functions`` names the ones a
     caller vouches for, with a string that joins the cache key: here kvpass's pass key (``KVPass.uuid``,
     which hashes the policy, the compiler's, ops' and cache's sources) and the function's own source.
-    Process-wide, as the setting is; it names kvpass functions only."""
-    marked = getattr(torch._inductor.config, "unsafe_marked_cacheable_functions", None)
-    if marked is None:   # a torch without the setting: the graph is simply not cached by AOTAutograd
-        return
+    Process-wide, as the setting is (``kvpass.settings.mark_cacheable``); it names kvpass functions only."""
     for node in gm.graph.nodes:
         fn = node.target
         if node.op == "call_function" and inspect.isfunction(fn) and fn.__module__.startswith("kvpass."):
-            name = f"{fn.__module__}.{fn.__name__}"
-            if name not in marked:
-                source = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-                marked[name] = f"{key[:16]}-{source}"
+            _settings.mark_cacheable(fn, key)
 
 
 def _phase(found: _detect.Detection) -> str:
@@ -155,7 +150,7 @@ class KVPass(CustomGraphPass):
                       f"{report.problems[0]}", self)
             _keep_slot_appends(gm)
             return report
-        self._rewrite(gm, found, plans, report)                     # 6. SHAPES[plan.shape] per site
+        self._rewrite(gm, found, plans, report)                     # 6. REWRITES[plan.rewrite_kind] per site
         if self.policy.needs.renumber and report.phase != "prefill":  # 7. a renumbering gate's positions
             report.positions_fixed += (_positions.shift_slot_positions(gm, found.sites) if report.slots else
                                        _positions.shift_passed_positions(gm, found.sites, self.runtime.handle))
@@ -286,16 +281,8 @@ class Backend:
         # kvpass.compile(..., direct_steps="auto" or True) sets it: its decoding loop calls a decode graph without
         # Dynamo's frame once two steps agree (kvpass.generate.direct_steps); the last generate call's DirectSteps
         self.direct_steps, self.last_direct_steps = False, None
-        # Past Dynamo's recompile limit a frame runs uncompiled: a decode step after a kvpass prefill would
-        # run outside the policy on the cache it evicted. transformers models share one wrapper code
-        # object, so the limit (8) is reached by the fifth model compiled in a process. Make it an error.
-        if not torch._dynamo.config.suppress_errors:
-            torch._dynamo.config.fail_on_recompile_limit_hit = True
-        # Dynamo leaves float attributes unspecialized (RMSNorm's eps, an embedding's norm_type); AOT's
-        # tensorify pass then specializes them and restarts the frame's analysis, so every graph was traced
-        # and compiled twice (a 32-layer 8B shape: minutes). Specialized floats recompile only when a float
-        # argument changes between calls, which a decoder's forward does not take.
-        torch._dynamo.config.specialize_float = True
+        # the process-wide Dynamo settings kvpass's graphs rely on (kvpass.settings says which and why)
+        _settings.apply()
 
     @property
     def state(self):
@@ -307,7 +294,7 @@ class Backend:
     def plans(self) -> dict[str, list[str]]:
         """Per graph phase ("prefill", "decode", ...), the distinct site plans of the graphs compiled
         so far; a graph compiled unchanged shows as "unchanged: <reason>". Benchmarks record it so a
-        timing says which shape ran (e.g. a decode step that appends or one that evicts)."""
+        timing says which rewrite kind ran (e.g. a decode step that appends or one that evicts)."""
         out: dict[str, set] = {}
         for r in self.reports:
             seen = out.setdefault(r.phase, set())
@@ -318,7 +305,7 @@ class Backend:
     def gate_info(self) -> dict | None:
         """Gated policies (asl, fastkv): the selection layer, prompt length and tokens kept of the last
         prefill, or None."""
-        info = getattr(self.runtime, "gate", None)
+        info = self.runtime.gate
         return info.as_dict() if info is not None else None
 
     def uuid(self) -> str:

@@ -174,7 +174,7 @@ def fix_positions(graph: fx.Graph, sites: list[Site], handle: int, prefill: bool
 def shift_positions(pos: Tensor, handle: int) -> Tensor:
     """Position ids passed in after a renumbering prefill (``gemfilter``): ``generate`` counts the whole
     prompt, the cache holds its ``n`` selected tokens at positions ``0..n-1``; move them back by ``L - n``."""
-    info = getattr(_runtime.get(handle), "gate", None)
+    info = _runtime.get(handle).gate
     shift = info.shift if info is not None else 0
     return (pos - shift).contiguous() if shift else pos.clone(memory_format=torch.contiguous_format)
 
