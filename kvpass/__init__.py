@@ -39,10 +39,14 @@ _PUBLIC = {  # name -> the module that defines it
     "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots",
     "RequestQueue": "kvpass.generate.requests",
     "RequestFailed": "kvpass.generate.requests",
-    "ChunkKV": "kvpass.chunks.chunkstore", "ChunkStore": "kvpass.chunks.chunkstore",
+    "StoredChunk": "kvpass.chunks.chunkstore", "ChunkStore": "kvpass.chunks.chunkstore",
     "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
     "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
     "ConfigError": "kvpass.policies", "Policy": "kvpass.policies", "GenerationState": "kvpass.cache.state",
+}
+
+_DEPRECATED = {  # name -> the public name that replaces it; each access warns, for one release
+    "ChunkKV": "StoredChunk",   # kvpass.ChunkKV reads as the ChunkKV eviction policy; it is a stored chunk's K/V
 }
 
 
@@ -84,6 +88,13 @@ def _uncompiled_copy(model, memo: dict):
 
 
 def __getattr__(name: str):
+    if name in _DEPRECATED:   # not cached in globals(), so that every access warns
+        import warnings
+
+        new = _DEPRECATED[name]
+        warnings.warn(f"kvpass.{name} is deprecated and is removed in the next release: use kvpass.{new}",
+                      DeprecationWarning, stacklevel=2)
+        return __getattr__(new)
     if name == "available_policies":
         value = importlib.import_module("kvpass.policies").available
     elif name in _PUBLIC:
@@ -100,6 +111,6 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",
-           "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "ChunkKV",
+           "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "StoredChunk",
            "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile", "RequestQueue",
            "RequestFailed"]

@@ -41,7 +41,7 @@ def test_round_trip_memory_and_disk(model, tmp_path):
         assert torch.equal(disk.v[i], v[0])
     s = fresh.stats()
     assert (s["disk_hits"], s["misses"], s["disk_entries"]) == (1, 0, 1) and s["load_s"] > 0
-    assert "ChunkStore(" in repr(fresh) and "ChunkKV(" in repr(disk)
+    assert "ChunkStore(" in repr(fresh) and "StoredChunk(" in repr(disk)
 
 
 def test_put_texts_needs_a_tokenizer(model, tmp_path):
@@ -248,3 +248,20 @@ def test_a_chunk_is_one_row_of_integer_token_ids(model, tmp_path):
         with pytest.raises(ConfigError, match="integer token ids"):
             store.get(bad)
     assert len(store) == 0
+
+
+def test_stored_chunk_is_public_and_the_chunkkv_name_is_a_deprecated_alias(model, tmp_path):
+    import kvpass
+    from kvpass.chunks.chunkstore import StoredChunk
+    from kvpass.policies.prefill.chunkkv import ChunkKV
+
+    assert kvpass.StoredChunk is StoredChunk and "StoredChunk" in kvpass.__all__
+    assert "ChunkKV" not in kvpass.__all__
+    assert isinstance(ChunkStore(tmp_path, model).get_or_compute(IDS), kvpass.StoredChunk)
+    for _ in range(2):                                  # every access warns, not only the first
+        with pytest.warns(DeprecationWarning, match=r"kvpass\.ChunkKV .*kvpass\.StoredChunk"):
+            alias = kvpass.ChunkKV
+        assert alias is StoredChunk and alias is not ChunkKV   # the policy keeps its own name
+    with pytest.warns(DeprecationWarning, match=r"kvpass\.StoredChunk"):
+        from kvpass import ChunkKV as imported
+    assert imported is StoredChunk

@@ -131,8 +131,8 @@ def test_bare_forward_matches_hand_eviction(family, policy, dynamic):
 
 def test_appending_then_exact_steps_keep_positions():
     """Decode steps that only append (bare forward: the model's own cache update, no per-layer record)
-    followed by steps with an attention mask (the exact eviction shape, which must extend each layer's
-    record by the appended tokens) equal a run whose every step takes the exact shape."""
+    followed by steps with an attention mask (the exact eviction rewrite, which must extend each layer's
+    record by the appended tokens) equal a run whose every step takes the exact rewrite."""
     model = build("llama")
     ids = prompt(40, seed=3)
     runs = []

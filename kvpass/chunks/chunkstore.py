@@ -2,7 +2,7 @@
 
     store = kvpass.ChunkStore("/data/kv", model, tokenizer=tok)
     store.put(["first document ...", "second document ..."])   # computes and stores what is missing
-    kv = store.get(tok.encode("first document ...", add_special_tokens=False))  # ChunkKV or None
+    kv = store.get(tok.encode("first document ...", add_special_tokens=False))  # StoredChunk or None
 
 What a chunk's entry holds: for every layer, the keys **before RoPE** and the values of the chunk
 computed alone (a plain forward of its tokens at positions ``0..n-1`` on an empty cache), so that a
@@ -86,8 +86,9 @@ class ChunkStoreWarning(UserWarning):
 
 
 @dataclass
-class ChunkKV:
-    """One chunk's KV: per layer ``k [H_kv, n, D]`` (before RoPE) and ``v [H_kv, n, Dv]``."""
+class StoredChunk:
+    """One chunk's KV as the store holds it: per layer ``k [H_kv, n, D]`` (before RoPE) and ``v [H_kv, n, Dv]``.
+    (The ChunkKV eviction policy is another thing: ``kvpass.policies.prefill.chunkkv.ChunkKV``.)"""
 
     key: str
     ids: Tensor                       # [n] token ids
@@ -103,12 +104,12 @@ class ChunkKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def to(self, device) -> "ChunkKV":
-        return ChunkKV(self.key, self.ids, [t.to(device) for t in self.k], [t.to(device) for t in self.v],
-                       self.source)
+    def to(self, device) -> "StoredChunk":
+        return StoredChunk(self.key, self.ids, [t.to(device) for t in self.k], [t.to(device) for t in self.v],
+                           self.source)
 
     def __repr__(self) -> str:
-        return (f"ChunkKV(key={self.key[:12]}..., tokens={self.tokens}, layers={len(self.k)}, "
+        return (f"StoredChunk(key={self.key[:12]}..., tokens={self.tokens}, layers={len(self.k)}, "
                 f"bytes={self.nbytes}, source={self.source!r})")
 
 
@@ -237,7 +238,7 @@ class ChunkStore:
             import torch.distributed as dist
             self._rank = f"/tensor parallel rank {dist.get_rank()} of {ranks}"
         self._rotary = None
-        self._memory: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._memory: OrderedDict[str, StoredChunk] = OrderedDict()
         self._memory_used = 0
         self._stats = _Stats()
         self._version: tuple | None = None
@@ -291,7 +292,7 @@ class ChunkStore:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def get(self, chunk) -> ChunkKV | None:
+    def get(self, chunk) -> StoredChunk | None:
         """The stored KV of ``chunk`` (text, ids, or a key ``put`` returned), from memory or disk; None when it
         is not stored for the model's current weights (or its entry failed the integrity check, which also
         warns)."""
@@ -305,7 +306,7 @@ class ChunkStore:
         if hit is not None:
             self._memory.move_to_end(key)
             self._stats.memory_hits += 1
-            return ChunkKV(hit.key, hit.ids, hit.k, hit.v, "memory")
+            return StoredChunk(hit.key, hit.ids, hit.k, hit.v, "memory")
         kv = self._load(key, ids, fingerprint)
         if kv is None:
             self._stats.misses += 1
@@ -315,7 +316,7 @@ class ChunkStore:
         self._remember(kv)
         return kv
 
-    def get_or_compute(self, chunk) -> ChunkKV:
+    def get_or_compute(self, chunk) -> StoredChunk:
         """``get``, or compute the chunk's KV, store it and return it."""
         kv = self.get(chunk)
         if kv is not None:
@@ -367,7 +368,7 @@ class ChunkStore:
             return None
         return ids
 
-    def compute(self, chunk) -> ChunkKV:
+    def compute(self, chunk) -> StoredChunk:
         """The chunk's KV computed alone at positions ``0..n-1``, keys rotated back to before RoPE."""
         from kvpass.chunks.rope import layer_keys, unrotate
 
@@ -383,7 +384,7 @@ class ChunkStore:
             vs.append(v[0].contiguous())
         self._stats.computed += 1
         self._stats.compute_s += time.perf_counter() - t0
-        return ChunkKV(self.key(ids), ids, ks, vs, "computed")
+        return StoredChunk(self.key(ids), ids, ks, vs, "computed")
 
     def stats(self) -> dict:
         """Hit/miss counters, time spent loading from disk and computing, and both tiers' sizes."""
@@ -431,7 +432,7 @@ class ChunkStore:
     def _device(self):
         return next(self.model.parameters()).device
 
-    def _remember(self, kv: ChunkKV) -> None:
+    def _remember(self, kv: StoredChunk) -> None:
         if self.memory_bytes <= 0 or kv.nbytes > self.memory_bytes or kv.key in self._memory:
             return
         self._memory[kv.key] = kv
@@ -478,7 +479,7 @@ class ChunkStore:
     def _write_index(self, index: dict) -> None:
         self._atomic_write(os.path.join(self.path, INDEX), json.dumps(index, sort_keys=True).encode())
 
-    def _serialise(self, kv: ChunkKV) -> bytes:
+    def _serialise(self, kv: StoredChunk) -> bytes:
         from safetensors.torch import save
 
         tensors = {}
@@ -489,7 +490,7 @@ class ChunkStore:
                 "ids": ",".join(map(str, kv.ids.tolist())), "crc32": str(_crc(tensors))}
         return save(tensors, metadata=meta)
 
-    def _write(self, kv: ChunkKV) -> None:
+    def _write(self, kv: StoredChunk) -> None:
         data = self._serialise(kv)
         dest = self._file(kv.key)
         with self._lock():
@@ -531,7 +532,7 @@ class ChunkStore:
         if kv is not None:
             self._memory_used -= kv.nbytes
 
-    def _load(self, key: str, ids: Tensor, fingerprint: str) -> ChunkKV | None:
+    def _load(self, key: str, ids: Tensor, fingerprint: str) -> StoredChunk | None:
         from safetensors.torch import load
 
         path = self._file(key)
@@ -570,4 +571,4 @@ class ChunkStore:
             os.utime(path)       # LRU clock of the disk tier
         self._stats.load_s += time.perf_counter() - t0
         self._stats.loaded_bytes += len(raw)
-        return ChunkKV(key, ids, k, v, "disk")
+        return StoredChunk(key, ids, k, v, "disk")

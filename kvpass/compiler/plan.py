@@ -7,11 +7,11 @@
 * on a decode or append graph of a policy that only appends after its prefill (``Needs.decode_appends``),
   turns an evicting plan into ``append`` (the model's own cache update, positions fixed), unless the site's
   mask is not plainly causal: a padding mask is sized by true lengths, not by what the shrunk cache stores,
-  so such a site keeps the evicting shape, which masks by true position;
+  so such a site keeps the evicting rewrite, which masks by true position;
 * refuses a plan that stops reading the model's mask where that mask may carry a bias (ALiBi) or groups
   positions into chunks (chunked attention).
 
-The rewrite (``kvpass.compiler.rewrite``) then runs ``plan.shape`` and decides nothing.
+The rewrite (``kvpass.compiler.rewrite``) then runs ``plan.rewrite_kind`` and decides nothing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Rewrite: replace detected sites with kvpass operators, in the shape each site's plan names.
+"""Rewrite: replace detected sites with kvpass operators, as the rewrite kind of each site's plan says.
 
-``SHAPES`` maps ``SitePlan.shape`` (decided by ``kvpass.compiler.plan``) to the function that rewrites it:
+``REWRITES`` maps ``SitePlan.rewrite_kind`` (decided by ``kvpass.compiler.plan``) to the function that rewrites it:
 
 * ``attention`` (and ``append``, whose cache the model updates itself): ``attention(q, k, v, mask, scale,
   causal, softcap)`` takes the place of the SDPA call or of the eager ``softmax(q k^T) v`` chain;
@@ -17,7 +17,7 @@
   and hooks, and decode steps read the slots by position with ``decode_attention``;
 * ``unchanged``: nothing.
 
-Any shape reads a decode step's cache with ``decode_attention`` (ART) instead of exact attention when the plan
+Any rewrite reads a decode step's cache with ``decode_attention`` (ART) instead of exact attention when the plan
 carries a ``DecodeRead``. Once a site evicts or appends to a shrunk cache, position ids the model derived from
 the cache length pass through ``true_positions`` (``kvpass.compiler.positions``).
 """
@@ -48,8 +48,8 @@ OPS = torch.ops.kvpass
 class Rewritten:
     """What ``rewrite`` did to one graph."""
 
-    rewritten: int                 # sites rewritten (any shape but ``unchanged``)
-    evicting: list[int]            # layers whose cache the policy shrinks (``evict`` and ``pool`` shapes)
+    rewritten: int                 # sites rewritten (any rewrite kind but ``unchanged``)
+    evicting: list[int]            # layers whose cache the policy shrinks (``evict`` and ``pool`` rewrites)
     appending: list[int]           # layers left to the model's cache update, positions fixed (``append``)
     slots: list[int]               # kvpass.SlotCache layers (``slot``)
     positions_fixed: list[str]     # position nodes routed through ``true_positions``
@@ -319,12 +319,12 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
 def rewrite(gm: fx.GraphModule, found: Detection, plans: dict[int, SitePlan], handle: int) -> Rewritten:
     """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns what was done."""
     graph = gm.graph
-    done: dict[str, list[int]] = {shape: [] for shape in SHAPES}
+    done: dict[str, list[int]] = {kind: [] for kind in REWRITES}
     reductions: list[str] = []   # collectives inserted for decisions across heads (tensor parallelism)
     for site in found.sites:
         plan = plans[site.layer]
-        reductions += SHAPES[plan.shape](graph, site, plan, handle) or []   # the gathers a shape inserted
-        done[plan.shape].append(site.layer)
+        reductions += REWRITES[plan.rewrite_kind](graph, site, plan, handle) or []   # the gathers it inserted
+        done[plan.rewrite_kind].append(site.layer)
     evicting, appending = done["evict"] + done["pool"], done["append"]
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
     # model derives positions from: fix them all.
@@ -349,5 +349,5 @@ def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None
     """A site the policy leaves to the model."""
 
 
-SHAPES = {"attention": _attention_only, "append": _attention_only, "evict": _evicting, "pool": _pool_write,
-          "overwrite": _overwrite, "slot": _slot, "unchanged": _unchanged}
+REWRITES = {"attention": _attention_only, "append": _attention_only, "evict": _evicting, "pool": _pool_write,
+            "overwrite": _overwrite, "slot": _slot, "unchanged": _unchanged}

@@ -5,6 +5,8 @@ on CPU and as the ground truth in tests) and a fake implementation that gives ou
 Dynamo / AOT autograd. CUDA implementations and Inductor lowerings are registered in
 ``kvpass.ops.lowerings``.
 
+``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
+
 Operators
 ---------
 ``kvpass::attention(q, k, v, mask?, scale, causal, softcap)``
@@ -233,7 +235,7 @@ def cache_update(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
 
 
 @cache_update.register_fake
-def _(k_past, v_past, k_new, v_new, mask, handle, site):
+def _(k_past, v_past, k_new, v_new, mask, handle, site: int):
     b, hkv, ln = k_new.shape[:3]
     lp = past_length(k_past)
     k = k_new.new_empty((b, hkv, lp + ln, k_new.shape[-1]))
@@ -252,7 +254,7 @@ def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, hand
 
 
 @compact.register_fake
-def _(q, k, v, kv_pos, q_pos, handle, site, tokens=None, votes=None, lse=None):
+def _(q, k, v, kv_pos, q_pos, handle, site: int, tokens=None, votes=None, lse=None):
     keep = runtime.get(handle).stored_length(site, k.shape[2])
     b, hkv = k.shape[:2]
     return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))
@@ -419,7 +421,7 @@ def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: in
 
 
 @count_visits.register_fake
-def _(out, visited, k, block, handle, site):
+def _(out, visited, k, block, handle, site: int):
     return torch.empty_like(out)
 
 

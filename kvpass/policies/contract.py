@@ -6,7 +6,7 @@ appends after the prefill, whether it gates the prefill, how a ``kvpass.SlotCach
 compiler, the runtime and the cache read ``needs``; they never branch on a policy's name.
 
 It answers at compile time ``plan(site)``: a ``SitePlan`` for one attention site (``site.phase`` says whether
-the graph is a prefill, a decode step, an append, or shape-dynamic), whose ``shape`` names one of the
+the graph is a prefill, a decode step, an append, or shape-dynamic), whose ``rewrite_kind`` names one of the
 rewrites of ``kvpass.compiler.rewrite``; or a ``Refusal`` saying why the site cannot be planned (the graph
 is then compiled unchanged, with a warning). At run time, from inside the operators: ``stored_length`` (the
 shape contract of ``compact``, SymInt-safe), ``select`` (which entries to keep), ``write`` (a pool site's
@@ -118,8 +118,8 @@ class SitePlan:
     lse: bool = False
 
     @property
-    def shape(self) -> str:
-        """The rewrite this plan selects (``kvpass.compiler.rewrite.SHAPES``): ``slot``, ``overwrite``,
+    def rewrite_kind(self) -> str:
+        """The rewrite this plan selects (``kvpass.compiler.rewrite.REWRITES``): ``slot``, ``overwrite``,
         ``pool``, ``evict``, ``append``, ``attention`` or ``unchanged``."""
         if self.slot is not None:
             return "slot"
@@ -132,10 +132,10 @@ class SitePlan:
     def replaces_mask(self) -> bool:
         """Whether the rewrite stops reading the model's mask somewhere (it masks by true position after
         eviction, in a slot cache, in a pool, over a merged cache): only a boolean mask survives that."""
-        return self.shape not in ("attention", "unchanged")
+        return self.rewrite_kind not in ("attention", "unchanged")
 
     def describe(self, phase: str = "") -> str:
-        """One line for reports; ``phase`` is the graph's (a prefill's eviction shape keeps ``attention``
+        """One line for reports; ``phase`` is the graph's (a prefill's eviction rewrite keeps ``attention``
         with the model's own mask, later graphs use ``attention_pos``)."""
         r = self.read
         read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, "

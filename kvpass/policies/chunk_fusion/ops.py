@@ -1,5 +1,7 @@
 """Chunk fusion's operators, registered on import; their kernels sit in ``kernels/``.
 
+``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
+
 ``kvpass::rope_rotate(x, cos, sin) -> x_rotated`` and ``kvpass::scatter_rows(dst, idx, src)``
     RoPE rotation of ``x [M, L, D]`` by per-position tables (the model's own rotary module computes
     them) and a copy of ``dst [M, N, D]`` with rows ``idx`` replaced by ``src``
@@ -95,7 +97,7 @@ def cache_overwrite(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor
 
 
 @cache_overwrite.register_fake
-def _(k_past, v_past, k_new, v_new, handle, site):
+def _(k_past, v_past, k_new, v_new, handle, site: int):
     b, hkv, ln = k_new.shape[:3]
     lp = k_past.shape[-2]
     return (k_past.new_empty((b, hkv, lp, k_past.shape[-1])), v_past.new_empty((b, hkv, lp, v_past.shape[-1])),
@@ -120,7 +122,7 @@ def fusion_votes(out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float,
 
 
 @fusion_votes.register_fake
-def _(out, q, k, q_pos, scale, softcap, handle, site):
+def _(out, q, k, q_pos, scale, softcap, handle, site: int):
     return torch.empty_like(out)
 
 

@@ -33,7 +33,7 @@ Choices, and why:
 * GQA: one selection per KV head (the bound is the max over its query heads), because the read
   is per KV head.
 
-Where it runs. On a DynamicCache the prefill goes through the evicting shape with a ``compact`` that keeps
+Where it runs. On a DynamicCache the prefill goes through the evicting rewrite with a ``compact`` that keeps
 everything and computes the prompt's page bounds (left padding excluded); it also starts the layer's state
 afresh for a new generation. A decode step keeps the model's own cache update; ``kvpass::page_select``
 (before attention) folds the new token into its page's bounds and returns ``chosen_pages`` as the block map
