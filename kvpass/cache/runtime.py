@@ -4,6 +4,8 @@ A rewritten graph calls kvpass operators with an integer ``handle``; the handle 
 ``Runtime`` of one ``kvpass.backend(...)`` object, which holds the policy, the detected sites and
 the generation state. Operators never mutate anything but the generation state, and every
 mutation is a pure function of the operator's inputs, so replaying a call gives the same result.
+
+``site`` in these methods is the layer index of the attention site (``Site.layer``), not a ``Site``.
 """
 
 from __future__ import annotations

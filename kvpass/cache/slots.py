@@ -41,6 +41,8 @@ refuses, naming the fix, where it would have kept every token without the policy
 unchanged, which kvpass has warned about, may append).
 A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
 (a device-side assert) instead of letting HF's mask read the slots as positions.
+
+``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
 
 
 @slot_prefill.register_fake
-def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site, tokens=None, votes=None, lse=None):
+def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site: int, tokens=None, votes=None, lse=None):
     return None
 
 

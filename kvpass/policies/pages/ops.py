@@ -36,6 +36,7 @@
     every slot's position after the write. The write depends only on its inputs and the policy's
     plan for the step, so a replayed call writes the same slot.
 
+``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def page_select(q: Tensor, k: Tensor, handle: int, site: int) -> Tensor:
 
 
 @page_select.register_fake
-def _(q, k, handle, site):
+def _(q, k, handle, site: int):
     steps = _pager(runtime.get(handle).policy).map_steps
     return k.new_empty((k.shape[0], k.shape[1], steps), dtype=torch.int32)
 
@@ -158,7 +159,7 @@ def step_position(k_pool: Tensor, handle: int, site: int) -> Tensor:
 
 
 @step_position.register_fake
-def _(k_pool, handle, site):
+def _(k_pool, handle, site: int):
     return k_pool.new_empty((k_pool.shape[0], 1), dtype=torch.long)
 
 
@@ -169,7 +170,7 @@ def pool_write(k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q: 
 
 
 @pool_write.register_fake
-def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site):
+def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site: int):
     return k_pool.new_empty(k_pool.shape[:3], dtype=torch.long)
 
 
