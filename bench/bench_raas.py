@@ -73,10 +73,13 @@ def state_bytes(be) -> int:
     """Bytes of every tensor the policy keeps in the generation state (positions, page tables, bounds)."""
     total, ptrs = 0, set()
     for layer in be.state.layers.values():
-        seen = [layer.pos] + [v for v in layer.extra.values() if isinstance(v, torch.Tensor)]
-        pool = layer.extra.get("pool")  # raas: one PagePool holds every layer's tables (and the previous
-        if pool is not None:              # step's, for replays), counted once through the pointers below
-            seen += [t for tables in (pool.state, pool.base) if tables for t in tables.values()]
+        seen, todo = [layer.pos], list(layer.extra.values())
+        while todo:   # raas keeps its page tables in lists, and the ones its last step started from in a tuple
+            v = todo.pop()
+            if isinstance(v, torch.Tensor):
+                seen.append(v)
+            elif isinstance(v, (list, tuple)):
+                todo += v
         for t in seen:
             if t.data_ptr() not in ptrs:
                 ptrs.add(t.data_ptr())

@@ -25,13 +25,16 @@ class Entry:
     ``demanding``: parameters under which it acts on them (evicts, stops early, gates); ``kept(P, T)``: the
     most entries a layer stores after a ``P``-token prompt and ``T`` decode steps under ``demanding``;
     ``unpadded``: why a left-padded batch is not checked (empty: it is); ``driver``: ``"fusion"`` for a policy that only
-    ``kvpass.ChunkFusion`` runs (its own tests cover it; here the plain path must refuse it)."""
+    ``kvpass.ChunkFusion`` runs (its own tests cover it; here the plain path must refuse it); ``parallel``: the
+    parameters that replace ``demanding``'s under tensor parallelism, where a decision averaged over a layer's
+    heads is refused (``tests/test_tensor_parallel.py``)."""
 
     noop: dict = field(default_factory=dict)
     demanding: dict = field(default_factory=dict)
     kept: Callable[[int, int], int] = lambda p, t: p + t
     unpadded: str = ""
     driver: str = ""
+    parallel: dict = field(default_factory=dict)
 
 
 def _prefill(budget: int, window: int = 4, **more) -> dict:
@@ -50,6 +53,7 @@ CONFORMANCE: dict[str, Entry] = {
     "sablock": Entry(_prefill(1000, punctuation_ids=PUNCT), _prefill(16, punctuation_ids=PUNCT),
                      kept=lambda p, t: 16 + t),
     "h2o": Entry(dict(budget=1000), dict(budget=16, heavy=0.5), kept=lambda p, t: 16),
+    "tova": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16, parallel=dict(budget=16, per_head=True)),
     "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing
     # keeps every prompt page and budget/16 + 1 decode pages (a pool of 16-entry pages)
     "raas": Entry(dict(budget=1024), dict(budget=16, alpha=0.5), kept=lambda p, t: (-(-p // 16) + 2) * 16),

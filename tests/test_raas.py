@@ -1,11 +1,11 @@
-"""RaaS page-timestamp eviction on its page pool (kvpass/policies/raas.py, kvpass/kernels/page_scores.py).
+"""RaaS page-timestamp eviction on its page pool (kvpass/policies/pages/raas.py and its kernels).
 
 * a budget that never evicts equals ``full`` (bare forward, batch 2);
 * a 2,000-token decode on a tiny model never holds more than prefill + budget/16 + 1 pages, and the
   stored tensors keep the pool's size (memory flat);
-* driven step by step: a page is evicted only when every decode page is full and it is the oldest;
-  timestamps follow a hand-computed trace; representative keys bound every key of their page
-  (hypothesis); the batched update compiled by Inductor equals the eager one;
+* driven step by step on a DynamicCache's pool (the decode step both caches run): a page is evicted only
+  when every decode page is full and it is the oldest; timestamps follow a hand-computed trace;
+  representative keys bound every key of their page (hypothesis);
 * the Triton scoring kernel equals its reference under the interpreter;
 * the Triton page-bounds kernel (the SlotCache decode of quest and raas) equals ``page_bounds_reference``
   under the interpreter (hypothesis: batch, GQA group incl. 3, head dim incl. 24, page counts around the
@@ -86,25 +86,32 @@ def test_long_decode_memory_bound():
     bound, evictions = 2 + 32 // 16 + 1, 0
     with torch.no_grad():
         tok = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        pool = be.state.layers[0].extra["pool"]
-        assert len(pool.layers) == len(cache.layers) and all(s.extra["pool"] is pool for s in be.state.layers.values())
         for _ in range(2000):
             tok = fwd(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            assert int(pool.state["live"].sum(-1).max()) <= bound  # every layer's tables, stacked
-            evictions += int((pool.state["evicted"] >= 0).sum())
+            for layer in be.state.layers.values():
+                tables = tables_of(layer.extra)
+                assert int(tables["live"].sum(-1).max()) <= bound
+                evictions += int((tables["evicted"] >= 0).sum())
             assert {layer.keys.shape[-2] for layer in cache.layers} == {bound * 16}
     assert be.state.seen == 2020 and evictions > 0
-    assert "PagePool(layers=2, prefill_pages=2, decode_pages=3" in repr(pool)
 
 
 # -- driving the policy directly --------------------------------------------------------------------
+
+
+def tables_of(extra: dict) -> dict:
+    """A copy of a layer's page tables by name (``meta`` split into the current page, its fill, the first
+    decode page and the page planned for eviction)."""
+    kmin, kmax, live, ts, born, meta, _ = (t.clone() for t in extra["tables"])
+    return dict(kmin=kmin, kmax=kmax, live=live, ts=ts, born=born, cur=meta[..., 0], fill=meta[..., 1],
+                evicted=meta[..., 3])
 
 
 def prefill(policy, layer: int, k_prompt: torch.Tensor):
     """Lay a prompt out as the layer's pool, as Runtime.compact does; returns (stored K, layer state)."""
     b, hkv, n, d = k_prompt.shape
     pos = torch.arange(n).expand(b, hkv, n)
-    keep, extra = policy.select(SimpleNamespace(layer=layer), None, k_prompt, k_prompt, pos,
+    keep, extra = policy.select(SimpleNamespace(layer=layer, cache="dynamic"), None, k_prompt, k_prompt, pos,
                                 torch.arange(n).expand(b, n), None)
     stored = k_prompt.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, d))
     return stored, LayerState(pos=pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1), seen=n, extra=extra)
@@ -114,7 +121,7 @@ def step(policy, layer: int, stored: torch.Tensor, state: LayerState, q, k_new) 
     """One decode step of one layer, as Runtime.pool_write does: ``stored`` (K and V alike) is written
     in place; returns the layer's new state."""
     q_pos = torch.full((stored.shape[0], 1), state.seen)
-    pos = policy.write(SimpleNamespace(layer=layer), q, stored, stored, k_new, k_new, q_pos, state)
+    pos = policy.write(SimpleNamespace(layer=layer, cache="dynamic"), q, stored, stored, k_new, k_new, q_pos, state)
     return LayerState(pos=pos, seen=state.seen + 1, extra=state.extra)
 
 
@@ -122,11 +129,10 @@ def drive(policy, k_prompt: torch.Tensor, qs, ks):
     """A one-layer model's prefill and decode steps; yields (the page tables before the step, after
     it, stored K, positions)."""
     stored, state = prefill(policy, 0, k_prompt)
-    pool = state.extra["pool"]
     for q, k_new in zip(qs, ks):
-        prev = pool.layer_view(0)
+        prev = tables_of(state.extra)
         state = step(policy, 0, stored, state, q, k_new)
-        yield prev, pool.layer_view(0), stored.clone(), state.pos
+        yield prev, tables_of(state.extra), stored.clone(), state.pos
 
 
 def test_timestamps_follow_hand_trace():
@@ -159,30 +165,6 @@ def test_timestamps_follow_hand_trace():
     gen = GenerationState()
     gen.layers[0] = LayerState(pos=pos.view(1, 1, -1), seen=49)
     assert gen.evicted_tokens == 16                              # page 2's tokens 32-47 are gone
-
-
-def test_batched_layers_equal_one_layer_each():
-    """Three layers whose page tables are updated together after each step (batch 2, eviction on)
-    hold exactly what three separate one-layer runs hold."""
-    gen = torch.Generator().manual_seed(4)
-    b, hkv, h, d, n, steps, layers = 2, 2, 4, 4, 21, 70, 3
-    prompts = [torch.randn(b, hkv, n, d, generator=gen) for _ in range(layers)]
-    qs = [[torch.randn(b, h, 1, d, generator=gen) for _ in range(steps)] for _ in range(layers)]
-    ks = [[torch.randn(b, hkv, 1, d, generator=gen) for _ in range(steps)] for _ in range(layers)]
-    alone = [list(drive(make_policy("raas", budget=16, alpha=0.05), prompts[i], qs[i], ks[i])) for i in range(layers)]
-    pol = make_policy("raas", budget=16, alpha=0.05)
-    stored, states = map(list, zip(*(prefill(pol, i, prompts[i]) for i in range(layers))))
-    pool, evictions = states[0].extra["pool"], 0
-    for t in range(steps):
-        for i in range(layers):
-            states[i] = step(pol, i, stored[i], states[i], qs[i][t], ks[i][t])
-        for i in range(layers):
-            _, want, want_k, want_pos = alone[i][t]
-            got = pool.layer_view(i)
-            assert all(torch.equal(got[key], want[key]) for key in want), f"layer {i}, step {t}"
-            assert torch.equal(states[i].pos, want_pos) and torch.equal(stored[i], want_k)
-        evictions += int((pool.state["evicted"] >= 0).sum())
-    assert evictions > 0
 
 
 @settings(max_examples=15, deadline=None)
@@ -338,38 +320,6 @@ def test_raas_stamp_reference_evicts_the_oldest_decode_page():
     RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[101, 0, 0, 1 << 40]]),
                             *tables.values(), 5, 0.5)  # a window of 5 from page 2 runs past the 6-page pool
     assert tables["seen"].tolist() == [[RS.OVERFLOW]]  # an eviction from 4 of 5 decode pages: marked
-
-
-def test_compiled_update_equals_eager():
-    """The batched page update that CUDA runs compiled by Inductor equals the eager one (which CPU
-    runs), step by step through page allocation and eviction, for three layers stacked, and also on a
-    replayed step."""
-    from kvpass.policies.pages import raas
-
-    pol = make_policy("raas", budget=16, alpha=0.05)
-    gen = torch.Generator().manual_seed(0)
-    b, hkv, h, d, n, layers = 2, 2, 4, 8, 20, 3
-    for layer in range(layers):
-        _, state = prefill(pol, layer, torch.randn(b, hkv, n, d, generator=gen))
-    pool = state.extra["pool"]
-    assert pool.layers == [0, 1, 2]
-    state = base = pool.prefill_state()
-    seen = torch.tensor(-1)
-    compiled = raas._compiled_update()
-    evictions = 0
-    for i in range(40):
-        now = torch.tensor(n + i + 1)
-        args = (torch.randn(layers * b, h, d, generator=gen), torch.randn(layers * b, hkv, 1, d, generator=gen), now,
-                pol.alpha, pool.n_pre, seen, [state[key] for key in raas.STATE], [base[key] for key in raas.STATE])
-        want, got = raas._update(*args), compiled(*args)
-        for name, w, g in zip(raas.STATE * 2, want[0] + want[1], got[0] + got[1]):
-            assert torch.equal(w, g.to(w.dtype)), f"{name}, step {i}"
-        if i == 30:  # the same step again: it starts from the state before it, so it gives the same result
-            again = raas._update(*args[:5], now, want[0], want[1])
-            assert all(torch.equal(x, y) for x, y in zip(again[0], want[0]))
-        evictions += int((want[0][7] >= 0).sum())
-        state, base, seen = dict(zip(raas.STATE, want[0])), dict(zip(raas.STATE, want[1])), now
-    assert evictions > 0 and raas._COMPILED is not raas._update  # evicted, and Inductor built the update
 
 
 def test_configuration_errors():

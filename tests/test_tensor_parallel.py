@@ -1,8 +1,9 @@
 """Tensor parallelism: every policy decides on two ranks what it decides on one process.
 
 Two processes (``torchrun``, gloo on the CPU, ``tests/tp_worker.py``) load a tiny model with transformers'
-tensor-parallel plan (``tp_plan="auto"``: each rank holds half the heads) and generate with every plain
-policy's demanding setting (``tests/conformance.py``), then run the same on one process (half each). Two
+tensor-parallel plan (``tp_plan="auto"``: each rank holds half the heads) and generate with the plain policies'
+demanding settings (``tests/conformance.py``; on the CPU those whose decisions span a layer's heads and one
+per-head policy of each rewrite kind, on two GPUs every one), then run the same on one process (half each). Two
 families: the conformance Llama (4 query heads, 2 KV heads: one KV head per rank), on a DynamicCache and on a
 kvpass.SlotCache, and a Qwen3 (q/k norms) with 8 query heads on 2 KV heads, a GQA ratio (4) above the rank
 count, on a DynamicCache (the SlotCache path is the same code per rank; one family keeps CI's time).
@@ -40,6 +41,10 @@ HERE = os.path.dirname(__file__)
 PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
 SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"}   # decisions over a layer's heads
 PER_HEAD = {"full", "snapkv"}            # the second family's share of the per-head policies
+# the llama's per-head policies on the CPU (CI time): one of each rewrite kind (append, evict at prefill, ring,
+# placed by a score, pages read, page pool, a stop rule); every per-head policy decides on its rank's heads alone
+# through the same path, and the GPU run (device "cuda") runs them all
+LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "art"}
 SPANNING_FUSION = ("a3", "cacheblend")   # fusion policies whose recompute set sums over every head
 # on a SlotCache (CI time): an append, a ring, an evicting prefill, pages read and pages evicted, a gate, a
 # decision over heads; the others' slot writes are the same rules (tests/test_conformance.py covers them all)
@@ -79,7 +84,8 @@ def two_ranks(root, family: str, device: str):
     # CI time: the second family (GQA 4 over 2 ranks) runs the policies whose decisions span a layer's heads, one
     # that decides per head, and the fusion policies whose recompute set spans the heads; the llama runs all
     full = family == "llama" or device == "cuda"
-    names = PLAIN + (["chunkkv@inductor"] if family == "llama" else []) if full else sorted(SPANNING | PER_HEAD)
+    plain = PLAIN if device == "cuda" else sorted(SPANNING | LOCAL)
+    names = plain + (["chunkkv@inductor"] if family == "llama" else []) if full else sorted(SPANNING | PER_HEAD)
     caches = "dynamic,slot" if full else "dynamic"
     fusion = "all" if full else ",".join(SPANNING_FUSION)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
@@ -99,7 +105,7 @@ def two_ranks(root, family: str, device: str):
     return r0, r1
 
 
-def _runs(ranks, key, part="tp", single="single", why="the llama runs every policy on a DynamicCache and "
+def _runs(ranks, key, part="tp", single="single", why="the llama runs LOCAL and SPANNING on a DynamicCache and "
           "ON_SLOTS on a SlotCache, the second family the policies whose decisions span heads"):
     """Rank 0's, rank 1's and the one-process run of ``key`` in ``part``, none of them an error."""
     r0, r1 = ranks

@@ -50,13 +50,18 @@ def prompt() -> torch.Tensor:
     return ids.to(DEVICE)
 
 
+def parameters(policy: str) -> dict:
+    """The policy's conformance setting on ranks (``Entry.parallel`` where it has one, else ``demanding``)."""
+    return CONFORMANCE[policy].parallel or CONFORMANCE[policy].demanding
+
+
 def generate(model, name: str, cache_kind: str) -> dict:
     """Greedy prefill + NEW steps under ``name`` (``policy`` or ``policy@compiler``)."""
     from transformers import DynamicCache
     policy, _, compiler = name.partition("@")
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler=compiler or "eager",
-                        **({} if policy == "full" else CONFORMANCE[policy].demanding))
+                        **parameters(policy))
     cache = (kvpass.SlotCache(model, be, max_length=PROMPT + NEW, max_new_tokens=NEW) if cache_kind == "slot"
              else DynamicCache(config=model.config))
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
@@ -123,7 +128,7 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
     called their graph directly (``direct_steps``' default)."""
     model = load(path, tp)
     torch._dynamo.reset()
-    be = kvpass.compile(model, policy, compiler="aot_eager", **({} if policy == "full" else CONFORMANCE[policy].demanding))
+    be = kvpass.compile(model, policy, compiler="aot_eager", **parameters(policy))
     tokens, direct = [], 0
     for n in LENGTHS:
         ids = torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)

@@ -9,13 +9,14 @@ from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Param, Poli
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
 from kvpass.policies.streamingllm import StreamingLLM
+from kvpass.policies.tova import TOVA
 
 # chunk fusion (kvpass.ChunkFusion drives these; their frame: kvpass/policies/chunk_fusion/base.py)
 FUSION = chunk_fusion.FAMILY
 
 # the single-file policies, then each family's (a family folder lists its own in its FAMILY)
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART) + prefill.FAMILY + pages.FAMILY
-                                     + gated.FAMILY + (H2O,) + FUSION}
+                                     + gated.FAMILY + (H2O, TOVA) + FUSION}
 
 
 def available() -> list[str]:

@@ -1,8 +1,9 @@
 """``ScoredEviction``: the frame of the decode-time policies that keep ``budget`` entries per KV head by a
 score each entry carries, and give up one victim per decode step (h2o).
 
-**Score.** The attention an entry receives from a call's queries (``received``: summed over the queries and
-the query heads of its KV group), added to what it had (``accumulate``) or replacing it.
+**Score.** The attention an entry receives (``received``: summed over the query heads of its KV group), added
+to what it had over every query that saw it (``accumulate``: h2o), or the latest query's alone (TOVA). With
+``shared`` the score is the mean over the layer's KV heads, so every head of a layer gives up the same token.
 
 **When.** A prompt longer than the budget is cut at prefill: the ``recent`` latest tokens, then the highest
 scores (``scoring.keep_top``). Each decode step adds its token and its attention; a layer holding
@@ -42,6 +43,12 @@ def received(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float
     return torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, 1.0, float(softcap), lse)
 
 
+def across(score: Tensor, shared: bool) -> Tensor:
+    """``score [B, H_kv, N]`` as a decision reads it: per KV head, or with ``shared`` the mean over the layer's KV
+    heads (every decision then the same for every head, entry ``j`` holds the same token in each)."""
+    return score.mean(1, keepdim=True).expand_as(score) if shared else score
+
+
 def victim(pos: Tensor, score: Tensor, nxt: Tensor, recent: int) -> Tensor:
     """``[B, H_kv, 1]``: the entry a full layer gives up before the token at position ``nxt [B, 1, 1]``:
     padding first, then the lowest score outside the ``recent`` latest tokens, the latest such on a tie."""
@@ -52,7 +59,7 @@ def victim(pos: Tensor, score: Tensor, nxt: Tensor, recent: int) -> Tensor:
     return torch.where(tied, held, torch.iinfo(torch.int64).min).argmax(-1, keepdim=True)
 
 
-def slot_victim(pos, count, state: list, softcap: float, recent: int, accumulate: bool):
+def slot_victim(pos, count, state: list, softcap: float, recent: int, accumulate: bool, shared: bool):
     """Before a decode step's write on a SlotCache: the slot ``[B, H_kv, 1]`` of the new token, a free one
     while the layer has one, else the ``victim`` (its score starts again from zero)."""
     (score,) = state
@@ -63,11 +70,12 @@ def slot_victim(pos, count, state: list, softcap: float, recent: int, accumulate
     return slot
 
 
-def slot_score(q, keys, pos, count, state: list, k_new, softcap: float, recent: int, accumulate: bool) -> None:
+def slot_score(q, keys, pos, count, state: list, k_new, softcap: float, recent: int, accumulate: bool,
+               shared: bool) -> None:
     """After a decode step's write on a SlotCache: fold the attention the step's token gave every slot into
     its score."""
     (score,) = state
-    now = received(q, keys, pos.long(), next_positions(count, 1) - 1, softcap)
+    now = across(received(q, keys, pos.long(), next_positions(count, 1) - 1, softcap), shared)
     if accumulate:
         score.add_(now)
     else:
@@ -76,10 +84,11 @@ def slot_score(q, keys, pos, count, state: list, k_new, softcap: float, recent: 
 
 class ScoredEviction(Policy):
     """Base class: planning, the DynamicCache selection and the SlotCache state and hooks. A subclass sets
-    ``name``, ``summary``, ``accumulate`` and, when some latest tokens always stay, ``recent``."""
+    ``name``, ``summary``, ``accumulate``, ``shared`` and, when some latest tokens always stay, ``recent``."""
 
     needs = Needs(evicts=True, slot_rule="placed")
     accumulate: ClassVar[bool] = True
+    shared: ClassVar[bool] = False
     budget: int = param(2048, 2, 1 << 24, "entries kept per layer and KV head")
 
     @property
@@ -91,15 +100,18 @@ class ScoredEviction(Policy):
             return Refusal(f"layer {site.layer}: {self.name} on a SlotCache runs prefills and one-token decode "
                            f"steps; this '{site.phase}' graph appends several tokens to a filled cache")
         plan = shrinking_plan(site)
-        # a plainly causal prefill's attention hands its row log-sum-exp to the scoring (one pass, not two)
-        return dataclasses.replace(plan, lse=True) if isinstance(plan, SitePlan) and plan.evict else plan
+        # a plainly causal prefill's attention hands its row log-sum-exp to the scoring of every query
+        return dataclasses.replace(plan, lse=True) if isinstance(plan, SitePlan) and plan.evict and self.accumulate \
+            else plan
 
     def stored_length(self, site, total):
         return torch.sym_min(total, self.budget)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, lse=None):
         n, new = kv_pos.shape[-1], q_pos.shape[1]
-        score = received(q, k, kv_pos, q_pos, site.softcap, lse)
+        if not self.accumulate:  # the latest query's attention alone
+            q, q_pos, lse = q[:, :, -1:], q_pos[:, -1:], None
+        score = across(received(q, k, kv_pos, q_pos, site.softcap, lse), self.shared)
         if n > new:  # entries stored before this call carry their scores
             old = layer_state.extra.get("score") if layer_state is not None else None
             if old is None or old.shape[-1] != n - new:
@@ -128,4 +140,4 @@ class ScoredEviction(Policy):
         if site.sliding_window:
             return None
         return SlotHooks(place=slot_victim, update=slot_score,
-                         args=(float(site.softcap), self.recent, self.accumulate))
+                         args=(float(site.softcap), self.recent, self.accumulate, self.shared))

@@ -130,8 +130,8 @@ def _decode(policy, steps, **params):
             lg = fwd(input_ids=lg.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
             sizes |= {layer.keys.shape[-2] for layer in cache.layers}
             if policy.startswith("raas"):
-                pool = next(iter(be.state.layers.values())).extra["pool"]  # every layer's tables, stacked
-                pages = max(pages, int(pool.state["live"].sum(-1).max()))
+                for layer in be.state.layers.values():   # each layer's page tables: live is the third
+                    pages = max(pages, int(layer.extra["tables"][2].sum(-1).max()))
     return torch.stack(logits), sizes, pages
 
 
