@@ -92,7 +92,7 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
         q = (torch.randn(b, h, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
         args = (q, torch.randn(b, hkv, d, device="cuda", generator=g).bfloat16(),
                 torch.tensor([5000, 0, 0], device="cuda"))
-        from kvpass.policies.pages.kernels.page_scores import page_bounds_triton  # quest's bounds alone (no fold, no live mask)
+        from kvpass.policies.pages.kernels.page_bounds import page_bounds_triton  # quest's bounds alone (no fold, no live mask)
         row = dict(kernel="page_bounds", b=b, pages=pages, us=round(do_bench_cudagraph(
             lambda: page_bounds_triton(q, tables["kmin"], tables["kmax"])) * 1e3, 2))
         print(json.dumps(row), flush=True)

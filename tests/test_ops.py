@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import kvpass
 from kvpass.cache import runtime
-from kvpass.policies.pages.kernels.page_scores import page_bounds_reference
+from kvpass.policies.pages.kernels.page_bounds import page_bounds_reference
 from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
 from kvpass.ops import OPS
 
@@ -601,23 +601,6 @@ def test_attention_bottom_right_causal(lq, extra, group, with_mask):
         torch.testing.assert_close(torch.ops.kvpass.attention(q, k, v, None, d ** -0.5, CAUSAL_BOTTOM_RIGHT, 0.0),
                                    F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5,
                                                                   enable_gqa=True), atol=1e-5, rtol=1e-5)
-
-
-def _page_args(seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 4, 8, generator=gen)
-    a, c = torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
-    live = torch.rand(2, 2, 5, generator=gen) > 0.3
-    ts = torch.randint(0, 20, (2, 2, 5), generator=gen)
-    return q, torch.minimum(a, c), torch.maximum(a, c), live, ts, 0.05, 21
-
-
-def test_opcheck_page_scores():
-    opcheck("page_scores", _page_args())
-
-
-def test_opcheck_page_scores_ref():
-    opcheck("page_scores_ref", _page_args(1))
 
 
 def _bounds_args(seed: int = 0, dtype=torch.float32):

@@ -1,18 +1,13 @@
 """The page family's operators (quest, raas), registered on import; their kernels sit in ``kernels/``.
 
-``kvpass::page_scores(q, kmin, kmax, live, ts, alpha, now) -> (ub [B, H_kv, P] fp32, ts_new)``
-    Quest's page upper bounds from the pages' min/max keys and RaaS's timestamp update
-    (``kvpass.policies.pages.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_scores_ref``
-    elsewhere.
-
 ``kvpass::page_bounds(q, kmin, kmax) -> ub [B, H, P] fp32``
-    Quest's page upper bounds alone, per query head (``page_bounds_reference``), read by the SlotCache
-    decode steps of Quest and RaaS; its kernel is parallel over blocks of pages
-    (``kvpass.policies.pages.kernels.page_scores``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
+    Quest's page upper bounds, per query head (``page_bounds_reference``), by which Quest's decode steps rank
+    pages on both caches; its kernel is parallel over blocks of pages
+    (``kvpass.policies.pages.kernels.page_bounds``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
     elsewhere.
 
 ``kvpass::raas_stamp(q, k_new, count, kmin, kmax, live, ts, born, meta, seen, decode_pages, alpha)``
-    RaaS's per-layer decode update of its page tables on a SlotCache, in place (fold the token into its
+    RaaS's per-layer decode update of its page tables, on both caches, in place (fold the token into its
     page's bounds, stamp the decode pages, plan the next slot; ``kvpass.policies.pages.kernels.raas_stamp``). A
     ``triton_op``: two Triton launches on CUDA, ``kvpass::raas_stamp_ref`` elsewhere.
 
@@ -47,36 +42,14 @@ from torch import Tensor
 from kvpass.cache import runtime
 from kvpass.policies.contract import PagePolicy
 from kvpass.operators import register
-from kvpass.policies.pages.kernels import page_scores as _pscores
+from kvpass.policies.pages.kernels import page_bounds as _bounds
 from kvpass.policies.pages.kernels import raas_stamp as _stamp
 from kvpass.policies.pages.kernels import top_pages as _top
 
 
-@torch.library.custom_op("kvpass::page_scores_ref", mutates_args=())
-def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float,
-                    now: int) -> tuple[Tensor, Tensor]:
-    return _pscores.page_scores_reference(q, kmin, kmax, live, ts, alpha, now)
-
-
-@page_scores_ref.register_fake
-def _(q, kmin, kmax, live, ts, alpha, now):
-    return kmin.new_empty(kmin.shape[:3], dtype=torch.float32), ts.new_empty(ts.shape, dtype=torch.int64)
-
-
-@torch.library.triton_op("kvpass::page_scores", mutates_args=())
-def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor, alpha: float,
-                now: int) -> tuple[Tensor, Tensor]:
-    """Page upper bounds (max over the group) and RaaS timestamps stamped ``now`` where a query head's
-    softmax share of a live page exceeds ``alpha``; see ``kvpass.policies.pages.kernels.page_scores``. Triton on
-    CUDA, the reference operator elsewhere."""
-    if q.device.type == "cuda" and _pscores.triton is not None:
-        return _pscores.page_scores_triton(q, kmin, kmax, live, ts, alpha, now, launch=torch.library.wrap_triton)
-    return torch.ops.kvpass.page_scores_ref(q, kmin, kmax, live, ts, alpha, now)
-
-
 @torch.library.custom_op("kvpass::page_bounds_ref", mutates_args=())
 def page_bounds_ref(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
-    return _pscores.page_bounds_reference(q, kmin, kmax)
+    return _bounds.page_bounds_reference(q, kmin, kmax)
 
 
 @page_bounds_ref.register_fake
@@ -87,9 +60,9 @@ def _(q, kmin, kmax):
 @torch.library.triton_op("kvpass::page_bounds", mutates_args=())
 def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     """Quest's upper bound ``[B, H, P]`` (fp32) of every page for every query head; see
-    ``kvpass.policies.pages.kernels.page_scores``. Triton on CUDA, the reference operator elsewhere."""
-    if q.device.type == "cuda" and _pscores.triton is not None:
-        return _pscores.page_bounds_triton(q, kmin, kmax, launch=torch.library.wrap_triton)
+    ``kvpass.policies.pages.kernels.page_bounds``. Triton on CUDA, the reference operator elsewhere."""
+    if q.device.type == "cuda" and _bounds.triton is not None:
+        return _bounds.page_bounds_triton(q, kmin, kmax, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.page_bounds_ref(q, kmin, kmax)
 
 
@@ -175,6 +148,6 @@ def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site: int):
 
 
 
-register(page_scores=page_scores, page_scores_ref=page_scores_ref, page_bounds=page_bounds,
+register(page_bounds=page_bounds,
            page_bounds_ref=page_bounds_ref, raas_stamp=raas_stamp, raas_stamp_ref=raas_stamp_ref, top_pages=top_pages,
            top_pages_ref=top_pages_ref, page_select=page_select, step_position=step_position, pool_write=pool_write)

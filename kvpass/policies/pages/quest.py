@@ -161,10 +161,8 @@ def chosen_pages(q: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, cur: Tenso
     the current page, -1 padded."""
     b, hkv, pages, _ = kmin.shape
     ok = live & (torch.arange(pages, device=kmin.device) < cur)
-    # kvpass::page_bounds, not kvpass::page_scores: page_scores' kernel (one program per KV head, two passes
-    # for RaaS's softmax) walks the pages serially per layer, and Inductor's reduction of page_bounds_reference
-    # re-reads the bounds once per query head; page_bounds' kernel runs one program per block of 32 pages and
-    # reads each block once for the whole group (measured: bench/results/fastpath_decode_loop_2026-11-27)
+    # page_bounds' kernel runs one program per block of 32 pages and reads each block once for the whole group
+    # (Inductor's reduction of page_bounds_reference re-reads the bounds once per query head)
     ub = torch.ops.kvpass.page_bounds(q[:, :, -1], kmin, kmax).view(b, hkv, -1, pages).amax(2)
     return with_current(torch.ops.kvpass.top_pages(ub.masked_fill(~ok, float("-inf")), top), cur)
 
