@@ -19,7 +19,7 @@ from conformance import CONFORMANCE
 from families import build
 
 SLOT = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
-HOOKED = [n for n in SLOT if POLICIES[n].slot_hooks is not Policy.slot_hooks]   # h2o, quest, raas
+HOOKED = [n for n in SLOT if POLICIES[n].slot_hooks is not Policy.slot_hooks]   # h2o, quest, raas, tova
 MAX, NEW = 64, 12
 
 

@@ -10,7 +10,8 @@ set -u
 out=${OUT:?set OUT}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  python -c "import torch, triton, transformers as tf
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 case "${1:?tests | decode}" in

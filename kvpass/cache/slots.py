@@ -8,8 +8,9 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``count`` ``[B, 4]`` int64, per row, its columns named ``SEEN``, ``FILLED``, ``DROPPED``, ``MAX_LENGTH``:
   tokens seen (padding included, the index HF's masks count in), slots filled in order (the append
   layout's next free slot), the positions a renumbering prefill dropped (``gemfilter``: ``L - n``, else
-  0): the row's next token's position is ``count[b, SEEN] - count[b, DROPPED]``; and the cache's ``max_length``: a write past it fails loudly, whatever the policy's rule
-  (a ring would otherwise wrap over entries its policy keeps). ``generate`` keeps the rows of a batch
+  0): the row's next token's position is ``count[b, SEEN] - count[b, DROPPED]``; and the cache's
+  ``max_length``: a write past it fails loudly, whatever the policy's rule (a ring would otherwise wrap
+  over entries its policy keeps). ``generate`` keeps the rows of a batch
   at one length; the counts are per row so that a row can be emptied and refilled on its own.
 
 * ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
@@ -84,6 +85,8 @@ def reused_mask():
         yield
     finally:
         _reuse.on = before
+
+
 SEEN, FILLED, DROPPED, MAX_LENGTH = range(4)   # the columns of a layer's ``count`` (the module docstring)
 LIMIT = ("kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
          "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "

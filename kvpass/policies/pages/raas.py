@@ -158,8 +158,9 @@ class RaaS(Policy):
 # -- the decode step, per layer: tensor code both caches run ----------------------------------------------
 
 def slot_pool(keys, pos, count, state: list, decode_pages: int, alpha: float) -> None:
-    """SlotCache refresh after the prefill (the prompt in slots ``0 .. n-1``): the prompt's pages are the
-    prefill pages, page ``ceil(n / 16)`` the first decode page and the current one; as ``PagePool.add``."""
+    """The page tables after a prefill (the prompt in slots ``0 .. n-1``; a SlotCache's refresh, a DynamicCache's
+    ``select``): the prompt's pages are the prefill pages, page ``ceil(n / 16)`` the first decode page and the
+    current one."""
     kmin, kmax, live, ts, born, meta, seen = state
     pages = kmin.shape[2]
     n_pre = (count[:, FILLED] + PAGE - 1) // PAGE                   # [B]: each row's prompt pages
@@ -183,9 +184,10 @@ def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
     emptied) and the token's slot ``16 cur + fill`` is returned ``[B, H_kv, 1]``. Tables that are behind
     the slots (a cache written without this backend) fail a device-side assert."""
     _, _, _, _, _, meta, seen = state
-    device_assert((seen == count[:, SEEN, None]).all(), "kvpass raas: the SlotCache's page tables do not match its slots: "
-                                            "it was written without this backend, or the sequence is longer "
-                                            "than the SlotCache's max_length (no decode page left to evict)")
+    device_assert((seen == count[:, SEEN, None]).all(), "kvpass raas: the cache's page tables do not match its "
+                                                        "slots: it was written without this backend, or the sequence "
+                                                        "is longer than the SlotCache's max_length (no decode page "
+                                                        "left to evict)")
     b, hkv, _ = pos.shape
     gone = meta[..., 3]
     at = gone.clamp_min(0)[..., None] * PAGE + torch.arange(PAGE, device=pos.device)      # [B, H_kv, 16]
@@ -200,8 +202,8 @@ def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
 def slot_stamp(q, keys, pos, count, state: list, k_new, decode_pages: int, alpha: float) -> None:
     """After a decode step's write (slot ``16 cur + fill``): fold the token into its page's bounds, stamp
     the decode pages whose softmax share of the bound (over all resident pages) exceeds ``alpha`` for some
-    query head of the group, and plan the next token's slot (``_update``'s rules, for one layer), all in
-    ``kvpass::raas_stamp`` (``kvpass.policies.pages.kernels.raas_stamp``: two Triton launches per layer on CUDA, where the
-    same rules as tensor code took about fifteen). Prompt pages are never evicted, so their timestamps are
+    query head of the group, and plan the next token's slot (the module docstring's rules), all in
+    ``kvpass::raas_stamp`` (``kvpass.policies.pages.kernels.raas_stamp``: two Triton launches per layer on CUDA,
+    where the same rules as tensor code took about fifteen). Prompt pages are never evicted, so their timestamps are
     left as the prefill set them; the free / evict / oldest rules run over the decode pages only."""
     torch.ops.kvpass.raas_stamp(q[:, :, -1], k_new[:, :, -1], count, *state, decode_pages, alpha)
