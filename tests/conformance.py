@@ -52,6 +52,11 @@ CONFORMANCE: dict[str, Entry] = {
     "chunkkv": Entry(_prefill(1000, chunk=4), _prefill(16, chunk=4), kept=lambda p, t: 16 + t),
     "sablock": Entry(_prefill(1000, punctuation_ids=PUNCT), _prefill(16, punctuation_ids=PUNCT),
                      kept=lambda p, t: 16 + t),
+    # no window by default (kvpress's presses have none): the demanding setting runs that path
+    "knorm": Entry(_prefill(1000, window=0), _prefill(16, window=0), kept=lambda p, t: 16 + t),
+    "keydiff": Entry(_prefill(1000, window=0), _prefill(16, window=0), kept=lambda p, t: 16 + t),
+    # its defaults (4 sinks, no window), as kvpress's ExpectedAttentionPress
+    "expected_attention": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16 + t),
     "h2o": Entry(dict(budget=1000), dict(budget=16, heavy=0.5), kept=lambda p, t: 16),
     "tova": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16, parallel=dict(budget=16, per_head=True)),
     "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing
@@ -65,3 +70,31 @@ CONFORMANCE: dict[str, Entry] = {
     "gemfilter": Entry(dict(budget=1000), dict(budget=16, **GATE), kept=lambda p, t: 16 + t),
     **{name: Entry(driver="fusion") for name in ("a3", "a3+evict", "cacheblend", "legolink", "pie", "full_reuse")},
 }
+
+
+# What a policy class may add over its parent and still run its parent's mechanism: how it ranks entries at prefill
+# (a pure function of one row's tensors, which the loop above checks per policy, left-padded rows included) and
+# its parameters. Everything else (planning, selection frame, slot rule and hooks, budgets per layer, gates) is
+# mechanism.
+SCORING = {"priority", "check_config", "params", "name", "summary"}
+
+
+def mechanism(name: str) -> tuple:
+    """The policy's mechanism: for each public attribute of its class other than ``SCORING`` and its parameters,
+    the class that defines it, and its ``needs``."""
+    import dataclasses
+    from kvpass.policies import POLICIES
+    cls = POLICIES[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    attrs = sorted({a for k in cls.__mro__ for a in vars(k) if not a.startswith("_")} - fields - SCORING)
+    return tuple((a, next(k for k in cls.__mro__ if a in vars(k))) for a in attrs) + (cls.needs,)
+
+
+def one_per_mechanism(names: list[str]) -> list[str]:
+    """The first of ``names`` (in order) of each mechanism: the tests that exercise what policies do beyond ranking
+    (admission into a running batch, request queues, graphs per prompt length) run these; a scorer added on an
+    existing frame (``knorm`` beside ``snapkv``) is covered there by the policy whose frame it shares."""
+    seen: dict[tuple, str] = {}
+    for n in names:
+        seen.setdefault(mechanism(n), n)
+    return list(seen.values())

@@ -2,10 +2,11 @@
 
 A batch-1 ``SlotCache`` prefills each request; ``SlotCache.admit`` copies its row into a free row of the batch
 cache, ``reset_row`` empties a finished one, and the batch decodes as one step with each row's own position.
-The rows never mix: a row refilled while the others decode leaves their tokens what they are alone, for every
-policy with a SlotCache decode at a demanding setting, and at the no-op setting for the policies whose decode
-steps run their own tensor code on the layer's state (``HOOKED``: a row's state must stay its own even when
-nothing is evicted; the others' no-op decode is their write rule, which the demanding setting runs too).
+The rows never mix: a row refilled while the others decode leaves their tokens what they are alone, for one
+policy of each mechanism (``conformance.one_per_mechanism``: scorers on a shared frame run it once) at a
+demanding setting, and at the no-op setting for the policies whose decode steps run their own tensor code on the
+layer's state (``HOOKED``: a row's state must stay its own even when nothing is evicted; the others' no-op decode
+is their write rule, which the demanding setting runs too).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import torch
 
 import kvpass
 from kvpass.policies import POLICIES, Policy
-from conformance import CONFORMANCE
+from conformance import CONFORMANCE, one_per_mechanism
 from families import build
 
-SLOT = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
+SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])   # conformance.py
 HOOKED = [n for n in SLOT if POLICIES[n].slot_hooks is not Policy.slot_hooks]   # h2o, quest, raas, tova
 MAX, NEW = 64, 12
 

@@ -1,7 +1,8 @@
 """Compile once for every prompt length (issue 36) and the SlotCache's misuse refusals (issue 35).
 
-* ``kvpass.compile`` + ``generate`` over 30 prompt lengths: one prefill and one decode graph for every
-  policy with a SlotCache decode, whatever the lengths, and ``full``'s tokens equal the uncompiled model;
+* ``kvpass.compile`` + ``generate`` over 30 prompt lengths: one prefill and one decode graph for one
+  policy of each mechanism (``conformance.one_per_mechanism``), whatever the lengths, and ``full``'s tokens equal
+  the uncompiled model;
 * the cache is kept and reused while it fits, a bucket of a quarter octave;
 * a SlotCache built for another policy configuration, a sequence past ``max_length`` (a ring too), a cache of
   another dtype, bad constructor arguments, a model compiled twice: refused, naming kvpass and the fix;
@@ -22,11 +23,11 @@ import pytest
 import torch
 
 import kvpass
-from conformance import CONFORMANCE
+from conformance import CONFORMANCE, one_per_mechanism
 from families import build
 from kvpass.generate.fastpath import bucket
 
-SLOT = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
+SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])   # conformance.py
 LENGTHS = [10 + 3 * i for i in range(30)]
 EVERY_LENGTH = ("full", "snapkv", "raas")   # an append, an evicting and a paged cache; the others take every
 # third length (10, still past Dynamo's recompile limit of 8), for CI's time

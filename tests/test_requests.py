@@ -1,7 +1,7 @@
 """``kvpass.RequestQueue`` and ``generate`` over a list of prompts (issue 37): requests of different lengths
 decoded in a batch of fewer rows than requests, each admitted into a row another one freed, give every request
-the tokens ``generate`` gives it alone, for every policy with a SlotCache decode; and the queue refuses what it
-does not run.
+the tokens ``generate`` gives it alone, for one policy of each mechanism (``conformance.one_per_mechanism``);
+and the queue refuses what it does not run.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 import transformers
 
 import kvpass
-from conformance import CONFORMANCE
+from conformance import CONFORMANCE, one_per_mechanism
 from families import build
 
-SLOT = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
+SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])   # conformance.py
 LENGTHS, NEWS = (20, 33, 27, 41, 25), (12, 5, 9, 7, 3)
 
 

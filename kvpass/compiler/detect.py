@@ -11,7 +11,9 @@ from the graph's structure.
   update: a ``torch.cat`` along the sequence dim (DynamicCache; a slice of the cat that becomes the
   stored tensor marks a sliding-window layer) or a buffer written by ``index_copy_`` (StaticCache).
 * Per site the RoPE producer (the ``cos`` feeding the new keys), the position-id tensor behind it,
-  and the residual add that consumes the attention output are recorded.
+  the residual add that consumes the attention output, and how the query is positioned
+  (``QueryRope``: transformers' rotate-half RoPE with its tables, no rotation, or not recognised)
+  are recorded.
 
 Anything unexpected becomes a ``Problem`` naming the node and the failed assumption; the backend
 then warns and compiles the graph unchanged.
@@ -27,7 +29,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from kvpass.cache import slots as _cache  # noqa: F401  (registers kvpass::slot_append)
 from kvpass.compiler.fxargs import arg
@@ -58,6 +60,21 @@ class Problem:
 
     def __str__(self) -> str:
         return f"node '{self.node}': {self.reason}"
+
+
+@dataclass(frozen=True)
+class QueryRope:
+    """How a site's query is positioned before attention reads it (``query_rope``). Rotated as transformers'
+    rotate-half RoPE does, ``pre * cos + rotate_half(pre) * sin`` on its first ``cos.shape[-1]`` dims (the others
+    passed through): ``pre`` is the query before the rotation (``[B, H, L, D]``, as attention reads ``q``), ``cos``
+    / ``sin`` the tables above their casts (``[B or 1, (1,) L, rotary dims]``, in the dtype the model computed
+    them in). Not rotated: ``cos`` is None and ``pre`` is ``q`` (it comes from its projection through reshapes,
+    casts and constant scalings only). Neither: ``problem`` says which node kvpass does not recognise."""
+
+    pre: fx.Node | None = None
+    cos: fx.Node | None = None
+    sin: fx.Node | None = None
+    problem: str | None = None
 
 
 @dataclass
@@ -95,6 +112,7 @@ class Site:
     global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
     tp: object = None                # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
+    q_rope: QueryRope | None = None  # how the query is positioned (a policy that reads pre-RoPE queries asks)
 
     @property
     def kind(self) -> str:
@@ -370,6 +388,134 @@ def _rope_of(k_new: fx.Node | None, depth: int = 0) -> tuple[str | None, fx.Node
                 if cos is not None:
                     return cos.name, _int_tensor_above(cos)
     return None, None
+
+
+_CASTS = ("to", "type_as", "float", "half", "bfloat16", "contiguous", "clone")
+_LAYOUT = _CASTS + ("view", "reshape", "transpose", "permute", "split", "chunk", "unflatten")
+
+
+def _uncast(node):
+    """``node`` above the casts and copies that change neither its values' meaning nor its layout."""
+    while is_method(node, *_CASTS) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _last_dim_slice(node) -> tuple[fx.Node, int | None, int | None] | None:
+    """``(x, start, stop)`` for ``x[..., start:stop]`` (a slice of the last dim only, integer bounds), else None."""
+    if not is_fn(node, {operator.getitem}) or not isinstance(node.args[1], tuple) or not node.args[1]:
+        return None
+    x, idx = node.args
+    ex, last = val(x), idx[-1]
+    if not isinstance(ex, torch.Tensor) or not isinstance(last, slice) or last.step not in (None, 1):
+        return None
+    if idx[:-1] != (Ellipsis,) and not (len(idx) == ex.dim() and all(_full_slice(s) for s in idx[:-1])):
+        return None
+    if not all(b is None or isinstance(b, int) for b in (last.start, last.stop)):
+        return None
+    return x, last.start, last.stop
+
+
+def _rotate_half_of(node) -> fx.Node | None:
+    """``x`` for ``cat((-x[..., h:], x[..., :h]), -1)``, ``h`` half of x's last dim (transformers' ``rotate_half``)."""
+    parts = arg(node, 0, "tensors") if is_fn(node, {torch.cat}) else None
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not is_fn(parts[0], {operator.neg, torch.neg}):
+        return None
+    hi, lo = _last_dim_slice(arg(parts[0], 0, "input")), _last_dim_slice(parts[1])
+    if hi is None or lo is None or hi[0] is not lo[0]:
+        return None
+    ex = val(hi[0])
+    d = ex.shape[-1]
+    if not isinstance(d, int) or d % 2 or arg(node, 1, "dim", 0) not in (-1, ex.dim() - 1):
+        return None
+    h = d // 2
+    return hi[0] if hi[1:] in ((h, None), (h, d)) and lo[1:] in ((None, h), (0, h)) else None
+
+
+def _rotation(node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """``(x, cos, sin)`` for ``x * cos + rotate_half(x) * sin``, operands in either order, else None."""
+    terms = node.args if is_fn(node, ADD_FUNCS) and not node.kwargs else ()
+    if len(terms) != 2 or not all(is_fn(t, MUL_FUNCS) for t in terms):
+        return None
+    a, b = terms
+    for plain, turned in ((a, b), (b, a)):
+        for x, cos in (plain.args[:2], plain.args[1::-1]):
+            for half, sin in (turned.args[:2], turned.args[1::-1]):
+                if isinstance(x, fx.Node) and _rotate_half_of(half) is x:
+                    return x, cos, sin
+    return None
+
+
+def _table(node, pre: torch.Tensor, rot: int) -> fx.Node | None:
+    """The RoPE table behind ``node`` (the cos or sin operand of the rotation of ``pre``'s first ``rot`` dims),
+    above its unsqueezes and casts: ``[B or 1, (1,) L, rot]``; None if it is not of that form."""
+    while is_method(node, "unsqueeze", *_CASTS) or is_fn(node, {torch.unsqueeze}):
+        node = node.args[0]
+    ex = val(node)
+    if not isinstance(ex, torch.Tensor) or not ex.is_floating_point() or not 2 <= ex.dim() <= 4:
+        return None
+    lead = ex.shape[:-2]
+    rows = lead[0] if lead else 1
+    ok = (ex.shape[-1] == rot and statically_known_true(ex.shape[-2] == pre.shape[2])
+          and all(statically_known_true(s == 1) for s in lead[1:])
+          and (statically_known_true(rows == 1) or statically_known_true(rows == pre.shape[0])))
+    return node if ok else None
+
+
+def _plain_index(idx) -> bool:
+    """An index that picks a split's part or slices (no tensor: nothing that depends on positions)."""
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+
+
+def _rotary(top: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
+    """``(pre, rotated, cos, sin)`` when ``top`` is transformers' rotate-half RoPE of ``pre``: the rotation of all of
+    it, or (partial rotary) ``cat([rotation of pre[..., :r], pre[..., r:]], -1)``; ``rotated`` is what the
+    rotation turned (``pre`` or its first ``r`` dims). None otherwise."""
+    found = _rotation(top)
+    if found is not None:
+        return found[0], found[0], found[1], found[2]
+    parts = arg(top, 0, "tensors") if is_fn(top, {torch.cat}) else None
+    found = _rotation(parts[0]) if isinstance(parts, (list, tuple)) and len(parts) == 2 else None
+    head, tail = (_last_dim_slice(found[0]), _last_dim_slice(parts[1])) if found else (None, None)
+    if head and tail and head[0] is tail[0] and head[1] in (None, 0) and tail[1] == head[2] and tail[2] is None:
+        return head[0], found[0], found[1], found[2]
+    return None
+
+
+def query_rope(q: fx.Node, limit: int = 24) -> QueryRope:
+    """How the query ``q`` of a site is positioned (see ``QueryRope``): transformers' rotate-half RoPE, whole or
+    partial, followed by casts only; else no rotation when ``q`` comes from a ``linear`` / ``addmm`` projection
+    through reshapes, splits, casts and constant scalings only."""
+    top = _uncast(q)
+    rotary = _rotary(top)
+    if rotary is not None:
+        pre, rotated, cos, sin = rotary
+        ex, qv = val(pre), val(q)
+        if not (isinstance(ex, torch.Tensor) and isinstance(qv, torch.Tensor) and ex.dim() == qv.dim() == 4
+                and all(statically_known_true(a == b) for a, b in zip(ex.shape, qv.shape))):
+            return QueryRope(problem=f"the query's RoPE ('{top.name}') rotates a tensor of another layout than "
+                                     f"attention reads")
+        tables = _table(cos, ex, val(rotated).shape[-1]), _table(sin, ex, val(rotated).shape[-1])
+        if None in tables:
+            return QueryRope(problem=f"the query's RoPE ('{top.name}') reads cos / sin tables that are not "
+                                     f"[batch, length, rotary dims]")
+        return QueryRope(pre, *tables)
+    node = q
+    for _ in range(limit):
+        if is_fn(node, _LINEAR | {torch.addmm}):
+            return QueryRope(pre=q)
+        if is_fn(node, MUL_FUNCS) and len(node.args) == 2 and any(isinstance(a, (int, float)) for a in node.args):
+            node = next((a for a in node.args if isinstance(a, fx.Node)), node)   # a constant scaling (OPT's)
+        elif isinstance(node.args[0] if node.args else None, fx.Node) and (
+                is_method(node, *_LAYOUT) or is_fn(node, {torch.reshape, torch.transpose, torch.split, torch.chunk})
+                or is_fn(node, {operator.getitem}) and _plain_index(node.args[1])):
+            node = node.args[0]
+        else:
+            break
+    return QueryRope(problem=f"the query reaches attention through '{node.name}' "
+                             f"({getattr(node.target, '__name__', node.target)}), which kvpass recognises neither "
+                             f"as transformers' rotate-half RoPE nor as its projection's reshape")
 
 
 def _residual_of(out: fx.Node, order: dict[fx.Node, int], limit: int = 80) -> fx.Node | None:
@@ -666,6 +812,7 @@ def detect(gm: fx.GraphModule) -> Detection:
             continue
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)
+        found.q_rope = query_rope(found.q)
         sites.append(found)
     if not sites and not problems and (seen := _attention_like(gm)) is not None:
         problems.append(Problem(seen.name, "no attention site in a form kvpass recognizes, beside a softmax or an "

@@ -156,6 +156,18 @@ def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductio
     return gather_heads(graph, local, site.tp, f"layer {site.layer}: selection votes", reductions)
 
 
+def _query_rope(graph: fx.Graph, site: Site, plan: SitePlan) -> tuple:
+    """A prefill whose selection reads the queries before RoPE (``SitePlan.rope``): ``(q_pre, cos, sin)``, the
+    query before the rotation scaled like ``q`` (``q_pre . k`` is a logit at no rotation) and the rotation's tables
+    (``Site.q_rope``: the planning policy refused an unrecognised one); all None where the query is not rotated
+    (the policy reads ``q``), and in decode graphs. Under dynamic shapes too: its ``select`` acts only on a prefill."""
+    rope = site.q_rope
+    if not plan.rope or site.phase not in ("prefill", "dynamic") or rope is None or rope.cos is None:
+        return None, None, None
+    pre = rope.pre if site.scale == 1.0 else graph.call_function(operator.mul, (rope.pre, site.scale))
+    return pre, rope.cos, rope.sin
+
+
 def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]:
     read, tokens = plan.read, (site.tokens if plan.tokens else None)
     mask, causal = site_mask(site)
@@ -183,7 +195,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
         reductions: list[str] = []
         votes = _layer_votes(graph, site, plan, q_scaled, reductions)
         cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer,
-                                                        tokens, votes, lse))
+                                                        tokens, votes, lse, *_query_rope(graph, site, plan)))
     k_st, v_st = _items(graph, cmp, 2)
     _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
@@ -281,7 +293,8 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             votes = _layer_votes(graph, site, plan, q_scaled, reductions)
             graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, state, q_scaled, site.k_new,
                                                            site.v_new, mask, handle, site.layer,
-                                                           site.tokens if plan.tokens else None, votes, lse))
+                                                           site.tokens if plan.tokens else None, votes, lse,
+                                                           *_query_rope(graph, site, plan)))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif site.phase == "decode":

@@ -116,6 +116,10 @@ class SitePlan:
     # a prefill's selection reads every query row's log-sum-exp from the prefill's own attention (``select(...,
     # lse=)``, ``kvpass::attention_lse``), given only where that attention is plainly causal: H2O
     lse: bool = False
+    # a prefill's selection reads the queries before RoPE, scaled like ``q``, and the cos / sin tables that rotate
+    # them (``select(..., q_pre=, cos=, sin=)``; none of them where the query is not rotated: ``q`` is the same):
+    # expected_attention
+    rope: bool = False
 
     @property
     def rewrite_kind(self) -> str:
@@ -163,7 +167,8 @@ class SitePlan:
         if self.evict:
             att = "attention (the model's mask)" if phase == "prefill" else "attention_pos"
             votes = " + layer_scores (the layer's votes)" if self.layer_votes and phase in ("prefill", "dynamic") else ""
-            return f"evict: cache_update + {read or att}{votes} + compact"
+            rope = " (with the pre-RoPE queries)" if self.rope and phase in ("prefill", "dynamic") else ""
+            return f"evict: cache_update + {read or att}{votes} + compact{rope}"
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"
         return (read or "attention op (exact)") if self.attention else "unchanged"

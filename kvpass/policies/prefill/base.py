@@ -12,9 +12,10 @@ calls append to what was kept; their graphs are still planned as evicting (``cac
 positions derived from the shortened cache are corrected (``kvpass.compiler.rewrite``).
 
 **What.** Subclasses implement ``priority``: a score per candidate (real, non-window entries); the
-window and then the highest priorities are kept (``scoring.keep_top``). Left padding is never kept
-over a real token. Sliding-window layers are bounded by their window and left to the model, as
-``streamingllm`` does.
+window and then the highest priorities are kept (``scoring.keep_top``). A scorer that reads no
+window votes (``knorm``, ``keydiff``) may declare ``window`` from 0: no token is then kept for its
+position alone. Left padding is never kept over a real token. Sliding-window layers are bounded
+by their window and left to the model, as ``streamingllm`` does.
 """
 
 from __future__ import annotations

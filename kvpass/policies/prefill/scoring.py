@@ -24,7 +24,8 @@ from torch import Tensor
 
 
 def window_layout(kv_pos: Tensor, window: int) -> tuple[Tensor, Tensor]:
-    """(valid, forced) ``[B, H_kv, N]`` booleans: real entries, and the last ``window`` real ones."""
+    """(valid, forced) ``[B, H_kv, N]`` booleans: real entries, and the last ``window`` real ones (none
+    for ``window`` 0)."""
     valid = kv_pos >= 0
     after = valid.flip(-1).long().cumsum(-1).flip(-1)      # real entries at or after j
     return valid, valid & (after <= window)
@@ -34,8 +35,11 @@ def window_scores(site, q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, win
     """Attention ``[B, H_kv, N]`` (fp32) from the last ``window`` queries to every key, summed over
     those queries and over the query heads of each KV group. Causal inside the window; padding
     keys get nothing, padding queries (only in rows shorter than the window) give nothing. ``q`` is
-    what ``compact`` receives: the scale is folded in, so ``q . k`` is the logit."""
+    what ``compact`` receives: the scale is folded in, so ``q . k`` is the logit. A window of 0 has no
+    queries, so no votes: zeros (``q[:, :, -0:]`` would be every query)."""
     w = min(window, q.shape[2])
+    if w <= 0:
+        return q.new_zeros(k.shape[:3], dtype=torch.float32)
     return torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
                                           float(site.softcap))
 
