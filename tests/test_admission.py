@@ -2,11 +2,11 @@
 
 A batch-1 ``SlotCache`` prefills each request; ``SlotCache.admit`` copies its row into a free row of the batch
 cache, ``reset_row`` empties a finished one, and the batch decodes as one step with each row's own position.
-The rows never mix: a row refilled while the others decode leaves their tokens what they are alone, for one
-policy of each mechanism (``conformance.one_per_mechanism``: scorers on a shared frame run it once) at a
-demanding setting, and at the no-op setting for the policies whose decode steps run their own tensor code on the
-layer's state (``HOOKED``: a row's state must stay its own even when nothing is evicted; the others' no-op decode
-is their write rule, which the demanding setting runs too).
+The rows never mix: a row refilled while the others decode leaves their tokens what they are alone, here for the
+policies whose decode steps run their own tensor code on the layer's state (``HOOKED``: a row's state must stay
+its own, at the demanding setting and at the no-op one, where nothing is evicted). The other policies' rows are
+admitted through the same ``admit`` / ``reset_row`` by ``kvpass.RequestQueue``, whose test
+(``tests/test_requests.py``) runs one policy of each mechanism at its demanding setting.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def alone(model, staging, ids, n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("policy,setting", [(p, "demanding") for p in SLOT] + [(p, "noop") for p in HOOKED])
+@pytest.mark.parametrize("policy,setting", [(p, s) for p in HOOKED for s in ("demanding", "noop")])
 def test_a_row_refilled_while_the_others_decode_keeps_every_row_as_alone(policy, setting):
     """Rows 0 and 1 take requests A and B; after 4 steps row 1 is emptied and takes C while row 0 goes on.
     Each row's tokens equal its request decoded alone (which equals ``generate``'s greedy tokens)."""
