@@ -46,12 +46,14 @@ def past_length(k_past: Tensor) -> int:
 
 
 def selection_inputs(tokens: Tensor | None, votes: Tensor | None, lse: Tensor | None = None,
-                     q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None) -> dict:
+                     q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
+                     out_proj: Tensor | None = None) -> dict:
     """The optional inputs of ``Policy.select``: only policies whose plan asks for them get them (``tokens``:
     the call's input ids; ``votes``: the window votes of every KV head of the layer; ``lse``: the prefill
     attention's row log-sum-exp; ``q_pre``, ``cos``, ``sin``: the query before RoPE, scaled like ``q``, and the
-    RoPE tables)."""
-    named = (("tokens", tokens), ("votes", votes), ("lse", lse), ("q_pre", q_pre), ("cos", cos), ("sin", sin))
+    RoPE tables; ``out_proj``: the weight ``[hidden, H * D]`` of the layer's output projection)."""
+    named = (("tokens", tokens), ("votes", votes), ("lse", lse), ("q_pre", q_pre), ("cos", cos), ("sin", sin),
+             ("out_proj", out_proj))
     return {k: v for k, v in named if v is not None}
 
 
@@ -149,9 +151,10 @@ class Runtime:
 
     def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor,
                 tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None,
-                q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None):
+                q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
+                out_proj: Tensor | None = None):
         idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(site),
-                                selection_inputs(tokens, votes, lse, q_pre, cos, sin))
+                                selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj))
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         if idx is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))

@@ -166,7 +166,8 @@ def check_heads(keys: Tensor, values: Tensor, k_new: Tensor, v_new: Tensor) -> N
 def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], q: Tensor,
                  k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int,
                  tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None,
-                 q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None) -> None:
+                 q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
+                 out_proj: Tensor | None = None) -> None:
     """A prefill on an empty slot cache: the policy keeps entries of the prompt (``Policy.select``, as
     ``compact`` does on a DynamicCache) and they are written into the first slots, in position order;
     the other slots are emptied. A policy's ``select`` may return ``(keep, bookkeeping)``: a bookkeeping
@@ -197,7 +198,8 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
         kept_pos, kept_state = (kv_pos if idx is None else kv_pos.gather(2, idx)), None
     else:  # what the policy keeps, as on a DynamicCache; its bookkeeping: per-entry values of its slot state
         idx, kept_pos, kept_state = runtime.choose(rt.policy, rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None,
-                                                   runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin))
+                                                   runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin,
+                                                                            out_proj))
     # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
     # first slots (StreamingLLM's sinks must be a padded row's first real tokens, not its padding)
     order = torch.where(kept_pos < 0, torch.iinfo(torch.int64).max, kept_pos.long()).argsort(dim=-1, stable=True)
@@ -225,7 +227,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
 
 @slot_prefill.register_fake
 def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site: int, tokens=None, votes=None, lse=None,
-      q_pre=None, cos=None, sin=None):
+      q_pre=None, cos=None, sin=None, out_proj=None):
     return None
 
 

@@ -11,9 +11,10 @@ from the graph's structure.
   update: a ``torch.cat`` along the sequence dim (DynamicCache; a slice of the cat that becomes the
   stored tensor marks a sliding-window layer) or a buffer written by ``index_copy_`` (StaticCache).
 * Per site the RoPE producer (the ``cos`` feeding the new keys), the position-id tensor behind it,
-  the residual add that consumes the attention output, and how the query is positioned
+  the residual add that consumes the attention output, how the query is positioned
   (``QueryRope``: transformers' rotate-half RoPE with its tables, no rotation, or not recognised)
-  are recorded.
+  and the output projection's weight (``OutProj``: the ``linear`` the heads' outputs reach, or why
+  not) are recorded.
 
 Anything unexpected becomes a ``Problem`` naming the node and the failed assumption; the backend
 then warns and compiles the graph unchanged.
@@ -77,6 +78,20 @@ class QueryRope:
     problem: str | None = None
 
 
+@dataclass(frozen=True)
+class OutProj:
+    """The weight of a site's output projection (``out_projection``): the ``linear`` (or ``addmm`` / ``matmul``)
+    that the attention output reaches through the heads' transpose, reshapes and casts. ``weight`` is the node the
+    projection reads, a plain tensor ``[hidden, H * Dv]`` (``transposed``: ``[H * Dv, hidden]``, an ``addmm`` or
+    ``matmul`` operand), its column ``h * Dv + d`` the value dim ``d`` of query head ``h``; it comes from a graph
+    input or attribute through casts only. Under tensor parallelism it is the rank's shard, the columns of its
+    local heads. Not found: ``problem`` says which node kvpass does not recognise."""
+
+    weight: fx.Node | None = None
+    transposed: bool = False
+    problem: str | None = None
+
+
 @dataclass
 class Site:
     """One attention call and the KV-cache update that feeds it."""
@@ -113,6 +128,7 @@ class Site:
     tp: object = None                # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
     q_rope: QueryRope | None = None  # how the query is positioned (a policy that reads pre-RoPE queries asks)
+    o_proj: OutProj | None = None    # the output projection's weight (a policy that weighs values by it asks)
 
     @property
     def kind(self) -> str:
@@ -518,6 +534,131 @@ def query_rope(q: fx.Node, limit: int = 24) -> QueryRope:
                              f"as transformers' rotate-half RoPE nor as its projection's reshape")
 
 
+_OUT_CASTS = ("to", "type_as", "float", "half", "bfloat16", "contiguous", "clone")
+# what may stand between a projection's parameter and the projection: casts, a tensor-parallel rank's local shard
+_WEIGHT_STEPS = ("to", "float", "half", "bfloat16", "contiguous", "detach", "to_local", "t")
+
+
+def _dims(node: fx.Node, rank: int) -> tuple[int, ...] | None:
+    """The permutation a ``transpose`` / ``permute`` / ``swapaxes`` node applies to a ``rank``-dim tensor, else None."""
+    if not (is_method(node, "transpose", "swapaxes", "permute")
+            or is_fn(node, {torch.transpose, torch.swapaxes, torch.permute})):
+        return None
+    rest = list(node.args[1:]) or list(node.kwargs.values())
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        rest = list(rest[0])
+    if not all(isinstance(d, int) for d in rest):
+        return None
+    rest = [d % rank for d in rest]
+    if getattr(node.target, "__name__", node.target) == "permute":
+        return tuple(rest) if sorted(rest) == list(range(rank)) else None
+    if len(rest) != 2:
+        return None
+    perm = list(range(rank))
+    perm[rest[0]], perm[rest[1]] = perm[rest[1]], perm[rest[0]]
+    return tuple(perm)
+
+
+def _same_shape(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim()
+            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
+
+
+def _shape_read(node: fx.Node) -> bool:
+    """A node that reads a tensor's shape, not its values (``size()``, ``dim()``, a traced ``.shape``)."""
+    ex = val(node)
+    sizes = ex if isinstance(ex, (tuple, list)) else (ex,)
+    return is_method(node, "size", "dim") or (ex is not None and all(isinstance(x, (int, torch.SymInt))
+                                                                     for x in sizes))
+
+
+def _parameter(weight: fx.Node, limit: int = 6) -> fx.Node | None:
+    """The graph input or attribute ``weight`` is read from through casts and ``to_local`` only, else None."""
+    node = weight
+    for _ in range(limit):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op in ("placeholder", "get_attr"):
+            return node
+        if not (is_method(node, *_WEIGHT_STEPS) or is_fn(node, {torch.t})):
+            return None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def out_projection(site: Site, limit: int = 12) -> OutProj:
+    """The output projection of ``site`` (see ``OutProj``): from the attention output ``[B, H, L, Dv]`` down through
+    one swap of the head and token dims, the reshape that merges heads and value dims into ``H * Dv`` columns (head
+    major), reshapes that keep that last dim, and casts, to the one ``linear`` (``addmm``, ``matmul``) that reads it
+    with a weight from a graph input or attribute."""
+    out, v = val(site.out), val(site.v)
+    if not (isinstance(out, torch.Tensor) and out.dim() == 4 and isinstance(v, torch.Tensor)):
+        return OutProj(problem=f"the attention output '{site.out.name}' is not a [batch, heads, length, dim] tensor")
+    width = site.heads * v.shape[-1]
+    node, layout = site.out, "heads"          # heads: [B, H, L, Dv]; tokens: [B, L, H, Dv]; flat: [..., H * Dv]
+    for _ in range(limit):
+        users = [u for u in node.users if not _shape_read(u)]
+        if len(users) != 1:
+            return OutProj(problem=f"the attention output reaches {len(users)} nodes after '{node.name}', where "
+                                   f"kvpass looks for one projection")
+        u = users[0]
+        weight = transposed = None
+        if is_fn(u, _LINEAR) and arg(u, 0, "input") is node:
+            weight, transposed = arg(u, 1, "weight"), False
+        elif is_fn(u, {torch.addmm}) and arg(u, 1, "mat1") is node:
+            weight, transposed = arg(u, 2, "mat2"), True
+        elif (is_fn(u, MATMUL_FUNCS) or is_method(u, "matmul")) and arg(u, 0, "input") is node:
+            weight, transposed = arg(u, 1, "other"), True
+        if transposed is not None:
+            return _weight_of(u, weight, transposed, width, layout)
+        ex, before = val(u), val(node)
+        reshape = isinstance(ex, torch.Tensor) and (is_method(u, "reshape", "view", "flatten")
+                                                    or is_fn(u, {torch.reshape, torch.flatten}))
+        if layout == "heads" and _dims(u, 4) == (0, 2, 1, 3):
+            layout = "tokens"
+        elif is_method(u, *_OUT_CASTS) and isinstance(ex, torch.Tensor):
+            pass
+        elif reshape and layout in ("tokens", "flat") and statically_known_true(ex.shape[-1] == width):
+            layout = "flat"
+        elif reshape and _same_shape(ex, before):
+            pass                       # transformers' SDPA output reshaped to its own shape [B, H, L, Dv]
+        else:
+            return OutProj(problem=f"the attention output reaches '{u.name}' "
+                                   f"({getattr(u.target, '__name__', u.target)}), which kvpass recognises neither as "
+                                   f"the heads' transpose, reshape or cast nor as the output projection")
+        node = u
+    return OutProj(problem=f"no output projection within {limit} nodes of the attention output")
+
+
+def _is_dtensor(x) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover  (a torch without distributed)
+        return False
+    return isinstance(x, DTensor)
+
+
+def _weight_of(proj: fx.Node, weight, transposed: bool, width: int, layout: str) -> OutProj:
+    """``OutProj`` of the projection node ``proj`` that reads the attention output with ``weight``."""
+    w = val(weight)
+    if layout != "flat":
+        return OutProj(problem=f"the output projection '{proj.name}' reads the attention output before its heads "
+                               f"are merged into [..., heads * dim]")
+    if not isinstance(weight, fx.Node) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return OutProj(problem=f"the output projection '{proj.name}' has no 2-D weight tensor")
+    if _is_dtensor(w):
+        return OutProj(problem=f"the output projection '{proj.name}' reads a DTensor weight (sharded across ranks); "
+                               f"kvpass reads a rank's local weight only")
+    if not statically_known_true(w.shape[0 if transposed else 1] == width):
+        return OutProj(problem=f"the output projection '{proj.name}' has a weight of shape {tuple(w.shape)}, whose "
+                               f"{'rows' if transposed else 'columns'} are not the attention's {width} "
+                               f"(heads * value dim)")
+    if _parameter(weight) is None:
+        return OutProj(problem=f"the output projection '{proj.name}' reads a weight computed in the graph "
+                               f"('{weight.name}'), not a parameter")
+    return OutProj(weight=weight, transposed=transposed)
+
+
 def _residual_of(out: fx.Node, order: dict[fx.Node, int], limit: int = 80) -> fx.Node | None:
     """First add downstream of the attention output whose other operand is independent of it."""
     downstream, frontier = {out}, [out]
@@ -813,6 +954,7 @@ def detect(gm: fx.GraphModule) -> Detection:
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)
         found.q_rope = query_rope(found.q)
+        found.o_proj = out_projection(found)
         sites.append(found)
     if not sites and not problems and (seen := _attention_like(gm)) is not None:
         problems.append(Problem(seen.name, "no attention site in a form kvpass recognizes, beside a softmax or an "

@@ -168,6 +168,26 @@ def _query_rope(graph: fx.Graph, site: Site, plan: SitePlan) -> tuple:
     return pre, rope.cos, rope.sin
 
 
+def _out_proj(graph: fx.Graph, site: Site, plan: SitePlan) -> fx.Node | None:
+    """A prefill whose selection reads the layer's output projection (``SitePlan.out_proj``): its weight as the
+    graph reads it (``Site.o_proj``: a tensor-parallel rank's local shard), ``[hidden, H * Dv]`` (an ``addmm`` /
+    ``matmul`` operand transposed, a view); None in decode graphs. The nodes that read it from its parameter
+    (casts, ``to_local``) sit where the model runs the projection, after the attention: those after the attention
+    output are moved before it (to the current insertion point); they read graph inputs or attributes only."""
+    proj = site.o_proj
+    if not plan.out_proj or site.phase not in ("prefill", "dynamic") or proj is None or proj.weight is None:
+        return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    chain, node = [proj.weight], proj.weight
+    while node.op not in ("placeholder", "get_attr"):   # detect.out_projection checked the chain's steps
+        node = node.args[0]
+        chain.append(node)
+    for n in reversed(chain[:-1] if node.op == "placeholder" else chain):
+        if order[n] > order[site.out]:
+            site.out.prepend(n)
+    return graph.call_function(torch.t, (proj.weight,)) if proj.transposed else proj.weight
+
+
 def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]:
     read, tokens = plan.read, (site.tokens if plan.tokens else None)
     mask, causal = site_mask(site)
@@ -195,7 +215,8 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
         reductions: list[str] = []
         votes = _layer_votes(graph, site, plan, q_scaled, reductions)
         cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer,
-                                                        tokens, votes, lse, *_query_rope(graph, site, plan)))
+                                                        tokens, votes, lse, *_query_rope(graph, site, plan),
+                                                        _out_proj(graph, site, plan)))
     k_st, v_st = _items(graph, cmp, 2)
     _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
@@ -294,7 +315,8 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, state, q_scaled, site.k_new,
                                                            site.v_new, mask, handle, site.layer,
                                                            site.tokens if plan.tokens else None, votes, lse,
-                                                           *_query_rope(graph, site, plan)))
+                                                           *_query_rope(graph, site, plan),
+                                                           _out_proj(graph, site, plan)))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif site.phase == "decode":

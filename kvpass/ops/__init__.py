@@ -33,7 +33,7 @@ Operators
     Appends the new K/V to the stored ones and returns ``(k, v, kv_pos, q_pos)``; positions come
     from the generation state (see ``kvpass.cache.state``). Reads the state, never writes it.
 
-``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?, votes?, lse?, q_pre?, cos?, sin?)``
+``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?, votes?, lse?, q_pre?, cos?, sin?, out_proj?)``
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
     Records the kept positions in the generation state (idempotent for equal inputs). ``q`` comes
     with the softmax scale folded in (``q . k`` is the logit, before softcapping); ``tokens`` (the
@@ -41,7 +41,8 @@ Operators
     ``layer_scores`` of every KV head of the layer) when the plan's ``layer_votes`` does (ChunkKV), ``lse``
     (``attention_lse``'s row statistics) when the plan's ``lse`` does and the prefill is plainly causal (H2O),
     ``q_pre`` / ``cos`` / ``sin`` (the query before RoPE, scaled like ``q``, and the tables that rotate it) when
-    the plan's ``rope`` does and the query is rotated (expected_attention).
+    the plan's ``rope`` does and the query is rotated (expected_attention), ``out_proj`` (the weight ``[hidden,
+    H * D]`` of the layer's output projection, as the graph reads it) when the plan's ``out_proj`` does (criticalkv).
 
 ``kvpass::window_scores(q, k, kv_pos, q_pos, scale, softcap) -> [B, H_kv, N] fp32``
     Attention that the window queries ``q [B, H, W, D]`` give each key, summed over the window
@@ -251,13 +252,15 @@ def _(k_past, v_past, k_new, v_new, mask, handle, site: int):
 def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, handle: int,
             site: int, tokens: Tensor | None = None, votes: Tensor | None = None,
             lse: Tensor | None = None, q_pre: Tensor | None = None, cos: Tensor | None = None,
-            sin: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens, votes, lse, q_pre, cos, sin)
+            sin: Tensor | None = None, out_proj: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens, votes, lse, q_pre, cos, sin,
+                                               out_proj)
     return k_out.contiguous(), v_out.contiguous()
 
 
 @compact.register_fake
-def _(q, k, v, kv_pos, q_pos, handle, site: int, tokens=None, votes=None, lse=None, q_pre=None, cos=None, sin=None):
+def _(q, k, v, kv_pos, q_pos, handle, site: int, tokens=None, votes=None, lse=None, q_pre=None, cos=None, sin=None,
+      out_proj=None):
     keep = runtime.get(handle).stored_length(site, k.shape[2])
     b, hkv = k.shape[:2]
     return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))

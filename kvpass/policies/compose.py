@@ -81,7 +81,8 @@ class Composed(Policy):
                         read=reads[0] if reads else None, tokens=any(p.tokens for p in plans),
                         pool=any(p.pool for p in plans), overwrite=any(p.overwrite for p in plans),
                         votes=any(p.votes for p in plans), layer_votes=max(p.layer_votes for p in plans),
-                        lse=any(p.lse for p in plans), rope=any(p.rope for p in plans))
+                        lse=any(p.lse for p in plans), rope=any(p.rope for p in plans),
+                        out_proj=any(p.out_proj for p in plans))
 
     def stored_length(self, site, total):
         return self.evictor.stored_length(site, total) if self.evictor else total

@@ -120,6 +120,9 @@ class SitePlan:
     # them (``select(..., q_pre=, cos=, sin=)``; none of them where the query is not rotated: ``q`` is the same):
     # expected_attention
     rope: bool = False
+    # a prefill's selection reads the weight ``[hidden, H * D]`` of the layer's output projection, as the graph
+    # reads it (``select(..., out_proj=)``; ``Site.o_proj``; a tensor-parallel rank's own heads' columns): criticalkv
+    out_proj: bool = False
 
     @property
     def rewrite_kind(self) -> str:
@@ -167,7 +170,9 @@ class SitePlan:
         if self.evict:
             att = "attention (the model's mask)" if phase == "prefill" else "attention_pos"
             votes = " + layer_scores (the layer's votes)" if self.layer_votes and phase in ("prefill", "dynamic") else ""
-            rope = " (with the pre-RoPE queries)" if self.rope and phase in ("prefill", "dynamic") else ""
+            reads = [what for flag, what in ((self.rope, "the pre-RoPE queries"),
+                                             (self.out_proj, "the output projection")) if flag]
+            rope = f" (with {' and '.join(reads)})" if reads and phase in ("prefill", "dynamic") else ""
             return f"evict: cache_update + {read or att}{votes} + compact{rope}"
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"

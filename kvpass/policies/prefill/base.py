@@ -12,7 +12,10 @@ calls append to what was kept; their graphs are still planned as evicting (``cac
 positions derived from the shortened cache are corrected (``kvpass.compiler.rewrite``).
 
 **What.** Subclasses implement ``priority``: a score per candidate (real, non-window entries); the
-window and then the highest priorities are kept (``scoring.keep_top``). A scorer that reads no
+window and then the highest priorities are kept (``scoring.keep_top``). ``ranking`` hands out the three
+(priority, forced entries, real entries), which a scorer with entries of its own to force overrides
+(``expected_attention``'s sinks) and a policy that reranks a scorer's choice reads
+(``criticalkv``). A scorer that reads no
 window votes (``knorm``, ``keydiff``) may declare ``window`` from 0: no token is then kept for its
 position alone. Left padding is never kept over a real token. Sliding-window layers are bounded
 by their window and left to the model, as ``streamingllm`` does.
@@ -65,15 +68,21 @@ class PrefillEviction(Policy):
             return total                    # decode / append: nothing is evicted
         return self.kept(site, total)
 
-    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None, votes=None):
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, **inputs):
         n = kv_pos.shape[-1]
         keep = self.kept(site, n)
         if n != q_pos.shape[1] or n <= keep:  # not a prefill, or nothing to evict
             return None
+        return scoring.keep_top(*self.ranking(site, q, k, v, kv_pos, q_pos, keep, **inputs), keep)
+
+    def ranking(self, site, q, k, v, kv_pos, q_pos, keep, tokens=None, votes=None):
+        """``(priority, forced, valid)`` ``[B, H_kv, N]`` of a prefill that keeps ``keep`` entries: the score of each
+        entry (higher = kept first; read on candidates only), the entries kept whatever their score (the window) and
+        the real ones (left padding is not). ``select``'s optional inputs arrive as keywords."""
         valid, forced = scoring.window_layout(kv_pos, self.window)
         extra = {} if votes is None else {"votes": votes}   # a plan with layer_votes (chunkkv)
         priority = self.priority(site, q, k, kv_pos, q_pos, valid & ~forced, keep - self.window, tokens, **extra)
-        return scoring.keep_top(priority, forced, valid, keep)
+        return priority, forced, valid
 
     def check_kernel(self) -> None:
         """The pooling kernel of a policy that pools window votes (``kernel`` field) must be odd."""

@@ -166,11 +166,8 @@ class ExpectedAttention(PrefillEviction):
             return Refusal(f"layer {site.layer}: its scores need the queries before RoPE, and {why}")
         return dataclasses.replace(plan, rope=True)
 
-    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, q_pre=None, cos=None, sin=None):
+    def ranking(self, site, q, k, v, kv_pos, q_pos, keep, q_pre=None, cos=None, sin=None):
         n = kv_pos.shape[-1]
-        keep = self.kept(site, n)
-        if n != q_pos.shape[1] or n <= keep:   # not a prefill, or nothing to evict
-            return None
         rotated = site.q_rope is not None and site.q_rope.cos is not None
         if rotated != (cos is not None):    # never score a rotated query as if it were not, or the reverse
             raise RuntimeError(f"policy '{self.name}': layer {site.layer}'s query is {'' if rotated else 'not '}"
@@ -190,4 +187,4 @@ class ExpectedAttention(PrefillEviction):
         score = attn.view(k.shape[0], k.shape[1], -1, n).mean(2)
         if self.use_vnorm:
             score = (score + self.epsilon) * torch.linalg.vector_norm(v.float(), dim=-1)
-        return scoring.keep_top(score, forced | sinks[:, None], valid, keep)
+        return score, forced | sinks[:, None], valid
