@@ -90,7 +90,7 @@ class GatedSelection(PrefillEviction):
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, tokens=None):
         if site.sliding_window:
             return last_entries(kv_pos, site.sliding_window - 1)
-        return super().select(site, q, k, v, kv_pos, q_pos, layer_state, tokens) if self.compress else None
+        return super().select(site, q, k, v, kv_pos, q_pos, layer_state, tokens=tokens) if self.compress else None
 
     def stored_length(self, site, total):
         if site.sliding_window:
