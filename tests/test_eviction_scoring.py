@@ -325,6 +325,14 @@ def test_punctuation_from_tokenizer():
     ("sablock", dict(budget=64, punctuation_ids=[1], theta=1.5), ["'theta' must be float in [0.0, 1.0]"]),
     ("sablock", dict(budget=64, punctuation_ids=[1], lam=-0.1), ["'lam' must be float in [0.0, 1.0]"]),
     ("snapkv+sablock", dict(budget=64, punctuation_ids=[1]), ["snapkv and sablock both evict"]),
+    ("knorm", dict(budget=8, window=8), ["'budget' must be > window (8)", "got 8", "counts the observation window"]),
+    ("keydiff", dict(budget=4, window=9), ["'budget' must be > window (9)", "got 4"]),
+    ("knorm", dict(budget=1), ["'budget' must be int in [2, 16777216]", "got 1"]),
+    ("keydiff", dict(window=-1), ["'window' must be int in [0, 65536]", "got -1"]),
+    ("knorm", dict(window=1 << 17), ["'window' must be int in [0, 65536]"]),
+    ("keydiff", dict(budget=64.0), ["'budget' must be int", "got float"]),
+    ("knorm", dict(kernel=3), ["'kernel'", "budget", "window"]),
+    ("knorm+keydiff", dict(budget=64), ["knorm and keydiff both evict"]),
 ])
 def test_configuration_errors(policy, params, fragments):
     before = dict(runtime._RUNTIMES)
