@@ -22,6 +22,7 @@ then warns and compiles the graph unchanged.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -127,8 +128,17 @@ class Site:
     global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
     tp: object = None                # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
-    q_rope: QueryRope | None = None  # how the query is positioned (a policy that reads pre-RoPE queries asks)
-    o_proj: OutProj | None = None    # the output projection's weight (a policy that weighs values by it asks)
+    @functools.cached_property
+    def q_rope(self) -> QueryRope:
+        """How the query is positioned (``query_rope``), matched the first time a policy asks (expected_attention's
+        plan, before any rewrite)."""
+        return query_rope(self.q)
+
+    @functools.cached_property
+    def o_proj(self) -> OutProj:
+        """The output projection's weight (``out_projection``), matched the first time a policy asks (criticalkv's
+        plan, before any rewrite)."""
+        return out_projection(self)
 
     @property
     def kind(self) -> str:
@@ -953,8 +963,6 @@ def detect(gm: fx.GraphModule) -> Detection:
             continue
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)
-        found.q_rope = query_rope(found.q)
-        found.o_proj = out_projection(found)
         sites.append(found)
     if not sites and not problems and (seen := _attention_like(gm)) is not None:
         problems.append(Problem(seen.name, "no attention site in a form kvpass recognizes, beside a softmax or an "

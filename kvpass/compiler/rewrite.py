@@ -161,9 +161,9 @@ def _query_rope(graph: fx.Graph, site: Site, plan: SitePlan) -> tuple:
     query before the rotation scaled like ``q`` (``q_pre . k`` is a logit at no rotation) and the rotation's tables
     (``Site.q_rope``: the planning policy refused an unrecognised one); all None where the query is not rotated
     (the policy reads ``q``), and in decode graphs. Under dynamic shapes too: its ``select`` acts only on a prefill."""
-    rope = site.q_rope
-    if not plan.rope or site.phase not in ("prefill", "dynamic") or rope is None or rope.cos is None:
+    if not plan.rope or site.phase not in ("prefill", "dynamic") or site.q_rope.cos is None:
         return None, None, None
+    rope = site.q_rope
     pre = rope.pre if site.scale == 1.0 else graph.call_function(operator.mul, (rope.pre, site.scale))
     return pre, rope.cos, rope.sin
 
@@ -174,9 +174,9 @@ def _out_proj(graph: fx.Graph, site: Site, plan: SitePlan) -> fx.Node | None:
     ``matmul`` operand transposed, a view); None in decode graphs. The nodes that read it from its parameter
     (casts, ``to_local``) sit where the model runs the projection, after the attention: those after the attention
     output are moved before it (to the current insertion point); they read graph inputs or attributes only."""
-    proj = site.o_proj
-    if not plan.out_proj or site.phase not in ("prefill", "dynamic") or proj is None or proj.weight is None:
+    if not plan.out_proj or site.phase not in ("prefill", "dynamic") or site.o_proj.weight is None:
         return None
+    proj = site.o_proj
     order = {n: i for i, n in enumerate(graph.nodes)}
     chain, node = [proj.weight], proj.weight
     while node.op not in ("placeholder", "get_attr"):   # detect.out_projection checked the chain's steps

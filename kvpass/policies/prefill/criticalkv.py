@@ -109,10 +109,9 @@ class CriticalKV(PrefillEviction):
         plan = self.base.plan(site)
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan if not isinstance(plan, str) else Refusal(plan)
-        proj = site.o_proj
-        if proj is None or proj.problem:
-            why = proj.problem if proj is not None else "the site records no output projection"
-            return Refusal(f"layer {site.layer}: criticalkv weighs values by the layer's output projection, and {why}")
+        if site.o_proj.problem:
+            return Refusal(f"layer {site.layer}: criticalkv weighs values by the layer's output projection, and "
+                           f"{site.o_proj.problem}")
         return dataclasses.replace(plan, out_proj=True)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, out_proj=None, **inputs):

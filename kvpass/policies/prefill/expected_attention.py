@@ -161,9 +161,8 @@ class ExpectedAttention(PrefillEviction):
         plan = super().plan(site)
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
-        if site.q_rope is None or site.q_rope.problem:
-            why = site.q_rope.problem if site.q_rope is not None else "the site records no query transform"
-            return Refusal(f"layer {site.layer}: its scores need the queries before RoPE, and {why}")
+        if site.q_rope.problem:
+            return Refusal(f"layer {site.layer}: its scores need the queries before RoPE, and {site.q_rope.problem}")
         return dataclasses.replace(plan, rope=True)
 
     def ranking(self, site, q, k, v, kv_pos, q_pos, keep, q_pre=None, cos=None, sin=None):
