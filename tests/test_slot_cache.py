@@ -250,8 +250,8 @@ def test_left_padded_batch_equals_dynamic_cache():
 SLIDING = [("gemma3", "sdpa"), ("gemma2", "eager"), ("cohere2", "sdpa")]   # window 8; softcapping in gemma2
 SLIDING_PARAMS = dict(snapkv=dict(budget=12, window=2), streamingllm=dict(budget=10, sinks=2),
                       quest=dict(budget=16, dense_layers=0), raas=dict(budget=16))
-# each family runs two of them (CI time): every policy leaves sliding layers to the same ring
-ON_SLIDING = dict(gemma3=("snapkv", "raas"), gemma2=("streamingllm", "quest"), cohere2=("snapkv", "streamingllm"))
+# each family runs one or two of them (CI time): every policy leaves sliding layers to the same ring
+ON_SLIDING = dict(gemma3=("raas",), gemma2=("streamingllm", "quest"), cohere2=("snapkv", "streamingllm"))
 
 
 @pytest.mark.parametrize("family,attn", SLIDING, ids=[f[0] for f in SLIDING])

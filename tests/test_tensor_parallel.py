@@ -13,7 +13,7 @@ rank's KV heads hold the positions the same heads hold on one process (the decis
 half the KV heads; the pass reports the rank's share of the heads, and
 the policies whose decisions span a layer's heads (chunkkv's chunk ranking, the gated policies' selection
 layer and tokens) get an all_gather inserted while per-head policies get none. Chunk fusion (``kvpass.ChunkFusion``,
-every fusion policy, one store shared by the ranks) recomputes the same tokens, keeps the same positions per head
+``FUSION_ON_CPU`` on the CPU, every fusion policy on two GPUs; one store shared by the ranks) recomputes the same tokens, keeps the same positions per head
 and generates the same tokens as on one process. ``kvpass.explain`` on a rank shows its local heads and the
 gathers. chunkkv also runs under Inductor (the gathers compiled with the graph). ``kvpass.compile``'s fast path
 on two ranks (issue 39) compiles one prefill and one decode graph for prompts of four lengths and generates the
@@ -51,7 +51,10 @@ SPANNING_FUSION = ("a3", "cacheblend")   # fusion policies whose recompute set s
 # decision over heads; the others' slot writes are the same rules (tests/test_conformance.py covers them all)
 ON_SLOTS = ("full", "streamingllm", "snapkv", "quest", "raas", "asl", "chunkkv")
 FAMILIES = ("llama", "qwen3_gqa4")
-COMPILED = ("full", "snapkv")            # through kvpass.compile (the llama only: CI time)
+COMPILED = ("full", "snapkv")            # through kvpass.compile (the llama only; on the CPU snapkv alone: CI time)
+# chunk fusion on the CPU (CI time): a recompute with eviction on both caches, a recompute spanning heads, a reuse
+# of a prefix; the GPU run fuses with every FUSION_RUNS entry
+FUSION_ON_CPU = ("a3+evict", "a3+evict:slot", "cacheblend", "legolink")
 
 # one xdist worker runs the module (--dist loadfile): its fixture is built once per family, each build two processes
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
@@ -88,13 +91,14 @@ def two_ranks(root, family: str, device: str):
     plain = PLAIN if device == "cuda" else sorted(SPANNING | LOCAL)
     names = plain + (["chunkkv@inductor"] if family == "llama" else []) if full else sorted(SPANNING | PER_HEAD)
     caches = "dynamic,slot" if full else "dynamic"
-    fusion = "all" if full else ",".join(SPANNING_FUSION)
+    fusion = ("all" if device == "cuda" else ",".join(FUSION_ON_CPU)) if full else ",".join(SPANNING_FUSION)
+    compiled = (COMPILED if device == "cuda" else COMPILED[1:]) if full else ()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), os.path.join(HERE, "tp_worker.py"), "--model", str(root / "model"),
            "--out", str(root), "--policies", ",".join(names), "--caches", caches, "--device", device,
-           "--fusion", fusion, "--compiled", ",".join(COMPILED) if full else ""] + \
+           "--fusion", fusion, "--compiled", ",".join(compiled)] + \
         (["--slot-policies", ",".join(ON_SLOTS)] if device == "cpu" else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -158,7 +162,7 @@ def test_inductor_compiles_the_gathers(ranks):
 @pytest.mark.parametrize("policy", FUSION_RUNS)
 def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
     r0, r1 = ranks
-    tp0, tp1, one = _runs(ranks, policy, "fusion", "single_fusion", "the llama runs every fusion policy")
+    tp0, tp1, one = _runs(ranks, policy, "fusion", "single_fusion", "the llama fuses FUSION_ON_CPU on the CPU")
     # the recompute set spans the heads (a3: the question's attention, cacheblend: key deviation, summed over
     # every head of every rank); a3+evict's kept documents are per KV head
     assert tp0["recompute"] == tp1["recompute"] == one["recompute"], f"{policy}: another recompute set"
@@ -174,7 +178,7 @@ def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
 
 @pytest.mark.parametrize("policy", COMPILED)
 def test_kvpass_compile_on_two_ranks_compiles_once_for_every_length(ranks, policy):
-    tp0, tp1, one = _runs(ranks, policy, "compiled", "single_compiled", "the llama runs kvpass.compile")
+    tp0, tp1, one = _runs(ranks, policy, "compiled", "single_compiled", "the llama compiles snapkv on the CPU")
     assert tp0["tokens"] == tp1["tokens"] == one["tokens"], f"{policy}: tokens differ from one process"
     assert tp0["queued"] == tp1["queued"] == one["queued"], f"{policy}: a RequestQueue's tokens differ"
     assert tp0["graphs"] == tp1["graphs"] == one["graphs"] == {"prefill": 1, "decode": 1}, (tp0["graphs"], one["graphs"])

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -102,11 +103,13 @@ def recorded(fn, keys) -> dict:
     out = {}
     for key in keys:
         print(f"tp_worker: {key}", flush=True)   # a run that kills the process (a device-side assert) is the last named
+        start = time.perf_counter()
         try:
             out[key] = fn(key)
         except Exception as e:
             traceback.print_exc()                   # the whole trace on stderr; the test shows its tail
             out[key] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        print(f"tp_worker: {key} took {time.perf_counter() - start:.1f} s", flush=True)
     return out
 
 
