@@ -366,3 +366,107 @@ def test_block_map_op_on_cpu_and_opcheck():
     assert (out[0, 2:] == 0).all()  # a KV head with nothing selected reads nothing: zeros
     torch.library.opcheck(torch.ops.kvpass.decode_attention_ref.default, args)
     torch.library.opcheck(torch.ops.kvpass.decode_attention.default, args)
+
+
+# ------------------------------------------------------------------------------------------------
+# ragged heads: per-head ranges in a pool a row's KV heads share (per-head budgets)
+# ------------------------------------------------------------------------------------------------
+
+
+def ragged_pool(b, hkv, d, lengths, seed, slack=3):
+    """A row pool ``[B, 1, S, D]`` holding each head's ``lengths[b][g]`` entries from a start of its own: the
+    heads in a shuffled order, each range followed by ``slack`` unfilled slots (position -1, garbage keys)."""
+    g = torch.Generator().manual_seed(seed)
+    size = max(sum(row) for row in lengths) + hkv * slack
+    k, v = torch.randn(b, 1, size, d, generator=g), torch.randn(b, 1, size, d, generator=g)
+    pos = torch.full((b, 1, size), -1, dtype=torch.int32)
+    start = torch.zeros(b, hkv, dtype=torch.int32)
+    for r in range(b):
+        at = 0
+        for head in torch.randperm(hkv, generator=g).tolist():
+            n = lengths[r][head]
+            start[r, head] = at
+            pos[r, 0, at:at + n] = torch.sort(torch.randperm(4 * size, generator=g)[:n]).values.int()
+            at += n + slack
+    return k, v, pos, start, torch.tensor(lengths, dtype=torch.int32)
+
+
+def heads_alone(q, k, v, pos, start, kv_len, q_pos):
+    """Each head over its own entries, by exact attention (the ragged layout's meaning)."""
+    b, h, _, d = q.shape
+    hkv = start.shape[1]
+    out = torch.zeros(b, h, 1, d)
+    for r in range(b):
+        for head in range(hkv):
+            s, n = int(start[r, head]), int(kv_len[r, head])
+            rows = slice(head * (h // hkv), (head + 1) * (h // hkv))
+            see = (pos[r, 0, s:s + n] >= 0) & (pos[r, 0, s:s + n] <= q_pos[r])
+            if see.any():
+                out[r, rows] = exact(q[r:r + 1, rows], k[r:r + 1, :, s:s + n], v[r:r + 1, :, s:s + n],
+                                     mask=see.view(1, 1, 1, n))[0]
+    return out
+
+
+@SETTINGS
+@given(b=st.integers(1, 3), heads=st.sampled_from([(2, 2), (4, 2), (8, 4), (3, 1)]), d=st.sampled_from([16, 24]),
+       data=st.data(), block=st.sampled_from([8, 16]), order=st.sampled_from([K.ORDER_NATURAL, K.ORDER_RECENCY]),
+       split=st.sampled_from([None, False]), seed=st.integers(0, 10_000))
+def test_ragged_heads_read_each_heads_own_range(b, heads, d, data, block, order, split, seed):
+    """Heads of one row keep different counts (one at 8x another, one at its floor of a single entry, one with
+    none visible): kernel == reference == each head's exact attention over its own entries, and each program
+    reads the blocks of its own range alone."""
+    h, hkv = heads
+    lengths = data.draw(st.lists(st.lists(st.integers(0, 60), min_size=hkv, max_size=hkv), min_size=b, max_size=b))
+    lengths[0][0] = 1                                          # a head at its floor
+    if hkv > 1:
+        lengths[0][1] = 8 * max(lengths[0][1], 4)              # one far above the others
+    k, v, pos, start, kv_len = ragged_pool(b, hkv, d, lengths, seed)
+    q = torch.randn(b, h, 1, d, generator=torch.Generator().manual_seed(seed + 1))
+    q_pos = torch.full((b,), 1 << 20, dtype=torch.int32)
+    kw = dict(kv_pos=pos, q_pos=q_pos, kv_len=kv_len, kv_start=start, block=block, order=order)
+    out_k, vis_k = K.decode_attention_triton(q, k, v, split=split, **kw)
+    out_r, vis_r = K.decode_attention_reference(q, k, v, **kw)
+    want = heads_alone(q, k, v, pos, start, kv_len, q_pos)
+    torch.testing.assert_close(out_r, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_k, want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(vis_k, vis_r) and torch.equal(vis_k, (-(-kv_len // block)).int())
+
+
+@settings(SETTINGS, max_examples=10)
+@given(heads=st.sampled_from([(4, 2), (8, 4)]), tau=st.sampled_from([1e-2, 0.1, 0.5]), patience=st.integers(1, 3),
+       horizon=st.integers(0, 3), seed=st.integers(0, 10_000))
+def test_ragged_heads_with_termination_equal_reference(heads, tau, patience, horizon, seed):
+    """ART over ragged heads (serial, and with a horizon then split-KV): the kernel stops where the reference
+    does, counting blocks from each head's first entry."""
+    h, hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    lengths = [torch.randint(0, 90, (hkv,), generator=g).tolist() for _ in range(2)]
+    k, v, pos, start, kv_len = ragged_pool(2, hkv, 16, lengths, seed)
+    q = torch.randn(2, h, 1, 16, generator=g)
+    kw = dict(kv_pos=pos, q_pos=torch.full((2,), 1 << 20), kv_len=kv_len, kv_start=start, block=8, tau=tau,
+              phi=tau, patience=patience, horizon=horizon)
+    out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
+    torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
+    assert torch.equal(vis_k, vis_r)
+
+
+def test_ragged_heads_op_opcheck_and_layout_errors():
+    """The op with ragged heads is the reference on CPU and passes opcheck; a ragged read without per-head
+    lengths, or over a pool with a head dimension of its own, is refused with the layout it needs."""
+    k, v, pos, start, kv_len = ragged_pool(2, 2, 16, [[5, 40], [0, 17]], 4)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(5))
+    q_pos = torch.full((2,), 1 << 20, dtype=torch.int32)
+    args = (q, k, v, None, pos, q_pos, None, kv_len, None, 0.25, 0.0, 0, 0.0, 0.0, 5, 16, 1, 0, 0, start)
+    out, vis = torch.ops.kvpass.decode_attention(*args)
+    ref, vref = K.decode_attention_reference(q, k, v, kv_pos=pos, q_pos=q_pos, kv_len=kv_len, scale=0.25, block=16,
+                                             kv_start=start)
+    assert torch.equal(out, ref) and torch.equal(vis, vref) and vis.tolist() == [[1, 3], [0, 2]]
+    assert (out[1, :2] == 0).all()   # a head that keeps nothing reads nothing: zeros
+    torch.library.opcheck(torch.ops.kvpass.decode_attention_ref.default, args)
+    torch.library.opcheck(torch.ops.kvpass.decode_attention.default, args)
+    for bad in (dict(kv_len=kv_len[:, 0]), dict(k=k.expand(2, 2, -1, -1).contiguous())):
+        kw = {**dict(k=k, v=v, kv_pos=pos, q_pos=q_pos, kv_len=kv_len, kv_start=start), **bad}
+        with pytest.raises(ValueError, match=r"kv_start \[B, H_kv\].*kv_len \[B, H_kv\]"):
+            K.decode_attention_triton(q, **kw)
+        with pytest.raises(ValueError, match=r"kv_start \[B, H_kv\]"):
+            K.decode_attention_reference(q, **kw)

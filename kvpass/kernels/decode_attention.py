@@ -37,8 +37,13 @@ Choices the ART paper leaves open, and why:
   model and layer; relative change makes the defaults portable;
 * per-group decisions with all heads required stable (see above).
 
-**Masking.** Entry ``j`` is read when it is inside the sequence (``j < kv_len[b]`` when lengths are
-given) and, with positions, ``0 <= kv_pos[j] <= q_pos[b]`` and (sliding layers)
+**Ragged heads** (per-head budgets). With ``kv_start [B, H_kv]`` the KV heads of a row share one pool
+(``k``/``v`` ``[B, 1, S, D]``, ``kv_pos`` ``[B, 1, S]``) and head ``g`` holds the ``kv_len[b, g]`` entries from
+``kv_start[b, g]``: its program reads its own range and no other entry, so a head that keeps 8 entries reads 8
+however many its neighbours keep. Blocks, orders and ART count from the head's first entry.
+
+**Masking.** Entry ``j`` is read when it is inside the sequence (``j < kv_len[b]``, or ``kv_len[b, g]`` per
+head, when lengths are given) and, with positions, ``0 <= kv_pos[j] <= q_pos[b]`` and (sliding layers)
 ``q_pos[b] - kv_pos[j] < window``. An additive or boolean ``mask`` of shape ``[B|1, 1, 1, L]`` is
 applied too (additive values at the dtype's minimum count as masked). A row with nothing visible
 gives zeros. A block with nothing visible (padding, the unfilled tail of a static cache) leaves
@@ -94,7 +99,7 @@ def visibility(b: int, hkv: int, length: int, device, mask: Tensor | None, kv_po
     """(visible [B, H_kv, L] bool, additive mask [B, 1, L] fp32 or None) in the logical layout."""
     vis = torch.ones(b, hkv, length, dtype=torch.bool, device=device)
     if kv_len is not None:
-        vis &= (torch.arange(length, device=device) < kv_len.view(b, 1, 1))
+        vis &= (torch.arange(length, device=device) < kv_len.view(b, -1, 1))   # per sequence or per KV head
     if kv_pos is not None:
         qp = q_pos.view(b, 1, 1)
         vis &= (kv_pos >= 0) & (kv_pos <= qp)
@@ -126,7 +131,8 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
                                block_map: Tensor | None = None, scale: float | None = None,
                                softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
                                patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
-                               probe: int = 0, horizon: int = 0) -> tuple[Tensor, Tensor]:
+                               probe: int = 0, horizon: int = 0,
+                               kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Block-wise streaming-softmax decode attention with ART, in fp32 PyTorch.
 
     Same arguments and semantics as the kernel (see the module docstring); returns
@@ -135,6 +141,8 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     b, h, lq, d = q.shape
     if lq != 1:
         raise ValueError(f"decode attention takes one query token per sequence, got {lq}")
+    if kv_start is not None:
+        k, v, kv_pos = ragged_heads(k, v, kv_pos, kv_start, kv_len, page_table)
     k, v = _logical(k, page_table), _logical(v, page_table)
     if kv_pos is not None and page_table is not None:
         kv_pos = _logical(kv_pos[:, None, :], page_table).expand(b, k.shape[1], -1)
@@ -155,7 +163,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).reshape(b, hkv, g, nb, block)
     vf = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).reshape(b, hkv, nb, block, v.shape[-1])
     if kv_len is not None:  # a sequence has only cdiv(len, block) blocks; the order is over those
-        nb_row = ((kv_len.long() + block - 1) // block).clamp(max=nb).view(b, 1).expand(b, hkv)
+        nb_row = ((kv_len.long() + block - 1) // block).clamp(max=nb).view(b, -1).expand(b, hkv)
     else:
         nb_row = torch.full((b, hkv), nb, device=q.device, dtype=torch.long)
     if block_map is not None:  # a map may list fewer steps than blocks; -1 = a step that reads nothing
@@ -205,6 +213,26 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     return out.reshape(b, h, 1, dv).to(q.dtype), visited
 
 
+def ragged_heads(k: Tensor, v: Tensor, kv_pos: Tensor | None, kv_start: Tensor, kv_len: Tensor | None,
+                 page_table: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A pool its KV heads share (``k``/``v`` ``[B, 1, S, D]``, ``kv_pos`` ``[B, 1, S]``), head ``g`` of row ``b``
+    holding entries ``kv_start[b, g] .. + kv_len[b, g] - 1``, as one ``[B, H_kv, S, ...]`` view per head whose
+    entry ``i`` is the pool's ``kv_start + i`` (entries past a head's length are cut by ``kv_len``)."""
+    check_ragged(k, kv_start, kv_len, page_table)
+    b, hkv, n = k.shape[0], kv_start.shape[1], k.shape[2]
+    idx = (kv_start.long()[..., None] + torch.arange(n, device=k.device)).clamp(max=n - 1)   # [B, H_kv, S]
+    take = lambda t: t.expand(b, hkv, *t.shape[2:]).gather(2, idx.view(*idx.shape, *[1] * (t.dim() - 3)).expand(
+        b, hkv, n, *t.shape[3:]))
+    return take(k), take(v), None if kv_pos is None else take(kv_pos)
+
+
+def check_ragged(k: Tensor, kv_start: Tensor, kv_len: Tensor | None, page_table: Tensor | None) -> None:
+    if kv_len is None or kv_len.shape != kv_start.shape or page_table is not None or k.shape[1] != 1:
+        raise ValueError("ragged heads (kv_start [B, H_kv]) read a contiguous pool [B, 1, S, D] with per-head "
+                         f"lengths kv_len [B, H_kv]; got k {tuple(k.shape)}, kv_len "
+                         f"{None if kv_len is None else tuple(kv_len.shape)}, page_table {page_table is not None}")
+
+
 def _probe_mask(d: int, probe: int, device) -> Tensor:
     stride = max(1, d // probe) if probe > 0 else 1
     return (torch.arange(d, device=device) % stride == 0).float()
@@ -231,15 +259,16 @@ if triton is not None:
 
     @triton.jit
     def _read_block(
-        i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
+        i, nb, limit, base, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
         scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l,
         st_b, smap_b, smap_h, BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr,
         HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """Step ``i``: read one block (in the chosen order) into the streaming-softmax state.
 
-        Entries at or past ``limit`` (the sequence's length) are outside the cache; a negative map
-        entry reads nothing. Also returns whether the block had any visible entry (ART's neutral
+        Entries at or past ``limit`` (the sequence's or the head's length) are outside the cache; a negative map
+        entry reads nothing. ``base``: the first entry of the head's range in a pool its heads share (0 when
+        each head has its own rows). Also returns whether the block had any visible entry (ART's neutral
         empty blocks) and whether the step read a block at all."""
         if ORDER == 0:
             j = i
@@ -255,9 +284,10 @@ if triton is not None:
             rows_v = page * sv_0 + hk * sv_h + (offs % PAGE) * sv_l
             rows_p = page * sp_0 + hk * sp_h + (offs % PAGE) * sp_l
         else:
-            rows_k = b * sk_0 + hk * sk_h + offs.to(tl.int64) * sk_l
-            rows_v = b * sv_0 + hk * sv_h + offs.to(tl.int64) * sv_l
-            rows_p = b * sp_0 + hk * sp_h + offs.to(tl.int64) * sp_l
+            at = (base + offs).to(tl.int64)
+            rows_k = b * sk_0 + hk * sk_h + at * sk_l
+            rows_v = b * sv_0 + hk * sv_h + at * sv_l
+            rows_p = b * sp_0 + hk * sp_h + at * sp_l
         if HAS_POS:
             kp = tl.load(KvPos + rows_p, mask=valid, other=-1)
             seen = (kp >= 0) & (kp <= qp)
@@ -337,12 +367,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["window", "patience", "length", "n_blocks", "step0", "blocks_per_split",
                                    "part0", "n_parts"])
     def _kvpass_decode_kernel(
-        Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, Map, Visited, PartAcc, PartM, PartL, Stopped,
+        Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, KvStart, Map, Visited, PartAcc, PartM, PartL, Stopped,
         scale, softcap, tau, phi, window, patience, length, n_blocks, step0, blocks_per_split, part0, n_parts,
         sq_b, sq_h, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l, st_b, smap_b, smap_h,
-        GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        sl_b, sl_h, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
-        HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, SOFTCAP: tl.constexpr, ART: tl.constexpr,
+        HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, ART: tl.constexpr,
         PROBE_STRIDE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
         AFTER_ART: tl.constexpr,
     ):
@@ -361,8 +391,11 @@ if triton is not None:
         qk_scale = scale * 1.4426950408889634  # exp2 domain
 
         limit = length  # entries past a sequence's length are outside its cache
-        if HAS_LEN:
-            limit = tl.load(KvLen + b).to(tl.int32)
+        if HAS_LEN:  # per sequence (sl_h 0) or per (sequence, KV head)
+            limit = tl.load(KvLen + b * sl_b + hk * sl_h).to(tl.int32)
+        base = 0
+        if HAS_START:  # ragged heads: this head's range starts here in the pool its heads share
+            base = tl.load(KvStart + b * sl_b + hk * sl_h).to(tl.int32)
         nb = tl.minimum(tl.cdiv(limit, BLOCK), n_blocks)
         qp = 0
         if HAS_POS:
@@ -392,7 +425,7 @@ if triton is not None:
             while (c < stop) & (stable < patience):
                 for i in range(c, tl.minimum(c + CHUNK, stop)):
                     m, l, acc, live, took = _read_block(
-                        i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
+                        i, nb, limit, base, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
                         scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
                         sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
                     prev, npv, stable, count, m_s, l_s, acc_s = _art_watch(
@@ -409,7 +442,7 @@ if triton is not None:
             count = tl.full([], 0, tl.int32)
             for i in range(start, stop):
                 m, l, acc, live, took = _read_block(
-                    i, nb, limit, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
+                    i, nb, limit, base, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
                     scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
                     sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
                 count += took
@@ -577,7 +610,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
                             probe: int = 0, horizon: int = 0, split: bool | None = None,
                             parallel_horizon: bool | None = None, num_warps: int = 4,
-                            num_stages: int = 3, chunk: int = 8, launch=None) -> tuple[Tensor, Tensor]:
+                            num_stages: int = 3, chunk: int = 8, launch=None,
+                            kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Launch the Triton kernels; arguments as ``decode_attention_reference``.
 
     Three shapes of launch:
@@ -609,6 +643,12 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if q_pos is not None:  # one position per sequence, read as q_pos[b]
         q_pos = q_pos.reshape(b).contiguous()
+    if kv_start is not None:   # ragged heads: the shared pool seen once per head (stride 0), each from its start
+        check_ragged(k, kv_start, kv_len, page_table)
+        hkv = kv_start.shape[1]
+        k, v = k.expand(b, hkv, *k.shape[2:]), v.expand(b, hkv, *v.shape[2:])
+        kv_pos = None if kv_pos is None else kv_pos.expand(b, hkv, kv_pos.shape[-1])
+        kv_start, kv_len = kv_start.contiguous(), kv_len.contiguous()
     hkv = k.shape[1]
     dv = v.shape[-1]
     if dv != d:
@@ -663,7 +703,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     common = (
         q, k, v, out, mask if mask is not None else dummy, pos,
         q_pos if q_pos is not None else dummy, page_table if page_table is not None else dummy,
-        kv_len if kv_len is not None else dummy, block_map if block_map is not None else dummy,
+        kv_len if kv_len is not None else dummy, kv_start if kv_start is not None else dummy, block_map if block_map is not None else dummy,
         visited, part_acc, part_m, part_l, stopped,
         float(scale), float(softcap), float(tau), float(phi), int(window),
         int(patience) if art else 1 << 30, length, n_blocks)
@@ -671,11 +711,13 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
         *p_strides, page_table.stride(0) if page_table is not None else 0,
-        block_map.stride(0) if block_map is not None else 0, block_map.stride(1) if block_map is not None else 0)
+        block_map.stride(0) if block_map is not None else 0, block_map.stride(1) if block_map is not None else 0,
+        kv_len.stride(0) if kv_len is not None else 0, kv_len.stride(1) if kv_len is not None and kv_len.dim() == 2
+        else 0)
     meta = dict(
         GROUP=h // hkv, G_PAD=pow2(h // hkv), D=d, D_PAD=pow2(d), BLOCK=block, PAGE=page,
         ORDER=ORDER_MAP if block_map is not None else order, HAS_MASK=mask is not None,
-        HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, SOFTCAP=softcap > 0,
+        HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, HAS_START=kv_start is not None, SOFTCAP=softcap > 0,
         PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, UPCAST=upcast, CHUNK=chunk,
         num_warps=num_warps, num_stages=num_stages)
     kernel = wrap(_kvpass_decode_kernel)

@@ -66,9 +66,9 @@ Operators
     (``kvpass.kernels.gather``). A ``triton_op``: Triton on CUDA, ``kvpass::gather_kv_ref`` elsewhere.
 
 ``kvpass::decode_attention(q, k, v, mask?, kv_pos?, q_pos?, page_table?, kv_len?, block_map?, scale,
-softcap, window, tau, phi, patience, block, order, probe, horizon) -> (out, visited)``
+softcap, window, tau, phi, patience, block, order, probe, horizon, kv_start?) -> (out, visited)``
     One-token decode attention read block by block with ART early termination, over a contiguous
-    or paged cache (``kvpass.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
+    or paged cache, or a pool shared by ragged heads (``kv_start``, ``kv_len`` per head) (``kvpass.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
     launch its Triton kernel directly; elsewhere it runs ``kvpass::decode_attention_ref``.
 
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
@@ -317,18 +317,18 @@ def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
                          q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
                          block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
                          phi: float, patience: int, block: int, order: int,
-                         probe: int, horizon: int) -> tuple[Tensor, Tensor]:
+                         probe: int, horizon: int, kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return _decode.decode_attention_reference(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
                                               scale, softcap, window, tau, phi, patience, block, order, probe,
-                                              horizon)
+                                              horizon, kv_start)
 
 
 @decode_attention_ref.register_fake
 def _(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map, scale, softcap, window, tau, phi,
-      patience, block, order, probe, horizon):
+      patience, block, order, probe, horizon, kv_start=None):
     b, h = q.shape[:2]
     return (q.new_empty((b, h, 1, v.shape[-1])),
-            q.new_empty((b, k.shape[1]), dtype=torch.int32))
+            q.new_empty((b, k.shape[1] if kv_start is None else kv_start.shape[1]), dtype=torch.int32))
 
 
 @torch.library.triton_op("kvpass::decode_attention", mutates_args=())
@@ -336,7 +336,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_po
                      q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
                      block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
                      phi: float, patience: int, block: int, order: int, probe: int,
-                     horizon: int) -> tuple[Tensor, Tensor]:
+                     horizon: int, kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Decode attention with ART termination; see ``kvpass.kernels.decode_attention``.
 
     A ``triton_op``: under ``torch.compile`` Inductor traces into it and the compiled CUDA graph
@@ -345,10 +345,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_po
     if q.device.type == "cuda" and _decode.triton is not None:
         return _decode.decode_attention_triton(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
                                                scale, softcap, window, tau, phi, patience, block, order,
-                                               probe, horizon, launch=torch.library.wrap_triton)
+                                               probe, horizon, launch=torch.library.wrap_triton,
+                                               kv_start=kv_start)
     return torch.ops.kvpass.decode_attention_ref(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
                                                  scale, softcap, window, tau, phi, patience, block, order, probe,
-                                                 horizon)
+                                                 horizon, kv_start)
 
 
 @torch.library.custom_op("kvpass::window_scores_ref", mutates_args=())
