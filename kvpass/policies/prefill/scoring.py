@@ -10,7 +10,9 @@ left padding) and returns plain tensors, so each policy file only says how it ra
 * ``block_fill``: per segment, keep the best blocks of a fixed size until the segment's quota is
   covered, trimming the last block to its best tokens (ChunkKV's chunks, SABlock's block search);
 * ``keep_top``: the final index set: window first, then the policy's priority, real tokens always
-  before padding, ties to the earlier entry, ascending, exactly ``keep`` entries.
+  before padding, ties to the earlier entry, ascending, exactly ``keep`` entries;
+* ``keep_top_heads``: AdaKV's allocation of a layer's ``H_kv x keep`` entries over its KV heads (each head
+  its own count, at least a floor), for the per-head layout of ``kvpass.cache.ragged``.
 
 Padding never outranks a real token and never shifts a boundary (chunks and segments start at the
 first real token), so a left-padded row keeps what the same prompt keeps alone.
@@ -65,6 +67,30 @@ def keep_top(priority: Tensor, forced: Tensor, valid: Tensor, keep: int) -> Tens
     key = torch.where(forced, float("inf"), torch.where(valid, priority.float(), float("-inf")))
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :keep]
     return order.sort(dim=-1).values
+
+
+def keep_top_heads(priority: Tensor, forced: Tensor, valid: Tensor, keep: int, floor: int) -> tuple[Tensor, Tensor]:
+    """AdaKV's allocation (Feng et al., 2024): a layer's ``H_kv x keep`` entries go to its KV heads by one ranking
+    over the layer's (head, entry) pairs, so that a head whose scores are spread keeps more than one whose scores
+    are concentrated, and the layer's total stays what ``keep_top`` keeps. Each head first keeps its ``floor``
+    best entries (the safeguard: ``floor <= keep``), forced entries before any other; then the rest go by
+    priority over every head, real entries before padding, ties to the lower (head, entry). A floor of ``keep``
+    is ``keep_top`` per head (the uniform budget).
+
+    Returns ``(sel [B, H_kv x keep], counts [B, H_kv])``: the kept pairs as flat indices ``head x N + entry``,
+    ascending (head-major, each head's entries in order), and how many each head keeps."""
+    b, h, n = priority.shape
+    key = torch.where(forced, float("inf"), torch.where(valid, priority.float(), float("-inf")))
+    # a head's floor is what keep_top would keep of it (padding only in a row shorter than the floor, which keeps
+    # every real entry anyway), so a floor of the whole budget is keep_top per head
+    best = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :floor]
+    safe = torch.zeros_like(forced).scatter_(-1, best, True)
+    real = key.clamp_min(torch.finfo(torch.float32).min)   # a real entry scored -inf still outranks padding
+    rank = torch.where(safe, float("inf"), torch.where(valid, real, float("-inf")))
+    top = torch.sort(rank.reshape(b, h * n), dim=-1, descending=True, stable=True).indices[:, :h * keep]
+    sel = top.sort(dim=-1).values
+    counts = torch.zeros(b, h, dtype=torch.long, device=sel.device).scatter_add_(1, sel // n, torch.ones_like(sel))
+    return sel, counts
 
 
 def _sorted_by(primary: Tensor, secondary_desc: Tensor) -> Tensor:
