@@ -12,11 +12,13 @@ largest head's count for every head; instead each row's heads share one pool:
 
 The decode attention kernel reads head ``g`` of row ``b`` from ``start[b, g]`` for ``length[b, g]`` entries
 (``kvpass.kernels.decode_attention``, ``kv_start``), so a head is read as far as it holds, whatever its
-neighbours hold. ``pack`` builds the layout from a prefill's kept (head, entry) pairs with ``room`` free slots
+neighbours hold. A dense ``[B, H_kv, L, D]`` cache is this layout with every head at ``L`` (``uniform``), and
+the pool of a layer that keeps ``H_kv x L`` entries in all can be stored as ``[B, H_kv, L, D]`` (the same bytes,
+the head dimension no longer a head): the shape a ``DynamicCache`` and ``transformers`` expect. ``pack`` builds the layout from a prefill's kept (head, entry) pairs with ``room`` free slots
 after each head: 0 for a cache that grows by a copy every step (as a ``DynamicCache`` does), the decode steps
 to come for a preallocated one (``kvpass.SlotCache``, whose decode graph writes in place). ``append`` adds one
-token per head in place; ``grow`` returns the layout with one more entry per head (a copy, as ``torch.cat``
-does for a ``DynamicCache``). Stored bytes are the kept entries' plus the room: ``S = sum(counts) +
+token per head in place; ``grow`` returns the layout with ``q`` more entries per head (a copy, as ``torch.cat``
+does for a ``DynamicCache``); ``by_head`` views it per head for attention by position over several queries. Stored bytes are the kept entries' plus the room: ``S = sum(counts) +
 H_kv x room``.
 """
 
@@ -69,23 +71,54 @@ def append(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Ten
     length += 1
 
 
+def grown(start: Tensor, length: Tensor, q: int) -> tuple[Tensor, Tensor]:
+    """``(start, length)`` after ``grow`` adds ``q`` entries to every head of a pool with no room."""
+    h = start.shape[-1]
+    return (start + q * torch.arange(h, device=start.device, dtype=start.dtype)), length + q
+
+
 def grow(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Tensor, k_new: Tensor, v_new: Tensor,
          q_pos: Tensor):
-    """The layout with one more entry per head, a copy (a pool with no room, heads in order): head ``g``'s new
-    entry follows its range, so every later head moves ``g + 1`` slots on. Returns ``(keys, values, pos,
-    start, length)``."""
+    """The layout with ``q`` more entries per head (``k_new`` / ``v_new`` ``[B, H_kv, q, D]``, at positions
+    ``q_pos [B, q]``), a copy of a pool with no room whose heads are in order: head ``g``'s new entries follow
+    its range, so every later head moves ``q`` slots on per earlier head. Returns ``(keys, values, pos, start,
+    length)``."""
     b, _, size, d = keys.shape
-    h = start.shape[1]
+    h, q = start.shape[1], k_new.shape[2]
     slot = torch.arange(size, device=keys.device).expand(b, size)
     owner = torch.searchsorted(start.long().contiguous(), slot.contiguous(), right=True) - 1   # each slot's head
-    moved = slot + owner          # an entry of head g moves one slot on for each earlier head's new entry
-    new_start = start.long() + torch.arange(h, device=keys.device)
-    tail = new_start + length.long()                                                          # the new entries' slots
-    out_k, out_v = keys.new_empty(b, size + h, d), values.new_empty(b, size + h, d)
-    out_p = pos.new_empty(b, size + h)
-    for out, old, new in ((out_k, keys[:, 0], k_new[:, :, 0]), (out_v, values[:, 0], v_new[:, :, 0])):
+    moved = slot + q * owner      # an entry of head g moves q slots on for each earlier head's new entries
+    new_start, new_length = grown(start, length, q)
+    tail = ((new_start + length).long()[..., None] + torch.arange(q, device=keys.device)).reshape(b, h * q)
+    out_k, out_v = keys.new_empty(b, size + h * q, d), values.new_empty(b, size + h * q, d)
+    out_p = pos.new_empty(b, size + h * q)
+    for out, old, new in ((out_k, keys[:, 0], k_new), (out_v, values[:, 0], v_new)):
         out.scatter_(1, moved[..., None].expand(b, size, d), old)
-        out.scatter_(1, tail[..., None].expand(b, h, d), new)
+        out.scatter_(1, tail[..., None].expand(b, h * q, d), new.reshape(b, h * q, d).to(out.dtype))
     out_p.scatter_(1, moved, pos[:, 0])
-    out_p.scatter_(1, tail, q_pos.reshape(b, 1).expand(b, h).to(pos.dtype))
-    return out_k[:, None], out_v[:, None], out_p[:, None], new_start.to(torch.int32), length + 1
+    out_p.scatter_(1, tail, q_pos.reshape(b, 1, q).expand(b, h, q).reshape(b, h * q).to(pos.dtype))
+    return out_k[:, None], out_v[:, None], out_p[:, None], new_start, new_length
+
+
+def by_head(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Tensor):
+    """Each head's entries as one ``[B, H_kv, S, ...]`` view per head, positions -1 past its length: what
+    attention by position (``kvpass::attention_pos``) reads for several queries at once (a decode step reads the
+    pool itself). ``S`` entries per head: a temporary ``H_kv`` times the pool."""
+    from kvpass.kernels.decode_attention import ragged_heads
+    k, v, p = ragged_heads(keys, values, pos, start, length, None)
+    inside = torch.arange(p.shape[-1], device=p.device) < length[..., None]
+    return k, v, torch.where(inside, p, torch.full_like(p, -1))
+
+
+class Kept:
+    """A per-head selection (``Policy.select``'s answer for the per-head layout): ``sel [B, n]`` flat ``head x N +
+    entry`` indices ascending and ``counts [B, H_kv]`` (``kvpass.policies.prefill.scoring.keep_top_heads``)."""
+
+    def __init__(self, sel: Tensor, counts: Tensor) -> None:
+        self.sel, self.counts = sel, counts
+
+
+def uniform(b: int, h: int, length: int, device) -> tuple[Tensor, Tensor]:
+    """``(start, length)`` of a dense ``[B, H_kv, L, D]`` cache read as this layout: each head ``L`` entries."""
+    start = (length * torch.arange(h, device=device, dtype=torch.int32)).expand(b, h).contiguous()
+    return start, torch.full((b, h), length, dtype=torch.int32, device=device)

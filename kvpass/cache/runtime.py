@@ -16,6 +16,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from kvpass.cache import ragged
 from kvpass.cache.state import TICKS, GenerationState
 from kvpass.errors import device_assert
 from kvpass.kernels.gather import gather_pair
@@ -67,8 +68,8 @@ def choose(policy, info, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos:
     book = None
     if isinstance(keep, tuple):
         keep, book = keep
-    if keep is None:
-        return None, kv_pos, book
+    if keep is None or isinstance(keep, ragged.Kept):   # every entry; or a per-head selection (Runtime.compact)
+        return keep, kv_pos, book
     idx = keep.clamp_min(0)
     return idx, kv_pos.gather(2, idx).masked_fill(keep < 0, -1), book
 
@@ -156,15 +157,63 @@ class Runtime:
         idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(site),
                                 selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj))
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
-        if idx is None:
+        b, h, n = kv_pos.shape
+        heads = None
+        if isinstance(idx, ragged.Kept):   # the per-head layout: the row's pool, stored as [B, H_kv, n / H_kv, D]
+            keys, values, pos, *heads = ragged.pack(k, v, kv_pos, idx.sel, idx.counts)
+            kept = idx.sel.shape[1] // h
+            k_out, v_out = keys.view(b, h, kept, k.shape[-1]), values.view(b, h, kept, v.shape[-1])
+            pos = pos.view(b, h, kept).to(kv_pos.dtype)
+        elif idx is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
+            if self.policy.needs.heads:   # heads_update laid the entries out: each head's range where it was
+                heads = self.head_ranges(site, b, h, n - q_pos.shape[1], q_pos.shape[1], fresh)
         else:
             k_out, v_out = gather_pair(k, v, idx)  # Triton compaction on CUDA
         seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
         st = self.state.set_layer(site, pos, seen, fresh=fresh)
         if book is not None:  # the policy's bookkeeping for the layer (a paged policy's page tables)
             st.extra = book
+        if heads is not None:
+            st.extra = {**st.extra, "heads": tuple(heads)}
         return k_out, v_out
+
+    def head_ranges(self, site: int, b: int, h: int, stored: int, new: int, fresh: bool) -> tuple[Tensor, Tensor]:
+        """``(start, length)`` ``[B, H_kv]`` of a per-head layer (``kvpass.cache.ragged``) after ``new`` entries per
+        head joined its ``stored``: the prompt of a new prefill kept whole (every head ``new`` entries), else the
+        recorded ranges grown (a layer kvpass did not lay out holds ``stored / H_kv`` per head)."""
+        st = self.state.layer(site)
+        dev = st.pos.device if st is not None else None
+        if fresh or st is None:
+            return ragged.uniform(b, h, new, dev)
+        start, length = st.extra.get("heads") or ragged.uniform(b, h, stored, dev)
+        return ragged.grown(start, length, new)
+
+    def heads_update(self, site: int, k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
+                     mask: Tensor | None):
+        """``cache_update`` for a per-head layer: ``(k, v, kv_pos, q_pos, start, length)``, each head's new entries
+        after its range in the row's pool (``ragged.grow``; stored as ``[B, H_kv, L, D]``), and the heads' ranges."""
+        b, h, ln = k_new.shape[:3]
+        lp = past_length(k_past)
+        st = self.state.layer(site)
+        if lp == 0:   # a new prefill: the prompt, every head its whole
+            kv_pos, q_pos = self.positions(site, k_past, k_new, mask)
+            return (k_new, v_new, kv_pos, q_pos, *ragged.uniform(b, h, ln, k_new.device))
+        if st is None or st.pos.shape[2] != lp:
+            raise ValueError(f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer {site}'s cache, "
+                             f"and the cache holds {lp} entries per head where kvpass recorded "
+                             f"{None if st is None else st.pos.shape[2]}: something wrote the cache behind kvpass "
+                             f"(a cache filled without this backend, or cropped by assisted decoding). Start a new "
+                             f"cache with this backend's prefill")
+        q_pos = (st.seen + torch.arange(ln, device=k_new.device)).expand(b, ln).contiguous()
+        start, length = st.extra.get("heads") or ragged.uniform(b, h, lp, k_new.device)
+        flat = lambda t: t.reshape(b, 1, h * lp, *t.shape[3:])
+        keys, values, pos, start, length = ragged.grow(flat(k_past.to(k_new.dtype)), flat(v_past.to(v_new.dtype)),
+                                                       flat(st.pos.to(k_new.device)), start, length, k_new, v_new,
+                                                       q_pos)
+        n = lp + ln
+        return (keys.view(b, h, n, k_new.shape[-1]), values.view(b, h, n, v_new.shape[-1]), pos.view(b, h, n),
+                q_pos, start, length)
 
     def step_position(self, site: int, k_pool: Tensor) -> Tensor:
         """``[B, 1]``: the true position of a pool site's new token (the tokens its layer has seen)."""

@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
+from kvpass.cache.ragged import by_head
 from kvpass.cache.slots import pending_positions, write_slots
 from kvpass.compiler.detect import Detection, Site, seq_slice, val
 from kvpass.compiler.fxargs import arg
@@ -39,7 +40,7 @@ from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
 from kvpass.compiler.positions import fix_positions, table_lookups
 from kvpass.compiler.tp import gather_heads
-from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks
+from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks, decode_read_problem
 
 OPS = torch.ops.kvpass
 
@@ -191,15 +192,17 @@ def _out_proj(graph: fx.Graph, site: Site, plan: SitePlan) -> fx.Node | None:
 def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]:
     read, tokens = plan.read, (site.tokens if plan.tokens else None)
     mask, causal = site_mask(site)
+    update = OPS.heads_update.default if plan.heads else OPS.cache_update.default
     with graph.inserting_before(_first(graph, [site.k, site.v])):
-        upd = graph.call_function(OPS.cache_update.default, (
-            site.k_past, site.v_past, site.k_new, site.v_new, mask, handle, site.layer))
-    k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
+        upd = graph.call_function(update, (site.k_past, site.v_past, site.k_new, site.v_new, mask, handle, site.layer))
+    k_all, v_all, kv_pos, q_pos, *ranges = _items(graph, upd, 6 if plan.heads else 4)
     q, scale = _query_and_scale(graph, site)
     window = site.sliding_window or 0
     lse = None
     with graph.inserting_before(site.out):
-        if read is not None:
+        if plan.heads and site.phase != "prefill":
+            att = _heads_read(graph, site, plan, handle, q, k_all, v_all, kv_pos, q_pos, scale, *ranges)
+        elif read is not None:
             att = _decode_read(graph, site, read, handle, q, k_all, v_all, None, kv_pos, q_pos, scale, window)
         elif site.phase == "prefill":
             # The cache held nothing: K/V are exactly the prompt and the model's own mask (causal and
@@ -225,6 +228,24 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
         _erase(graph, [old])
     _after(graph, k_st if _first(graph, [k_st, v_st]) is v_st else v_st)
     return reductions
+
+
+def _heads_read(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, q, k_all, v_all, kv_pos, q_pos, scale,
+                start, length) -> fx.Node:
+    """Attention over a per-head layer (``kvpass.cache.ragged``; ``k_all`` ``[B, H_kv, L, D]`` is the row's pool): a
+    decode step reads each head's range of the pool with ``decode_attention`` (``kv_start``); several queries
+    (an append, a graph of any length) attend by position over each head's entries (``ragged.by_head``)."""
+    pool = [graph.call_function(torch.flatten, (t, 1, 2)) for t in (k_all, v_all, kv_pos)]   # [B, H_kv L, ...]
+    k_pool, v_pool = (graph.call_function(torch.unsqueeze, (t, 1)) for t in pool[:2])
+    pos = graph.call_function(torch.unsqueeze, (pool[2], 1))
+    if site.phase == "decode" and decode_read_problem(site) is None:
+        att = graph.call_function(OPS.decode_attention.default, (
+            q, k_pool, v_pool, None, pos, q_pos, None, length, None, scale, site.softcap, 0, 0.0, 0.0, 5,
+            DecodeRead().block, DecodeRead().order, 0, 0, start))
+        return graph.call_function(operator.getitem, (att, 0))
+    view = graph.call_function(by_head, (k_pool, v_pool, pos, start, length))
+    k_h, v_h, pos_h = (graph.call_function(operator.getitem, (view, i)) for i in range(3))
+    return graph.call_function(OPS.attention_pos.default, (q, k_h, v_h, q_pos, pos_h, scale, site.softcap, 0))
 
 
 def _after(graph: fx.Graph, anchor: fx.Node) -> None:

@@ -33,6 +33,11 @@ Operators
     Appends the new K/V to the stored ones and returns ``(k, v, kv_pos, q_pos)``; positions come
     from the generation state (see ``kvpass.cache.state``). Reads the state, never writes it.
 
+``kvpass::heads_update(k_past, v_past, k_new, v_new, mask?, handle, site) -> (k, v, kv_pos, q_pos, start, length)``
+    ``cache_update`` for a per-head layer (``Needs.heads``, ``kvpass.cache.ragged``): each head's new entries
+    follow its range in the row's pool (stored as ``[B, H_kv, L, D]``), and ``start`` / ``length`` ``[B, H_kv]``
+    give each head's range of the result. Reads the state, never writes it.
+
 ``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?, votes?, lse?, q_pre?, cos?, sin?, out_proj?)``
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
     Records the kept positions in the generation state (idempotent for equal inputs). ``q`` comes
@@ -238,7 +243,7 @@ def cache_update(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
 
 
 @cache_update.register_fake
-def _(k_past, v_past, k_new, v_new, mask, handle, site: int):
+def _update_shapes(k_past, v_past, k_new, v_new, mask, handle, site: int):
     b, hkv, ln = k_new.shape[:3]
     lp = past_length(k_past)
     k = k_new.new_empty((b, hkv, lp + ln, k_new.shape[-1]))
@@ -246,6 +251,20 @@ def _(k_past, v_past, k_new, v_new, mask, handle, site: int):
     kv_pos = k_new.new_empty((b, hkv, lp + ln), dtype=torch.long)
     q_pos = k_new.new_empty((b, ln), dtype=torch.long)
     return k, v, kv_pos, q_pos
+
+
+@torch.library.custom_op("kvpass::heads_update", mutates_args=())
+def heads_update(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int,
+                 site: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    k, v, kv_pos, q_pos, start, length = runtime.get(handle).heads_update(site, k_past, v_past, k_new, v_new, mask)
+    return _dense(k), _dense(v), _dense(kv_pos), _dense(q_pos), start.clone(), length.clone()
+
+
+@heads_update.register_fake
+def _(k_past, v_past, k_new, v_new, mask, handle, site: int):
+    b, hkv = k_new.shape[:2]
+    ranges = tuple(k_new.new_empty((b, hkv), dtype=torch.int32) for _ in range(2))
+    return (*_update_shapes(k_past, v_past, k_new, v_new, mask, handle, site), *ranges)
 
 
 @torch.library.custom_op("kvpass::compact", mutates_args=())
@@ -434,7 +453,7 @@ def _(out, visited, k, block, handle, site: int):
 
 # the core operators in the one registry (kvpass.operators; OPS is that registry, every family's included)
 register(attention=attention, attention_lse=attention_lse, attention_pos=attention_pos, cache_update=cache_update,
-         compact=compact, true_positions=true_positions, note_positions=note_positions, layer_scores=layer_scores,
+         heads_update=heads_update, compact=compact, true_positions=true_positions, note_positions=note_positions, layer_scores=layer_scores,
          decode_attention=decode_attention, decode_attention_ref=decode_attention_ref, count_visits=count_visits,
          window_scores=window_scores, window_scores_ref=window_scores_ref, accumulated_scores=accumulated_scores,
          accumulated_scores_ref=accumulated_scores_ref, gather_kv=gather_kv, gather_kv_ref=gather_kv_ref)

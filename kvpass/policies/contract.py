@@ -123,6 +123,10 @@ class SitePlan:
     # a prefill's selection reads the weight ``[hidden, H * D]`` of the layer's output projection, as the graph
     # reads it (``select(..., out_proj=)``; ``Site.o_proj``; a tensor-parallel rank's own heads' columns): criticalkv
     out_proj: bool = False
+    # the per-head layout (``Needs.heads``, ``kvpass.cache.ragged``): the cache update is ``heads_update`` (each
+    # head's new entries after its range, the heads' ranges as tensors) and later graphs attend over each head's
+    # range (decode attention's ``kv_start``); set with ``evict``
+    heads: bool = False
 
     @property
     def rewrite_kind(self) -> str:
@@ -173,6 +177,10 @@ class SitePlan:
             reads = [what for flag, what in ((self.rope, "the pre-RoPE queries"),
                                              (self.out_proj, "the output projection")) if flag]
             rope = f" (with {' and '.join(reads)})" if reads and phase in ("prefill", "dynamic") else ""
+            if self.heads:   # the per-head layout: each head's range read (kvpass.cache.ragged)
+                att = att if phase == "prefill" else (
+                    "decode_attention over each head's range" if phase == "decode" else "attention_pos by head")
+                return f"evict (per-head layout): heads_update + {att}{votes} + compact{rope}"
             return f"evict: cache_update + {read or att}{votes} + compact{rope}"
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"
@@ -205,7 +213,10 @@ class Needs:
     * ``slot_prefill``: its own prefill runs on a SlotCache (False: a driver fills one, as
       ``kvpass.ChunkFusion(..., cache="slot")`` does);
     * ``plain_prefill``: its prefill keeps every token in the append layout with no per-layer state, so a
-      forward the pass did not rewrite writes what its compiled prefill would (``full``, ``art``).
+      forward the pass did not rewrite writes what its compiled prefill would (``full``, ``art``);
+    * ``heads``: each KV head of a layer keeps its own count, its entries in a pool the row's heads share
+      (``kvpass.cache.ragged``): its ``select`` answers ``ragged.Kept``, its decode steps read each head's range
+      (``SitePlan.heads``).
     """
 
     evicts: bool = False
@@ -216,6 +227,7 @@ class Needs:
     slot_rule: str | None = None
     slot_prefill: bool = True
     plain_prefill: bool = False
+    heads: bool = False
 
     def __post_init__(self) -> None:
         if self.slot_rule not in (None, "append", "ring", "placed"):

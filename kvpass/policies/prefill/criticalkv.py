@@ -49,23 +49,19 @@ fp32, every query head at once over as many tokens as keep the projection's temp
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import inspect
 
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, Refusal, SitePlan, param
+from kvpass.policies.contract import Refusal, SitePlan, param
 from kvpass.policies.prefill import scoring
-from kvpass.policies.prefill.base import PrefillEviction
 from kvpass.policies.prefill.expected_attention import ExpectedAttention
 from kvpass.policies.prefill.keydiff import KeyDiff
 from kvpass.policies.prefill.knorm import KNorm
+from kvpass.policies.prefill.over_scorer import OverScorer
 from kvpass.policies.prefill.snapkv import SnapKV
 
 PROJECTED = 1 << 25   # elements of the [B, H, tokens, hidden] fp32 projection computed at a time (128 MiB)
-SCORERS = {cls.name: cls for cls in (SnapKV, ExpectedAttention, KNorm, KeyDiff)}
-SCORER_DEFAULTS = {"expected_attention": {"use_vnorm": False}}   # stage 2 weighs the values (kvpress's advice)
 
 
 def projected_norms(v: Tensor, weight: Tensor, heads: int) -> Tensor:
@@ -84,41 +80,27 @@ def projected_norms(v: Tensor, weight: Tensor, heads: int) -> Tensor:
     return torch.cat(parts, -1).view(b, hkv, group, n).mean(2)
 
 
-class CriticalKV(PrefillEviction):
+class CriticalKV(OverScorer):
     name = "criticalkv"
     summary = "a scorer's best entries, the rest by score times the value's norm through the output projection"
+    SCORERS = {cls.name: cls for cls in (SnapKV, ExpectedAttention, KNorm, KeyDiff)}
+    SCORER_DEFAULTS = {"expected_attention": {"use_vnorm": False}}   # stage 2 weighs the values (kvpress's advice)
     scorer: str = param("snapkv", doc="base scorer: 'snapkv', 'expected_attention', 'knorm' or 'keydiff' (built "
                                       "with budget and window, its own defaults otherwise)")
-    window: int = param(-1, -1, 1 << 16, "the scorer's window: last prompt tokens always kept (-1: the scorer's "
-                        "default)")
     first_stage_ratio: float = param(0.5, 0.0, 1.0, "share of the kept entries chosen by the scorer alone")
     epsilon: float = param(1e-4, 0.0, None, "added to the scorer's score before the projected value norm weighs it")
 
-    def check_config(self) -> None:
-        if self.scorer not in SCORERS:
-            raise ConfigError(f"policy '{self.name}': parameter 'scorer' must be one of {', '.join(SCORERS)}, got "
-                              f"{self.scorer!r}")
-        params = {"budget": self.budget, **({"window": self.window} if self.window >= 0 else {}),
-                  **SCORER_DEFAULTS.get(self.scorer, {})}
-        try:
-            self.base = SCORERS[self.scorer](**params)     # the stage-1 scorer (its plan and ranking)
-        except ConfigError as err:
-            raise ConfigError(f"policy '{self.name}' with scorer '{self.scorer}': {err}") from None
-
     def plan(self, site) -> SitePlan | Refusal:
-        plan = self.base.plan(site)
+        plan = super().plan(site)
         if not isinstance(plan, SitePlan) or not plan.evict:
-            return plan if not isinstance(plan, str) else Refusal(plan)
+            return plan
         if site.o_proj.problem:
             return Refusal(f"layer {site.layer}: criticalkv weighs values by the layer's output projection, and "
                            f"{site.o_proj.problem}")
         return dataclasses.replace(plan, out_proj=True)
 
-    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, out_proj=None, **inputs):
-        n = kv_pos.shape[-1]
-        keep = self.kept(site, n)
-        if n != q_pos.shape[1] or n <= keep:   # not a prefill, or nothing to evict
-            return None
+    def ranking(self, site, q, k, v, kv_pos, q_pos, keep, out_proj=None, **inputs):
+        """Stage 1's choice forced, every other entry ranked by stage 2's product."""
         heads = q.shape[1]
         if out_proj is None or out_proj.dim() != 2 or out_proj.shape[1] != heads * v.shape[-1]:
             got = "none" if out_proj is None else f"a weight of shape {tuple(out_proj.shape)}"
@@ -128,11 +110,6 @@ class CriticalKV(PrefillEviction):
         first = max(1, int(self.first_stage_ratio * keep)) if self.first_stage_ratio > 0 else 0
         chosen = torch.zeros_like(valid)
         if first:
-            chosen.scatter_(-1, scoring.keep_top(score, forced, valid, min(first, n)), True)
+            chosen.scatter_(-1, scoring.keep_top(score, forced, valid, min(first, kv_pos.shape[-1])), True)
         second = (score.float() + self.epsilon) * projected_norms(v, out_proj, heads)
-        return scoring.keep_top(second, forced | (chosen & valid), valid, keep)
-
-    def uuid(self) -> str:
-        """Hash of the configuration, this class's source and the base scorer's."""
-        src = inspect.getsource(type(self))
-        return hashlib.sha256((self.key() + src + self.base.uuid()).encode()).hexdigest()
+        return second, forced | (chosen & valid), valid

@@ -1,0 +1,123 @@
+"""adakv: per-head budgets on a DynamicCache, each KV head storing what it keeps and no more.
+
+The allocation itself is checked against a pair-by-pair ranking in ``tests/test_ragged.py``; here the policy runs in
+a model: ``alpha=1`` (each head's floor the whole budget) is snapkv's uniform choice and gives snapkv's logits; a
+prompt no longer than the budget gives ``full``'s; with the paper's ``alpha`` the heads keep different counts, the
+layer stores exactly ``H_kv x budget`` prompt entries plus one per head and step, and the logits of prefill, decode
+steps and a several-token append equal those of the uncompiled model keeping every entry but masking, per layer and
+KV head, the prompt entries that head evicted (an attention function of the test's own, registered with
+transformers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import kvpass
+from families import build
+from kvpass.errors import ConfigError
+
+PROMPT, BUDGET, WINDOW = 70, 40, 8
+DROPPED: dict[int, torch.Tensor] = {}   # layer -> [B, H_kv, PROMPT] True where the head evicted the entry
+
+
+def prompt_ids(n=PROMPT, b=1, seed=2):
+    return torch.randint(3, 90, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def calls(fwd, cache, ids, steps=3, append=4, more=2):
+    """Logits of a prefill, ``steps`` greedy decode steps, one call of ``append`` tokens, ``more`` steps."""
+    out, g = [], torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        out.append(fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1])
+        for i in range(steps + 1 + more):
+            x = torch.randint(3, 90, (ids.shape[0], append), generator=g) if i == steps else \
+                out[-1].argmax(-1, keepdim=True)
+            out.append(fwd(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1])
+    return out
+
+
+def compiled(model, policy, **kw):
+    torch._dynamo.reset()
+    be = kvpass.backend(policy, compiler="eager", **kw)
+    return be, torch.compile(model.forward, backend=be, fullgraph=True)
+
+
+def masked_heads(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention with the prompt entries each KV head evicted (``DROPPED``) masked out after the prefill."""
+    b, h, q, d = query.shape
+    group = h // key.shape[1]
+    k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    s = (query @ k.transpose(2, 3)) * (scaling if scaling is not None else d ** -0.5)
+    if attention_mask is not None:
+        s = s + attention_mask[:, :, :, : k.shape[2]]
+    else:   # transformers leaves out a mask that is only causal (SDPA's is_causal): bottom-right causal
+        n = k.shape[2]
+        s = s.masked_fill(torch.arange(n) > torch.arange(n - q, n)[:, None], float("-inf"))
+    drop = DROPPED.get(module.layer_idx)
+    if drop is not None and k.shape[2] > drop.shape[-1]:   # after the prefill (which attends over the whole prompt)
+        gone = torch.zeros(b, h, k.shape[2], dtype=torch.bool)
+        gone[:, :, : drop.shape[-1]] = drop.repeat_interleave(group, 1)
+        s = s.masked_fill(gone[:, :, None, :], float("-inf"))
+    return (torch.softmax(s.float(), -1).to(v.dtype) @ v).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register("kvpass_test_masked_heads", masked_heads)
+
+
+def test_alpha_one_is_snapkv_and_a_short_prompt_is_full():
+    model = build("llama")
+    ids = prompt_ids()
+    snap = calls(compiled(model, "snapkv", budget=BUDGET, window=WINDOW)[1], DynamicCache(config=model.config), ids)
+    be, fwd = compiled(model, "adakv", budget=BUDGET, window=WINDOW, alpha=1.0)
+    ada = calls(fwd, DynamicCache(config=model.config), ids)
+    for a, s in zip(ada, snap):
+        torch.testing.assert_close(a, s, atol=1e-5, rtol=1e-5)
+    assert be.plans()["decode"] == ["evict (per-head layout): heads_update + decode_attention over each head's range "
+                                    "+ compact"]
+    full = calls(compiled(model, "full")[1], DynamicCache(config=model.config), ids)
+    whole = calls(compiled(model, "adakv", budget=PROMPT)[1], DynamicCache(config=model.config), ids)
+    for a, f in zip(whole, full):
+        torch.testing.assert_close(a, f, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "criticalkv"])
+def test_ragged_heads_store_what_they_keep_and_attend_as_masked_heads(scorer):
+    model = build("llama")
+    ids = prompt_ids()
+    be, fwd = compiled(model, "adakv", budget=BUDGET, window=WINDOW, scorer=scorer)
+    cache = DynamicCache(config=model.config)
+    got = calls(fwd, cache, ids)
+    hkv, new = model.config.num_key_value_heads, 3 + 4 + 2
+    counts = []
+    for layer, st in be.state.layers.items():
+        start, length = st.extra["heads"]
+        pool = st.pos.reshape(-1)
+        held = [pool[int(start[0, g]):int(start[0, g] + length[0, g])] for g in range(hkv)]
+        prompt_kept = [h[h < PROMPT].tolist() for h in held]
+        counts.append([len(p) for p in prompt_kept])
+        # stored: the layer's H_kv x budget prompt entries and one entry per head and new token, no more
+        assert sum(counts[-1]) == hkv * BUDGET and length[0].tolist() == [c + new for c in counts[-1]]
+        assert tuple(cache.layers[layer].keys.shape) == (1, hkv, BUDGET + new, 16)
+        assert all(h[-new:].tolist() == list(range(PROMPT, PROMPT + new)) for h in held)
+        DROPPED[layer] = torch.tensor([[[p not in kept for p in range(PROMPT)] for kept in prompt_kept]])
+    assert any(len(set(c)) > 1 for c in counts), f"no layer's heads kept different counts: {counts}"
+    try:
+        ref = calls(build("llama", "kvpass_test_masked_heads").forward, DynamicCache(config=model.config), ids)
+    finally:
+        DROPPED.clear()
+    assert len(got) == len(ref)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+def test_configuration_errors_name_the_parameter():
+    with pytest.raises(ConfigError, match=r"'adakv'.*'scorer' must be one of snapkv, expected_attention, criticalkv"):
+        kvpass.backend("adakv", scorer="knorm")
+    with pytest.raises(ConfigError, match=r"'alpha'"):
+        kvpass.backend("adakv", alpha=1.5)
+    with pytest.raises(ConfigError, match=r"adakv' with scorer 'snapkv'.*'budget' must be > window"):
+        kvpass.backend("adakv", budget=16)
