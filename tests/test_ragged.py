@@ -120,13 +120,13 @@ def test_append_in_place_and_grow_by_copy_hold_the_same_entries(b, h, steps, see
     _, _, _, sel, counts, slot = packed(b, h, 30, 8, 12, 2, steps, seed)
     _, _, _, _, _, grown = packed(b, h, 30, 8, 12, 2, 0, seed)
     slot = [t.clone() for t in slot]
-    room_end = slot[3].long() + slot[4].long() + steps
+    shaped = [t.view(b, h, -1, *t.shape[3:]) for t in slot[:3]]   # stored as a SlotCache layer's [B, H_kv, C, D]
     g = torch.Generator().manual_seed(seed + 2)
     q = torch.randn(b, 2 * h, 1, 8, generator=g)
     for t in range(steps):
         k_new, v_new = torch.randn(b, h, 1, 8, generator=g), torch.randn(b, h, 1, 8, generator=g)
-        q_pos = torch.full((b,), 30 + t)
-        ragged.append(*slot, k_new, v_new, q_pos, room_end)
+        q_pos = torch.full((b, 1), 30 + t)
+        ragged.append(*shaped, slot[3], slot[4], k_new, v_new, q_pos)
         grown = ragged.grow(*grown, k_new, v_new, q_pos)
     assert grown[0].shape[2] == h * (12 + steps)
     for r in range(b):

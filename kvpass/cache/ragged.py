@@ -31,7 +31,7 @@ from kvpass.errors import device_assert
 
 
 def pack(k: Tensor, v: Tensor, kv_pos: Tensor, sel: Tensor, counts: Tensor, room: int = 0):
-    """The pool of a prefill's kept pairs: ``k``/``v`` ``[B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, ``sel
+    """The pool of a prefill's kept pairs (flat ``[B, 1, S, ...]``; ``view`` it as a cache stores it): ``k``/``v`` ``[B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, ``sel
     [B, n]`` flat ``head x N + entry`` indices ascending (each row keeps ``n`` pairs), ``counts [B, H_kv]``
     per head. Returns ``(keys, values, pos, start, length)`` in the module's layout, ``room`` free slots after
     each head's entries."""
@@ -57,18 +57,26 @@ def pack(k: Tensor, v: Tensor, kv_pos: Tensor, sel: Tensor, counts: Tensor, room
 
 
 def append(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Tensor, k_new: Tensor,
-           v_new: Tensor, q_pos: Tensor, room_end: Tensor) -> None:
-    """One decode token per head written in place: head ``g``'s ``k_new[b, g, 0]`` into slot ``start + length``
-    (which must be below ``room_end[b, g]``, the head's first slot past its room), ``length`` + 1."""
+           v_new: Tensor, q_pos: Tensor) -> None:
+    """``q`` tokens per head written in place (``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` at positions ``q_pos [B, q]``):
+    head ``g``'s into slots ``start + length ..``, then ``length += q``. The pool may be stored in any shape
+    ``[B, X, C, D]`` with ``X x C = S`` (a SlotCache layer's ``[B, H_kv, C, D]``); a head's tokens must fit before the
+    next head's start (its room; the last head's ends at ``S``), or a device-side assert fails. ``index_put_``, so
+    Inductor writes in place (``kvpass.cache.slots._put`` says why)."""
     b, h = start.shape
-    at = (start + length).long()
-    device_assert((at < room_end).all(), "kvpass: a head's decode room is full (the per-head cache was built for "
-                                         "fewer new tokens than this generation decodes)")
-    d = keys.shape[-1]
-    keys[:, 0].scatter_(1, at[..., None].expand(b, h, d), k_new[:, :, 0])
-    values[:, 0].scatter_(1, at[..., None].expand(b, h, d), v_new[:, :, 0])
-    pos[:, 0].scatter_(1, at, q_pos.reshape(b, 1).expand(b, h).to(pos.dtype))
-    length += 1
+    q, cap = k_new.shape[2], keys.shape[2]
+    size = keys.shape[1] * cap
+    at = (start + length).long()[..., None] + torch.arange(q, device=keys.device)        # [B, H_kv, q]
+    nxt = torch.cat([start[:, 1:].long(), torch.full_like(start[:, :1], size).long()], 1)
+    end = torch.where(nxt > start.long(), nxt, size)      # an empty row (every start 0) writes within the pool
+    device_assert((at < end[..., None]).all(), "kvpass: a head's decode room is full (the per-head cache was built "
+                                               "for fewer new tokens than this generation decodes)")
+    rows = torch.arange(b, device=keys.device)[:, None, None]
+    part, slot = at // cap, at % cap
+    keys.index_put_((rows, part, slot), k_new.to(keys.dtype))
+    values.index_put_((rows, part, slot), v_new.to(values.dtype))
+    pos.index_put_((rows, part, slot), q_pos[:, None, :].expand(b, h, q).to(pos.dtype))
+    length += q
 
 
 def grown(start: Tensor, length: Tensor, q: int) -> tuple[Tensor, Tensor]:
@@ -108,6 +116,44 @@ def by_head(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Te
     k, v, p = ragged_heads(keys, values, pos, start, length, None)
     inside = torch.arange(p.shape[-1], device=p.device) < length[..., None]
     return k, v, torch.where(inside, p, torch.full_like(p, -1))
+
+
+def everything(b: int, h: int, n: int, device) -> "Kept":
+    """The selection that keeps every entry of an ``n``-entry prompt (each head all of its own)."""
+    sel = torch.arange(h * n, device=device).expand(b, h * n)
+    return Kept(sel, torch.full((b, h), n, dtype=torch.long, device=device))
+
+
+# a kvpass.SlotCache layer's state for this layout (``Policy.slot_state``): each head's (start, length)
+SLOT_STATE = {"heads": ((2,), torch.int32, 0)}
+
+
+def slot_fill(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor,
+              kept: "Kept") -> None:
+    """A SlotCache layer (``[B, H_kv, C, D]`` slots, ``ranges [B, H_kv, 2]``) filled with a prefill's kept pairs:
+    the pool of ``pack`` with the slots left over shared out as room, ``C - n`` per head."""
+    b, h, cap = pos.shape
+    keep = kept.sel.shape[1] // h
+    kp, vp, pp, start, length = pack(k, v, kv_pos, kept.sel, kept.counts, room=cap - keep)
+    keys.copy_(kp.view(keys.shape))
+    values.copy_(vp.view(values.shape))
+    pos.copy_(pp.view(pos.shape))
+    ranges.copy_(torch.stack([start, length], -1))
+
+
+def slot_write(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, ranges: Tensor, k_new: Tensor,
+               v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A decode or append call on a SlotCache layer of this layout, as plain tensor code the rewrite places in the
+    graph (no host sync: capturable): each head's new tokens after its range (``append``), the counters advanced.
+    Returns ``(q_pos [B, q], start, length)``, the heads' ranges after the write."""
+    from kvpass.cache.slots import LIMIT, MAX_LENGTH, SEEN, next_positions
+    q = k_new.shape[2]
+    q_pos = next_positions(count, q)
+    device_assert((count[:, SEEN] + q <= count[:, MAX_LENGTH]).all(), LIMIT)
+    length = ranges[..., 1]
+    append(keys, values, pos, ranges[..., 0], length, k_new, v_new, q_pos)
+    count[:, SEEN:SEEN + 2].add_(q)   # seen and filled
+    return q_pos, ranges[..., 0].contiguous(), ranges[..., 1].contiguous()
 
 
 class Kept:

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvpass.cache import ragged
 from kvpass.errors import ConfigError, device_assert
 from kvpass.operators import register
 from kvpass.kernels.gather import gather_pair
@@ -200,6 +201,16 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
         idx, kept_pos, kept_state = runtime.choose(rt.policy, rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None,
                                                    runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin,
                                                                             out_proj))
+    if rt.policy.needs.heads and not rt.sites[site].sliding_window:   # the per-head layout (kvpass.cache.ragged)
+        kept = idx if idx is not None else ragged.everything(b, hkv, length, k_new.device)
+        if kept.sel.shape[1] > hkv * cap:
+            raise ValueError(f"kvpass SlotCache: layer {site} keeps {kept.sel.shape[1] // hkv} entries per KV head of "
+                             f"a {length}-token prompt under policy '{rt.policy.name}', but the cache holds {cap} "
+                             f"slots per head; build the cache with a larger max_length")
+        names = list(rt.policy.slot_state(cap, keys.shape[-1]))
+        ragged.slot_fill(keys, values, pos, state[names.index("heads")], k_new, v_new, kv_pos, kept)
+        count[:, SEEN], count[:, FILLED], count[:, DROPPED] = length, kept.sel.shape[1] // hkv, 0
+        return
     # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
     # first slots (StreamingLLM's sinks must be a padded row's first real tokens, not its padding)
     order = torch.where(kept_pos < 0, torch.iinfo(torch.int64).max, kept_pos.long()).argsort(dim=-1, stable=True)

@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
-from kvpass.cache.ragged import by_head
+from kvpass.cache.ragged import by_head, slot_write as write_heads
 from kvpass.cache.slots import pending_positions, write_slots
 from kvpass.compiler.detect import Detection, Site, seq_slice, val
 from kvpass.compiler.fxargs import arg
@@ -316,7 +316,9 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
     * decode: ``write_slots`` puts the token into the victim slot the policy's rule picks on the device,
       then ``decode_attention`` reads every slot by position (ART when the plan reads with it);
     * append (several tokens on a filled cache): attention by position over the slots and the new
-      tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache).
+      tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache);
+    * a per-head layout (``SitePlan.heads``) in decode or append: ``ragged.slot_write`` puts each head's tokens
+      after its range, then each head's range is read (``_heads_read``).
 
     A sliding-window layer is a ring of its window's slots (``slot_prefill`` keeps the prompt's last
     entries), read by position within the window."""
@@ -340,6 +342,11 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
                                                            _out_proj(graph, site, plan)))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
+        elif plan.heads:   # the per-head layout (kvpass.cache.ragged): each head's tokens after its range, then read
+            ranges = state[0]   # a per-head policy's first state tensor (ragged.SLOT_STATE, Needs.heads)
+            w = graph.call_function(write_heads, (keys, values, pos, count, ranges, site.k_new, site.v_new))
+            q_pos, start, length = (graph.call_function(operator.getitem, (w, i)) for i in range(3))
+            att = _heads_read(graph, site, plan, handle, q, keys, values, pos, q_pos, scale, start, length)
         elif site.phase == "decode":
             slot = None if hooks.place is None else graph.call_function(hooks.place, (pos, count, state, *hooks.args))
             w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect,

@@ -154,6 +154,11 @@ class SitePlan:
                 if r is not None else None)
         if self.slot is not None:
             hooks = self.slot_hooks or SlotHooks()
+            if self.heads:   # the per-head layout (kvpass.cache.ragged)
+                if phase == "prefill":
+                    return "slot (per-head layout): attention (the model's mask) + slot_prefill (each head's range)"
+                read = "decode_attention over each head's range" if phase == "decode" else "attention_pos by head"
+                return f"slot (per-head layout): each head's token after its range, in place + {read}"
             if phase == "prefill":
                 return ("slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
                         + (f" + {hooks.refresh.__name__}" if hooks.refresh is not None else ""))
@@ -216,7 +221,7 @@ class Needs:
       forward the pass did not rewrite writes what its compiled prefill would (``full``, ``art``);
     * ``heads``: each KV head of a layer keeps its own count, its entries in a pool the row's heads share
       (``kvpass.cache.ragged``): its ``select`` answers ``ragged.Kept``, its decode steps read each head's range
-      (``SitePlan.heads``).
+      (``SitePlan.heads``); on a SlotCache its ``slot_state`` starts with ``ragged.SLOT_STATE`` (the ranges).
     """
 
     evicts: bool = False

@@ -12,8 +12,10 @@ head's entries in a range of their own (``kvpass.cache.ragged``), and decode ste
 (decode attention's ``kv_start``). On a ``DynamicCache`` the pool is stored as ``[B, H_kv, budget, D]``, the shape
 a uniform budget stores (the head dimension holds the pool in ``H_kv`` equal parts, not one head each), so
 ``transformers`` sees the length it expects; each decode step adds one entry per head after its range (a copy, as
-``torch.cat`` makes for any ``DynamicCache``). A ``kvpass.SlotCache`` does not yet hold this layout: it refuses the
-policy, naming the fix.
+``torch.cat`` makes for any ``DynamicCache``). On a ``kvpass.SlotCache`` (``kvpass.compile``'s cache) a layer's
+``[B, H_kv, C, D]`` slots hold the pool, each head's kept entries followed by room for the decode steps (``C`` less
+the budget, at least ``max_new_tokens``), and each step writes every head's token in place after its range: one
+device-resident graph, as for a uniform budget.
 
 Parameters: ``scorer`` (``"snapkv"``; also ``"expected_attention"`` and ``"criticalkv"``), built with this
 policy's ``budget`` and ``window`` (``-1``: the scorer's own) and its own defaults otherwise; ``budget`` (2048,
@@ -43,7 +45,7 @@ from kvpass.policies.prefill.snapkv import SnapKV
 class AdaKV(OverScorer):
     name = "adakv"
     summary = "a scorer's ranking over the layer's heads: each KV head keeps its own share of the layer's budget"
-    needs = Needs(evicts=True, heads=True)    # no SlotCache layout yet (slot_rule None: a SlotCache refuses it)
+    needs = Needs(evicts=True, heads=True, slot_rule="append")
     SCORERS = {cls.name: cls for cls in (SnapKV, ExpectedAttention, CriticalKV)}
     scorer: str = param("snapkv", doc="base scorer: 'snapkv', 'expected_attention' or 'criticalkv' (built with "
                                       "budget and window, its own defaults otherwise)")
@@ -55,6 +57,9 @@ class AdaKV(OverScorer):
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
         return dataclasses.replace(plan, heads=True)
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict:
+        return dict(ragged.SLOT_STATE)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, **inputs):
         n = kv_pos.shape[-1]
