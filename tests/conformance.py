@@ -59,6 +59,8 @@ CONFORMANCE: dict[str, Entry] = {
     "expected_attention": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16 + t),
     # snapkv as the scorer, with the frame's window of 4 (its own, 32, would exceed the demanding budget)
     "criticalkv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t),
+    # per-head budgets over snapkv (window 4): the layer's H_kv x 16 entries shared out among its heads
+    "adakv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t),
     "h2o": Entry(dict(budget=1000), dict(budget=16, heavy=0.5), kept=lambda p, t: 16),
     "tova": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16, parallel=dict(budget=16, per_head=True)),
     "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing

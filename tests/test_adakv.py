@@ -121,3 +121,12 @@ def test_configuration_errors_name_the_parameter():
         kvpass.backend("adakv", alpha=1.5)
     with pytest.raises(ConfigError, match=r"adakv' with scorer 'snapkv'.*'budget' must be > window"):
         kvpass.backend("adakv", budget=16)
+
+
+def test_explain_shows_each_heads_count():
+    model = build("llama")
+    e = kvpass.explain(model, {"input_ids": prompt_ids(), "use_cache": True}, "adakv", budget=BUDGET, window=WINDOW,
+                       verbose=False)
+    assert sorted(e.head_budgets) == [0, 1] and all(sum(n) == 2 * BUDGET for n in e.head_budgets.values())
+    assert "kept per KV head after this prefill (row 0): layer 0: " in str(e)
+    assert all("per-head layout" in r["plan"] for r in e.rows)

@@ -20,7 +20,8 @@ from conformance import CONFORMANCE, one_per_mechanism
 from families import build
 
 SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])   # conformance.py
-HOOKED = [n for n in SLOT if POLICIES[n].slot_hooks is not Policy.slot_hooks]   # h2o, quest, raas, tova
+# h2o, quest, raas, tova (their hooks) and adakv (its heads' ranges, which each decode step writes)
+HOOKED = [n for n in SLOT if POLICIES[n].slot_hooks is not Policy.slot_hooks or POLICIES[n].needs.heads]
 MAX, NEW = 64, 12
 
 

@@ -8,6 +8,7 @@ its room), ``append`` and ``grow`` add one entry per head, and decode attention 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -136,3 +137,14 @@ def test_append_in_place_and_grow_by_copy_hold_the_same_entries(b, h, steps, see
     outs = [K.decode_attention_reference(q, keys, values, kv_pos=pos, q_pos=torch.full((b,), 99), kv_len=length,
                                          kv_start=start, block=8)[0] for keys, values, pos, start, length in (slot, grown)]
     torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_a_head_past_its_room_fails_loudly():
+    """A SlotCache built for fewer new tokens than a generation decodes: the write past a head's room (into the next
+    head's range) fails its assert instead of overwriting the neighbour."""
+    _, _, _, _, _, slot = packed(1, 2, 20, 8, 6, 1, 1, 0)
+    keys, values, pos, start, length = (t.clone() for t in slot)
+    new = torch.zeros(1, 2, 1, 8)
+    ragged.append(keys, values, pos, start, length, new, new, torch.tensor([[20]]))   # the room's one slot
+    with pytest.raises(RuntimeError, match="decode room is full"):
+        ragged.append(keys, values, pos, start, length, new, new, torch.tensor([[21]]))

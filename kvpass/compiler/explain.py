@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +73,8 @@ class Explanation:
 
     policy: str
     graphs: list  # list[GraphReport]
+    # a per-head policy (kvpass.cache.ragged): layer -> entries each KV head kept after the explained prefill (row 0)
+    head_budgets: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> list[dict]:
@@ -118,6 +120,9 @@ class Explanation:
             lines.append(f"{self.tensor_parallel} (heads and kv_heads above are this rank's)")
             lines.append("reductions: " + ("; ".join(self.reductions) or
                                            "none (every decision of this policy is per KV head)"))
+        if self.head_budgets:
+            lines.append("kept per KV head after this prefill (row 0): " + "; ".join(
+                f"layer {i}: {' '.join(map(str, n))}" for i, n in sorted(self.head_budgets.items())))
         lines += [f"problem: {p}" for p in self.problems]
         if legend:
             lines += LEGEND
@@ -153,7 +158,8 @@ def explain(model, example_inputs, policy="full", *, verbose: bool = True, **par
             compiled(*example_inputs)
         else:
             compiled(example_inputs)
-    result = Explanation(policy=repr(be.policy), graphs=be.reports)
+    heads = {i: st.extra["heads"][1][0].tolist() for i, st in be.state.layers.items() if "heads" in st.extra}
+    result = Explanation(policy=repr(be.policy), graphs=be.reports, head_budgets=heads)
     if verbose:
         print(result)
     return result
