@@ -130,6 +130,19 @@ METHODS = [
               "kvpass uses the model's attention scale (= 1/sqrt(d) here) and the RoPE mean in closed form "
               "from the prompt's tables, kvpress the rotary module at the future positions"},
 ]
+METHODS += [
+    {"name": "criticalkv", "budget": 256, "kvpass": ("criticalkv", {"scorer": "snapkv:kernel=5,pool=avg",
+                                                                   "window": 32}),
+     "kvpress": ("CriticalKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
+     "notes": "over the matched snapkv (stage 1: half the kept entries by snapkv, the rest by score times the "
+              "projected value's L1 norm, epsilon 1e-4); kvpass forces snapkv's window, kvpress gives it snapkv's "
+              "top score"},
+    {"name": "adakv", "budget": 256, "kvpass": ("adakv", {"scorer": "snapkv:kernel=5,pool=avg", "window": 32}),
+     "kvpress": ("AdaKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
+     "notes": "over the matched snapkv, floor int(0.2 x 256) = 51 per head, then one ranking over the layer's "
+              "(head, entry) pairs; kvpress masks the dropped pairs (their memory kept), kvpass stores the kept "
+              "ones (each head its own count)"},
+]
 BY_NAME = {m["name"]: m for m in METHODS}
 
 
@@ -249,6 +262,10 @@ def run_kvpass_side(args) -> None:
                     if st is None:                      # the layer stored the whole prompt
                         kept[str(i)] = [list(range(n))] * hkv
                         unevicted.append(i)
+                    elif "heads" in st.extra:           # a per-head layout: each head's range of the row's pool
+                        start, length = (t[0].tolist() for t in st.extra["heads"])
+                        pool = st.pos[0].reshape(-1).tolist()
+                        kept[str(i)] = [pool[a:a + m] for a, m in zip(start, length)]
                     else:
                         kept[str(i)] = st.pos[0].tolist()
                 nxt = pick(logits, tokens, logps)
@@ -308,6 +325,13 @@ def record_kept(press, store: dict) -> None:
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         k2, v2 = inner(module, hidden_states, keys, values, attentions, kwargs)
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:   # a press that masks what it drops and keeps the keys (AdaKVPress): the rest is kept
+            rows, heads, entries = (t.tolist() for t in masked)
+            n = keys.shape[2]
+            drop = [{e for r, h, e in zip(rows, heads, entries) if r == 0 and h == g} for g in range(keys.shape[1])]
+            store[str(module.layer_idx)] = [[j for j in range(n) if j not in d] for d in drop]
+            return k2, v2
         idx, bad = match_rows(keys, k2)
         store[str(module.layer_idx)] = idx
         store.setdefault("_unmatched", 0)
@@ -389,8 +413,8 @@ def overlap_stats(a: dict, b: dict) -> dict:
             sa, sb = set(ka), set(kb)
             per[f"{layer}.{h}"] = len(sa & sb) / max(len(sa), len(sb), 1)
             exact += sa == sb
-        sizes_a.append(len(a[layer][0]))
-        sizes_b.append(len(b[layer][0]))
+        sizes_a.append(sum(map(len, a[layer])) / len(a[layer]))   # per KV head, on average (per-head budgets)
+        sizes_b.append(sum(map(len, b[layer])) / len(b[layer]))
     if not per:
         return {}
     worst = min(per, key=per.get)

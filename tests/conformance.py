@@ -60,7 +60,10 @@ CONFORMANCE: dict[str, Entry] = {
     # snapkv as the scorer, with the frame's window of 4 (its own, 32, would exceed the demanding budget)
     "criticalkv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t),
     # per-head budgets over snapkv (window 4): the layer's H_kv x 16 entries shared out among its heads
-    "adakv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t),
+    # (under tensor parallelism each rank allocates its own heads' share: alpha=1, each head the scorer's choice,
+    # decides as one device)
+    "adakv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t,
+                   parallel=_prefill(16, alpha=1.0)),
     "h2o": Entry(dict(budget=1000), dict(budget=16, heavy=0.5), kept=lambda p, t: 16),
     "tova": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16, parallel=dict(budget=16, per_head=True)),
     "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing

@@ -42,10 +42,10 @@ PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
 SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"}   # decisions over a layer's heads
 PER_HEAD = {"full", "snapkv"}            # the second family's share of the per-head policies
 # the llama's per-head policies on the CPU (CI time): one of each rewrite kind (append, evict at prefill, ring,
-# placed by a score, pages read, page pool, a stop rule) and criticalkv, which reads its rank's shard of the output
-# projection; every per-head policy decides on its rank's heads alone through the same path, and the GPU run
-# (device "cuda") runs them all
-LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "art", "criticalkv"}
+# placed by a score, pages read, page pool, a stop rule), criticalkv, which reads its rank's shard of the output
+# projection, and adakv, whose rank keeps its heads' ranges in one pool; every per-head policy decides on its
+# rank's heads alone through the same path, and the GPU run (device "cuda") runs them all
+LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "art", "criticalkv", "adakv"}
 SPANNING_FUSION = ("a3", "cacheblend")   # fusion policies whose recompute set sums over every head
 # on a SlotCache (CI time): an append, a ring, an evicting prefill, pages read and pages evicted, a gate, a
 # decision over heads; the others' slot writes are the same rules (tests/test_conformance.py covers them all)

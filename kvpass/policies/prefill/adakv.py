@@ -17,8 +17,9 @@ a uniform budget stores (the head dimension holds the pool in ``H_kv`` equal par
 the budget, at least ``max_new_tokens``), and each step writes every head's token in place after its range: one
 device-resident graph, as for a uniform budget.
 
-Parameters: ``scorer`` (``"snapkv"``; also ``"expected_attention"`` and ``"criticalkv"``), built with this
-policy's ``budget`` and ``window`` (``-1``: the scorer's own) and its own defaults otherwise; ``budget`` (2048,
+Parameters: ``scorer`` (``"snapkv"``; also ``"expected_attention"`` and ``"criticalkv"``, each optionally with its
+own parameters, ``"snapkv:kernel=5,pool=avg"``), built with this policy's ``budget`` and ``window`` (``-1``: the
+scorer's own) and its own defaults otherwise; ``budget`` (2048,
 entries kept per KV head on average: the layer keeps ``H_kv x budget``); ``alpha`` (0.2, 0..1: each head's floor,
 ``max(1, int(alpha x budget))`` entries; 1 keeps the scorer's uniform choice, the no-op against the scorer; 0 no
 floor beyond the scorer's forced entries). A prompt no longer than ``budget`` is kept whole (``full``).

@@ -17,8 +17,9 @@ Each layer and KV head keeps ``budget`` entries, in their original order, ties t
 last. A prompt no longer than ``budget`` is kept whole, which equals ``full``. Decode steps append
 (``kvpass.policies.prefill.base``).
 
-Parameters: ``scorer`` (``"snapkv"``; also ``"expected_attention"``, ``"knorm"``, ``"keydiff"``): the base scorer,
-built with this policy's ``budget`` and ``window`` (``-1``, the default, leaves the scorer's own: 32 for snapkv, 0
+Parameters: ``scorer`` (``"snapkv"``; also ``"expected_attention"``, ``"knorm"``, ``"keydiff"``, each optionally with
+its own parameters, ``"snapkv:kernel=5,pool=avg"``): the base scorer, built with this policy's ``budget`` and
+``window`` (``-1``, the default, leaves the scorer's own: 32 for snapkv, 0
 for the others) and its own defaults for every other parameter (snapkv's pooling kernel 7, expected_attention's 4
 sinks and 512 future positions), except that ``expected_attention`` runs without its value-norm weighting
 (``use_vnorm=False``, as kvpress advises: stage 2 weighs the values itself). The base's plan is honoured

@@ -1,8 +1,8 @@
 """``OverScorer``: the frame of a policy that builds on another's ranking (``criticalkv``, ``adakv``).
 
 The base scorer is built from the policy's ``scorer`` name (one of the subclass's ``SCORERS``) with the policy's
-``budget`` and ``window`` (``-1``: the scorer's own default) and the scorer's defaults otherwise (a subclass's
-``SCORER_DEFAULTS`` may set some); its plan is honoured (its refusals, the inputs its ranking reads), and its
+``budget`` and ``window`` (``-1``: the scorer's own default), the scorer's own parameters given after its name
+(``"snapkv:kernel=5,pool=avg"``) and its defaults otherwise (a subclass's ``SCORER_DEFAULTS`` may set some); its plan is honoured (its refusals, the inputs its ranking reads), and its
 configuration and source are part of the policy's identity (``uuid``).
 """
 
@@ -16,6 +16,28 @@ from kvpass.policies.contract import ConfigError, Refusal, SitePlan, param
 from kvpass.policies.prefill.base import PrefillEviction
 
 
+def scorer_options(policy: str, cls, text: str) -> dict:
+    """``"kernel=5,pool=avg"`` as the scorer class's parameters, each converted to its declared type (its range is
+    checked when the scorer is built); budget and window are the policy's own."""
+    kinds = {p.name: p.kind for p in cls.params}
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        own = [k for k in kinds if k not in ("budget", "window")]
+        if not eq or key not in own:
+            raise ConfigError(f"policy '{policy}': parameter 'scorer' sets '{item}'; the options after '{cls.name}:' "
+                              f"are name=value pairs of its parameters ({', '.join(own) or 'none'}); budget and "
+                              f"window are {policy}'s own")
+        kind, value = kinds[key], value.strip()
+        try:
+            out[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+        except ValueError:
+            raise ConfigError(f"policy '{policy}': parameter 'scorer' sets {key}={value!r}, which is not of type "
+                              f"{kind.__name__}") from None
+    return out
+
+
 class OverScorer(PrefillEviction):
     SCORERS: ClassVar[dict] = {}           # name -> PrefillEviction class whose ranking the policy reads
     SCORER_DEFAULTS: ClassVar[dict] = {}   # name -> parameters the policy builds that scorer with
@@ -23,13 +45,16 @@ class OverScorer(PrefillEviction):
                         "default)")
 
     def check_config(self) -> None:
-        if self.scorer not in self.SCORERS:
+        name, _, options = self.scorer.partition(":")
+        if name not in self.SCORERS:
             raise ConfigError(f"policy '{self.name}': parameter 'scorer' must be one of {', '.join(self.SCORERS)}, "
-                              f"got {self.scorer!r}")
+                              f"optionally with the scorer's own parameters ('snapkv:kernel=5,pool=avg'), got "
+                              f"{self.scorer!r}")
+        cls = self.SCORERS[name]
         params = {"budget": self.budget, **({"window": self.window} if self.window >= 0 else {}),
-                  **self.SCORER_DEFAULTS.get(self.scorer, {})}
+                  **self.SCORER_DEFAULTS.get(name, {}), **scorer_options(self.name, cls, options)}
         try:
-            self.base = self.SCORERS[self.scorer](**params)
+            self.base = cls(**params)
         except ConfigError as err:
             raise ConfigError(f"policy '{self.name}' with scorer '{self.scorer}': {err}") from None
 
