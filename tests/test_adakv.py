@@ -17,7 +17,7 @@ import transformers
 from transformers import DynamicCache
 
 import kvpass
-from families import build
+from families import build, skip_uneven_layers_on_old_stacks
 from kvpass.errors import ConfigError
 
 PROMPT, BUDGET, WINDOW = 70, 40, 8
@@ -130,3 +130,24 @@ def test_explain_shows_each_heads_count():
     assert sorted(e.head_budgets) == [0, 1] and all(sum(n) == 2 * BUDGET for n in e.head_budgets.values())
     assert "kept per KV head after this prefill (row 0): layer 0: " in str(e)
     assert all("per-head layout" in r["plan"] for r in e.rows)
+
+
+def test_over_pyramidkv_each_layer_keeps_the_pyramids_total():
+    """Head-wise PyramidKV (scorer='pyramidkv'): each layer keeps H_kv times pyramidkv's budget for it, shared out
+    among its heads; alpha=1 gives pyramidkv's logits."""
+    model = build("llama")
+    ids = prompt_ids()
+    skip_uneven_layers_on_old_stacks("pyramidkv")
+    steps = dict(steps=3, append=1, more=0)   # pyramidkv's several-token append: a known limit (UNEVEN)
+    pyr = calls(compiled(model, "pyramidkv", budget=BUDGET, window=WINDOW)[1], DynamicCache(config=model.config), ids,
+                **steps)
+    be, fwd = compiled(model, "adakv", budget=BUDGET, window=WINDOW, scorer="pyramidkv", alpha=1.0)
+    for a, p in zip(calls(fwd, DynamicCache(config=model.config), ids, **steps), pyr):
+        torch.testing.assert_close(a, p, atol=1e-5, rtol=1e-5)
+    be, fwd = compiled(model, "adakv", budget=BUDGET, window=WINDOW, scorer="pyramidkv")
+    cache = DynamicCache(config=model.config)
+    calls(fwd, cache, ids, steps=1, append=1, more=0)
+    budgets = [be.policy.base.layer_budget(be.runtime.sites[i]) for i in range(2)]
+    assert budgets[0] > BUDGET > budgets[1]
+    for i, budget in enumerate(budgets):
+        assert int(be.state.layer(i).extra["heads"][1].sum()) == 2 * (min(budget, PROMPT) + 2)

@@ -17,9 +17,10 @@ a uniform budget stores (the head dimension holds the pool in ``H_kv`` equal par
 the budget, at least ``max_new_tokens``), and each step writes every head's token in place after its range: one
 device-resident graph, as for a uniform budget.
 
-Parameters: ``scorer`` (``"snapkv"``; also ``"expected_attention"`` and ``"criticalkv"``, each optionally with its
-own parameters, ``"snapkv:kernel=5,pool=avg"``), built with this policy's ``budget`` and ``window`` (``-1``: the
-scorer's own) and its own defaults otherwise; ``budget`` (2048,
+Parameters: ``scorer`` (``"snapkv"``; also ``"pyramidkv"``, whose budgets decrease with depth: head-wise PyramidKV,
+the paper's Ada-Pyramid; ``"expected_attention"`` and ``"criticalkv"``; each optionally with its own parameters,
+``"snapkv:kernel=5,pool=avg"``), built with this policy's ``budget`` and ``window`` (``-1``: the scorer's own) and
+its own defaults otherwise; a layer keeps ``H_kv`` times the scorer's budget for that layer; ``budget`` (2048,
 entries kept per KV head on average: the layer keeps ``H_kv x budget``); ``alpha`` (0.2, 0..1: each head's floor,
 ``max(1, int(alpha x budget))`` entries; 1 keeps the scorer's uniform choice, the no-op against the scorer; 0 no
 floor beyond the scorer's forced entries). A prompt no longer than ``budget`` is kept whole (``full``).
@@ -40,6 +41,7 @@ from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.criticalkv import CriticalKV
 from kvpass.policies.prefill.expected_attention import ExpectedAttention
 from kvpass.policies.prefill.over_scorer import OverScorer
+from kvpass.policies.prefill.pyramidkv import PyramidKV
 from kvpass.policies.prefill.snapkv import SnapKV
 
 
@@ -47,9 +49,10 @@ class AdaKV(OverScorer):
     name = "adakv"
     summary = "a scorer's ranking over the layer's heads: each KV head keeps its own share of the layer's budget"
     needs = Needs(evicts=True, heads=True, slot_rule="append")
-    SCORERS = {cls.name: cls for cls in (SnapKV, ExpectedAttention, CriticalKV)}
-    scorer: str = param("snapkv", doc="base scorer: 'snapkv', 'expected_attention' or 'criticalkv' (built with "
-                                      "budget and window, its own defaults otherwise)")
+    SCORERS = {cls.name: cls for cls in (SnapKV, PyramidKV, ExpectedAttention, CriticalKV)}
+    scorer: str = param("snapkv", doc="base scorer: 'snapkv', 'pyramidkv' (its layer budgets: head-wise PyramidKV), "
+                                      "'expected_attention' or 'criticalkv' (built with budget and window, its own "
+                                      "defaults otherwise)")
     alpha: float = param(0.2, 0.0, 1.0, "each head's floor as a share of the budget (AdaKV's safeguard; 1: the "
                                         "scorer's uniform choice)")
 
@@ -58,6 +61,16 @@ class AdaKV(OverScorer):
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
         return dataclasses.replace(plan, heads=True)
+
+    # the layer's total is the scorer's: pyramidkv's budgets decrease with depth (Ada-Pyramid in the paper)
+    def kept(self, site, total):
+        return self.base.kept(site, total)
+
+    def layer_budget(self, site) -> int:
+        return self.base.layer_budget(site)
+
+    def slot_budget(self, layer: int, layers: int) -> int:
+        return self.base.slot_budget(layer, layers)
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         return dict(ragged.SLOT_STATE)
