@@ -151,3 +151,18 @@ def test_over_pyramidkv_each_layer_keeps_the_pyramids_total():
     assert budgets[0] > BUDGET > budgets[1]
     for i, budget in enumerate(budgets):
         assert int(be.state.layer(i).extra["heads"][1].sum()) == 2 * (min(budget, PROMPT) + 2)
+
+
+@pytest.mark.inductor
+def test_inductor_decodes_the_per_head_slots_as_the_eager_compiler():
+    """kvpass.compile's SlotCache path under Inductor (each head's in-place write and ranges compiled into the decode
+    graph), a batch of two rows: the eager compiler's tokens."""
+    ids = torch.randint(3, 90, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for compiler in ("eager", "inductor"):
+        torch._dynamo.reset()
+        model = build("llama")
+        be = kvpass.compile(model, "adakv", compiler=compiler, budget=BUDGET, window=WINDOW)
+        out[compiler] = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert be.graph_counts() == {"prefill": 1, "decode": 1}
+    assert torch.equal(out["eager"], out["inductor"])
