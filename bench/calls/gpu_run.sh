@@ -5,6 +5,9 @@
 #                                        once on the one GPU, each stopped at LIMIT (500) seconds
 #   bash bench/calls/gpu_run.sh decode   8 layers, prompts of 2k then 130k through `generate`, beside the queued
 #                                        step and the roofline in the same process (bench/bench_fastpath.py)
+#   bash bench/calls/gpu_run.sh accuracy gemma3-270m, RULER-style tasks and NIAH at 2k-8k, the prefill methods
+#                                        beside snapkv and full at budgets 64-1024 (`kvpass compare`; BUDGETS
+#                                        picks fewer, each budget its own results folder)
 # At most 8 files come back from a call, so the per-file logs are packed into one tgz beside a summary.
 set -u
 out=${OUT:?set OUT}
@@ -14,7 +17,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-case "${1:?tests | decode}" in
+case "${1:?tests | decode | accuracy}" in
 tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
@@ -33,4 +36,14 @@ decode)
     --policies full,snapkv,streamingllm,quest,h2o,raas --prefill-compiler eager \
     --out "$out/l8_130k.json" > "$out/l8_130k.log" 2>&1
   tail -n 30 "$out/l8_130k.log" ;;
+accuracy)
+  # the methods of the issue "The field's leading methods" beside snapkv; full once (no budget)
+  kvpass compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k --limit 3 --policies full \
+    --out "$out/full" > "$out/full.log" 2>&1
+  for b in ${BUDGETS:-64 256 1024}; do
+    timeout -k 10 "${LIMIT:-500}" kvpass compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k \
+      --limit 3 --budget "$b" --policies snapkv,adakv,expected_attention,criticalkv,knorm,keydiff,tova \
+      --out "$out/b$b" > "$out/b$b.log" 2>&1
+    tail -n 12 "$out/b$b.log"
+  done ;;
 esac
