@@ -84,6 +84,17 @@ def test_alpha_one_is_snapkv_and_a_short_prompt_is_full():
         torch.testing.assert_close(a, f, atol=1e-5, rtol=1e-5)
 
 
+def test_alpha_one_over_expected_attention_is_expected_attention():
+    """The scorer's plan reaches adakv's selection: expected_attention's queries before RoPE and their tables."""
+    model = build("llama")
+    ids = prompt_ids()
+    ref = calls(compiled(model, "expected_attention", budget=BUDGET)[1], DynamicCache(config=model.config), ids,
+                steps=2, append=1, more=0)
+    be, fwd = compiled(model, "adakv", budget=BUDGET, scorer="expected_attention", alpha=1.0)
+    for a, r in zip(calls(fwd, DynamicCache(config=model.config), ids, steps=2, append=1, more=0), ref):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scorer", ["snapkv", "criticalkv"])
 def test_ragged_heads_store_what_they_keep_and_attend_as_masked_heads(scorer):
     model = build("llama")
