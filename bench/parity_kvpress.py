@@ -263,7 +263,7 @@ def run_kvpass_side(args) -> None:
                         kept[str(i)] = [list(range(n))] * hkv
                         unevicted.append(i)
                     elif "heads" in st.extra:           # a per-head layout: each head's range of the row's pool
-                        start, length = (t[0].tolist() for t in st.extra["heads"])
+                        start, length = (st.extra["heads"][0, :, c].tolist() for c in (0, 1))   # START, LENGTH
                         pool = st.pos[0].reshape(-1).tolist()
                         kept[str(i)] = [pool[a:a + m] for a, m in zip(start, length)]
                     else:

@@ -17,6 +17,7 @@ import transformers
 from transformers import DynamicCache
 
 import kvpass
+from kvpass.cache import ragged
 from families import build, skip_uneven_layers_on_old_stacks
 from kvpass.errors import ConfigError
 
@@ -105,7 +106,7 @@ def test_ragged_heads_store_what_they_keep_and_attend_as_masked_heads(scorer):
     hkv, new = model.config.num_key_value_heads, 3 + 4 + 2
     counts = []
     for layer, st in be.state.layers.items():
-        start, length = st.extra["heads"]
+        start, length = st.extra["heads"][..., ragged.START], st.extra["heads"][..., ragged.LENGTH]
         pool = st.pos.reshape(-1)
         held = [pool[int(start[0, g]):int(start[0, g] + length[0, g])] for g in range(hkv)]
         prompt_kept = [h[h < PROMPT].tolist() for h in held]
@@ -126,12 +127,16 @@ def test_ragged_heads_store_what_they_keep_and_attend_as_masked_heads(scorer):
 
 
 def test_configuration_errors_name_the_parameter():
-    with pytest.raises(ConfigError, match=r"'adakv'.*'scorer' must be one of snapkv, expected_attention, criticalkv"):
+    with pytest.raises(ConfigError, match=r"'adakv'.*'scorer' must be one of snapkv, pyramidkv, expected_attention, "
+                                         r"criticalkv, optionally with the scorer's own parameters"):
         kvpass.backend("adakv", scorer="knorm")
     with pytest.raises(ConfigError, match=r"'alpha'"):
         kvpass.backend("adakv", alpha=1.5)
     with pytest.raises(ConfigError, match=r"adakv' with scorer 'snapkv'.*'budget' must be > window"):
         kvpass.backend("adakv", budget=16)
+    with pytest.raises(ConfigError, match=r"'scorer' sets 'kernell=5'; the options after 'snapkv:' are name=value "
+                                          r"pairs of its parameters \(kernel, pool\)"):
+        kvpass.backend("adakv", scorer="snapkv:kernell=5")
 
 
 def test_explain_shows_each_heads_count():
@@ -161,7 +166,7 @@ def test_over_pyramidkv_each_layer_keeps_the_pyramids_total():
     budgets = [be.policy.base.layer_budget(be.runtime.sites[i]) for i in range(2)]
     assert budgets[0] > BUDGET > budgets[1]
     for i, budget in enumerate(budgets):
-        assert int(be.state.layer(i).extra["heads"][1].sum()) == 2 * (min(budget, PROMPT) + 2)
+        assert int(be.state.layer(i).extra["heads"][..., ragged.LENGTH].sum()) == 2 * (min(budget, PROMPT) + 2)
 
 
 @pytest.mark.inductor

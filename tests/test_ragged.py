@@ -86,12 +86,12 @@ def packed(b, h, n, d, keep, floor, room, seed):
     g = torch.Generator().manual_seed(seed + 1)
     k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
     sel, counts = scoring.keep_top_heads(priority, forced, valid, keep, floor)
-    return k, v, kv_pos, sel, counts, ragged.pack(k, v, kv_pos, sel, counts, room)
+    return k, v, kv_pos, sel, counts, ragged.pack(k, v, kv_pos, ragged.Kept(sel, counts), room)
 
 
-def held(pool, start, length, r, g):
-    s, n = int(start[r, g]), int(length[r, g])
-    return pool[r, 0, s:s + n]
+def held(pool, ranges, r, g):
+    s, n = int(ranges[r, g, ragged.START]), int(ranges[r, g, ragged.LENGTH])
+    return pool.reshape(pool.shape[0], -1, *pool.shape[3:])[r, s:s + n]
 
 
 @SETTINGS
@@ -100,16 +100,17 @@ def held(pool, start, length, r, g):
 def test_the_pool_holds_each_heads_kept_entries_and_its_room(b, h, n, data, room, seed):
     keep = data.draw(st.integers(4, n))
     floor = data.draw(st.integers(1, keep))
-    k, v, kv_pos, sel, counts, (keys, values, pos, start, length) = packed(b, h, n, 8, keep, floor, room, seed)
+    k, v, kv_pos, sel, counts, (keys, values, pos, ranges) = packed(b, h, n, 8, keep, floor, room, seed)
     assert keys.shape == (b, 1, h * keep + h * room, 8)          # stored: the kept entries and the room, no more
-    assert torch.equal(length, counts.int())
+    assert torch.equal(ranges[..., ragged.LENGTH], counts.int())
     for r in range(b):
         for g in range(h):
-            mine = torch.tensor([int(f) % n for f in sel[r] if int(f) // n == g], dtype=torch.long)
-            assert torch.equal(held(keys, start, length, r, g), k[r, g, mine])
-            assert torch.equal(held(values, start, length, r, g), v[r, g, mine])
-            assert torch.equal(held(pos, start, length, r, g), kv_pos[r, g, mine].int())
-            end = int(start[r, g] + length[r, g])
+            mine = sorted((int(f) % n for f in sel[r] if int(f) // n == g), key=lambda j: (kv_pos[r, g, j] < 0, j))
+            mine = torch.tensor(mine, dtype=torch.long)    # real entries in order, then the head's left padding
+            assert torch.equal(held(keys, ranges, r, g), k[r, g, mine])
+            assert torch.equal(held(values, ranges, r, g), v[r, g, mine])
+            assert torch.equal(held(pos, ranges, r, g), kv_pos[r, g, mine].int())
+            end = int(ranges[r, g, ragged.START] + ranges[r, g, ragged.LENGTH])
             assert (pos[r, 0, end:end + room] == -1).all()
 
 
@@ -127,15 +128,16 @@ def test_append_in_place_and_grow_by_copy_hold_the_same_entries(b, h, steps, see
     for t in range(steps):
         k_new, v_new = torch.randn(b, h, 1, 8, generator=g), torch.randn(b, h, 1, 8, generator=g)
         q_pos = torch.full((b, 1), 30 + t)
-        ragged.append(*shaped, slot[3], slot[4], k_new, v_new, q_pos)
+        ragged.append(*shaped, slot[3], k_new, v_new, q_pos)
         grown = ragged.grow(*grown, k_new, v_new, q_pos)
     assert grown[0].shape[2] == h * (12 + steps)
     for r in range(b):
         for head in range(h):
             for i in range(3):
-                assert torch.equal(held(slot[i], slot[3], slot[4], r, head), held(grown[i], grown[3], grown[4], r, head))
-    outs = [K.decode_attention_reference(q, keys, values, kv_pos=pos, q_pos=torch.full((b,), 99), kv_len=length,
-                                         kv_start=start, block=8)[0] for keys, values, pos, start, length in (slot, grown)]
+                assert torch.equal(held(slot[i], slot[3], r, head), held(grown[i], grown[3], r, head))
+    outs = [K.decode_attention_reference(q, keys, values, kv_pos=pos, q_pos=torch.full((b,), 99),
+                                         kv_len=ranges[..., ragged.LENGTH], kv_start=ranges[..., ragged.START],
+                                         block=8)[0] for keys, values, pos, ranges in (slot, grown)]
     torch.testing.assert_close(outs[0], outs[1])
 
 
@@ -143,8 +145,8 @@ def test_a_head_past_its_room_fails_loudly():
     """A SlotCache built for fewer new tokens than a generation decodes: the write past a head's room (into the next
     head's range) fails its assert instead of overwriting the neighbour."""
     _, _, _, _, _, slot = packed(1, 2, 20, 8, 6, 1, 1, 0)
-    keys, values, pos, start, length = (t.clone() for t in slot)
+    keys, values, pos, ranges = (t.clone() for t in slot)
     new = torch.zeros(1, 2, 1, 8)
-    ragged.append(keys, values, pos, start, length, new, new, torch.tensor([[20]]))   # the room's one slot
+    ragged.append(keys, values, pos, ranges, new, new, torch.tensor([[20]]))   # the room's one slot
     with pytest.raises(RuntimeError, match="decode room is full"):
-        ragged.append(keys, values, pos, start, length, new, new, torch.tensor([[21]]))
+        ragged.append(keys, values, pos, ranges, new, new, torch.tensor([[21]]))

@@ -159,15 +159,15 @@ class Runtime:
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         b, h, n = kv_pos.shape
         heads = None
-        if isinstance(idx, ragged.Kept):   # the per-head layout: the row's pool, stored as [B, H_kv, n / H_kv, D]
-            keys, values, pos, *heads = ragged.pack(k, v, kv_pos, idx.sel, idx.counts)
-            kept = idx.sel.shape[1] // h
+        if isinstance(idx, ragged.Kept):   # the per-head layout: the row's pool, stored as [B, H_kv, L, D]
+            kept = -(-idx.sel.shape[1] // h)   # L: a total that is not a multiple of H_kv leaves the last slots empty
+            keys, values, pos, heads = ragged.pack(k, v, kv_pos, idx, size=h * kept)
             k_out, v_out = keys.view(b, h, kept, k.shape[-1]), values.view(b, h, kept, v.shape[-1])
             pos = pos.view(b, h, kept).to(kv_pos.dtype)
         elif idx is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
-            if self.policy.needs.heads:   # heads_update laid the entries out: each head's range where it was
-                heads = self.head_ranges(site, b, h, n - q_pos.shape[1], q_pos.shape[1], fresh)
+            if self.policy.needs.heads:   # heads_update laid the entries out: the ranges it made
+                heads = self.head_ranges(site, b, h, n - q_pos.shape[1], kv_pos, q_pos, fresh)
         else:
             k_out, v_out = gather_pair(k, v, idx)  # Triton compaction on CUDA
         seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
@@ -175,19 +175,21 @@ class Runtime:
         if book is not None:  # the policy's bookkeeping for the layer (a paged policy's page tables)
             st.extra = book
         if heads is not None:
-            st.extra = {**st.extra, "heads": tuple(heads)}
+            st.extra = {**st.extra, "heads": heads}
         return k_out, v_out
 
-    def head_ranges(self, site: int, b: int, h: int, stored: int, new: int, fresh: bool) -> tuple[Tensor, Tensor]:
-        """``(start, length)`` ``[B, H_kv]`` of a per-head layer (``kvpass.cache.ragged``) after ``new`` entries per
-        head joined its ``stored``: the prompt of a new prefill kept whole (every head ``new`` entries), else the
-        recorded ranges grown (a layer kvpass did not lay out holds ``stored / H_kv`` per head)."""
+    def head_ranges(self, site: int, b: int, h: int, stored: int, kv_pos: Tensor, q_pos: Tensor, fresh: bool):
+        """``ranges [B, H_kv, 4]`` of a per-head layer (``kvpass.cache.ragged``) after a call's ``q`` entries per
+        head joined its ``stored``: the prompt of a new prefill kept whole, else the recorded ranges grown as
+        ``heads_update`` grew them (a layer kvpass did not lay out holds ``stored / H_kv`` per head)."""
+        if fresh:
+            return ragged.uniform(b, h, q_pos.shape[1], kv_pos.device)
+        return ragged.grown(self._ranges(site, b, h, stored, kv_pos.device), q_pos.shape[1])
+
+    def _ranges(self, site: int, b: int, h: int, stored: int, device) -> Tensor:
         st = self.state.layer(site)
-        dev = st.pos.device if st is not None else None
-        if fresh or st is None:
-            return ragged.uniform(b, h, new, dev)
-        start, length = st.extra.get("heads") or ragged.uniform(b, h, stored, dev)
-        return ragged.grown(start, length, new)
+        got = None if st is None else st.extra.get("heads")
+        return got if got is not None else ragged.uniform(b, h, stored, device)
 
     def heads_update(self, site: int, k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
                      mask: Tensor | None):
@@ -198,7 +200,8 @@ class Runtime:
         st = self.state.layer(site)
         if lp == 0:   # a new prefill: the prompt, every head its whole
             kv_pos, q_pos = self.positions(site, k_past, k_new, mask)
-            return (k_new, v_new, kv_pos, q_pos, *ragged.uniform(b, h, ln, k_new.device))
+            ranges = ragged.uniform(b, h, ln, k_new.device)
+            return k_new, v_new, kv_pos, q_pos, ranges[..., ragged.START], ranges[..., ragged.LENGTH]
         if st is None or st.pos.shape[2] != lp:
             raise ValueError(f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer {site}'s cache, "
                              f"and the cache holds {lp} entries per head where kvpass recorded "
@@ -206,14 +209,14 @@ class Runtime:
                              f"(a cache filled without this backend, or cropped by assisted decoding). Start a new "
                              f"cache with this backend's prefill")
         q_pos = (st.seen + torch.arange(ln, device=k_new.device)).expand(b, ln).contiguous()
-        start, length = st.extra.get("heads") or ragged.uniform(b, h, lp, k_new.device)
         flat = lambda t: t.reshape(b, 1, h * lp, *t.shape[3:])
-        keys, values, pos, start, length = ragged.grow(flat(k_past.to(k_new.dtype)), flat(v_past.to(v_new.dtype)),
-                                                       flat(st.pos.to(k_new.device)), start, length, k_new, v_new,
-                                                       q_pos)
+        keys, values, pos, ranges = ragged.grow(flat(k_past.to(k_new.dtype)), flat(v_past.to(v_new.dtype)),
+                                                flat(st.pos.to(k_new.device)), self._ranges(site, b, h, lp,
+                                                                                              k_new.device),
+                                                k_new, v_new, q_pos)
         n = lp + ln
         return (keys.view(b, h, n, k_new.shape[-1]), values.view(b, h, n, v_new.shape[-1]), pos.view(b, h, n),
-                q_pos, start, length)
+                q_pos, ranges[..., ragged.START], ranges[..., ragged.LENGTH])
 
     def step_position(self, site: int, k_pool: Tensor) -> Tensor:
         """``[B, 1]``: the true position of a pool site's new token (the tokens its layer has seen)."""

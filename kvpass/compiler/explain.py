@@ -158,7 +158,8 @@ def explain(model, example_inputs, policy="full", *, verbose: bool = True, **par
             compiled(*example_inputs)
         else:
             compiled(example_inputs)
-    heads = {i: st.extra["heads"][1][0].tolist() for i, st in be.state.layers.items() if "heads" in st.extra}
+    from kvpass.cache.ragged import LENGTH
+    heads = {i: st.extra["heads"][0, :, LENGTH].tolist() for i, st in be.state.layers.items() if "heads" in st.extra}
     result = Explanation(policy=repr(be.policy), graphs=be.reports, head_budgets=heads)
     if verbose:
         print(result)

@@ -344,7 +344,8 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
         elif plan.heads:   # the per-head layout (kvpass.cache.ragged): each head's tokens after its range, then read
             ranges = state[0]   # a per-head policy's first state tensor (ragged.SLOT_STATE, Needs.heads)
-            w = graph.call_function(write_heads, (keys, values, pos, count, ranges, site.k_new, site.v_new))
+            w = graph.call_function(write_heads, (keys, values, pos, count, ranges, site.k_new, site.v_new,
+                                                  plan.heads_ring))
             q_pos, start, length = (graph.call_function(operator.getitem, (w, i)) for i in range(3))
             att = _heads_read(graph, site, plan, handle, q, keys, values, pos, q_pos, scale, start, length)
         elif site.phase == "decode":

@@ -125,8 +125,10 @@ class SitePlan:
     out_proj: bool = False
     # the per-head layout (``Needs.heads``, ``kvpass.cache.ragged``): the cache update is ``heads_update`` (each
     # head's new entries after its range, the heads' ranges as tensors) and later graphs attend over each head's
-    # range (decode attention's ``kv_start``); set with ``evict``
+    # range (decode attention's ``kv_start``); set with ``evict``. ``heads_ring``: the slots of a head that keeps a
+    # window (sinks + recent: DuoAttention's streaming heads), a ring on a SlotCache; 0 when no head does
     heads: bool = False
+    heads_ring: int = 0
 
     @property
     def rewrite_kind(self) -> str:
