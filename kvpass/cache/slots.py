@@ -537,6 +537,7 @@ class SlotCache(Cache):
             raise ConfigError(f"SlotCache: policy '{policy.name}' is a chunk-fusion policy; its SlotCache is built "
                               f"and filled by kvpass.ChunkFusion(model, store, '{policy.name}', cache='slot')")
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        policy.check_model(cfg)
         windows = layer_windows(cfg)
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

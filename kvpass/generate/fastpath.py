@@ -402,6 +402,7 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
                           f"{direct_steps!r}")
     be = backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, **params)
     be.direct_steps = direct_steps
+    be.policy.check_model(model.config)
     needs = be.policy.needs
     if needs.slot_rule is None or not needs.slot_prefill:
         raise ConfigError(f"kvpass.compile: policy '{be.policy.name}' has no SlotCache decode of its own "

@@ -403,6 +403,11 @@ class Policy:
     def check_config(self) -> None:
         """Cross-parameter checks; raise ConfigError."""
 
+    def check_model(self, config) -> None:
+        """Checks against a model's config where the model is known before anything compiles (``kvpass.compile``,
+        ``kvpass.SlotCache``); raise ConfigError. A graph compiled through ``kvpass.backend`` meets the same
+        mismatch in ``plan`` (a ``Refusal``: the graph compiled unchanged, with the reason)."""
+
     # -- compile time ---------------------------------------------------------------------------
     def plan(self, site) -> SitePlan | Refusal:
         """What the rewrite does at ``site``, or a ``Refusal`` saying why it cannot be planned."""
