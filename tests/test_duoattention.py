@@ -1,0 +1,129 @@
+"""duoattention: retrieval heads keep the whole context, streaming heads their sinks and recent window.
+
+Against independent references: every head a retrieval head is ``full``; every head a streaming head is
+``streamingllm`` with ``sinks`` and a budget of ``sinks + recent``, on both caches; a mixed pattern gives, through
+prefill, decode steps and a one-token append, the logits of the uncompiled model with each streaming head's keys
+outside its window masked (an attention function of the test's own, registered with transformers), and the same on
+a SlotCache, where a streaming head is a ring of ``sinks + recent + 1`` slots. A bad pattern is a ConfigError
+naming the parameter before anything compiles.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import kvpass
+from families import build
+from kvpass.cache import ragged
+from kvpass.errors import ConfigError
+from test_adakv import PROMPT, calls, compiled, prompt_ids
+
+PATTERN = os.path.join(os.path.dirname(__file__), "data", "duo_pattern_llama.tsv")   # layers x KV heads
+SINKS, RECENT = 4, 16
+STEPS = dict(steps=3, append=1, more=2)
+STREAMING: dict[int, list[int]] = {}   # layer -> its streaming KV heads (the reference below masks them)
+
+
+def windowed_heads(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention; after the prefill a streaming head's query sees its sinks and the latest ``RECENT + 1``
+    positions of the call (its own included)."""
+    b, h, q, d = query.shape
+    group = h // key.shape[1]
+    k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    n = k.shape[2]
+    s = (query @ k.transpose(2, 3)) * (scaling if scaling is not None else d ** -0.5)
+    s = s.masked_fill(torch.arange(n) > torch.arange(n - q, n)[:, None], float("-inf"))   # causal
+    if n > PROMPT:
+        j = torch.arange(n)
+        out = (j >= SINKS) & (j <= n - 1 - (RECENT + 1))
+        heads = torch.zeros(h, dtype=torch.bool)
+        for kv in STREAMING.get(module.layer_idx, []):
+            heads[kv * group:(kv + 1) * group] = True
+        s = s.masked_fill(heads[None, :, None, None] & out, float("-inf"))
+    return (torch.softmax(s.float(), -1).to(v.dtype) @ v).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register("kvpass_test_windowed_heads", windowed_heads)
+
+
+def duo(model, streaming, cache="dynamic"):
+    be, fwd = compiled(model, "duoattention", pattern=PATTERN, streaming=streaming, sinks=SINKS, recent=RECENT)
+    store = DynamicCache(config=model.config) if cache == "dynamic" else \
+        kvpass.SlotCache(model, be, max_length=PROMPT + 8, max_new_tokens=8)
+    return be, store, calls(fwd, store, prompt_ids(), **STEPS)
+
+
+def close(got, ref):
+    assert len(got) == len(ref)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "slot"])
+def test_all_retrieval_is_full_and_all_streaming_is_streamingllm(cache):
+    model = build("llama")
+    full = calls(compiled(model, "full")[1], DynamicCache(config=model.config), prompt_ids(), **STEPS)
+    close(duo(model, 0.0, cache)[2], full)
+    stream = calls(compiled(model, "streamingllm", budget=SINKS + RECENT, sinks=SINKS)[1],
+                   DynamicCache(config=model.config), prompt_ids(), **STEPS)
+    be, store, got = duo(model, 1.0, cache)
+    close(got, stream)
+    if cache == "slot":   # each streaming head: a ring of sinks + recent + 1 slots, full after the steps
+        for lay in store.layers:
+            assert lay.state[0][0, :, ragged.LENGTH].tolist() == [SINKS + RECENT + 1] * 2
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "slot"])
+def test_mixed_heads_attend_as_the_windowed_reference(cache):
+    """The pattern (layer 0: 0.9 0.1; layer 1: 0.2 0.8) at streaming=0.5: head 1 of layer 0 and head 0 of layer 1
+    stream."""
+    model = build("llama")
+    be, store, got = duo(model, 0.5, cache)
+    STREAMING.update({0: [1], 1: [0]})
+    try:
+        ref = calls(build("llama", "kvpass_test_windowed_heads").forward, DynamicCache(config=model.config),
+                    prompt_ids(), **STEPS)
+    finally:
+        STREAMING.clear()
+    close(got, ref)
+    new = 3 + 1 + 2
+    if cache == "dynamic":   # the retrieval head holds the prompt and the new tokens, the streaming one its window
+        for layer, streaming in ((0, 1), (1, 0)):
+            ranges = be.state.layer(layer).extra["heads"][0]
+            assert ranges[1 - streaming, ragged.LENGTH] == PROMPT + new
+            assert ranges[streaming, ragged.LENGTH] == SINKS + RECENT + new     # a slot a step, emptied
+            pos = be.state.layer(layer).pos.reshape(-1)
+            start = int(ranges[streaming, ragged.START])
+            live = pos[start:start + SINKS + RECENT + new]
+            assert int((live >= 0).sum()) == SINKS + RECENT + 1
+            assert tuple(store.layers[layer].keys.shape[2:]) == (-(-(PROMPT + SINKS + RECENT + 2 * new) // 2), 16)
+    else:
+        assert store.layers[0].state[0][0, :, ragged.LENGTH].tolist() == [PROMPT + new, SINKS + RECENT + 1]
+
+
+def test_bad_patterns_are_refused_before_compiling(tmp_path):
+    with pytest.raises(ConfigError, match=r"'duoattention': parameter 'pattern' is required"):
+        kvpass.backend("duoattention")
+    with pytest.raises(ConfigError, match=r"parameter 'pattern' names .*nowhere.tsv', which is not a file"):
+        kvpass.backend("duoattention", pattern=str(tmp_path / "nowhere.tsv"))
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("0.5\t0.1\n0.3\n")
+    with pytest.raises(ConfigError, match=r"the same number of scores .* got \[1, 2\]"):
+        kvpass.backend("duoattention", pattern=str(bad))
+    bad.write_text("0.5\tx\n")
+    with pytest.raises(ConfigError, match=r"line 1 .* not a number"):
+        kvpass.backend("duoattention", pattern=str(bad))
+    folder = tmp_path / "pattern"
+    folder.mkdir()
+    (folder / "full_attention_heads.tsv").write_text("0.5 0.1 0.7\n0.3 0.2 0.9\n")   # a folder: its tsv
+    model = build("llama")
+    with pytest.raises(ConfigError, match=r"has 2 layers x 3 KV heads, and this model 2 x 2: it was made for another"):
+        kvpass.compile(model, "duoattention", pattern=str(folder))
+    be = kvpass.backend("duoattention", pattern=str(folder))
+    with pytest.raises(ConfigError, match=r"2 layers x 3 KV heads"):
+        kvpass.SlotCache(model, be, max_length=64)
