@@ -9,10 +9,12 @@ two-layer Llama of ``tests/families.py``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 PROMPT, NEW = 40, 6
+DUO_PATTERN = os.path.join(os.path.dirname(__file__), "data", "duo_pattern_llama.tsv")
 PUNCT = [5, 7]          # sentence-end token ids of the conformance prompts (sablock's segments)
 GATE = dict(layer=0)    # the two-layer model's only selection layer
 UNEVEN = ("its layers store different lengths and transformers sizes a decode step's padding mask from layer 0's "
@@ -64,6 +66,9 @@ CONFORMANCE: dict[str, Entry] = {
     # decides as one device)
     "adakv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t,
                    parallel=_prefill(16, alpha=1.0)),
+    # the tiny llama's pattern (tests/data): one streaming head in each layer at 0.5; a head's window 2 + 8
+    "duoattention": Entry(dict(pattern=DUO_PATTERN, streaming=0.0), dict(pattern=DUO_PATTERN, sinks=2, recent=8),
+                          kept=lambda p, t: -(-(p + t + 2 + 8 + t) // 2)),
     "h2o": Entry(dict(budget=1000), dict(budget=16, heavy=0.5), kept=lambda p, t: 16),
     "tova": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16, parallel=dict(budget=16, per_head=True)),
     "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing
