@@ -192,7 +192,7 @@ SLOT_STATE = {"heads": ((4,), torch.int32, 0)}
 
 
 def slot_fill(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor,
-              kept: Kept) -> None:
+              kept: Kept, layer: int = 0) -> None:
     """A SlotCache layer (``[B, H_kv, C, D]`` slots, ``ranges [B, H_kv, 4]``) filled with a prefill's kept pairs
     (``pack``): a head with a window gets the slots its sinks and recent entries take, the other heads share out
     what is left as room for their decode steps."""
@@ -204,7 +204,7 @@ def slot_fill(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k: Tens
     others = (~ring).sum(-1, keepdim=True).clamp_min(1)
     room = torch.where(ring, room, free // others)
     if bool((room < 0).any()):
-        raise ValueError(f"kvpass SlotCache: a layer's {h} x {cap} slots do not hold what its heads keep "
+        raise ValueError(f"kvpass SlotCache: layer {layer}'s {h} x {cap} slots do not hold what its heads keep "
                          f"({counts.sum(-1).max().item()} entries and their rooms); build the cache with a larger "
                          f"max_length")
     kp, vp, pp, got = pack(k, v, kv_pos, kept, room, size=h * cap)

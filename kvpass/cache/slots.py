@@ -208,7 +208,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
                              f"a {length}-token prompt under policy '{rt.policy.name}', but the cache holds {cap} "
                              f"slots per head; build the cache with a larger max_length")
         names = list(rt.policy.slot_state(cap, keys.shape[-1]))
-        ragged.slot_fill(keys, values, pos, state[names.index("heads")], k_new, v_new, kv_pos, kept)
+        ragged.slot_fill(keys, values, pos, state[names.index("heads")], k_new, v_new, kv_pos, kept, site)
         count[:, SEEN], count[:, FILLED], count[:, DROPPED] = length, kept.sel.shape[1] // hkv, 0
         return
     # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
