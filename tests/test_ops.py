@@ -796,3 +796,35 @@ def test_opcheck_fusion_votes():
     kv_pos = torch.arange(9).expand(B, HKV, 9).contiguous()
     want = OPS["window_scores"](q[:, :, -2:], k, kv_pos, q_pos[:, -2:].contiguous(), 0.3, 0.0)
     torch.testing.assert_close(st.fusion_votes[SITE], want)
+
+
+def test_opcheck_heads_update():
+    """A per-head layer (adakv, budget 8): the prompt whole with each head's range, then a decode step whose entry
+    follows each head's range in the pool compact laid out."""
+    from kvpass.cache import ragged
+    be = kvpass.backend("adakv", compiler="eager", budget=BUDGET, window=SINKS)
+    rt = be.runtime
+    rt.sites[SITE] = SimpleNamespace(sliding_window=None, cache="dynamic", layer=SITE, softcap=0.0, phase="prefill",
+                                     kv_heads=HKV, tp=None)
+    gen = torch.Generator().manual_seed(8)
+    n = 12
+    k_new, v_new = _randn((B, HKV, n, D), gen, torch.float32), _randn((B, HKV, n, D), gen, torch.float32)
+    q = _randn((B, H, n, D), gen, torch.float32)
+    empty = torch.tensor([])
+    opcheck("heads_update", (empty, empty, k_new, v_new, None, rt.handle, SITE))
+    k, v, kv_pos, q_pos, start, length = OP.heads_update(empty, empty, k_new, v_new, None, rt.handle, SITE)
+    assert start.tolist() == [[0, n]] * B and length.tolist() == [[n, n]] * B
+    k_st, v_st = OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
+    assert k_st.shape == (B, HKV, BUDGET, D)
+    before = rt.state.layer(SITE).extra["heads"].clone()
+    assert before[..., ragged.LENGTH].sum(-1).tolist() == [HKV * BUDGET] * B
+    k1, v1 = _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, HKV, 1, D), gen, torch.float32)
+    opcheck("heads_update", (k_st, v_st, k1, v1, None, rt.handle, SITE))
+    k2, _, kv_pos2, q_pos2, start2, length2 = OP.heads_update(k_st, v_st, k1, v1, None, rt.handle, SITE)
+    assert k2.shape == (B, HKV, BUDGET + 1, D) and q_pos2.tolist() == [[n]] * B
+    assert torch.equal(length2, before[..., ragged.LENGTH] + 1)
+    pool, pos = k2.reshape(B, -1, D), kv_pos2.reshape(B, -1)
+    for b in range(B):
+        for g in range(HKV):
+            last = int(start2[b, g] + length2[b, g]) - 1
+            assert torch.equal(pool[b, last], k1[b, g, 0]) and int(pos[b, last]) == n

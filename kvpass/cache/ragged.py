@@ -212,18 +212,3 @@ def slot_fill(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k: Tens
     values.copy_(vp.view(values.shape))
     pos.copy_(pp.view(pos.shape))
     ranges.copy_(got)
-
-
-def slot_write(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, ranges: Tensor, k_new: Tensor,
-               v_new: Tensor, window: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """A decode or append call on a SlotCache layer of this layout, as plain tensor code the rewrite places in the
-    graph (no host sync: capturable): each head's new tokens written (``append``; ``window``: the ring size of
-    the heads that keep one, 0 when none does), the counters advanced. Returns ``(q_pos [B, q], start, length)``,
-    the heads' ranges after the write."""
-    from kvpass.cache.slots import LIMIT, MAX_LENGTH, SEEN, next_positions
-    q = k_new.shape[2]
-    q_pos = next_positions(count, q)
-    device_assert((count[:, SEEN] + q <= count[:, MAX_LENGTH]).all(), LIMIT)
-    append(keys, values, pos, ranges, k_new, v_new, q_pos, window)
-    count[:, SEEN:SEEN + 2].add_(q)   # seen and filled
-    return q_pos, ranges[..., START].contiguous(), ranges[..., LENGTH].contiguous()

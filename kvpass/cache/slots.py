@@ -313,6 +313,20 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     return q_pos, count[:, FILLED].to(torch.int32)
 
 
+def write_heads(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, ranges: Tensor, k_new: Tensor,
+               v_new: Tensor, window: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """A decode or append call on a SlotCache layer of the per-head layout (``kvpass.cache.ragged``), as plain
+    tensor code the rewrite places in the graph (no host sync: capturable): each head's new tokens written
+    (``ragged.append``; ``window``: the ring size of the heads that keep one, 0 when none does), the counters
+    advanced. Returns ``(q_pos [B, q], start, length)``, the heads' ranges after the write."""
+    q = k_new.shape[2]
+    q_pos = next_positions(count, q)
+    device_assert((count[:, SEEN] + q <= count[:, MAX_LENGTH]).all(), LIMIT)
+    ragged.append(keys, values, pos, ranges, k_new, v_new, q_pos, window)
+    count[:, SEEN:SEEN + 2].add_(q)   # seen and filled
+    return q_pos, ranges[..., ragged.START].contiguous(), ranges[..., ragged.LENGTH].contiguous()
+
+
 def _put(keys: Tensor, values: Tensor, pos: Tensor, slot: Tensor, k_new: Tensor, v_new: Tensor,
          new_pos: Tensor) -> None:
     """Write the new tokens ``[B, H_kv, q, D]`` into ``slot [B, H_kv, q]`` of each (row, KV head), with

@@ -31,8 +31,8 @@ import torch
 from torch import fx
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
-from kvpass.cache.ragged import by_head, slot_write as write_heads
-from kvpass.cache.slots import pending_positions, write_slots
+from kvpass.cache.ragged import by_head
+from kvpass.cache.slots import pending_positions, write_heads, write_slots
 from kvpass.compiler.detect import Detection, Site, seq_slice, val
 from kvpass.compiler.fxargs import arg
 from kvpass.ops import CAUSAL_NONE
@@ -317,7 +317,7 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
       then ``decode_attention`` reads every slot by position (ART when the plan reads with it);
     * append (several tokens on a filled cache): attention by position over the slots and the new
       tokens, then ``write_slots`` (a token sees what its own call evicts, as on a DynamicCache);
-    * a per-head layout (``SitePlan.heads``) in decode or append: ``ragged.slot_write`` puts each head's tokens
+    * a per-head layout (``SitePlan.heads``) in decode or append: ``write_heads`` puts each head's tokens
       after its range, then each head's range is read (``_heads_read``).
 
     A sliding-window layer is a ring of its window's slots (``slot_prefill`` keeps the prompt's last
