@@ -43,6 +43,7 @@ _PUBLIC = {  # name -> the module that defines it
     "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
     "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
     "ConfigError": "kvpass.policies", "Policy": "kvpass.policies", "GenerationState": "kvpass.cache.state",
+    "duo_pattern": "kvpass.eval.duo_calibration",
 }
 
 _DEPRECATED = {  # name -> the public name that replaces it; each access warns, for one release

@@ -127,3 +127,24 @@ def test_bad_patterns_are_refused_before_compiling(tmp_path):
     be = kvpass.backend("duoattention", pattern=str(folder))
     with pytest.raises(ConfigError, match=r"2 layers x 3 KV heads"):
         kvpass.SlotCache(model, be, max_length=64)
+
+
+def test_calibration_writes_a_pattern_the_policy_takes(tmp_path, monkeypatch, capsys):
+    """``kvpass.duo_pattern`` on the model itself: one score in [0, 1] per layer and KV head, cached per model and
+    settings (a second call reads nothing), the model's attention implementation restored; duoattention runs on
+    the pattern. (Random weights attend evenly: each head's share of the passkey is about its length over the
+    prompt's.)"""
+    monkeypatch.setenv("KVPASS_CACHE", str(tmp_path))
+    model = build("llama")
+    path = kvpass.duo_pattern(model, samples=2, length=128, needle=8)
+    assert path.parent == tmp_path / "duo" and capsys.readouterr().out.count("kvpass.duo_pattern: sample") == 2
+    rows = [[float(x) for x in line.split("\t")] for line in path.read_text().splitlines()]
+    assert len(rows) == 2 and all(len(r) == 2 and all(0 < x < 0.2 for x in r) for r in rows)
+    assert model.config._attn_implementation == "sdpa"
+    assert kvpass.duo_pattern(model, samples=2, length=128, needle=8, progress=False) == path
+    assert capsys.readouterr().out == ""
+    kvpass.compile(model, "duoattention", compiler="eager", pattern=str(path), sinks=2, recent=8)
+    out = model.generate(prompt_ids(), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert out.shape == (1, PROMPT + 4)
+    with pytest.raises(ConfigError, match=r"'needle' \(64\) must be at most a quarter of 'length' \(128\)"):
+        kvpass.duo_pattern(model, length=128, needle=64)

@@ -11,8 +11,9 @@ heads' scores separated by tabs, spaces or commas: the DuoAttention repository's
 folder holding one. The ``streaming`` share of the model's KV heads with the lowest scores (over every layer, the
 earlier (layer, head) on a tie) become streaming heads. A pattern for another model (other layer or KV head counts)
 is a ``ConfigError`` from ``kvpass.compile`` and ``kvpass.SlotCache`` before anything compiles; a graph compiled
-through ``kvpass.backend`` alone refuses it (compiled unchanged, with the reason). The paper's calibration on the
-user's own model is not built in yet: the pattern comes from a file.
+through ``kvpass.backend`` alone refuses it (compiled unchanged, with the reason). ``kvpass.duo_pattern(model)``
+measures one on the user's own model (``kvpass.eval.duo_calibration``: the paper's synthetic passkey task, the
+attention each head gives the passkey's first occurrence while the model reads its copy) and caches it.
 
 **What each head keeps.** At prefill a retrieval head keeps the whole prompt; a streaming head its first ``sinks``
 real tokens and its last ``recent`` ones. Decode steps append to a retrieval head; a streaming head keeps its
