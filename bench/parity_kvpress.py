@@ -144,6 +144,16 @@ METHODS += [
               "(head, entry) pairs; kvpress masks the dropped pairs (their memory kept), kvpass stores the kept "
               "ones (each head its own count)"},
 ]
+METHODS += [
+    {"name": "duoattention", "budget": None,
+     "kvpass": ("duoattention", {"pattern": "calibrated", "streaming": 0.5, "sinks": 64, "recent": 256}),
+     "kvpress": ("DuoAttentionPress", {"head_compression_ratio": 0.5, "sink_size": 64, "recent_size": 256}),
+     "notes": "both sides read the pattern kvpass.duo_pattern measured on this model (4 samples of 1,024 tokens; "
+              "kvpress's own patterns come over the network for six checkpoints): half the KV heads stream, 64 sinks "
+              "+ 256 recent. kvpress masks the streaming heads' dropped entries and keeps them while decoding; kvpass "
+              "frees them and keeps each streaming head's window while decoding"},
+]
+DUO_PATTERN_FILE = "duo_pattern.tsv"   # the calibrated pattern both sides read (in the work folder)
 BY_NAME = {m["name"]: m for m in METHODS}
 
 
@@ -241,6 +251,9 @@ def run_kvpass_side(args) -> None:
         params = dict(params)
         if spec["budget"] is not None:
             params["budget"] = spec["budget"]
+        if params.get("pattern") == "calibrated":   # measured here, written where the kvpress side reads it
+            params["pattern"] = str(work / DUO_PATTERN_FILE)
+            Path(params["pattern"]).write_text(kvpass.duo_pattern(model, samples=4, progress=False).read_text())
         row = {"policy": policy, "params": params}
         t0 = time.perf_counter()
         print(f"kvpass: {name}: {policy} {params}", flush=True)
@@ -297,10 +310,17 @@ def press_ratio(budget: int, n: int) -> float:
     return ratio
 
 
-def build_press(spec, budget: int, n: int):
+def build_press(spec, budget: int | None, n: int, work: Path | None = None):
     import kvpress
     cls_name, fields = spec
     fields = dict(fields)
+    if cls_name == "DuoAttentionPress":   # the calibrated pattern instead of kvpress's download
+        sinks, recent = fields.pop("sink_size"), fields.pop("recent_size")
+        rows = [[float(x) for x in line.split()] for line in (work / DUO_PATTERN_FILE).read_text().splitlines()]
+        import numpy as np
+        press = kvpress.DuoAttentionPress(**fields)
+        object.__setattr__(press, "load_attention_pattern", lambda model: (sinks, recent, np.array(rows)))
+        return press
     inner = fields.pop("inner", None)
     ratio = press_ratio(budget, n)
     if inner is not None:
@@ -369,7 +389,7 @@ def run_kvpress_side(args) -> None:
             store: dict = {}
             press = None
             if spec["kvpress"] is not None:
-                press = build_press(spec["kvpress"], spec["budget"], n)
+                press = build_press(spec["kvpress"], spec["budget"], n, work)
                 row["press"] = {"class": type(press).__name__, **dataclasses.asdict(press)}
                 record_kept(press, store)
             print(f"kvpress: {name}: {row.get('press', 'no press')}", flush=True)
