@@ -128,6 +128,10 @@ def _runs(ranks, key, part="tp", single="single", why="the llama runs LOCAL and 
 @pytest.mark.parametrize("cache", ["dynamic", "slot"])
 @pytest.mark.parametrize("policy", PLAIN)
 def test_two_ranks_decide_as_one_process(ranks, policy, cache):
+    if policy == "duoattention":   # its layers' pools hold heads of different counts: rows are not heads here
+        pytest.skip("duoattention's per-head pools are not compared head by head here (its rank reads its own "
+                    "columns of the pattern; a SlotCache sizes its layers from the whole layer: "
+                    "docs/policies/duoattention.md, Limits)")
     tp0, tp1, one = _runs(ranks, f"{cache}:{policy}")
     assert tp0["tokens"] == one["tokens"], f"{policy} on a {cache} cache: tokens differ from one process"
     assert tp1["tokens"] == tp0["tokens"], f"{policy}: the two ranks generated different tokens"
