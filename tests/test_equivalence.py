@@ -12,7 +12,7 @@ StaticCache} and {prefill, decode, batch 2 with left padding}. In every case
 The matrix runs the pass with the cheap ``compiler="eager"`` behind it; a few cases go through
 real Inductor (``-m inductor``). The four ways of compiling a model with ``fullgraph=True`` --
 ``torch.compile(model.forward)``, ``torch.compile(model)``, ``model.compile()`` and ``generate``
-with a ``CompileConfig`` -- are checked on llama/sdpa and phi3/eager (fused qkv, partial RoPE).
+with a ``CompileConfig`` -- are checked on llama/sdpa (every family goes through the first in the matrix).
 
 Budget: every compiled graph costs 1-2.5 s of Dynamo tracing on a CPU, so each case keeps to the
 graphs it needs (short prompts, a few decode steps; generate only in the generate test, which
