@@ -4,6 +4,8 @@ graph is compiled once and replayed, never recompiled as the sequence grows."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers as tf
@@ -22,7 +24,12 @@ CASES = [("full", {}), ("art", {}), ("streamingllm", dict(budget=64, sinks=4)),
          ("snapkv+quest", dict(budget=64, window=8, dense_layers=1)), ("raas", dict(budget=64)),
          ("raas+art", dict(budget=64)), ("asl", dict(budget=64, window=8, layer=1)),
          ("fastkv", dict(budget=64, window=8)), ("asl_2pass", dict(budget=64, window=8, layer=1)),
-         ("gemfilter", dict(budget=64, layer=1)), ("h2o", dict(budget=64)), ("h2o+art", dict(budget=64))]
+         ("gemfilter", dict(budget=64, layer=1)), ("h2o", dict(budget=64)), ("h2o+art", dict(budget=64)),
+         ("tova", dict(budget=64)), ("knorm", dict(budget=64, window=0)), ("keydiff", dict(budget=64, window=0)),
+         ("expected_attention", dict(budget=64)), ("criticalkv", dict(budget=64, window=8)),
+         ("adakv", dict(budget=64, window=8)),   # per-head layouts: ragged heads, a ring per streaming head
+         ("duoattention", dict(pattern=os.path.join(os.path.dirname(__file__), "..", "data",
+                                                    "duo_pattern_gpu_llama4.tsv"), sinks=4, recent=32))]
 
 
 def model(sliding: bool = False):
