@@ -703,7 +703,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     common = (
         q, k, v, out, mask if mask is not None else dummy, pos,
         q_pos if q_pos is not None else dummy, page_table if page_table is not None else dummy,
-        kv_len if kv_len is not None else dummy, kv_start if kv_start is not None else dummy, block_map if block_map is not None else dummy,
+        kv_len if kv_len is not None else dummy, kv_start if kv_start is not None else dummy,
+        block_map if block_map is not None else dummy,
         visited, part_acc, part_m, part_l, stopped,
         float(scale), float(softcap), float(tau), float(phi), int(window),
         int(patience) if art else 1 << 30, length, n_blocks)

@@ -63,7 +63,8 @@ def read_pattern(path: str) -> list[list[float]]:
            "head (tab, space or comma separated), such as the DuoAttention repository's full_attention_heads.tsv, or "
            "its folder")
     if not where.is_file():
-        raise ConfigError(f"policy 'duoattention': parameter 'pattern' names {str(where)!r}, which is not a file; {fix}")
+        raise ConfigError(f"policy 'duoattention': parameter 'pattern' names {str(where)!r}, which is not a file; "
+                          f"{fix}")
     rows = []
     for number, line in enumerate(where.read_text().splitlines(), 1):
         cells = line.replace(",", " ").split()

@@ -2,8 +2,9 @@
 
 The base scorer is built from the policy's ``scorer`` name (one of the subclass's ``SCORERS``) with the policy's
 ``budget`` and ``window`` (``-1``: the scorer's own default), the scorer's own parameters given after its name
-(``"snapkv:kernel=5,pool=avg"``) and its defaults otherwise (a subclass's ``SCORER_DEFAULTS`` may set some); its plan is honoured (its refusals, the inputs its ranking reads), and its
-configuration and source are part of the policy's identity (``uuid``).
+(``"snapkv:kernel=5,pool=avg"``) and its defaults otherwise (a subclass's ``SCORER_DEFAULTS`` may set some); its
+plan is honoured (its refusals, the inputs its ranking reads), and its configuration and source are part of the
+policy's identity (``uuid``).
 """
 
 from __future__ import annotations
