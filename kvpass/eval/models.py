@@ -345,13 +345,16 @@ class _NumpyReadingWholeFiles:
 
 @contextlib.contextmanager
 def _fast_gguf_reader():
-    """Speed up ``gguf.GGUFReader`` (which transformers runs twice per GGUF load) about 3x.
+    """Speed up ``gguf.GGUFReader``, which a conversion constructs three times (transformers reads the file for the
+    config, the weights and the tokenizer), each a walk over every metadata element -- each token of a 262k-token
+    vocabulary (8.6 s a walk for Gemma-3-270M on 2 cores).
 
-    The reader walks every metadata element -- each token of a 262k-token vocabulary -- through
-    an ``np.memmap``, whose Python-level ``__getitem__`` / ``__array_finalize__`` dominate the whole
-    conversion. For the conversion only, the reader gets the same bytes as a plain array.
+    For the conversion only: the reader gets the file's bytes as a plain array (``np.memmap``'s Python-level
+    ``__getitem__`` / ``__array_finalize__`` dominated each walk, about 3x), and a file read once is read from the
+    same reader again (the walk once, not three times: Gemma-3-270M's conversion 62 -> 45 s).
     """
     try:
+        import gguf
         import numpy
         from gguf import gguf_reader
     except ImportError:
@@ -359,11 +362,21 @@ def _fast_gguf_reader():
     if gguf_reader is None or getattr(gguf_reader, "np", None) is not numpy:
         yield
         return
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
     gguf_reader.np = _NumpyReadingWholeFiles()
+    gguf.GGUFReader = reader
     try:
         yield
     finally:
         gguf_reader.np = numpy
+        gguf.GGUFReader = original
 
 
 def _strip_quantizer(model) -> None:
