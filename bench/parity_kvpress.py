@@ -255,14 +255,14 @@ def run_kvpass_side(args) -> None:
             params["pattern"] = str(work / DUO_PATTERN_FILE)
             Path(params["pattern"]).write_text(kvpass.duo_pattern(model, samples=4, progress=False).read_text())
         row = {"policy": policy, "params": params}
-        t0 = time.perf_counter()
         print(f"kvpass: {name}: {policy} {params}", flush=True)
         if policy not in POLICIES:
             row["skipped"] = f"kvpass has no policy '{policy}' yet (known: {', '.join(available())})"
             result["methods"][name] = row
             print(f"kvpass: {name}: skipped: {row['skipped']}", flush=True)
             continue
-        try:
+
+        def run(row, policy=policy, params=params):
             torch._dynamo.reset()
             be = kvpass.backend(policy, compiler="eager", **params)
             fwd = torch.compile(model.forward, backend=be, dynamic=True)
@@ -290,13 +290,23 @@ def run_kvpass_side(args) -> None:
                        evicting=any(r.evicting for r in be.reports), plans=be.plans())
             if unevicted and spec["budget"] is not None:
                 row["warning"] = f"kvpass recorded no eviction in layers {unevicted} (kept whole)"
-        except Exception as e:  # one method failing is reported; the others go on
-            row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-            print(f"kvpass: {name}: error: {row['error']}", flush=True)
-        row["wall_s"] = round(time.perf_counter() - t0, 1)
-        result["methods"][name] = row
-        print(f"kvpass: {name}: {row['wall_s']} s", flush=True)
+
+        timed_row("kvpass", name, result, row, run)
     write_json(work / KVPASS_FILE, result)
+
+
+def timed_row(side: str, name: str, result: dict, row: dict, run) -> None:
+    """``run(row)`` fills one method's row of ``result``, timed; an exception becomes the row's error and the other
+    methods go on."""
+    t0 = time.perf_counter()
+    try:
+        run(row)
+    except Exception as e:  # one method failing is reported; the others go on
+        row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        print(f"{side}: {name}: error: {row['error']}", flush=True)
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["methods"][name] = row
+    print(f"{side}: {name}: {row['wall_s']} s", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -383,9 +393,8 @@ def run_kvpress_side(args) -> None:
               "threads": torch.get_num_threads(), "methods": {}}
     for name in args.methods:
         spec = BY_NAME[name]
-        t0 = time.perf_counter()
-        row = {}
-        try:
+
+        def run(row, spec=spec):
             store: dict = {}
             press = None
             if spec["kvpress"] is not None:
@@ -414,12 +423,8 @@ def run_kvpress_side(args) -> None:
             row.update(kept=store, tokens=tokens, logps=logps, text=tokenizer.decode(tokens))
             if unmatched:
                 row["warning"] = f"{unmatched} kept keys matched no key or several before compression"
-        except Exception as e:  # one method failing is reported; the others go on
-            row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-            print(f"kvpress: {name}: error: {row['error']}", flush=True)
-        row["wall_s"] = round(time.perf_counter() - t0, 1)
-        result["methods"][name] = row
-        print(f"kvpress: {name}: {row['wall_s']} s", flush=True)
+
+        timed_row("kvpress", name, result, {}, run)
     write_json(work / KVPRESS_FILE, result)
 
 
