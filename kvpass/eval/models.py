@@ -347,11 +347,11 @@ class _NumpyReadingWholeFiles:
 def _fast_gguf_reader():
     """Speed up ``gguf.GGUFReader``, which a conversion constructs three times (transformers reads the file for the
     config, the weights and the tokenizer), each a walk over every metadata element -- each token of a 262k-token
-    vocabulary (8.6 s a walk for Gemma-3-270M on 2 cores).
+    vocabulary.
 
     For the conversion only: the reader gets the file's bytes as a plain array (``np.memmap``'s Python-level
     ``__getitem__`` / ``__array_finalize__`` dominated each walk, about 3x), and a file read once is read from the
-    same reader again (the walk once, not three times: Gemma-3-270M's conversion 62 -> 45 s).
+    same reader again (the walk once, not three times).
     """
     try:
         import gguf

@@ -120,14 +120,14 @@ class DuoAttention(Policy):
 
     def heads_of(self, site) -> torch.Tensor:
         """``[H_kv]`` bool: which of this site's KV heads (a tensor-parallel rank's own) are streaming heads."""
-        first = site.tp.rank * site.kv_heads if getattr(site, "tp", None) is not None else 0
+        first = site.tp.rank * site.kv_heads if site.tp is not None else 0
         return self.streaming_heads[site.layer, first:first + site.kv_heads]
 
     def plan(self, site) -> SitePlan | Refusal:
         plan = shrinking_plan(site)
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
-        total = site.kv_heads * (site.tp.size if getattr(site, "tp", None) is not None else 1)
+        total = site.kv_heads * (site.tp.size if site.tp is not None else 1)
         if site.layer >= self.layers or total != self.streaming_heads.shape[1]:
             return Refusal(f"layer {site.layer} with {total} KV heads: the head pattern {self.pattern!r} has "
                            f"{self.layers} layers x {self.streaming_heads.shape[1]} KV heads (a pattern for another "
