@@ -11,6 +11,8 @@ warps runs first and is reported too.
     python bench/bench_decode_kernel.py --out bench/results
     # a tensor-parallel rank's share of the 8B shape (16 query heads, 4 KV heads), the split cap as it was
     python bench/bench_decode_kernel.py --heads 16,4 --batches 1 --contexts 131072 --max-splits 64 --no-sweep
+    # ragged heads (per-head budgets) against the uniform layout at the same total: ragged_heads.json/.md
+    python bench/bench_decode_kernel.py --ragged --batches 1,16 --contexts 32768,131072 --no-sweep
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def main() -> None:
     ap.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads,KV heads")
     ap.add_argument("--max-splits", type=int, default=K.MAX_SPLITS, help="the kernel's split cap (K.MAX_SPLITS)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block/warps sweep: block 128, 4 warps")
+    ap.add_argument("--ragged", action="store_true",
+                    help="time ragged heads (one pool a row, per-head ranges) against the uniform layout holding "
+                         "the same entries; contexts are the mean entries per KV head")
     args = ap.parse_args()
     HQ, HKV = (int(x) for x in args.heads.split(","))
     K.MAX_SPLITS = args.max_splits
@@ -84,6 +89,8 @@ def main() -> None:
                                          (r["block"], r["num_warps"]))) if sweep else dict(block=128, num_warps=4)
     block, warps = best["block"], best["num_warps"]
 
+    if args.ragged:
+        return ragged(args, dev, props, block, warps)
     rows = []
     for n in [int(x) for x in args.contexts.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
@@ -123,6 +130,60 @@ def main() -> None:
         lines.append(f"| {r['batch']} | {r['context']} | {r['sdpa_ms']:.3f} ({r['sdpa_form']}) | {r['kvpass_ms']:.3f} | "
                      f"{r['ratio_vs_sdpa']:.2f} | {r['kvpass_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['splits']} |")
     (args.out / "decode_kernel.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def skews(n: int) -> dict[str, list[int]]:
+    """Per-KV-head lengths with mean ``n``: even, and skewed (one head at half the row's total, one at a floor of
+    n/32, the rest sharing what is left), as AdaKV's allocation leaves them."""
+    floor = max(n // 32, 1)
+    heavy = HKV * n // 2
+    rest = (HKV * n - heavy - floor) // (HKV - 2)
+    skewed = [heavy, floor] + [rest] * (HKV - 2)
+    skewed[-1] += HKV * n - sum(skewed)
+    return {"even": [n] * HKV, "skewed": skewed}
+
+
+def ragged(args, dev, props, block: int, warps: int) -> None:
+    """Ragged heads against the uniform layout: bytes of the kept entries read per second. ``uniform`` is
+    ``[B, H_kv, n, D]`` (every head n entries), ``uniform_len`` the same with a per-head ``kv_len``; the ragged
+    rows hold one ``[B, 1, H_kv x n, D]`` pool a row with ``kv_start``/``kv_len`` per head, even or skewed."""
+    rows = []
+    for n in [int(x) for x in args.contexts.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16)
+            k = torch.empty(b, HKV, n, D, device=dev, dtype=torch.bfloat16).normal_()
+            v = torch.empty(b, HKV, n, D, device=dev, dtype=torch.bfloat16).normal_()
+            full = torch.full((b, HKV), n, device=dev, dtype=torch.int32)
+            forms = {"uniform": dict(k=k, v=v), "uniform_len": dict(k=k, v=v, kv_len=full)}
+            pk, pv = k.reshape(b, 1, HKV * n, D), v.reshape(b, 1, HKV * n, D)
+            for name, lengths in skews(n).items():
+                lens = torch.tensor(lengths, device=dev, dtype=torch.int32)
+                start = torch.cumsum(lens, 0) - lens
+                forms[f"ragged_{name}"] = dict(k=pk, v=pv, kv_len=lens.expand(b, HKV).contiguous(),
+                                               kv_start=start.to(torch.int32).expand(b, HKV).contiguous())
+            base = None
+            for name, kw in forms.items():
+                t = bench(lambda: K.decode_attention_triton(q, block=block, num_warps=warps, **kw))
+                moved = 2 * b * HKV * n * D * 2 + 2 * b * HQ * D * 2
+                base = base or t
+                rows.append(dict(batch=b, mean_per_head=n, form=name, ms=t * 1e3, tbps=moved / t / 1e12,
+                                 over_uniform=t / base,
+                                 lengths=skews(n)[name.split("_")[1]] if name.startswith("ragged") else [n] * HKV))
+                print(json.dumps(rows[-1]), flush=True)
+            del q, k, v, pk, pv, forms
+            torch.cuda.empty_cache()
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name, torch=torch.__version__,
+                triton=triton.__version__, shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16", block=block, num_warps=warps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ragged_heads.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    lines = [f"# Ragged heads against the uniform layout, {meta['gpu']}, {meta['date']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['shapes']}; the same total entries in every "
+             "form of a row; over_uniform = time / the uniform layout's time.", "",
+             "| batch | mean per head | form | ms | TB/s | over uniform |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['mean_per_head']} | {r['form']} | {r['ms']:.3f} | {r['tbps']:.2f} | "
+              f"{r['over_uniform']:.2f} |" for r in rows]
+    (args.out / "ragged_heads.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

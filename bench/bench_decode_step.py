@@ -128,6 +128,11 @@ def read_entries(name: str, ctx: int, budget: int, layers: int, decoded: int = 0
         return min(seq, budget)
     if policy == "h2o":           # budget + 1 slots, and one fp32 score per slot read and written (8 of 512 bytes)
         return min(seq, budget + 1) * (1 + 8 / 512)
+    if policy == "duoattention":  # retrieval heads read everything, streaming heads their sinks and window
+        from kvpass.policies.prefill.duoattention import DuoAttention
+        p = DuoAttention.__dataclass_fields__
+        share, window = p["streaming"].default, p["sinks"].default + p["recent"].default
+        return (1 - share) * seq + share * min(seq, window + 1)
     if policy == "pyramidkv":
         from kvpass.policies.prefill.pyramidkv import PyramidKV, pyramid
         p = PyramidKV(budget=budget)

@@ -32,6 +32,7 @@ import functools
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -162,6 +163,20 @@ def meta_of(args, lengths, bw: float) -> dict:
             "budget": args.budget, "cudnn_sdpa": False}
 
 
+def policy_params(policy: str, budget: int, config) -> dict:
+    """The policy's parameters in this benchmark: ``budget`` where it has one; duoattention a head pattern of
+    random scores for this model (seeded), half its KV heads streaming at the defaults."""
+    if policy in ("full", "art"):
+        return {}
+    if policy == "duoattention":
+        g = torch.Generator().manual_seed(0)
+        scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=g)
+        path = Path(tempfile.gettempdir()) / f"duo_pattern_{scores.shape[0]}x{scores.shape[1]}.tsv"
+        path.write_text("\n".join("\t".join(f"{x:.4f}" for x in row) for row in scores.tolist()) + "\n")
+        return {"pattern": str(path)}
+    return {"budget": budget}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -188,7 +203,7 @@ def main() -> None:
     for policy in args.policies.split(","):
         uncompiled(model)   # the previous policy's compile undone, its caches freed
         torch._dynamo.utils.counters.clear()
-        params = {} if policy in ("full", "art") else {"budget": args.budget}
+        params = policy_params(policy, args.budget, model.config)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler,

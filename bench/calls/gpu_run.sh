@@ -3,8 +3,9 @@
 # with $OUT set. Two steps, one device call each (each under the tool's 600 s per command):
 #   bash bench/calls/gpu_run.sh tests    every tests/gpu file, one pytest run per file (-x --tb=line), all at
 #                                        once on the one GPU, each stopped at LIMIT (500) seconds
-#   bash bench/calls/gpu_run.sh decode   8 layers, prompts of 2k then 130k through `generate`, beside the queued
-#                                        step and the roofline in the same process (bench/bench_fastpath.py)
+#   bash bench/calls/gpu_run.sh decode   the ragged per-head kernel against the uniform one (bench_decode_kernel.py
+#                                        --ragged), then 8 layers, prompts of 2k then 130k through `generate`,
+#                                        beside the queued step and the roofline (bench/bench_fastpath.py)
 #   bash bench/calls/gpu_run.sh accuracy gemma3-270m, RULER-style tasks and NIAH at 2k-8k, the prefill methods
 #                                        beside snapkv and full at budgets 64-1024 (`kvpass compare`; BUDGETS
 #                                        picks fewer, each budget its own results folder)
@@ -32,8 +33,12 @@ tests)
   grep -h -E "FAILED|ERROR|Timeout|Error" "$logs"/test_*.txt | head -60 | tee "$out/failures.txt"
   tar czf "$out/gpu_tests.tgz" -C "$logs" . ;;
 decode)
-  timeout -k 10 "${LIMIT:-540}" python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
-    --policies full,snapkv,streamingllm,quest,h2o,raas --prefill-compiler eager \
+  # the ragged per-head kernel against the uniform layout first (about a minute), then generate beside the
+  # queued step and the roofline; POLICIES picks the rows (the per-head and new methods by default)
+  python bench/bench_decode_kernel.py --ragged --batches 1,16 --contexts 32768,131072 --no-sweep --out "$out" \
+    > "$out/ragged.log" 2>&1; tail -n 12 "$out/ragged.log"
+  timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
+    --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova}" --prefill-compiler eager \
     --out "$out/l8_130k.json" > "$out/l8_130k.log" 2>&1
   tail -n 30 "$out/l8_130k.log" ;;
 accuracy)

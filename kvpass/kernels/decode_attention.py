@@ -400,8 +400,12 @@ if triton is not None:
         qp = 0
         if HAS_POS:
             qp = tl.load(QPos + b)
-        start = step0 + sp * blocks_per_split
-        stop = tl.minimum(start + blocks_per_split, nb)
+        # blocks_per_split 0: this sequence's or head's own blocks shared by the splits, so a short head (or row)
+        # keeps every split busy rather than the few whose ranges of the longest one it reaches
+        per = tl.where(blocks_per_split > 0, blocks_per_split,
+                       tl.cdiv(tl.maximum(nb - step0, 0), tl.num_programs(2)))
+        start = step0 + sp * per
+        stop = tl.minimum(start + per, nb)
         if AFTER_ART:  # the rest of a horizon read: nothing left to read where ART has stopped
             stop = tl.where(tl.load(Stopped + b * tl.num_programs(1) + hk) != 0, start, stop)
 
@@ -668,7 +672,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     after_art = bool(split and art)                       # the horizon launch shape
     rest = torch.sym_max(n_blocks - horizon, 1) if after_art else n_blocks
     n_splits = num_splits(b * hkv, q.device) if split else 1
-    per_split = _cdiv(rest, n_splits)   # a short cache leaves the last splits empty: they store an empty state
+    # a short cache leaves the last splits empty (they store an empty state); with lengths, each head splits its own
+    per_split = 0 if kv_len is not None else _cdiv(rest, n_splits)
     if parallel_horizon is None:
         parallel_horizon = b * hkv < _sms(q.device)
     # parts: [horizon steps, one each, when parallel] + [the horizon's kept state] + [the rest's splits];
