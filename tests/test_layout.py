@@ -20,7 +20,7 @@ import re
 PKG = pathlib.Path(__file__).resolve().parents[1] / "kvpass"
 
 LAYERS = [  # (prefix, layer); the longest matching prefix decides
-    ("kvpass.errors", 0), ("kvpass.operators", 0), ("kvpass.kernels", 0), ("kvpass.settings", 0),
+    ("kvpass.errors", 0), ("kvpass.op_registry", 0), ("kvpass.kernels", 0), ("kvpass.settings", 0),
     ("kvpass.cache", 1),
     ("kvpass.ops", 2),
     ("kvpass.policies", 3),
@@ -226,7 +226,7 @@ def test_the_defaulted_read_scan_sees_one(tmp_path):
 MUTABLE_GLOBALS = {   # module-level containers a function changes, "module.NAME": what each one is
     "kvpass.cache.runtime._RUNTIMES":
         "the backend handle table operators read (handle -> Runtime): to be replaced by state passed as arguments",
-    "kvpass.operators.OPS": "the registry of kvpass operators by name, filled as each operator module is imported",
+    "kvpass.op_registry.OPS": "the registry of kvpass operators by name, filled as each operator module is imported",
     "kvpass.errors._WARNED": "warn_once's record of the warnings given, per owner and message",
     "kvpass.policies.prefill.punctuation._CACHE": "a cache: punctuation token ids per tokenizer (weak keys)",
     "kvpass.eval.tasks._core._UNIT_CACHE": "a cache: a corpus's tokenized units per tokenizer",

@@ -546,7 +546,7 @@ def test_opcheck_attention_lse(dtype, ratio):
 
 
 def test_the_registry_holds_every_operator():
-    """``kvpass.operators.OPS`` (``kvpass.ops.OPS``) is the one registry: every ``kvpass::`` operator the package
+    """``kvpass.op_registry.OPS`` (``kvpass.ops.OPS``) is the one registry: every ``kvpass::`` operator the package
     defines (found in the sources, ``tests/test_layout.py``) is in it once kvpass is imported, and nothing else."""
     import kvpass  # noqa: F401  (imports every family, the registry fills)
     import kvpass.compiler.positions  # noqa: F401

@@ -1004,3 +1004,22 @@ def test_a_write_longer_than_the_cache_fails_on_the_host():
     with pytest.raises(RuntimeError, match=r"longer than the cache's capacity.*\(6 new tokens, 4 slots\)"):
         torch.ops.kvpass.slot_append(keys, values, pos, count, torch.ones(b, h, q, d), torch.ones(b, h, q, d), [])
     assert int(count[0, 1]) == 0 and bool((pos == -1).all())   # nothing written
+
+
+@pytest.mark.parametrize("policy", ["quest", "raas"])
+def test_a_slot_graph_leaves_the_dynamic_graphs_sites_alone(policy):
+    """One backend, one compiled forward, a DynamicCache generation, then a SlotCache one (its graphs compiled
+    second), then a DynamicCache again: the last equals the first. The page policies read the site's cache kind
+    when they select; before each graph's operators named their own graph's sites, the slot graphs replaced the
+    layers' sites and the DynamicCache prefill took the slot branch."""
+    model = build("llama")
+    ids = prompt(40, seed=4)
+    torch._dynamo.reset()
+    params = QUEST if policy == "quest" else dict(budget=32)
+    be = kvpass.backend(policy, compiler="eager", **params)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    tokens, first = run(fwd, DynamicCache(config=model.config), ids, 6)
+    run(fwd, kvpass.SlotCache(model, be, max_length=64), ids, 6, torch.stack(tokens))
+    _, again = run(fwd, DynamicCache(config=model.config), ids, 6, torch.stack(tokens))
+    assert_logits_close(again, first)
+    torch._dynamo.reset()

@@ -5,7 +5,10 @@ A rewritten graph calls kvpass operators with an integer ``handle``; the handle 
 the generation state. Operators never mutate anything but the generation state, and every
 mutation is a pure function of the operator's inputs, so replaying a call gives the same result.
 
-``site`` in these methods is the layer index of the attention site (``Site.layer``), not a ``Site``.
+``site`` in these methods is a site key (``Site.key``): one compiled graph's attention site, ``graph x KEY_STRIDE +
+layer``. Each graph's operators read the ``Site`` of their own graph (``Runtime.sites[key]``), never one a later
+graph of the same layer wrote; the layer's state is shared by the graphs that read and write that layer's cache
+(``layer_of(key)``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ def get(handle: int) -> "Runtime":
     except KeyError:
         raise RuntimeError(f"kvpass: no runtime with handle {handle}; its backend is gone (a runtime lives as long as "
                            f"its kvpass.backend object)") from None
+
+
+KEY_STRIDE = 1 << 16   # site keys: graph number x KEY_STRIDE + layer index
+
+
+def layer_of(key: int) -> int:
+    """The layer index of a site key."""
+    return key % KEY_STRIDE
 
 
 def past_length(k_past: Tensor) -> int:
@@ -92,8 +103,9 @@ class Runtime:
     def __init__(self, policy) -> None:
         self.policy = policy
         self.state = GenerationState()
-        self.sites: dict[int, object] = {}
-        self.visits: dict[int, tuple] = {}  # site -> (blocks read, blocks present), decode attention
+        self.sites: dict[int, object] = {}   # site key -> that graph's kvpass.compiler.detect.Site
+        self._graphs = itertools.count()
+        self.visits: dict[int, tuple] = {}  # layer -> (blocks read, blocks present), decode attention
         # a two-pass gated prefill's first pass (kvpass.compiler.gate): SlotCache writes that overflow are skipped,
         # the last such layer noted in ``overflow``
         self.first_pass: bool = False
@@ -106,6 +118,15 @@ class Runtime:
         self.slot_caches: weakref.WeakSet = weakref.WeakSet()
         self.slot_view: tuple | None = None
         self.handle = register(self)
+
+    def add_graph(self, sites) -> None:
+        """Give one compiled graph's sites their keys (``site.key``) and keep them: that graph's operators name
+        their site by its key, so a later graph of the same layers (another phase or cache, ``use_cache=False``)
+        changes nothing they read."""
+        first = next(self._graphs) * KEY_STRIDE
+        for site in sites:
+            site.key = first + site.layer
+            self.sites[site.key] = site
 
     def slot_prefilled(self, count: Tensor) -> None:
         """A SlotCache prefill wrote the layer whose counters are ``count``: note its cache as the last one."""
@@ -130,14 +151,15 @@ class Runtime:
         b, hkv, ln = k_new.shape[:3]
         lp = past_length(k_past)
         dev = k_new.device
-        st = self.state.layer(site)
+        layer = layer_of(site)
+        st = self.state.layer(layer)
         if lp > 0 and st is not None and tuple(st.pos.shape[:2]) == (b, hkv) and st.pos.shape[2] <= lp:
             # entries past the record were added by a graph that only appends (SitePlan.append)
             past_pos, seen = st.extended(lp - st.pos.shape[2])
             past_pos, valid = past_pos.to(dev), None
         elif 0 < lp < (m := st.pos.shape[2] if st is not None else 0) and int(st.seen) > m:
             raise ValueError(
-                f"kvpass: policy '{self.policy.name}' evicted from layer {site}'s cache ({int(st.seen)} tokens seen, "
+                f"kvpass: policy '{self.policy.name}' evicted from layer {layer}'s cache ({int(st.seen)} tokens seen, "
                 f"{m} kept), and it now holds {lp} entries: something removed entries behind kvpass (assisted or "
                 f"prompt-lookup decoding crops rejected drafts; the tokens evicted for them cannot come back). "
                 f"Decode without an assistant with this policy, or start a new cache with this backend's prefill")
@@ -154,7 +176,8 @@ class Runtime:
                 tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None,
                 q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
                 out_proj: Tensor | None = None):
-        idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(site),
+        layer = layer_of(site)
+        idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(layer),
                                 selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj))
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         b, h, n = kv_pos.shape
@@ -167,27 +190,27 @@ class Runtime:
         elif idx is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
             if self.policy.needs.heads:   # heads_update laid the entries out: the ranges it made
-                heads = self.head_ranges(site, b, h, n - q_pos.shape[1], kv_pos, q_pos, fresh)
+                heads = self.head_ranges(layer, b, h, n - q_pos.shape[1], kv_pos, q_pos, fresh)
         else:
             k_out, v_out = gather_pair(k, v, idx)  # Triton compaction on CUDA
         seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
-        st = self.state.set_layer(site, pos, seen, fresh=fresh)
+        st = self.state.set_layer(layer, pos, seen, fresh=fresh)
         if book is not None:  # the policy's bookkeeping for the layer (a paged policy's page tables)
             st.extra = book
         if heads is not None:
             st.extra = {**st.extra, "heads": heads}
         return k_out, v_out
 
-    def head_ranges(self, site: int, b: int, h: int, stored: int, kv_pos: Tensor, q_pos: Tensor, fresh: bool):
+    def head_ranges(self, layer: int, b: int, h: int, stored: int, kv_pos: Tensor, q_pos: Tensor, fresh: bool):
         """``ranges [B, H_kv, 4]`` of a per-head layer (``kvpass.cache.ragged``) after a call's ``q`` entries per
         head joined its ``stored``: the prompt of a new prefill kept whole, else the recorded ranges grown as
         ``heads_update`` grew them (a layer kvpass did not lay out holds ``stored / H_kv`` per head)."""
         if fresh:
             return ragged.uniform(b, h, q_pos.shape[1], kv_pos.device)
-        return ragged.grown(self._ranges(site, b, h, stored, kv_pos.device), q_pos.shape[1])
+        return ragged.grown(self._ranges(layer, b, h, stored, kv_pos.device), q_pos.shape[1])
 
-    def _ranges(self, site: int, b: int, h: int, stored: int, device) -> Tensor:
-        st = self.state.layer(site)
+    def _ranges(self, layer: int, b: int, h: int, stored: int, device) -> Tensor:
+        st = self.state.layer(layer)
         got = None if st is None else st.extra.get("heads")
         return got if got is not None else ragged.uniform(b, h, stored, device)
 
@@ -197,13 +220,14 @@ class Runtime:
         after its range in the row's pool (``ragged.grow``; stored as ``[B, H_kv, L, D]``), and the heads' ranges."""
         b, h, ln = k_new.shape[:3]
         lp = past_length(k_past)
-        st = self.state.layer(site)
+        layer = layer_of(site)
+        st = self.state.layer(layer)
         if lp == 0:   # a new prefill: the prompt, every head its whole
             kv_pos, q_pos = self.positions(site, k_past, k_new, mask)
             ranges = ragged.uniform(b, h, ln, k_new.device)
             return k_new, v_new, kv_pos, q_pos, ranges[..., ragged.START], ranges[..., ragged.LENGTH]
         if st is None or st.pos.shape[2] != lp:
-            raise ValueError(f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer {site}'s cache, "
+            raise ValueError(f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer {layer}'s cache, "
                              f"and the cache holds {lp} entries per head where kvpass recorded "
                              f"{None if st is None else st.pos.shape[2]}: something wrote the cache behind kvpass "
                              f"(a cache filled without this backend, or cropped by assisted decoding). Start a new "
@@ -211,7 +235,7 @@ class Runtime:
         q_pos = (st.seen + torch.arange(ln, device=k_new.device)).expand(b, ln).contiguous()
         flat = lambda t: t.reshape(b, 1, h * lp, *t.shape[3:])
         keys, values, pos, ranges = ragged.grow(flat(k_past.to(k_new.dtype)), flat(v_past.to(v_new.dtype)),
-                                                flat(st.pos.to(k_new.device)), self._ranges(site, b, h, lp,
+                                                flat(st.pos.to(k_new.device)), self._ranges(layer, b, h, lp,
                                                                                               k_new.device),
                                                 k_new, v_new, q_pos)
         n = lp + ln
@@ -220,7 +244,7 @@ class Runtime:
 
     def step_position(self, site: int, k_pool: Tensor) -> Tensor:
         """``[B, 1]``: the true position of a pool site's new token (the tokens its layer has seen)."""
-        st = self.state.layer(site)
+        st = self.state.layer(layer_of(site))
         if st is None or tuple(st.pos.shape) != (k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]):
             raise RuntimeError(f"policy '{self.policy.name}': a decode step found no page pool for its cache "
                                "(the cache was not filled by this policy's prefill with this backend)")
@@ -231,15 +255,15 @@ class Runtime:
                    q_pos: Tensor) -> Tensor:
         """A pool site's decode step: the policy writes the new token into the pool in place; the layer
         records the pool's positions after the write and the tokens seen."""
-        st = self.state.layer(site)
+        st = self.state.layer(layer_of(site))
         pos = self.policy.write(self.sites[site], q, k_pool, v_pool, k_new, v_new, q_pos, st)
-        self.state.set_layer(site, pos, q_pos[0, -1] + 1, fresh=False)
+        self.state.set_layer(layer_of(site), pos, q_pos[0, -1] + 1, fresh=False)
         return pos
 
     def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:
         """Accumulate blocks read / blocks present of one decode attention call (ART statistics)."""
-        read, total = self.visits.get(site, (0, 0))
-        self.visits[site] = (read + visited.sum(), total + visited.numel() * n_blocks)
+        read, total = self.visits.get(layer_of(site), (0, 0))
+        self.visits[layer_of(site)] = (read + visited.sum(), total + visited.numel() * n_blocks)
 
     def blocks_read(self) -> float | None:
         """Fraction of KV blocks that decode attention read since the last reset, or None."""

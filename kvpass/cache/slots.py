@@ -43,7 +43,7 @@ unchanged, which kvpass has warned about, may append).
 A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
 (a device-side assert) instead of letting HF's mask read the slots as positions.
 
-``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
+``site`` in these operators is a site key (``Site.key``, ``kvpass.cache.runtime``), not a ``Site``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from torch import Tensor
 
 from kvpass.cache import ragged
 from kvpass.errors import ConfigError, device_assert
-from kvpass.operators import register
+from kvpass.op_registry import register
 from kvpass.kernels.gather import gather_pair
 
 try:
@@ -180,6 +180,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
 
     rt = runtime.get(handle)
     rt.slot_prefilled(count)
+    layer = runtime.layer_of(site)
     b, hkv, length, _ = k_new.shape
     cap = keys.shape[2]
     if b != keys.shape[0]:
@@ -204,11 +205,11 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     if rt.policy.needs.heads and not rt.sites[site].sliding_window:   # the per-head layout (kvpass.cache.ragged)
         kept = idx if idx is not None else ragged.everything(b, hkv, length, k_new.device)
         if kept.sel.shape[1] > hkv * cap:
-            raise ValueError(f"kvpass SlotCache: layer {site} keeps {kept.sel.shape[1] // hkv} entries per KV head of "
+            raise ValueError(f"kvpass SlotCache: layer {layer} keeps {kept.sel.shape[1] // hkv} entries per KV head of "
                              f"a {length}-token prompt under policy '{rt.policy.name}', but the cache holds {cap} "
                              f"slots per head; build the cache with a larger max_length")
         names = list(rt.policy.slot_state(cap, keys.shape[-1]))
-        ragged.slot_fill(keys, values, pos, state[names.index("heads")], k_new, v_new, kv_pos, kept, site)
+        ragged.slot_fill(keys, values, pos, state[names.index("heads")], k_new, v_new, kv_pos, kept, layer)
         count[:, SEEN], count[:, FILLED], count[:, DROPPED] = length, kept.sel.shape[1] // hkv, 0
         return
     # real entries first (in position order), empty ones (left padding) last: a "ring" rule protects the
@@ -218,10 +219,10 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     kept_k, kept_v = gather_pair(k_new, v_new, order if idx is None else idx.gather(2, order))
     n = kept_pos.shape[-1]
     if n > cap and rt.first_pass:
-        rt.overflow = site    # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot
+        rt.overflow = layer    # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot
         return
     if n > cap:
-        raise ValueError(f"kvpass SlotCache: layer {site} keeps {n} entries of a {length}-token prompt under "
+        raise ValueError(f"kvpass SlotCache: layer {layer} keeps {n} entries of a {length}-token prompt under "
                          f"policy '{rt.policy.name}', but the cache holds {cap} slots per layer; build the cache "
                          f"with a larger max_length")
     keys[:, :, :n].copy_(kept_k)

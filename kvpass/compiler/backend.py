@@ -185,11 +185,7 @@ class KVPass(CustomGraphPass):
                 return {}
             plans[site.layer] = plan
             report.plans[site.layer] = plan.describe(report.phase)
-            known = self.runtime.sites.get(site.layer)
-            if site.cache != "none" or known is None or known.cache == "none":
-                # a graph without a cache (use_cache=False) knows less of a layer, its sliding window first: it does
-                # not replace what a graph with a cache told the operators that read a layer's site at run time
-                self.runtime.sites[site.layer] = site
+        self.runtime.add_graph(found.sites)   # the keys this graph's operators name their sites by
         return plans
 
     def _rewrite(self, gm, found, plans: dict[int, SitePlan], report: GraphReport) -> None:

@@ -127,6 +127,7 @@ class Site:
     slot_spec: str = ""              # the policy configuration that SlotCache was built for (Policy.key)
     global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
     tp: object = None                # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
+    key: int = -1                    # the operators' name for this site (Runtime.add_graph): graph and layer
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
     @functools.cached_property
     def q_rope(self) -> QueryRope:

@@ -19,7 +19,7 @@ from kvpass.cache import runtime as _runtime
 from kvpass.cache.slots import DROPPED
 from kvpass.compiler.detect import Site, is_fn, upstream
 from kvpass.compiler.fxargs import arg
-from kvpass.operators import register
+from kvpass.op_registry import register
 
 OPS = torch.ops.kvpass
 

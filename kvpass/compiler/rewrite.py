@@ -112,13 +112,13 @@ def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, 
     A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``), a
     SlotCache read the blocks of ``bmap`` when given."""
     if bmap is None and read.pages:
-        bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.layer))
+        bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.key))
     att = graph.call_function(OPS.decode_attention.default, (
         q, k, v, mask, kv_pos, q_pos, None, kv_len, bmap, scale, site.softcap, window, read.tau, read.phi,
         read.patience, read.block, read.order, read.probe, read.horizon))
     out, visited = (graph.call_function(operator.getitem, (att, i)) for i in range(2))
     if read.stats:
-        out = graph.call_function(OPS.count_visits.default, (out, visited, k, read.block, handle, site.layer))
+        out = graph.call_function(OPS.count_visits.default, (out, visited, k, read.block, handle, site.key))
     return out
 
 
@@ -194,7 +194,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
     mask, causal = site_mask(site)
     update = OPS.heads_update.default if plan.heads else OPS.cache_update.default
     with graph.inserting_before(_first(graph, [site.k, site.v])):
-        upd = graph.call_function(update, (site.k_past, site.v_past, site.k_new, site.v_new, mask, handle, site.layer))
+        upd = graph.call_function(update, (site.k_past, site.v_past, site.k_new, site.v_new, mask, handle, site.key))
     k_all, v_all, kv_pos, q_pos, *ranges = _items(graph, upd, 6 if plan.heads else 4)
     q, scale = _query_and_scale(graph, site)
     window = site.sliding_window or 0
@@ -217,7 +217,7 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
         q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
         reductions: list[str] = []
         votes = _layer_votes(graph, site, plan, q_scaled, reductions)
-        cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.layer,
+        cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.key,
                                                         tokens, votes, lse, *_query_rope(graph, site, plan),
                                                         _out_proj(graph, site, plan)))
     k_st, v_st = _items(graph, cmp, 2)
@@ -273,10 +273,10 @@ def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> Non
     with ART). The graph stores the mutated pool tensors themselves: no concatenation, no compaction."""
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
-        q_pos = graph.call_function(OPS.step_position.default, (site.k_past, handle, site.layer))
+        q_pos = graph.call_function(OPS.step_position.default, (site.k_past, handle, site.key))
         q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
         kv_pos = graph.call_function(OPS.pool_write.default, (
-            site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.layer))
+            site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.key))
         att = _decode_read(graph, site, plan.read or DecodeRead(), handle, q, site.k_past, site.v_past, None, kv_pos,
                            q_pos, scale, site.sliding_window or 0)
     _replace_output(site, att)
@@ -291,7 +291,7 @@ def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None
     with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
     with graph.inserting_before(_first(graph, [site.k, site.v])):
         upd = graph.call_function(OPS.cache_overwrite.default, (
-            site.k_past, site.v_past, site.k_new, site.v_new, handle, site.layer))
+            site.k_past, site.v_past, site.k_new, site.v_new, handle, site.key))
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
@@ -300,7 +300,7 @@ def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None
         att = graph.call_function(OPS.attention_slots.default, (q, k_all, v_all, q_pos, scale, site.softcap))
         if plan.votes:
             att = graph.call_function(OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap,
-                                                                 handle, site.layer))
+                                                                 handle, site.key))
     _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, k_all), (site.v, v_all)):
@@ -336,7 +336,7 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
             votes = _layer_votes(graph, site, plan, q_scaled, reductions)
             graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, state, q_scaled, site.k_new,
-                                                           site.v_new, mask, handle, site.layer,
+                                                           site.v_new, mask, handle, site.key,
                                                            site.tokens if plan.tokens else None, votes, lse,
                                                            *_query_rope(graph, site, plan),
                                                            _out_proj(graph, site, plan)))

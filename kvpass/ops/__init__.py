@@ -5,7 +5,8 @@ on CPU and as the ground truth in tests) and a fake implementation that gives ou
 Dynamo / AOT autograd. CUDA implementations and Inductor lowerings are registered in
 ``kvpass.ops.lowerings``.
 
-``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
+``site`` in these operators is a site key (``Site.key``: the graph and the layer, ``kvpass.cache.runtime``), not a
+``Site``: each graph's operators read their own graph's site.
 
 Operators
 ---------
@@ -98,7 +99,7 @@ from kvpass.kernels import decode_attention as _decode
 from kvpass.kernels import gather as _gather
 from kvpass.kernels import window_scores as _wscores
 from kvpass.cache.runtime import past_length
-from kvpass.operators import OPS, register  # noqa: F401  (OPS: re-exported, the one registry)
+from kvpass.op_registry import OPS, register  # noqa: F401  (OPS: re-exported, the one registry)
 
 # ----------------------------------------------------------------------------------------------
 # references
@@ -451,7 +452,7 @@ def _(out, visited, k, block, handle, site: int):
     return torch.empty_like(out)
 
 
-# the core operators in the one registry (kvpass.operators; OPS is that registry, every family's included)
+# the core operators in the one registry (kvpass.op_registry; OPS is that registry, every family's included)
 register(attention=attention, attention_lse=attention_lse, attention_pos=attention_pos, cache_update=cache_update,
          heads_update=heads_update, compact=compact, true_positions=true_positions, note_positions=note_positions, layer_scores=layer_scores,
          decode_attention=decode_attention, decode_attention_ref=decode_attention_ref, count_visits=count_visits,

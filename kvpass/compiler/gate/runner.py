@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, fx
 
+from kvpass.cache.runtime import layer_of
 from kvpass.cache.slots import DROPPED, SEEN
 from kvpass.compiler.detect import val
 from kvpass.compiler.gate.checks import places, same
@@ -82,11 +83,12 @@ class GatedGraph:
         self.tokens = next((s.tokens for s in sites.values() if s.tokens is not None), None)
         # the graph outputs that hold each sliding layer's stored K/V (after the rewrite's compact)
         self.out_nodes = set(self.output.all_input_nodes)
-        self.stored = {node.args[6]: outputs_from(node, self.out_nodes) for node in graph.nodes
-                       if node.target is torch.ops.kvpass.compact.default and sites.get(node.args[6]) is not None
-                       and sites[node.args[6]].sliding_window}
+        compacts = {layer_of(node.args[6]): node for node in graph.nodes
+                    if node.target is torch.ops.kvpass.compact.default}
+        self.stored = {layer: outputs_from(node, self.out_nodes) for layer, node in compacts.items()
+                       if sites.get(layer) is not None and sites[layer].sliding_window}
         # a kvpass.SlotCache: each layer's slot positions and counts (inputs the segments write in place)
-        self.slots = {node.args[10]: (node.args[2], node.args[3]) for node in graph.nodes
+        self.slots = {layer_of(node.args[10]): (node.args[2], node.args[3]) for node in graph.nodes
                       if node.target is torch.ops.kvpass.slot_prefill.default}
         if any(p.op != "placeholder" or c.op != "placeholder" for p, c in self.slots.values()):
             return "the SlotCache's positions are not graph inputs (the gate could not record true positions)"

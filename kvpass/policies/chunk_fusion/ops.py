@@ -1,6 +1,6 @@
 """Chunk fusion's operators, registered on import; their kernels sit in ``kernels/``.
 
-``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
+``site`` in these operators is a site key (``Site.key``, ``kvpass.cache.runtime``), not a ``Site``.
 
 ``kvpass::rope_rotate(x, cos, sin) -> x_rotated`` and ``kvpass::scatter_rows(dst, idx, src)``
     RoPE rotation of ``x [M, L, D]`` by per-position tables (the model's own rotary module computes
@@ -32,7 +32,7 @@ from torch import Tensor
 from kvpass.cache import runtime
 from kvpass.cache.runtime import past_length
 from kvpass.ops import attention_pos_reference
-from kvpass.operators import register
+from kvpass.op_registry import register
 from kvpass.policies.chunk_fusion.kernels import rope as _rope
 from kvpass.policies.chunk_fusion.kernels import slot_attention as _slots
 
@@ -116,7 +116,7 @@ def fusion_votes(out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float,
     if w > 0:
         b, hkv, lk = k.shape[:3]
         kv_pos = torch.arange(lk, device=k.device).expand(b, hkv, lk).contiguous()
-        st.fusion_votes[site] = torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(),
+        st.fusion_votes[runtime.layer_of(site)] = torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(),
                                                                scale, softcap)
     return out.clone()
 

@@ -31,7 +31,7 @@
     every slot's position after the write. The write depends only on its inputs and the policy's
     plan for the step, so a replayed call writes the same slot.
 
-``site`` in these operators is the layer index of the attention site (``Site.layer``), not a ``Site``.
+``site`` in these operators is a site key (``Site.key``, ``kvpass.cache.runtime``), not a ``Site``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch import Tensor
 
 from kvpass.cache import runtime
 from kvpass.policies.contract import PagePolicy
-from kvpass.operators import register
+from kvpass.op_registry import register
 from kvpass.policies.pages.kernels import page_bounds as _bounds
 from kvpass.policies.pages.kernels import raas_stamp as _stamp
 from kvpass.policies.pages.kernels import top_pages as _top
@@ -117,7 +117,7 @@ def _pager(policy) -> PagePolicy:
 @torch.library.custom_op("kvpass::page_select", mutates_args=())
 def page_select(q: Tensor, k: Tensor, handle: int, site: int) -> Tensor:
     rt = runtime.get(handle)
-    return _pager(rt.policy).page_map(rt.sites[site], q, k, rt.state.layer(site))
+    return _pager(rt.policy).page_map(rt.sites[site], q, k, rt.state.layer(runtime.layer_of(site)))
 
 
 @page_select.register_fake
