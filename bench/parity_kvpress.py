@@ -135,9 +135,8 @@ METHODS += [
                                                                    "window": 32}),
      "kvpress": ("CriticalKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
      "notes": "over the matched snapkv (stage 1: half the kept entries by snapkv, the rest by score times the "
-              "projected value's L1 norm, epsilon 1e-4 on both sides); read side by side the two definitions agree "
-              "(stage 1 equal, the weight checked against o_proj, epsilon scaled to kvpass's summed scores changes "
-              "nothing): the 5 % of entries that differ are not explained yet"},
+              "projected value's L1 norm, epsilon 1e-4 on both sides, on the scale of kvpress's averaged scores: "
+              "kvpass adds it times window x group to its summed votes)"},
     {"name": "adakv", "budget": 256, "kvpass": ("adakv", {"scorer": "snapkv:kernel=5,pool=avg", "window": 32}),
      "kvpress": ("AdaKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
      "notes": "over the matched snapkv, floor int(0.2 x 256) = 51 per head, then one ranking over the layer's "

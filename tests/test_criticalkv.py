@@ -159,13 +159,15 @@ def test_select_keeps_the_reference_choice(scorer, b, heads, n, budget, window, 
         return
     assert keep.shape == (b, hkv, budget) and keep.dtype == torch.long
     base = base_scores(pol, q, k, v, kv_pos, q_pos, window)
+    # epsilon on the scale of averaged scores: snapkv's votes are sums over the window's queries and each group's heads
+    scaled = eps * min(window, n) * (h // hkv) if scorer == "snapkv" else eps
     for row in range(b):
         real = [j for j in range(n) if kv_pos[row, 0, j] >= 0]
         norms = norms_reference(v[row], w, h)
         for g in range(hkv):
             want, tied = reference_keep({j: float(base[row, g, j]) for j in real},
                                         {j: float(norms[g, j]) for j in real}, real, forced_of(scorer, real, window),
-                                        n, budget, ratio, eps)
+                                        n, budget, ratio, scaled)
             assume(not tied)    # float32 against float64 may order a near tie either way
             assert keep[row, g].tolist() == want, (row, g)
 

@@ -21,6 +21,7 @@ import kvpass
 from families import build
 from kvpass.cache import ragged
 from kvpass.errors import ConfigError
+from kvpass.policies import make_policy
 from test_adakv import PROMPT, calls, compiled, prompt_ids
 
 PATTERN = os.path.join(os.path.dirname(__file__), "data", "duo_pattern_llama.tsv")   # layers x KV heads
@@ -104,6 +105,17 @@ def test_mixed_heads_attend_as_the_windowed_reference(cache):
             assert tuple(store.layers[layer].keys.shape[2:]) == (-(-(PROMPT + SINKS + RECENT + 2 * new) // 2), 16)
     else:
         assert store.layers[0].state[0][0, :, ragged.LENGTH].tolist() == [PROMPT + new, SINKS + RECENT + 1]
+
+
+def test_a_slot_cache_holds_the_rank_whose_share_needs_most():
+    """Layer 0 of the pattern: KV head 0 retrieves, head 1 streams. One device: (40 + window) / 2 slots per head;
+    over two tensor-parallel ranks (a head each), rank 0's retrieval head needs the whole 40, so every rank gets 40
+    (the whole layer's average overflowed rank 0 at its prefill)."""
+    policy = make_policy("duoattention", pattern=PATTERN, sinks=SINKS, recent=RECENT)
+    window = SINKS + RECENT + 1
+    assert policy.slot_capacity(40, 8, 0, 2) == -(-(40 + window) // 2)
+    assert policy.slot_capacity(40, 8, 0, 2, ranks=2) == 40
+    assert policy.slot_capacity(40, 8, 1, 2, ranks=2) == 40   # layer 1: head 0 streams, head 1 retrieves
 
 
 def test_bad_patterns_are_refused_before_compiling(tmp_path):

@@ -43,13 +43,15 @@ SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"} 
 PER_HEAD = {"full", "snapkv"}            # the second family's share of the per-head policies
 # the llama's per-head policies on the CPU (CI time): one of each rewrite kind (append, evict at prefill, ring,
 # placed by a score, pages read, page pool, a stop rule), criticalkv, which reads its rank's shard of the output
-# projection, and adakv, whose rank keeps its heads' ranges in one pool; every per-head policy decides on its
+# projection, adakv and duoattention, whose ranks keep their heads' ranges in one pool (duoattention's heads of
+# different counts: a SlotCache sized for the rank whose share needs most); every per-head policy decides on its
 # rank's heads alone through the same path, and the GPU run (device "cuda") runs them all
-LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "art", "criticalkv", "adakv"}
+LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "art", "criticalkv", "adakv", "duoattention"}
 SPANNING_FUSION = ("a3", "cacheblend")   # fusion policies whose recompute set sums over every head
 # on a SlotCache (CI time): an append, a ring, an evicting prefill, pages read and pages evicted, a gate, a
-# decision over heads; the others' slot writes are the same rules (tests/test_conformance.py covers them all)
-ON_SLOTS = ("full", "streamingllm", "snapkv", "quest", "raas", "asl", "chunkkv")
+# decision over heads, heads of different counts (duoattention); the others' slot writes are the same rules
+# (tests/test_conformance.py covers them all)
+ON_SLOTS = ("full", "streamingllm", "snapkv", "quest", "raas", "asl", "chunkkv", "duoattention")
 FAMILIES = ("llama", "qwen3_gqa4")
 COMPILED = ("full", "snapkv")            # through kvpass.compile (the llama only; on the CPU snapkv alone: CI time)
 # chunk fusion on the CPU (CI time): a recompute with eviction on both caches, a recompute spanning heads, a reuse
@@ -128,14 +130,11 @@ def _runs(ranks, key, part="tp", single="single", why="the llama runs LOCAL and 
 @pytest.mark.parametrize("cache", ["dynamic", "slot"])
 @pytest.mark.parametrize("policy", PLAIN)
 def test_two_ranks_decide_as_one_process(ranks, policy, cache):
-    if policy == "duoattention":   # its layers' pools hold heads of different counts: rows are not heads here
-        pytest.skip("duoattention's per-head pools are not compared head by head here (its rank reads its own "
-                    "columns of the pattern; a SlotCache sizes its layers from the whole layer: "
-                    "docs/policies/duoattention.md, Limits)")
     tp0, tp1, one = _runs(ranks, f"{cache}:{policy}")
     assert tp0["tokens"] == one["tokens"], f"{policy} on a {cache} cache: tokens differ from one process"
     assert tp1["tokens"] == tp0["tokens"], f"{policy}: the two ranks generated different tokens"
-    assert tp0["kept"] == one["kept"] == tp1["kept"], f"{policy}: entries kept per layer differ"
+    if not one["per_head"]:   # a per-head layout's rows are not heads: its heads are compared one by one below
+        assert tp0["kept"] == one["kept"] == tp1["kept"], f"{policy}: entries kept per layer differ"
     assert [2 * h for h in tp0["kv_heads"]] == one["kv_heads"], "each rank stores half the KV heads"
     for rank, tp in enumerate((tp0, tp1)):   # each rank's heads hold what the same heads hold on one process
         for layer, (mine, whole) in enumerate(zip(tp["positions"], one["positions"])):

@@ -56,6 +56,15 @@ def parameters(policy: str) -> dict:
     return CONFORMANCE[policy].parallel or CONFORMANCE[policy].demanding
 
 
+def head_positions(pos: torch.Tensor, ranges: torch.Tensor | None) -> list[list[int]]:
+    """Row 0's sorted true positions of each KV head: its row of ``pos [H_kv, L]``, or under a per-head layout
+    (``ranges [B, H_kv, 4]``, ``kvpass.cache.ragged``) its range of the row's pool (empty entries left out)."""
+    if ranges is None:
+        return pos.sort(-1).values.tolist()
+    flat = pos.reshape(-1)
+    return [sorted(p for p in flat[s:s + n].tolist() if p >= 0) for s, n in ranges[0, :, :2].tolist()]
+
+
 def generate(model, name: str, cache_kind: str) -> dict:
     """Greedy prefill + NEW steps under ``name`` (``policy`` or ``policy@compiler``)."""
     from transformers import DynamicCache
@@ -75,15 +84,21 @@ def generate(model, name: str, cache_kind: str) -> dict:
             nxt = logits.argmax(-1, keepdim=True)
             tokens.append(int(nxt))
             logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+    names = list(be.policy.slot_state(1, 1))
     if cache_kind == "slot":
         kept = [int(layer.count[0, 1]) for layer in cache.layers]
         held = [layer.pos for layer in cache.layers]
+        ranges = [layer.state[names.index("heads")] if "heads" in names and layer.state else None
+                  for layer in cache.layers]
     else:
         kept = [int(layer.keys.shape[-2]) for layer in cache.layers]
-        held = [st.pos if (st := be.state.layer(i)) is not None else None for i in range(len(cache.layers))]
+        states = [be.state.layer(i) for i in range(len(cache.layers))]
+        held = [None if st is None else st.pos for st in states]
+        ranges = [None if st is None else st.extra.get("heads") for st in states]
     # the decision itself: the sorted true positions each KV head holds (row 0), per layer
-    positions = [None if p is None else p[0].sort(-1).values.tolist() for p in held]
-    return {"tokens": tokens, "kept": kept, "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
+    positions = [None if p is None else head_positions(p[0], r) for p, r in zip(held, ranges)]
+    return {"tokens": tokens, "kept": kept, "per_head": any(r is not None for r in ranges),
+            "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
             "positions": positions,
             "tp": sorted({r.tp for r in be.reports}), "reductions": [x for r in be.reports for x in r.reductions],
             "problems": [p for r in be.reports for p in r.problems],

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU run of the current design on one GPU (device tool kind `nvidia-h200`), from the repository root,
-# with $OUT set. Two steps, one device call each (each under the tool's 600 s per command):
+# with $OUT set. Each step fits one device call (the tool's 600 s per command); steps may share a call:
 #   bash bench/calls/gpu_run.sh tests    every tests/gpu file, one pytest run per file (-x --tb=line), all at
 #                                        once on the one GPU, each stopped at LIMIT (500) seconds
-#   bash bench/calls/gpu_run.sh decode   the ragged per-head kernel against the uniform one (bench_decode_kernel.py
-#                                        --ragged), then 8 layers, prompts of 2k then 130k through `generate`,
-#                                        beside the queued step and the roofline (bench/bench_fastpath.py)
+#   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
+#                                        total (bench_decode_kernel.py --ragged)
+#   bash bench/calls/gpu_run.sh decode   8 layers, prompts of 2k then 130k through `generate`, beside the queued
+#                                        step and the roofline (bench/bench_fastpath.py)
 #   bash bench/calls/gpu_run.sh accuracy gemma3-270m, RULER-style tasks and NIAH at 2k-8k, the prefill methods
 #                                        beside snapkv and full at budgets 64-1024 (`kvpass compare`; BUDGETS
 #                                        picks fewer, each budget its own results folder)
@@ -18,7 +19,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-case "${1:?tests | decode | accuracy}" in
+case "${1:?tests | ragged | decode | accuracy}" in
 tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
@@ -32,11 +33,13 @@ tests)
   cat "$out/summary.txt"
   grep -h -E "FAILED|ERROR|Timeout|Error" "$logs"/test_*.txt | head -60 | tee "$out/failures.txt"
   tar czf "$out/gpu_tests.tgz" -C "$logs" . ;;
+ragged)
+  # the ragged per-head kernel against the uniform layout (about a minute)
+  timeout -k 10 "${LIMIT:-300}" python bench/bench_decode_kernel.py --ragged --batches 1,16 \
+    --contexts 32768,131072 --no-sweep --out "$out" > "$out/ragged.log" 2>&1; tail -n 12 "$out/ragged.log" ;;
 decode)
-  # the ragged per-head kernel against the uniform layout first (about a minute), then generate beside the
-  # queued step and the roofline; POLICIES picks the rows (the per-head and new methods by default)
-  python bench/bench_decode_kernel.py --ragged --batches 1,16 --contexts 32768,131072 --no-sweep --out "$out" \
-    > "$out/ragged.log" 2>&1; tail -n 12 "$out/ragged.log"
+  # generate beside the queued step and the roofline; POLICIES picks the rows (the per-head and new methods by
+  # default)
   timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova}" --prefill-compiler eager \
     --out "$out/l8_130k.json" > "$out/l8_130k.log" 2>&1

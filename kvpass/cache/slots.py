@@ -563,7 +563,7 @@ class SlotCache(Cache):
         kv_heads //= ranks
         p = next(model.parameters())
         dtype, device = dtype or p.dtype, device or p.device
-        self._policy, self._windows = policy, windows
+        self._policy, self._windows, self._ranks = policy, windows, ranks
         self.capacities = self._capacities(max_length, max_length if max_new_tokens is None else max_new_tokens)
         self.capacity = max(self.capacities)
         self.policy_name = policy.name
@@ -583,7 +583,8 @@ class SlotCache(Cache):
     def _capacities(self, max_length: int, max_new_tokens: int) -> list[int]:
         layers, new = len(self._windows), min(max_new_tokens, max_length)
         # per layer: pyramidkv keeps more in lower layers; a sliding layer its window
-        return [w or self._policy.slot_capacity(max_length, new, i, layers) for i, w in enumerate(self._windows)]
+        return [w or self._policy.slot_capacity(max_length, new, i, layers, self._ranks)
+                for i, w in enumerate(self._windows)]
 
     def fits(self, max_length: int, max_new_tokens: int, batch_size: int) -> bool:
         """Whether a generation of ``batch_size`` rows, at most ``max_length`` tokens of which

@@ -44,8 +44,10 @@ class Composed(Policy):
     def slot_protect(self) -> int:
         return self.evictor.slot_protect if self.evictor else 0
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
-        return self.evictor.slot_capacity(max_length, max_new_tokens, layer, layers) if self.evictor else max_length
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
+                      ranks: int = 1) -> int:
+        return (self.evictor.slot_capacity(max_length, max_new_tokens, layer, layers, ranks) if self.evictor
+                else max_length)
 
     @property
     def _stateful(self) -> Policy | None:

@@ -385,10 +385,12 @@ class Policy:
         """Leading slots a "ring" never evicts."""
         return 0
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
+                      ranks: int = 1) -> int:
         """Slots layer ``layer`` of ``layers`` needs in a SlotCache for sequences of at most ``max_length``
         tokens of which at most ``max_new_tokens`` are decoded (never more than ``max_length`` unless the
-        policy's layout needs it: raas rounds to pages)."""
+        policy's layout needs it: raas rounds to pages). ``ranks``: the tensor-parallel ranks the layer's KV heads
+        are split over, each holding a contiguous share; every rank's cache gets the slots its share needs."""
         return max_length
 
     def slot_state(self, capacity: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:

@@ -130,7 +130,8 @@ class ScoredEviction(Policy):
             keep = keep_top(score, recent, valid, self.budget)
         return keep, {"score": score.gather(-1, keep)}
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
+                      ranks: int = 1) -> int:
         return min(max_length, self.budget + 1)  # the kept entries and the token being decoded
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:

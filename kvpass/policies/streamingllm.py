@@ -36,7 +36,8 @@ class StreamingLLM(Policy):
     def slot_protect(self) -> int:
         return self.sinks
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
+                      ranks: int = 1) -> int:
         return min(max_length, self.budget + 1)
 
     def plan(self, site) -> SitePlan | Refusal:

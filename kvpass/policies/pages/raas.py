@@ -67,7 +67,8 @@ class RaaS(Policy):
         return self.budget // PAGE + 1
 
     # on a kvpass.SlotCache: the pool is the layer's slots, its page tables are layer state
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
+                      ranks: int = 1) -> int:
         # pages of any prompt P <= max_length - new plus its decode pages (at most budget/16 + 1, at most what
         # the new tokens fill); over every split of max_length that is never more than max_length/16 + 2
         whole = -(-max_length // PAGE) + 2

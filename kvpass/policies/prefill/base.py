@@ -48,7 +48,8 @@ class PrefillEviction(Policy):
     def plan(self, site) -> SitePlan | Refusal:
         return shrinking_plan(site)
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
+                      ranks: int = 1) -> int:
         return min(max_length, self.slot_budget(layer, layers) + max_new_tokens)
 
     def slot_budget(self, layer: int, layers: int) -> int:
@@ -83,6 +84,12 @@ class PrefillEviction(Policy):
         extra = {} if votes is None else {"votes": votes}   # a plan with layer_votes (chunkkv)
         priority = self.priority(site, q, k, kv_pos, q_pos, valid & ~forced, keep - self.window, tokens, **extra)
         return priority, forced, valid
+
+    def score_scale(self, q, k) -> int:
+        """How many attention weights one of this scorer's scores adds up: the factor between its scores and the
+        same scores averaged over the queries and query heads that cast them (1 for a scorer whose scores are such
+        an average, or no attention at all). ``criticalkv`` adds its ``epsilon`` on the averaged scale."""
+        return 1
 
     def check_kernel(self) -> None:
         """The pooling kernel of a policy that pools window votes (``kernel`` field) must be odd."""

@@ -9,7 +9,9 @@ runs in two stages on a base scorer's scores (``scorer``):
    ``expected_attention``'s sinks) and its best entries, ``first_stage_ratio`` of the entries kept in all
    (``int(first_stage_ratio * kept)``, at least one when the ratio is above 0, forced entries counted), are kept
    whatever follows;
-2. every other entry's score becomes ``(score + epsilon) * ||W_o v_j||_1``: per query head ``h`` of the KV group,
+2. every other entry's score becomes ``(score + epsilon) * ||W_o v_j||_1`` (``epsilon`` on the scale of a score
+   averaged over the queries and query heads that cast it: snapkv's summed window votes add ``epsilon`` times their
+   window and group size, ``PrefillEviction.score_scale``): per query head ``h`` of the KV group,
    the value ``v_j [Dv]`` times the head's slice of the layer's output projection, ``W_o[:, h Dv:(h+1) Dv]``, a
    hidden-size vector whose L1 norm is averaged over the group's heads; the rest of the budget goes to the highest.
 
@@ -37,7 +39,9 @@ weight has the rank's ``H * Dv`` columns), so a rank decides for its KV heads wh
 collective; a DTensor weight in the graph is refused.
 
 **Against kvpress 0.5.5's ``CriticalKVPress``.** The same two stages, projected L1 norms, group mean, ``epsilon``
-and first-stage share, with these differences: kvpass counts kept entries (``budget``) where kvpress drops a
+(on kvpress's averaged scores: with snapkv, kvpress's score is kvpass's divided by window x group, and an
+unscaled ``epsilon`` would weigh 96 times less on SmolLM2, where it dominates stage 2 for most entries) and
+first-stage share, with these differences: kvpass counts kept entries (``budget``) where kvpress drops a
 ``compression_ratio`` of each prompt (the stage-1 share is of the entries kept in both); the base scorer's forced
 entries are kept outright, where kvpress's SnapKV gives its window the highest score (so it leads stage 1 there
 too); the scorers are kvpass's (``docs/policies/snapkv.md`` and the others say how they differ from kvpress's);
@@ -112,5 +116,5 @@ class CriticalKV(OverScorer):
         chosen = torch.zeros_like(valid)
         if first:
             chosen.scatter_(-1, scoring.keep_top(score, forced, valid, min(first, kv_pos.shape[-1])), True)
-        second = (score.float() + self.epsilon) * projected_norms(v, out_proj, heads)
+        second = (score.float() + self.epsilon * self.base.score_scale(q, k)) * projected_norms(v, out_proj, heads)
         return second, forced | (chosen & valid), valid

@@ -162,11 +162,14 @@ class DuoAttention(Policy):
         sink = torch.where(streaming[None, :], (first + self.sinks)[:, None], 0)
         return ragged.Kept(sel, counts, recent, self.sinks, sink)
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1) -> int:
-        """A layer's slots per KV head: its retrieval heads' whole sequence and its streaming heads' windows."""
-        heads = self.streaming_heads[layer] if layer < self.layers else torch.zeros(1, dtype=torch.bool)
-        streaming, total = int(heads.sum()), heads.numel()
-        return -(-((total - streaming) * max_length + streaming * min(self.window() + 1, max_length)) // total)
+    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
+                      ranks: int = 1) -> int:
+        """A layer's slots per KV head: its retrieval heads' whole sequence and its streaming heads' windows, over the
+        KV heads of one tensor-parallel rank's share (the most any rank's share needs)."""
+        heads = self.streaming_heads[layer] if layer < self.layers else torch.zeros(ranks, dtype=torch.bool)
+        window = min(self.window() + 1, max_length)
+        return max(-(-(int((~share).sum()) * max_length + int(share.sum()) * window) // share.numel())
+                   for share in heads.chunk(ranks))
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         return dict(ragged.SLOT_STATE)

@@ -30,3 +30,7 @@ class SnapKV(PrefillEviction):
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
         return self.pooled_votes(site, q, k, kv_pos, q_pos, cand, self.pool)
+
+    def score_scale(self, q, k) -> int:
+        """The window's votes are summed over its queries and each KV group's query heads."""
+        return min(self.window, q.shape[2]) * (q.shape[1] // k.shape[1])
