@@ -181,3 +181,18 @@ def test_inductor_decodes_the_per_head_slots_as_the_eager_compiler():
         out[compiler] = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert be.graph_counts() == {"prefill": 1, "decode": 1}
     assert torch.equal(out["eager"], out["inductor"])
+
+
+def test_a_slot_cache_of_per_head_budgets_costs_what_snapkvs_does():
+    """At the same budget a SlotCache of adakv holds the bytes of snapkv's: the same slots per layer (the heads share
+    H_kv x (budget + room)), plus each head's ranges row (16 bytes), so a memory cap fits as many rows of it."""
+    model = build("llama")
+    sizes = {}
+    for policy in ("snapkv", "adakv"):
+        be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=WINDOW)
+        cache = kvpass.SlotCache(model, be, max_length=PROMPT + 16, max_new_tokens=16, batch_size=4)
+        sizes[policy] = [(lay.keys.nbytes + lay.values.nbytes, sum(t.nbytes for t in lay.state) + lay.pos.nbytes)
+                         for lay in cache.layers]
+    hkv = model.config.num_key_value_heads
+    assert [kv for kv, _ in sizes["adakv"]] == [kv for kv, _ in sizes["snapkv"]]
+    assert [rest for _, rest in sizes["adakv"]] == [rest + 4 * hkv * 16 for _, rest in sizes["snapkv"]]
