@@ -63,6 +63,10 @@ POLICIES = {       # one policy of each kind kvpass has, at a setting that evict
     "quest": {"budget": BUDGET, "dense_layers": 0},
     # gated prefill; layer=0: its default (layers // 2) is the last layer of a 2-layer model (no gate placed)
     "fastkv": {"budget": BUDGET, "layer": 0},
+    # prefill evictions whose plans read more of the graph: the query before RoPE and the RoPE tables
+    # (expected_attention), the output projection's weight (criticalkv); refused where it is not matched
+    "expected_attention": {"budget": BUDGET},
+    "criticalkv": {"budget": BUDGET},
 }
 PATHS = ("plain", "fast")
 VERDICTS = ("exact", "warned", "unapplied", "wrong", "crash")
