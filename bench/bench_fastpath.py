@@ -32,7 +32,6 @@ import functools
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from bench_decode_step import read_entries  # noqa: E402
-from llama_shape import copy_bandwidth, llama8b_config, random_llama, uncompiled  # noqa: E402
+from llama_shape import copy_bandwidth, llama8b_config, policy_params, random_llama, uncompiled  # noqa: E402
 
 
 def timed(fn):
@@ -161,20 +160,6 @@ def meta_of(args, lengths, bw: float) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
             "shape": "Llama-3.1-8B (random weights), bf16, batch 1", "lengths": lengths, "new": args.new,
             "budget": args.budget, "cudnn_sdpa": False}
-
-
-def policy_params(policy: str, budget: int, config) -> dict:
-    """The policy's parameters in this benchmark: ``budget`` where it has one; duoattention a head pattern of
-    random scores for this model (seeded), half its KV heads streaming at the defaults."""
-    if policy in ("full", "art"):
-        return {}
-    if policy == "duoattention":
-        g = torch.Generator().manual_seed(0)
-        scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=g)
-        path = Path(tempfile.gettempdir()) / f"duo_pattern_{scores.shape[0]}x{scores.shape[1]}.tsv"
-        path.write_text("\n".join("\t".join(f"{x:.4f}" for x in row) for row in scores.tolist()) + "\n")
-        return {"pattern": str(path)}
-    return {"budget": budget}
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
+from llama_shape import llama8b_config, policy_params, random_llama, uncompiled  # noqa: E402
 
 GIB = 2**30
 CUDA = torch.cuda.is_available()   # off CUDA (a smoke run with --tiny): no memory cap, no peaks
@@ -93,7 +93,7 @@ def run_requests(args, rows: int) -> int:
 
 
 def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
-    params = {} if policy in ("full", "art") else {"budget": args.budget}
+    params = policy_params(policy, args.budget, model.config)
     be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
     length = args.context + args.new
     one = kvpass.SlotCache(model, be, max_length=length, batch_size=1, max_new_tokens=args.new).kv_bytes()

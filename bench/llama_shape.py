@@ -4,7 +4,9 @@ random-weight Llama-3.1-8B shape from the same seed and measure the roofline's b
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers as tf
@@ -80,3 +82,17 @@ def copy_bandwidth(device: str = "cuda") -> float:
         y.copy_(x)
     sync(device)
     return 2 * x.numel() * 20 / (time.perf_counter() - t)
+
+
+def policy_params(policy: str, budget: int, config) -> dict:
+    """A policy's parameters in the benchmarks: ``budget`` where it has one; duoattention a head pattern of
+    random scores for this model (seeded), half its KV heads streaming at the defaults."""
+    if policy in ("full", "art"):
+        return {}
+    if policy == "duoattention":
+        g = torch.Generator().manual_seed(0)
+        scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=g)
+        path = Path(tempfile.gettempdir()) / f"duo_pattern_{scores.shape[0]}x{scores.shape[1]}.tsv"
+        path.write_text("\n".join("\t".join(f"{x:.4f}" for x in row) for row in scores.tolist()) + "\n")
+        return {"pattern": str(path)}
+    return {"budget": budget}

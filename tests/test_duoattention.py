@@ -107,6 +107,17 @@ def test_mixed_heads_attend_as_the_windowed_reference(cache):
         assert store.layers[0].state[0][0, :, ragged.LENGTH].tolist() == [PROMPT + new, SINKS + RECENT + 1]
 
 
+def test_a_window_longer_than_the_cache_keeps_everything():
+    """Streaming heads whose sinks + recent (64 + 256) exceed the cache's length (78) keep every token, as ``full``
+    does; on a SlotCache each streaming head keeps its ring's fixed size (before, the layer was sized for the
+    sequence and the rings overflowed it at the prefill)."""
+    model = build("llama")
+    full = calls(compiled(model, "full")[1], DynamicCache(config=model.config), prompt_ids(), **STEPS)
+    be, fwd = compiled(model, "duoattention", pattern=PATTERN, streaming=1.0)
+    close(calls(fwd, kvpass.SlotCache(model, be, max_length=PROMPT + 8, max_new_tokens=8), prompt_ids(), **STEPS),
+          full)
+
+
 def test_a_slot_cache_holds_the_rank_whose_share_needs_most():
     """Layer 0 of the pattern: KV head 0 retrieves, head 1 streams. One device: (40 + window) / 2 slots per head;
     over two tensor-parallel ranks (a head each), rank 0's retrieval head needs the whole 40, so every rank gets 40

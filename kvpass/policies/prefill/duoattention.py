@@ -164,10 +164,11 @@ class DuoAttention(Policy):
 
     def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
                       ranks: int = 1) -> int:
-        """A layer's slots per KV head: its retrieval heads' whole sequence and its streaming heads' windows, over the
-        KV heads of one tensor-parallel rank's share (the most any rank's share needs)."""
+        """A layer's slots per KV head: its retrieval heads' whole sequence and its streaming heads' rings (sinks +
+        recent + 1, the ring's fixed size, even where the sequence is shorter), over the KV heads of one
+        tensor-parallel rank's share (the most any rank's share needs)."""
         heads = self.streaming_heads[layer] if layer < self.layers else torch.zeros(ranks, dtype=torch.bool)
-        window = min(self.window() + 1, max_length)
+        window = self.window() + 1
         return max(-(-(int((~share).sum()) * max_length + int(share.sum()) * window) // share.numel())
                    for share in heads.chunk(ranks))
 
