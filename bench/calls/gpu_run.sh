@@ -7,6 +7,8 @@
 #                                        total (bench_decode_kernel.py --ragged)
 #   bash bench/calls/gpu_run.sh decode   8 layers, prompts of 2k then 130k through `generate`, beside the queued
 #                                        step and the roofline (bench/bench_fastpath.py)
+#   bash bench/calls/gpu_run.sh throughput  32 layers, 64 x 32k prompts at the 16 GiB KV cap of throughput_2026-11-27:
+#                                        rows decoded together and tokens/s per policy (bench/bench_throughput.py)
 #   bash bench/calls/gpu_run.sh accuracy gemma3-270m, RULER-style tasks and NIAH at 2k-8k, the prefill methods
 #                                        beside snapkv and full at budgets 64-1024 (`kvpass compare`; BUDGETS
 #                                        picks fewer, each budget its own results folder)
@@ -19,7 +21,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-case "${1:?tests | ragged | decode | accuracy}" in
+case "${1:?tests | ragged | decode | throughput | accuracy}" in
 tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
@@ -44,6 +46,14 @@ decode)
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova}" --prefill-compiler eager \
     --out "$out/l8_130k.json" > "$out/l8_130k.log" 2>&1
   tail -n 30 "$out/l8_130k.log" ;;
+throughput)
+  # the fixed memory cap of bench/results/throughput_2026-11-27 (32 layers, 64 x 32k prompts, 256 new tokens, 16 GiB
+  # of KV): the per-head and new methods beside full and snapkv in one process
+  timeout -k 10 "${LIMIT:-570}" python bench/bench_throughput.py --layers 32 --context 32768 --new 256 --requests 64 \
+    --kv-gib 16 --workspace-gib 10 --max-waves 4 --baselines "" \
+    --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention}" \
+    --out "$out/l32_throughput.json" > "$out/l32_throughput.log" 2>&1
+  tail -n 20 "$out/l32_throughput.log" ;;
 accuracy)
   # the methods of the issue "The field's leading methods" beside snapkv; full once (no budget)
   kvpass compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k --limit 3 --policies full \
