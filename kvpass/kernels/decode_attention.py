@@ -40,7 +40,9 @@ Choices the ART paper leaves open, and why:
 **Ragged heads** (per-head budgets). With ``kv_start [B, H_kv]`` the KV heads of a row share one pool
 (``k``/``v`` ``[B, 1, S, D]``, ``kv_pos`` ``[B, 1, S]``) and head ``g`` holds the ``kv_len[b, g]`` entries from
 ``kv_start[b, g]``: its program reads its own range and no other entry, so a head that keeps 8 entries reads 8
-however many its neighbours keep. Blocks, orders and ART count from the head's first entry.
+however many its neighbours keep. Blocks, orders and ART count from the head's first entry. Split-KV cuts the
+row's pool into ``H_kv`` times the splits of one head, each split a fixed number of blocks, so a head gets splits in
+proportion to its length and a long head does not hold up the step.
 
 **Masking.** Entry ``j`` is read when it is inside the sequence (``j < kv_len[b]``, or ``kv_len[b, g]`` per
 head, when lengths are given) and, with positions, ``0 <= kv_pos[j] <= q_pos[b]`` and (sliding layers)
@@ -672,8 +674,16 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     after_art = bool(split and art)                       # the horizon launch shape
     rest = torch.sym_max(n_blocks - horizon, 1) if after_art else n_blocks
     n_splits = num_splits(b * hkv, q.device) if split else 1
-    # a short cache leaves the last splits empty (they store an empty state); with lengths, each head splits its own
-    per_split = 0 if kv_len is not None else _cdiv(rest, n_splits)
+    if split and kv_start is not None and not after_art:
+        # ragged heads: H_kv times the splits, each a fixed share of the row's pool, so a head takes splits in
+        # proportion to its length (a head at half the row's entries, split as the others, ran 4x as long as they:
+        # 2.0-2.3x the uniform layout's time, bench/results/gpu_h100_2026-12-05); most of a short head's are empty
+        n_splits = min(MAX_SPLITS, n_splits * hkv)
+        per_split = _cdiv(rest, n_splits)
+    else:
+        # a short cache leaves the last splits empty (they store an empty state); with lengths, each head (or row)
+        # splits its own blocks
+        per_split = 0 if kv_len is not None else _cdiv(rest, n_splits)
     if parallel_horizon is None:
         parallel_horizon = b * hkv < _sms(q.device)
     # parts: [horizon steps, one each, when parallel] + [the horizon's kept state] + [the rest's splits];
