@@ -3,6 +3,7 @@
 # with $OUT set. Each step fits one device call (the tool's 600 s per command); steps may share a call:
 #   bash bench/calls/gpu_run.sh tests    every tests/gpu file, one pytest run per file (-x --tb=line), all at
 #                                        once on the one GPU, each stopped at LIMIT (500) seconds
+#   bash bench/calls/gpu_run.sh new      the tests/gpu cases of the per-head and new methods alone, in one pytest run
 #   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
 #                                        total (bench_decode_kernel.py --ragged)
 #   bash bench/calls/gpu_run.sh decode   8 layers, prompts of 2k then 130k through `generate`, beside the queued
@@ -21,7 +22,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-case "${1:?tests | ragged | decode | throughput | accuracy}" in
+case "${1:?tests | new | ragged | decode | throughput | accuracy}" in
 tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
@@ -35,6 +36,12 @@ tests)
   cat "$out/summary.txt"
   grep -h -E "FAILED|ERROR|Timeout|Error" "$logs"/test_*.txt | head -60 | tee "$out/failures.txt"
   tar czf "$out/gpu_tests.tgz" -C "$logs" . ;;
+new)
+  # the per-head and new methods alone across tests/gpu (what a time-limited `tests` step may not reach)
+  timeout -k 10 "${LIMIT:-500}" python -m pytest -v --tb=line -p no:cacheprovider tests/gpu \
+    -k "tova or knorm or keydiff or expected_attention or criticalkv or adakv or duoattention" \
+    > "$out/gpu_new_methods.txt" 2>&1
+  tail -n 40 "$out/gpu_new_methods.txt" ;;
 ragged)
   # the ragged per-head kernel against the uniform layout (about a minute)
   timeout -k 10 "${LIMIT:-300}" python bench/bench_decode_kernel.py --ragged --batches 1,16 \
