@@ -109,15 +109,15 @@ def fusion_votes(out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float,
                  site: int) -> Tensor:
     """Passes ``out`` (a recompute pass's attention output) through and, when the request asks for
     votes (``state.fusion_window`` > 0, ``a3+evict``), keeps the SnapKV votes of the last
-    ``fusion_window`` query rows (the question) for every merged-cache slot: ``state.fusion_votes[site]``
+    ``fusion_window`` query rows (the question) for every merged-cache slot: ``state.fusion_votes[layer]``
     ``[B, H_kv, L]`` fp32, from ``kvpass::window_scores`` (slot ``j`` holds position ``j``)."""
     st = runtime.get(handle).state
     w = min(st.fusion_window, q.shape[2])
     if w > 0:
         b, hkv, lk = k.shape[:3]
         kv_pos = torch.arange(lk, device=k.device).expand(b, hkv, lk).contiguous()
-        st.fusion_votes[runtime.layer_of(site)] = torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(),
-                                                               scale, softcap)
+        st.fusion_votes[runtime.layer_of(site)] = torch.ops.kvpass.window_scores(
+            q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), scale, softcap)
     return out.clone()
 
 
