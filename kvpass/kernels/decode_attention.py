@@ -676,8 +676,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     n_splits = num_splits(b * hkv, q.device) if split else 1
     if split and kv_start is not None and not after_art:
         # ragged heads: H_kv times the splits, each a fixed share of the row's pool, so a head takes splits in
-        # proportion to its length (a head at half the row's entries, split as the others, ran 4x as long as they:
-        # 2.0-2.3x the uniform layout's time, bench/results/gpu_h100_2026-12-05); most of a short head's are empty
+        # proportion to its length and a long head does not hold up the step (docs/ARCHITECTURE.md, per-head
+        # budgets); most of a short head's splits are empty
         n_splits = min(MAX_SPLITS, n_splits * hkv)
         per_split = _cdiv(rest, n_splits)
     else:

@@ -39,9 +39,8 @@ weight has the rank's ``H * Dv`` columns), so a rank decides for its KV heads wh
 collective; a DTensor weight in the graph is refused.
 
 **Against kvpress 0.5.5's ``CriticalKVPress``.** The same two stages, projected L1 norms, group mean, ``epsilon``
-(on kvpress's averaged scores: with snapkv, kvpress's score is kvpass's divided by window x group, and an
-unscaled ``epsilon`` would weigh 96 times less on SmolLM2, where it dominates stage 2 for most entries) and
-first-stage share, with these differences: kvpass counts kept entries (``budget``) where kvpress drops a
+(on kvpress's averaged scores: with snapkv, kvpress's score is kvpass's divided by window x group, so kvpass adds
+``epsilon`` times that factor) and first-stage share, with these differences: kvpass counts kept entries (``budget``) where kvpress drops a
 ``compression_ratio`` of each prompt (the stage-1 share is of the entries kept in both); the base scorer's forced
 entries are kept outright, where kvpress's SnapKV gives its window the highest score (so it leads stage 1 there
 too); the scorers are kvpass's (``docs/policies/snapkv.md`` and the others say how they differ from kvpress's);
