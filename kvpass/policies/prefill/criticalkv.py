@@ -40,14 +40,15 @@ collective; a DTensor weight in the graph is refused.
 
 **Against kvpress 0.5.5's ``CriticalKVPress``.** The same two stages, projected L1 norms, group mean, ``epsilon``
 (on kvpress's averaged scores: with snapkv, kvpress's score is kvpass's divided by window x group, so kvpass adds
-``epsilon`` times that factor) and first-stage share, with these differences: kvpass counts kept entries (``budget``) where kvpress drops a
-``compression_ratio`` of each prompt (the stage-1 share is of the entries kept in both); the base scorer's forced
-entries are kept outright, where kvpress's SnapKV gives its window the highest score (so it leads stage 1 there
-too); the scorers are kvpass's (``docs/policies/snapkv.md`` and the others say how they differ from kvpress's);
-kvpress applies the product to a signed score as well (knorm's minus key norm, keydiff's minus cosine), and so does
-kvpass, so a larger projected value lowers such an entry; the weight is the graph's (Qwen2's or GPT-2's layouts
-alike, where kvpress reads ``module.o_proj``); padding is handled. Computation: scores, projections and norms in
-fp32, every query head at once over as many tokens as keep the projection's temporary within 128 MiB.
+``epsilon`` times that factor) and first-stage share, with these differences: kvpass counts kept entries
+(``budget``) where kvpress drops a ``compression_ratio`` of each prompt (the stage-1 share is of the entries kept in
+both); the base scorer's forced entries are kept outright, where kvpress's SnapKV gives its window the highest score
+(so it leads stage 1 there too); the scorers are kvpass's (``docs/policies/snapkv.md`` and the others say how they
+differ from kvpress's); kvpress applies the product to a signed score as well (knorm's minus key norm, keydiff's
+minus cosine), and so does kvpass, so a larger projected value lowers such an entry; the weight is the graph's
+(Qwen2's or GPT-2's layouts alike, where kvpress reads ``module.o_proj``); padding is handled. Computation: scores,
+projections and norms in fp32, every query head at once over as many tokens as keep the projection's temporary
+within 128 MiB.
 """
 
 from __future__ import annotations
