@@ -27,7 +27,9 @@ class Entry:
     ``demanding``: parameters under which it acts on them (evicts, stops early, gates); ``kept(P, T)``: the
     most entries a layer stores after a ``P``-token prompt and ``T`` decode steps under ``demanding``;
     ``unpadded``: why a left-padded batch is not checked (empty: it is); ``driver``: ``"fusion"`` for a policy that only
-    ``kvpass.ChunkFusion`` runs (its own tests cover it; here the plain path must refuse it); ``parallel``: the
+    ``kvpass.ChunkFusion`` runs (its own tests cover it; here the plain path must refuse it), ``"reconstruct"`` for one
+    whose repeat passes only ``kvpass.compile``'s generate runs (``tests/test_kvzip.py`` runs these checks there);
+    ``parallel``: the
     parameters that replace ``demanding``'s under tensor parallelism, where a decision averaged over a layer's
     heads is refused (``tests/test_tensor_parallel.py``)."""
 
@@ -80,6 +82,7 @@ CONFORMANCE: dict[str, Entry] = {
     "fastkv": Entry(_prefill(1000, **GATE), _prefill(16, **GATE), kept=lambda p, t: 16 + t),  # its default layer
     # (L // 2) is the two-layer model's last: no gate, so the no-op would not run the gated path
     "gemfilter": Entry(dict(budget=1000), dict(budget=16, **GATE), kept=lambda p, t: 16 + t),
+    "kvzip": Entry(driver="reconstruct"),
     **{name: Entry(driver="fusion") for name in ("a3", "a3+evict", "cacheblend", "legolink", "pie", "full_reuse")},
 }
 

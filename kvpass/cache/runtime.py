@@ -59,13 +59,14 @@ def past_length(k_past: Tensor) -> int:
 
 def selection_inputs(tokens: Tensor | None, votes: Tensor | None, lse: Tensor | None = None,
                      q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
-                     out_proj: Tensor | None = None) -> dict:
+                     out_proj: Tensor | None = None, scores: Tensor | None = None) -> dict:
     """The optional inputs of ``Policy.select``: only policies whose plan asks for them get them (``tokens``:
     the call's input ids; ``votes``: the window votes of every KV head of the layer; ``lse``: the prefill
     attention's row log-sum-exp; ``q_pre``, ``cos``, ``sin``: the query before RoPE, scaled like ``q``, and the
-    RoPE tables; ``out_proj``: the weight ``[hidden, H * D]`` of the layer's output projection)."""
+    RoPE tables; ``out_proj``: the weight ``[hidden, H * D]`` of the layer's output projection; ``scores``: the
+    layer's scores from repeat passes over this prompt, ``GenerationState.scores``)."""
     named = (("tokens", tokens), ("votes", votes), ("lse", lse), ("q_pre", q_pre), ("cos", cos), ("sin", sin),
-             ("out_proj", out_proj))
+             ("out_proj", out_proj), ("scores", scores))
     return {k: v for k, v in named if v is not None}
 
 
@@ -259,6 +260,21 @@ class Runtime:
         pos = self.policy.write(self.sites[site], q, k_pool, v_pool, k_new, v_new, q_pos, st)
         self.state.set_layer(layer_of(site), pos, q_pos[0, -1] + 1, fresh=False)
         return pos
+
+    def repeat_scores(self, site: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:
+        """While a repeat pass runs (``state.repeat``): the scores its queries ``q [B, H, r, D]`` (scaled) give the
+        chunk of the prompt it repeats, from the keys ``k [B, H_kv, n + r, D]`` (the prompt's, then the pass's),
+        into the layer's ``state.scores [B, H_kv, n]``. Nothing outside a pass."""
+        span = self.state.repeat
+        if span is None:
+            return
+        b, hkv, total = k.shape[:3]
+        n = total - q.shape[2]
+        layer = layer_of(site)
+        held = self.state.scores.get(layer)
+        if held is None or tuple(held.shape) != (b, hkv, n):
+            held = self.state.scores[layer] = torch.zeros(b, hkv, n, dtype=torch.float32, device=k.device)
+        held[..., span[0]:span[1]] = self.policy.repeat_scores(q, k, key_validity(mask, b, total), span, softcap)
 
     def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:
         """Accumulate blocks read / blocks present of one decode attention call (ART statistics)."""

@@ -75,6 +75,11 @@ class GenerationState:
         self.latest: int | Tensor = 0   # ``seen`` of the last layer recorded (the latest count a record holds)
         self.base: int | Tensor = 0     # the model's first derived position (OPT's learned table: 2)
         self.fresh_at = 0               # TICKS when the last fresh record was set
+        # a reconstructing policy's repeat passes (kvzip; kvpass.generate.reconstruct sets ``repeat`` for a pass and
+        # clears it after): the prompt range ``(start, end)`` the running pass repeats, and per layer the scores
+        # ``[B, H_kv, n]`` (fp32) of the prompt's entries so far, which the next prefill's ``select`` reads
+        self.repeat: tuple[int, int] | None = None
+        self.scores: dict[int, Tensor] = {}
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)
@@ -137,6 +142,8 @@ class GenerationState:
     def reset(self) -> None:
         self.layers.clear()
         self.fusion_votes.clear()
+        self.scores.clear()
+        self.repeat = None
         self.anchor_at, self.offset, self.tail, self.tail_at, self.latest, self.base = -1, 0, None, -1, 0, 0
 
     def __repr__(self) -> str:

@@ -175,10 +175,11 @@ class KVPass(CustomGraphPass):
         plans: dict[int, SitePlan] = {}
         if report.problems:
             return plans
+        for site in found.sites:
+            site.phase, site.tp = report.phase, tp
         if idle := self.policy.idle_reason(found.sites):
             warn_once(f"kvpass: {idle}", self)
         for site in found.sites:
-            site.phase, site.tp = report.phase, tp
             plan = _plan.plan_site(self.policy, site)
             if isinstance(plan, Refusal):
                 report.problems.append(f"policy '{self.policy.name}': {plan.reason}")

@@ -131,6 +131,9 @@ def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) ->
         else:
             mask, causal = site_mask(site)
             new = graph.call_function(OPS.attention.default, (q, site.k, site.v, mask, scale, causal, site.softcap))
+            if plan.repeat_scores:   # idle unless a repeat pass runs (kvzip)
+                new = graph.call_function(OPS.repeat_scores.default, (new, q, site.k, mask, scale, site.softcap,
+                                                                      handle, site.key))
     _replace_output(site, new)
     _erase(graph, [site.out] + site.erase)
 

@@ -41,6 +41,7 @@ import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from kvpass.cache.slots import MaskReused, reused_mask
+from kvpass.generate import reconstruct
 from kvpass.generate.direct_steps import DirectSteps, callers_code
 from kvpass.errors import ConfigError
 
@@ -114,7 +115,16 @@ def run_config(model, kwargs: dict, where: str = "kvpass.compile: generate()"):
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
     """``generate``'s decoding method for greedy search and sampling (passed as ``custom_generate``);
     the arguments are those ``generate`` gives ``GenerationMixin._sample``, less the streamer and
-    ``synced_gpus`` (see ``usable``)."""
+    ``synced_gpus`` (see ``usable``). A policy that scores the prompt with repeat passes gets them first
+    (``kvpass.generate.reconstruct``)."""
+    fast = model.generate   # kvpass.compile's FastGenerate
+    be = getattr(fast, "backend", None)
+    with (contextlib.nullcontext() if be is None else
+          reconstruct.scored(model, be, input_ids, model_kwargs.get("attention_mask"), fast.keeps_logits)):
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
     # the maximum length is the host's rule (HF's MaxLengthCriteria answers every row alike from the length):
     # it is checked on the host, the other criteria on the device
     limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]

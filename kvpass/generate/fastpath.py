@@ -194,6 +194,11 @@ class FastGenerate:
                               f"prefill_chunk_size (kvpass's prefill never builds the [prompt, prompt] scores)")
         if decode_loop.usable(self.model, kwargs):
             kwargs["custom_generate"] = decode_loop.decode
+        elif self.backend.policy.needs.reconstructs:
+            raise ConfigError(f"kvpass.compile: policy '{self.backend.policy.name}' scores the prompt with repeat "
+                              f"passes that kvpass's decoding loop runs before the prefill, and this generate() call "
+                              f"cannot take that loop (a streamer, synced_gpus or a custom_generate of the caller's); "
+                              f"generate without them")
         if kwargs.get("compile_config") is None and "disable_compile" not in kwargs:
             # the forward is compiled already; HF's own compile of model.__call__ around it would only add a Dynamo
             # frame (and its guards) per step. On a copy of a caller's generation config, since transformers warns

@@ -45,6 +45,7 @@ import time
 import torch
 from torch import Tensor
 
+from kvpass.generate import reconstruct
 from kvpass.generate.decode_loop import Late, run_config
 from kvpass.generate.token_ids import token_ids, vocab_size
 from kvpass.errors import ConfigError
@@ -268,7 +269,8 @@ class RequestQueue:
                     busy[:] = ["prefill", req]
                     t = time.perf_counter()
                     staging.reset()
-                    first = sample(self._forward(req.ids[None], staging).logits[:, -1])
+                    with reconstruct.scored(self.model, self.fast.backend, req.ids[None], None, self.one_logit):
+                        first = sample(self._forward(req.ids[None], staging).logits[:, -1])
                     batch.admit(row, staging)
                     tokens[row] = first[0]
                     req.tokens.append(int(first[0]))   # waits for the prefill

@@ -80,6 +80,10 @@ softcap, window, tau, phi, patience, block, order, probe, horizon, kv_start?) ->
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
+``kvpass::repeat_scores(out, q, k, mask?, scale, softcap, handle, site)``
+    Pass-through of ``out`` (the attention's output) that, while a repeat pass runs, scores the prompt's entries
+    the pass repeats by its queries' attention (``Runtime.repeat_scores``: kvzip).
+
 ``kvpass::true_positions(pos, handle, prefill)``
     Replaces position ids that the model derived from the (compressed) cache length with the
     true token count, so RoPE and learned positions stay exact after eviction. In a prefill it
@@ -452,9 +456,25 @@ def _(out, visited, k, block, handle, site: int):
     return torch.empty_like(out)
 
 
+@torch.library.custom_op("kvpass::repeat_scores", mutates_args=())
+def repeat_scores(out: Tensor, q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, handle: int,
+                  site: int) -> Tensor:
+    """Passes ``out`` through; while a repeat pass runs, ``Runtime.repeat_scores`` scores the chunk it repeats
+    from ``q`` (scaled here) and ``k`` (the cache after the call's update). Taking and returning the attention
+    output keeps it alive in the compiled graph."""
+    runtime.get(handle).repeat_scores(site, q * scale, k, mask, softcap)
+    return out.clone()
+
+
+@repeat_scores.register_fake
+def _(out, q, k, mask, scale, softcap, handle, site: int):
+    return torch.empty_like(out)
+
+
 # the core operators in the one registry (kvpass.op_registry; OPS is that registry, every family's included)
 register(attention=attention, attention_lse=attention_lse, attention_pos=attention_pos, cache_update=cache_update,
          heads_update=heads_update, compact=compact, true_positions=true_positions, note_positions=note_positions, layer_scores=layer_scores,
          decode_attention=decode_attention, decode_attention_ref=decode_attention_ref, count_visits=count_visits,
+         repeat_scores=repeat_scores,
          window_scores=window_scores, window_scores_ref=window_scores_ref, accumulated_scores=accumulated_scores,
          accumulated_scores_ref=accumulated_scores_ref, gather_kv=gather_kv, gather_kv_ref=gather_kv_ref)

@@ -129,6 +129,9 @@ class SitePlan:
     # window (sinks + recent: DuoAttention's streaming heads), a ring on a SlotCache; 0 when no head does
     heads: bool = False
     heads_ring: int = 0
+    # the attention's queries score the prompt's entries while a repeat pass runs (``kvpass::repeat_scores`` after
+    # the attention, ``Policy.repeat_scores``; kvzip on the DynamicCache its passes read); idle in any other call
+    repeat_scores: bool = False
 
     @property
     def rewrite_kind(self) -> str:
@@ -191,6 +194,8 @@ class SitePlan:
             return f"evict: cache_update + {read or att}{votes} + compact{rope}"
         if self.append:
             return f"append: the model's cache update + {read or 'attention op'}, true positions"
+        if self.repeat_scores:
+            return "attention op (exact) + repeat_scores (a repeat pass's scores of the prompt)"
         return (read or "attention op (exact)") if self.attention else "unchanged"
 
 
@@ -223,7 +228,10 @@ class Needs:
       forward the pass did not rewrite writes what its compiled prefill would (``full``, ``art``);
     * ``heads``: each KV head of a layer keeps its own count, its entries in a pool the row's heads share
       (``kvpass.cache.ragged``): its ``select`` answers ``ragged.Kept``, its decode steps read each head's range
-      (``SitePlan.heads``); on a SlotCache its ``slot_state`` starts with ``ragged.SLOT_STATE`` (the ranges).
+      (``SitePlan.heads``); on a SlotCache its ``slot_state`` starts with ``ragged.SLOT_STATE`` (the ranges);
+    * ``reconstructs``: its prefill's ``select`` reads the scores of repeat passes over the prompt (``select(...,
+      scores=)``), which ``kvpass.generate.reconstruct`` runs before the prefill (kvzip; the policy answers
+      ``passes`` and ``repeat_scores``).
     """
 
     evicts: bool = False
@@ -235,6 +243,7 @@ class Needs:
     slot_prefill: bool = True
     plain_prefill: bool = False
     heads: bool = False
+    reconstructs: bool = False
 
     def __post_init__(self) -> None:
         if self.slot_rule not in (None, "append", "ring", "placed"):
@@ -293,6 +302,19 @@ class FusionPolicy(Protocol):
     def recompute(self, request) -> torch.Tensor: ...
 
     def keep_after_fusion(self, votes: torch.Tensor, request) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class ReconstructPolicy(Protocol):
+    """The protocol of a policy whose ``Needs.reconstructs`` is set (kvzip): all that ``kvpass.generate.reconstruct``
+    and the runtime read of it. ``passes(ids, mask)``: the repeat passes of a prompt, ``(start, end, pass_ids,
+    pass_mask)`` per chunk; ``repeat_scores(q, k, valid, (start, end), softcap)``: one layer's scores ``[B, H_kv, end -
+    start]`` of the chunk its pass repeats."""
+
+    def passes(self, ids: torch.Tensor, mask: torch.Tensor | None) -> list: ...
+
+    def repeat_scores(self, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None, span: tuple,
+                      softcap: float) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

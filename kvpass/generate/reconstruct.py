@@ -1,0 +1,70 @@
+"""Repeat passes before a prefill, for a policy that scores a prompt by how the model repeats it (kvzip).
+
+A policy whose ``Needs.reconstructs`` is set (``kvpass.policies.contract.ReconstructPolicy``) chooses what a
+prefill keeps from scores that only the whole model can give: after the prompt, the model reads a prompt asking it
+to repeat the context, then the context (``policy.passes``), and each layer's attention over the prompt's entries
+scores them (``kvpass::repeat_scores``, ``Runtime.repeat_scores``). ``scored`` runs that on a ``DynamicCache`` of
+its own, which keeps the whole prompt: the prompt is prefilled into it, and each pass runs on a shallow copy of it
+(a ``DynamicCache`` update rebinds its tensors and never writes into them), so every pass finds the prompt's entries
+alone, as the paper's passes do once their own entries are dropped. The scores stay in the backend's generation
+state (``GenerationState.scores``) for the prefill that follows on the caller's cache, whose ``select`` keeps the
+best entries; that prefill gives the first token. The scoring cache goes when ``scored`` returns.
+
+``kvpass.compile``'s ``generate`` (``decode_loop.decode``) and ``kvpass.RequestQueue`` call it around their prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from transformers import DynamicCache
+
+from kvpass.cache.argument import cache_kwarg
+
+
+@contextlib.contextmanager
+def scored(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True):
+    """Within the block, ``be``'s generation state holds the repeat passes' scores of prompt ``ids [B, n]``
+    (``mask [B, n]``: 1 for a real token, or None) for the prefill the block runs; nothing when ``be``'s policy does
+    not reconstruct. ``one_logit``: the model's forward takes ``logits_to_keep`` (no logits are read here)."""
+    policy = be.policy
+    if not policy.needs.reconstructs:
+        yield
+        return
+    state = be.runtime.state
+    kw = {"use_cache": True, **({"logits_to_keep": 1} if one_logit else {})}
+    cache = DynamicCache(config=model.config)
+    where = cache_kwarg(model)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask, ids.shape[1], 0, ids),
+                  **{where: cache}, **kw)
+            state.scores.clear()
+            for start, end, pass_ids, pass_mask in policy.passes(ids, mask):
+                state.repeat = (start, end)
+                model(input_ids=pass_ids, attention_mask=pass_mask,
+                      position_ids=_positions(pass_mask, pass_ids.shape[1], ids.shape[1], pass_ids),
+                      **{where: _shallow(cache)}, **kw)
+                state.repeat = None
+        del cache
+        yield
+    finally:
+        state.repeat = None
+        state.scores.clear()
+
+
+def _shallow(cache):
+    """A copy of ``cache`` whose layers are copies: an update rebinds the copy's tensors, the original keeps its."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
+
+
+def _positions(mask: torch.Tensor | None, length: int, past: int, like: torch.Tensor) -> torch.Tensor:
+    """The position ids of ``length`` tokens after ``past``, as transformers' ``generate`` counts them: each row's
+    real tokens before (``mask``'s cumulative sum), or every token without a mask."""
+    if mask is None:
+        return (past + torch.arange(length, device=like.device)).expand(like.shape[0], length)
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]

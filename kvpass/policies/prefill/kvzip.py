@@ -1,0 +1,151 @@
+"""``kvzip``: entries scored by how much the model reads them to repeat its context (Kim et al., 2025).
+
+"KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction": after the prompt is prefilled, the
+model is fed a prompt asking it to repeat the context, followed by the context itself (teacher forcing), in
+chunks of ``chunk_size`` tokens. An entry's score is the most attention any query of its chunk's repeat pass gives
+it, over the query heads of its KV group; the softmax of that pass spans the first ``sinks`` entries, the chunk
+being repeated and the pass's own tokens (causal). The entries repeated earliest need no question to be found
+again, so the scores hold for whatever is asked later. Each layer keeps ``H_kv x budget`` entries, shared out over
+its KV heads by one ranking of the layer's (head, entry) scores (the per-head layout of ``kvpass.cache.ragged``,
+as ``adakv`` keeps them), the first ``sinks`` real entries always and the last ``window`` (0) too.
+
+**How it runs.** ``kvpass.compile``'s ``generate`` and ``kvpass.RequestQueue`` run the repeat passes before the
+prefill that fills the ``kvpass.SlotCache`` (``kvpass.generate.reconstruct``): the prompt is prefilled into a
+``DynamicCache`` that keeps everything, each pass reads it (``kvpass::repeat_scores`` beside the attention of
+every layer) and leaves it as it was, and the scores reach the SlotCache's prefill, whose ``select`` keeps the best
+entries per layer. The SlotCache holds the budget only, so the scoring's full-size cache is given back before the
+first decode step. A prompt is therefore prefilled twice, plus the repeat passes (about one prefill more): 2-3x a
+plain prefill, as in the paper's own count. Under ``kvpass.backend`` with transformers' ``generate`` nothing runs
+the passes: the cache keeps the whole prompt (as ``full``), and the backend warns once.
+
+**Repeat prompts** are text, so the policy needs ``tokenizer`` (any object with ``encode(text,
+add_special_tokens=False)``): ``first`` before the first chunk, ``later`` before each later chunk (followed by its
+previous chunk's last ``overlap`` tokens), then ``suffix`` (kvpress's texts for a model without a chat template).
+
+**Against kvpress 0.5.5's ``KVzipPress``.** The same scores (kvpress's ``prefix_length`` is 0 here: kvpass gets
+token ids, not a chat template) and kvpress's ``layerwise=True`` allocation: each layer keeps the same total, which a
+fixed-size cache needs; kvpress's default ranks all layers' scores together, so a layer's size would depend on the
+prompt. kvpress masks the dropped entries and keeps their memory; kvpass stores only the kept ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from kvpass.cache import ragged
+from kvpass.policies.contract import ConfigError, Needs, Refusal, SitePlan, param
+from kvpass.policies.prefill import scoring
+from kvpass.policies.prefill.base import PrefillEviction
+
+IDLE = ("policy 'kvzip' scores a prompt with repeat passes that kvpass.compile's generate (and kvpass.RequestQueue) "
+        "run before the prefill; this DynamicCache decode under transformers' generate had none, so the cache keeps "
+        "the whole prompt, as 'full'. Compress with kvpass.compile(model, 'kvzip', ...) and model.generate")
+
+
+class KVzip(PrefillEviction):
+    name = "kvzip"
+    summary = "entries scored by the attention of passes that repeat the context; per-head budgets"
+    needs = Needs(evicts=True, heads=True, slot_rule="append", reconstructs=True)
+    window: int = param(0, 0, 1 << 16, "last prompt tokens always kept (0: none, as KVzip)")
+    sinks: int = param(4, 0, 1 << 16, "first prompt tokens always kept and in every pass's softmax (KVzip's n_sink)")
+    chunk_size: int = param(2048, 1, 1 << 24, "context tokens each repeat pass reconstructs")
+    overlap: int = param(8, 0, 1 << 16, "tokens of the previous chunk that a later pass repeats first")
+    tokenizer: object = param(None, doc="the model's tokenizer (encode(text, add_special_tokens=False)), for the "
+                                        "repeat prompts")
+    first: str = param("\n\nRepeat the previous context exactly.", doc="the prompt before the first chunk")
+    later: str = param("\n\nRepeat the part of the previous context exactly, starting with",
+                       doc="the prompt before each later chunk")
+    suffix: str = param("\n", doc="text between a prompt and its chunk")
+
+    def check_config(self) -> None:
+        super().check_config()
+        tok = self.tokenizer
+        if tok is None or not callable(getattr(tok, "encode", None)):
+            raise ConfigError(f"policy 'kvzip': parameter 'tokenizer' must be the model's tokenizer (an object with "
+                              f"encode()), got {type(tok).__name__}; the repeat prompts are text: pass "
+                              f"tokenizer=AutoTokenizer.from_pretrained(...)")
+        self._ids = tuple(tuple(int(i) for i in _encode(tok, text)) for text in (self.first, self.later, self.suffix))
+        # the configuration keeps a printable, hashable name (as sablock's)
+        self.tokenizer = getattr(tok, "name_or_path", "") or type(tok).__name__
+
+    def plan(self, site) -> SitePlan | Refusal:
+        if site.cache == "slot":   # the budget-sized cache: the prefill selects (from the passes' scores)
+            plan = super().plan(site)
+            return dataclasses.replace(plan, heads=True) if isinstance(plan, SitePlan) and plan.evict else plan
+        if site.sliding_window:
+            return SitePlan(attention=True)
+        return SitePlan(attention=True, repeat_scores=site.phase != "decode")
+
+    def idle_reason(self, sites) -> str | None:
+        return IDLE if any(s.cache == "dynamic" and s.phase == "decode" for s in sites) else None
+
+    def slot_state(self, capacity: int, head_dim: int) -> dict:
+        return dict(ragged.SLOT_STATE)
+
+    # -- the repeat passes (kvpass.generate.reconstruct runs them) ----------------------------------------------
+
+    def passes(self, ids: Tensor, mask: Tensor | None) -> list[tuple[int, int, Tensor, Tensor | None]]:
+        """The repeat passes of a prompt ``ids [B, n]`` (``mask [B, n]``, 1 = real token, or None): per chunk
+        ``(start, end, pass_ids [B, r], pass_mask [B, n + r] or None)``."""
+        first, later, suffix = (torch.tensor(t, dtype=ids.dtype, device=ids.device) for t in self._ids)
+        rows, out = ids.shape[0], []
+        for start in range(0, ids.shape[1], self.chunk_size):
+            end = min(start + self.chunk_size, ids.shape[1])
+            lead = (first if start == 0 else later).expand(rows, -1)
+            back = max(0, start - self.overlap)                        # the previous chunk's last tokens
+            parts = [lead, ids[:, back:start], suffix.expand(rows, -1), ids[:, start:end]]
+            pass_ids = torch.cat(parts, 1)
+            pass_mask = None
+            if mask is not None:
+                ones = lambda t: mask.new_ones(rows, t.shape[1])
+                pass_mask = torch.cat([mask, ones(lead), mask[:, back:start], ones(parts[2]), mask[:, start:end]], 1)
+            out.append((start, end, pass_ids, pass_mask))
+        return out
+
+    def repeat_scores(self, q: Tensor, k: Tensor, valid: Tensor | None, span: tuple[int, int],
+                      softcap: float) -> Tensor:
+        """``[B, H_kv, end - start]`` fp32: each entry of the chunk ``span`` the most attention a query of its repeat
+        pass gives it, over the query heads of its KV group. ``q [B, H, r, D]`` (scaled), ``k [B, H_kv, n + r, D]``
+        (the prompt's entries, then the pass's), ``valid [B, n + r]`` (False: padding) or None. The softmax spans
+        the first ``min(sinks, start)`` entries, the chunk and the pass's own entries (causal); a padding query
+        casts nothing."""
+        start, end = span
+        b, h, r, _ = q.shape
+        hkv, n = k.shape[1], k.shape[2] - r
+        sink = min(self.sinks, start)
+        cols = torch.cat([torch.arange(sink), torch.arange(start, end), torch.arange(n, n + r)]).to(k.device)
+        keys = k.index_select(2, cols)
+        logits = torch.einsum("bgqd,bgkd->bgqk", q.float().reshape(b, hkv, (h // hkv) * r, -1), keys.float())
+        logits = logits.view(b, hkv, h // hkv, r, -1)
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        own = torch.arange(r, device=k.device)
+        seen = torch.cat([torch.ones(r, sink + end - start, dtype=torch.bool, device=k.device),
+                          own[None, :] <= own[:, None]], 1)                       # [r, cols]: causal on the pass
+        if valid is not None:
+            seen = seen & valid.index_select(1, cols)[:, None, None, None, :]
+        probs = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+        if valid is not None:   # a padding query casts nothing
+            probs = probs * valid[:, n:, None].to(probs.dtype)[:, None, None]
+        return probs[..., sink:sink + end - start].amax(dim=(2, 3))
+
+    # -- the selection (the SlotCache's prefill, given the passes' scores) -------------------------------------------
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, scores=None, **inputs):
+        n = kv_pos.shape[-1]
+        keep = self.kept(site, n)
+        if scores is None or n != q_pos.shape[1] or n <= keep:   # no passes ran, not a prefill, or nothing to evict
+            return None
+        valid, forced = scoring.window_layout(kv_pos, self.window)
+        real = valid.long().cumsum(-1)
+        forced = forced | valid & (real <= self.sinks)          # the first real entries: the sinks
+        sel, counts = scoring.keep_top_heads(scores.to(kv_pos.device), forced, valid, keep, 0)
+        return ragged.Kept(sel, counts)
+
+
+def _encode(tok, text: str) -> list[int]:
+    ids = tok.encode(text, add_special_tokens=False)
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)

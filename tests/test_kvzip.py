@@ -1,0 +1,151 @@
+"""kvzip: the repeat passes' scores against the model's own attention, the entries kept, memory, batches, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpass
+from kvpass.generate import reconstruct
+from tests.families import build
+
+N, NEW = 40, 5
+
+
+class Tok:
+    """A stand-in tokenizer: a few ids per text, the same for the same text."""
+
+    name_or_path = "tok"
+
+    def encode(self, text, add_special_tokens=False):
+        return [10 + ord(c) % 80 for c in text.strip()[:4]] or [11]
+
+
+def prompt(n: int = N, seed: int = 0, rows: int = 1) -> torch.Tensor:
+    return torch.randint(10, 90, (rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+def compiled(policy="kvzip", **params):
+    model = build("llama")
+    params = {"tokenizer": Tok(), **params} if policy == "kvzip" else params
+    return model, kvpass.compile(model, policy, compiler="eager", **params)
+
+
+def reference_scores(policy, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """KVzip's scores from the uncompiled model's own attention weights: each pass run on the prompt followed by
+    the pass (one sequence: the same keys and positions as a pass on the prompt's cache), its queries' weights
+    renormalised over the sinks, the chunk and the pass (KVzip's softmax), the most over queries and group."""
+    ref = build("llama", attn="eager")
+    b, n = ids.shape
+    out: dict[int, torch.Tensor] = {}
+    for start, end, pass_ids, _ in policy.passes(ids, None):
+        r = pass_ids.shape[1]
+        with torch.no_grad():
+            att = ref(torch.cat([ids, pass_ids], 1), output_attentions=True).attentions
+        sink = min(policy.sinks, start)
+        cols = torch.cat([torch.arange(sink), torch.arange(start, end), torch.arange(n, n + r)])
+        for layer, a in enumerate(att):
+            p = a[:, :, n:][..., cols]
+            p = p / p.sum(-1, keepdim=True)
+            hkv = ref.config.num_key_value_heads
+            s = p[..., sink:sink + end - start].reshape(b, hkv, -1, end - start).amax(2)
+            out.setdefault(layer, torch.zeros(b, hkv, n))[..., start:end] = s
+    return out
+
+
+def test_the_passes_scores_are_the_models_attention_renormalised():
+    model, be = compiled(chunk_size=16, sinks=3, overlap=4)
+    ids = prompt()
+    with reconstruct.scored(model, be, ids):
+        got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
+    assert not be.runtime.state.scores    # given back after the prefill
+    want = reference_scores(be.policy, ids)
+    assert sorted(got) == sorted(want)
+    for layer in want:
+        torch.testing.assert_close(got[layer], want[layer], atol=1e-5, rtol=1e-4)
+
+
+def test_passes_follow_kvzips_prompts():
+    _, be = compiled(chunk_size=16, overlap=4)
+    ids = prompt()
+    passes = be.policy.passes(ids, None)
+    first, later, suffix = (torch.tensor(t) for t in be.policy._ids)
+    assert [(s, e) for s, e, _, _ in passes] == [(0, 16), (16, 32), (32, 40)]
+    assert torch.equal(passes[0][2][0], torch.cat([first, suffix, ids[0, :16]]))
+    assert torch.equal(passes[1][2][0], torch.cat([later, ids[0, 12:16], suffix, ids[0, 16:32]]))
+    mask = torch.ones(1, N, dtype=torch.long)
+    mask[0, :3] = 0
+    got = be.policy.passes(ids, mask)[1][3]
+    assert got.shape[1] == N + passes[1][2].shape[1] and got[0, :N].tolist() == mask[0].tolist()
+
+
+def held(cache, layer: int, below: int) -> list[set[int]]:
+    """Per KV head of row 0, the prompt positions layer ``layer`` of a SlotCache holds."""
+    lay = cache.layers[layer]
+    flat, ranges = lay.pos[0].reshape(-1), lay.state[0][0]
+    return [{int(p) for p in flat[s:s + n] if 0 <= p < below} for s, n in ranges[:, :2].tolist()]
+
+
+def test_generate_keeps_each_layers_best_entries_over_its_heads():
+    budget, sinks = 12, 2
+    model, be = compiled(budget=budget, chunk_size=16, sinks=sinks)
+    ids = prompt()
+    model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    cache = next(iter(model.generate.caches.values()))
+    for layer, scores in reference_scores(be.policy, ids).items():
+        hkv = scores.shape[1]
+        key = scores[0].clone()
+        key[:, :sinks] = float("inf")
+        top = key.reshape(-1).topk(hkv * budget).indices
+        want = [{int(i) % N for i in top if int(i) // N == h} for h in range(hkv)]
+        assert held(cache, layer, N) == want
+    assert be.state.evicted_tokens > 0
+
+
+def test_a_budget_over_the_prompt_equals_the_uncompiled_model():
+    ids = prompt()
+    ref = build("llama").generate(ids, max_new_tokens=NEW, do_sample=False)
+    model, _ = compiled(budget=1000, chunk_size=16)
+    assert torch.equal(model.generate(ids, max_new_tokens=NEW, do_sample=False), ref)
+
+
+def test_a_slot_cache_of_kvzip_costs_what_adakvs_does():
+    model = build("llama")
+    caches = [kvpass.SlotCache(model, kvpass.backend(p, budget=16, **extra), max_length=N + NEW, max_new_tokens=NEW)
+              for p, extra in (("kvzip", {"tokenizer": Tok()}), ("adakv", {"window": 4}))]
+    assert caches[0].kv_bytes() == caches[1].kv_bytes()
+
+
+def test_a_request_queue_equals_each_prompt_alone():
+    model, _ = compiled(budget=12, chunk_size=16)
+    prompts = [prompt(N, 1)[0], prompt(N - 9, 2)[0], prompt(N + 7, 3)[0]]
+    alone = [model.generate(p[None], max_new_tokens=NEW, do_sample=False)[0] for p in prompts]
+    together = model.generate(prompts, max_new_tokens=NEW, do_sample=False, max_batch=2)
+    for a, t in zip(alone, together):
+        assert torch.equal(a, t)
+
+
+def test_a_left_padded_row_with_one_chunk_equals_the_row_alone():
+    model, _ = compiled(budget=12, chunk_size=64)
+    short = prompt(N - 6, 4)
+    alone = model.generate(short, max_new_tokens=NEW, do_sample=False)[0, -NEW:]
+    ids = torch.cat([prompt(N, 5), torch.cat([torch.zeros(1, 6, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    both = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(both[1, -NEW:], alone)
+
+
+def test_bad_configuration_is_refused_by_name():
+    with pytest.raises(kvpass.ConfigError, match="parameter 'tokenizer'"):
+        kvpass.backend("kvzip", budget=16)
+    with pytest.raises(kvpass.ConfigError, match="chunk_size"):
+        kvpass.backend("kvzip", budget=16, tokenizer=Tok(), chunk_size=0)
+
+
+def test_transformers_generate_on_a_dynamic_cache_says_it_keeps_everything():
+    model = build("llama")
+    be = kvpass.backend("kvzip", budget=12, tokenizer=Tok(), compiler="eager")
+    model.forward = torch.compile(model.forward, backend=be, dynamic=True)
+    with pytest.warns(kvpass.KVPassWarning, match="keeps the whole prompt"):
+        model.generate(prompt(), max_new_tokens=3, do_sample=False)
