@@ -152,6 +152,14 @@ METHODS += [
               "+ 256 recent. kvpress masks the streaming heads' dropped entries and keeps them while decoding; kvpass "
               "frees them and keeps each streaming head's window while decoding"},
 ]
+METHODS += [
+    {"name": "kvzip", "budget": 256, "kvpass": ("kvzip", {"chunk_size": 256}),
+     "kvpress": ("KVzipPress", {"layerwise": True, "chunk_size": 256}),
+     "notes": "four repeat passes of 256 tokens (8 tokens of overlap, 4 sinks, kvpress's repeat prompts; kvpress "
+              "reads the model's tokenizer with its chat template set aside, as kvpass gets token ids: no prefix, "
+              "suffix a newline); each layer keeps 9 x 256 entries over its KV heads (kvpress's layerwise=True). "
+              "kvpress masks the dropped pairs and keeps their memory, kvpass stores the kept ones"},
+]
 DUO_PATTERN_FILE = "duo_pattern.tsv"   # the calibrated pattern both sides read (in the work folder)
 BY_NAME = {m["name"]: m for m in METHODS}
 
@@ -261,7 +269,36 @@ def run_kvpass_side(args) -> None:
             print(f"kvpass: {name}: skipped: {row['skipped']}", flush=True)
             continue
 
+        def reconstructed(row, policy=policy, params=params):
+            """A policy whose repeat passes run before the prefill (kvzip): the passes, then the prefill into a
+            SlotCache that holds what the policy keeps, and greedy steps on it."""
+            from transformers import AutoTokenizer
+            from kvpass.generate import reconstruct
+            torch._dynamo.reset()
+            be = kvpass.backend(policy, compiler="eager", tokenizer=AutoTokenizer.from_pretrained(converted_dir(MODEL)),
+                                **params)
+            model.forward = torch.compile(type(model).forward.__get__(model), backend=be, dynamic=True)
+            try:
+                cache = kvpass.SlotCache(model, be, max_length=n + args.new_tokens, max_new_tokens=args.new_tokens)
+                tokens, logps = [], []
+                with torch.no_grad():
+                    with reconstruct.scored(model, be, ids):
+                        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                    kept = {}
+                    for i, lay in enumerate(cache.layers):
+                        pool, ranges = lay.pos[0].reshape(-1).tolist(), lay.state[0][0].tolist()
+                        kept[str(i)] = [pool[a:a + m] for a, m, *_ in ranges]
+                    nxt = pick(logits, tokens, logps)
+                    for _ in range(1, args.new_tokens):
+                        logits = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                        nxt = pick(logits, tokens, logps)
+            finally:
+                del model.forward
+            row.update(kept=kept, tokens=tokens, logps=logps, text=tokenizer.decode(tokens), plans=be.plans())
+
         def run(row, policy=policy, params=params):
+            if POLICIES[policy].needs.reconstructs:
+                return reconstructed(row)
             torch._dynamo.reset()
             be = kvpass.backend(policy, compiler="eager", **params)
             fwd = torch.compile(model.forward, backend=be, dynamic=True)
@@ -330,6 +367,17 @@ def build_press(spec, budget: int | None, n: int, work: Path | None = None):
         press = kvpress.DuoAttentionPress(**fields)
         object.__setattr__(press, "load_attention_pattern", lambda model: (sinks, recent, np.array(rows)))
         return press
+    if cls_name == "KVzipPress":   # the model's tokenizer without its chat template: kvpass reads token ids
+        from kvpress.presses import kvzip_press
+        from transformers import AutoTokenizer
+
+        class Plain:
+            @staticmethod
+            def from_pretrained(path):
+                tok = AutoTokenizer.from_pretrained(path)
+                tok.chat_template = None
+                return tok
+        kvzip_press.AutoTokenizer = Plain
     inner = fields.pop("inner", None)
     ratio = press_ratio(budget, n)
     if inner is not None:
@@ -415,6 +463,13 @@ def run_kvpress_side(args) -> None:
                     out = model(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
                                 logits_to_keep=1)
                     nxt = pick(out.logits, tokens, logps)
+            if press is not None and not store:   # a press that masks after its own passes (KVzipPress)
+                for module in (layer.self_attn for layer in model.model.layers):
+                    rows, heads, entries = (t.tolist() for t in module.masked_key_indices)
+                    drop = [{e for r, h, e in zip(rows, heads, entries) if r == 0 and h == g}
+                            for g in range(model.config.num_key_value_heads)]
+                    store[str(module.layer_idx)] = [[j for j in range(n) if j not in d] for d in drop]
+                    module.masked_key_indices = None   # the next method's attention masks nothing
             unmatched = store.pop("_unmatched", 0)
             if press is None:
                 store = {str(i): [list(range(n))] * model.config.num_key_value_heads
