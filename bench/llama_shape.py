@@ -84,11 +84,23 @@ def copy_bandwidth(device: str = "cuda") -> float:
     return 2 * x.numel() * 20 / (time.perf_counter() - t)
 
 
+class ByteTokenizer:
+    """kvzip's repeat prompts on a model without a tokenizer (random weights): one id per byte of the text."""
+
+    name_or_path = "bytes"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+
 def policy_params(policy: str, budget: int, config) -> dict:
     """A policy's parameters in the benchmarks: ``budget`` where it has one; duoattention a head pattern of
-    random scores for this model (seeded), half its KV heads streaming at the defaults."""
+    random scores for this model (seeded), half its KV heads streaming at the defaults; kvzip byte ids for its
+    repeat prompts."""
     if policy in ("full", "art"):
         return {}
+    if policy == "kvzip":
+        return {"budget": budget, "tokenizer": ByteTokenizer()}
     if policy == "duoattention":
         g = torch.Generator().manual_seed(0)
         scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=g)

@@ -149,3 +149,14 @@ def test_transformers_generate_on_a_dynamic_cache_says_it_keeps_everything():
     model.forward = torch.compile(model.forward, backend=be, dynamic=True)
     with pytest.warns(kvpass.KVPassWarning, match="keeps the whole prompt"):
         model.generate(prompt(), max_new_tokens=3, do_sample=False)
+
+
+def test_opcheck_repeat_scores():
+    """The operator passes the attention output through and, inside a pass, records the same scores on a replay."""
+    be = kvpass.backend("kvzip", budget=8, tokenizer=Tok(), compiler="eager")
+    g = torch.Generator().manual_seed(3)
+    out, q, k = (torch.randn(*s, generator=g) for s in ((1, 4, 6, 16), (1, 4, 6, 16), (1, 2, 30, 16)))
+    be.runtime.state.repeat = (4, 20)
+    torch.library.opcheck(torch.ops.kvpass.repeat_scores.default, (out, q, k, None, 0.25, 0.0, be.runtime.handle, 0))
+    scores = be.runtime.state.scores[0]
+    assert scores.shape == (1, 2, 24) and bool((scores[..., 4:20] > 0).all()) and not scores[..., :4].any()

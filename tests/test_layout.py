@@ -165,12 +165,12 @@ def declared_policy_names() -> set[str]:
 
 
 def test_the_compiler_reads_policies_only_through_the_contract():
-    """The compiler, the cache and chunk fusion's driver read of a policy only what the contract declares (the
-    base class and the family protocols), never an attribute they hope a policy has."""
+    """The compiler, the cache, chunk fusion's driver and the generation runtime read of a policy only what the
+    contract declares (the base class and the family protocols), never an attribute they hope a policy has."""
     declared = declared_policy_names()
     assert {"select", "budget", "page_map", "recompute"} <= declared
     bad, seen = [], 0
-    for package in ("compiler", "cache", "chunks"):
+    for package in ("compiler", "cache", "chunks", "generate"):
         for path in sorted((PKG / package).rglob("*.py")):
             reads = policy_reads(path)
             seen += len(reads)

@@ -39,7 +39,7 @@ tests)
 new)
   # the per-head and new methods alone across tests/gpu (what a time-limited `tests` step may not reach)
   timeout -k 10 "${LIMIT:-500}" python -m pytest -v --tb=line -p no:cacheprovider tests/gpu \
-    -k "tova or knorm or keydiff or expected_attention or criticalkv or adakv or duoattention" \
+    -k "tova or knorm or keydiff or expected_attention or criticalkv or adakv or duoattention or kvzip" \
     > "$out/gpu_new_methods.txt" 2>&1
   tail -n 40 "$out/gpu_new_methods.txt" ;;
 ragged)
@@ -50,7 +50,7 @@ decode)
   # generate beside the queued step and the roofline; POLICIES picks the rows (the per-head and new methods by
   # default)
   timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
-    --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova}" --prefill-compiler eager \
+    --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova,kvzip}" --prefill-compiler eager \
     --out "$out/l8_130k.json" > "$out/l8_130k.log" 2>&1
   tail -n 30 "$out/l8_130k.log" ;;
 throughput)
@@ -58,7 +58,7 @@ throughput)
   # of KV): the per-head and new methods beside full and snapkv in one process
   timeout -k 10 "${LIMIT:-570}" python bench/bench_throughput.py --layers 32 --context 32768 --new 256 --requests 64 \
     --kv-gib 16 --workspace-gib 10 --max-waves 4 --baselines "" \
-    --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention}" \
+    --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,kvzip}" \
     --out "$out/l32_throughput.json" > "$out/l32_throughput.log" 2>&1
   tail -n 20 "$out/l32_throughput.log" ;;
 accuracy)

@@ -168,3 +168,23 @@ def test_decode_loop_sampled_stop_and_a_returned_cache_under_cuda_graphs():
     more = torch.cat([first.sequences, ids[1:, :5]], 1)
     got = m.generate(more, past_key_values=first.past_key_values, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, m.generate(more, max_new_tokens=6, do_sample=False))
+
+
+class _Bytes:
+    """kvzip's repeat prompts as byte ids (the random model has no tokenizer)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+def test_kvzip_through_generate_replays_what_eager_decodes():
+    """kvzip's repeat passes (a DynamicCache of their own), then the budget-sized SlotCache decoded under CUDA
+    graphs: the tokens of the same path compiled eagerly, a batch of two, three passes."""
+    ids = torch.randint(3, 250, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
+    outs = []
+    for compiler in ("eager", "inductor"):
+        torch._dynamo.reset()
+        m = model()
+        kvpass.compile(m, "kvzip", budget=64, chunk_size=80, tokenizer=_Bytes(), compiler=compiler)
+        outs.append(m.generate(ids, max_new_tokens=64, do_sample=False))
+    assert torch.equal(outs[0], outs[1])
