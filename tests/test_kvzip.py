@@ -102,6 +102,32 @@ def test_generate_keeps_each_layers_best_entries_over_its_heads():
     assert be.state.evicted_tokens > 0
 
 
+def test_a_dynamic_cache_keeps_and_says_what_the_slot_cache_does():
+    """The plain path (``kvpass.backend``, a DynamicCache, the passes run by ``reconstruct.scored`` as `kvpass
+    compare` runs them) keeps the same entries per head and decodes the same tokens as ``kvpass.compile``."""
+    from transformers import DynamicCache
+    ids = prompt()
+    model, _ = compiled(budget=12, chunk_size=16)
+    want = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, N:].tolist()
+    slot = next(iter(model.generate.caches.values()))
+    plain = build("llama")
+    be = kvpass.backend("kvzip", budget=12, chunk_size=16, tokenizer=Tok(), compiler="eager")
+    fwd = torch.compile(plain.forward, backend=be, dynamic=True)
+    cache, got = DynamicCache(config=plain.config), []
+    with torch.no_grad():
+        with reconstruct.scored(plain, be, ids, forward=fwd):
+            logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        for _ in range(NEW):
+            got.append(int(logits.argmax(-1)))
+            logits = fwd(input_ids=torch.tensor([[got[-1]]]), past_key_values=cache, use_cache=True).logits[:, -1]
+    assert got == want
+    for layer in range(2):
+        st = be.state.layer(layer)
+        pool, ranges = st.pos[0].reshape(-1), st.extra["heads"][0]
+        heads = [{int(p) for p in pool[a:a + m] if 0 <= p < N} for a, m in ranges[:, :2].tolist()]
+        assert heads == held(slot, layer, N)
+
+
 def test_a_budget_over_the_prompt_equals_the_uncompiled_model():
     ids = prompt()
     ref = build("llama").generate(ids, max_new_tokens=NEW, do_sample=False)

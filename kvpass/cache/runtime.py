@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kvpass.cache import ragged
 from kvpass.cache.state import TICKS, GenerationState
-from kvpass.errors import device_assert
+from kvpass.errors import device_assert, warn_once
 from kvpass.kernels.gather import gather_pair
 
 # Weak: a runtime lives as long as its backend object (which torch.compile keeps alive for as
@@ -178,9 +178,10 @@ class Runtime:
                 q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
                 out_proj: Tensor | None = None):
         layer = layer_of(site)
-        idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(layer),
-                                selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj))
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
+        scores = self.prefill_scores(layer, fresh)
+        idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(layer),
+                                selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj, scores))
         b, h, n = kv_pos.shape
         heads = None
         if isinstance(idx, ragged.Kept):   # the per-head layout: the row's pool, stored as [B, H_kv, L, D]
@@ -261,12 +262,35 @@ class Runtime:
         self.state.set_layer(layer_of(site), pos, q_pos[0, -1] + 1, fresh=False)
         return pos
 
+    def prefill_scores(self, layer: int, fresh: bool) -> Tensor | None:
+        """The repeat passes' scores of ``layer`` for a prefill (``fresh``) of a policy that reads them
+        (``Needs.reconstructs``), or None. A prefill that has none outside ``kvpass.generate.reconstruct``'s own
+        scoring prefill keeps the whole prompt: said once."""
+        if not (fresh and self.policy.needs.reconstructs):
+            return None
+        scores = self.state.scores.get(layer)
+        if scores is None and not self.state.scoring:
+            warn_once(f"kvpass: policy '{self.policy.name}' chooses what a prefill keeps from repeat passes over the "
+                      f"prompt, which kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run before "
+                      f"it; this prefill had none, so the cache keeps the whole prompt, as 'full'. Generate with "
+                      f"kvpass.compile(model, '{self.policy.name}', ...), or run the prefill inside "
+                      f"kvpass.generate.reconstruct.scored(...)", self.handle)
+        return scores
+
     def repeat_scores(self, site: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:
         """While a repeat pass runs (``state.repeat``): the scores its queries ``q [B, H, r, D]`` (scaled) give the
         chunk of the prompt it repeats, from the keys ``k [B, H_kv, n + r, D]`` (the prompt's, then the pass's),
-        into the layer's ``state.scores [B, H_kv, n]``. Nothing outside a pass."""
+        into the layer's ``state.scores [B, H_kv, n]``. Outside a pass, a call of several tokens on a layer whose
+        heads keep different counts is refused: the model's own cache update would treat the pool as heads."""
         span = self.state.repeat
         if span is None:
+            st = self.state.layer(layer_of(site))
+            ranges = None if st is None else st.extra.get("heads")
+            lengths = None if ranges is None else ranges[..., ragged.LENGTH]
+            if lengths is not None and q.shape[2] > 1 and bool((lengths != lengths[0, 0]).any()):
+                raise ValueError(f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer "
+                                 f"{layer_of(site)}'s cache, and this call feeds {q.shape[2]} tokens at once, "
+                                 f"which only its repeat passes do; decode one token per call")
             return
         b, hkv, total = k.shape[:3]
         n = total - q.shape[2]

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from kvpass.cache.argument import with_cache
 from kvpass.compiler.backend import backend
+from kvpass.generate import reconstruct
 from kvpass.policies import POLICIES, ConfigError
 
 WARMUP_TOKENS = 48
@@ -131,15 +132,17 @@ class Runner:
 
     @torch.no_grad()
     def generate(self, fwd, input_ids: list[int], max_new_tokens: int, forced: list[int] | None = None,
-                 stop_at_eos: bool = True):
-        """Greedy decode (or teacher-forced on ``forced``); returns tokens, timings, NLLs, cache."""
+                 stop_at_eos: bool = True, be=None):
+        """Greedy decode (or teacher-forced on ``forced``) through ``fwd``, compiled with backend ``be``; returns
+        tokens, timings, NLLs, cache."""
         ids = torch.tensor([input_ids], device=self.device)
         cache = DynamicCache(config=self.model.config)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._sync()
         t0 = time.perf_counter()
-        logits = self._step(fwd, ids, cache)
+        with reconstruct.scored(self.model, be, ids, forward=fwd):   # kvzip's repeat passes, else nothing
+            logits = self._step(fwd, ids, cache)
         self._sync()
         ttft = time.perf_counter() - t0
         tokens, nll, steps = [], [], []
@@ -173,7 +176,7 @@ class Runner:
         fwd = torch.compile(self.model.forward, backend=be, fullgraph=True, dynamic=True)
         warm = list(range(10, 10 + WARMUP_TOKENS))
         t0 = time.perf_counter()
-        self.generate(fwd, warm, max_new_tokens=3)
+        self.generate(fwd, warm, max_new_tokens=3, be=be)
         be.runtime.visits.clear()
         return be, fwd, time.perf_counter() - t0
 
@@ -197,7 +200,7 @@ class Runner:
             try:
                 tokens, ttft, tpot, nll, cache, peak = self.generate(
                     fwd, task.input_ids, task.max_new_tokens, forced=forced,
-                    stop_at_eos=not task.meta.get("ignore_eos", False))
+                    stop_at_eos=not task.meta.get("ignore_eos", False), be=be)
             except Exception as e:  # one policy failing must not cost the others their results
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 result.available = False

@@ -118,9 +118,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     ``synced_gpus`` (see ``usable``). A policy that scores the prompt with repeat passes gets them first
     (``kvpass.generate.reconstruct``)."""
     fast = model.generate   # kvpass.compile's FastGenerate
-    be = getattr(fast, "backend", None)
-    with (contextlib.nullcontext() if be is None else
-          reconstruct.scored(model, be, input_ids, model_kwargs.get("attention_mask"), fast.keeps_logits)):
+    with reconstruct.scored(model, getattr(fast, "backend", None), input_ids, model_kwargs.get("attention_mask"),
+                            getattr(fast, "keeps_logits", True)):
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
 
 

@@ -10,7 +10,8 @@ alone, as the paper's passes do once their own entries are dropped. The scores s
 state (``GenerationState.scores``) for the prefill that follows on the caller's cache, whose ``select`` keeps the
 best entries; that prefill gives the first token. The scoring cache goes when ``scored`` returns.
 
-``kvpass.compile``'s ``generate`` (``decode_loop.decode``) and ``kvpass.RequestQueue`` call it around their prefill.
+``kvpass.compile``'s ``generate`` (``decode_loop.decode``), ``kvpass.RequestQueue`` and ``kvpass compare``'s runner
+call it around their prefill; a prefill of such a policy outside it keeps the whole prompt, with a warning.
 """
 
 from __future__ import annotations
@@ -25,33 +26,36 @@ from kvpass.cache.argument import cache_kwarg
 
 
 @contextlib.contextmanager
-def scored(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True):
+def scored(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True, forward=None):
     """Within the block, ``be``'s generation state holds the repeat passes' scores of prompt ``ids [B, n]``
     (``mask [B, n]``: 1 for a real token, or None) for the prefill the block runs; nothing when ``be``'s policy does
-    not reconstruct. ``one_logit``: the model's forward takes ``logits_to_keep`` (no logits are read here)."""
-    policy = be.policy
-    if not policy.needs.reconstructs:
+    not reconstruct. ``forward``: the compiled forward (default: ``model`` itself, whose ``forward`` kvpass.compile
+    replaced); ``one_logit``: it takes ``logits_to_keep`` (no logits are read here). ``be`` None: nothing."""
+    if be is None or not be.policy.needs.reconstructs:
         yield
         return
+    forward = model if forward is None else forward
     state = be.runtime.state
     kw = {"use_cache": True, **({"logits_to_keep": 1} if one_logit else {})}
     cache = DynamicCache(config=model.config)
     where = cache_kwarg(model)
+    state.scoring = True
     try:
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask, ids.shape[1], 0, ids),
-                  **{where: cache}, **kw)
+            forward(input_ids=ids, attention_mask=mask, position_ids=_positions(mask, ids.shape[1], 0, ids),
+                    **{where: cache}, **kw)
             state.scores.clear()
-            for start, end, pass_ids, pass_mask in policy.passes(ids, mask):
+            for start, end, pass_ids, pass_mask in be.policy.passes(ids, mask):
                 state.repeat = (start, end)
-                model(input_ids=pass_ids, attention_mask=pass_mask,
-                      position_ids=_positions(pass_mask, pass_ids.shape[1], ids.shape[1], pass_ids),
-                      **{where: _shallow(cache)}, **kw)
+                forward(input_ids=pass_ids, attention_mask=pass_mask,
+                        position_ids=_positions(pass_mask, pass_ids.shape[1], ids.shape[1], pass_ids),
+                        **{where: _shallow(cache)}, **kw)
                 state.repeat = None
+        state.scoring = False
         del cache
         yield
     finally:
-        state.repeat = None
+        state.repeat, state.scoring = None, False
         state.scores.clear()
 
 

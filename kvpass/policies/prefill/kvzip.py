@@ -40,10 +40,6 @@ from kvpass.policies.contract import ConfigError, Needs, Refusal, SitePlan, para
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
 
-IDLE = ("policy 'kvzip' scores a prompt with repeat passes that kvpass.compile's generate (and kvpass.RequestQueue) "
-        "run before the prefill; this DynamicCache decode under transformers' generate had none, so the cache keeps "
-        "the whole prompt, as 'full'. Compress with kvpass.compile(model, 'kvzip', ...) and model.generate")
-
 
 class KVzip(PrefillEviction):
     name = "kvzip"
@@ -72,15 +68,11 @@ class KVzip(PrefillEviction):
         self.tokenizer = getattr(tok, "name_or_path", "") or type(tok).__name__
 
     def plan(self, site) -> SitePlan | Refusal:
-        if site.cache == "slot":   # the budget-sized cache: the prefill selects (from the passes' scores)
-            plan = super().plan(site)
-            return dataclasses.replace(plan, heads=True) if isinstance(plan, SitePlan) and plan.evict else plan
-        if site.sliding_window:
-            return SitePlan(attention=True)
-        return SitePlan(attention=True, repeat_scores=site.phase != "decode")
-
-    def idle_reason(self, sites) -> str | None:
-        return IDLE if any(s.cache == "dynamic" and s.phase == "decode" for s in sites) else None
+        if site.cache != "slot" and site.phase in ("append", "dynamic"):   # the repeat passes' graph
+            return SitePlan(attention=True, repeat_scores=not site.sliding_window)
+        # a prefill keeps the best entries by the passes' scores, each head its own count; decode steps append
+        plan = super().plan(site)
+        return dataclasses.replace(plan, heads=True) if isinstance(plan, SitePlan) and plan.evict else plan
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         return dict(ragged.SLOT_STATE)
