@@ -282,7 +282,7 @@ def run_kvpass_side(args) -> None:
                 cache = kvpass.SlotCache(model, be, max_length=n + args.new_tokens, max_new_tokens=args.new_tokens)
                 tokens, logps = [], []
                 with torch.no_grad():
-                    with reconstruct.scored(model, be, ids):
+                    with reconstruct.repeat_passes(model, be, ids):
                         logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
                     kept = {}
                     for i, lay in enumerate(cache.layers):

@@ -43,7 +43,7 @@ _PUBLIC = {  # name -> the module that defines it
     "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
     "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
     "ConfigError": "kvpass.policies", "Policy": "kvpass.policies", "GenerationState": "kvpass.cache.state",
-    "duo_pattern": "kvpass.eval.duo_calibration",
+    "duo_pattern": "kvpass.eval.duo_calibration", "repeat_passes": "kvpass.generate.reconstruct",
 }
 
 _DEPRECATED = {  # name -> the public name that replaces it; each access warns, for one release
@@ -114,4 +114,4 @@ __version__ = "0.1.0"
 __all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",
            "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "StoredChunk",
            "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile", "RequestQueue",
-           "RequestFailed"]
+           "RequestFailed", "repeat_passes"]

@@ -56,7 +56,7 @@ def reference_scores(policy, ids: torch.Tensor) -> dict[int, torch.Tensor]:
 def test_the_passes_scores_are_the_models_attention_renormalised():
     model, be = compiled(chunk_size=16, sinks=3, overlap=4)
     ids = prompt()
-    with reconstruct.scored(model, be, ids):
+    with reconstruct.repeat_passes(model, be, ids):
         got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
     assert not be.runtime.state.scores    # given back after the prefill
     want = reference_scores(be.policy, ids)
@@ -103,7 +103,7 @@ def test_generate_keeps_each_layers_best_entries_over_its_heads():
 
 
 def test_a_dynamic_cache_keeps_and_says_what_the_slot_cache_does():
-    """The plain path (``kvpass.backend``, a DynamicCache, the passes run by ``reconstruct.scored`` as `kvpass
+    """The plain path (``kvpass.backend``, a DynamicCache, the passes run by ``reconstruct.repeat_passes`` as `kvpass
     compare` runs them) keeps the same entries per head and decodes the same tokens as ``kvpass.compile``."""
     from transformers import DynamicCache
     ids = prompt()
@@ -115,7 +115,7 @@ def test_a_dynamic_cache_keeps_and_says_what_the_slot_cache_does():
     fwd = torch.compile(plain.forward, backend=be, dynamic=True)
     cache, got = DynamicCache(config=plain.config), []
     with torch.no_grad():
-        with reconstruct.scored(plain, be, ids, forward=fwd):
+        with reconstruct.repeat_passes(plain, be, ids, forward=fwd):
             logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
         for _ in range(NEW):
             got.append(int(logits.argmax(-1)))

@@ -274,7 +274,7 @@ class Runtime:
                       f"prompt, which kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run before "
                       f"it; this prefill had none, so the cache keeps the whole prompt, as 'full'. Generate with "
                       f"kvpass.compile(model, '{self.policy.name}', ...), or run the prefill inside "
-                      f"kvpass.generate.reconstruct.scored(...)", self.handle)
+                      f"kvpass.repeat_passes(...)", self.handle)
         return scores
 
     def repeat_scores(self, site: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:

@@ -141,7 +141,7 @@ class Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._sync()
         t0 = time.perf_counter()
-        with reconstruct.scored(self.model, be, ids, forward=fwd):   # kvzip's repeat passes, else nothing
+        with reconstruct.repeat_passes(self.model, be, ids, forward=fwd):   # kvzip's repeat passes, else nothing
             logits = self._step(fwd, ids, cache)
         self._sync()
         ttft = time.perf_counter() - t0

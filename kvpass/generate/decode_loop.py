@@ -118,7 +118,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     ``synced_gpus`` (see ``usable``). A policy that scores the prompt with repeat passes gets them first
     (``kvpass.generate.reconstruct``)."""
     fast = model.generate   # kvpass.compile's FastGenerate
-    with reconstruct.scored(model, getattr(fast, "backend", None), input_ids, model_kwargs.get("attention_mask"),
+    with reconstruct.repeat_passes(model, getattr(fast, "backend", None), input_ids, model_kwargs.get("attention_mask"),
                             getattr(fast, "keeps_logits", True)):
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
 

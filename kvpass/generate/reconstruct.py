@@ -3,12 +3,12 @@
 A policy whose ``Needs.reconstructs`` is set (``kvpass.policies.contract.ReconstructPolicy``) chooses what a
 prefill keeps from scores that only the whole model can give: after the prompt, the model reads a prompt asking it
 to repeat the context, then the context (``policy.passes``), and each layer's attention over the prompt's entries
-scores them (``kvpass::repeat_scores``, ``Runtime.repeat_scores``). ``scored`` runs that on a ``DynamicCache`` of
-its own, which keeps the whole prompt: the prompt is prefilled into it, and each pass runs on a shallow copy of it
+scores them (``kvpass::repeat_scores``, ``Runtime.repeat_scores``). ``repeat_passes`` runs that on a
+``DynamicCache`` of its own, which keeps the whole prompt: the prompt is prefilled into it, and each pass runs on a shallow copy of it
 (a ``DynamicCache`` update rebinds its tensors and never writes into them), so every pass finds the prompt's entries
 alone, as the paper's passes do once their own entries are dropped. The scores stay in the backend's generation
 state (``GenerationState.scores``) for the prefill that follows on the caller's cache, whose ``select`` keeps the
-best entries; that prefill gives the first token. The scoring cache goes when ``scored`` returns.
+best entries; that prefill gives the first token. The scoring cache goes before the block runs.
 
 ``kvpass.compile``'s ``generate`` (``decode_loop.decode``), ``kvpass.RequestQueue`` and ``kvpass compare``'s runner
 call it around their prefill; a prefill of such a policy outside it keeps the whole prompt, with a warning.
@@ -26,8 +26,9 @@ from kvpass.cache.argument import cache_kwarg
 
 
 @contextlib.contextmanager
-def scored(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True, forward=None):
-    """Within the block, ``be``'s generation state holds the repeat passes' scores of prompt ``ids [B, n]``
+def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True,
+                  forward=None):
+    """``kvpass.repeat_passes``: within the block, ``be``'s generation state holds the repeat passes' scores of prompt ``ids [B, n]``
     (``mask [B, n]``: 1 for a real token, or None) for the prefill the block runs; nothing when ``be``'s policy does
     not reconstruct. ``forward``: the compiled forward (default: ``model`` itself, whose ``forward`` kvpass.compile
     replaced); ``one_logit``: it takes ``logits_to_keep`` (no logits are read here). ``be`` None: nothing."""

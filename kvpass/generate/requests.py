@@ -269,7 +269,7 @@ class RequestQueue:
                     busy[:] = ["prefill", req]
                     t = time.perf_counter()
                     staging.reset()
-                    with reconstruct.scored(self.model, self.fast.backend, req.ids[None], None, self.one_logit):
+                    with reconstruct.repeat_passes(self.model, self.fast.backend, req.ids[None], None, self.one_logit):
                         first = sample(self._forward(req.ids[None], staging).logits[:, -1])
                     batch.admit(row, staging)
                     tokens[row] = first[0]
