@@ -2,6 +2,8 @@
 
     kvpass compare --model smollm2-135m --policies full,streamingllm --budget 256 --task niah --lengths 1k,2k
     kvpass eval    --model smollm2-135m --policy streamingllm --budget 128 --task niah --lengths 1k,2k,4k
+    kvpass compare --model smollm2-135m --policies full,snapkv --budget 1024 --task longbench --data PATH
+    kvpass leaderboard RESULTS_FOLDER [RESULTS_FOLDER ...] --out FOLDER
     kvpass explain --model smollm2-135m [--policy streamingllm --budget 128]
     kvpass models
 """
@@ -162,6 +164,18 @@ def _task_names() -> str:
         return "niah, ruler, long_decode, chunk_qa"
 
 
+BENCHMARK_NAMES = "ruler, longbench, longbench_e, longbench_v2, infinitebench, loogle, aime25, math500"
+
+
+def parse_data(values: list[str]) -> dict[str, str]:
+    """``--data`` values: ``PATH`` (every benchmark of ``--task``) or ``NAME=PATH`` -> {name or "": path}."""
+    out = {}
+    for v in values:
+        name, eq, path = v.partition("=")
+        out[name.strip() if eq else ""] = (path if eq else v).strip()
+    return out
+
+
 def _default_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,7 +203,20 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="any other policy parameter, e.g. --param sinks=4 (repeat for several; the "
                         "parameters of each policy are listed below)")
     p.add_argument("--task", type=parse_list, default=["niah"], metavar="T[,T...]",
-                   help=f"task families, comma-separated: {_task_names()} (default niah)")
+                   help=f"task families, comma-separated: {_task_names()} (default niah), generated at --lengths; "
+                        f"or published benchmarks read from --data: {BENCHMARK_NAMES}")
+    p.add_argument("--data", action="append", default=[], metavar="[NAME=]PATH",
+                   help="where a benchmark of --task is: its own files (a folder or a .jsonl/.json/.parquet file), "
+                        "or a Hugging Face Hub id when the 'datasets' package is installed; NAME=PATH for one "
+                        "benchmark of several (repeat). With --data, --task ruler reads RULER's own data")
+    p.add_argument("--subsets", type=parse_list, default=None, metavar="S[,S...]",
+                   help="the benchmark's subsets to run, e.g. qasper,hotpotqa (default: all)")
+    p.add_argument("--max-length", type=positive_int, default=None, metavar="N",
+                   help="benchmark prompts longer than N tokens are cut in the middle, as LongBench cuts them "
+                        "(default: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the (policy, task) pairs already done in --out (its progress.jsonl), e.g. after an "
+                        "interrupted run")
     p.add_argument("--lengths", type=lambda s: [parse_length(x) for x in parse_list(s)], default=[1024, 2048],
                    metavar="N[,N...]", help=LENGTHS_HELP)
     p.add_argument("--depths", type=parse_depths, default=None,
@@ -243,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun, e.g. torchrun --nproc_per_node 2 -m kvpass.cli explain --tp ...: each rank "
                         "prints its local heads and the collectives kvpass inserted")
     x.lazy_help = _fill_policy_help
+    lb = sub.add_parser("leaderboard", help="methods x compression ratios from compare results, per benchmark",
+                        description="Read the results folders of `kvpass compare` runs (one per budget) and write "
+                                    "leaderboard.md (per benchmark: policies x measured compression ratios, scores "
+                                    "x100), leaderboard.csv and leaderboard.png (score against compression ratio).")
+    lb.add_argument("folders", nargs="+", type=Path, metavar="FOLDER", help="results folders of kvpass compare")
+    lb.add_argument("--out", type=Path, default=Path("."), metavar="FOLDER",
+                    help="where the leaderboard files go (default: the current folder)")
     sub.add_parser("models", help="list the registry models: installed? converted? where?",
                    description="List the registry models, whether each one's pip package is installed and "
                                "whether it has been converted into the kvpass cache folder.")
@@ -292,6 +326,13 @@ def _note(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+class _StandInTokenizer:
+    """The model's tokenizer while the policies are checked before the model loads (kvzip's repeat prompts)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [0]
+
+
 def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: str = "eager",
                    flag: str = "--policies") -> None:
     """Every policy name and ``--param`` checked before any model loads, as the run will check them.
@@ -323,9 +364,10 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
                          f"{did_you_mean(unknown[0], available())}; known policies: {', '.join(available())}")
         checked += 1
         declared |= set(policy_params(spec, dict.fromkeys(param_keys)))
-        # sablock takes its punctuation ids from the model's tokenizer, which is not loaded yet: a stand-in
-        # here (a --param punctuation_ids wins, and is checked)
-        trial = policy_params(spec, {"stats": True, "punctuation_ids": [0], **params})
+        # sablock and kvzip take ids from the model's tokenizer, which is not loaded yet: stand-ins here (a --param
+        # punctuation_ids wins, and is checked)
+        trial = policy_params(spec, {"stats": True, "punctuation_ids": [0], "tokenizer": _StandInTokenizer(),
+                                     **params})
         try:
             kvpass.backend(spec, compiler=compiler, **trial)
         except ConfigError as e:
@@ -335,13 +377,35 @@ def check_policies(specs: list[str], params: dict, *, param_keys=(), compiler: s
             _usage_error(f"--param {key}: none of the policies ({', '.join(specs)}) has a parameter '{key}'")
 
 
-def check_tasks(names: list[str]) -> None:
-    """Unknown ``--task`` names are a usage error (with "did you mean"), before the model loads."""
+def check_tasks(names: list[str], data: dict[str, str] | None = None) -> None:
+    """Unknown ``--task`` names are a usage error (with "did you mean"), before the model loads; so are a benchmark
+    without ``--data``, and a ``--data NAME=`` for a benchmark not in ``--task``."""
+    from kvpass.eval import benchmarks
     from kvpass.eval import tasks as T
-    unknown = [n for n in names if n not in T.FAMILIES]
+    data = data or {}
+    bench = benchmarks.loaders()
+    known = sorted(set(T.FAMILIES) | set(bench))
+    unknown = [n for n in names if n not in known]
     if unknown:
-        _usage_error(f"unknown task '{unknown[0]}' in --task {','.join(names)}{did_you_mean(unknown[0], T.FAMILIES)}; "
-                     f"known tasks: {', '.join(sorted(T.FAMILIES))}")
+        _usage_error(f"unknown task '{unknown[0]}' in --task {','.join(names)}{did_you_mean(unknown[0], known)}; "
+                     f"known tasks: {', '.join(sorted(T.FAMILIES))}; benchmarks (with --data): "
+                     f"{', '.join(sorted(bench))}")
+    for n in names:
+        if n in bench and n not in T.FAMILIES and not (data.get(n) or data.get("")):
+            _usage_error(f"--task {n} reads the benchmark's own files: pass --data PATH (a folder or a .jsonl / "
+                         f".json / .parquet file in its format, or a Hugging Face Hub id with 'datasets' installed)")
+    stray = [k for k in data if k and k not in names]
+    if stray:
+        _usage_error(f"--data {stray[0]}=...: '{stray[0]}' is not in --task {','.join(names)}")
+
+
+def benchmark_path(name: str, data: dict[str, str]) -> str | None:
+    """The ``--data`` path of benchmark ``name`` (its own, else the one given for every benchmark), or None: the
+    task is generated (``ruler`` without data is kvpass's RULER-style generator)."""
+    from kvpass.eval import benchmarks
+    if name not in benchmarks.loaders():
+        return None
+    return data.get(name) or data.get("")
 
 
 def check_model(name: str) -> int | None:
@@ -482,9 +546,19 @@ def _load(args):
 
 
 def _tasks(args, tokenizer):
+    from kvpass.eval import benchmarks
     from kvpass.eval import tasks as T
     out = []
+    data = parse_data(args.data)
     for family in args.task:
+        path = benchmark_path(family, data)
+        if path is not None:   # a published benchmark, read from its own files
+            try:
+                out += benchmarks.load(family, path, tokenizer, subsets=args.subsets, limit=args.limit,
+                                       max_length=args.max_length)
+            except (OSError, ValueError) as e:
+                _usage_error(f"--task {family} --data {path}: {e}")
+            continue
         options = {"depths": args.depths} if (family == "niah" and args.depths) else {}
         for length in args.lengths:
             try:
@@ -567,6 +641,39 @@ def _finish(results, out: Path, created: list[Path], meta: dict) -> int:
     return 0
 
 
+class Progress:
+    """``--out``'s ``progress.jsonl``: a line per (policy, task) as it finishes, so that ``--resume`` skips what an
+    interrupted run did. The first line is the run's setting (model, dtype, compiler, device); a resumed run must
+    have the same. Without ``--resume`` the file starts afresh."""
+
+    def __init__(self, path: Path, setting: dict, resume: bool) -> None:
+        self.path, self.setting, self.done = path, setting, {}
+        lines = path.read_text().splitlines() if resume and path.is_file() else []
+        if lines:
+            first = json.loads(lines[0]).get("setting")
+            if first != setting:
+                _usage_error(f"--resume: {path} was written by a run of another setting ({first}); this run is "
+                             f"{setting}: pass the same --model, --dtype, --compiler and --device, or another --out")
+            for line in lines[1:]:
+                try:
+                    got = json.loads(line)
+                except json.JSONDecodeError:   # the line a kill cut short
+                    continue
+                self.done[(got["policy"], got["task"])] = got
+            _note(f"--resume: {len(self.done)} (policy, task) results from {path} are kept; the rest run")
+        elif resume:
+            _note(f"--resume: {path} does not exist, so every task runs")
+        self.fresh = not lines   # the file is written from the first task on (a run that did none leaves none)
+
+    def record(self, policy: str, task: str, row: dict, tokens: list[int], compile_s: float) -> None:
+        if self.fresh:
+            self.path.write_text(json.dumps({"setting": self.setting}) + "\n")
+            self.fresh = False
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"policy": policy, "task": task, "row": row, "tokens": tokens,
+                                 "compile_s": compile_s}) + "\n")
+
+
 INTERRUPTED = 130   # the exit status of a command ended by Ctrl-C (SIGINT), as a shell reports it
 
 
@@ -579,13 +686,16 @@ def _interrupted(finished, policies: list[str], out: Path, created: list[Path], 
     done = [r for p in policies for r in finished if r.policy == p]
     if not done:
         _remove_empty(created)
-        print("kvpass: interrupted before any policy finished; no results written", file=sys.stderr)
+        kept = (out / "progress.jsonl").is_file()
+        print("kvpass: interrupted before any policy finished; no results written" +
+              (f" (the tasks done are in {out / 'progress.jsonl'}: the same command with --resume goes on from "
+               f"them)" if kept else ""), file=sys.stderr)
         return INTERRUPTED
     rest = [p for p in policies if p not in {r.policy for r in done}]
     paths = report.write(done, out, {**meta, "interrupted": True, "not_finished": rest})
     print(f"wrote {', '.join(str(p) for p in paths)}")
     print(f"kvpass: interrupted: the results of {', '.join(r.policy for r in done)} are in {out}; not finished: "
-          f"{', '.join(rest)}", file=sys.stderr)
+          f"{', '.join(rest)}; the same command with --resume goes on from the tasks done", file=sys.stderr)
     return INTERRUPTED
 
 
@@ -601,17 +711,26 @@ def run_comparison(args, policies: list[str]) -> int:
     # Everything that can be checked without the model is checked before it loads.
     check_policies(policies, params, param_keys=parse_params(args.param), compiler=compiler,
                    flag="--policies" if args.cmd == "compare" else "--policy")
-    check_tasks(args.task)
+    data = parse_data(args.data)
+    check_tasks(args.task, data)
+    generated = [t for t in args.task if benchmark_path(t, data) is None]
     check_budget_taken(args, policies)
     context = check_model(args.model)
-    check_lengths(args.lengths, context, args.model, new_tokens_needed(args.task, args.max_new_tokens))
+    if generated:
+        check_lengths(args.lengths, context, args.model, new_tokens_needed(generated, args.max_new_tokens))
     check_device(args.device)
     for note in budget_notes(policies, params, args.lengths):
         _note(note)
+    if args.resume and args.out is None:
+        _usage_error("--resume continues the run whose results folder --out names: pass --out FOLDER")
     out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
     created = _prepare_out(out)
     meta = {**report.environment(args.device), "model": args.model, "policies": policies, "params": params,
             "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler}
+    if data:
+        meta.update(data=data, subsets=args.subsets, max_length=args.max_length)
+    progress = Progress(out / "progress.jsonl", {"model": args.model, "dtype": args.dtype, "compiler": compiler,
+                                                 "device": args.device}, resume=args.resume)
     finished, bar, t0 = [], None, time.perf_counter()
     try:
         model, tokenizer = _load(args)
@@ -621,7 +740,7 @@ def run_comparison(args, policies: list[str]) -> int:
         bar, step = _progress_bar(len(policies), len(tasks))
         t0 = time.perf_counter()
         results = compare(model, tokenizer, policies, tasks, params, compiler=compiler, device=args.device,
-                          progress=step, finished=finished.append)
+                          progress=step, finished=finished.append, done=progress.done, record=progress.record)
         if bar is not None:
             bar.close()
     except KeyboardInterrupt:
@@ -664,6 +783,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "models":
         print_models()
+        return 0
+    if args.cmd == "leaderboard":
+        from kvpass.eval import leaderboard
+        try:
+            paths = leaderboard.write(args.folders, args.out)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"kvpass leaderboard: {e}") from None
+        print(f"wrote {', '.join(str(p) for p in paths)}")
         return 0
     try:
         args.device = args.device or _default_device()

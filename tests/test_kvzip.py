@@ -102,10 +102,9 @@ def test_generate_keeps_each_layers_best_entries_over_its_heads():
     assert be.state.evicted_tokens > 0
 
 
-def test_a_dynamic_cache_keeps_and_says_what_the_slot_cache_does():
-    """The plain path (``kvpass.backend``, a DynamicCache, the passes run by ``reconstruct.repeat_passes`` as `kvpass
-    compare` runs them) keeps the same entries per head and decodes the same tokens as ``kvpass.compile``."""
-    from transformers import DynamicCache
+def test_the_plain_backend_on_a_slot_cache_keeps_what_kvpass_compile_does():
+    """``kvpass.backend`` with a loop of one's own (as `kvpass compare` runs it): the passes around a SlotCache's
+    prefill keep the same entries per head and decode the same tokens as ``kvpass.compile``'s generate."""
     ids = prompt()
     model, _ = compiled(budget=12, chunk_size=16)
     want = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, N:].tolist()
@@ -113,19 +112,16 @@ def test_a_dynamic_cache_keeps_and_says_what_the_slot_cache_does():
     plain = build("llama")
     be = kvpass.backend("kvzip", budget=12, chunk_size=16, tokenizer=Tok(), compiler="eager")
     fwd = torch.compile(plain.forward, backend=be, dynamic=True)
-    cache, got = DynamicCache(config=plain.config), []
+    cache, got = kvpass.SlotCache(plain, be, max_length=N + NEW, max_new_tokens=NEW), []
     with torch.no_grad():
-        with reconstruct.repeat_passes(plain, be, ids, forward=fwd):
+        with kvpass.repeat_passes(plain, be, ids, forward=fwd):
             logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
         for _ in range(NEW):
             got.append(int(logits.argmax(-1)))
             logits = fwd(input_ids=torch.tensor([[got[-1]]]), past_key_values=cache, use_cache=True).logits[:, -1]
     assert got == want
     for layer in range(2):
-        st = be.state.layer(layer)
-        pool, ranges = st.pos[0].reshape(-1), st.extra["heads"][0]
-        heads = [{int(p) for p in pool[a:a + m] if 0 <= p < N} for a, m in ranges[:, :2].tolist()]
-        assert heads == held(slot, layer, N)
+        assert held(cache, layer, N) == held(slot, layer, N)
 
 
 def test_a_budget_over_the_prompt_equals_the_uncompiled_model():
@@ -170,11 +166,13 @@ def test_bad_configuration_is_refused_by_name():
 
 
 def test_transformers_generate_on_a_dynamic_cache_says_it_keeps_everything():
+    """Without passes and a SlotCache, kvzip keeps every entry (one shape contract per graph) and says so."""
     model = build("llama")
     be = kvpass.backend("kvzip", budget=12, tokenizer=Tok(), compiler="eager")
     model.forward = torch.compile(model.forward, backend=be, dynamic=True)
-    with pytest.warns(kvpass.KVPassWarning, match="keeps the whole prompt"):
-        model.generate(prompt(), max_new_tokens=3, do_sample=False)
+    with pytest.warns(kvpass.KVPassWarning, match="keeps every entry, as 'full'"):
+        out = model.generate(prompt(), max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, build("llama").generate(prompt(), max_new_tokens=3, do_sample=False))
 
 
 def test_opcheck_repeat_scores():

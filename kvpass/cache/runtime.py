@@ -280,17 +280,9 @@ class Runtime:
     def repeat_scores(self, site: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:
         """While a repeat pass runs (``state.repeat``): the scores its queries ``q [B, H, r, D]`` (scaled) give the
         chunk of the prompt it repeats, from the keys ``k [B, H_kv, n + r, D]`` (the prompt's, then the pass's),
-        into the layer's ``state.scores [B, H_kv, n]``. Outside a pass, a call of several tokens on a layer whose
-        heads keep different counts is refused: the model's own cache update would treat the pool as heads."""
+        into the layer's ``state.scores [B, H_kv, n]``. Nothing outside a pass."""
         span = self.state.repeat
         if span is None:
-            st = self.state.layer(layer_of(site))
-            ranges = None if st is None else st.extra.get("heads")
-            lengths = None if ranges is None else ranges[..., ragged.LENGTH]
-            if lengths is not None and q.shape[2] > 1 and bool((lengths != lengths[0, 0]).any()):
-                raise ValueError(f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer "
-                                 f"{layer_of(site)}'s cache, and this call feeds {q.shape[2]} tokens at once, "
-                                 f"which only its repeat passes do; decode one token per call")
             return
         b, hkv, total = k.shape[:3]
         n = total - q.shape[2]

@@ -21,6 +21,8 @@ after the other, so the numbers are ratios taken in one run. Per policy:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 import warnings
@@ -31,6 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpass.cache.argument import with_cache
+from kvpass.cache.slots import SlotCache
 from kvpass.compiler.backend import backend
 from kvpass.generate import reconstruct
 from kvpass.policies import POLICIES, ConfigError
@@ -136,7 +139,11 @@ class Runner:
         """Greedy decode (or teacher-forced on ``forced``) through ``fwd``, compiled with backend ``be``; returns
         tokens, timings, NLLs, cache."""
         ids = torch.tensor([input_ids], device=self.device)
-        cache = DynamicCache(config=self.model.config)
+        if be is not None and be.policy.needs.reconstructs:   # kvzip selects at a SlotCache's prefill only
+            cache = SlotCache(self.model, be, max_length=len(input_ids) + max_new_tokens, max_new_tokens=max_new_tokens,
+                              device=self.device)
+        else:
+            cache = DynamicCache(config=self.model.config)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._sync()
@@ -181,22 +188,38 @@ class Runner:
         return be, fwd, time.perf_counter() - t0
 
     def run(self, spec: str, params: dict, tasks, *, compiler: str = "inductor",
-            references: dict | None = None, progress=None) -> PolicyResult:
-        """Run one policy over ``tasks``; ``references`` maps task name -> full-cache tokens."""
+            references: dict | None = None, progress=None, done: dict | None = None, record=None) -> PolicyResult:
+        """Run one policy over ``tasks``; ``references`` maps a task's key (``task_key``) to its full-cache tokens.
+        ``done`` maps ``(policy_key, task_key)`` to a result an earlier run recorded (``--resume``): that task is
+        not run again (the policy is compiled only if some task is left); ``record(policy_key, task_key, row,
+        tokens, compile_s)`` is called after each task that ran."""
         from kvpass.eval.tasks import score
 
         result = PolicyResult(policy=spec, params=policy_params(spec, params))
-        try:
-            be, fwd, result.compile_s = self.compile(spec, params, compiler)
-        except ConfigError as e:
-            result.available, result.reason = False, str(e)
-            for _ in tasks if progress is not None else ():  # keep the progress total honest
-                progress()
-            return result
+        pkey, done = policy_key(spec, result.params), done or {}
+        be = fwd = None
         for i, task in enumerate(tasks):
+            key = task_key(task)
+            saved = done.get((pkey, key))
+            if saved is not None:   # recorded by an interrupted run of the same policy and task
+                result.tasks.append(TaskResult(**saved["row"]))
+                result.compile_s = saved.get("compile_s", result.compile_s)
+                if references is not None and task.metric == "agreement" and key not in references:
+                    references[key] = saved["tokens"]
+                if progress is not None:
+                    progress()
+                continue
+            if be is None:
+                try:
+                    be, fwd, result.compile_s = self.compile(spec, params, compiler)
+                except ConfigError as e:
+                    result.available, result.reason = False, str(e)
+                    for _ in range(len(tasks) - i) if progress is not None else ():  # keep the total honest
+                        progress()
+                    return result
             forced = None
             if task.metric == "agreement":
-                forced = (references or {}).get(_key(task))
+                forced = (references or {}).get(key)
             try:
                 tokens, ttft, tpot, nll, cache, peak = self.generate(
                     fwd, task.input_ids, task.max_new_tokens, forced=forced,
@@ -226,21 +249,33 @@ class Runner:
                 output=self.tokenizer.decode(tokens, skip_special_tokens=True), ppl=ppl,
                 gated=gate is not None, selection_layer=gate["selection_layer"] if gate is not None else None))
             if references is not None and task.metric == "agreement" and forced is None:
-                references[_key(task)] = tokens
+                references[key] = tokens
+            if record is not None:
+                record(pkey, key, result.tasks[-1].row(), tokens, result.compile_s)
             if progress is not None:
                 progress()
-        result.blocks_read = be.runtime.blocks_read()
+        if be is not None:
+            result.blocks_read = be.runtime.blocks_read()
         return result
 
 
-def _key(task) -> str:
-    return f"{task.name}@{len(task.input_ids)}@{task.meta.get('seed', 0)}@{task.max_new_tokens}"
+def task_key(task) -> str:
+    """A task's identity across runs: its name, length, generation length and a digest of its prompt ids."""
+    digest = hashlib.sha1(",".join(map(str, task.input_ids)).encode()).hexdigest()[:16]
+    return f"{task.name}@{len(task.input_ids)}@{task.max_new_tokens}@{digest}"
+
+
+def policy_key(spec: str, params: dict) -> str:
+    """A policy run's identity across runs: its spec and the parameters it takes (objects by their text)."""
+    return f"{spec} {json.dumps(params, sort_keys=True, default=str)}"
 
 
 def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = None, *,
-            compiler: str = "inductor", device: str = "cpu", progress=None, finished=None) -> list[PolicyResult]:
+            compiler: str = "inductor", device: str = "cpu", progress=None, finished=None, done: dict | None = None,
+            record=None) -> list[PolicyResult]:
     """Run every policy over the same tasks; ``full`` runs first and provides the references. ``finished`` is
-    called with each policy's result as it completes, so a caller interrupted mid-run keeps those."""
+    called with each policy's result as it completes, so a caller interrupted mid-run keeps those; ``done`` and
+    ``record`` as ``Runner.run`` takes them (a run resumed from its progress file)."""
     params = params or {}
     order = sorted(policies, key=lambda p: p != "full")
     runner = Runner(model, tokenizer, device)
@@ -248,9 +283,10 @@ def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = 
     results = {}
     for spec in order:
         if spec != "full" and any(t.metric == "agreement" for t in tasks) and not refs:
-            results["full"] = runner.run("full", params, tasks, compiler=compiler, references=refs)
+            results["full"] = runner.run("full", params, tasks, compiler=compiler, references=refs, done=done,
+                                         record=record)
         results[spec] = runner.run(spec, params, tasks, compiler=compiler, references=refs,
-                                   progress=progress)
+                                   progress=progress, done=done, record=record)
         if finished is not None:
             finished(results[spec])
     return [results[p] for p in policies]

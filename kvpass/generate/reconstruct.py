@@ -43,14 +43,11 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
     state.scoring = True
     try:
         with torch.no_grad():
-            forward(input_ids=ids, attention_mask=mask, position_ids=_positions(mask, ids.shape[1], 0, ids),
-                    **{where: cache}, **kw)
+            forward(input_ids=ids, **_masked(mask, ids.shape[1]), **{where: cache}, **kw)
             state.scores.clear()
             for start, end, pass_ids, pass_mask in be.policy.passes(ids, mask):
                 state.repeat = (start, end)
-                forward(input_ids=pass_ids, attention_mask=pass_mask,
-                        position_ids=_positions(pass_mask, pass_ids.shape[1], ids.shape[1], pass_ids),
-                        **{where: _shallow(cache)}, **kw)
+                forward(input_ids=pass_ids, **_masked(pass_mask, pass_ids.shape[1]), **{where: _shallow(cache)}, **kw)
                 state.repeat = None
         state.scoring = False
         del cache
@@ -67,9 +64,10 @@ def _shallow(cache):
     return out
 
 
-def _positions(mask: torch.Tensor | None, length: int, past: int, like: torch.Tensor) -> torch.Tensor:
-    """The position ids of ``length`` tokens after ``past``, as transformers' ``generate`` counts them: each row's
-    real tokens before (``mask``'s cumulative sum), or every token without a mask."""
+def _masked(mask: torch.Tensor | None, length: int) -> dict:
+    """The keywords of a call of ``length`` tokens under ``mask`` (its whole sequence): the mask, and each row's
+    position ids counted over its real tokens as transformers' ``generate`` counts them; none without a mask (the
+    model counts every token, and the call's graph is the one a caller's unmasked prefill compiles)."""
     if mask is None:
-        return (past + torch.arange(length, device=like.device)).expand(like.shape[0], length)
-    return (mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]
+        return {}
+    return {"attention_mask": mask, "position_ids": (mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]}

@@ -73,14 +73,19 @@ def cut_at_stop(output: str, stop) -> str:
 
 
 def score(task, output_text: str) -> float:
-    """Score one generation for ``task`` with ``SCORERS[task.metric]``, in [0, 1].
+    """Score one generation for ``task`` with ``SCORERS[task.metric]`` (or a published benchmark's metric,
+    ``kvpass.eval.benchmarks.metrics()``), in [0, 1].
 
     If ``task.meta["stop"]`` lists stop strings, the output is first cut at the earliest one (the
     few-shot arithmetic tasks stop at a newline, so a model that goes on to invent the next
     question is not credited for numbers in it).
     """
-    if task.metric not in SCORERS:
-        raise ValueError(f"unknown metric {task.metric!r}; known: {sorted(SCORERS)}")
+    if task.metric not in SCORERS:   # a published benchmark's metric (kvpass.eval.benchmarks)
+        from kvpass.eval import benchmarks
+        published = benchmarks.metrics()
+        if task.metric not in published:
+            raise ValueError(f"unknown metric {task.metric!r}; known: {sorted(SCORERS) + sorted(published)}")
+        return published[task.metric](task.answers, output_text, task.meta)
     if task.metric == "agreement":
         agreement(task.answers, output_text)
     return SCORERS[task.metric](task.answers, cut_at_stop(output_text, task.meta.get("stop")))

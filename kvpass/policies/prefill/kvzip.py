@@ -9,14 +9,15 @@ again, so the scores hold for whatever is asked later. Each layer keeps ``H_kv x
 its KV heads by one ranking of the layer's (head, entry) scores (the per-head layout of ``kvpass.cache.ragged``,
 as ``adakv`` keeps them), the first ``sinks`` real entries always and the last ``window`` (0) too.
 
-**How it runs.** ``kvpass.compile``'s ``generate`` and ``kvpass.RequestQueue`` run the repeat passes before the
-prefill that fills the ``kvpass.SlotCache`` (``kvpass.generate.reconstruct``): the prompt is prefilled into a
-``DynamicCache`` that keeps everything, each pass reads it (``kvpass::repeat_scores`` beside the attention of
-every layer) and leaves it as it was, and the scores reach the SlotCache's prefill, whose ``select`` keeps the best
-entries per layer. The SlotCache holds the budget only, so the scoring's full-size cache is given back before the
-first decode step. A prompt is therefore prefilled twice, plus the repeat passes (about one prefill more): 2-3x a
-plain prefill, as in the paper's own count. Under ``kvpass.backend`` with transformers' ``generate`` nothing runs
-the passes: the cache keeps the whole prompt (as ``full``), and the backend warns once.
+**How it runs.** ``kvpass.compile``'s ``generate``, ``kvpass.RequestQueue`` and ``kvpass compare`` run the repeat
+passes before the prefill that fills a ``kvpass.SlotCache`` (``kvpass.repeat_passes``): the prompt is prefilled
+into a ``DynamicCache`` that keeps everything, each pass reads it (``kvpass::repeat_scores`` beside the attention
+of every layer) and leaves it as it was, and the scores reach the SlotCache's prefill, whose ``select`` keeps the
+best entries per layer. The SlotCache holds the budget only, so the scoring's full-size cache is given back before
+the first decode step. A prompt is therefore prefilled twice, plus the repeat passes (about one prefill more): 2-3x
+a plain prefill, as in the paper's own count. On any other cache kvzip keeps every entry (a ``DynamicCache``
+under transformers' ``generate``, with a warning): only a SlotCache's prefill selects, so that every compiled graph
+keeps one shape contract.
 
 **Repeat prompts** are text, so the policy needs ``tokenizer`` (any object with ``encode(text,
 add_special_tokens=False)``): ``first`` before the first chunk, ``later`` before each later chunk (followed by its
@@ -68,11 +69,18 @@ class KVzip(PrefillEviction):
         self.tokenizer = getattr(tok, "name_or_path", "") or type(tok).__name__
 
     def plan(self, site) -> SitePlan | Refusal:
-        if site.cache != "slot" and site.phase in ("append", "dynamic"):   # the repeat passes' graph
-            return SitePlan(attention=True, repeat_scores=not site.sliding_window)
-        # a prefill keeps the best entries by the passes' scores, each head its own count; decode steps append
-        plan = super().plan(site)
-        return dataclasses.replace(plan, heads=True) if isinstance(plan, SitePlan) and plan.evict else plan
+        if site.cache == "slot":   # the budget-sized cache: the prefill keeps by the passes' scores, per head
+            plan = super().plan(site)
+            return dataclasses.replace(plan, heads=True) if isinstance(plan, SitePlan) and plan.evict else plan
+        # the scoring cache (kvpass.generate.reconstruct): it keeps the prompt whole; the passes' graph scores it
+        return SitePlan(attention=True, repeat_scores=site.phase in ("append", "dynamic") and not site.sliding_window)
+
+    def idle_reason(self, sites) -> str | None:
+        if any(s.cache != "slot" and s.phase == "decode" for s in sites):
+            return (f"policy '{self.name}' selects at a kvpass.SlotCache's prefill, from repeat passes that "
+                    f"kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run first; on this "
+                    f"{sites[0].cache} cache it keeps every entry, as 'full'")
+        return None
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         return dict(ragged.SLOT_STATE)

