@@ -399,6 +399,30 @@ def check_tasks(names: list[str], data: dict[str, str] | None = None) -> None:
         _usage_error(f"--data {stray[0]}=...: '{stray[0]}' is not in --task {','.join(names)}")
 
 
+def subsets_of(benchmark: str, names: list[str] | None) -> list[str] | None:
+    """The ``--subsets`` entries that belong to ``benchmark``: ``NAME/SUBSET`` for it, or a bare subset it has
+    (None when none does: all of its subsets run)."""
+    from kvpass.eval import benchmarks
+    if not names:
+        return None
+    known = benchmarks.subsets(benchmark)
+    mine = [n.split("/", 1)[1] for n in names if n.startswith(benchmark + "/")]
+    mine += [n for n in names if "/" not in n and n in known]
+    return mine or None
+
+
+def check_subsets(names: list[str] | None, tasks: list[str], data: dict[str, str]) -> None:
+    """Every ``--subsets`` entry names a subset of a benchmark in ``--task`` (exit status 2 with the known ones)."""
+    from kvpass.eval import benchmarks
+    read = [t for t in tasks if benchmark_path(t, data) is not None]
+    for n in names or ():
+        bench, _, sub = n.rpartition("/")
+        owners = [b for b in read if (not bench or bench == b) and sub in benchmarks.subsets(b)]
+        if not owners:
+            known = "; ".join(f"{b}: {', '.join(benchmarks.subsets(b))}" for b in read) or "none (no --data)"
+            _usage_error(f"--subsets {n}: not a subset of the benchmarks read from --data; their subsets: {known}")
+
+
 def benchmark_path(name: str, data: dict[str, str]) -> str | None:
     """The ``--data`` path of benchmark ``name`` (its own, else the one given for every benchmark), or None: the
     task is generated (``ruler`` without data is kvpass's RULER-style generator)."""
@@ -554,8 +578,8 @@ def _tasks(args, tokenizer):
         path = benchmark_path(family, data)
         if path is not None:   # a published benchmark, read from its own files
             try:
-                out += benchmarks.load(family, path, tokenizer, subsets=args.subsets, limit=args.limit,
-                                       max_length=args.max_length)
+                out += benchmarks.load(family, path, tokenizer, subsets=subsets_of(family, args.subsets),
+                                       limit=args.limit, max_length=args.max_length)
             except (OSError, ValueError) as e:
                 _usage_error(f"--task {family} --data {path}: {e}")
             continue
@@ -713,6 +737,7 @@ def run_comparison(args, policies: list[str]) -> int:
                    flag="--policies" if args.cmd == "compare" else "--policy")
     data = parse_data(args.data)
     check_tasks(args.task, data)
+    check_subsets(args.subsets, args.task, data)
     generated = [t for t in args.task if benchmark_path(t, data) is None]
     check_budget_taken(args, policies)
     context = check_model(args.model)

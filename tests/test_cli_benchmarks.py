@@ -97,3 +97,38 @@ def test_leaderboard_tables_methods_by_measured_compression(tmp_path, capsys):
     assert (tmp_path / "lb" / "leaderboard.csv").read_text().count("\n") == 4
     with pytest.raises(SystemExit, match="no results.json"):
         cli.main(["leaderboard", str(tmp_path / "nowhere")])
+
+
+BENCHMARKS = {   # one fixture of each benchmark (tests/data/benchmarks) and a subset it has
+    "ruler": ("ruler/kvpress/4096", "niah_single_1"), "longbench": ("longbench", "hotpotqa"),
+    "longbench_e": ("longbench", "qasper"), "longbench_v2": ("longbench_v2/data.json", None),
+    "infinitebench": ("infinitebench/official", "passkey"), "loogle": ("loogle", "shortdep_qa"),
+    "aime25": ("reasoning/aime25", None), "math500": ("reasoning/math500", None),
+}
+
+
+@needs_smol
+def test_compare_runs_one_fixture_of_every_benchmark(tiny_model_dir, tmp_path):
+    """`kvpass compare --task <every benchmark> --data NAME=PATH ...`: each benchmark's first row, scored by its own
+    metric, beside full; results per benchmark family."""
+    out = tmp_path / "res"
+    argv = ["compare", "--model", str(tiny_model_dir), "--policies", "full,snapkv", "--budget", "64", "--task",
+            ",".join(BENCHMARKS), "--limit", "1", "--max-new-tokens", "3", "--out", str(out)]
+    for name, (path, subset) in BENCHMARKS.items():
+        argv += ["--data", f"{name}={DATA / path}"]
+    argv += ["--subsets", ",".join(f"{n}/{s}" for n, (_, s) in BENCHMARKS.items() if s)]
+    assert cli.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["tasks"]
+    assert {r["family"] for r in rows["snapkv"]} == set(BENCHMARKS)
+    assert all(0.0 <= r["score"] <= 1.0 for r in rows["snapkv"])
+    assert cli.main(["leaderboard", str(out), "--out", str(tmp_path / "lb")]) == 0
+    assert all(f"## {b} " in (tmp_path / "lb" / "leaderboard.md").read_text() for b in BENCHMARKS)
+
+
+def test_benchmark_options_are_checked_before_the_model_loads(tmp_path, capsys):
+    for argv, says in ((["--task", "longbench"], "pass --data PATH"),
+                       (["--task", "niah", "--data", "ruler=x"], "'ruler' is not in --task"),
+                       (["--task", "ruler", "--data", "x", "--subsets", "qasper"], "--subsets qasper")):
+        with pytest.raises(SystemExit):
+            cli.main(["compare", "--policies", "full", "--out", str(tmp_path / "o"), *argv])
+        assert says in capsys.readouterr().err
