@@ -128,7 +128,9 @@ def bare_loops(model, ids, steps: int = 64) -> tuple[float, float]:
     (so it runs ``generate``'s decode graph, compiling nothing), continuing on the kept cache after a
     2-token ``generate`` of ``ids``: ``steps`` queued with one sync, then ``steps`` with a sync after each.
     Each loop starts from a fresh 2-token call: a policy's capacity (snapkv: budget + the bucket of new
-    tokens) holds one loop's steps, not both."""
+    tokens) holds one loop's steps, not both. A first call of as many new tokens as a loop takes sizes the kept
+    cache for a loop (a prompt just under a capacity bucket would otherwise leave room for fewer steps)."""
+    gen(model, ids, 8 + steps + 2)
     out = []
     for sync_each in (False, True):
         kw = decode_kwargs(model, ids)

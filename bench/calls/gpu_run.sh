@@ -64,10 +64,10 @@ throughput)
 accuracy)
   # the methods of the issue "The field's leading methods" beside snapkv; full once (no budget)
   # (the eager compiler: the scores do not depend on it, and eight Inductor compiles would take the call's time)
-  kvpass compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k --limit 3 --policies full \
+  python -m kvpass.cli compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k --limit 3 --policies full \
     --compiler eager --out "$out/full" > "$out/full.log" 2>&1
   for b in ${BUDGETS:-64 256 1024}; do
-    timeout -k 10 "${LIMIT:-500}" kvpass compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k \
+    timeout -k 10 "${LIMIT:-500}" python -m kvpass.cli compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k \
       --limit 3 --budget "$b" --compiler eager \
       --policies snapkv,adakv,expected_attention,criticalkv,knorm,keydiff,tova,kvzip \
       --out "$out/b$b" > "$out/b$b.log" 2>&1
