@@ -777,7 +777,8 @@ def run_comparison(args, policies: list[str]) -> int:
         raise
     wall = time.perf_counter() - t0
     meta.update(wall_s=round(wall, 1), n_tasks=len(tasks))
-    title = (f"{args.model} | lengths {','.join(map(str, args.lengths))} | {describe_tasks(tasks)} x "
+    lengths = f"lengths {','.join(map(str, args.lengths))} | " if generated else ""   # generated tasks' lengths
+    title = (f"{args.model} | {lengths}{describe_tasks(tasks)} x "
              f"{len(policies)} polic{'ies' if len(policies) != 1 else 'y'} | {args.device}, {compiler} compiler | "
              f"{wall:.0f}s")
     report.print_table(results, title, params)
