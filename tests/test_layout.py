@@ -160,7 +160,8 @@ def declared_policy_names() -> set[str]:
 
     names = {n for n in dir(contract.Policy) if not n.startswith("_")}
     for proto in (contract.GatedPolicy, contract.PagePolicy, contract.FusionPolicy, contract.ReconstructPolicy):
-        names |= set(proto.__annotations__) | {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+        methods = {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+        names |= set(proto.__annotations__) | methods
     return names
 
 

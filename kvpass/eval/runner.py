@@ -140,8 +140,8 @@ class Runner:
         tokens, timings, NLLs, cache."""
         ids = torch.tensor([input_ids], device=self.device)
         if be is not None and be.policy.needs.reconstructs:   # kvzip selects at a SlotCache's prefill only
-            cache = SlotCache(self.model, be, max_length=len(input_ids) + max_new_tokens, max_new_tokens=max_new_tokens,
-                              device=self.device)
+            cache = SlotCache(self.model, be, max_length=len(input_ids) + max_new_tokens,
+                              max_new_tokens=max_new_tokens, device=self.device)
         else:
             cache = DynamicCache(config=self.model.config)
         if self.device.type == "cuda":

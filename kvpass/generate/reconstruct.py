@@ -1,11 +1,11 @@
 """Repeat passes before a prefill, for a policy that scores a prompt by how the model repeats it (kvzip).
 
-A policy whose ``Needs.reconstructs`` is set (``kvpass.policies.contract.ReconstructPolicy``) chooses what a
-prefill keeps from scores that only the whole model can give: after the prompt, the model reads a prompt asking it
-to repeat the context, then the context (``policy.passes``), and each layer's attention over the prompt's entries
-scores them (``kvpass::repeat_scores``, ``Runtime.repeat_scores``). ``repeat_passes`` runs that on a
-``DynamicCache`` of its own, which keeps the whole prompt: the prompt is prefilled into it, and each pass runs on a shallow copy of it
-(a ``DynamicCache`` update rebinds its tensors and never writes into them), so every pass finds the prompt's entries
+A policy whose ``Needs.reconstructs`` is set (``kvpass.policies.contract.ReconstructPolicy``) chooses what a prefill
+keeps from scores that only the whole model can give: after the prompt, the model reads a prompt asking it to repeat
+the context, then the context (``policy.passes``), and each layer's attention over the prompt's entries scores them
+(``kvpass::repeat_scores``, ``Runtime.repeat_scores``). ``repeat_passes`` runs that on a ``DynamicCache`` of its
+own, which keeps the whole prompt: the prompt is prefilled into it, and each pass runs on a shallow copy of it (a
+``DynamicCache`` update rebinds its tensors and never writes into them), so every pass finds the prompt's entries
 alone, as the paper's passes do once their own entries are dropped. The scores stay in the backend's generation
 state (``GenerationState.scores``) for the prefill that follows on the caller's cache, whose ``select`` keeps the
 best entries; that prefill gives the first token. The scoring cache goes before the block runs.
@@ -28,10 +28,11 @@ from kvpass.cache.argument import cache_kwarg
 @contextlib.contextmanager
 def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True,
                   forward=None):
-    """``kvpass.repeat_passes``: within the block, ``be``'s generation state holds the repeat passes' scores of prompt ``ids [B, n]``
-    (``mask [B, n]``: 1 for a real token, or None) for the prefill the block runs; nothing when ``be``'s policy does
-    not reconstruct. ``forward``: the compiled forward (default: ``model`` itself, whose ``forward`` kvpass.compile
-    replaced); ``one_logit``: it takes ``logits_to_keep`` (no logits are read here). ``be`` None: nothing."""
+    """``kvpass.repeat_passes``: within the block, ``be``'s generation state holds the repeat passes' scores of
+    prompt ``ids [B, n]`` (``mask [B, n]``: 1 for a real token, or None) for the prefill the block runs; nothing
+    when ``be``'s policy does not reconstruct, or ``be`` is None. ``forward``: the compiled forward (default:
+    ``model`` itself, whose ``forward`` kvpass.compile replaced); ``one_logit``: it takes ``logits_to_keep`` (no
+    logits are read here)."""
     if be is None or not be.policy.needs.reconstructs:
         yield
         return

@@ -1,7 +1,7 @@
 """Prefill eviction: policies that compress the prompt's cache once, at prefill (``snapkv``, ``pyramidkv``,
-``chunkkv``, ``sablock``, ``knorm``, ``keydiff``, ``expected_attention``, ``criticalkv``, ``adakv``, ``duoattention``, ``kvzip``). ``base`` holds their shared
-frame (budget, observation window, the selection), ``scoring`` the window scores, pooling and block selection they
-rank tokens with."""
+``chunkkv``, ``sablock``, ``knorm``, ``keydiff``, ``expected_attention``, ``criticalkv``, ``adakv``,
+``duoattention``, ``kvzip``). ``base`` holds their shared frame (budget, observation window, the selection),
+``scoring`` the window scores, pooling and block selection they rank tokens with."""
 
 from kvpass.policies.prefill.snapkv import SnapKV
 from kvpass.policies.prefill.pyramidkv import PyramidKV
@@ -17,4 +17,5 @@ from kvpass.policies.prefill.kvzip import KVzip
 
 # the family's policies, in the order `kvpass.policies.POLICIES` lists them (adding one: its file, this tuple and
 # its tests/conformance.py entry)
-FAMILY = (SnapKV, PyramidKV, ChunkKV, SABlock, KNorm, KeyDiff, ExpectedAttention, CriticalKV, AdaKV, DuoAttention, KVzip)
+FAMILY = (SnapKV, PyramidKV, ChunkKV, SABlock, KNorm, KeyDiff, ExpectedAttention, CriticalKV, AdaKV, DuoAttention,
+          KVzip)
