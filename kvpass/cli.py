@@ -210,7 +210,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "or a Hugging Face Hub id when the 'datasets' package is installed; NAME=PATH for one "
                         "benchmark of several (repeat). With --data, --task ruler reads RULER's own data")
     p.add_argument("--subsets", type=parse_list, default=None, metavar="S[,S...]",
-                   help="the benchmark's subsets to run, e.g. qasper,hotpotqa (default: all)")
+                   help="benchmark subsets to run, e.g. qasper,hotpotqa or longbench/qasper (a bare name applies to "
+                        "each benchmark that has it; default: all of each)")
     p.add_argument("--max-length", type=positive_int, default=None, metavar="N",
                    help="benchmark prompts longer than N tokens are cut in the middle, as LongBench cuts them "
                         "(default: none)")
