@@ -40,4 +40,4 @@ SKIP="$SKIP or hundred_ordinary_calls or do_not_share_a_recompile_budget"
     tests/test_models.py tests/test_equivalence.py \
     tests/test_eviction_models.py tests/test_hostile.py \
     tests/test_fastpath.py tests/test_fastpath_options.py tests/test_direct_steps.py tests/test_reach.py \
-    tests/test_family_sweep.py
+    tests/test_family_sweep.py tests/test_kvzip.py
