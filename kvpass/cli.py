@@ -581,7 +581,7 @@ def _tasks(args, tokenizer):
             try:
                 out += benchmarks.load(family, path, tokenizer, subsets=subsets_of(family, args.subsets),
                                        limit=args.limit, max_length=args.max_length)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, ImportError) as e:
                 _usage_error(f"--task {family} --data {path}: {e}")
             continue
         options = {"depths": args.depths} if (family == "niah" and args.depths) else {}
@@ -602,6 +602,10 @@ def check_tasks_fit(tasks, context: int | None, model: str) -> None:
     if context is None:
         return
     for t in tasks:
+        if len(t.input_ids) + t.max_new_tokens > context and "benchmark" in t.meta:
+            _usage_error(f"--task {t.family}: a prompt of {t.name} has {len(t.input_ids)} tokens and "
+                         f"{t.max_new_tokens} are generated after it, beyond {model}'s context of {context}; pass "
+                         f"--max-length {context - t.max_new_tokens} (cut in the middle) or --max-new-tokens")
         if len(t.input_ids) + t.max_new_tokens > context:
             _usage_error(f"--lengths {len(t.input_ids)}: {model}'s context is {context} tokens "
                          f"(max_position_embeddings) and {t.name} generates {t.max_new_tokens} tokens after its "
@@ -688,6 +692,8 @@ class Progress:
             _note(f"--resume: {len(self.done)} (policy, task) results from {path} are kept; the rest run")
         elif resume:
             _note(f"--resume: {path} does not exist, so every task runs")
+        if not resume and path.is_file():
+            path.unlink()        # an earlier run's records: not this run's to resume from
         self.fresh = not lines   # the file is written from the first task on (a run that did none leaves none)
 
     def record(self, policy: str, task: str, row: dict, tokens: list[int], compile_s: float) -> None:
@@ -751,8 +757,9 @@ def run_comparison(args, policies: list[str]) -> int:
         _usage_error("--resume continues the run whose results folder --out names: pass --out FOLDER")
     out = args.out or Path("kvpass-results") / time.strftime("%Y%m%d-%H%M%S")
     created = _prepare_out(out)
-    meta = {**report.environment(args.device), "model": args.model, "policies": policies, "params": params,
-            "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler}
+    meta = {**report.environment(args.device), "model": args.model, "dtype": args.dtype, "policies": policies,
+            "params": params, "tasks": args.task, "lengths": args.lengths, "seed": args.seed, "compiler": compiler,
+            "max_new_tokens": args.max_new_tokens}
     if data:
         meta.update(data=data, subsets=args.subsets, max_length=args.max_length)
     progress = Progress(out / "progress.jsonl", {"model": args.model, "dtype": args.dtype, "compiler": compiler,

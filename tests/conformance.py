@@ -28,7 +28,8 @@ class Entry:
     most entries a layer stores after a ``P``-token prompt and ``T`` decode steps under ``demanding``;
     ``unpadded``: why a left-padded batch is not checked (empty: it is); ``driver``: ``"fusion"`` for a policy that only
     ``kvpass.ChunkFusion`` runs (its own tests cover it; here the plain path must refuse it), ``"reconstruct"`` for one
-    whose repeat passes only ``kvpass.compile``'s generate runs (``tests/test_kvzip.py`` runs these checks there);
+    whose repeat passes run around a SlotCache's prefill (``kvpass.repeat_passes``: kvpass.compile's generate,
+    RequestQueue, `kvpass compare`; ``tests/test_kvzip.py`` runs these checks there);
     ``parallel``: the
     parameters that replace ``demanding``'s under tensor parallelism, where a decision averaged over a layer's
     heads is refused (``tests/test_tensor_parallel.py``)."""

@@ -74,9 +74,10 @@ def test_leaderboard_tables_methods_by_measured_compression(tmp_path, capsys):
                                                     ("ruler/b", "ruler", 1.0, 250)]})
     assert cli.main(["leaderboard", str(a), str(b), "--out", str(tmp_path / "lb")]) == 0
     text = (tmp_path / "lb" / "leaderboard.md").read_text()
-    # the macro average over subsets: full (0.5 + 1) / 2, snapkv (1 + 0) / 2 at 0.50 and (0 + 1) / 2 at 0.75
-    assert "| policy | 0.00 | 0.50 | 0.75 |" in text
-    assert "| full | 75.0 |  |  |" in text and "| snapkv |  | 50.0 | 50.0 |" in text
+    # the macro average over subsets: full (0.5 + 1) / 2, snapkv (1 + 0) / 2 at budget 500 and (0 + 1) / 2 at 250,
+    # each with its measured ratio against full (from the other folder for budget 250)
+    assert "| policy | budget 250 | budget 500 |" in text
+    assert "| full |  | 75.0 (0.00) |" in text and "| snapkv | 50.0 (0.75) | 50.0 (0.50) |" in text
     assert (tmp_path / "lb" / "leaderboard.csv").read_text().count("\n") == 4
     with pytest.raises(SystemExit, match="no results.json"):
         cli.main(["leaderboard", str(tmp_path / "nowhere")])

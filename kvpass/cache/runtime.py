@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kvpass.cache import ragged
 from kvpass.cache.state import TICKS, GenerationState
-from kvpass.errors import device_assert, warn_once
+from kvpass.errors import device_assert
 from kvpass.kernels.gather import gather_pair
 
 # Weak: a runtime lives as long as its backend object (which torch.compile keeps alive for as
@@ -178,10 +178,9 @@ class Runtime:
                 q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
                 out_proj: Tensor | None = None):
         layer = layer_of(site)
-        fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
-        scores = self.prefill_scores(layer, fresh)
         idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(layer),
-                                selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj, scores))
+                                selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj))
+        fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         b, h, n = kv_pos.shape
         heads = None
         if isinstance(idx, ragged.Kept):   # the per-head layout: the row's pool, stored as [B, H_kv, L, D]
@@ -261,21 +260,6 @@ class Runtime:
         pos = self.policy.write(self.sites[site], q, k_pool, v_pool, k_new, v_new, q_pos, st)
         self.state.set_layer(layer_of(site), pos, q_pos[0, -1] + 1, fresh=False)
         return pos
-
-    def prefill_scores(self, layer: int, fresh: bool) -> Tensor | None:
-        """The repeat passes' scores of ``layer`` for a prefill (``fresh``) of a policy that reads them
-        (``Needs.reconstructs``), or None. A prefill that has none outside ``kvpass.generate.reconstruct``'s own
-        scoring prefill keeps the whole prompt: said once."""
-        if not (fresh and self.policy.needs.reconstructs):
-            return None
-        scores = self.state.scores.get(layer)
-        if scores is None and not self.state.scoring:
-            warn_once(f"kvpass: policy '{self.policy.name}' chooses what a prefill keeps from repeat passes over the "
-                      f"prompt, which kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run before "
-                      f"it; this prefill had none, so the cache keeps the whole prompt, as 'full'. Generate with "
-                      f"kvpass.compile(model, '{self.policy.name}', ...), or run the prefill inside "
-                      f"kvpass.repeat_passes(...)", self.handle)
-        return scores
 
     def repeat_scores(self, site: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:
         """While a repeat pass runs (``state.repeat``): the scores its queries ``q [B, H, r, D]`` (scaled) give the

@@ -201,7 +201,7 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     else:  # what the policy keeps, as on a DynamicCache; its bookkeeping: per-entry values of its slot state
         idx, kept_pos, kept_state = runtime.choose(rt.policy, rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None,
                                                    runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin,
-                                                                            out_proj, rt.prefill_scores(layer, True)))
+                                                                            out_proj, rt.state.scores.get(layer)))
     if rt.policy.needs.heads and not rt.sites[site].sliding_window:   # the per-head layout (kvpass.cache.ragged)
         kept = idx if idx is not None else ragged.everything(b, hkv, length, k_new.device)
         if kept.sel.shape[1] > hkv * cap:

@@ -80,7 +80,6 @@ class GenerationState:
         # ``[B, H_kv, n]`` (fp32) of the prompt's entries so far, which the next prefill's ``select`` reads
         self.repeat: tuple[int, int] | None = None
         self.scores: dict[int, Tensor] = {}
-        self.scoring = False   # the scoring prefill and its passes run (a prefill with no scores is expected)
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)

@@ -5,8 +5,10 @@ dropped), one benchmark at a time. ``kvpass leaderboard FOLDER...`` reads the ``
 budgets (each ``kvpass compare`` run is one budget) and writes the same shape:
 
 * ``leaderboard.md``: per benchmark (a task family: ``ruler``, ``longbench``, ``niah``, ...) a table whose rows are
-  the policies and whose columns are compression ratios; a cell is the score (x100), the mean over the benchmark's
-  subsets of each subset's mean (the macro average RULER and LongBench report);
+  the policies and whose columns are the runs' budgets; a cell is the score (x100), the mean over the benchmark's
+  subsets of each subset's mean (the macro average RULER and LongBench report), and the measured compression ratio
+  (a policy's ratio at one budget is its own: per-head and decode-time policies store differently). One context
+  length per run: subsets of several lengths would be averaged together;
 * ``leaderboard.csv``: one row per (benchmark, policy, budget) with its ratio, score and tasks;
 * ``leaderboard.png``: per benchmark, score against compression ratio, a line per policy (matplotlib, when
   installed).
@@ -43,6 +45,7 @@ def collect(folders: list[Path]) -> list[dict]:
                 for r in rs:
                     subsets[r["task"]].append(r["score"])
                 out.append({"folder": str(folder), "model": meta.get("model"), "benchmark": family, "policy": policy,
+                            "setting": (meta.get("dtype"), meta.get("max_new_tokens")),
                             "budget": (meta.get("params") or {}).get("budget"),
                             "score": 100 * sum(sum(v) / len(v) for v in subsets.values()) / len(subsets),
                             "kv_bytes": sum(r["kv_bytes"] for r in rs) / len(rs), "tasks": len(rs),
@@ -55,32 +58,35 @@ def ratios(records: list[dict]) -> None:
     """Each record's compression ratio against ``full`` on the same model and tasks (its own folder's first)."""
     for rec in records:
         fulls = [r for r in records if r["policy"] == "full" and r["model"] == rec["model"]
-                 and r["benchmark"] == rec["benchmark"] and r["keys"] == rec["keys"]]
+                 and r["setting"] == rec["setting"] and r["benchmark"] == rec["benchmark"] and r["keys"] == rec["keys"]]
         fulls.sort(key=lambda r: r["folder"] != rec["folder"])
         if fulls and fulls[0]["kv_bytes"]:
             rec["ratio"] = max(0.0, 1.0 - rec["kv_bytes"] / fulls[0]["kv_bytes"])
 
 
 def markdown(records: list[dict]) -> str:
-    """One table per benchmark: policies x compression ratios (two decimals), scores x100."""
+    """One table per benchmark: policies x budgets (one column per run), each cell the score x100 and the measured
+    compression ratio."""
     lines = ["# Leaderboard", "",
-             "Score (x100, the mean of the benchmark's subset means) by compression ratio (1 - KV bytes / full's "
-             "KV bytes on the same tasks; `?`: no `full` run to measure it against).", ""]
+             "Score (x100, the mean of the benchmark's subset means) and, in brackets, the measured compression ratio "
+             "(1 - KV bytes / full's KV bytes on the same tasks, model, dtype and generation length; `?`: no such "
+             "`full` run), one column per budget.", ""]
     for bench in sorted({r["benchmark"] for r in records}):
         rows = [r for r in records if r["benchmark"] == bench]
-        cols = sorted({_col(r) for r in rows}, key=lambda c: (c == "?", c))
+        cols = sorted({r["budget"] for r in rows}, key=lambda b: (b is not None, b or 0))
         models = sorted({str(r["model"]) for r in rows})
-        lines += [f"## {bench} ({', '.join(models)})", "", "| policy | " + " | ".join(cols) + " |",
+        lines += [f"## {bench} ({', '.join(models)})", "",
+                  "| policy | " + " | ".join("no budget" if c is None else f"budget {c}" for c in cols) + " |",
                   "|---|" + "---|" * len(cols)]
         for policy in sorted({r["policy"] for r in rows}, key=lambda p: (p != "full", p)):
-            cells = {_col(r): f"{r['score']:.1f}" for r in rows if r["policy"] == policy}
-            lines.append(f"| {policy} | " + " | ".join(cells.get(c, "") for c in cols) + " |")
+            cells: dict = {}
+            for r in rows:
+                if r["policy"] == policy:
+                    ratio = "?" if r["ratio"] is None else f"{r['ratio']:.2f}"
+                    cells.setdefault(r["budget"], []).append(f"{r['score']:.1f} ({ratio})")
+            lines.append(f"| {policy} | " + " | ".join(", ".join(cells.get(c, [])) for c in cols) + " |")
         lines.append("")
     return "\n".join(lines)
-
-
-def _col(rec: dict) -> str:
-    return "?" if rec["ratio"] is None else f"{rec['ratio']:.2f}"
 
 
 def plot(records: list[dict], path: Path) -> Path | None:

@@ -6,8 +6,9 @@ after the other, so the numbers are ratios taken in one run. Per policy:
 * the model's forward is compiled with ``kvpass.backend(policy, ...)`` and ``dynamic=True``, then
   warmed up on a short prompt (prefill + decode), so compile time is reported on its own
   (``compile_s``) and never leaks into TTFT / TPOT;
-* each task is a greedy generation with a fresh ``DynamicCache``: TTFT is the prefill's wall time,
-  TPOT the mean wall time of a decode step;
+* each task is a greedy generation with a fresh ``DynamicCache`` (a ``kvpass.SlotCache`` for a policy that
+  selects at a SlotCache's prefill after repeat passes: kvzip): TTFT is the prefill's wall time (the passes
+  included), TPOT the mean wall time of a decode step;
 * ``kv_bytes`` is the size of the tensors the cache stores after the generation (what eviction
   really frees), ``peak_mem`` the device allocator's high-water mark during the task (CUDA only;
   CPU has no per-task allocator statistics, reported as None);
@@ -96,7 +97,12 @@ class PolicyResult:
 
 
 def cache_bytes(cache) -> int:
-    """Bytes of every K/V tensor a cache holds."""
+    """Bytes of every K/V tensor a cache holds; on a ``kvpass.SlotCache`` (kvzip's), the bytes of the slots that
+    hold an entry, so that it reads as a cache that grows (its empty room for later tokens is not counted)."""
+    if isinstance(cache, SlotCache):
+        return sum(int((lay.pos >= 0).sum()) * (lay.keys.shape[-1] * lay.keys.element_size()
+                                                  + lay.values.shape[-1] * lay.values.element_size())
+                   for lay in cache.layers)
     total = 0
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):

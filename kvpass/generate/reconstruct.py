@@ -11,7 +11,7 @@ state (``GenerationState.scores``) for the prefill that follows on the caller's 
 best entries; that prefill gives the first token. The scoring cache goes before the block runs.
 
 ``kvpass.compile``'s ``generate`` (``decode_loop.decode``), ``kvpass.RequestQueue`` and ``kvpass compare``'s runner
-call it around their prefill; a prefill of such a policy outside it keeps the whole prompt, with a warning.
+call it around their prefill; a SlotCache prefill of such a policy outside it is refused by name.
 """
 
 from __future__ import annotations
@@ -41,20 +41,17 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
     kw = {"use_cache": True, **({"logits_to_keep": 1} if one_logit else {})}
     cache = DynamicCache(config=model.config)
     where = cache_kwarg(model)
-    state.scoring = True
     try:
         with torch.no_grad():
             forward(input_ids=ids, **_masked(mask, ids.shape[1]), **{where: cache}, **kw)
-            state.scores.clear()
             for start, end, pass_ids, pass_mask in be.policy.passes(ids, mask):
                 state.repeat = (start, end)
                 forward(input_ids=pass_ids, **_masked(pass_mask, pass_ids.shape[1]), **{where: _shallow(cache)}, **kw)
                 state.repeat = None
-        state.scoring = False
         del cache
         yield
     finally:
-        state.repeat, state.scoring = None, False
+        state.repeat = None
         state.scores.clear()
 
 

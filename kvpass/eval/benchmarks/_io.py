@@ -82,7 +82,11 @@ def _read(p: Path, limit: int | None = None) -> list[dict]:
         data = json.loads(p.read_text(encoding="utf-8"))
         return data if isinstance(data, list) else data.get("data", [data])
     if p.suffix == ".parquet":
-        import pandas
+        try:
+            import pandas
+        except ImportError:
+            raise ImportError(f"{p}: reading .parquet files needs pandas (pip install 'kvpass[benchmarks]'), or "
+                              f"convert the file to .jsonl") from None
         return pandas.read_parquet(p).to_dict("records")
     raise ValueError(f"{p}: read .jsonl, .json or .parquet files")
 

@@ -60,7 +60,7 @@ class KVzip(PrefillEviction):
     def check_config(self) -> None:
         super().check_config()
         tok = self.tokenizer
-        if tok is None or not callable(getattr(tok, "encode", None)):
+        if tok is None or isinstance(tok, str) or not callable(getattr(tok, "encode", None)):
             raise ConfigError(f"policy 'kvzip': parameter 'tokenizer' must be the model's tokenizer (an object with "
                               f"encode()), got {type(tok).__name__}; the repeat prompts are text: pass "
                               f"tokenizer=AutoTokenizer.from_pretrained(...)")
@@ -72,7 +72,8 @@ class KVzip(PrefillEviction):
         if site.cache == "slot":   # the budget-sized cache: the prefill keeps by the passes' scores, per head
             plan = super().plan(site)
             return dataclasses.replace(plan, heads=True) if isinstance(plan, SitePlan) and plan.evict else plan
-        # the scoring cache (kvpass.generate.reconstruct): it keeps the prompt whole; the passes' graph scores it
+        # the scoring cache (kvpass.generate.reconstruct): it keeps the prompt whole; the passes' graph scores it (a
+        # graph of several tokens on any other cache gets the op too, idle outside a pass; one-token decode does not)
         return SitePlan(attention=True, repeat_scores=site.phase in ("append", "dynamic") and not site.sliding_window)
 
     def idle_reason(self, sites) -> str | None:
@@ -137,8 +138,14 @@ class KVzip(PrefillEviction):
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, scores=None, **inputs):
         n = kv_pos.shape[-1]
         keep = self.kept(site, n)
-        if scores is None or n != q_pos.shape[1] or n <= keep:   # no passes ran, not a prefill, or nothing to evict
+        if n != q_pos.shape[1] or n <= keep:   # not a prefill, or nothing to evict
             return None
+        if scores is None or tuple(scores.shape) != tuple(kv_pos.shape):
+            got = "no repeat passes ran" if scores is None else f"the passes scored {scores.shape[-1]} tokens"
+            raise ConfigError(f"policy 'kvzip': this {n}-token prefill of layer {site.layer} keeps entries by the "
+                              f"scores of repeat passes over the same prompt, and {got}. Prefill inside "
+                              f"kvpass.repeat_passes(model, backend, input_ids, forward=...) with the prompt you "
+                              f"prefill, or generate with kvpass.compile(model, 'kvzip', ...)")
         valid, forced = scoring.window_layout(kv_pos, self.window)
         real = valid.long().cumsum(-1)
         forced = forced | valid & (real <= self.sinks)          # the first real entries: the sinks
