@@ -161,6 +161,8 @@ def test_a_left_padded_row_with_one_chunk_equals_the_row_alone():
 def test_bad_configuration_is_refused_by_name():
     with pytest.raises(kvpass.ConfigError, match="parameter 'tokenizer'"):
         kvpass.backend("kvzip", budget=16)
+    with pytest.raises(kvpass.ConfigError, match="parameter 'tokenizer'"):   # a name, not the tokenizer
+        kvpass.backend("kvzip", budget=16, tokenizer="HuggingFaceTB/SmolLM2-135M")
     with pytest.raises(kvpass.ConfigError, match="chunk_size"):
         kvpass.backend("kvzip", budget=16, tokenizer=Tok(), chunk_size=0)
 
@@ -184,3 +186,12 @@ def test_opcheck_repeat_scores():
     torch.library.opcheck(torch.ops.kvpass.repeat_scores.default, (out, q, k, None, 0.25, 0.0, be.runtime.handle, 0))
     scores = be.runtime.state.scores[0]
     assert scores.shape == (1, 2, 24) and bool((scores[..., 4:20] > 0).all()) and not scores[..., :4].any()
+
+
+def test_a_slot_cache_prefill_without_the_passes_is_refused_by_name():
+    model = build("llama")
+    be = kvpass.backend("kvzip", budget=12, tokenizer=Tok(), compiler="eager")
+    fwd = torch.compile(model.forward, backend=be, dynamic=True)
+    cache = kvpass.SlotCache(model, be, max_length=N + NEW, max_new_tokens=NEW)
+    with pytest.raises(Exception, match="no repeat passes ran.*kvpass.repeat_passes"):
+        fwd(input_ids=prompt(), past_key_values=cache, use_cache=True)
