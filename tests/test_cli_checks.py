@@ -90,7 +90,7 @@ def test_built_tasks_are_checked_against_the_loaded_models_context(tmp_path, cap
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=300))
     monkeypatch.setattr(cli, "_load", lambda args: (model, None))
     monkeypatch.setattr(cli, "_tasks", lambda args, tok: [SimpleNamespace(input_ids=[0] * 290, max_new_tokens=24,
-                                                                          name="niah/passkey")])
+                                                                          name="niah/passkey", meta={})])
     monkeypatch.setattr(kv_eval, "compare", lambda *a, **kw: pytest.fail("a task ran"))
     out = tmp_path / "res"
     err = _usage_error(["eval", "--model", "org/some-model", "--policy", "full", "--out", str(out)], capsys)
@@ -311,7 +311,7 @@ def test_help_models_and_parse_errors_import_neither_torch_nor_transformers():
     code = _LIGHT.format(root=str(ROOT), argvs=argvs)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in run.stderr, run.stderr
-    assert "{compare,eval,explain,models}" in run.stdout and "smollm2-135m" in run.stdout
+    assert "{compare,eval,explain,leaderboard,models}" in run.stdout and "smollm2-135m" in run.stdout
 
 
 def test_a_commands_help_still_lists_the_policies(capsys):
