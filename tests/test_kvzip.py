@@ -54,20 +54,21 @@ def reference_scores(policy, ids: torch.Tensor) -> dict[int, torch.Tensor]:
 
 
 def test_the_passes_scores_are_the_models_attention_renormalised():
-    model, be = compiled(chunk_size=16, sinks=3, overlap=4)
+    model, be = compiled(budget=16, chunk_size=16, sinks=3, overlap=4)
     ids = prompt()
     with reconstruct.repeat_passes(model, be, ids):
         got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
     assert not be.runtime.state.scores    # given back after the prefill
     want = reference_scores(be.policy, ids)
-    assert sorted(got) == sorted(want)
+    assert sorted(got) == sorted(want) == [0, 1]
     for layer in want:
         torch.testing.assert_close(got[layer], want[layer], atol=1e-5, rtol=1e-4)
 
 
 def test_passes_follow_kvzips_prompts():
-    _, be = compiled(chunk_size=16, overlap=4)
+    _, be = compiled(budget=16, chunk_size=16, overlap=4)
     ids = prompt()
+    assert compiled(budget=N, chunk_size=16)[1].policy.passes(ids, None) == []   # a prompt within the budget: none
     passes = be.policy.passes(ids, None)
     first, later, suffix = (torch.tensor(t) for t in be.policy._ids)
     assert [(s, e) for s, e, _, _ in passes] == [(0, 16), (16, 32), (32, 40)]

@@ -36,6 +36,10 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
     if be is None or not be.policy.needs.reconstructs:
         yield
         return
+    passes = be.policy.passes(ids, mask)
+    if not passes:   # nothing to choose from (a prompt within the budget)
+        yield
+        return
     forward = model if forward is None else forward
     state = be.runtime.state
     kw = {"use_cache": True, **({"logits_to_keep": 1} if one_logit else {})}
@@ -44,7 +48,7 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
     try:
         with torch.no_grad():
             forward(input_ids=ids, **_masked(mask, ids.shape[1]), **{where: cache}, **kw)
-            for start, end, pass_ids, pass_mask in be.policy.passes(ids, mask):
+            for start, end, pass_ids, pass_mask in passes:
                 state.repeat = (start, end)
                 forward(input_ids=pass_ids, **_masked(pass_mask, pass_ids.shape[1]), **{where: _shallow(cache)}, **kw)
                 state.repeat = None

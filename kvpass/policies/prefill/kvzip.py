@@ -90,7 +90,10 @@ class KVzip(PrefillEviction):
 
     def passes(self, ids: Tensor, mask: Tensor | None) -> list[tuple[int, int, Tensor, Tensor | None]]:
         """The repeat passes of a prompt ``ids [B, n]`` (``mask [B, n]``, 1 = real token, or None): per chunk
-        ``(start, end, pass_ids [B, r], pass_mask [B, n + r] or None)``."""
+        ``(start, end, pass_ids [B, r], pass_mask [B, n + r] or None)``; none for a prompt no longer than the budget
+        (every layer keeps it whole)."""
+        if ids.shape[1] <= self.budget:
+            return []
         first, later, suffix = (torch.tensor(t, dtype=ids.dtype, device=ids.device) for t in self._ids)
         rows, out = ids.shape[0], []
         for start in range(0, ids.shape[1], self.chunk_size):
