@@ -164,7 +164,12 @@ def _task_names() -> str:
         return "niah, ruler, long_decode, chunk_qa"
 
 
-BENCHMARK_NAMES = "ruler, longbench, longbench_e, longbench_v2, infinitebench, loogle, aime25, math500"
+def _benchmark_names() -> str:
+    try:
+        from kvpass.eval import benchmarks   # no torch: the loaders import it only when they tokenize
+        return ", ".join(sorted(benchmarks.loaders()))
+    except Exception:  # noqa: BLE001
+        return "the benchmarks of kvpass.eval.benchmarks"
 
 
 def parse_data(values: list[str]) -> dict[str, str]:
@@ -204,7 +209,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "parameters of each policy are listed below)")
     p.add_argument("--task", type=parse_list, default=["niah"], metavar="T[,T...]",
                    help=f"task families, comma-separated: {_task_names()} (default niah), generated at --lengths; "
-                        f"or published benchmarks read from --data: {BENCHMARK_NAMES}")
+                        f"or published benchmarks read from --data: {_benchmark_names()}")
     p.add_argument("--data", action="append", default=[], metavar="[NAME=]PATH",
                    help="where a benchmark of --task is: its own files (a folder or a .jsonl/.json/.parquet file), "
                         "or a Hugging Face Hub id when the 'datasets' package is installed; NAME=PATH for one "
@@ -602,11 +607,13 @@ def check_tasks_fit(tasks, context: int | None, model: str) -> None:
     if context is None:
         return
     for t in tasks:
-        if len(t.input_ids) + t.max_new_tokens > context and "benchmark" in t.meta:
+        if len(t.input_ids) + t.max_new_tokens <= context:
+            continue
+        if "benchmark" in t.meta:   # read from files: --max-length cuts it, --lengths does not apply
             _usage_error(f"--task {t.family}: a prompt of {t.name} has {len(t.input_ids)} tokens and "
                          f"{t.max_new_tokens} are generated after it, beyond {model}'s context of {context}; pass "
                          f"--max-length {context - t.max_new_tokens} (cut in the middle) or --max-new-tokens")
-        if len(t.input_ids) + t.max_new_tokens > context:
+        else:
             _usage_error(f"--lengths {len(t.input_ids)}: {model}'s context is {context} tokens "
                          f"(max_position_embeddings) and {t.name} generates {t.max_new_tokens} tokens after its "
                          f"prompt; each length must be between 1 and {context - t.max_new_tokens}")

@@ -118,12 +118,14 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     ``synced_gpus`` (see ``usable``). A policy that scores the prompt with repeat passes gets them first
     (``kvpass.generate.reconstruct``)."""
     fast = model.generate   # kvpass.compile's FastGenerate
-    with reconstruct.repeat_passes(model, getattr(fast, "backend", None), input_ids, model_kwargs.get("attention_mask"),
-                            getattr(fast, "keeps_logits", True)):
-        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+    be = getattr(fast, "backend", None)
+    with reconstruct.repeat_passes(model, be, input_ids, model_kwargs.get("attention_mask"),
+                                   getattr(fast, "keeps_logits", True)):
+        return _decode(be, model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
 
 
-def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+def _decode(be, model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+    """``decode``'s loop; ``be`` is kvpass.compile's backend (None for a model it did not compile)."""
     # the maximum length is the host's rule (HF's MaxLengthCriteria answers every row alike from the length):
     # it is checked on the host, the other criteria on the device
     limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
@@ -145,7 +147,6 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
     flags = Late.ring(2, finished.all()) if on_device else None
     previous = None   # the step before's "every row finished", read one step late
-    be = getattr(model.generate, "backend", None)   # kvpass.compile's FastGenerate
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     layers = len(getattr(cache, "layers", ()))
     mask = None   # the attention mask of the step before, passed again while no decode graph reads it
