@@ -1,5 +1,5 @@
 """One accuracy table from several ``kvpass compare`` runs (one run per budget), as the sweeps
-``bench/eviction_accuracy.sh`` and ``bench/asl_accuracy.sh`` write them.
+``bench/calls/eviction_accuracy.sh`` and ``bench/calls/asl_accuracy.sh`` write them.
 
     python bench/accuracy_table.py bench/results/eviction_accuracy_smollm2_h200 > .../summary.md
 

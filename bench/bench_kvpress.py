@@ -21,7 +21,7 @@ prompt's length. kvpress's pipeline prefills one context and decodes one sequenc
 ``import kvpress`` wraps transformers' attention functions (for its head-wise presses), so every row
 here, ``hf_eager`` too, runs through that thin wrapper, as a kvpress user's model does.
 
-    # the wheels in .whl/ (see bench/decode_calls.sh, call K) installed to /tmp/site:
+    # the wheels in .whl/ (see bench/calls/decode_calls.sh, call K) installed to /tmp/site:
     PYTHONPATH=/tmp/site python3 bench/bench_kvpress.py --layers 8 --contexts 32768,131072 --out kvpress.json
     python bench/bench_kvpress.py --device cpu --tiny --layers 2 --contexts 512 --budget 128 --steps 4 --out t.json
 """

@@ -287,7 +287,7 @@ def join_reports(files: list[Path], out: Path) -> int:
         meta = meta or data["meta"]
         for policy, run in data["runs"].items():
             runs.setdefault(policy, run)  # the first file that measured a policy wins
-    meta["note"] = (f"Joined from {len(files)} processes (one policy each, bench/lanes.sh lanes on one machine); "
+    meta["note"] = (f"Joined from {len(files)} processes (one policy each, bench/calls/lanes.sh lanes on one machine); "
                     "compare TPOT across policies with that in mind.")
     out.mkdir(parents=True, exist_ok=True)
     finish(out, meta, runs)

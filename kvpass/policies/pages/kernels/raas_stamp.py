@@ -37,7 +37,7 @@ The partial sums (``parts``, chosen for up to 32 (sequence, KV head) rows) repla
 plan that read every page's bound: its one program per (sequence, KV head), eight at batch 1, walked 8,321
 pages per query head at a 128k prompt, serially, in every layer, which with the bounds put raas's generate
 step 1.14x ``full``'s at 32 layers (1.11x with the partial sums; ``bench/results/fastpath_decode_loop_2026-11-27``,
-sessions 53-54). Wider batches keep that plan, which is faster there (``bench/tune_small_kernels.py``).
+sessions 53-54). Wider batches keep that plan, which is faster there (``bench/probes/tune_small_kernels.py``).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kma
                       parts: bool | None = None, launch=None) -> None:
     """Launch the two kernels; arguments and effects as ``raas_stamp_reference``. The tables must be
     contiguous (a SlotCache allocates them so); ``q`` and ``k_new`` are read through their strides.
-    ``block_p`` pages per bounds program (``warps`` warps; the defaults won ``bench/tune_small_kernels.py``
+    ``block_p`` pages per bounds program (``warps`` warps; the defaults won ``bench/probes/tune_small_kernels.py``
     on an H200); with ``parts`` each bounds program also leaves its pages' share of every query head's
     log-sum-exp (max and sum of exp) and the bounds of the window's pages only, so the plan (one program per
     sequence and KV head) merges ``pages / block_p`` partial sums, not every page's bound. ``None``: parts

@@ -6,7 +6,7 @@
 #   G: the gated policies on a SlotCache, 8 layers, batch 1, 32k (and full, for the ratio)
 #   Q: 8 layers, batch 1, 128k: the decode-time policies (quest, art, raas) beside full
 #   H: issue 20 case 7 on the DynamicCache path: raas, asl, art at 4,096 then 128k tokens (full beside)
-#   D: where a SlotCache prefill spends time and memory (bench/diag_prefill.py)
+#   D: where a SlotCache prefill spends time and memory (bench/probes/diag_prefill.py)
 #   M: gemfilter on a SlotCache (8 layers, 32k), then the policies at 32 layers, 32k
 #   P: kernel tables (--profile): full, quest, art, raas at 128k; R: the same and snapkv at 32k, then full
 #      at 2k (the step with almost no KV: weights and launches alone)
@@ -21,7 +21,7 @@
 #      snapkv keep them), timed over the last 64 steps
 #   U: raas's fused per-layer update (kvpass::raas_stamp): its GPU tests and the CUDA-graph replay tests of
 #      raas, then full and raas at 32k (batch 1)
-#   S: the small per-layer kernels alone (bench/tune_small_kernels.py: ART's scan, quest's top_pages)
+#   S: the small per-layer kernels alone (bench/probes/tune_small_kernels.py: ART's scan, quest's top_pages)
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
 #   V: issue 21's h2o: its GPU tests (CUDA-graph replay = eager), then full, streamingllm, snapkv and h2o at 32k
 #      (batch 1); W: h2o in its own setting, a 2k prompt decoded to 32k tokens, beside full and streamingllm
@@ -29,7 +29,7 @@
 #      SnapKVPress, StreamingLLMPress at the 2,048-token budget, in a second process on transformers 5.2.
 #      kvpress needs transformers < 5.3, so its wheels (kvpress, transformers 5.2.0, tokenizers 0.22.2,
 #      datasets, dill, multiprocess, cachetools, fire, termcolor) travel in .whl/, ignored through
-#      .git/info/exclude (bench/kvpress_wheels.sh fetches them): this call needs carry: [".whl"]; they go to
+#      .git/info/exclude (bench/calls/kvpress_wheels.sh fetches them): this call needs carry: [".whl"]; they go to
 #      /tmp/site, ahead on PYTHONPATH
 set -u
 out=${OUT:?set OUT}
@@ -53,7 +53,7 @@ case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, U, V, W, X, Y or Z}" i
   M) timeout 200 $B --batch 1 --contexts 32768 --out $out/b1_32k_gemfilter.json --configs full,gemfilter 2>&1 | grep '^{'
      timeout 390 python bench/bench_decode_step.py --layers 32 --batch 1 --contexts 32768 \
        --out $out/b1_32k_32layers_policies.json --configs full,snapkv,quest,art,raas,asl@layer=8 2>&1 | grep '^{' ;;
-  D) timeout 300 python bench/diag_prefill.py --layers 8 --context 32768 --policy full --dynamic > $out/diag_prefill_32k.json
+  D) timeout 300 python bench/probes/diag_prefill.py --layers 8 --context 32768 --policy full --dynamic > $out/diag_prefill_32k.json
      tail -c 3000 $out/diag_prefill_32k.json ;;
   P) timeout 560 $B --batch 1 --contexts 131072 --profile --out $out/b1_128k_profile.json \
        --configs full,quest,art,raas 2>&1 | grep -v DEBUG | grep '^[{ ]' ;;
@@ -86,7 +86,7 @@ case "${1:?call A-D, B2, E, G, H, K, L, M, P, Q, R, S, T, U, V, W, X, Y or Z}" i
        2>&1 | grep '"config"' ;;
   W) timeout 580 $B --batch 1 --contexts 2048 --decode-to 32768 --out $out/b1_2k_decode_to_32k_h2o.json \
        --configs full,streamingllm,h2o 2>&1 | grep '"config"' ;;
-  S) timeout 300 python bench/tune_small_kernels.py --out $out/small_kernels.json 2>&1 | grep '^{' ;;
+  S) timeout 300 python bench/probes/tune_small_kernels.py --out $out/small_kernels.json 2>&1 | grep '^{' ;;
   T) python -m pytest -p no:cacheprovider -p no:logging --tb=short -v ${TESTS:-tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_hostile.py} 2>&1 \
        | grep --line-buffered -v DEBUG | tee $out/gpu_tests.txt | tail -5 ;;
 esac

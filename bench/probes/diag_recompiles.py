@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kvpass  # noqa: E402
 
 torch._logging.set_logs(recompiles=True)

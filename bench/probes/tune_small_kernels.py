@@ -9,7 +9,7 @@
 Each time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so launch cost is
 left out; shapes are Llama-3.1-8B's (32 query heads, 8 KV heads, head_dim 128).
 
-    python bench/tune_small_kernels.py --out results.json
+    python bench/probes/tune_small_kernels.py --out results.json
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ projections (k and v at 4 MB a rank) read far below the copy bandwidth. Fusing t
 matmuls are ATen's (cuBLAS: what Inductor's decode graph calls for them), replayed as one CUDA graph of
 ``--reps`` layers, bf16, weights from N(0, 0.02); TB/s counts the weight bytes read.
 
-    python bench/bench_projections.py --batches 1,4 --shares 1,2 --out proj.json
-    python bench/bench_projections.py --tiny            # a CPU smoke run (no CUDA graphs)
+    python bench/probes/bench_projections.py --batches 1,4 --shares 1,2 --out proj.json
+    python bench/probes/bench_projections.py --tiny            # a CPU smoke run (no CUDA graphs)
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 # policy at budgets 64, 96, 128, 256 and 1024, plus `full` -- one `kvpass compare` per budget, all
 # started at once on one GPU (a 135M model under the eager compiler is launch-bound, so the
 # processes overlap; on a 2-core CPU the same sweep takes hours). Usage:
-#   bash bench/eviction_accuracy.sh OUT_DIR        (writes OUT_DIR/<budget>/results.{json,csv} and logs)
+#   bash bench/calls/eviction_accuracy.sh OUT_DIR        (writes OUT_DIR/<budget>/results.{json,csv} and logs)
 # MODEL (default smollm2-135m), BUDGETS (default "64 96 128 256 1024") and FULL=0 (skip `full`) in the
-# environment split the sweep, e.g. over the GPUs of bench/lanes.sh.
+# environment split the sweep, e.g. over the GPUs of bench/calls/lanes.sh.
 set -u
 out=${1:?output folder}
 mkdir -p "$out"

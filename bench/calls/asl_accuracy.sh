@@ -4,8 +4,8 @@
 # per budget, all started at once on the visible GPU(s) (a 135M model under the eager compiler is
 # launch-bound, so the processes overlap). `kvpass compare` records each task's selection layer,
 # which gives the distribution per task. TAU=0.9 adds one more `asl` run per budget at that threshold
-# (the paper's 0.3 rarely fires on these small models: bench/asl_ratios.py). Usage:
-#   bash bench/asl_accuracy.sh OUT_DIR        (writes OUT_DIR/<budget>/results.{json,csv} and logs)
+# (the paper's 0.3 rarely fires on these small models: bench/probes/asl_ratios.py). Usage:
+#   bash bench/calls/asl_accuracy.sh OUT_DIR        (writes OUT_DIR/<budget>/results.{json,csv} and logs)
 set -u
 out=${1:?output folder}
 mkdir -p "$out"

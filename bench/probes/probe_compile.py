@@ -14,7 +14,7 @@ is refuted. AOTAutograd's 25.5 s are its metadata pass (6.9 s), fake-tensor runs
 Inductor (9.2 s) and its functionalized trace (``bench/results/fastpath_decode_loop_2026-11-27``, "Session 52").
 The probe stays for its compile-time breakdown (``compile_times`` in the JSON).
 
-    python bench/probe_compile.py --layers 32 --policy full [--memo] --out probe.json
+    python bench/probes/probe_compile.py --layers 32 --policy full [--memo] --out probe.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch._higher_order_ops.triton_kernel_wrap as tkw
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from bench_fastpath import gen, prompt  # noqa: E402
 from llama_shape import llama8b_config, random_llama  # noqa: E402

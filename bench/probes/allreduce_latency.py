@@ -1,7 +1,7 @@
 """The cost of a decode step's all-reduces under tensor parallelism: 64 all_reduces of one token's hidden state
 (4096 bf16, two per layer of a 32-layer model) launched eagerly and replayed as one CUDA graph, per rank.
 
-    torchrun --nproc_per_node 2 bench/allreduce_latency.py
+    torchrun --nproc_per_node 2 bench/probes/allreduce_latency.py
 """
 import json
 import os

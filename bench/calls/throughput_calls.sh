@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 37's throughput calls (one GPU each, $OUT set): `bash bench/throughput_calls.sh A|B|C|D`.
+# Issue 37's throughput calls (one GPU each, $OUT set): `bash bench/calls/throughput_calls.sh A|B|C|D`.
 # Run 2026-11-27 (bench/results/throughput_2026-11-27): A1, A2 (session 45, H100); B, C, D, E, F (session 46, two H200s).
 # G, H, I, J, K, L ran in session 47 (two H200s). Next: M and N (below).
 set -u
@@ -31,7 +31,7 @@ E)  timeout 170 $T --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4
     timeout 390 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 \
         --policies full,h2o,asl,snapkv,pyramidkv,streamingllm,quest,raas --out "$OUT/l8_prefill.json" > "$OUT/l8_prefill.log" 2>&1 ;;
 # F (session 46, beside C): where asl's 128k prefill peak (1.7x full's) comes from, then the GPU tests left.
-F)  for p in full asl; do timeout 100 python bench/diag_prefill.py --layers 8 --context 131072 --policy $p \
+F)  for p in full asl; do timeout 100 python bench/probes/diag_prefill.py --layers 8 --context 131072 --policy $p \
         > "$OUT/diag_prefill_$p.log" 2>&1; done
     timeout 330 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_admission.py \
         tests/gpu/test_gpu_eviction.py -k "decode_loop or (admission and art) or compile_once or sliding or policy_on_gpu \
@@ -39,7 +39,7 @@ F)  for p in full asl; do timeout 100 python bench/diag_prefill.py --layers 8 --
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_F.txt" | tail -40 ;;
 # Left for the next session (two GPUs, one call): G on GPU 0, H on GPU 1.
 # G: what asl's 128k prefill holds at its peak, through generate (full beside it), then the GPU tests F did not reach.
-G)  for p in full asl; do timeout 150 python bench/diag_prefill.py --generate --layers 8 --context 131072 --policy $p \
+G)  for p in full asl; do timeout 150 python bench/probes/diag_prefill.py --generate --layers 8 --context 131072 --policy $p \
         > "$OUT/diag_prefill_generate_$p.log" 2>&1; done
     timeout 270 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_slot_cache.py tests/gpu/test_gpu_admission.py \
         tests/gpu/test_gpu_eviction.py -k "decode_loop or (admission and art) or compile_once or sliding or policy_on_gpu" \
@@ -50,7 +50,7 @@ H)  timeout 570 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 
         --policies snapkv,h2o,full --baselines "" --out "$OUT/l32_long_context_2.json" > "$OUT/l32_long_context_2.log" 2>&1 ;;
 # Session 47, one call on two GPUs. I (GPU 0): the scoring kernel's tiles, the prefill peaks after the mask fix,
 # the GPU tests G did not reach. J (GPU 1): long generation on 32 layers (eager prefill: 1k-token prompts).
-I)  timeout 200 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+I)  timeout 200 python bench/probes/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
     timeout 200 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,asl \
         --out "$OUT/l8_prefill_asl.json" > "$OUT/l8_prefill_asl.log" 2>&1
     timeout 170 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_admission.py tests/gpu/test_gpu_eviction.py \
@@ -76,7 +76,7 @@ L)  timeout 500 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 
 # h2o-diagonal-mask first: its tiles, its GPU tests, then its first-token time beside full). N (GPU 1): the 32-layer long-context rows not run (asl, pyramidkv).
 M)  timeout 110 python -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_eviction.py -k "attention_lse or accumulated" \
         > "$OUT/gpu_tests_M.txt" 2>&1
-    timeout 230 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+    timeout 230 python bench/probes/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
     timeout 200 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,h2o \
         --out "$OUT/l8_prefill_h2o.json" > "$OUT/l8_prefill_h2o.log" 2>&1
     grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/gpu_tests_M.txt | tail -20 ;;
@@ -86,7 +86,7 @@ N)  timeout 560 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 
 # P: the scoring kernel's tiles after the diagonal-only masking, then h2o's first token beside full.
 O)  timeout 560 $T --layers 32 --context 32768 --new 256 --requests 64 --kv-gib 16.5 --workspace-gib 10 --max-waves 4 \
         --policies full,asl --baselines "" --out "$OUT/l32_long_context_5.json" > "$OUT/l32_long_context_5.log" 2>&1 ;;
-P)  timeout 230 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+P)  timeout 230 python bench/probes/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
     timeout 200 python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,h2o \
         --out "$OUT/l8_prefill_h2o_P.json" > "$OUT/l8_prefill_h2o_P.log" 2>&1 ;;
 esac

@@ -4,7 +4,7 @@ q [1, 9, 1, 64], K/V [1, 3, L, 64] bf16 (SmolLM2's attention shape), L = 32768 (
 with and without a boolean mask, each call synchronised and timed; then kvpass's decode kernel on the
 growing length. Prints the first six times and the median (ms).
 
-    python bench/probe_sdpa_decode.py
+    python bench/probes/probe_sdpa_decode.py
 """
 import time, torch, torch.nn.functional as F
 dev="cuda"

@@ -5,7 +5,7 @@ computes its ratio on the whole prompt) over NIAH + RULER-style prompts, and rec
 ratio from ``Backend.gate_info``. The selection layer at a threshold ``tau`` is the first candidate
 layer whose ratio is below it, so one pass gives the selection-layer distribution for every tau:
 
-    python bench/asl_ratios.py --lengths 2k,4k --out bench/results/asl_ratios_smollm2_cpu
+    python bench/probes/asl_ratios.py --lengths 2k,4k --out bench/results/asl_ratios_smollm2_cpu
 
 Writes ``ratios.json`` (per task: every layer's ratio) and ``summary.md``.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kvpass  # noqa: E402
 from kvpass.eval import models
 from kvpass.cli import parse_length

@@ -5,7 +5,7 @@ CUDA kernels by total time (torch.profiler) and the largest live allocations at 
 Python frames that made them (the allocator's memory history), and every allocation of 64 MiB or more
 alive when the traced peak was reached. Prints one JSON object.
 
-    python bench/diag_prefill.py --layers 8 --context 32768 --policy full
+    python bench/probes/diag_prefill.py --layers 8 --context 32768 --policy full
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kvpass  # noqa: E402
 from bench_decode_step import llama8b  # noqa: E402
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 36's GPU calls of 2026-11-27 (one H100 each): `bash bench/fastpath_calls.sh A|B|C` with $OUT set.
+# Issue 36's GPU calls of 2026-11-27 (one H100 each): `bash bench/calls/fastpath_calls.sh A|B|C` with $OUT set.
 # A: GPU tests of the decoding loop; 32 layers, prefill without Inductor: a first process, then a second one on
 #    its Inductor caches (TORCH_LOGS=recompiles says which guard a second decode graph failed, if any).
 # B: 8 layers at 33k and 130k, prefill without Inductor, the policies side by side (TPOT: kvpass's loop, HF's
 #    loop, the step queued; TTFT and peaks), then `full` with an Inductor prefill for the TTFT it buys.
 # C: 32 layers, full, up to 130k, prefill without Inductor: a first process and a second one on its caches.
 # X (session 51, 4 GPUs): the shared-layer compile against inline layers (32 layers; 8 layers at 130k) beside half
-#    of tests/gpu (4-GPU machines were not lent; X0 + X1 ran as two lanes: `bash bench/lanes.sh $OUT 520 'OUT=$LANE bash
-#    bench/fastpath_calls.sh X0' 'OUT=$LANE bash bench/fastpath_calls.sh X1'`). Z, Z2, Z3 (next session, two GPUs
+#    of tests/gpu (4-GPU machines were not lent; X0 + X1 ran as two lanes: `bash bench/calls/lanes.sh $OUT 520 'OUT=$LANE bash
+#    bench/calls/fastpath_calls.sh X0' 'OUT=$LANE bash bench/calls/fastpath_calls.sh X1'`). Z, Z2, Z3 (next session, two GPUs
 #    each): the shared-layer fixes and AOT's time (probe_compile.py), then the rest of tests/gpu.
 # T (2026-11-27, session 45): the GPU tests of the per-row counters (raas_stamp kernel), h2o's scoring kernel, the
 #    decoding loop and admission, verbose so that a cut run still says what passed.
@@ -74,7 +74,7 @@ G)   # session 48 (GPU 1 beside F): the GPU tests call E cut (raas from raas+art
       tests/gpu/test_gpu_asl.py -k "not (page_scores or page_bounds or top_pages or raas_stamp)" \
       > "$OUT/gpu_tests_G.txt" 2>&1
   grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_G.txt" | tail -40
-  timeout 150 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+  timeout 150 python bench/probes/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
   ;;
 H)   # next session (GPU 0): the GPU tests fixed in session 48 (quest's pager, layer_scores' total, attention_lse
      # through its CUDA kernel), each file in its own run so a failure keeps its text; pyramidkv's second decode
@@ -86,13 +86,13 @@ H)   # next session (GPU 0): the GPU tests fixed in session 48 (quest's pager, l
   TORCH_LOGS=recompiles timeout 180 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies pyramidkv \
       --prefill-compiler eager --out "$OUT/l8_H_pyramidkv.json" > "$OUT/l8_H_pyramidkv.log" 2>&1
   grep -A6 "Recompiling" "$OUT/l8_H_pyramidkv.log" | head -30
-  timeout 150 python bench/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
+  timeout 150 python bench/probes/tune_accumulated.py --out "$OUT/tune_accumulated.json" > "$OUT/tune_accumulated.log" 2>&1
   ;;
-I)   # session 49 (GPU 1 beside H): where a decode step's host time goes, 8 layers (bench/probe_host.py):
+I)   # session 49 (GPU 1 beside H): where a decode step's host time goes, 8 layers (bench/probes/probe_host.py):
      # at 130k the policies whose generate TPOT missed 1.15x the queued step or full's, at 2k the host-bound case
-  timeout 380 python bench/probe_host.py --layers 8 --length 130000 --policies full,art,snapkv,asl,raas \
+  timeout 380 python bench/probes/probe_host.py --layers 8 --length 130000 --policies full,art,snapkv,asl,raas \
       --out "$OUT/host_l8_130k.json" > "$OUT/host_l8_130k.log" 2>&1; grep "^{" "$OUT/host_l8_130k.log"
-  timeout 150 python bench/probe_host.py --layers 8 --length 2000 --policies full,snapkv \
+  timeout 150 python bench/probes/probe_host.py --layers 8 --length 2000 --policies full,snapkv \
       --out "$OUT/host_l8_2k.json" > "$OUT/host_l8_2k.log" 2>&1; grep "^{" "$OUT/host_l8_2k.log"
   ;;
 J)   # session 49, GPU 0: the GPU tests of the changed SlotCache read; TPOT off the step clock (bench_fastpath's
@@ -120,7 +120,7 @@ L)   # session 49, GPU 0: the GPU tests of the changed SlotCache read and slot r
   ;;
 M)   # session 49, GPU 1 beside L: host time per step by part of the decoding loop (probe_host.py), 8 layers at
      # 33k, the policies whose TPOT missed; then 32 layers, full and snapkv, TPOT at 33k
-  timeout 230 python bench/probe_host.py --layers 8 --length 33000 --policies full,snapkv,streamingllm,h2o \
+  timeout 230 python bench/probes/probe_host.py --layers 8 --length 33000 --policies full,snapkv,streamingllm,h2o \
       --out "$OUT/host_M_l8_33k.json" > "$OUT/host_M_l8_33k.log" 2>&1; grep "^{" "$OUT/host_M_l8_33k.log"
   timeout 290 python bench/bench_fastpath.py --layers 32 --lengths 2000,33000 --policies full,snapkv \
       --prefill-compiler eager --out "$OUT/l32_M_33k.json" > "$OUT/l32_M_33k.log" 2>&1
@@ -155,9 +155,9 @@ R)   # session 50, GPU 0: the replay tests N's run did not reach (Q's first form
   ;;
 S)   # session 50, GPU 1 beside R: host time per step after the loop's cut, 8 layers at 33k (the short steps that missed
      # 1.15x); what Dynamo's guards cost a step at 2k (probe_guards.py)
-  timeout 220 python bench/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
+  timeout 220 python bench/probes/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
       --out "$OUT/host_S_l8_33k.json" > "$OUT/host_S_l8_33k.log" 2>&1; grep "^{" "$OUT/host_S_l8_33k.log"
-  timeout 160 python bench/probe_guards.py --layers 8 --length 2000 --policies full,streamingllm \
+  timeout 160 python bench/probes/probe_guards.py --layers 8 --length 2000 --policies full,streamingllm \
       --out "$OUT/guards_S_l8_2k.json" > "$OUT/guards_S.log" 2>&1; grep "^{" "$OUT/guards_S.log"
   ;;
 U)   # next session, GPU 0: the decoding loop's GPU tests after session 50's mask reuse (P ran before it), then
@@ -171,7 +171,7 @@ U)   # next session, GPU 0: the decoding loop's GPU tests after session 50's mas
   ;;
 V)   # next session, GPU 1 beside U: host time per step with the mask reused (prepare_inputs was 0.52-0.58 ms in S),
      # 8 layers at 33k; then the other policies at 130k
-  timeout 220 python bench/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
+  timeout 220 python bench/probes/probe_host.py --layers 8 --length 33000 --policies full,streamingllm,h2o \
       --out "$OUT/host_V_l8_33k.json" > "$OUT/host_V_l8_33k.log" 2>&1; grep "^{" "$OUT/host_V_l8_33k.log"
   timeout 360 python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 --policies full,snapkv,raas,quest,asl,art \
       --prefill-compiler eager --out "$OUT/l8_V_130k.json" > "$OUT/l8_V_130k.log" 2>&1
@@ -179,7 +179,7 @@ V)   # next session, GPU 1 beside U: host time per step with the mask reused (pr
 X)   # session 51, a 4-GPU machine: the shared-layer compile (kvpass.compiler.layers) against inline layers in
      # one call, and half of tests/gpu beside it (Y runs the other half)
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
-  bash bench/lanes.sh "$OUT" 545 'OUT=$LANE bash bench/fastpath_calls.sh X0' 'OUT=$LANE bash bench/fastpath_calls.sh X1' \
+  bash bench/calls/lanes.sh "$OUT" 545 'OUT=$LANE bash bench/calls/fastpath_calls.sh X0' 'OUT=$LANE bash bench/calls/fastpath_calls.sh X1' \
       "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
       "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py"
   grep -hE "passed|failed" "$OUT"/lane*.log
@@ -208,21 +208,21 @@ X1)  # beside X0: 32 layers, full, every layer inline (before session 51), first
   exit ;;
 Z)   # next session, first call, two GPUs (lanes): the shared-layer fixes of session 51 on the GPU (compile-once
      # quest failed with a KeyError, raas fell back; fixed on the CPU), and where AOTAutograd's 19.5 s go
-     # (bench/probe_compile.py: Triton mutation analysis per traced call, without and with a memo)
+     # (bench/probes/probe_compile.py: Triton mutation analysis per traced call, without and with a memo)
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   F=tests/gpu/test_gpu_slot_cache.py
-  bash bench/lanes.sh "$OUT" 545 \
-      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-Z0 timeout 120 python bench/probe_compile.py --out \$LANE/probe_plain.json; $T $F -k 'compile_once or sliding'" \
-      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-Z1 timeout 120 python bench/probe_compile.py --memo --out \$LANE/probe_memo.json; $T $F tests/gpu/test_gpu_admission.py -k 'decode_loop or queue'"
+  bash bench/calls/lanes.sh "$OUT" 545 \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-Z0 timeout 120 python bench/probes/probe_compile.py --out \$LANE/probe_plain.json; $T $F -k 'compile_once or sliding'" \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-Z1 timeout 120 python bench/probes/probe_compile.py --memo --out \$LANE/probe_memo.json; $T $F tests/gpu/test_gpu_admission.py -k 'decode_loop or queue'"
   grep -hE "^\{|passed|failed" "$OUT"/lane*.log | cut -c1-400
   exit ;;
 W)   # session 52, first call, four GPUs (lanes): Z's two lanes (the shared-layer fixes, AOTAutograd's time with and
      # without a TTIR memo) beside Z2's (the rest of tests/gpu but the asl/foundation/hostile and two-GPU files)
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   F=tests/gpu/test_gpu_slot_cache.py
-  bash bench/lanes.sh "$OUT" 560 \
-      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W0 timeout 120 python bench/probe_compile.py --out \$LANE/probe_plain.json; $T $F -k 'compile_once or sliding'" \
-      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W1 timeout 120 python bench/probe_compile.py --memo --out \$LANE/probe_memo.json; $T $F tests/gpu/test_gpu_admission.py -k 'decode_loop or queue'" \
+  bash bench/calls/lanes.sh "$OUT" 560 \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W0 timeout 120 python bench/probes/probe_compile.py --out \$LANE/probe_plain.json; $T $F -k 'compile_once or sliding'" \
+      "TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W1 timeout 120 python bench/probes/probe_compile.py --memo --out \$LANE/probe_memo.json; $T $F tests/gpu/test_gpu_admission.py -k 'decode_loop or queue'" \
       "$T $F -k replay_equals" \
       "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py"
   grep -hE "^\{|passed|failed" "$OUT"/lane*.log | cut -c1-400
@@ -233,7 +233,7 @@ W2)  # session 52, second call, four GPUs: the compile time alone on its GPU (32
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   F=tests/gpu/test_gpu_slot_cache.py
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 570 \
+  bash bench/calls/lanes.sh "$OUT" 570 \
       "export TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W2; for p in 1 2; do $B --layers 32 --lengths 2000,33000 --policies full --out \$LANE/l32_full_process\$p.json > \$LANE/l32_full_process\$p.log 2>&1; done; TORCHINDUCTOR_CACHE_DIR=/tmp/ind-W2b $B --layers 32 --lengths 2000,33000 --policies snapkv --out \$LANE/l32_snapkv_process1.json > \$LANE/l32_snapkv_process1.log 2>&1; grep -h '^{' \$LANE/*.log | cut -c1-300" \
       "$T $F tests/gpu/test_gpu_a3.py -k 'sliding_layers or slot_decode_cuda_graphs'; $T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
       "$B --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --out \$LANE/l8_33k.json > \$LANE/l8_33k.log 2>&1; grep -h '^{' \$LANE/l8_33k.log | cut -c1-300" \
@@ -243,7 +243,7 @@ W2)  # session 52, second call, four GPUs: the compile time alone on its GPU (32
 W3)  # session 52, last call (580 s of device time left), four GPUs: the GPU tests W2's cut left (the Inductor
      # families, streamingllm, the hostile cases) on GPUs 0 and 1; tests/gpu/test_gpu_tp.py on GPUs 2-3
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
-  bash bench/lanes.sh "$OUT" 400 "$T tests/gpu/test_gpu_foundation.py -k full_inductor" \
+  bash bench/calls/lanes.sh "$OUT" 400 "$T tests/gpu/test_gpu_foundation.py -k full_inductor" \
       "$T tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py -k 'streamingllm_generate or case7'" \
       'CUDA_VISIBLE_DEVICES=2,3 timeout 390 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py'
   grep -hE "passed|failed" "$OUT"/lane*.log
@@ -253,7 +253,7 @@ Y)   # next session (53), four GPUs: the GPU tests of session 52's last shared-l
      # layers at 130k beside full; tests/gpu/test_gpu_tp.py on GPUs 2-3 (each run is named on stdout before it starts)
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 575 "$T tests/gpu/test_gpu_hostile.py tests/gpu/test_gpu_slot_cache.py -k 'case7 or sliding or compile_once'" \
+  bash bench/calls/lanes.sh "$OUT" 575 "$T tests/gpu/test_gpu_hostile.py tests/gpu/test_gpu_slot_cache.py -k 'case7 or sliding or compile_once'" \
       "$B --layers 32 --lengths 2000,130000 --policies full,quest,streamingllm,h2o --out \$LANE/l32_130k_a.json > \$LANE/l32_130k_a.log 2>&1; grep -h '^{' \$LANE/l32_130k_a.log | cut -c1-300" \
       'CUDA_VISIBLE_DEVICES=2,3 timeout 560 python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py'
   grep -hE "passed|failed" "$OUT"/lane*.log
@@ -261,29 +261,29 @@ Y)   # next session (53), four GPUs: the GPU tests of session 52's last shared-l
 V1)  # session 54, two GPUs (4-GPU kinds were no longer lent at the end of session 53): issue 36's rows still missing at
      # 32 layers: art and h2o at 130k beside full (Y's and Y2's lanes ran out of time before them); five policies at 33k
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 575 \
+  bash bench/calls/lanes.sh "$OUT" 575 \
       "$B --layers 32 --lengths 2000,130000 --policies full,art,h2o --out \$LANE/l32_130k_d.json > \$LANE/l32_130k_d.log 2>&1; grep -h '^{' \$LANE/l32_130k_d.log | cut -c1-300" \
       "$B --layers 32 --lengths 2000,33000 --policies full,quest,streamingllm,asl,pyramidkv --out \$LANE/l32_33k_a.json > \$LANE/l32_33k_a.log 2>&1; grep -h '^{' \$LANE/l32_33k_a.log | cut -c1-300"
   exit ;;
 V2)  # session 54, two GPUs: the rest of 32 layers at 33k (raas's first compile alone takes about 2 minutes) beside a
      # regression run of the decoding loop, CUDA-graph replay and Inductor family GPU tests
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 575 \
+  bash bench/calls/lanes.sh "$OUT" 575 \
       "$B --layers 32 --lengths 2000,33000 --policies full,raas,art,h2o --out \$LANE/l32_33k_b.json > \$LANE/l32_33k_b.log 2>&1; grep -h '^{' \$LANE/l32_33k_b.log | cut -c1-300" \
       "python -m pytest -v -rfE --tb=short -p no:cacheprovider tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_slot_cache.py -k 'decode_loop or replay_equals or full_inductor'"
   exit ;;
-V3)  # session 54, two GPUs: tests/gpu/test_gpu_tp.py, then the two-GPU step's profile (bench/tp_calls.sh R, full)
+V3)  # session 54, two GPUs: tests/gpu/test_gpu_tp.py, then the two-GPU step's profile (bench/calls/tp_calls.sh R, full)
   timeout 360 python -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/gpu/test_gpu_tp.py > "$OUT/gpu_tp_tests.txt" 2>&1
   grep -E "passed|failed" "$OUT/gpu_tp_tests.txt" | tail -3
-  CONFIGS=full ONE_S=100 TWO_S=120 bash bench/tp_calls.sh R
+  CONFIGS=full ONE_S=100 TWO_S=120 bash bench/calls/tp_calls.sh R
   exit ;;
 V4)  # session 54, two GPUs: raas's stamp with partial log-sum-exps (the plan no longer walks every page): its GPU
      # tests, the kernel timings with and without the partials, and raas beside full at 32 layers, 33k and 130k;
      # then h2o and art (V1 left h2o at 130k, V2 never ran) as far as the lanes time allows (rows are saved as they end)
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 575 \
-      "$T tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_slot_cache.py -k 'raas_stamp or no_evict or long_decode or (slot_cache and raas)' > \$LANE/gpu_tests.txt 2>&1; grep -E 'passed|failed' \$LANE/gpu_tests.txt; python bench/tune_small_kernels.py --only stamp --out \$LANE/tune_stamp.json > \$LANE/tune_stamp.log 2>&1; $B --layers 32 --lengths 2000,33000 --policies full,raas,h2o,art --out \$LANE/l32_33k_raas.json > \$LANE/l32_33k_raas.log 2>&1; grep -h '^{' \$LANE/*.log | cut -c1-300" \
+  bash bench/calls/lanes.sh "$OUT" 575 \
+      "$T tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_slot_cache.py -k 'raas_stamp or no_evict or long_decode or (slot_cache and raas)' > \$LANE/gpu_tests.txt 2>&1; grep -E 'passed|failed' \$LANE/gpu_tests.txt; python bench/probes/tune_small_kernels.py --only stamp --out \$LANE/tune_stamp.json > \$LANE/tune_stamp.log 2>&1; $B --layers 32 --lengths 2000,33000 --policies full,raas,h2o,art --out \$LANE/l32_33k_raas.json > \$LANE/l32_33k_raas.log 2>&1; grep -h '^{' \$LANE/*.log | cut -c1-300" \
       "$B --layers 32 --lengths 2000,130000 --policies full,raas,h2o --out \$LANE/l32_130k_raas.json > \$LANE/l32_130k_raas.log 2>&1; grep -h '^{' \$LANE/l32_130k_raas.log | cut -c1-300"
   exit ;;
 V6)  # next session, two GPUs: the two 32-layer rows lanes cut twice (h2o at 130k came third in its lane in V1 and
@@ -292,27 +292,27 @@ V6)  # next session, two GPUs: the two 32-layer rows lanes cut twice (h2o at 130
      # the GPU tests of session 54's last changes (the raas plan's window load, the decoding loop's last-step read)
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider -p no:logging'
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 540 \
+  bash bench/calls/lanes.sh "$OUT" 540 \
       "$B --layers 32 --lengths 2000,130000 --policies full,h2o --out \$LANE/l32_130k_h2o.json > \$LANE/l32_130k_h2o.log 2>&1; grep -h '^{' \$LANE/l32_130k_h2o.log | cut -c1-300" \
       "$T tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_slot_cache.py -k 'raas_stamp or decode_loop' > \$LANE/gpu_tests.txt 2>&1; grep -E 'passed|failed' \$LANE/gpu_tests.txt; $B --layers 32 --lengths 2000,33000 --policies full,art --out \$LANE/l32_33k_art.json > \$LANE/l32_33k_art.log 2>&1; grep -h '^{' \$LANE/l32_33k_art.log | cut -c1-300"
   exit ;;
 Y2)  # next session, four GPUs: the other policies at 32 layers and 130k beside full; issue 39's 128k step on one GPU
-     # and on two (bench/tp_calls.sh T1) on GPUs 2-3
+     # and on two (bench/calls/tp_calls.sh T1) on GPUs 2-3
   B='python bench/bench_fastpath.py --prefill-compiler eager'
-  bash bench/lanes.sh "$OUT" 575 \
+  bash bench/calls/lanes.sh "$OUT" 575 \
       "$B --layers 32 --lengths 2000,130000 --policies full,pyramidkv,asl,art --out \$LANE/l32_130k_b.json > \$LANE/l32_130k_b.log 2>&1; grep -h '^{' \$LANE/l32_130k_b.log | cut -c1-300" \
       "$B --layers 32 --lengths 2000,130000 --policies full,raas --out \$LANE/l32_130k_c.json > \$LANE/l32_130k_c.log 2>&1; grep -h '^{' \$LANE/l32_130k_c.log | cut -c1-300" \
-      'CUDA_VISIBLE_DEVICES=2,3 CONFIGS=full,snapkv,asl@layer=8 ONE_S=240 TWO_S=280 OUT=$LANE bash bench/tp_calls.sh T1'
+      'CUDA_VISIBLE_DEVICES=2,3 CONFIGS=full,snapkv,asl@layer=8 ONE_S=240 TWO_S=280 OUT=$LANE bash bench/calls/tp_calls.sh T1'
   exit ;;
 Z2)  # next session, two GPUs: the rest of tests/gpu but the two-GPU file
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
-  bash bench/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
+  bash bench/calls/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_slot_cache.py -k replay_equals" \
       "$T tests/gpu/test_gpu_art.py tests/gpu/test_gpu_eviction.py tests/gpu/test_gpu_raas.py tests/gpu/test_gpu_a3.py"
   grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;
 Z3)  # next session, two GPUs: the gated and foundation GPU tests; 8 layers at 33k for every policy
   T='python -m pytest -v -rfE --tb=short -p no:cacheprovider'
-  bash bench/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
+  bash bench/calls/lanes.sh "$OUT" 545 "$T tests/gpu/test_gpu_asl.py tests/gpu/test_gpu_foundation.py tests/gpu/test_gpu_hostile.py" \
       'python bench/bench_fastpath.py --layers 8 --lengths 2000,33000 --policies full,snapkv,quest,raas,art,asl,h2o,pyramidkv,streamingllm --prefill-compiler eager --out $LANE/l8_33k.json > $LANE/l8_33k.log 2>&1; grep -h "^{" $LANE/l8_33k.log | cut -c1-400'
   grep -hE "passed|failed" "$OUT"/lane*.log
   exit ;;

@@ -11,7 +11,7 @@ Shape: Llama-3-8B attention (H=32, H_kv=8, D=128), bf16, batch 1, a plain prompt
   prompt); each the median of ``triton.testing.do_bench``;
 * the best pair's two kernels timed apart by the profiler, and its result against the fp32 reference at 8k.
 
-    python bench/tune_accumulated.py --out $OUT/tune_accumulated.json
+    python bench/probes/tune_accumulated.py --out $OUT/tune_accumulated.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kvpass.ops.lowerings  # noqa: E402,F401  (torch.ops.kvpass with their CUDA implementations: attention_lse is flash)
 from kvpass.kernels import accumulated_scores as A  # noqa: E402
 

@@ -60,7 +60,7 @@ case "${1:?call T1, T2, R, R8, H8, H32, U8, D1, S8, M8, K, K2, K4, J, G, Q3, Q3D
          --max-splits ${hc##*,} --no-sweep --out $out/k_${hc//,/_} 2>&1 | grep '^{\|Error' | cut -c1-400; done; exit $fail ;;
   J) # one layer's projections as the model runs them (7 matmuls) against q/k/v and gate/up fused (4), one GPU's
      # and a rank's share, batch 1 and 4: what fusing them would save (a rank's matmuls took 0.62x one GPU's)
-     timeout 150 python bench/bench_projections.py --out $out/projections.json 2>&1 | grep '^{\|Error' | cut -c1-400
+     timeout 150 python bench/probes/bench_projections.py --out $out/projections.json 2>&1 | grep '^{\|Error' | cut -c1-400
      exit $fail ;;
   K4) for hs in 16,4 32,8; do
        timeout 60 python bench/bench_decode_kernel.py --heads $hs --batches 1,4 --contexts 32768,131072 --no-sweep \

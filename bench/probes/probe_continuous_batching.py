@@ -15,7 +15,7 @@ the decorator (monkeypatch): one graph per step, every layer's `index_copy_` int
 `default_compile_level=1` uses): the head counts after the graph break become symbols and detection
 refuses the site.
 
-    python bench/probe_continuous_batching.py [--policy streamingllm] [--dynamic] [--trace-update]
+    python bench/probes/probe_continuous_batching.py [--policy streamingllm] [--dynamic] [--trace-update]
 """
 import argparse
 import warnings

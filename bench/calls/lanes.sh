@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run several GPU jobs at once, one per GPU, each under a time limit, and pack their results.
-#   bash bench/lanes.sh OUT SECONDS 'command for GPU 0' 'command for GPU 1' ...
+#   bash bench/calls/lanes.sh OUT SECONDS 'command for GPU 0' 'command for GPU 1' ...
 # Lane i runs with CUDA_VISIBLE_DEVICES=i and LANE set to a scratch folder for its result files;
 # its stdout and stderr go to OUT/lane<i>.log. A command may hold several jobs joined by ';', which
 # then share the GPU. When every lane has ended (or hit its limit), OUT/lanes.tgz packs the lane

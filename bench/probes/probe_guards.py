@@ -10,7 +10,7 @@ On a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) compiled by 
   whether the tokens are the same. The stance is unsafe in general (a stale graph may run); this probe only
   measures what it would save.
 
-    python bench/probe_guards.py --layers 8 --length 2000 --policies full,streamingllm --out guards.json
+    python bench/probes/probe_guards.py --layers 8 --length 2000 --policies full,streamingllm --out guards.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch._dynamo.guards as dynamo_guards
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fastpath import clocked_tpot, gen  # noqa: E402
 from probe_host import each_policy, probe_args, save  # noqa: E402
 

@@ -11,7 +11,7 @@ Per policy, on a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) 
 * a torch.profiler table (CPU and CUDA) over one ``generate`` of ``--new`` tokens: syncs, launches, copies;
 * a cProfile table over the same call: the Python functions (HF's loop, cudagraph trees, kvpass).
 
-    python bench/probe_host.py --layers 8 --length 2000 --policies full,snapkv,art --out host.json
+    python bench/probes/probe_host.py --layers 8 --length 2000 --policies full,snapkv,art --out host.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from kvpass.generate import decode_loop  # noqa: E402
 from bench_fastpath import bare_loops, clocked_tpot, gen, prompt  # noqa: E402
