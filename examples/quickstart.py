@@ -24,8 +24,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt_len))
@@ -41,7 +48,7 @@ def main() -> None:
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
     dt = time.perf_counter() - t0
     print(f"generated {out.shape[1] - ids.shape[1]} tokens in {dt:.1f}s (compile included)")
-    print(f"tokens: {out[0, ids.shape[1]:].tolist()}")
+    print(f"tokens: {out[0, ids.shape[1] :].tolist()}")
     state = be.state
     print(f"state after generation: {state}")
     # seen: the prompt plus every generated token fed back (the last one is never fed back), e.g.
@@ -55,15 +62,19 @@ def main() -> None:
     if stored and len(set(dropped.values())) == 1:
         per = next(iter(dropped.values()))
         derived = per * len(stored) * kv_heads * rows
-        print(f"evicted_tokens = tokens seen - tokens kept, summed over layers, KV heads and batch rows: "
-              f"({state.seen} seen - {state.seen - per} kept) = {per} per layer and KV head, x {len(stored)} "
-              f"layers x {kv_heads} KV heads x {rows} batch row{'s' if rows != 1 else ''} = {derived}"
-              + ("" if derived == state.evicted_tokens else f" (the state counts {state.evicted_tokens})"))
+        print(
+            f"evicted_tokens = tokens seen - tokens kept, summed over layers, KV heads and batch rows: "
+            f"({state.seen} seen - {state.seen - per} kept) = {per} per layer and KV head, x {len(stored)} "
+            f"layers x {kv_heads} KV heads x {rows} batch row{'s' if rows != 1 else ''} = {derived}"
+            + ("" if derived == state.evicted_tokens else f" (the state counts {state.evicted_tokens})")
+        )
     else:
         print("evicted_tokens = tokens seen - tokens kept, summed over layers, KV heads and batch rows")
     for i, report in enumerate(be.reports):
-        print(f"graph {i}: phase={report.phase} rewritten={report.rewritten} evicting={report.evicting} "
-              f"positions_fixed={report.positions_fixed}")
+        print(
+            f"graph {i}: phase={report.phase} rewritten={report.rewritten} evicting={report.evicting} "
+            f"positions_fixed={report.positions_fixed}"
+        )
 
 
 if __name__ == "__main__":

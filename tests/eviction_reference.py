@@ -50,9 +50,11 @@ def layout(pos: list[int], window: int) -> tuple[list[bool], list[bool]]:
 
 def keep_order(priority: list[float], valid: list[bool], forced: list[bool], keep: int) -> list[int]:
     """Window, then real candidates by priority (descending), then padding; ties: earlier index."""
+
     def rank(j):
         tier = 0 if forced[j] else (1 if valid[j] else 2)
         return (tier, -priority[j] if tier == 1 else 0.0, j)
+
     return sorted(sorted(range(len(priority)), key=rank)[:keep])
 
 
@@ -84,7 +86,7 @@ def snapkv_naive(votes, kv_pos, window, keep, kernel=7, mode="max") -> list[list
 
 def fill_naive(scores: list[float], members: list[int], size: int, quota: int) -> list[int]:
     """Best blocks of `size` (cut from the first member) until `quota` tokens, last block trimmed."""
-    blocks = [members[i:i + size] for i in range(0, len(members), size)]
+    blocks = [members[i : i + size] for i in range(0, len(members), size)]
     blocks.sort(key=lambda blk: (-sum(scores[j] for j in blk), blk[0]))
     chosen = []
     for blk in blocks:
@@ -113,8 +115,9 @@ def chunkkv_naive(votes, kv_pos, window, keep, chunk=10) -> list[list[int]]:
     return out
 
 
-def sablock_row(s: list[float], cand: list[int], punct: set[int], quota: int, lam, beta, eps, theta,
-                sizes=(9, 7, 5, 3, 1)) -> tuple[list[int], dict]:
+def sablock_row(
+    s: list[float], cand: list[int], punct: set[int], quota: int, lam, beta, eps, theta, sizes=(9, 7, 5, 3, 1)
+) -> tuple[list[int], dict]:
     """SABlock on one row: chosen candidates and, per segment (tuple of members), quota and size."""
     segs, cur = [], []
     for j in cand:
@@ -143,7 +146,7 @@ def sablock_row(s: list[float], cand: list[int], punct: set[int], quota: int, la
         best_b = sum(s[j] for j in fill_naive(s, seg, 1, b))
         for size in sizes:
             if 1 < size and b < size:
-                continue          # a block larger than the quota cannot be kept whole
+                continue  # a block larger than the quota cannot be kept whole
             pick = fill_naive(s, seg, size, b)
             got = sum(s[j] for j in pick)
             if (got / best_b if best_b > 0 else 1.0) >= theta:

@@ -34,9 +34,14 @@ def _cfg(cls, **over):
 
 
 def _gemma3():
-    cfg = _cfg(tf.Gemma3TextConfig, num_hidden_layers=3, head_dim=16, sliding_window=8,
-               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-               query_pre_attn_scalar=16)
+    cfg = _cfg(
+        tf.Gemma3TextConfig,
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+    )
     return cfg, tf.Gemma3ForCausalLM
 
 
@@ -45,20 +50,41 @@ FAMILIES = {
     "mistral": lambda: (_cfg(tf.MistralConfig, sliding_window=None), tf.MistralForCausalLM),
     "qwen2": lambda: (_cfg(tf.Qwen2Config), tf.Qwen2ForCausalLM),
     "qwen3": lambda: (_cfg(tf.Qwen3Config, head_dim=16), tf.Qwen3ForCausalLM),
-    "gemma2": lambda: (_cfg(tf.Gemma2Config, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-                       tf.Gemma2ForCausalLM),
+    "gemma2": lambda: (
+        _cfg(
+            tf.Gemma2Config,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        ),
+        tf.Gemma2ForCausalLM,
+    ),
     "gemma3": _gemma3,
     "phi3": lambda: (_cfg(tf.Phi3Config, partial_rotary_factor=0.5), tf.Phi3ForCausalLM),
     "gpt_neox": lambda: (_cfg(tf.GPTNeoXConfig, rotary_pct=0.5), tf.GPTNeoXForCausalLM),
     "olmo2": lambda: (_cfg(tf.Olmo2Config), tf.Olmo2ForCausalLM),
-    "granite": lambda: (_cfg(tf.GraniteConfig, attention_multiplier=0.2, residual_multiplier=0.5,
-                             embedding_multiplier=2.0, logits_scaling=2.0), tf.GraniteForCausalLM),
+    "granite": lambda: (
+        _cfg(
+            tf.GraniteConfig,
+            attention_multiplier=0.2,
+            residual_multiplier=0.5,
+            embedding_multiplier=2.0,
+            logits_scaling=2.0,
+        ),
+        tf.GraniteForCausalLM,
+    ),
     "stablelm": lambda: (_cfg(tf.StableLmConfig, partial_rotary_factor=0.25), tf.StableLmForCausalLM),
-    "cohere2": lambda: (_cfg(tf.Cohere2Config, num_hidden_layers=4, sliding_window=8,
-                             layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
-                                          "full_attention"]),
-                        tf.Cohere2ForCausalLM),
+    "cohere2": lambda: (
+        _cfg(
+            tf.Cohere2Config,
+            num_hidden_layers=4,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
+        tf.Cohere2ForCausalLM,
+    ),
 }
 
 
@@ -81,17 +107,20 @@ def build(family: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, s
 def skip_uneven_layers_on_old_stacks(policy: str) -> None:
     """Skip a decode test of a policy whose layers keep different cache lengths (pyramidkv, asl_fullkv:
     ``UNEVEN`` in ``tests/conformance.py``; any other policy runs) where transformers adds a decode mask
-    sized by layer 0 to every layer under torch.compile (transformers < 5.23, or torch < 2.13, whose Dynamo reports every compile as an
-    export): Dynamo cannot trace that model code (README, 'Known limit of pyramidkv')."""
+    sized by layer 0 to every layer under torch.compile (transformers < 5.23, or torch < 2.13, whose Dynamo reports
+    every compile as an export): Dynamo cannot trace that model code (README, 'Known limit of pyramidkv')."""
     import pytest
     from packaging.version import Version
 
     from conformance import CONFORMANCE, UNEVEN
+
     if getattr(CONFORMANCE.get(policy), "unpadded", None) != UNEVEN:
         return  # its layers keep one length
     if Version(tf.__version__) < Version("5.23") or Version(torch.__version__.split("+")[0]) < Version("2.13"):
-        pytest.skip(f"transformers {tf.__version__} with torch {torch.__version__} sizes the decode mask by "
-                    f"layer 0: {policy}'s uneven layers cannot be traced (README, 'Known limit of pyramidkv')")
+        pytest.skip(
+            f"transformers {tf.__version__} with torch {torch.__version__} sizes the decode mask by "
+            f"layer 0: {policy}'s uneven layers cannot be traced (README, 'Known limit of pyramidkv')"
+        )
 
 
 def symbolic_lengths(cache, mask=None) -> None:

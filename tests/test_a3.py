@@ -62,8 +62,12 @@ def test_ratio_one_equals_full_prefill(model, request_parts, tmp_path, policy, c
     assert any(p.startswith("overwrite") for p in plans) and any(p.startswith("evict") for p in plans)
     if policy == "a3":  # HF generation on the fused cache continues exactly like the full prompt
         out = fusion.generate(chunks, question, system=system, max_new_tokens=4, do_sample=False)
-        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=4, do_sample=False)
+        ref = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=4,
+            do_sample=False,
+        )
         assert out.tolist() == ref.tolist()
 
 
@@ -100,28 +104,36 @@ def _hand_reference(model, segments, question, recompute):
     visible = torch.cat([slot_ok, new_ok], 1)
     mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None, None]
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids])[:, new], position_ids=new[None], past_key_values=cache,
-                    attention_mask=mask, use_cache=True)
+        out = model(
+            input_ids=torch.tensor([ids])[:, new],
+            position_ids=new[None],
+            past_key_values=cache,
+            attention_mask=mask,
+            use_cache=True,
+        )
     return out.logits[:, -1], cache, ctx, new
 
 
 def test_recompute_pass_is_exact(request_parts, tmp_path):
-    model = families.build("llama", attn="eager")       # the hand reference needs an explicit 4-D mask
+    model = families.build("llama", attn="eager")  # the hand reference needs an explicit 4-D mask
     system, chunks, question = request_parts
     fusion = kvpass.ChunkFusion(model, kvpass.ChunkStore(tmp_path, model), "a3", compiler="eager", ratio=0.3)
     logits, fused = fusion.prefill(chunks, question, system=system)
     re = fused.recompute
-    assert re.numel() == 11 and bool((re >= len(system)).all())       # ceil(0.3 * 36) document tokens
+    assert re.numel() == 11 and bool((re >= len(system)).all())  # ceil(0.3 * 36) document tokens
     ref_logits, ref_cache, ctx, new = _hand_reference(model, [system] + chunks, question, re)
     _close(logits, ref_logits)
     keep = torch.tensor([j for j in range(ctx) if j not in set(re.tolist())])
     for i in range(model.config.num_hidden_layers):
-        for got, want in ((fused.cache.layers[i].keys, ref_cache.layers[i].keys),
-                          (fused.cache.layers[i].values, ref_cache.layers[i].values)):
-            _close(got[:, :, keep], want[:, :, keep])                 # reused entries: stored, re-rotated
-            _close(got[:, :, new], want[:, :, ctx:])                  # recomputed entries: the exact mask's
+        for got, want in (
+            (fused.cache.layers[i].keys, ref_cache.layers[i].keys),
+            (fused.cache.layers[i].values, ref_cache.layers[i].values),
+        ):
+            _close(got[:, :, keep], want[:, :, keep])  # reused entries: stored, re-rotated
+            _close(got[:, :, new], want[:, :, ctx:])  # recomputed entries: the exact mask's
     # the mask itself: no recomputed token sees a later position, each sees all earlier ones
     from kvpass.ops import position_mask
+
     vis = position_mask(new[None], torch.arange(len(fused.input_ids[0]))[None, None])[0, 0]
     assert torch.equal(vis, torch.arange(vis.shape[1])[None, :] <= new[:, None])
 
@@ -134,7 +146,7 @@ def test_later_chunks_never_change_earlier_entries(model, request_parts, tmp_pat
     a = fusion.prepare(chunks, question)
     other = chunks[:2] + [list(reversed(chunks[2]))]
     b = fusion.prepare(other, question)
-    assert a.recompute.tolist() == [12, 13, 14, 15, 24, 25, 26, 27]       # first chunk (position 0) is exact
+    assert a.recompute.tolist() == [12, 13, 14, 15, 24, 25, 26, 27]  # first chunk (position 0) is exact
     for i in range(model.config.num_hidden_layers):
         assert torch.equal(a.cache.layers[i].keys[:, :, :24], b.cache.layers[i].keys[:, :, :24])
         if i > 0:  # (layer 0's K/V depend on the token and its position only)
@@ -155,9 +167,9 @@ def test_baselines_store_what_they_say(model, request_parts, tmp_path):
         for i in range(model.config.num_hidden_layers):
             for (a, _), e in zip(zip(starts, segs), expect):
                 n = e[i][0].shape[2]
-                _close(fused.cache.layers[i].keys[:, :, a:a + n], e[i][0])
-                _close(fused.cache.layers[i].values[:, :, a:a + n], e[i][1])
-    assert fused.sources == {"memory": 4}                      # every segment came from the store
+                _close(fused.cache.layers[i].keys[:, :, a : a + n], e[i][0])
+                _close(fused.cache.layers[i].values[:, :, a : a + n], e[i][1])
+    assert fused.sources == {"memory": 4}  # every segment came from the store
     s = store.stats()
     assert s["computed"] == 4 and s["disk_entries"] == 4
 
@@ -182,4 +194,3 @@ def test_plain_backend_refuses_fusion_policies(model):
     fwd = torch.compile(model.forward, backend=kvpass.backend("a3", compiler="eager"), fullgraph=True)
     with pytest.raises(ConfigError, match="kvpass.ChunkFusion"):
         fwd(input_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=DynamicCache(config=model.config), use_cache=True)
-

@@ -55,8 +55,9 @@ def test_capacity_above_the_request_equals_a3(model, parts, tmp_path):
     assert all(k.shape[-1] == len(ids) - 1 for k in fused.kept)
     # greedy generation through the compiled forward equals HF on the whole prompt (r = 1: a full prefill)
     out = big.generate(chunks, question, system=system, max_new_tokens=5, do_sample=False)
-    hf = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                        max_new_tokens=5, do_sample=False)
+    hf = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=5, do_sample=False
+    )
     assert out.tolist() == hf.tolist()
 
 
@@ -70,13 +71,15 @@ def _reference_keep(model, ids, n_system, n_question, capacity, kernel=7):
     doc = torch.zeros(length, dtype=torch.bool)
     doc[n_system:ctx] = True
     keep = []
-    for a in att:                                            # [1, H, L, L]
+    for a in att:  # [1, H, L, L]
         h, hkv = a.shape[1], model.config.num_key_value_heads
-        votes = a[0, :, ctx:].sum(1).reshape(hkv, h // hkv, length).sum(1)        # question rows, group heads
+        votes = a[0, :, ctx:].sum(1).reshape(hkv, h // hkv, length).sum(1)  # question rows, group heads
         pooled = F.max_pool1d(votes.masked_fill(~doc, 0)[:, None], kernel, 1, kernel // 2)[:, 0]
         take = capacity - 1 - int((~doc).sum())
         # max-pooling makes plateaus: ties go to the earlier token
-        top = torch.sort(torch.where(doc, pooled, float("-inf")), dim=-1, descending=True, stable=True).indices[:, :take]
+        top = torch.sort(torch.where(doc, pooled, float("-inf")), dim=-1, descending=True, stable=True).indices[
+            :, :take
+        ]
         keep.append(torch.cat([(~doc).nonzero()[:, 0].expand(hkv, -1), top], -1).sort(-1).values)
     return keep
 
@@ -88,8 +91,9 @@ def test_small_capacity_keeps_system_question_and_snapkv_top(model, parts, tmp_p
     fusion = _fusion(model, tmp_path, ratio=1.0, capacity=cap)
     fused = fusion.prepare(chunks, question, system=system)
     hkv, d = model.config.num_key_value_heads, model.config.head_dim
-    for layer, kept, want in zip(fused.cache.layers, fused.kept,
-                                 _reference_keep(model, ids, len(system), len(question), cap)):
+    for layer, kept, want in zip(
+        fused.cache.layers, fused.kept, _reference_keep(model, ids, len(system), len(question), cap)
+    ):
         assert layer.keys.shape == (1, hkv, cap - 1, d) == layer.values.shape
         assert kept.shape == (1, hkv, cap - 1)
         assert kept[0].tolist() == want.tolist()
@@ -113,14 +117,21 @@ def test_positions_after_eviction_are_exact(model, parts, tmp_path):
         pos = len(ids) - 1 + step
         with torch.no_grad():
             mine = fusion.forward(input_ids=torch.tensor([[tok]]), past_key_values=fused.cache, use_cache=True).logits
-            ref = model(input_ids=torch.tensor([[tok]]), past_key_values=ref_cache, use_cache=True,
-                        position_ids=torch.tensor([[pos]])).logits
+            ref = model(
+                input_ids=torch.tensor([[tok]]),
+                past_key_values=ref_cache,
+                use_cache=True,
+                position_ids=torch.tensor([[pos]]),
+            ).logits
         torch.testing.assert_close(mine, ref, atol=2e-5, rtol=1e-4)
         tok = int(ref[0, -1].argmax())
     # and HF with the positions the short cache implies would differ: the fix is not a no-op
     with torch.no_grad():
-        wrong = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=copy.deepcopy(fusion.prepare(
-            chunks, question, system=system).cache), use_cache=True).logits
+        wrong = model(
+            input_ids=torch.tensor([[ids[-1]]]),
+            past_key_values=copy.deepcopy(fusion.prepare(chunks, question, system=system).cache),
+            use_cache=True,
+        ).logits
     assert not torch.allclose(wrong, fusion.prefill(chunks, question, system=system)[0][:, None], atol=1e-4)
 
 

@@ -42,13 +42,13 @@ def case(b, hkv, group, n, d, dtype, kind, pads, seed, queries=None):
             if kind == "shifted":
                 kv_pos[row, :, p:] -= p
                 q_pos[row] -= p
-    elif kind == "evicted":   # n kept of `seen` tokens, ascending, per row and head; the last queries ask
-        l = q.shape[2]
+    elif kind == "evicted":  # n kept of `seen` tokens, ascending, per row and head; the last queries ask
+        lq = q.shape[2]
         seen = n + 3 * n // 2
-        q_pos = torch.arange(seen - l, seen).expand(b, l).clone()
+        q_pos = torch.arange(seen - lq, seen).expand(b, lq).clone()
         for row in range(b):
-            for head in range(hkv):   # older entries kept at random, then the queries' own keys
-                older = torch.randperm(seen - l, generator=g)[:n - l].sort().values
+            for head in range(hkv):  # older entries kept at random, then the queries' own keys
+                older = torch.randperm(seen - lq, generator=g)[: n - lq].sort().values
                 kv_pos[row, head] = torch.cat([older, q_pos[row]])
     elif kind == "scrambled":
         kv_pos = torch.stack([torch.randperm(n, generator=g) for _ in range(b * hkv)]).view(b, hkv, n)
@@ -61,14 +61,23 @@ def window_accumulated(q, k, kv_pos, q_pos, scale, softcap, rows=5):
     """h2o's scoring before ``accumulated_scores``: ``kvpass::window_scores`` summed over chunks of queries."""
     total = 0
     for s in range(0, q.shape[2], rows):
-        total = total + torch.ops.kvpass.window_scores(q[:, :, s:s + rows], k, kv_pos,
-                                                       q_pos[:, s:s + rows].contiguous(), scale, softcap)
+        total = total + torch.ops.kvpass.window_scores(
+            q[:, :, s : s + rows], k, kv_pos, q_pos[:, s : s + rows].contiguous(), scale, softcap
+        )
     return total
 
 
-shapes = dict(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 4), n=st.integers(1, 70),
-              dtype=st.sampled_from(list(TOL)), softcap=st.sampled_from([0.0, 2.5]), kind=st.sampled_from(KINDS),
-              pads=st.lists(st.integers(0, 40), min_size=2, max_size=2), seed=st.integers(0, 10_000))
+shapes = dict(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 4),
+    n=st.integers(1, 70),
+    dtype=st.sampled_from(list(TOL)),
+    softcap=st.sampled_from([0.0, 2.5]),
+    kind=st.sampled_from(KINDS),
+    pads=st.lists(st.integers(0, 40), min_size=2, max_size=2),
+    seed=st.integers(0, 10_000),
+)
 
 
 @SETTINGS
@@ -131,24 +140,26 @@ def test_rows_that_see_nothing_add_nothing():
 def test_plain_prompt_visits_the_causal_triangle():
     """Positions 0..L-1: pass 1 stops at the diagonal, pass 2 starts there, and only the diagonal tiles take
     the position mask; a block of padding only is never visited, a block with any padding always masked."""
-    l, bm, bn = 64, 16, 16
-    kv_pos = torch.arange(l).expand(1, 2, l).clone()
-    q_pos = torch.arange(l).expand(1, l).contiguous()
+    n, bm, bn = 64, 16, 16
+    kv_pos = torch.arange(n).expand(1, 2, n).clone()
+    q_pos = torch.arange(n).expand(1, n).contiguous()
     r = A.block_ranges(kv_pos, q_pos, bm, bn)
-    blocks = torch.arange(l // bm, dtype=torch.int32).expand(1, 2, -1)
+    blocks = torch.arange(n // bm, dtype=torch.int32).expand(1, 2, -1)
     assert r.k_lo.eq(0).all() and torch.equal(r.k_hi, blocks + 1) and torch.equal(r.k_full, blocks)
-    assert torch.equal(r.q_lo, blocks) and r.q_hi.eq(l // bm).all() and torch.equal(r.q_full, blocks + 1)
-    kv_pos[0, 1, :20] = -1   # head 1: its first key block holds only padding, its second some
+    assert torch.equal(r.q_lo, blocks) and r.q_hi.eq(n // bm).all() and torch.equal(r.q_full, blocks + 1)
+    kv_pos[0, 1, :20] = -1  # head 1: its first key block holds only padding, its second some
     r = A.block_ranges(kv_pos, q_pos, bm, bn)
-    assert r.q_lo[0, 1, 0] >= r.q_hi[0, 1, 0]                    # no query visits key block 0
-    assert r.k_lo[0, 1, 0] >= r.k_hi[0, 1, 0]                    # query block 0 sees nothing at all
+    assert r.q_lo[0, 1, 0] >= r.q_hi[0, 1, 0]  # no query visits key block 0
+    assert r.k_lo[0, 1, 0] >= r.k_hi[0, 1, 0]  # query block 0 sees nothing at all
     assert r.k_lo[0, 1, 1:].eq(1).all() and torch.equal(r.k_hi[0, 1, 1:], torch.tensor([2, 3, 4], dtype=torch.int32))
-    assert torch.equal(r.k_full[0, 1], r.k_lo[0, 1])              # pass 1 meets block 1 first: all masked
-    assert r.q_full[0, 1, 1] == r.q_hi[0, 1, 1]                   # block 1 is masked for every query block
+    assert torch.equal(r.k_full[0, 1], r.k_lo[0, 1])  # pass 1 meets block 1 first: all masked
+    assert r.q_full[0, 1, 1] == r.q_hi[0, 1, 1]  # block 1 is masked for every query block
     assert torch.equal(r.q_full[0, 1, 2:], torch.tensor([3, 4], dtype=torch.int32))
     # a ragged end: the last key block is partial, so it is always masked
     r = A.block_ranges(torch.arange(40).expand(1, 1, 40), torch.arange(40).expand(1, 40), 16, 16)
-    assert r.q_full[0, 0, 2] == r.q_hi[0, 0, 2] and torch.equal(r.k_full[0, 0], torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert r.q_full[0, 0, 2] == r.q_hi[0, 0, 2] and torch.equal(
+        r.k_full[0, 0], torch.tensor([0, 1, 2], dtype=torch.int32)
+    )
 
 
 def test_strided_queries_and_keys():
@@ -156,7 +167,7 @@ def test_strided_queries_and_keys():
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 50, 4, 16, generator=g).transpose(1, 2)
     k = torch.randn(2, 50, 2, 16, generator=g).transpose(1, 2)
-    kv_pos = torch.arange(50).expand(2, 2, 50)          # a broadcast view: stride 0 over batch and heads
+    kv_pos = torch.arange(50).expand(2, 2, 50)  # a broadcast view: stride 0 over batch and heads
     q_pos = torch.arange(50).expand(2, 50)
     want = A.accumulated_scores_reference(q, k, kv_pos, q_pos, 0.25)
     got = A.accumulated_scores_triton(q, k, kv_pos, q_pos, 0.25, block_m=16, block_n=32)
@@ -164,17 +175,22 @@ def test_strided_queries_and_keys():
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 4), n=st.integers(1, 70),
-       dtype=st.sampled_from(list(TOL)), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 4),
+    n=st.integers(1, 70),
+    dtype=st.sampled_from(list(TOL)),
+    seed=st.integers(0, 10_000),
+)
 def test_given_row_statistics_replace_the_first_pass(b, hkv, group, n, dtype, seed):
     """A plain prompt's rows' log-sum-exp from the prefill's attention (``kvpass::attention_lse``, here its
     reference) in place of pass 1: the same scores, in the kernel and in the reference."""
     q, k, kv_pos, q_pos = case(b, hkv, group, n, 16, dtype, "causal", [0, 0], seed)
     _, lse = torch.ops.kvpass.attention_lse(q, k, k, 0.3)
     want = A.accumulated_scores_reference(q, k, kv_pos, q_pos, 0.3)
-    tol = dict(atol=TOL[dtype] * group * n ** 0.5, rtol=1e-4)
-    torch.testing.assert_close(A.accumulated_scores_reference(q, k, kv_pos, q_pos, 0.3, lse=lse, rows=9), want,
-                               **tol)
+    tol = dict(atol=TOL[dtype] * group * n**0.5, rtol=1e-4)
+    torch.testing.assert_close(A.accumulated_scores_reference(q, k, kv_pos, q_pos, 0.3, lse=lse, rows=9), want, **tol)
     got = A.accumulated_scores_triton(q, k, kv_pos, q_pos, 0.3, block_m=16, block_n=16, lse=lse)
     torch.testing.assert_close(got, want, **tol)
     # every row hands out one unit per query head: the statistics were those of the keys it sees
@@ -183,9 +199,13 @@ def test_given_row_statistics_replace_the_first_pass(b, hkv, group, n, dtype, se
 
 def test_attention_lse_is_attention_and_its_log_sum_exp():
     from kvpass import ops
+
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(2, 6, 21, 16, generator=g), torch.randn(2, 2, 21, 16, generator=g), \
-        torch.randn(2, 2, 21, 16, generator=g)
+    q, k, v = (
+        torch.randn(2, 6, 21, 16, generator=g),
+        torch.randn(2, 2, 21, 16, generator=g),
+        torch.randn(2, 2, 21, 16, generator=g),
+    )
     out, lse = torch.ops.kvpass.attention_lse(q, k, v, 0.3)
     torch.testing.assert_close(out, ops.attention_reference(q, k, v, None, 0.3, ops.CAUSAL_TOP_LEFT))
     logits = q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.3

@@ -17,12 +17,12 @@ import transformers
 from transformers import DynamicCache
 
 import kvpass
-from kvpass.cache import ragged
 from families import build, skip_uneven_layers_on_old_stacks
+from kvpass.cache import ragged
 from kvpass.errors import ConfigError
 
 PROMPT, BUDGET, WINDOW = 70, 40, 8
-DROPPED: dict[int, torch.Tensor] = {}   # layer -> [B, H_kv, PROMPT] True where the head evicted the entry
+DROPPED: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv, PROMPT] True where the head evicted the entry
 
 
 def prompt_ids(n=PROMPT, b=1, seed=2):
@@ -35,8 +35,11 @@ def calls(fwd, cache, ids, steps=3, append=4, more=2):
     with torch.no_grad():
         out.append(fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1])
         for i in range(steps + 1 + more):
-            x = torch.randint(3, 90, (ids.shape[0], append), generator=g) if i == steps else \
-                out[-1].argmax(-1, keepdim=True)
+            x = (
+                torch.randint(3, 90, (ids.shape[0], append), generator=g)
+                if i == steps
+                else out[-1].argmax(-1, keepdim=True)
+            )
             out.append(fwd(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1])
     return out
 
@@ -52,14 +55,14 @@ def masked_heads(module, query, key, value, attention_mask, scaling=None, dropou
     b, h, q, d = query.shape
     group = h // key.shape[1]
     k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    s = (query @ k.transpose(2, 3)) * (scaling if scaling is not None else d ** -0.5)
+    s = (query @ k.transpose(2, 3)) * (scaling if scaling is not None else d**-0.5)
     if attention_mask is not None:
         s = s + attention_mask[:, :, :, : k.shape[2]]
-    else:   # transformers leaves out a mask that is only causal (SDPA's is_causal): bottom-right causal
+    else:  # transformers leaves out a mask that is only causal (SDPA's is_causal): bottom-right causal
         n = k.shape[2]
         s = s.masked_fill(torch.arange(n) > torch.arange(n - q, n)[:, None], float("-inf"))
     drop = DROPPED.get(module.layer_idx)
-    if drop is not None and k.shape[2] > drop.shape[-1]:   # after the prefill (which attends over the whole prompt)
+    if drop is not None and k.shape[2] > drop.shape[-1]:  # after the prefill (which attends over the whole prompt)
         gone = torch.zeros(b, h, k.shape[2], dtype=torch.bool)
         gone[:, :, : drop.shape[-1]] = drop.repeat_interleave(group, 1)
         s = s.masked_fill(gone[:, :, None, :], float("-inf"))
@@ -77,8 +80,9 @@ def test_alpha_one_is_snapkv_and_a_short_prompt_is_full():
     ada = calls(fwd, DynamicCache(config=model.config), ids)
     for a, s in zip(ada, snap):
         torch.testing.assert_close(a, s, atol=1e-5, rtol=1e-5)
-    assert be.plans()["decode"] == ["evict (per-head layout): heads_update + decode_attention over each head's range "
-                                    "+ compact"]
+    assert be.plans()["decode"] == [
+        "evict (per-head layout): heads_update + decode_attention over each head's range + compact"
+    ]
     full = calls(compiled(model, "full")[1], DynamicCache(config=model.config), ids)
     whole = calls(compiled(model, "adakv", budget=PROMPT)[1], DynamicCache(config=model.config), ids)
     for a, f in zip(whole, full):
@@ -89,8 +93,14 @@ def test_alpha_one_over_expected_attention_is_expected_attention():
     """The scorer's plan reaches adakv's selection: expected_attention's queries before RoPE and their tables."""
     model = build("llama")
     ids = prompt_ids()
-    ref = calls(compiled(model, "expected_attention", budget=BUDGET)[1], DynamicCache(config=model.config), ids,
-                steps=2, append=1, more=0)
+    ref = calls(
+        compiled(model, "expected_attention", budget=BUDGET)[1],
+        DynamicCache(config=model.config),
+        ids,
+        steps=2,
+        append=1,
+        more=0,
+    )
     be, fwd = compiled(model, "adakv", budget=BUDGET, scorer="expected_attention", alpha=1.0)
     for a, r in zip(calls(fwd, DynamicCache(config=model.config), ids, steps=2, append=1, more=0), ref):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
@@ -107,7 +117,7 @@ def test_ragged_heads_store_what_they_keep_and_attend_as_masked_heads(scorer="sn
     for layer, st in be.state.layers.items():
         start, length = st.extra["heads"][..., ragged.START], st.extra["heads"][..., ragged.LENGTH]
         pool = st.pos.reshape(-1)
-        held = [pool[int(start[0, g]):int(start[0, g] + length[0, g])] for g in range(hkv)]
+        held = [pool[int(start[0, g]) : int(start[0, g] + length[0, g])] for g in range(hkv)]
         prompt_kept = [h[h < PROMPT].tolist() for h in held]
         counts.append([len(p) for p in prompt_kept])
         # stored: the layer's H_kv x budget prompt entries and one entry per head and new token, no more
@@ -126,22 +136,29 @@ def test_ragged_heads_store_what_they_keep_and_attend_as_masked_heads(scorer="sn
 
 
 def test_configuration_errors_name_the_parameter():
-    with pytest.raises(ConfigError, match=r"'adakv'.*'scorer' must be one of snapkv, pyramidkv, expected_attention, "
-                                         r"criticalkv, optionally with the scorer's own parameters"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'adakv'.*'scorer' must be one of snapkv, pyramidkv, expected_attention, "
+        r"criticalkv, optionally with the scorer's own parameters",
+    ):
         kvpass.backend("adakv", scorer="knorm")
     with pytest.raises(ConfigError, match=r"'alpha'"):
         kvpass.backend("adakv", alpha=1.5)
     with pytest.raises(ConfigError, match=r"adakv' with scorer 'snapkv'.*'budget' must be > window"):
         kvpass.backend("adakv", budget=16)
-    with pytest.raises(ConfigError, match=r"'scorer' sets 'kernell=5'; the options after 'snapkv:' are name=value "
-                                          r"pairs of its parameters \(kernel, pool\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'scorer' sets 'kernell=5'; the options after 'snapkv:' are name=value "
+        r"pairs of its parameters \(kernel, pool\)",
+    ):
         kvpass.backend("adakv", scorer="snapkv:kernell=5")
 
 
 def test_explain_shows_each_heads_count():
     model = build("llama")
-    e = kvpass.explain(model, {"input_ids": prompt_ids(), "use_cache": True}, "adakv", budget=BUDGET, window=WINDOW,
-                       verbose=False)
+    e = kvpass.explain(
+        model, {"input_ids": prompt_ids(), "use_cache": True}, "adakv", budget=BUDGET, window=WINDOW, verbose=False
+    )
     assert sorted(e.head_budgets) == [0, 1] and all(sum(n) == 2 * BUDGET for n in e.head_budgets.values())
     assert "kept per KV head after this prefill (row 0): layer 0: " in str(e)
     assert all("per-head layout" in r["plan"] for r in e.rows)
@@ -153,9 +170,10 @@ def test_over_pyramidkv_each_layer_keeps_the_pyramids_total():
     model = build("llama")
     ids = prompt_ids()
     skip_uneven_layers_on_old_stacks("pyramidkv")
-    steps = dict(steps=3, append=1, more=0)   # pyramidkv's several-token append: a known limit (UNEVEN)
-    pyr = calls(compiled(model, "pyramidkv", budget=BUDGET, window=WINDOW)[1], DynamicCache(config=model.config), ids,
-                **steps)
+    steps = dict(steps=3, append=1, more=0)  # pyramidkv's several-token append: a known limit (UNEVEN)
+    pyr = calls(
+        compiled(model, "pyramidkv", budget=BUDGET, window=WINDOW)[1], DynamicCache(config=model.config), ids, **steps
+    )
     be, fwd = compiled(model, "adakv", budget=BUDGET, window=WINDOW, scorer="pyramidkv", alpha=1.0)
     for a, p in zip(calls(fwd, DynamicCache(config=model.config), ids, **steps), pyr):
         torch.testing.assert_close(a, p, atol=1e-5, rtol=1e-5)
@@ -191,8 +209,10 @@ def test_a_slot_cache_of_per_head_budgets_costs_what_snapkvs_does():
     for policy in ("snapkv", "adakv"):
         be = kvpass.backend(policy, compiler="eager", budget=BUDGET, window=WINDOW)
         cache = kvpass.SlotCache(model, be, max_length=PROMPT + 16, max_new_tokens=16, batch_size=4)
-        sizes[policy] = [(lay.keys.nbytes + lay.values.nbytes, sum(t.nbytes for t in lay.state) + lay.pos.nbytes)
-                         for lay in cache.layers]
+        sizes[policy] = [
+            (lay.keys.nbytes + lay.values.nbytes, sum(t.nbytes for t in lay.state) + lay.pos.nbytes)
+            for lay in cache.layers
+        ]
     hkv = model.config.num_key_value_heads
     assert [kv for kv, _ in sizes["adakv"]] == [kv for kv, _ in sizes["snapkv"]]
     assert [rest for _, rest in sizes["adakv"]] == [rest + 4 * hkv * 16 for _, rest in sizes["snapkv"]]

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import kvpass
-from kvpass.policies import POLICIES, Policy
 from conformance import CONFORMANCE, one_per_mechanism
 from families import build
+from kvpass.policies import POLICIES, Policy
 
-SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])   # conformance.py
+SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])  # conformance.py
 # h2o, quest, raas, tova (their hooks) and adakv (its heads' ranges, which each decode step writes)
 HOOKED = [n for n in SLOT if POLICIES[n].slot_hooks is not Policy.slot_hooks or POLICIES[n].needs.heads]
 MAX, NEW = 64, 12
@@ -40,8 +40,12 @@ def prefill(model, staging, ids) -> torch.Tensor:
 @torch.no_grad()
 def step(model, cache, tokens) -> torch.Tensor:
     """One decode step of every row (each at its own position): the next tokens ``[B]``."""
-    out = model(input_ids=tokens[:, None], position_ids=cache.row_positions(), use_cache=True,
-                **{model.generate.cache_kwarg: cache})
+    out = model(
+        input_ids=tokens[:, None],
+        position_ids=cache.row_positions(),
+        use_cache=True,
+        **{model.generate.cache_kwarg: cache},
+    )
     return out.logits[:, -1].argmax(-1)
 
 
@@ -78,7 +82,7 @@ def test_a_row_refilled_while_the_others_decode_keeps_every_row_as_alone(policy,
     for _ in range(3):
         tokens = step(model, batch, tokens)
         got_a.append(int(tokens[0]))
-    batch.reset_row(1)                      # B is done: C takes its row while A keeps decoding
+    batch.reset_row(1)  # B is done: C takes its row while A keeps decoding
     tokens[1] = prefill(model, staging, c)
     batch.admit(1, staging)
     got_c.append(int(tokens[1]))
@@ -86,7 +90,7 @@ def test_a_row_refilled_while_the_others_decode_keeps_every_row_as_alone(policy,
         tokens = step(model, batch, tokens)
         got_a.append(int(tokens[0]))
         got_c.append(int(tokens[1]))
-    assert got_a == want_a[:len(got_a)] and got_c == want_c, (got_a, want_a, got_c, want_c)
+    assert got_a == want_a[: len(got_a)] and got_c == want_c, (got_a, want_a, got_c, want_c)
     assert all(not r.problems for r in be.reports), be.plans()
 
 

@@ -15,8 +15,7 @@ def greedy(model, ids, backend=None):
     if backend is not None:
         model.forward = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
     try:
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     finally:
         model.__dict__.pop("forward", None)
     return out.sequences, torch.stack(out.logits)
@@ -26,8 +25,9 @@ def prompt(b=2, n=40, seed=1):
     return torch.randint(3, 90, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gemma2", "eager"), ("qwen3", "eager"),
-                                         ("phi3", "sdpa"), ("gemma3", "sdpa")])
+@pytest.mark.parametrize(
+    "family,attn", [("llama", "sdpa"), ("gemma2", "eager"), ("qwen3", "eager"), ("phi3", "sdpa"), ("gemma3", "sdpa")]
+)
 def test_no_termination_equals_full(family, attn):
     """tau = phi = 0: every decode step reads every block through decode_attention == full."""
     model = build(family, attn)
@@ -65,13 +65,16 @@ def test_termination_reads_less_and_counts_it():
     assert frac is not None and frac < 1.0
 
 
-@pytest.mark.parametrize("params,match", [
-    (dict(block=48), "'block' must be a power of two"),
-    (dict(order="random"), "'order' must be 'recency' or 'natural'"),
-    (dict(tau=2.0), "'tau' must be float in \\[0.0, 1.0\\]"),
-    (dict(patience=0), "'patience' must be int"),
-    (dict(phi="x"), "'phi' must be float"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (dict(block=48), "'block' must be a power of two"),
+        (dict(order="random"), "'order' must be 'recency' or 'natural'"),
+        (dict(tau=2.0), "'tau' must be float in \\[0.0, 1.0\\]"),
+        (dict(patience=0), "'patience' must be int"),
+        (dict(phi="x"), "'phi' must be float"),
+    ],
+)
 def test_bad_config(params, match):
     with pytest.raises(kvpass.ConfigError, match=match):
         kvpass.backend("art", **params)

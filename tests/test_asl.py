@@ -62,8 +62,9 @@ def run(model, ids, be, steps: int = 3, dynamic=None):
         if dynamic is None:
             symbolic_lengths(cache)
         for _ in range(steps):
-            logits.append(fwd(input_ids=logits[-1].argmax(-1, keepdim=True), past_key_values=cache,
-                              use_cache=True).logits[:, -1])
+            logits.append(
+                fwd(input_ids=logits[-1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
+            )
     return logits, cache
 
 
@@ -86,7 +87,7 @@ def pooled_candidates(votes: list[float], window: int, kernel: int) -> list[floa
 def select_naive(votes: list[float], keep: int, window: int, kernel: int) -> list[int]:
     n = len(votes)
     p = pooled_candidates(votes, window, kernel)
-    best = sorted(range(n - window), key=lambda i: (-p[i], i))[:keep - window]
+    best = sorted(range(n - window), key=lambda i: (-p[i], i))[: keep - window]
     return sorted(best + list(range(n - window, n)))
 
 
@@ -98,8 +99,9 @@ def ranks_naive(p: list[float]) -> list[int]:
     return r
 
 
-def selection_layer_naive(votes: dict[int, list[float]], first: int, l_obs: int, tau: float, keep: int,
-                          window: int, kernel: int, last: int):
+def selection_layer_naive(
+    votes: dict[int, list[float]], first: int, l_obs: int, tau: float, keep: int, window: int, kernel: int, last: int
+):
     """ASL's rank-variance rule, written out plainly."""
     rk = {i: ranks_naive(pooled_candidates(v, window, kernel)) for i, v in votes.items()}
     var0 = None
@@ -181,9 +183,9 @@ def gathered_reference(model, ids, layer: int, sel: list[int], kept: dict[int, t
     finally:
         for h in hooks:
             h.remove()
-    held = {}   # sliding layer -> true positions of its entries
+    held = {}  # sliding layer -> true positions of its entries
     for i, w in windows.items():
-        held[i] = (sel if i > layer else list(range(n)))[-(w - 1):]
+        held[i] = (sel if i > layer else list(range(n)))[-(w - 1) :]
         assert cache.layers[i].keys.shape[-2] == len(held[i])
     step_pos = []
 
@@ -198,6 +200,7 @@ def gathered_reference(model, ids, layer: int, sel: list[int], kept: dict[int, t
             else:
                 mask = visible
             return args, dict(kwargs, attention_mask=mask.view(1, 1, 1, -1))
+
         return hook
 
     with torch.no_grad():
@@ -205,18 +208,22 @@ def gathered_reference(model, ids, layer: int, sel: list[int], kept: dict[int, t
             if i in windows:
                 continue
             lay = cache.layers[i]
-            where = pos if i <= layer else torch.searchsorted(idx, pos)   # deeper caches hold `sel` in order
+            where = pos if i <= layer else torch.searchsorted(idx, pos)  # deeper caches hold `sel` in order
             ix = where[None, ..., None].expand(1, -1, -1, lay.keys.shape[-1])
             lay.keys, lay.values = lay.keys.gather(2, ix), lay.values.gather(2, ix)
         hooks = [layers[i].register_forward_pre_hook(sliding_mask(i), with_kwargs=True) for i in windows]
         try:
             for step, tok in enumerate(tokens):
                 step_pos.append(n + step)
-                out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                            position_ids=torch.tensor([[n + step]]))
+                out = model(
+                    input_ids=torch.tensor([[tok]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[n + step]]),
+                )
                 logits.append(out.logits[:, -1])
                 for i, w in windows.items():
-                    held[i] = (held[i] + [n + step])[-(w - 1):]
+                    held[i] = (held[i] + [n + step])[-(w - 1) :]
         finally:
             for h in hooks:
                 h.remove()
@@ -279,8 +286,8 @@ def test_tau_zero_never_selects():
     torch._dynamo.reset()
     be = kvpass.backend("asl", compiler="eager", budget=BUDGET, window=WINDOW, tau=0.0)
     got, cache = run(model, ids, be, steps=1)
-    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)   # prefill: every token, every layer
-    assert [layer.keys.shape[-2] for layer in cache.layers] == [BUDGET + 1] * 6   # SnapKV-compressed cache
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)  # prefill: every token, every layer
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [BUDGET + 1] * 6  # SnapKV-compressed cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,11 +295,18 @@ def test_tau_zero_never_selects():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy,layer,dynamic,attn", [
-    ("asl_fullkv", 2, None, "sdpa"), ("asl_fullkv", 3, True, "sdpa"), ("fastkv", -1, None, "sdpa"),
-    ("asl", 1, True, "sdpa"), ("asl", 2, None, "eager")])
+@pytest.mark.parametrize(
+    "policy,layer,dynamic,attn",
+    [
+        ("asl_fullkv", 2, None, "sdpa"),
+        ("asl_fullkv", 3, True, "sdpa"),
+        ("fastkv", -1, None, "sdpa"),
+        ("asl", 1, True, "sdpa"),
+        ("asl", 2, None, "eager"),
+    ],
+)
 def test_forced_layer_matches_gathering_reference(policy, layer, dynamic, attn):
-    if policy == "asl_fullkv":   # layers before the gate keep the prompt, deeper ones the selection
+    if policy == "asl_fullkv":  # layers before the gate keep the prompt, deeper ones the selection
         skip_uneven_layers_on_old_stacks(policy)
     model = build("llama", layers=6, attn=attn)
     ids = prompt(40, seed=1)
@@ -323,7 +337,9 @@ def test_the_runner_drops_each_value_after_its_last_segment(policy, monkeypatch)
     segment runs, at most two earlier full-length residual streams are alive (its input, and one the graph
     returns), not one per layer boundary (1 GiB each at 128k tokens on the 8B shape)."""
     import weakref
+
     from kvpass.compiler import gate
+
     n, hidden, alive = 40, None, []
     made: list[weakref.ref] = []
     run_segment = gate.GatedGraph._run
@@ -344,9 +360,15 @@ def test_the_runner_drops_each_value_after_its_last_segment(policy, monkeypatch)
     assert max(alive) <= 2, alive
 
 
-@pytest.mark.parametrize("family,attn,policy,gate,budget", [
-    ("gemma3", "sdpa", "asl", 2, 10), ("cohere2", "sdpa", "asl_fullkv", 3, 10), ("gemma2", "eager", "asl", 3, 10),
-    ("gemma3", "sdpa", "fastkv", 2, 5)])
+@pytest.mark.parametrize(
+    "family,attn,policy,gate,budget",
+    [
+        ("gemma3", "sdpa", "asl", 2, 10),
+        ("cohere2", "sdpa", "asl_fullkv", 3, 10),
+        ("gemma2", "eager", "asl", 3, 10),
+        ("gemma3", "sdpa", "fastkv", 2, 5),
+    ],
+)
 def test_forced_layer_on_sliding_families_matches_reference(family, attn, policy, gate, budget):
     """Sliding-window layers after the gate hold the last W - 1 selected tokens, whose positions are not
     consecutive: their decode attention masks by true positions (the reference rebuilds that mask; HF's
@@ -366,11 +388,13 @@ def test_forced_layer_on_sliding_families_matches_reference(family, attn, policy
     got, cache = run(model, ids, be, steps=6)
     assert be.gate_info["selection_layer"] == gate and be.gate_info["kept"] == budget
     sel = select_naive(window_votes(model, ids, gate, window), budget, window, KERNEL)
-    for i, w in windows.items():       # the record follows each sliding layer's last W - 1 entries
-        held = ((sel if i > gate else list(range(40))) + list(range(40, 46)))[-(w - 1):]
+    for i, w in windows.items():  # the record follows each sliding layer's last W - 1 entries
+        held = ((sel if i > gate else list(range(40))) + list(range(40, 46)))[-(w - 1) :]
         assert be.state.positions(i)[0, 0].tolist() == held, f"layer {i}"
         assert cache.layers[i].keys.shape[-2] == w - 1
-    if budget < min(windows.values()) - 1:   # after the prefill alone, the deeper sliding layers hold empty slots in front
+    if (
+        budget < min(windows.values()) - 1
+    ):  # after the prefill alone, the deeper sliding layers hold empty slots in front
         torch._dynamo.reset()
         pre = kvpass.backend(policy, compiler="eager", budget=budget, window=window, layer=gate)
         _, pcache = run(model, ids, pre, steps=0)
@@ -378,10 +402,10 @@ def test_forced_layer_on_sliding_families_matches_reference(family, attn, policy
             want = [-1] * (w - 1 - budget) + sel if i > gate else list(range(40 - w + 1, 40))
             assert pre.state.positions(i)[0, 0].tolist() == want and pcache.layers[i].keys.shape[-2] == w - 1
             if i > gate:
-                assert (pcache.layers[i].keys[:, :, :w - 1 - budget] == 0).all()
+                assert (pcache.layers[i].keys[:, :, : w - 1 - budget] == 0).all()
     # a deeper sliding layer holds a selected token farther than W from the first decode step: the test
     # would pass with HF's consecutive-position mask otherwise
-    assert any(p <= 40 - w for i, w in windows.items() if i > gate for p in (sel[-(w - 1):]))
+    assert any(p <= 40 - w for i, w in windows.items() if i > gate for p in (sel[-(w - 1) :]))
     kept = {i: be.state.positions(i)[0, :, :-6].clone() for i in range(6) if i not in windows}
     tokens = [int(x.argmax()) for x in got[:-1]]
     ref = gathered_reference(model, ids, gate, sel, kept, tokens)
@@ -436,14 +460,26 @@ def second_pass_reference(model, ids, sel: list[int], tokens: list[int], renumbe
         logits = [model(input_ids=ids[:, idx], past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]]
         for step, tok in enumerate(tokens):
             p = (n if renumber else length) + step
-            logits.append(model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                                position_ids=torch.tensor([[p]])).logits[:, -1])
+            logits.append(
+                model(
+                    input_ids=torch.tensor([[tok]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[p]]),
+                ).logits[:, -1]
+            )
     return logits
 
 
-@pytest.mark.parametrize("policy,dynamic,family,budget", [
-    ("gemfilter", None, "llama", BUDGET), ("gemfilter", True, "llama", BUDGET), ("asl_2pass", None, "llama", BUDGET),
-    ("gemfilter", None, "gemma3", 5)])
+@pytest.mark.parametrize(
+    "policy,dynamic,family,budget",
+    [
+        ("gemfilter", None, "llama", BUDGET),
+        ("gemfilter", True, "llama", BUDGET),
+        ("asl_2pass", None, "llama", BUDGET),
+        ("gemfilter", None, "gemma3", 5),
+    ],
+)
 def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic, family, budget):
     """gemfilter / asl_2pass: the selected tokens prefilled again from layer 0 equal HF run on those
     tokens alone (renumbered or original positions); decode continues from n or from L. On gemma3 with
@@ -457,7 +493,7 @@ def test_second_pass_matches_plain_prefill_of_selected_tokens(policy, dynamic, f
     spy = QueryShapes(be)
     got, cache = run(model, ids, be, steps=4, dynamic=dynamic)
     assert be.gate_info["selection_layer"] == 2 and be.gate_info["passes"] == 2
-    assert [s[2] for s in spy.shapes] == [40] * 3 + [budget] * 6      # first pass stops at the filter layer
+    assert [s[2] for s in spy.shapes] == [40] * 3 + [budget] * 6  # first pass stops at the filter layer
     assert [layer.keys.shape[-2] for layer in cache.layers] == cache_lengths(model, budget + 4)
     sel = select_naive(window_votes(model, ids, 2, window), budget, window, kernel)
     renumber = policy == "gemfilter"
@@ -481,7 +517,7 @@ def test_inductor_keeps_the_call_positions_of_both_ropes():
         torch._dynamo.reset()
         be = kvpass.backend("gemfilter", compiler=compiler, budget=5, layer=2)
         runs.append([int(x.argmax()) for x in run(model, ids, be, steps=4)[0]])
-        assert all(len(r.positions_fixed) == 1 for r in be.reports)   # one true_positions per graph
+        assert all(len(r.positions_fixed) == 1 for r in be.reports)  # one true_positions per graph
     assert runs[0] == runs[1]
 
 
@@ -506,16 +542,24 @@ def test_gemfilter_generate_continues_from_kept_count():
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), n=st.integers(12, 40), layers=st.integers(3, 10), l_obs=st.integers(1, 5),
-       window=st.integers(1, 4), kernel=st.sampled_from([1, 3, 7]), tau=st.floats(0.0, 1.0))
+@given(
+    data=st.data(),
+    n=st.integers(12, 40),
+    layers=st.integers(3, 10),
+    l_obs=st.integers(1, 5),
+    window=st.integers(1, 4),
+    kernel=st.sampled_from([1, 3, 7]),
+    tau=st.floats(0.0, 1.0),
+)
 def test_rank_variance_rule_matches_reference(data, n, layers, l_obs, window, kernel, tau):
     keep = data.draw(st.integers(window + 1, n - 1))
     first = data.draw(st.integers(0, layers - 2))
-    values = st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 3.0])   # small alphabet: ties happen
+    values = st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 3.0])  # small alphabet: ties happen
     votes = {i: data.draw(st.lists(values, min_size=n, max_size=n)) for i in range(layers - 1)}
     want = selection_layer_naive(votes, first, l_obs, tau, keep, window, kernel, layers - 2)
-    pol = make_policy("asl", budget=max(keep, window + 1), window=window, kernel=kernel, tau=tau, l_obs=l_obs,
-                      l_min=first)
+    pol = make_policy(
+        "asl", budget=max(keep, window + 1), window=window, kernel=kernel, tau=tau, l_obs=l_obs, l_min=first
+    )
     observe, cuts = pol.gate_layers(layers)
     assert cuts == list(range(first, layers - 1))
     assert observe == list(range(max(0, first - l_obs + 1), layers - 1))
@@ -536,11 +580,11 @@ def test_layer_scores_op():
     torch.manual_seed(0)
     q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8)
     mask = torch.ones(2, 1, 10, 10, dtype=torch.bool).tril()
-    mask[1, ..., :3] = False                                    # left padding of row 1
+    mask[1, ..., :3] = False  # left padding of row 1
     got = torch.ops.kvpass.layer_scores(q, k, mask, 0.3, 0.0, 4)
     s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.3
     s = s.masked_fill(~mask, float("-inf"))
-    want = s.softmax(-1)[:, :, -4:].sum(2).unflatten(1, (2, 2)).sum(2)   # per KV head: its group's queries
+    want = s.softmax(-1)[:, :, -4:].sum(2).unflatten(1, (2, 2)).sum(2)  # per KV head: its group's queries
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got.shape == (2, 2, 10) and (got[1, :, :3] == 0).all()
     torch.library.opcheck(torch.ops.kvpass.layer_scores.default, (q, k, mask, 0.3, 0.0, 4))
@@ -551,8 +595,9 @@ def test_shift_positions_op():
     be = kvpass.backend("gemfilter", compiler="eager", budget=BUDGET)
     pos = torch.tensor([[40, 41]])
     handle = be.runtime.handle
-    assert torch.equal(torch.ops.kvpass.shift_positions(pos, handle), pos)          # no gated prefill yet
+    assert torch.equal(torch.ops.kvpass.shift_positions(pos, handle), pos)  # no gated prefill yet
     from kvpass.compiler.gate import GateInfo
+
     be.runtime.gate = GateInfo(2, 40, 20, (2,), {}, 2, 20)
     assert torch.ops.kvpass.shift_positions(pos, handle).tolist() == [[20, 21]]
     torch.library.opcheck(torch.ops.kvpass.shift_positions.default, (pos, handle))
@@ -563,8 +608,9 @@ def test_shift_positions_op():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,attn", [(f, "eager" if f == "gemma2" else "sdpa") for f in sorted(FAMILIES)]
-                         + [("llama", "eager")])
+@pytest.mark.parametrize(
+    "family,attn", [(f, "eager" if f == "gemma2" else "sdpa") for f in sorted(FAMILIES)] + [("llama", "eager")]
+)
 def test_families_run_or_fall_back(family, attn):
     _WARNED.clear()
     model = build(family, layers=4, attn=attn)
@@ -575,7 +621,7 @@ def test_families_run_or_fall_back(family, attn):
         got, cache = run(model, ids, be, steps=2)
     reasons = [str(w.message) for w in caught if issubclass(w.category, KVPassWarning)]
     assert all(torch.isfinite(x).all() for x in got)
-    assert not reasons, reasons    # every family gates (sliding-window ones included): no fallback left
+    assert not reasons, reasons  # every family gates (sliding-window ones included): no fallback left
     assert be.gate_info["selection_layer"] == 2
     assert [layer.keys.shape[-2] for layer in cache.layers] == cache_lengths(model, BUDGET + 2)
 
@@ -591,7 +637,7 @@ def test_batch_rows_select_their_own_tokens():
     for r in range(2):
         torch._dynamo.reset()
         single = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
-        alone, _ = run(model, ids[r:r + 1], single, steps=0)
+        alone, _ = run(model, ids[r : r + 1], single, steps=0)
         torch.testing.assert_close(got[0][r], alone[0][0], atol=1e-4, rtol=1e-4)
         assert torch.equal(single.state.layer(5).pos[0, 0], rows[r])
 
@@ -611,7 +657,7 @@ def test_left_padded_batch_through_generate_equals_single_runs():
         m = build_like(model, "sdpa")
         m.forward = torch.compile(m.forward, backend=be, fullgraph=True)
         out = m.generate(ids, attention_mask=attn, max_new_tokens=5, do_sample=False, min_new_tokens=5)
-        runs.append((out[:, ids.shape[1]:], be.state.layer(5).pos[:, 0, :BUDGET]))
+        runs.append((out[:, ids.shape[1] :], be.state.layer(5).pos[:, 0, :BUDGET]))
     (both, kept), (s_out, s_kept), (l_out, l_kept) = runs
     assert both[0].tolist() == s_out[0].tolist() and both[1].tolist() == l_out[0].tolist()
     assert kept[0].tolist() == (s_kept[0] + pad).tolist() and kept[1].tolist() == l_kept[0].tolist()
@@ -619,7 +665,7 @@ def test_left_padded_batch_through_generate_equals_single_runs():
 
 def test_static_length_equal_to_a_model_dimension_falls_back():
     model = build("llama", layers=6)
-    ids = prompt(64, seed=11)                      # 64 = hidden size: literal sizes would be ambiguous
+    ids = prompt(64, seed=11)  # 64 = hidden size: literal sizes would be ambiguous
     _WARNED.clear()
     be = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)
     with pytest.warns(KVPassWarning, match="equals a model dimension"):
@@ -653,12 +699,13 @@ def test_short_segments_keep_kvpass_constants_that_equal_the_length(monkeypatch)
     import itertools
 
     from kvpass.cache import runtime
-    ordinary = next(runtime._NEXT) + 1    # the handle an unpatched backend gets next
+
+    ordinary = next(runtime._NEXT) + 1  # the handle an unpatched backend gets next
     length = next(n for n in range(40, 200) if n not in runtime._RUNTIMES and n != ordinary)
     model = build("llama", layers=4)
     ids = prompt(length, seed=3)
     outs = []
-    for handles in (itertools.count(length), None):   # the handle equal to L, then an ordinary one
+    for handles in (itertools.count(length), None):  # the handle equal to L, then an ordinary one
         if handles is not None:
             monkeypatch.setattr(runtime, "_NEXT", handles)
         be = kvpass.backend("fastkv", compiler="eager", budget=BUDGET, window=WINDOW)

@@ -10,8 +10,8 @@ from torch import nn
 from transformers import DynamicCache
 
 import kvpass
-from kvpass.errors import _WARNED
 from families import build
+from kvpass.errors import _WARNED
 
 
 def test_uuid_depends_on_policy_config_only():
@@ -53,8 +53,11 @@ def test_layer_index_is_checked_against_the_cache():
 
 @torch.library.custom_op("flash_attn::_kvpass_test_flash_forward", mutates_args=())
 def _fake_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                            v.transpose(1, 2)).transpose(1, 2).contiguous()
+    return (
+        torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        .transpose(1, 2)
+        .contiguous()
+    )
 
 
 @_fake_flash.register_fake
@@ -68,8 +71,9 @@ def test_flash_attn_calls_are_detected_and_left_unchanged():
     q = torch.randn(1, 5, 2, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = torch.compile(lambda q: torch.ops.flash_attn._kvpass_test_flash_forward(q, q, q),
-                            backend=be, fullgraph=True)(q)
+        out = torch.compile(
+            lambda q: torch.ops.flash_attn._kvpass_test_flash_forward(q, q, q), backend=be, fullgraph=True
+        )(q)
     msgs = [str(w.message) for w in caught if issubclass(w.category, kvpass.KVPassWarning)]
     assert any("flash-attn" in m for m in msgs)
     torch.testing.assert_close(out, _fake_flash(q, q, q))
@@ -100,9 +104,8 @@ def test_composition_runs_and_routes_parameters():
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             logits = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits]
-            logits.append(fwd(input_ids=logits[-1][:, -1:].argmax(-1), past_key_values=cache,
-                              use_cache=True).logits)
-        assert [l.keys.shape[-2] for l in cache.layers] == [8, 8]
+            logits.append(fwd(input_ids=logits[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
+        assert [lay.keys.shape[-2] for lay in cache.layers] == [8, 8]
         outs.append(logits)
     assert repr(be.policy) == "Full() + StreamingLLM(budget=8, sinks=2)"
     for a, b in zip(*outs):
@@ -129,8 +132,10 @@ def _attention_masks(be, call):
 def test_a_mask_built_from_shapes_alone_becomes_the_causal_mode(policy):
     """Eager attention always gets HF's [B, 1, N, N] mask, computed from shapes only: the op runs
     bottom-right causal instead, so the mask is never materialised; a padding mask is kept."""
-    from kvpass.ops import CAUSAL_BOTTOM_RIGHT
     from transformers import DynamicCache
+
+    from kvpass.ops import CAUSAL_BOTTOM_RIGHT
+
     model = build("llama", attn="eager")
     ids = torch.randint(3, 90, (2, 40))
     pad = torch.ones_like(ids)
@@ -142,21 +147,28 @@ def test_a_mask_built_from_shapes_alone_becomes_the_causal_mode(policy):
             fwd = torch.compile(model.forward, backend=be, fullgraph=True)
             kw = dict(input_ids=ids, attention_mask=mask_in, use_cache=True)
             got = []
-            sites = _attention_masks(be, lambda: got.append(
-                fwd(**kw, past_key_values=DynamicCache(config=model.config)).logits))
+            sites = _attention_masks(
+                be, lambda: got.append(fwd(**kw, past_key_values=DynamicCache(config=model.config)).logits)
+            )
             assert sites and all((m is None and c == CAUSAL_BOTTOM_RIGHT) == dropped for m, c in sites), sites
             want = model(**kw, past_key_values=DynamicCache(config=model.config)).logits
             torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("policy,params", [("asl", dict(budget=16, window=4, layer=0)),
-                                           ("gemfilter", dict(budget=16, window=4, layer=0)),
-                                           ("chunkkv", dict(budget=16, window=4))])
+@pytest.mark.parametrize(
+    "policy,params",
+    [
+        ("asl", dict(budget=16, window=4, layer=0)),
+        ("gemfilter", dict(budget=16, window=4, layer=0)),
+        ("chunkkv", dict(budget=16, window=4)),
+    ],
+)
 def test_window_scoring_never_keeps_a_plain_causal_mask(policy, params):
     """The prefill's window scoring (``layer_scores``) takes no mask where the model's is shapes-only causal,
     so the [B, 1, N, N] mask is never materialised (at 128k it was 16 GiB, asl's prefill peak 1.7x full's);
     with a padding mask it keeps it. Both runs give the same tokens when the padding mask is all ones."""
     from transformers import DynamicCache
+
     model = build("llama", attn="eager")
     ids = torch.randint(3, 90, (1, 40))
     outs = []
@@ -166,9 +178,11 @@ def test_window_scoring_never_keeps_a_plain_causal_mask(policy, params):
             be = kvpass.backend(policy, compiler="eager", **params)
             fwd = torch.compile(model.forward, backend=be)
             kw = dict(input_ids=ids, attention_mask=mask_in, use_cache=True)
-            scoring = _compiled_nodes(be, lambda: outs.append(
-                fwd(**kw, past_key_values=DynamicCache(config=model.config)).logits),
-                torch.ops.kvpass.layer_scores.default)
+            scoring = _compiled_nodes(
+                be,
+                lambda: outs.append(fwd(**kw, past_key_values=DynamicCache(config=model.config)).logits),
+                torch.ops.kvpass.layer_scores.default,
+            )
             assert scoring and all((n.args[2] is None) == dropped for n in scoring), scoring
     torch.testing.assert_close(outs[0], outs[1])
 
@@ -180,6 +194,7 @@ def test_a_plain_prompt_hands_its_attention_statistics_to_h2o(slots):
     a left-padded batch keeps its mask and scores alone. The next step's logits equal those of h2o scoring
     in two passes (its plan without ``lse``)."""
     import dataclasses
+
     from kvpass.policies.h2o import H2O
 
     class TwoPass(H2O):
@@ -197,8 +212,9 @@ def test_a_plain_prompt_hands_its_attention_statistics_to_h2o(slots):
             torch._dynamo.reset()
             be = kvpass.backend(policy, compiler="eager")
             fwd = torch.compile(model.forward, backend=be)
-            cache = kvpass.SlotCache(model, be, max_length=48, batch_size=2) if slots \
-                else DynamicCache(config=model.config)
+            cache = (
+                kvpass.SlotCache(model, be, max_length=48, batch_size=2) if slots else DynamicCache(config=model.config)
+            )
             logits = []
 
             def run():
@@ -206,6 +222,7 @@ def test_a_plain_prompt_hands_its_attention_statistics_to_h2o(slots):
                 nxt = first[:, -1:].argmax(-1)
                 more = None if mask_in is None else torch.cat([mask_in, torch.ones_like(nxt)], -1)
                 logits.append(fwd(input_ids=nxt, attention_mask=more, past_key_values=cache, use_cache=True).logits)
+
             with torch.no_grad():
                 nodes = _compiled_nodes(be, run, torch.ops.kvpass.attention_lse.default)
             assert bool(nodes) == (fused and not isinstance(policy, TwoPass)), nodes
@@ -218,15 +235,18 @@ def test_a_window_mask_is_never_taken_for_causal():
     dynamically at a prompt shorter than the window: it looks causal there, but the check probes
     sizes past every constant of the mask's graph, so the mask is kept and longer prompts stay exact."""
     from transformers import DynamicCache
+
     from families import FAMILIES
+
     cfg, cls = FAMILIES["mistral"]()
     cfg.sliding_window, cfg._attn_implementation = 8, "eager"
     torch.manual_seed(0)
     model = cls(cfg).eval()
     be = kvpass.backend("full", compiler="eager")
     fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
-    masks = _attention_masks(be, lambda: fwd(input_ids=torch.randint(3, 90, (1, 6)),
-                                             past_key_values=DynamicCache(), use_cache=True))
+    masks = _attention_masks(
+        be, lambda: fwd(input_ids=torch.randint(3, 90, (1, 6)), past_key_values=DynamicCache(), use_cache=True)
+    )
     assert masks and all(m is not None for m, _ in masks), masks
     with torch.no_grad():
         for n in (6, 20):

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from benchmark_tokenizer import WordTokenizer
 
+from benchmark_tokenizer import WordTokenizer
 from kvpass.eval.benchmarks import _text
 from kvpass.eval.benchmarks import longbench as lb
 from kvpass.eval.benchmarks import longbench_v2 as v2
@@ -69,8 +69,9 @@ def words(s: str) -> str:
 def check_kvpress_prompt(tok, task, row: dict) -> None:
     """``task``'s prompt is kvpress's for ``row`` without a chat template: BOS + context, then question + "\\n" +
     answer_prefix, each tokenized alone."""
-    assert task.input_ids == [tok.bos_token_id] + tok.encode(row["context"], add_special_tokens=False) + \
-        tok.encode(row["question"] + "\n" + row["answer_prefix"], add_special_tokens=False)
+    assert task.input_ids == [tok.bos_token_id] + tok.encode(row["context"], add_special_tokens=False) + tok.encode(
+        row["question"] + "\n" + row["answer_prefix"], add_special_tokens=False
+    )
     assert task.meta["context_tokens"] == 1 + len(row["context"].split()) and task.meta["chat"] is False
     assert task.meta["format"] == "kvpress" and task.max_new_tokens == row["max_new_tokens"]
 
@@ -78,6 +79,7 @@ def check_kvpress_prompt(tok, task, row: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 # the interface
 # ------------------------------------------------------------------------------------------------
+
 
 def test_interface_of_the_three_modules():
     for mod, names in ((lb, {"longbench", "longbench_e"}), (v2, {"longbench_v2"}), (lg, {"loogle"})):
@@ -88,9 +90,14 @@ def test_interface_of_the_three_modules():
     assert set(lb.SUBSETS["longbench_e"]) <= set(lb.SUBSETS["longbench"])
     assert set(lb.SUBSET_METRIC.values()) == set(lb.METRICS)
     assert set(lb.MAX_NEW_TOKENS) == set(lb.SUBSETS["longbench"]) == set(lb.TEMPLATES)
-    assert v2.SUBSETS["longbench_v2"] == ("single_document_qa", "multi_document_qa", "long_in_context_learning",
-                                          "long_dialogue_history_understanding", "code_repository_understanding",
-                                          "long_structured_data_understanding")
+    assert v2.SUBSETS["longbench_v2"] == (
+        "single_document_qa",
+        "multi_document_qa",
+        "long_in_context_learning",
+        "long_dialogue_history_understanding",
+        "code_repository_understanding",
+        "long_structured_data_understanding",
+    )
     assert lg.SUBSETS["loogle"] == ("shortdep_qa", "shortdep_cloze", "longdep_qa", "longdep_summarization")
     assert set(lg.SUBSET_METRIC.values()) <= set(lg.METRICS)
     names = [n for mod in (lb, v2, lg) for n in mod.METRICS]
@@ -100,6 +107,7 @@ def test_interface_of_the_three_modules():
 def test_metric_names_unique_across_kvpass():
     from kvpass.eval import benchmarks
     from kvpass.eval.tasks import SCORERS
+
     mods = []
     for m in benchmarks.MODULES:
         try:
@@ -114,14 +122,14 @@ def test_metric_names_unique_across_kvpass():
 # LongBench: loading
 # ------------------------------------------------------------------------------------------------
 
+
 def test_longbench_prompt_builtin_template(tok):
     tasks = lb.load_longbench(LB, tok, subsets=["hotpotqa"])
     assert [t.meta["id"] for t in tasks] == ["hq-0001", "hq-0002", "hq-0003"]
     t, row = tasks[0], rows(LB / "hotpotqa.jsonl")[0]
     s = text(tok, t)
     assert t.input_ids[0] == tok.bos_token_id and t.meta["length"] == len(t.input_ids)
-    assert in_order(s, "Passages:", words(row["context"]), "Question: " + row["input"]) and \
-        s.endswith("Answer:")
+    assert in_order(s, "Passages:", words(row["context"]), "Question: " + row["input"]) and s.endswith("Answer:")
     assert (t.family, t.name, t.metric, t.max_new_tokens) == ("longbench", "longbench/hotpotqa", "longbench_qa_f1", 32)
     assert t.answers == ["the river Tessel"] and tasks[1].answers == ["Edda Voss", "Edda Voss and her brother"]
     assert t.meta["template"] == "builtin" and t.meta["format"] == "official" and t.meta["cut"] is False
@@ -130,8 +138,9 @@ def test_longbench_prompt_builtin_template(tok):
 
 def test_longbench_few_shot_code_chinese_prompts(tok):
     trec, lcc, zh = lb.load_longbench(LB, tok, subsets=["trec", "lcc", "multifieldqa_zh"])
-    assert in_order(text(tok, trec), "Type: Individual", "How many moons does the planet have?") and \
-        text(tok, trec).endswith("Type:")
+    assert in_order(text(tok, trec), "Type: Individual", "How many moons does the planet have?") and text(
+        tok, trec
+    ).endswith("Type:")
     assert trec.meta["all_classes"][-2:] == ["Number of something", "Other number"] and trec.meta["first_line"]
     assert trec.metric == "longbench_classification" and trec.max_new_tokens == 64
     assert text(tok, lcc).endswith("result = width * height") and lcc.metric == "longbench_code_sim"
@@ -155,10 +164,10 @@ def test_longbench_limit_and_subsets(tok):
     assert len(lb.load_longbench(LB, tok, subsets=["hotpotqa"], limit=0)) == 0
     with pytest.raises(ValueError, match=r"unknown LongBench subset 'hotpot'.*narrativeqa, qasper"):
         lb.load_longbench(LB, tok, subsets=["hotpot"])
-    with pytest.raises(ValueError, match="unknown LongBench-E subset 'narrativeqa'"):   # not a LongBench-E subset
+    with pytest.raises(ValueError, match="unknown LongBench-E subset 'narrativeqa'"):  # not a LongBench-E subset
         lb.load_longbench_e(LB, tok, subsets=["narrativeqa"])
     with pytest.raises(FileNotFoundError, match=r"narrativeqa.*subsets present there: .*hotpotqa.*subsets=\["):
-        lb.load_longbench(LB, tok)            # the fixture holds a few subsets, not all 21
+        lb.load_longbench(LB, tok)  # the fixture holds a few subsets, not all 21
 
 
 def test_longbench_e_buckets(tok):
@@ -192,8 +201,14 @@ class InstTokenizer(WordTokenizer):
         return "".join(f"[INST] {m['content']} [/INST] " for m in messages)
 
 
-@pytest.mark.parametrize("load, path", [(lb.load_longbench, LB / "kvpress" / "hotpotqa.jsonl"),
-                                        (v2.load, V2 / "kvpress.jsonl"), (lg.load, LG / "kvpress.jsonl")])
+@pytest.mark.parametrize(
+    "load, path",
+    [
+        (lb.load_longbench, LB / "kvpress" / "hotpotqa.jsonl"),
+        (v2.load, V2 / "kvpress.jsonl"),
+        (lg.load, LG / "kvpress.jsonl"),
+    ],
+)
 def test_kvpress_rows_get_kvpress_chat_prompt(load, path):
     # kvpress's rule: context + question one user turn, cut where the context ends; the rest of the turn and the
     # generation prompt after the question, then the answer prefix; each part tokenized without special tokens
@@ -212,8 +227,12 @@ def test_kvpress_rows_get_kvpress_chat_prompt(load, path):
 def test_longbench_official_config_files(tok, tmp_path):
     # data.zip's layout (data/<subset>.jsonl) beside config/ with the template files
     prompts = {"hotpotqa": "CTX {context} Q {input} A:"}
-    official_layout(tmp_path, LB / "hotpotqa.jsonl", "data",
-                    {"dataset2prompt.json": prompts, "dataset2maxlen.json": {"hotpotqa": 7}})
+    official_layout(
+        tmp_path,
+        LB / "hotpotqa.jsonl",
+        "data",
+        {"dataset2prompt.json": prompts, "dataset2maxlen.json": {"hotpotqa": 7}},
+    )
     t = lb.load_longbench(tmp_path, tok, subsets=["hotpotqa"], limit=1)[0]
     row = rows(LB / "hotpotqa.jsonl")[0]
     assert text(tok, t) == words(f"CTX {row['context']} Q {row['input']} A:")
@@ -230,8 +249,11 @@ def test_longbench_official_config_files(tok, tmp_path):
 def test_longbench_errors_name_file_and_field(tok, tmp_path):
     good = rows(LB / "hotpotqa.jsonl")[0]
     write_rows(tmp_path / "hotpotqa.jsonl", [{k: v for k, v in good.items() if k != "answers"}])
-    with pytest.raises(ValueError, match=r"hotpotqa.jsonl: a row has no field 'answers', which the official LongBench "
-                                         r"format needs \(input, context, answers\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"hotpotqa.jsonl: a row has no field 'answers', which the official LongBench "
+        r"format needs \(input, context, answers\)",
+    ):
         lb.load_longbench(tmp_path, tok, subsets=["hotpotqa"])
     trec = rows(LB / "trec.jsonl")[0]
     write_rows(tmp_path / "trec.jsonl", [{**trec, "all_classes": None}])
@@ -258,8 +280,9 @@ def test_qa_f1_by_hand():
     # shared 2: P = 2/4, R = 2/2, F1 = 2/3
     assert M["longbench_qa_f1"](["the river Tessel"], "The Tessel river, near Ellingford.", {}) == pytest.approx(2 / 3)
     # the max over answers: vs "edda voss" F1 1/3; vs "edda voss and her brother" P = 4/4, R = 4/5 -> 8/9
-    assert M["longbench_qa_f1"](["Edda Voss", "Edda Voss and her brother"], "Voss and her brother", {}) == \
-        pytest.approx(8 / 9)
+    assert M["longbench_qa_f1"](
+        ["Edda Voss", "Edda Voss and her brother"], "Voss and her brother", {}
+    ) == pytest.approx(8 / 9)
     assert M["longbench_qa_f1"](["the river Tessel"], "An answer elsewhere", {}) == 0.0
     assert _text.normalize_en("The  Cat's (an) hat!") == "cats hat"
 
@@ -269,7 +292,7 @@ def test_qa_f1_zh_character_fallback(monkeypatch):
     assert lb.zh_words("1921年建成, ok") == ["1921", "年", "建", "成", ",", "ok"]
     # "1921年建成。" -> 1921 年 建 成 (4, the full stop removed); "1921年" -> 1921 年: P = 2/4, R = 1, F1 = 2/3
     assert M["longbench_qa_f1_zh"](["1921年"], "1921年建成。", {}) == pytest.approx(2 / 3)
-    assert _text.normalize_zh("《红楼梦》，Ａ Ｂ！") == "《红楼梦ａｂ"    # LongBench lists 》 but not 《
+    assert _text.normalize_zh("《红楼梦》，Ａ Ｂ！") == "《红楼梦ａｂ"  # LongBench lists 》 but not 《
 
 
 def test_rouge_l_by_hand(monkeypatch):
@@ -290,11 +313,13 @@ def test_rouge_l_by_hand(monkeypatch):
 
 
 def test_classification_score():
-    meta = {"all_classes": ["Abbreviation", "Animal", "Date", "City", "Individual", "Number of something",
-                            "Other number"], "first_line": True}
+    meta = {
+        "all_classes": ["Abbreviation", "Animal", "Date", "City", "Individual", "Number of something", "Other number"],
+        "first_line": True,
+    }
     f = M["longbench_classification"]
     assert f(["Number of something"], "Number of something", meta) == 1.0
-    assert f(["Number of something"], "Date or Number of something", meta) == 0.5      # two labels named
+    assert f(["Number of something"], "Date or Number of something", meta) == 0.5  # two labels named
     assert f(["Number of something"], "\nNumber of something\nDate, City", meta) == 1.0  # first line only
     assert f(["Number of something"], "Animal", meta) == 0.0
     # labels inside the true label are dropped, but LongBench's loop skips the one after each drop:
@@ -354,21 +379,34 @@ def test_longbench_metrics_score_loaded_tasks(tok):
 # LongBench v2
 # ------------------------------------------------------------------------------------------------
 
+
 def test_v2_prompt_builtin(tok):
     tasks = v2.load(V2, tok)
-    assert [(t.name, t.meta["id"]) for t in tasks] == [("longbench_v2/single_document_qa", "v2-0001"),
-                                                       ("longbench_v2/single_document_qa", "v2-0003"),
-                                                       ("longbench_v2/code_repository_understanding", "v2-0002")]
+    assert [(t.name, t.meta["id"]) for t in tasks] == [
+        ("longbench_v2/single_document_qa", "v2-0001"),
+        ("longbench_v2/single_document_qa", "v2-0003"),
+        ("longbench_v2/code_repository_understanding", "v2-0002"),
+    ]
     t = tasks[0]
     s = text(tok, t)
-    assert in_order(s, "<document> The narrator owes", "night ferry . </document>",
-                    "Question: Why does the narrator leave the harbour town?", "(A) To find her brother",
-                    "(B) To sell the boat", "(C) To escape a debt", "(D) To study medicine")
+    assert in_order(
+        s,
+        "<document> The narrator owes",
+        "night ferry . </document>",
+        "Question: Why does the narrator leave the harbour town?",
+        "(A) To find her brother",
+        "(B) To sell the boat",
+        "(C) To escape a debt",
+        "(D) To study medicine",
+    )
     assert s.endswith("The correct answer is") and t.meta["answer_prefix"] == "The correct answer is"
     assert t.answers == ["C"] and t.metric == "longbench_v2_choice" and t.max_new_tokens == 128
     assert t.meta["choices"] == ["A", "B", "C", "D"] and t.meta["length"] == len(t.input_ids)
-    assert (t.meta["difficulty"], t.meta["length_category"], t.meta["domain"]) == ("easy", "short",
-                                                                                    "Single-Document QA")
+    assert (t.meta["difficulty"], t.meta["length_category"], t.meta["domain"]) == (
+        "easy",
+        "short",
+        "Single-Document QA",
+    )
     # the output continues the cue
     assert v2.choice_score(t.answers, " (C).", t.meta) == 1.0 and v2.choice_score(t.answers, " B", t.meta) == 0.0
 
@@ -377,9 +415,9 @@ def test_v2_subsets_limit_truncation(tok):
     assert [t.meta["id"] for t in v2.load(V2, tok, limit=1)] == ["v2-0001", "v2-0002"]
     by_domain = v2.load(V2, tok, subsets=["Code Repository Understanding"])
     assert [t.meta["id"] for t in by_domain] == ["v2-0002"]
-    assert [t.meta["id"] for t in v2.load(V2, tok, subsets=["code_repository_understanding",
-                                                              "single_document_qa"])] == ["v2-0002", "v2-0001",
-                                                                                          "v2-0003"]
+    assert [
+        t.meta["id"] for t in v2.load(V2, tok, subsets=["code_repository_understanding", "single_document_qa"])
+    ] == ["v2-0002", "v2-0001", "v2-0003"]
     with pytest.raises(ValueError, match=r"unknown LongBench v2 subset 'code'.*single_document_qa"):
         v2.load(V2, tok, subsets=["code"])
     full = v2.load(V2, tok, limit=1)[0]
@@ -393,9 +431,11 @@ def test_v2_official_template_and_kvpress(tok, tmp_path):
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "0shot.txt").write_text("DOC: $DOC$\nQ: $Q$\nA) $C_A$ B) $C_B$ C) $C_C$ D) $C_D$\nEnd.")
     t = v2.load(tmp_path, tok, limit=1)[0]
-    assert text(tok, t) == ("DOC: The narrator owes the harbour master a large sum and slips away on the night ferry "
-                            ". Q: Why does the narrator leave the harbour town? A) To find her brother B) To sell "
-                            "the boat C) To escape a debt D) To study medicine End.")
+    assert text(tok, t) == (
+        "DOC: The narrator owes the harbour master a large sum and slips away on the night ferry "
+        ". Q: Why does the narrator leave the harbour town? A) To find her brother B) To sell "
+        "the boat C) To escape a debt D) To study medicine End."
+    )
     assert t.meta["answer_prefix"] == "" and t.meta["template"].startswith("official (")
     assert v2.choice_score(t.answers, "The correct answer is (C)", t.meta) == 1.0
     (k,) = v2.load(V2 / "kvpress.jsonl", tok)
@@ -419,17 +459,20 @@ def test_v2_errors(tok, tmp_path):
         v2.load(tmp_path, tok)
 
 
-@pytest.mark.parametrize("output, letter", [
-    ("The correct answer is (C).", "C"),
-    ("**The correct answer is (B)**", "B"),
-    ("The correct answer is D because the text says so", "D"),
-    ("The correct answer is **(A)**", "A"),
-    ("I think (C) is right", None),
-    ("the correct answer is (C)", None),                                      # the phrase is case-sensitive
-    ("The correct answer is (A). On reflection, The correct answer is (C).", "A"),   # the first one counts
-    ("The correct answer is B. No: The correct answer is (C)", "C"),          # the "(X)" phrase is looked for first
-    ("The correct answer is E", None),
-])
+@pytest.mark.parametrize(
+    "output, letter",
+    [
+        ("The correct answer is (C).", "C"),
+        ("**The correct answer is (B)**", "B"),
+        ("The correct answer is D because the text says so", "D"),
+        ("The correct answer is **(A)**", "A"),
+        ("I think (C) is right", None),
+        ("the correct answer is (C)", None),  # the phrase is case-sensitive
+        ("The correct answer is (A). On reflection, The correct answer is (C).", "A"),  # the first one counts
+        ("The correct answer is B. No: The correct answer is (C)", "C"),  # the "(X)" phrase is looked for first
+        ("The correct answer is E", None),
+    ],
+)
 def test_v2_letter_extraction(output, letter):
     assert v2.extract_choice(output) == letter
     assert v2.choice_score(["C"], output, {}) == float(letter == "C")
@@ -439,20 +482,28 @@ def test_v2_letter_extraction(output, letter):
 # LooGLE
 # ------------------------------------------------------------------------------------------------
 
+
 def test_loogle_prompts_one_task_per_question(tok):
     tasks = lg.load(LG, tok)
     assert [(t.name, t.meta["id"]) for t in tasks] == [
-        ("loogle/shortdep_qa", "Orla Fenwick#0"), ("loogle/shortdep_qa", "Orla Fenwick#1"),
-        ("loogle/shortdep_cloze", "Blue Anchor#0"), ("loogle/longdep_qa", "Orla Fenwick#0"),
-        ("loogle/longdep_summarization", "2301.00001")]
+        ("loogle/shortdep_qa", "Orla Fenwick#0"),
+        ("loogle/shortdep_qa", "Orla Fenwick#1"),
+        ("loogle/shortdep_cloze", "Blue Anchor#0"),
+        ("loogle/longdep_qa", "Orla Fenwick#0"),
+        ("loogle/longdep_summarization", "2301.00001"),
+    ]
     qa, _, cloze, longdep, summ = tasks
-    assert in_order(text(tok, qa), "Orla Fenwick was born in Carrow", "closed in 1950 .",
-                    "Question: Where was Orla Fenwick born?") and text(tok, qa).endswith("Answer:")
+    assert in_order(
+        text(tok, qa), "Orla Fenwick was born in Carrow", "closed in 1950 .", "Question: Where was Orla Fenwick born?"
+    ) and text(tok, qa).endswith("Answer:")
     assert qa.answers == ["She was born in Carrow."] and qa.metric == "loogle_rouge_l" and qa.max_new_tokens == 300
     assert qa.meta["length"] == len(qa.input_ids)
     assert in_order(text(tok, cloze), "Inspector Hale questions Mina Roth", "Passage: <mask-0> questions <mask-1>")
-    assert json.loads(cloze.answers[0]) == {"<mask-0>": "Inspector Hale", "<mask-1>": "Mina Roth",
-                                            "<mask-2>": "Portlow"}
+    assert json.loads(cloze.answers[0]) == {
+        "<mask-0>": "Inspector Hale",
+        "<mask-1>": "Mina Roth",
+        "<mask-2>": "Portlow",
+    }
     assert cloze.metric == "loogle_cloze_exact" and cloze.meta["n_masks"] == 3 and cloze.max_new_tokens == 50
     assert longdep.meta["type"] == "computation" and longdep.max_new_tokens == 500
     assert text(tok, summ).endswith("learned sparse encoder . Summary:") and summ.answers[0].startswith("The paper")
@@ -460,8 +511,10 @@ def test_loogle_prompts_one_task_per_question(tok):
 
 def test_loogle_limit_subsets_truncation(tok):
     assert [t.meta["id"] for t in lg.load(LG, tok, subsets=["shortdep_qa"], limit=1)] == ["Orla Fenwick#0"]
-    assert [t.name for t in lg.load(LG, tok, subsets=["longdep_summarization", "shortdep_cloze"])] == \
-        ["loogle/longdep_summarization", "loogle/shortdep_cloze"]
+    assert [t.name for t in lg.load(LG, tok, subsets=["longdep_summarization", "shortdep_cloze"])] == [
+        "loogle/longdep_summarization",
+        "loogle/shortdep_cloze",
+    ]
     with pytest.raises(ValueError, match=r"unknown LooGLE subset 'cloze'.*shortdep_qa, shortdep_cloze"):
         lg.load(LG, tok, subsets=["cloze"])
     full = lg.load(LG, tok, subsets=["shortdep_qa"], limit=1)[0]
@@ -471,8 +524,12 @@ def test_loogle_limit_subsets_truncation(tok):
 
 
 def test_loogle_official_config_and_kvpress(tok, tmp_path):
-    official_layout(tmp_path, LG / "shortdep_qa.jsonl", "LooGLE-testdata",
-                    {"task2prompt.json": {"shortdep_qa": "T {input} Q {Q} A:"}, "task2maxlen.json": {"shortdep_qa": 9}})
+    official_layout(
+        tmp_path,
+        LG / "shortdep_qa.jsonl",
+        "LooGLE-testdata",
+        {"task2prompt.json": {"shortdep_qa": "T {input} Q {Q} A:"}, "task2maxlen.json": {"shortdep_qa": 9}},
+    )
     t = lg.load(tmp_path, tok, subsets=["shortdep_qa"], limit=1)[0]
     assert text(tok, t).startswith("T Orla Fenwick") and text(tok, t).endswith("Q Where was Orla Fenwick born? A:")
     assert t.max_new_tokens == 9 and t.meta["template"].startswith("official (")
@@ -505,11 +562,11 @@ def test_loogle_metrics_by_hand():
     assert M2["loogle_rouge_l"](ans, "born in Venice", {}) == pytest.approx(0.4)
     assert M2["loogle_rouge_l"](ans, "She was born in Carrow in 1902", {}) == pytest.approx(1.0)
     assert M2["loogle_rouge_1"](ans, "born in Venice", {}) == pytest.approx(0.4)
-    assert M2["loogle_rouge_2"](ans, "born in Venice", {}) == pytest.approx(0.25)     # (born, in) of 4 bigrams
-    assert M2["loogle_rouge_l"](ans, "", {}) == 0.0                                    # scored as "None"
+    assert M2["loogle_rouge_2"](ans, "born in Venice", {}) == pytest.approx(0.25)  # (born, in) of 4 bigrams
+    assert M2["loogle_rouge_l"](ans, "", {}) == 0.0  # scored as "None"
     # BLEU-1: 2 of 3 output words clipped-match; brevity penalty exp(1 - 5/3)
     assert M2["loogle_bleu1"](ans, "born in Venice", {}) == pytest.approx(2 / 3 * math.exp(-2 / 3))
-    assert M2["loogle_bleu1"](ans, "She was born in Carrow. Yes", {}) == pytest.approx(5 / 6)   # longer: no penalty
+    assert M2["loogle_bleu1"](ans, "She was born in Carrow. Yes", {}) == pytest.approx(5 / 6)  # longer: no penalty
     assert M2["loogle_bleu4"](ans, "born in Venice", {}) == 0.0
     # 4-grams of "She was born in Carrow." (2) vs the output's (3): 2 shared -> 2/3, no penalty
     assert M2["loogle_bleu4"](ans, "She was born in Carrow. Yes", {}) == pytest.approx(2 / 3)
@@ -522,7 +579,7 @@ def test_loogle_cloze_metrics():
     assert lg.METRICS["loogle_cloze_partial"](ans, out, {}) == 1.0
     assert lg.METRICS["loogle_cloze_exact"](ans, '\n {"<mask-0>": "Inspector Hale"}\n', {}) == pytest.approx(1 / 3)
     assert lg.METRICS["loogle_cloze_exact"](ans, "Hale and Roth", {}) == 0.0
-    assert lg.METRICS["loogle_cloze_partial"](ans, "Answer: {'<mask-0>': 'Hale'}", {}) == 0.0   # not a dict literal
+    assert lg.METRICS["loogle_cloze_partial"](ans, "Answer: {'<mask-0>': 'Hale'}", {}) == 0.0  # not a dict literal
     assert lg.parse_dict("{'a': true}") is None and lg.parse_dict('{"a": true}') == {"a": True}
     with pytest.raises(ValueError, match="not a dict"):
         lg.METRICS["loogle_cloze_exact"](["Portlow"], "{}", {})

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from benchmark_tokenizer import WordTokenizer
 
+from benchmark_tokenizer import WordTokenizer
 from kvpass.eval.benchmarks import _io, reasoning, ruler
 from kvpass.eval.benchmarks import infinitebench as ib
 
@@ -64,12 +64,19 @@ def check_cut(load, path, tok_factory, cut_to: int, **kw):
 # ============================================================================================
 # RULER
 
+
 def test_ruler_kvpress_format_prompt_without_chat_template():
     tok = WordTokenizer()
     tasks = ruler.load(RULER_KV / "4096", tok)
     source = rows(RULER_KV / "4096" / "test.jsonl")
-    assert [t.name for t in tasks] == ["ruler/niah_single_1", "ruler/niah_single_1", "ruler/niah_multivalue",
-                                       "ruler/vt", "ruler/qa_1", "ruler/qa_1"]     # RULER's task order
+    assert [t.name for t in tasks] == [
+        "ruler/niah_single_1",
+        "ruler/niah_single_1",
+        "ruler/niah_multivalue",
+        "ruler/vt",
+        "ruler/qa_1",
+        "ruler/qa_1",
+    ]  # RULER's task order
     by_task = {}
     for r in source:
         by_task.setdefault(r["task"], []).append(r)
@@ -92,10 +99,11 @@ def test_ruler_kvpress_format_prompt_with_chat_template():
     task = ruler.load(RULER_KV / "4096", tok, subsets=["vt"])[0]
     r = next(r for r in rows(RULER_KV / "4096" / "test.jsonl") if r["task"] == "vt")
     # one user turn holds context + question; the generation prompt, then the answer prefix, follow the question
-    assert tok.decode(task.input_ids) == words(f"<|user|> {r['context']} {r['question']} <|end|> <|assistant|> "
-                                               f"{r['answer_prefix']}")
-    assert task.input_ids[0] != tok.bos_token_id                      # the template carries any BOS, not the loader
-    assert task.meta["context_tokens"] == 1 + len(r["context"].split())   # "<|user|>" + the context
+    assert tok.decode(task.input_ids) == words(
+        f"<|user|> {r['context']} {r['question']} <|end|> <|assistant|> {r['answer_prefix']}"
+    )
+    assert task.input_ids[0] != tok.bos_token_id  # the template carries any BOS, not the loader
+    assert task.meta["context_tokens"] == 1 + len(r["context"].split())  # "<|user|>" + the context
     assert task.meta["chat"] is True and tok.calls == [{"enable_thinking": False}]
 
 
@@ -106,7 +114,7 @@ def test_ruler_official_format_prompt_and_gen_length():
     niah = rows(RULER_RAW / "4096" / "niah_single_1" / "validation.jsonl")
     for t, r in zip(tasks[:2], niah):
         assert t.input_ids[0] == tok.bos_token_id
-        assert tok.decode(t.input_ids) == words(r["input"] + r["answer_prefix"])   # input, then answer_prefix
+        assert tok.decode(t.input_ids) == words(r["input"] + r["answer_prefix"])  # input, then answer_prefix
         assert t.meta["id"] == r["index"] and t.meta["ruler_length"] == r["length"]
         assert t.meta["format"] == "ruler" and t.meta["context_length"] == 4096
         assert t.max_new_tokens == 128 and t.answers == r["outputs"] and t.metric == "ruler_string_match_all"
@@ -126,7 +134,10 @@ def test_ruler_lengths_subsets_limit():
     assert [t.meta["id"] for t in both] == [0, 1, 0]
     one = ruler.load(RULER_KV, tok, subsets=["niah_single_1", "qa_1"], limit=1)
     assert [(t.name, t.meta["context_length"]) for t in one] == [
-        ("ruler/niah_single_1", 4096), ("ruler/qa_1", 4096), ("ruler/niah_single_1", 8192)]
+        ("ruler/niah_single_1", 4096),
+        ("ruler/qa_1", 4096),
+        ("ruler/niah_single_1", 8192),
+    ]
     single_file = ruler.load(RULER_RAW / "4096" / "cwe" / "validation.jsonl", tok)
     assert [t.name for t in single_file] == ["ruler/cwe"] and single_file[0].meta["context_length"] == 4096
     with pytest.raises(ValueError, match=r"unknown RULER subset 'niah_single_9'.*known: niah_single_1"):
@@ -146,8 +157,9 @@ def test_ruler_errors_name_the_file_and_the_field(tmp_path):
     (folder / "validation.jsonl").write_text(json.dumps({"index": 0, "input": "x", "length": 3}) + "\n")
     with pytest.raises(ValueError, match=r"validation.jsonl: rows with fields index, input, length are in no RULER"):
         ruler.load(tmp_path, WordTokenizer())
-    (folder / "validation.jsonl").write_text(json.dumps({"context": "c", "question": "q", "answer": ["a"],
-                                                         "answer_prefix": "A:", "task": "vt"}) + "\n")
+    (folder / "validation.jsonl").write_text(
+        json.dumps({"context": "c", "question": "q", "answer": ["a"], "answer_prefix": "A:", "task": "vt"}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"validation.jsonl: a row has no field 'max_new_tokens'.*kvpress RULER"):
         ruler.load(tmp_path, WordTokenizer())
     loose = tmp_path / "loose.jsonl"
@@ -165,8 +177,8 @@ def test_ruler_metrics_all_vs_part():
     assert m["ruler_string_match_part"](answers, " The numbers are 1180345 and 9999999.", {}) == 1.0
     assert m["ruler_string_match_all"](answers, "6624017, 1180345", {}) == 1.0
     assert m["ruler_string_match_part"](answers, "none of them", {}) == 0.0
-    assert m["ruler_string_match_all"](["KQWLE", "PZMTA"], "kqwle pzmta", {}) == 1.0      # case-insensitive
-    assert m["ruler_string_match_all"](["7"], "17", {}) == 1.0                            # a plain substring test
+    assert m["ruler_string_match_all"](["KQWLE", "PZMTA"], "kqwle pzmta", {}) == 1.0  # case-insensitive
+    assert m["ruler_string_match_all"](["7"], "17", {}) == 1.0  # a plain substring test
     # control characters: RULER turns them into newlines, kvpress deletes them
     assert m["ruler_string_match_all"](["ab"], "a\tb", {"postprocess": "control_to_newline"}) == 0.0
     assert m["ruler_string_match_all"](["ab"], "a\tb", {"postprocess": "delete_control"}) == 1.0
@@ -187,6 +199,7 @@ def test_kvpress_prompt_marker_and_cut_middle():
 # ============================================================================================
 # InfiniteBench
 
+
 def fill(template: str, **fields) -> str:
     return template.format(**fields)
 
@@ -195,8 +208,20 @@ def test_infinitebench_official_prompts_in_order():
     tok = WordTokenizer()
     tasks = ib.load(IB_RAW, tok)
     assert [t.name.split("/")[1] for t in tasks] == [
-        "longbook_sum_eng", "longbook_qa_eng", "longbook_choice_eng", "longdialogue_qa_eng", "longbook_qa_chn",
-        "code_debug", "code_run", "math_calc", "math_find", "passkey", "passkey", "number_string", "kv_retrieval"]
+        "longbook_sum_eng",
+        "longbook_qa_eng",
+        "longbook_choice_eng",
+        "longdialogue_qa_eng",
+        "longbook_qa_chn",
+        "code_debug",
+        "code_run",
+        "math_calc",
+        "math_find",
+        "passkey",
+        "passkey",
+        "number_string",
+        "kv_retrieval",
+    ]
     by = {}
     for t in tasks:
         by.setdefault(t.meta["subset"], []).append(t)
@@ -204,15 +229,16 @@ def test_infinitebench_official_prompts_in_order():
         for t, r in zip(ts, rows(IB_RAW / f"{name}.jsonl")):
             fields = {"context": r["context"], "input": r["input"], "question": r["input"]}
             fields.update({f"OPTION_{c}": o for c, o in zip("ABCD", r["options"])})
-            fields.update(func="func_1", func_call="func_1(4)", prefix="Find the largest number in the list of "
-                                                                       "numbers below.")
+            fields.update(
+                func="func_1", func_call="func_1(4)", prefix="Find the largest number in the list of numbers below."
+            )
             assert t.input_ids[0] == tok.bos_token_id
             assert tok.decode(t.input_ids) == words(fill(ib.PROMPTS[name], **fields)), name
             assert t.max_new_tokens == ib.MAX_NEW_TOKENS[name] and t.metric == ib.METRIC[name]
             assert t.meta["template"] == "kvpass" and t.meta["format"] == "official"
             assert t.meta["display"] == ib.DISPLAY[name] and t.meta["length"] == len(t.input_ids)
     choice = by["longbook_choice_eng"][0]
-    assert choice.answers == ["Walking the dog", "B"]                     # the option's text and its letter
+    assert choice.answers == ["Walking the dog", "B"]  # the option's text and its letter
     assert choice.meta["options"] == ["Baking bread", "Walking the dog", "Reading letters", "Feeding hens"]
     text = tok.decode(choice.input_ids)
     assert text.index("Mara") < text.index("Question:") < text.index("A. Baking") < text.index("D. Feeding")
@@ -225,22 +251,25 @@ def test_infinitebench_official_prompts_in_order():
 def test_infinitebench_templates_file_subsets_limit(tmp_path):
     for name in ("passkey", "math_find", "code_run"):
         shutil.copy(IB_RAW / f"{name}.jsonl", tmp_path)
-    templates = {"passkey": "PK-HEAD {context} PK-ASK {input} PK-LEAD",
-                 "math_find": "{prefix} {context} {input}",
-                 "math_find_prefix": "Which is {target}?",
-                 "code_run": "RUN {func} {context} CALL {func_call} IS"}
+    templates = {
+        "passkey": "PK-HEAD {context} PK-ASK {input} PK-LEAD",
+        "math_find": "{prefix} {context} {input}",
+        "math_find_prefix": "Which is {target}?",
+        "code_run": "RUN {func} {context} CALL {func_call} IS",
+    }
     (tmp_path / "templates.json").write_text(json.dumps(templates))
     tok = WordTokenizer()
     tasks = ib.load(tmp_path, tok, subsets=["Retrieve.PassKey", "math_find", "code_run"], limit=1)
-    assert [t.meta["subset"] for t in tasks] == ["code_run", "math_find", "passkey"]     # README order, 1 row each
+    assert [t.meta["subset"] for t in tasks] == ["code_run", "math_find", "passkey"]  # README order, 1 row each
     run, find, pk = tasks
     r = rows(IB_RAW / "passkey.jsonl")[0]
     assert tok.decode(pk.input_ids) == words(f"PK-HEAD {r['context']} PK-ASK {r['input']} PK-LEAD")
     assert pk.meta["template"] == "official"
     # {target} is what create_prompt takes from "The largest number of the list is:"
     assert tok.decode(find.input_ids).startswith("Which is the largest number? [31, 7, 88, 12, 54] What is")
-    assert tok.decode(run.input_ids).startswith("RUN func_1 def func_1(x):") and "CALL func_1(4) IS" in \
-        tok.decode(run.input_ids)
+    assert tok.decode(run.input_ids).startswith("RUN func_1 def func_1(x):") and "CALL func_1(4) IS" in tok.decode(
+        run.input_ids
+    )
     (tmp_path / "templates.json").write_text(json.dumps({"passkey": "no context here"}))
     with pytest.raises(ValueError, match=r"templates.json: the template for 'passkey' must be a string holding"):
         ib.load(tmp_path, tok)
@@ -285,10 +314,10 @@ def test_infinitebench_metrics():
     assert m["infinitebench_choice"](labels, "C", {}) == 0.0
     assert m["infinitebench_choice"](labels, "I think the answer is: B", {}) == 1.0
     assert m["infinitebench_choice"](labels, "Walking the dog", {}) == 1.0
-    assert m["infinitebench_choice"](labels, "so it is B here", {}) == 1.0            # the first lone A-D word
+    assert m["infinitebench_choice"](labels, "so it is B here", {}) == 1.0  # the first lone A-D word
     assert m["infinitebench_choice"](labels, "", {}) == 0.0
     # kvpress's version first takes the last lone A-D of the first line that has one
-    assert m["infinitebench_choice"](["B"], "so not A but B", {}) == 0.0              # the first lone letter: A
+    assert m["infinitebench_choice"](["B"], "so not A but B", {}) == 0.0  # the first lone letter: A
     assert m["infinitebench_choice_kvpress"](["B"], "so not A but B", {}) == 1.0
     # En.Dia: the first answer among the upper-cased words / kvpress: any answer as a substring
     assert m["infinitebench_dialogue"](["ANNA", "ANNA LEE"], "It is Anna.", {}) == 1.0
@@ -297,7 +326,7 @@ def test_infinitebench_metrics():
     # Code.Debug: "<letter>." at the start, or after an answer prefix the letter or the function's name
     assert m["infinitebench_code_debug"](["gamma", "C"], "C. gamma", {}) == 1.0
     assert m["infinitebench_code_debug"](["gamma", "C"], "The correct option is: gamma", {}) == 1.0
-    assert m["infinitebench_code_debug"](["gamma", "C"], "C", {}) == 0.0             # no "C." / "C:": the repo's rule
+    assert m["infinitebench_code_debug"](["gamma", "C"], "C", {}) == 0.0  # no "C." / "C:": the repo's rule
     assert m["infinitebench_code_debug"](["gamma", "C"], "B. beta", {}) == 0.0
     assert m["infinitebench_code_debug_kvpress"](["C"], "C", {}) == 1.0
     # Code.Run: the last word as an integer
@@ -325,23 +354,28 @@ def test_infinitebench_rouge_lsum():
     assert ib.rouge_lsum("Mara leaves.\nShe bakes bread.", "she bakes\nMara") == pytest.approx(2 * 1 * 0.6 / 1.6)
     assert ib.rouge_lsum("x y", "") == 0.0
     assert ib.METRICS["infinitebench_rouge_lsum"](["p q", "a b c d"], "a c e", {}) == pytest.approx(4 / 7)
-    if importlib.util.find_spec("rouge_score") is not None:      # the reference implementation, when installed
+    if importlib.util.find_spec("rouge_score") is not None:  # the reference implementation, when installed
         from rouge_score import rouge_scorer
+
         scorer = rouge_scorer.RougeScorer(["rougeLsum"])
-        for ref, out in [("Mara leaves the farm.\nShe works at a bakery.", "She works.\nMara leaves a farm"),
-                         ("a b a b c\nc a b", "b a c a\nb b c")]:
+        for ref, out in [
+            ("Mara leaves the farm.\nShe works at a bakery.", "She works.\nMara leaves a farm"),
+            ("a b a b c\nc a b", "b a c a\nb b c"),
+        ]:
             assert ib.rouge_lsum(ref, out) == pytest.approx(scorer.score(ref, out)["rougeLsum"].fmeasure)
 
 
 # ============================================================================================
 # AIME 2025 and MATH-500
 
+
 def test_reasoning_loaders_prompts():
     tok = WordTokenizer()
     aime = reasoning.LOADERS["aime25"](DATA / "reasoning" / "aime25", tok)
-    source = rows(DATA / "reasoning" / "aime25" / "aime2025-I.jsonl") + \
-        rows(DATA / "reasoning" / "aime25" / "aime2025-II.jsonl")
-    assert [t.answers for t in aime] == [["401"], ["12"]]                 # part I, then part II
+    source = rows(DATA / "reasoning" / "aime25" / "aime2025-I.jsonl") + rows(
+        DATA / "reasoning" / "aime25" / "aime2025-II.jsonl"
+    )
+    assert [t.answers for t in aime] == [["401"], ["12"]]  # part I, then part II
     for t, r in zip(aime, source):
         assert t.name == "aime25/test" and t.metric == "aime25_integer" and t.max_new_tokens == 32768
         assert tok.decode(t.input_ids) == words(f"{r['question']}\n\n{reasoning.INSTRUCTION}\n\nSolution:")
@@ -351,9 +385,10 @@ def test_reasoning_loaders_prompts():
     assert math[0].meta["subject"] == "Prealgebra" and math[0].meta["level"] == 1
     chat = ChatWordTokenizer()
     t = reasoning.LOADERS["math500"](DATA / "reasoning" / "math500", chat, subsets=["test"])[1]
-    assert chat.decode(t.input_ids) == words(f"<|user|> Find the positive $x$ with $x^2 = 18$.\n\n"
-                                             f"{reasoning.INSTRUCTION} <|end|> <|assistant|>")
-    assert t.meta["chat"] is True and chat.calls[-1] == {}                # the template's own thinking default
+    assert chat.decode(t.input_ids) == words(
+        f"<|user|> Find the positive $x$ with $x^2 = 18$.\n\n{reasoning.INSTRUCTION} <|end|> <|assistant|>"
+    )
+    assert t.meta["chat"] is True and chat.calls[-1] == {}  # the template's own thinking default
     kv = reasoning.LOADERS["math500"](DATA / "reasoning" / "kvpress" / "math500.jsonl", tok)[0]
     assert tok.decode(kv.input_ids) == words("What is $3 \\cdot 4$?\n") and kv.max_new_tokens == 4096
     assert kv.meta["format"] == "kvpress" and kv.input_ids[0] == tok.bos_token_id
@@ -377,7 +412,7 @@ def test_last_boxed():
     assert reasoning.last_boxed("$\\boxed{\\left\\{ 1, 2 \\right\\}}$") == "\\left\\{ 1, 2 \\right\\}"
     assert reasoning.last_boxed("so \\boxed 5$ done") == "5"
     assert reasoning.last_boxed("\\fbox{7}") == "7"
-    assert reasoning.last_boxed("\\boxed{2} and a cut \\boxed{3") == "2"      # the last complete box
+    assert reasoning.last_boxed("\\boxed{2} and a cut \\boxed{3") == "2"  # the last complete box
     assert reasoning.last_boxed("no box: 42") is None
 
 
@@ -402,10 +437,10 @@ def test_math_normalization_and_equivalence():
 def test_reasoning_metrics():
     aime, math = reasoning.METRICS["aime25_integer"], reasoning.METRICS["math500_equiv"]
     assert aime(["70"], "... so the answer is \\boxed{070}.", {}) == 1.0
-    assert aime(["70"], "\\boxed{70} wait, no: \\boxed{71}", {}) == 0.0        # the last box counts
+    assert aime(["70"], "\\boxed{70} wait, no: \\boxed{71}", {}) == 0.0  # the last box counts
     assert aime(["70"], "\\boxed{70.5}", {}) == 0.0 and aime(["70"], "70", {}) == 0.0
     assert aime(["401"], "$\\boxed{401^\\circ}$", {}) == 1.0
     assert math(["\\frac{3}{4}"], "Adding: $\\boxed{\\dfrac34}$", {}) == 1.0
     assert math(["3\\sqrt{2}"], "$\\boxed{3\\sqrt2}$", {}) == 1.0
     assert math(["\\text{(C)}"], "\\boxed{\\textbf{(C)}}", {}) == 1.0
-    assert math(["\\frac{3}{4}"], "the answer is 3/4", {}) == 0.0             # no box, no score
+    assert math(["\\frac{3}{4}"], "the answer is 3/4", {}) == 0.0  # no box, no score

@@ -28,7 +28,7 @@ def test_round_trip_memory_and_disk(model, tmp_path):
     assert key == store.key(IDS) and IDS in store and len(store) == 1
     mem = store.get(IDS)
     assert mem.source == "memory"
-    fresh = ChunkStore(tmp_path, model)              # a new process: the disk tier only
+    fresh = ChunkStore(tmp_path, model)  # a new process: the disk tier only
     disk = fresh.get(IDS)
     assert disk.source == "disk" and disk.tokens == len(IDS)
     for a, b in zip(mem.k + mem.v, disk.k + disk.v):
@@ -67,16 +67,16 @@ def test_corrupt_file_is_a_miss_with_a_warning(model, tmp_path, damage):
     with pytest.warns(ChunkStoreWarning, match="unusable"):
         assert store.get(IDS) is None
     assert not os.path.exists(path) and len(store) == 0 and store.stats()["corrupt"] == 1
-    assert store.get_or_compute(IDS).source == "computed"          # recomputed and stored again
+    assert store.get_or_compute(IDS).source == "computed"  # recomputed and stored again
     assert ChunkStore(tmp_path, model).get(IDS).source == "disk"
 
 
 def test_fingerprint_mismatch(model, tmp_path):
-    other = families.build("llama", seed=1)                  # same config, other weights
+    other = families.build("llama", seed=1)  # same config, other weights
     a, b = ChunkStore(tmp_path, model), ChunkStore(tmp_path, other)
     assert a.fingerprint != b.fingerprint and a.key(IDS) != b.key(IDS)
     a.put([IDS])
-    assert b.get(IDS) is None                                # another model's entry is never found
+    assert b.get(IDS) is None  # another model's entry is never found
     # an entry copied under the other model's key (or a hash collision) fails the metadata check
     os.makedirs(os.path.dirname(b._file(b.key(IDS))), exist_ok=True)
     with open(a._file(a.key(IDS)), "rb") as f, open(b._file(b.key(IDS)), "wb") as g:
@@ -114,9 +114,9 @@ def test_two_processes_write_the_same_chunk(tmp_path):
     assert results[0][0] == results[1][0]
     model = families.build("llama")
     store = ChunkStore(tmp_path, model)
-    assert len(store) == 3                                  # the shared chunk once, one own chunk each
+    assert len(store) == 3  # the shared chunk once, one own chunk each
     with warnings.catch_warnings():
-        warnings.simplefilter("error", ChunkStoreWarning)   # every file is whole and valid
+        warnings.simplefilter("error", ChunkStoreWarning)  # every file is whole and valid
         assert store.get(IDS).source == "disk"
     leftovers = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".tmp")]
     assert leftovers == []
@@ -130,7 +130,7 @@ def test_size_cap_evicts_least_recently_used(model, tmp_path):
     capped = ChunkStore(tmp_path, model, memory_bytes=0, max_bytes=int(2.5 * one))
     capped.put(chunks[1:2])
     os.utime(capped._file(capped.key(chunks[0])), ns=(1, 1))  # chunk 0 is the oldest ...
-    assert capped.get(chunks[1]) is not None                    # ... and chunk 1 was just used
+    assert capped.get(chunks[1]) is not None  # ... and chunk 1 was just used
     capped.put(chunks[2:3])
     s = capped.stats()
     assert s["disk_entries"] == 2 and s["disk_bytes"] <= capped.max_bytes and s["evicted"] == 1
@@ -155,7 +155,7 @@ def test_memory_tier_is_lru(model, tmp_path):
 def test_fingerprint_follows_weights_and_handles_large_tensors(model):
     from kvpass.chunks.chunkstore import model_fingerprint
 
-    class Big(torch.nn.Module):                 # float32 linspace would index past the end of this one
+    class Big(torch.nn.Module):  # float32 linspace would index past the end of this one
         def __init__(self):
             super().__init__()
             self.config = model.config
@@ -164,10 +164,10 @@ def test_fingerprint_follows_weights_and_handles_large_tensors(model):
     big = Big()
     before = model_fingerprint(big)
     with torch.no_grad():
-        big.w[12345] = 1.0                       # not a sampled element: the float64 sum changes
+        big.w[12345] = 1.0  # not a sampled element: the float64 sum changes
     assert model_fingerprint(big) != before
     other = families.build("llama")
-    assert model_fingerprint(other) == model_fingerprint(model)   # same seed, same weights
+    assert model_fingerprint(other) == model_fingerprint(model)  # same seed, same weights
 
 
 def test_weights_changed_in_place_are_never_served_stale_kv(tmp_path):
@@ -199,7 +199,7 @@ def test_pie_after_an_in_place_weight_change_equals_a_full_prefill(tmp_path):
             ref = model(torch.tensor([chunk + question])).logits[:, -1]
         logits, fused = fusion.prefill([chunk], question)
         torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4)
-        assert fused.sources == {"computed": 1}          # never the KV of the weights before
+        assert fused.sources == {"computed": 1}  # never the KV of the weights before
 
 
 def test_a_model_cast_to_another_dtype_gets_kv_of_its_dtype(tmp_path):
@@ -211,7 +211,7 @@ def test_a_model_cast_to_another_dtype_gets_kv_of_its_dtype(tmp_path):
     model.to(torch.bfloat16)
     assert ChunkStore(tmp_path / "pinned", model, fingerprint="checkpoint-abc").get(IDS) is None
     for s in (store, pinned):
-        assert s.get(IDS) is None                       # the float32 entries are not this model's KV
+        assert s.get(IDS) is None  # the float32 entries are not this model's KV
         assert all(t.dtype == torch.bfloat16 for t in s.get_or_compute(IDS).k + s.get(IDS).v)
 
 
@@ -235,7 +235,7 @@ def test_keys_from_put_work_with_get_and_in(model, tmp_path):
 
 def test_a_chunk_is_one_row_of_integer_token_ids(model, tmp_path):
     store = ChunkStore(tmp_path, model)
-    assert store.ids(torch.tensor([IDS])).tolist() == IDS        # one row [1, n] is one chunk
+    assert store.ids(torch.tensor([IDS])).tolist() == IDS  # one row [1, n] is one chunk
     two_rows = torch.arange(3, 23).reshape(2, 10)
     for bad in (two_rows, two_rows.tolist(), torch.zeros(1, 2, 3, dtype=torch.long)):
         with pytest.raises(ConfigError, match=r"kvpass ChunkStore: parameter 'chunk' must be a non-empty 1-D"):
@@ -258,10 +258,10 @@ def test_stored_chunk_is_public_and_the_chunkkv_name_is_a_deprecated_alias(model
     assert kvpass.StoredChunk is StoredChunk and "StoredChunk" in kvpass.__all__
     assert "ChunkKV" not in kvpass.__all__
     assert isinstance(ChunkStore(tmp_path, model).get_or_compute(IDS), kvpass.StoredChunk)
-    for _ in range(2):                                  # every access warns, not only the first
+    for _ in range(2):  # every access warns, not only the first
         with pytest.warns(DeprecationWarning, match=r"kvpass\.ChunkKV .*kvpass\.StoredChunk"):
             alias = kvpass.ChunkKV
-        assert alias is StoredChunk and alias is not ChunkKV   # the policy keeps its own name
+        assert alias is StoredChunk and alias is not ChunkKV  # the policy keeps its own name
     with pytest.warns(DeprecationWarning, match=r"kvpass\.StoredChunk"):
         from kvpass import ChunkKV as imported
     assert imported is StoredChunk

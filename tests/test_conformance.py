@@ -106,12 +106,12 @@ def test_budget_is_respected_in_bytes(model, policy):
     skip_uneven_layers_on_old_stacks(policy)
     _, cache, _, _ = memo(model, policy, "long")
     cfg = model.config
-    per_entry = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4   # K and V, fp32
+    per_entry = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K and V, fp32
     bound = CONFORMANCE[policy].kept(PROMPT, NEW)
     for i, layer in enumerate(cache.layers):
         stored = layer.keys.nbytes + layer.values.nbytes
         assert stored <= bound * per_entry, f"layer {i}: {stored} bytes, bound {bound} entries of {per_entry} bytes"
-    if bound < PROMPT:   # the demanding setting evicts: the memory is freed, not masked
+    if bound < PROMPT:  # the demanding setting evicts: the memory is freed, not masked
         assert all(layer.keys.shape[-2] < PROMPT for layer in cache.layers)
 
 
@@ -147,19 +147,27 @@ def test_left_padded_batch_equals_rows_alone(model, policy):
     ids = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), SHORT], 1), LONG])
     mask = torch.ones_like(ids)
     mask[0, :pad] = 0
-    be = memo(model, policy, "long")[0]   # reused after the long prompt: its state must reset for this one
+    be = memo(model, policy, "long")[0]  # reused after the long prompt: its state must reset for this one
     torch._dynamo.reset()
     _, both = decode(model, be, ids, DynamicCache(config=model.config), mask=mask)
-    for row, which in ((0, "short"), (1, "long")):   # greedy per row: the rows pick their own tokens
-        close([x[row:row + 1] for x in both], memo(model, policy, which)[3])
+    for row, which in ((0, "short"), (1, "long")):  # greedy per row: the rows pick their own tokens
+        close([x[row : row + 1] for x in both], memo(model, policy, which)[3])
 
 
 SPELLINGS = {  # a sliding window as configs spell it: no layer_types (Mistral 7B v0.1, Phi-3), and layer_types
     "sliding_window": lambda: tf.MistralConfig(**SMALL, sliding_window=8),
     "layer_types": lambda: tf.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
-SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +210,11 @@ def test_noop_equals_uncompiled_on_sliding_windows(sliding_models, policy, spell
     m, fed, ref = sliding_models[spelling]
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler="eager", **CONFORMANCE[policy].noop)
-    kv = (DynamicCache(config=m.config) if cache == "dynamic" else
-          kvpass.SlotCache(m, be, max_length=PROMPT + NEW, max_new_tokens=NEW))
+    kv = (
+        DynamicCache(config=m.config)
+        if cache == "dynamic"
+        else kvpass.SlotCache(m, be, max_length=PROMPT + NEW, max_new_tokens=NEW)
+    )
     _, got = decode(m, be, LONG, kv, tokens=fed)
     close(got, ref)
 
@@ -230,5 +241,7 @@ def test_decode_follows_a_prefill_compiled_unchanged(sliding_models):
     with pytest.warns(kvpass.KVPassWarning, match="no candidate selection layer"):
         _, got = decode(m, be, LONG, DynamicCache(config=m.config), tokens=fed)
     close(got, ref)
-    assert be.plans()["decode"] == [f"unchanged: the prefill graph was compiled unchanged ({be.reports[0].problems[0]}),"
-                                    f" so its decode steps run unchanged too"]
+    assert be.plans()["decode"] == [
+        f"unchanged: the prefill graph was compiled unchanged ({be.reports[0].problems[0]}),"
+        f" so its decode steps run unchanged too"
+    ]

@@ -41,10 +41,19 @@ from kvpass.policies.prefill.criticalkv import CriticalKV
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GQA = [(1, 1), (2, 1), (4, 2), (4, 4)]
-SITE = SimpleNamespace(layer=0, softcap=0.0, sliding_window=None, cache="dynamic", phase="prefill", global_layers=(0,),
-                       tokens=None, tp=None, q_rope=SimpleNamespace(cos=None, problem=None),
-                       o_proj=SimpleNamespace(weight="w", transposed=False, problem=None))
-SINKS = 4   # expected_attention's default
+SITE = SimpleNamespace(
+    layer=0,
+    softcap=0.0,
+    sliding_window=None,
+    cache="dynamic",
+    phase="prefill",
+    global_layers=(0,),
+    tokens=None,
+    tp=None,
+    q_rope=SimpleNamespace(cos=None, problem=None),
+    o_proj=SimpleNamespace(weight="w", transposed=False, problem=None),
+)
+SINKS = 4  # expected_attention's default
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,7 +69,7 @@ def norms_reference(v, w, heads: int):
     group = heads // hkv
     out = torch.zeros(hkv, n, dtype=torch.float64)
     for h in range(heads):
-        w_h = w[:, h * dv:(h + 1) * dv].double()                        # [hidden, Dv]
+        w_h = w[:, h * dv : (h + 1) * dv].double()  # [hidden, Dv]
         for j in range(n):
             out[h // group, j] += (w_h @ v[h // group, j].double()).abs().sum() / group
     return out
@@ -69,12 +78,13 @@ def norms_reference(v, w, heads: int):
 def forced_of(scorer: str, real: list[int], window: int) -> set[int]:
     """The entries the scorer keeps whatever their score: its window's last real entries, expected_attention's
     first real ones (its sinks)."""
-    forced = set(real[len(real) - window:]) if window else set()
+    forced = set(real[len(real) - window :]) if window else set()
     return forced | (set(real[:SINKS]) if scorer == "expected_attention" else set())
 
 
-def reference_keep(base: dict, norm: dict, real: list[int], forced: set[int], n: int, budget: int, ratio: float,
-                   eps: float) -> tuple[list[int], bool]:
+def reference_keep(
+    base: dict, norm: dict, real: list[int], forced: set[int], n: int, budget: int, ratio: float, eps: float
+) -> tuple[list[int], bool]:
     """One row and KV head: (the kept indices, whether a float near-tie sits at a cut). ``base`` and ``norm``: the
     scorer's score and the projected norm of each real entry. Stage 1: the forced entries, then real entries by
     score (the earlier on a tie), ``first`` in all; stage 2: the others by ``(score + eps) * norm``; padding last."""
@@ -93,6 +103,7 @@ def reference_keep(base: dict, norm: dict, real: list[int], forced: set[int], n:
             return False
         scale = max(abs(x) for x in values) + 1e-30
         return any(0 < abs(x - c) <= 1e-5 * scale for x in values for c in (values[cut - 1], values[cut]))
+
     return kept, near([base[j] for j in by_base], take) or near([second[j] for j in rest], room)
 
 
@@ -101,7 +112,7 @@ def make_prompt(b, h, hkv, n, d, hidden, pads, seed):
     ``[hidden, h * d]`` whose heads differ in gain, ``kv_pos`` with -1 on each row's ``pads`` leading entries and
     the query positions."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, n, d, generator=g) * d ** -0.5
+    q = torch.randn(b, h, n, d, generator=g) * d**-0.5
     k = torch.randn(b, hkv, n, d, generator=g)
     v = torch.randn(b, hkv, n, d, generator=g) * torch.rand(b, hkv, n, 1, generator=g) * 3
     w = torch.randn(hidden, h * d, generator=g) * torch.rand(1, h * d, generator=g)
@@ -125,7 +136,7 @@ def base_scores(pol: CriticalKV, q, k, v, kv_pos, q_pos, window: int):
         for row in range(b):
             for g in range(hkv):
                 real = [j for j in range(n) if kv_pos[row, g, j] >= 0]
-                forced = set(real[len(real) - window:])
+                forced = set(real[len(real) - window :])
                 cand = [j in real and j not in forced for j in range(n)]
                 out[row, g] = torch.tensor(pool_naive(votes[row, g].double().tolist(), cand, 7, "max"))
         return out
@@ -138,11 +149,19 @@ def base_scores(pol: CriticalKV, q, k, v, kv_pos, q_pos, window: int):
 
 
 @SETTINGS
-@given(scorer=st.sampled_from(["snapkv", "knorm", "keydiff", "expected_attention"]), b=st.integers(1, 2),
-       heads=st.sampled_from(GQA), n=st.integers(2, 40), budget=st.integers(2, 36), window=st.integers(0, 4),
-       ratio=st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0]), eps=st.sampled_from([1e-4, 0.5]),
-       hidden=st.sampled_from([8, 24]), pads=st.lists(st.integers(0, 8), min_size=2, max_size=2),
-       seed=st.integers(0, 10_000))
+@given(
+    scorer=st.sampled_from(["snapkv", "knorm", "keydiff", "expected_attention"]),
+    b=st.integers(1, 2),
+    heads=st.sampled_from(GQA),
+    n=st.integers(2, 40),
+    budget=st.integers(2, 36),
+    window=st.integers(0, 4),
+    ratio=st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0]),
+    eps=st.sampled_from([1e-4, 0.5]),
+    hidden=st.sampled_from([8, 24]),
+    pads=st.lists(st.integers(0, 8), min_size=2, max_size=2),
+    seed=st.integers(0, 10_000),
+)
 def test_select_keeps_the_reference_choice(scorer, b, heads, n, budget, window, ratio, eps, hidden, pads, seed):
     """Per row and KV head the kept indices are the reference's, exactly ``budget`` of them; a prompt within the
     budget is kept whole."""
@@ -165,10 +184,17 @@ def test_select_keeps_the_reference_choice(scorer, b, heads, n, budget, window, 
         real = [j for j in range(n) if kv_pos[row, 0, j] >= 0]
         norms = norms_reference(v[row], w, h)
         for g in range(hkv):
-            want, tied = reference_keep({j: float(base[row, g, j]) for j in real},
-                                        {j: float(norms[g, j]) for j in real}, real, forced_of(scorer, real, window),
-                                        n, budget, ratio, scaled)
-            assume(not tied)    # float32 against float64 may order a near tie either way
+            want, tied = reference_keep(
+                {j: float(base[row, g, j]) for j in real},
+                {j: float(norms[g, j]) for j in real},
+                real,
+                forced_of(scorer, real, window),
+                n,
+                budget,
+                ratio,
+                scaled,
+            )
+            assume(not tied)  # float32 against float64 may order a near tie either way
             assert keep[row, g].tolist() == want, (row, g)
 
 
@@ -177,10 +203,12 @@ def test_first_stage_alone_is_the_scorers_choice(scorer, window):
     """``first_stage_ratio=1``: every kept entry is the scorer's (expected_attention without its value norms)."""
     q, k, v, w, kv_pos, q_pos = make_prompt(2, 4, 2, 40, 8, 16, [5, 0], 3)
     pol = make_policy("criticalkv", scorer=scorer, budget=16, window=window, first_stage_ratio=1.0)
-    alone = make_policy(scorer, budget=16, window=window, **({"use_vnorm": False} if scorer == "expected_attention"
-                                                              else {}))
-    assert torch.equal(pol.select(SITE, q, k, v, kv_pos, q_pos, None, out_proj=w),
-                       alone.select(SITE, q, k, v, kv_pos, q_pos, None))
+    alone = make_policy(
+        scorer, budget=16, window=window, **({"use_vnorm": False} if scorer == "expected_attention" else {})
+    )
+    assert torch.equal(
+        pol.select(SITE, q, k, v, kv_pos, q_pos, None, out_proj=w), alone.select(SITE, q, k, v, kv_pos, q_pos, None)
+    )
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 0.75])
@@ -218,8 +246,16 @@ def test_left_padded_row_keeps_what_the_prompt_keeps_alone(scorer):
         x[0, :, :pad] *= 50.0
     pol = make_policy("criticalkv", scorer=scorer, budget=12, window=3)
     both = pol.select(SITE, q, k, v, kv_pos, q_pos, None, out_proj=w)
-    solo = pol.select(SITE, q[:1, :, pad:], k[:1, :, pad:], v[:1, :, pad:], torch.arange(n).expand(1, hkv, n),
-                      torch.arange(n)[None], None, out_proj=w)
+    solo = pol.select(
+        SITE,
+        q[:1, :, pad:],
+        k[:1, :, pad:],
+        v[:1, :, pad:],
+        torch.arange(n).expand(1, hkv, n),
+        torch.arange(n)[None],
+        None,
+        out_proj=w,
+    )
     for g in range(hkv):
         assert [j - pad for j in both[0, g].tolist() if j >= pad] == solo[0, g].tolist()
 
@@ -267,8 +303,9 @@ WEIGHTS: dict = {}
 
 
 def _gpt2():
-    cfg = tf.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=256, pad_token_id=0,
-                        bos_token_id=1, eos_token_id=2)
+    cfg = tf.GPT2Config(
+        vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=256, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     torch.manual_seed(0)
     return tf.GPT2LMHeadModel(cfg).eval()
 
@@ -289,8 +326,9 @@ def test_compiled_model_passes_its_projection_and_keeps_the_reference_choice(fam
     WEIGHTS.clear()
     be = kvpass.backend(Recorded(scorer="knorm", budget=budget, window=0), compiler="eager")
     with torch.no_grad():
-        torch.compile(model.forward, backend=be)(input_ids=ids, past_key_values=DynamicCache(config=model.config),
-                                                 use_cache=True)
+        torch.compile(model.forward, backend=be)(
+            input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True
+        )
     layers = model.transformer.h if family == "gpt2" else model.model.layers
     assert be.reports[-1].evicting == list(range(len(layers)))
     assert "compact (with the output projection)" in be.reports[-1].plans[0]
@@ -302,8 +340,16 @@ def test_compiled_model_passes_its_projection_and_keeps_the_reference_choice(fam
         base = -k.double().norm(dim=-1)
         real = list(range(40))
         for g in range(k.shape[0]):
-            kept, tied = reference_keep({j: float(base[g, j]) for j in real}, {j: float(norms[g, j]) for j in real},
-                                        real, set(), 40, budget, 0.5, 1e-4)
+            kept, tied = reference_keep(
+                {j: float(base[g, j]) for j in real},
+                {j: float(norms[g, j]) for j in real},
+                real,
+                set(),
+                40,
+                budget,
+                0.5,
+                1e-4,
+            )
             assert not tied
             assert be.state.layer(i).pos[0, g].tolist() == kept
 
@@ -330,13 +376,15 @@ def test_an_unrecognised_output_path_is_refused():
     be = kvpass.backend("criticalkv", budget=16, window=4, compiler="eager")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = torch.compile(model.forward, backend=be)(input_ids=ids, use_cache=True,
-                                                       past_key_values=DynamicCache(config=model.config)).logits
+        got = torch.compile(model.forward, backend=be)(
+            input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=model.config)
+        ).logits
         want = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
     msg = " ".join(str(w.message) for w in caught if issubclass(w.category, kvpass.KVPassWarning))
     assert "compiling a graph unchanged" in msg and "weighs values by the layer's output projection" in msg, msg
-    assert "layer_norm" in msg and "neither as the heads' transpose, reshape or cast nor as the output projection" \
-        in msg, msg
+    assert (
+        "layer_norm" in msg and "neither as the heads' transpose, reshape or cast nor as the output projection" in msg
+    ), msg
     assert be.reports[-1].rewritten == 0
     torch.testing.assert_close(got, want)
 

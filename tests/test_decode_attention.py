@@ -48,14 +48,24 @@ def exact(q, k, v, mask=None, scale=None):
     return ops.attention_reference(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
 
 
-shapes = st.tuples(st.integers(1, 2), st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]),
-                   st.integers(1, 150), st.sampled_from([16, 32, 24]))
+shapes = st.tuples(
+    st.integers(1, 2),
+    st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]),
+    st.integers(1, 150),
+    st.sampled_from([16, 32, 24]),
+)
 
 
 @SETTINGS
-@given(shape=shapes, dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       block=st.sampled_from([16, 32]), order=st.sampled_from([0, 1]), split=st.booleans(),
-       softcap=st.sampled_from([0.0, 3.0]), seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    block=st.sampled_from([16, 32]),
+    order=st.sampled_from([0, 1]),
+    split=st.booleans(),
+    softcap=st.sampled_from([0.0, 3.0]),
+    seed=st.integers(0, 10_000),
+)
 def test_kernel_equals_reference_full_read(shape, dtype, block, order, split, softcap, seed):
     b, (h, hkv), length, d = shape
     q, k, v = qkv(b, h, hkv, length, d, dtype, seed)
@@ -66,9 +76,15 @@ def test_kernel_equals_reference_full_read(shape, dtype, block, order, split, so
 
 
 @SETTINGS
-@given(shape=shapes, block=st.sampled_from([16, 32]), tau=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]),
-       phi=st.sampled_from([1e-4, 1e-2, 0.3]), patience=st.integers(1, 3), structured=st.booleans(),
-       seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    block=st.sampled_from([16, 32]),
+    tau=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]),
+    phi=st.sampled_from([1e-4, 1e-2, 0.3]),
+    patience=st.integers(1, 3),
+    structured=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
 def test_kernel_equals_reference_with_termination(shape, block, tau, phi, patience, structured, seed):
     b, (h, hkv), length, d = shape
     q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed, structured)
@@ -78,8 +94,15 @@ def test_kernel_equals_reference_with_termination(shape, block, tau, phi, patien
 
 
 @SETTINGS
-@given(shape=shapes, tau=st.sampled_from([1e-2, 0.1, 0.5]), patience=st.integers(1, 3),
-       horizon=st.integers(1, 6), structured=st.booleans(), parallel=st.booleans(), seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    tau=st.sampled_from([1e-2, 0.1, 0.5]),
+    patience=st.integers(1, 3),
+    horizon=st.integers(1, 6),
+    structured=st.booleans(),
+    parallel=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
 def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structured, parallel, seed):
     """The horizon launch (stop rule over the first steps, the rest split-KV and merged) equals the
     sequential reference with the same horizon, with the horizon read serially or one block per
@@ -94,8 +117,13 @@ def test_horizon_kernel_equals_reference(shape, tau, patience, horizon, structur
 
 
 @settings(SETTINGS, max_examples=10)
-@given(shape=shapes, combine=st.sampled_from([2, 4]), sms=st.sampled_from([2, 5]), horizon=st.integers(0, 4),
-       seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    combine=st.sampled_from([2, 4]),
+    sms=st.sampled_from([2, 5]),
+    horizon=st.integers(0, 4),
+    seed=st.integers(0, 10_000),
+)
 def test_combine_merges_parts_in_blocks(shape, combine, sms, horizon, seed):
     """The combine merges its parts ``COMBINE_BLOCK`` at a time: blocks that end past the last part, empty
     splits, and a first part after the horizon's steps give the reference's output."""
@@ -128,30 +156,41 @@ def test_horizon_stops_as_art_or_reads_everything(shape, tau, horizon, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 3), length=st.integers(20, 120), window=st.sampled_from([0, 9, 40]),
-       seed=st.integers(0, 10_000), pad=st.integers(0, 7))
+@given(
+    b=st.integers(1, 3),
+    length=st.integers(20, 120),
+    window=st.sampled_from([0, 9, 40]),
+    seed=st.integers(0, 10_000),
+    pad=st.integers(0, 7),
+)
 def test_positions_lengths_and_masks(b, length, window, seed, pad):
     """kv_pos/q_pos visibility (evicted gaps, padding, a sliding window), kv_len and an additive
     mask give what exact attention gives with the equivalent boolean mask."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = qkv(b, 4, 2, length, 16, torch.float32, seed)
     kv_pos = torch.sort(torch.randperm(3 * length, generator=g)[:length]).values.expand(b, 2, length).clone()
-    kv_pos[:, :, :pad] = -1                                     # left padding
+    kv_pos[:, :, :pad] = -1  # left padding
     q_pos = kv_pos[:, 0, -1:].clone().view(b, 1) + 1
     kv_len = torch.randint(1, length + 1, (b,), generator=g)
     add = torch.randn(b, 1, 1, length, generator=g)
     vis, _ = K.visibility(b, 2, length, "cpu", None, kv_pos, q_pos, kv_len, window)
     want = exact(q, k, v, mask=torch.where(vis[:, :, None, :].repeat_interleave(2, 1), add, float("-inf")))
-    out_k, vis_k, out_r, vis_r = run_both(q, k, v, mask=add, kv_pos=kv_pos, q_pos=q_pos, kv_len=kv_len,
-                                          window=window, block=16)
+    out_k, vis_k, out_r, vis_r = run_both(
+        q, k, v, mask=add, kv_pos=kv_pos, q_pos=q_pos, kv_len=kv_len, window=window, block=16
+    )
     torch.testing.assert_close(out_r, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out_k, want, atol=2e-5, rtol=2e-5)
     assert torch.equal(vis_k, vis_r) and torch.equal(vis_k[:, 0], (-(-kv_len // 16)).int())
 
 
 @SETTINGS
-@given(b=st.integers(1, 2), pages=st.integers(1, 6), page=st.sampled_from([8, 16]), seed=st.integers(0, 10_000),
-       tau=st.sampled_from([0.0, 0.2]))
+@given(
+    b=st.integers(1, 2),
+    pages=st.integers(1, 6),
+    page=st.sampled_from([8, 16]),
+    seed=st.integers(0, 10_000),
+    tau=st.sampled_from([0.0, 0.2]),
+)
 def test_paged_equals_contiguous(b, pages, page, seed, tau):
     """A paged cache (shuffled pool pages, ragged lengths) reads like its contiguous gather."""
     g = torch.Generator().manual_seed(seed)
@@ -189,8 +228,11 @@ def test_block_order_does_not_matter_without_skipping(shape, seed):
     b, (h, hkv), length, d = shape
     q, k, v = qkv(b, h, hkv, length, d, torch.float32, seed)
     nb = -(-length // 16)
-    perm = torch.stack([torch.randperm(nb, generator=torch.Generator().manual_seed(seed + i))
-                        for i in range(b * hkv)]).view(b, hkv, nb).int()
+    perm = (
+        torch.stack([torch.randperm(nb, generator=torch.Generator().manual_seed(seed + i)) for i in range(b * hkv)])
+        .view(b, hkv, nb)
+        .int()
+    )
     base, _ = K.decode_attention_triton(q, k, v, block=16, order=K.ORDER_NATURAL)
     for kw in (dict(order=K.ORDER_RECENCY), dict(block_map=perm)):
         out, vis = K.decode_attention_triton(q, k, v, block=16, **kw)
@@ -200,8 +242,7 @@ def test_block_order_does_not_matter_without_skipping(shape, seed):
 
 
 @SETTINGS
-@given(shape=shapes, tau=st.sampled_from([0.05, 0.3, 0.9]), patience=st.integers(1, 3),
-       seed=st.integers(0, 10_000))
+@given(shape=shapes, tau=st.sampled_from([0.05, 0.3, 0.9]), patience=st.integers(1, 3), seed=st.integers(0, 10_000))
 def test_output_is_exact_attention_over_the_blocks_read(shape, tau, patience, seed):
     """Block 0 first, then recency: after v visits the output is exact attention over blocks
     {0, n-1, ..., n-v+1} -- block 0 is always among them."""
@@ -216,14 +257,18 @@ def test_output_is_exact_attention_over_the_blocks_read(shape, tau, patience, se
             blocks = [0] + list(range(nb - 1, nb - n, -1))
             read = torch.zeros(length, dtype=torch.bool)
             for j in blocks:
-                read[16 * j: 16 * (j + 1)] = True
+                read[16 * j : 16 * (j + 1)] = True
             heads = slice(g * (h // hkv), (g + 1) * (h // hkv))
-            want = exact(q[bi:bi + 1, heads], k[bi:bi + 1, g:g + 1], v[bi:bi + 1, g:g + 1],
-                         mask=read.view(1, 1, 1, length))
-            torch.testing.assert_close(out[bi:bi + 1, heads], want, atol=2e-5, rtol=2e-5)
+            want = exact(
+                q[bi : bi + 1, heads],
+                k[bi : bi + 1, g : g + 1],
+                v[bi : bi + 1, g : g + 1],
+                mask=read.view(1, 1, 1, length),
+            )
+            torch.testing.assert_close(out[bi : bi + 1, heads], want, atol=2e-5, rtol=2e-5)
 
 
-@settings(SETTINGS, max_examples=10)   # five interpreted kernel runs per example (CI time)
+@settings(SETTINGS, max_examples=10)  # five interpreted kernel runs per example (CI time)
 @given(shape=shapes, seed=st.integers(0, 10_000), structured=st.booleans())
 def test_raising_thresholds_never_reads_more(shape, seed, structured):
     b, (h, hkv), length, d = shape
@@ -239,9 +284,9 @@ def test_raising_thresholds_never_reads_more(shape, seed, structured):
 def test_real_skipping_happens_on_converging_attention():
     """A concentrated attention pattern stops early: the test above cannot pass vacuously."""
     q, k, v = qkv(1, 4, 2, 400, 16, torch.float32, 0)
-    q = q[:, [0, 0, 2, 2]]                     # the heads of a group agree ...
-    k *= 0.1                                   # ... attention is flat everywhere ...
-    k[:, :, :4] = 2 * q[:, ::2]                # ... but sinks in block 0 dominate
+    q = q[:, [0, 0, 2, 2]]  # the heads of a group agree ...
+    k *= 0.1  # ... attention is flat everywhere ...
+    k[:, :, :4] = 2 * q[:, ::2]  # ... but sinks in block 0 dominate
     _, vis = K.decode_attention_triton(q, k, v, block=16, tau=0.05, phi=0.01, patience=2)
     assert (vis < 10).all() and (vis >= 3).all(), vis
 
@@ -254,7 +299,7 @@ def test_few_programs_take_enough_splits_to_fill_the_gpu(monkeypatch):
     for blocks in (131072 // 128, 16, 1):
         for programs in (1, 2, 3, 4, 8, 32, 132, 200):
             splits = K.num_splits(programs, torch.device("cpu"))
-            used = -(-blocks // -(-blocks // splits))                 # splits that read anything
+            used = -(-blocks // -(-blocks // splits))  # splits that read anything
             assert 1 <= splits <= K.MAX_SPLITS and programs * splits <= max(132, programs), (programs, splits)
             assert programs * splits >= min(132 - programs + 1, programs * K.MAX_SPLITS), (programs, splits)
             assert programs * used >= 0.9 * min(132, programs * blocks, programs * K.MAX_SPLITS), (programs, blocks)
@@ -276,8 +321,9 @@ def test_split_with_termination_needs_a_horizon():
 
 def test_op_is_the_reference_on_cpu():
     q, k, v = qkv(1, 4, 2, 50, 16, torch.float32, 1)
-    out, vis = torch.ops.kvpass.decode_attention(q, k, v, None, None, None, None, None, None, 0.25, 0.0, 0,
-                                                 0.1, 0.1, 2, 16, 1, 0, 0)
+    out, vis = torch.ops.kvpass.decode_attention(
+        q, k, v, None, None, None, None, None, None, 0.25, 0.0, 0, 0.1, 0.1, 2, 16, 1, 0, 0
+    )
     ref, vref = K.decode_attention_reference(q, k, v, scale=0.25, tau=0.1, phi=0.1, patience=2, block=16)
     assert torch.equal(out, ref) and torch.equal(vis, vref)
 
@@ -291,7 +337,7 @@ def test_masked_tail_never_ends_the_read(dtype):
     mask = torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype).view(1, 1, 1, 160)
     kw = dict(mask=mask, block=16, tau=0.99, phi=0.99, patience=2)
     out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
-    assert torch.equal(vis_k, vis_r) and (vis_k >= 1 + 6 + 2).all()   # block 0, six empty, two real
+    assert torch.equal(vis_k, vis_r) and (vis_k >= 1 + 6 + 2).all()  # block 0, six empty, two real
     full, _ = K.decode_attention_reference(q, k, v, mask=mask, block=16)
     torch.testing.assert_close(full, exact(q, k, v, mask=keep.view(1, 1, 1, 160)), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out_k, out_r, atol=2e-5, rtol=2e-5)
@@ -307,14 +353,13 @@ def selection(b, hkv, nb, steps, seed):
         row = torch.full((steps,), -1, dtype=torch.int32)
         row[:n] = torch.randperm(nb, generator=g)[:n].int()
         if n >= 2 and bool(torch.rand(1, generator=g) < 0.5):  # a hole inside the selection
-            row[1:n] = torch.cat([torch.tensor([-1], dtype=torch.int32), row[1:n - 1]])
+            row[1:n] = torch.cat([torch.tensor([-1], dtype=torch.int32), row[1 : n - 1]])
         rows.append(row)
     return torch.stack(rows).view(b, hkv, steps)
 
 
 @SETTINGS
-@given(shape=shapes, steps=st.integers(1, 6), split=st.booleans(), positions=st.booleans(),
-       seed=st.integers(0, 10_000))
+@given(shape=shapes, steps=st.integers(1, 6), split=st.booleans(), positions=st.booleans(), seed=st.integers(0, 10_000))
 def test_block_map_reads_only_the_selected_blocks(shape, steps, split, positions, seed):
     """A map with fewer steps than blocks and -1 padding: kernel == reference == exact attention over
     the selected blocks of each KV head, and ``visited`` counts the selected blocks only."""
@@ -328,7 +373,7 @@ def test_block_map_reads_only_the_selected_blocks(shape, steps, split, positions
         for g in range(hkv):
             for j in bmap[bi, g].tolist():
                 if j >= 0:
-                    read[bi, g, 16 * j: 16 * (j + 1)] = True
+                    read[bi, g, 16 * j : 16 * (j + 1)] = True
     if positions:  # the evicting path's masks: a few entries hidden by position -1
         kv_pos = torch.arange(length).expand(b, hkv, length).clone()
         kv_pos[:, :, ::7] = -1
@@ -343,8 +388,13 @@ def test_block_map_reads_only_the_selected_blocks(shape, steps, split, positions
 
 
 @SETTINGS
-@given(shape=shapes, steps=st.integers(1, 6), tau=st.sampled_from([1e-2, 0.3]), patience=st.integers(1, 2),
-       seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    steps=st.integers(1, 6),
+    tau=st.sampled_from([1e-2, 0.3]),
+    patience=st.integers(1, 2),
+    seed=st.integers(0, 10_000),
+)
 def test_block_map_with_termination_equals_reference(shape, steps, tau, patience, seed):
     """ART over a selection: skipped (-1) steps are neutral for the stop rule, in both implementations."""
     b, (h, hkv), length, d = shape
@@ -386,7 +436,7 @@ def ragged_pool(b, hkv, d, lengths, seed, slack=3):
         for head in torch.randperm(hkv, generator=g).tolist():
             n = lengths[r][head]
             start[r, head] = at
-            pos[r, 0, at:at + n] = torch.sort(torch.randperm(4 * size, generator=g)[:n]).values.int()
+            pos[r, 0, at : at + n] = torch.sort(torch.randperm(4 * size, generator=g)[:n]).values.int()
             at += n + slack
     return k, v, pos, start, torch.tensor(lengths, dtype=torch.int32)
 
@@ -400,26 +450,37 @@ def heads_alone(q, k, v, pos, start, kv_len, q_pos):
         for head in range(hkv):
             s, n = int(start[r, head]), int(kv_len[r, head])
             rows = slice(head * (h // hkv), (head + 1) * (h // hkv))
-            see = (pos[r, 0, s:s + n] >= 0) & (pos[r, 0, s:s + n] <= q_pos[r])
+            see = (pos[r, 0, s : s + n] >= 0) & (pos[r, 0, s : s + n] <= q_pos[r])
             if see.any():
-                out[r, rows] = exact(q[r:r + 1, rows], k[r:r + 1, :, s:s + n], v[r:r + 1, :, s:s + n],
-                                     mask=see.view(1, 1, 1, n))[0]
+                out[r, rows] = exact(
+                    q[r : r + 1, rows],
+                    k[r : r + 1, :, s : s + n],
+                    v[r : r + 1, :, s : s + n],
+                    mask=see.view(1, 1, 1, n),
+                )[0]
     return out
 
 
 @SETTINGS
-@given(b=st.integers(1, 3), heads=st.sampled_from([(2, 2), (4, 2), (8, 4), (3, 1)]), d=st.sampled_from([16, 24]),
-       data=st.data(), block=st.sampled_from([8, 16]), order=st.sampled_from([K.ORDER_NATURAL, K.ORDER_RECENCY]),
-       split=st.sampled_from([None, False]), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(1, 3),
+    heads=st.sampled_from([(2, 2), (4, 2), (8, 4), (3, 1)]),
+    d=st.sampled_from([16, 24]),
+    data=st.data(),
+    block=st.sampled_from([8, 16]),
+    order=st.sampled_from([K.ORDER_NATURAL, K.ORDER_RECENCY]),
+    split=st.sampled_from([None, False]),
+    seed=st.integers(0, 10_000),
+)
 def test_ragged_heads_read_each_heads_own_range(b, heads, d, data, block, order, split, seed):
     """Heads of one row keep different counts (one at 8x another, one at its floor of a single entry, one with
     none visible): kernel == reference == each head's exact attention over its own entries, and each program
     reads the blocks of its own range alone."""
     h, hkv = heads
     lengths = data.draw(st.lists(st.lists(st.integers(0, 60), min_size=hkv, max_size=hkv), min_size=b, max_size=b))
-    lengths[0][0] = 1                                          # a head at its floor
+    lengths[0][0] = 1  # a head at its floor
     if hkv > 1:
-        lengths[0][1] = 8 * max(lengths[0][1], 4)              # one far above the others
+        lengths[0][1] = 8 * max(lengths[0][1], 4)  # one far above the others
     k, v, pos, start, kv_len = ragged_pool(b, hkv, d, lengths, seed)
     q = torch.randn(b, h, 1, d, generator=torch.Generator().manual_seed(seed + 1))
     q_pos = torch.full((b,), 1 << 20, dtype=torch.int32)
@@ -433,8 +494,13 @@ def test_ragged_heads_read_each_heads_own_range(b, heads, d, data, block, order,
 
 
 @settings(SETTINGS, max_examples=10)
-@given(heads=st.sampled_from([(4, 2), (8, 4)]), tau=st.sampled_from([1e-2, 0.1, 0.5]), patience=st.integers(1, 3),
-       horizon=st.integers(0, 3), seed=st.integers(0, 10_000))
+@given(
+    heads=st.sampled_from([(4, 2), (8, 4)]),
+    tau=st.sampled_from([1e-2, 0.1, 0.5]),
+    patience=st.integers(1, 3),
+    horizon=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+)
 def test_ragged_heads_with_termination_equal_reference(heads, tau, patience, horizon, seed):
     """ART over ragged heads (serial, and with a horizon then split-KV): the kernel stops where the reference
     does, counting blocks from each head's first entry."""
@@ -443,8 +509,17 @@ def test_ragged_heads_with_termination_equal_reference(heads, tau, patience, hor
     lengths = [torch.randint(0, 90, (hkv,), generator=g).tolist() for _ in range(2)]
     k, v, pos, start, kv_len = ragged_pool(2, hkv, 16, lengths, seed)
     q = torch.randn(2, h, 1, 16, generator=g)
-    kw = dict(kv_pos=pos, q_pos=torch.full((2,), 1 << 20), kv_len=kv_len, kv_start=start, block=8, tau=tau,
-              phi=tau, patience=patience, horizon=horizon)
+    kw = dict(
+        kv_pos=pos,
+        q_pos=torch.full((2,), 1 << 20),
+        kv_len=kv_len,
+        kv_start=start,
+        block=8,
+        tau=tau,
+        phi=tau,
+        patience=patience,
+        horizon=horizon,
+    )
     out_k, vis_k, out_r, vis_r = run_both(q, k, v, **kw)
     torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-5)
     assert torch.equal(vis_k, vis_r)
@@ -458,10 +533,11 @@ def test_ragged_heads_op_opcheck_and_layout_errors():
     q_pos = torch.full((2,), 1 << 20, dtype=torch.int32)
     args = (q, k, v, None, pos, q_pos, None, kv_len, None, 0.25, 0.0, 0, 0.0, 0.0, 5, 16, 1, 0, 0, start)
     out, vis = torch.ops.kvpass.decode_attention(*args)
-    ref, vref = K.decode_attention_reference(q, k, v, kv_pos=pos, q_pos=q_pos, kv_len=kv_len, scale=0.25, block=16,
-                                             kv_start=start)
+    ref, vref = K.decode_attention_reference(
+        q, k, v, kv_pos=pos, q_pos=q_pos, kv_len=kv_len, scale=0.25, block=16, kv_start=start
+    )
     assert torch.equal(out, ref) and torch.equal(vis, vref) and vis.tolist() == [[1, 3], [0, 2]]
-    assert (out[1, :2] == 0).all()   # a head that keeps nothing reads nothing: zeros
+    assert (out[1, :2] == 0).all()  # a head that keeps nothing reads nothing: zeros
     torch.library.opcheck(torch.ops.kvpass.decode_attention_ref.default, args)
     torch.library.opcheck(torch.ops.kvpass.decode_attention.default, args)
     for bad in (dict(kv_len=kv_len[:, 0]), dict(k=k.expand(2, 2, -1, -1).contiguous())):

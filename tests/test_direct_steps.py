@@ -28,10 +28,10 @@ import kvpass
 from conformance import CONFORMANCE
 from families import build
 from kvpass.compiler.recording import recorded
-from kvpass.generate.direct_steps import DirectSteps, callers_code
 from kvpass.errors import ConfigError, KVPassWarning
+from kvpass.generate.direct_steps import DirectSteps, callers_code
 
-NEW = 12   # decode steps: the first (no mask to reuse yet), two watched, then 8 direct
+NEW = 12  # decode steps: the first (no mask to reuse yet), two watched, then 8 direct
 
 
 def ids_of(n: int, rows: int = 1) -> torch.Tensor:
@@ -42,30 +42,42 @@ def generate(model, policy: str, direct: bool, compiler: str, rows: int = 1, sam
     """``model`` through ``kvpass.compile`` for one ``generate`` call of ``NEW`` tokens (``kw``: more of its
     arguments), given back uncompiled: the tokens and the backend."""
     torch._dynamo.reset()
-    be = kvpass.compile(model, policy, compiler=compiler, direct_steps=direct,
-                        **({} if policy == "full" else CONFORMANCE[policy].demanding))
+    be = kvpass.compile(
+        model,
+        policy,
+        compiler=compiler,
+        direct_steps=direct,
+        **({} if policy == "full" else CONFORMANCE[policy].demanding),
+    )
     try:
         if sample:
             torch.manual_seed(0)
         out = model.generate(ids_of(23, rows), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=sample, **kw)
     finally:
-        del model.forward, model.generate   # kvpass.compile set both on the instance
+        del model.forward, model.generate  # kvpass.compile set both on the instance
     return out, be
 
 
-@pytest.mark.parametrize("policy, compiler, rows, sample", [
-    ("full", "aot_eager", 1, False), ("full", "eager", 2, True), ("snapkv", "eager", 1, False),
-    ("streamingllm", "eager", 2, False), ("raas", "aot_eager", 1, False)])
+@pytest.mark.parametrize(
+    "policy, compiler, rows, sample",
+    [
+        ("full", "aot_eager", 1, False),
+        ("full", "eager", 2, True),
+        ("snapkv", "eager", 1, False),
+        ("streamingllm", "eager", 2, False),
+        ("raas", "aot_eager", 1, False),
+    ],
+)
 def test_direct_steps_generate_the_usual_tokens(policy, compiler, rows, sample):
     model = build("llama")
     usual, _ = generate(model, policy, False, compiler, rows, sample)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", KVPassWarning)   # direct steps ran throughout: nothing to say
+        warnings.simplefilter("error", KVPassWarning)  # direct steps ran throughout: nothing to say
         direct, be = generate(model, policy, True, compiler, rows, sample)
     assert torch.equal(usual, direct), f"{policy}: direct steps changed the tokens"
     steps = be.last_direct_steps
-    assert steps.refused is None and steps.direct == NEW - 4, steps   # every step after the two watched
-    assert steps.plan is None and steps.cache is None and "closed" in repr(steps)   # the call let go of its cache
+    assert steps.refused is None and steps.direct == NEW - 4, steps  # every step after the two watched
+    assert steps.plan is None and steps.cache is None and "closed" in repr(steps)  # the call let go of its cache
 
 
 def test_direct_steps_stop_where_the_usual_steps_stop():
@@ -73,7 +85,7 @@ def test_direct_steps_stop_where_the_usual_steps_stop():
     usual steps (the loop reads the finished flag one step late and undoes the extra step either way)."""
     model = build("llama")
     free, _ = generate(model, "full", False, "eager", rows=2)
-    eos = int(free[0, 23 + 7])   # row 0's eighth new token
+    eos = int(free[0, 23 + 7])  # row 0's eighth new token
     model.generation_config.pad_token_id = 0
     outs = []
     for direct in (False, True):
@@ -83,7 +95,7 @@ def test_direct_steps_stop_where_the_usual_steps_stop():
             outs.append(model.generate(ids_of(23, 2), max_new_tokens=NEW, do_sample=False, eos_token_id=eos))
         finally:
             del model.forward, model.generate
-    assert torch.equal(outs[0], outs[1]) and (outs[1][0, 23 + 8:] == 0).all(), outs
+    assert torch.equal(outs[0], outs[1]) and (outs[1][0, 23 + 8 :] == 0).all(), outs
     assert be.last_direct_steps.direct > 0
 
 
@@ -98,13 +110,14 @@ def test_a_step_that_stores_a_tensor_on_a_module_is_never_called_directly():
     def keeping(x):
         norm.last = x
         return forward(x)
+
     norm.forward = keeping
     be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
     with pytest.warns(KVPassWarning, match="direct_steps not used in this generate call: a step changed Python state"):
         model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     steps = be.last_direct_steps
     assert steps.direct == 0 and "side effects" in steps.refused, steps
-    assert norm.last is not None and norm.last.shape[1] == 1   # a decode step's
+    assert norm.last is not None and norm.last.shape[1] == 1  # a decode step's
 
 
 @pytest.mark.parametrize("everyone", [False, True])
@@ -114,7 +127,8 @@ def test_a_model_with_a_forward_hook_is_never_called_directly(everyone):
     model = build("llama")
     calls = []
     hook = (torch.nn.modules.module.register_module_forward_hook if everyone else model.register_forward_hook)(
-        lambda m, a, o: calls.append(1) if m is model else None)
+        lambda m, a, o: calls.append(1) if m is model else None
+    )
     try:
         be = kvpass.compile(model, "full", compiler="eager", direct_steps=True)
         with pytest.warns(KVPassWarning, match="direct_steps not used .*forward hooks"):
@@ -122,7 +136,7 @@ def test_a_model_with_a_forward_hook_is_never_called_directly(everyone):
     finally:
         hook.remove()
     assert be.last_direct_steps.direct == 0 and "hooks" in be.last_direct_steps.refused
-    assert len(calls) == NEW   # the prefill and every decode step ran the hook
+    assert len(calls) == NEW  # the prefill and every decode step ran the hook
 
 
 class _Cache:
@@ -147,27 +161,27 @@ def test_the_plan_refuses_what_two_steps_do_not_agree_on():
     def watched(*per_step) -> DirectSteps:
         """Two watched steps; ``per_step``: the step's input ids -> the graphs it calls."""
         steps = DirectSteps(model, _Cache())
-        with torch.no_grad():   # as the loop runs: the plan keeps torch's global state of its steps
+        with torch.no_grad():  # as the loop runs: the plan keeps torch's global state of its steps
             for graphs in per_step:
                 ids = torch.zeros(1, 1, dtype=torch.long)
                 _step(steps, graphs(ids), {"input_ids": ids, "use_cache": True})
         return steps
 
-    same = lambda ids: [(g, (ids, weight))]   # noqa: E731
+    same = lambda ids: [(g, (ids, weight))]  # noqa: E731
     assert "graph break" in watched(lambda ids: [(g, (ids, weight)), (g, (ids, weight))], same).refused
     assert "different graphs" in watched(same, lambda ids: [(h, (ids, weight))]).refused
-    fresh = lambda ids: [(g, (ids, torch.ones(2)))]   # noqa: E731  (a new tensor that is no input of the step)
+    fresh = lambda ids: [(g, (ids, torch.ones(2)))]  # noqa: E731  (a new tensor that is no input of the step)
     assert "argument 1" in watched(fresh, fresh).refused
     steps = watched(same, same)
     assert steps.refused is None and steps.plan is not None
     assert steps.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "use_cache": True}) is None
-    assert "gradients" in steps.refused   # the loop runs without them; a direct step checks
+    assert "gradients" in steps.refused  # the loop runs without them; a direct step checks
     steps = watched(same, same)
     with torch.no_grad():
         out = steps.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "use_cache": True})
         assert out.logits is LOGITS and out.past_key_values is steps.cache and steps.direct == 1
         assert steps.step({"input_ids": torch.zeros(1, 2, dtype=torch.long), "use_cache": True}) is None
-    assert "shape" in steps.refused and steps.plan is None   # and no direct step for the rest of the call
+    assert "shape" in steps.refused and steps.plan is None  # and no direct step for the rest of the call
     assert steps.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "use_cache": True}) is None
 
 
@@ -178,6 +192,7 @@ def test_direct_steps_must_be_a_bool_or_auto():
 
 class Counting(StoppingCriteria):
     """A stopping criterion of the caller's own: never stops, counts its calls."""
+
     calls = 0
 
     def __call__(self, input_ids, scores, **kwargs):
@@ -198,14 +213,24 @@ def test_auto_is_the_default_and_stays_out_of_calls_with_the_callers_own_code():
             plain = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
             assert be.direct_steps == "auto" and be.last_direct_steps.direct == NEW - 4
             counting = Counting()
-            own = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                 stopping_criteria=StoppingCriteriaList([counting]))
+            own = model.generate(
+                ids_of(23),
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                stopping_criteria=StoppingCriteriaList([counting]),
+            )
         steps = be.last_direct_steps
         assert steps.direct == 0 and "stopping criterion of its own between steps (Counting)" in steps.refused, steps
         be.direct_steps = True
         again = Counting()
-        forced = model.generate(ids_of(23), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                stopping_criteria=StoppingCriteriaList([again]))
+        forced = model.generate(
+            ids_of(23),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([again]),
+        )
         assert be.last_direct_steps.direct == NEW - 4 and again.calls == counting.calls
     finally:
         del model.forward, model.generate
@@ -214,11 +239,13 @@ def test_auto_is_the_default_and_stays_out_of_calls_with_the_callers_own_code():
 
 def test_callers_code_names_what_is_not_transformers_own():
     from transformers.generation import MinNewTokensLengthLogitsProcessor, PrefixConstrainedLogitsProcessor
+
     ours = [MinNewTokensLengthLogitsProcessor(3, 2, [1])]
     assert callers_code(ours, StoppingCriteriaList()) is None
-    prefix = PrefixConstrainedLogitsProcessor(lambda batch, ids: [5], num_beams=1)   # calls the caller's function
-    assert "logits processor of its own between steps (PrefixConstrainedLogitsProcessor)" in \
-        callers_code(ours + [prefix], [])
+    prefix = PrefixConstrainedLogitsProcessor(lambda batch, ids: [5], num_beams=1)  # calls the caller's function
+    assert "logits processor of its own between steps (PrefixConstrainedLogitsProcessor)" in callers_code(
+        ours + [prefix], []
+    )
     assert "(Counting)" in callers_code(ours, [Counting()])
 
 
@@ -249,8 +276,13 @@ class Changes(LogitsProcessor):
             self.mode.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("what, says", [("global state", r"global state changed \(deterministic"),
-                                        ("mode", "a torch function or dispatch mode was entered")])
+@pytest.mark.parametrize(
+    "what, says",
+    [
+        ("global state", r"global state changed \(deterministic"),
+        ("mode", "a torch function or dispatch mode was entered"),
+    ],
+)
 def test_a_change_of_torchs_global_state_or_modes_stops_direct_steps(what, says):
     model = build("llama")
     usual, _ = generate(model, "full", False, "eager")
@@ -275,6 +307,7 @@ def test_a_forward_wrapped_after_compile_runs_at_every_step(direct):
     def wrapper(*args, **kwargs):
         calls.append(1)
         return compiled(*args, **kwargs)
+
     model.forward = wrapper
     try:
         with warnings.catch_warnings(record=True) as seen:

@@ -24,10 +24,10 @@ from kvpass.errors import ConfigError
 from kvpass.policies import make_policy
 from test_adakv import PROMPT, calls, compiled, prompt_ids
 
-PATTERN = os.path.join(os.path.dirname(__file__), "data", "duo_pattern_llama.tsv")   # layers x KV heads
+PATTERN = os.path.join(os.path.dirname(__file__), "data", "duo_pattern_llama.tsv")  # layers x KV heads
 SINKS, RECENT = 4, 16
 STEPS = dict(steps=3, append=1, more=2)
-STREAMING: dict[int, list[int]] = {}   # layer -> its streaming KV heads (the reference below masks them)
+STREAMING: dict[int, list[int]] = {}  # layer -> its streaming KV heads (the reference below masks them)
 
 
 def windowed_heads(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -37,14 +37,14 @@ def windowed_heads(module, query, key, value, attention_mask, scaling=None, drop
     group = h // key.shape[1]
     k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     n = k.shape[2]
-    s = (query @ k.transpose(2, 3)) * (scaling if scaling is not None else d ** -0.5)
-    s = s.masked_fill(torch.arange(n) > torch.arange(n - q, n)[:, None], float("-inf"))   # causal
+    s = (query @ k.transpose(2, 3)) * (scaling if scaling is not None else d**-0.5)
+    s = s.masked_fill(torch.arange(n) > torch.arange(n - q, n)[:, None], float("-inf"))  # causal
     if n > PROMPT:
         j = torch.arange(n)
         out = (j >= SINKS) & (j <= n - 1 - (RECENT + 1))
         heads = torch.zeros(h, dtype=torch.bool)
         for kv in STREAMING.get(module.layer_idx, []):
-            heads[kv * group:(kv + 1) * group] = True
+            heads[kv * group : (kv + 1) * group] = True
         s = s.masked_fill(heads[None, :, None, None] & out, float("-inf"))
     return (torch.softmax(s.float(), -1).to(v.dtype) @ v).transpose(1, 2).contiguous(), None
 
@@ -54,8 +54,11 @@ transformers.AttentionInterface.register("kvpass_test_windowed_heads", windowed_
 
 def duo(model, streaming, cache="dynamic"):
     be, fwd = compiled(model, "duoattention", pattern=PATTERN, streaming=streaming, sinks=SINKS, recent=RECENT)
-    store = DynamicCache(config=model.config) if cache == "dynamic" else \
-        kvpass.SlotCache(model, be, max_length=PROMPT + 8, max_new_tokens=8)
+    store = (
+        DynamicCache(config=model.config)
+        if cache == "dynamic"
+        else kvpass.SlotCache(model, be, max_length=PROMPT + 8, max_new_tokens=8)
+    )
     return be, store, calls(fwd, store, prompt_ids(), **STEPS)
 
 
@@ -70,11 +73,15 @@ def test_all_retrieval_is_full_and_all_streaming_is_streamingllm(cache):
     model = build("llama")
     full = calls(compiled(model, "full")[1], DynamicCache(config=model.config), prompt_ids(), **STEPS)
     close(duo(model, 0.0, cache)[2], full)
-    stream = calls(compiled(model, "streamingllm", budget=SINKS + RECENT, sinks=SINKS)[1],
-                   DynamicCache(config=model.config), prompt_ids(), **STEPS)
+    stream = calls(
+        compiled(model, "streamingllm", budget=SINKS + RECENT, sinks=SINKS)[1],
+        DynamicCache(config=model.config),
+        prompt_ids(),
+        **STEPS,
+    )
     be, store, got = duo(model, 1.0, cache)
     close(got, stream)
-    if cache == "slot":   # each streaming head: a ring of sinks + recent + 1 slots, full after the steps
+    if cache == "slot":  # each streaming head: a ring of sinks + recent + 1 slots, full after the steps
         for lay in store.layers:
             assert lay.state[0][0, :, ragged.LENGTH].tolist() == [SINKS + RECENT + 1] * 2
 
@@ -87,20 +94,24 @@ def test_mixed_heads_attend_as_the_windowed_reference(cache):
     be, store, got = duo(model, 0.5, cache)
     STREAMING.update({0: [1], 1: [0]})
     try:
-        ref = calls(build("llama", "kvpass_test_windowed_heads").forward, DynamicCache(config=model.config),
-                    prompt_ids(), **STEPS)
+        ref = calls(
+            build("llama", "kvpass_test_windowed_heads").forward,
+            DynamicCache(config=model.config),
+            prompt_ids(),
+            **STEPS,
+        )
     finally:
         STREAMING.clear()
     close(got, ref)
     new = 3 + 1 + 2
-    if cache == "dynamic":   # the retrieval head holds the prompt and the new tokens, the streaming one its window
+    if cache == "dynamic":  # the retrieval head holds the prompt and the new tokens, the streaming one its window
         for layer, streaming in ((0, 1), (1, 0)):
             ranges = be.state.layer(layer).extra["heads"][0]
             assert ranges[1 - streaming, ragged.LENGTH] == PROMPT + new
-            assert ranges[streaming, ragged.LENGTH] == SINKS + RECENT + new     # a slot a step, emptied
+            assert ranges[streaming, ragged.LENGTH] == SINKS + RECENT + new  # a slot a step, emptied
             pos = be.state.layer(layer).pos.reshape(-1)
             start = int(ranges[streaming, ragged.START])
-            live = pos[start:start + SINKS + RECENT + new]
+            live = pos[start : start + SINKS + RECENT + new]
             assert int((live >= 0).sum()) == SINKS + RECENT + 1
             assert tuple(store.layers[layer].keys.shape[2:]) == (-(-(PROMPT + SINKS + RECENT + 2 * new) // 2), 16)
     else:
@@ -114,8 +125,7 @@ def test_a_window_longer_than_the_cache_keeps_everything():
     model = build("llama")
     full = calls(compiled(model, "full")[1], DynamicCache(config=model.config), prompt_ids(), **STEPS)
     be, fwd = compiled(model, "duoattention", pattern=PATTERN, streaming=1.0)
-    close(calls(fwd, kvpass.SlotCache(model, be, max_length=PROMPT + 8, max_new_tokens=8), prompt_ids(), **STEPS),
-          full)
+    close(calls(fwd, kvpass.SlotCache(model, be, max_length=PROMPT + 8, max_new_tokens=8), prompt_ids(), **STEPS), full)
 
 
 def test_a_slot_cache_holds_the_rank_whose_share_needs_most():
@@ -126,7 +136,7 @@ def test_a_slot_cache_holds_the_rank_whose_share_needs_most():
     window = SINKS + RECENT + 1
     assert policy.slot_capacity(40, 8, 0, 2) == -(-(40 + window) // 2)
     assert policy.slot_capacity(40, 8, 0, 2, ranks=2) == 40
-    assert policy.slot_capacity(40, 8, 1, 2, ranks=2) == 40   # layer 1: head 0 streams, head 1 retrieves
+    assert policy.slot_capacity(40, 8, 1, 2, ranks=2) == 40  # layer 1: head 0 streams, head 1 retrieves
 
 
 def test_bad_patterns_are_refused_before_compiling(tmp_path):
@@ -143,7 +153,7 @@ def test_bad_patterns_are_refused_before_compiling(tmp_path):
         kvpass.backend("duoattention", pattern=str(bad))
     folder = tmp_path / "pattern"
     folder.mkdir()
-    (folder / "full_attention_heads.tsv").write_text("0.5 0.1 0.7\n0.3 0.2 0.9\n")   # a folder: its tsv
+    (folder / "full_attention_heads.tsv").write_text("0.5 0.1 0.7\n0.3 0.2 0.9\n")  # a folder: its tsv
     model = build("llama")
     with pytest.raises(ConfigError, match=r"has 2 layers x 3 KV heads, and this model 2 x 2: it was made for another"):
         kvpass.compile(model, "duoattention", pattern=str(folder))

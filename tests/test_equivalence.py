@@ -31,19 +31,18 @@ import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass; `import kvpass` lo
 from families import FAMILIES, build
 
 ATOL = RTOL = 1e-4
-PAD = 0                  # families.COMMON["pad_token_id"]
-PREFILL_LEN = 10         # longer than the sliding windows (8) of gemma2 / gemma3 / cohere2
-DECODE_PROMPT = 6        # ... and decode crosses the window: positions 6..9
+PAD = 0  # families.COMMON["pad_token_id"]
+PREFILL_LEN = 10  # longer than the sliding windows (8) of gemma2 / gemma3 / cohere2
+DECODE_PROMPT = 6  # ... and decode crosses the window: positions 6..9
 DECODE_STEPS = 4
-PAD_ROW0 = 3             # pad tokens on the left of the first row of a batch of 2
+PAD_ROW0 = 3  # pad tokens on the left of the first row of a batch of 2
 GEN_PROMPT, GEN_NEW = 8, 16
 
 ATTNS = ("sdpa", "eager")
 CACHES = ("dynamic", "static")
 SCENARIOS = ("prefill", "decode", "leftpad")
 KVPASS_OPS = {torch.ops.kvpass.attention.default, torch.ops.kvpass.attention_pos.default}
-MODEL_ATTENTION = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention,
-                   torch.softmax, F.softmax}
+MODEL_ATTENTION = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention, torch.softmax, F.softmax}
 
 # A KVPassWarning means a graph was compiled unchanged: always a failure here.
 pytestmark = pytest.mark.filterwarnings("error::kvpass.KVPassWarning")
@@ -88,11 +87,16 @@ def make_backend(compiler: str = "eager") -> kvpass.Backend:
 
     def recording_inner(gm, example_inputs, *rest):
         nodes = list(gm.graph.nodes)
-        graph_ops.append({
-            "kvpass": sum(n.op == "call_function" and n.target in KVPASS_OPS for n in nodes),
-            "model_attention": sum((n.op == "call_function" and n.target in MODEL_ATTENTION)
-                                   or (n.op == "call_method" and n.target == "softmax") for n in nodes),
-        })
+        graph_ops.append(
+            {
+                "kvpass": sum(n.op == "call_function" and n.target in KVPASS_OPS for n in nodes),
+                "model_attention": sum(
+                    (n.op == "call_function" and n.target in MODEL_ATTENTION)
+                    or (n.op == "call_method" and n.target == "softmax")
+                    for n in nodes
+                ),
+            }
+        )
         return inner(gm, example_inputs, *rest)
 
     be._inner = recording_inner
@@ -173,7 +177,7 @@ def run_steps(prefill, step, model, cache_kind: str, ids, mask, tokens):
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
                 kw = dict(attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:])
-            out.append(step(input_ids=tokens[:, i:i + 1], past_key_values=cache, use_cache=True, **kw).logits)
+            out.append(step(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True, **kw).logits)
     return out
 
 
@@ -201,8 +205,16 @@ def greedy(model, ids, mask, cache: str, **kw):
     if cache == "static":
         kw.setdefault("cache_implementation", "static")
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=GEN_NEW, min_new_tokens=GEN_NEW,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, **kw)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=GEN_NEW,
+            min_new_tokens=GEN_NEW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -282,10 +294,13 @@ def test_greedy_generate_identical(family, attn, cache):
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize("family,attn,cache,scenario", [
-    pytest.param("llama", "sdpa", "dynamic", "decode", id="llama-sdpa-dynamic-decode"),
-    pytest.param("gemma2", "eager", "static", "decode", id="gemma2-eager-static-decode"),
-])
+@pytest.mark.parametrize(
+    "family,attn,cache,scenario",
+    [
+        pytest.param("llama", "sdpa", "dynamic", "decode", id="llama-sdpa-dynamic-decode"),
+        pytest.param("gemma2", "eager", "static", "decode", id="gemma2-eager-static-decode"),
+    ],
+)
 def test_inductor_logits_match(family, attn, cache, scenario):
     check_forward(family, attn, cache, scenario, compiler="inductor")
 
@@ -319,7 +334,7 @@ def test_compile_forms(family, attn, form):
     if form == "forward":
         model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
         fn = model.forward
-    elif form == "module":   # kvpass warns that this form's .generate() runs uncompiled
+    elif form == "module":  # kvpass warns that this form's .generate() runs uncompiled
         with pytest.warns(kvpass.KVPassWarning, match=r"not to \.generate\(\)"):
             fn = torch.compile(model, backend=be, fullgraph=True)
     else:
@@ -368,6 +383,7 @@ def test_generate_compile_config_default_mode():
     """CompileConfig's default mode ("reduce-overhead") reaches the backend as mode=: with the eager
     inner compiler it does not apply, said once, and the generation is still exact."""
     from kvpass.errors import _WARNED
+
     _WARNED.clear()
     ids = token_ids(1, GEN_PROMPT, seed=9)
     expected = greedy(build("llama", "sdpa"), ids, torch.ones_like(ids), "static")

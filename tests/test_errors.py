@@ -24,17 +24,14 @@ CASES = {
     # policy names
     "unknown policy": (dict(policy="nope"), ["unknown policy 'nope'", "full", "streamingllm"]),
     "unknown policy, wrong case": (dict(policy="Full"), ["unknown policy 'Full'", KNOWN]),
-    "unknown member of a composition": (dict(policy="full+nope"),
-                                        ["unknown policy 'nope'", KNOWN]),
+    "unknown member of a composition": (dict(policy="full+nope"), ["unknown policy 'nope'", KNOWN]),
     "empty policy": (dict(policy=""), ["policy must be a non-empty string", KNOWN]),
     "policy is not a string": (dict(policy=None), ["policy must be a non-empty string", "got None"]),
     # parameter values
     "budget below range": (dict(policy="streamingllm", budget=0), ["'budget'", RANGE_BUDGET, "got 0"]),
-    "budget above range": (dict(policy="streamingllm", budget=1 << 25),
-                           ["'budget'", RANGE_BUDGET, "got 33554432"]),
+    "budget above range": (dict(policy="streamingllm", budget=1 << 25), ["'budget'", RANGE_BUDGET, "got 33554432"]),
     "sinks below range": (dict(policy="streamingllm", sinks=-1), ["'sinks'", "int in [0, 1048576]", "got -1"]),
-    "budget out of range in a composition": (dict(policy="full+streamingllm", budget=1),
-                                             ["'budget'", RANGE_BUDGET]),
+    "budget out of range in a composition": (dict(policy="full+streamingllm", budget=1), ["'budget'", RANGE_BUDGET]),
     "a float that is NaN": (dict(policy="raas", alpha=float("nan")), ["'alpha'", "float in [0.0, 1.0]", "got nan"]),
     "a NaN converted to an int": (dict(policy="h2o", heavy=float("nan")), ["'heavy'", "got nan"]),
     # parameter types
@@ -44,24 +41,37 @@ CASES = {
     "budget is a bool": (dict(policy="streamingllm", budget=True), ["'budget'", RANGE_BUDGET, "got bool True"]),
     # parameter names
     "unknown parameter": (dict(policy="streamingllm", bugdet=8), ["no parameter 'bugdet'", "budget, sinks"]),
-    "parameter of a parameterless policy": (dict(policy="full", budget=8),
-                                            ["policy 'full' has no parameter 'budget'", "none"]),
-    "unknown parameter of a composition": (dict(policy="full+streamingllm", foo=1),
-                                           ["policy 'full+streamingllm' has no parameter 'foo'", "budget, sinks"]),
+    "parameter of a parameterless policy": (
+        dict(policy="full", budget=8),
+        ["policy 'full' has no parameter 'budget'", "none"],
+    ),
+    "unknown parameter of a composition": (
+        dict(policy="full+streamingllm", foo=1),
+        ["policy 'full+streamingllm' has no parameter 'foo'", "budget, sinks"],
+    ),
     # cross-parameter checks
-    "sinks equal to budget": (dict(policy="streamingllm", budget=8, sinks=8), ["'sinks' must be < budget (8)", "got 8"]),
+    "sinks equal to budget": (
+        dict(policy="streamingllm", budget=8, sinks=8),
+        ["'sinks' must be < budget (8)", "got 8"],
+    ),
     "sinks above budget": (dict(policy="streamingllm", budget=8, sinks=20), ["'sinks' must be < budget (8)", "got 20"]),
-    "default sinks above a small budget": (dict(policy="streamingllm", budget=3),
-                                           ["'sinks' must be < budget (3)", "got 4"]),
-    "sinks >= budget in a composition": (dict(policy="full+streamingllm", budget=4, sinks=4),
-                                         ["'sinks' must be < budget (4)"]),
+    "default sinks above a small budget": (
+        dict(policy="streamingllm", budget=3),
+        ["'sinks' must be < budget (3)", "got 4"],
+    ),
+    "sinks >= budget in a composition": (
+        dict(policy="full+streamingllm", budget=4, sinks=4),
+        ["'sinks' must be < budget (4)"],
+    ),
     # composition
     "same policy twice": (dict(policy="full+full"), ["policy 'full+full' names a policy twice"]),
     "same evicting policy twice": (dict(policy="streamingllm+streamingllm"), ["names a policy twice"]),
     # the compiler
     "bad compiler": (dict(policy="full", compiler="tvm"), ["'compiler'", "inductor, aot_eager, eager", "got 'tvm'"]),
-    "bad compiler, good policy params": (dict(policy="streamingllm", compiler="Inductor", budget=8),
-                                         ["'compiler'", "got 'Inductor'"]),
+    "bad compiler, good policy params": (
+        dict(policy="streamingllm", compiler="Inductor", budget=8),
+        ["'compiler'", "got 'Inductor'"],
+    ),
 }
 
 
@@ -122,9 +132,13 @@ def two_more_evictors(monkeypatch):
 
 
 def test_two_evicting_policies_through_backend(two_more_evictors, no_runtime_leak):
-    with pytest.raises(kvpass.ConfigError, match=re.escape(
+    with pytest.raises(
+        kvpass.ConfigError,
+        match=re.escape(
             "policy 'streamingllm+keepfirst': streamingllm and keepfirst both evict; "
-            "compose at most one eviction policy")):
+            "compose at most one eviction policy"
+        ),
+    ):
         kvpass.backend("streamingllm+keepfirst", budget=8)
     with pytest.raises(kvpass.ConfigError, match="keepfirst and keeplast both evict"):
         kvpass.backend("full+keepfirst+keeplast")
@@ -159,9 +173,13 @@ def test_policy_object_validates_on_construction():
 
 def test_valid_configurations_build():
     """The counterpart: what the cases above get wrong, done right, builds without error."""
-    for policy, params in [("full", {}), ("streamingllm", dict(budget=8, sinks=2)),
-                           ("streamingllm", dict(budget=2, sinks=0)), ("full+streamingllm", dict(budget=8)),
-                           (" streamingllm + full ", dict(budget=8))]:
+    for policy, params in [
+        ("full", {}),
+        ("streamingllm", dict(budget=8, sinks=2)),
+        ("streamingllm", dict(budget=2, sinks=0)),
+        ("full+streamingllm", dict(budget=8)),
+        (" streamingllm + full ", dict(budget=8)),
+    ]:
         kvpass.backend(policy, compiler="eager", **params)
     assert make_policy("streamingllm", budget=16).config == {"budget": 16, "sinks": 4}
 
@@ -189,11 +207,14 @@ def test_a_policy_declaring_needs_as_loose_attributes_is_refused():
     """Before the Needs descriptor a policy said ``evicts = True``; now that attribute would be ignored, so a
     class that still sets it is refused at definition, naming the fix."""
     with pytest.raises(TypeError, match=r"declare evicts, slot_rule as Needs fields or parameter fields"):
+
         class Old(Policy):  # noqa: F841
             name = "old"
             evicts = True
             slot_rule = "append"
-    with pytest.raises(TypeError, match=r"declare params as"):   # parameters are fields now
+
+    with pytest.raises(TypeError, match=r"declare params as"):  # parameters are fields now
+
         class OldParams(Policy):  # noqa: F841
             name = "oldparams"
             params = (Param("budget", int, 8, 1, 64),)
@@ -221,8 +242,11 @@ def test_device_asserts_go_through_the_length_check():
     from kvpass.errors import device_assert
 
     root = Path(kvpass.__file__).parent
-    direct = [str(p.relative_to(root)) for p in root.rglob("*.py")
-              if "torch._assert_async(" in p.read_text() and p.name != "errors.py"]
+    direct = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if "torch._assert_async(" in p.read_text() and p.name != "errors.py"
+    ]
     assert not direct, direct
     device_assert(torch.tensor(True), "x" * 254)
     with pytest.raises(ValueError, match="device assert's message is 255 characters"):
@@ -252,10 +276,13 @@ def test_training_through_kvpass_says_it_is_for_inference(compiler):
     model = families.build("llama")
     kvpass.compile(model, "full", compiler=compiler)
     says = r"kvpass.*inference.*torch\.no_grad\(\).*torch\.inference_mode\(\).*without kvpass"
-    with pytest.raises(Exception, match=says) as e:   # eager: at the backward; AOT traces it at the forward
+    with pytest.raises(Exception, match=says) as e:  # eager: at the backward; AOT traces it at the forward
         model(IDS, labels=IDS).loss.backward()
-    assert isinstance(e.value, kvpass.ConfigError) or isinstance(e.value.__cause__, kvpass.ConfigError) \
+    assert (
+        isinstance(e.value, kvpass.ConfigError)
+        or isinstance(e.value.__cause__, kvpass.ConfigError)
         or "ConfigError" in str(e.value)
+    )
     with torch.no_grad():
         assert model(IDS).logits.shape == (1, 12, 96)
 
@@ -268,9 +295,9 @@ def test_a_deep_copy_of_a_compiled_model_is_an_uncompiled_model(compiled):
     assert "forward" not in twin.__dict__ and "generate" not in twin.__dict__
     assert twin.generate(IDS, max_new_tokens=4, do_sample=False).tolist() == ref.tolist()
     with torch.no_grad():
-        twin.lm_head.weight.mul_(-1.0)   # the copy's weights are its own: the original is unchanged
+        twin.lm_head.weight.mul_(-1.0)  # the copy's weights are its own: the original is unchanged
     assert compiled.generate(IDS, max_new_tokens=4, do_sample=False).tolist() == ref.tolist()
-    kvpass.compile(twin, "streamingllm", compiler="eager", budget=8)   # and can be compiled again
+    kvpass.compile(twin, "streamingllm", compiler="eager", budget=8)  # and can be compiled again
     assert twin.generate(IDS, max_new_tokens=2, do_sample=False).shape == (1, 14)
 
 
@@ -283,8 +310,8 @@ def test_max_new_tokens_must_be_an_int(compiled, value):
 def test_a_cache_too_large_for_the_device_is_refused_before_it_is_allocated(compiled):
     says = r"kvpass\.compile.*max_new_tokens=1000000000.*SlotCache of \d+ tokens.*GiB.*free.*max_new_tokens"
     with pytest.raises(kvpass.ConfigError, match=says):
-        compiled.generate(IDS, max_new_tokens=10 ** 9, eos_token_id=2)
-    out = compiled.generate(IDS, max_new_tokens=3, do_sample=False)   # still generates
+        compiled.generate(IDS, max_new_tokens=10**9, eos_token_id=2)
+    out = compiled.generate(IDS, max_new_tokens=3, do_sample=False)  # still generates
     assert out.shape == (1, 15)
 
 
@@ -293,7 +320,10 @@ def test_an_encoder_decoder_is_refused_by_kvpass_compile():
 
     cfg = tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
     model = tf.T5ForConditionalGeneration(cfg).eval()
-    with pytest.raises(kvpass.ConfigError, match=r"kvpass\.compile: parameter 'model' is an encoder-decoder.*"
-                                                 r"is_encoder_decoder.*decoder-only"):
+    with pytest.raises(
+        kvpass.ConfigError,
+        match=r"kvpass\.compile: parameter 'model' is an encoder-decoder.*"
+        r"is_encoder_decoder.*decoder-only",
+    ):
         kvpass.compile(model, "full", compiler="eager")
     assert "forward" not in model.__dict__ and "generate" not in model.__dict__

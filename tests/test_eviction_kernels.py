@@ -31,10 +31,19 @@ def window_case(b, h, hkv, w, n, d, dtype, pads, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 2), gqa=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]), w=st.integers(1, 20),
-       n=st.integers(20, 150), d=st.sampled_from([16, 24, 32]), dtype=st.sampled_from(list(TOL)),
-       softcap=st.sampled_from([0.0, 3.0]), block=st.sampled_from([16, 32]), rows=st.sampled_from([16, 64]),
-       pads=st.lists(st.integers(0, 30), min_size=2, max_size=2), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(1, 2),
+    gqa=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]),
+    w=st.integers(1, 20),
+    n=st.integers(20, 150),
+    d=st.sampled_from([16, 24, 32]),
+    dtype=st.sampled_from(list(TOL)),
+    softcap=st.sampled_from([0.0, 3.0]),
+    block=st.sampled_from([16, 32]),
+    rows=st.sampled_from([16, 64]),
+    pads=st.lists(st.integers(0, 30), min_size=2, max_size=2),
+    seed=st.integers(0, 10_000),
+)
 def test_window_kernel_equals_reference(b, gqa, w, n, d, dtype, softcap, block, rows, pads, seed):
     h, hkv = gqa
     q, k, kv_pos, q_pos = window_case(b, h, hkv, w, n, d, dtype, pads[:b], seed)
@@ -51,7 +60,7 @@ def test_window_kernel_rows_that_see_nothing():
     got = W.window_scores_triton(q, k, kv_pos, q_pos, 0.25, block=16)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got[..., :35].eq(0).all()
-    torch.testing.assert_close(got.sum(-1), torch.full((1, 2), 2.0 * 5))   # 5 rows see something, 2 heads
+    torch.testing.assert_close(got.sum(-1), torch.full((1, 2), 2.0 * 5))  # 5 rows see something, 2 heads
 
 
 def test_window_kernel_strided_window_queries():
@@ -66,9 +75,16 @@ def test_window_kernel_strided_window_queries():
 
 
 @SETTINGS
-@given(b=st.integers(1, 3), hkv=st.integers(1, 3), n=st.integers(1, 90), d=st.sampled_from([8, 16, 40]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), frac=st.floats(0.0, 1.0),
-       block=st.sampled_from([16, 64]), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    n=st.integers(1, 90),
+    d=st.sampled_from([8, 16, 40]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    frac=st.floats(0.0, 1.0),
+    block=st.sampled_from([16, 64]),
+    seed=st.integers(0, 10_000),
+)
 def test_gather_kernel_equals_reference(b, hkv, n, d, dtype, frac, block, seed):
     g = torch.Generator().manual_seed(seed)
     src = torch.randn(b, hkv, n, d, generator=g).to(dtype)
@@ -82,8 +98,8 @@ def test_gather_kernel_equals_reference(b, hkv, n, d, dtype, frac, block, seed):
 def test_gather_kernel_strided_source():
     """A cache tensor that is a view (e.g. K of a fused projection) is read through its strides."""
     g = torch.Generator().manual_seed(4)
-    base = torch.randn(2, 30, 3, 16, generator=g)              # [B, N, H_kv, D] storage
-    src = base.transpose(1, 2)                                 # [B, H_kv, N, D] view
+    base = torch.randn(2, 30, 3, 16, generator=g)  # [B, N, H_kv, D] storage
+    src = base.transpose(1, 2)  # [B, H_kv, N, D] view
     idx = torch.tensor([0, 3, 4, 29]).expand(2, 3, 4).contiguous()
     assert torch.equal(G.gather_triton(src, idx, block=16), G.gather_reference(src, idx))
 

@@ -29,7 +29,7 @@ PARAMS = {"snapkv": {}, "pyramidkv": {}, "chunkkv": {"chunk": 4}, "sablock": {"p
 def prompt(n: int, seed: int, b: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, 90, (b, n), generator=g)
-    ids[torch.rand(b, n, generator=g) < 0.15] = PUNCT[seed % 2]       # sentence ends for sablock
+    ids[torch.rand(b, n, generator=g) < 0.15] = PUNCT[seed % 2]  # sentence ends for sablock
     return ids
 
 
@@ -51,7 +51,7 @@ def layer_budgets(policy: str, layers: list[int], budget: int = BUDGET, window: 
 def expected_kept(policy: str, model, ids: torch.Tensor, budget: int = BUDGET, window: int = WINDOW) -> dict[int, list]:
     """Per global layer, the kept indices [B][H_kv] the reference picks from eager attention."""
     eager = build(model.config.model_type if model.config.model_type != "gemma3_text" else "gemma3", "eager")
-    with torch.no_grad():   # on the CPU, in fp32, whatever device the model under test runs on
+    with torch.no_grad():  # on the CPU, in fp32, whatever device the model under test runs on
         attn = eager(input_ids=ids.cpu(), output_attentions=True, use_cache=False).attentions
     hkv, n = model.config.num_key_value_heads, ids.shape[1]
     kv_pos = torch.arange(n).expand(ids.shape[0], hkv, n)
@@ -80,8 +80,12 @@ def hand_evicted_decode(model, ids, kept: dict[int, torch.Tensor], tokens: list[
             lay.keys, lay.values = lay.keys.gather(2, ix), lay.values.gather(2, ix)
         n = ids.shape[1]
         for step, tok in enumerate(tokens):
-            out = model(input_ids=torch.tensor([[tok]], device=ids.device), past_key_values=cache, use_cache=True,
-                        position_ids=torch.tensor([[n + step]], device=ids.device))
+            out = model(
+                input_ids=torch.tensor([[tok]], device=ids.device),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[n + step]], device=ids.device),
+            )
             logits.append(out.logits[:, -1])
     return logits
 
@@ -90,9 +94,16 @@ def nbytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-@pytest.mark.parametrize("family,policy,dynamic", [
-    ("llama", "snapkv", False), ("llama", "pyramidkv", False), ("llama", "chunkkv", False),
-    ("llama", "sablock", True), ("gemma3", "snapkv", False)])
+@pytest.mark.parametrize(
+    "family,policy,dynamic",
+    [
+        ("llama", "snapkv", False),
+        ("llama", "pyramidkv", False),
+        ("llama", "chunkkv", False),
+        ("llama", "sablock", True),
+        ("gemma3", "snapkv", False),
+    ],
+)
 def test_bare_forward_matches_hand_eviction(family, policy, dynamic):
     if policy == "pyramidkv":
         skip_uneven_layers_on_old_stacks(policy)
@@ -117,13 +128,14 @@ def test_bare_forward_matches_hand_eviction(family, policy, dynamic):
         tokens = []
         for _ in range(5):
             tokens.append(int(logits[-1].argmax()))
-            logits.append(fwd(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                              use_cache=True).logits[:, -1])
+            logits.append(
+                fwd(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits[:, -1]
+            )
     ref = hand_evicted_decode(model, ids, kept, tokens)
     for step, (a, b) in enumerate(zip(logits, ref)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
     for i, keep in budgets.items():
-        assert cache.layers[i].keys.shape[-2] == keep + len(tokens)      # decode steps append
+        assert cache.layers[i].keys.shape[-2] == keep + len(tokens)  # decode steps append
     assert be.state.seen == ids.shape[1] + len(tokens)
     assert all(r.positions_fixed for r in be.reports if r.evicting or r.appending) or family == "gemma3"
     assert any(r.appending for r in be.reports) or family == "gemma3"  # decode kept the model's cache update
@@ -147,8 +159,11 @@ def test_appending_then_exact_steps_keep_positions():
                 kw = {}
                 if step >= masked_from:  # a mask that is not provably causal: the exact shape
                     kw["attention_mask"] = torch.ones(1, ids.shape[1] + step + 1, dtype=torch.long)
-                out.append(fwd(input_ids=out[-1].argmax(-1, keepdim=True), past_key_values=cache,
-                               use_cache=True, **kw).logits[:, -1])
+                out.append(
+                    fwd(input_ids=out[-1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True, **kw).logits[
+                        :, -1
+                    ]
+                )
         assert be.state.seen == 46 and set(be.state.stored_tokens().values()) == {BUDGET + 6}
         assert torch.equal(be.state.positions(0)[0, 0, -6:], torch.arange(40, 46))
         runs.append((torch.stack(out), be))
@@ -166,7 +181,7 @@ def test_generate_matches_hand_eviction():
     model_c = build("llama")
     model_c.forward = torch.compile(model_c.forward, backend=be, fullgraph=True)
     out = model_c.generate(ids, max_new_tokens=10, do_sample=False, min_new_tokens=10)
-    tokens = out[0, ids.shape[1]:].tolist()
+    tokens = out[0, ids.shape[1] :].tolist()
     kept = {i: st.pos[..., :BUDGET] for i, st in be.state.layers.items()}
     assert kept[0].tolist() == expected_kept("sablock", model, ids)[0]
     ref = hand_evicted_decode(model, ids, kept, tokens)
@@ -186,8 +201,7 @@ def test_noop_budget_equals_full():
         with torch.no_grad():
             steps = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits]
             for _ in range(3):
-                steps.append(fwd(input_ids=steps[-1][:, -1:].argmax(-1), past_key_values=cache,
-                                 use_cache=True).logits)
+                steps.append(fwd(input_ids=steps[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
         outs[policy] = steps
         if policy != "full":
             assert any(r.evicting for r in be.reports) and be.state.evicted_tokens == 0
@@ -211,10 +225,10 @@ def test_left_padded_batch_equals_single_runs(policy):
     out = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     kept = {i: st.pos[..., :24].clone() for i, st in be.state.layers.items()}
     for i in kept:
-        assert (kept[i][0] >= 0).sum(-1).eq(22).all()                # every real token of the short row
+        assert (kept[i][0] >= 0).sum(-1).eq(22).all()  # every real token of the short row
     for row, ids in ((0, short), (1, long)):
         single = model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
-        assert out[row, batch.shape[1]:].tolist() == single[0, ids.shape[1]:].tolist(), f"row {row}"
+        assert out[row, batch.shape[1] :].tolist() == single[0, ids.shape[1] :].tolist(), f"row {row}"
         if row == 1:
             for i, st in be.state.layers.items():
                 assert torch.equal(kept[i][1], st.pos[0, :, :24]), f"layer {i}"

@@ -21,8 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpass
-from eviction_reference import (chunkkv_naive, fill_naive, sablock_naive, sablock_row, snapkv_naive,
-                                votes_naive)
+from eviction_reference import chunkkv_naive, fill_naive, sablock_naive, sablock_row, snapkv_naive, votes_naive
 from kvpass.cache import runtime
 from kvpass.kernels.window_scores import window_scores_reference
 from kvpass.policies import make_policy
@@ -35,14 +34,22 @@ GQA = [(1, 1), (2, 1), (4, 2), (6, 2), (4, 4)]
 
 
 def site(layer=0, layers=(0,), softcap=0.0):
-    return SimpleNamespace(layer=layer, scale=0.25, softcap=softcap, sliding_window=None, cache="dynamic",
-                           phase="prefill", global_layers=layers, tokens=None)
+    return SimpleNamespace(
+        layer=layer,
+        scale=0.25,
+        softcap=softcap,
+        sliding_window=None,
+        cache="dynamic",
+        phase="prefill",
+        global_layers=layers,
+        tokens=None,
+    )
 
 
 def prefill(b, h, hkv, n, pads, seed, d=8):
     """q/k of a prefill with left padding `pads[b]` per row, true positions as the runtime gives them."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, n, d, generator=g) * 0.5   # compact receives q with the scale folded in
+    q = torch.randn(b, h, n, d, generator=g) * 0.5  # compact receives q with the scale folded in
     k = torch.randn(b, hkv, n, d, generator=g)
     kv_pos = torch.arange(n).expand(b, hkv, n).clone()
     for bi, p in enumerate(pads):
@@ -63,8 +70,13 @@ def check_kept(keep, kv_pos, budget, window):
             assert len(kept & set(real)) == min(len(real), budget)
 
 
-shapes = st.tuples(st.integers(1, 2), st.sampled_from(GQA), st.integers(2, 60), st.integers(1, 12),
-                   st.lists(st.integers(0, 15), min_size=2, max_size=2))
+shapes = st.tuples(
+    st.integers(1, 2),
+    st.sampled_from(GQA),
+    st.integers(2, 60),
+    st.integers(1, 12),
+    st.lists(st.integers(0, 15), min_size=2, max_size=2),
+)
 
 
 @SETTINGS
@@ -82,8 +94,13 @@ def test_window_scores_reference_is_per_row_softmax(shape, softcap, seed):
 
 
 @SETTINGS
-@given(shape=shapes, budget=st.integers(2, 50), kernel=st.sampled_from([1, 3, 7]),
-       mode=st.sampled_from(["max", "avg"]), seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    budget=st.integers(2, 50),
+    kernel=st.sampled_from([1, 3, 7]),
+    mode=st.sampled_from(["max", "avg"]),
+    seed=st.integers(0, 10_000),
+)
 def test_snapkv_select_equals_reference(shape, budget, kernel, mode, seed):
     b, (h, hkv), n, window, pads = shape
     window = min(window, budget - 1) if budget > 1 else 1
@@ -101,8 +118,13 @@ def test_snapkv_select_equals_reference(shape, budget, kernel, mode, seed):
 
 
 @SETTINGS
-@given(shape=shapes, budget=st.integers(8, 40), layers=st.integers(1, 6), steep=st.sampled_from([1, 4, 20]),
-       seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    budget=st.integers(8, 40),
+    layers=st.integers(1, 6),
+    steep=st.sampled_from([1, 4, 20]),
+    seed=st.integers(0, 10_000),
+)
 def test_pyramidkv_select_is_snapkv_at_the_layer_budget(shape, budget, layers, steep, seed):
     b, (h, hkv), n, window, pads = shape
     window = min(window, budget - 1)
@@ -112,11 +134,11 @@ def test_pyramidkv_select_is_snapkv_at_the_layer_budget(shape, budget, layers, s
     w = min(window, n)
     votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 1.0)
     for layer in range(layers):
-        s = site(layer=2 * layer, layers=tuple(range(0, 2 * layers, 2)))   # sliding layers in between
+        s = site(layer=2 * layer, layers=tuple(range(0, 2 * layers, 2)))  # sliding layers in between
         assert pol.layer_budget(s) == budgets[layer]
         assert pol.stored_length(s, n) == (n if n <= budget else min(n, budgets[layer]))
         keep = pol.select(s, q, k, None, kv_pos, q_pos, None)
-        if n <= budgets[layer] or n <= budget:   # prompts within the mean budget are kept whole
+        if n <= budgets[layer] or n <= budget:  # prompts within the mean budget are kept whole
             assert keep is None
             continue
         check_kept(keep, kv_pos, budgets[layer], window)
@@ -149,7 +171,7 @@ def test_chunkkv_select_equals_reference(shape, budget, chunk, seed):
         assert keep is None
         return
     check_kept(keep, kv_pos, budget, window)
-    assert (keep == keep[:, :1]).all()   # one index set shared by every KV head
+    assert (keep == keep[:, :1]).all()  # one index set shared by every KV head
     w = min(window, n)
     votes = window_scores_reference(q[:, :, -w:], k, kv_pos, q_pos[:, -w:], 1.0)
     assert keep[:, 0].tolist() == chunkkv_naive(votes, kv_pos, window, budget, chunk)
@@ -159,20 +181,37 @@ PUNCT = (3, 7)
 
 
 @SETTINGS
-@given(shape=shapes, budget=st.integers(2, 50), lam=st.sampled_from([0.0, 0.7, 1.0]),
-       beta=st.sampled_from([0.0, 1.0, 5.0]), eps=st.sampled_from([0.0, 0.01, 0.5]),
-       theta=st.sampled_from([0.0, 0.5, 0.9, 1.0]), density=st.sampled_from([0.05, 0.2, 0.5]),
-       seed=st.integers(0, 10_000))
+@given(
+    shape=shapes,
+    budget=st.integers(2, 50),
+    lam=st.sampled_from([0.0, 0.7, 1.0]),
+    beta=st.sampled_from([0.0, 1.0, 5.0]),
+    eps=st.sampled_from([0.0, 0.01, 0.5]),
+    theta=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+    density=st.sampled_from([0.05, 0.2, 0.5]),
+    seed=st.integers(0, 10_000),
+)
 def test_sablock_select_equals_reference(shape, budget, lam, beta, eps, theta, density, seed):
     b, (h, hkv), n, window, pads = shape
     window = min(window, budget - 1) if budget > 1 else 1
     budget = max(budget, window + 1)
-    pol = make_policy("sablock", budget=budget, window=window, lam=lam, beta=beta, epsilon=eps, theta=theta,
-                      punctuation_ids=list(PUNCT))
+    pol = make_policy(
+        "sablock",
+        budget=budget,
+        window=window,
+        lam=lam,
+        beta=beta,
+        epsilon=eps,
+        theta=theta,
+        punctuation_ids=list(PUNCT),
+    )
     q, k, kv_pos, q_pos = prefill(b, h, hkv, n, [min(p, n - 1) for p in pads[:b]], seed)
     g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.where(torch.rand(b, n, generator=g) < density, torch.tensor(PUNCT[seed % 2]),
-                         torch.randint(10, 50, (b, n), generator=g))
+    tokens = torch.where(
+        torch.rand(b, n, generator=g) < density,
+        torch.tensor(PUNCT[seed % 2]),
+        torch.randint(10, 50, (b, n), generator=g),
+    )
     keep = pol.select(site(), q, k, None, kv_pos, q_pos, None, tokens=tokens)
     if n <= budget:
         assert keep is None
@@ -184,8 +223,12 @@ def test_sablock_select_equals_reference(shape, budget, lam, beta, eps, theta, d
 
 
 @SETTINGS
-@given(n=st.integers(1, 70), sizes=st.sampled_from([1, 2, 5, 9]), seed=st.integers(0, 10_000),
-       cuts=st.lists(st.integers(0, 69), max_size=6))
+@given(
+    n=st.integers(1, 70),
+    sizes=st.sampled_from([1, 2, 5, 9]),
+    seed=st.integers(0, 10_000),
+    cuts=st.lists(st.integers(0, 69), max_size=6),
+)
 def test_block_fill_equals_reference(n, sizes, seed, cuts):
     """Blocks cut per segment, best blocks first, the last trimmed: exactly the quota per segment."""
     g = torch.Generator().manual_seed(seed)
@@ -193,7 +236,7 @@ def test_block_fill_equals_reference(n, sizes, seed, cuts):
     punct = torch.zeros(2, n, dtype=torch.bool)
     punct[:, [c for c in cuts if c < n]] = True
     cand = torch.ones(2, n, dtype=torch.bool)
-    cand[1, : n // 3] = False                                           # a padded row
+    cand[1, : n // 3] = False  # a padded row
     seg = segments(cand, punct)
     quota = torch.zeros(2, n, dtype=torch.long)
     for r in range(2):
@@ -205,8 +248,10 @@ def test_block_fill_equals_reference(n, sizes, seed, cuts):
         for s in range(int(seg[r].max()) + 1):
             members = (seg[r] == s).nonzero().flatten().tolist()
             want = fill_naive(score[r].tolist(), members, sizes, int(quota[r, s]))
-            assert chosen[r].nonzero().flatten()[torch.isin(chosen[r].nonzero().flatten(),
-                                                             torch.tensor(members))].tolist() == want
+            assert (
+                chosen[r].nonzero().flatten()[torch.isin(chosen[r].nonzero().flatten(), torch.tensor(members))].tolist()
+                == want
+            )
     assert not chosen[~cand].any()
 
 
@@ -230,7 +275,7 @@ def test_larger_budgets_choose_larger_blocks():
     for quota in (1, 2, 3, 10, 20, 30, 40):
         _, size = block_search(s, seg, torch.tensor([[quota] + [0] * 39]), theta=0.9)
         sizes.append(int(size[0, 0]))
-    assert sizes == sorted(sizes), sizes                    # never smaller blocks for a larger budget
+    assert sizes == sorted(sizes), sizes  # never smaller blocks for a larger budget
     assert sizes[0] == 1 and sizes[-1] == 9, sizes
 
 
@@ -270,8 +315,9 @@ def test_block_search_row_reference_agrees_on_sizes():
     punct = torch.rand(1, 1, 120, generator=g) < 0.08
     cand = torch.ones(1, 1, 120, dtype=torch.bool)
     chosen, info = choose(s, cand, punct, 50, 0.7, 1.0, 0.01, 0.9)
-    want, detail = sablock_row(s[0, 0].tolist(), list(range(120)),
-                               set(punct[0, 0].nonzero().flatten().tolist()), 50, 0.7, 1.0, 0.01, 0.9)
+    want, detail = sablock_row(
+        s[0, 0].tolist(), list(range(120)), set(punct[0, 0].nonzero().flatten().tolist()), 50, 0.7, 1.0, 0.01, 0.9
+    )
     assert chosen[0, 0].nonzero().flatten().tolist() == want
     want_sizes = [size for _, size in detail["segments"].values()]
     assert [int(info["size"][0, i]) for i in range(len(want_sizes))] == want_sizes
@@ -290,69 +336,100 @@ def tiny_tokenizer():
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "hello": 3, ".": 4, ",": 5, "\n": 6, "end.": 7, "\u3002": 8,
-             "x:": 9, "a.b": 10, "?!  ": 11, "\uff0c": 12, ".x": 13, "<sep.>": 14, ";\n ": 15}
+    vocab = {
+        "<pad>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        "hello": 3,
+        ".": 4,
+        ",": 5,
+        "\n": 6,
+        "end.": 7,
+        "\u3002": 8,
+        "x:": 9,
+        "a.b": 10,
+        "?!  ": 11,
+        "\uff0c": 12,
+        ".x": 13,
+        "<sep.>": 14,
+        ";\n ": 15,
+    }
     tok = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=["<sep.>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", additional_special_tokens=["<sep.>"]
+    )
 
 
 def test_punctuation_from_tokenizer():
     pol = make_policy("sablock", budget=64, tokenizer=tiny_tokenizer())
-    assert pol.punctuation_ids == (4, 5, 6, 7, 8, 9, 11, 12, 15)   # not 'a.b', '.x', nor the special '<sep.>'
-    assert isinstance(pol.config["tokenizer"], str)               # the config stays printable and hashable
+    assert pol.punctuation_ids == (4, 5, 6, 7, 8, 9, 11, 12, 15)  # not 'a.b', '.x', nor the special '<sep.>'
+    assert isinstance(pol.config["tokenizer"], str)  # the config stays printable and hashable
     both = make_policy("sablock", budget=64, tokenizer=tiny_tokenizer(), punctuation_ids=[4])
-    assert both.punctuation_ids == (4,) and isinstance(both.config["tokenizer"], str)   # explicit ids win
+    assert both.punctuation_ids == (4,) and isinstance(both.config["tokenizer"], str)  # explicit ids win
     explicit = make_policy("sablock", budget=64, punctuation_ids="4, 5,6")
     assert explicit.punctuation_ids == (4, 5, 6)
     assert make_policy("sablock", budget=64, punctuation_ids=[6, 4, 4]).punctuation_ids == (4, 6)
-    assert make_policy("sablock", budget=64, punctuation_ids=13).punctuation_ids == (13,)   # --param x=13
+    assert make_policy("sablock", budget=64, punctuation_ids=13).punctuation_ids == (13,)  # --param x=13
 
 
-@pytest.mark.parametrize("policy,params,fragments", [
-    ("snapkv", dict(budget=32), ["'budget' must be > window (32)", "got 32", "counts the observation window"]),
-    ("chunkkv", dict(budget=8, window=8), ["'budget' must be > window (8)"]),
-    ("pyramidkv", dict(budget=1), ["'budget' must be int in [2, 16777216]", "got 1"]),
-    ("snapkv", dict(budget=64, kernel=4), ["'kernel' must be an odd int in [1, 1025]", "got 4"]),
-    ("snapkv", dict(budget=64, pool="mean"), ["'pool' must be 'max' or 'avg'", "got 'mean'"]),
-    ("pyramidkv", dict(budget=64, steepness=0), ["'steepness' must be int in [1, 1048576]"]),
-    ("chunkkv", dict(budget=64, chunk=0), ["'chunk' must be int in [1, 65536]"]),
-    ("sablock", dict(budget=64), ["needs the model's punctuation token ids", "tokenizer=", "punctuation_ids="]),
-    ("sablock", dict(budget=64, tokenizer="gpt2"), ["'tokenizer' must be a Hugging Face tokenizer", "got str"]),
-    ("sablock", dict(budget=64, punctuation_ids=[1, -2]), ["'punctuation_ids' must be a list of ints >= 0"]),
-    ("sablock", dict(budget=64, punctuation_ids="1,a"), ["'punctuation_ids' must be a list of ints"]),
-    ("sablock", dict(budget=64, punctuation_ids=[1], theta=1.5), ["'theta' must be float in [0.0, 1.0]"]),
-    ("sablock", dict(budget=64, punctuation_ids=[1], lam=-0.1), ["'lam' must be float in [0.0, 1.0]"]),
-    ("snapkv+sablock", dict(budget=64, punctuation_ids=[1]), ["snapkv and sablock both evict"]),
-    ("knorm", dict(budget=8, window=8), ["'budget' must be > window (8)", "got 8", "counts the observation window"]),
-    ("keydiff", dict(budget=4, window=9), ["'budget' must be > window (9)", "got 4"]),
-    ("knorm", dict(budget=1), ["'budget' must be int in [2, 16777216]", "got 1"]),
-    ("keydiff", dict(window=-1), ["'window' must be int in [0, 65536]", "got -1"]),
-    ("knorm", dict(window=1 << 17), ["'window' must be int in [0, 65536]"]),
-    ("keydiff", dict(budget=64.0), ["'budget' must be int", "got float"]),
-    ("knorm", dict(kernel=3), ["'kernel'", "budget", "window"]),
-    ("knorm+keydiff", dict(budget=64), ["knorm and keydiff both evict"]),
-    ("criticalkv", dict(scorer="h2o"),
-     ["'scorer' must be one of snapkv, expected_attention, knorm, keydiff", "got 'h2o'"]),
-    ("criticalkv", dict(scorer=3), ["'scorer' must be str", "got int 3"]),
-    ("criticalkv", dict(budget=32), ["scorer 'snapkv'", "'budget' must be > window (32)", "got 32"]),
-    ("criticalkv", dict(window=0), ["scorer 'snapkv'", "'window' must be int in [1, 65536]", "got 0"]),
-    ("criticalkv", dict(scorer="expected_attention", budget=6, window=2), ["(4 + 2)", "got 6"]),
-    ("criticalkv", dict(window=-2), ["'window' must be int in [-1, 65536]", "got -2"]),
-    ("criticalkv", dict(first_stage_ratio=1.5), ["'first_stage_ratio' must be float in [0.0, 1.0]", "got 1.5"]),
-    ("criticalkv", dict(epsilon=-1e-3), ["'epsilon' must be float in [0.0, inf]", "got -0.001"]),
-    ("criticalkv", dict(kernel=3), ["has no parameter 'kernel'", "first_stage_ratio", "scorer"]),
-    ("expected_attention", dict(budget=4), ["'budget' must be > n_sink + window (4 + 0)", "got 4"]),
-    ("expected_attention", dict(budget=10, n_sink=4, window=6), ["(4 + 6)", "got 10"]),
-    ("expected_attention", dict(n_sink=-1), ["'n_sink' must be int in [0, 65536]", "got -1"]),
-    ("expected_attention", dict(n_future_positions=0), ["'n_future_positions' must be int in [1, 1048576]", "got 0"]),
-    ("expected_attention", dict(epsilon=-0.5), ["'epsilon' must be float in [0.0, inf]", "got -0.5"]),
-    ("expected_attention", dict(use_covariance=1), ["'use_covariance' must be bool", "got int 1"]),
-    ("expected_attention", dict(use_vnorm="yes"), ["'use_vnorm' must be bool", "got str"]),
-    ("expected_attention", dict(window=-1), ["'window' must be int in [0, 65536]"]),
-    ("expected_attention", dict(kernel=7), ["has no parameter 'kernel'", "n_future_positions"]),
-])
+@pytest.mark.parametrize(
+    "policy,params,fragments",
+    [
+        ("snapkv", dict(budget=32), ["'budget' must be > window (32)", "got 32", "counts the observation window"]),
+        ("chunkkv", dict(budget=8, window=8), ["'budget' must be > window (8)"]),
+        ("pyramidkv", dict(budget=1), ["'budget' must be int in [2, 16777216]", "got 1"]),
+        ("snapkv", dict(budget=64, kernel=4), ["'kernel' must be an odd int in [1, 1025]", "got 4"]),
+        ("snapkv", dict(budget=64, pool="mean"), ["'pool' must be 'max' or 'avg'", "got 'mean'"]),
+        ("pyramidkv", dict(budget=64, steepness=0), ["'steepness' must be int in [1, 1048576]"]),
+        ("chunkkv", dict(budget=64, chunk=0), ["'chunk' must be int in [1, 65536]"]),
+        ("sablock", dict(budget=64), ["needs the model's punctuation token ids", "tokenizer=", "punctuation_ids="]),
+        ("sablock", dict(budget=64, tokenizer="gpt2"), ["'tokenizer' must be a Hugging Face tokenizer", "got str"]),
+        ("sablock", dict(budget=64, punctuation_ids=[1, -2]), ["'punctuation_ids' must be a list of ints >= 0"]),
+        ("sablock", dict(budget=64, punctuation_ids="1,a"), ["'punctuation_ids' must be a list of ints"]),
+        ("sablock", dict(budget=64, punctuation_ids=[1], theta=1.5), ["'theta' must be float in [0.0, 1.0]"]),
+        ("sablock", dict(budget=64, punctuation_ids=[1], lam=-0.1), ["'lam' must be float in [0.0, 1.0]"]),
+        ("snapkv+sablock", dict(budget=64, punctuation_ids=[1]), ["snapkv and sablock both evict"]),
+        (
+            "knorm",
+            dict(budget=8, window=8),
+            ["'budget' must be > window (8)", "got 8", "counts the observation window"],
+        ),
+        ("keydiff", dict(budget=4, window=9), ["'budget' must be > window (9)", "got 4"]),
+        ("knorm", dict(budget=1), ["'budget' must be int in [2, 16777216]", "got 1"]),
+        ("keydiff", dict(window=-1), ["'window' must be int in [0, 65536]", "got -1"]),
+        ("knorm", dict(window=1 << 17), ["'window' must be int in [0, 65536]"]),
+        ("keydiff", dict(budget=64.0), ["'budget' must be int", "got float"]),
+        ("knorm", dict(kernel=3), ["'kernel'", "budget", "window"]),
+        ("knorm+keydiff", dict(budget=64), ["knorm and keydiff both evict"]),
+        (
+            "criticalkv",
+            dict(scorer="h2o"),
+            ["'scorer' must be one of snapkv, expected_attention, knorm, keydiff", "got 'h2o'"],
+        ),
+        ("criticalkv", dict(scorer=3), ["'scorer' must be str", "got int 3"]),
+        ("criticalkv", dict(budget=32), ["scorer 'snapkv'", "'budget' must be > window (32)", "got 32"]),
+        ("criticalkv", dict(window=0), ["scorer 'snapkv'", "'window' must be int in [1, 65536]", "got 0"]),
+        ("criticalkv", dict(scorer="expected_attention", budget=6, window=2), ["(4 + 2)", "got 6"]),
+        ("criticalkv", dict(window=-2), ["'window' must be int in [-1, 65536]", "got -2"]),
+        ("criticalkv", dict(first_stage_ratio=1.5), ["'first_stage_ratio' must be float in [0.0, 1.0]", "got 1.5"]),
+        ("criticalkv", dict(epsilon=-1e-3), ["'epsilon' must be float in [0.0, inf]", "got -0.001"]),
+        ("criticalkv", dict(kernel=3), ["has no parameter 'kernel'", "first_stage_ratio", "scorer"]),
+        ("expected_attention", dict(budget=4), ["'budget' must be > n_sink + window (4 + 0)", "got 4"]),
+        ("expected_attention", dict(budget=10, n_sink=4, window=6), ["(4 + 6)", "got 10"]),
+        ("expected_attention", dict(n_sink=-1), ["'n_sink' must be int in [0, 65536]", "got -1"]),
+        (
+            "expected_attention",
+            dict(n_future_positions=0),
+            ["'n_future_positions' must be int in [1, 1048576]", "got 0"],
+        ),
+        ("expected_attention", dict(epsilon=-0.5), ["'epsilon' must be float in [0.0, inf]", "got -0.5"]),
+        ("expected_attention", dict(use_covariance=1), ["'use_covariance' must be bool", "got int 1"]),
+        ("expected_attention", dict(use_vnorm="yes"), ["'use_vnorm' must be bool", "got str"]),
+        ("expected_attention", dict(window=-1), ["'window' must be int in [0, 65536]"]),
+        ("expected_attention", dict(kernel=7), ["has no parameter 'kernel'", "n_future_positions"]),
+    ],
+)
 def test_configuration_errors(policy, params, fragments):
     before = dict(runtime._RUNTIMES)
     with pytest.raises(kvpass.ConfigError) as err:

@@ -42,9 +42,17 @@ GQA = [(1, 1), (2, 1), (4, 2), (4, 4)]
 
 
 def site(rotated: bool):
-    return SimpleNamespace(layer=0, softcap=0.0, sliding_window=None, cache="dynamic", phase="prefill",
-                           global_layers=(0,), tokens=None, tp=None,
-                           q_rope=SimpleNamespace(cos="cos" if rotated else None, problem=None))
+    return SimpleNamespace(
+        layer=0,
+        softcap=0.0,
+        sliding_window=None,
+        cache="dynamic",
+        phase="prefill",
+        global_layers=(0,),
+        tokens=None,
+        tp=None,
+        q_rope=SimpleNamespace(cos="cos" if rotated else None, problem=None),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,8 +79,9 @@ def apply_rope(x, cos, sin):
     return torch.cat([x[..., :r] * c + rotate_half(x[..., :r]) * s, x[..., r:]], -1)
 
 
-def reference_scores(q_pre, k, v, inv_freq, *, last, scale, n_sink, future, factor=1.0, covariance=True,
-                     vnorm=True, epsilon=0.0):
+def reference_scores(
+    q_pre, k, v, inv_freq, *, last, scale, n_sink, future, factor=1.0, covariance=True, vnorm=True, epsilon=0.0
+):
     """One prompt's scores ``[H_kv, L]`` (float64; the sinks' entries -inf) from its real tokens only: the queries
     before RoPE ``q_pre [H, L, D]``, the keys after it ``k [H_kv, L, D]``, the values ``v``, RoPE's ``inv_freq``
     (rotary dims ``2 len(inv_freq)``; None: no rotation), its attention factor, the position of the prompt's last
@@ -92,7 +101,7 @@ def reference_scores(q_pre, k, v, inv_freq, *, last, scale, n_sink, future, fact
         p[:half, half:], p[half:, :half] = -torch.eye(half), torch.eye(half)
         t = torch.arange(last + 1, last + 1 + future, dtype=torch.float64)
         angle = t[:, None] * inv_freq.double()
-        angle = torch.cat([angle, angle], -1)                                            # [F, r]
+        angle = torch.cat([angle, angle], -1)  # [F, r]
         rs = torch.eye(d, dtype=torch.float64).repeat(future, 1, 1)
         rs[:, :r, :r] = factor * (torch.diag_embed(angle.cos()) + torch.diag_embed(angle.sin()) @ p)
         r_bar = rs.mean(0)
@@ -105,7 +114,7 @@ def reference_scores(q_pre, k, v, inv_freq, *, last, scale, n_sink, future, fact
         for h in range(g * group, (g + 1) * group):
             logit = scale * keys @ mu[h]
             if covariance:
-                logit = logit + scale ** 2 * torch.einsum("jd,de,je->j", keys, sigma[h], keys) / 2
+                logit = logit + scale**2 * torch.einsum("jd,de,je->j", keys, sigma[h], keys) / 2
             probs.append(torch.softmax(logit, 0))
         score = torch.stack(probs).mean(0)
         if vnorm:
@@ -118,7 +127,7 @@ def reference_keep(scores, real: list[int], n_sink: int, window: int, budget: in
     """One row and KV head: the kept indices into a row of ``length`` entries whose real ones are ``real``
     (``scores`` over them): the first ``n_sink`` and last ``window`` real entries, then by score, the earlier on a
     tie, then padding."""
-    forced = set(real[:n_sink]) | (set(real[len(real) - window:]) if window else set())
+    forced = set(real[:n_sink]) | (set(real[len(real) - window :]) if window else set())
     rest = sorted((j for i, j in enumerate(real) if j not in forced), key=lambda j: (-scores[real.index(j)], j))
     pads = [j for j in range(length) if j not in real]
     return sorted((sorted(forced) + rest + pads)[:budget])
@@ -148,7 +157,7 @@ def make_prompt(b, h, hkv, n, d, rotary, pads, shared, offset, factor, seed):
     padding; else per row from its first real token; None when ``rotary`` is 0), those positions ``[b, n]``,
     ``kv_pos`` with -1 on each row's ``pads`` leading entries, and ``inv_freq``."""
     g = torch.Generator().manual_seed(seed)
-    q_pre = torch.randn(b, h, n, d, generator=g) + torch.randn(1, h, 1, d, generator=g)   # a mean to find
+    q_pre = torch.randn(b, h, n, d, generator=g) + torch.randn(1, h, 1, d, generator=g)  # a mean to find
     k = torch.randn(b, hkv, n, d, generator=g)
     v = torch.randn(b, hkv, n, d, generator=g) * torch.rand(b, hkv, n, 1, generator=g)
     base = 10.0 ** (1 + 5 * torch.rand((), generator=g).item())
@@ -166,14 +175,44 @@ def make_prompt(b, h, hkv, n, d, rotary, pads, shared, offset, factor, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 2), heads=st.sampled_from(GQA), n=st.integers(2, 40), budget=st.integers(2, 36),
-       n_sink=st.integers(0, 5), window=st.integers(0, 3), d=st.sampled_from([8, 16]),
-       rotary=st.sampled_from(["all", "half", "none"]), future=st.sampled_from([1, 5, 512]), covariance=st.booleans(),
-       vnorm=st.booleans(), epsilon=st.sampled_from([0.0, 0.1]), factor=st.sampled_from([1.0, 1.2]),
-       offset=st.sampled_from([0, 3, 1000]), pads=st.lists(st.integers(0, 8), min_size=2, max_size=2),
-       shared=st.booleans(), seed=st.integers(0, 10_000))
-def test_select_keeps_the_reference_choice(b, heads, n, budget, n_sink, window, d, rotary, future, covariance,
-                                          vnorm, epsilon, factor, offset, pads, shared, seed):
+@given(
+    b=st.integers(1, 2),
+    heads=st.sampled_from(GQA),
+    n=st.integers(2, 40),
+    budget=st.integers(2, 36),
+    n_sink=st.integers(0, 5),
+    window=st.integers(0, 3),
+    d=st.sampled_from([8, 16]),
+    rotary=st.sampled_from(["all", "half", "none"]),
+    future=st.sampled_from([1, 5, 512]),
+    covariance=st.booleans(),
+    vnorm=st.booleans(),
+    epsilon=st.sampled_from([0.0, 0.1]),
+    factor=st.sampled_from([1.0, 1.2]),
+    offset=st.sampled_from([0, 3, 1000]),
+    pads=st.lists(st.integers(0, 8), min_size=2, max_size=2),
+    shared=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_select_keeps_the_reference_choice(
+    b,
+    heads,
+    n,
+    budget,
+    n_sink,
+    window,
+    d,
+    rotary,
+    future,
+    covariance,
+    vnorm,
+    epsilon,
+    factor,
+    offset,
+    pads,
+    shared,
+    seed,
+):
     """Per row and KV head the kept indices are the reference's (up to float ties), exactly ``budget`` of them;
     a prompt within the budget is kept whole."""
     h, hkv = heads
@@ -181,11 +220,20 @@ def test_select_keeps_the_reference_choice(b, heads, n, budget, n_sink, window, 
     window = min(window, budget - 1 - n_sink)
     pads = [min(p, n - 1) for p in pads[:b]]
     r = {"all": d, "half": d // 2, "none": 0}[rotary]
-    q_pre, k, v, cos, sin, positions, kv_pos, inv_freq = make_prompt(b, h, hkv, n, d, r, pads, shared, offset,
-                                                                      factor, seed)
-    scale = d ** -0.5
-    pol = make_policy("expected_attention", budget=budget, n_sink=n_sink, window=window, n_future_positions=future,
-                      use_covariance=covariance, use_vnorm=vnorm, epsilon=epsilon)
+    q_pre, k, v, cos, sin, positions, kv_pos, inv_freq = make_prompt(
+        b, h, hkv, n, d, r, pads, shared, offset, factor, seed
+    )
+    scale = d**-0.5
+    pol = make_policy(
+        "expected_attention",
+        budget=budget,
+        n_sink=n_sink,
+        window=window,
+        n_future_positions=future,
+        use_covariance=covariance,
+        use_vnorm=vnorm,
+        epsilon=epsilon,
+    )
     q = q_pre * scale if cos is None else apply_rope(q_pre, cos.expand(b, n, r), sin.expand(b, n, r)) * scale
     extra = {} if cos is None else dict(q_pre=q_pre * scale, cos=cos, sin=sin)
     keep = pol.select(site(cos is not None), q, k, v, kv_pos, torch.arange(n).expand(b, n), None, **extra)
@@ -195,32 +243,49 @@ def test_select_keeps_the_reference_choice(b, heads, n, budget, n_sink, window, 
     assert keep.shape == (b, hkv, budget) and keep.dtype == torch.long
     for row in range(b):
         real = [j for j in range(n) if kv_pos[row, 0, j] >= 0]
-        if len(real) <= n_sink:   # no statistics to take: every real entry is a sink, all kept
+        if len(real) <= n_sink:  # no statistics to take: every real entry is a sink, all kept
             assert set(real) <= set(keep[row, 0].tolist())
             continue
-        scores = reference_scores(q_pre[row][:, real], k[row][:, real], v[row][:, real],
-                                  None if cos is None else inv_freq, last=int(positions[row, -1]), scale=scale,
-                                  n_sink=n_sink, future=future, factor=factor, covariance=covariance, vnorm=vnorm,
-                                  epsilon=epsilon)
+        scores = reference_scores(
+            q_pre[row][:, real],
+            k[row][:, real],
+            v[row][:, real],
+            None if cos is None else inv_freq,
+            last=int(positions[row, -1]),
+            scale=scale,
+            n_sink=n_sink,
+            future=future,
+            factor=factor,
+            covariance=covariance,
+            vnorm=vnorm,
+            epsilon=epsilon,
+        )
         for g in range(hkv):
             want = reference_keep(scores[g].tolist(), real, n_sink, window, budget, n)
             assert_same_choice(keep[row, g].tolist(), want, scores[g].tolist(), real)
 
 
 @SETTINGS
-@given(n=st.integers(8, 40), budget=st.integers(6, 30), pad=st.integers(1, 10), shared=st.booleans(),
-       rotary=st.sampled_from([8, 4, 0]), seed=st.integers(0, 10_000))
+@given(
+    n=st.integers(8, 40),
+    budget=st.integers(6, 30),
+    pad=st.integers(1, 10),
+    shared=st.booleans(),
+    rotary=st.sampled_from([8, 4, 0]),
+    seed=st.integers(0, 10_000),
+)
 def test_left_padded_row_keeps_what_the_prompt_keeps_alone(n, budget, pad, shared, rotary, seed):
     """Row 0: a prompt after ``pad`` padding entries of loud queries, keys and values; row 1: another prompt of
     the full length. Row 0 keeps the real entries the prompt keeps alone, at positions counting the padding (one
     table for both rows) or from its first real token (a table per row), or without rotation."""
     hkv, h, d = 2, 4, 8
-    q_pre, k, v, cos, sin, positions, kv_pos, inv_freq = make_prompt(2, h, hkv, n + pad, d, rotary, [pad, 0], shared,
-                                                                      0, 1.0, seed)
+    q_pre, k, v, cos, sin, positions, kv_pos, inv_freq = make_prompt(
+        2, h, hkv, n + pad, d, rotary, [pad, 0], shared, 0, 1.0, seed
+    )
     for x in (q_pre, k, v):
         x[0, :, :pad] *= 50.0
     pol = make_policy("expected_attention", budget=budget)
-    scale = d ** -0.5
+    scale = d**-0.5
     q_pos = torch.arange(n + pad).expand(2, n + pad)
     extra = {} if cos is None else dict(q_pre=q_pre * scale, cos=cos, sin=sin)
     got = pol.select(site(cos is not None), q_pre * scale, k, v, kv_pos, q_pos, None, **extra)
@@ -231,8 +296,16 @@ def test_left_padded_row_keeps_what_the_prompt_keeps_alone(n, budget, pad, share
         k1 = apply_rope(k1, *back)
         cos1, sin1 = rope_tables(inv_freq, torch.arange(n)[None])
         extra = dict(q_pre=q_pre[:1, :, pad:] * scale, cos=cos1, sin=sin1)
-    solo = pol.select(site(cos is not None), q_pre[:1, :, pad:] * scale, k1, v[:1, :, pad:],
-                      torch.arange(n).expand(1, hkv, n), torch.arange(n)[None], None, **extra)
+    solo = pol.select(
+        site(cos is not None),
+        q_pre[:1, :, pad:] * scale,
+        k1,
+        v[:1, :, pad:],
+        torch.arange(n).expand(1, hkv, n),
+        torch.arange(n)[None],
+        None,
+        **extra,
+    )
     for g in range(hkv):
         padded = list(range(n)) if got is None else [j - pad for j in got[0, g].tolist() if j >= pad]
         want = list(range(n)) if solo is None else solo[0, g].tolist()
@@ -255,8 +328,9 @@ def test_rotation_tables_of_another_query_are_refused_at_run_time():
 
 
 def _gpt2():
-    cfg = tf.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=256, pad_token_id=0,
-                        bos_token_id=1, eos_token_id=2)
+    cfg = tf.GPT2Config(
+        vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=256, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     torch.manual_seed(0)
     return tf.GPT2LMHeadModel(cfg).eval()
 
@@ -268,13 +342,17 @@ def _pre_rope_queries(family: str, model) -> tuple[list, list]:
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
 
     def keep(module, args, result):
-        x = result[..., :heads * d] if family in ("phi3", "gpt2") else result
+        x = result[..., : heads * d] if family in ("phi3", "gpt2") else result
         out.append(x.reshape(x.shape[0], x.shape[1], heads, d).transpose(1, 2).detach())
 
     layers = model.transformer.h if family == "gpt2" else model.model.layers
     for layer in layers:
-        module = {"llama": lambda a: a.q_proj, "qwen3": lambda a: a.q_norm, "phi3": lambda a: a.qkv_proj,
-                  "gpt2": lambda a: a.c_attn}[family](layer.attn if family == "gpt2" else layer.self_attn)
+        module = {
+            "llama": lambda a: a.q_proj,
+            "qwen3": lambda a: a.q_norm,
+            "phi3": lambda a: a.qkv_proj,
+            "gpt2": lambda a: a.c_attn,
+        }[family](layer.attn if family == "gpt2" else layer.self_attn)
         hooks.append(module.register_forward_hook(keep))
     return out, hooks
 
@@ -294,15 +372,24 @@ def test_compiled_model_keeps_the_reference_choice(family):
     budget, sink = 16, 4
     be = kvpass.backend("expected_attention", budget=budget, compiler="eager")
     with torch.no_grad():
-        torch.compile(model.forward, backend=be)(input_ids=ids, past_key_values=DynamicCache(config=model.config),
-                                                 use_cache=True)
+        torch.compile(model.forward, backend=be)(
+            input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True
+        )
     assert be.reports[-1].evicting == list(range(len(queries)))
     real = list(range(40))
     for layer, q_pre in enumerate(queries):
         k, v = cache.layers[layer].keys[0], cache.layers[layer].values[0]
-        scores = reference_scores(q_pre[0], k, v, None if rotary is None else rotary.inv_freq, last=39,
-                                  scale=q_pre.shape[-1] ** -0.5, n_sink=sink, future=512,
-                                  factor=1.0 if rotary is None else rotary.attention_scaling)
+        scores = reference_scores(
+            q_pre[0],
+            k,
+            v,
+            None if rotary is None else rotary.inv_freq,
+            last=39,
+            scale=q_pre.shape[-1] ** -0.5,
+            n_sink=sink,
+            future=512,
+            factor=1.0 if rotary is None else rotary.attention_scaling,
+        )
         for g in range(k.shape[0]):
             want = reference_keep(scores[g].tolist(), real, sink, 0, budget, 40)
             assert_same_choice(be.state.layer(layer).pos[0, g].tolist(), want, scores[g].tolist(), real)
@@ -321,25 +408,45 @@ TABLES: list = []
 ROPES = {
     "default": dict(rope_type="default", rope_theta=10000.0),
     "linear": dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
-    "dynamic": dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),     # past max_position_embeddings (32)
+    "dynamic": dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),  # past max_position_embeddings (32)
     "yarn": dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=8),
-    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, rope_theta=500000.0,
-                   original_max_position_embeddings=8),
-    "longrope": dict(rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 1.0, 3.0, 1.0, 1.0, 4.0],
-                     long_factor=[2.0, 1.0, 5.0, 2.0, 1.0, 8.0, 3.0, 1.0], rope_theta=10000.0,
-                     original_max_position_embeddings=8),
+    "llama3": dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        rope_theta=500000.0,
+        original_max_position_embeddings=8,
+    ),
+    "longrope": dict(
+        rope_type="longrope",
+        short_factor=[1.0, 1.5, 2.0, 1.0, 3.0, 1.0, 1.0, 4.0],
+        long_factor=[2.0, 1.0, 5.0, 2.0, 1.0, 8.0, 3.0, 1.0],
+        rope_theta=10000.0,
+        original_max_position_embeddings=8,
+    ),
 }
 
 
-@pytest.mark.parametrize("rope,dtype,pad", [(name, torch.float32, 0) for name in ROPES]
-                         + [("yarn", torch.bfloat16, 0), ("llama3", torch.float32, 5)])
+@pytest.mark.parametrize(
+    "rope,dtype,pad",
+    [(name, torch.float32, 0) for name in ROPES] + [("yarn", torch.bfloat16, 0), ("llama3", torch.float32, 5)],
+)
 def test_frequencies_from_the_graph_tables_are_the_models(rope, dtype, pad):
     """The tables the graph hands ``select`` give back the model's ``inv_freq`` for each column pair and its
     ``attention_scaling``, for every RoPE scaling transformers builds; a bf16 model's tables are read in fp32
     (before their cast); a left-padded row (positions from its first real token) gives the same."""
-    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         rope_parameters=ROPES[rope], pad_token_id=0)
+    cfg = tf.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_parameters=ROPES[rope],
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg).to(dtype).eval()
     ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -348,9 +455,13 @@ def test_frequencies_from_the_graph_tables_are_the_models(rope, dtype, pad):
     TABLES.clear()
     be = kvpass.backend(Recorded(budget=16), compiler="eager")
     with torch.no_grad():
-        torch.compile(model.forward, backend=be)(input_ids=ids, attention_mask=mask, use_cache=True,
-                                                 position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-                                                 past_key_values=DynamicCache(config=model.config))
+        torch.compile(model.forward, backend=be)(
+            input_ids=ids,
+            attention_mask=mask,
+            use_cache=True,
+            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+            past_key_values=DynamicCache(config=model.config),
+        )
     # (dynamic scaling breaks the forward into graphs at its length check: the attention is in the last but one)
     assert len(TABLES) == 2 and [r.evicting for r in be.reports if r.evicting] == [[0, 1]]
     rotary = model.model.rotary_emb
@@ -361,8 +472,9 @@ def test_frequencies_from_the_graph_tables_are_the_models(rope, dtype, pad):
         for row in range(2):
             torch.testing.assert_close(freq[row, :half], rotary.inv_freq.double(), rtol=1e-6, atol=1e-8)
             torch.testing.assert_close(freq[row, half:], rotary.inv_freq.double(), rtol=1e-6, atol=1e-8)
-            torch.testing.assert_close(last[row].abs(), torch.full_like(last[row].abs(), rotary.attention_scaling),
-                                       rtol=1e-6, atol=0.0)
+            torch.testing.assert_close(
+                last[row].abs(), torch.full_like(last[row].abs(), rotary.attention_scaling), rtol=1e-6, atol=0.0
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,16 +486,26 @@ def test_an_unrecognised_query_transform_is_refused():
     """GPT-J rotates its queries pairwise (interleaved, not rotate-half): the pass cannot read them before RoPE,
     so the graph is compiled unchanged with a warning naming the node, and the model's output is its own."""
     _WARNED.clear()
-    cfg = tf.GPTJConfig(vocab_size=96, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256,
-                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = tf.GPTJConfig(
+        vocab_size=96,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=8,
+        n_positions=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = tf.GPTJForCausalLM(cfg).eval()
     ids = torch.randint(3, 90, (1, 30))
     be = kvpass.backend("expected_attention", budget=16, compiler="eager")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = torch.compile(model.forward, backend=be)(input_ids=ids, past_key_values=DynamicCache(config=cfg),
-                                                       use_cache=True).logits
+        got = torch.compile(model.forward, backend=be)(
+            input_ids=ids, past_key_values=DynamicCache(config=cfg), use_cache=True
+        ).logits
         want = model(input_ids=ids, past_key_values=DynamicCache(config=cfg), use_cache=True).logits
     msg = " ".join(str(w.message) for w in caught if issubclass(w.category, kvpass.KVPassWarning))
     assert "compiling a graph unchanged" in msg and "its scores need the queries before RoPE" in msg, msg
@@ -394,5 +516,11 @@ def test_an_unrecognised_query_transform_is_refused():
 
 def test_defaults_are_kvpress():
     assert make_policy("expected_attention").config == {
-        "budget": 2048, "window": 0, "n_sink": 4, "n_future_positions": 512, "use_covariance": True,
-        "use_vnorm": True, "epsilon": 0.0}
+        "budget": 2048,
+        "window": 0,
+        "n_sink": 4,
+        "n_future_positions": 512,
+        "use_covariance": True,
+        "use_vnorm": True,
+        "epsilon": 0.0,
+    }

@@ -9,8 +9,8 @@ import torch
 from transformers import StaticCache
 
 import kvpass
-from kvpass.errors import _WARNED
 from families import build
+from kvpass.errors import _WARNED
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +29,7 @@ def _compile_and_run(model, be, **inputs):
 
 def test_attention_probabilities_used_elsewhere_fall_back():
     """Eager attention whose probabilities leave the block (output_attentions) cannot become an op."""
+
     def attn(q, k, v):
         p = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.3, dim=-1)
         return torch.matmul(p, v), p
@@ -50,6 +51,7 @@ def test_attention_probabilities_used_elsewhere_fall_back():
 
 def test_plain_eager_attention_block_is_rewritten():
     """The same block without the extra use is a site: the pass is not simply always falling back."""
+
     def attn(q, k, v):
         p = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.3, dim=-1)
         return torch.matmul(p, v)
@@ -69,8 +71,7 @@ def test_eviction_on_static_cache_falls_back():
     out, warned = _compile_and_run(model, be, input_ids=ids, past_key_values=cache, use_cache=True)
     assert len(warned) == 1 and "can shrink" in str(warned[0].message)
     with torch.no_grad():
-        ref = model(input_ids=ids, past_key_values=StaticCache(config=model.config, max_cache_len=16),
-                    use_cache=True)
+        ref = model(input_ids=ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
     torch.testing.assert_close(out.logits, ref.logits)
 
 
@@ -81,16 +82,21 @@ def test_warns_once_per_reason():
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in (7, 9):  # two compiled graphs, the same reason
-            fwd(input_ids=torch.randint(3, 90, (1, n)), use_cache=True,
-                past_key_values=StaticCache(config=model.config, max_cache_len=16))
+            fwd(
+                input_ids=torch.randint(3, 90, (1, n)),
+                use_cache=True,
+                past_key_values=StaticCache(config=model.config, max_cache_len=16),
+            )
     assert len(be.reports) == 2
     assert sum(issubclass(w.category, kvpass.KVPassWarning) for w in caught) == 1
 
 
 def test_training_dropout_falls_back():
     """SDPA with dropout (a training graph) is not an inference attention site."""
+
     def f(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
+
     be = kvpass.backend("full", compiler="eager")
     q = torch.randn(1, 2, 4, 8)
     with warnings.catch_warnings(record=True) as caught:
@@ -114,8 +120,14 @@ def test_graph_without_attention_is_left_alone_silently():
 
 def test_explain_reports_every_layer():
     model = build("gemma3", "sdpa")
-    ex = kvpass.explain(model, {"input_ids": torch.randint(3, 90, (1, 9)), "use_cache": True},
-                        policy="streamingllm", budget=4, sinks=1, verbose=False)
+    ex = kvpass.explain(
+        model,
+        {"input_ids": torch.randint(3, 90, (1, 9)), "use_cache": True},
+        policy="streamingllm",
+        budget=4,
+        sinks=1,
+        verbose=False,
+    )
     assert [r["layer"] for r in ex.rows] == [0, 1, 2]
     assert [r["kind"] for r in ex.rows] == ["sliding", "sliding", "global"]
     assert ex.rows[0]["sliding_window"] == 8 and ex.rows[2]["sliding_window"] is None

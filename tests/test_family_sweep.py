@@ -31,7 +31,7 @@ SAMPLE = {
     "gemma3_text": "exact",
     "gpt2": "exact",
     "starcoder2": "exact",
-    "bloom": "warned",   # ALiBi: the softmax's scores carry a bias kvpass does not rewrite
+    "bloom": "warned",  # ALiBi: the softmax's scores carry a bias kvpass does not rewrite
 }
 
 

@@ -27,9 +27,9 @@ from conformance import CONFORMANCE, one_per_mechanism
 from families import build
 from kvpass.generate.fastpath import bucket
 
-SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])   # conformance.py
+SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])  # conformance.py
 LENGTHS = [10 + 3 * i for i in range(30)]
-EVERY_LENGTH = ("full", "snapkv", "raas")   # an append, an evicting and a paged cache; the others take every
+EVERY_LENGTH = ("full", "snapkv", "raas")  # an append, an evicting and a paged cache; the others take every
 # third length (10, still past Dynamo's recompile limit of 8), for CI's time
 
 
@@ -68,7 +68,7 @@ def test_layers_of_unequal_capacity_after_equal_ones_compile_no_second_decode_gr
     capacities = []
     for n in (20, 300, 40):
         model.generate(ids_of(n), max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        cache, = model.generate.caches.values()
+        (cache,) = model.generate.caches.values()
         capacities.append([lay.capacity for lay in cache.layers])
         assert be.graph_counts() == {"prefill": 1, "decode": 1}, (n, capacities)
     assert len(set(capacities[0])) == 1 and len(set(capacities[1])) > 1, capacities
@@ -103,7 +103,9 @@ def test_batch_and_padding_through_compile():
     model = build("llama")
     kvpass.compile(model, "streamingllm", compiler="eager", budget=16, sinks=2)
     short, long = ids_of(11), ids_of(25)
-    alone = [model.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, x.shape[1]:] for x in (short, long)]
+    alone = [
+        model.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, x.shape[1] :] for x in (short, long)
+    ]
     ids = torch.cat([torch.cat([torch.zeros(1, 14, dtype=torch.long), short], 1), long])
     mask = torch.ones_like(ids)
     mask[0, :14] = 0
@@ -120,19 +122,21 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
     leaves it (the undone step's draw given back: a next sampling call drew one draw further on). HF's loop runs
     through ``return_dict_in_generate``, which kvpass's loop hands to it."""
     from kvpass.generate import decode_loop
+
     torch._dynamo.reset()
     model = build("llama")
     kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
     ids = ids_of(20, b=2)
     kw = dict(max_new_tokens=12, do_sample=sample, top_k=20 if sample else None, pad_token_id=0)
     reads = []
-    monkeypatch.setattr(decode_loop.Late, "read", lambda self, read=decode_loop.Late.read:
-                        reads.append(1) or read(self))
+    monkeypatch.setattr(
+        decode_loop.Late, "read", lambda self, read=decode_loop.Late.read: reads.append(1) or read(self)
+    )
 
     def ours_and_hf(**extra):
         torch.manual_seed(1)
         ours = model.generate(ids, **kw, **extra)
-        after = torch.rand(4)   # the generator after the call: the undone step gives its draw back
+        after = torch.rand(4)  # the generator after the call: the undone step gives its draw back
         torch.manual_seed(1)
         hf = model.generate(ids, **kw, **extra, return_dict_in_generate=True).sequences
         assert torch.equal(after, torch.rand(4))
@@ -140,7 +144,7 @@ def test_decode_loop_equals_hf_loop_when_rows_stop_early(sample, monkeypatch):
 
     free, hf = ours_and_hf()
     assert reads and free.shape[1] == 32 and torch.equal(free, hf)
-    eos = [int(free[0, 23]), int(free[1, 26])]   # row 0 stops by its 4th new token, row 1 by its 7th
+    eos = [int(free[0, 23]), int(free[1, 26])]  # row 0 stops by its 4th new token, row 1 by its 7th
     ours, hf = ours_and_hf(eos_token_id=eos)
     assert ours.shape[1] <= 27 and torch.equal(ours, hf), (ours, hf)
 
@@ -153,12 +157,13 @@ def test_decode_loop_device_work_per_step_is_small():
     first step's 4-D mask is passed again instead of built: about 20 operations). Each launch costs the host
     10-40 us on a GPU, where a short step is host-bound."""
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
     torch._dynamo.reset()
     model = build("llama")
     be = kvpass.compile(model, "full", compiler="eager")
     ids = ids_of(20)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=[1, 2])
-    want = model.generate(ids, max_new_tokens=24, **kw, return_dict_in_generate=True).sequences   # HF's loop
+    want = model.generate(ids, max_new_tokens=24, **kw, return_dict_in_generate=True).sequences  # HF's loop
     assert be.decode_ignores_mask(2)
     ops, where = [], ["loop"]
 
@@ -169,25 +174,29 @@ def test_decode_loop_device_work_per_step_is_small():
             return func(*args, **(kwargs or {}))
 
     def part(fn, label):
-        @functools.wraps(fn)   # HF reads the forward's signature
+        @functools.wraps(fn)  # HF reads the forward's signature
         def run(*a, **k):
             where.append(label)
-            try:   # HF's own parts and the forward run outside the mode (under it, Dynamo runs the forward eagerly)
+            try:  # HF's own parts and the forward run outside the mode (under it, Dynamo runs the forward eagerly)
                 with _disable_current_modes() if label == "hf" else contextlib.nullcontext():
                     return fn(*a, **k)
             finally:
                 where.pop()
+
         return run
 
-    for name, label in (("forward", "hf"), ("_update_model_kwargs_for_generation", "hf"),
-                        ("prepare_inputs_for_generation", "prepare")):
+    for name, label in (
+        ("forward", "hf"),
+        ("_update_model_kwargs_for_generation", "hf"),
+        ("prepare_inputs_for_generation", "prepare"),
+    ):
         setattr(model, name, part(getattr(model, name), label))
     counts = []
-    for new in (8, 24):   # the difference is the steps' (generate's set-up costs the same in both)
+    for new in (8, 24):  # the difference is the steps' (generate's set-up costs the same in both)
         ops.clear()
         with Count():
             out = model.generate(ids, max_new_tokens=new, **kw)
-        assert out.shape[1] == 20 + new   # no EOS drawn: every step ran
+        assert out.shape[1] == 20 + new  # no EOS drawn: every step ran
         counts.append({label: ops.count(label) for label in ("loop", "prepare")})
     assert torch.equal(out, want)
     per_step = {label: (counts[1][label] - counts[0][label]) / 16 for label in counts[0]}
@@ -201,6 +210,7 @@ def test_decode_loop_rebuilds_the_mask_when_a_step_would_compile(monkeypatch):
     first decode step's); the tokens are those of a call without it."""
     import transformers.generation.utils as hf_generation
     from transformers import LogitsProcessor, LogitsProcessorList
+
     builds = []
     real = hf_generation.create_masks_for_generate
     monkeypatch.setattr(hf_generation, "create_masks_for_generate", lambda *a, **k: builds.append(1) or real(*a, **k))
@@ -211,7 +221,7 @@ def test_decode_loop_rebuilds_the_mask_when_a_step_would_compile(monkeypatch):
     model.generate(ids, **kw)
     builds.clear()
     want = model.generate(ids, **kw)
-    assert len(builds) == 2   # the prefill's and the first decode step's: the later steps reuse the latter
+    assert len(builds) == 2  # the prefill's and the first decode step's: the later steps reuse the latter
     compiled = len(be.reports)
 
     class ResetAt(LogitsProcessor):
@@ -227,7 +237,7 @@ def test_decode_loop_rebuilds_the_mask_when_a_step_would_compile(monkeypatch):
     builds.clear()
     got = model.generate(ids, **kw, logits_processor=LogitsProcessorList([ResetAt()]))
     assert torch.equal(got, want) and len(builds) == 3
-    assert [r.phase for r in be.reports[compiled:]] == ["decode"]   # the decode graph compiled again, once
+    assert [r.phase for r in be.reports[compiled:]] == ["decode"]  # the decode graph compiled again, once
 
 
 def test_decode_loop_never_hands_a_reused_mask_to_uncompiled_attention():
@@ -244,7 +254,7 @@ def test_decode_loop_never_hands_a_reused_mask_to_uncompiled_attention():
     model = build("llama")
     kvpass.compile(model, "full", compiler="eager")
     ids, kw = ids_of(20), dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    want = model.generate(ids, **kw, return_dict_in_generate=True).sequences   # HF's loop, masks built
+    want = model.generate(ids, **kw, return_dict_in_generate=True).sequences  # HF's loop, masks built
     with Passthrough():
         got = model.generate(ids, **kw)
     assert torch.equal(got, want)
@@ -280,13 +290,13 @@ def test_compile_refusals():
 def test_compile_refuses_a_module_backward_hook():
     """transformers 5.17's tensor-parallel plan puts a full backward hook on Qwen3's q_norm / k_norm. Dynamo breaks
     the graph there (it needs compiled autograd), kvpass then sees fragments and the SlotCache overflowed on the GPU
-    (a device-side assert, session 53): kvpass.compile refuses such a model up front, naming the module."""
+    (a device-side assert): kvpass.compile refuses such a model up front, naming the module."""
     model = build("llama")
     handle = model.model.layers[1].self_attn.register_full_backward_hook(lambda *a: None)
     with pytest.raises(kvpass.ConfigError, match=r"module 'model\.layers\.1\.self_attn' .*backward hook"):
         kvpass.compile(model, "full", compiler="eager")
     handle.remove()
-    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *a: None)   # a global one: every module
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *a: None)  # a global one: every module
     try:
         with pytest.raises(kvpass.ConfigError, match=r"every module \(a global backward hook"):
             kvpass.compile(model, "full", compiler="eager")
@@ -296,10 +306,10 @@ def test_compile_refuses_a_module_backward_hook():
 
 
 def test_ordinary_generate_options_give_the_uncompiled_tokens():
-    """Calls a user makes that the fast path got wrong without a word (session 53's probe as a user): without a
-    cache every step reran the whole sequence into the SlotCache (wrong tokens from the second step); a list of
-    prompts took ``max_length`` as the queue's capacity (each output shorter than asked); no length at all, or a
-    length only in the generation config, failed with a TypeError. Each now equals the uncompiled model."""
+    """Calls a user makes that the fast path got wrong without a word: without a cache every step reran the whole
+    sequence into the SlotCache (wrong tokens from the second step); a list of prompts took ``max_length`` as the
+    queue's capacity (each output shorter than asked); no length at all, or a length only in the generation config,
+    failed with a TypeError. Each now equals the uncompiled model."""
     torch._dynamo.reset()
     model, ref = build("llama"), build("llama")
     kvpass.compile(model, "full", compiler="eager")
@@ -311,7 +321,7 @@ def test_ordinary_generate_options_give_the_uncompiled_tokens():
     outs = model.generate(prompts, max_length=26, do_sample=False)
     for p, out in zip(prompts, outs):
         assert torch.equal(out, ref.generate(p[None], max_length=26, do_sample=False)[0])
-    assert model.generate([], max_new_tokens=3) == []   # no prompts, no outputs (was transformers' AttributeError)
+    assert model.generate([], max_new_tokens=3) == []  # no prompts, no outputs (was transformers' AttributeError)
     with pytest.raises(kvpass.ConfigError, match="max_new_tokens >= 1"):
         model.generate(ids, max_new_tokens=0)
     with pytest.raises(kvpass.ConfigError, match="leaves no new token"):
@@ -322,7 +332,7 @@ def test_ordinary_generate_options_give_the_uncompiled_tokens():
 
 
 def test_stops_lengths_and_threads_give_the_uncompiled_tokens():
-    """Session 54's probe as a user found these silently wrong or failing:
+    """Calls a user makes that were silently wrong or failed:
     * a generation whose every row finished one step before ``max_new_tokens`` (an EOS, or a criterion of the
       caller's) got one more column (the loop, which reads "every row finished" one step late, broke at the
       length limit before reading it);
@@ -339,14 +349,14 @@ def test_stops_lengths_and_threads_give_the_uncompiled_tokens():
     kvpass.compile(model, "full", compiler="eager")
     ids = ids_of(13)
     free = ref.generate(ids, max_new_tokens=12, do_sample=False)[0, 13:].tolist()
-    k = next(i for i in range(10, 0, -1) if free[i] not in free[:i])   # a token first drawn at new token k
+    k = next(i for i in range(10, 0, -1) if free[i] not in free[:i])  # a token first drawn at new token k
     for rows in (ids, torch.cat([ids, ids])):
-        kw = dict(max_new_tokens=k + 2, eos_token_id=free[k], do_sample=False)   # drawn at the step before last
+        kw = dict(max_new_tokens=k + 2, eos_token_id=free[k], do_sample=False)  # drawn at the step before last
         want = ref.generate(rows, **kw)
         assert want.shape[1] == 13 + k + 1
         assert torch.equal(model.generate(rows, **kw), want)
 
-    class AtLength(StoppingCriteria):   # the caller's own criterion: every row done at new token k + 1
+    class AtLength(StoppingCriteria):  # the caller's own criterion: every row done at new token k + 1
         def __call__(self, input_ids, scores, **kwargs):
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 13 + k + 1)
 
@@ -355,18 +365,20 @@ def test_stops_lengths_and_threads_give_the_uncompiled_tokens():
     for m in (model, ref):
         m.generation_config.max_new_tokens = 30
     try:
-        assert torch.equal(model.generate(ids, max_length=20, do_sample=False),
-                           ref.generate(ids, max_length=20, do_sample=False))
+        assert torch.equal(
+            model.generate(ids, max_length=20, do_sample=False), ref.generate(ids, max_length=20, do_sample=False)
+        )
     finally:
         for m in (model, ref):
             m.generation_config.max_new_tokens = None
-    model.generate(ids_of(120), max_new_tokens=2)   # a kept cache large enough for both threads' sequences
+    model.generate(ids_of(120), max_new_tokens=2)  # a kept cache large enough for both threads' sequences
     prompts = [ids_of(14), ids_of(15)]
     kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
     want, got = [ref.generate(p, **kw) for p in prompts], [None, None]
 
     def run(i):
         got[i] = model.generate(prompts[i], **kw)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
@@ -376,8 +388,9 @@ def test_stops_lengths_and_threads_give_the_uncompiled_tokens():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("flags", [dict(multi_query=True, alibi=False), dict(multi_query=False, alibi=True)],
-                         ids=["multi_query", "alibi"])
+@pytest.mark.parametrize(
+    "flags", [dict(multi_query=True, alibi=False), dict(multi_query=False, alibi=True)], ids=["multi_query", "alibi"]
+)
 def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
     """Falcon's ``multi_query`` config flag gives its attention one KV head where the config's head counts say
     four (the SlotCache is sized from those: the error blamed the batch size); its ALiBi builds its bias from a 2-D
@@ -386,8 +399,16 @@ def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
     from transformers import DynamicCache, FalconConfig, FalconForCausalLM
 
     torch._dynamo.reset()
-    cfg = FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
-                       bos_token_id=1, eos_token_id=2, **flags)
+    cfg = FalconConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **flags,
+    )
     cfg._attn_implementation = "sdpa"
     model, ref = (FalconForCausalLM(cfg).eval() for _ in range(2))
     ref.load_state_dict(model.state_dict())
@@ -396,15 +417,15 @@ def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
     expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
     try:
         got = model.generate(ids, max_new_tokens=4, do_sample=False)
-    except Exception as e:   # noqa: BLE001 - the error is checked below
+    except Exception as e:  # noqa: BLE001 - the error is checked below
         if flags["multi_query"]:
             assert "writes 1 KV heads per layer" in str(e) and "sized for 4" in str(e)
         if hasattr(e, "add_note"):
             assert any("kvpass.compile's fast path" in n for n in e.__notes__)
-    else:   # transformers >= 5.25 gives a multi_query config its one KV head, which the SlotCache is sized from
+    else:  # transformers >= 5.25 gives a multi_query config its one KV head, which the SlotCache is sized from
         assert flags["multi_query"] and torch.equal(got, expected)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # ALiBi: the graph is compiled unchanged, said once
+        warnings.simplefilter("ignore")  # ALiBi: the graph is compiled unchanged, said once
         got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=cfg))
     assert torch.equal(got, expected)
     torch._dynamo.reset()
@@ -422,11 +443,15 @@ def test_a_filled_slot_cache_and_a_shorter_prompt_is_refused():
     with pytest.raises(kvpass.ConfigError, match=r"already holds 25 tokens and a 12-token prompt.*reset\(\)"):
         model.generate(ids_of(12), max_new_tokens=6, do_sample=False, past_key_values=cache)
     more = torch.cat([out, ids_of(3)], 1)
-    assert torch.equal(model.generate(more, max_new_tokens=4, do_sample=False, past_key_values=cache),
-                       ref.generate(more, max_new_tokens=4, do_sample=False))
+    assert torch.equal(
+        model.generate(more, max_new_tokens=4, do_sample=False, past_key_values=cache),
+        ref.generate(more, max_new_tokens=4, do_sample=False),
+    )
     cache.reset()
-    assert torch.equal(model.generate(ids_of(12), max_new_tokens=6, do_sample=False, past_key_values=cache),
-                       ref.generate(ids_of(12), max_new_tokens=6, do_sample=False))
+    assert torch.equal(
+        model.generate(ids_of(12), max_new_tokens=6, do_sample=False, past_key_values=cache),
+        ref.generate(ids_of(12), max_new_tokens=6, do_sample=False),
+    )
     torch._dynamo.reset()
 
 
@@ -434,8 +459,9 @@ def test_backend_state_follows_the_last_generation_on_either_cache():
     """``be.state`` (the README's inspection line) showed only DynamicCache generations: after
     ``kvpass.compile``'s generate, which runs on a SlotCache, it was empty or the previous run's numbers. It
     now reports the cache the last prefill wrote, whichever kind."""
-    from kvpass.cache.slots import SlotCacheState
     from transformers import DynamicCache
+
+    from kvpass.cache.slots import SlotCacheState
 
     torch._dynamo.reset()
     model = build("llama")
@@ -444,8 +470,13 @@ def test_backend_state_follows_the_last_generation_on_either_cache():
     state = be.state
     assert isinstance(state, SlotCacheState) and state.seen == 20 and state.layers == 2
     assert all(n <= 9 for n in state.stored.values()) and state.evicted_tokens > 0
-    model.generate(ids_of(13), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                   past_key_values=DynamicCache(config=model.config))
+    model.generate(
+        ids_of(13),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        past_key_values=DynamicCache(config=model.config),
+    )
     assert not isinstance(be.state, SlotCacheState) and be.state.seen == 20
     assert be.state.stored_tokens() == {0: 8, 1: 8}
     model.generate(ids_of(5), max_new_tokens=3, min_new_tokens=3, do_sample=False)
@@ -466,8 +497,9 @@ def test_a_static_cache_under_dynamic_shapes_is_rewritten_not_refused():
     ids = ids_of(12)
     with warnings.catch_warnings():
         warnings.simplefilter("error", kvpass.KVPassWarning)
-        got = model.generate(ids, max_new_tokens=5, do_sample=False,
-                             past_key_values=StaticCache(config=model.config, max_cache_len=64))
+        got = model.generate(
+            ids, max_new_tokens=5, do_sample=False, past_key_values=StaticCache(config=model.config, max_cache_len=64)
+        )
     assert torch.equal(got, ref.generate(ids, max_new_tokens=5, do_sample=False))
     assert all(not r.problems for r in be.reports)
     torch._dynamo.reset()
@@ -478,6 +510,7 @@ def test_recompile_limit_names_kvpass_and_the_fix(monkeypatch):
     batch 2 needs more), the error says kvpass, what compiles graphs, why Dynamo recompiled and what to do,
     instead of torch's bare FailOnRecompileLimitHit."""
     from kvpass.generate import fastpath
+
     torch._dynamo.reset()
     monkeypatch.setattr(fastpath, "RECOMPILE_LIMIT", 3)
     model = build("llama")
@@ -493,6 +526,7 @@ def test_generate_runs_with_a_recompile_limit_of_its_own_floor():
     """A generate call runs with Dynamo's recompile limit at least ``RECOMPILE_LIMIT`` (the graphs of ordinary
     use), the user's own where higher; the process's setting is left as it was."""
     from kvpass.generate import fastpath
+
     torch._dynamo.reset()
     model = build("llama")
     kvpass.compile(model, "full", compiler="eager")
@@ -513,6 +547,7 @@ def test_generate_runs_with_a_recompile_limit_of_its_own_floor():
 # SlotCache misuse (issue 35): each was a wrong answer or an error that named neither kvpass nor the fix
 # ------------------------------------------------------------------------------------------------
 
+
 def compiled(policy, **params):
     torch._dynamo.reset()
     model = build("llama")
@@ -521,11 +556,15 @@ def compiled(policy, **params):
     return model, be
 
 
-@pytest.mark.parametrize("model_policy,cache_policy", [
-    (("streamingllm", dict(budget=8)), ("full", {})),
-    (("full", {}), ("streamingllm", dict(budget=8))),
-    (("snapkv", dict(budget=8, window=4)), ("streamingllm", dict(budget=8))),
-    (("streamingllm", dict(budget=8)), ("streamingllm", dict(budget=16)))])
+@pytest.mark.parametrize(
+    "model_policy,cache_policy",
+    [
+        (("streamingllm", dict(budget=8)), ("full", {})),
+        (("full", {}), ("streamingllm", dict(budget=8))),
+        (("snapkv", dict(budget=8, window=4)), ("streamingllm", dict(budget=8))),
+        (("streamingllm", dict(budget=8)), ("streamingllm", dict(budget=16))),
+    ],
+)
 def test_cache_built_for_another_policy_is_refused(model_policy, cache_policy):
     """A SlotCache knows the configuration it was built for; a graph of another refuses, naming both (a
     ``full`` cache under streamingllm kept 15 entries where 8 were asked, a streamingllm cache under ``full``
@@ -533,15 +572,25 @@ def test_cache_built_for_another_policy_is_refused(model_policy, cache_policy):
     model, _ = compiled(*model_policy[:1], **model_policy[1])
     other = kvpass.backend(cache_policy[0], compiler="eager", **cache_policy[1])
     cache = kvpass.SlotCache(model, other, max_length=40)
-    with pytest.raises(Exception, match=r"kvpass: layer 0's kvpass.SlotCache was built for policy "
-                                        rf"{cache_policy[0]}\(.*compiled with a kvpass backend of policy "
-                                        rf"{model_policy[0]}\(.*kvpass.SlotCache\(model, be"):
+    with pytest.raises(
+        Exception,
+        match=r"kvpass: layer 0's kvpass.SlotCache was built for policy "
+        rf"{cache_policy[0]}\(.*compiled with a kvpass backend of policy "
+        rf"{model_policy[0]}\(.*kvpass.SlotCache\(model, be",
+    ):
         model.generate(ids_of(20), past_key_values=cache, max_new_tokens=4, do_sample=False)
 
 
-@pytest.mark.parametrize("policy,params", [("full", {}), ("snapkv", dict(budget=64, window=4)),
-                                           ("streamingllm", dict(budget=64)), ("h2o", dict(budget=64)),
-                                           ("raas", dict(budget=64))])
+@pytest.mark.parametrize(
+    "policy,params",
+    [
+        ("full", {}),
+        ("snapkv", dict(budget=64, window=4)),
+        ("streamingllm", dict(budget=64)),
+        ("h2o", dict(budget=64)),
+        ("raas", dict(budget=64)),
+    ],
+)
 def test_past_max_length_fails_loudly_for_every_rule(policy, params):
     """A 20-token prompt and 24 new tokens on a cache built for 30 (budget 64: a no-op): every policy fails
     at the 11th token, rings too (streamingllm and h2o wrapped without a word and left the model's output
@@ -561,16 +610,24 @@ def test_cache_of_another_dtype_is_named():
     model, be = compiled("full")
     cache = kvpass.SlotCache(model, be, max_length=40)
     model.to(torch.bfloat16)
-    with pytest.raises(Exception, match=r"kvpass SlotCache: the model computes torch.bfloat16 keys .* holds "
-                                        r"torch.float32 .*build the SlotCache after model.to"):
+    with pytest.raises(
+        Exception,
+        match=r"kvpass SlotCache: the model computes torch.bfloat16 keys .* holds "
+        r"torch.float32 .*build the SlotCache after model.to",
+    ):
         model.generate(ids_of(20), past_key_values=cache, max_new_tokens=3, do_sample=False)
 
 
-@pytest.mark.parametrize("kw,match", [(dict(batch_size=0), "'batch_size' must be an int >= 1, got 0"),
-                                      (dict(batch_size=2.0), "'batch_size' must be an int >= 1, got 2.0"),
-                                      (dict(max_new_tokens=-5), "'max_new_tokens' must be an int >= 0 or None"),
-                                      (dict(max_length=True), "'max_length' must be an int >= 1, got True"),
-                                      (dict(dtype="bf16"), "'dtype' must be a torch.dtype")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(batch_size=0), "'batch_size' must be an int >= 1, got 0"),
+        (dict(batch_size=2.0), "'batch_size' must be an int >= 1, got 2.0"),
+        (dict(max_new_tokens=-5), "'max_new_tokens' must be an int >= 0 or None"),
+        (dict(max_length=True), "'max_length' must be an int >= 1, got True"),
+        (dict(dtype="bf16"), "'dtype' must be a torch.dtype"),
+    ],
+)
 def test_slot_cache_arguments_are_checked(kw, match):
     model = build("llama")
     be = kvpass.backend("full", compiler="eager")
@@ -595,9 +652,10 @@ def test_mask_is_read_follows_the_mask_to_what_the_graph_does():
     in-place method, an item assignment, a non-aten operator (packet or overload) or a Python function of its own
     is; a graph without a mask input is assumed to read one."""
     from torch import fx
+
     from kvpass.compiler.maskcheck import mask_is_read
 
-    def own(x, m):   # a Python function the check cannot see into
+    def own(x, m):  # a Python function the check cannot see into
         return x
 
     def dead(x, attention_mask):
@@ -619,19 +677,26 @@ def test_mask_is_read_follows_the_mask_to_what_the_graph_does():
         return x + y
 
     got = {f.__name__: mask_is_read(fx.symbolic_trace(f)) for f in (dead, read, in_place, kvpass_op, no_mask)}
-    g = fx.Graph()   # a call of a Python function of its own (kvpass's write_slots is one), as Dynamo records it
+    g = fx.Graph()  # a call of a Python function of its own (kvpass's write_slots is one), as Dynamo records it
     x, m = g.placeholder("x"), g.placeholder("l_attention_mask_")
     g.call_function(own, (x, g.call_method("float", (m,))))
     g.output(g.call_function(torch.mul, (x, 2)))
     got["python_fn"] = mask_is_read(fx.GraphModule(torch.nn.Module(), g))
-    g = fx.Graph()   # y = x * 2; y[0] = mask[0]; return y (symbolic_trace cannot record an item assignment)
+    g = fx.Graph()  # y = x * 2; y[0] = mask[0]; return y (symbolic_trace cannot record an item assignment)
     x, m = g.placeholder("x"), g.placeholder("l_attention_mask_")
     y = g.call_function(torch.mul, (x, 2))
     g.call_function(operator.setitem, (y, 0, g.call_function(operator.getitem, (m, 0))))
     g.output(y)
     got["set_item"] = mask_is_read(fx.GraphModule(torch.nn.Module(), g))
-    assert got == {"dead": False, "read": True, "in_place": True, "kvpass_op": True, "set_item": True,
-                   "python_fn": True, "no_mask": True}
+    assert got == {
+        "dead": False,
+        "read": True,
+        "in_place": True,
+        "kvpass_op": True,
+        "set_item": True,
+        "python_fn": True,
+        "no_mask": True,
+    }
 
 
 @pytest.mark.parametrize("family", ["gemma3", "cohere2"])
@@ -644,6 +709,6 @@ def test_reused_mask_on_sliding_window_layers_equals_the_model(family):
     be = kvpass.compile(model, "full", compiler="eager")
     ids, kw = ids_of(30), dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
     got = model.generate(ids, **kw)
-    cache, = model.generate.caches.values()
-    assert be.decode_ignores_mask(len(cache.layers))   # the reuse was on
+    (cache,) = model.generate.caches.values()
+    assert be.decode_ignores_mask(len(cache.layers))  # the reuse was on
     assert torch.equal(got, ref.generate(ids, **kw))

@@ -44,7 +44,7 @@ def test_a_returned_cache_is_the_callers():
     got = model.generate(more, past_key_values=first.past_key_values, max_new_tokens=3, do_sample=False)
     assert torch.equal(got, ref.generate(more, max_new_tokens=3, do_sample=False))
     model.generate(ids_of(9), max_new_tokens=3, do_sample=False)
-    kept, = model.generate.caches.values()
+    (kept,) = model.generate.caches.values()
     model.generate(ids_of(10), max_new_tokens=3, do_sample=False)
     assert next(iter(model.generate.caches.values())) is kept
     torch._dynamo.reset()
@@ -77,8 +77,9 @@ def test_a_cache_implementation_the_model_ships_gives_way_to_the_slot_cache(ship
     assert torch.equal(got, ref.generate(ids, max_new_tokens=5, do_sample=False))
     assert model.generate.caches and model.generation_config.cache_implementation == shipped
     model.generation_config.cache_implementation = None
-    got = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="dynamic",
-                         return_dict_in_generate=True)
+    got = model.generate(
+        ids, max_new_tokens=5, do_sample=False, cache_implementation="dynamic", return_dict_in_generate=True
+    )
     assert not isinstance(got.past_key_values, kvpass.SlotCache)
     torch._dynamo.reset()
 
@@ -96,8 +97,10 @@ def test_chunked_prefill_is_refused_where_the_policy_keeps_part_of_the_prompt():
     model, ref = build("llama"), build("llama")
     kvpass.compile(model, "full", compiler="eager")
     ids = ids_of(60)
-    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=16),
-                       ref.generate(ids, max_new_tokens=4, do_sample=False))
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=16),
+        ref.generate(ids, max_new_tokens=4, do_sample=False),
+    )
     torch._dynamo.reset()
 
 
@@ -106,14 +109,14 @@ def test_an_assistant_given_kvpass_compile_is_refused_by_name():
     ``kvpass.compile`` decodes on a SlotCache, which failed inside transformers ("'SlotLayer' object has no
     attribute 'crop'"). The SlotCache now refuses the crop and says what to give the assistant."""
     torch._dynamo.reset()
-    model, assistant = build("llama"), build("llama", seed=1)   # other weights: its drafts get rejected
+    model, assistant = build("llama"), build("llama", seed=1)  # other weights: its drafts get rejected
     kvpass.compile(assistant, "full", compiler="eager")
     ids = ids_of(16)
     try:
         got = model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=assistant)
-    except kvpass.ConfigError as e:   # transformers 5.2x: the assistant's generate runs on its SlotCache
+    except kvpass.ConfigError as e:  # transformers 5.2x: the assistant's generate runs on its SlotCache
         assert re.search("cannot crop.*give the assistant an uncompiled model", str(e)), e
-    else:   # transformers 5.14 gives the assistant a cache of its own: the fast path is not taken
+    else:  # transformers 5.14 gives the assistant a cache of its own: the fast path is not taken
         assert not assistant.generate.caches
         assert torch.equal(got, model.generate(ids, max_new_tokens=8, do_sample=False))
     torch._dynamo.reset()
@@ -133,17 +136,21 @@ def test_continuing_with_a_hole_in_the_mask_is_refused(family):
     holed = torch.ones_like(more)
     holed[0, 19] = 0
     with pytest.raises(kvpass.ConfigError, match="a 0 after a row's first token"):
-        model.generate(more, attention_mask=holed, past_key_values=out.past_key_values, max_new_tokens=4,
-                       do_sample=False)
+        model.generate(
+            more, attention_mask=holed, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False
+        )
     padded = more.clone()
-    padded[0, 19] = 0   # the pad id: transformers infers the hole
+    padded[0, 19] = 0  # the pad id: transformers infers the hole
     with pytest.raises(kvpass.ConfigError, match="a 0 after a row's first token"):
-        model.generate(padded, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False,
-                       pad_token_id=0)
-    got = model.generate(more, attention_mask=torch.ones_like(more), past_key_values=out.past_key_values,
-                         max_new_tokens=4, do_sample=False)
-    assert torch.equal(got, ref.generate(more, attention_mask=torch.ones_like(more), max_new_tokens=4,
-                                         do_sample=False))
+        model.generate(padded, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    got = model.generate(
+        more,
+        attention_mask=torch.ones_like(more),
+        past_key_values=out.past_key_values,
+        max_new_tokens=4,
+        do_sample=False,
+    )
+    assert torch.equal(got, ref.generate(more, attention_mask=torch.ones_like(more), max_new_tokens=4, do_sample=False))
     torch._dynamo.reset()
 
 
@@ -159,6 +166,7 @@ def test_a_forward_without_a_cache_leaves_the_sliding_layers_known():
     model(ids_of(6), use_cache=False)
     for n in (9, 20):
         ids = ids_of(n, seed=3)
-        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
-                           ref.generate(ids, max_new_tokens=6, do_sample=False)), n
+        assert torch.equal(
+            model.generate(ids, max_new_tokens=6, do_sample=False), ref.generate(ids, max_new_tokens=6, do_sample=False)
+        ), n
     torch._dynamo.reset()

@@ -50,17 +50,23 @@ def reference_keep(acc, kv_pos, budget, recent):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(4, 40), budget=st.integers(2, 24), heavy=st.sampled_from([0.0, 0.25, 0.5, 0.75]),
-       group=st.sampled_from([1, 2]), pad=st.integers(0, 3), seed=st.integers(0, 1000))
+@given(
+    n=st.integers(4, 40),
+    budget=st.integers(2, 24),
+    heavy=st.sampled_from([0.0, 0.25, 0.5, 0.75]),
+    group=st.sampled_from([1, 2]),
+    pad=st.integers(0, 3),
+    seed=st.integers(0, 1000),
+)
 def test_prefill_keeps_the_heavy_hitters_and_the_recent_tokens(n, budget, heavy, group, pad, seed):
-    assume(budget - round(heavy * budget) >= 1)    # at least one recent entry (else a ConfigError)
+    assume(budget - round(heavy * budget) >= 1)  # at least one recent entry (else a ConfigError)
     policy = H2O(budget=budget, heavy=heavy)
     g = torch.Generator().manual_seed(seed)
     b, hkv, d = 2, 2, 8
     q = torch.randn(b, hkv * group, n, d, generator=g) * 0.7
     k = torch.randn(b, hkv, n, d, generator=g)
     kv_pos = torch.arange(n).expand(b, hkv, n).clone()
-    kv_pos[1, :, :min(pad, n - 1)] = -1                          # row 1 left-padded
+    kv_pos[1, :, : min(pad, n - 1)] = -1  # row 1 left-padded
     q_pos = torch.arange(n).expand(b, n).contiguous()
     keep, book = policy.select(SITE, q, k, k, kv_pos, q_pos, None)
     acc = attention_received(q, k, kv_pos, q_pos)
@@ -70,8 +76,9 @@ def test_prefill_keeps_the_heavy_hitters_and_the_recent_tokens(n, budget, heavy,
             want = reference_keep(row, kv_pos[bb, gg].tolist(), budget, policy.recent)
             got = list(range(n)) if keep is None else keep[bb, gg].tolist()
             assert got == want
-            torch.testing.assert_close(book["score"][bb, gg], torch.tensor([row[j] for j in want]),
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                book["score"][bb, gg], torch.tensor([row[j] for j in want]), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_decode_steps_evict_one_least_attended_older_entry_each():
@@ -90,7 +97,7 @@ def test_decode_steps_evict_one_least_attended_older_entry_each():
     for t in range(12, total):
         kv_pos = torch.tensor(held + [t]).view(1, 1, -1)
         k = ks[:, :, kv_pos[0, 0]]
-        keep, book = policy.select(SITE, qs[:, :, t:t + 1], k, None, kv_pos, torch.tensor([[t]]), state)
+        keep, book = policy.select(SITE, qs[:, :, t : t + 1], k, None, kv_pos, torch.tensor([[t]]), state)
         state = SimpleNamespace(extra=book)
         # the reference: the new token's attention over what is held, then one greedy eviction
         for h in range(2):

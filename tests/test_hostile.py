@@ -45,6 +45,7 @@ def greedy(fwd, model, ids, steps: int, cache=None, positions: bool = False):
 
 # 1. continuing a generation over an evicted DynamicCache -------------------------------------------
 
+
 @pytest.mark.parametrize("policy,params", [("streamingllm", dict(budget=16)), ("snapkv", dict(budget=16, window=4))])
 def test_continuing_an_evicted_dynamic_cache_is_refused(policy, params):
     """generate, then generate again on the returned cache with more input: transformers counts the
@@ -61,17 +62,17 @@ def test_continuing_an_evicted_dynamic_cache_is_refused(policy, params):
         model.generate(more, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False)
 
 
-@pytest.mark.parametrize("seed", [1, 2])   # refused on one token behind (1), on several drafts (2)
+@pytest.mark.parametrize("seed", [1, 2])  # refused on one token behind (1), on several drafts (2)
 def test_prompt_lookup_decoding_after_eviction_is_refused(seed):
     """Prompt-lookup (assisted) decoding crops the drafts it rejects and counts positions from what is left,
     after the policy evicted real tokens for them: the output differed from plain streamingllm with 5 of 8
     entries left. Refused whichever call finds it first (several draft tokens, or one token behind the
     tokens seen); ``full`` evicts nothing and equals plain generate."""
     ids = torch.randint(10, 90, (1, 20), generator=torch.Generator().manual_seed(seed))
-    ids = torch.cat([ids, ids[:, :8]], 1)           # a repeat, so lookup finds drafts
+    ids = torch.cat([ids, ids[:, :8]], 1)  # a repeat, so lookup finds drafts
     model = build("llama")
     fwd = model.forward
-    for policy, params in (("full", {}), ("streamingllm", dict(budget=8)))[seed - 1:]:
+    for policy, params in (("full", {}), ("streamingllm", dict(budget=8)))[seed - 1 :]:
         torch._dynamo.reset()
         model.forward = torch.compile(fwd, backend=kvpass.backend(policy, compiler="eager", **params))
         if policy == "full":
@@ -90,7 +91,7 @@ def test_a_cache_cropped_after_eviction_is_refused():
     fwd = torch.compile(model.forward, backend=kvpass.backend("streamingllm", budget=16, compiler="eager"))
     cache = DynamicCache(config=model.config)
     greedy(fwd, model, PROMPT, 3, cache=cache)
-    cache.crop(-4)                                  # 16 kept -> 12
+    cache.crop(-4)  # 16 kept -> 12
     with pytest.raises(ValueError, match="now holds 12 entries: something removed entries behind kvpass"):
         with torch.no_grad():
             fwd(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
@@ -121,12 +122,17 @@ def test_continuing_on_a_slot_cache_counts_tokens_seen():
     exactly the new tokens (47 + 9 + 4 = 60 seen)."""
     model, cache, more = first_turn_on_a_slot_cache("streamingllm")
     model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False)
-    assert cache.seen == 40 + 7 + 9 + 4 - 1 + 1    # generate's last token is never fed back
+    assert cache.seen == 40 + 7 + 9 + 4 - 1 + 1  # generate's last token is never fed back
 
 
-@pytest.mark.parametrize("policy,params,layers,seen", [("snapkv", dict(budget=16, window=4), 2, 40 + 7 + 7),
-                                                       ("gemfilter", dict(budget=10, layer=1), 4, 10 + 7 + 7),
-                                                       ("gemfilter", dict(budget=10, layer=1), 2, 40 + 7 + 7)])
+@pytest.mark.parametrize(
+    "policy,params,layers,seen",
+    [
+        ("snapkv", dict(budget=16, window=4), 2, 40 + 7 + 7),
+        ("gemfilter", dict(budget=10, layer=1), 4, 10 + 7 + 7),
+        ("gemfilter", dict(budget=10, layer=1), 2, 40 + 7 + 7),
+    ],
+)
 def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params, layers, seen):
     """generate (position ids passed in; snapkv's and gemfilter's decode graphs only append, so no layer
     records), then a bare forward of only the new tokens on the same DynamicCache: its derived positions
@@ -136,6 +142,7 @@ def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params
     Equal to the same turn on a kvpass.SlotCache, which counts tokens on the device. (The state counts
     gemfilter's renumbered tokens.)"""
     from test_asl import build as build_layers
+
     turn = torch.randint(10, 90, (1, 6), generator=torch.Generator().manual_seed(3))
     got = []
     for kind in ("dynamic", "slot"):
@@ -146,13 +153,13 @@ def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params
         cache = DynamicCache(config=model.config) if kind == "dynamic" else kvpass.SlotCache(model, be, max_length=64)
         seq = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
         with torch.no_grad():
-            got.append(model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache,
-                             use_cache=True).logits)
+            got.append(model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache, use_cache=True).logits)
         assert be.state.seen == seen or kind == "slot"
     torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=1e-5)
 
 
 # 2. Dynamo's recompile limit ---------------------------------------------------------------------------
+
 
 def test_decode_past_the_recompile_limit_fails_instead_of_running_uncompiled():
     """Past the limit Dynamo runs the frame uncompiled: a decode step after a kvpass prefill would run
@@ -173,21 +180,24 @@ def test_decode_past_the_recompile_limit_fails_instead_of_running_uncompiled():
 
 # 3. encoder-decoder cross-attention --------------------------------------------------------------------
 
+
 def test_cross_attention_is_refused_not_evicted():
     """T5: the cross-attention cache holds the encoder's states; it was evicted from 24 to 16 entries.
     Cross-attention is found by structure (keys projected from other states than the queries) and the
     graph is left unchanged, with a warning; the output equals the uncompiled model's."""
     torch._dynamo.reset()
-    cfg = tf.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                      decoder_start_token_id=0)
+    cfg = tf.T5Config(
+        vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0
+    )
     torch.manual_seed(0)
     model = tf.T5ForConditionalGeneration(cfg).eval()
     ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
     want = model.generate(ids, max_new_tokens=6, do_sample=False)
     be = kvpass.backend("streamingllm", budget=16, compiler="eager")
     model.forward = torch.compile(model.forward, backend=be)
-    out, said = kvpass_warnings(lambda: model.generate(ids, max_new_tokens=6, do_sample=False,
-                                                       return_dict_in_generate=True))
+    out, said = kvpass_warnings(
+        lambda: model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    )
     # (transformers < 5.17 adds T5's position bias to the scores in a form detection refuses earlier, as
     # unrecognized attention: also loud, also unchanged)
     assert any("cross-attention" in w or "cannot be applied to this model's attention" in w for w in said), said
@@ -201,36 +211,91 @@ def test_cross_attention_is_refused_not_evicted():
 
 ABSOLUTE = {  # every decoder-only family transformers ships whose positions are absolute (a table or sinusoids)
     "gpt2": lambda a: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, **a)),
-    "gpt_bigcode": lambda a: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4,
-                                                                          vocab_size=100, **a)),
+    "gpt_bigcode": lambda a: tf.GPTBigCodeForCausalLM(
+        tf.GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=100, **a)
+    ),
     # OPT and BioGPT derive positions from the mask and look them up at +2 (the first two rows are unused)
-    "opt": lambda a: tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=64, ffn_dim=128,
-                                                    num_attention_heads=4, vocab_size=100, word_embed_proj_dim=64, **a)),
-    "biogpt": lambda a: tf.BioGptForCausalLM(tf.BioGptConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                             num_attention_heads=4, vocab_size=100, **a)),
+    "opt": lambda a: tf.OPTForCausalLM(
+        tf.OPTConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            ffn_dim=128,
+            num_attention_heads=4,
+            vocab_size=100,
+            word_embed_proj_dim=64,
+            **a,
+        )
+    ),
+    "biogpt": lambda a: tf.BioGptForCausalLM(
+        tf.BioGptConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=100, **a
+        )
+    ),
     # decoders of encoder-decoder families as causal LMs: BART's table from 2, Pegasus's sinusoids
-    "bart": lambda a: tf.BartForCausalLM(tf.BartConfig(decoder_layers=2, d_model=64, decoder_ffn_dim=128, vocab_size=100,
-                                                       decoder_attention_heads=4, is_decoder=True, **a)),
-    "pegasus": lambda a: tf.PegasusForCausalLM(tf.PegasusConfig(decoder_layers=2, d_model=64, decoder_ffn_dim=128,
-                                                                decoder_attention_heads=4, vocab_size=100,
-                                                                is_decoder=True, **a)),
+    "bart": lambda a: tf.BartForCausalLM(
+        tf.BartConfig(
+            decoder_layers=2,
+            d_model=64,
+            decoder_ffn_dim=128,
+            vocab_size=100,
+            decoder_attention_heads=4,
+            is_decoder=True,
+            **a,
+        )
+    ),
+    "pegasus": lambda a: tf.PegasusForCausalLM(
+        tf.PegasusConfig(
+            decoder_layers=2,
+            d_model=64,
+            decoder_ffn_dim=128,
+            decoder_attention_heads=4,
+            vocab_size=100,
+            is_decoder=True,
+            **a,
+        )
+    ),
     # CTRL indexes a sinusoid buffer; a Dynamo graph break (its buffer assignment) computes the ids outside
     "ctrl": lambda a: tf.CTRLLMHeadModel(tf.CTRLConfig(n_layer=2, n_embd=64, n_head=4, dff=128, vocab_size=100, **a)),
-    # BERT-style decoders (RemBERT's attention is eager only, and recognised) read their own position_ids buffer at the cache's length, and build token type ids
-    # (zeros; RoCBert picks them from a buffer at those positions) that are looked up like positions but are not
-    "rembert": lambda a: tf.RemBertForCausalLM(tf.RemBertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                                num_attention_heads=4, vocab_size=100, is_decoder=True,
-                                                                input_embedding_size=64, output_embedding_size=64,
-                                                                **{**a, "attn_implementation": "eager"})),
-    "roc_bert": lambda a: tf.RoCBertForCausalLM(tf.RoCBertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                                 num_attention_heads=4, vocab_size=100, is_decoder=True,
-                                                                 shape_vocab_size=8, pronunciation_vocab_size=8,
-                                                                 bos_token_id=1, eos_token_id=2, **a)),
+    # BERT-style decoders (RemBERT's attention is eager only, and recognised) read their own position_ids buffer at the
+    # cache's length, and build token type ids (zeros; RoCBert picks them from a buffer at those positions) that are
+    # looked up like positions but are not
+    "rembert": lambda a: tf.RemBertForCausalLM(
+        tf.RemBertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            vocab_size=100,
+            is_decoder=True,
+            input_embedding_size=64,
+            output_embedding_size=64,
+            **{**a, "attn_implementation": "eager"},
+        )
+    ),
+    "roc_bert": lambda a: tf.RoCBertForCausalLM(
+        tf.RoCBertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            vocab_size=100,
+            is_decoder=True,
+            shape_vocab_size=8,
+            pronunciation_vocab_size=8,
+            bos_token_id=1,
+            eos_token_id=2,
+            **a,
+        )
+    ),
     # eager attention only: kvpass does not recognise it, warns and compiles unchanged
-    "gpt_neo": lambda a: tf.GPTNeoForCausalLM(tf.GPTNeoConfig(num_layers=2, attention_types=[[["global"], 2]],
-                                                              hidden_size=64, num_heads=4, vocab_size=100, **a)),
-    "xglm": lambda a: tf.XGLMForCausalLM(tf.XGLMConfig(num_layers=2, d_model=64, ffn_dim=128, attention_heads=4,
-                                                       vocab_size=100, **a)),
+    "gpt_neo": lambda a: tf.GPTNeoForCausalLM(
+        tf.GPTNeoConfig(
+            num_layers=2, attention_types=[[["global"], 2]], hidden_size=64, num_heads=4, vocab_size=100, **a
+        )
+    ),
+    "xglm": lambda a: tf.XGLMForCausalLM(
+        tf.XGLMConfig(num_layers=2, d_model=64, ffn_dim=128, attention_heads=4, vocab_size=100, **a)
+    ),
 }
 
 
@@ -252,7 +317,7 @@ def test_absolute_positions_are_true_after_eviction_or_refused(family):
         fwd = torch.compile(model.forward, backend=be)
         try:
             out, said = kvpass_warnings(lambda: greedy(fwd, model, PROMPT, 6, positions=positions))
-        except ValueError as e:   # CTRL on transformers 5.2x: a graph break computes its positions outside
+        except ValueError as e:  # CTRL on transformers 5.2x: a graph break computes its positions outside
             assert family == "ctrl" and not positions, e
             assert "this step's position is 16: positions were counted from the entries stored" in str(e)
             return
@@ -262,21 +327,32 @@ def test_absolute_positions_are_true_after_eviction_or_refused(family):
             torch.testing.assert_close(out, greedy(model.forward, model, PROMPT, 6), atol=1e-5, rtol=1e-5)
             return
         assert be.state.seen == 46 and max(be.state.stored_tokens().values()) == 16
-        assert positions or any(r.positions_fixed for r in be.reports)   # derived ids are fixed
+        assert positions or any(r.positions_fixed for r in be.reports)  # derived ids are fixed
     torch.testing.assert_close(runs[1], runs[0], atol=1e-5, rtol=1e-5)
 
 
 # 5. ALiBi / 6. attention kvpass does not recognise ------------------------------------------------------
 
+
 def falcon(attn: str, alibi: bool = True):
     torch.manual_seed(0)
-    return tf.FalconForCausalLM(tf.FalconConfig(alibi=alibi, new_decoder_architecture=False, multi_query=False,
-                                                num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                                vocab_size=100, attn_implementation=attn)).eval()
+    return tf.FalconForCausalLM(
+        tf.FalconConfig(
+            alibi=alibi,
+            new_decoder_architecture=False,
+            multi_query=False,
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            vocab_size=100,
+            attn_implementation=attn,
+        )
+    ).eval()
 
 
-@pytest.mark.parametrize("policy,params", [("streamingllm", dict(budget=1000)), ("snapkv", dict(budget=1000)),
-                                           ("raas", dict(budget=1024))])
+@pytest.mark.parametrize(
+    "policy,params", [("streamingllm", dict(budget=1000)), ("snapkv", dict(budget=1000)), ("raas", dict(budget=1024))]
+)
 def test_alibi_mask_bias_is_refused(policy, params):
     """Falcon with ALiBi (SDPA): the bias rides in the float mask, which an evicting policy replaces by
     position masks; a no-op budget gave decode logits off by up to 12. Refused by the mask's structure
@@ -294,7 +370,9 @@ def test_plain_mask_built_from_a_constant_tensor_is_not_a_bias():
     """transformers 5.17's eager masks select ``torch.tensor(min_dtype)`` by a boolean: a constant, so a
     policy still applies (the first version of the bias check refused qwen3 eager there)."""
     from torch import fx
+
     from kvpass.compiler.detect import mask_bias
+
     g = fx.Graph()
     allowed = g.placeholder("allowed")
     allowed.meta["example_value"] = torch.ones(1, 1, 4, 4, dtype=torch.bool)
@@ -324,8 +402,9 @@ def test_unrecognized_attention_warns(family):
     applied. A softmax whose probabilities weigh values now says it is attention kvpass cannot read."""
     if family == "bloom":
         torch.manual_seed(0)
-        model = tf.BloomForCausalLM(tf.BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=100,
-                                                   attn_implementation="eager")).eval()
+        model = tf.BloomForCausalLM(
+            tf.BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=100, attn_implementation="eager")
+        ).eval()
     else:
         model = falcon("eager")
     torch._dynamo.reset()
@@ -338,6 +417,7 @@ def test_unrecognized_attention_warns(family):
 
 # 7. art's prefill (the GPU case: 49 GiB and 7x full's TTFT at 128k) -----------------------------------------
 
+
 def test_art_prefill_reads_attention_like_full():
     """art left its prefill to the model's SDPA, which read a materialised causal mask (at 128k: 49 GiB
     against full's 21 GiB). Its prefill now takes full's plan: the kvpass attention op, whose proven-causal
@@ -345,13 +425,14 @@ def test_art_prefill_reads_attention_like_full():
     plans, masks = {}, {}
     for policy in ("full", "art"):
         torch._dynamo.reset()
-        model = build("llama", "eager")      # eager attention: transformers materialises the mask
+        model = build("llama", "eager")  # eager attention: transformers materialises the mask
         be = kvpass.backend(policy, compiler="eager")
         inner, seen = be._inner, []
 
         def spy(gm, ex, *rest, inner=inner, seen=seen):
             seen.extend(n.args[3] for n in gm.graph.nodes if n.target is torch.ops.kvpass.attention.default)
             return inner(gm, ex, *rest)
+
         be._inner = spy
         be.kvpass.compile_segment = spy
         greedy(torch.compile(model.forward, backend=be, dynamic=True), model, PROMPT, 0)
@@ -361,6 +442,7 @@ def test_art_prefill_reads_attention_like_full():
 
 
 # 8. raas continuation ----------------------------------------------------------------------------------
+
 
 def test_raas_continuation_is_refused():
     """raas's preallocated pool is longer than the sequence, so transformers passed zero new tokens and
@@ -376,6 +458,7 @@ def test_raas_continuation_is_refused():
 
 # 9. the state after generate ------------------------------------------------------------------------------
 
+
 def test_state_counts_tokens_appended_with_passed_positions():
     """generate passes position ids, so the appending decode graphs (snapkv: the model's own cache update)
     told the state nothing: it said seen 40, stored 16 while the cache held 23 entries of 47 tokens."""
@@ -390,9 +473,10 @@ def test_state_counts_tokens_appended_with_passed_positions():
 
 # 10. parameters that make a policy idle, named ---------------------------------------------------------
 
+
 def test_quest_dense_layers_covering_the_model_warns():
     torch._dynamo.reset()
-    model = build("llama")     # 2 layers: the default dense_layers=2 leaves quest nothing to skip
+    model = build("llama")  # 2 layers: the default dense_layers=2 leaves quest nothing to skip
     be = kvpass.backend("quest", budget=16, compiler="eager")
     _, said = kvpass_warnings(lambda: greedy(torch.compile(model.forward, backend=be), model, PROMPT, 1))
     assert any("'dense_layers'" in w for w in said), said
@@ -408,6 +492,7 @@ def test_gate_layer_out_of_range_names_the_parameter():
 
 # 12. one warning per compiled function -------------------------------------------------------------------
 
+
 def test_each_backend_warns_once():
     """Two models with the same problem, each compiled with its own backend: both are told (the warning
     was once per process), each once."""
@@ -422,6 +507,7 @@ def test_each_backend_warns_once():
 
 
 # 8. every way of calling the compiler that the README shows ----------------------------------------------
+
 
 def test_torch_compile_of_the_module_warns_that_generate_is_not_compiled():
     """``torch.compile(model, backend=be)`` compiles calls of the module it returns; ``.generate()`` runs the
@@ -444,8 +530,13 @@ def test_compile_config_on_a_slot_cache_is_refused():
     model = build("llama")
     be = kvpass.backend("streamingllm", budget=8, compiler="eager")
     with pytest.raises(RuntimeError, match=r"did not rewrite wrote into the cache .* kvpass.compile\(model"):
-        model.generate(PROMPT, max_new_tokens=3, do_sample=False, past_key_values=kvpass.SlotCache(model, be, 64),
-                       compile_config=tf.CompileConfig(backend=be, fullgraph=False))
+        model.generate(
+            PROMPT,
+            max_new_tokens=3,
+            do_sample=False,
+            past_key_values=kvpass.SlotCache(model, be, 64),
+            compile_config=tf.CompileConfig(backend=be, fullgraph=False),
+        )
 
 
 def test_output_attentions_on_a_slot_cache_names_the_graph_break():
@@ -456,5 +547,11 @@ def test_output_attentions_on_a_slot_cache_names_the_graph_break():
     be = kvpass.backend("streamingllm", budget=8, compiler="eager")
     model.forward = torch.compile(model.forward, backend=be)
     with pytest.raises(RuntimeError, match="output_attentions=True does"):
-        model.generate(PROMPT, max_new_tokens=3, do_sample=False, past_key_values=kvpass.SlotCache(model, be, 64),
-                       output_attentions=True, return_dict_in_generate=True)
+        model.generate(
+            PROMPT,
+            max_new_tokens=3,
+            do_sample=False,
+            past_key_values=kvpass.SlotCache(model, be, 64),
+            output_attentions=True,
+            return_dict_in_generate=True,
+        )

@@ -27,8 +27,16 @@ from kvpass.policies import make_policy
 from kvpass.policies.prefill import scoring
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SITE = SimpleNamespace(layer=0, softcap=0.0, sliding_window=None, cache="dynamic", phase="prefill",
-                       global_layers=(0,), tokens=None, tp=None)
+SITE = SimpleNamespace(
+    layer=0,
+    softcap=0.0,
+    sliding_window=None,
+    cache="dynamic",
+    phase="prefill",
+    global_layers=(0,),
+    tokens=None,
+    tp=None,
+)
 GQA = [(1, 1), (2, 1), (4, 2), (4, 4)]
 
 
@@ -39,9 +47,11 @@ def knorm_reference(key: list[float], real_keys: list[list[float]]) -> float:
 
 def keydiff_reference(key: list[float], real_keys: list[list[float]]) -> float:
     """Minus the cosine of the key with the anchor: the mean of the real keys, each divided by its length."""
+
     def unit(v):
         n = math.sqrt(sum(x * x for x in v))
         return [x / n for x in v] if n > 0 else [0.0] * len(v)
+
     units = [unit(v) for v in real_keys]
     anchor = [sum(u[i] for u in units) / len(units) for i in range(len(key))]
     na, nk = math.sqrt(sum(x * x for x in anchor)), math.sqrt(sum(x * x for x in key))
@@ -59,7 +69,7 @@ def reference_keep(policy: str, keys, pos: list[int], window: int, budget: int) 
     rows = keys.double().tolist()
     real = [j for j, p in enumerate(pos) if p >= 0]
     score = {j: REFERENCES[policy](rows[j], [rows[i] for i in real]) for j in real}
-    forced = real[len(real) - window:] if window > 0 else []
+    forced = real[len(real) - window :] if window > 0 else []
     rest = sorted((j for j in real if j not in forced), key=lambda j: (-score[j], j))
     pads = [j for j, p in enumerate(pos) if p < 0]
     return sorted((forced + rest + pads)[:budget])
@@ -86,16 +96,24 @@ def prefill(b, h, hkv, n, pads, k):
 
 
 @SETTINGS
-@given(policy=st.sampled_from(["knorm", "keydiff"]), b=st.integers(1, 2), heads=st.sampled_from(GQA),
-       n=st.integers(2, 48), budget=st.integers(2, 40), window=st.integers(0, 6),
-       pads=st.lists(st.integers(0, 12), min_size=2, max_size=2), grid=st.booleans(), repeats=st.integers(0, 4),
-       seed=st.integers(0, 10_000))
+@given(
+    policy=st.sampled_from(["knorm", "keydiff"]),
+    b=st.integers(1, 2),
+    heads=st.sampled_from(GQA),
+    n=st.integers(2, 48),
+    budget=st.integers(2, 40),
+    window=st.integers(0, 6),
+    pads=st.lists(st.integers(0, 12), min_size=2, max_size=2),
+    grid=st.booleans(),
+    repeats=st.integers(0, 4),
+    seed=st.integers(0, 10_000),
+)
 def test_select_keeps_the_reference_top_k(policy, b, heads, n, budget, window, pads, grid, repeats, seed):
     """Per row and KV head the kept indices are the reference's, in order; exactly ``budget`` of them; a prompt
     within the budget is kept whole."""
     h, hkv = heads
     window = min(window, budget - 1)
-    grid = grid and policy == "knorm"     # small-integer keys: exact norm ties (a cosine is never exact)
+    grid = grid and policy == "knorm"  # small-integer keys: exact norm ties (a cosine is never exact)
     k = make_keys(b, hkv, n, 8, grid, repeats, seed)
     q, kv_pos, q_pos = prefill(b, h, hkv, n, [min(p, n - 1) for p in pads[:b]], k)
     keep = make_policy(policy, budget=budget, window=window).select(SITE, q, k, k, kv_pos, q_pos, None)
@@ -110,9 +128,15 @@ def test_select_keeps_the_reference_top_k(policy, b, heads, n, budget, window, p
 
 
 @SETTINGS
-@given(policy=st.sampled_from(["knorm", "keydiff"]), n=st.integers(3, 40), budget=st.integers(2, 30),
-       pad=st.integers(1, 10), window=st.integers(0, 3), lure=st.sampled_from(["zeros", "cluster", "noise"]),
-       seed=st.integers(0, 10_000))
+@given(
+    policy=st.sampled_from(["knorm", "keydiff"]),
+    n=st.integers(3, 40),
+    budget=st.integers(2, 30),
+    pad=st.integers(1, 10),
+    window=st.integers(0, 3),
+    lure=st.sampled_from(["zeros", "cluster", "noise"]),
+    seed=st.integers(0, 10_000),
+)
 def test_left_padded_row_keeps_what_the_prompt_keeps_alone(policy, n, budget, pad, window, lure, seed):
     """A batch of two: row 0 the prompt after ``pad`` padding entries whose keys would lure a scorer that saw
     them (zero norm, many copies of one key pulling keydiff's mean, or loud noise), row 1 another prompt of the
@@ -121,15 +145,19 @@ def test_left_padded_row_keeps_what_the_prompt_keeps_alone(policy, n, budget, pa
     window = min(window, budget - 1)
     g = torch.Generator().manual_seed(seed)
     alone = torch.randn(1, hkv, n, d, generator=g)
-    filler = {"zeros": torch.zeros(1, hkv, pad, d), "noise": torch.randn(1, hkv, pad, d, generator=g) * 5,
-              "cluster": torch.randn(1, hkv, 1, d, generator=g).expand(1, hkv, pad, d) * 3}[lure]
+    filler = {
+        "zeros": torch.zeros(1, hkv, pad, d),
+        "noise": torch.randn(1, hkv, pad, d, generator=g) * 5,
+        "cluster": torch.randn(1, hkv, 1, d, generator=g).expand(1, hkv, pad, d) * 3,
+    }[lure]
     other = torch.randn(1, hkv, n + pad, d, generator=g)
     k = torch.cat([torch.cat([filler, alone], 2), other])
     q, kv_pos, q_pos = prefill(2, hkv, hkv, n + pad, [pad, 0], k)
     pol = make_policy(policy, budget=budget, window=window)
     both = pol.select(SITE, q, k, k, kv_pos, q_pos, None)
-    solo = pol.select(SITE, q[:1, :, pad:], alone, alone, torch.arange(n).expand(1, hkv, n),
-                      torch.arange(n)[None], None)
+    solo = pol.select(
+        SITE, q[:1, :, pad:], alone, alone, torch.arange(n).expand(1, hkv, n), torch.arange(n)[None], None
+    )
     assert both is not None or n + pad <= budget
     for head in range(hkv):
         padded = list(range(n)) if both is None else [j - pad for j in both[0, head].tolist() if j >= pad]

@@ -48,7 +48,7 @@ def reference_scores(policy, ids: torch.Tensor) -> dict[int, torch.Tensor]:
             p = a[:, :, n:][..., cols]
             p = p / p.sum(-1, keepdim=True)
             hkv = ref.config.num_key_value_heads
-            s = p[..., sink:sink + end - start].reshape(b, hkv, -1, end - start).amax(2)
+            s = p[..., sink : sink + end - start].reshape(b, hkv, -1, end - start).amax(2)
             out.setdefault(layer, torch.zeros(b, hkv, n))[..., start:end] = s
     return out
 
@@ -58,7 +58,7 @@ def test_the_passes_scores_are_the_models_attention_renormalised():
     ids = prompt()
     with reconstruct.repeat_passes(model, be, ids):
         got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
-    assert not be.runtime.state.scores    # given back after the prefill
+    assert not be.runtime.state.scores  # given back after the prefill
     want = reference_scores(be.policy, ids)
     assert sorted(got) == sorted(want) == [0, 1]
     for layer in want:
@@ -68,7 +68,7 @@ def test_the_passes_scores_are_the_models_attention_renormalised():
 def test_passes_follow_kvzips_prompts():
     _, be = compiled(budget=16, chunk_size=16, overlap=4)
     ids = prompt()
-    assert compiled(budget=N, chunk_size=16)[1].policy.passes(ids, None) == []   # a prompt within the budget: none
+    assert compiled(budget=N, chunk_size=16)[1].policy.passes(ids, None) == []  # a prompt within the budget: none
     passes = be.policy.passes(ids, None)
     first, later, suffix = (torch.tensor(t) for t in be.policy._ids)
     assert [(s, e) for s, e, _, _ in passes] == [(0, 16), (16, 32), (32, 40)]
@@ -84,7 +84,7 @@ def held(cache, layer: int, below: int) -> list[set[int]]:
     """Per KV head of row 0, the prompt positions layer ``layer`` of a SlotCache holds."""
     lay = cache.layers[layer]
     flat, ranges = lay.pos[0].reshape(-1), lay.state[0][0]
-    return [{int(p) for p in flat[s:s + n] if 0 <= p < below} for s, n in ranges[:, :2].tolist()]
+    return [{int(p) for p in flat[s : s + n] if 0 <= p < below} for s, n in ranges[:, :2].tolist()]
 
 
 def test_generate_keeps_each_layers_best_entries_over_its_heads():
@@ -134,8 +134,10 @@ def test_a_budget_over_the_prompt_equals_the_uncompiled_model():
 
 def test_a_slot_cache_of_kvzip_costs_what_adakvs_does():
     model = build("llama")
-    caches = [kvpass.SlotCache(model, kvpass.backend(p, budget=16, **extra), max_length=N + NEW, max_new_tokens=NEW)
-              for p, extra in (("kvzip", {"tokenizer": Tok()}), ("adakv", {"window": 4}))]
+    caches = [
+        kvpass.SlotCache(model, kvpass.backend(p, budget=16, **extra), max_length=N + NEW, max_new_tokens=NEW)
+        for p, extra in (("kvzip", {"tokenizer": Tok()}), ("adakv", {"window": 4}))
+    ]
     assert caches[0].kv_bytes() == caches[1].kv_bytes()
 
 
@@ -162,7 +164,7 @@ def test_a_left_padded_row_with_one_chunk_equals_the_row_alone():
 def test_bad_configuration_is_refused_by_name():
     with pytest.raises(kvpass.ConfigError, match="parameter 'tokenizer'"):
         kvpass.backend("kvzip", budget=16)
-    with pytest.raises(kvpass.ConfigError, match="parameter 'tokenizer'"):   # a name, not the tokenizer
+    with pytest.raises(kvpass.ConfigError, match="parameter 'tokenizer'"):  # a name, not the tokenizer
         kvpass.backend("kvzip", budget=16, tokenizer="HuggingFaceTB/SmolLM2-135M")
     with pytest.raises(kvpass.ConfigError, match="chunk_size"):
         kvpass.backend("kvzip", budget=16, tokenizer=Tok(), chunk_size=0)

@@ -20,14 +20,19 @@ import re
 PKG = pathlib.Path(__file__).resolve().parents[1] / "kvpass"
 
 LAYERS = [  # (prefix, layer); the longest matching prefix decides
-    ("kvpass.errors", 0), ("kvpass.op_registry", 0), ("kvpass.kernels", 0), ("kvpass.settings", 0),
+    ("kvpass.errors", 0),
+    ("kvpass.op_registry", 0),
+    ("kvpass.kernels", 0),
+    ("kvpass.settings", 0),
     ("kvpass.cache", 1),
     ("kvpass.ops", 2),
     ("kvpass.policies", 3),
     ("kvpass.compiler", 4),
-    ("kvpass.chunks", 5), ("kvpass.generate", 5),
+    ("kvpass.chunks", 5),
+    ("kvpass.generate", 5),
     ("kvpass.eval", 6),
-    ("kvpass.cli", 7), ("kvpass", 7),
+    ("kvpass.cli", 7),
+    ("kvpass", 7),
 ]
 
 
@@ -68,8 +73,12 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_no_import_reaches_a_higher_layer():
-    bad = [f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
-           for m, targets in sorted(graph().items()) for t in sorted(targets) if layer(t) > layer(m)]
+    bad = [
+        f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
+        for m, targets in sorted(graph().items())
+        for t in sorted(targets)
+        if layer(t) > layer(m)
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -86,7 +95,7 @@ def test_no_import_cycle():
         stack.append(m)
         for t in sorted(edges.get(m, ())):
             if state.get(t) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t) :] + [t]))
             if t not in state:
                 visit(t)
         stack.pop()
@@ -125,31 +134,45 @@ def test_no_operator_call_reaches_a_higher_layer():
     no import shows it: a lower layer calling (or a graph pass emitting) an operator a higher layer defines
     is an upward edge all the same."""
     defined, called = operators()
-    assert len(defined) > 30, sorted(defined)   # the scan sees the operators (36 when written)
-    unknown = {f"{m}: {op}" for m, ops in called.items() for op in ops
-               if op not in defined and op not in ("default",)}
+    assert len(defined) > 30, sorted(defined)  # the scan sees the operators (36 when written)
+    unknown = {f"{m}: {op}" for m, ops in called.items() for op in ops if op not in defined and op not in ("default",)}
     assert not unknown, f"calls of operators no module defines: {sorted(unknown)}"
-    bad = [f"{m} (layer {layer(m)}) calls kvpass::{op}, defined in {defined[op]} (layer {layer(defined[op])})"
-           for m, ops in sorted(called.items()) for op in sorted(ops) if layer(defined[op]) > layer(m)]
+    bad = [
+        f"{m} (layer {layer(m)}) calls kvpass::{op}, defined in {defined[op]} (layer {layer(defined[op])})"
+        for m, ops in sorted(called.items())
+        for op in sorted(ops)
+        if layer(defined[op]) > layer(m)
+    ]
     assert not bad, "\n".join(bad)
 
 
-POLICY_HOLDERS = {"policy", "pol", "member", "evictor", "active"}   # how the compiler, cache and driver name one
+POLICY_HOLDERS = {"policy", "pol", "member", "evictor", "active"}  # how the compiler, cache and driver name one
 
 
 def policy_reads(path: pathlib.Path) -> set[tuple[str, int]]:
     """``(attribute, line)`` of every attribute read or written on a policy object in ``path``: ``policy.x``,
     ``self.policy.x``, ``getattr(policy, "x")`` (the names in ``POLICY_HOLDERS``)."""
+
     def holds_policy(node) -> bool:
-        return (isinstance(node, ast.Name) and node.id in POLICY_HOLDERS
-                or isinstance(node, ast.Attribute) and node.attr in POLICY_HOLDERS)
+        return (
+            isinstance(node, ast.Name)
+            and node.id in POLICY_HOLDERS
+            or isinstance(node, ast.Attribute)
+            and node.attr in POLICY_HOLDERS
+        )
 
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and holds_policy(node.value):
             found.add((node.attr, node.lineno))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) >= 2 and holds_policy(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and holds_policy(node.args[0])
+            and isinstance(node.args[1], ast.Constant)
+        ):
             found.add((node.args[1].value, node.lineno))
     return found
 
@@ -175,9 +198,12 @@ def test_the_compiler_reads_policies_only_through_the_contract():
         for path in sorted((PKG / package).rglob("*.py")):
             reads = policy_reads(path)
             seen += len(reads)
-            bad += [f"{path.relative_to(PKG.parent)}:{line}: policy.{name}" for name, line in sorted(reads)
-                    if name not in declared]
-    assert seen > 40, seen   # the scan sees the reads (72 when written)
+            bad += [
+                f"{path.relative_to(PKG.parent)}:{line}: policy.{name}"
+                for name, line in sorted(reads)
+                if name not in declared
+            ]
+    assert seen > 40, seen  # the scan sees the reads (72 when written)
     assert not bad, "read of a policy attribute no contract protocol declares:\n" + "\n".join(bad)
 
 
@@ -195,38 +221,59 @@ STATE_HOLDERS = POLICY_HOLDERS | {"rt", "runtime", "state", "st", "layer_state",
 def defaulted_reads(path: pathlib.Path) -> list[tuple[int, str]]:
     """``(line, call)`` of every ``getattr(x, "name", default)`` in ``path`` whose ``x`` is a policy, a runtime or
     a generation state: a name in ``STATE_HOLDERS`` (``x`` or ``y.x``) or a handle's runtime (``runtime.get(h)``)."""
+
     def holds_state(node) -> bool:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
             return isinstance(node.func.value, ast.Name) and node.func.value.id in ("runtime", "_runtime")
-        return (isinstance(node, ast.Name) and node.id in STATE_HOLDERS
-                or isinstance(node, ast.Attribute) and node.attr in STATE_HOLDERS)
+        return (
+            isinstance(node, ast.Name)
+            and node.id in STATE_HOLDERS
+            or isinstance(node, ast.Attribute)
+            and node.attr in STATE_HOLDERS
+        )
 
-    return sorted((node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                  and len(node.args) == 3 and holds_state(node.args[0]) and isinstance(node.args[1], ast.Constant))
+    return sorted(
+        (node.lineno, ast.unparse(node))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) == 3
+        and holds_state(node.args[0])
+        and isinstance(node.args[1], ast.Constant)
+    )
 
 
 def test_policy_runtime_and_state_attributes_are_declared():
     """An attribute of a policy, a runtime or a generation state that another module sets or reads is declared
     on its class (a default in ``__init__`` or a class attribute) and read plainly: ``getattr(rt, "gate", None)``
     hides who sets it, and a misspelt name reads as the default."""
-    bad = [f"{path.relative_to(PKG.parent)}:{line}: {call}" for path in sorted(PKG.rglob("*.py"))
-           for line, call in defaulted_reads(path)]
+    bad = [
+        f"{path.relative_to(PKG.parent)}:{line}: {call}"
+        for path in sorted(PKG.rglob("*.py"))
+        for line, call in defaulted_reads(path)
+    ]
     assert not bad, "getattr with a default on a kvpass object; declare the attribute on its class:\n" + "\n".join(bad)
 
 
 def test_the_defaulted_read_scan_sees_one(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f(self, rt, handle, model):\n"
-                   "    return (getattr(rt, 'gate', None), getattr(self.policy, 'x', 0), getattr(_runtime.get(handle), "
-                   "'y', 1),\n            getattr(model.config, 'z', None), getattr(rt, 'gate'))\n")
+    src.write_text(
+        "def f(self, rt, handle, model):\n"
+        "    return (getattr(rt, 'gate', None), getattr(self.policy, 'x', 0), getattr(_runtime.get(handle), "
+        "'y', 1),\n            getattr(model.config, 'z', None), getattr(rt, 'gate'))\n"
+    )
     assert {call for _, call in defaulted_reads(src)} == {
-        "getattr(rt, 'gate', None)", "getattr(self.policy, 'x', 0)", "getattr(_runtime.get(handle), 'y', 1)"}
+        "getattr(rt, 'gate', None)",
+        "getattr(self.policy, 'x', 0)",
+        "getattr(_runtime.get(handle), 'y', 1)",
+    }
 
 
-MUTABLE_GLOBALS = {   # module-level containers a function changes, "module.NAME": what each one is
-    "kvpass.cache.runtime._RUNTIMES":
-        "the backend handle table operators read (handle -> Runtime): to be replaced by state passed as arguments",
+MUTABLE_GLOBALS = {  # module-level containers a function changes, "module.NAME": what each one is
+    "kvpass.cache.runtime._RUNTIMES": (
+        "the backend handle table operators read (handle -> Runtime): to be replaced by state passed as arguments"
+    ),
     "kvpass.op_registry.OPS": "the registry of kvpass operators by name, filled as each operator module is imported",
     "kvpass.errors._WARNED": "warn_once's record of the warnings given, per owner and message",
     "kvpass.policies.prefill.punctuation._CACHE": "a cache: punctuation token ids per tokenizer (weak keys)",
@@ -234,24 +281,34 @@ MUTABLE_GLOBALS = {   # module-level containers a function changes, "module.NAME
     "kvpass.eval.model_cache._hash_roots": "the model-cache roots in use (using_root's stack), where hashes are kept",
 }
 
-CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque",
-              "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
-MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "extend", "insert", "remove", "discard",
-            "clear"}
+CONTAINERS = {
+    "dict",
+    "list",
+    "set",
+    "defaultdict",
+    "OrderedDict",
+    "Counter",
+    "deque",
+    "WeakValueDictionary",
+    "WeakKeyDictionary",
+    "WeakSet",
+}
+MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "extend", "insert", "remove", "discard", "clear"}
 
 
 def module_containers(tree: ast.Module) -> dict[str, int]:
     """``name -> line`` of each module-level assignment of a mutable container (a literal or a constructor call)."""
+
     def container(value) -> bool:
         if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
             return True
         f = value.func if isinstance(value, ast.Call) else None
-        return (isinstance(f, ast.Name) and f.id in CONTAINERS or isinstance(f, ast.Attribute) and f.attr in CONTAINERS)
+        return isinstance(f, ast.Name) and f.id in CONTAINERS or isinstance(f, ast.Attribute) and f.attr in CONTAINERS
 
     found, todo = {}, list(tree.body)
     while todo:
         stmt = todo.pop()
-        if isinstance(stmt, (ast.If, ast.Try, ast.With)):   # module level still, inside a block
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):  # module level still, inside a block
             todo += [s for field in ("body", "orelse", "finalbody") for s in getattr(stmt, field, [])]
             todo += [s for h in getattr(stmt, "handlers", []) for s in h.body]
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and container(stmt.value):
@@ -272,7 +329,7 @@ def mutated_globals(mods: dict[str, pathlib.Path]) -> dict[str, str]:
     containers = {name: module_containers(tree) for name, tree in trees.items()}
     found = {}
     for name, tree in trees.items():
-        aliases = {}   # local name -> the module it is
+        aliases = {}  # local name -> the module it is
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
@@ -280,7 +337,7 @@ def mutated_globals(mods: dict[str, pathlib.Path]) -> dict[str, str]:
                 aliases.update({a.asname: a.name for a in node.names if a.asname})
 
         def owner(expr) -> str | None:
-            while isinstance(expr, ast.Subscript):   # X[k][j] = v changes X's contents too
+            while isinstance(expr, ast.Subscript):  # X[k][j] = v changes X's contents too
                 expr = expr.value
             if isinstance(expr, ast.Name) and expr.id in containers[name]:
                 return f"{name}.{expr.id}"
@@ -319,9 +376,9 @@ def test_every_module_level_registry_is_listed():
 
 
 def test_the_registry_scan_sees_one(tmp_path):
-    (tmp_path / "a.py").write_text("SEEN = {}\nFIXED = {'x': 1}\nLATER = []\nLATER.append(1)\n"
-                                   "def f(k):\n    SEEN[k] = FIXED[k]\n")
-    (tmp_path / "b.py").write_text("from pkg import a as _a\ndef g(k):\n    _a.LATER.append(k)\n"
-                                   "    _a.FIXED.get(k)\n")
+    (tmp_path / "a.py").write_text(
+        "SEEN = {}\nFIXED = {'x': 1}\nLATER = []\nLATER.append(1)\ndef f(k):\n    SEEN[k] = FIXED[k]\n"
+    )
+    (tmp_path / "b.py").write_text("from pkg import a as _a\ndef g(k):\n    _a.LATER.append(k)\n    _a.FIXED.get(k)\n")
     found = mutated_globals({"pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py"})
     assert sorted(found) == ["pkg.a.LATER", "pkg.a.SEEN"]

@@ -25,6 +25,7 @@ def mesh():
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
+
     yield init_device_mesh("cpu", (1,))
     if own:
         dist.destroy_process_group()
@@ -52,10 +53,12 @@ def _compiled(model, local: bool, compiled_inputs: list, call_inputs: list):
         compiled_inputs.extend(example_inputs)
         inner = lookup_backend("aot_eager")(gm, example_inputs)
 
-        def spy(*args):   # what AOTAutograd's compiled function is called with on every call
+        def spy(*args):  # what AOTAutograd's compiled function is called with on every call
             call_inputs.append([type(a) for a in args])
             return inner(*args)
+
         return wrap(spy)
+
     torch._dynamo.reset()
     return torch.compile(model, backend=backend, fullgraph=True)
 
@@ -71,9 +74,9 @@ def test_dtensor_weights_reach_the_compiler_as_local_tensors(mesh, local):
             torch.testing.assert_close(compiled(x), model(x))
     assert len(call_inputs) == 4
     had_dtensor = [any(issubclass(t, DTensor) for t in types) for types in call_inputs]
-    if local:   # the compiler and every call see plain tensors: nothing for AOTAutograd to unwrap per call
+    if local:  # the compiler and every call see plain tensors: nothing for AOTAutograd to unwrap per call
         assert not any(isinstance(t, DTensor) for t in compiled_inputs) and not any(had_dtensor)
-    else:       # without it: what the test catches (the weight reaches AOTAutograd as a DTensor on every call)
+    else:  # without it: what the test catches (the weight reaches AOTAutograd as a DTensor on every call)
         assert any(isinstance(t, DTensor) for t in compiled_inputs) and all(had_dtensor)
 
 
@@ -88,12 +91,13 @@ def test_undo_gives_the_graph_back(mesh):
         undo()
         codes.append((before, changed, gm.code, inputs is example_inputs))
         return gm.forward
+
     torch._dynamo.reset()
     model = Projection(mesh)
     x = torch.randn(3, 6)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend=backend, fullgraph=True)(x), model(x))
-    (before, changed, after, same), = codes
+    ((before, changed, after, same),) = codes
     assert changed != before and after == before and not same
 
 
@@ -108,6 +112,7 @@ def test_graphs_without_dtensors_are_left_alone():
 
 def test_a_failed_compile_falls_back_to_the_dtensor_graph_with_a_warning(mesh, monkeypatch):
     import kvpass
+
     be = kvpass.backend("full", compiler="aot_eager")
     real = type(be)._compile
 
@@ -115,6 +120,7 @@ def test_a_failed_compile_falls_back_to_the_dtensor_graph_with_a_warning(mesh, m
         if not any(isinstance(t, DTensor) for t in example_inputs):
             raise RuntimeError("cannot trace from_local here")
         return real(self, gm, example_inputs, *args)
+
     monkeypatch.setattr(type(be), "_compile", fails_on_locals)
     torch._dynamo.reset()
     model = Projection(mesh)
@@ -126,10 +132,12 @@ def test_a_failed_compile_falls_back_to_the_dtensor_graph_with_a_warning(mesh, m
 def _kvpass_compiled(model, be, spy: list):
     """``model`` compiled as ``kvpass.compile`` compiles a forward: ``be.spec_guards`` as the guard filter (each
     call's guard entries and answers recorded in ``spy``)."""
+
     def keep(entries):
         answers = be.spec_guards(entries)
         spy.extend(zip([e.guard_type for e in entries], answers))
         return answers
+
     torch._dynamo.reset()
     return torch.compile(model, backend=be, fullgraph=True, options={"guard_filter_fn": keep})
 
@@ -139,6 +147,7 @@ def test_the_compiled_callable_checks_the_specs_whose_guards_kvpass_drops(mesh):
     the compiled callable checks itself, and only those: the same weights give the same outputs without a
     recompile, and a weight re-sharded after the compile is an error, never a graph run for the old placement."""
     import kvpass
+
     be = kvpass.backend("full", compiler="aot_eager")
     model = Projection(mesh)
     spy = []
@@ -148,12 +157,13 @@ def test_the_compiled_callable_checks_the_specs_whose_guards_kvpass_drops(mesh):
             x = torch.randn(3, 6, generator=torch.Generator().manual_seed(s))
             torch.testing.assert_close(compiled(x), model(x))
     spec_guards = [keep for kind, keep in spy if kind == "DTENSOR_SPEC_MATCH"]
-    assert spec_guards and not any(spec_guards), spy        # the weight's spec guard, dropped
-    assert any(keep for kind, keep in spy if kind != "DTENSOR_SPEC_MATCH")   # every other guard kept
+    assert spec_guards and not any(spec_guards), spy  # the weight's spec guard, dropped
+    assert any(keep for kind, keep in spy if kind != "DTENSOR_SPEC_MATCH")  # every other guard kept
     assert len(be.reports) == 1
     # the same placement in a new spec object (a weight loaded again): checked equal, no recompile
-    model.w = torch.nn.Parameter(DTensor.from_local(model.w.to_local().clone(), mesh, [Replicate()]),
-                                 requires_grad=False)
+    model.w = torch.nn.Parameter(
+        DTensor.from_local(model.w.to_local().clone(), mesh, [Replicate()]), requires_grad=False
+    )
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     assert len(be.reports) == 1
@@ -168,6 +178,7 @@ def test_where_no_callable_checks_the_spec_dynamo_keeps_its_guard(mesh, compiler
     eagerly under the filter (``prefill_compiler="eager"`` does so: no callable checks its DTensors), keep
     Dynamo's guard on the spec, which recompiles the frame for a re-sharded weight."""
     import kvpass
+
     be = kvpass.backend("full", compiler=compiler)
     model, spy = Projection(mesh), []
     if filtered:
@@ -178,8 +189,9 @@ def test_where_no_callable_checks_the_spec_dynamo_keeps_its_guard(mesh, compiler
     x = torch.randn(3, 6)
     with torch.no_grad():
         compiled(x)
-        model.w = torch.nn.Parameter(DTensor.from_local(model.w.to_local(), mesh, [tensor.Shard(0)]),
-                                     requires_grad=False)
+        model.w = torch.nn.Parameter(
+            DTensor.from_local(model.w.to_local(), mesh, [tensor.Shard(0)]), requires_grad=False
+        )
         torch.testing.assert_close(compiled(x), model(x))
     assert len(be.reports) == 2
     if filtered:
@@ -193,13 +205,14 @@ def test_the_filter_drops_a_spec_guard_only_for_the_frame_that_checks_it(mesh):
     from types import SimpleNamespace
 
     from kvpass.compiler.local_weights import SpecGuards
+
     w = Projection(mesh).w
     entry = SimpleNamespace(guard_type="DTENSOR_SPEC_MATCH", has_value=True, value=w._spec)
     other = SimpleNamespace(guard_type="TENSOR_MATCH", has_value=True, value=w)
     guards = SpecGuards()
     guards.checked([w._spec])
-    assert guards([entry, other]) == [False, True]   # this frame checks it
-    assert guards([entry, other]) == [True, True]    # the next frame compiled nothing that checks it
+    assert guards([entry, other]) == [False, True]  # this frame checks it
+    assert guards([entry, other]) == [True, True]  # the next frame compiled nothing that checks it
     guards.checked([w._spec])
-    guards.unchecked([w, torch.zeros(1)])             # and a graph of the same frame takes it as it is
+    guards.unchecked([w, torch.zeros(1)])  # and a graph of the same frame takes it as it is
     assert guards([entry]) == [True]

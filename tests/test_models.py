@@ -162,8 +162,7 @@ def test_registry_and_cache_dir(monkeypatch, tmp_path):
 def test_missing_package_prints_the_install_command(name, monkeypatch, tmp_path):
     spec = MODELS[name]
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda mod, *a: None if mod == MODULES[name] else real(mod, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod == MODULES[name] else real(mod, *a))
     assert not spec.installed and spec.install_cmd in repr(spec)
     with pytest.raises(ModelNotAvailable, match=re.escape(spec.install_cmd)):
         models.load(name, cache_dir=tmp_path)
@@ -251,10 +250,13 @@ def test_cache_dir_from_environment(registry, kv_cache, monkeypatch, capfd):
 
 # A KVPassWarning means a graph was compiled unchanged.
 @pytest.mark.filterwarnings("error::kvpass.KVPassWarning")
-@pytest.mark.parametrize("name", [
-    "smollm2-135m",
-    "gemma3-270m",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "smollm2-135m",
+        "gemma3-270m",
+    ],
+)
 def test_full_policy_compiled_equals_uncompiled(name, registry):
     """The eval runner's path: ``dynamic=True``, a DynamicCache, prefill then decode steps."""
     m = registry(name)
@@ -281,11 +283,17 @@ def test_gemma3_full_policy_static_cache_generate(registry):
     m.model.forward = torch.compile(m.model.forward, backend=be, fullgraph=True)
     try:
         with torch.no_grad():
-            out = m.model.generate(m.ids, attention_mask=torch.ones_like(m.ids), max_new_tokens=NEW_TOKENS,
-                                   min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
+            out = m.model.generate(
+                m.ids,
+                attention_mask=torch.ones_like(m.ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                cache_implementation="static",
+            )
     finally:
         del m.model.forward  # back to the class's forward
-    assert out[0, m.ids.shape[1]:].tolist() == tokens
+    assert out[0, m.ids.shape[1] :].tolist() == tokens
     check_reports(be, m.model, min_graphs=2, kinds=False)
     assert len(be.reports) == 2 and be.reports[1].phase == "decode"  # a static prefill reads "append"
 
@@ -323,9 +331,46 @@ def _bytes_to_unicode() -> dict[int, str]:
 # newline, a run of spaces stored as real spaces, a markup tag), byte tokens, then normal tokens
 # scored by merge rank, best first, the single characters last.
 SPM_SPECIAL = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("\n", 4), ("  ", 4), ("<b>", 4)]
-SPM_MERGED = ["▁t", "he", "▁the", "▁a", "at", "▁c", "▁cat", "▁s", "▁sat", "▁o", "on", "▁on", "▁m", "▁mat",
-              "in", "▁in", "▁T", "Th", "The", "▁The", "ca", "pi", "ta", "al", "▁ca", "pit", "pita", "▁F", "ra",
-              "nce", "▁Fra", "▁France", "▁is", "is", "an", "ce", "nc", "Fr"]
+SPM_MERGED = [
+    "▁t",
+    "he",
+    "▁the",
+    "▁a",
+    "at",
+    "▁c",
+    "▁cat",
+    "▁s",
+    "▁sat",
+    "▁o",
+    "on",
+    "▁on",
+    "▁m",
+    "▁mat",
+    "in",
+    "▁in",
+    "▁T",
+    "Th",
+    "The",
+    "▁The",
+    "ca",
+    "pi",
+    "ta",
+    "al",
+    "▁ca",
+    "pit",
+    "pita",
+    "▁F",
+    "ra",
+    "nce",
+    "▁Fra",
+    "▁France",
+    "▁is",
+    "is",
+    "an",
+    "ce",
+    "nc",
+    "Fr",
+]
 
 
 def _spm_tokens() -> tuple[list[str], list[int], list[float]]:
@@ -342,6 +387,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, sentencepiece: bool = False) -> P
     ``sentencepiece`` the SentencePiece one above (BOS added, no space prefix, as in Gemma's)."""
     _require_converter()
     import gguf
+
     merges = ["Ġ t", "h e", "Ġt he", "Ġ a"]
     tokens = list(_bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
     if sentencepiece:
@@ -468,11 +514,13 @@ def test_sentencepiece_vocabulary_read_and_tokenized_as_llama_cpp_does(tmp_path)
     import dataclasses
 
     import gguf
+
     for sentencepiece in (False, True):
         path = write_tiny_gguf(tmp_path / f"tiny-{sentencepiece}.gguf", sentencepiece=sentencepiece)
         fields = gguf.GGUFReader(str(path)).fields
         assert gguf_tokenizer._gguf_tokenizer_metadata(path) == {
-            key: field.contents() for key, field in fields.items() if key.startswith("tokenizer.")}
+            key: field.contents() for key, field in fields.items() if key.startswith("tokenizer.")
+        }
     vocab = gguf_tokenizer._gguf_vocab(tmp_path / "tiny-True.gguf")
     tokens = _spm_tokens()[0]
     assert (vocab.model, vocab.tokens, vocab.special) == ("llama", tokens, {"bos": 2, "eos": 1, "unk": 3, "pad": 0})
@@ -483,9 +531,25 @@ def test_sentencepiece_vocabulary_read_and_tokenized_as_llama_cpp_does(tmp_path)
 
     # The best-scored merge first; user-defined tokens whole; a character outside the vocabulary as bytes.
     assert pieces(gguf_tokenizer._spm_encode("the cat sat on the mat", vocab)) == [
-        "<bos>", "t", "he", "▁cat", "▁sat", "▁on", "▁the", "▁mat"]
+        "<bos>",
+        "t",
+        "he",
+        "▁cat",
+        "▁sat",
+        "▁on",
+        "▁the",
+        "▁mat",
+    ]
     assert pieces(gguf_tokenizer._spm_encode("  The cat\n<b>é", vocab)) == [
-        "<bos>", "  ", "The", "▁cat", "\n", "<b>", "<0xC3>", "<0xA9>"]
+        "<bos>",
+        "  ",
+        "The",
+        "▁cat",
+        "\n",
+        "<b>",
+        "<0xC3>",
+        "<0xA9>",
+    ]
     assert gguf_tokenizer._spm_encode("", vocab) == [2]
     prefixed = dataclasses.replace(vocab, add_space_prefix=True)
     assert pieces(gguf_tokenizer._spm_encode("the cat\nthe", prefixed)) == ["<bos>", "▁the", "▁cat", "\n", "▁the"]
@@ -506,6 +570,7 @@ def test_sentencepiece_vocabulary_read_and_tokenized_as_llama_cpp_does(tmp_path)
 def _replace_gguf_tokenizer(monkeypatch, make) -> None:
     """transformers' tokenizer from a GGUF becomes ``make(gguf path)`` (which may raise)."""
     import transformers
+
     real = transformers.AutoTokenizer.from_pretrained
 
     def from_pretrained(path, *args, **kwargs):
@@ -520,13 +585,15 @@ def test_a_wrong_gguf_tokenizer_is_rebuilt_from_the_vocabulary(tmp_path, monkeyp
     """What transformers 5.17 does to Gemma-3's vocabulary (among others, it adds no BOS) is caught, and
     the tokenizer saved is one built from the GGUF's vocabulary."""
     import dataclasses
+
     src = tmp_path / "src"
     src.mkdir()
     path = write_tiny_gguf(src / "spm.gguf", sentencepiece=True)
     vocab = gguf_tokenizer._gguf_vocab(path)
     direct = AutoModelForCausalLM.from_pretrained(src, gguf_file="spm.gguf", dtype=torch.float32).eval()
-    _replace_gguf_tokenizer(monkeypatch,
-                            lambda p: gguf_tokenizer._sentencepiece_tokenizer(dataclasses.replace(vocab, add_bos=False)))
+    _replace_gguf_tokenizer(
+        monkeypatch, lambda p: gguf_tokenizer._sentencepiece_tokenizer(dataclasses.replace(vocab, add_bos=False))
+    )
     capfd.readouterr()
     model, tok = models.load(path, cache_dir=tmp_path / "cache")
     err = capfd.readouterr().err
@@ -547,12 +614,15 @@ def test_a_wrong_gguf_tokenizer_is_rebuilt_from_the_vocabulary(tmp_path, monkeyp
 
 def test_a_wrong_tokenizer_is_never_saved(tmp_path, monkeypatch):
     import dataclasses
+
     src = tmp_path / "src"
     src.mkdir()
     spm, bpe = write_tiny_gguf(src / "spm.gguf", sentencepiece=True), write_tiny_gguf(src / "bpe.gguf")
     vocab, build = gguf_tokenizer._gguf_vocab(spm), gguf_tokenizer._sentencepiece_tokenizer
     _replace_gguf_tokenizer(monkeypatch, lambda p: build(dataclasses.replace(vocab, add_bos=False)))
-    monkeypatch.setattr(gguf_tokenizer, "_sentencepiece_tokenizer", lambda v: build(dataclasses.replace(v, add_bos=False)))
+    monkeypatch.setattr(
+        gguf_tokenizer, "_sentencepiece_tokenizer", lambda v: build(dataclasses.replace(v, add_bos=False))
+    )
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="the tokenizer built from the vocabulary of spm.gguf is wrong too"):
         models.load(spm, cache_dir=cache)

@@ -43,10 +43,12 @@ def failing_forward(model, when):
         if when(kwargs["input_ids"]):
             raise RuntimeError("injected failure")
         return forward(*args, **kwargs)
+
     model.forward = run
 
     def undo():
         model.forward = forward
+
     return undo
 
 
@@ -57,9 +59,11 @@ def test_a_list_of_prompts_samples_with_the_generation_configs_defaults(models):
     model, ref = models
     p = torch.randint(3, 90, (12,), generator=torch.Generator().manual_seed(1))
     outs = []
-    for call in (lambda: ref.generate(p[None], do_sample=True, max_new_tokens=6)[0],
-                 lambda: model.generate(p[None], do_sample=True, max_new_tokens=6)[0],
-                 lambda: model.generate([p], do_sample=True, max_new_tokens=6, max_batch=1)[0]):
+    for call in (
+        lambda: ref.generate(p[None], do_sample=True, max_new_tokens=6)[0],
+        lambda: model.generate(p[None], do_sample=True, max_new_tokens=6)[0],
+        lambda: model.generate([p], do_sample=True, max_new_tokens=6, max_batch=1)[0],
+    ):
         torch.manual_seed(0)
         outs.append(call().tolist())
     assert outs[1] == outs[0] and outs[2] == outs[0]
@@ -83,7 +87,7 @@ def test_float_token_ids_are_refused_not_truncated(models):
     entry point refuses float ids (``token_ids``), as well as an id outside the vocabulary (else a bare
     ``IndexError`` mid-run, a device assert on a GPU)."""
     model, ref = models
-    with pytest.raises(RuntimeError, match="Long, Int"):   # transformers' own refusal of a float tensor
+    with pytest.raises(RuntimeError, match="Long, Int"):  # transformers' own refusal of a float tensor
         ref.generate(torch.tensor([[5.7, 6.2, 7.9]]), max_new_tokens=2)
     with pytest.raises(kvpass.ConfigError, match=r"kvpass.RequestQueue.add: parameter 'ids' must hold integer"):
         model.generate([[5.7, 6.2, 7.9]], max_new_tokens=2)
@@ -91,11 +95,15 @@ def test_float_token_ids_are_refused_not_truncated(models):
     for bad in ([5.0, 6.0], torch.tensor([5.0, 6.0]), [True, False]):
         with pytest.raises(kvpass.ConfigError, match="integer token ids"):
             queue.add(bad)
-    with pytest.raises(kvpass.ConfigError, match=r"token id 500 at position 1, outside the model's vocabulary "
-                                                 r"of 96 ids"):
+    with pytest.raises(
+        kvpass.ConfigError,
+        match=r"token id 500 at position 1, outside the model's vocabulary "
+        r"of 96 ids",
+    ):
         queue.add([5, 500, 7])
     assert len(queue) == 0
     from kvpass.generate.token_ids import token_ids
+
     ids = torch.tensor([[5, 6, 7]], dtype=torch.int32)
     assert token_ids(ids, "here").tolist() == [5, 6, 7] and token_ids((5, 6), "here").dtype == torch.long
     with pytest.raises(kvpass.ConfigError, match="here: parameter 'chunk' must be a non-empty 1-D"):
@@ -116,11 +124,12 @@ def test_a_request_added_while_run_decodes_waits_for_the_next_run(models):
     def add_late(ids):
         if ids.shape[1] == 1:
             steps.append(1)
-            if len(steps) == 2:   # the second decode step: another thread adds a request
+            if len(steps) == 2:  # the second decode step: another thread adds a request
                 adder = threading.Thread(target=queue.add, args=(ps[2],), kwargs={"max_new_tokens": 5})
                 adder.start()
                 adder.join()
         return False
+
     undo = failing_forward(model, add_late)
     try:
         got = queue.run(progress=False)
@@ -129,14 +138,14 @@ def test_a_request_added_while_run_decodes_waits_for_the_next_run(models):
     assert [g.tolist() for g in got] == want[:2] and len(queue) == 3
     assert queue.requests[2].stopped is None and queue.waiting == [queue.requests[2]]
     assert [g.tolist() for g in queue.run(progress=False)] == want[2:]
-    assert queue.run(progress=False) == []   # nothing waits
+    assert queue.run(progress=False) == []  # nothing waits
 
 
 def test_run_after_a_failure_decodes_the_interrupted_requests_from_their_prompts(models):
     """After a run fails mid-way, the next ``run`` decodes the requests it interrupted from their prompts (not
     prefilled again and appended to their old tokens), and not the request that failed."""
     model, _ = models
-    ps = prompts()[:3]   # 20, 33, 27 tokens: request 1's prefill fails while request 0 holds a row
+    ps = prompts()[:3]  # 20, 33, 27 tokens: request 1's prefill fails while request 0 holds a row
     want = [alone(model, p, 6, min_new_tokens=6).tolist() for p in ps]
     queue = kvpass.RequestQueue(model, max_batch=2, eos_token_id=None)
     for p in ps:
@@ -150,7 +159,7 @@ def test_run_after_a_failure_decodes_the_interrupted_requests_from_their_prompts
     after = [(list(r.tokens), r.stopped) for r in queue.requests]
     got = queue.run(progress=False)
     assert [g.tolist() for g in got] == [want[0], want[2]]
-    assert after == [([], None), ([], "failed"), ([], None)]   # request 0's first token, made before, dropped
+    assert after == [([], None), ([], "failed"), ([], None)]  # request 0's first token, made before, dropped
     assert queue.waiting == []
     assert [r.stopped for r in queue.requests] == ["length", "failed", "length"]
 
@@ -186,8 +195,11 @@ def test_a_failing_request_is_named_and_the_finished_ones_are_kept(models):
     decodes = []
     undo = failing_forward(model, lambda ids: ids.shape[1] == 1 and (decodes.append(1) or len(decodes) == 2))
     try:
-        with pytest.raises(Exception, match=r"request 0 \(a 20-token prompt, max_new_tokens=4\), request 1 \(a "
-                                            r"33-token prompt, max_new_tokens=4\) failed in a decode step") as info:
+        with pytest.raises(
+            Exception,
+            match=r"request 0 \(a 20-token prompt, max_new_tokens=4\), request 1 \(a "
+            r"33-token prompt, max_new_tokens=4\) failed in a decode step",
+        ) as info:
             queue.run(progress=False)
     finally:
         undo()
@@ -226,13 +238,20 @@ def test_a_callers_stopping_criterion_is_called_as_often_as_by_transformers(mode
     for m in (ref, model):
         criterion, processor = Counting(stop=4), CountingProcessor()
         torch.manual_seed(0)
-        outs.append(m.generate(ids, max_new_tokens=8, do_sample=True, logits_processor=LogitsProcessorList([processor]),
-                               stopping_criteria=StoppingCriteriaList([criterion])))
-        counts.append((criterion.calls, processor.calls, torch.rand(3).tolist()))   # and the generator after
+        outs.append(
+            m.generate(
+                ids,
+                max_new_tokens=8,
+                do_sample=True,
+                logits_processor=LogitsProcessorList([processor]),
+                stopping_criteria=StoppingCriteriaList([criterion]),
+            )
+        )
+        counts.append((criterion.calls, processor.calls, torch.rand(3).tolist()))  # and the generator after
     assert counts[0][:2] == (4, 4) and counts[1] == counts[0] and torch.equal(outs[1], outs[0])
 
 
-OPTIONS = {   # generate's options a user passes with a list of prompts; each gives generate's tokens or is refused
+OPTIONS = {  # generate's options a user passes with a list of prompts; each gives generate's tokens or is refused
     "greedy": dict(do_sample=False),
     "temperature": dict(do_sample=True, temperature=0.7),
     "top_k": dict(do_sample=True, top_k=5),
@@ -250,7 +269,7 @@ OPTIONS = {   # generate's options a user passes with a list of prompts; each gi
     "begin_suppress_tokens": dict(do_sample=False, begin_suppress_tokens=[3, 4]),
     "sequence_bias": dict(do_sample=False, sequence_bias={(6,): 5.0}),
 }
-RUN = ("greedy", "temperature", "top_k", "top_p", "eos", "pad_token_id")   # the others are refused by name
+RUN = ("greedy", "temperature", "top_k", "top_p", "eos", "pad_token_id")  # the others are refused by name
 
 
 @pytest.mark.parametrize("option", OPTIONS)

@@ -26,10 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpass
-from kvpass.cache import runtime
+from kvpass.ops import OPS
 from kvpass.policies.pages.kernels.page_bounds import page_bounds_reference
 from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
-from kvpass.ops import OPS
 
 OP = torch.ops.kvpass
 PROPERTY = settings(max_examples=40, deadline=None)
@@ -52,7 +51,7 @@ TOL = {
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
     torch.float16: dict(atol=4e-3, rtol=3e-3),
 }
-HEAD_DIMS = [8, 16, 24, 32]      # 24: not a power of two
+HEAD_DIMS = [8, 16, 24, 32]  # 24: not a power of two
 GQA_RATIOS = [1, 2, 4]
 MASK_SHAPES = ["b1qk", "bhqk", "11qk", "qk", "b11k"]
 
@@ -67,8 +66,13 @@ def _randn(shape, gen, dtype, mult=1.0):
 
 
 def _mask_shape(kind: str, b: int, h: int, lq: int, lk: int) -> tuple[int, ...]:
-    return {"b1qk": (b, 1, lq, lk), "bhqk": (b, h, lq, lk), "11qk": (1, 1, lq, lk),
-            "qk": (lq, lk), "b11k": (b, 1, 1, lk)}[kind]
+    return {
+        "b1qk": (b, 1, lq, lk),
+        "bhqk": (b, h, lq, lk),
+        "11qk": (1, 1, lq, lk),
+        "qk": (lq, lk),
+        "b11k": (b, 1, 1, lk),
+    }[kind]
 
 
 def _make_mask(kind: str | None, shape, keep: float, gen, dtype):
@@ -141,11 +145,19 @@ def attention_cases(draw):
     lk = draw(st.integers(lq, 12)) if causal else draw(st.integers(1, 12))
     hkv = draw(st.sampled_from([1, 2]))
     return dict(
-        b=draw(st.integers(1, 3)), lq=lq, lk=lk, hkv=hkv, h=hkv * draw(st.sampled_from(GQA_RATIOS)),
-        d=draw(st.sampled_from(HEAD_DIMS)), dtype=draw(st.sampled_from(DTYPES)), causal=causal,
-        mask=draw(st.sampled_from([None, "bool", "float"])), mask_shape=draw(st.sampled_from(MASK_SHAPES)),
+        b=draw(st.integers(1, 3)),
+        lq=lq,
+        lk=lk,
+        hkv=hkv,
+        h=hkv * draw(st.sampled_from(GQA_RATIOS)),
+        d=draw(st.sampled_from(HEAD_DIMS)),
+        dtype=draw(st.sampled_from(DTYPES)),
+        causal=causal,
+        mask=draw(st.sampled_from([None, "bool", "float"])),
+        mask_shape=draw(st.sampled_from(MASK_SHAPES)),
         keep=draw(st.sampled_from([0.15, 0.5, 0.9, 1.0])),
-        scale=draw(st.sampled_from([None, 0.05, 0.5, 1.0])), seed=draw(st.integers(0, 2**31 - 1)),
+        scale=draw(st.sampled_from([None, 0.05, 0.5, 1.0])),
+        seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
@@ -159,7 +171,7 @@ def _qkv(c, gen):
 @given(attention_cases())
 def test_attention_matches_sdpa(c):
     gen = torch.Generator().manual_seed(c["seed"])
-    b, h, hkv, lq, lk, d, dt = c["b"], c["h"], c["hkv"], c["lq"], c["lk"], c["d"], c["dtype"]
+    b, h, lq, lk, d, dt = c["b"], c["h"], c["lq"], c["lk"], c["d"], c["dtype"]
     q, k, v = _qkv(c, gen)
     shape = _mask_shape(c["mask_shape"], b, h, lq, lk)
     mask, visible = _make_mask(c["mask"], shape, c["keep"], gen, dt)
@@ -174,15 +186,16 @@ def test_attention_matches_sdpa(c):
     if mask is not None and c["causal"]:
         sdpa_mask, sdpa_causal = vis, False
         if mask.dtype != torch.bool:
-            sdpa_mask = (mask.expand(b, h, lq, lk).float()
-                         .masked_fill(~vis, float("-inf")).to(dt))
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, is_causal=sdpa_causal,
-                                              scale=scale, enable_gqa=True)
+            sdpa_mask = mask.expand(b, h, lq, lk).float().masked_fill(~vis, float("-inf")).to(dt)
+    expected = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=sdpa_mask, is_causal=sdpa_causal, scale=scale, enable_gqa=True
+    )
     torch.testing.assert_close(out, expected, **TOL[dt])
     # and against fp32 SDPA: kvpass rounds only once, at the end
     m32 = sdpa_mask.float() if sdpa_mask is not None and sdpa_mask.dtype != torch.bool else sdpa_mask
-    exp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m32,
-                                           is_causal=sdpa_causal, scale=scale, enable_gqa=True)
+    exp32 = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=m32, is_causal=sdpa_causal, scale=scale, enable_gqa=True
+    )
     torch.testing.assert_close(out.float(), exp32, **TOL[dt])
     _assert_dead_rows_zero(out, vis)
 
@@ -214,10 +227,16 @@ def test_attention_softcap_matches_reference(c, softcap):
 def position_cases(draw):
     hkv = draw(st.sampled_from([1, 2]))
     return dict(
-        b=draw(st.integers(1, 3)), lq=draw(st.integers(1, 9)), lk=draw(st.integers(1, 14)), hkv=hkv,
-        h=hkv * draw(st.sampled_from(GQA_RATIOS)), d=draw(st.sampled_from(HEAD_DIMS)),
-        dtype=draw(st.sampled_from(DTYPES)), window=draw(st.sampled_from([0, 1, 3, 8])),
-        softcap=draw(st.sampled_from([0.0, 0.0, 5.0])), pad=draw(st.integers(0, 4)),
+        b=draw(st.integers(1, 3)),
+        lq=draw(st.integers(1, 9)),
+        lk=draw(st.integers(1, 14)),
+        hkv=hkv,
+        h=hkv * draw(st.sampled_from(GQA_RATIOS)),
+        d=draw(st.sampled_from(HEAD_DIMS)),
+        dtype=draw(st.sampled_from(DTYPES)),
+        window=draw(st.sampled_from([0, 1, 3, 8])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 5.0])),
+        pad=draw(st.integers(0, 4)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -234,7 +253,7 @@ def _positions(b, hkv, lq, lk, pad, gen):
         for g in range(hkv):
             pool = torch.cat([torch.arange(seen), q_pos[bi]])
             pick = torch.randperm(len(pool), generator=gen)[:lk].sort().values
-            kv_pos[bi, g, :len(pick)] = pool[pick]
+            kv_pos[bi, g, : len(pick)] = pool[pick]
     if pad:
         kv_pos[0, :, :pad] = -1
     return q_pos, kv_pos
@@ -270,8 +289,8 @@ def test_fully_masked_rows_are_zero(dtype):
     gen = torch.Generator().manual_seed(0)
     q, k, v = _randn((2, 4, 3, 16), gen, dtype), _randn((2, 2, 5, 16), gen, dtype), _randn((2, 2, 5, 16), gen, dtype)
     keep = torch.ones(2, 1, 3, 5, dtype=torch.bool)
-    keep[0, :, 1] = False                       # row 1 of batch 0 sees nothing
-    keep[1] = False                             # batch 1 sees nothing at all
+    keep[0, :, 1] = False  # row 1 of batch 0 sees nothing
+    keep[1] = False  # batch 1 sees nothing at all
     additive = torch.zeros(2, 1, 3, 5, dtype=dtype).masked_fill(~keep, float("-inf"))
     for mask in (keep, additive):
         for softcap in (0.0, 10.0):
@@ -281,10 +300,10 @@ def test_fully_masked_rows_are_zero(dtype):
             assert (out[0, :, 0].abs().sum() > 0) and (out[0, :, 2].abs().sum() > 0)
 
     q_pos = torch.tensor([[7, 8, 9], [0, 1, 2]])
-    kv_pos = torch.tensor([[[5, 6, 7, 8, 9]] * 2, [[-1] * 5] * 2])   # batch 1: only padding
+    kv_pos = torch.tensor([[[5, 6, 7, 8, 9]] * 2, [[-1] * 5] * 2])  # batch 1: only padding
     out = OP.attention_pos(q, k, v, q_pos, kv_pos, 0.25, 0.0, 0)
     assert (out[1] == 0).all() and (out[0].abs().sum(-1) > 0).all()
-    out = OP.attention_pos(q, k, v, q_pos + 10, kv_pos, 0.25, 0.0, 3)   # window: everything too old
+    out = OP.attention_pos(q, k, v, q_pos + 10, kv_pos, 0.25, 0.0, 3)  # window: everything too old
     assert (out == 0).all()
 
 
@@ -306,14 +325,17 @@ def rt():
     """A real runtime (eviction policy with budget 8) and one global DynamicCache site."""
     be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
     be.runtime.sites[SITE] = SimpleNamespace(sliding_window=None, cache="dynamic", layer=SITE)
-    yield be.runtime   # held by `be` until the test ends (the registry is weak)
+    yield be.runtime  # held by `be` until the test ends (the registry is weak)
 
 
 def _prefill(rt, n: int, mask=None):
     """cache_update + compact of an n-token prompt on an empty DynamicCache layer."""
     gen = torch.Generator().manual_seed(n)
-    k_new, v_new, q = _randn((B, HKV, n, D), gen, torch.float32), _randn((B, HKV, n, D), gen, torch.float32), \
-        _randn((B, H, n, D), gen, torch.float32)
+    k_new, v_new, q = (
+        _randn((B, HKV, n, D), gen, torch.float32),
+        _randn((B, HKV, n, D), gen, torch.float32),
+        _randn((B, H, n, D), gen, torch.float32),
+    )
     empty = torch.tensor([])
     k, v, kv_pos, q_pos = OP.cache_update(empty, empty, k_new, v_new, mask, rt.handle, SITE)
     k_st, v_st = OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
@@ -328,18 +350,22 @@ def test_opcheck_attention(dtype, mask, causal, softcap, ratio, d):
     q = _randn((2, 2 * ratio, 3, d), gen, dtype)
     k, v = _randn((2, 2, 5, d), gen, dtype), _randn((2, 2, 5, d), gen, dtype)
     m, _ = _make_mask(mask, (2, 1, 3, 5), 0.6, gen, dtype)
-    opcheck("attention", (q, k, v, m, d ** -0.5, causal, softcap))
+    opcheck("attention", (q, k, v, m, d**-0.5, causal, softcap))
 
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (0, 20.0)])
 def test_opcheck_attention_pos(window, softcap):
     gen = torch.Generator().manual_seed(2)
-    q, k, v = _randn((B, H, 3, D), gen, torch.float32), _randn((B, HKV, 6, D), gen, torch.float32), \
-        _randn((B, HKV, 6, D), gen, torch.float32)
+    q, k, v = (
+        _randn((B, H, 3, D), gen, torch.float32),
+        _randn((B, HKV, 6, D), gen, torch.float32),
+        _randn((B, HKV, 6, D), gen, torch.float32),
+    )
     q_pos = torch.tensor([[10, 11, 12], [4, 5, 6]])
-    kv_pos = torch.tensor([[[0, 1, 8, 10, 11, 12], [0, 3, 9, 10, 11, 12]],
-                           [[-1, -1, 3, 4, 5, 6], [-1, -1, 2, 4, 5, 6]]])
-    opcheck("attention_pos", (q, k, v, q_pos, kv_pos, D ** -0.5, softcap, window))
+    kv_pos = torch.tensor(
+        [[[0, 1, 8, 10, 11, 12], [0, 3, 9, 10, 11, 12]], [[-1, -1, 3, 4, 5, 6], [-1, -1, 2, 4, 5, 6]]]
+    )
+    opcheck("attention_pos", (q, k, v, q_pos, kv_pos, D**-0.5, softcap, window))
 
 
 def _hf_padding_mask(lq: int, lk: int, pad: int) -> torch.Tensor:
@@ -363,7 +389,7 @@ def test_opcheck_cache_update_empty_past(rt, mask):
         assert kv_pos[1, :, :2].eq(-1).all() and kv_pos[0].ge(0).all()
 
 
-@pytest.mark.parametrize("prompt", [5, 12])   # kept whole / evicted down to the budget
+@pytest.mark.parametrize("prompt", [5, 12])  # kept whole / evicted down to the budget
 def test_opcheck_cache_update_nonempty_past(rt, prompt):
     k_past, v_past = _prefill(rt, prompt)
     gen = torch.Generator().manual_seed(4)
@@ -390,8 +416,11 @@ def test_opcheck_cache_update_foreign_past(rt):
 @pytest.mark.parametrize("prompt", [5, 12])
 def test_opcheck_compact_empty_past(rt, prompt):
     gen = torch.Generator().manual_seed(6)
-    k_new, v_new, q = _randn((B, HKV, prompt, D), gen, torch.float32), \
-        _randn((B, HKV, prompt, D), gen, torch.float32), _randn((B, H, prompt, D), gen, torch.float32)
+    k_new, v_new, q = (
+        _randn((B, HKV, prompt, D), gen, torch.float32),
+        _randn((B, HKV, prompt, D), gen, torch.float32),
+        _randn((B, H, prompt, D), gen, torch.float32),
+    )
     empty = torch.tensor([])
     k, v, kv_pos, q_pos = OP.cache_update(empty, empty, k_new, v_new, None, rt.handle, SITE)
     opcheck("compact", (q, k, v, kv_pos, q_pos, rt.handle, SITE))
@@ -406,8 +435,11 @@ def test_opcheck_compact_empty_past(rt, prompt):
 def test_opcheck_compact_nonempty_past(rt):
     k_past, v_past = _prefill(rt, 12)
     gen = torch.Generator().manual_seed(7)
-    k_new, v_new, q = _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, HKV, 1, D), gen, torch.float32), \
-        _randn((B, H, 1, D), gen, torch.float32)
+    k_new, v_new, q = (
+        _randn((B, HKV, 1, D), gen, torch.float32),
+        _randn((B, HKV, 1, D), gen, torch.float32),
+        _randn((B, H, 1, D), gen, torch.float32),
+    )
     k, v, kv_pos, q_pos = OP.cache_update(k_past, v_past, k_new, v_new, None, rt.handle, SITE)
     opcheck("compact", (q, k, v, kv_pos, q_pos, rt.handle, SITE))
     k_st, v_st = OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
@@ -418,12 +450,12 @@ def test_opcheck_compact_nonempty_past(rt):
 
 
 def test_opcheck_true_positions(rt):
-    opcheck("true_positions", (torch.arange(6)[None], rt.handle, True))   # prefill: unchanged
-    _prefill(rt, 12)                                                     # seen 12, stored 8
-    derived = torch.tensor([[BUDGET]])                                   # the model's guess: stored length
+    opcheck("true_positions", (torch.arange(6)[None], rt.handle, True))  # prefill: unchanged
+    _prefill(rt, 12)  # seen 12, stored 8
+    derived = torch.tensor([[BUDGET]])  # the model's guess: stored length
     opcheck("true_positions", (derived, rt.handle))
     assert OP.true_positions(derived, rt.handle).tolist() == [[12]]
-    derived = torch.arange(BUDGET, BUDGET + 3).view(1, 3, 1)           # another layout, 3 new tokens
+    derived = torch.arange(BUDGET, BUDGET + 3).view(1, 3, 1)  # another layout, 3 new tokens
     opcheck("true_positions", (derived, rt.handle))
     assert OP.true_positions(derived, rt.handle).flatten().tolist() == [12, 13, 14]
     opcheck("true_positions", (torch.zeros(1, 0, dtype=torch.long), rt.handle))
@@ -434,7 +466,7 @@ def test_true_positions_learn_the_first_position_in_the_prefill(rt):
     prefill teaches the first position (2), so a decode step's derived ``2 + stored`` becomes ``2 + seen``."""
     padded = torch.tensor([[1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
     assert OP.true_positions(padded, rt.handle, True).tolist() == padded.tolist()
-    _prefill(rt, 12)                                                     # seen 12, stored 8
+    _prefill(rt, 12)  # seen 12, stored 8
     assert OP.true_positions(torch.tensor([[2 + BUDGET]] * 2), rt.handle).tolist() == [[14]] * 2
 
 
@@ -442,11 +474,11 @@ def test_opcheck_note_positions(rt):
     """Passed positions of an appending graph: unchanged, and the state counts the appended tokens;
     tokens that start below the tokens seen (generate re-feeding an evicted cache, or positions derived from
     the stored length outside the rewritten graph) are refused."""
-    opcheck("note_positions", (torch.tensor([[12]]), rt.handle))         # (repeated calls: before a prefill)
-    _prefill(rt, 12)                                                     # seen 12, stored 8
+    opcheck("note_positions", (torch.tensor([[12]]), rt.handle))  # (repeated calls: before a prefill)
+    _prefill(rt, 12)  # seen 12, stored 8
     assert OP.note_positions(torch.tensor([[12]]), rt.handle).tolist() == [[12]]
     with pytest.raises(ValueError, match="this step's position is 8"):
-        OP.note_positions(torch.tensor([[BUDGET]]), rt.handle)           # one token at the stored length
+        OP.note_positions(torch.tensor([[BUDGET]]), rt.handle)  # one token at the stored length
     assert OP.note_positions(torch.tensor([[13, 14]]), rt.handle).tolist() == [[13, 14]]
     assert rt.state.seen == 15 and rt.state.stored_tokens()[SITE] == BUDGET + 3
     with pytest.raises(ValueError, match="feeds again the tokens from position 13"):
@@ -455,20 +487,43 @@ def test_opcheck_note_positions(rt):
 
 
 def _decode_args(q, k, v, **kw):
-    base = dict(mask=None, kv_pos=None, q_pos=None, page_table=None, kv_len=None, block_map=None, scale=0.25,
-                softcap=0.0, window=0, tau=0.1, phi=0.1, patience=2, block=16, order=1, probe=0,
-                horizon=0)
+    base = dict(
+        mask=None,
+        kv_pos=None,
+        q_pos=None,
+        page_table=None,
+        kv_len=None,
+        block_map=None,
+        scale=0.25,
+        softcap=0.0,
+        window=0,
+        tau=0.1,
+        phi=0.1,
+        patience=2,
+        block=16,
+        order=1,
+        probe=0,
+        horizon=0,
+    )
     return (q, k, v, *{**base, **kw}.values())
 
 
 def _opcheck_decode(op, with_positions):
     gen = torch.Generator().manual_seed(12)
-    q, k, v = _randn((B, H, 1, D), gen, torch.float32), _randn((B, HKV, 37, D), gen, torch.float32), \
-        _randn((B, HKV, 37, D), gen, torch.float32)
+    q, k, v = (
+        _randn((B, H, 1, D), gen, torch.float32),
+        _randn((B, HKV, 37, D), gen, torch.float32),
+        _randn((B, HKV, 37, D), gen, torch.float32),
+    )
     kw = {}
     if with_positions:
-        kw = dict(kv_pos=torch.arange(37).expand(B, HKV, 37).contiguous(), q_pos=torch.full((B, 1), 37),
-                  mask=torch.zeros(B, 1, 1, 37), window=20, horizon=2)
+        kw = dict(
+            kv_pos=torch.arange(37).expand(B, HKV, 37).contiguous(),
+            q_pos=torch.full((B, 1), 37),
+            mask=torch.zeros(B, 1, 1, 37),
+            window=20,
+            horizon=2,
+        )
     opcheck(op, _decode_args(q, k, v, **kw))
 
 
@@ -495,8 +550,8 @@ def _window_args(softcap: float):
     gen = torch.Generator().manual_seed(14)
     q, k = _randn((B, H, 5, D), gen, torch.float32), _randn((B, HKV, 23, D), gen, torch.float32)
     kv_pos = torch.arange(23).expand(B, HKV, 23).clone()
-    kv_pos[1, :, :4] = -1                                               # left padding in row 1
-    return q, k, kv_pos, torch.arange(18, 23).expand(B, 5).contiguous(), D ** -0.5, softcap
+    kv_pos[1, :, :4] = -1  # left padding in row 1
+    return q, k, kv_pos, torch.arange(18, 23).expand(B, 5).contiguous(), D**-0.5, softcap
 
 
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
@@ -551,6 +606,7 @@ def test_the_registry_holds_every_operator():
     import kvpass  # noqa: F401  (imports every family, the registry fills)
     import kvpass.compiler.positions  # noqa: F401
     from test_layout import operators
+
     defined = set(operators()[0])
     assert set(OPS) == defined, (sorted(defined - set(OPS)), sorted(set(OPS) - defined))
 
@@ -568,8 +624,11 @@ def test_every_op_is_opchecked():
 
 def test_compact_replay_leaves_state_unchanged(rt):
     gen = torch.Generator().manual_seed(8)
-    k_new, v_new, q = _randn((B, HKV, 12, D), gen, torch.float32), _randn((B, HKV, 12, D), gen, torch.float32), \
-        _randn((B, H, 12, D), gen, torch.float32)
+    k_new, v_new, q = (
+        _randn((B, HKV, 12, D), gen, torch.float32),
+        _randn((B, HKV, 12, D), gen, torch.float32),
+        _randn((B, H, 12, D), gen, torch.float32),
+    )
     empty = torch.tensor([])
     k, v, kv_pos, q_pos = OP.cache_update(empty, empty, k_new, v_new, None, rt.handle, SITE)
     OP.compact(q, k, v, kv_pos, q_pos, rt.handle, SITE)
@@ -580,11 +639,11 @@ def test_compact_replay_leaves_state_unchanged(rt):
 
 
 @settings(max_examples=30, deadline=None)
-@given(lq=st.integers(1, 6), extra=st.integers(0, 6), group=st.sampled_from([1, 2, 4]),
-       with_mask=st.booleans())
+@given(lq=st.integers(1, 6), extra=st.integers(0, 6), group=st.sampled_from([1, 2, 4]), with_mask=st.booleans())
 def test_attention_bottom_right_causal(lq, extra, group, with_mask):
     """causal=2: queries are the last Lq positions; equals an explicit end-aligned tril mask."""
     from kvpass.ops import CAUSAL_BOTTOM_RIGHT
+
     gen = torch.Generator().manual_seed(lq * 31 + extra)
     lk, hkv, d = lq + extra, 2, 8
     q = torch.randn(1, hkv * group, lq, d, generator=gen)
@@ -592,15 +651,19 @@ def test_attention_bottom_right_causal(lq, extra, group, with_mask):
     end_aligned = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
     mask = torch.rand(1, 1, lq, lk, generator=gen) > 0.3 if with_mask else None
     full_mask = end_aligned if mask is None else (mask & end_aligned)
-    got = torch.ops.kvpass.attention(q, k, v, mask, d ** -0.5, CAUSAL_BOTTOM_RIGHT, 0.0)
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask | ~full_mask.any(-1, keepdim=True),
-                                              scale=d ** -0.5, enable_gqa=True)
+    got = torch.ops.kvpass.attention(q, k, v, mask, d**-0.5, CAUSAL_BOTTOM_RIGHT, 0.0)
+    expected = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=full_mask | ~full_mask.any(-1, keepdim=True), scale=d**-0.5, enable_gqa=True
+    )
     expected = expected.masked_fill(~full_mask.any(-1, keepdim=True), 0.0)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     if lq == lk:  # equals SDPA's top-left is_causal
-        torch.testing.assert_close(torch.ops.kvpass.attention(q, k, v, None, d ** -0.5, CAUSAL_BOTTOM_RIGHT, 0.0),
-                                   F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5,
-                                                                  enable_gqa=True), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.ops.kvpass.attention(q, k, v, None, d**-0.5, CAUSAL_BOTTOM_RIGHT, 0.0),
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def _bounds_args(seed: int = 0, dtype=torch.float32):
@@ -626,10 +689,20 @@ def _stamp_args(fill: int):
     gen = torch.Generator().manual_seed(fill)
     a, c = torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
     meta = torch.tensor([2, fill, 1, -1]).repeat(2, 2, 1)
-    return (torch.randn(2, 4, 8, generator=gen), torch.randn(2, 2, 8, generator=gen), torch.tensor([[40, 0, 0, 1 << 40], [41, 0, 0, 1 << 40]]),
-            torch.minimum(a, c), torch.maximum(a, c), torch.ones(2, 2, 5, dtype=torch.bool),
-            torch.randint(0, 40, (2, 2, 5), generator=gen), torch.arange(5).repeat(2, 2, 1), meta,
-            torch.full((2, 2), 39), 4, 0.1)
+    return (
+        torch.randn(2, 4, 8, generator=gen),
+        torch.randn(2, 2, 8, generator=gen),
+        torch.tensor([[40, 0, 0, 1 << 40], [41, 0, 0, 1 << 40]]),
+        torch.minimum(a, c),
+        torch.maximum(a, c),
+        torch.ones(2, 2, 5, dtype=torch.bool),
+        torch.randint(0, 40, (2, 2, 5), generator=gen),
+        torch.arange(5).repeat(2, 2, 1),
+        meta,
+        torch.full((2, 2), 39),
+        4,
+        0.1,
+    )
 
 
 @pytest.mark.parametrize("fill", [3, 15])
@@ -677,7 +750,7 @@ def _rope_args():
     gen = torch.Generator().manual_seed(11)
     ang = torch.rand(7, 4, generator=gen) * 20
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
-    return torch.randn(3, 7, 12, generator=gen), cos, sin       # partial rotary: 8 of 12 dims
+    return torch.randn(3, 7, 12, generator=gen), cos, sin  # partial rotary: 8 of 12 dims
 
 
 def test_opcheck_rope_rotate():
@@ -701,7 +774,6 @@ def test_opcheck_scatter_rows_ref():
     opcheck("scatter_rows_ref", _scatter_args())
 
 
-
 def _raas_pool(steps: int):
     """A raas runtime after a 20-token prefill of one layer and ``steps`` decode steps (budget 16)."""
     be = kvpass.backend("raas", compiler="eager", budget=16, alpha=0.05)
@@ -709,15 +781,22 @@ def _raas_pool(steps: int):
     be.runtime.sites[SITE] = site
     gen = torch.Generator().manual_seed(15)
     k_new, v_new = _randn((B, HKV, 20, D), gen, torch.float32), _randn((B, HKV, 20, D), gen, torch.float32)
-    k, v, kv_pos, q_pos = OP.cache_update(torch.tensor([]), torch.tensor([]), k_new, v_new, None, be.runtime.handle,
-                                          SITE)
-    k_pool, v_pool = OP.compact(_randn((B, H, 20, D), gen, torch.float32), k, v, kv_pos, q_pos, be.runtime.handle,
-                                SITE)
+    k, v, kv_pos, q_pos = OP.cache_update(
+        torch.tensor([]), torch.tensor([]), k_new, v_new, None, be.runtime.handle, SITE
+    )
+    k_pool, v_pool = OP.compact(_randn((B, H, 20, D), gen, torch.float32), k, v, kv_pos, q_pos, be.runtime.handle, SITE)
     for _ in range(steps):
         q_pos = OP.step_position(k_pool, be.runtime.handle, SITE)
-        OP.pool_write(k_pool, v_pool, _randn((B, HKV, 1, D), gen, torch.float32),
-                      _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, H, 1, D), gen, torch.float32), q_pos,
-                      be.runtime.handle, SITE)
+        OP.pool_write(
+            k_pool,
+            v_pool,
+            _randn((B, HKV, 1, D), gen, torch.float32),
+            _randn((B, HKV, 1, D), gen, torch.float32),
+            _randn((B, H, 1, D), gen, torch.float32),
+            q_pos,
+            be.runtime.handle,
+            SITE,
+        )
     return be, k_pool, v_pool, gen
 
 
@@ -727,70 +806,96 @@ def test_opcheck_step_position():
     assert OP.step_position(k_pool, be.runtime.handle, SITE).tolist() == [[23]] * B
 
 
-@pytest.mark.parametrize("steps", [0, 27])   # 27: the pool's decode pages are full, the step evicts
+@pytest.mark.parametrize("steps", [0, 27])  # 27: the pool's decode pages are full, the step evicts
 def test_opcheck_pool_write(steps):
     """The in-place write of a raas decode step: opcheck replays it; a replay writes the same slot."""
     be, k_pool, v_pool, gen = _raas_pool(steps)
     handle = be.runtime.handle
     q_pos = OP.step_position(k_pool, handle, SITE)
-    args = (k_pool, v_pool, _randn((B, HKV, 1, D), gen, torch.float32), _randn((B, HKV, 1, D), gen, torch.float32),
-            _randn((B, H, 1, D), gen, torch.float32), q_pos, handle, SITE)
+    args = (
+        k_pool,
+        v_pool,
+        _randn((B, HKV, 1, D), gen, torch.float32),
+        _randn((B, HKV, 1, D), gen, torch.float32),
+        _randn((B, H, 1, D), gen, torch.float32),
+        q_pos,
+        handle,
+        SITE,
+    )
     opcheck("pool_write", args)
     before = k_pool.clone()
     pos = OP.pool_write(*args)
     slot = (pos == 20 + steps).nonzero()
-    assert slot.shape[0] == B * HKV                                   # one slot per (row, head) holds the token
+    assert slot.shape[0] == B * HKV  # one slot per (row, head) holds the token
     assert torch.equal(k_pool[slot[:, 0], slot[:, 1], slot[:, 2]], args[2].reshape(B * HKV, D))
     changed = (k_pool != before).any(-1)
-    assert int(changed.sum()) <= B * HKV                              # nothing else was written
-    assert torch.equal(OP.pool_write(*args), pos)                     # a replay of the step
+    assert int(changed.sum()) <= B * HKV  # nothing else was written
+    assert torch.equal(OP.pool_write(*args), pos)  # a replay of the step
 
 
 def test_opcheck_cache_overwrite():
     import kvpass
-    be = kvpass.backend("pie", compiler="eager")        # chunk fusion: new tokens overwrite their slots
+
+    be = kvpass.backend("pie", compiler="eager")  # chunk fusion: new tokens overwrite their slots
     be.runtime.state.fusion = torch.tensor([1, 6, 8])
     gen = torch.Generator().manual_seed(13)
-    args = (_randn((B, HKV, 9, D), gen, torch.float32), _randn((B, HKV, 9, D), gen, torch.float32),
-            _randn((B, HKV, 3, D), gen, torch.float32), _randn((B, HKV, 3, D), gen, torch.float32),
-            be.runtime.handle, SITE)
+    args = (
+        _randn((B, HKV, 9, D), gen, torch.float32),
+        _randn((B, HKV, 9, D), gen, torch.float32),
+        _randn((B, HKV, 3, D), gen, torch.float32),
+        _randn((B, HKV, 3, D), gen, torch.float32),
+        be.runtime.handle,
+        SITE,
+    )
     opcheck("cache_overwrite", args)
 
 
 def test_opcheck_attention_slots():
     gen = torch.Generator().manual_seed(14)
-    q, k, v = _randn((B, H, 3, D), gen, torch.float32), _randn((B, HKV, 9, D), gen, torch.float32), \
-        _randn((B, HKV, 9, D), gen, torch.float32)
+    q, k, v = (
+        _randn((B, H, 3, D), gen, torch.float32),
+        _randn((B, HKV, 9, D), gen, torch.float32),
+        _randn((B, HKV, 9, D), gen, torch.float32),
+    )
     q_pos = torch.tensor([[1, 6, 8], [0, 4, 5]])
     opcheck("attention_slots", (q, k, v, q_pos, 0.3, 0.0))
     kv_pos = torch.arange(9).expand(B, HKV, 9)
-    torch.testing.assert_close(OPS["attention_slots"](q, k, v, q_pos, 0.3, 0.0),
-                               OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 0.0, 0))
+    torch.testing.assert_close(
+        OPS["attention_slots"](q, k, v, q_pos, 0.3, 0.0), OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 0.0, 0)
+    )
 
 
 def test_opcheck_attention_slots_ref():
     gen = torch.Generator().manual_seed(16)
-    q, k, v = _randn((B, H, 4, D), gen, torch.float32), _randn((B, HKV, 9, D), gen, torch.float32), \
-        _randn((B, HKV, 9, D), gen, torch.float32)
-    q_pos = torch.tensor([[-1, 2, 6, 8], [0, 4, 5, 12]])      # a row that sees nothing, one past the cache
+    q, k, v = (
+        _randn((B, H, 4, D), gen, torch.float32),
+        _randn((B, HKV, 9, D), gen, torch.float32),
+        _randn((B, HKV, 9, D), gen, torch.float32),
+    )
+    q_pos = torch.tensor([[-1, 2, 6, 8], [0, 4, 5, 12]])  # a row that sees nothing, one past the cache
     opcheck("attention_slots_ref", (q, k, v, q_pos, 0.3, 2.5))
     kv_pos = torch.arange(9).expand(B, HKV, 9)
-    torch.testing.assert_close(OPS["attention_slots_ref"](q, k, v, q_pos, 0.3, 2.5),
-                               OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 2.5, 0))
+    torch.testing.assert_close(
+        OPS["attention_slots_ref"](q, k, v, q_pos, 0.3, 2.5), OPS["attention_pos"](q, k, v, q_pos, kv_pos, 0.3, 2.5, 0)
+    )
 
 
 def test_opcheck_fusion_votes():
     """Passes the attention output through; with a question window set, keeps that window's votes."""
     import kvpass
+
     be = kvpass.backend("a3+evict", compiler="eager")
     st = be.runtime.state
     gen = torch.Generator().manual_seed(15)
-    out, q, k = _randn((B, H, 3, D), gen, torch.float32), _randn((B, H, 3, D), gen, torch.float32), \
-        _randn((B, HKV, 9, D), gen, torch.float32)
+    out, q, k = (
+        _randn((B, H, 3, D), gen, torch.float32),
+        _randn((B, H, 3, D), gen, torch.float32),
+        _randn((B, HKV, 9, D), gen, torch.float32),
+    )
     q_pos = torch.tensor([[1, 6, 8], [0, 4, 5]])
     args = (out, q, k, q_pos, 0.3, 0.0, be.runtime.handle, SITE)
     opcheck("fusion_votes", args)
-    assert SITE not in st.fusion_votes                      # no window: nothing kept
+    assert SITE not in st.fusion_votes  # no window: nothing kept
     st.fusion_window = 2
     torch.testing.assert_close(OPS["fusion_votes"](*args), out)
     kv_pos = torch.arange(9).expand(B, HKV, 9).contiguous()
@@ -802,10 +907,12 @@ def test_opcheck_heads_update():
     """A per-head layer (adakv, budget 8): the prompt whole with each head's range, then a decode step whose entry
     follows each head's range in the pool compact laid out."""
     from kvpass.cache import ragged
+
     be = kvpass.backend("adakv", compiler="eager", budget=BUDGET, window=SINKS)
     rt = be.runtime
-    rt.sites[SITE] = SimpleNamespace(sliding_window=None, cache="dynamic", layer=SITE, softcap=0.0, phase="prefill",
-                                     kv_heads=HKV, tp=None)
+    rt.sites[SITE] = SimpleNamespace(
+        sliding_window=None, cache="dynamic", layer=SITE, softcap=0.0, phase="prefill", kv_heads=HKV, tp=None
+    )
     gen = torch.Generator().manual_seed(8)
     n = 12
     k_new, v_new = _randn((B, HKV, n, D), gen, torch.float32), _randn((B, HKV, n, D), gen, torch.float32)

@@ -27,10 +27,10 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build, symbolic_lengths
+from kvpass.cache.state import GenerationState, LayerState
+from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.pages.kernels import page_bounds as PB
 from kvpass.policies.pages.kernels import raas_stamp as RS
-from kvpass.policies import ConfigError, make_policy
-from kvpass.cache.state import GenerationState, LayerState
 
 SITE = SimpleNamespace(layer=0, phase="decode", sliding_window=None, cache="dynamic")
 
@@ -64,10 +64,13 @@ def test_budget_above_length_equals_full():
     assert be.state.evicted_tokens == 0  # the pool's empty slots hold no token (they were counted negative)
 
 
-@pytest.mark.parametrize("policy,family,dynamic,params", [
-    ("raas+art", "llama", None, dict(tau=0.0, phi=0.0, block=16)),   # ART's kernel reads the pool's slots
-    ("raas", "gemma3", True, {}),                                    # sliding layers left to the model
-])
+@pytest.mark.parametrize(
+    "policy,family,dynamic,params",
+    [
+        ("raas+art", "llama", None, dict(tau=0.0, phi=0.0, block=16)),  # ART's kernel reads the pool's slots
+        ("raas", "gemma3", True, {}),  # sliding layers left to the model
+    ],
+)
 def test_composition_and_families_equal_full(policy, family, dynamic, params):
     ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(3))
     full, _, _ = decode("full", ids, 8, family=family)
@@ -102,16 +105,18 @@ def tables_of(extra: dict) -> dict:
     """A copy of a layer's page tables by name (``meta`` split into the current page, its fill, the first
     decode page and the page planned for eviction)."""
     kmin, kmax, live, ts, born, meta, _ = (t.clone() for t in extra["tables"])
-    return dict(kmin=kmin, kmax=kmax, live=live, ts=ts, born=born, cur=meta[..., 0], fill=meta[..., 1],
-                evicted=meta[..., 3])
+    return dict(
+        kmin=kmin, kmax=kmax, live=live, ts=ts, born=born, cur=meta[..., 0], fill=meta[..., 1], evicted=meta[..., 3]
+    )
 
 
 def prefill(policy, layer: int, k_prompt: torch.Tensor):
     """Lay a prompt out as the layer's pool, as Runtime.compact does; returns (stored K, layer state)."""
     b, hkv, n, d = k_prompt.shape
     pos = torch.arange(n).expand(b, hkv, n)
-    keep, extra = policy.select(SimpleNamespace(layer=layer, cache="dynamic"), None, k_prompt, k_prompt, pos,
-                                torch.arange(n).expand(b, n), None)
+    keep, extra = policy.select(
+        SimpleNamespace(layer=layer, cache="dynamic"), None, k_prompt, k_prompt, pos, torch.arange(n).expand(b, n), None
+    )
     stored = k_prompt.gather(2, keep.clamp_min(0)[..., None].expand(-1, -1, -1, d))
     return stored, LayerState(pos=pos.gather(2, keep.clamp_min(0)).masked_fill(keep < 0, -1), seen=n, extra=extra)
 
@@ -151,19 +156,19 @@ def test_timestamps_follow_hand_trace():
     trace = {}
     for i, (_, extra, _, pos) in enumerate(drive(pol, torch.zeros(1, 1, 16, 2), [q] * steps, ks), start=1):
         trace[i] = (extra["ts"][0, 0].tolist(), int(extra["evicted"][0, 0]), pos[0, 0])
-    assert trace[1][:2] == ([16, 17, 0], -1)     # page 1: e^5 / (1 + e^5) > 0.3 -> stamped; page 0 not
+    assert trace[1][:2] == ([16, 17, 0], -1)  # page 1: e^5 / (1 + e^5) > 0.3 -> stamped; page 0 not
     assert trace[2][:2] == ([16, 18, 0], -1)
-    assert trace[16][:2] == ([16, 32, 32], -1)   # page 1 full: page 2 taken from the free list (ts 32)
-    assert trace[17][:2] == ([16, 33, 32], -1)   # page 2's share 1 / (2 + e^5) < 0.3
-    assert trace[32][:2] == ([16, 48, 48], 2)    # both full: page 2 (ts 32) evicted, current again
-    assert (trace[32][2][32:48] >= 0).all()      # its tokens are still stored until the next step
+    assert trace[16][:2] == ([16, 32, 32], -1)  # page 1 full: page 2 taken from the free list (ts 32)
+    assert trace[17][:2] == ([16, 33, 32], -1)  # page 2's share 1 / (2 + e^5) < 0.3
+    assert trace[32][:2] == ([16, 48, 48], 2)  # both full: page 2 (ts 32) evicted, current again
+    assert (trace[32][2][32:48] >= 0).all()  # its tokens are still stored until the next step
     assert trace[33][:2] == ([16, 49, 48], -1)
     pos = trace[33][2]
-    assert pos[16:32].tolist() == list(range(16, 32))            # page 1 kept, true positions
-    assert pos[32].item() == 48 and (pos[33:] == -1).all()       # page 2 holds only the new token
+    assert pos[16:32].tolist() == list(range(16, 32))  # page 1 kept, true positions
+    assert pos[32].item() == 48 and (pos[33:] == -1).all()  # page 2 holds only the new token
     gen = GenerationState()
     gen.layers[0] = LayerState(pos=pos.view(1, 1, -1), seen=49)
-    assert gen.evicted_tokens == 16                              # page 2's tokens 32-47 are gone
+    assert gen.evicted_tokens == 16  # page 2's tokens 32-47 are gone
 
 
 def stamped(q, kmin, kmax, live, ts, alpha: float, now: int):
@@ -177,8 +182,14 @@ def stamped(q, kmin, kmax, live, ts, alpha: float, now: int):
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 40), steps=st.integers(1, 60),
-       budget=st.sampled_from([16, 32]), alpha=st.sampled_from([0.0, 0.05, 0.5]), b=st.integers(1, 2))
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 40),
+    steps=st.integers(1, 60),
+    budget=st.sampled_from([16, 32]),
+    alpha=st.sampled_from([0.0, 0.05, 0.5]),
+    b=st.integers(1, 2),
+)
 def test_pages_invariants(seed, n, steps, budget, alpha, b):
     """The token lands where it was planned; evict only when every decode page is full, the oldest
     (ts after this step's stamps, then allocation); keys in bounds; live pages are the filled ones."""
@@ -189,8 +200,9 @@ def test_pages_invariants(seed, n, steps, budget, alpha, b):
     ks = [torch.randn(b, hkv, 1, d, generator=gen) * 3 for _ in range(steps)]
     bound = -(-n // 16) + budget // 16 + 1
     n_pre = -(-n // 16)
-    for t, ((prev, new, stored, pos), q) in enumerate(zip(drive(pol, torch.randn(b, hkv, n, d, generator=gen), qs, ks),
-                                                          qs)):
+    for t, ((prev, new, stored, pos), q) in enumerate(
+        zip(drive(pol, torch.randn(b, hkv, n, d, generator=gen), qs, ks), qs)
+    ):
         slot = prev["cur"] * 16 + prev["fill"]
         assert bool((pos.gather(2, slot[..., None]) == n + t).all())  # the token is where it was planned
         full = (prev["fill"] + 1 == 16) & prev["live"][:, :, n_pre:].all(-1)
@@ -211,10 +223,18 @@ def test_pages_invariants(seed, n, steps, budget, alpha, b):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 4, 3]),
-       d=st.sampled_from([8, 16, 24]), pages=st.sampled_from([1, 5, 16, 17, 31, 32, 33, 70]),
-       block_p=st.sampled_from([16, 32]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       q_layout=st.sampled_from(["slot", "dense", "transposed"]), sliced=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    g=st.sampled_from([1, 2, 4, 3]),
+    d=st.sampled_from([8, 16, 24]),
+    pages=st.sampled_from([1, 5, 16, 17, 31, 32, 33, 70]),
+    block_p=st.sampled_from([16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    q_layout=st.sampled_from(["slot", "dense", "transposed"]),
+    sliced=st.booleans(),
+)
 def test_page_bounds_kernel_equals_reference(seed, b, hkv, g, d, pages, block_p, dtype, q_layout, sliced):
     """``ub [B, H, P]`` of the parallel page-bounds kernel equals the reference for every head and page."""
     gen = torch.Generator().manual_seed(seed)
@@ -248,33 +268,103 @@ def _stamp_tables(gen, b, hkv, g, d, pages, first, fill, live_p, dtype):
     live = torch.rand(b, hkv, pages, generator=gen) < live_p
     now = 1000
     ts = torch.randint(998, 1000, (b, hkv, pages), generator=gen)  # two values: ties decided by born
-    born = torch.randint(0, 2, (b, hkv, pages), generator=gen)      # ties on both: the lower page
+    born = torch.randint(0, 2, (b, hkv, pages), generator=gen)  # ties on both: the lower page
     cur = (first + torch.randint(0, 3, (b, hkv), generator=gen)).clamp_max(pages - 1)
     live.scatter_(2, cur[..., None], True)
     meta = torch.stack([cur, torch.full_like(cur, fill), torch.full_like(cur, first), torch.full_like(cur, -1)], -1)
-    return dict(q=q, k_new=k_new, count=torch.tensor([[now + i, 0, 0, 1 << 40] for i in range(b)]), kmin=torch.minimum(x, y).to(dtype),
-                kmax=torch.maximum(x, y).to(dtype), live=live, ts=ts, born=born, meta=meta,
-                seen=torch.full((b, hkv), 999))
+    return dict(
+        q=q,
+        k_new=k_new,
+        count=torch.tensor([[now + i, 0, 0, 1 << 40] for i in range(b)]),
+        kmin=torch.minimum(x, y).to(dtype),
+        kmax=torch.maximum(x, y).to(dtype),
+        live=live,
+        ts=ts,
+        born=born,
+        meta=meta,
+        seen=torch.full((b, hkv), 999),
+    )
 
 
 TABLES = ("kmin", "kmax", "live", "ts", "born", "meta", "seen")
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 3, 4]),
-       d=st.sampled_from([8, 24]), pages=st.sampled_from([3, 16, 33, 70]), first=st.integers(0, 40),
-       window=st.sampled_from([1, 2, 5, 17, 40]), fill=st.sampled_from([0, 7, 15]),
-       live_p=st.sampled_from([0.0, 0.5, 1.0]), alpha=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
-       block_p=st.sampled_from([16, 32]), block_w=st.sampled_from([16, 256]), block_b=st.sampled_from([16, 0]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), parts=st.booleans())
-@example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=15, live_p=1.0, alpha=1.0, block_p=16,
-         block_w=16, block_b=16, dtype=torch.float32, parts=True)  # an eviction whose oldest key ties across the window's three blocks
-@example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=7, live_p=1.0, alpha=0.02, block_p=16,
-         block_w=256, block_b=16, dtype=torch.float32, parts=True)  # the log-sum-exp over five blocks, shares near alpha
-@example(seed=0, b=1, hkv=1, g=2, d=8, pages=70, first=3, window=40, fill=7, live_p=1.0, alpha=0.02, block_p=16,
-         block_w=256, block_b=16, dtype=torch.float32, parts=False)  # the same from every page's bound
-def test_raas_stamp_kernels_equal_reference(seed, b, hkv, g, d, pages, first, window, fill, live_p, alpha, block_p,
-                                            block_w, block_b, dtype, parts):
+@given(
+    seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    g=st.sampled_from([1, 2, 3, 4]),
+    d=st.sampled_from([8, 24]),
+    pages=st.sampled_from([3, 16, 33, 70]),
+    first=st.integers(0, 40),
+    window=st.sampled_from([1, 2, 5, 17, 40]),
+    fill=st.sampled_from([0, 7, 15]),
+    live_p=st.sampled_from([0.0, 0.5, 1.0]),
+    alpha=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
+    block_p=st.sampled_from([16, 32]),
+    block_w=st.sampled_from([16, 256]),
+    block_b=st.sampled_from([16, 0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    parts=st.booleans(),
+)
+@example(
+    seed=0,
+    b=1,
+    hkv=1,
+    g=2,
+    d=8,
+    pages=70,
+    first=3,
+    window=40,
+    fill=15,
+    live_p=1.0,
+    alpha=1.0,
+    block_p=16,
+    block_w=16,
+    block_b=16,
+    dtype=torch.float32,
+    parts=True,
+)  # an eviction whose oldest key ties across the window's three blocks
+@example(
+    seed=0,
+    b=1,
+    hkv=1,
+    g=2,
+    d=8,
+    pages=70,
+    first=3,
+    window=40,
+    fill=7,
+    live_p=1.0,
+    alpha=0.02,
+    block_p=16,
+    block_w=256,
+    block_b=16,
+    dtype=torch.float32,
+    parts=True,
+)  # the log-sum-exp over five blocks, shares near alpha
+@example(
+    seed=0,
+    b=1,
+    hkv=1,
+    g=2,
+    d=8,
+    pages=70,
+    first=3,
+    window=40,
+    fill=7,
+    live_p=1.0,
+    alpha=0.02,
+    block_p=16,
+    block_w=256,
+    block_b=16,
+    dtype=torch.float32,
+    parts=False,
+)  # the same from every page's bound
+def test_raas_stamp_kernels_equal_reference(
+    seed, b, hkv, g, d, pages, first, window, fill, live_p, alpha, block_p, block_w, block_b, dtype, parts
+):
     """Every table after ``raas_stamp_triton`` equals the reference's, bit for bit (bounds, live pages,
     timestamps, allocation steps, the planned slot and eviction, the overflow mark)."""
     gen = torch.Generator().manual_seed(seed)
@@ -283,8 +373,7 @@ def test_raas_stamp_kernels_equal_reference(seed, b, hkv, g, d, pages, first, wi
     got = {k: v.clone() for k, v in ref.items()}
     before = {k: ref[k].clone() for k in TABLES}
     RS.raas_stamp_reference(*ref.values(), window, alpha)
-    RS.raas_stamp_triton(*got.values(), window, alpha, block_p=block_p, block_w=block_w, block_b=block_b,
-                         parts=parts)
+    RS.raas_stamp_triton(*got.values(), window, alpha, block_p=block_p, block_w=block_w, block_b=block_b, parts=parts)
     for name in TABLES:
         assert torch.equal(got[name], ref[name]), name
     if fill == 15:  # a new page every row: the planned page is live, stamped and born now
@@ -302,17 +391,25 @@ def test_raas_stamp_reference_evicts_the_oldest_decode_page():
     kmin = torch.full((b, hkv, pages, d), -0.1)
     kmax = torch.full((b, hkv, pages, d), 0.1)
     kmin[:, :, 2], kmax[:, :, 2] = 5.0, 5.0  # q . k = 20 on page 2: its share is about 1
-    tables = dict(kmin=kmin, kmax=kmax, live=torch.tensor([[[True] * 5 + [False]]]),
-                  ts=torch.tensor([[[1, 9, 7, 3, 8, 0]]]), born=torch.tensor([[[0, 1, 5, 6, 7, -1]]]),
-                  meta=torch.tensor([[[4, 15, 2, -1]]]), seen=torch.tensor([[99]]))
-    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[100, 0, 0, 1 << 40]]),
-                            *tables.values(), 3, 0.5)
-    assert tables["ts"].tolist() == [[[1, 9, 100, 100, 8, 0]]]   # page 2 stamped, page 3 taken now
+    tables = dict(
+        kmin=kmin,
+        kmax=kmax,
+        live=torch.tensor([[[True] * 5 + [False]]]),
+        ts=torch.tensor([[[1, 9, 7, 3, 8, 0]]]),
+        born=torch.tensor([[[0, 1, 5, 6, 7, -1]]]),
+        meta=torch.tensor([[[4, 15, 2, -1]]]),
+        seen=torch.tensor([[99]]),
+    )
+    RS.raas_stamp_reference(
+        torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[100, 0, 0, 1 << 40]]), *tables.values(), 3, 0.5
+    )
+    assert tables["ts"].tolist() == [[[1, 9, 100, 100, 8, 0]]]  # page 2 stamped, page 3 taken now
     assert tables["born"].tolist() == [[[0, 1, 5, 100, 7, -1]]]
     assert tables["meta"].tolist() == [[[3, 0, 2, 3]]] and tables["seen"].tolist() == [[100]]
     tables["live"][..., 5], tables["meta"][..., 1] = True, 15  # page 3 full too, the pool has no free page
-    RS.raas_stamp_reference(torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[101, 0, 0, 1 << 40]]),
-                            *tables.values(), 5, 0.5)  # a window of 5 from page 2 runs past the 6-page pool
+    RS.raas_stamp_reference(
+        torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[101, 0, 0, 1 << 40]]), *tables.values(), 5, 0.5
+    )  # a window of 5 from page 2 runs past the 6-page pool
     assert tables["seen"].tolist() == [[RS.OVERFLOW]]  # an eviction from 4 of 5 decode pages: marked
 
 

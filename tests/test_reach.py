@@ -42,7 +42,7 @@ def _ordinary_calls(n: int, seed: int = 0) -> list[dict]:
         g = torch.Generator().manual_seed(1000 + i)
         ids = torch.randint(3, 90, (rows, length), generator=g)
         kw: dict = dict(max_new_tokens=rnd.choice([1, 3, 6]), pad_token_id=0)
-        if rows > 1 and length > 2 and rnd.random() < 0.3:   # left padding, with its mask
+        if rows > 1 and length > 2 and rnd.random() < 0.3:  # left padding, with its mask
             mask = torch.ones_like(ids)
             pad = torch.randint(0, length - 1, (rows,), generator=g)
             for r, p in enumerate(pad.tolist()):
@@ -115,8 +115,9 @@ def test_models_of_one_class_compiled_in_turn_do_not_share_a_recompile_budget(mo
     guards each), under Dynamo's default limit of 8: before each compiled forward had a code object of its own,
     the third model's graphs reached it."""
     from kvpass.generate import fastpath
+
     torch._dynamo.reset()
-    monkeypatch.setattr(fastpath, "RECOMPILE_LIMIT", 8)   # a kvpass constant (torch's settings: config.patch)
+    monkeypatch.setattr(fastpath, "RECOMPILE_LIMIT", 8)  # a kvpass constant (torch's settings: config.patch)
     ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch._dynamo.config.patch(recompile_limit=8):
         for seed in range(3):
@@ -147,8 +148,9 @@ def test_the_recompile_limit_on_the_plain_path_names_kvpass_the_reason_and_the_f
 
 def _moe(kind: str):
     if kind == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**{**COMMON, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                   "moe_intermediate_size": 32})
+        cfg = tf.Qwen3MoeConfig(
+            **{**COMMON, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        )
         return tf.Qwen3MoeForCausalLM, cfg
     cfg = tf.MixtralConfig(**{**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2})
     return tf.MixtralForCausalLM, cfg
@@ -184,10 +186,21 @@ def test_a_chunked_attention_mask_is_not_rebuilt_as_a_sliding_window():
     masks by position after it: a chunked layer was masked as a sliding window, wrong from the first decode
     step at a budget that evicts nothing. Refused by the mask's structure, named, equal to the model."""
     torch._dynamo.reset()
-    cfg = tf.Llama4TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                              num_local_experts=2, attention_chunk_size=8, pad_token_id=0, bos_token_id=1,
-                              eos_token_id=2)
+    cfg = tf.Llama4TextConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        attention_chunk_size=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = tf.Llama4ForCausalLM(cfg).eval()
@@ -223,7 +236,8 @@ def test_kvpass_calls_raise_no_transformers_deprecation():
     logger = logging.getLogger("transformers")
     logger.addHandler(seen)
     from transformers.utils.logging import warning_once
-    warning_once.cache_clear()   # else said once per process, perhaps before this test
+
+    warning_once.cache_clear()  # else said once per process, perhaps before this test
     try:
         ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(0))
         model.generate(ids, max_new_tokens=3, do_sample=False)
@@ -249,7 +263,7 @@ def test_a_softmax_without_an_attention_site_is_said():
     assert not found.sites and found.problems, found
     assert "no attention site in a form kvpass recognizes" in str(found.problems[0])
 
-    class Plain(torch.nn.Module):   # no softmax, no attention: nothing to say
+    class Plain(torch.nn.Module):  # no softmax, no attention: nothing to say
         def forward(self, x):
             return x.relu() * 2
 
@@ -258,15 +272,27 @@ def test_a_softmax_without_an_attention_site_is_said():
 
 def test_a_latent_attention_on_the_slot_cache_is_refused_by_name_and_exact_on_its_own_cache():
     """DeepSeek-V3's attention does not store keys and values of the config's ``head_dim`` (its latent, or keys of
-    ``qk_nope_head_dim + qk_rope_head_dim``): the SlotCache sized from the config failed deep in an index_put. It now says
-    what the attention writes and what the cache holds, and the model's own cache gives the uncompiled tokens."""
+    ``qk_nope_head_dim + qk_rope_head_dim``): the SlotCache sized from the config failed deep in an index_put. It now
+    says what the attention writes and what the cache holds, and the model's own cache gives the uncompiled tokens."""
     from transformers import DynamicCache
 
     torch._dynamo.reset()
-    cfg = tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16,
-                                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 8, "head_dim": 8,
-                                 "first_k_dense_replace": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
-                                 "moe_intermediate_size": 32})
+    cfg = tf.DeepseekV3Config(
+        **{
+            **COMMON,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 8,
+            "head_dim": 8,
+            "first_k_dense_replace": 2,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        }
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = tf.DeepseekV3ForCausalLM(cfg).eval()
@@ -274,8 +300,11 @@ def test_a_latent_attention_on_the_slot_cache_is_refused_by_name_and_exact_on_it
     expected = model.generate(ids, max_new_tokens=4, do_sample=False)
     kvpass.compile(model, "full", compiler="eager")
     # (what it writes moves between transformers versions: 5.25 caches the latent itself, one head)
-    with pytest.raises(Exception, match=r"kvpass SlotCache: the model's attention writes \d+ KV heads per layer of "
-                                        r"key size \d+ and value size \d+; the cache was sized for 4 of 8 and 8"):
+    with pytest.raises(
+        Exception,
+        match=r"kvpass SlotCache: the model's attention writes \d+ KV heads per layer of "
+        r"key size \d+ and value size \d+; the cache was sized for 4 of 8 and 8",
+    ):
         model.generate(ids, max_new_tokens=4, do_sample=False)
     got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=cfg))
     assert torch.equal(got, expected)
@@ -286,14 +315,16 @@ def test_a_model_without_attention_is_told_the_policy_does_nothing():
     """A state-space model (Mamba) has no attention for a policy to act on: compiled through kvpass it gives the
     uncompiled tokens and one warning that the policy does nothing (it was silent: "unapplied")."""
     torch._dynamo.reset()
-    cfg = tf.MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
+    cfg = tf.MambaConfig(
+        vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     torch.manual_seed(0)
     model = tf.MambaForCausalLM(cfg).eval()
     ids = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
     expected = model.generate(ids, max_new_tokens=2, do_sample=False)
-    model.forward = torch.compile(model.forward, backend=kvpass.backend("snapkv", budget=8, window=4, compiler="eager"),
-                                  dynamic=True)
+    model.forward = torch.compile(
+        model.forward, backend=kvpass.backend("snapkv", budget=8, window=4, compiler="eager"), dynamic=True
+    )
     with pytest.warns(kvpass.KVPassWarning, match="has no attention site: policy 'snapkv' does nothing in it"):
         got = model.generate(ids, max_new_tokens=2, do_sample=False)
     assert torch.equal(got, expected)

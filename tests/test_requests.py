@@ -14,7 +14,7 @@ import kvpass
 from conformance import CONFORMANCE, one_per_mechanism
 from families import build
 
-SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])   # conformance.py
+SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])  # conformance.py
 LENGTHS, NEWS = (20, 33, 27, 41, 25), (12, 5, 9, 7, 3)
 
 
@@ -42,7 +42,7 @@ def test_queue_gives_every_request_its_tokens_alone(policy):
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
     assert [r.stopped for r in queue.requests] == ["length"] * 5
     assert queue.stats["new_tokens"] == sum(NEWS) and queue.stats["requests"] == 5
-    assert be.graph_counts().get("decode", 0) <= decode_graphs + 1   # the 2-row step: one graph more at most
+    assert be.graph_counts().get("decode", 0) <= decode_graphs + 1  # the 2-row step: one graph more at most
     assert all(not r.problems for r in be.reports), be.plans()
 
 
@@ -54,8 +54,8 @@ def test_a_request_stops_at_its_end_token_and_its_row_is_refilled():
     kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
     ps = prompts()
     free = alone(model, ps[0], 12, min_new_tokens=12)[20:].tolist()
-    eos = free[3]                               # request 0 emits it as its 4th new token
-    cut = free[:free.index(eos) + 1]
+    eos = free[3]  # request 0 emits it as its 4th new token
+    cut = free[: free.index(eos) + 1]
     queue = kvpass.RequestQueue(model, max_batch=2, eos_token_id=eos)
     for p, n in zip(ps, NEWS):
         queue.add(p, max_new_tokens=n)
@@ -63,7 +63,7 @@ def test_a_request_stops_at_its_end_token_and_its_row_is_refilled():
     assert got[0][20:].tolist() == cut and queue.requests[0].stopped == "eos"
     for p, n, g in zip(ps[1:], NEWS[1:], got[1:]):
         want = alone(model, p, n, eos_token_id=eos)
-        assert g.tolist() == want[:len(g)].tolist() and (len(g) == len(want) or want[len(g)] == eos)
+        assert g.tolist() == want[: len(g)].tolist() and (len(g) == len(want) or want[len(g)] == eos)
 
 
 def test_generate_over_a_list_is_the_queue():
@@ -73,12 +73,15 @@ def test_generate_over_a_list_is_the_queue():
     ps = prompts()
     outs = model.generate(ps, max_new_tokens=6, max_batch=3, do_sample=False, eos_token_id=None)
     assert [o.tolist() for o in outs] == [alone(model, p, 6, min_new_tokens=6).tolist() for p in ps]
-    sampled = model.generate([p.tolist() for p in ps[:2]], max_new_tokens=4, do_sample=True, top_k=5,
-                             temperature=0.7, eos_token_id=None)
+    sampled = model.generate(
+        [p.tolist() for p in ps[:2]], max_new_tokens=4, do_sample=True, top_k=5, temperature=0.7, eos_token_id=None
+    )
     assert [len(o) for o in sampled] == [LENGTHS[0] + 4, LENGTHS[1] + 4]
     config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False)
     assert [len(o) for o in model.generate(ps[:2], generation_config=config, eos_token_id=None)] == [
-        LENGTHS[0] + 3, LENGTHS[1] + 3]
+        LENGTHS[0] + 3,
+        LENGTHS[1] + 3,
+    ]
 
 
 def test_queue_refuses_what_it_does_not_run():
@@ -104,7 +107,8 @@ def test_queue_refuses_what_it_does_not_run():
     with pytest.raises(kvpass.ConfigError, match=r"\['repetition_penalty'\] \(given, or from the model's"):
         kvpass.RequestQueue(model)
     assert "kvpass.RequestQueue(policy='full', max_batch=8, requests=0, done=0)" == repr(
-        kvpass.RequestQueue(model, repetition_penalty=1.0))
+        kvpass.RequestQueue(model, repetition_penalty=1.0)
+    )
 
 
 def test_a_batch_of_one_keeps_its_staging_cache_apart():
@@ -140,5 +144,5 @@ def test_max_length_sizes_the_caches_for_the_queues_max_new_tokens():
     assert kept[0] == kept[1] and all(room == 30 for _, room, _ in kept[0].values())
     # a prompt that leaves less than the queue's max_new_tokens keeps its room: sized by its own new tokens
     queue = kvpass.RequestQueue(model, max_batch=2, max_length=60, max_new_tokens=30, eos_token_id=None)
-    queue.add(prompts()[3], max_new_tokens=5)   # 41 tokens
+    queue.add(prompts()[3], max_new_tokens=5)  # 41 tokens
     assert queue.run(progress=False)[0].tolist() == alone(model, prompts()[3], 5, min_new_tokens=5).tolist()

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import families
 from kvpass import ConfigError
-from kvpass.policies.chunk_fusion.kernels import rope as K
 from kvpass.chunks.rope import RotaryMap, layer_keys, rotate, unrotate
+from kvpass.policies.chunk_fusion.kernels import rope as K
 
 SETTINGS = dict(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -24,9 +24,15 @@ def _tables(length, r, scale=1.0, seed=0):
 
 
 @settings(**SETTINGS)
-@given(m=st.integers(1, 6), length=st.integers(1, 40), d=st.sampled_from([8, 16, 24, 64]),
-       partial=st.sampled_from([1.0, 0.5, 0.25]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       scale=st.sampled_from([1.0, 1.2]), seed=st.integers(0, 1000))
+@given(
+    m=st.integers(1, 6),
+    length=st.integers(1, 40),
+    d=st.sampled_from([8, 16, 24, 64]),
+    partial=st.sampled_from([1.0, 0.5, 0.25]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    scale=st.sampled_from([1.0, 1.2]),
+    seed=st.integers(0, 1000),
+)
 def test_rotate_kernel_equals_reference(m, length, d, partial, dtype, scale, seed):
     r = max(2, int(d * partial) // 2 * 2)
     x = torch.randn(m, length, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -41,14 +47,19 @@ def test_rotate_kernel_equals_reference(m, length, d, partial, dtype, scale, see
 
 
 def test_rotate_kernel_strided_input():
-    x = torch.randn(4, 10, 32)[:, ::2]              # a strided view of rows
+    x = torch.randn(4, 10, 32)[:, ::2]  # a strided view of rows
     cos, sin = _tables(5, 32)
     torch.testing.assert_close(K.rotate_triton(x, cos, sin), K.rotate_reference(x, cos, sin))
 
 
 @settings(**SETTINGS)
-@given(m=st.integers(1, 5), n=st.integers(1, 30), d=st.sampled_from([8, 16, 48]), frac=st.floats(0.0, 1.0),
-       seed=st.integers(0, 1000))
+@given(
+    m=st.integers(1, 5),
+    n=st.integers(1, 30),
+    d=st.sampled_from([8, 16, 48]),
+    frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 1000),
+)
 def test_scatter_kernel_equals_reference(m, n, d, frac, seed):
     g = torch.Generator().manual_seed(seed)
     dst = torch.randn(m, n, d, generator=g)
@@ -69,6 +80,7 @@ def test_ops_opcheck():
 
 def test_cache_overwrite_op():
     import kvpass
+
     be = kvpass.backend("pie", compiler="eager")
     kp, vp = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
     kn, vn = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
@@ -87,8 +99,9 @@ def test_cache_overwrite_op():
 SCALINGS = {
     "default": dict(rope_type="default"),
     "linear": dict(rope_type="linear", factor=2.0),
-    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64),
+    "llama3": dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    ),
     "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
     "dynamic": dict(rope_type="dynamic", factor=2.0),
 }
@@ -109,8 +122,9 @@ def _model(kind):
 
 
 @settings(**SETTINGS)
-@given(kind=st.sampled_from(sorted(SCALINGS)), n=st.integers(1, 12), offset=st.integers(0, 360),
-       seed=st.integers(0, 1000))
+@given(
+    kind=st.sampled_from(sorted(SCALINGS)), n=st.integers(1, 12), offset=st.integers(0, 360), seed=st.integers(0, 1000)
+)
 def test_rerotated_keys_equal_the_models_keys(kind, n, offset, seed):
     """Keys of a chunk computed at 0..n-1, un-rotated and rotated to offset.., equal the keys the model
     computes for the chunk at offset.. (alone: RoPE attention is relative, so everything else is equal)."""
@@ -133,14 +147,16 @@ def test_rotary_map_partial_rotary_and_qk_norm(family):
     ids = torch.randint(3, 90, (1, 6))
     p0, pk = torch.arange(6), torch.arange(6) + 40
     for i, ((k0, _), (kk, _)) in enumerate(zip(layer_keys(model, ids, p0[None]), layer_keys(model, ids, pk[None]))):
-        torch.testing.assert_close(rotate(unrotate(k0[0], rot.tables(i, p0)), rot.tables(i, pk)), kk[0],
-                                   atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            rotate(unrotate(k0[0], rot.tables(i, p0)), rot.tables(i, pk)), kk[0], atol=2e-5, rtol=1e-4
+        )
 
 
 def test_unknown_rotation_is_refused(monkeypatch):
     model = families.build("llama")
     # pretend the model rotates interleaved pairs: no candidate reproduces it
     import kvpass.chunks.rope as R
+
     real = R.layer_keys
 
     def scrambled(m, ids, pos):

@@ -27,7 +27,7 @@ class Block(nn.Module):
         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
 
     def forward(self, x, buf):
-        buf.add_(1.0)                       # an in-place write into a graph input, like a cache update
+        buf.add_(1.0)  # an in-place write into a graph input, like a cache update
         return x + self.down(torch.relu(self.up(x))) * buf.sum()
 
 
@@ -35,7 +35,7 @@ class Stack(nn.Module):
     def __init__(self, order=(0, 1, 2)):
         super().__init__()
         self.layers, self.order = nn.ModuleList(Block() for _ in range(3)), order
-        self.requires_grad_(False)          # inference, as a decode step runs
+        self.requires_grad_(False)  # inference, as a decode step runs
 
     def forward(self, x, bufs):
         for i in self.order:
@@ -50,6 +50,7 @@ def _graph(module, *args):
     def capture(gm, example_inputs):
         seen.append((gm, example_inputs))
         return gm.forward
+
     torch._dynamo.reset()
     torch.compile(module, backend=capture, fullgraph=True)(*args)
     return seen[0]
@@ -58,16 +59,16 @@ def _graph(module, *args):
 def test_identical_layers_call_one_subgraph_and_compute_the_same():
     torch.manual_seed(0)
     gm, inputs = _graph(Stack(), torch.randn(2, 8), [torch.zeros(3) for _ in range(3)])
-    want_in = [a.clone() for a in inputs]          # Dynamo hands the backend the real inputs, in graph order
+    want_in = [a.clone() for a in inputs]  # Dynamo hands the backend the real inputs, in graph order
     want = gm(*want_in)
     assert share_layers(gm) == 3
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
-    assert len(calls) == 3 and len({n.args[1] for n in calls}) == 1   # three calls of one subgraph
+    assert len(calls) == 3 and len({n.args[1] for n in calls}) == 1  # three calls of one subgraph
     got_in = [a.clone() for a in inputs]
     got = gm(*got_in)
     torch.testing.assert_close(got, want)
     for g, w in zip(got_in, want_in):
-        torch.testing.assert_close(g, w)                                 # the in-place writes happened
+        torch.testing.assert_close(g, w)  # the in-place writes happened
 
 
 def test_the_shared_copy_keeps_what_tells_static_inputs_apart():
@@ -75,12 +76,14 @@ def test_the_shared_copy_keeps_what_tells_static_inputs_apart():
     each replay) from what Dynamo attached to the module and its placeholders. The first shared copy lost
     it: every weight and cache was copied at each replay (H200, 32 layers: 18.9 ms a step against 7.2)."""
     from torch._functorch._aot_autograd.frontend_utils import _try_get_metadata_from_dynamo
+
     from kvpass.compiler.layers import shared_copy
+
     gm, _ = _graph(Stack(), torch.randn(2, 8), [torch.zeros(3) for _ in range(3)])
     n = len(gm.graph.find_nodes(op="placeholder"))
     static = _try_get_metadata_from_dynamo(gm, {}.keys(), n, [])[1]
     copy, shared = shared_copy(gm)
-    assert shared == 3 and len(static) == 12     # the six weights and six biases
+    assert shared == 3 and len(static) == 12  # the six weights and six biases
     assert _try_get_metadata_from_dynamo(copy, {}.keys(), n, [])[1] == static
 
 
@@ -127,7 +130,7 @@ def test_the_layers_are_the_container_owning_most_nodes_not_the_one_with_most_ch
 
 def test_layers_that_are_not_contiguous_runs_are_left_inline():
     torch.manual_seed(0)
-    stack = Stack(order=(0, 1, 0))          # layer 0 runs again after layer 1: not one run of nodes
+    stack = Stack(order=(0, 1, 0))  # layer 0 runs again after layer 1: not one run of nodes
     gm, _ = _graph(stack, torch.randn(2, 8), [torch.zeros(3) for _ in range(3)])
     before = len(gm.graph.nodes)
     assert share_layers(gm) == 0 and len(gm.graph.nodes) == before
@@ -141,13 +144,22 @@ def _tokens(model, policy, **kw):
     """Greedy tokens of two prompt lengths through ``kvpass.compile`` (the prefill without Inductor)."""
     torch._dynamo.reset()
     be = kvpass.compile(model, policy, prefill_compiler="eager", **kw)
-    return be, [model.generate(torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)),
-                               max_new_tokens=5, min_new_tokens=5, do_sample=False)[0].tolist() for n in (20, 37)]
+    return be, [
+        model.generate(
+            torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)),
+            max_new_tokens=5,
+            min_new_tokens=5,
+            do_sample=False,
+        )[0].tolist()
+        for n in (20, 37)
+    ]
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize("policy,params,forms", [("full", {}, 1), ("quest", dict(budget=32, dense_layers=2), 2),
-                                                  ("raas", dict(budget=32), 0)])
+@pytest.mark.parametrize(
+    "policy,params,forms",
+    [("full", {}, 1), ("quest", dict(budget=32, dense_layers=2), 2), ("raas", dict(budget=32), 0)],
+)
 def test_inductor_decode_calls_the_shared_layer_and_gives_the_eager_tokens(policy, params, forms):
     """4 layers. quest's two dense layers read every entry: two forms of two layers, two subgraphs (the
     second one's layers were rewired by the first one's replacement: a KeyError on the GPU before). raas
@@ -173,10 +185,19 @@ def test_sliding_layers_share_apart_from_the_global_one():
 
 def _gemma3(layers: int):
     import transformers as tf
-    cfg = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                              layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
-                              max_position_embeddings=512)
+
+    cfg = tf.Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     return tf.Gemma3ForCausalLM(cfg).eval()
 
@@ -191,8 +212,9 @@ def _logits(model, backend, steps=6):
     cache = kvpass.SlotCache(model, backend, max_length=40 + steps + 1, max_new_tokens=steps + 1, batch_size=2)
     out = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
     for _ in range(steps):
-        out.append(fwd(input_ids=out[-1].argmax(-1, keepdim=True), past_key_values=cache,
-                       use_cache=True).logits[:, -1].clone())
+        out.append(
+            fwd(input_ids=out[-1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1].clone()
+        )
     return out
 
 
@@ -212,12 +234,14 @@ def test_a_layer_whose_cache_count_is_read_outside_stays_inline_and_logits_match
 @pytest.mark.inductor
 def test_a_failed_shared_compile_warns_and_compiles_every_layer(monkeypatch):
     import torch._inductor.compile_fx as cfx
+
     real = cfx.compile_fx
 
     def refuse_shared(gm, *a, **k):
         if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
             raise RuntimeError("no shared layers today")
         return real(gm, *a, **k)
+
     monkeypatch.setattr(cfx, "compile_fx", refuse_shared)
     _, want = _tokens(_llama(2), "full", compiler="eager")
     with pytest.warns(kvpass.KVPassWarning, match="repeated layers once failed .*no shared layers today"):
@@ -236,17 +260,21 @@ def test_a_restart_of_dynamos_analysis_is_passed_on_not_taken_for_a_failure(monk
     the shared copy compiled, it was caught as a failure of the shared layers (a warning, then every layer inline,
     which restarted anyway). It must reach Dynamo; a real failure still falls back with the warning."""
     import torch._inductor.compile_fx as cfx
+
     from kvpass.compiler import layers
     from kvpass.compiler.backend import GraphReport
+
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     shared = torch.fx.symbolic_trace(nn.Linear(2, 2))
     monkeypatch.setattr(layers, "shared_copy", lambda g: (shared, 2))
     be = kvpass.backend("full")
     for error, passed_on in ((torch._dynamo.exc.TensorifyScalarRestartAnalysis, True), (RuntimeError, False)):
+
         def compile_fx(g, inputs, config_patches=None, error=error):
             if g is shared:
                 raise error("from the shared copy")
             return "inline"
+
         monkeypatch.setattr(cfx, "compile_fx", compile_fx)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -254,5 +282,8 @@ def test_a_restart_of_dynamos_analysis_is_passed_on_not_taken_for_a_failure(monk
                 with pytest.raises(error):
                     be._inner(gm, [], None, "inductor", GraphReport(phase="decode", sites=[], plans={}, problems=[]))
             else:
-                assert be._inner(gm, [], None, "inductor", GraphReport(phase="decode", sites=[], plans={}, problems=[])) == "inline"
+                assert (
+                    be._inner(gm, [], None, "inductor", GraphReport(phase="decode", sites=[], plans={}, problems=[]))
+                    == "inline"
+                )
         assert any("repeated layers once failed" in str(w.message) for w in seen) is not passed_on

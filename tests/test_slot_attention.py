@@ -21,8 +21,11 @@ from kvpass.policies.chunk_fusion.ops import attention_slots_reference
 pytestmark = pytest.mark.skipif(S.triton is None, reason="needs Triton")
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # kernel and reference both compute in fp32 and round once: about one ulp of the output dtype
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=1.6e-2, rtol=1e-2)}
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1e-2),
+}
 
 
 def slot_case(b, h, hkv, lq, lk, d, dtype, seed, sort=True, blind=0, dv=None):
@@ -46,10 +49,20 @@ def check(got, want, dtype):
 
 
 @SETTINGS
-@given(b=st.integers(1, 2), gqa=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]), lq=st.integers(1, 40),
-       lk=st.integers(1, 150), d=st.sampled_from([16, 24, 32]), dtype=st.sampled_from(list(TOL)),
-       softcap=st.sampled_from([0.0, 3.0]), block_m=st.sampled_from([16, 32]), block_n=st.sampled_from([16, 32]),
-       sort=st.booleans(), blind=st.integers(0, 3), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(1, 2),
+    gqa=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]),
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 150),
+    d=st.sampled_from([16, 24, 32]),
+    dtype=st.sampled_from(list(TOL)),
+    softcap=st.sampled_from([0.0, 3.0]),
+    block_m=st.sampled_from([16, 32]),
+    block_n=st.sampled_from([16, 32]),
+    sort=st.booleans(),
+    blind=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+)
 def test_slot_kernel_equals_reference(b, gqa, lq, lk, d, dtype, softcap, block_m, block_n, sort, blind, seed):
     h, hkv = gqa
     q, k, v, q_pos = slot_case(b, h, hkv, lq, lk, d, dtype, seed, sort, min(blind, lq))
@@ -64,13 +77,14 @@ def test_slot_kernel_equals_reference(b, gqa, lq, lk, d, dtype, softcap, block_m
 def test_reference_equals_ops_reference(softcap, sort):
     """The kernel module's reference is ``attention_pos`` with slot j at position j."""
     q, k, v, q_pos = slot_case(2, 6, 2, 30, 70, 24, torch.float32, 5, sort, blind=2)
-    q_pos[0, -1] = 90                                                      # past the cache: sees all
+    q_pos[0, -1] = 90  # past the cache: sees all
     want = attention_slots_reference(q, k, v, q_pos, 0.3, softcap)
-    torch.testing.assert_close(S.slot_attention_reference(q, k, v, q_pos, 0.3, softcap), want,
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(S.slot_attention_reference(q, k, v, q_pos, 0.3, softcap), want, atol=1e-6, rtol=1e-6)
     kv_pos = torch.arange(70).expand(2, 2, 70)
-    torch.testing.assert_close(torch.ops.kvpass.attention_slots(q, k, v, q_pos, 0.3, softcap),
-                               torch.ops.kvpass.attention_pos(q, k, v, q_pos, kv_pos, 0.3, softcap, 0))
+    torch.testing.assert_close(
+        torch.ops.kvpass.attention_slots(q, k, v, q_pos, 0.3, softcap),
+        torch.ops.kvpass.attention_pos(q, k, v, q_pos, kv_pos, 0.3, softcap, 0),
+    )
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -79,7 +93,7 @@ def test_rows_that_see_nothing_are_zero(dtype):
     q, k, v, _ = slot_case(2, 4, 2, 20, 60, 16, dtype, 1)
     q_pos = torch.arange(40, 60).expand(2, 20).clone()
     q_pos[0, ::3] = -1
-    q_pos[1] = -5                                                          # batch 1: nothing at all
+    q_pos[1] = -5  # batch 1: nothing at all
     got = S.slot_attention_triton(q, k, v, q_pos, 0.25, block_m=16, block_n=16)
     check(got, S.slot_attention_reference(q, k, v, q_pos, 0.25), dtype)
     assert got[0, :, ::3].eq(0).all() and got[1].eq(0).all()
@@ -104,8 +118,8 @@ def test_strided_inputs_and_value_dim():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 25, 4, 24, generator=g).transpose(1, 2)
     k = torch.randn(2, 50, 2, 24, generator=g).transpose(1, 2)
-    v = torch.randn(2, 50, 2, 40, generator=g)[..., :20].transpose(1, 2)       # Dv = 20, strided rows
-    pos = torch.randint(0, 60, (25, 2), generator=g, dtype=torch.int32).t()    # some >= Lk, strided
+    v = torch.randn(2, 50, 2, 40, generator=g)[..., :20].transpose(1, 2)  # Dv = 20, strided rows
+    pos = torch.randint(0, 60, (25, 2), generator=g, dtype=torch.int32).t()  # some >= Lk, strided
     want = S.slot_attention_reference(q.contiguous(), k.contiguous(), v.contiguous(), pos.contiguous(), 0.3)
     got = S.slot_attention_triton(q, k, v, pos, 0.3, block_m=16, block_n=16)
     assert got.shape == (2, 4, 25, 20)

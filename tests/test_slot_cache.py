@@ -22,7 +22,6 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build, skip_uneven_layers_on_old_stacks, symbolic_lengths
-from kvpass.cache import runtime
 from kvpass.cache.slots import APPEND, RING, write_slots
 
 BUDGET, SINKS = 8, 2
@@ -32,7 +31,7 @@ PUNCT = [5, 7]
 def prompt(n: int, seed: int, b: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, 90, (b, n), generator=g)
-    ids[torch.rand(b, n, generator=g) < 0.15] = PUNCT[seed % 2]       # sentence ends for sablock
+    ids[torch.rand(b, n, generator=g) < 0.15] = PUNCT[seed % 2]  # sentence ends for sablock
     return ids
 
 
@@ -87,8 +86,7 @@ def slot_run(model, policy, ids, steps, tokens=None, max_length=40, max_new_toke
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler=kw.pop("compiler", "eager"), **kw)
     fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic)
-    cache = kvpass.SlotCache(model, be, max_length=max_length, batch_size=ids.shape[0],
-                             max_new_tokens=max_new_tokens)
+    cache = kvpass.SlotCache(model, be, max_length=max_length, batch_size=ids.shape[0], max_new_tokens=max_new_tokens)
     _, logits = run(fwd, cache, ids, steps, tokens)
     return be, cache, logits
 
@@ -101,8 +99,14 @@ def dynamic_run(model, policy, ids, steps, mask=None, **kw):
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     cache = DynamicCache(config=model.config)
     kept = {}
-    tokens, logits = run(fwd, cache, ids, steps, mask=mask,
-                         on_prefill=lambda: kept.update({i: st.pos.clone() for i, st in be.state.layers.items()}))
+    tokens, logits = run(
+        fwd,
+        cache,
+        ids,
+        steps,
+        mask=mask,
+        on_prefill=lambda: kept.update({i: st.pos.clone() for i, st in be.state.layers.items()}),
+    )
     return be, tokens, logits, kept
 
 
@@ -110,9 +114,19 @@ def dynamic_run(model, policy, ids, steps, mask=None, **kw):
 # full / art equal the uncompiled model
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family,attn,explicit", [
-    ("llama", "sdpa", False), ("llama", "sdpa", True), ("qwen3", "eager", False), ("gpt_neox", "sdpa", False),
-    ("granite", "sdpa", False), ("phi3", "sdpa", False), ("phi3", "eager", True)])
+
+@pytest.mark.parametrize(
+    "family,attn,explicit",
+    [
+        ("llama", "sdpa", False),
+        ("llama", "sdpa", True),
+        ("qwen3", "eager", False),
+        ("gpt_neox", "sdpa", False),
+        ("granite", "sdpa", False),
+        ("phi3", "sdpa", False),
+        ("phi3", "eager", True),
+    ],
+)
 def test_full_equals_uncompiled_dynamic_cache(family, attn, explicit):
     """``full`` on a SlotCache (prefill: slot_prefill keeps everything; decode: write_slots appends and
     decode_attention reads by position) is the model itself: 8 greedy steps, logits at 1e-5."""
@@ -145,12 +159,24 @@ def test_art_noop_equals_full_and_composes_with_snapkv():
     assert cache.capacity == 40
 
     _, tokens, ref, _ = dynamic_run(model, "snapkv", ids, 8, budget=BUDGET, window=2)
-    be, cache, got = slot_run(model, "snapkv+art", ids, 8, torch.stack(tokens), max_new_tokens=8,
-                              budget=BUDGET, window=2, tau=0.0, phi=0.0, block=16)
+    be, cache, got = slot_run(
+        model,
+        "snapkv+art",
+        ids,
+        8,
+        torch.stack(tokens),
+        max_new_tokens=8,
+        budget=BUDGET,
+        window=2,
+        tau=0.0,
+        phi=0.0,
+        block=16,
+    )
     assert_logits_close(got, ref)
     assert cache.capacity == BUDGET + 8
-    assert be.plans()["decode"] == ["slot: write_slots append in place + decode_attention(tau=0, phi=0, p=5, "
-                                    "block=16, horizon=16) by position"]
+    assert be.plans()["decode"] == [
+        "slot: write_slots append in place + decode_attention(tau=0, phi=0, p=5, block=16, horizon=16) by position"
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,12 +210,13 @@ def test_evicting_policy_equals_dynamic_cache(policy, params, n):
         assert pos.shape[-1] == cache.capacity
         if policy == "streamingllm":
             recent = budget + 1 - SINKS
-            assert (pos.sort(-1).values == torch.tensor(
-                [0, 1] + list(range(n + 10 - recent, n + 10)), dtype=pos.dtype)).all()
-        else:       # the prefill kept what the DynamicCache path kept, then every decoded token
+            assert (
+                pos.sort(-1).values == torch.tensor([0, 1] + list(range(n + 10 - recent, n + 10)), dtype=pos.dtype)
+            ).all()
+        else:  # the prefill kept what the DynamicCache path kept, then every decoded token
             assert torch.equal(pos[..., :budget].sort(-1).values.long(), kept[layer].sort(-1).values.long())
             assert (pos[..., budget:] == torch.arange(n, n + 10, dtype=pos.dtype)).all()
-            assert kept[layer].shape[-1] == budget < n      # (it did evict)
+            assert kept[layer].shape[-1] == budget < n  # (it did evict)
 
 
 def test_pyramidkv_per_layer_capacity_equals_dynamic_cache():
@@ -208,7 +235,9 @@ def test_pyramidkv_per_layer_capacity_equals_dynamic_cache():
     for layer, n in enumerate((19, 5)):
         pos = cache.positions(layer)
         assert torch.equal(pos[..., :n].long(), kept[layer].long().sort(-1).values)
-        assert (pos[..., n:n + 10] == torch.arange(24, 34, dtype=pos.dtype)).all() and (pos[..., n + 10:] == -1).all()
+        assert (pos[..., n : n + 10] == torch.arange(24, 34, dtype=pos.dtype)).all() and (
+            pos[..., n + 10 :] == -1
+        ).all()
     assert "capacity=[29, 22]" in repr(cache)
 
 
@@ -247,9 +276,13 @@ def test_left_padded_batch_equals_dynamic_cache():
 # sliding-window layers: a ring of the window per layer
 # ------------------------------------------------------------------------------------------------
 
-SLIDING = [("gemma3", "sdpa"), ("gemma2", "eager"), ("cohere2", "sdpa")]   # window 8; softcapping in gemma2
-SLIDING_PARAMS = dict(snapkv=dict(budget=12, window=2), streamingllm=dict(budget=10, sinks=2),
-                      quest=dict(budget=16, dense_layers=0), raas=dict(budget=16))
+SLIDING = [("gemma3", "sdpa"), ("gemma2", "eager"), ("cohere2", "sdpa")]  # window 8; softcapping in gemma2
+SLIDING_PARAMS = dict(
+    snapkv=dict(budget=12, window=2),
+    streamingllm=dict(budget=10, sinks=2),
+    quest=dict(budget=16, dense_layers=0),
+    raas=dict(budget=16),
+)
 # each family runs one or two of them (CI time): every policy leaves sliding layers to the same ring
 ON_SLIDING = dict(gemma3=("raas",), gemma2=("streamingllm", "quest"), cohere2=("snapkv", "streamingllm"))
 
@@ -281,7 +314,7 @@ def test_sliding_layers_are_rings(family, attn):
 # quest: page bounds as layer state beside the slots
 # ------------------------------------------------------------------------------------------------
 
-QUEST = dict(budget=48, dense_layers=0)       # top 3 pages + the current one, over 5-6 pages
+QUEST = dict(budget=48, dense_layers=0)  # top 3 pages + the current one, over 5-6 pages
 
 
 def test_quest_equals_dynamic_cache_and_reads_pages():
@@ -290,6 +323,7 @@ def test_quest_equals_dynamic_cache_and_reads_pages():
     a 70-token prompt (pages 0-5 of which it reads 4 at most), and differs from ``full``: the selection
     is real. The bounds state of every layer is the one computed from the slots."""
     from kvpass.policies.pages.quest import PAGE
+
     model = build("llama")
     ids = prompt(70, seed=2)
     _, tokens, ref, _ = dynamic_run(model, "quest", ids, 20, **QUEST)
@@ -297,8 +331,10 @@ def test_quest_equals_dynamic_cache_and_reads_pages():
     be, cache, got = slot_run(model, "quest", ids, 20, torch.stack(tokens), max_length=96, **QUEST)
     assert_logits_close(got, ref)
     assert max((a - b).abs().max().item() for a, b in zip(got[1:], full[1:])) > 1e-2
-    assert be.plans()["decode"] == ["slot: write_slots append + slot_fold in place + decode_attention (exact) over "
-                                    "the blocks of slot_pages (block 16) by position"]
+    assert be.plans()["decode"] == [
+        "slot: write_slots append + slot_fold in place + decode_attention (exact) over "
+        "the blocks of slot_pages (block 16) by position"
+    ]
     assert be.plans()["prefill"][0].endswith("+ slot_bounds")
     for lay in cache.layers:
         kmin, kmax, live, covered = lay.state
@@ -364,9 +400,17 @@ def test_quest_stale_bounds_fail():
 # generate
 # ------------------------------------------------------------------------------------------------
 
+
 def _generate(model, ids, new, **kw):
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, **kw)
+    out = model.generate(
+        ids,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kw,
+    )
     return out.sequences, torch.stack(out.logits)
 
 
@@ -385,7 +429,7 @@ def test_generate_full_and_chat_continuation(family):
     ref_seq, ref_logits = _generate(ref, ids, 6, past_key_values=DynamicCache(config=ref.config))
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
-    assert int(cache.get_seq_length()) == 13 + 6 - 1                  # generate never feeds its last token
+    assert int(cache.get_seq_length()) == 13 + 6 - 1  # generate never feeds its last token
 
     chat = torch.cat([seq, torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(2))], 1)
     seq2, logits2 = _generate(model, chat, 6, past_key_values=cache)
@@ -411,10 +455,9 @@ def test_generate_streamingllm_seq_length_and_continuation():
         model = build("llama")
         be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
         model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
-        cache = (DynamicCache(config=model.config) if kind == "dynamic"
-                 else kvpass.SlotCache(model, be, max_length=64))
+        cache = DynamicCache(config=model.config) if kind == "dynamic" else kvpass.SlotCache(model, be, max_length=64)
         seq, logits = _generate(model, ids, 10, past_key_values=cache)
-        if kind == "slot":                                   # generate never feeds its last token
+        if kind == "slot":  # generate never feeds its last token
             assert int(cache.get_seq_length()) == 13 + 10 - 1 and cache.layers[0].keys.shape[2] == BUDGET + 1
         with torch.no_grad():
             chat = model(input_ids=turn, past_key_values=cache, use_cache=True).logits
@@ -434,6 +477,7 @@ def test_generate_streamingllm_seq_length_and_continuation():
 # ------------------------------------------------------------------------------------------------
 # memory, recompilation, the victim rule
 # ------------------------------------------------------------------------------------------------
+
 
 def test_streamingllm_slots_fixed_and_hold_sinks_and_recent():
     """30 decode steps: every layer's slot tensors stay [1, 2, budget + 1, D] at the same address, and
@@ -457,14 +501,15 @@ def test_streamingllm_slots_fixed_and_hold_sinks_and_recent():
                 assert (lay.keys.data_ptr(), lay.values.data_ptr(), lay.pos.data_ptr()) == ptrs[i]
                 want = [0, 1] + list(range(seen - (BUDGET - SINKS) - (step > 0), seen))
                 if step == 0:
-                    want.append(-1)                                     # the prefill kept the budget
+                    want.append(-1)  # the prefill kept the budget
                 got = cache.positions(i).sort(-1).values
                 assert (got == torch.tensor(sorted(want), dtype=got.dtype)).all(), (step, got[0, 0].tolist())
                 assert cache.positions(i)[..., :SINKS].tolist() == [[[0, 1]] * shape[1]]
             assert cache.seen == seen
             if step < 30:
-                logits = fwd(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache,
-                             use_cache=True).logits[:, -1]
+                logits = fwd(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[
+                    :, -1
+                ]
     assert cache.kv_bytes() == nbytes
     per_layer = 2 * shape[0] * shape[1] * shape[2] * shape[3] * 4 + shape[0] * shape[1] * shape[2] * 4 + 4 * 8
     assert nbytes == per_layer * model.config.num_hidden_layers
@@ -486,8 +531,9 @@ def test_write_slots_ring_rule():
     """The ring's victim per (row, KV head): the lowest empty slot, else the oldest slot past the
     protected ones (even when a protected slot is older); several tokens take several victims."""
     cap, protect, d = 6, 2, 3
-    pos = torch.tensor([[[0, 1, 5, 3, -1, 4], [0, 1, 5, 3, 7, 4]],
-                        [[-1, -1, -1, -1, -1, -1], [2, 0, 6, 9, 8, 7]]], dtype=torch.int32)
+    pos = torch.tensor(
+        [[[0, 1, 5, 3, -1, 4], [0, 1, 5, 3, 7, 4]], [[-1, -1, -1, -1, -1, -1], [2, 0, 6, 9, 8, 7]]], dtype=torch.int32
+    )
     keys, values = torch.zeros(2, 2, cap, d), torch.zeros(2, 2, cap, d)
     count = torch.tensor([[20, cap, 0, 1 << 40]] * 2)
     k_new, v_new = torch.ones(2, 2, 1, d), torch.full((2, 2, 1, d), 2.0)
@@ -501,12 +547,22 @@ def test_write_slots_ring_rule():
             expect[v] = 20
             assert p[b, h].tolist() == expect.tolist(), (b, h)
             assert keys[b, h, v].eq(1).all() and values[b, h, v].eq(2).all()
-            assert keys[b, h].sum() == d                                 # nothing else written
-    assert q_pos.tolist() == [[20], [20]] and kv_len.tolist() == [cap, cap] and count[:, :3].tolist() == [[21, cap, 0]] * 2
+            assert keys[b, h].sum() == d  # nothing else written
+    assert (
+        q_pos.tolist() == [[20], [20]] and kv_len.tolist() == [cap, cap] and count[:, :3].tolist() == [[21, cap, 0]] * 2
+    )
     # two tokens at once: (row 0, head 0) takes its empty slot and then the oldest (pos 3)
     p = pos.clone()
-    write_slots(keys, values, p, torch.tensor([[20, cap, 0, 1 << 40]] * 2), torch.ones(2, 2, 2, d), torch.ones(2, 2, 2, d), RING,
-                protect)
+    write_slots(
+        keys,
+        values,
+        p,
+        torch.tensor([[20, cap, 0, 1 << 40]] * 2),
+        torch.ones(2, 2, 2, d),
+        torch.ones(2, 2, 2, d),
+        RING,
+        protect,
+    )
     assert sorted(p[0, 0].tolist()) == [0, 1, 4, 5, 20, 21] and p[0, 0, :2].tolist() == [0, 1]
     assert sorted(p[1, 1].tolist()) == [0, 2, 8, 9, 20, 21] and p[1, 1, :2].tolist() == [2, 0]
     # the append rule: the next free slot, whatever the positions say; a renumbering prefill's shift
@@ -522,7 +578,7 @@ def test_write_slots_ring_rule():
 # raas: the page pool in the slots, its tables as layer state
 # ------------------------------------------------------------------------------------------------
 
-RAAS = dict(budget=32, alpha=0.02)            # 3 decode pages: the pool is full after 32 decode tokens
+RAAS = dict(budget=32, alpha=0.02)  # 3 decode pages: the pool is full after 32 decode tokens
 
 
 def test_raas_equals_dynamic_cache_and_evicts():
@@ -535,25 +591,38 @@ def test_raas_equals_dynamic_cache_and_evicts():
     ids = prompt(37, seed=5)
     steps = 70
     _, tokens, ref, _ = dynamic_run(model, "raas", ids, steps, **RAAS)
-    be, cache, got = slot_run(model, "raas", ids, steps, torch.stack(tokens), max_length=37 + steps,
-                              max_new_tokens=steps, **RAAS)
+    be, cache, got = slot_run(
+        model, "raas", ids, steps, torch.stack(tokens), max_length=37 + steps, max_new_tokens=steps, **RAAS
+    )
     assert_logits_close(got, ref)
-    assert cache.capacity == (3 + 3) * 16              # ceil(37/16) prompt pages + budget/16 + 1
-    assert be.plans()["decode"] == ["slot: write_slots placed at slot_place + slot_stamp in place + "
-                                    "decode_attention (exact) by position"]
+    assert cache.capacity == (3 + 3) * 16  # ceil(37/16) prompt pages + budget/16 + 1
+    assert be.plans()["decode"] == [
+        "slot: write_slots placed at slot_place + slot_stamp in place + decode_attention (exact) by position"
+    ]
     for layer in range(model.config.num_hidden_layers):
         kept = cache.positions(layer)[cache.positions(layer) >= 0].view(2, -1)
         for row in kept:
             real = sorted(row.tolist())
-            assert real[:37] == list(range(37))           # the prompt pages are never evicted
+            assert real[:37] == list(range(37))  # the prompt pages are never evicted
             decoded = real[37:]
             assert 32 <= len(decoded) <= 48 and decoded[-1] == 37 + steps - 1
-            assert len(decoded) < steps                    # pages were evicted
+            assert len(decoded) < steps  # pages were evicted
     kmin, kmax, live, ts, born, meta, seen = cache.layers[0].state
     assert (seen == 37 + steps).all() and (meta[..., 2] == 3).all() and live[..., :6].all()
-    _, _, got = slot_run(model, "raas+art", ids, steps, torch.stack(tokens), max_length=37 + steps,
-                         max_new_tokens=steps, tau=0.0, phi=0.0, block=16, **RAAS)
-    assert_logits_close(got, ref)                      # ART's no-op on raas's pool
+    _, _, got = slot_run(
+        model,
+        "raas+art",
+        ids,
+        steps,
+        torch.stack(tokens),
+        max_length=37 + steps,
+        max_new_tokens=steps,
+        tau=0.0,
+        phi=0.0,
+        block=16,
+        **RAAS,
+    )
+    assert_logits_close(got, ref)  # ART's no-op on raas's pool
 
 
 def test_raas_left_padded_batch_equals_rows_alone():
@@ -568,9 +637,10 @@ def test_raas_left_padded_batch_equals_rows_alone():
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     tokens, got = run(fwd, kvpass.SlotCache(model, be, max_length=80, batch_size=2), ids, steps, mask=mask)
     for row, alone in ((0, short), (1, long)):
-        _, _, ref = slot_run(model, "raas", alone, steps, torch.stack(tokens)[:, row:row + 1], max_length=80,
-                             **params)
-        assert_logits_close([x[row:row + 1] for x in got], ref, atol=1e-4)
+        _, _, ref = slot_run(
+            model, "raas", alone, steps, torch.stack(tokens)[:, row : row + 1], max_length=80, **params
+        )
+        assert_logits_close([x[row : row + 1] for x in got], ref, atol=1e-4)
 
 
 def test_raas_noop_equals_full_and_capacity():
@@ -585,7 +655,7 @@ def test_raas_noop_equals_full_and_capacity():
     assert_logits_close(got, ref)
     assert cache.capacity == (4 + 2) * 16
     _, cache, _ = slot_run(model, "raas", prompt(60, seed=6), 4, max_length=64, max_new_tokens=4, budget=64)
-    assert cache.capacity == 6 * 16                    # 4 prompt pages, room for 2 of the 5 decode pages
+    assert cache.capacity == 6 * 16  # 4 prompt pages, room for 2 of the 5 decode pages
     with pytest.raises(RuntimeError, match="longer than the max_length the cache was built for"):
         slot_run(model, "raas", prompt(60, seed=6), 5, max_length=64, max_new_tokens=4, budget=64)
 
@@ -596,10 +666,15 @@ def test_raas_noop_equals_full_and_capacity():
 
 # (CI time) fastkv is asl at a fixed layer, and gemfilter runs here on gemma3; both run on the two-layer llama in
 # the conformance loop (tests/test_conformance.py: SlotCache equal to DynamicCache)
-GATED = [("llama", "asl", dict(layer=2), None), ("llama", "asl", dict(layer=-1, tau=0.99), True),
-         ("llama", "asl_fullkv", dict(layer=3), True), ("llama", "asl_2pass", dict(layer=2), None),
-         ("gemma3", "asl", dict(layer=2), None), ("cohere2", "asl_fullkv", dict(layer=3), None),
-         ("gemma3", "gemfilter", dict(layer=2), True)]
+GATED = [
+    ("llama", "asl", dict(layer=2), None),
+    ("llama", "asl", dict(layer=-1, tau=0.99), True),
+    ("llama", "asl_fullkv", dict(layer=3), True),
+    ("llama", "asl_2pass", dict(layer=2), None),
+    ("gemma3", "asl", dict(layer=2), None),
+    ("cohere2", "asl_fullkv", dict(layer=3), None),
+    ("gemma3", "gemfilter", dict(layer=2), True),
+]
 
 
 @pytest.mark.inductor
@@ -609,17 +684,28 @@ def test_gated_batch_under_inductor_equals_rows_alone():
     from the trace (``[1, L, D]``) refused with a size assert (Llama-8B shape, batch 16, H200, 2026-11-26);
     they are compiled again for the widened inputs. Each row equals its own batch-1 run."""
     from test_asl import build as build_deep
+
     model = build_deep("llama", layers=6)
     ids = torch.cat([prompt(40, seed=1), prompt(40, seed=2)])
     params = dict(layer=2, budget=10, window=4)
     steps = 4
-    _, cache, got = slot_run(model, "asl", ids, steps, max_length=50, max_new_tokens=steps, dynamic=True,
-                             compiler="inductor", **params)
+    _, cache, got = slot_run(
+        model, "asl", ids, steps, max_length=50, max_new_tokens=steps, dynamic=True, compiler="inductor", **params
+    )
     tokens = torch.stack([x.argmax(-1, keepdim=True) for x in got[:-1]])
     for row in (0, 1):  # the eager compiler: the same graphs, without Inductor's size checks
-        _, _, ref = slot_run(model, "asl", ids[row:row + 1], steps, tokens[:, row:row + 1], max_length=50,
-                             max_new_tokens=steps, dynamic=True, **params)
-        assert_logits_close([x[row:row + 1] for x in got], ref, atol=1e-4)
+        _, _, ref = slot_run(
+            model,
+            "asl",
+            ids[row : row + 1],
+            steps,
+            tokens[:, row : row + 1],
+            max_length=50,
+            max_new_tokens=steps,
+            dynamic=True,
+            **params,
+        )
+        assert_logits_close([x[row : row + 1] for x in got], ref, atol=1e-4)
 
 
 @pytest.mark.parametrize("family,policy,params,dynamic", GATED, ids=[f"{g[0]}-{g[1]}-{i}" for i, g in enumerate(GATED)])
@@ -633,14 +719,16 @@ def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
     pass renumbers: its slots hold positions ``0..n-1`` and decode continues at ``n`` while the cache
     still counts every token seen."""
     from test_asl import build as build_deep
-    if policy == "asl_fullkv":     # layers before the gate keep the prompt, deeper ones the selection
+
+    if policy == "asl_fullkv":  # layers before the gate keep the prompt, deeper ones the selection
         skip_uneven_layers_on_old_stacks(policy)
     model = build_deep(family, layers=6)
     ids = prompt(40, seed=1)
     params = dict(budget=10, window=4, **params)
     dyn, tokens, ref, kept = dynamic_run(model, policy, ids, 10, **params)
-    be, cache, got = slot_run(model, policy, ids, 10, torch.stack(tokens), max_length=60, max_new_tokens=10,
-                              dynamic=dynamic, **params)
+    be, cache, got = slot_run(
+        model, policy, ids, 10, torch.stack(tokens), max_length=60, max_new_tokens=10, dynamic=dynamic, **params
+    )
     assert_logits_close(got, ref)
     assert be.gate_info == dyn.gate_info and be.gate_info["selection_layer"] is not None
     assert cache.seen == 50
@@ -653,7 +741,7 @@ def test_gated_policies_equal_dynamic_cache(family, policy, params, dynamic):
         n = kept[i].shape[-1]
         assert torch.equal(cache.positions(i)[..., :n].long(), kept[i].long())
         first = n if policy == "gemfilter" else 40
-        assert (cache.positions(i)[..., n:n + 10] == torch.arange(first, first + 10, dtype=torch.int32)).all()
+        assert (cache.positions(i)[..., n : n + 10] == torch.arange(first, first + 10, dtype=torch.int32)).all()
 
 
 @pytest.mark.inductor
@@ -664,6 +752,7 @@ def test_gated_inductor_dynamic_equals_eager():
     fakes answer; the segments were compiled with the graph's meta values instead, failed, and Dynamo
     broke the graph into pieces that ran without the policy) equal the eager compiler's run."""
     from test_asl import build as build_deep
+
     model = build_deep("llama", layers=4)
     ids = prompt(40, seed=2)
     params = dict(budget=10, window=4, layer=1)
@@ -692,21 +781,25 @@ def test_each_phase_compiles_once_under_dynamic_shapes():
         torch._dynamo.reset()
         be = kvpass.backend("full", compiler="aot_eager")
         with torch._dynamo.config.patch(**({} if specialize is None else {"specialize_float": specialize})):
-            run(torch.compile(model.forward, backend=be, dynamic=True), kvpass.SlotCache(model, be, max_length=40),
-                ids, 3)
+            run(
+                torch.compile(model.forward, backend=be, dynamic=True),
+                kvpass.SlotCache(model, be, max_length=40),
+                ids,
+                3,
+            )
         phases[specialize] = [r.phase for r in be.reports]
     assert phases[None] == ["prefill", "decode"]
-    assert phases[False] == ["prefill", "prefill", "decode"]        # what it was before
+    assert phases[False] == ["prefill", "prefill", "decode"]  # what it was before
 
 
 def test_gated_two_pass_first_pass_overflow_is_skipped_not_written():
     """asl_2pass with a forced layer: the first pass computes the whole prompt in layers 0..layer, more
     than their 20 slots; those writes are skipped (the second pass writes every layer) instead of failing."""
     from test_asl import build as build_deep
+
     model = build_deep("llama", layers=4)
     ids = prompt(40, seed=3)
-    be, cache, _ = slot_run(model, "asl_2pass", ids, 2, max_length=60, max_new_tokens=10, budget=10, window=4,
-                            layer=1)
+    be, cache, _ = slot_run(model, "asl_2pass", ids, 2, max_length=60, max_new_tokens=10, budget=10, window=4, layer=1)
     assert be.gate_info["passes"] == 2 and cache.capacity == 20
     assert all((cache.positions(i)[..., 10:12] == torch.tensor([40, 41], dtype=torch.int32)).all() for i in range(4))
 
@@ -718,6 +811,7 @@ def test_gemfilter_generate_and_continuation():
     continues the cache with only the new turn, placed at the renumbered positions ``n + ...``: equal to
     feeding that turn by hand to the DynamicCache path at the positions a bare forward derives."""
     from test_asl import build as build_deep
+
     ids = prompt(40, seed=4)
     turn = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(5))
     params = dict(budget=10, layer=2)
@@ -727,21 +821,30 @@ def test_gemfilter_generate_and_continuation():
         model = build_deep("llama", layers=4)
         be = kvpass.backend("gemfilter", compiler="eager", **params)
         model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
-        cache = (DynamicCache(config=model.config) if kind == "dynamic"
-                 else kvpass.SlotCache(model, be, max_length=64, max_new_tokens=20))
+        cache = (
+            DynamicCache(config=model.config)
+            if kind == "dynamic"
+            else kvpass.SlotCache(model, be, max_length=64, max_new_tokens=20)
+        )
         seq, logits = _generate(model, ids, 6, past_key_values=cache)
         if kind == "slot":
             assert int(cache.get_seq_length()) == 40 + 6 - 1 and be.gate_info["kept"] == 10
             assert cache.positions(3)[0, 0, :16].tolist() == list(range(15)) + [-1]
             seq2, logits2 = _generate(model, torch.cat([seq, turn], 1), 4, past_key_values=cache)
-            results.append((seq, logits, seq2[:, seq.shape[1] + 5:], logits2))
+            results.append((seq, logits, seq2[:, seq.shape[1] + 5 :], logits2))
         else:
-            with torch.no_grad():    # the turn and 4 greedy steps by hand: positions from the cache (n + ...)
-                chat = [model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache,
-                              use_cache=True).logits[:, -1]]
+            with torch.no_grad():  # the turn and 4 greedy steps by hand: positions from the cache (n + ...)
+                chat = [
+                    model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache, use_cache=True).logits[
+                        :, -1
+                    ]
+                ]
                 for _ in range(3):
-                    chat.append(model(input_ids=chat[-1].argmax(-1, keepdim=True), past_key_values=cache,
-                                      use_cache=True).logits[:, -1])
+                    chat.append(
+                        model(
+                            input_ids=chat[-1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True
+                        ).logits[:, -1]
+                    )
             results.append((seq, logits, torch.stack([c.argmax(-1) for c in chat], 1), torch.stack(chat)))
     (seq, logits, new, chat), (s_seq, s_logits, s_new, s_chat) = results
     assert torch.equal(s_seq, seq)
@@ -753,6 +856,7 @@ def test_gemfilter_generate_and_continuation():
 # ------------------------------------------------------------------------------------------------
 # errors
 # ------------------------------------------------------------------------------------------------
+
 
 def test_policy_without_slot_rule_refused():
     """Every built-in policy has a slot rule; a user's policy that names none is refused by name. (A
@@ -787,7 +891,7 @@ def test_capacity_errors():
             fwd(input_ids=ids, past_key_values=kvpass.SlotCache(model, be, max_length=10), use_cache=True)
         cache = kvpass.SlotCache(model, be, max_length=14)
         fwd(input_ids=ids, past_key_values=cache, use_cache=True)
-        fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)          # slot 13: the last one
+        fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # slot 13: the last one
         with pytest.raises(RuntimeError, match="longer than the max_length the cache was built for"):
             fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
 
@@ -812,8 +916,9 @@ def test_uncompiled_model_on_compressed_cache_fails():
                 out = model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits
                 ref = DynamicCache(config=model.config)
                 model(input_ids=ids, past_key_values=ref, use_cache=True)
-                torch.testing.assert_close(out, model(input_ids=ids[:, :1], past_key_values=ref,
-                                                      use_cache=True).logits, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    out, model(input_ids=ids[:, :1], past_key_values=ref, use_cache=True).logits, atol=1e-5, rtol=1e-5
+                )
 
 
 def test_policy_that_did_not_run_overflows_with_the_reason():
@@ -824,14 +929,22 @@ def test_policy_that_did_not_run_overflows_with_the_reason():
     be = kvpass.backend("asl", compiler="eager", layer=2, budget=16, window=4)
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     cache = kvpass.SlotCache(model, be, max_length=40, max_new_tokens=4)
-    with pytest.warns(kvpass.KVPassWarning, match="not a selection layer"), \
-            pytest.raises(RuntimeError, match="the policy did not run"):
+    with (
+        pytest.warns(kvpass.KVPassWarning, match="not a selection layer"),
+        pytest.raises(RuntimeError, match="the policy did not run"),
+    ):
         run(fwd, cache, prompt(36, seed=3), 1)
 
 
-@pytest.mark.parametrize("policy,params", [("snapkv", dict(budget=BUDGET, window=4)),
-                                           ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {}),
-                                           ("art", dict(tau=0.0))])
+@pytest.mark.parametrize(
+    "policy,params",
+    [
+        ("snapkv", dict(budget=BUDGET, window=4)),
+        ("streamingllm", dict(budget=BUDGET, sinks=SINKS)),
+        ("full", {}),
+        ("art", dict(tau=0.0)),
+    ],
+)
 def test_prefill_outside_the_backend_is_refused(policy, params):
     """generate(..., compile_config=CompileConfig(backend=be)) compiles only the decode steps: its prefill
     ran uncompiled and appended the whole prompt into a snapkv SlotCache, so the generation was `full`'s,
@@ -839,6 +952,7 @@ def test_prefill_outside_the_backend_is_refused(policy, params):
     (`full`, `art`), naming the fix; with those the generation equals the uncompiled model's (art with
     tau = 0 is exact)."""
     from transformers import CompileConfig
+
     torch._dynamo.reset()
     model = build("llama")
     ids = prompt(20, seed=4)
@@ -860,7 +974,8 @@ def test_static_long_prompt_mask_warns_dynamic_checks_it():
     so it is kept, and kvpass says so once, naming dynamic=True; compiled with dynamic=True the mask is
     checked at small probe sizes and the prefill attention runs in the causal mode (no mask)."""
     from kvpass.errors import _WARNED
-    model = build("llama", "eager")      # eager attention: transformers always materialises the mask
+
+    model = build("llama", "eager")  # eager attention: transformers always materialises the mask
     ids = torch.randint(3, 90, (1, 2100), generator=torch.Generator().manual_seed(1))
     for dynamic in (False, True):
         torch._dynamo.reset()
@@ -877,8 +992,12 @@ def test_static_long_prompt_mask_warns_dynamic_checks_it():
         fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=dynamic)
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
-            fwd(input_ids=ids, past_key_values=kvpass.SlotCache(model, be, max_length=2101), use_cache=True,
-                logits_to_keep=1)
+            fwd(
+                input_ids=ids,
+                past_key_values=kvpass.SlotCache(model, be, max_length=2101),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         said = [str(w.message) for w in caught if "too large to check" in str(w.message)]
         assert masks and (all(m is not None for m in masks) if not dynamic else all(m is None for m in masks))
         assert len(said) == (0 if dynamic else 1) and all("dynamic=True" in m for m in said)
@@ -899,8 +1018,12 @@ B, HKV, H, D = 2, 2, 4, 8
 
 
 def _slots(cap: int):
-    return (torch.zeros(B, HKV, cap, D), torch.zeros(B, HKV, cap, D), torch.full((B, HKV, cap), -1, dtype=torch.int32),
-            torch.tensor([[0, 0, 0, 1 << 40]] * B))
+    return (
+        torch.zeros(B, HKV, cap, D),
+        torch.zeros(B, HKV, cap, D),
+        torch.full((B, HKV, cap), -1, dtype=torch.int32),
+        torch.tensor([[0, 0, 0, 1 << 40]] * B),
+    )
 
 
 def test_opcheck_slot_append():
@@ -921,7 +1044,7 @@ def rt():
     """A real runtime (streamingllm, budget 8, sinks 2) and one SlotCache site."""
     be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
     be.runtime.sites[0] = SimpleNamespace(sliding_window=None, cache="slot", layer=0)
-    yield be.runtime   # held by `be` until the test ends (the registry is weak)
+    yield be.runtime  # held by `be` until the test ends (the registry is weak)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -953,14 +1076,18 @@ def test_opcheck_slot_prefill(rt, padded):
 # Inductor
 # ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.inductor
-@pytest.mark.parametrize("policy,params", [("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {}),
-                                           ("quest", QUEST), ("raas", RAAS)])
+@pytest.mark.parametrize(
+    "policy,params",
+    [("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("full", {}), ("quest", QUEST), ("raas", RAAS)],
+)
 def test_decode_writes_slots_in_place(policy, params):
     """Inductor's decode graph writes the new token into the slots (and a page's bounds into the policy's
     state) in place: no buffer of their shape is allocated (a ring written with scatter_ was copied whole,
     then copied back, at every step)."""
     from torch._inductor.utils import run_and_get_code
+
     model = build("llama")
     ids = prompt(40, seed=4)
     torch._dynamo.reset()
@@ -983,8 +1110,12 @@ def test_inductor_equals_eager_compiler():
     streamingllm over 6 steps equal the eager compiler's logits."""
     model = build("llama")
     ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
-    for policy, params in (("full", {}), ("streamingllm", dict(budget=BUDGET, sinks=SINKS)), ("quest", QUEST),
-                           ("raas", dict(budget=16))):
+    for policy, params in (
+        ("full", {}),
+        ("streamingllm", dict(budget=BUDGET, sinks=SINKS)),
+        ("quest", QUEST),
+        ("raas", dict(budget=16)),
+    ):
         _, _, ref = slot_run(model, policy, ids, 6, **params)
         tokens = torch.stack([r.argmax(-1, keepdim=True) for r in ref[:-1]])
         be, cache, got = slot_run(model, policy, ids, 6, tokens, compiler="inductor", **params)
@@ -995,15 +1126,15 @@ def test_inductor_equals_eager_compiler():
 
 def test_a_write_longer_than_the_cache_fails_on_the_host():
     """More new tokens than the cache has slots is known from the shapes: the model's own update refuses on the
-    host, naming both counts, before the device assert (which on a GPU ends the process: session 57's two-GPU
-    Qwen3 run died so when a policy's graph compiled unchanged)."""
+    host, naming both counts, before the device assert (which on a GPU ends the process: a two-GPU Qwen3 run
+    died so when a policy's graph compiled unchanged)."""
     b, h, cap, d, q = 1, 2, 4, 8, 6
     keys, values = torch.zeros(b, h, cap, d), torch.zeros(b, h, cap, d)
     pos = torch.full((b, h, cap), -1, dtype=torch.long)
     count = torch.tensor([[0, 0, 0, 100]], dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"longer than the cache's capacity.*\(6 new tokens, 4 slots\)"):
         torch.ops.kvpass.slot_append(keys, values, pos, count, torch.ones(b, h, q, d), torch.ones(b, h, q, d), [])
-    assert int(count[0, 1]) == 0 and bool((pos == -1).all())   # nothing written
+    assert int(count[0, 1]) == 0 and bool((pos == -1).all())  # nothing written
 
 
 @pytest.mark.parametrize("policy", ["quest", "raas"])

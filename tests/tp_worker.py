@@ -26,20 +26,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conformance import CONFORMANCE, NEW, PROMPT, PUNCT  # noqa: E402
-from families import symbolic_lengths  # noqa: E402
+import transformers  # noqa: E402
 
 import kvpass  # noqa: E402
-import transformers  # noqa: E402
+from conformance import CONFORMANCE, NEW, PROMPT, PUNCT  # noqa: E402
+from families import symbolic_lengths  # noqa: E402
 from kvpass.generate.fastpath import backward_hooked  # noqa: E402
 
-
-DEVICE = "cpu"   # --device cuda: NCCL, each rank on its GPU (tests/gpu/test_gpu_tp.py)
+DEVICE = "cpu"  # --device cuda: NCCL, each rank on its GPU (tests/gpu/test_gpu_tp.py)
 
 
 def load(path: str, tp: bool):
     from transformers import AutoModelForCausalLM
+
     from kvpass.eval.models import tensor_parallel_kwargs
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **(tensor_parallel_kwargs() if tp else {}))
     return (model if tp else model.to(DEVICE)).eval()
 
@@ -62,18 +63,21 @@ def head_positions(pos: torch.Tensor, ranges: torch.Tensor | None) -> list[list[
     if ranges is None:
         return pos.sort(-1).values.tolist()
     flat = pos.reshape(-1)
-    return [sorted(p for p in flat[s:s + n].tolist() if p >= 0) for s, n in ranges[0, :, :2].tolist()]
+    return [sorted(p for p in flat[s : s + n].tolist() if p >= 0) for s, n in ranges[0, :, :2].tolist()]
 
 
 def generate(model, name: str, cache_kind: str) -> dict:
     """Greedy prefill + NEW steps under ``name`` (``policy`` or ``policy@compiler``)."""
     from transformers import DynamicCache
+
     policy, _, compiler = name.partition("@")
     torch._dynamo.reset()
-    be = kvpass.backend(policy, compiler=compiler or "eager",
-                        **parameters(policy))
-    cache = (kvpass.SlotCache(model, be, max_length=PROMPT + NEW, max_new_tokens=NEW) if cache_kind == "slot"
-             else DynamicCache(config=model.config))
+    be = kvpass.backend(policy, compiler=compiler or "eager", **parameters(policy))
+    cache = (
+        kvpass.SlotCache(model, be, max_length=PROMPT + NEW, max_new_tokens=NEW)
+        if cache_kind == "slot"
+        else DynamicCache(config=model.config)
+    )
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     ids, tokens = prompt(), []
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
@@ -88,8 +92,9 @@ def generate(model, name: str, cache_kind: str) -> dict:
     if cache_kind == "slot":
         kept = [int(layer.count[0, 1]) for layer in cache.layers]
         held = [layer.pos for layer in cache.layers]
-        ranges = [layer.state[names.index("heads")] if "heads" in names and layer.state else None
-                  for layer in cache.layers]
+        ranges = [
+            layer.state[names.index("heads")] if "heads" in names and layer.state else None for layer in cache.layers
+        ]
     else:
         kept = [int(layer.keys.shape[-2]) for layer in cache.layers]
         states = [be.state.layer(i) for i in range(len(cache.layers))]
@@ -97,18 +102,27 @@ def generate(model, name: str, cache_kind: str) -> dict:
         ranges = [None if st is None else st.extra.get("heads") for st in states]
     # the decision itself: the sorted true positions each KV head holds (row 0), per layer
     positions = [None if p is None else head_positions(p[0], r) for p, r in zip(held, ranges)]
-    return {"tokens": tokens, "kept": kept, "per_head": any(r is not None for r in ranges),
-            "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
-            "positions": positions,
-            "tp": sorted({r.tp for r in be.reports}), "reductions": [x for r in be.reports for x in r.reductions],
-            "problems": [p for r in be.reports for p in r.problems],
-            "warnings": sorted({str(w.message)[:300] for w in caught if "kvpass" in str(w.message)})}
+    return {
+        "tokens": tokens,
+        "kept": kept,
+        "per_head": any(r is not None for r in ranges),
+        "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
+        "positions": positions,
+        "tp": sorted({r.tp for r in be.reports}),
+        "reductions": [x for r in be.reports for x in r.reductions],
+        "problems": [p for r in be.reports for p in r.problems],
+        "warnings": sorted({str(w.message)[:300] for w in caught if "kvpass" in str(w.message)}),
+    }
 
 
 def run_all(model, names: list[str], caches: list[str], share: slice = slice(None), on_slots=None) -> dict:
     """Every (cache, policy) run; ``on_slots``: the policies also run on a SlotCache (None: all)."""
-    runs = [f"{c}:{n}" for c in caches for n in names
-            if not (c == "slot" and ("@" in n or (on_slots is not None and n not in on_slots)))]
+    runs = [
+        f"{c}:{n}"
+        for c in caches
+        for n in names
+        if not (c == "slot" and ("@" in n or (on_slots is not None and n not in on_slots)))
+    ]
     return recorded(lambda key: generate(model, key.partition(":")[2], key.partition(":")[0]), runs[share])
 
 
@@ -117,12 +131,12 @@ def recorded(fn, keys) -> dict:
     error) and the others go on."""
     out = {}
     for key in keys:
-        print(f"tp_worker: {key}", flush=True)   # a run that kills the process (a device-side assert) is the last named
+        print(f"tp_worker: {key}", flush=True)  # a run that kills the process (a device-side assert) is the last named
         start = time.perf_counter()
         try:
             out[key] = fn(key)
         except Exception as e:
-            traceback.print_exc()                   # the whole trace on stderr; the test shows its tail
+            traceback.print_exc()  # the whole trace on stderr; the test shows its tail
             out[key] = {"error": f"{type(e).__name__}: {e}"[:1000]}
         print(f"tp_worker: {key} took {time.perf_counter() - start:.1f} s", flush=True)
     return out
@@ -131,11 +145,18 @@ def recorded(fn, keys) -> dict:
 def explained(model) -> str:
     """What ``kvpass.explain`` prints for chunkkv on this rank (its local heads and the gathers)."""
     torch._dynamo.reset()
-    return str(kvpass.explain(model, {"input_ids": prompt(), "use_cache": True}, "chunkkv", verbose=False,
-                              **CONFORMANCE["chunkkv"].demanding))
+    return str(
+        kvpass.explain(
+            model,
+            {"input_ids": prompt(), "use_cache": True},
+            "chunkkv",
+            verbose=False,
+            **CONFORMANCE["chunkkv"].demanding,
+        )
+    )
 
 
-LENGTHS = (11, 17, 26, 40)   # prompts through kvpass.compile's generate: three capacity buckets
+LENGTHS = (11, 17, 26, 40)  # prompts through kvpass.compile's generate: three capacity buckets
 
 
 def compile_once(path: str, tp: bool, policy: str) -> dict:
@@ -160,14 +181,26 @@ def compile_once(path: str, tp: bool, policy: str) -> dict:
     for n in LENGTHS:
         queue.add(torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE), max_new_tokens=NEW)
     queued = [t[-NEW:].tolist() for t in queue.run(progress=False)]
-    return {"tokens": tokens, "queued": queued, "graphs": graphs, "graphs_with_queue": be.graph_counts(),
-            "spec_guards_dropped": be.spec_guards.dropped, "direct_steps": direct,
-            "kv_heads": sorted({int(c.layers[0].keys.shape[1]) for c in model.generate.caches.values()})}
+    return {
+        "tokens": tokens,
+        "queued": queued,
+        "graphs": graphs,
+        "graphs_with_queue": be.graph_counts(),
+        "spec_guards_dropped": be.spec_guards.dropped,
+        "direct_steps": direct,
+        "kv_heads": sorted({int(c.layers[0].keys.shape[1]) for c in model.generate.caches.values()}),
+    }
 
 
-FUSION = {"a3": {"ratio": 0.3}, "a3+evict": {"ratio": 0.3, "capacity": 24}, "cacheblend": {"ratio": 0.3},
-          "legolink": {"prefix": 4}, "pie": {}, "full_reuse": {}}
-FUSION_RUNS = list(FUSION) + ["a3+evict:slot"]   # ``policy`` or ``policy:cache``
+FUSION = {
+    "a3": {"ratio": 0.3},
+    "a3+evict": {"ratio": 0.3, "capacity": 24},
+    "cacheblend": {"ratio": 0.3},
+    "legolink": {"prefix": 4},
+    "pie": {},
+    "full_reuse": {},
+}
+FUSION_RUNS = list(FUSION) + ["a3+evict:slot"]  # ``policy`` or ``policy:cache``
 
 
 def fusion_request():
@@ -183,13 +216,18 @@ def fuse(model, store_dir: str, name: str) -> dict:
     policy, _, cache = name.partition(":")
     torch._dynamo.reset()
     system, chunks, question = fusion_request()
-    fusion = kvpass.ChunkFusion(model, kvpass.ChunkStore(store_dir, model), policy, compiler="eager",
-                                cache=cache or "dynamic", **FUSION[policy])
+    fusion = kvpass.ChunkFusion(
+        model, kvpass.ChunkStore(store_dir, model), policy, compiler="eager", cache=cache or "dynamic", **FUSION[policy]
+    )
     fused = fusion.prepare(chunks, question, system=system, max_new_tokens=NEW)
     out = fusion.generate(chunks, question, system=system, max_new_tokens=NEW, do_sample=False)
-    return {"recompute": fused.recompute.tolist(), "positions": [p[0].tolist() for p in fused.kept],
-            "kv_heads": [int(p.shape[1]) for p in fused.kept], "tokens": out[0, -NEW:].tolist(),
-            "stored": fusion.store.stats()["disk_entries"]}
+    return {
+        "recompute": fused.recompute.tolist(),
+        "positions": [p[0].tolist() for p in fused.kept],
+        "kv_heads": [int(p.shape[1]) for p in fused.kept],
+        "tokens": out[0, -NEW:].tolist(),
+        "stored": fusion.store.stats()["disk_entries"],
+    }
 
 
 def main() -> None:
@@ -198,7 +236,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--policies", required=True)
     ap.add_argument("--caches", default="dynamic,slot")
-    ap.add_argument("--slot-policies", default="", help="the policies run on a SlotCache, comma-separated (default all)")
+    ap.add_argument(
+        "--slot-policies", default="", help="the policies run on a SlotCache, comma-separated (default all)"
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fusion", default="all", help="the FUSION_RUNS to run, comma-separated, or 'all'")
     ap.add_argument("--compiled", default="", help="policies run through kvpass.compile, comma-separated")
@@ -214,18 +254,25 @@ def main() -> None:
     rank = dist.get_rank()
     model = load(args.model, tp=True)
     hooked = backward_hooked(model)
-    if hooked is not None:   # transformers 5.17's plan for Qwen3's q_norm / k_norm: Dynamo breaks the graph there
+    if hooked is not None:  # transformers 5.17's plan for Qwen3's q_norm / k_norm: Dynamo breaks the graph there
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump({"skip": f"transformers {transformers.__version__}'s tensor-parallel plan puts a module-level "
-                               f"backward hook on {hooked}: Dynamo cannot compile the model as one graph "
-                               f"(kvpass.compile refuses it); later versions use parameter hooks"}, f)
+            json.dump(
+                {
+                    "skip": f"transformers {transformers.__version__}'s tensor-parallel plan puts a module-level "
+                    f"backward hook on {hooked}: Dynamo cannot compile the model as one graph "
+                    f"(kvpass.compile refuses it); later versions use parameter hooks"
+                },
+                f,
+            )
         dist.barrier()
         dist.destroy_process_group()
         return
     result = {"tp": run_all(model, names, caches, on_slots=on_slots)}
     split = load(args.model, tp=True)
     result["explain"] = explained(split)
-    result["fusion"] = recorded(lambda r: fuse(split, os.path.join(args.out, "store_tp"), r), runs)   # one store, both ranks
+    result["fusion"] = recorded(
+        lambda r: fuse(split, os.path.join(args.out, "store_tp"), r), runs
+    )  # one store, both ranks
     result["pinned"] = kvpass.ChunkStore(os.path.join(args.out, "store_tp"), split, fingerprint="pinned").fingerprint
     compiled = [p for p in args.compiled.split(",") if p]
     result["compiled"] = recorded(lambda p: compile_once(args.model, True, p), compiled)

@@ -16,9 +16,10 @@ neighbours hold. A dense ``[B, H_kv, L, D]`` cache is this layout with every hea
 the pool of a layer that keeps ``H_kv x L`` entries in all can be stored as ``[B, H_kv, L, D]`` (the same bytes,
 the head dimension no longer a head): the shape a ``DynamicCache`` and ``transformers`` expect (a layer whose total
 is not a multiple of ``H_kv`` leaves fewer than ``H_kv`` slots empty at the end). ``pack`` builds the layout from
-a prefill's kept (head, entry) pairs with ``room`` free slots after each head: 0 for a cache that grows by a copy
-every step (as a ``DynamicCache`` does), the decode steps to come for a preallocated one (``kvpass.SlotCache``, whose decode graph writes in place). ``append`` adds one
-token per head in place; ``grow`` returns the layout with ``q`` more entries per head (a copy, as ``torch.cat``
+a prefill's kept (head, entry) pairs with ``room`` free slots after each head: 0 for a cache that grows by a copy every
+step (as a ``DynamicCache`` does), the decode steps to come for a preallocated one (``kvpass.SlotCache``, whose decode
+graph writes in place). ``append`` adds one token per head in place; ``grow`` returns the layout with ``q`` more entries
+per head (a copy, as ``torch.cat``
 does for a ``DynamicCache``); ``by_head`` views it per head for attention by position over several queries. A head
 may keep a window instead of everything (``RECENT``: DuoAttention's streaming heads): its sinks and its latest
 entries, a ring of its own slots on a SlotCache. Stored bytes are the kept entries' plus the room: ``S = sum(counts) +
@@ -44,8 +45,9 @@ class Kept:
     (0: the head keeps everything) with ``sinks`` protected entries, the first real ones (``sink [B, H_kv]``: the
     position before which a head's entries are its sinks)."""
 
-    def __init__(self, sel: Tensor, counts: Tensor, recent: Tensor | None = None, sinks: int = 0,
-                 sink: Tensor | None = None) -> None:
+    def __init__(
+        self, sel: Tensor, counts: Tensor, recent: Tensor | None = None, sinks: int = 0, sink: Tensor | None = None
+    ) -> None:
         self.sel, self.counts = sel, counts
         zero = torch.zeros_like(counts)
         self.recent = zero if recent is None else recent
@@ -74,15 +76,18 @@ def pack(k: Tensor, v: Tensor, kv_pos: Tensor, kept: Kept, room: int | Tensor = 
     slots past the last head's room empty. Returns ``(keys, values, pos, ranges)``."""
     b, h, n, d = k.shape
     sel, counts = kept.sel, kept.counts.long()
-    flat = lambda t: t.reshape(b, h * n, *t.shape[3:])
+
+    def flat(t):
+        return t.reshape(b, h * n, *t.shape[3:])
+
     pad = flat(kv_pos).gather(1, sel) < 0
-    sel = sel.gather(1, (sel // n * 2 * n + pad * n + sel % n).argsort(dim=1))   # per head: real, then padding
+    sel = sel.gather(1, (sel // n * 2 * n + pad * n + sel % n).argsort(dim=1))  # per head: real, then padding
     room = torch.as_tensor(room, device=k.device).long().expand(b, h)
     span = counts + room
-    start = span.cumsum(-1) - span                                          # exclusive: the heads in order
+    start = span.cumsum(-1) - span  # exclusive: the heads in order
     size = int(span.sum(-1).max()) if size is None else size
     head = sel // n
-    first = counts.cumsum(-1) - counts                                      # each head's first index in sel
+    first = counts.cumsum(-1) - counts  # each head's first index in sel
     at = start.gather(1, head) + torch.arange(sel.shape[1], device=sel.device) - first.gather(1, head)
     keys, values = (k.new_zeros(b, size, d), v.new_zeros(b, size, d))
     pos = torch.full((b, size), -1, dtype=torch.int32, device=k.device)
@@ -101,8 +106,16 @@ def _ends(ranges: Tensor, size: int) -> Tensor:
     return torch.where(nxt > start, nxt, size)
 
 
-def append(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k_new: Tensor, v_new: Tensor, q_pos: Tensor,
-           window: int = 0) -> None:
+def append(
+    keys: Tensor,
+    values: Tensor,
+    pos: Tensor,
+    ranges: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    q_pos: Tensor,
+    window: int = 0,
+) -> None:
     """``q`` tokens per head written in place (``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` at positions ``q_pos
     [B, q]``), one token at a time: a head that keeps everything writes after its range (``LENGTH`` + 1; its room
     must hold it, or a device-side assert fails); a head with a window (``RECENT`` > 0, a range of ``window`` slots,
@@ -119,15 +132,18 @@ def append(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k_new: Ten
         start, length = ranges[..., START].long(), ranges[..., LENGTH]
         at = start + length.long()
         grows = torch.ones_like(ring)
-        if window:   # the heads that keep a window: an empty slot of the range first, else the oldest non-sink
+        if window:  # the heads that keep a window: an empty slot of the range first, else the oldest non-sink
             idx = (start[..., None] + torch.arange(window, device=keys.device)).clamp_max(size - 1)
             held = pos.reshape(b, size).gather(1, idx.reshape(b, -1)).view(b, h, window).long()
             age = torch.where(held < 0, -1, torch.where(held < ranges[..., SINK, None], 1 << 62, held))
             victim = idx.gather(2, age.argmin(-1, keepdim=True))[..., 0]
             at = torch.where(ring, victim, at)
             grows = ~ring | (held.gather(2, age.argmin(-1, keepdim=True))[..., 0] < 0)
-        device_assert((ring | (at < end)).all(), "kvpass: a head's decode room is full (the per-head cache was "
-                                                 "built for fewer new tokens than this generation decodes)")
+        device_assert(
+            (ring | (at < end)).all(),
+            "kvpass: a head's decode room is full (the per-head cache was "
+            "built for fewer new tokens than this generation decodes)",
+        )
         part, slot = at // cap, at % cap
         keys.index_put_((rows, part, slot), k_new[:, :, j].to(keys.dtype))
         values.index_put_((rows, part, slot), v_new[:, :, j].to(values.dtype))
@@ -154,11 +170,11 @@ def grow(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k_new: Tenso
     h, q = ranges.shape[1], k_new.shape[2]
     start, length = ranges[..., START].long(), ranges[..., LENGTH].long()
     slot = torch.arange(size, device=keys.device).expand(b, size)
-    owner = torch.searchsorted(start.contiguous(), slot.contiguous(), right=True) - 1   # each slot's head
-    owner = torch.where(slot >= (start + length)[:, -1:], h, owner)      # past the last head: after every new entry
-    moved = slot + q * owner      # an entry of head g moves q slots on for each earlier head's new entries
+    owner = torch.searchsorted(start.contiguous(), slot.contiguous(), right=True) - 1  # each slot's head
+    owner = torch.where(slot >= (start + length)[:, -1:], h, owner)  # past the last head: after every new entry
+    moved = slot + q * owner  # an entry of head g moves q slots on for each earlier head's new entries
     out = grown(ranges, q)
-    tail = ((out[..., START] + ranges[..., LENGTH]).long()[..., None] + torch.arange(q, device=keys.device))
+    tail = (out[..., START] + ranges[..., LENGTH]).long()[..., None] + torch.arange(q, device=keys.device)
     tail = tail.reshape(b, h * q)
     out_k, out_v = keys.new_empty(b, size + h * q, d), values.new_empty(b, size + h * q, d)
     out_p = pos.new_empty(b, size + h * q)
@@ -182,6 +198,7 @@ def by_head(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Te
     attention by position (``kvpass::attention_pos``) reads for several queries at once (a decode step reads the
     pool itself). ``S`` entries per head: a temporary ``H_kv`` times the pool."""
     from kvpass.kernels.decode_attention import ragged_heads
+
     k, v, p = ragged_heads(keys, values, pos, start, length, None)
     inside = torch.arange(p.shape[-1], device=p.device) < length[..., None]
     return k, v, torch.where(inside, p, torch.full_like(p, -1))
@@ -191,8 +208,17 @@ def by_head(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Te
 SLOT_STATE = {"heads": ((4,), torch.int32, 0)}
 
 
-def slot_fill(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor,
-              kept: Kept, layer: int = 0) -> None:
+def slot_fill(
+    keys: Tensor,
+    values: Tensor,
+    pos: Tensor,
+    ranges: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_pos: Tensor,
+    kept: Kept,
+    layer: int = 0,
+) -> None:
     """A SlotCache layer (``[B, H_kv, C, D]`` slots, ``ranges [B, H_kv, 4]``) filled with a prefill's kept pairs
     (``pack``): a head with a window gets the slots its sinks and recent entries take, the other heads share out
     what is left as room for their decode steps."""
@@ -204,9 +230,11 @@ def slot_fill(keys: Tensor, values: Tensor, pos: Tensor, ranges: Tensor, k: Tens
     others = (~ring).sum(-1, keepdim=True).clamp_min(1)
     room = torch.where(ring, room, free // others)
     if bool((room < 0).any()):
-        raise ValueError(f"kvpass SlotCache: layer {layer}'s {h} x {cap} slots do not hold what its heads keep "
-                         f"({counts.sum(-1).max().item()} entries and their rooms); build the cache with a larger "
-                         f"max_length")
+        raise ValueError(
+            f"kvpass SlotCache: layer {layer}'s {h} x {cap} slots do not hold what its heads keep "
+            f"({counts.sum(-1).max().item()} entries and their rooms); build the cache with a larger "
+            f"max_length"
+        )
     kp, vp, pp, got = pack(k, v, kv_pos, kept, room, size=h * cap)
     keys.copy_(kp.view(keys.shape))
     values.copy_(vp.view(values.shape))

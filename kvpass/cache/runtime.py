@@ -40,11 +40,13 @@ def get(handle: int) -> "Runtime":
     try:
         return _RUNTIMES[handle]
     except KeyError:
-        raise RuntimeError(f"kvpass: no runtime with handle {handle}; its backend is gone (a runtime lives as long as "
-                           f"its kvpass.backend object)") from None
+        raise RuntimeError(
+            f"kvpass: no runtime with handle {handle}; its backend is gone (a runtime lives as long as "
+            f"its kvpass.backend object)"
+        ) from None
 
 
-KEY_STRIDE = 1 << 16   # site keys: graph number x KEY_STRIDE + layer index
+KEY_STRIDE = 1 << 16  # site keys: graph number x KEY_STRIDE + layer index
 
 
 def layer_of(key: int) -> int:
@@ -57,21 +59,37 @@ def past_length(k_past: Tensor) -> int:
     return k_past.shape[-2] if k_past.dim() == 4 else 0
 
 
-def selection_inputs(tokens: Tensor | None, votes: Tensor | None, lse: Tensor | None = None,
-                     q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
-                     out_proj: Tensor | None = None, scores: Tensor | None = None) -> dict:
+def selection_inputs(
+    tokens: Tensor | None,
+    votes: Tensor | None,
+    lse: Tensor | None = None,
+    q_pre: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+    out_proj: Tensor | None = None,
+    scores: Tensor | None = None,
+) -> dict:
     """The optional inputs of ``Policy.select``: only policies whose plan asks for them get them (``tokens``:
     the call's input ids; ``votes``: the window votes of every KV head of the layer; ``lse``: the prefill
     attention's row log-sum-exp; ``q_pre``, ``cos``, ``sin``: the query before RoPE, scaled like ``q``, and the
     RoPE tables; ``out_proj``: the weight ``[hidden, H * D]`` of the layer's output projection; ``scores``: the
     layer's scores from repeat passes over this prompt, ``GenerationState.scores``)."""
-    named = (("tokens", tokens), ("votes", votes), ("lse", lse), ("q_pre", q_pre), ("cos", cos), ("sin", sin),
-             ("out_proj", out_proj), ("scores", scores))
+    named = (
+        ("tokens", tokens),
+        ("votes", votes),
+        ("lse", lse),
+        ("q_pre", q_pre),
+        ("cos", cos),
+        ("sin", sin),
+        ("out_proj", out_proj),
+        ("scores", scores),
+    )
     return {k: v for k, v in named if v is not None}
 
 
-def choose(policy, info, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, layer_state,
-           extra: dict) -> tuple[Tensor | None, Tensor, dict | None]:
+def choose(
+    policy, info, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, layer_state, extra: dict
+) -> tuple[Tensor | None, Tensor, dict | None]:
     """What a layer keeps of ``k``/``v`` under ``policy.select``, on either cache: ``(idx, kept_pos, bookkeeping)``
     with ``idx [B, H_kv, n]`` the entries to gather (None: every entry, as stored), ``kept_pos`` their true
     positions (-1 for an empty slot of a preallocated pool, which ``select`` marks with index -1) and the
@@ -80,7 +98,7 @@ def choose(policy, info, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos:
     book = None
     if isinstance(keep, tuple):
         keep, book = keep
-    if keep is None or isinstance(keep, ragged.Kept):   # every entry; or a per-head selection (Runtime.compact)
+    if keep is None or isinstance(keep, ragged.Kept):  # every entry; or a per-head selection (Runtime.compact)
         return keep, kv_pos, book
     idx = keep.clamp_min(0)
     return idx, kv_pos.gather(2, idx).masked_fill(keep < 0, -1), book
@@ -104,7 +122,7 @@ class Runtime:
     def __init__(self, policy) -> None:
         self.policy = policy
         self.state = GenerationState()
-        self.sites: dict[int, object] = {}   # site key -> that graph's kvpass.compiler.detect.Site
+        self.sites: dict[int, object] = {}  # site key -> that graph's kvpass.compiler.detect.Site
         self._graphs = itertools.count()
         self.visits: dict[int, tuple] = {}  # layer -> (blocks read, blocks present), decode attention
         # a two-pass gated prefill's first pass (kvpass.compiler.gate): SlotCache writes that overflow are skipped,
@@ -163,7 +181,8 @@ class Runtime:
                 f"kvpass: policy '{self.policy.name}' evicted from layer {layer}'s cache ({int(st.seen)} tokens seen, "
                 f"{m} kept), and it now holds {lp} entries: something removed entries behind kvpass (assisted or "
                 f"prompt-lookup decoding crops rejected drafts; the tokens evicted for them cannot come back). "
-                f"Decode without an assistant with this policy, or start a new cache with this backend's prefill")
+                f"Decode without an assistant with this policy, or start a new cache with this backend's prefill"
+            )
         else:  # a new prefill, or a cache kvpass did not write: entries are the tokens 0..lp-1
             past_pos = torch.arange(lp, device=dev).expand(b, hkv, lp)
             seen, valid = lp, key_validity(mask, b, lp + ln)
@@ -173,24 +192,45 @@ class Runtime:
             kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
         return kv_pos.contiguous(), q_pos
 
-    def compact(self, site: int, q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor,
-                tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None,
-                q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
-                out_proj: Tensor | None = None):
+    def compact(
+        self,
+        site: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_pos: Tensor,
+        q_pos: Tensor,
+        tokens: Tensor | None = None,
+        votes: Tensor | None = None,
+        lse: Tensor | None = None,
+        q_pre: Tensor | None = None,
+        cos: Tensor | None = None,
+        sin: Tensor | None = None,
+        out_proj: Tensor | None = None,
+    ):
         layer = layer_of(site)
-        idx, pos, book = choose(self.policy, self.sites[site], q, k, v, kv_pos, q_pos, self.state.layer(layer),
-                                selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj))
+        idx, pos, book = choose(
+            self.policy,
+            self.sites[site],
+            q,
+            k,
+            v,
+            kv_pos,
+            q_pos,
+            self.state.layer(layer),
+            selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj),
+        )
         fresh = kv_pos.shape[-1] == q_pos.shape[1]  # nothing was stored before: a new prefill
         b, h, n = kv_pos.shape
         heads = None
-        if isinstance(idx, ragged.Kept):   # the per-head layout: the row's pool, stored as [B, H_kv, L, D]
-            kept = -(-idx.sel.shape[1] // h)   # L: a total that is not a multiple of H_kv leaves the last slots empty
+        if isinstance(idx, ragged.Kept):  # the per-head layout: the row's pool, stored as [B, H_kv, L, D]
+            kept = -(-idx.sel.shape[1] // h)  # L: a total that is not a multiple of H_kv leaves the last slots empty
             keys, values, pos, heads = ragged.pack(k, v, kv_pos, idx, size=h * kept)
             k_out, v_out = keys.view(b, h, kept, k.shape[-1]), values.view(b, h, kept, v.shape[-1])
             pos = pos.view(b, h, kept).to(kv_pos.dtype)
         elif idx is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
-            if self.policy.needs.heads:   # heads_update laid the entries out: the ranges it made
+            if self.policy.needs.heads:  # heads_update laid the entries out: the ranges it made
                 heads = self.head_ranges(layer, b, h, n - q_pos.shape[1], kv_pos, q_pos, fresh)
         else:
             k_out, v_out = gather_pair(k, v, idx)  # Triton compaction on CUDA
@@ -215,45 +255,65 @@ class Runtime:
         got = None if st is None else st.extra.get("heads")
         return got if got is not None else ragged.uniform(b, h, stored, device)
 
-    def heads_update(self, site: int, k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
-                     mask: Tensor | None):
+    def heads_update(
+        self, site: int, k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None
+    ):
         """``cache_update`` for a per-head layer: ``(k, v, kv_pos, q_pos, start, length)``, each head's new entries
         after its range in the row's pool (``ragged.grow``; stored as ``[B, H_kv, L, D]``), and the heads' ranges."""
         b, h, ln = k_new.shape[:3]
         lp = past_length(k_past)
         layer = layer_of(site)
         st = self.state.layer(layer)
-        if lp == 0:   # a new prefill: the prompt, every head its whole
+        if lp == 0:  # a new prefill: the prompt, every head its whole
             kv_pos, q_pos = self.positions(site, k_past, k_new, mask)
             ranges = ragged.uniform(b, h, ln, k_new.device)
             return k_new, v_new, kv_pos, q_pos, ranges[..., ragged.START], ranges[..., ragged.LENGTH]
         if st is None or st.pos.shape[2] != lp:
-            raise ValueError(f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer {layer}'s cache, "
-                             f"and the cache holds {lp} entries per head where kvpass recorded "
-                             f"{None if st is None else st.pos.shape[2]}: something wrote the cache behind kvpass "
-                             f"(a cache filled without this backend, or cropped by assisted decoding). Start a new "
-                             f"cache with this backend's prefill")
+            raise ValueError(
+                f"kvpass: policy '{self.policy.name}' keeps a per-head layout in layer {layer}'s cache, "
+                f"and the cache holds {lp} entries per head where kvpass recorded "
+                f"{None if st is None else st.pos.shape[2]}: something wrote the cache behind kvpass "
+                f"(a cache filled without this backend, or cropped by assisted decoding). Start a new "
+                f"cache with this backend's prefill"
+            )
         q_pos = (st.seen + torch.arange(ln, device=k_new.device)).expand(b, ln).contiguous()
-        flat = lambda t: t.reshape(b, 1, h * lp, *t.shape[3:])
-        keys, values, pos, ranges = ragged.grow(flat(k_past.to(k_new.dtype)), flat(v_past.to(v_new.dtype)),
-                                                flat(st.pos.to(k_new.device)), self._ranges(layer, b, h, lp,
-                                                                                              k_new.device),
-                                                k_new, v_new, q_pos)
+
+        def flat(t):
+            return t.reshape(b, 1, h * lp, *t.shape[3:])
+
+        keys, values, pos, ranges = ragged.grow(
+            flat(k_past.to(k_new.dtype)),
+            flat(v_past.to(v_new.dtype)),
+            flat(st.pos.to(k_new.device)),
+            self._ranges(layer, b, h, lp, k_new.device),
+            k_new,
+            v_new,
+            q_pos,
+        )
         n = lp + ln
-        return (keys.view(b, h, n, k_new.shape[-1]), values.view(b, h, n, v_new.shape[-1]), pos.view(b, h, n),
-                q_pos, ranges[..., ragged.START], ranges[..., ragged.LENGTH])
+        return (
+            keys.view(b, h, n, k_new.shape[-1]),
+            values.view(b, h, n, v_new.shape[-1]),
+            pos.view(b, h, n),
+            q_pos,
+            ranges[..., ragged.START],
+            ranges[..., ragged.LENGTH],
+        )
 
     def step_position(self, site: int, k_pool: Tensor) -> Tensor:
         """``[B, 1]``: the true position of a pool site's new token (the tokens its layer has seen)."""
         st = self.state.layer(layer_of(site))
         if st is None or tuple(st.pos.shape) != (k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]):
-            raise RuntimeError(f"policy '{self.policy.name}': a decode step found no page pool for its cache "
-                               "(the cache was not filled by this policy's prefill with this backend)")
+            raise RuntimeError(
+                f"policy '{self.policy.name}': a decode step found no page pool for its cache "
+                "(the cache was not filled by this policy's prefill with this backend)"
+            )
         seen = torch.as_tensor(st.seen, device=k_pool.device)
         return seen.reshape(1, 1).expand(k_pool.shape[0], 1).contiguous()
 
-    def pool_write(self, site: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor,
-                   q_pos: Tensor) -> Tensor:
+    def pool_write(
+        self, site: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q_pos: Tensor
+    ) -> Tensor:
         """A pool site's decode step: the policy writes the new token into the pool in place; the layer
         records the pool's positions after the write and the tokens seen."""
         st = self.state.layer(layer_of(site))
@@ -274,7 +334,7 @@ class Runtime:
         held = self.state.scores.get(layer)
         if held is None or tuple(held.shape) != (b, hkv, n):
             held = self.state.scores[layer] = torch.zeros(b, hkv, n, dtype=torch.float32, device=k.device)
-        held[..., span[0]:span[1]] = self.policy.repeat_scores(q, k, key_validity(mask, b, total), span, softcap)
+        held[..., span[0] : span[1]] = self.policy.repeat_scores(q, k, key_validity(mask, b, total), span, softcap)
 
     def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:
         """Accumulate blocks read / blocks present of one decode attention call (ART statistics)."""
@@ -310,21 +370,25 @@ class Runtime:
                 raise ValueError(self._behind(f"this step's position is {int(pos.max())}", st.seen))
         else:
             # (torch caps a device assert's message at 255 characters; the CPU's message says more)
-            device_assert(pos.max() >= torch.as_tensor(st.seen_now(), device=pos.device),
-                          "kvpass: the policy evicted from this cache, and a decode position passed in is behind "
-                          "the tokens seen (assisted decoding? generate continuing? a graph break?): see "
-                          "kvpass.cache.runtime.Runtime.note_positions")
+            device_assert(
+                pos.max() >= torch.as_tensor(st.seen_now(), device=pos.device),
+                "kvpass: the policy evicted from this cache, and a decode position passed in is behind "
+                "the tokens seen (assisted decoding? generate continuing? a graph break?): see "
+                "kvpass.cache.runtime.Runtime.note_positions",
+            )
         st.note_tail(pos.max() + 1)
 
     def _behind(self, what: str, seen: int) -> str:
-        return (f"kvpass: this cache has seen {seen} tokens under policy '{self.policy.name}', and {what}: "
-                f"positions were counted from the entries stored, which are fewer after an eviction or after "
-                f"transformers cropped the cache. transformers counts so when generate continues with "
-                f"past_key_values, and crops in assisted and prompt-lookup decoding (the rejected drafts, which "
-                f"'{self.policy.name}' has already seen and cannot give back); a model counts so when it computes "
-                f"positions before a graph break. Continue on a kvpass.SlotCache (it counts tokens seen), decode "
-                f"without an assistant or prompt lookup (or use policy 'full'), pass position_ids, or start a new "
-                f"cache")
+        return (
+            f"kvpass: this cache has seen {seen} tokens under policy '{self.policy.name}', and {what}: "
+            f"positions were counted from the entries stored, which are fewer after an eviction or after "
+            f"transformers cropped the cache. transformers counts so when generate continues with "
+            f"past_key_values, and crops in assisted and prompt-lookup decoding (the rejected drafts, which "
+            f"'{self.policy.name}' has already seen and cannot give back); a model counts so when it computes "
+            f"positions before a graph break. Continue on a kvpass.SlotCache (it counts tokens seen), decode "
+            f"without an assistant or prompt lookup (or use policy 'full'), pass position_ids, or start a new "
+            f"cache"
+        )
 
     def true_positions(self, pos: Tensor, prefill: bool = False) -> Tensor:
         """Position ids the model derived from the stored length -> the true token count.
@@ -340,7 +404,7 @@ class Runtime:
             # the largest position is the last token's in an unpadded row (padded rows of OPT's
             # mask-derived positions start lower), so the first is largest + 1 - q
             q = max(pos.shape[1:], default=pos.shape[0]) if pos.dim() > 1 else pos.shape[0]
-            st.base = pos.max() + 1 - q      # a 0-d tensor: no device sync (the layers' fresh records set the count)
+            st.base = pos.max() + 1 - q  # a 0-d tensor: no device sync (the layers' fresh records set the count)
             return pos.clone()
         if st.anchor_at != st.records:
             # A layer recorded its count since the last call: the distance between true and derived

@@ -20,9 +20,10 @@ Every layer owns, allocated once at construction and never reallocated:
 plus the decode steps for a policy that evicts at prefill only (pyramidkv: its layer's budget), the
 budget plus one for a policy that evicts at every step, raas's page pool. A sliding-window layer (the
 config's ``layer_types``) is a ring of ``window`` slots whatever the policy. All of
-them are static addresses (``torch._dynamo.mark_static_address``), so a decode graph that writes them
-in place can be replayed as a CUDA graph; the host learns nothing per step. ``get_seq_length()`` answers the tokens seen (a 0-d device tensor, as HF's ``StaticLayer``
-does), so ``generate`` and a bare ``forward`` derive true positions however much was evicted.
+them are static addresses (``torch._dynamo.mark_static_address``), so a decode graph that writes them in place can be
+replayed as a CUDA graph; the host learns nothing per step. ``get_seq_length()`` answers the tokens seen (a 0-d device
+tensor, as HF's ``StaticLayer`` does), so ``generate`` and a bare ``forward`` derive true positions however much was
+evicted.
 
 The cache's own ``update`` calls ``kvpass::slot_append``: the append layout (token ``i`` in slot
 ``i``), which with HF's own attention and mask is exactly HF's ``StaticCache``. The kvpass pass finds
@@ -57,8 +58,8 @@ from torch import Tensor
 
 from kvpass.cache import ragged
 from kvpass.errors import ConfigError, device_assert
-from kvpass.op_registry import register
 from kvpass.kernels.gather import gather_pair
+from kvpass.op_registry import register
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -88,12 +89,16 @@ def reused_mask():
         _reuse.on = before
 
 
-SEEN, FILLED, DROPPED, MAX_LENGTH = range(4)   # the columns of a layer's ``count`` (the module docstring)
-LIMIT = ("kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
-         "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "
-         "before a new prompt")
-TOO_LONG = ("kvpass SlotCache: the sequence is longer than the cache's capacity: build it with a larger max_length (if "
-            "kvpass warned that it compiled a graph unchanged, the policy did not run: the warning says why)")
+SEEN, FILLED, DROPPED, MAX_LENGTH = range(4)  # the columns of a layer's ``count`` (the module docstring)
+LIMIT = (
+    "kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
+    "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "
+    "before a new prompt"
+)
+TOO_LONG = (
+    "kvpass SlotCache: the sequence is longer than the cache's capacity: build it with a larger max_length (if "
+    "kvpass warned that it compiled a graph unchanged, the policy did not run: the warning says why)"
+)
 RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 
@@ -101,9 +106,20 @@ RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 # operators
 # ------------------------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("kvpass::slot_append", mutates_args=("keys", "values", "pos", "count"))
-def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
-                state: list[Tensor], window: int = 0, policy: str = "", spec: str = "") -> None:
+def slot_append(
+    keys: Tensor,
+    values: Tensor,
+    pos: Tensor,
+    count: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    state: list[Tensor],
+    window: int = 0,
+    policy: str = "",
+    spec: str = "",
+) -> None:
     """The cache's own update: ``k_new`` / ``v_new`` ``[B, H_kv, q, D]`` go into slots ``seen .. seen+q-1``.
     Valid only while the layout is the append layout (no eviction yet) and the tokens fit. ``state`` (the
     policy's per-layer tensors) and ``window`` (a sliding-window layer's window, 0 for a global layer)
@@ -123,23 +139,27 @@ def slot_append(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
             f"generate()'s compile_config compiles only the decode steps, and its prefill runs uncompiled. A "
             f"forward that was compiled so gets here when its graph broke between the attention and the cache "
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
-            f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why.")
+            f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why."
+        )
     check_heads(keys, values, k_new, v_new)
     b, hkv, q = k_new.shape[:3]
     cap = keys.shape[2]
-    if q > cap:   # known on the host: an error the process survives, where the device assert below ends it on a GPU
+    if q > cap:  # known on the host: an error the process survives, where the device assert below ends it on a GPU
         raise RuntimeError(f"{TOO_LONG} ({q} new tokens, {cap} slots)")
     seen, filled = count[:, SEEN], count[:, FILLED]
-    device_assert((seen == filled).all(), "kvpass SlotCache: a kvpass policy compressed this cache and this call "
-                                          "was not rewritten by it: several new tokens for a policy without an "
-                                          "append graph (h2o, raas), or a forward compiled without the cache's "
-                                          "backend")
+    device_assert(
+        (seen == filled).all(),
+        "kvpass SlotCache: a kvpass policy compressed this cache and this call "
+        "was not rewritten by it: several new tokens for a policy without an "
+        "append graph (h2o, raas), or a forward compiled without the cache's "
+        "backend",
+    )
     device_assert((filled + q <= cap).all(), TOO_LONG)
     device_assert((seen + q <= count[:, MAX_LENGTH]).all(), LIMIT)
     ar = torch.arange(q, device=keys.device)
     idx = (filled[:, None, None] + ar).expand(b, hkv, q)
     _put(keys, values, pos, idx, k_new, v_new, (seen[:, None, None] + ar).expand(b, hkv, q))
-    count[:, SEEN:DROPPED].add_(q)   # seen and filled
+    count[:, SEEN:DROPPED].add_(q)  # seen and filled
 
 
 @slot_append.register_fake
@@ -155,20 +175,36 @@ def check_heads(keys: Tensor, values: Tensor, k_new: Tensor, v_new: Tensor) -> N
     want = (keys.shape[1], keys.shape[3], values.shape[3])
     got = (k_new.shape[1], k_new.shape[3], v_new.shape[3])
     if got != want:
-        raise ValueError(f"kvpass SlotCache: the model's attention writes {got[0]} KV heads per layer of key size "
-                         f"{got[1]} and value size {got[2]}; the cache was sized for {want[0]} of {want[1]} and "
-                         f"{want[2]} from the model's config (num_key_value_heads, or num_attention_heads without it; "
-                         f"head_dim, or hidden_size / num_attention_heads), which does not describe this attention. "
-                         f"Use the model's own cache (a DynamicCache) with kvpass.backend")
+        raise ValueError(
+            f"kvpass SlotCache: the model's attention writes {got[0]} KV heads per layer of key size "
+            f"{got[1]} and value size {got[2]}; the cache was sized for {want[0]} of {want[1]} and "
+            f"{want[2]} from the model's config (num_key_value_heads, or num_attention_heads without it; "
+            f"head_dim, or hidden_size / num_attention_heads), which does not describe this attention. "
+            f"Use the model's own cache (a DynamicCache) with kvpass.backend"
+        )
 
 
-@torch.library.custom_op("kvpass::slot_prefill",
-                         mutates_args=("keys", "values", "pos", "count", "state"))
-def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state: list[Tensor], q: Tensor,
-                 k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int,
-                 tokens: Tensor | None = None, votes: Tensor | None = None, lse: Tensor | None = None,
-                 q_pre: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
-                 out_proj: Tensor | None = None) -> None:
+@torch.library.custom_op("kvpass::slot_prefill", mutates_args=("keys", "values", "pos", "count", "state"))
+def slot_prefill(
+    keys: Tensor,
+    values: Tensor,
+    pos: Tensor,
+    count: Tensor,
+    state: list[Tensor],
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    mask: Tensor | None,
+    handle: int,
+    site: int,
+    tokens: Tensor | None = None,
+    votes: Tensor | None = None,
+    lse: Tensor | None = None,
+    q_pre: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+    out_proj: Tensor | None = None,
+) -> None:
     """A prefill on an empty slot cache: the policy keeps entries of the prompt (``Policy.select``, as
     ``compact`` does on a DynamicCache) and they are written into the first slots, in position order;
     the other slots are emptied. A policy's ``select`` may return ``(keep, bookkeeping)``: a bookkeeping
@@ -184,12 +220,15 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     b, hkv, length, _ = k_new.shape
     cap = keys.shape[2]
     if b != keys.shape[0]:
-        raise ValueError(f"kvpass SlotCache: a batch of {b} rows on a cache built for {keys.shape[0]}; build it "
-                         f"with batch_size={b}")
+        raise ValueError(
+            f"kvpass SlotCache: a batch of {b} rows on a cache built for {keys.shape[0]}; build it with batch_size={b}"
+        )
     check_heads(keys, values, k_new, v_new)
     if length > int(count[0, MAX_LENGTH]):
-        raise ValueError(f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
-                         f"{int(count[0, MAX_LENGTH])}; build it with max_length >= prompt + new tokens")
+        raise ValueError(
+            f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
+            f"{int(count[0, MAX_LENGTH])}; build it with max_length >= prompt + new tokens"
+        )
     kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
     valid = runtime.key_validity(mask, b, length)
     if valid is not None:
@@ -199,15 +238,25 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
         idx = kv_pos.topk(cap, dim=-1).indices if length > cap else None
         kept_pos, kept_state = (kv_pos if idx is None else kv_pos.gather(2, idx)), None
     else:  # what the policy keeps, as on a DynamicCache; its bookkeeping: per-entry values of its slot state
-        idx, kept_pos, kept_state = runtime.choose(rt.policy, rt.sites[site], q, k_new, v_new, kv_pos, q_pos, None,
-                                                   runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin,
-                                                                            out_proj, rt.state.scores.get(layer)))
-    if rt.policy.needs.heads and not rt.sites[site].sliding_window:   # the per-head layout (kvpass.cache.ragged)
+        idx, kept_pos, kept_state = runtime.choose(
+            rt.policy,
+            rt.sites[site],
+            q,
+            k_new,
+            v_new,
+            kv_pos,
+            q_pos,
+            None,
+            runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj, rt.state.scores.get(layer)),
+        )
+    if rt.policy.needs.heads and not rt.sites[site].sliding_window:  # the per-head layout (kvpass.cache.ragged)
         kept = idx if idx is not None else ragged.everything(b, hkv, length, k_new.device)
         if kept.sel.shape[1] > hkv * cap:
-            raise ValueError(f"kvpass SlotCache: layer {layer} keeps {kept.sel.shape[1] // hkv} entries per KV head of "
-                             f"a {length}-token prompt under policy '{rt.policy.name}', but the cache holds {cap} "
-                             f"slots per head; build the cache with a larger max_length")
+            raise ValueError(
+                f"kvpass SlotCache: layer {layer} keeps {kept.sel.shape[1] // hkv} entries per KV head of "
+                f"a {length}-token prompt under policy '{rt.policy.name}', but the cache holds {cap} "
+                f"slots per head; build the cache with a larger max_length"
+            )
         names = list(rt.policy.slot_state(cap, keys.shape[-1]))
         ragged.slot_fill(keys, values, pos, state[names.index("heads")], k_new, v_new, kv_pos, kept, layer)
         count[:, SEEN], count[:, FILLED], count[:, DROPPED] = length, kept.sel.shape[1] // hkv, 0
@@ -219,12 +268,14 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
     kept_k, kept_v = gather_pair(k_new, v_new, order if idx is None else idx.gather(2, order))
     n = kept_pos.shape[-1]
     if n > cap and rt.first_pass:
-        rt.overflow = layer    # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot
+        rt.overflow = layer  # a two-pass policy's first pass: its second pass, if it runs, rewrites every slot
         return
     if n > cap:
-        raise ValueError(f"kvpass SlotCache: layer {layer} keeps {n} entries of a {length}-token prompt under "
-                         f"policy '{rt.policy.name}', but the cache holds {cap} slots per layer; build the cache "
-                         f"with a larger max_length")
+        raise ValueError(
+            f"kvpass SlotCache: layer {layer} keeps {n} entries of a {length}-token prompt under "
+            f"policy '{rt.policy.name}', but the cache holds {cap} slots per layer; build the cache "
+            f"with a larger max_length"
+        )
     keys[:, :, :n].copy_(kept_k)
     values[:, :, :n].copy_(kept_v)
     pos.fill_(-1)
@@ -238,8 +289,26 @@ def slot_prefill(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state
 
 
 @slot_prefill.register_fake
-def _(keys, values, pos, count, state, q, k_new, v_new, mask, handle, site: int, tokens=None, votes=None, lse=None,
-      q_pre=None, cos=None, sin=None, out_proj=None):
+def _(
+    keys,
+    values,
+    pos,
+    count,
+    state,
+    q,
+    k_new,
+    v_new,
+    mask,
+    handle,
+    site: int,
+    tokens=None,
+    votes=None,
+    lse=None,
+    q_pre=None,
+    cos=None,
+    sin=None,
+    out_proj=None,
+):
     return None
 
 
@@ -279,8 +348,17 @@ def pending_positions(pos: Tensor, count: Tensor, k_new: Tensor, rule: int, prot
     return q_pos, torch.cat([kv_pos, q_pos[:, None, :].expand(b, hkv, q)], -1)
 
 
-def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new: Tensor, v_new: Tensor,
-                rule: int, protect: int, slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def write_slots(
+    keys: Tensor,
+    values: Tensor,
+    pos: Tensor,
+    count: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    rule: int,
+    protect: int,
+    slot: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Decode / append on a slot cache, as plain tensor code (the rewrite calls it from the graph, so
     Inductor compiles and fuses it; no host sync, capturable). Each of the ``q`` new tokens goes into a
     victim slot chosen on the device:
@@ -299,23 +377,33 @@ def write_slots(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, k_new:
     q_pos = next_positions(count, q)
     device_assert((count[:, SEEN] + q <= count[:, MAX_LENGTH]).all(), LIMIT)
     if rule == APPEND:
-        device_assert((count[:, FILLED] + q <= cap).all(), "kvpass SlotCache: the cache is full; build it with a "
-                                                      "larger max_length (or max_new_tokens)")
+        device_assert(
+            (count[:, FILLED] + q <= cap).all(),
+            "kvpass SlotCache: the cache is full; build it with a larger max_length (or max_new_tokens)",
+        )
         slot = (count[:, FILLED, None, None] + ar).clamp_max(cap - 1).expand(b, hkv, q)
     elif rule == RING:
         torch._check(q <= cap - protect, lambda: "kvpass SlotCache: more new tokens in one call than ring slots")
         slot = ring_victims(pos, protect, q)
     _put(keys, values, pos, slot, k_new, v_new, q_pos[:, None, :].expand(b, hkv, q))
-    count[:, SEEN:DROPPED].add_(q)   # seen and filled
+    count[:, SEEN:DROPPED].add_(q)  # seen and filled
     if rule == RING:  # slots in use stop at the capacity; seen keeps counting (so slot_append sees the eviction)
-        count[:, FILLED:FILLED + 1].clamp_(max=cap)
+        count[:, FILLED : FILLED + 1].clamp_(max=cap)
     elif rule == PLACED:  # the read covers every slot up to the highest one written
         count[:, FILLED] = torch.maximum(count[:, FILLED] - q, slot.amax(dim=(1, 2)) + 1)
     return q_pos, count[:, FILLED].to(torch.int32)
 
 
-def write_heads(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, ranges: Tensor, k_new: Tensor,
-               v_new: Tensor, window: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+def write_heads(
+    keys: Tensor,
+    values: Tensor,
+    pos: Tensor,
+    count: Tensor,
+    ranges: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    window: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
     """A decode or append call on a SlotCache layer of the per-head layout (``kvpass.cache.ragged``), as plain
     tensor code the rewrite places in the graph (no host sync: capturable): each head's new tokens written
     (``ragged.append``; ``window``: the ring size of the heads that keep one, 0 when none does), the counters
@@ -324,12 +412,13 @@ def write_heads(keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, ranges
     q_pos = next_positions(count, q)
     device_assert((count[:, SEEN] + q <= count[:, MAX_LENGTH]).all(), LIMIT)
     ragged.append(keys, values, pos, ranges, k_new, v_new, q_pos, window)
-    count[:, SEEN:SEEN + 2].add_(q)   # seen and filled
+    count[:, SEEN : SEEN + 2].add_(q)  # seen and filled
     return q_pos, ranges[..., ragged.START].contiguous(), ranges[..., ragged.LENGTH].contiguous()
 
 
-def _put(keys: Tensor, values: Tensor, pos: Tensor, slot: Tensor, k_new: Tensor, v_new: Tensor,
-         new_pos: Tensor) -> None:
+def _put(
+    keys: Tensor, values: Tensor, pos: Tensor, slot: Tensor, k_new: Tensor, v_new: Tensor, new_pos: Tensor
+) -> None:
     """Write the new tokens ``[B, H_kv, q, D]`` into ``slot [B, H_kv, q]`` of each (row, KV head), with
     their positions. ``index_put_`` (not ``scatter_``): Inductor writes it in place, where a ``scatter_``
     became a copy of every slot."""
@@ -345,6 +434,7 @@ def _put(keys: Tensor, values: Tensor, pos: Tensor, slot: Tensor, k_new: Tensor,
 # the cache
 # ------------------------------------------------------------------------------------------------
 
+
 def layer_windows(cfg) -> list[int]:
     """Per layer, its sliding window (0: global attention), read from the config as transformers' own
     caches read it: ``layer_types`` where the config has them, else every layer slides when the config
@@ -354,8 +444,13 @@ def layer_windows(cfg) -> list[int]:
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if types is None:
-        kind = ("sliding_attention" if window is not None else
-                "chunked_attention" if getattr(cfg, "attention_chunk_size", None) is not None else "full_attention")
+        kind = (
+            "sliding_attention"
+            if window is not None
+            else "chunked_attention"
+            if getattr(cfg, "attention_chunk_size", None) is not None
+            else "full_attention"
+        )
         types = [kind] * layers
     windows = []
     for i, kind in enumerate(types[:layers]):
@@ -364,10 +459,12 @@ def layer_windows(cfg) -> list[int]:
         elif kind == "full_attention":
             windows.append(0)
         else:
-            raise ConfigError(f"SlotCache: layer {i} of this model has '{kind}' attention (config.layer_types"
-                              f"{'' if getattr(cfg, 'layer_types', None) else ', inferred as transformers does'}, "
-                              f"sliding_window={window}); a kvpass.SlotCache holds global and sliding-window layers "
-                              f"only: use the model's default cache (DynamicCache)")
+            raise ConfigError(
+                f"SlotCache: layer {i} of this model has '{kind}' attention (config.layer_types"
+                f"{'' if getattr(cfg, 'layer_types', None) else ', inferred as transformers does'}, "
+                f"sliding_window={window}); a kvpass.SlotCache holds global and sliding-window layers "
+                f"only: use the model's default cache (DynamicCache)"
+            )
     return windows
 
 
@@ -384,9 +481,20 @@ class SlotLayer(CacheLayerMixin):
     is_compileable = True
     is_croppable = False
 
-    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, v_head_dim: int,
-                 dtype: torch.dtype, device, state: dict | None = None, window: int = 0,
-                 state_dims: list[tuple[int, ...]] | None = None, limit: int = 1 << 62) -> None:
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        v_head_dim: int,
+        dtype: torch.dtype,
+        device,
+        state: dict | None = None,
+        window: int = 0,
+        state_dims: list[tuple[int, ...]] | None = None,
+        limit: int = 1 << 62,
+    ) -> None:
         super().__init__()
         self.capacity = capacity
         # a sliding-window layer (``window`` > 0) is a ring of ``window`` slots whatever the
@@ -399,17 +507,19 @@ class SlotLayer(CacheLayerMixin):
         # does, and slot_append then refuses the compressed cache)
         self.read_length = capacity
         self.policy = ""  # the cache's policy, unless its prefill is a plain append (SlotCache sets it)
-        self.spec = ""    # the policy configuration the cache was built for (Policy.key; SlotCache sets it)
+        self.spec = ""  # the policy configuration the cache was built for (Policy.key; SlotCache sets it)
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
         self.count = torch.tensor([[0, 0, 0, limit]] * batch, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
-        self.state = [torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
-                      for shape, dt, fill in (state or {}).values()]
+        self.state = [
+            torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
+            for shape, dt, fill in (state or {}).values()
+        ]
         self.device = self.keys.device
-        self.filled = False        # host flag: Dynamo compiles one prefill graph and one decode graph
+        self.filled = False  # host flag: Dynamo compiles one prefill graph and one decode graph
         self.is_initialized = True
         for t in (self.keys, self.values, self.pos, self.count, *self.state):
             torch._dynamo.mark_static_address(t)
@@ -418,12 +528,14 @@ class SlotLayer(CacheLayerMixin):
         # one), and so are a global layer's capacity and the state dimensions that follow it (quest's pages):
         # one compiled graph serves every capacity, a cache sized for another prompt compiles nothing new. A
         # sliding layer's ring (its window) is static: it is the same for every cache of the model.
-        for t, symbolic in zip((self.keys, self.values, self.pos, self.count, *self.state),
-                               [(2,), (2,), (2,), (), *(state_dims or [()] * len(self.state))]):
+        for t, symbolic in zip(
+            (self.keys, self.values, self.pos, self.count, *self.state),
+            [(2,), (2,), (2,), (), *(state_dims or [()] * len(self.state))],
+        ):
             for dim in range(t.dim()):
                 if dim == 0 or dim in symbolic and not window:
-                    torch._dynamo.maybe_mark_dynamic(t, dim)   # symbolic from the first compile on, whatever
-                else:                                          # torch.compile's dynamic= says
+                    torch._dynamo.maybe_mark_dynamic(t, dim)  # symbolic from the first compile on, whatever
+                else:  # torch.compile's dynamic= says
                     torch._dynamo.mark_static(t, dim)
 
     def fill(self, keys: Tensor, values: Tensor, pos: Tensor, seen: int, limit: int) -> None:
@@ -438,36 +550,49 @@ class SlotLayer(CacheLayerMixin):
         self.values[:, :, :k].copy_(values)
         self.pos.fill_(-1)
         self.pos[:, :, :k].copy_(pos)
-        self.count.copy_(torch.tensor([seen, k, 0, limit]))   # every row
+        self.count.copy_(torch.tensor([seen, k, 0, limit]))  # every row
         self.filled = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass  # allocated at construction
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not torch.compiler.is_compiling() and getattr(_reuse, "on", False):   # folded away in a traced graph
-            raise MaskReused("kvpass SlotCache: updated outside a compiled graph while the attention mask was an "
-                             "earlier step's")
+        if not torch.compiler.is_compiling() and getattr(_reuse, "on", False):  # folded away in a traced graph
+            raise MaskReused(
+                "kvpass SlotCache: updated outside a compiled graph while the attention mask was an earlier step's"
+            )
         if key_states.dtype != self.keys.dtype or key_states.device != self.keys.device:
-            raise ConfigError(f"kvpass SlotCache: the model computes {key_states.dtype} keys on "
-                              f"{key_states.device}, the cache holds {self.keys.dtype} on {self.keys.device}; "
-                              f"build the SlotCache after model.to(...), with the model's dtype and device "
-                              f"(the defaults)")
-        torch.ops.kvpass.slot_append(self.keys, self.values, self.pos, self.count, key_states, value_states,
-                                     self.state, self.window, self.policy, self.spec)
+            raise ConfigError(
+                f"kvpass SlotCache: the model computes {key_states.dtype} keys on "
+                f"{key_states.device}, the cache holds {self.keys.dtype} on {self.keys.device}; "
+                f"build the SlotCache after model.to(...), with the model's dtype and device "
+                f"(the defaults)"
+            )
+        torch.ops.kvpass.slot_append(
+            self.keys,
+            self.values,
+            self.pos,
+            self.count,
+            key_states,
+            value_states,
+            self.state,
+            self.window,
+            self.policy,
+            self.spec,
+        )
         if not self.filled:  # a prefill attends over the prompt alone (get_mask_sizes sized its mask so)
             self.filled = True
             return key_states, value_states
         # always sliced, also where read_length is the whole capacity: a branch on the two specialized the decode
         # graph on which is larger (a short prompt, where every pyramidkv layer holds the whole bucket, compiled a
         # second decode graph for a long one, where they do not)
-        return self.keys[:, :, :self.read_length], self.values[:, :, :self.read_length]
+        return self.keys[:, :, : self.read_length], self.values[:, :, : self.read_length]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return (query_length if not self.filled else self.read_length), 0
 
     def get_seq_length(self) -> Tensor | int:
-        return self.count[0, SEEN] if self.filled else 0   # generate's rows share one length
+        return self.count[0, SEEN] if self.filled else 0  # generate's rows share one length
 
     def get_max_length(self) -> int:
         return self.capacity
@@ -477,7 +602,7 @@ class SlotLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.pos.fill_(-1)
-        self.count[:, :MAX_LENGTH].zero_()   # seen, filled, dropped
+        self.count[:, :MAX_LENGTH].zero_()  # seen, filled, dropped
         for t, fill in zip(self.state, self._fills):
             t.fill_(fill)
         self.filled = False
@@ -531,33 +656,55 @@ class SlotCache(Cache):
             ``max_length``, i.e. no tighter bound known).
     """
 
-    def __init__(self, model, backend, max_length: int, batch_size: int = 1, max_new_tokens: int | None = None,
-                 dtype: torch.dtype | None = None, device=None, *, _driver: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        backend,
+        max_length: int,
+        batch_size: int = 1,
+        max_new_tokens: int | None = None,
+        dtype: torch.dtype | None = None,
+        device=None,
+        *,
+        _driver: bool = False,
+    ) -> None:
         policy = getattr(backend, "policy", None)
         if not hasattr(policy, "needs"):
-            raise ConfigError(f"SlotCache: parameter 'backend' must be the kvpass.backend(...) the model is compiled "
-                              f"with, got {type(backend).__name__}")
-        for name, value, lo in (("max_length", max_length, 1), ("batch_size", batch_size, 1),
-                                ("max_new_tokens", max_new_tokens, 0)):
+            raise ConfigError(
+                f"SlotCache: parameter 'backend' must be the kvpass.backend(...) the model is compiled "
+                f"with, got {type(backend).__name__}"
+            )
+        for name, value, lo in (
+            ("max_length", max_length, 1),
+            ("batch_size", batch_size, 1),
+            ("max_new_tokens", max_new_tokens, 0),
+        ):
             if (value is not None or name != "max_new_tokens") and (
-                    not isinstance(value, int) or isinstance(value, bool) or value < lo):
-                raise ConfigError(f"SlotCache: parameter '{name}' must be an int >= {lo}"
-                                  f"{' or None' if name == 'max_new_tokens' else ''}, got {value!r}")
+                not isinstance(value, int) or isinstance(value, bool) or value < lo
+            ):
+                raise ConfigError(
+                    f"SlotCache: parameter '{name}' must be an int >= {lo}"
+                    f"{' or None' if name == 'max_new_tokens' else ''}, got {value!r}"
+                )
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ConfigError(f"SlotCache: parameter 'dtype' must be a torch.dtype or None, got {dtype!r}")
         if policy.needs.slot_rule is None:
-            raise ConfigError(f"SlotCache: policy '{policy.name}' has no fixed-capacity decode (its slot_rule is "
-                              f"None); use it with a DynamicCache (the default cache)")
+            raise ConfigError(
+                f"SlotCache: policy '{policy.name}' has no fixed-capacity decode (its slot_rule is "
+                f"None); use it with a DynamicCache (the default cache)"
+            )
         if not policy.needs.slot_prefill and not _driver:
-            raise ConfigError(f"SlotCache: policy '{policy.name}' is a chunk-fusion policy; its SlotCache is built "
-                              f"and filled by kvpass.ChunkFusion(model, store, '{policy.name}', cache='slot')")
+            raise ConfigError(
+                f"SlotCache: policy '{policy.name}' is a chunk-fusion policy; its SlotCache is built "
+                f"and filled by kvpass.ChunkFusion(model, store, '{policy.name}', cache='slot')"
+            )
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         policy.check_model(cfg)
         windows = layer_windows(cfg)
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        ranks = getattr(model, "tp_size", None) or 1   # transformers' tensor parallelism: this rank's heads
+        ranks = getattr(model, "tp_size", None) or 1  # transformers' tensor parallelism: this rank's heads
         if kv_heads % ranks:
             raise ConfigError(f"SlotCache: {kv_heads} KV heads do not split over {ranks} tensor-parallel ranks")
         kv_heads //= ranks
@@ -567,13 +714,27 @@ class SlotCache(Cache):
         self.capacities = self._capacities(max_length, max_length if max_new_tokens is None else max_new_tokens)
         self.capacity = max(self.capacities)
         self.policy_name = policy.name
-        super().__init__(layers=[SlotLayer(batch_size, kv_heads, cap, head_dim, head_dim, dtype, device,
-                                           {} if w else policy.slot_state(cap, head_dim), w,
-                                           None if w else capacity_dims(policy, cap, head_dim), max_length)
-                                 for cap, w in zip(self.capacities, windows)])
+        super().__init__(
+            layers=[
+                SlotLayer(
+                    batch_size,
+                    kv_heads,
+                    cap,
+                    head_dim,
+                    head_dim,
+                    dtype,
+                    device,
+                    {} if w else policy.slot_state(cap, head_dim),
+                    w,
+                    None if w else capacity_dims(policy, cap, head_dim),
+                    max_length,
+                )
+                for cap, w in zip(self.capacities, windows)
+            ]
+        )
         self.max_length, self.max_new_tokens = max_length, max_new_tokens
         if getattr(backend, "runtime", None) is not None:
-            backend.runtime.slot_caches.add(self)   # so be.state can name the cache a prefill ran on
+            backend.runtime.slot_caches.add(self)  # so be.state can name the cache a prefill ran on
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
@@ -583,28 +744,36 @@ class SlotCache(Cache):
     def _capacities(self, max_length: int, max_new_tokens: int) -> list[int]:
         layers, new = len(self._windows), min(max_new_tokens, max_length)
         # per layer: pyramidkv keeps more in lower layers; a sliding layer its window
-        return [w or self._policy.slot_capacity(max_length, new, i, layers, self._ranks)
-                for i, w in enumerate(self._windows)]
+        return [
+            w or self._policy.slot_capacity(max_length, new, i, layers, self._ranks)
+            for i, w in enumerate(self._windows)
+        ]
 
     def fits(self, max_length: int, max_new_tokens: int, batch_size: int) -> bool:
         """Whether a generation of ``batch_size`` rows, at most ``max_length`` tokens of which
         ``max_new_tokens`` new, fits this cache (after ``reset()``): a cache can serve any shorter one."""
-        return (batch_size == self.layers[0].keys.shape[0] and max_length <= self.max_length and
-                all(need <= have for need, have in zip(self._capacities(max_length, max_new_tokens), self.capacities)))
+        return (
+            batch_size == self.layers[0].keys.shape[0]
+            and max_length <= self.max_length
+            and all(need <= have for need, have in zip(self._capacities(max_length, max_new_tokens), self.capacities))
+        )
 
     def holds_all(self, max_length: int, max_new_tokens: int) -> bool:
         """Whether every global layer keeps every token of such a generation (no eviction: ``full``, ``art``, a
         budget above ``max_length``); sliding-window layers keep their window whatever the policy."""
-        return all(c >= max_length for c, w in zip(self._capacities(max_length, max_new_tokens), self._windows)
-                   if not w)
+        return all(
+            c >= max_length for c, w in zip(self._capacities(max_length, max_new_tokens), self._windows) if not w
+        )
 
     def crop(self, max_length: int) -> None:
         """Refused: transformers crops a cache to give back rejected draft tokens (assisted and prompt-lookup
         decoding), and a SlotCache's slots are placed by the policy, not in sequence order."""
-        raise ConfigError(f"kvpass.SlotCache cannot crop to {max_length} tokens: transformers crops a cache in "
-                          f"assisted and prompt-lookup decoding, to drop rejected drafts. An assistant model given "
-                          f"kvpass.compile decodes on a SlotCache: give the assistant an uncompiled model (or one "
-                          f"compiled with torch.compile and the 'full' backend on its DynamicCache)")
+        raise ConfigError(
+            f"kvpass.SlotCache cannot crop to {max_length} tokens: transformers crops a cache in "
+            f"assisted and prompt-lookup decoding, to drop rejected drafts. An assistant model given "
+            f"kvpass.compile decodes on a SlotCache: give the assistant an uncompiled model (or one "
+            f"compiled with torch.compile and the 'full' backend on its DynamicCache)"
+        )
 
     def admit(self, row: int, other: "SlotCache", source: int = 0) -> None:
         """Row ``row`` takes row ``source`` of ``other``, a cache of the same policy configuration and
@@ -615,11 +784,18 @@ class SlotCache(Cache):
         mine, theirs = self.layers[0], other.layers[0]
         if not 0 <= row < mine.keys.shape[0]:
             raise ConfigError(f"SlotCache.admit: parameter 'row' must be in 0..{mine.keys.shape[0] - 1}, got {row}")
-        if (other.capacities != self.capacities or mine.spec != theirs.spec or other.max_length != self.max_length
-                or mine.keys.dtype != theirs.keys.dtype or mine.keys.shape[1:] != theirs.keys.shape[1:]):
-            raise ConfigError("SlotCache.admit: the two caches differ (policy configuration, capacities, max_length, "
-                              "dtype or heads); build both for the same model and backend with the same max_length "
-                              "and max_new_tokens")
+        if (
+            other.capacities != self.capacities
+            or mine.spec != theirs.spec
+            or other.max_length != self.max_length
+            or mine.keys.dtype != theirs.keys.dtype
+            or mine.keys.shape[1:] != theirs.keys.shape[1:]
+        ):
+            raise ConfigError(
+                "SlotCache.admit: the two caches differ (policy configuration, capacities, max_length, "
+                "dtype or heads); build both for the same model and backend with the same max_length "
+                "and max_new_tokens"
+            )
         if not theirs.filled:
             raise ConfigError("SlotCache.admit: the source cache has not been prefilled")
         for a, b in zip(self.layers, other.layers):
@@ -635,7 +811,7 @@ class SlotCache(Cache):
     def row_positions(self) -> Tensor:
         """``[B, 1]`` int64 on the device: each row's next position as the model counts it (tokens seen,
         padding included), the ``position_ids`` of a decode step whose rows have different lengths."""
-        return self.layers[0].count[:, SEEN:SEEN + 1].clone()
+        return self.layers[0].count[:, SEEN : SEEN + 1].clone()
 
     @property
     def seen(self) -> int:
@@ -652,9 +828,9 @@ class SlotCache(Cache):
         layers, rows and KV heads). ``be.state`` returns it when this cache had the backend's last prefill."""
         stored, evicted = {}, 0
         for i, lay in enumerate(self.layers):
-            held = (lay.pos >= 0).sum(-1)                     # [B, H_kv]
+            held = (lay.pos >= 0).sum(-1)  # [B, H_kv]
             stored[i] = int(held.max())
-            evicted += int((lay.count[:, SEEN:SEEN + 1] - held).clamp_min(0).sum())
+            evicted += int((lay.count[:, SEEN : SEEN + 1] - held).clamp_min(0).sum())
         return SlotCacheState(self.seen, len(self.layers), stored, evicted)
 
     def kv_bytes(self) -> int:
@@ -667,8 +843,9 @@ class SlotCache(Cache):
 
     def __repr__(self) -> str:
         lay = self.layers[0]
-        return (f"kvpass.SlotCache(policy={self.policy_name!r}, layers={len(self.layers)}, "
-                f"capacity={self.capacity if len(set(self.capacities)) == 1 else self.capacities}, "
-                f"batch={lay.keys.shape[0]}, kv_heads={lay.keys.shape[1]}, "
-                f"dtype={lay.keys.dtype}, kv_bytes={self.kv_bytes()})")
-
+        return (
+            f"kvpass.SlotCache(policy={self.policy_name!r}, layers={len(self.layers)}, "
+            f"capacity={self.capacity if len(set(self.capacities)) == 1 else self.capacities}, "
+            f"batch={lay.keys.shape[0]}, kv_heads={lay.keys.shape[1]}, "
+            f"dtype={lay.keys.dtype}, kv_bytes={self.kv_bytes()})"
+        )

@@ -28,7 +28,7 @@ from torch import Tensor
 class LayerState:
     """What one attention site keeps between calls."""
 
-    pos: Tensor                 # [B, H_kv, L_stored] true token index of each stored entry, -1 = padding
+    pos: Tensor  # [B, H_kv, L_stored] true token index of each stored entry, -1 = padding
     # tokens this layer has seen so far (true length): a 0-d tensor on the cache's device when set by
     # ``compact`` (reading it back there would stall the GPU once per layer and step); ``int()`` it
     seen: int | Tensor
@@ -48,7 +48,7 @@ class LayerState:
         return torch.cat([self.pos, tail], -1), self.seen + n
 
 
-TICKS = itertools.count(1)   # orders generations that start on a DynamicCache and on a kvpass.SlotCache
+TICKS = itertools.count(1)  # orders generations that start on a DynamicCache and on a kvpass.SlotCache
 
 
 class GenerationState:
@@ -72,9 +72,9 @@ class GenerationState:
         self.offset: int | Tensor = 0
         self.tail: Tensor | None = None
         self.tail_at = -1
-        self.latest: int | Tensor = 0   # ``seen`` of the last layer recorded (the latest count a record holds)
-        self.base: int | Tensor = 0     # the model's first derived position (OPT's learned table: 2)
-        self.fresh_at = 0               # TICKS when the last fresh record was set
+        self.latest: int | Tensor = 0  # ``seen`` of the last layer recorded (the latest count a record holds)
+        self.base: int | Tensor = 0  # the model's first derived position (OPT's learned table: 2)
+        self.fresh_at = 0  # TICKS when the last fresh record was set
         # a reconstructing policy's repeat passes (kvzip; kvpass.generate.reconstruct sets ``repeat`` for a pass and
         # clears it after): the prompt range ``(start, end)`` the running pass repeats, and per layer the scores
         # ``[B, H_kv, n]`` (fp32) of the prompt's entries so far, which the next prefill's ``select`` reads
@@ -133,8 +133,9 @@ class GenerationState:
         layer's record are both seen and held, so they do not count. Empty slots of a page
         pool (raas) and padding hold no token, so they never count as kept; left padding counts as not
         held. Derived, so replays of an operator never double count."""
-        return sum(s.pos.shape[0] * s.pos.shape[1] * int(s.seen) - int((s.pos >= 0).sum())
-                   for s in self.layers.values())
+        return sum(
+            s.pos.shape[0] * s.pos.shape[1] * int(s.seen) - int((s.pos >= 0).sum()) for s in self.layers.values()
+        )
 
     def stored_tokens(self) -> dict[int, int]:
         return {i: s.stored + self.appended(s) for i, s in sorted(self.layers.items())}
@@ -147,5 +148,7 @@ class GenerationState:
         self.anchor_at, self.offset, self.tail, self.tail_at, self.latest, self.base = -1, 0, None, -1, 0, 0
 
     def __repr__(self) -> str:
-        return (f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "
-                f"stored={self.stored_tokens()}, evicted_tokens={self.evicted_tokens})")
+        return (
+            f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "
+            f"stored={self.stored_tokens()}, evicted_tokens={self.evicted_tokens})"
+        )

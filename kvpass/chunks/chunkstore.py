@@ -78,7 +78,7 @@ from kvpass.policies.contract import ConfigError
 FORMAT = "kvpass-chunk/1"
 INDEX = "index.json"
 LOCK = ".lock"
-KEY = re.compile(r"[0-9a-f]{64}")   # what put() returns: a sha256 in hex
+KEY = re.compile(r"[0-9a-f]{64}")  # what put() returns: a sha256 in hex
 
 
 class ChunkStoreWarning(UserWarning):
@@ -91,10 +91,10 @@ class StoredChunk:
     (The ChunkKV eviction policy is another thing: ``kvpass.policies.prefill.chunkkv.ChunkKV``.)"""
 
     key: str
-    ids: Tensor                       # [n] token ids
+    ids: Tensor  # [n] token ids
     k: list[Tensor]
     v: list[Tensor]
-    source: str = "computed"          # "computed" | "memory" | "disk"
+    source: str = "computed"  # "computed" | "memory" | "disk"
 
     @property
     def tokens(self) -> int:
@@ -105,12 +105,15 @@ class StoredChunk:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def to(self, device) -> "StoredChunk":
-        return StoredChunk(self.key, self.ids, [t.to(device) for t in self.k], [t.to(device) for t in self.v],
-                           self.source)
+        return StoredChunk(
+            self.key, self.ids, [t.to(device) for t in self.k], [t.to(device) for t in self.v], self.source
+        )
 
     def __repr__(self) -> str:
-        return (f"StoredChunk(key={self.key[:12]}..., tokens={self.tokens}, layers={len(self.k)}, "
-                f"bytes={self.nbytes}, source={self.source!r})")
+        return (
+            f"StoredChunk(key={self.key[:12]}..., tokens={self.tokens}, layers={len(self.k)}, "
+            f"bytes={self.nbytes}, source={self.source!r})"
+        )
 
 
 def _crc(tensors: dict[str, Tensor]) -> int:
@@ -130,14 +133,14 @@ def model_fingerprint(model) -> str:
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            t = t.to_local() if hasattr(t, "to_local") else t      # a DTensor: this rank's shard
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
             flat = t.detach().reshape(-1)
             if flat.numel() == 0:
                 continue
             n = flat.numel()
             k = min(256, n)
-            idx = torch.arange(k, device=flat.device) * (n - 1) // max(k - 1, 1)   # exact integer strides
+            idx = torch.arange(k, device=flat.device) * (n - 1) // max(k - 1, 1)  # exact integer strides
             sample = flat[idx].double().cpu()
             h.update(sample.numpy().tobytes())
             h.update(struct.pack("<d", float(flat.sum(dtype=torch.float64))))
@@ -146,9 +149,9 @@ def model_fingerprint(model) -> str:
 
 def _tensor_state(t: Tensor) -> tuple:
     address = t.data_ptr()
-    if not address and hasattr(t, "to_local"):   # a DTensor has no storage of its own: its shard's address
+    if not address and hasattr(t, "to_local"):  # a DTensor has no storage of its own: its shard's address
         address = t.to_local().data_ptr()
-    return address, t.dtype, None if t.is_inference() else t._version   # an inference tensor has no counter
+    return address, t.dtype, None if t.is_inference() else t._version  # an inference tensor has no counter
 
 
 def weights_version(model) -> tuple:
@@ -186,7 +189,7 @@ def _split_header(raw: bytes) -> tuple[dict, int]:
     (n,) = struct.unpack("<Q", raw[:8])
     if n > len(raw) - 8:
         raise ValueError("header length beyond the end of the file")
-    return json.loads(raw[8:8 + n]), 8 + n
+    return json.loads(raw[8 : 8 + n]), 8 + n
 
 
 @dataclass
@@ -218,8 +221,17 @@ class ChunkStore:
         durable: ``fsync`` every file before it is renamed into place.
     """
 
-    def __init__(self, path: str | os.PathLike, model, *, tokenizer=None, max_bytes: int = 16 << 30,
-                 memory_bytes: int = 2 << 30, fingerprint: str | None = None, durable: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        model,
+        *,
+        tokenizer=None,
+        max_bytes: int = 16 << 30,
+        memory_bytes: int = 2 << 30,
+        fingerprint: str | None = None,
+        durable: bool = True,
+    ) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 1:
             raise ConfigError(f"parameter 'max_bytes' must be int in [1, inf], got {max_bytes!r}")
         if not isinstance(memory_bytes, int) or memory_bytes < 0:
@@ -234,8 +246,9 @@ class ChunkStore:
         self._pinned = fingerprint
         self._rank = ""
         ranks = getattr(model, "tp_size", None) or 1
-        if ranks > 1:   # a split model: each rank stores its own heads' KV, under its own key (a pinned one too)
+        if ranks > 1:  # a split model: each rank stores its own heads' KV, under its own key (a pinned one too)
             import torch.distributed as dist
+
             self._rank = f"/tensor parallel rank {dist.get_rank()} of {ranks}"
         self._rotary = None
         self._memory: OrderedDict[str, StoredChunk] = OrderedDict()
@@ -243,7 +256,7 @@ class ChunkStore:
         self._stats = _Stats()
         self._version: tuple | None = None
         self._fingerprint = ""
-        self.fingerprint     # taken now: a model it cannot hash fails here
+        self.fingerprint  # taken now: a model it cannot hash fails here
 
     # -- identity ---------------------------------------------------------------------------------
 
@@ -259,7 +272,7 @@ class ChunkStore:
             else:
                 fingerprint = model_fingerprint(self.model)
             self._fingerprint, self._version = fingerprint + self._rank, version
-            self._memory.clear()         # KV of other weights, or on another device
+            self._memory.clear()  # KV of other weights, or on another device
             self._memory_used = 0
         return self._fingerprint
 
@@ -268,6 +281,7 @@ class ChunkStore:
         """The model's per-layer rotation (``kvpass.chunks.rope.RotaryMap``), calibrated on first use."""
         if self._rotary is None:
             from kvpass.chunks.rope import RotaryMap
+
             self._rotary = RotaryMap(self.model)
         return self._rotary
 
@@ -275,9 +289,11 @@ class ChunkStore:
         """Token ids ``[n]`` (int64, CPU) of one chunk: a text, a list of ids, or a tensor ``[n]`` (or ``[1, n]``)."""
         if isinstance(chunk, str):
             if self.tokenizer is None and KEY.fullmatch(chunk):
-                raise ConfigError(f"kvpass ChunkStore: parameter 'chunk' is a store key ({chunk[:12]}...) with no "
-                                  f"entry for the model's current weights (never stored, evicted, or stored before "
-                                  f"the weights changed); pass the chunk's token ids")
+                raise ConfigError(
+                    f"kvpass ChunkStore: parameter 'chunk' is a store key ({chunk[:12]}...) with no "
+                    f"entry for the model's current weights (never stored, evicted, or stored before "
+                    f"the weights changed); pass the chunk's token ids"
+                )
             if self.tokenizer is None:
                 raise ConfigError("parameter 'tokenizer' must be given to the ChunkStore to store chunks as text")
             chunk = self.tokenizer.encode(chunk, add_special_tokens=False)
@@ -353,7 +369,7 @@ class ChunkStore:
     def _entry_ids(self, key: str) -> Tensor | None:
         """The token ids the entry under ``key`` holds, from the memory tier or its file's header, when it was
         stored for the model's current weights; else None."""
-        fingerprint = self.fingerprint      # first: a change of weights empties the memory tier
+        fingerprint = self.fingerprint  # first: a change of weights empties the memory tier
         hit = self._memory.get(key)
         if hit is not None:
             return hit.ids
@@ -391,11 +407,20 @@ class ChunkStore:
         s = self._stats
         index = self._read_index()
         return {
-            "memory_hits": s.memory_hits, "disk_hits": s.disk_hits, "misses": s.misses, "computed": s.computed,
-            "written": s.written, "corrupt": s.corrupt, "evicted": s.evicted,
-            "load_s": s.load_s, "compute_s": s.compute_s, "loaded_bytes": s.loaded_bytes,
-            "memory_entries": len(self._memory), "memory_bytes": self._memory_used,
-            "disk_entries": len(index), "disk_bytes": sum(e["bytes"] for e in index.values()),
+            "memory_hits": s.memory_hits,
+            "disk_hits": s.disk_hits,
+            "misses": s.misses,
+            "computed": s.computed,
+            "written": s.written,
+            "corrupt": s.corrupt,
+            "evicted": s.evicted,
+            "load_s": s.load_s,
+            "compute_s": s.compute_s,
+            "loaded_bytes": s.loaded_bytes,
+            "memory_entries": len(self._memory),
+            "memory_bytes": self._memory_used,
+            "disk_entries": len(index),
+            "disk_bytes": sum(e["bytes"] for e in index.values()),
             "max_bytes": self.max_bytes,
         }
 
@@ -422,10 +447,12 @@ class ChunkStore:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"ChunkStore(path={self.path!r}, fingerprint={self.fingerprint[:12]}..., "
-                f"disk={s['disk_entries']} entries/{s['disk_bytes']} B of {self.max_bytes} B, "
-                f"memory={s['memory_entries']} entries/{s['memory_bytes']} B, "
-                f"hits={s['memory_hits']}+{s['disk_hits']}, misses={s['misses']})")
+        return (
+            f"ChunkStore(path={self.path!r}, fingerprint={self.fingerprint[:12]}..., "
+            f"disk={s['disk_entries']} entries/{s['disk_bytes']} B of {self.max_bytes} B, "
+            f"memory={s['memory_entries']} entries/{s['memory_bytes']} B, "
+            f"hits={s['memory_hits']}+{s['disk_hits']}, misses={s['misses']})"
+        )
 
     # -- memory tier ------------------------------------------------------------------------------
 
@@ -486,8 +513,13 @@ class ChunkStore:
         for i, (k, v) in enumerate(zip(kv.k, kv.v)):
             tensors[f"k.{i}"] = k.detach().contiguous().cpu()
             tensors[f"v.{i}"] = v.detach().contiguous().cpu()
-        meta = {"format": FORMAT, "fingerprint": self.fingerprint, "layers": str(len(kv.k)),
-                "ids": ",".join(map(str, kv.ids.tolist())), "crc32": str(_crc(tensors))}
+        meta = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "layers": str(len(kv.k)),
+            "ids": ",".join(map(str, kv.ids.tolist())),
+            "crc32": str(_crc(tensors)),
+        }
         return save(tensors, metadata=meta)
 
     def _write(self, kv: StoredChunk) -> None:
@@ -496,7 +528,7 @@ class ChunkStore:
         with self._lock():
             index = self._read_index()
             if kv.key in index and os.path.exists(dest):
-                os.utime(dest)       # written by another process meanwhile: identical bytes
+                os.utime(dest)  # written by another process meanwhile: identical bytes
                 return
             self._atomic_write(dest, data)
             self._stats.written += 1
@@ -504,8 +536,12 @@ class ChunkStore:
             self._evict(index)
             self._write_index(index)
         if kv.key not in index:
-            warnings.warn(f"kvpass ChunkStore: a chunk of {len(data)} bytes exceeds max_bytes={self.max_bytes} "
-                          f"and was not kept on disk", ChunkStoreWarning, stacklevel=3)
+            warnings.warn(
+                f"kvpass ChunkStore: a chunk of {len(data)} bytes exceeds max_bytes={self.max_bytes} "
+                f"and was not kept on disk",
+                ChunkStoreWarning,
+                stacklevel=3,
+            )
 
     def _evict(self, index: dict) -> None:
         """Drop least recently used entries until the index fits ``max_bytes`` (lock held)."""
@@ -559,8 +595,12 @@ class ChunkStore:
             v = [tensors[f"v.{i}"] for i in range(layers)]
         except Exception as e:  # noqa: BLE001 - any failure to read an entry is a miss, never wrong KV
             self._stats.corrupt += 1
-            warnings.warn(f"kvpass ChunkStore: entry {key[:12]}... at {path} is unusable ({e}); treating it as "
-                          f"a miss and removing it", ChunkStoreWarning, stacklevel=3)
+            warnings.warn(
+                f"kvpass ChunkStore: entry {key[:12]}... at {path} is unusable ({e}); treating it as "
+                f"a miss and removing it",
+                ChunkStoreWarning,
+                stacklevel=3,
+            )
             with self._lock():
                 index = self._read_index()
                 index.pop(key, None)
@@ -568,7 +608,7 @@ class ChunkStore:
                 self._write_index(index)
             return None
         with contextlib.suppress(FileNotFoundError):
-            os.utime(path)       # LRU clock of the disk tier
+            os.utime(path)  # LRU clock of the disk tier
         self._stats.load_s += time.perf_counter() - t0
         self._stats.loaded_bytes += len(raw)
         return StoredChunk(key, ids, k, v, "disk")

@@ -134,7 +134,8 @@ class RotaryMap:
                 raise ConfigError(
                     f"parameter 'model': kvpass cannot reproduce the key rotation of layer {i} with any rotary "
                     f"module of this model (best relative error {err:.2e}); chunk fusion needs HF's rotate_half "
-                    f"RoPE (or none) to re-rotate stored keys")
+                    f"RoPE (or none) to re-rotate stored keys"
+                )
             self.layers.append(best)
 
     def tables(self, layer: int, positions: Tensor):

@@ -51,15 +51,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvpass.compiler.backend import backend as _backend
 from kvpass.cache.argument import with_cache
 from kvpass.chunks.chunkstore import ChunkStore
+from kvpass.chunks.rope import rotate
+from kvpass.compiler.backend import backend as _backend
 from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.chunk_fusion.base import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
 from kvpass.policies.contract import FusionPolicy
-from kvpass.chunks.rope import rotate
 
-_SHARED = "_kvpass_chunk_fusion"   # attribute of the model: lives and dies with it
+_SHARED = "_kvpass_chunk_fusion"  # attribute of the model: lives and dies with it
 
 
 class _Router(ChunkFusionPolicy):
@@ -119,20 +119,22 @@ def _shared(model, compiler: str) -> _Shared:
 class FusedPrompt:
     """A prepared request: the full ``input_ids`` and a cache that holds all of them but the last."""
 
-    input_ids: Tensor                 # [1, N]
-    attention_mask: Tensor            # [1, N]
-    cache: object                     # DynamicCache with N - 1 entries per layer (a3+evict: at most C - 1),
-                                      # or a kvpass.SlotCache holding them (cache="slot")
-    recompute: Tensor                 # positions recomputed (Re), ascending
-    spans: dict                       # "system", "chunks" [(start, end)], "question"
-    timings: dict = field(default_factory=dict)   # seconds: load, merge, select, recompute (, evict)
-    sources: dict = field(default_factory=dict)   # segments from memory / disk / computed
-    kept: list = field(default_factory=list)      # per layer: positions the cache holds [1, H_kv, K]
+    input_ids: Tensor  # [1, N]
+    attention_mask: Tensor  # [1, N]
+    cache: object  # DynamicCache with N - 1 entries per layer (a3+evict: at most C - 1),
+    # or a kvpass.SlotCache holding them (cache="slot")
+    recompute: Tensor  # positions recomputed (Re), ascending
+    spans: dict  # "system", "chunks" [(start, end)], "question"
+    timings: dict = field(default_factory=dict)  # seconds: load, merge, select, recompute (, evict)
+    sources: dict = field(default_factory=dict)  # segments from memory / disk / computed
+    kept: list = field(default_factory=list)  # per layer: positions the cache holds [1, H_kv, K]
 
     def __repr__(self) -> str:
         t = ", ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.timings.items())
-        return (f"FusedPrompt(tokens={self.input_ids.shape[1]}, recomputed={self.recompute.numel()}, "
-                f"sources={self.sources}, {t})")
+        return (
+            f"FusedPrompt(tokens={self.input_ids.shape[1]}, recomputed={self.recompute.numel()}, "
+            f"sources={self.sources}, {t})"
+        )
 
 
 class ChunkFusion:
@@ -150,14 +152,17 @@ class ChunkFusion:
         **params: the policy's parameters (``ratio`` for a3/cacheblend, ``prefix`` for legolink).
     """
 
-    def __init__(self, model, store: ChunkStore, policy="a3", *, compiler: str = "inductor", cache: str = "dynamic",
-                 **params) -> None:
+    def __init__(
+        self, model, store: ChunkStore, policy="a3", *, compiler: str = "inductor", cache: str = "dynamic", **params
+    ) -> None:
         if cache not in ("dynamic", "slot"):
             raise ConfigError(f"parameter 'cache' must be 'dynamic' or 'slot', got {cache!r}")
         pol = make_policy(policy, **params)
         if not isinstance(pol, FusionPolicy):
-            raise ConfigError(f"parameter 'policy' must be a chunk-fusion policy (a3, cacheblend, legolink, pie, "
-                              f"full_reuse), got {pol.name!r}")
+            raise ConfigError(
+                f"parameter 'policy' must be a chunk-fusion policy (a3, cacheblend, legolink, pie, "
+                f"full_reuse), got {pol.name!r}"
+            )
         if not isinstance(store, ChunkStore):
             raise ConfigError(f"parameter 'store' must be a kvpass.ChunkStore, got {type(store).__name__}")
         if store.model is not model:
@@ -181,8 +186,9 @@ class ChunkFusion:
         one graph per step, with CUDA graphs on a CUDA model under Inductor; else ``self.forward``."""
         return self._shared.decode_forward() if self.cache == "slot" else self.forward
 
-    def prepare(self, chunks, question, system=None, max_new_tokens: int = 256,
-                max_length: int | None = None) -> FusedPrompt:
+    def prepare(
+        self, chunks, question, system=None, max_new_tokens: int = 256, max_length: int | None = None
+    ) -> FusedPrompt:
         """Build the fused cache of ``[system, chunks..., question]`` (texts or token ids); with
         ``cache="slot"``, a SlotCache with room for the last question token and ``max_new_tokens``, or,
         when ``max_length`` is given, for the tokens up to that total length (prompt included, as
@@ -224,10 +230,12 @@ class ChunkFusion:
         ids = torch.cat(segments + [q_ids])[None].to(dev)
         doc = torch.zeros(n, dtype=torch.bool)
         first_doc = 1 if sys_ids is not None else 0
-        doc[starts[first_doc]:ctx] = True
-        spans = {"system": (0, starts[first_doc]) if sys_ids is not None else None,
-                 "chunks": [(a, a + s.numel()) for a, s in zip(starts[first_doc:], segments[first_doc:])],
-                 "question": (ctx, n)}
+        doc[starts[first_doc] : ctx] = True
+        spans = {
+            "system": (0, starts[first_doc]) if sys_ids is not None else None,
+            "chunks": [(a, a + s.numel()) for a, s in zip(starts[first_doc:], segments[first_doc:])],
+            "question": (ctx, n),
+        }
 
         # merged cache: re-rotated stored keys, values; empty slots for Q[:-1]
         t1 = self._clock()
@@ -238,8 +246,9 @@ class ChunkFusion:
         cache, layer1 = self._merged_cache(kvs, rot_pos, nq - 1)
         timings["merge"] = self._clock() - t1
 
-        req = FusionRequest(length=n, question=nq, doc=doc, chunk_starts=starts,
-                            cached_keys=layer1 if self.policy.needs_probe else None)
+        req = FusionRequest(
+            length=n, question=nq, doc=doc, chunk_starts=starts, cached_keys=layer1 if self.policy.needs_probe else None
+        )
         t2 = self._clock()
         if self.policy.needs_probe:
             self._select(ids, req)
@@ -257,15 +266,17 @@ class ChunkFusion:
         state.reset()
         votes = self.policy.needs_votes
         if votes and (nq < 2 or new.numel() < 2):
-            raise ConfigError(f"policy '{self.policy.name}' ranks the documents by the question's attention in the "
-                              f"recompute pass: it needs a question of at least 2 tokens (got {nq}) and at least "
-                              f"2 recomputed tokens (got {new.numel()}; raise 'ratio')")
+            raise ConfigError(
+                f"policy '{self.policy.name}' ranks the documents by the question's attention in the "
+                f"recompute pass: it needs a question of at least 2 tokens (got {nq}) and at least "
+                f"2 recomputed tokens (got {new.numel()}; raise 'ratio')"
+            )
         state.fusion_window = nq - 1 if votes else 0
         try:
             if new.numel() == 1 and int(new[0]) == n - 2:
                 # only Q[0] (of a two-token question): an ordinary one-token append, exact
                 cache.crop(n - 2)
-                self._run(ids[:, n - 2:n - 1], cache, positions=None)
+                self._run(ids[:, n - 2 : n - 1], cache, positions=None)
             elif new.numel() > 0:
                 self._run(ids[:, new.to(dev)], cache, positions=new)
         finally:
@@ -292,8 +303,7 @@ class ChunkFusion:
         keep = {} if self.cache == "slot" else {"logits_to_keep": 1}
         with torch.no_grad():
             last = fused.input_ids[:, -1:].clone(memory_format=torch.contiguous_format)
-            out = self.decode_forward(input_ids=last, **with_cache(self.model, fused.cache),
-                                      use_cache=True, **keep)
+            out = self.decode_forward(input_ids=last, **with_cache(self.model, fused.cache), use_cache=True, **keep)
         fused.timings["last_token"] = self._clock() - t0
         return out.logits[:, -1], fused
 
@@ -311,22 +321,36 @@ class ChunkFusion:
             config = generate_kwargs.get("generation_config") or self.model.generation_config
             new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
             total = None if new is not None else generate_kwargs.get("max_length", getattr(config, "max_length", None))
-            fused = self.prepare(chunks, question, system, max_new_tokens=20 if new is None else new,
-                                 max_length=total)
+            fused = self.prepare(chunks, question, system, max_new_tokens=20 if new is None else new, max_length=total)
             with self._decoding():
-                return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
-                                           **with_cache(self.model, fused.cache), **generate_kwargs)
+                return self.model.generate(
+                    fused.input_ids,
+                    attention_mask=fused.attention_mask,
+                    **with_cache(self.model, fused.cache),
+                    **generate_kwargs,
+                )
         if self.policy.needs_votes:
             unknown = sorted(set(generate_kwargs) - {"max_new_tokens", "eos_token_id", "do_sample"})
             if unknown or generate_kwargs.get("do_sample"):
-                raise ConfigError(f"policy '{self.policy.name}' decodes greedily through ChunkFusion: "
-                                  f"generate() takes max_new_tokens, eos_token_id and do_sample=False, got "
-                                  f"{unknown or ['do_sample=True']}")
-            return self._greedy(chunks, question, system, generate_kwargs.get("max_new_tokens", 20),
-                                generate_kwargs.get("eos_token_id", self.model.config.eos_token_id))
+                raise ConfigError(
+                    f"policy '{self.policy.name}' decodes greedily through ChunkFusion: "
+                    f"generate() takes max_new_tokens, eos_token_id and do_sample=False, got "
+                    f"{unknown or ['do_sample=True']}"
+                )
+            return self._greedy(
+                chunks,
+                question,
+                system,
+                generate_kwargs.get("max_new_tokens", 20),
+                generate_kwargs.get("eos_token_id", self.model.config.eos_token_id),
+            )
         fused = self.prepare(chunks, question, system)
-        return self.model.generate(fused.input_ids, attention_mask=fused.attention_mask,
-                                   **with_cache(self.model, fused.cache), **generate_kwargs)
+        return self.model.generate(
+            fused.input_ids,
+            attention_mask=fused.attention_mask,
+            **with_cache(self.model, fused.cache),
+            **generate_kwargs,
+        )
 
     def _greedy(self, chunks, question, system, max_new_tokens: int, eos) -> Tensor:
         logits, fused = self.prefill(chunks, question, system)
@@ -335,7 +359,9 @@ class ChunkFusion:
         with torch.no_grad():
             while len(out) < max_new_tokens and out[-1] not in stop:
                 ids = torch.tensor([[out[-1]]], device=fused.input_ids.device)
-                step = self.forward(input_ids=ids, **with_cache(self.model, fused.cache), use_cache=True, logits_to_keep=1)
+                step = self.forward(
+                    input_ids=ids, **with_cache(self.model, fused.cache), use_cache=True, logits_to_keep=1
+                )
                 out.append(int(step.logits[0, -1].argmax(-1)))
         return torch.cat([fused.input_ids, torch.tensor([out], device=fused.input_ids.device)], dim=1)
 
@@ -357,8 +383,10 @@ class ChunkFusion:
             if self.policy.needs_votes:
                 votes = state.fusion_votes.pop(i, None)
                 if votes is None:
-                    raise RuntimeError(f"kvpass: the recompute pass left no votes for layer {i} (policy "
-                                       f"'{self.policy.name}'); was the model compiled by this ChunkFusion?")
+                    raise RuntimeError(
+                        f"kvpass: the recompute pass left no votes for layer {i} (policy "
+                        f"'{self.policy.name}'); was the model compiled by this ChunkFusion?"
+                    )
                 idx = self.policy.keep_after_fusion(votes, req)
             if idx is None:  # an expanded view: no [H_kv, L] positions materialised per layer
                 idx = torch.arange(length, device=layer.keys.device).expand(b, hkv, length)
@@ -444,15 +472,21 @@ class ChunkFusion:
         before = len(self.backend.reports)
         try:
             with self._first_layers(), torch.no_grad():
-                self.forward(input_ids=ids, **with_cache(self.model, DynamicCache(config=self.model.config)), use_cache=True,
-                             logits_to_keep=1)
+                self.forward(
+                    input_ids=ids,
+                    **with_cache(self.model, DynamicCache(config=self.model.config)),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         finally:
             self.policy.request = None
             self._router.active = None
         self._checked(before)
         if req.scores is None:
-            raise RuntimeError(f"kvpass: the selection pass of policy '{self.policy.name}' produced no scores "
-                               f"(layer {SELECT_LAYER} was not planned as a selection site)")
+            raise RuntimeError(
+                f"kvpass: the selection pass of policy '{self.policy.name}' produced no scores "
+                f"(layer {SELECT_LAYER} was not planned as a selection site)"
+            )
 
     def _run(self, ids: Tensor, cache, positions: Tensor | None) -> None:
         state = self.backend.runtime.state

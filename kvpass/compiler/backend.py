@@ -15,22 +15,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
+from kvpass import settings as _settings
+from kvpass.cache import runtime as _runtime
 from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
 from kvpass.compiler import layers as _layers
 from kvpass.compiler import local_weights as _local_weights
-from kvpass.compiler.maskcheck import mask_is_read
-from kvpass.compiler.recording import recorded
 from kvpass.compiler import plan as _plan
 from kvpass.compiler import positions as _positions
-from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
-from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.compiler import rewrite as _rewrite
 from kvpass.compiler import tp as _tp
-from kvpass.cache import runtime as _runtime
+from kvpass.compiler.maskcheck import mask_is_read
+from kvpass.compiler.recording import recorded
 from kvpass.errors import ConfigError, warn_once
-from kvpass import settings as _settings
+from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
 from kvpass.policies import Policy, Refusal, SitePlan, make_policy
 
 try:  # Inductor's base class for custom passes: uuid() keys its caches
@@ -54,19 +54,23 @@ class GraphReport:
     appending: list[int] = field(default_factory=list)  # sites left to the model's cache update (SitePlan.append)
     positions_fixed: list[str] = field(default_factory=list)
     gate: _gate.GatedGraph | None = None  # the prefill runs split at the gates (ASL, FastKV)
-    slots: list[int] = field(default_factory=list)     # kvpass.SlotCache sites (kvpass.cache.slots)
+    slots: list[int] = field(default_factory=list)  # kvpass.SlotCache sites (kvpass.cache.slots)
     cudagraphs: bool = False  # compiled with Inductor's CUDA graphs (mode="reduce-overhead")
-    tp: str = ""              # tensor parallel: this rank's share of the heads (kvpass.compiler.tp)
+    tp: str = ""  # tensor parallel: this rank's share of the heads (kvpass.compiler.tp)
     reductions: list[str] = field(default_factory=list)  # collectives the pass inserted (decisions across heads)
-    reads_mask: bool = True   # the graph reads the model's attention mask (maskcheck.mask_is_read)
-    shared_layers: int = 0    # decoder layers compiled once and called per layer (kvpass.compiler.layers)
+    reads_mask: bool = True  # the graph reads the model's attention mask (maskcheck.mask_is_read)
+    shared_layers: int = 0  # decoder layers compiled once and called per layer (kvpass.compiler.layers)
 
 
 def _runtime_op(node: fx.Node) -> bool:
     """A kvpass operator that calls back into a policy's Python runtime (it takes a ``handle``)."""
     t = node.target
-    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "kvpass"
-            and any(a.name == "handle" for a in t._schema.arguments))
+    return (
+        node.op == "call_function"
+        and isinstance(t, torch._ops.OpOverload)
+        and t.namespace == "kvpass"
+        and any(a.name == "handle" for a in t._schema.arguments)
+    )
 
 
 def mark_cacheable(gm: fx.GraphModule, key: str) -> None:
@@ -129,33 +133,41 @@ class KVPass(CustomGraphPass):
         """The passes, in order; each fills its part of the report, and the first problem stops the rewrite
         (the graph compiles unchanged, the reason warned once)."""
         gm = graph.owning_module
-        found = _detect.detect(gm)                                  # 1. sites: attention + cache update
+        found = _detect.detect(gm)  # 1. sites: attention + cache update
         if foreign := _plan.foreign_cache(self.policy, found.sites):
-            raise ConfigError(foreign)                              #    a cache filled by another policy
+            raise ConfigError(foreign)  #    a cache filled by another policy
         report = GraphReport(phase=_phase(found), sites=[], plans={}, problems=[str(p) for p in found.problems])
-        tp = self._tensor_parallel(gm, found, report)               # 2. the rank's share of the heads
-        plans = self._plan(found, tp, report)                       # 3. policy.plan per site -> SitePlan
+        tp = self._tensor_parallel(gm, found, report)  # 2. the rank's share of the heads
+        plans = self._plan(found, tp, report)  # 3. policy.plan per site -> SitePlan
         report.sites = [s.row() for s in found.sites]
         gates = self.policy.needs.gates and report.phase == "prefill"
         if gates and not report.problems and (why := _gate.check(found.sites, self.policy)):
-            report.problems.append(f"policy '{self.policy.name}' (gate): {why}")   # 4. can the gate be placed
-        self._follow_prefill(report.phase, report.problems)         # 5. decode follows an unchanged prefill
-        if not found.sites and not report.problems and self.policy.name != "full":   # nothing to apply it to: said
-            warn_once(f"kvpass: a compiled graph has no attention site: policy "   # once per backend
-                      f"'{self.policy.name}' does nothing in it. A model without attention (a state-space model) "
-                      f"is not changed by kvpass; where the model's forward breaks into several graphs, its attention "
-                      f"may be in another one (kvpass.explain shows what each graph holds)", self)
+            report.problems.append(f"policy '{self.policy.name}' (gate): {why}")  # 4. can the gate be placed
+        self._follow_prefill(report.phase, report.problems)  # 5. decode follows an unchanged prefill
+        if not found.sites and not report.problems and self.policy.name != "full":  # nothing to apply it to: said
+            warn_once(
+                f"kvpass: a compiled graph has no attention site: policy "  # once per backend
+                f"'{self.policy.name}' does nothing in it. A model without attention (a state-space model) "
+                f"is not changed by kvpass; where the model's forward breaks into several graphs, its attention "
+                f"may be in another one (kvpass.explain shows what each graph holds)",
+                self,
+            )
         if report.problems:
-            warn_once(f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): "
-                      f"{report.problems[0]}", self)
+            warn_once(
+                f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): {report.problems[0]}",
+                self,
+            )
             _keep_slot_appends(gm)
             return report
-        self._rewrite(gm, found, plans, report)                     # 6. REWRITES[plan.rewrite_kind] per site
+        self._rewrite(gm, found, plans, report)  # 6. REWRITES[plan.rewrite_kind] per site
         if self.policy.needs.renumber and report.phase != "prefill":  # 7. a renumbering gate's positions
-            report.positions_fixed += (_positions.shift_slot_positions(gm, found.sites) if report.slots else
-                                       _positions.shift_passed_positions(gm, found.sites, self.runtime.handle))
+            report.positions_fixed += (
+                _positions.shift_slot_positions(gm, found.sites)
+                if report.slots
+                else _positions.shift_passed_positions(gm, found.sites, self.runtime.handle)
+            )
         if gates:
-            self._gate(gm, found, report)                           # 8. split the prefill at the gates
+            self._gate(gm, found, report)  # 8. split the prefill at the gates
         return report
 
     def _tensor_parallel(self, gm, found, report: GraphReport):
@@ -186,7 +198,7 @@ class KVPass(CustomGraphPass):
                 return {}
             plans[site.layer] = plan
             report.plans[site.layer] = plan.describe(report.phase)
-        self.runtime.add_graph(found.sites)   # the keys this graph's operators name their sites by
+        self.runtime.add_graph(found.sites)  # the keys this graph's operators name their sites by
         return plans
 
     def _rewrite(self, gm, found, plans: dict[int, SitePlan], report: GraphReport) -> None:
@@ -203,8 +215,11 @@ class KVPass(CustomGraphPass):
         graph evicting but computing every token, said once."""
         gated = _gate.plan(gm, found.sites, self.policy, self.runtime, self.compile_segment)
         if isinstance(gated, str):
-            warn_once(f"kvpass: policy '{self.policy.name}': the gate is not applied, the prefill computes "
-                      f"every token in every layer: {gated}", self)
+            warn_once(
+                f"kvpass: policy '{self.policy.name}': the gate is not applied, the prefill computes "
+                f"every token in every layer: {gated}",
+                self,
+            )
             return
         report.gate = gated
         report.reductions += gated.reductions
@@ -217,10 +232,16 @@ class KVPass(CustomGraphPass):
         rewritten over an unchanged prefill's cache they were wrong without a word)."""
         if phase == "prefill":
             self.runtime.unchanged_prefill = problems[0] if problems else ""
-        elif phase in ("decode", "append") and not problems and self.runtime.unchanged_prefill \
-                and self.policy.needs.evicts:
-            problems.append(f"the prefill graph was compiled unchanged ({self.runtime.unchanged_prefill}), so "
-                            f"its {phase} steps run unchanged too")
+        elif (
+            phase in ("decode", "append")
+            and not problems
+            and self.runtime.unchanged_prefill
+            and self.policy.needs.evicts
+        ):
+            problems.append(
+                f"the prefill graph was compiled unchanged ({self.runtime.unchanged_prefill}), so "
+                f"its {phase} steps run unchanged too"
+            )
 
     def uuid(self) -> str:
         h = hashlib.sha256(self.policy.uuid().encode())
@@ -245,8 +266,9 @@ def _recompile_reason() -> str | None:
     """Dynamo's reason for the recompile under way (the first failed guard), where this torch records it."""
     try:
         from torch._dynamo.utils import get_metrics_context
+
         reason = get_metrics_context()._metrics.get("recompile_reason")
-    except (ImportError, AttributeError):   # pragma: no cover - a torch without the metrics context
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without the metrics context
         return None
     # the failed guard, on one line (Dynamo follows it with the source line and the user's stack)
     return " ".join(str(reason).strip().splitlines()[0].split()) if reason else None
@@ -255,8 +277,15 @@ def _recompile_reason() -> str | None:
 class Backend:
     """A ``torch.compile`` backend that applies a kvpass policy. Build it with ``kvpass.backend``."""
 
-    def __init__(self, policy: str | Policy = "full", *, compiler: str = "inductor", prefill_compiler: str | None = None,
-                 share_layers: bool = True, **params) -> None:
+    def __init__(
+        self,
+        policy: str | Policy = "full",
+        *,
+        compiler: str = "inductor",
+        prefill_compiler: str | None = None,
+        share_layers: bool = True,
+        **params,
+    ) -> None:
         for name, value in (("compiler", compiler), ("prefill_compiler", prefill_compiler or compiler)):
             if value not in COMPILERS:
                 raise ConfigError(f"parameter '{name}' must be one of {', '.join(COMPILERS)}, got {value!r}")
@@ -267,8 +296,10 @@ class Backend:
         self.share_layers = share_layers
         for member in self.policy.members:  # a composition (kvpass.policies.compose)
             if member.needs.gates:
-                raise ConfigError(f"policy '{self.policy.name}': {member.name} changes the token count inside the "
-                                  f"prefill graph and does not compose with other policies yet; use it alone")
+                raise ConfigError(
+                    f"policy '{self.policy.name}': {member.name} changes the token count inside the "
+                    f"prefill graph and does not compose with other policies yet; use it alone"
+                )
         self.runtime = _runtime.Runtime(self.policy)
         # the DTensor specs the frame's compiled callables check themselves (tensor parallel: local_weights);
         # kvpass.compile passes it to torch.compile as guard_filter_fn, which drops Dynamo's guard on those specs
@@ -327,13 +358,15 @@ class Backend:
         """What to tell a user whose forward reaches Dynamo's recompile limit under this backend; ``reason``:
         Dynamo's reason for the recompile that reached it."""
         why = f" Dynamo recompiled because: {reason}." if reason else ""
-        return (f"kvpass: the model's forward reached Dynamo's recompile_limit ({torch._dynamo.config.recompile_limit}; "
-                f"graphs so far per phase: {self.graph_counts()}).{why} kvpass compiles one prefill and one decode "
-                f"graph for any prompt length, cache size and batch of two or more rows (a batch of one, a "
-                f"left-padded batch and inputs_embeds have their own); each new dtype or cache kind, and each other "
-                f"model of the same class compiled with torch.compile in this process (they share one forward), adds "
-                f"graphs. Call torch._dynamo.reset() between models, or raise the limit: "
-                f"torch._dynamo.config.recompile_limit = 64.")
+        return (
+            f"kvpass: the model's forward reached Dynamo's recompile_limit ({torch._dynamo.config.recompile_limit}; "
+            f"graphs so far per phase: {self.graph_counts()}).{why} kvpass compiles one prefill and one decode "
+            f"graph for any prompt length, cache size and batch of two or more rows (a batch of one, a "
+            f"left-padded batch and inputs_embeds have their own); each new dtype or cache kind, and each other "
+            f"model of the same class compiled with torch.compile in this process (they share one forward), adds "
+            f"graphs. Call torch._dynamo.reset() between models, or raise the limit: "
+            f"torch._dynamo.config.recompile_limit = 64."
+        )
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **compile_kwargs):
         # torch.compile passes mode=/options= to a callable backend when they are set (HF's
@@ -348,8 +381,10 @@ class Backend:
         report.reads_mask = report.phase == "prefill" or mask_is_read(gm)
         self.reports.append(report)
         if report.gate is not None:
-            report.gate.precompile(example_inputs)  # each segment with the inner compiler (short static versions: on first use)
-            return report.gate        # runs the segments, gathering the selected tokens at the gate
+            report.gate.precompile(
+                example_inputs
+            )  # each segment with the inner compiler (short static versions: on first use)
+            return report.gate  # runs the segments, gathering the selected tokens at the gate
         compiler = self.prefill_compiler if report.phase == "prefill" else self.compiler
         patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"), compiler)
         report.cudagraphs = bool(patches.get("triton.cudagraphs"))
@@ -363,21 +398,31 @@ class Backend:
         if mode in (None, "default") and not options:
             return {}
         if compiler != "inductor":
-            if self.compiler != "inductor":   # not said for a prefill that runs without Inductor by choice
-                warn_once(f"kvpass: torch.compile mode={mode!r} options={options} apply to compiler='inductor' only; "
-                          f"this backend compiles with {self.compiler!r}", self)
+            if self.compiler != "inductor":  # not said for a prefill that runs without Inductor by choice
+                warn_once(
+                    f"kvpass: torch.compile mode={mode!r} options={options} apply to compiler='inductor' only; "
+                    f"this backend compiles with {self.compiler!r}",
+                    self,
+                )
             return {}
         from torch._inductor import list_mode_options
+
         patches = {**(list_mode_options(mode) if mode not in (None, "default") else {}), **(options or {})}
-        stateful = sorted({n.target.name() for n in gm.graph.nodes if _runtime_op(n)}) \
-            if patches.get("triton.cudagraphs") else []
+        stateful = (
+            sorted({n.target.name() for n in gm.graph.nodes if _runtime_op(n)})
+            if patches.get("triton.cudagraphs")
+            else []
+        )
         if stateful:
             patches["triton.cudagraphs"] = False
             if report.slots and report.phase == "prefill":
                 return patches  # by design: a SlotCache prefill runs once per prompt, outside CUDA graphs
-            warn_once(f"kvpass: CUDA graphs are not applied to this {report.phase} graph of policy "
-                      f"'{self.policy.name}': {stateful[0]} updates Python-side policy state, which a replay "
-                      f"would skip (a decode step on a kvpass.SlotCache has none)", self)
+            warn_once(
+                f"kvpass: CUDA graphs are not applied to this {report.phase} graph of policy "
+                f"'{self.policy.name}': {stateful[0]} updates Python-side policy state, which a replay "
+                f"would skip (a decode step on a kvpass.SlotCache has none)",
+                self,
+            )
         return patches
 
     @property
@@ -388,10 +433,13 @@ class Backend:
         it) calls the uncompiled model: the policy would silently not apply there, so kvpass warns."""
         model = _module_being_compiled()
         if model is not None and hasattr(model, "generate"):
-            warn_once(f"kvpass: torch.compile({type(model).__name__}, backend=kvpass.backend({self.policy.name!r})) "
-                      f"applies the policy to calls of the module it returns, not to .generate(), which runs the "
-                      f"uncompiled forward (torch's rule). Use kvpass.compile(model, {self.policy.name!r}), "
-                      f"model.compile(backend=...) or model.forward = torch.compile(model.forward, backend=...)", self)
+            warn_once(
+                f"kvpass: torch.compile({type(model).__name__}, backend=kvpass.backend({self.policy.name!r})) "
+                f"applies the policy to calls of the module it returns, not to .generate(), which runs the "
+                f"uncompiled forward (torch's rule). Use kvpass.compile(model, {self.policy.name!r}), "
+                f"model.compile(backend=...) or model.forward = torch.compile(model.forward, backend=...)",
+                self,
+            )
         return f"kvpass_{self.policy.name}"
 
     def __deepcopy__(self, memo):
@@ -405,9 +453,9 @@ class Backend:
 
     def _inner(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None = None):
         if compiler == "eager":
-            self.spec_guards.unchecked(example_inputs)   # Dynamo keeps its guard on these DTensors' specs
+            self.spec_guards.unchecked(example_inputs)  # Dynamo keeps its guard on these DTensors' specs
             return gm.forward
-        inputs, wrap, undo = _local_weights.local_weights(gm, example_inputs)   # tensor parallel: DTensor weights
+        inputs, wrap, undo = _local_weights.local_weights(gm, example_inputs)  # tensor parallel: DTensor weights
         if inputs is example_inputs:
             self.spec_guards.unchecked(example_inputs)
             return self._compile(gm, example_inputs, patches, compiler, report)
@@ -417,9 +465,12 @@ class Backend:
             raise
         except Exception as e:  # noqa: BLE001  (any failure: the graph as Dynamo gave it, as before)
             undo()
-            warn_once(f"kvpass: compiling the tensor-parallel weights as local tensors failed ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); compiling them as DTensors (same result; "
-                      f"torch unwraps each one on every call, slower on the host)", self)
+            warn_once(
+                f"kvpass: compiling the tensor-parallel weights as local tensors failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); compiling them as DTensors (same result; "
+                f"torch unwraps each one on every call, slower on the host)",
+                self,
+            )
             self.spec_guards.unchecked(example_inputs)
             return self._compile(gm, example_inputs, patches, compiler, report)
         self.spec_guards.checked(compiled.specs)
@@ -428,20 +479,25 @@ class Backend:
     def _compile(self, gm, example_inputs, patches: dict | None, compiler: str, report: GraphReport | None):
         if compiler == "aot_eager":
             from torch._dynamo.backends.registry import lookup_backend
+
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
+
         mark_cacheable(gm, self.kvpass.uuid())
         shared, count = _layers.shared_copy(gm) if self.share_layers and report is not None else (None, 0)
         if shared is not None:
             try:
                 compiled = compile_fx(shared, example_inputs, config_patches=patches or None)
             except torch._dynamo.exc.RestartAnalysis:
-                raise   # Dynamo's own control flow (AOT specializing a float restarts the frame's analysis), no failure
+                raise  # Dynamo's own control flow (AOT specializing a float restarts the frame's analysis), no failure
             except Exception as e:  # noqa: BLE001  (any failure: compile the layers inline, as before)
-                warn_once(f"kvpass: compiling the decoder's {count} repeated layers once failed "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling "
-                          f"every layer instead (slower to compile, same result). "
-                          f"kvpass.backend(..., share_layers=False) skips the attempt", self)
+                warn_once(
+                    f"kvpass: compiling the decoder's {count} repeated layers once failed "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling "
+                    f"every layer instead (slower to compile, same result). "
+                    f"kvpass.backend(..., share_layers=False) skips the attempt",
+                    self,
+                )
             else:
                 report.shared_layers = count
                 return compiled
@@ -453,8 +509,14 @@ class Backend:
         return f"kvpass.Backend(policy={self.policy!r}, compiler={self.compiler!r}{prefill}, graphs_compiled={graphs})"
 
 
-def backend(policy: str | Policy = "full", *, compiler: str = "inductor", prefill_compiler: str | None = None,
-            share_layers: bool = True, **params) -> Backend:
+def backend(
+    policy: str | Policy = "full",
+    *,
+    compiler: str = "inductor",
+    prefill_compiler: str | None = None,
+    share_layers: bool = True,
+    **params,
+) -> Backend:
     """Return a ``torch.compile`` backend that applies the KV-cache ``policy``.
 
     Args:

@@ -97,15 +97,15 @@ class OutProj:
 class Site:
     """One attention call and the KV-cache update that feeds it."""
 
-    layer: int                  # index in graph order
-    attention: str              # "sdpa" | "eager" | "flash"
-    out: fx.Node                # node producing the attention output [B, H, Lq, Dv]
+    layer: int  # index in graph order
+    attention: str  # "sdpa" | "eager" | "flash"
+    out: fx.Node  # node producing the attention output [B, H, Lq, Dv]
     q: fx.Node
-    k: fx.Node                  # full K as attention reads it, before repeat_kv
+    k: fx.Node  # full K as attention reads it, before repeat_kv
     v: fx.Node
     mask: fx.Node | None
-    scale: float | fx.Node      # a node when Dynamo made the float dynamic (dynamic=True)
-    causal: int                 # ops.CAUSAL_NONE / CAUSAL_TOP_LEFT / CAUSAL_BOTTOM_RIGHT
+    scale: float | fx.Node  # a node when Dynamo made the float dynamic (dynamic=True)
+    causal: int  # ops.CAUSAL_NONE / CAUSAL_TOP_LEFT / CAUSAL_BOTTOM_RIGHT
     softcap: float
     heads: int
     kv_heads: int
@@ -117,18 +117,19 @@ class Site:
     v_past: fx.Node | None = None
     k_new: fx.Node | None = None
     v_new: fx.Node | None = None
-    cache_layer: int | None = None   # layer index read off the cache tensor's source, if any
-    rope: str | None = None          # name of the cos node feeding the new keys
+    cache_layer: int | None = None  # layer index read off the cache tensor's source, if any
+    rope: str | None = None  # name of the cos node feeding the new keys
     positions: fx.Node | None = None  # integer position tensor behind the RoPE producer
     residual: fx.Node | None = None
     phase: Phase = "unknown"
-    tokens: fx.Node | None = None    # the graph's input token ids (the embedding's input), if any
-    slot: fx.Node | None = None      # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
-    slot_spec: str = ""              # the policy configuration that SlotCache was built for (Policy.key)
-    global_layers: tuple = ()        # layers (graph order) of the graph's non-sliding sites
-    tp: object = None                # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
-    key: int = -1                    # the operators' name for this site (Runtime.add_graph): graph and layer
+    tokens: fx.Node | None = None  # the graph's input token ids (the embedding's input), if any
+    slot: fx.Node | None = None  # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
+    slot_spec: str = ""  # the policy configuration that SlotCache was built for (Policy.key)
+    global_layers: tuple = ()  # layers (graph order) of the graph's non-sliding sites
+    tp: object = None  # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
+    key: int = -1  # the operators' name for this site (Runtime.add_graph): graph and layer
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
+
     @functools.cached_property
     def q_rope(self) -> QueryRope:
         """How the query is positioned (``query_rope``), matched the first time a policy asks (expected_attention's
@@ -148,12 +149,20 @@ class Site:
     def row(self) -> dict:
         """Plain-data summary used by ``explain`` and the tests."""
         return {
-            "layer": self.layer, "phase": self.phase, "attention": self.attention, "kind": self.kind,
-            "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+            "layer": self.layer,
+            "phase": self.phase,
+            "attention": self.attention,
+            "kind": self.kind,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
             "scale": self.scale.name if isinstance(self.scale, fx.Node) else round(self.scale, 6),
-            "softcap": self.softcap, "cache": self.cache,
-            "sliding_window": self.sliding_window, "cache_layer": self.cache_layer,
-            "rope": self.rope, "positions": self.positions.name if self.positions is not None else None,
+            "softcap": self.softcap,
+            "cache": self.cache,
+            "sliding_window": self.sliding_window,
+            "cache_layer": self.cache_layer,
+            "rope": self.rope,
+            "positions": self.positions.name if self.positions is not None else None,
             "residual": self.residual.name if self.residual is not None else None,
         }
 
@@ -187,8 +196,11 @@ def local_of(node):
     embedding), else ``node``."""
     t = getattr(node, "target", None)
     name, module = getattr(t, "__name__", ""), getattr(t, "__module__", "") or ""
-    if (isinstance(node, fx.Node) and node.op == "call_function"
-            and any(name == n and module.startswith(m) for n, m in _FROM_LOCAL)):
+    if (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and any(name == n and module.startswith(m) for n, m in _FROM_LOCAL)
+    ):
         return arg(node, 0, "local_tensor", node)
     return node
 
@@ -226,8 +238,12 @@ def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         exp = node.args[0]
         if is_method(exp, "expand") and is_fn(exp.args[0], {operator.getitem}):
             idx = exp.args[0].args[1]
-            if (isinstance(idx, tuple) and len(idx) == 5 and idx[2] is None
-                    and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)):
+            if (
+                isinstance(idx, tuple)
+                and len(idx) == 5
+                and idx[2] is None
+                and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)
+            ):
                 return exp.args[0].args[0], [node, exp, exp.args[0]]
     return node, []
 
@@ -236,9 +252,12 @@ def seq_slice(node: fx.Node):
     """If node is x[:, :, a:b(, :)] (a slice of the sequence dim only), return (x, slice)."""
     if is_fn(node, {operator.getitem}) and isinstance(node.args[1], tuple):
         idx = node.args[1]
-        if (len(idx) in (3, 4) and isinstance(idx[2], slice)
-                and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)
-                and idx[2].step in (None, 1)):
+        if (
+            len(idx) in (3, 4)
+            and isinstance(idx[2], slice)
+            and all(_full_slice(s) for i, s in enumerate(idx) if i != 2)
+            and idx[2].step in (None, 1)
+        ):
             return node.args[0], idx[2]
     return None
 
@@ -343,8 +362,7 @@ def _concrete_int(x) -> int | None:
 
 
 def _written_inplace(node: fx.Node) -> bool:
-    return any(is_method(u, "index_copy_", "copy_", "__setitem__") or is_fn(u, {operator.setitem})
-               for u in node.users)
+    return any(is_method(u, "index_copy_", "copy_", "__setitem__") or is_fn(u, {operator.setitem}) for u in node.users)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,8 +370,21 @@ def _written_inplace(node: fx.Node) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-_PASS_THROUGH = ("unsqueeze", "to", "type_as", "float", "half", "bfloat16", "reshape", "view", "expand",
-                 "contiguous", "transpose", "repeat_interleave", "clone")
+_PASS_THROUGH = (
+    "unsqueeze",
+    "to",
+    "type_as",
+    "float",
+    "half",
+    "bfloat16",
+    "reshape",
+    "view",
+    "expand",
+    "contiguous",
+    "transpose",
+    "repeat_interleave",
+    "clone",
+)
 
 
 def _cos_above(node, steps: int = 12) -> fx.Node | None:
@@ -483,9 +514,12 @@ def _table(node, pre: torch.Tensor, rot: int) -> fx.Node | None:
         return None
     lead = ex.shape[:-2]
     rows = lead[0] if lead else 1
-    ok = (ex.shape[-1] == rot and statically_known_true(ex.shape[-2] == pre.shape[2])
-          and all(statically_known_true(s == 1) for s in lead[1:])
-          and (statically_known_true(rows == 1) or statically_known_true(rows == pre.shape[0])))
+    ok = (
+        ex.shape[-1] == rot
+        and statically_known_true(ex.shape[-2] == pre.shape[2])
+        and all(statically_known_true(s == 1) for s in lead[1:])
+        and (statically_known_true(rows == 1) or statically_known_true(rows == pre.shape[0]))
+    )
     return node if ok else None
 
 
@@ -519,30 +553,42 @@ def query_rope(q: fx.Node, limit: int = 24) -> QueryRope:
     if rotary is not None:
         pre, rotated, cos, sin = rotary
         ex, qv = val(pre), val(q)
-        if not (isinstance(ex, torch.Tensor) and isinstance(qv, torch.Tensor) and ex.dim() == qv.dim() == 4
-                and all(statically_known_true(a == b) for a, b in zip(ex.shape, qv.shape))):
-            return QueryRope(problem=f"the query's RoPE ('{top.name}') rotates a tensor of another layout than "
-                                     f"attention reads")
+        if not (
+            isinstance(ex, torch.Tensor)
+            and isinstance(qv, torch.Tensor)
+            and ex.dim() == qv.dim() == 4
+            and all(statically_known_true(a == b) for a, b in zip(ex.shape, qv.shape))
+        ):
+            return QueryRope(
+                problem=f"the query's RoPE ('{top.name}') rotates a tensor of another layout than attention reads"
+            )
         tables = _table(cos, ex, val(rotated).shape[-1]), _table(sin, ex, val(rotated).shape[-1])
         if None in tables:
-            return QueryRope(problem=f"the query's RoPE ('{top.name}') reads cos / sin tables that are not "
-                                     f"[batch, length, rotary dims]")
+            return QueryRope(
+                problem=f"the query's RoPE ('{top.name}') reads cos / sin tables that are not "
+                f"[batch, length, rotary dims]"
+            )
         return QueryRope(pre, *tables)
     node = q
     for _ in range(limit):
         if is_fn(node, _LINEAR | {torch.addmm}):
             return QueryRope(pre=q)
         if is_fn(node, MUL_FUNCS) and len(node.args) == 2 and any(isinstance(a, (int, float)) for a in node.args):
-            node = next((a for a in node.args if isinstance(a, fx.Node)), node)   # a constant scaling (OPT's)
+            node = next((a for a in node.args if isinstance(a, fx.Node)), node)  # a constant scaling (OPT's)
         elif isinstance(node.args[0] if node.args else None, fx.Node) and (
-                is_method(node, *_LAYOUT) or is_fn(node, {torch.reshape, torch.transpose, torch.split, torch.chunk})
-                or is_fn(node, {operator.getitem}) and _plain_index(node.args[1])):
+            is_method(node, *_LAYOUT)
+            or is_fn(node, {torch.reshape, torch.transpose, torch.split, torch.chunk})
+            or is_fn(node, {operator.getitem})
+            and _plain_index(node.args[1])
+        ):
             node = node.args[0]
         else:
             break
-    return QueryRope(problem=f"the query reaches attention through '{node.name}' "
-                             f"({getattr(node.target, '__name__', node.target)}), which kvpass recognises neither "
-                             f"as transformers' rotate-half RoPE nor as its projection's reshape")
+    return QueryRope(
+        problem=f"the query reaches attention through '{node.name}' "
+        f"({getattr(node.target, '__name__', node.target)}), which kvpass recognises neither "
+        f"as transformers' rotate-half RoPE nor as its projection's reshape"
+    )
 
 
 _OUT_CASTS = ("to", "type_as", "float", "half", "bfloat16", "contiguous", "clone")
@@ -552,8 +598,10 @@ _WEIGHT_STEPS = ("to", "float", "half", "bfloat16", "contiguous", "detach", "to_
 
 def _dims(node: fx.Node, rank: int) -> tuple[int, ...] | None:
     """The permutation a ``transpose`` / ``permute`` / ``swapaxes`` node applies to a ``rank``-dim tensor, else None."""
-    if not (is_method(node, "transpose", "swapaxes", "permute")
-            or is_fn(node, {torch.transpose, torch.swapaxes, torch.permute})):
+    if not (
+        is_method(node, "transpose", "swapaxes", "permute")
+        or is_fn(node, {torch.transpose, torch.swapaxes, torch.permute})
+    ):
         return None
     rest = list(node.args[1:]) or list(node.kwargs.values())
     if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
@@ -571,16 +619,19 @@ def _dims(node: fx.Node, rank: int) -> tuple[int, ...] | None:
 
 
 def _same_shape(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.dim() == b.dim()
+        and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+    )
 
 
 def _shape_read(node: fx.Node) -> bool:
     """A node that reads a tensor's shape, not its values (``size()``, ``dim()``, a traced ``.shape``)."""
     ex = val(node)
     sizes = ex if isinstance(ex, (tuple, list)) else (ex,)
-    return is_method(node, "size", "dim") or (ex is not None and all(isinstance(x, (int, torch.SymInt))
-                                                                     for x in sizes))
+    return is_method(node, "size", "dim") or (ex is not None and all(isinstance(x, (int, torch.SymInt)) for x in sizes))
 
 
 def _parameter(weight: fx.Node, limit: int = 6) -> fx.Node | None:
@@ -606,12 +657,14 @@ def out_projection(site: Site, limit: int = 12) -> OutProj:
     if not (isinstance(out, torch.Tensor) and out.dim() == 4 and isinstance(v, torch.Tensor)):
         return OutProj(problem=f"the attention output '{site.out.name}' is not a [batch, heads, length, dim] tensor")
     width = site.heads * v.shape[-1]
-    node, layout = site.out, "heads"          # heads: [B, H, L, Dv]; tokens: [B, L, H, Dv]; flat: [..., H * Dv]
+    node, layout = site.out, "heads"  # heads: [B, H, L, Dv]; tokens: [B, L, H, Dv]; flat: [..., H * Dv]
     for _ in range(limit):
         users = [u for u in node.users if not _shape_read(u)]
         if len(users) != 1:
-            return OutProj(problem=f"the attention output reaches {len(users)} nodes after '{node.name}', where "
-                                   f"kvpass looks for one projection")
+            return OutProj(
+                problem=f"the attention output reaches {len(users)} nodes after '{node.name}', where "
+                f"kvpass looks for one projection"
+            )
         u = users[0]
         weight = transposed = None
         if is_fn(u, _LINEAR) and arg(u, 0, "input") is node:
@@ -623,8 +676,9 @@ def out_projection(site: Site, limit: int = 12) -> OutProj:
         if transposed is not None:
             return _weight_of(u, weight, transposed, width, layout)
         ex, before = val(u), val(node)
-        reshape = isinstance(ex, torch.Tensor) and (is_method(u, "reshape", "view", "flatten")
-                                                    or is_fn(u, {torch.reshape, torch.flatten}))
+        reshape = isinstance(ex, torch.Tensor) and (
+            is_method(u, "reshape", "view", "flatten") or is_fn(u, {torch.reshape, torch.flatten})
+        )
         if layout == "heads" and _dims(u, 4) == (0, 2, 1, 3):
             layout = "tokens"
         elif is_method(u, *_OUT_CASTS) and isinstance(ex, torch.Tensor):
@@ -632,11 +686,13 @@ def out_projection(site: Site, limit: int = 12) -> OutProj:
         elif reshape and layout in ("tokens", "flat") and statically_known_true(ex.shape[-1] == width):
             layout = "flat"
         elif reshape and _same_shape(ex, before):
-            pass                       # transformers' SDPA output reshaped to its own shape [B, H, L, Dv]
+            pass  # transformers' SDPA output reshaped to its own shape [B, H, L, Dv]
         else:
-            return OutProj(problem=f"the attention output reaches '{u.name}' "
-                                   f"({getattr(u.target, '__name__', u.target)}), which kvpass recognises neither as "
-                                   f"the heads' transpose, reshape or cast nor as the output projection")
+            return OutProj(
+                problem=f"the attention output reaches '{u.name}' "
+                f"({getattr(u.target, '__name__', u.target)}), which kvpass recognises neither as "
+                f"the heads' transpose, reshape or cast nor as the output projection"
+            )
         node = u
     return OutProj(problem=f"no output projection within {limit} nodes of the attention output")
 
@@ -653,20 +709,28 @@ def _weight_of(proj: fx.Node, weight, transposed: bool, width: int, layout: str)
     """``OutProj`` of the projection node ``proj`` that reads the attention output with ``weight``."""
     w = val(weight)
     if layout != "flat":
-        return OutProj(problem=f"the output projection '{proj.name}' reads the attention output before its heads "
-                               f"are merged into [..., heads * dim]")
+        return OutProj(
+            problem=f"the output projection '{proj.name}' reads the attention output before its heads "
+            f"are merged into [..., heads * dim]"
+        )
     if not isinstance(weight, fx.Node) or not isinstance(w, torch.Tensor) or w.dim() != 2:
         return OutProj(problem=f"the output projection '{proj.name}' has no 2-D weight tensor")
     if _is_dtensor(w):
-        return OutProj(problem=f"the output projection '{proj.name}' reads a DTensor weight (sharded across ranks); "
-                               f"kvpass reads a rank's local weight only")
+        return OutProj(
+            problem=f"the output projection '{proj.name}' reads a DTensor weight (sharded across ranks); "
+            f"kvpass reads a rank's local weight only"
+        )
     if not statically_known_true(w.shape[0 if transposed else 1] == width):
-        return OutProj(problem=f"the output projection '{proj.name}' has a weight of shape {tuple(w.shape)}, whose "
-                               f"{'rows' if transposed else 'columns'} are not the attention's {width} "
-                               f"(heads * value dim)")
+        return OutProj(
+            problem=f"the output projection '{proj.name}' has a weight of shape {tuple(w.shape)}, whose "
+            f"{'rows' if transposed else 'columns'} are not the attention's {width} "
+            f"(heads * value dim)"
+        )
     if _parameter(weight) is None:
-        return OutProj(problem=f"the output projection '{proj.name}' reads a weight computed in the graph "
-                               f"('{weight.name}'), not a parameter")
+        return OutProj(
+            problem=f"the output projection '{proj.name}' reads a weight computed in the graph "
+            f"('{weight.name}'), not a parameter"
+        )
     return OutProj(weight=weight, transposed=transposed)
 
 
@@ -778,20 +842,44 @@ def _eager_site(sm: fx.Node) -> Site | Problem | None:
         break
     pv = next(iter(p.users)) if len(p.users) == 1 else None
     if pv is None or not is_fn(pv, MATMUL_FUNCS) or arg(pv, 0, "input") is not p:
-        return Problem(sm.name, "attention probabilities are used outside p @ v "
-                                "(output_attentions or an unknown pattern)")
+        return Problem(
+            sm.name, "attention probabilities are used outside p @ v (output_attentions or an unknown pattern)"
+        )
     v_base, v_chain = strip_repeat_kv(arg(pv, 1, "other"))
     for n in chain[1:]:
         if len(n.users) != 1:
             return Problem(n.name, "an eager-attention intermediate has other users")
-    return _make_site(pv, "eager", q, k_base, v_base, mask, scale, CAUSAL_NONE, softcap,
-                      [pv] + chain + k_chain + v_chain)
+    return _make_site(
+        pv, "eager", q, k_base, v_base, mask, scale, CAUSAL_NONE, softcap, [pv] + chain + k_chain + v_chain
+    )
 
 
-_MASK_VIEWS = {"to", "type", "type_as", "float", "half", "bfloat16", "expand", "view", "reshape", "contiguous",
-               "clone", "unsqueeze", "__getitem__"}
-_MASK_CONSTS = {torch.full, torch.zeros, torch.ones, torch.scalar_tensor, torch.tensor, torch.as_tensor, torch.full_like,
-                torch.zeros_like, torch.ones_like}
+_MASK_VIEWS = {
+    "to",
+    "type",
+    "type_as",
+    "float",
+    "half",
+    "bfloat16",
+    "expand",
+    "view",
+    "reshape",
+    "contiguous",
+    "clone",
+    "unsqueeze",
+    "__getitem__",
+}
+_MASK_CONSTS = {
+    torch.full,
+    torch.zeros,
+    torch.ones,
+    torch.scalar_tensor,
+    torch.tensor,
+    torch.as_tensor,
+    torch.full_like,
+    torch.zeros_like,
+    torch.ones_like,
+}
 
 
 def mask_bias(mask, limit: int = 64) -> str | None:
@@ -812,14 +900,20 @@ def mask_bias(mask, limit: int = 64) -> str | None:
             continue
         if is_fn(n, {torch.where}):
             todo += [a for a in (arg(n, 1, "input"), arg(n, 2, "other")) if isinstance(a, fx.Node)]
-        elif (is_fn(n, {torch.masked_fill}) or is_method(n, "masked_fill", "masked_fill_")
-              or is_method(n, *_MASK_VIEWS) or is_fn(n, {operator.getitem, torch.reshape})):
+        elif (
+            is_fn(n, {torch.masked_fill})
+            or is_method(n, "masked_fill", "masked_fill_")
+            or is_method(n, *_MASK_VIEWS)
+            or is_fn(n, {operator.getitem, torch.reshape})
+        ):
             src = arg(n, 0, "input")
             todo += [src] if isinstance(src, fx.Node) else []
         elif not is_fn(n, _MASK_CONSTS):
-            return (f"the attention mask is computed with '{n.name}' ({getattr(n.target, '__name__', n.target)}), "
-                    f"so it may carry an additive bias (ALiBi) that kvpass cannot re-index after moving or "
-                    f"dropping cache entries")
+            return (
+                f"the attention mask is computed with '{n.name}' ({getattr(n.target, '__name__', n.target)}), "
+                f"so it may carry an additive bias (ALiBi) that kvpass cannot re-index after moving or "
+                f"dropping cache entries"
+            )
     return None
 
 
@@ -827,16 +921,29 @@ def mask_chunks(mask, limit: int = 256) -> str | None:
     """Why an attention mask is not a window over positions: it is computed from a floor division of integer
     tensors (positions grouped into chunks: chunked attention, as Llama 4's local layers). A mask rebuilt
     from positions (causal, or a sliding window) would let a token see the previous chunk. None otherwise."""
+
     def floor_division(n) -> bool:
         ex = val(n)
-        return (isinstance(ex, torch.Tensor) and not ex.is_floating_point()
-                and (is_fn(n, {operator.floordiv, torch.floor_divide}) or is_method(n, "floor_divide", "__floordiv__")
-                     or ((is_fn(n, {torch.div}) or is_method(n, "div")) and n.kwargs.get("rounding_mode") == "floor")))
+        return (
+            isinstance(ex, torch.Tensor)
+            and not ex.is_floating_point()
+            and (
+                is_fn(n, {operator.floordiv, torch.floor_divide})
+                or is_method(n, "floor_divide", "__floordiv__")
+                or ((is_fn(n, {torch.div}) or is_method(n, "div")) and n.kwargs.get("rounding_mode") == "floor")
+            )
+        )
 
     n = upstream(mask, floor_division, limit=limit) if isinstance(mask, fx.Node) else None
-    return None if n is None else (f"the attention mask groups positions into chunks ('{n.name}': a floor division), "
-                                   f"as chunked attention does; kvpass rebuilds masks from positions as causal or "
-                                   f"sliding windows only")
+    return (
+        None
+        if n is None
+        else (
+            f"the attention mask groups positions into chunks ('{n.name}': a floor division), "
+            f"as chunked attention does; kvpass rebuilds masks from positions as causal or "
+            f"sliding windows only"
+        )
+    )
 
 
 _LINEAR = {F.linear, torch._C._nn.linear}
@@ -877,11 +984,17 @@ def _weighs_values(sm: fx.Node, limit: int = 6) -> bool:
         if len(p.users) != 1:
             return False
         (u,) = p.users
-        if is_fn(u, MATMUL_FUNCS | {torch.bmm, torch.einsum}) and p in u.args[:2] or \
-                is_method(u, "matmul", "bmm") and u.args[0] is p:
+        if (
+            is_fn(u, MATMUL_FUNCS | {torch.bmm, torch.einsum})
+            and p in u.args[:2]
+            or is_method(u, "matmul", "bmm")
+            and u.args[0] is p
+        ):
             return True
-        if not (is_method(u, "to", "float", "type_as", "type", "view", "reshape", "contiguous")
-                or is_fn(u, {F.dropout, torch.dropout, torch.reshape})):
+        if not (
+            is_method(u, "to", "float", "type_as", "type", "view", "reshape", "contiguous")
+            or is_fn(u, {F.dropout, torch.dropout, torch.reshape})
+        ):
             return False
         p = u
     return False
@@ -900,10 +1013,13 @@ def _make_site(out, kind, q, k, v, mask, scale, causal, softcap, erase) -> Site 
     # a size Dynamo traced as a SymInt of a constant (a cache's head dimension under dynamic=True) is that int
     heads, kv_heads = (int(n) if is_concrete_int(n) else n for n in (qv.shape[1], kv_.shape[1]))
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
-        return Problem(out.name, f"the head counts are symbolic in this graph (query heads {heads!r}, KV heads "
-                                 f"{kv_heads!r}): the cache's tensors were traced with a dynamic head dimension (e.g. "
-                                 f"transformers' StaticCache under torch.compile(dynamic=True)); a kvpass.SlotCache "
-                                 f"keeps them static")
+        return Problem(
+            out.name,
+            f"the head counts are symbolic in this graph (query heads {heads!r}, KV heads "
+            f"{kv_heads!r}): the cache's tensors were traced with a dynamic head dimension (e.g. "
+            f"transformers' StaticCache under torch.compile(dynamic=True)); a kvpass.SlotCache "
+            f"keeps them static",
+        )
     if heads % kv_heads:
         return Problem(out.name, f"query heads {heads} are not a multiple of kv heads {kv_heads}")
     head_dim = qv.shape[-1]
@@ -911,17 +1027,33 @@ def _make_site(out, kind, q, k, v, mask, scale, causal, softcap, erase) -> Site 
         scale = 1.0 / math.sqrt(head_dim)
     if not isinstance(scale, fx.Node):
         scale = float(scale)
-    return Site(layer=-1, attention=kind, out=out, q=q, k=k, v=v, mask=mask, scale=scale,
-                causal=causal, softcap=softcap, heads=heads, kv_heads=kv_heads,
-                head_dim=head_dim, q_len=qv.shape[2], cache="none", erase=erase)
+    return Site(
+        layer=-1,
+        attention=kind,
+        out=out,
+        q=q,
+        k=k,
+        v=v,
+        mask=mask,
+        scale=scale,
+        causal=causal,
+        softcap=softcap,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        q_len=qv.shape[2],
+        cache="none",
+        erase=erase,
+    )
 
 
 def _is_flash(node: fx.Node) -> bool:
     t = node.target
     name = getattr(t, "__name__", "") or str(t)
     mod = getattr(t, "__module__", "") or ""
-    return node.op == "call_function" and ("flash_attn" in mod or "flash_attn" in str(t)
-                                           or name.startswith("flash_attn"))
+    return node.op == "call_function" and (
+        "flash_attn" in mod or "flash_attn" in str(t) or name.startswith("flash_attn")
+    )
 
 
 def detect(gm: fx.GraphModule) -> Detection:
@@ -936,14 +1068,22 @@ def detect(gm: fx.GraphModule) -> Detection:
         elif is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax"):
             found = _eager_site(n)
         elif _is_flash(n):
-            found = Problem(n.name, "flash-attn call found; kvpass does not rewrite flash-attn sites yet "
-                                    "(load the model with attn_implementation='sdpa' or 'eager')")
+            found = Problem(
+                n.name,
+                "flash-attn call found; kvpass does not rewrite flash-attn sites yet "
+                "(load the model with attn_implementation='sdpa' or 'eager')",
+            )
         if found is None:
             if (is_fn(n, SOFTMAX_FUNCS) or is_method(n, "softmax")) and _weighs_values(n):
-                problems.append(Problem(n.name, "a softmax whose probabilities weigh values (attention) in a form "
-                                                "kvpass does not recognize (its scores are not q @ k^T with an "
-                                                "optional scale, softcap and additive mask); the policy cannot "
-                                                "be applied to this model's attention"))
+                problems.append(
+                    Problem(
+                        n.name,
+                        "a softmax whose probabilities weigh values (attention) in a form "
+                        "kvpass does not recognize (its scores are not q @ k^T with an "
+                        "optional scale, softcap and additive mask); the policy cannot "
+                        "be applied to this model's attention",
+                    )
+                )
             continue
         if isinstance(found, Problem):
             problems.append(found)
@@ -954,22 +1094,33 @@ def detect(gm: fx.GraphModule) -> Detection:
             continue
         found.layer = len(sites)
         if found.cache_layer is not None and found.cache_layer != found.layer:
-            problems.append(Problem(n.name, f"attention #{found.layer} in graph order reads the cache of "
-                                            f"layer {found.cache_layer}"))
+            problems.append(
+                Problem(n.name, f"attention #{found.layer} in graph order reads the cache of layer {found.cache_layer}")
+            )
             continue
         if cross_attention(found):
-            problems.append(Problem(n.name, f"attention #{found.layer} is cross-attention (its keys are projected "
-                                            f"from other states than its queries, e.g. an encoder's); kvpass "
-                                            f"policies manage self-attention caches only"))
+            problems.append(
+                Problem(
+                    n.name,
+                    f"attention #{found.layer} is cross-attention (its keys are projected "
+                    f"from other states than its queries, e.g. an encoder's); kvpass "
+                    f"policies manage self-attention caches only",
+                )
+            )
             continue
         found.rope, found.positions = _rope_of(found.k_new)
         found.residual = _residual_of(found.out, order)
         sites.append(found)
     if not sites and not problems and (seen := _attention_like(gm)) is not None:
-        problems.append(Problem(seen.name, "no attention site in a form kvpass recognizes, beside a softmax or an "
-                                           "attention operator it cannot read (attention with sinks, flex "
-                                           "attention, a kernel of the model's own); the policy cannot be "
-                                           "applied to this model's attention"))
+        problems.append(
+            Problem(
+                seen.name,
+                "no attention site in a form kvpass recognizes, beside a softmax or an "
+                "attention operator it cannot read (attention with sinks, flex "
+                "attention, a kernel of the model's own); the policy cannot be "
+                "applied to this model's attention",
+            )
+        )
     tokens = _token_ids(gm)
     global_layers = tuple(s.layer for s in sites if not s.sliding_window)
     for s in sites:
@@ -994,8 +1145,12 @@ def _token_ids(gm: fx.GraphModule) -> fx.Node | None:
         if is_fn(n, {F.embedding, torch.embedding}):
             ids = local_of(arg(n, 0, "input"))
             ex = val(ids)
-            if (isinstance(ids, fx.Node) and ids.op == "placeholder" and isinstance(ex, torch.Tensor)
-                    and not ex.is_floating_point()):
+            if (
+                isinstance(ids, fx.Node)
+                and ids.op == "placeholder"
+                and isinstance(ex, torch.Tensor)
+                and not ex.is_floating_point()
+            ):
                 return ids
             return None
     return None

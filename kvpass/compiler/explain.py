@@ -6,8 +6,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-COLUMNS = ("layer", "attention", "kind", "heads", "kv_heads", "head_dim", "scale", "softcap", "cache",
-           "rope", "positions", "residual", "plan")
+COLUMNS = (
+    "layer",
+    "attention",
+    "kind",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "scale",
+    "softcap",
+    "cache",
+    "rope",
+    "positions",
+    "residual",
+    "plan",
+)
 
 
 # What str(Explanation) and `kvpass explain` print: the per-layer columns, layers grouped.
@@ -55,8 +68,13 @@ def _grouped(rows: list[dict]) -> list[list[str]]:
     for r in rows:
         cells = [_cell(r, c) for c in COLUMNS[1:]]
         layer = r.get("layer")
-        if (run is not None and cells == run[2] and isinstance(layer, int) and isinstance(run[1], int)
-                and layer == run[1] + 1):
+        if (
+            run is not None
+            and cells == run[2]
+            and isinstance(layer, int)
+            and isinstance(run[1], int)
+            and layer == run[1] + 1
+        ):
             run = (run[0], layer, cells)
             continue
         if run is not None:
@@ -118,11 +136,14 @@ class Explanation:
         lines.append(f"policy: {self.policy}; sites: {len(self.rows)}")
         if self.tensor_parallel:
             lines.append(f"{self.tensor_parallel} (heads and kv_heads above are this rank's)")
-            lines.append("reductions: " + ("; ".join(self.reductions) or
-                                           "none (every decision of this policy is per KV head)"))
+            lines.append(
+                "reductions: " + ("; ".join(self.reductions) or "none (every decision of this policy is per KV head)")
+            )
         if self.head_budgets:
-            lines.append("kept per KV head after this prefill (row 0): " + "; ".join(
-                f"layer {i}: {' '.join(map(str, n))}" for i, n in sorted(self.head_budgets.items())))
+            lines.append(
+                "kept per KV head after this prefill (row 0): "
+                + "; ".join(f"layer {i}: {' '.join(map(str, n))}" for i, n in sorted(self.head_budgets.items()))
+            )
         lines += [f"problem: {p}" for p in self.problems]
         if legend:
             lines += LEGEND
@@ -148,8 +169,8 @@ def explain(model, example_inputs, policy="full", *, verbose: bool = True, **par
     be = Backend(policy, compiler="eager", **params)
     fn = model.forward if hasattr(model, "forward") else model
     compiled = torch.compile(fn, backend=be)
-    # Every explain adds a cache entry to the model's (shared) code objects; don't let a session of
-    # explains hit Dynamo's recompile limit and silently fall back to eager.
+    # Every explain adds a cache entry to the model's (shared) code objects; don't let many explains of one
+    # model hit Dynamo's recompile limit and silently fall back to eager.
     limit = max(torch._dynamo.config.recompile_limit, 64)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
         if isinstance(example_inputs, dict):
@@ -159,6 +180,7 @@ def explain(model, example_inputs, policy="full", *, verbose: bool = True, **par
         else:
             compiled(example_inputs)
     from kvpass.cache.ragged import LENGTH
+
     heads = {i: st.extra["heads"][0, :, LENGTH].tolist() for i, st in be.state.layers.items() if "heads" in st.extra}
     result = Explanation(policy=repr(be.policy), graphs=be.reports, head_budgets=heads)
     if verbose:

@@ -60,7 +60,7 @@ def _layer_tags(nodes: list[fx.Node]) -> list[int | None]:
     for k, n in enumerate(nodes):
         if tags[k] is None and not n.meta.get("nn_module_stack"):
             before = next((t for t in reversed(tags[:k]) if t is not None), None)
-            after = next((t for t in tags[k + 1:] if t is not None), None)
+            after = next((t for t in tags[k + 1 :] if t is not None), None)
             if before is not None and before == after:
                 tags[k] = before
     return tags
@@ -87,13 +87,22 @@ def _kind(v, symbols: dict) -> tuple:
     """What an input must share with another layer's for one subgraph to serve both: dtype, device,
     static sizes, strides and storage offset, which of them are the same symbol (numbered by first
     appearance), and the value of anything else (the subgraph is traced with the first layer's)."""
+
     def dim(s):
         if isinstance(s, torch.SymInt):
             return ("s", symbols.setdefault(str(s.node.expr), len(symbols)))
         return int(s)
+
     if isinstance(v, torch.Tensor):
-        return ("t", v.dtype, str(v.device), tuple(dim(s) for s in v.shape), tuple(dim(s) for s in v.stride()),
-                dim(v.storage_offset()), v.requires_grad)
+        return (
+            "t",
+            v.dtype,
+            str(v.device),
+            tuple(dim(s) for s in v.shape),
+            tuple(dim(s) for s in v.stride()),
+            dim(v.storage_offset()),
+            v.requires_grad,
+        )
     if isinstance(v, torch.SymInt):
         return ("i", dim(v))
     return ("v", type(v).__name__, repr(v))
@@ -168,13 +177,15 @@ def _writes(n: fx.Node) -> list[torch.Tensor]:
     ``torch.Tensor.copy_``, ``x[i] = y``), an ``out=``, an operator's arguments its schema marks written, and
     every tensor passed to a Python function of no torch namespace (the rewrite's cache writes and policy
     hooks, whose effects nothing declares)."""
+
     def tensors(a):
         found = []
         fx.node.map_aggregate(a, lambda x: found.append(_value(x)) if isinstance(x, fx.Node) else None)
         return [v for v in found if isinstance(v, torch.Tensor)]
+
     t = n.target
     name = t if isinstance(t, str) else getattr(t, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__")   # add_, copy_, not __setitem__
+    in_place = name.endswith("_") and not name.endswith("__")  # add_, copy_, not __setitem__
     first = tensors(n.args[:1])
     if n.op == "call_method":
         return first if in_place else []

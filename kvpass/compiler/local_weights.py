@@ -5,7 +5,7 @@ compiled graph on every call. AOTAutograd's runtime wrapper then unwraps each on
 Python (``runtime_unwrap_tensor_subclasses``: 57 weights at 8 layers of the Llama-3.1-8B shape), on every decode
 step. On two H200s a rank's host took 1.9-2.1 ms a step at 8 layers against 0.4-0.8 on one GPU, as long as the
 device's step or longer, so a small-cache policy decoded slower on two GPUs than on one
-(``bench/results/tp_h200x2_2026-11-28``, call H8).
+(``bench/results/tp_h200x2_2026-11-28``).
 
 ``local_weights`` moves that unwrapping to the graph's edge, once: each DTensor placeholder becomes a plain
 placeholder for its local tensor, rebuilt into the same DTensor (mesh, placements, shape, stride) by
@@ -32,9 +32,11 @@ from kvpass.compiler.tp import dtensor_type
 
 def _rebuilder(mesh, placements: tuple, shape: tuple, stride: tuple):
     """A graph op: one input's local tensor as the DTensor it was taken from (traced away by AOTAutograd)."""
+
     def rebuild(local):
         return dtensor_type().from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    rebuild.__name__ = "kvpass_rebuild_dtensor"   # the FX code names it so (Dynamo's from_local is built alike)
+
+    rebuild.__name__ = "kvpass_rebuild_dtensor"  # the FX code names it so (Dynamo's from_local is built alike)
     return rebuild
 
 
@@ -45,9 +47,15 @@ def local_weights(gm: fx.GraphModule, example_inputs: list):
     checks) and ``undo()``, which gives ``gm`` back as it was. Where no input is such a DTensor, the same
     ``example_inputs`` list, and ``wrap`` and ``undo`` do nothing."""
     dtensor = dtensor_type()
-    idx = [] if dtensor is None else [
-        i for i, x in enumerate(example_inputs) if isinstance(x, dtensor)
-        and all(type(n) is int for n in (*x.shape, *x.stride()))]   # a weight's: a symbolic size stays as it was
+    idx = (
+        []
+        if dtensor is None
+        else [
+            i
+            for i, x in enumerate(example_inputs)
+            if isinstance(x, dtensor) and all(type(n) is int for n in (*x.shape, *x.stride()))
+        ]
+    )  # a weight's: a symbolic size stays as it was
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if not idx or len(placeholders) != len(example_inputs):
         return example_inputs, lambda compiled: compiled, lambda: None
@@ -56,8 +64,9 @@ def local_weights(gm: fx.GraphModule, example_inputs: list):
         ph, d = placeholders[i], example_inputs[i]
         users = list(ph.users)
         with gm.graph.inserting_after(placeholders[-1]):
-            whole = gm.graph.call_function(_rebuilder(d.device_mesh, tuple(d.placements), tuple(d.shape),
-                                                      tuple(d.stride())), (ph,))
+            whole = gm.graph.call_function(
+                _rebuilder(d.device_mesh, tuple(d.placements), tuple(d.shape), tuple(d.stride())), (ph,)
+            )
         for u in users:
             u.replace_input_with(ph, whole)
         done.append((ph, whole, {k: ph.meta[k] for k in ("example_value", "val") if k in ph.meta}))
@@ -71,6 +80,7 @@ def local_weights(gm: fx.GraphModule, example_inputs: list):
             gm.graph.erase_node(whole)
             ph.meta.update(meta)
         gm.recompile()
+
     specs = [example_inputs[i]._spec for i in idx]
     return inputs, lambda compiled: _taking_locals(compiled, idx, specs), undo
 
@@ -91,9 +101,11 @@ def _taking_locals(compiled, idx: list[int], specs: list):
                     f"kvpass: a tensor-parallel weight of this compiled graph (input {i}) changed its placement "
                     f"since it was compiled ({want.placements} on {want.mesh} -> {a._spec.placements} on "
                     f"{a._spec.mesh}); kvpass.compile checks the weights' placements itself instead of Dynamo's "
-                    f"guards. Compile the model again after re-sharding it (torch._dynamo.reset())")
+                    f"guards. Compile the model again after re-sharding it (torch._dynamo.reset())"
+                )
             args[i] = a._local_tensor
         return compiled(*args)
+
     call.specs = specs
     return call
 
@@ -110,7 +122,7 @@ class SpecGuards:
     def __init__(self) -> None:
         self.seen: dict[int, object] = {}
         self.bare: dict[int, object] = {}
-        self.dropped = 0   # guards dropped so far, over every frame
+        self.dropped = 0  # guards dropped so far, over every frame
 
     def checked(self, specs) -> None:
         self.seen.update((id(s), s) for s in specs)
@@ -121,8 +133,15 @@ class SpecGuards:
             self.bare.update((id(x._spec), x._spec) for x in example_inputs if isinstance(x, dtensor))
 
     def __call__(self, entries) -> list[bool]:
-        keep = [not (e.guard_type == "DTENSOR_SPEC_MATCH" and e.has_value and self.seen.get(id(e.value)) is e.value
-                     and id(e.value) not in self.bare) for e in entries]
+        keep = [
+            not (
+                e.guard_type == "DTENSOR_SPEC_MATCH"
+                and e.has_value
+                and self.seen.get(id(e.value)) is e.value
+                and id(e.value) not in self.bare
+            )
+            for e in entries
+        ]
         self.seen, self.bare = {}, {}
         self.dropped += keep.count(False)
         return keep

@@ -31,7 +31,7 @@ from torch import fx
 from kvpass.ops import CAUSAL_BOTTOM_RIGHT
 
 METADATA = {"size", "dim", "shape", "device", "dtype", "numel"}
-MAX_PROBE = 1 << 22     # entries of one probe mask
+MAX_PROBE = 1 << 22  # entries of one probe mask
 
 
 def _example(node: fx.Node):
@@ -43,7 +43,8 @@ def _is_metadata(n: fx.Node) -> bool:
         return n.target in METADATA
     return n.op == "call_function" and (
         (n.target is getattr and n.args[1] in METADATA)
-        or n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default))
+        or n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
+    )
 
 
 def _subgraph(node: fx.Node):
@@ -150,17 +151,23 @@ def _check(node: fx.Node) -> bool:
     nodes, leaves = found
     syms = sorted(_symbols([_example(n) for n in leaves] + [_example(node).shape]), key=str)
     base = max(_literals(nodes), default=0) + 5
-    probes = [{s: sympy.Integer(base + step * i + shift) for i, s in enumerate(syms)}
-              for step, shift in ((3, 0), (7, 11))] if syms else [{}]
+    probes = (
+        [{s: sympy.Integer(base + step * i + shift) for i, s in enumerate(syms)} for step, shift in ((3, 0), (7, 11))]
+        if syms
+        else [{}]
+    )
     try:
         for subs in probes:
             shape = _concrete(_example(node).shape, subs)
             if shape.numel() > MAX_PROBE:
                 if not syms:
                     from kvpass.errors import warn_once
-                    warn_once(f"kvpass: the model's attention mask {tuple(shape)} in a static-shape graph is too large "
-                              f"to check for plain causality, so it is kept (it costs memory and time in the "
-                              f"prefill: 16 GiB at 128k tokens); compile with torch.compile(..., dynamic=True)")
+
+                    warn_once(
+                        f"kvpass: the model's attention mask {tuple(shape)} in a static-shape graph is too large "
+                        f"to check for plain causality, so it is kept (it costs memory and time in the "
+                        f"prefill: 16 GiB at 128k tokens); compile with torch.compile(..., dynamic=True)"
+                    )
                 return False
             with torch.no_grad():
                 if not _causal(_evaluate(nodes, leaves, node, subs)):
@@ -179,8 +186,24 @@ def site_mask(site) -> tuple:
     return site.mask, site.causal
 
 
-_OPERATOR_IN_PLACE = {"setitem", "delitem", "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imod", "imul",
-                      "imatmul", "ior", "ipow", "irshift", "isub", "itruediv", "ixor"}
+_OPERATOR_IN_PLACE = {
+    "setitem",
+    "delitem",
+    "iadd",
+    "iand",
+    "iconcat",
+    "ifloordiv",
+    "ilshift",
+    "imod",
+    "imul",
+    "imatmul",
+    "ior",
+    "ipow",
+    "irshift",
+    "isub",
+    "itruediv",
+    "ixor",
+}
 
 
 def _has_effect(n: fx.Node) -> bool:
@@ -195,7 +218,7 @@ def _has_effect(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
     t = n.target
-    if isinstance(t, torch._ops.OpOverloadPacket):   # torch.ops.ns.op as Dynamo records a direct call
+    if isinstance(t, torch._ops.OpOverloadPacket):  # torch.ops.ns.op as Dynamo records a direct call
         return t._qualified_op_name.split("::")[0] != "aten" or n.is_impure()
     if isinstance(t, torch._ops.OpOverload):
         return t.namespace != "aten" or n.is_impure()
@@ -213,7 +236,7 @@ def mask_is_read(gm: fx.GraphModule) -> bool:
     every use left of it is dead (after kvpass's slot rewrite, a decode step reads the slots by position)."""
     masks = [n for n in gm.graph.nodes if n.op == "placeholder" and "attention_mask" in n.name.lower()]
     if not masks:
-        return True   # the mask is not where this check can see it: assume it is read
+        return True  # the mask is not where this check can see it: assume it is read
     live: set[fx.Node] = set()
     for n in reversed(gm.graph.nodes):
         if _has_effect(n) or any(u in live for u in n.users):

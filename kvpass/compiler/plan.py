@@ -29,9 +29,11 @@ def foreign_cache(policy: Policy, sites) -> str | None:
     configuration (its slots are sized and its decode rule chosen for that one), or None."""
     for site in sites:
         if site.cache == "slot" and site.slot_spec and site.slot_spec != policy.key():
-            return (f"kvpass: layer {site.layer}'s kvpass.SlotCache was built for policy {site.slot_spec}, but this "
-                    f"model is compiled with a kvpass backend of policy {policy.key()}; build the cache with the "
-                    f"backend the model is compiled with: kvpass.SlotCache(model, be, ...)")
+            return (
+                f"kvpass: layer {site.layer}'s kvpass.SlotCache was built for policy {site.slot_spec}, but this "
+                f"model is compiled with a kvpass backend of policy {policy.key()}; build the cache with the "
+                f"backend the model is compiled with: kvpass.SlotCache(model, be, ...)"
+            )
     return None
 
 
@@ -50,10 +52,16 @@ def plan_site(policy: Policy, site) -> SitePlan | Refusal:
         if site.sliding_window:  # a ring of the window's slots, whatever the policy (it leaves sliding layers be)
             plan = SitePlan(attention=True, slot=(_slots.RING, 0))
         else:
-            plan = dataclasses.replace(plan, slot=(_slots.RULES[needs.slot_rule], policy.slot_protect),
-                                       slot_hooks=policy.slot_hooks(site))
-    elif (plan.evict and needs.decode_appends and site.phase in ("decode", "append") and not site.sliding_window
-          and site_mask(site)[0] is None):
+            plan = dataclasses.replace(
+                plan, slot=(_slots.RULES[needs.slot_rule], policy.slot_protect), slot_hooks=policy.slot_hooks(site)
+            )
+    elif (
+        plan.evict
+        and needs.decode_appends
+        and site.phase in ("decode", "append")
+        and not site.sliding_window
+        and site_mask(site)[0] is None
+    ):
         plan = dataclasses.replace(plan, evict=False, tokens=False, append=True)
     if plan.replaces_mask and (why := mask_bias(site.mask) or mask_chunks(site.mask)):
         return Refusal(f"layer {site.layer}: {why}")

@@ -67,8 +67,9 @@ def view_root(pos: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     child = None
     while True:
         src = pos.args[0] if pos.args and isinstance(pos.args[0], fx.Node) else None
-        view = (pos.op == "call_function" and pos.target is operator.getitem) or \
-            (pos.op == "call_method" and pos.target in _VIEWS)
+        view = (pos.op == "call_function" and pos.target is operator.getitem) or (
+            pos.op == "call_method" and pos.target in _VIEWS
+        )
         ex = src.meta.get("example_value") if src is not None else None
         if not view or not isinstance(ex, torch.Tensor) or ex.is_floating_point():
             return pos, child
@@ -86,7 +87,7 @@ def from_ranking(index: fx.Node) -> bool:
 
 
 _COUNTS = {"arange", "cumsum"}
-_PICKS = {"gather", "index_select", "take", "take_along_dim"}   # values from their first argument
+_PICKS = {"gather", "index_select", "take", "take_along_dim"}  # values from their first argument
 
 
 def counts_tokens(index: fx.Node) -> bool:
@@ -95,6 +96,7 @@ def counts_tokens(index: fx.Node) -> bool:
     mask) or a window of the model's own integer table read from the cache's length (BERT-style
     ``position_ids[:, past:past + q]``). Token type ids do not, whether built as ``zeros`` or picked from a
     buffer of zeros at those positions: a lookup takes its values from the table, not from its index."""
+
     def values_from(n):
         picks = n.op in ("call_function", "call_method") and (n.target is operator.getitem or _call_name(n) in _PICKS)
         return [arg(n, 0, "input")] if picks else n.all_input_nodes
@@ -110,8 +112,13 @@ def _table_window(n: fx.Node) -> bool:
     """``table[..., start:stop]`` of a model's integer buffer from a start past 0: the cache's length (a
     constant where the graph is specialized to it). A window from 0 is not told apart from a table of token
     type ids read the same way, and needs no fixing: nothing was evicted before the first token."""
-    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node)
-            and n.args[0].op == "placeholder" and _model_tensor(n.args[0])):
+    if not (
+        n.op == "call_function"
+        and n.target is operator.getitem
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+        and _model_tensor(n.args[0])
+    ):
         return False
     index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
     return any(isinstance(i, slice) and (isinstance(i.start, fx.Node) or (i.start or 0) > 0) for i in index)
@@ -148,8 +155,7 @@ def fix_positions(graph: fx.Graph, sites: list[Site], handle: int, prefill: bool
     # RoPE's positions, and absolute positions looked up in a table (token ids are passed in: not derived;
     # token type ids built as zeros are derived but count nothing)
     absolute = [p for p in table_lookups(graph) if counts_tokens(p)]
-    found = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + absolute)
-             if derived(p)]
+    found = [p for p in dict.fromkeys([s.positions for s in sites if s.positions is not None] + absolute) if derived(p)]
     paths = [view_root(p) for p in found]
     if len({root for root, _ in paths}) == 1 and len(found) > 1:
         # one op on the shared tensor, read through it only by the views that lead to the RoPEs
@@ -222,8 +228,14 @@ def shift_slot_positions(gm: fx.GraphModule, sites) -> list[str]:
     layer's hold the same shift)."""
     from kvpass.cache.slots import pending_positions, write_slots
 
-    count = next((arg(n, 3, "count") if n.target is write_slots else arg(n, 1, "count") for n in gm.graph.nodes
-                  if n.op == "call_function" and n.target in (write_slots, pending_positions)), None)
+    count = next(
+        (
+            arg(n, 3, "count") if n.target is write_slots else arg(n, 1, "count")
+            for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in (write_slots, pending_positions)
+        ),
+        None,
+    )
     if count is None:
         return []
     done = []

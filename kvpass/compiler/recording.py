@@ -8,7 +8,7 @@ import threading
 
 
 class _Recording(threading.local):
-    calls: list | None = None   # the compiled graphs called while a step is watched on this thread, else None
+    calls: list | None = None  # the compiled graphs called while a step is watched on this thread, else None
 
 
 recording = _Recording()
@@ -16,11 +16,13 @@ recording = _Recording()
 
 def recorded(fn, phase: str):
     """``fn`` (a compiled graph as the backend hands it to Dynamo), noting each call while a step is watched."""
+
     def call(*args):
         out = fn(*args)
         if recording.calls is not None:
             recording.calls.append((call, args, out))
         return out
+
     call.phase = phase
     call.__dict__.update({k: v for k, v in getattr(fn, "__dict__", {}).items() if k not in call.__dict__})
     return call

@@ -35,11 +35,11 @@ from kvpass.cache.ragged import by_head
 from kvpass.cache.slots import pending_positions, write_heads, write_slots
 from kvpass.compiler.detect import Detection, Site, seq_slice, val
 from kvpass.compiler.fxargs import arg
-from kvpass.ops import CAUSAL_NONE
-from kvpass.kernels.decode_attention import ORDER_MAP
 from kvpass.compiler.maskcheck import site_mask
 from kvpass.compiler.positions import fix_positions, table_lookups
 from kvpass.compiler.tp import gather_heads
+from kvpass.kernels.decode_attention import ORDER_MAP
+from kvpass.ops import CAUSAL_NONE
 from kvpass.policies.contract import DecodeRead, SitePlan, SlotHooks, decode_read_problem
 
 OPS = torch.ops.kvpass
@@ -49,18 +49,18 @@ OPS = torch.ops.kvpass
 class Rewritten:
     """What ``rewrite`` did to one graph."""
 
-    rewritten: int                 # sites rewritten (any rewrite kind but ``unchanged``)
-    evicting: list[int]            # layers whose cache the policy shrinks (``evict`` and ``pool`` rewrites)
-    appending: list[int]           # layers left to the model's cache update, positions fixed (``append``)
-    slots: list[int]               # kvpass.SlotCache layers (``slot``)
-    positions_fixed: list[str]     # position nodes routed through ``true_positions``
-    reductions: list[str]          # collectives inserted for decisions across heads (tensor parallelism)
+    rewritten: int  # sites rewritten (any rewrite kind but ``unchanged``)
+    evicting: list[int]  # layers whose cache the policy shrinks (``evict`` and ``pool`` rewrites)
+    appending: list[int]  # layers left to the model's cache update, positions fixed (``append``)
+    slots: list[int]  # kvpass.SlotCache layers (``slot``)
+    positions_fixed: list[str]  # position nodes routed through ``true_positions``
+    reductions: list[str]  # collectives inserted for decisions across heads (tensor parallelism)
 
 
 def _empty(k_past) -> bool:
     """A site with no stored entries in this graph (a prefill: no past, or a past of static length 0)."""
     past = val(k_past)
-    return k_past is None or (isinstance(past, torch.Tensor) and 0 in past.shape)   # (a symbolic size is never 0)
+    return k_past is None or (isinstance(past, torch.Tensor) and 0 in past.shape)  # (a symbolic size is never 0)
 
 
 def _first(graph: fx.Graph, nodes) -> fx.Node:
@@ -106,16 +106,51 @@ def _query_and_scale(graph: fx.Graph, site: Site):
         return graph.call_function(operator.mul, (site.q, site.scale)), 1.0
 
 
-def _decode_read(graph: fx.Graph, site: Site, read: DecodeRead, handle: int, q, k, v, mask, kv_pos, q_pos,
-                 scale, window, kv_len=None, bmap=None) -> fx.Node:
+def _decode_read(
+    graph: fx.Graph,
+    site: Site,
+    read: DecodeRead,
+    handle: int,
+    q,
+    k,
+    v,
+    mask,
+    kv_pos,
+    q_pos,
+    scale,
+    window,
+    kv_len=None,
+    bmap=None,
+) -> fx.Node:
     """``decode_attention`` (ART) for one decode step; with statistics, ``count_visits`` after it.
     A read with ``pages`` (Quest) reads only the blocks ``page_select`` chooses (its ``block_map``), a
     SlotCache read the blocks of ``bmap`` when given."""
     if bmap is None and read.pages:
         bmap = graph.call_function(OPS.page_select.default, (q, k, handle, site.key))
-    att = graph.call_function(OPS.decode_attention.default, (
-        q, k, v, mask, kv_pos, q_pos, None, kv_len, bmap, scale, site.softcap, window, read.tau, read.phi,
-        read.patience, read.block, read.order, read.probe, read.horizon))
+    att = graph.call_function(
+        OPS.decode_attention.default,
+        (
+            q,
+            k,
+            v,
+            mask,
+            kv_pos,
+            q_pos,
+            None,
+            kv_len,
+            bmap,
+            scale,
+            site.softcap,
+            window,
+            read.tau,
+            read.phi,
+            read.patience,
+            read.block,
+            read.order,
+            read.probe,
+            read.horizon,
+        ),
+    )
     out, visited = (graph.call_function(operator.getitem, (att, i)) for i in range(2))
     if read.stats:
         out = graph.call_function(OPS.count_visits.default, (out, visited, k, read.block, handle, site.key))
@@ -131,9 +166,10 @@ def _attention_only(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) ->
         else:
             mask, causal = site_mask(site)
             new = graph.call_function(OPS.attention.default, (q, site.k, site.v, mask, scale, causal, site.softcap))
-            if plan.repeat_scores:   # idle unless a repeat pass runs (kvzip)
-                new = graph.call_function(OPS.repeat_scores.default, (new, q, site.k, mask, scale, site.softcap,
-                                                                      handle, site.key))
+            if plan.repeat_scores:  # idle unless a repeat pass runs (kvzip)
+                new = graph.call_function(
+                    OPS.repeat_scores.default, (new, q, site.k, mask, scale, site.softcap, handle, site.key)
+                )
     _replace_output(site, new)
     _erase(graph, [site.out] + site.erase)
 
@@ -155,8 +191,10 @@ def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductio
     shapes (one graph for every call) too: its ``select`` acts only on a prefill."""
     if not plan.layer_votes or site.phase not in ("prefill", "dynamic"):
         return None
-    local = graph.call_function(OPS.layer_scores.default, (q_scaled, site.k_new, site_mask(site)[0], 1.0,
-                                                           float(site.softcap), int(plan.layer_votes)))
+    local = graph.call_function(
+        OPS.layer_scores.default,
+        (q_scaled, site.k_new, site_mask(site)[0], 1.0, float(site.softcap), int(plan.layer_votes)),
+    )
     return gather_heads(graph, local, site.tp, f"layer {site.layer}: selection votes", reductions)
 
 
@@ -183,7 +221,7 @@ def _out_proj(graph: fx.Graph, site: Site, plan: SitePlan) -> fx.Node | None:
     proj = site.o_proj
     order = {n: i for i, n in enumerate(graph.nodes)}
     chain, node = [proj.weight], proj.weight
-    while node.op not in ("placeholder", "get_attr"):   # detect.out_projection checked the chain's steps
+    while node.op not in ("placeholder", "get_attr"):  # detect.out_projection checked the chain's steps
         node = node.args[0]
         chain.append(node)
     for n in reversed(chain[:-1] if node.op == "placeholder" else chain):
@@ -213,16 +251,31 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
             # [N, N] position mask per head: gigabytes at 32k-128k tokens.
             att, lse = _prefill_attention(graph, site, plan, q, k_all, v_all, mask, scale, causal)
         else:
-            att = graph.call_function(OPS.attention_pos.default, (
-                q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window))
+            att = graph.call_function(
+                OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window)
+            )
         # compact gets q with the scale folded in (q . k is the logit), whatever graph it runs in, so a
         # scoring policy never depends on which graph's site it is told about
         q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
         reductions: list[str] = []
         votes = _layer_votes(graph, site, plan, q_scaled, reductions)
-        cmp = graph.call_function(OPS.compact.default, (q_scaled, k_all, v_all, kv_pos, q_pos, handle, site.key,
-                                                        tokens, votes, lse, *_query_rope(graph, site, plan),
-                                                        _out_proj(graph, site, plan)))
+        cmp = graph.call_function(
+            OPS.compact.default,
+            (
+                q_scaled,
+                k_all,
+                v_all,
+                kv_pos,
+                q_pos,
+                handle,
+                site.key,
+                tokens,
+                votes,
+                lse,
+                *_query_rope(graph, site, plan),
+                _out_proj(graph, site, plan),
+            ),
+        )
     k_st, v_st = _items(graph, cmp, 2)
     _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
@@ -233,18 +286,41 @@ def _evicting(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[
     return reductions
 
 
-def _heads_read(graph: fx.Graph, site: Site, plan: SitePlan, handle: int, q, k_all, v_all, kv_pos, q_pos, scale,
-                start, length) -> fx.Node:
+def _heads_read(
+    graph: fx.Graph, site: Site, plan: SitePlan, handle: int, q, k_all, v_all, kv_pos, q_pos, scale, start, length
+) -> fx.Node:
     """Attention over a per-head layer (``kvpass.cache.ragged``; ``k_all`` ``[B, H_kv, L, D]`` is the row's pool): a
     decode step reads each head's range of the pool with ``decode_attention`` (``kv_start``); several queries
     (an append, a graph of any length) attend by position over each head's entries (``ragged.by_head``)."""
-    pool = [graph.call_function(torch.flatten, (t, 1, 2)) for t in (k_all, v_all, kv_pos)]   # [B, H_kv L, ...]
+    pool = [graph.call_function(torch.flatten, (t, 1, 2)) for t in (k_all, v_all, kv_pos)]  # [B, H_kv L, ...]
     k_pool, v_pool = (graph.call_function(torch.unsqueeze, (t, 1)) for t in pool[:2])
     pos = graph.call_function(torch.unsqueeze, (pool[2], 1))
     if site.phase == "decode" and decode_read_problem(site) is None:
-        att = graph.call_function(OPS.decode_attention.default, (
-            q, k_pool, v_pool, None, pos, q_pos, None, length, None, scale, site.softcap, 0, 0.0, 0.0, 5,
-            DecodeRead().block, DecodeRead().order, 0, 0, start))
+        att = graph.call_function(
+            OPS.decode_attention.default,
+            (
+                q,
+                k_pool,
+                v_pool,
+                None,
+                pos,
+                q_pos,
+                None,
+                length,
+                None,
+                scale,
+                site.softcap,
+                0,
+                0.0,
+                0.0,
+                5,
+                DecodeRead().block,
+                DecodeRead().order,
+                0,
+                0,
+                start,
+            ),
+        )
         return graph.call_function(operator.getitem, (att, 0))
     view = graph.call_function(by_head, (k_pool, v_pool, pos, start, length))
     k_h, v_h, pos_h = (graph.call_function(operator.getitem, (view, i)) for i in range(3))
@@ -255,8 +331,7 @@ def _after(graph: fx.Graph, anchor: fx.Node) -> None:
     """Move the nodes that now read a value defined after them (a sliding layer's stored slice
     ``cat[:, :, -(W-1):]`` sits right after the concatenation) to just after ``anchor``, users with them."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    late = [n for n in graph.nodes if order[n] < order[anchor]
-            and any(order[a] > order[n] for a in n.all_input_nodes)]
+    late = [n for n in graph.nodes if order[n] < order[anchor] and any(order[a] > order[n] for a in n.all_input_nodes)]
     todo, moved = list(late), []
     while todo:
         n = todo.pop(0)
@@ -278,10 +353,24 @@ def _pool_write(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> Non
     with graph.inserting_before(site.out):
         q_pos = graph.call_function(OPS.step_position.default, (site.k_past, handle, site.key))
         q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
-        kv_pos = graph.call_function(OPS.pool_write.default, (
-            site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.key))
-        att = _decode_read(graph, site, plan.read or DecodeRead(), handle, q, site.k_past, site.v_past, None, kv_pos,
-                           q_pos, scale, site.sliding_window or 0)
+        kv_pos = graph.call_function(
+            OPS.pool_write.default,
+            (site.k_past, site.v_past, site.k_new, site.v_new, q_scaled, q_pos, handle, site.key),
+        )
+        att = _decode_read(
+            graph,
+            site,
+            plan.read or DecodeRead(),
+            handle,
+            q,
+            site.k_past,
+            site.v_past,
+            None,
+            kv_pos,
+            q_pos,
+            scale,
+            site.sliding_window or 0,
+        )
     _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, site.k_past), (site.v, site.v_past)):
@@ -293,8 +382,9 @@ def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None
     """Chunk fusion: new K/V written over their slots of the stored (merged) cache, exact position mask;
     with ``votes``, ``fusion_votes`` after the attention hands the question's attention to the policy."""
     with graph.inserting_before(_first(graph, [site.k, site.v])):
-        upd = graph.call_function(OPS.cache_overwrite.default, (
-            site.k_past, site.v_past, site.k_new, site.v_new, handle, site.key))
+        upd = graph.call_function(
+            OPS.cache_overwrite.default, (site.k_past, site.v_past, site.k_new, site.v_new, handle, site.key)
+        )
     k_all, v_all, kv_pos, q_pos = _items(graph, upd, 4)
     q, scale = _query_and_scale(graph, site)
     with graph.inserting_before(site.out):
@@ -302,8 +392,9 @@ def _overwrite(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None
         # FlashAttention-style kernel masks by position and skips key blocks past each query tile
         att = graph.call_function(OPS.attention_slots.default, (q, k_all, v_all, q_pos, scale, site.softcap))
         if plan.votes:
-            att = graph.call_function(OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap,
-                                                                 handle, site.key))
+            att = graph.call_function(
+                OPS.fusion_votes.default, (att, q, k_all, q_pos, scale, site.softcap, handle, site.key)
+            )
     _replace_output(site, att)
     _erase(graph, [site.out] + site.erase)
     for old, new in ((site.k, k_all), (site.v, v_all)):
@@ -338,23 +429,41 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             att, lse = _prefill_attention(graph, site, plan, q, site.k_new, site.v_new, mask, scale, causal)
             q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
             votes = _layer_votes(graph, site, plan, q_scaled, reductions)
-            graph.call_function(OPS.slot_prefill.default, (keys, values, pos, count, state, q_scaled, site.k_new,
-                                                           site.v_new, mask, handle, site.key,
-                                                           site.tokens if plan.tokens else None, votes, lse,
-                                                           *_query_rope(graph, site, plan),
-                                                           _out_proj(graph, site, plan)))
+            graph.call_function(
+                OPS.slot_prefill.default,
+                (
+                    keys,
+                    values,
+                    pos,
+                    count,
+                    state,
+                    q_scaled,
+                    site.k_new,
+                    site.v_new,
+                    mask,
+                    handle,
+                    site.key,
+                    site.tokens if plan.tokens else None,
+                    votes,
+                    lse,
+                    *_query_rope(graph, site, plan),
+                    _out_proj(graph, site, plan),
+                ),
+            )
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
-        elif plan.heads:   # the per-head layout (kvpass.cache.ragged): each head's tokens after its range, then read
-            ranges = state[0]   # a per-head policy's first state tensor (ragged.SLOT_STATE, Needs.heads)
-            w = graph.call_function(write_heads, (keys, values, pos, count, ranges, site.k_new, site.v_new,
-                                                  plan.heads_ring))
+        elif plan.heads:  # the per-head layout (kvpass.cache.ragged): each head's tokens after its range, then read
+            ranges = state[0]  # a per-head policy's first state tensor (ragged.SLOT_STATE, Needs.heads)
+            w = graph.call_function(
+                write_heads, (keys, values, pos, count, ranges, site.k_new, site.v_new, plan.heads_ring)
+            )
             q_pos, start, length = (graph.call_function(operator.getitem, (w, i)) for i in range(3))
             att = _heads_read(graph, site, plan, handle, q, keys, values, pos, q_pos, scale, start, length)
         elif site.phase == "decode":
             slot = None if hooks.place is None else graph.call_function(hooks.place, (pos, count, state, *hooks.args))
-            w = graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect,
-                                                  slot))
+            w = graph.call_function(
+                write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect, slot)
+            )
             q_pos, kv_len = (graph.call_function(operator.getitem, (w, i)) for i in range(2))
             read, bmap = plan.read or DecodeRead(), None
             if hooks.update is not None:
@@ -363,15 +472,17 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             if hooks.select is not None:
                 bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
                 read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)
-            att = _decode_read(graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, window, kv_len,
-                               bmap)
+            att = _decode_read(
+                graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, window, kv_len, bmap
+            )
         else:
             pend = graph.call_function(pending_positions, (pos, count, site.k_new, rule, protect))
             q_pos, kv_pos = (graph.call_function(operator.getitem, (pend, i)) for i in range(2))
             k_all = graph.call_function(torch.cat, ([keys, site.k_new], -2))
             v_all = graph.call_function(torch.cat, ([values, site.v_new], -2))
-            att = graph.call_function(OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap,
-                                                                  window))
+            att = graph.call_function(
+                OPS.attention_pos.default, (q, k_all, v_all, q_pos, kv_pos, scale, site.softcap, window)
+            )
             graph.call_function(write_slots, (keys, values, pos, count, site.k_new, site.v_new, rule, protect))
             if hooks.refresh is not None:
                 graph.call_function(hooks.refresh, (keys, pos, count, state, *hooks.args))
@@ -387,19 +498,23 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict[int, SitePlan], ha
     """Apply ``plans`` (site.layer -> SitePlan) to ``gm`` in place; returns what was done."""
     graph = gm.graph
     done: dict[str, list[int]] = {kind: [] for kind in REWRITES}
-    reductions: list[str] = []   # collectives inserted for decisions across heads (tensor parallelism)
+    reductions: list[str] = []  # collectives inserted for decisions across heads (tensor parallelism)
     for site in found.sites:
         plan = plans[site.layer]
-        reductions += REWRITES[plan.rewrite_kind](graph, site, plan, handle) or []   # the gathers it inserted
+        reductions += REWRITES[plan.rewrite_kind](graph, site, plan, handle) or []  # the gathers it inserted
         done[plan.rewrite_kind].append(site.layer)
     evicting, appending = done["evict"] + done["pool"], done["append"]
     # One eviction anywhere (now or in the prefill an appending graph follows) shortens the length the
     # model derives positions from: fix them all.
-    fixed = fix_positions(graph, found.sites, handle, prefill=all(_empty(s.k_past) for s in found.sites)) \
-        if evicting or appending else []
+    fixed = (
+        fix_positions(graph, found.sites, handle, prefill=all(_empty(s.k_past) for s in found.sites))
+        if evicting or appending
+        else []
+    )
     # positions passed in: RoPE's, or an integer input indexing a float table (CTRL's sinusoids)
-    passed = next((p for p in [s.positions for s in found.sites] + table_lookups(graph, embedding=False)
-                   if p is not None), None)
+    passed = next(
+        (p for p in [s.positions for s in found.sites] + table_lookups(graph, embedding=False) if p is not None), None
+    )
     after_prefill = any(s.phase != "prefill" for s in found.sites)
     if (appending or evicting) and after_prefill and not fixed and passed is not None:
         # positions passed in: checked against the tokens seen, and noted (how far the sequence reached)
@@ -408,13 +523,26 @@ def rewrite(gm: fx.GraphModule, found: Detection, plans: dict[int, SitePlan], ha
         passed.replace_all_uses_with(noted, delete_user_cb=lambda u: u is not noted)
     graph.lint()
     gm.recompile()
-    return Rewritten(rewritten=sum(len(v) for k, v in done.items() if k != "unchanged"), evicting=evicting,
-                     appending=appending, slots=done["slot"], positions_fixed=fixed, reductions=reductions)
+    return Rewritten(
+        rewritten=sum(len(v) for k, v in done.items() if k != "unchanged"),
+        evicting=evicting,
+        appending=appending,
+        slots=done["slot"],
+        positions_fixed=fixed,
+        reductions=reductions,
+    )
 
 
 def _unchanged(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> None:
     """A site the policy leaves to the model."""
 
 
-REWRITES = {"attention": _attention_only, "append": _attention_only, "evict": _evicting, "pool": _pool_write,
-            "overwrite": _overwrite, "slot": _slot, "unchanged": _unchanged}
+REWRITES = {
+    "attention": _attention_only,
+    "append": _attention_only,
+    "evict": _evicting,
+    "pool": _pool_write,
+    "overwrite": _overwrite,
+    "slot": _slot,
+    "unchanged": _unchanged,
+}

@@ -49,8 +49,10 @@ class TensorParallel:
     rank: int
 
     def describe(self, heads: int, kv_heads: int) -> str:
-        return (f"tensor parallel: rank {self.rank} of {self.size} (group '{self.group}'), local heads "
-                f"{heads} of {heads * self.size}, KV heads {kv_heads} of {kv_heads * self.size}")
+        return (
+            f"tensor parallel: rank {self.rank} of {self.size} (group '{self.group}'), local heads "
+            f"{heads} of {heads * self.size}, KV heads {kv_heads} of {kv_heads * self.size}"
+        )
 
     def all_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Eagerly, ``x [B, h, ...]`` (this rank's heads) of every rank: ``[B, h * N, ...]`` in head order.
@@ -115,15 +117,18 @@ def find(gm: fx.GraphModule, sites) -> TensorParallel | None | str:
     for s in sites:
         reached = _reduced_over(s.out)
         if len(reached) != 1:
-            return (f"tensor parallel: layer {s.layer}'s attention output reaches "
-                    f"{'no all_reduce' if not reached else 'all_reduces over several groups'} through its "
-                    f"output projection, so kvpass cannot tell how the heads are split across ranks")
+            return (
+                f"tensor parallel: layer {s.layer}'s attention output reaches "
+                f"{'no all_reduce' if not reached else 'all_reduces over several groups'} through its "
+                f"output projection, so kvpass cannot tell how the heads are split across ranks"
+            )
         groups |= reached
     if len(groups) != 1:
         return f"tensor parallel: the layers' attention outputs are reduced over different groups {sorted(groups)}"
     group = groups.pop()
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
+
     pg = _resolve_process_group(group)
     return TensorParallel(group=group, size=pg.size(), rank=dist.get_rank(pg))
 

@@ -25,8 +25,16 @@ import torch
 from kvpass.errors import ConfigError
 
 
-def duo_pattern(model, *, samples: int = 8, length: int = 1024, needle: int = 16, seed: int = 0,
-                out: str | Path | None = None, progress: bool = True) -> Path:
+def duo_pattern(
+    model,
+    *,
+    samples: int = 8,
+    length: int = 1024,
+    needle: int = 16,
+    seed: int = 0,
+    out: str | Path | None = None,
+    progress: bool = True,
+) -> Path:
     """Measure ``model``'s per-layer, per-KV-head retrieval scores and write them for ``duoattention``'s
     ``pattern``; returns the file's path (cached: a second call with the same model and settings reads nothing).
 
@@ -39,13 +47,18 @@ def duo_pattern(model, *, samples: int = 8, length: int = 1024, needle: int = 16
         if not isinstance(value, int) or isinstance(value, bool) or value < lo:
             raise ConfigError(f"kvpass.duo_pattern: parameter '{name}' must be an int >= {lo}, got {value!r}")
     if 4 * needle > length:
-        raise ConfigError(f"kvpass.duo_pattern: parameter 'needle' ({needle}) must be at most a quarter of 'length' "
-                          f"({length}): the passkey and its copy sit in random text")
+        raise ConfigError(
+            f"kvpass.duo_pattern: parameter 'needle' ({needle}) must be at most a quarter of 'length' "
+            f"({length}): the passkey and its copy sit in random text"
+        )
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    path = Path(out) if out is not None else (
-        cache_dir() / "duo" / f"{model_fingerprint(model)[:16]}-s{samples}-l{length}-n{needle}-r{seed}.tsv")
+    path = (
+        Path(out)
+        if out is not None
+        else (cache_dir() / "duo" / f"{model_fingerprint(model)[:16]}-s{samples}-l{length}-n{needle}-r{seed}.tsv")
+    )
     if out is None and path.is_file():
         return path
     scores = torch.zeros(layers, kv_heads, dtype=torch.float64)
@@ -55,18 +68,20 @@ def duo_pattern(model, *, samples: int = 8, length: int = 1024, needle: int = 16
     low = max([t for t in special if isinstance(t, int)] + [2]) + 1 if cfg.vocab_size > 1000 else 3
     span = {}
 
-    def hook(module, args, output):   # reduce this layer's weights now and hand none on
+    def hook(module, args, output):  # reduce this layer's weights now and hand none on
         weights = output[1]
         first, copy = span["first"], span["copy"]
-        got = weights[0, :, copy:copy + needle, first:first + needle].sum(-1).mean(-1)   # [H]
+        got = weights[0, :, copy : copy + needle, first : first + needle].sum(-1).mean(-1)  # [H]
         scores[module.layer_idx] += got.double().cpu().view(kv_heads, heads // kv_heads).mean(-1)
         return (output[0], None) + tuple(output[2:])
 
     attn = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
     if len(attn) != layers:
-        raise ConfigError(f"kvpass.duo_pattern: found {len(attn)} attention modules with a layer index in "
-                          f"{type(model).__name__}, for {layers} layers: this calibration reads each layer's "
-                          f"attention weights from modules named *Attention with a layer_idx")
+        raise ConfigError(
+            f"kvpass.duo_pattern: found {len(attn)} attention modules with a layer index in "
+            f"{type(model).__name__}, for {layers} layers: this calibration reads each layer's "
+            f"attention weights from modules named *Attention with a layer_idx"
+        )
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     handles = [m.register_forward_hook(hook) for m in attn]

@@ -32,8 +32,7 @@ TOKENIZER_PROBES = (
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-                 12: "<d"}
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
@@ -57,7 +56,7 @@ def _gguf_tokenizer_metadata(path: Path) -> dict:
             nonlocal pos
             (n,) = struct.unpack_from("<Q", m, pos)
             pos += 8 + n
-            return m[pos - n:pos].decode("utf-8")
+            return m[pos - n : pos].decode("utf-8")
 
         def value(kind: int):
             nonlocal pos
@@ -68,7 +67,7 @@ def _gguf_tokenizer_metadata(path: Path) -> dict:
                 pos += 12
                 if inner in _GGUF_SCALARS:
                     size = struct.calcsize(_GGUF_SCALARS[inner])
-                    items = [x for (x,) in struct.iter_unpack(_GGUF_SCALARS[inner], m[pos:pos + size * n])]
+                    items = [x for (x,) in struct.iter_unpack(_GGUF_SCALARS[inner], m[pos : pos + size * n])]
                     pos += size * n
                     return items
                 return [value(inner) for _ in range(n)]
@@ -91,11 +90,11 @@ def _gguf_tokenizer_metadata(path: Path) -> dict:
 class _Vocab:
     """A GGUF's tokenizer as its metadata states it, with llama.cpp's defaults for what it leaves out."""
 
-    model: str                  # tokenizer.ggml.model: "llama" is SentencePiece, "gpt2" byte-level BPE, ...
+    model: str  # tokenizer.ggml.model: "llama" is SentencePiece, "gpt2" byte-level BPE, ...
     tokens: list[str]
     scores: list[float]
-    types: list[int]            # _NORMAL, _CONTROL, ... per token
-    special: dict[str, int]     # "bos", "eos", "unk", "pad" -> token id, those the file names
+    types: list[int]  # _NORMAL, _CONTROL, ... per token
+    special: dict[str, int]  # "bos", "eos", "unk", "pad" -> token id, those the file names
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
@@ -110,6 +109,7 @@ class _Vocab:
 def _gguf_vocab(path: Path) -> _Vocab | None:
     """The vocabulary of a GGUF, or None where its metadata cannot be read or holds none."""
     import struct
+
     try:
         meta = _gguf_tokenizer_metadata(path)
     except (OSError, ValueError, KeyError, struct.error):
@@ -124,17 +124,27 @@ def _gguf_vocab(path: Path) -> _Vocab | None:
     if len(scores) != n or len(types) != n:
         return None
     special = {}
-    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
-                      ("pad", "padding_token_id")):
+    for name, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("unk", "unknown_token_id"),
+        ("pad", "padding_token_id"),
+    ):
         tid = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(tid, int) and 0 <= tid < n:
             special[name] = tid
     spm = model == "llama"
-    return _Vocab(model=model, tokens=list(tokens), scores=[float(s) for s in scores], types=[int(t) for t in types],
-                  special=special, add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
-                  add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-                  add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", spm)),
-                  chat_template=meta.get("tokenizer.chat_template"))
+    return _Vocab(
+        model=model,
+        tokens=list(tokens),
+        scores=[float(s) for s in scores],
+        types=[int(t) for t in types],
+        special=special,
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", spm)),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
 
 
 def _spm_encode(text: str, vocab: _Vocab) -> list[int]:
@@ -150,8 +160,15 @@ def _spm_encode(text: str, vocab: _Vocab) -> list[int]:
 
     index = vocab.index
     ids = [vocab.special["bos"]] if vocab.add_bos and "bos" in vocab.special else []
-    whole = sorted({t for t, kind in zip(vocab.tokens, vocab.types)
-                    if kind in (_CONTROL, _USER_DEFINED, _UNKNOWN) and t and t in text}, key=len, reverse=True)
+    whole = sorted(
+        {
+            t
+            for t, kind in zip(vocab.tokens, vocab.types)
+            if kind in (_CONTROL, _USER_DEFINED, _UNKNOWN) and t and t in text
+        },
+        key=len,
+        reverse=True,
+    )
     parts: list[str | int] = [text] if text else []
     for token in whole:
         split: list[str | int] = []
@@ -182,7 +199,7 @@ def _spm_encode(text: str, vocab: _Vocab) -> list[int]:
         def offer(left: int, right: int) -> None:
             if left < 0 or right < 0:
                 return
-            tid = index.get(s[start[left]:start[right] + length[right]])
+            tid = index.get(s[start[left] : start[right] + length[right]])
             if tid is not None:
                 heapq.heappush(queue, (-vocab.scores[tid], left, right, length[left] + length[right]))
 
@@ -200,7 +217,7 @@ def _spm_encode(text: str, vocab: _Vocab) -> list[int]:
             offer(left, nxt[left])
         i = 0 if s else -1
         while i >= 0:
-            piece = s[start[i]:start[i] + length[i]]
+            piece = s[start[i] : start[i] + length[i]]
             if piece in index:
                 ids.append(index[piece])
             else:
@@ -250,8 +267,16 @@ def _sentencepiece_tokenizer(vocab: _Vocab):
         if index[t] == i:  # the longer left part first, as transformers orders them
             merges += [(t[:k], t[k:]) for k in range(len(t) - 1, 0, -1) if t[:k] in index and t[k:] in index]
     special = {name: vocab.tokens[tid] for name, tid in vocab.special.items()}
-    backend = Tokenizer(BPE(vocab=index, merges=merges, unk_token=special.get("unk"), fuse_unk=True,
-                            byte_fallback="<0x00>" in index, dropout=None))
+    backend = Tokenizer(
+        BPE(
+            vocab=index,
+            merges=merges,
+            unk_token=special.get("unk"),
+            fuse_unk=True,
+            byte_fallback="<0x00>" in index,
+            dropout=None,
+        )
+    )
     steps = [normalizers.Replace(" ", "▁")]
     undo = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if vocab.add_space_prefix:
@@ -259,12 +284,21 @@ def _sentencepiece_tokenizer(vocab: _Vocab):
         undo.append(decoders.Strip(content=" ", left=1, right=0))
     backend.normalizer = normalizers.Sequence(steps)
     backend.decoder = decoders.Sequence(undo)
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, kind in zip(vocab.tokens, vocab.types) if kind in (_CONTROL, _UNKNOWN)])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind in zip(vocab.tokens, vocab.types)
+            if kind in (_CONTROL, _UNKNOWN)
+        ]
+    )
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, add_bos_token=vocab.add_bos, add_eos_token=vocab.add_eos,
-        clean_up_tokenization_spaces=False, **{f"{name}_token": t for name, t in special.items()})
+        tokenizer_object=backend,
+        add_bos_token=vocab.add_bos,
+        add_eos_token=vocab.add_eos,
+        clean_up_tokenization_spaces=False,
+        **{f"{name}_token": t for name, t in special.items()},
+    )
     if vocab.chat_template:
         tokenizer.chat_template = vocab.chat_template
     return tokenizer
@@ -303,8 +337,7 @@ def _tokenizer_problem(tokenizer, vocab: _Vocab | None, folder: Path) -> str | N
     return None
 
 
-def save_tokenizer(tokenizer, failure: str | None, gguf: Path, out: Path, label: str,
-                   say: Callable[[str], None]):
+def save_tokenizer(tokenizer, failure: str | None, gguf: Path, out: Path, label: str, say: Callable[[str], None]):
     """Save the GGUF's tokenizer into ``out`` (which holds the model); returns the tokenizer saved.
 
     That is ``tokenizer`` (transformers' reading of the GGUF; None with ``failure`` where it could not
@@ -324,8 +357,10 @@ def save_tokenizer(tokenizer, failure: str | None, gguf: Path, out: Path, label:
         failure = f"transformers' tokenizer is wrong ({problem})"
     if vocab is None or vocab.model != "llama":
         kind = f"a {vocab.model!r} vocabulary" if vocab is not None else "a vocabulary kvpass cannot read"
-        raise RuntimeError(f"kvpass: converting {label}: {failure}; kvpass builds only SentencePiece "
-                           f"vocabularies itself, and {gguf.name} has {kind}")
+        raise RuntimeError(
+            f"kvpass: converting {label}: {failure}; kvpass builds only SentencePiece "
+            f"vocabularies itself, and {gguf.name} has {kind}"
+        )
     say(f"  {failure}; building it from the GGUF's vocabulary")
     for stale in out.iterdir():  # what the rejected tokenizer wrote
         if stale.name not in model_files:
@@ -337,7 +372,9 @@ def save_tokenizer(tokenizer, failure: str | None, gguf: Path, out: Path, label:
     tokenizer = _sentencepiece_tokenizer(vocab)
     failure = _tokenizer_problem(tokenizer, vocab, out)
     if failure is not None:
-        raise RuntimeError(f"kvpass: converting {label}: the tokenizer built from the vocabulary of {gguf.name} "
-                           f"is wrong too ({failure})")
+        raise RuntimeError(
+            f"kvpass: converting {label}: the tokenizer built from the vocabulary of {gguf.name} "
+            f"is wrong too ({failure})"
+        )
     say(f"  built and checked it ({len(tokenizer)} tokens) in {time.perf_counter() - t0:.1f} s")
     return tokenizer

@@ -44,12 +44,21 @@ def collect(folders: list[Path]) -> list[dict]:
                 subsets: dict[str, list[float]] = defaultdict(list)
                 for r in rs:
                     subsets[r["task"]].append(r["score"])
-                out.append({"folder": str(folder), "model": meta.get("model"), "benchmark": family, "policy": policy,
-                            "setting": (meta.get("dtype"), meta.get("max_new_tokens")),
-                            "budget": (meta.get("params") or {}).get("budget"),
-                            "score": 100 * sum(sum(v) / len(v) for v in subsets.values()) / len(subsets),
-                            "kv_bytes": sum(r["kv_bytes"] for r in rs) / len(rs), "tasks": len(rs),
-                            "keys": sorted((r["task"], r["length"]) for r in rs), "ratio": None})
+                out.append(
+                    {
+                        "folder": str(folder),
+                        "model": meta.get("model"),
+                        "benchmark": family,
+                        "policy": policy,
+                        "setting": (meta.get("dtype"), meta.get("max_new_tokens")),
+                        "budget": (meta.get("params") or {}).get("budget"),
+                        "score": 100 * sum(sum(v) / len(v) for v in subsets.values()) / len(subsets),
+                        "kv_bytes": sum(r["kv_bytes"] for r in rs) / len(rs),
+                        "tasks": len(rs),
+                        "keys": sorted((r["task"], r["length"]) for r in rs),
+                        "ratio": None,
+                    }
+                )
     ratios(out)
     return out
 
@@ -57,8 +66,15 @@ def collect(folders: list[Path]) -> list[dict]:
 def ratios(records: list[dict]) -> None:
     """Each record's compression ratio against ``full`` on the same model and tasks (its own folder's first)."""
     for rec in records:
-        fulls = [r for r in records if r["policy"] == "full" and r["model"] == rec["model"]
-                 and r["setting"] == rec["setting"] and r["benchmark"] == rec["benchmark"] and r["keys"] == rec["keys"]]
+        fulls = [
+            r
+            for r in records
+            if r["policy"] == "full"
+            and r["model"] == rec["model"]
+            and r["setting"] == rec["setting"]
+            and r["benchmark"] == rec["benchmark"]
+            and r["keys"] == rec["keys"]
+        ]
         fulls.sort(key=lambda r: r["folder"] != rec["folder"])
         if fulls and fulls[0]["kv_bytes"]:
             rec["ratio"] = max(0.0, 1.0 - rec["kv_bytes"] / fulls[0]["kv_bytes"])
@@ -67,17 +83,24 @@ def ratios(records: list[dict]) -> None:
 def markdown(records: list[dict]) -> str:
     """One table per benchmark: policies x budgets (one column per run), each cell the score x100 and the measured
     compression ratio."""
-    lines = ["# Leaderboard", "",
-             "Score (x100, the mean of the benchmark's subset means) and, in brackets, the measured compression ratio "
-             "(1 - KV bytes / full's KV bytes on the same tasks, model, dtype and generation length; `?`: no such "
-             "`full` run), one column per budget.", ""]
+    lines = [
+        "# Leaderboard",
+        "",
+        "Score (x100, the mean of the benchmark's subset means) and, in brackets, the measured compression ratio "
+        "(1 - KV bytes / full's KV bytes on the same tasks, model, dtype and generation length; `?`: no such "
+        "`full` run), one column per budget.",
+        "",
+    ]
     for bench in sorted({r["benchmark"] for r in records}):
         rows = [r for r in records if r["benchmark"] == bench]
         cols = sorted({r["budget"] for r in rows}, key=lambda b: (b is not None, b or 0))
         models = sorted({str(r["model"]) for r in rows})
-        lines += [f"## {bench} ({', '.join(models)})", "",
-                  "| policy | " + " | ".join("no budget" if c is None else f"budget {c}" for c in cols) + " |",
-                  "|---|" + "---|" * len(cols)]
+        lines += [
+            f"## {bench} ({', '.join(models)})",
+            "",
+            "| policy | " + " | ".join("no budget" if c is None else f"budget {c}" for c in cols) + " |",
+            "|---|" + "---|" * len(cols),
+        ]
         for policy in sorted({r["policy"] for r in rows}, key=lambda p: (p != "full", p)):
             cells: dict = {}
             for r in rows:
@@ -93,6 +116,7 @@ def plot(records: list[dict], path: Path) -> Path | None:
     """Score against compression ratio, a line per policy, a panel per benchmark; None without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

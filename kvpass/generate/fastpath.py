@@ -42,19 +42,21 @@ import torch
 
 from kvpass.cache.argument import cache_kwarg
 from kvpass.cache.slots import SlotCache
-from kvpass.generate import decode_loop
 from kvpass.compiler.backend import Backend, backend
-from kvpass.generate.requests import RequestQueue
 from kvpass.errors import ConfigError
+from kvpass.generate import decode_loop
+from kvpass.generate.requests import RequestQueue
 
 # generate() arguments whose decoding a SlotCache does not run (it holds one sequence per row)
 _OWN_DECODING = ("num_beams", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
-_FAST_PATH_NOTE = ("kvpass: this generate() call ran on kvpass.compile's fast path: a kvpass.SlotCache, whose shapes "
-                   "are static as a StaticCache's (transformers gives the model a 4-D attention mask). A model that "
-                   "cannot run on such a cache can still generate with its own DynamicCache: pass "
-                   "past_key_values=DynamicCache(config=model.config), and the compiled policy runs where it can")
+_FAST_PATH_NOTE = (
+    "kvpass: this generate() call ran on kvpass.compile's fast path: a kvpass.SlotCache, whose shapes "
+    "are static as a StaticCache's (transformers gives the model a 4-D attention mask). A model that "
+    "cannot run on such a cache can still generate with its own DynamicCache: pass "
+    "past_key_values=DynamicCache(config=model.config), and the compiled policy runs where it can"
+)
 
 
 def bucket(n: int, floor: int = 64) -> int:
@@ -90,11 +92,13 @@ def check_room(model, be: Backend, rows: int, length: int, room: int, new: int) 
     sized = SlotCache(model, be, max_length=length, batch_size=rows, max_new_tokens=room, device="meta")
     need = sum(t.numel() * t.element_size() for layer in sized.layers for t in layer.tensors())
     if need > free:
-        raise ConfigError(f"kvpass.compile: generate(max_new_tokens={new}) needs a SlotCache of {length} tokens x "
-                          f"{rows} row(s), {need / 2 ** 30:.1f} GiB, and {device} has {free / 2 ** 30:.1f} GiB free: "
-                          f"the fast path allocates the cache for every token max_new_tokens (or max_length) allows "
-                          f"before it generates, eos or not. Pass a max_new_tokens whose cache fits, or generate on a "
-                          f"cache that grows: past_key_values=DynamicCache(config=model.config)")
+        raise ConfigError(
+            f"kvpass.compile: generate(max_new_tokens={new}) needs a SlotCache of {length} tokens x "
+            f"{rows} row(s), {need / 2**30:.1f} GiB, and {device} has {free / 2**30:.1f} GiB free: "
+            f"the fast path allocates the cache for every token max_new_tokens (or max_length) allows "
+            f"before it generates, eos or not. Pass a max_new_tokens whose cache fits, or generate on a "
+            f"cache that grows: past_key_values=DynamicCache(config=model.config)"
+        )
 
 
 # Dynamo's recompile limit while a generate call runs (the user's, where higher): the graphs of ordinary use are a
@@ -117,16 +121,17 @@ class FastGenerate:
         self.cache_kwarg = cache_kwarg(model)
         self.keeps_logits = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         functools.update_wrapper(self, original)
-        self.compiled_forward = model.__dict__.get("forward")   # what kvpass.compile set (direct steps check it)
+        self.compiled_forward = model.__dict__.get("forward")  # what kvpass.compile set (direct steps check it)
 
-    def cache_for(self, rows: int, prompt: int, new: int, like: SlotCache | None = None,
-                  exact: bool = False) -> SlotCache:
+    def cache_for(
+        self, rows: int, prompt: int, new: int, like: SlotCache | None = None, exact: bool = False
+    ) -> SlotCache:
         """A reset cache for ``rows`` sequences of ``prompt`` tokens and ``new`` new ones: the one kept
         for these rows when it fits, else a new one of the next bucket (which replaces it). With ``like``,
         one of exactly ``like``'s sizes (a staging cache whose rows ``like.admit`` takes); ``exact``: sized
         ``prompt + new`` and ``new``, not in buckets."""
         p = next(self.model.parameters())
-        key = (rows, p.dtype, p.device, like is not None)   # a staging cache is kept apart from a batch of one
+        key = (rows, p.dtype, p.device, like is not None)  # a staging cache is kept apart from a batch of one
         cache = self.caches.get(key)
         if like is not None:
             length, room = like.max_length, like.max_new_tokens
@@ -134,10 +139,15 @@ class FastGenerate:
             length, room = prompt + new, new
         else:
             length, room = bucket(prompt + new), bucket(new, floor=16)
-        if (cache is None or not cache.fits(prompt + new, new, rows)   # else any kept cache that fits serves
-                or (exact or like is not None) and cache.max_length != length
-                or like is not None and cache.capacities != like.capacities):
-            self.caches.pop(key, None)   # its memory goes back before the larger one is allocated
+        if (
+            cache is None
+            or not cache.fits(prompt + new, new, rows)  # else any kept cache that fits serves
+            or (exact or like is not None)
+            and cache.max_length != length
+            or like is not None
+            and cache.capacities != like.capacities
+        ):
+            self.caches.pop(key, None)  # its memory goes back before the larger one is allocated
             check_room(self.model, self.backend, rows, length, room, new)
             cache = SlotCache(self.model, self.backend, max_length=length, batch_size=rows, max_new_tokens=room)
             self.caches[key] = cache
@@ -154,51 +164,65 @@ class FastGenerate:
     def _generate(self, inputs=None, *args, **kwargs):
         ids = kwargs.get("input_ids", inputs)
         if isinstance(ids, (list, tuple)) and not args and (not ids or not isinstance(ids[0], int)):
-            return self.many(ids, **kwargs) if ids else []   # no prompts, no outputs (as RequestQueue.run)
-        config, _ = decode_loop.run_config(self.model, kwargs)   # the options as generate() merges them
+            return self.many(ids, **kwargs) if ids else []  # no prompts, no outputs (as RequestQueue.run)
+        config, _ = decode_loop.run_config(self.model, kwargs)  # the options as generate() merges them
 
         def option(name):
             return getattr(config, name, None)
 
         if option("output_attentions"):
-            raise ConfigError("kvpass.compile: generate(output_attentions=True): kvpass replaces the model's attention, "
-                              "so there are no attention weights of the model's own to return (a decode step's would "
-                              "span the SlotCache's slots); generate with an uncompiled copy of the model for them")
+            raise ConfigError(
+                "kvpass.compile: generate(output_attentions=True): kvpass replaces the model's attention, "
+                "so there are no attention weights of the model's own to return (a decode step's would "
+                "span the SlotCache's slots); generate with an uncompiled copy of the model for them"
+            )
         given = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
         embeds = kwargs.get("inputs_embeds")
         if ids is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
-            ids = embeds[:, :, 0]   # the prompt's [rows, length], for sizing the cache (generate reads the embeddings)
+            ids = embeds[:, :, 0]  # the prompt's [rows, length], for sizing the cache (generate reads the embeddings)
         if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self._check_continuation(given, ids.shape[1], new_tokens(kwargs, config, ids.shape[1]))
             self._check_no_holes(ids, kwargs.get("attention_mask"), option("pad_token_id"), option("eos_token_id"))
         own = [k for k in _OWN_DECODING if option(k) not in (None, 1, False)]
-        chosen = kwargs.get("cache_implementation") or getattr(kwargs.get("generation_config"), "cache_implementation",
-                                                               None)
-        if (args or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or own
-                or given is not None
-                or option("use_cache") is False            # no cache: every step reruns the whole sequence
-                or chosen is not None):                    # the caller chose one of transformers' caches
+        chosen = kwargs.get("cache_implementation") or getattr(
+            kwargs.get("generation_config"), "cache_implementation", None
+        )
+        if (
+            args
+            or not isinstance(ids, torch.Tensor)
+            or ids.dim() != 2
+            or own
+            or given is not None
+            or option("use_cache") is False  # no cache: every step reruns the whole sequence
+            or chosen is not None
+        ):  # the caller chose one of transformers' caches
             return self._original(inputs, *args, **kwargs)
         prompt = ids.shape[1]
         new = new_tokens(kwargs, config, prompt)
         if new < 1:
-            raise ConfigError(f"kvpass.compile: generate() was asked for {new} new tokens after a {prompt}-token "
-                              f"prompt; pass max_new_tokens >= 1")
+            raise ConfigError(
+                f"kvpass.compile: generate() was asked for {new} new tokens after a {prompt}-token "
+                f"prompt; pass max_new_tokens >= 1"
+            )
         rows = ids.shape[0] * (option("num_return_sequences") or 1)
         cache = self.cache_for(rows, prompt, new)
         chunk = option("prefill_chunk_size")
         if chunk and chunk < prompt and not cache.holds_all(prompt + new, new):
-            raise ConfigError(f"kvpass.compile: generate(prefill_chunk_size={chunk}) prefills the {prompt}-token "
-                              f"prompt in chunks, and policy '{self.backend.policy.name}' keeps only part of a prompt, "
-                              f"chosen from the whole prompt at once (a later chunk would overflow the cache); drop "
-                              f"prefill_chunk_size (kvpass's prefill never builds the [prompt, prompt] scores)")
+            raise ConfigError(
+                f"kvpass.compile: generate(prefill_chunk_size={chunk}) prefills the {prompt}-token "
+                f"prompt in chunks, and policy '{self.backend.policy.name}' keeps only part of a prompt, "
+                f"chosen from the whole prompt at once (a later chunk would overflow the cache); drop "
+                f"prefill_chunk_size (kvpass's prefill never builds the [prompt, prompt] scores)"
+            )
         if decode_loop.usable(self.model, kwargs):
             kwargs["custom_generate"] = decode_loop.decode
         elif self.backend.policy.needs.reconstructs:
-            raise ConfigError(f"kvpass.compile: policy '{self.backend.policy.name}' scores the prompt with repeat "
-                              f"passes that kvpass's decoding loop runs before the prefill, and this generate() call "
-                              f"cannot take that loop (a streamer, synced_gpus or a custom_generate of the caller's); "
-                              f"generate without them")
+            raise ConfigError(
+                f"kvpass.compile: policy '{self.backend.policy.name}' scores the prompt with repeat "
+                f"passes that kvpass's decoding loop runs before the prefill, and this generate() call "
+                f"cannot take that loop (a streamer, synced_gpus or a custom_generate of the caller's); "
+                f"generate without them"
+            )
         if kwargs.get("compile_config") is None and "disable_compile" not in kwargs:
             # the forward is compiled already; HF's own compile of model.__call__ around it would only add a Dynamo
             # frame (and its guards) per step. On a copy of a caller's generation config, since transformers warns
@@ -217,8 +241,8 @@ class FastGenerate:
             out = self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
         except ConfigError:
             raise
-        except Exception as e:   # the model's code may not run on a static-shape cache (Falcon's ALiBi reads a 2-D mask)
-            if hasattr(e, "add_note"):   # Python >= 3.11
+        except Exception as e:  # the model's code may not run on a static-shape cache (Falcon's ALiBi reads a 2-D mask)
+            if hasattr(e, "add_note"):  # Python >= 3.11
                 e.add_note(_FAST_PATH_NOTE)
             raise
         finally:
@@ -235,18 +259,20 @@ class FastGenerate:
         mask: a row whose mask has a 0 after its first 1 (a pad token inside the text, which transformers masks when
         it infers the mask from the ids, or a mask passed with a hole) would attend to what the mask hides. Left
         padding (0s before a row's first 1) is what the cache's prefill already keeps out."""
-        if mask is None and pad is not None:   # transformers' inference: ids != pad, unless pad is an eos token
+        if mask is None and pad is not None:  # transformers' inference: ids != pad, unless pad is an eos token
             eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
             mask = None if pad in eos else ids.ne(pad)
         if mask is None or mask.dim() != 2:
             return
         started = mask.bool().cummax(dim=-1).values
         if (started & ~mask.bool()).any():
-            raise ConfigError("kvpass.compile: generate() continues a SlotCache with an attention mask that has a 0 "
-                              "after a row's first token (a pad token inside the sequence: transformers masks it when "
-                              "it infers the mask from the ids). A SlotCache reads its slots by position, without the "
-                              "mask, so it would attend to that token; continue without the cache (the whole sequence "
-                              "is prefilled with its mask), or on a DynamicCache")
+            raise ConfigError(
+                "kvpass.compile: generate() continues a SlotCache with an attention mask that has a 0 "
+                "after a row's first token (a pad token inside the sequence: transformers masks it when "
+                "it infers the mask from the ids). A SlotCache reads its slots by position, without the "
+                "mask, so it would attend to that token; continue without the cache (the whole sequence "
+                "is prefilled with its mask), or on a DynamicCache"
+            )
 
     @staticmethod
     def _check_continuation(cache: SlotCache, length: int, new: int) -> None:
@@ -254,24 +280,28 @@ class FastGenerate:
         far plus the new prompt tokens) and ``new`` more must fit it, and it must hold fewer than ``length``."""
         seen = cache.seen
         if seen >= length:
-            raise ConfigError(f"kvpass.compile: generate() got a SlotCache that already holds {seen} tokens "
-                              f"and a {length}-token prompt: continuing a generation passes the whole "
-                              f"sequence so far plus the new tokens; for a new prompt call cache.reset() first")
+            raise ConfigError(
+                f"kvpass.compile: generate() got a SlotCache that already holds {seen} tokens "
+                f"and a {length}-token prompt: continuing a generation passes the whole "
+                f"sequence so far plus the new tokens; for a new prompt call cache.reset() first"
+            )
         if length + new > cache.max_length:
-            raise ConfigError(f"kvpass.compile: generate() continues a SlotCache built for {cache.max_length} tokens "
-                              f"(a cache an earlier generate() returned is sized for that call) with {length} tokens "
-                              f"and {new} new ones; to go further, call generate() on the whole sequence without the "
-                              f"cache (it is prefilled again into a cache sized for it), or build a "
-                              f"kvpass.SlotCache(model, backend, max_length=...) of your own")
+            raise ConfigError(
+                f"kvpass.compile: generate() continues a SlotCache built for {cache.max_length} tokens "
+                f"(a cache an earlier generate() returned is sized for that call) with {length} tokens "
+                f"and {new} new ones; to go further, call generate() on the whole sequence without the "
+                f"cache (it is prefilled again into a cache sized for it), or build a "
+                f"kvpass.SlotCache(model, backend, max_length=...) of your own"
+            )
 
     def _original(self, *args, **kwargs):
         """The model's own ``generate``, with Dynamo's recompile-limit failure told as kvpass's advice and kvpass's
         errors raised inside Dynamo's compile given as they are."""
         try:
             return self.original(*args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit as e:   # the limit was lowered after a graph compiled
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:  # the limit was lowered after a graph compiled
             raise ConfigError(self.backend.recompile_advice()) from e
-        except torch._dynamo.exc.BackendCompilerFailed as e:     # kvpass's own refusal, unwrapped
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # kvpass's own refusal, unwrapped
             if isinstance(e.inner_exception, ConfigError):
                 raise e.inner_exception from None
             raise
@@ -283,18 +313,25 @@ class FastGenerate:
         new tokens, 1-D, in order."""
         generation.pop("input_ids", None)
         if generation.pop("attention_mask", None) is not None:
-            raise ConfigError("kvpass.compile: generate() over a list of prompts takes no attention_mask (the "
-                              "prompts are not padded: pass each one's tokens alone)")
-        with self.lock:   # max_length keeps generate's meaning there: prompt + new tokens, per prompt
-            queue = RequestQueue.like_generate(self.model, max_batch=min(max_batch, len(prompts))
-                                               if isinstance(max_batch, int) else max_batch, **generation)
+            raise ConfigError(
+                "kvpass.compile: generate() over a list of prompts takes no attention_mask (the "
+                "prompts are not padded: pass each one's tokens alone)"
+            )
+        with self.lock:  # max_length keeps generate's meaning there: prompt + new tokens, per prompt
+            queue = RequestQueue.like_generate(
+                self.model,
+                max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int) else max_batch,
+                **generation,
+            )
             for p in prompts:
                 queue.add(p)
             return queue.run(progress=progress)
 
     def __repr__(self) -> str:
-        held = ", ".join(f"{rows} rows x {c.max_length}{' (staging)' if staging else ''}"
-                         for (rows, _, _, staging), c in self.caches.items())
+        held = ", ".join(
+            f"{rows} rows x {c.max_length}{' (staging)' if staging else ''}"
+            for (rows, _, _, staging), c in self.caches.items()
+        )
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
 
 
@@ -308,8 +345,10 @@ def new_tokens(kwargs: dict, config, prompt: int) -> int:
     for name in ("max_new_tokens", "max_length"):
         for value in (kwargs.get(name), getattr(config, name, None)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ConfigError(f"kvpass.compile: generate() parameter '{name}' must be an int >= 1, got "
-                                  f"{type(value).__name__} {value!r}; pass a whole number of tokens")
+                raise ConfigError(
+                    f"kvpass.compile: generate() parameter '{name}' must be an int >= 1, got "
+                    f"{type(value).__name__} {value!r}; pass a whole number of tokens"
+                )
     if kwargs.get("max_new_tokens") is not None:
         return kwargs["max_new_tokens"]
     if getattr(config, "max_new_tokens", None) is not None:
@@ -326,6 +365,7 @@ def backward_hooked(model) -> str | None:
     ``register_full_backward_pre_hook``), as ``"module 'name'"`` for the first such submodule, or ``"every module
     (...)"`` for a global one; None without. Dynamo breaks the graph at such a module."""
     import torch.nn.modules.module as mm
+
     if mm._global_backward_hooks or mm._global_backward_pre_hooks:
         return "every module (a global backward hook, torch.nn.modules.module.register_module_full_backward_hook)"
     for name, module in model.named_modules():
@@ -342,10 +382,10 @@ def own_code(forward):
     checked at every call of this one."""
     fn = getattr(forward, "__func__", None)
     if not isinstance(fn, types.FunctionType):
-        return forward   # not a plain bound method (a caller's wrapper): compiled as it is
+        return forward  # not a plain bound method (a caller's wrapper): compiled as it is
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-    copy.__dict__.update(fn.__dict__)   # functools.wraps' __wrapped__, so inspect.signature reads the forward's
+    copy.__dict__.update(fn.__dict__)  # functools.wraps' __wrapped__, so inspect.signature reads the forward's
     return types.MethodType(copy, forward.__self__)
 
 
@@ -357,13 +397,22 @@ def compile_options(be: Backend, mode: str | None) -> dict:
     options = {"guard_filter_fn": be.spec_guards}
     if mode not in (None, "default"):
         from torch._inductor import list_mode_options
+
         options.update(list_mode_options(mode))
     return options
 
 
-def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = "inductor",
-            prefill_compiler: str | None = None, fullgraph: bool = False, direct_steps: bool | str = "auto",
-            **params) -> Backend:
+def compile(
+    model,
+    policy="full",
+    *,
+    mode: str | None = "auto",
+    compiler: str = "inductor",
+    prefill_compiler: str | None = None,
+    fullgraph: bool = False,
+    direct_steps: bool | str = "auto",
+    **params,
+) -> Backend:
     """Compile ``model`` with the KV-cache ``policy`` and give its ``generate`` the fast path.
 
     Args:
@@ -388,12 +437,18 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
     becomes a ``FastGenerate`` (``model.generate.original`` is the model's own). Policies without a
     SlotCache decode (chunk fusion: ``kvpass.ChunkFusion``) are refused.
     """
-    if hasattr(model.forward, "_torchdynamo_orig_callable") or isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        raise ConfigError("kvpass.compile: the model is already compiled; pass the uncompiled model "
-                          "(kvpass.compile compiles model.forward itself)")
+    if hasattr(model.forward, "_torchdynamo_orig_callable") or isinstance(
+        model, torch._dynamo.eval_frame.OptimizedModule
+    ):
+        raise ConfigError(
+            "kvpass.compile: the model is already compiled; pass the uncompiled model "
+            "(kvpass.compile compiles model.forward itself)"
+        )
     if not hasattr(model, "generate") or not hasattr(model, "config"):
-        raise ConfigError(f"kvpass.compile: parameter 'model' must be a transformers model with generate(), "
-                          f"got {type(model).__name__}")
+        raise ConfigError(
+            f"kvpass.compile: parameter 'model' must be a transformers model with generate(), "
+            f"got {type(model).__name__}"
+        )
     hooked = backward_hooked(model)
     if hooked is not None:
         raise ConfigError(
@@ -401,21 +456,26 @@ def compile(model, policy="full", *, mode: str | None = "auto", compiler: str = 
             f"trace without compiled autograd: the forward would split into several graphs and the policy could not "
             f"run on them. transformers' tensor-parallel plan registers such hooks on some versions (5.17 for "
             f"'replicated_with_grad_allreduce' modules, e.g. Qwen3's q_norm / k_norm; 5.24 uses parameter hooks, "
-            f"which Dynamo traces); remove the hook or use a transformers version without it")
+            f"which Dynamo traces); remove the hook or use a transformers version without it"
+        )
     if not (isinstance(direct_steps, bool) or direct_steps == "auto"):
-        raise ConfigError(f"kvpass.compile: parameter 'direct_steps' must be True, False or 'auto', got "
-                          f"{direct_steps!r}")
+        raise ConfigError(
+            f"kvpass.compile: parameter 'direct_steps' must be True, False or 'auto', got {direct_steps!r}"
+        )
     be = backend(policy, compiler=compiler, prefill_compiler=prefill_compiler, **params)
     be.direct_steps = direct_steps
     be.policy.check_model(model.config)
     needs = be.policy.needs
     if needs.slot_rule is None or not needs.slot_prefill:
-        raise ConfigError(f"kvpass.compile: policy '{be.policy.name}' has no SlotCache decode of its own "
-                          f"(chunk fusion runs through kvpass.ChunkFusion); use kvpass.backend with torch.compile")
+        raise ConfigError(
+            f"kvpass.compile: policy '{be.policy.name}' has no SlotCache decode of its own "
+            f"(chunk fusion runs through kvpass.ChunkFusion); use kvpass.backend with torch.compile"
+        )
     if mode == "auto":
         on_gpu = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
-    model.forward = torch.compile(own_code(model.forward), backend=be, dynamic=True, fullgraph=fullgraph,
-                                  options=compile_options(be, mode))
+    model.forward = torch.compile(
+        own_code(model.forward), backend=be, dynamic=True, fullgraph=fullgraph, options=compile_options(be, mode)
+    )
     model.generate = FastGenerate(model, be, model.generate)
     return be

@@ -26,8 +26,7 @@ from kvpass.cache.argument import cache_kwarg
 
 
 @contextlib.contextmanager
-def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True,
-                  forward=None):
+def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True, forward=None):
     """``kvpass.repeat_passes``: within the block, ``be``'s generation state holds the repeat passes' scores of
     prompt ``ids [B, n]`` (``mask [B, n]``: 1 for a real token, or None) for the prefill the block runs; nothing
     when ``be``'s policy does not reconstruct, or ``be`` is None. ``forward``: the compiled forward (default:
@@ -37,7 +36,7 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
         yield
         return
     passes = be.policy.passes(ids, mask)
-    if not passes:   # nothing to choose from (a prompt within the budget)
+    if not passes:  # nothing to choose from (a prompt within the budget)
         yield
         return
     forward = model if forward is None else forward

@@ -45,28 +45,48 @@ import time
 import torch
 from torch import Tensor
 
+from kvpass.errors import ConfigError
 from kvpass.generate import reconstruct
 from kvpass.generate.decode_loop import Late, run_config
 from kvpass.generate.token_ids import token_ids, vocab_size
-from kvpass.errors import ConfigError
 
 # generation options this queue runs; those below at a value other than a neutral one, and any other, are refused
 _RUNS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id")
-_CHANGES_TOKENS = {   # option -> its values that change nothing (None and empty ones too)
-    "num_beams": (1,), "num_return_sequences": (1,), "repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
-    "bad_words_ids": (), "min_length": (0,), "min_new_tokens": (0,), "encoder_repetition_penalty": (1.0,),
-    "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "min_p": (0.0,), "sequence_bias": (),
-    "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
-    "guidance_scale": (1.0,), "stop_strings": (), "watermarking_config": (), "renormalize_logits": (False,),
-    "top_h": (), "remove_invalid_values": (False,), "exponential_decay_length_penalty": (), "max_time": (),
+_CHANGES_TOKENS = {  # option -> its values that change nothing (None and empty ones too)
+    "num_beams": (1,),
+    "num_return_sequences": (1,),
+    "repetition_penalty": (1.0,),
+    "no_repeat_ngram_size": (0,),
+    "bad_words_ids": (),
+    "min_length": (0,),
+    "min_new_tokens": (0,),
+    "encoder_repetition_penalty": (1.0,),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "min_p": (0.0,),
+    "sequence_bias": (),
+    "suppress_tokens": (),
+    "begin_suppress_tokens": (),
+    "forced_bos_token_id": (),
+    "forced_eos_token_id": (),
+    "guidance_scale": (1.0,),
+    "stop_strings": (),
+    "watermarking_config": (),
+    "renormalize_logits": (False,),
+    "top_h": (),
+    "remove_invalid_values": (False,),
+    "exponential_decay_length_penalty": (),
+    "max_time": (),
 }
-_DONE = ("eos", "length")   # a request's ``stopped`` once it finished
+_DONE = ("eos", "length")  # a request's ``stopped`` once it finished
 
 
 @dataclasses.dataclass
 class Request:
     """One prompt in the queue: its ``index`` in ``RequestQueue.requests``, ``ids`` (1-D), the tokens wanted, and
     once run the tokens made and why it stopped (``"eos"``, ``"length"``, or ``"failed"``: see ``RequestFailed``)."""
+
     index: int
     ids: Tensor
     max_new_tokens: int
@@ -98,20 +118,25 @@ class _Sampler:
     that reads more than the scores (the rows' earlier tokens, or their lengths)."""
 
     def __init__(self, model, config, device) -> None:
-        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                            TopPLogitsWarper)
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
         self.sample = bool(config.do_sample)
         self.processors = model._get_logits_processor(config, input_ids_seq_length=1, device=device)
-        other = [type(p).__name__ for p in self.processors
-                 if not isinstance(p, (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper))]
+        other = [
+            type(p).__name__
+            for p in self.processors
+            if not isinstance(p, (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper))
+        ]
         if other:
-            raise ConfigError(f"kvpass.RequestQueue: the generation configuration builds the logits processors "
-                              f"{other}, which the queue does not run (it runs temperature, top_k and top_p); "
-                              f"leave the options that build them at their defaults or call generate() one prompt "
-                              f"batch at a time")
+            raise ConfigError(
+                f"kvpass.RequestQueue: the generation configuration builds the logits processors "
+                f"{other}, which the queue does not run (it runs temperature, top_k and top_p); "
+                f"leave the options that build them at their defaults or call generate() one prompt "
+                f"batch at a time"
+            )
 
     def __call__(self, logits: Tensor) -> Tensor:
-        scores = self.processors(None, logits.float())   # the processors kept read the scores alone
+        scores = self.processors(None, logits.float())  # the processors kept read the scores alone
         if not self.sample:
             return scores.argmax(-1)
         return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
@@ -142,20 +167,24 @@ class RequestQueue:
     def __init__(self, model, max_batch: int = 8, max_length: int | None = None, **generation) -> None:
         fast = getattr(model, "generate", None)
         if not hasattr(fast, "cache_for"):
-            raise ConfigError("kvpass.RequestQueue: parameter 'model' must be compiled with kvpass.compile first "
-                              "(its generate allocates the SlotCaches the queue decodes in)")
+            raise ConfigError(
+                "kvpass.RequestQueue: parameter 'model' must be compiled with kvpass.compile first "
+                "(its generate allocates the SlotCaches the queue decodes in)"
+            )
         if not isinstance(max_batch, int) or not 1 <= max_batch <= 4096:
-            raise ConfigError(f"kvpass.RequestQueue: parameter 'max_batch' must be an int in 1..4096, got {max_batch!r}")
+            raise ConfigError(
+                f"kvpass.RequestQueue: parameter 'max_batch' must be an int in 1..4096, got {max_batch!r}"
+            )
         if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
             raise ConfigError(f"kvpass.RequestQueue: parameter 'max_length' must be an int >= 2, got {max_length!r}")
         self.model, self.fast, self.max_batch, self.max_length = model, fast, max_batch, max_length
         self.device = next(model.parameters()).device
-        self.one_logit = fast.keeps_logits   # the forward takes logits_to_keep: a prefill returns one row of logits
+        self.one_logit = fast.keeps_logits  # the forward takes logits_to_keep: a prefill returns one row of logits
         self.vocab_size = vocab_size(model)
         self._configure(generation)
         self.requests: list[Request] = []
-        self.waiting: list[Request] = []   # added and not yet taken by a run, in order
-        self._lock = threading.Lock()      # guards requests and waiting (add may run while run decodes)
+        self.waiting: list[Request] = []  # added and not yet taken by a run, in order
+        self._lock = threading.Lock()  # guards requests and waiting (add may run while run decodes)
         self.stats: dict = {}
 
     @classmethod
@@ -182,23 +211,29 @@ class RequestQueue:
         generation config sets a ``max_length`` and no ``max_new_tokens``)."""
         ids = token_ids(ids, "kvpass.RequestQueue.add", vocab_size=self.vocab_size)
         new = max_new_tokens
-        if new is None and self.config.max_new_tokens is None:   # the generation config's max_length: the total
+        if new is None and self.config.max_new_tokens is None:  # the generation config's max_length: the total
             total = self.config.max_length
             if not isinstance(total, int) or isinstance(total, bool):
-                raise ConfigError(f"kvpass.RequestQueue: generation parameter 'max_length' must be an int (prompt "
-                                  f"plus new tokens), got {total!r}; pass max_new_tokens or an int max_length")
+                raise ConfigError(
+                    f"kvpass.RequestQueue: generation parameter 'max_length' must be an int (prompt "
+                    f"plus new tokens), got {total!r}; pass max_new_tokens or an int max_length"
+                )
             new = total - ids.numel()
             if new < 1:
-                raise ConfigError(f"kvpass.RequestQueue.add: max_length={self.config.max_length} (prompt plus new "
-                                  f"tokens) leaves no new token after a {ids.numel()}-token prompt; pass "
-                                  f"max_new_tokens or a larger max_length")
+                raise ConfigError(
+                    f"kvpass.RequestQueue.add: max_length={self.config.max_length} (prompt plus new "
+                    f"tokens) leaves no new token after a {ids.numel()}-token prompt; pass "
+                    f"max_new_tokens or a larger max_length"
+                )
         elif new is None:
             new = self.config.max_new_tokens
         if not isinstance(new, int) or isinstance(new, bool) or new < 1:
             raise ConfigError(f"kvpass.RequestQueue.add: parameter 'max_new_tokens' must be an int >= 1, got {new!r}")
         if self.max_length is not None and ids.numel() + new > self.max_length:
-            raise ConfigError(f"kvpass.RequestQueue.add: a {ids.numel()}-token prompt with max_new_tokens={new} "
-                              f"exceeds max_length={self.max_length}")
+            raise ConfigError(
+                f"kvpass.RequestQueue.add: a {ids.numel()}-token prompt with max_new_tokens={new} "
+                f"exceeds max_length={self.max_length}"
+            )
         with self._lock:
             req = Request(len(self.requests), ids.to(self.device), new)
             self.requests.append(req)
@@ -218,11 +253,11 @@ class RequestQueue:
         with self.fast.lock:
             with self._lock:
                 todo, self.waiting = self.waiting, []
-            busy: list = []   # what runs: "prefill" or "decode", then its requests
+            busy: list = []  # what runs: "prefill" or "decode", then its requests
             try:
                 self._run(todo, progress, busy)
             except BaseException as e:
-                failed = self._requeue(todo, busy[1:] if isinstance(e, Exception) else [])   # an interrupt: none
+                failed = self._requeue(todo, busy[1:] if isinstance(e, Exception) else [])  # an interrupt: none
                 if not failed:
                     raise
                 raise RequestFailed(_failure(e, busy[0], failed, len(self.waiting)), todo, failed) from e
@@ -247,23 +282,23 @@ class RequestQueue:
             return
         length = self.max_length or max(r.ids.numel() + r.max_new_tokens for r in todo)
         new = max(r.max_new_tokens for r in todo)
-        if self.max_length is not None and self.config.max_new_tokens:   # room for the queue's max_new_tokens too,
-            longest = max(r.ids.numel() for r in todo)   # where the longest prompt leaves it: the same caches for a
-            new = max(new, min(self.config.max_new_tokens, length - longest))   # warm-up and the real requests
+        if self.max_length is not None and self.config.max_new_tokens:  # room for the queue's max_new_tokens too,
+            longest = max(r.ids.numel() for r in todo)  # where the longest prompt leaves it: the same caches for a
+            new = max(new, min(self.config.max_new_tokens, length - longest))  # warm-up and the real requests
         batch = self.fast.cache_for(self.max_batch, length - new, new, exact=self.max_length is not None)
         staging = self.fast.cache_for(1, length - new, new, like=batch)
         bar = _bar(len(todo), progress)
         t0, prefill_s, steps, made = time.perf_counter(), 0.0, 0, 0
         waiting = list(reversed(todo))
         rows: list[Request | None] = [None] * self.max_batch
-        since = [0] * self.max_batch          # the step from which a row's tokens are its request's
-        parked: list[tuple | None] = [None] * self.max_batch   # an idle row's (source row, its request)
+        since = [0] * self.max_batch  # the step from which a row's tokens are its request's
+        parked: list[tuple | None] = [None] * self.max_batch  # an idle row's (source row, its request)
         tokens = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
         sample, eos = self.sampler, self.eos
         pending: Late | None = None
-        ring = Late.ring(2, tokens)   # the step's tokens on their way to the host: two buffers, allocated once
+        ring = Late.ring(2, tokens)  # the step's tokens on their way to the host: two buffers, allocated once
         while True:
-            for row in range(self.max_batch):   # free rows take the next requests, each prefilled alone
+            for row in range(self.max_batch):  # free rows take the next requests, each prefilled alone
                 while rows[row] is None and waiting:
                     req = waiting.pop()
                     busy[:] = ["prefill", req]
@@ -273,7 +308,7 @@ class RequestQueue:
                         first = sample(self._forward(req.ids[None], staging).logits[:, -1])
                     batch.admit(row, staging)
                     tokens[row] = first[0]
-                    req.tokens.append(int(first[0]))   # waits for the prefill
+                    req.tokens.append(int(first[0]))  # waits for the prefill
                     prefill_s += time.perf_counter() - t
                     made += 1
                     rows[row], since[row], parked[row] = req, steps, None
@@ -284,7 +319,7 @@ class RequestQueue:
             if not live:
                 break
             busy[:] = ["decode", *(rows[i] for i in live)]
-            for row in range(self.max_batch):   # an idle row decodes a copy of a live row (copied once)
+            for row in range(self.max_batch):  # an idle row decodes a copy of a live row (copied once)
                 if rows[row] is None and (parked[row] is None or rows[parked[row][0]] is not parked[row][1]):
                     batch.admit(row, batch, source=live[0])
                     tokens[row] = tokens[live[0]]
@@ -292,7 +327,7 @@ class RequestQueue:
             torch.compiler.cudagraph_mark_step_begin()
             tokens = sample(self._forward(tokens[:, None], batch, batch.row_positions()).logits[:, -1])
             steps += 1
-            late, pending = pending, ring[steps % 2].put(tokens)   # the step before's buffer is read below
+            late, pending = pending, ring[steps % 2].put(tokens)  # the step before's buffer is read below
             if late is None:
                 continue
             made += self._collect(late.read(), steps - 1, rows, since, eos, bar)
@@ -301,11 +336,18 @@ class RequestQueue:
         busy.clear()
         bar.close()
         wall = time.perf_counter() - t0
-        self.stats = {"requests": len(todo), "max_batch": self.max_batch, "max_length": batch.max_length,
-                      "prompt_tokens": sum(r.ids.numel() for r in todo), "new_tokens": made, "steps": steps,
-                      "prefill_s": round(prefill_s, 3), "wall_s": round(wall, 3),
-                      "tokens_per_s": round(made / wall, 1),
-                      "decode_tokens_per_s": round((made - len(todo)) / max(wall - prefill_s, 1e-9), 1)}
+        self.stats = {
+            "requests": len(todo),
+            "max_batch": self.max_batch,
+            "max_length": batch.max_length,
+            "prompt_tokens": sum(r.ids.numel() for r in todo),
+            "new_tokens": made,
+            "steps": steps,
+            "prefill_s": round(prefill_s, 3),
+            "wall_s": round(wall, 3),
+            "tokens_per_s": round(made / wall, 1),
+            "decode_tokens_per_s": round((made - len(todo)) / max(wall - prefill_s, 1e-9), 1),
+        }
 
     def _forward(self, ids: Tensor, cache, positions: Tensor | None = None):
         kw = {self.fast.cache_kwarg: cache}
@@ -328,7 +370,7 @@ class RequestQueue:
         made = 0
         for row, req in enumerate(rows):
             if req is None or since[row] >= step:
-                continue   # an idle row's copy, or a request admitted after this step was queued
+                continue  # an idle row's copy, or a request admitted after this step was queued
             req.tokens.append(host[row])
             made += 1
             if self._finished(req, eos):
@@ -341,42 +383,54 @@ class RequestQueue:
 
     def __repr__(self) -> str:
         done = sum(r.stopped is not None for r in self.requests)
-        return (f"kvpass.RequestQueue(policy={self.fast.backend.policy.name!r}, max_batch={self.max_batch}, "
-                f"requests={len(self.requests)}, done={done})")
+        return (
+            f"kvpass.RequestQueue(policy={self.fast.backend.policy.name!r}, max_batch={self.max_batch}, "
+            f"requests={len(self.requests)}, done={done})"
+        )
 
 
 def _generation_config(model, given: dict):
     """The run's configuration from the options ``given`` (``run_config``: merged as ``generate`` merges them);
     refuses an option this queue does not run, given or from a generation config."""
     # pad_token_id: each request's tokens end at its own end, so the queue pads nothing
-    unknown = sorted(set(given) - {"generation_config", "max_length", "pad_token_id"} - set(_RUNS)
-                     - set(_CHANGES_TOKENS))
+    unknown = sorted(
+        set(given) - {"generation_config", "max_length", "pad_token_id"} - set(_RUNS) - set(_CHANGES_TOKENS)
+    )
     if unknown:
-        raise ConfigError(f"kvpass.RequestQueue: generation option(s) {unknown} are not run by the queue (it runs "
-                          f"{list(_RUNS)}); call generate() one prompt batch at a time for them")
+        raise ConfigError(
+            f"kvpass.RequestQueue: generation option(s) {unknown} are not run by the queue (it runs "
+            f"{list(_RUNS)}); call generate() one prompt batch at a time for them"
+        )
     config, _ = run_config(model, given, "kvpass.RequestQueue:")
-    changed = [k for k, neutral in _CHANGES_TOKENS.items()
-               if getattr(config, k, None) not in (None, [], {}, "", *neutral)]
+    changed = [
+        k for k, neutral in _CHANGES_TOKENS.items() if getattr(config, k, None) not in (None, [], {}, "", *neutral)
+    ]
     if changed:
-        raise ConfigError(f"kvpass.RequestQueue: {changed} (given, or from the model's generation config) change "
-                          f"the tokens in a way the queue does not run (it runs greedy search and sampling with "
-                          f"temperature, top_k and top_p); leave them at their defaults or call generate() one "
-                          f"prompt batch at a time")
+        raise ConfigError(
+            f"kvpass.RequestQueue: {changed} (given, or from the model's generation config) change "
+            f"the tokens in a way the queue does not run (it runs greedy search and sampling with "
+            f"temperature, top_k and top_p); leave them at their defaults or call generate() one "
+            f"prompt batch at a time"
+        )
     return config
 
 
 def _failure(error: BaseException, phase: str, failed: list[Request], waiting: int) -> str:
     """``RequestFailed``'s message: the requests ``failed`` (``phase``: their prefill or a decode step), the
     error, and what the queue kept."""
-    named = ", ".join(f"request {r.index} (a {r.ids.numel()}-token prompt, max_new_tokens={r.max_new_tokens})"
-                      for r in failed)
+    named = ", ".join(
+        f"request {r.index} (a {r.ids.numel()}-token prompt, max_new_tokens={r.max_new_tokens})" for r in failed
+    )
     where = "its prefill" if phase == "prefill" else "a decode step of the batch"
-    return (f"kvpass.RequestQueue.run: {named} failed in {where}: {type(error).__name__}: {error}. "
-            f"{'It is' if len(failed) == 1 else 'They are'} marked stopped='failed' and not run again (add "
-            f"{'it' if len(failed) == 1 else 'them'} again to retry, after fixing the cause); this error's results "
-            f"hold the outputs of the requests that finished, and {waiting} request(s) wait for the next run()")
+    return (
+        f"kvpass.RequestQueue.run: {named} failed in {where}: {type(error).__name__}: {error}. "
+        f"{'It is' if len(failed) == 1 else 'They are'} marked stopped='failed' and not run again (add "
+        f"{'it' if len(failed) == 1 else 'them'} again to retry, after fixing the cause); this error's results "
+        f"hold the outputs of the requests that finished, and {waiting} request(s) wait for the next run()"
+    )
 
 
 def _bar(total: int, show: bool):
-    from tqdm.auto import tqdm   # a dependency of transformers
+    from tqdm.auto import tqdm  # a dependency of transformers
+
     return tqdm(total=total, unit="req", desc="kvpass", disable=not show)

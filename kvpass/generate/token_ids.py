@@ -34,25 +34,33 @@ def token_ids(ids, where: str, parameter: str = "ids", vocab_size: int | None = 
     try:
         t = ids if isinstance(ids, Tensor) else torch.as_tensor(ids)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"{where}: parameter '{parameter}' must be a sequence of integer token ids (a list of "
-                          f"ints or an integer tensor), got {type(ids).__name__} ({e})") from None
+        raise ConfigError(
+            f"{where}: parameter '{parameter}' must be a sequence of integer token ids (a list of "
+            f"ints or an integer tensor), got {type(ids).__name__} ({e})"
+        ) from None
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
-    if t.dim() != 1 or t.numel() == 0:   # before the dtype: an empty list is a float tensor
-        raise ConfigError(f"{where}: parameter '{parameter}' must be a non-empty 1-D sequence of token ids (or one "
-                          f"row [1, L]), got shape {tuple(t.shape)}")
+    if t.dim() != 1 or t.numel() == 0:  # before the dtype: an empty list is a float tensor
+        raise ConfigError(
+            f"{where}: parameter '{parameter}' must be a non-empty 1-D sequence of token ids (or one "
+            f"row [1, L]), got shape {tuple(t.shape)}"
+        )
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ConfigError(f"{where}: parameter '{parameter}' must hold integer token ids, got dtype {t.dtype} "
-                          f"(kvpass does not round or truncate ids: pass the tokenizer's integers, e.g. "
-                          f"torch.tensor(ids, dtype=torch.long))")
+        raise ConfigError(
+            f"{where}: parameter '{parameter}' must hold integer token ids, got dtype {t.dtype} "
+            f"(kvpass does not round or truncate ids: pass the tokenizer's integers, e.g. "
+            f"torch.tensor(ids, dtype=torch.long))"
+        )
     t = t.long()
     if vocab_size is not None:
         bad = ((t < 0) | (t >= vocab_size)).nonzero()
         if bad.numel():
             at = int(bad[0, 0])
-            raise ConfigError(f"{where}: parameter '{parameter}' holds token id {int(t[at])} at position {at}, "
-                              f"outside the model's vocabulary of {vocab_size} ids (0 .. {vocab_size - 1}); "
-                              f"tokenize with the model's own tokenizer")
+            raise ConfigError(
+                f"{where}: parameter '{parameter}' holds token id {int(t[at])} at position {at}, "
+                f"outside the model's vocabulary of {vocab_size} ids (0 .. {vocab_size - 1}); "
+                f"tokenize with the model's own tokenizer"
+            )
     return t
 
 

@@ -91,17 +91,26 @@ def _logical(t: Tensor, page_table: Tensor | None) -> Tensor:
     """Pool [P, H, page, ...] + table [B, n] -> [B, H, n * page, ...]; contiguous input unchanged."""
     if page_table is None:
         return t
-    g = t[page_table.long()]                      # [B, n, H, page, ...]
-    g = g.movedim(2, 1)                           # [B, H, n, page, ...]
+    g = t[page_table.long()]  # [B, n, H, page, ...]
+    g = g.movedim(2, 1)  # [B, H, n, page, ...]
     return g.reshape(g.shape[0], g.shape[1], g.shape[2] * g.shape[3], *g.shape[4:])
 
 
-def visibility(b: int, hkv: int, length: int, device, mask: Tensor | None, kv_pos: Tensor | None,
-               q_pos: Tensor | None, kv_len: Tensor | None, window: int) -> tuple[Tensor, Tensor | None]:
+def visibility(
+    b: int,
+    hkv: int,
+    length: int,
+    device,
+    mask: Tensor | None,
+    kv_pos: Tensor | None,
+    q_pos: Tensor | None,
+    kv_len: Tensor | None,
+    window: int,
+) -> tuple[Tensor, Tensor | None]:
     """(visible [B, H_kv, L] bool, additive mask [B, 1, L] fp32 or None) in the logical layout."""
     vis = torch.ones(b, hkv, length, dtype=torch.bool, device=device)
     if kv_len is not None:
-        vis &= (torch.arange(length, device=device) < kv_len.view(b, -1, 1))   # per sequence or per KV head
+        vis &= torch.arange(length, device=device) < kv_len.view(b, -1, 1)  # per sequence or per KV head
     if kv_pos is not None:
         qp = q_pos.view(b, 1, 1)
         vis &= (kv_pos >= 0) & (kv_pos <= qp)
@@ -127,14 +136,28 @@ def additive(mask: Tensor) -> Tensor:
     return torch.where(mask > torch.finfo(mask.dtype).min / 2, mask.float(), float("-inf"))
 
 
-def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                               kv_pos: Tensor | None = None, q_pos: Tensor | None = None,
-                               page_table: Tensor | None = None, kv_len: Tensor | None = None,
-                               block_map: Tensor | None = None, scale: float | None = None,
-                               softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
-                               patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
-                               probe: int = 0, horizon: int = 0,
-                               kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def decode_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    kv_pos: Tensor | None = None,
+    q_pos: Tensor | None = None,
+    page_table: Tensor | None = None,
+    kv_len: Tensor | None = None,
+    block_map: Tensor | None = None,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    window: int = 0,
+    tau: float = 0.0,
+    phi: float = 0.0,
+    patience: int = 5,
+    block: int = 128,
+    order: int = ORDER_RECENCY,
+    probe: int = 0,
+    horizon: int = 0,
+    kv_start: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Block-wise streaming-softmax decode attention with ART, in fp32 PyTorch.
 
     Same arguments and semantics as the kernel (see the module docstring); returns
@@ -175,7 +198,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         nb_steps = nb
         steps = torch.arange(nb, device=q.device).expand(b, hkv, nb)
         idx = steps if order == ORDER_NATURAL else torch.where(steps == 0, steps, nb_row[..., None] - steps)
-    in_range = torch.arange(nb_steps, device=q.device) < nb_row[..., None]    # [B, H_kv, steps]
+    in_range = torch.arange(nb_steps, device=q.device) < nb_row[..., None]  # [B, H_kv, steps]
 
     dv = v.shape[-1]
     m = torch.full((b, hkv, g), float("-inf"), device=q.device)
@@ -215,24 +238,31 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     return out.reshape(b, h, 1, dv).to(q.dtype), visited
 
 
-def ragged_heads(k: Tensor, v: Tensor, kv_pos: Tensor | None, kv_start: Tensor, kv_len: Tensor | None,
-                 page_table: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+def ragged_heads(
+    k: Tensor, v: Tensor, kv_pos: Tensor | None, kv_start: Tensor, kv_len: Tensor | None, page_table: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """A pool its KV heads share (``k``/``v`` ``[B, 1, S, D]``, ``kv_pos`` ``[B, 1, S]``), head ``g`` of row ``b``
     holding entries ``kv_start[b, g] .. + kv_len[b, g] - 1``, as one ``[B, H_kv, S, ...]`` view per head whose
     entry ``i`` is the pool's ``kv_start + i`` (entries past a head's length are cut by ``kv_len``)."""
     check_ragged(k, kv_start, kv_len, page_table)
     b, hkv, n = k.shape[0], kv_start.shape[1], k.shape[2]
-    idx = (kv_start.long()[..., None] + torch.arange(n, device=k.device)).clamp(max=n - 1)   # [B, H_kv, S]
-    take = lambda t: t.expand(b, hkv, *t.shape[2:]).gather(2, idx.view(*idx.shape, *[1] * (t.dim() - 3)).expand(
-        b, hkv, n, *t.shape[3:]))
+    idx = (kv_start.long()[..., None] + torch.arange(n, device=k.device)).clamp(max=n - 1)  # [B, H_kv, S]
+
+    def take(t):
+        return t.expand(b, hkv, *t.shape[2:]).gather(
+            2, idx.view(*idx.shape, *[1] * (t.dim() - 3)).expand(b, hkv, n, *t.shape[3:])
+        )
+
     return take(k), take(v), None if kv_pos is None else take(kv_pos)
 
 
 def check_ragged(k: Tensor, kv_start: Tensor, kv_len: Tensor | None, page_table: Tensor | None) -> None:
     if kv_len is None or kv_len.shape != kv_start.shape or page_table is not None or k.shape[1] != 1:
-        raise ValueError("ragged heads (kv_start [B, H_kv]) read a contiguous pool [B, 1, S, D] with per-head "
-                         f"lengths kv_len [B, H_kv]; got k {tuple(k.shape)}, kv_len "
-                         f"{None if kv_len is None else tuple(kv_len.shape)}, page_table {page_table is not None}")
+        raise ValueError(
+            "ragged heads (kv_start [B, H_kv]) read a contiguous pool [B, 1, S, D] with per-head "
+            f"lengths kv_len [B, H_kv]; got k {tuple(k.shape)}, kv_len "
+            f"{None if kv_len is None else tuple(kv_len.shape)}, page_table {page_table is not None}"
+        )
 
 
 def _probe_mask(d: int, probe: int, device) -> Tensor:
@@ -261,10 +291,50 @@ if triton is not None:
 
     @triton.jit
     def _read_block(
-        i, nb, limit, base, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
-        scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l,
-        st_b, smap_b, smap_h, BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+        i,
+        nb,
+        limit,
+        base,
+        m,
+        l,
+        acc,
+        q,
+        b,
+        hk,
+        qp,
+        d,
+        dmask,
+        K,
+        V,
+        Mask,
+        KvPos,
+        Table,
+        Map,
+        scale,
+        qk_scale,
+        softcap,
+        window,
+        sk_0,
+        sk_h,
+        sk_l,
+        sv_0,
+        sv_h,
+        sv_l,
+        sm_b,
+        sm_l,
+        sp_0,
+        sp_h,
+        sp_l,
+        st_b,
+        smap_b,
+        smap_h,
+        BLOCK: tl.constexpr,
+        PAGE: tl.constexpr,
+        ORDER: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        HAS_POS: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         """Step ``i``: read one block (in the chosen order) into the streaming-softmax state.
 
@@ -331,8 +401,27 @@ if triton is not None:
         return m, l, acc, live, (j >= 0).to(tl.int32)
 
     @triton.jit
-    def _art_watch(not_first, m, l, acc, live, took, prev, npv, stable, count, m_s, l_s, acc_s, probe, g,
-                   tau, phi, patience, GROUP: tl.constexpr):
+    def _art_watch(
+        not_first,
+        m,
+        l,
+        acc,
+        live,
+        took,
+        prev,
+        npv,
+        stable,
+        count,
+        m_s,
+        l_s,
+        acc_s,
+        probe,
+        g,
+        tau,
+        phi,
+        patience,
+        GROUP: tl.constexpr,
+    ):
         """ART's stop rule after one step: the probe's change against the last step, the run of stable
         steps, the blocks counted, and the state kept at the patience-th stable step. Returns the new
         ``(prev, ||prev||, stable, count, m_s, l_s, acc_s)``."""
@@ -366,16 +455,73 @@ if triton is not None:
 
     # lengths change every decode step: specialising on their values (== 1, divisible by 16) would
     # compile new variants while the cache grows
-    @triton.jit(do_not_specialize=["window", "patience", "length", "n_blocks", "step0", "blocks_per_split",
-                                   "part0", "n_parts"])
+    @triton.jit(
+        do_not_specialize=["window", "patience", "length", "n_blocks", "step0", "blocks_per_split", "part0", "n_parts"]
+    )
     def _kvpass_decode_kernel(
-        Q, K, V, Out, Mask, KvPos, QPos, Table, KvLen, KvStart, Map, Visited, PartAcc, PartM, PartL, Stopped,
-        scale, softcap, tau, phi, window, patience, length, n_blocks, step0, blocks_per_split, part0, n_parts,
-        sq_b, sq_h, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0, sp_h, sp_l, st_b, smap_b, smap_h,
-        sl_b, sl_h, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
-        HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, ART: tl.constexpr,
-        PROBE_STRIDE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
+        Q,
+        K,
+        V,
+        Out,
+        Mask,
+        KvPos,
+        QPos,
+        Table,
+        KvLen,
+        KvStart,
+        Map,
+        Visited,
+        PartAcc,
+        PartM,
+        PartL,
+        Stopped,
+        scale,
+        softcap,
+        tau,
+        phi,
+        window,
+        patience,
+        length,
+        n_blocks,
+        step0,
+        blocks_per_split,
+        part0,
+        n_parts,
+        sq_b,
+        sq_h,
+        sk_0,
+        sk_h,
+        sk_l,
+        sv_0,
+        sv_h,
+        sv_l,
+        sm_b,
+        sm_l,
+        sp_0,
+        sp_h,
+        sp_l,
+        st_b,
+        smap_b,
+        smap_h,
+        sl_b,
+        sl_h,
+        GROUP: tl.constexpr,
+        G_PAD: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PAGE: tl.constexpr,
+        ORDER: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        HAS_POS: tl.constexpr,
+        HAS_LEN: tl.constexpr,
+        HAS_START: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        ART: tl.constexpr,
+        PROBE_STRIDE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        UPCAST: tl.constexpr,
+        CHUNK: tl.constexpr,
         AFTER_ART: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
@@ -386,8 +532,7 @@ if triton is not None:
         gmask = g < GROUP
         dmask = d < D
         heads = hk * GROUP + g
-        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         qk_scale = scale * 1.4426950408889634  # exp2 domain
@@ -404,8 +549,7 @@ if triton is not None:
             qp = tl.load(QPos + b)
         # blocks_per_split 0: this sequence's or head's own blocks shared by the splits, so a short head (or row)
         # keeps every split busy rather than the few whose ranges of the longest one it reaches
-        per = tl.where(blocks_per_split > 0, blocks_per_split,
-                       tl.cdiv(tl.maximum(nb - step0, 0), tl.num_programs(2)))
+        per = tl.where(blocks_per_split > 0, blocks_per_split, tl.cdiv(tl.maximum(nb - step0, 0), tl.num_programs(2)))
         start = step0 + sp * per
         stop = tl.minimum(start + per, nb)
         if AFTER_ART:  # the rest of a horizon read: nothing left to read where ART has stopped
@@ -431,12 +575,72 @@ if triton is not None:
             while (c < stop) & (stable < patience):
                 for i in range(c, tl.minimum(c + CHUNK, stop)):
                     m, l, acc, live, took = _read_block(
-                        i, nb, limit, base, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
-                        scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
-                        sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
+                        i,
+                        nb,
+                        limit,
+                        base,
+                        m,
+                        l,
+                        acc,
+                        q,
+                        b,
+                        hk,
+                        qp,
+                        d,
+                        dmask,
+                        K,
+                        V,
+                        Mask,
+                        KvPos,
+                        Table,
+                        Map,
+                        scale,
+                        qk_scale,
+                        softcap,
+                        window,
+                        sk_0,
+                        sk_h,
+                        sk_l,
+                        sv_0,
+                        sv_h,
+                        sv_l,
+                        sm_b,
+                        sm_l,
+                        sp_0,
+                        sp_h,
+                        sp_l,
+                        st_b,
+                        smap_b,
+                        smap_h,
+                        BLOCK,
+                        PAGE,
+                        ORDER,
+                        HAS_MASK,
+                        HAS_POS,
+                        SOFTCAP,
+                        UPCAST,
+                    )
                     prev, npv, stable, count, m_s, l_s, acc_s = _art_watch(
-                        i > start, m, l, acc, live, took, prev, npv, stable, count, m_s, l_s, acc_s, probe, g,
-                        tau, phi, patience, GROUP)
+                        i > start,
+                        m,
+                        l,
+                        acc,
+                        live,
+                        took,
+                        prev,
+                        npv,
+                        stable,
+                        count,
+                        m_s,
+                        l_s,
+                        acc_s,
+                        probe,
+                        g,
+                        tau,
+                        phi,
+                        patience,
+                        GROUP,
+                    )
                 c += CHUNK
             stopped = stable >= patience
             if SPLIT:
@@ -448,9 +652,51 @@ if triton is not None:
             count = tl.full([], 0, tl.int32)
             for i in range(start, stop):
                 m, l, acc, live, took = _read_block(
-                    i, nb, limit, base, m, l, acc, q, b, hk, qp, d, dmask, K, V, Mask, KvPos, Table, Map,
-                    scale, qk_scale, softcap, window, sk_0, sk_h, sk_l, sv_0, sv_h, sv_l, sm_b, sm_l, sp_0,
-                    sp_h, sp_l, st_b, smap_b, smap_h, BLOCK, PAGE, ORDER, HAS_MASK, HAS_POS, SOFTCAP, UPCAST)
+                    i,
+                    nb,
+                    limit,
+                    base,
+                    m,
+                    l,
+                    acc,
+                    q,
+                    b,
+                    hk,
+                    qp,
+                    d,
+                    dmask,
+                    K,
+                    V,
+                    Mask,
+                    KvPos,
+                    Table,
+                    Map,
+                    scale,
+                    qk_scale,
+                    softcap,
+                    window,
+                    sk_0,
+                    sk_h,
+                    sk_l,
+                    sv_0,
+                    sv_h,
+                    sv_l,
+                    sm_b,
+                    sm_l,
+                    sp_0,
+                    sp_h,
+                    sp_l,
+                    st_b,
+                    smap_b,
+                    smap_h,
+                    BLOCK,
+                    PAGE,
+                    ORDER,
+                    HAS_MASK,
+                    HAS_POS,
+                    SOFTCAP,
+                    UPCAST,
+                )
                 count += took
 
         heads64 = heads.to(tl.int64)
@@ -463,8 +709,9 @@ if triton is not None:
         else:
             out = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
             row = (b * tl.num_programs(1) * GROUP + heads64) * D
-            tl.store(Out + row[:, None] + d[None, :], out.to(Out.dtype.element_ty),
-                     mask=gmask[:, None] & dmask[None, :])
+            tl.store(
+                Out + row[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=gmask[:, None] & dmask[None, :]
+            )
 
     @triton.jit
     def _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i, steps, gmask, gd, d, D: tl.constexpr):
@@ -479,9 +726,25 @@ if triton is not None:
         return ms, ls, a, took
 
     @triton.jit(do_not_specialize=["patience", "steps", "n_parts"])
-    def _kvpass_art_scan(PartAcc, PartM, PartL, Visited, Stopped, tau, phi, patience, steps, n_parts,
-                         GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         PROBE_STRIDE: tl.constexpr, S_PAD: tl.constexpr, PREFETCH: tl.constexpr):
+    def _kvpass_art_scan(
+        PartAcc,
+        PartM,
+        PartL,
+        Visited,
+        Stopped,
+        tau,
+        phi,
+        patience,
+        steps,
+        n_parts,
+        GROUP: tl.constexpr,
+        G_PAD: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        PROBE_STRIDE: tl.constexpr,
+        S_PAD: tl.constexpr,
+        PREFETCH: tl.constexpr,
+    ):
         """The parallel horizon's stop rule: parts ``0 .. steps-1`` (``steps <= S_PAD``) hold one step's
         block each (read in parallel); merge them in step order with the serial kernel's rule and write the
         state it keeps to part ``steps``, whether it stopped to ``Stopped``, and the blocks it counts to
@@ -509,16 +772,32 @@ if triton is not None:
         for i in range(0, steps):
             if PREFETCH:
                 ms, ls, a, took = nm, nl, na, nt
-                nm, nl, na, nt = _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i + 1, steps, gmask, gd,
-                                            d, D)
+                nm, nl, na, nt = _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i + 1, steps, gmask, gd, d, D)
             else:
-                ms, ls, a, took = _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i, steps, gmask, gd,
-                                             d, D)
+                ms, ls, a, took = _scan_part(PartAcc, PartM, PartL, Visited, rows, vrow, i, steps, gmask, gd, d, D)
             live = tl.max(ms, 0) > float("-inf")  # a block with nothing visible changes nothing
             m, l, acc = _merge(m, l, acc, ms, ls, a)
             prev, npv, stable, count, m_s, l_s, acc_s = _art_watch(
-                i > 0, m, l, acc, live, took, prev, npv, stable, count, m_s, l_s, acc_s, probe, g,
-                tau, phi, patience, GROUP)
+                i > 0,
+                m,
+                l,
+                acc,
+                live,
+                took,
+                prev,
+                npv,
+                stable,
+                count,
+                m_s,
+                l_s,
+                acc_s,
+                probe,
+                g,
+                tau,
+                phi,
+                patience,
+                GROUP,
+            )
         s = tl.arange(0, S_PAD)
         tl.store(Visited + vrow + s, tl.zeros([S_PAD], tl.int32), mask=s < steps)  # counted in part `steps`
         stopped = stable >= patience
@@ -529,8 +808,9 @@ if triton is not None:
         tl.store(Visited + vrow + steps, count)
 
     @triton.jit(do_not_specialize=["n_parts", "first"])
-    def _kvpass_decode_combine(PartAcc, PartM, PartL, Out, n_parts, first, D: tl.constexpr, D_PAD: tl.constexpr,
-                               P_BLOCK: tl.constexpr):
+    def _kvpass_decode_combine(
+        PartAcc, PartM, PartL, Out, n_parts, first, D: tl.constexpr, D_PAD: tl.constexpr, P_BLOCK: tl.constexpr
+    ):
         """Merge parts ``first .. n_parts-1`` of each query head and normalise, ``P_BLOCK`` parts per load: one
         program per query head walked its parts one at a time, a chain of dependent loads that took 24 us a
         layer at a tensor-parallel rank's 132 splits (H200, 2026-11-28), a quarter of its decode kernel's time."""
@@ -546,10 +826,11 @@ if triton is not None:
             pmask = s < n_parts
             ms = tl.load(PartM + row * n_parts + s, mask=pmask, other=float("-inf"))
             ls = tl.load(PartL + row * n_parts + s, mask=pmask, other=0.0)
-            a = tl.load(PartAcc + (row * n_parts + s)[:, None] * D + d[None, :],
-                        mask=pmask[:, None] & dmask[None, :], other=0.0)
+            a = tl.load(
+                PartAcc + (row * n_parts + s)[:, None] * D + d[None, :], mask=pmask[:, None] & dmask[None, :], other=0.0
+            )
             top = tl.max(ms, 0)
-            w = tl.exp2(ms - tl.where(top == float("-inf"), 0.0, top))   # empty parts (-inf) weigh 0
+            w = tl.exp2(ms - tl.where(top == float("-inf"), 0.0, top))  # empty parts (-inf) weigh 0
             one = tl.zeros([1], tl.float32)
             m, l, acc = _merge(m, l, acc, top + one, tl.sum(ls * w, 0) + one, tl.sum(a * w[:, None], 0)[None, :])
         out = acc * tl.where(l > 0, 1.0 / l, 0.0)[:, None]
@@ -579,7 +860,7 @@ def _sms(device) -> int:
 
 
 MAX_SPLITS = 256
-COMBINE_BLOCK = 64   # parts the combine merges per load (64 x head dim fp32 per program)
+COMBINE_BLOCK = 64  # parts the combine merges per load (64 x head dim fp32 per program)
 PROGRAMS_PER_SM = 1  # split-KV programs a launch aims at per SM
 
 
@@ -597,27 +878,45 @@ def num_splits(programs, device) -> int:
 
     Few (sequence, KV head) programs take many splits: a tensor-parallel rank's share of an 8-KV-head layer at
     batch 1 is 4 programs, 33 splits on an H200's 132 SMs. One program per SM with long runs beat four with
-    short ones (H200, batch 1, 2026-11-28, ``bench/results/tp_h200x2_2026-11-28``, call K3): 16 query / 4 KV
+    short ones (the kernel alone on an H200, batch 1, ``bench/results/tp_h200x2_2026-11-28``): 16 query / 4 KV
     heads read 3.97 TB/s at 128k in 32 splits against 3.45 in 132, and 2.82 against 2.04 at 32k. Rounding up
-    instead left a second wave of a few programs, each as long as the first's (call K4): 32 / 8 heads at 128k
-    in 17 splits (136 programs) read 3.00 TB/s, against 4.09 in 32 (K3); batch 4 in 5 or 9 splits read 2.7-3.1
-    TB/s against SDPA's 4.0-4.5. The cap only bounds the partial buffers (``MAX_SPLITS`` x query heads x head
+    instead left a second wave of a few programs, each as long as the first's: 32 / 8 heads at 128k in 17
+    splits (136 programs) read 3.00 TB/s, against 4.09 in 32; batch 4 in 5 or 9 splits read 2.7-3.1 TB/s
+    against SDPA's 4.0-4.5. The cap only bounds the partial buffers (``MAX_SPLITS`` x query heads x head
     dim, fp32). The count does not follow the cache's length: a min/max of the symbolic length let Inductor
     specialize the graph to a range of lengths, a guard that its on-disk cache brought back in the next
     process (a second decode graph outside it)."""
     return max(1, min(_split_slots(device) // programs, MAX_SPLITS))
 
 
-def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                            kv_pos: Tensor | None = None, q_pos: Tensor | None = None,
-                            page_table: Tensor | None = None, kv_len: Tensor | None = None,
-                            block_map: Tensor | None = None, scale: float | None = None,
-                            softcap: float = 0.0, window: int = 0, tau: float = 0.0, phi: float = 0.0,
-                            patience: int = 5, block: int = 128, order: int = ORDER_RECENCY,
-                            probe: int = 0, horizon: int = 0, split: bool | None = None,
-                            parallel_horizon: bool | None = None, num_warps: int = 4,
-                            num_stages: int = 3, chunk: int = 8, launch=None,
-                            kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def decode_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    kv_pos: Tensor | None = None,
+    q_pos: Tensor | None = None,
+    page_table: Tensor | None = None,
+    kv_len: Tensor | None = None,
+    block_map: Tensor | None = None,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    window: int = 0,
+    tau: float = 0.0,
+    phi: float = 0.0,
+    patience: int = 5,
+    block: int = 128,
+    order: int = ORDER_RECENCY,
+    probe: int = 0,
+    horizon: int = 0,
+    split: bool | None = None,
+    parallel_horizon: bool | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    chunk: int = 8,
+    launch=None,
+    kv_start: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Launch the Triton kernels; arguments as ``decode_attention_reference``.
 
     Three shapes of launch:
@@ -649,7 +948,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if q_pos is not None:  # one position per sequence, read as q_pos[b]
         q_pos = q_pos.reshape(b).contiguous()
-    if kv_start is not None:   # ragged heads: the shared pool seen once per head (stride 0), each from its start
+    if kv_start is not None:  # ragged heads: the shared pool seen once per head (stride 0), each from its start
         check_ragged(k, kv_start, kv_len, page_table)
         hkv = kv_start.shape[1]
         k, v = k.expand(b, hkv, *k.shape[2:]), v.expand(b, hkv, *v.shape[2:])
@@ -667,11 +966,13 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     art = tau > 0 and phi > 0
     if split and art and not horizon:
-        raise ValueError("split-KV cannot run ART termination without a horizon "
-                         "(a split cannot see whether the blocks before it converged)")
+        raise ValueError(
+            "split-KV cannot run ART termination without a horizon "
+            "(a split cannot see whether the blocks before it converged)"
+        )
     if split is None:
         split = not art or horizon > 0
-    after_art = bool(split and art)                       # the horizon launch shape
+    after_art = bool(split and art)  # the horizon launch shape
     rest = torch.sym_max(n_blocks - horizon, 1) if after_art else n_blocks
     n_splits = num_splits(b * hkv, q.device) if split else 1
     if split and kv_start is not None and not after_art:
@@ -697,7 +998,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         mask = mask.expand(b, mask.shape[-1])
     pos = kv_pos if kv_pos is not None else dummy
     if kv_pos is not None and page_table is not None:
-        p_strides = (kv_pos.stride(0), 0, kv_pos.stride(1))    # [P, page] shared by heads
+        p_strides = (kv_pos.stride(0), 0, kv_pos.stride(1))  # [P, page] shared by heads
     elif kv_pos is not None:
         p_strides = (kv_pos.stride(0), kv_pos.stride(1), kv_pos.stride(2))
     else:
@@ -716,43 +1017,105 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     if tile > 32 * 1024:  # wide tiles (head_dim 256, fp32): three stages overflow shared memory
         num_stages = min(num_stages, 2 if tile <= 64 * 1024 else 1)
     common = (
-        q, k, v, out, mask if mask is not None else dummy, pos,
-        q_pos if q_pos is not None else dummy, page_table if page_table is not None else dummy,
-        kv_len if kv_len is not None else dummy, kv_start if kv_start is not None else dummy,
+        q,
+        k,
+        v,
+        out,
+        mask if mask is not None else dummy,
+        pos,
+        q_pos if q_pos is not None else dummy,
+        page_table if page_table is not None else dummy,
+        kv_len if kv_len is not None else dummy,
+        kv_start if kv_start is not None else dummy,
         block_map if block_map is not None else dummy,
-        visited, part_acc, part_m, part_l, stopped,
-        float(scale), float(softcap), float(tau), float(phi), int(window),
-        int(patience) if art else 1 << 30, length, n_blocks)
+        visited,
+        part_acc,
+        part_m,
+        part_l,
+        stopped,
+        float(scale),
+        float(softcap),
+        float(tau),
+        float(phi),
+        int(window),
+        int(patience) if art else 1 << 30,
+        length,
+        n_blocks,
+    )
     strides = (
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
-        *p_strides, page_table.stride(0) if page_table is not None else 0,
-        block_map.stride(0) if block_map is not None else 0, block_map.stride(1) if block_map is not None else 0,
-        kv_len.stride(0) if kv_len is not None else 0, kv_len.stride(1) if kv_len is not None and kv_len.dim() == 2
-        else 0)
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        mask.stride(0) if mask is not None else 0,
+        mask.stride(1) if mask is not None else 0,
+        *p_strides,
+        page_table.stride(0) if page_table is not None else 0,
+        block_map.stride(0) if block_map is not None else 0,
+        block_map.stride(1) if block_map is not None else 0,
+        kv_len.stride(0) if kv_len is not None else 0,
+        kv_len.stride(1) if kv_len is not None and kv_len.dim() == 2 else 0,
+    )
     meta = dict(
-        GROUP=h // hkv, G_PAD=pow2(h // hkv), D=d, D_PAD=pow2(d), BLOCK=block, PAGE=page,
-        ORDER=ORDER_MAP if block_map is not None else order, HAS_MASK=mask is not None,
-        HAS_POS=kv_pos is not None, HAS_LEN=kv_len is not None, HAS_START=kv_start is not None, SOFTCAP=softcap > 0,
-        PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1, UPCAST=upcast, CHUNK=chunk,
-        num_warps=num_warps, num_stages=num_stages)
+        GROUP=h // hkv,
+        G_PAD=pow2(h // hkv),
+        D=d,
+        D_PAD=pow2(d),
+        BLOCK=block,
+        PAGE=page,
+        ORDER=ORDER_MAP if block_map is not None else order,
+        HAS_MASK=mask is not None,
+        HAS_POS=kv_pos is not None,
+        HAS_LEN=kv_len is not None,
+        HAS_START=kv_start is not None,
+        SOFTCAP=softcap > 0,
+        PROBE_STRIDE=max(1, d // probe) if probe > 0 else 1,
+        UPCAST=upcast,
+        CHUNK=chunk,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     kernel = wrap(_kvpass_decode_kernel)
     if after_art and parallel_horizon:  # one block per horizon step, then the stop rule over them in order
-        kernel[(b, hkv, h_steps)](*common, 0, 1, 0, n_parts, *strides, ART=False, SPLIT=True, AFTER_ART=False,
-                                  **meta)
+        kernel[(b, hkv, h_steps)](*common, 0, 1, 0, n_parts, *strides, ART=False, SPLIT=True, AFTER_ART=False, **meta)
+        # the scan's launch settings: the fastest that bench/probes/tune_small_kernels.py found, 7.6 us on an H200
+        # (``bench/results/decode_step_h200_2026-11-26_r``)
         wrap(_kvpass_art_scan)[(b, hkv)](
-            part_acc, part_m, part_l, visited, stopped, float(tau), float(phi), int(patience), h_steps, n_parts,
-            GROUP=h // hkv, G_PAD=pow2(h // hkv), D=d, D_PAD=pow2(d), PROBE_STRIDE=meta["PROBE_STRIDE"],
-            S_PAD=pow2(horizon, 1), PREFETCH=True, num_warps=4)  # 7.6 us, the fastest of call S (H200)
+            part_acc,
+            part_m,
+            part_l,
+            visited,
+            stopped,
+            float(tau),
+            float(phi),
+            int(patience),
+            h_steps,
+            n_parts,
+            GROUP=h // hkv,
+            G_PAD=pow2(h // hkv),
+            D=d,
+            D_PAD=pow2(d),
+            PROBE_STRIDE=meta["PROBE_STRIDE"],
+            S_PAD=pow2(horizon, 1),
+            PREFETCH=True,
+            num_warps=4,
+        )
     elif after_art:  # the stop rule over the first `horizon` steps, serially: the part before the rest's
         kernel[(b, hkv, 1)](*common, 0, horizon, 0, n_parts, *strides, ART=True, SPLIT=True, AFTER_ART=False, **meta)
     if after_art:
-        kernel[(b, hkv, n_splits)](*common, horizon, per_split, h_steps + 1, n_parts, *strides, ART=False,
-                                   SPLIT=True, AFTER_ART=True, **meta)
+        kernel[(b, hkv, n_splits)](
+            *common, horizon, per_split, h_steps + 1, n_parts, *strides, ART=False, SPLIT=True, AFTER_ART=True, **meta
+        )
     else:
-        kernel[(b, hkv, n_splits)](*common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split),
-                                   AFTER_ART=False, **meta)
+        kernel[(b, hkv, n_splits)](
+            *common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split), AFTER_ART=False, **meta
+        )
     if split:
-        wrap(_kvpass_decode_combine)[(b * h,)](part_acc, part_m, part_l, out, n_parts, h_steps, D=dv, D_PAD=pow2(dv),
-                                               P_BLOCK=COMBINE_BLOCK)
+        wrap(_kvpass_decode_combine)[(b * h,)](
+            part_acc, part_m, part_l, out, n_parts, h_steps, D=dv, D_PAD=pow2(dv), P_BLOCK=COMBINE_BLOCK
+        )
     return out, visited.sum(-1, dtype=torch.int32)

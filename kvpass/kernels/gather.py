@@ -12,7 +12,6 @@ source strides (a ``[B, H_kv, N, D]`` cache with any layout whose last dim is de
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from kvpass.kernels.decode_attention import pow2
@@ -32,8 +31,22 @@ def gather_reference(src: Tensor, idx: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _kvpass_gather_kernel(Src, Idx, Out, n_keep, s_b, s_h, s_n, i_b, i_h, i_n,
-                              HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    def _kvpass_gather_kernel(
+        Src,
+        Idx,
+        Out,
+        n_keep,
+        s_b,
+        s_h,
+        s_n,
+        i_b,
+        i_h,
+        i_n,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         bh = tl.program_id(0)
         b = (bh // HKV).to(tl.int64)
         h = (bh % HKV).to(tl.int64)
@@ -60,8 +73,22 @@ def gather_triton(src: Tensor, idx: Tensor, block: int = 64, num_warps: int = 4,
     if out.numel() == 0:
         return out
     wrap(_kvpass_gather_kernel)[(b * hkv, (n + block - 1) // block)](
-        src, idx, out, n, src.stride(0), src.stride(1), src.stride(2), idx.stride(0), idx.stride(1),
-        idx.stride(2), HKV=hkv, D=d, D_PAD=pow2(d), BLOCK=block, num_warps=num_warps)
+        src,
+        idx,
+        out,
+        n,
+        src.stride(0),
+        src.stride(1),
+        src.stride(2),
+        idx.stride(0),
+        idx.stride(1),
+        idx.stride(2),
+        HKV=hkv,
+        D=d,
+        D_PAD=pow2(d),
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return out
 
 

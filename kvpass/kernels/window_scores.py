@@ -44,8 +44,9 @@ except ImportError:  # pragma: no cover - kvpass runs its references without Tri
 _LOG2E = 1.4426950408889634
 
 
-def window_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
-                            softcap: float = 0.0) -> Tensor:
+def window_scores_reference(
+    q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None, softcap: float = 0.0
+) -> Tensor:
     """Window attention received by every key, summed over window queries and the group's heads.
 
     ``q [B, H, W, D]``, ``k [B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, ``q_pos [B, W]`` ->
@@ -72,14 +73,38 @@ def window_scores_reference(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor,
 if triton is not None:
 
     @triton.jit
-    def _block_scores(q_ptr, k, kp, b, hk, r, rmask, d, dmask, QPos, scale, softcap, sq_b, sq_h, sq_w, sqp_b,
-                      sqp_w, GROUP: tl.constexpr, W: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+    def _block_scores(
+        q_ptr,
+        k,
+        kp,
+        b,
+        hk,
+        r,
+        rmask,
+        d,
+        dmask,
+        QPos,
+        scale,
+        softcap,
+        sq_b,
+        sq_h,
+        sq_w,
+        sqp_b,
+        sqp_w,
+        GROUP: tl.constexpr,
+        W: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         """log2-domain scores [ROWS, BLOCK] of query rows ``r`` (head-major, window-minor) against a
         key block, -inf where a row may not see a key."""
         head = hk * GROUP + r // W
         i = r % W
-        q = tl.load(q_ptr + b * sq_b + head[:, None].to(tl.int64) * sq_h + i[:, None] * sq_w + d[None, :],
-                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + b * sq_b + head[:, None].to(tl.int64) * sq_h + i[:, None] * sq_w + d[None, :],
+            mask=rmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
         qp = tl.load(QPos + b * sqp_b + i * sqp_w, mask=rmask, other=-1)
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -94,10 +119,37 @@ if triton is not None:
 
     @triton.jit
     def _kvpass_window_scores_kernel(
-        Q, K, KvPos, QPos, M, L, Out, scale, softcap, n_keys, n_blocks,
-        sq_b, sq_h, sq_w, sk_b, sk_h, sk_n, sp_b, sp_h, sp_n, sqp_b, sqp_w,
-        HKV: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+        Q,
+        K,
+        KvPos,
+        QPos,
+        M,
+        L,
+        Out,
+        scale,
+        softcap,
+        n_keys,
+        n_blocks,
+        sq_b,
+        sq_h,
+        sq_w,
+        sk_b,
+        sk_h,
+        sk_n,
+        sp_b,
+        sp_h,
+        sp_n,
+        sqp_b,
+        sqp_w,
+        HKV: tl.constexpr,
+        GROUP: tl.constexpr,
+        W: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr,
         SECOND: tl.constexpr,
     ):
         """Pass 1 (``SECOND`` false): per-block row max / sum into M, L. Pass 2: column sums into Out."""
@@ -110,14 +162,38 @@ if triton is not None:
         n = blk * BLOCK + tl.arange(0, BLOCK)
         nmask = n < n_keys
         kp = tl.load(KvPos + b * sp_b + hk * sp_h + n.to(tl.int64) * sp_n, mask=nmask, other=-1)
-        k = tl.load(K + b * sk_b + hk * sk_h + n[:, None].to(tl.int64) * sk_n + d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        k = tl.load(
+            K + b * sk_b + hk * sk_h + n[:, None].to(tl.int64) * sk_n + d[None, :],
+            mask=nmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
         col = tl.zeros([BLOCK], tl.float32)
         for r0 in range(0, GROUP * W, ROWS):
             r = r0 + tl.arange(0, ROWS)
             rmask = r < GROUP * W
-            s = _block_scores(Q, k, kp, b, hk, r, rmask, d, dmask, QPos, scale, softcap, sq_b, sq_h, sq_w,
-                              sqp_b, sqp_w, GROUP, W, SOFTCAP, UPCAST)
+            s = _block_scores(
+                Q,
+                k,
+                kp,
+                b,
+                hk,
+                r,
+                rmask,
+                d,
+                dmask,
+                QPos,
+                scale,
+                softcap,
+                sq_b,
+                sq_h,
+                sq_w,
+                sqp_b,
+                sqp_w,
+                GROUP,
+                W,
+                SOFTCAP,
+                UPCAST,
+            )
             stat = (bh.to(tl.int64) * n_blocks + blk) * (GROUP * W) + r
             if SECOND:
                 m = tl.load(M + bh.to(tl.int64) * (GROUP * W) + r, mask=rmask, other=float("-inf"))
@@ -133,9 +209,18 @@ if triton is not None:
             tl.store(Out + bh.to(tl.int64) * n_keys + n, col, mask=nmask)
 
 
-def window_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None,
-                         softcap: float = 0.0, block: int = 64, rows: int = 64, num_warps: int = 4,
-                         launch=None) -> Tensor:
+def window_scores_triton(
+    q: Tensor,
+    k: Tensor,
+    kv_pos: Tensor,
+    q_pos: Tensor,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    block: int = 64,
+    rows: int = 64,
+    num_warps: int = 4,
+    launch=None,
+) -> Tensor:
     """Launch the two-pass kernel; arguments and result as ``window_scores_reference``.
 
     ``launch`` wraps each kernel before its launch (``torch.library.wrap_triton`` inside a
@@ -157,18 +242,41 @@ def window_scores_triton(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, sc
     part_l = torch.empty_like(part_m)
     out = torch.zeros((b, hkv, n), dtype=torch.float32, device=q.device)
     upcast = q.dtype == torch.float32 or interpreting()
-    args = (float(scale), float(softcap), n, n_blocks, q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), kv_pos.stride(0), kv_pos.stride(1), kv_pos.stride(2),
-            q_pos.stride(0), q_pos.stride(1))
-    meta = dict(HKV=hkv, GROUP=group, W=w, D=d, D_PAD=pow2(d), BLOCK=block, ROWS=rows, SOFTCAP=softcap > 0,
-                UPCAST=upcast, num_warps=num_warps)
+    args = (
+        float(scale),
+        float(softcap),
+        n,
+        n_blocks,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        kv_pos.stride(0),
+        kv_pos.stride(1),
+        kv_pos.stride(2),
+        q_pos.stride(0),
+        q_pos.stride(1),
+    )
+    meta = dict(
+        HKV=hkv,
+        GROUP=group,
+        W=w,
+        D=d,
+        D_PAD=pow2(d),
+        BLOCK=block,
+        ROWS=rows,
+        SOFTCAP=softcap > 0,
+        UPCAST=upcast,
+        num_warps=num_warps,
+    )
     grid = (b * hkv, n_blocks)
-    wrap(_kvpass_window_scores_kernel)[grid](q, k, kv_pos, q_pos, part_m, part_l, out, *args, SECOND=False,
-                                             **meta)
+    wrap(_kvpass_window_scores_kernel)[grid](q, k, kv_pos, q_pos, part_m, part_l, out, *args, SECOND=False, **meta)
     # Merge the per-block statistics into each row's max and 1 / denominator (log2 domain).
     m = part_m.amax(1)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    denom = part_m.sub_(m_safe[:, None]).exp2_().mul_(part_l).sum(1)   # in place: no third block-sized buffer
+    denom = part_m.sub_(m_safe[:, None]).exp2_().mul_(part_l).sum(1)  # in place: no third block-sized buffer
     inv = torch.where(denom > 0, 1.0 / denom.clamp_min(1e-38), torch.zeros_like(denom))
     wrap(_kvpass_window_scores_kernel)[grid](q, k, kv_pos, q_pos, m, inv, out, *args, SECOND=True, **meta)
     return out

@@ -73,9 +73,10 @@ Operators
 
 ``kvpass::decode_attention(q, k, v, mask?, kv_pos?, q_pos?, page_table?, kv_len?, block_map?, scale,
 softcap, window, tau, phi, patience, block, order, probe, horizon, kv_start?) -> (out, visited)``
-    One-token decode attention read block by block with ART early termination, over a contiguous
-    or paged cache, or a pool shared by ragged heads (``kv_start``, ``kv_len`` per head) (``kvpass.kernels.decode_attention``). A ``triton_op``: compiled CUDA graphs
-    launch its Triton kernel directly; elsewhere it runs ``kvpass::decode_attention_ref``.
+    One-token decode attention read block by block with ART early termination, over a contiguous or paged cache, or a
+    pool shared by ragged heads (``kv_start``, ``kv_len`` per head) (``kvpass.kernels.decode_attention``). A
+    ``triton_op``: compiled CUDA graphs launch its Triton kernel directly; elsewhere it runs
+    ``kvpass::decode_attention_ref``.
 
 ``kvpass::count_visits(out, visited, k, block, handle, site)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
@@ -98,11 +99,11 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
+from kvpass.cache.runtime import past_length
 from kvpass.kernels import accumulated_scores as _accumulated
 from kvpass.kernels import decode_attention as _decode
 from kvpass.kernels import gather as _gather
 from kvpass.kernels import window_scores as _wscores
-from kvpass.cache.runtime import past_length
 from kvpass.op_registry import OPS, register  # noqa: F401  (OPS: re-exported, the one registry)
 
 # ----------------------------------------------------------------------------------------------
@@ -153,9 +154,15 @@ def causal_mask(causal: int, lq: int, lk: int, device) -> Tensor | None:
     return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
-def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                        scale: float | None = None, causal: int = CAUSAL_NONE,
-                        softcap: float = 0.0) -> Tensor:
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    causal: int = CAUSAL_NONE,
+    softcap: float = 0.0,
+) -> Tensor:
     """Reference for ``kvpass::attention`` (fp32 math, output in ``q.dtype``)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -183,8 +190,9 @@ def position_mask(q_pos: Tensor, kv_pos: Tensor, window: int = 0) -> Tensor:
     return visible
 
 
-def attention_pos_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor,
-                            scale: float, softcap: float = 0.0, window: int = 0) -> Tensor:
+def attention_pos_reference(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, scale: float, softcap: float = 0.0, window: int = 0
+) -> Tensor:
     """Reference for ``kvpass::attention_pos``."""
     s = _grouped_scores(q, k, scale, softcap)
     visible = position_mask(q_pos, kv_pos, window)[:, :, None]  # [B, H_kv, 1, Lq, Lk]
@@ -198,8 +206,9 @@ def attention_pos_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_p
 
 
 @torch.library.custom_op("kvpass::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-              causal: int, softcap: float) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: int, softcap: float
+) -> Tensor:
     return attention_reference(q, k, v, mask, scale, causal, softcap)
 
 
@@ -210,8 +219,7 @@ def _(q, k, v, mask, scale, causal, softcap):
 
 @torch.library.custom_op("kvpass::attention_lse", mutates_args=())
 def attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    return (attention_reference(q, k, v, None, scale, CAUSAL_TOP_LEFT),
-            _accumulated.causal_lse_reference(q, k, scale))
+    return (attention_reference(q, k, v, None, scale, CAUSAL_TOP_LEFT), _accumulated.causal_lse_reference(q, k, scale))
 
 
 @attention_lse.register_fake
@@ -220,8 +228,9 @@ def _(q, k, v, scale):
 
 
 @torch.library.custom_op("kvpass::attention_pos", mutates_args=())
-def attention_pos(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, scale: float,
-                  softcap: float, window: int) -> Tensor:
+def attention_pos(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, scale: float, softcap: float, window: int
+) -> Tensor:
     return attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, window)
 
 
@@ -236,8 +245,9 @@ def _dense(t: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("kvpass::cache_update", mutates_args=())
-def cache_update(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor,
-                 mask: Tensor | None, handle: int, site: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def cache_update(
+    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rt = runtime.get(handle)
     kv_pos, q_pos = rt.positions(site, k_past, k_new, mask)
     if past_length(k_past) == 0:  # DynamicCache starts from torch.tensor([])
@@ -259,8 +269,9 @@ def _update_shapes(k_past, v_past, k_new, v_new, mask, handle, site: int):
 
 
 @torch.library.custom_op("kvpass::heads_update", mutates_args=())
-def heads_update(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int,
-                 site: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def heads_update(
+    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     k, v, kv_pos, q_pos, start, length = runtime.get(handle).heads_update(site, k_past, v_past, k_new, v_new, mask)
     return _dense(k), _dense(v), _dense(kv_pos), _dense(q_pos), start.clone(), length.clone()
 
@@ -273,18 +284,45 @@ def _(k_past, v_past, k_new, v_new, mask, handle, site: int):
 
 
 @torch.library.custom_op("kvpass::compact", mutates_args=())
-def compact(q: Tensor, k: Tensor, v: Tensor, kv_pos: Tensor, q_pos: Tensor, handle: int,
-            site: int, tokens: Tensor | None = None, votes: Tensor | None = None,
-            lse: Tensor | None = None, q_pre: Tensor | None = None, cos: Tensor | None = None,
-            sin: Tensor | None = None, out_proj: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    k_out, v_out = runtime.get(handle).compact(site, q, k, v, kv_pos, q_pos, tokens, votes, lse, q_pre, cos, sin,
-                                               out_proj)
+def compact(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_pos: Tensor,
+    q_pos: Tensor,
+    handle: int,
+    site: int,
+    tokens: Tensor | None = None,
+    votes: Tensor | None = None,
+    lse: Tensor | None = None,
+    q_pre: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+    out_proj: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    k_out, v_out = runtime.get(handle).compact(
+        site, q, k, v, kv_pos, q_pos, tokens, votes, lse, q_pre, cos, sin, out_proj
+    )
     return k_out.contiguous(), v_out.contiguous()
 
 
 @compact.register_fake
-def _(q, k, v, kv_pos, q_pos, handle, site: int, tokens=None, votes=None, lse=None, q_pre=None, cos=None, sin=None,
-      out_proj=None):
+def _(
+    q,
+    k,
+    v,
+    kv_pos,
+    q_pos,
+    handle,
+    site: int,
+    tokens=None,
+    votes=None,
+    lse=None,
+    q_pre=None,
+    cos=None,
+    sin=None,
+    out_proj=None,
+):
     keep = runtime.get(handle).stored_length(site, k.shape[2])
     b, hkv = k.shape[:2]
     return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))
@@ -305,7 +343,7 @@ def layer_scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softca
         pos = torch.where(valid, pos, torch.full_like(pos, -1))
     kv_pos = pos[:, None, :].expand(b, k.shape[1], n).contiguous()
     q_pos = torch.arange(n - w, n, device=q.device).expand(b, w).contiguous()
-    return torch.ops.kvpass.window_scores(q[:, :, n - w:], k, kv_pos, q_pos, float(scale), float(softcap))
+    return torch.ops.kvpass.window_scores(q[:, :, n - w :], k, kv_pos, q_pos, float(scale), float(softcap))
 
 
 @layer_scores.register_fake
@@ -337,48 +375,160 @@ def _(pos, handle):
 
 
 @torch.library.custom_op("kvpass::decode_attention_ref", mutates_args=())
-def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_pos: Tensor | None,
-                         q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
-                         block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
-                         phi: float, patience: int, block: int, order: int,
-                         probe: int, horizon: int, kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return _decode.decode_attention_reference(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
-                                              scale, softcap, window, tau, phi, patience, block, order, probe,
-                                              horizon, kv_start)
+def decode_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    kv_pos: Tensor | None,
+    q_pos: Tensor | None,
+    page_table: Tensor | None,
+    kv_len: Tensor | None,
+    block_map: Tensor | None,
+    scale: float,
+    softcap: float,
+    window: int,
+    tau: float,
+    phi: float,
+    patience: int,
+    block: int,
+    order: int,
+    probe: int,
+    horizon: int,
+    kv_start: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    return _decode.decode_attention_reference(
+        q,
+        k,
+        v,
+        mask,
+        kv_pos,
+        q_pos,
+        page_table,
+        kv_len,
+        block_map,
+        scale,
+        softcap,
+        window,
+        tau,
+        phi,
+        patience,
+        block,
+        order,
+        probe,
+        horizon,
+        kv_start,
+    )
 
 
 @decode_attention_ref.register_fake
-def _(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map, scale, softcap, window, tau, phi,
-      patience, block, order, probe, horizon, kv_start=None):
+def _(
+    q,
+    k,
+    v,
+    mask,
+    kv_pos,
+    q_pos,
+    page_table,
+    kv_len,
+    block_map,
+    scale,
+    softcap,
+    window,
+    tau,
+    phi,
+    patience,
+    block,
+    order,
+    probe,
+    horizon,
+    kv_start=None,
+):
     b, h = q.shape[:2]
-    return (q.new_empty((b, h, 1, v.shape[-1])),
-            q.new_empty((b, k.shape[1] if kv_start is None else kv_start.shape[1]), dtype=torch.int32))
+    return (
+        q.new_empty((b, h, 1, v.shape[-1])),
+        q.new_empty((b, k.shape[1] if kv_start is None else kv_start.shape[1]), dtype=torch.int32),
+    )
 
 
 @torch.library.triton_op("kvpass::decode_attention", mutates_args=())
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kv_pos: Tensor | None,
-                     q_pos: Tensor | None, page_table: Tensor | None, kv_len: Tensor | None,
-                     block_map: Tensor | None, scale: float, softcap: float, window: int, tau: float,
-                     phi: float, patience: int, block: int, order: int, probe: int,
-                     horizon: int, kv_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    kv_pos: Tensor | None,
+    q_pos: Tensor | None,
+    page_table: Tensor | None,
+    kv_len: Tensor | None,
+    block_map: Tensor | None,
+    scale: float,
+    softcap: float,
+    window: int,
+    tau: float,
+    phi: float,
+    patience: int,
+    block: int,
+    order: int,
+    probe: int,
+    horizon: int,
+    kv_start: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Decode attention with ART termination; see ``kvpass.kernels.decode_attention``.
 
     A ``triton_op``: under ``torch.compile`` Inductor traces into it and the compiled CUDA graph
     launches ``_kvpass_decode_kernel`` itself. On other devices it is the reference operator.
     """
     if q.device.type == "cuda" and _decode.triton is not None:
-        return _decode.decode_attention_triton(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
-                                               scale, softcap, window, tau, phi, patience, block, order,
-                                               probe, horizon, launch=torch.library.wrap_triton,
-                                               kv_start=kv_start)
-    return torch.ops.kvpass.decode_attention_ref(q, k, v, mask, kv_pos, q_pos, page_table, kv_len, block_map,
-                                                 scale, softcap, window, tau, phi, patience, block, order, probe,
-                                                 horizon, kv_start)
+        return _decode.decode_attention_triton(
+            q,
+            k,
+            v,
+            mask,
+            kv_pos,
+            q_pos,
+            page_table,
+            kv_len,
+            block_map,
+            scale,
+            softcap,
+            window,
+            tau,
+            phi,
+            patience,
+            block,
+            order,
+            probe,
+            horizon,
+            launch=torch.library.wrap_triton,
+            kv_start=kv_start,
+        )
+    return torch.ops.kvpass.decode_attention_ref(
+        q,
+        k,
+        v,
+        mask,
+        kv_pos,
+        q_pos,
+        page_table,
+        kv_len,
+        block_map,
+        scale,
+        softcap,
+        window,
+        tau,
+        phi,
+        patience,
+        block,
+        order,
+        probe,
+        horizon,
+        kv_start,
+    )
 
 
 @torch.library.custom_op("kvpass::window_scores_ref", mutates_args=())
-def window_scores_ref(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float,
-                      softcap: float) -> Tensor:
+def window_scores_ref(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
     return _wscores.window_scores_reference(q, k, kv_pos, q_pos, scale, softcap)
 
 
@@ -397,8 +547,9 @@ def window_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: fl
 
 
 @torch.library.custom_op("kvpass::accumulated_scores_ref", mutates_args=())
-def accumulated_scores_ref(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float,
-                           softcap: float, lse: Tensor | None = None) -> Tensor:
+def accumulated_scores_ref(
+    q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float, lse: Tensor | None = None
+) -> Tensor:
     return _accumulated.accumulated_scores_reference(q, k, kv_pos, q_pos, scale, softcap, lse=lse)
 
 
@@ -408,14 +559,16 @@ def _(q, k, kv_pos, q_pos, scale, softcap, lse=None):
 
 
 @torch.library.triton_op("kvpass::accumulated_scores", mutates_args=())
-def accumulated_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float,
-                       lse: Tensor | None = None) -> Tensor:
+def accumulated_scores(
+    q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float, lse: Tensor | None = None
+) -> Tensor:
     """Attention per key from every query, causal by position, summed over queries and group heads; see
     ``kvpass.kernels.accumulated_scores``. ``lse``: the rows' log-sum-exp from the prefill's attention
     (``attention_lse``), which spares the first pass. Triton on CUDA, the reference operator elsewhere."""
     if q.device.type == "cuda" and _accumulated.triton is not None:
-        return _accumulated.accumulated_scores_triton(q, k, kv_pos, q_pos, scale, softcap, lse=lse,
-                                                      launch=torch.library.wrap_triton)
+        return _accumulated.accumulated_scores_triton(
+            q, k, kv_pos, q_pos, scale, softcap, lse=lse, launch=torch.library.wrap_triton
+        )
     return torch.ops.kvpass.accumulated_scores_ref(q, k, kv_pos, q_pos, scale, softcap, lse)
 
 
@@ -457,8 +610,9 @@ def _(out, visited, k, block, handle, site: int):
 
 
 @torch.library.custom_op("kvpass::repeat_scores", mutates_args=())
-def repeat_scores(out: Tensor, q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, handle: int,
-                  site: int) -> Tensor:
+def repeat_scores(
+    out: Tensor, q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, handle: int, site: int
+) -> Tensor:
     """Passes ``out`` through; while a repeat pass runs, ``Runtime.repeat_scores`` scores the chunk it repeats
     from ``q`` (scaled here) and ``k`` (the cache after the call's update). Taking and returning the attention
     output keeps it alive in the compiled graph."""
@@ -472,9 +626,24 @@ def _(out, q, k, mask, scale, softcap, handle, site: int):
 
 
 # the core operators in the one registry (kvpass.op_registry; OPS is that registry, every family's included)
-register(attention=attention, attention_lse=attention_lse, attention_pos=attention_pos, cache_update=cache_update,
-         heads_update=heads_update, compact=compact, true_positions=true_positions, note_positions=note_positions, layer_scores=layer_scores,
-         decode_attention=decode_attention, decode_attention_ref=decode_attention_ref, count_visits=count_visits,
-         repeat_scores=repeat_scores,
-         window_scores=window_scores, window_scores_ref=window_scores_ref, accumulated_scores=accumulated_scores,
-         accumulated_scores_ref=accumulated_scores_ref, gather_kv=gather_kv, gather_kv_ref=gather_kv_ref)
+register(
+    attention=attention,
+    attention_lse=attention_lse,
+    attention_pos=attention_pos,
+    cache_update=cache_update,
+    heads_update=heads_update,
+    compact=compact,
+    true_positions=true_positions,
+    note_positions=note_positions,
+    layer_scores=layer_scores,
+    decode_attention=decode_attention,
+    decode_attention_ref=decode_attention_ref,
+    count_visits=count_visits,
+    repeat_scores=repeat_scores,
+    window_scores=window_scores,
+    window_scores_ref=window_scores_ref,
+    accumulated_scores=accumulated_scores,
+    accumulated_scores_ref=accumulated_scores_ref,
+    gather_kv=gather_kv,
+    gather_kv_ref=gather_kv_ref,
+)

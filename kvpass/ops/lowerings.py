@@ -34,8 +34,7 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
     if mask is not None and mask.dtype == torch.bool:
         # SDPA gives NaN for rows with nothing visible; the reference gives zeros.
         empty = ~mask.any(dim=-1, keepdim=True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, scale=scale,
-                                             is_causal=is_causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, scale=scale, is_causal=is_causal)
         return out.masked_fill(empty, 0.0).contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal).contiguous()
 
@@ -45,8 +44,12 @@ def _decode(q, k, v, mask) -> bool:
 
     SDPA is not used there: on torch 2.11 / H200 it builds a new cuDNN plan for every new key
     length, about 25 ms per decode step (``bench/results/sdpa_decode_probe.md``)."""
-    return (q.shape[2] == 1 and _decode_attention.triton is not None and q.shape[-1] == v.shape[-1]
-            and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1)))
+    return (
+        q.shape[2] == 1
+        and _decode_attention.triton is not None
+        and q.shape[-1] == v.shape[-1]
+        and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1))
+    )
 
 
 @ops.attention.register_kernel("cuda")
@@ -79,16 +82,23 @@ def _attention_lse_cuda(q, k, v, scale):
     ``_sdpa``); where it does not serve (fp32, a head size it lacks), the attention and the reference's
     log-sum-exp."""
     d = q.shape[-1]
-    if (q.dtype in (torch.float16, torch.bfloat16) and d == v.shape[-1] and d <= 256 and d % 8 == 0
-            and torch.cuda.get_device_capability(q.device)[0] >= 8):
+    if (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and d == v.shape[-1]
+        and d <= 256
+        and d % 8 == 0
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    ):
         if k.shape[1] != q.shape[1]:
             g = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, False, scale=scale)[:2]
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, False, scale=scale
+        )[:2]
         return out.contiguous(), lse.float().contiguous()
-    return _attention_cuda(q, k, v, None, scale, ops.CAUSAL_TOP_LEFT, 0.0), \
-        _accumulated.causal_lse_reference(q, k, scale)
+    return _attention_cuda(q, k, v, None, scale, ops.CAUSAL_TOP_LEFT, 0.0), _accumulated.causal_lse_reference(
+        q, k, scale
+    )
 
 
 MASK_ELEMENTS = 1 << 30  # the most mask entries one SDPA call of attention_pos materialises
@@ -107,8 +117,9 @@ def _plain_causal(q_pos, kv_pos, window) -> bool:
 @ops.attention_pos.register_kernel("cuda")
 def _attention_pos_cuda(q, k, v, q_pos, kv_pos, scale, softcap, window):
     if _decode(q, k, v, None):
-        return _decode_attention.decode_attention_triton(q, k, v, kv_pos=kv_pos, q_pos=q_pos, scale=scale,
-                                                         softcap=softcap, window=window)[0]
+        return _decode_attention.decode_attention_triton(
+            q, k, v, kv_pos=kv_pos, q_pos=q_pos, scale=scale, softcap=softcap, window=window
+        )[0]
     if softcap > 0:
         return ops.attention_pos_reference(q, k, v, q_pos, kv_pos, scale, softcap, window)
     b, h, lq, _ = q.shape
@@ -120,7 +131,7 @@ def _attention_pos_cuda(q, k, v, q_pos, kv_pos, scale, softcap, window):
     rows = max(1, MASK_ELEMENTS // max(1, b * h * lk))
     outs = []
     for s in range(0, lq, rows):
-        visible = ops.position_mask(q_pos[:, s:s + rows], kv_pos, window)  # [B, H_kv, rows, Lk]
+        visible = ops.position_mask(q_pos[:, s : s + rows], kv_pos, window)  # [B, H_kv, rows, Lk]
         mask = visible.repeat_interleave(h // hkv, dim=1)
-        outs.append(_sdpa(q[:, :, s:s + rows], k, v, mask, scale, False))
+        outs.append(_sdpa(q[:, :, s : s + rows], k, v, mask, scale, False))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

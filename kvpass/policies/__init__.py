@@ -15,8 +15,10 @@ from kvpass.policies.tova import TOVA
 FUSION = chunk_fusion.FAMILY
 
 # the single-file policies, then each family's (a family folder lists its own in its FAMILY)
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, ART) + prefill.FAMILY + pages.FAMILY
-                                     + gated.FAMILY + (H2O, TOVA) + FUSION}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (Full, StreamingLLM, ART) + prefill.FAMILY + pages.FAMILY + gated.FAMILY + (H2O, TOVA) + FUSION
+}
 
 
 def available() -> list[str]:
@@ -30,8 +32,9 @@ def make_policy(spec: str | Policy, **params) -> Policy:
             raise ConfigError("pass parameters to the Policy object itself, not to backend()")
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"policy must be a non-empty string such as 'full', got {spec!r}; "
-                          f"known policies: {', '.join(available())}")
+        raise ConfigError(
+            f"policy must be a non-empty string such as 'full', got {spec!r}; known policies: {', '.join(available())}"
+        )
     if spec.strip() in POLICIES:  # a name that contains '+' itself (a3+evict) is one policy
         return POLICIES[spec.strip()](**params)
     names = [n.strip() for n in spec.split("+")]
@@ -46,11 +49,23 @@ def make_policy(spec: str | Policy, **params) -> Policy:
     declared = {p.name for c in classes for p in c.params}
     unknown = sorted(set(params) - declared)
     if unknown:
-        raise ConfigError(f"policy '{spec}' has no parameter '{unknown[0]}'; its parameters are: "
-                          f"{', '.join(sorted(declared)) or 'none'}")
+        raise ConfigError(
+            f"policy '{spec}' has no parameter '{unknown[0]}'; its parameters are: "
+            f"{', '.join(sorted(declared)) or 'none'}"
+        )
     members = [c(**{k: v for k, v in params.items() if k in {p.name for p in c.params}}) for c in classes]
     return Composed(members)
 
 
-__all__ = ["ConfigError", "DecodeRead", "Needs", "Param", "Policy", "Refusal", "SitePlan", "POLICIES", "available",
-           "make_policy"]
+__all__ = [
+    "ConfigError",
+    "DecodeRead",
+    "Needs",
+    "Param",
+    "Policy",
+    "Refusal",
+    "SitePlan",
+    "POLICIES",
+    "available",
+    "make_policy",
+]

@@ -24,7 +24,7 @@ different q and v head sizes) keep exact attention through ``kvpass::attention``
 
 from __future__ import annotations
 
-from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, param, SitePlan
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, SitePlan, param
 
 
 class ART(Policy):
@@ -38,26 +38,41 @@ class ART(Policy):
     block: int = param(128, 16, 1024, "KV entries per block (a power of two)")
     order: str = param("recency", doc="block order: 'recency' (0, n-1, ..., 1) or 'natural'")
     probe: int = param(0, 0, 1 << 16, "probe elements of head_dim (0: all)")
-    horizon: int = param(16, 0, 1 << 20, "blocks within which the read may stop (0: anywhere); a read "
-                        "that has not stopped by then reads the rest in parallel (split-KV)")
+    horizon: int = param(
+        16,
+        0,
+        1 << 20,
+        "blocks within which the read may stop (0: anywhere); a read "
+        "that has not stopped by then reads the rest in parallel (split-KV)",
+    )
     stats: bool = param(False, doc="count blocks read (Backend.runtime.blocks_read())")
 
     def check_config(self) -> None:
         if self.block & (self.block - 1):
-            raise ConfigError(f"policy 'art': parameter 'block' must be a power of two in [16, 1024], "
-                              f"got {self.block}")
+            raise ConfigError(f"policy 'art': parameter 'block' must be a power of two in [16, 1024], got {self.block}")
         if self.order not in ("recency", "natural"):
             raise ConfigError(f"policy 'art': parameter 'order' must be 'recency' or 'natural', got {self.order!r}")
 
     def plan(self, site) -> SitePlan:
         from kvpass.kernels.decode_attention import ORDERS
         from kvpass.policies.contract import decode_read_problem
+
         if site.phase != "decode":
             # exact attention through the kvpass op, as `full`: a proven-causal mask becomes the causal mode
             # (left to Inductor, SDPA read a materialised mask: 49 GiB and 7x full's TTFT at 128k)
             return SitePlan(attention=True)
         if decode_read_problem(site) is not None:
             return SitePlan(attention=True)  # exact attention; `kvpass explain` shows the plan
-        return SitePlan(attention=True, read=DecodeRead(
-            tau=self.tau, phi=self.phi, patience=self.patience, block=self.block, order=ORDERS[self.order],
-            probe=self.probe, horizon=self.horizon, stats=self.stats))
+        return SitePlan(
+            attention=True,
+            read=DecodeRead(
+                tau=self.tau,
+                phi=self.phi,
+                patience=self.patience,
+                block=self.block,
+                order=ORDERS[self.order],
+                probe=self.probe,
+                horizon=self.horizon,
+                stats=self.stats,
+            ),
+        )

@@ -15,16 +15,16 @@ from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePl
 
 
 class Composed(Policy):
-    name = "+"
-
     def __init__(self, members: list[Policy]) -> None:
         names = [m.name for m in members]
         if len(set(names)) != len(names):
             raise ConfigError(f"policy '{'+'.join(names)}' names a policy twice")
         evictors = [m for m in members if m.needs.evicts]
         if len(evictors) > 1:
-            raise ConfigError(f"policy '{'+'.join(names)}': {evictors[0].name} and {evictors[1].name} both "
-                              "evict; compose at most one eviction policy with attention policies")
+            raise ConfigError(
+                f"policy '{'+'.join(names)}': {evictors[0].name} and {evictors[1].name} both "
+                "evict; compose at most one eviction policy with attention policies"
+            )
         self.members = members
         self.evictor = evictors[0] if evictors else None
 
@@ -44,10 +44,12 @@ class Composed(Policy):
     def slot_protect(self) -> int:
         return self.evictor.slot_protect if self.evictor else 0
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
-        return (self.evictor.slot_capacity(max_length, max_new_tokens, layer, layers, ranks) if self.evictor
-                else max_length)
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
+        return (
+            self.evictor.slot_capacity(max_length, max_new_tokens, layer, layers, ranks) if self.evictor else max_length
+        )
 
     @property
     def _stateful(self) -> Policy | None:
@@ -55,8 +57,10 @@ class Composed(Policy):
         own state list and hooks, which the SlotCache does not compose: refused."""
         stateful = [m for m in self.members if m.slot_state(1, 1)]
         if len(stateful) > 1:
-            raise ConfigError(f"policy '{self.name}': {stateful[0].name} and {stateful[1].name} both keep SlotCache "
-                              "state; compose at most one of them on a SlotCache")
+            raise ConfigError(
+                f"policy '{self.name}': {stateful[0].name} and {stateful[1].name} both keep SlotCache "
+                "state; compose at most one of them on a SlotCache"
+            )
         return stateful[0] if stateful else None
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
@@ -73,18 +77,25 @@ class Composed(Policy):
         plans = []
         for m in self.members:
             p = m.plan(site)
-            if isinstance(p, (Refusal, str)):   # a member's refusal (a bare string reads as one) is the site's
+            if isinstance(p, (Refusal, str)):  # a member's refusal (a bare string reads as one) is the site's
                 return p if isinstance(p, Refusal) else Refusal(p)
             plans.append(p)
         reads = [p.read for p in plans if p.read is not None]
         if len(reads) > 1:
             return Refusal("two members both set how decode attention reads the cache")
-        return SitePlan(attention=any(p.attention for p in plans), evict=any(p.evict for p in plans),
-                        read=reads[0] if reads else None, tokens=any(p.tokens for p in plans),
-                        pool=any(p.pool for p in plans), overwrite=any(p.overwrite for p in plans),
-                        votes=any(p.votes for p in plans), layer_votes=max(p.layer_votes for p in plans),
-                        lse=any(p.lse for p in plans), rope=any(p.rope for p in plans),
-                        out_proj=any(p.out_proj for p in plans))
+        return SitePlan(
+            attention=any(p.attention for p in plans),
+            evict=any(p.evict for p in plans),
+            read=reads[0] if reads else None,
+            tokens=any(p.tokens for p in plans),
+            pool=any(p.pool for p in plans),
+            overwrite=any(p.overwrite for p in plans),
+            votes=any(p.votes for p in plans),
+            layer_votes=max(p.layer_votes for p in plans),
+            lse=any(p.lse for p in plans),
+            rope=any(p.rope for p in plans),
+            out_proj=any(p.out_proj for p in plans),
+        )
 
     def stored_length(self, site, total):
         return self.evictor.stored_length(site, total) if self.evictor else total
@@ -100,6 +111,7 @@ class Composed(Policy):
 
     def uuid(self) -> str:
         import hashlib
+
         return hashlib.sha256("".join(m.uuid() for m in self.members).encode()).hexdigest()
 
     def __repr__(self) -> str:

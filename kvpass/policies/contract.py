@@ -16,9 +16,9 @@ the graph).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
-import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
@@ -51,11 +51,12 @@ class Param:
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok_type = float(value), True
         if not ok_type:
-            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
-                              f"got {type(value).__name__} {value!r}")
+            raise ConfigError(
+                f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
+                f"got {type(value).__name__} {value!r}"
+            )
         if value != value or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
-            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
-                              f"got {value!r}")
+            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, got {value!r}")
         return value
 
 
@@ -82,21 +83,21 @@ class DecodeRead:
     phi: float = 0.0
     patience: int = 5
     block: int = 128
-    order: int = 1           # kvpass.kernels.decode_attention.ORDER_*
-    probe: int = 0           # probe elements (0: all of head_dim)
-    horizon: int = 0         # steps within which ART may stop (0: all); past it the rest is read split-KV
-    stats: bool = False      # count blocks read (kvpass::count_visits)
-    pages: bool = False      # read only the blocks the policy's ``page_map`` picks (kvpass::page_select; quest)
+    order: int = 1  # kvpass.kernels.decode_attention.ORDER_*
+    probe: int = 0  # probe elements (0: all of head_dim)
+    horizon: int = 0  # steps within which ART may stop (0: all); past it the rest is read split-KV
+    stats: bool = False  # count blocks read (kvpass::count_visits)
+    pages: bool = False  # read only the blocks the policy's ``page_map`` picks (kvpass::page_select; quest)
 
 
 @dataclass(frozen=True)
 class SitePlan:
     """What the rewrite does at one site."""
 
-    attention: bool = True   # route the attention call through a kvpass operator
-    evict: bool = False      # rewrite the cache update so the policy decides what is stored
+    attention: bool = True  # route the attention call through a kvpass operator
+    evict: bool = False  # rewrite the cache update so the policy decides what is stored
     read: DecodeRead | None = None  # decode steps read the cache with ART decode attention
-    tokens: bool = False     # compact receives the call's input token ids (select(..., tokens=...))
+    tokens: bool = False  # compact receives the call's input token ids (select(..., tokens=...))
     # the graph only appends to a cache the policy already shrank: the model updates its own cache and
     # only positions are fixed (no per-layer kvpass operator); a site with a padding mask still evicts
     append: bool = False
@@ -154,19 +155,22 @@ class SitePlan:
         """One line for reports; ``phase`` is the graph's (a prefill's eviction rewrite keeps ``attention``
         with the model's own mask, later graphs use ``attention_pos``)."""
         r = self.read
-        read = (f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, "
-                f"horizon={r.horizon})"
-                if r is not None else None)
+        read = (
+            f"decode_attention(tau={r.tau:g}, phi={r.phi:g}, p={r.patience}, block={r.block}, horizon={r.horizon})"
+            if r is not None
+            else None
+        )
         if self.slot is not None:
             hooks = self.slot_hooks or SlotHooks()
-            if self.heads:   # the per-head layout (kvpass.cache.ragged)
+            if self.heads:  # the per-head layout (kvpass.cache.ragged)
                 if phase == "prefill":
                     return "slot (per-head layout): attention (the model's mask) + slot_prefill (each head's range)"
                 read = "decode_attention over each head's range" if phase == "decode" else "attention_pos by head"
                 return f"slot (per-head layout): each head's token after its range, in place + {read}"
             if phase == "prefill":
-                return ("slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)"
-                        + (f" + {hooks.refresh.__name__}" if hooks.refresh is not None else ""))
+                return "slot: attention (the model's mask) + slot_prefill (the policy keeps, slots written)" + (
+                    f" + {hooks.refresh.__name__}" if hooks.refresh is not None else ""
+                )
             rule = ("append", f"ring (first {self.slot[1]} kept)", "placed")[self.slot[0]]
             if hooks.place is not None:
                 rule += f" at {hooks.place.__name__}"
@@ -177,19 +181,30 @@ class SitePlan:
                 read += f" over the blocks of {hooks.select.__name__} (block {hooks.block})"
             return f"slot: write_slots {rule} in place + {read} by position"
         if self.overwrite:
-            return ("overwrite: cache_overwrite + attention_slots" + (" + fusion_votes" if self.votes else "")
-                    + " (chunk fusion)")
+            return (
+                "overwrite: cache_overwrite + attention_slots"
+                + (" + fusion_votes" if self.votes else "")
+                + " (chunk fusion)"
+            )
         if self.pool:
             return f"pool: step_position + pool_write (in place) + {read or 'decode_attention (exact)'}"
         if self.evict:
             att = "attention (the model's mask)" if phase == "prefill" else "attention_pos"
-            votes = " + layer_scores (the layer's votes)" if self.layer_votes and phase in ("prefill", "dynamic") else ""
-            reads = [what for flag, what in ((self.rope, "the pre-RoPE queries"),
-                                             (self.out_proj, "the output projection")) if flag]
+            votes = (
+                " + layer_scores (the layer's votes)" if self.layer_votes and phase in ("prefill", "dynamic") else ""
+            )
+            reads = [
+                what
+                for flag, what in ((self.rope, "the pre-RoPE queries"), (self.out_proj, "the output projection"))
+                if flag
+            ]
             rope = f" (with {' and '.join(reads)})" if reads and phase in ("prefill", "dynamic") else ""
-            if self.heads:   # the per-head layout: each head's range read (kvpass.cache.ragged)
-                att = att if phase == "prefill" else (
-                    "decode_attention over each head's range" if phase == "decode" else "attention_pos by head")
+            if self.heads:  # the per-head layout: each head's range read (kvpass.cache.ragged)
+                att = (
+                    att
+                    if phase == "prefill"
+                    else ("decode_attention over each head's range" if phase == "decode" else "attention_pos by head")
+                )
                 return f"evict (per-head layout): heads_update + {att}{votes} + compact{rope}"
             return f"evict: cache_update + {read or att}{votes} + compact{rope}"
         if self.append:
@@ -313,8 +328,9 @@ class ReconstructPolicy(Protocol):
 
     def passes(self, ids: torch.Tensor, mask: torch.Tensor | None) -> list: ...
 
-    def repeat_scores(self, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None, span: tuple,
-                      softcap: float) -> torch.Tensor: ...
+    def repeat_scores(
+        self, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None, span: tuple, softcap: float
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -348,8 +364,10 @@ def shrinking_plan(site) -> SitePlan | Refusal:
     if site.sliding_window:
         return SitePlan(attention=True, evict=False)
     if site.cache not in ("dynamic", "slot"):
-        return Refusal(f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
-                       f"this graph uses a {site.cache} cache")
+        return Refusal(
+            f"layer {site.layer}: eviction needs a cache that can shrink (DynamicCache); "
+            f"this graph uses a {site.cache} cache"
+        )
     return SitePlan(attention=True, evict=True)
 
 
@@ -377,18 +395,24 @@ class Policy:
     params: ClassVar[tuple[Param, ...]] = ()
     summary: ClassVar[str] = ""
     needs: ClassVar[Needs] = Needs()
-    members: ClassVar[tuple] = ()   # a composition's policies (kvpass.policies.compose); empty for one policy
+    members: ClassVar[tuple] = ()  # a composition's policies (kvpass.policies.compose); empty for one policy
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
         old = sorted(set(vars(cls)) & (set(Needs.__dataclass_fields__) | {"params"}))
         if old:  # the attributes before Needs and parameter fields: ignored now, so refused, not silently dropped
-            raise TypeError(f"policy class {cls.__name__}: declare {', '.join(old)} as Needs fields or parameter "
-                            f"fields (needs = Needs(...); budget: int = param(...)), not as class attributes")
+            raise TypeError(
+                f"policy class {cls.__name__}: declare {', '.join(old)} as Needs fields or parameter "
+                f"fields (needs = Needs(...); budget: int = param(...)), not as class attributes"
+            )
         own_init = "__init__" in vars(cls)
         dataclass(cls, kw_only=True, repr=False, eq=False)
-        cls.params = tuple(Param(f.name, _kind(f.type), f.default, f.metadata.get("lo"),
-                                 f.metadata.get("hi"), f.metadata.get("doc", "")) for f in fields(cls))
+        cls.params = tuple(
+            Param(
+                f.name, _kind(f.type), f.default, f.metadata.get("lo"), f.metadata.get("hi"), f.metadata.get("doc", "")
+            )
+            for f in fields(cls)
+        )
         if not own_init:  # an unknown keyword is a ConfigError naming the parameters, not a TypeError
             cls.__init__ = _checked_init(cls, cls.__init__)
 
@@ -407,8 +431,9 @@ class Policy:
         """Leading slots a "ring" never evicts."""
         return 0
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
         """Slots layer ``layer`` of ``layers`` needs in a SlotCache for sequences of at most ``max_length``
         tokens of which at most ``max_new_tokens`` are decoded (never more than ``max_length`` unless the
         policy's layout needs it: raas rounds to pages). ``ranks``: the tensor-parallel ranks the layer's KV heads
@@ -481,8 +506,10 @@ def unknown_parameter(policy: str, params: tuple[Param, ...], values) -> None:
     known = {p.name for p in params}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"policy '{policy}' has no parameter '{unknown[0]}'; its parameters are: "
-                          f"{', '.join(sorted(known)) or 'none'}")
+        raise ConfigError(
+            f"policy '{policy}' has no parameter '{unknown[0]}'; its parameters are: "
+            f"{', '.join(sorted(known)) or 'none'}"
+        )
 
 
 def _checked_init(cls, init):
@@ -490,4 +517,5 @@ def _checked_init(cls, init):
     def checked(self, **values):
         unknown_parameter(cls.name, cls.params, values)
         init(self, **values)
+
     return checked

@@ -28,5 +28,7 @@ class H2O(ScoredEviction):
 
     def check_config(self) -> None:
         if self.recent < 1:
-            raise ConfigError(f"policy 'h2o': parameter 'heavy' must leave at least one recent entry of the budget "
-                              f"({self.budget}), got {self.heavy}")
+            raise ConfigError(
+                f"policy 'h2o': parameter 'heavy' must leave at least one recent entry of the budget "
+                f"({self.budget}), got {self.heavy}"
+            )

@@ -32,8 +32,7 @@ from kvpass.policies.contract import Needs, Policy, Refusal, SitePlan, SlotHooks
 from kvpass.policies.prefill.scoring import keep_top, window_layout
 
 
-def received(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float,
-             lse: Tensor | None = None) -> Tensor:
+def received(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, softcap: float, lse: Tensor | None = None) -> Tensor:
     """``[B, H_kv, N]`` fp32: the attention every key receives from the queries ``q [B, H, L, D]`` (scale
     folded in), causal by true position, summed over the queries and the query heads of each KV group. One
     query: ``kvpass::window_scores``; several: ``kvpass::accumulated_scores``, which on CUDA never holds the
@@ -70,8 +69,9 @@ def slot_victim(pos, count, state: list, softcap: float, recent: int, accumulate
     return slot
 
 
-def slot_score(q, keys, pos, count, state: list, k_new, softcap: float, recent: int, accumulate: bool,
-               shared: bool) -> None:
+def slot_score(
+    q, keys, pos, count, state: list, k_new, softcap: float, recent: int, accumulate: bool, shared: bool
+) -> None:
     """After a decode step's write on a SlotCache: fold the attention the step's token gave every slot into
     its score."""
     (score,) = state
@@ -97,12 +97,17 @@ class ScoredEviction(Policy):
 
     def plan(self, site) -> SitePlan | Refusal:
         if site.cache == "slot" and site.phase not in ("prefill", "decode") and not site.sliding_window:
-            return Refusal(f"layer {site.layer}: {self.name} on a SlotCache runs prefills and one-token decode "
-                           f"steps; this '{site.phase}' graph appends several tokens to a filled cache")
+            return Refusal(
+                f"layer {site.layer}: {self.name} on a SlotCache runs prefills and one-token decode "
+                f"steps; this '{site.phase}' graph appends several tokens to a filled cache"
+            )
         plan = shrinking_plan(site)
         # a plainly causal prefill's attention hands its row log-sum-exp to the scoring of every query
-        return dataclasses.replace(plan, lse=True) if isinstance(plan, SitePlan) and plan.evict and self.accumulate \
+        return (
+            dataclasses.replace(plan, lse=True)
+            if isinstance(plan, SitePlan) and plan.evict and self.accumulate
             else plan
+        )
 
     def stored_length(self, site, total):
         return torch.sym_min(total, self.budget)
@@ -115,10 +120,12 @@ class ScoredEviction(Policy):
         if n > new:  # entries stored before this call carry their scores
             old = layer_state.extra.get("score") if layer_state is not None else None
             if old is None or old.shape[-1] != n - new:
-                raise RuntimeError(f"policy '{self.name}': the cache holds entries without scores (it was not "
-                                   f"filled by this backend's {self.name}); start a new cache")
+                raise RuntimeError(
+                    f"policy '{self.name}': the cache holds entries without scores (it was not "
+                    f"filled by this backend's {self.name}); start a new cache"
+                )
             if self.accumulate:
-                score = torch.cat([score[..., :n - new] + old, score[..., n - new:]], -1)
+                score = torch.cat([score[..., : n - new] + old, score[..., n - new :]], -1)
         if n <= self.budget:
             return None, {"score": score}
         if new == 1 and n == self.budget + 1:  # a decode step on a full layer: its victim goes
@@ -130,8 +137,9 @@ class ScoredEviction(Policy):
             keep = keep_top(score, recent, valid, self.budget)
         return keep, {"score": score.gather(-1, keep)}
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
         return min(max_length, self.budget + 1)  # the kept entries and the token being decoded
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
@@ -140,5 +148,6 @@ class ScoredEviction(Policy):
     def slot_hooks(self, site) -> SlotHooks | None:
         if site.sliding_window:
             return None
-        return SlotHooks(place=slot_victim, update=slot_score,
-                         args=(float(site.softcap), self.recent, self.accumulate, self.shared))
+        return SlotHooks(
+            place=slot_victim, update=slot_score, args=(float(site.softcap), self.recent, self.accumulate, self.shared)
+        )

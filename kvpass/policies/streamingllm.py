@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.contract import ConfigError, Needs, Policy, param, Refusal, SitePlan, shrinking_plan
+from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, param, shrinking_plan
 
 
 class StreamingLLM(Policy):
@@ -26,9 +26,11 @@ class StreamingLLM(Policy):
 
     def check_config(self) -> None:
         if self.sinks >= self.budget:
-            raise ConfigError(f"policy 'streamingllm': parameter 'sinks' must be < budget ({self.budget}), "
-                              f"got {self.sinks}" + (" (its default); pass a smaller sinks or a larger budget"
-                                                     if self.sinks == 4 else ""))
+            raise ConfigError(
+                f"policy 'streamingllm': parameter 'sinks' must be < budget ({self.budget}), "
+                f"got {self.sinks}"
+                + (" (its default); pass a smaller sinks or a larger budget" if self.sinks == 4 else "")
+            )
 
     # on a SlotCache: the budget plus the slot of the token being decoded (a step attends over the kept
     # entries and itself, as on a DynamicCache), the sinks in the first slots, the rest a ring
@@ -36,8 +38,9 @@ class StreamingLLM(Policy):
     def slot_protect(self) -> int:
         return self.sinks
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
         return min(max_length, self.budget + 1)
 
     def plan(self, site) -> SitePlan | Refusal:
@@ -51,7 +54,7 @@ class StreamingLLM(Policy):
         if length <= self.budget:
             return None
         valid = kv_pos >= 0
-        rank = valid.long().cumsum(-1) - 1                      # rank among real tokens
+        rank = valid.long().cumsum(-1) - 1  # rank among real tokens
         n_valid = valid.long().sum(-1, keepdim=True)
         recent = self.budget - self.sinks
         wanted = valid & ((rank < self.sinks) | (rank >= n_valid - recent))

@@ -26,7 +26,9 @@ class TOVA(ScoredEviction):
 
     def plan(self, site):
         if self.shared and site.tp is not None:
-            return Refusal(f"layer {site.layer}: tova averages its scores over all KV heads of a layer, and under "
-                           f"tensor parallelism each rank holds part of them; pass per_head=True (each head decides "
-                           f"alone, the same on every rank) or run on one device")
+            return Refusal(
+                f"layer {site.layer}: tova averages its scores over all KV heads of a layer, and under "
+                f"tensor parallelism each rank holds part of them; pass per_head=True (each head decides "
+                f"alone, the same on every rank) or run on one device"
+            )
         return super().plan(site)

@@ -68,9 +68,9 @@ def test_attention_slots_cuda_equals_reference(h, hkv, lq, lk, d):
     k = torch.randn(1, hkv, lk, d, device=DEV, generator=g, dtype=torch.bfloat16)
     v = torch.randn(1, hkv, lk, d, device=DEV, generator=g, dtype=torch.bfloat16)
     q_pos = torch.randperm(lk, device=DEV, generator=g)[:lq].sort().values[None]
-    got = torch.ops.kvpass.attention_slots(q, k, v, q_pos, d ** -0.5, 0.0)
-    rows = slice(0, min(lq, 512))        # the fp32 reference materialises [H, Lq, Lk] scores: check a slice
-    want = attention_slots_reference(q[:, :, rows], k, v, q_pos[:, rows], d ** -0.5, 0.0)
+    got = torch.ops.kvpass.attention_slots(q, k, v, q_pos, d**-0.5, 0.0)
+    rows = slice(0, min(lq, 512))  # the fp32 reference materialises [H, Lq, Lk] scores: check a slice
+    want = attention_slots_reference(q[:, :, rows], k, v, q_pos[:, rows], d**-0.5, 0.0)
     torch.testing.assert_close(got[:, :, rows].float(), want.float(), atol=2e-2, rtol=2e-2)
     assert torch.isfinite(got).all()
 
@@ -85,8 +85,9 @@ def test_inductor_launches_the_kernels():
     def f(x, cos, sin, idx, q_pos):
         y = torch.ops.kvpass.rope_rotate(x, cos, sin)
         kv = torch.ops.kvpass.scatter_rows(y, idx, x[:, : idx.numel()] * 2)
-        att = torch.ops.kvpass.attention_slots(kv[None, :32, : idx.numel()], kv[None, :8], kv[None, 8:16], q_pos,
-                                               0.08, 0.0)
+        att = torch.ops.kvpass.attention_slots(
+            kv[None, :32, : idx.numel()], kv[None, :8], kv[None, 8:16], q_pos, 0.08, 0.0
+        )
         return kv, att
 
     (got, att), codes = run_and_get_code(torch.compile(f, backend="inductor"), x, cos, sin, idx, q_pos)
@@ -95,8 +96,9 @@ def test_inductor_launches_the_kernels():
     assert any("_kvpass_slot_attention_kernel" in c for c in codes), "Inductor did not launch slot attention"
     want = K.scatter_reference(K.rotate_reference(x, cos, sin), idx, x[:, : idx.numel()] * 2)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
-    want_att = attention_slots_reference(want[None, :32, : idx.numel()], want[None, :8], want[None, 8:16], q_pos,
-                                         0.08, 0.0)
+    want_att = attention_slots_reference(
+        want[None, :32, : idx.numel()], want[None, :8], want[None, 8:16], q_pos, 0.08, 0.0
+    )
     torch.testing.assert_close(att.float(), want_att.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -131,14 +133,14 @@ def test_a3_long_request_on_cuda(tmp_path):
     fusion = kvpass.ChunkFusion(model, store, "a3")
     logits, fused = fusion.prefill(chunks, q, system=system)
     graphs = len(fusion.backend.reports)
-    logits, fused = fusion.prefill(chunks, q, system=system)   # every segment from the memory tier
-    assert len(fusion.backend.reports) == graphs                 # and no new graph
+    logits, fused = fusion.prefill(chunks, q, system=system)  # every segment from the memory tier
+    assert len(fusion.backend.reports) == graphs  # and no new graph
     n = len(system) + 8 * 512 + len(q)
     assert fused.sources == {"memory": 9} and fused.recompute.numel() == -(-15 * 8 * 512 // 100)
     assert all(layer.keys.shape[-2] == n and layer.keys.device.type == "cuda" for layer in fused.cache.layers)
     assert torch.isfinite(logits).all()
     phases = {r.phase for r in fusion.backend.reports}
-    assert "prefill" in phases and "decode" in phases    # selection, recompute and decode graphs
+    assert "prefill" in phases and "decode" in phases  # selection, recompute and decode graphs
 
 
 def test_a3_evict_on_cuda_inductor(tmp_path):
@@ -166,8 +168,9 @@ def test_a3_evict_on_cuda_inductor(tmp_path):
     last = torch.tensor([[q[-1]]], device=DEV)
     with torch.no_grad():
         mine = fusion.forward(input_ids=last, past_key_values=fused.cache, use_cache=True).logits
-        want = model(input_ids=last, past_key_values=ref_cache, use_cache=True,
-                     position_ids=torch.tensor([[n - 1]], device=DEV)).logits
+        want = model(
+            input_ids=last, past_key_values=ref_cache, use_cache=True, position_ids=torch.tensor([[n - 1]], device=DEV)
+        ).logits
     torch.testing.assert_close(mine.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
@@ -181,11 +184,11 @@ def test_slot_decode_cuda_graphs_equal_dynamic_cache(tmp_path, policy, params):
     system, chunks, q = _request(8, 512, seed=4)
     store = kvpass.ChunkStore(tmp_path, model)
     runs, tokens = [], None
-    for cache in ("dynamic", "slot"):       # the slot run is fed the DynamicCache run's greedy tokens
+    for cache in ("dynamic", "slot"):  # the slot run is fed the DynamicCache run's greedy tokens
         fusion = kvpass.ChunkFusion(model, store, policy, cache=cache, **params)
         with torch.no_grad():
             logits, fused = fusion.prefill(chunks, q, system=system)
-            out = [logits.clone()]       # a CUDA graph's output is overwritten by its next replay
+            out = [logits.clone()]  # a CUDA graph's output is overwritten by its next replay
             for i in range(64):
                 torch.compiler.cudagraph_mark_step_begin()
                 nxt = out[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
@@ -198,6 +201,6 @@ def test_slot_decode_cuda_graphs_equal_dynamic_cache(tmp_path, policy, params):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
     torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
     decode = [r for r in fusion.backend.reports if r.phase == "decode" and r.slots]
-    assert len(decode) == 1 and decode[0].cudagraphs          # the last question token and every step
+    assert len(decode) == 1 and decode[0].cudagraphs  # the last question token and every step
     if policy == "a3+evict":
         assert fused.cache.capacity == 1023 + 1 + 256

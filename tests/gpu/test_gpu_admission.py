@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gpu_slot_cache import model
 
 import kvpass
-from test_gpu_slot_cache import model
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-CASES = [("full", {}), ("streamingllm", dict(budget=64, sinks=4)), ("snapkv", dict(budget=64, window=8)),
-         ("pyramidkv", dict(budget=64, window=8)), ("quest", dict(budget=64, dense_layers=1)),
-         ("raas", dict(budget=64)), ("h2o", dict(budget=64)), ("asl", dict(budget=64, window=8, layer=1)),
-         ("art", dict(tau=0.5, phi=0.5, patience=1))]
+CASES = [
+    ("full", {}),
+    ("streamingllm", dict(budget=64, sinks=4)),
+    ("snapkv", dict(budget=64, window=8)),
+    ("pyramidkv", dict(budget=64, window=8)),
+    ("quest", dict(budget=64, dense_layers=1)),
+    ("raas", dict(budget=64)),
+    ("h2o", dict(budget=64)),
+    ("asl", dict(budget=64, window=8, layer=1)),
+    ("art", dict(tau=0.5, phi=0.5, patience=1)),
+]
 
 
 @pytest.mark.parametrize("policy,params", CASES, ids=[c[0] for c in CASES])
@@ -28,7 +35,9 @@ def test_queue_under_cuda_graphs_gives_every_request_its_tokens_alone(policy, pa
     ref = model()
     torch._dynamo.reset()
     kvpass.compile(ref, policy, compiler="eager", **params)
-    want = [ref.generate(p[None], max_new_tokens=n, min_new_tokens=n, do_sample=False)[0] for p, n in zip(prompts, news)]
+    want = [
+        ref.generate(p[None], max_new_tokens=n, min_new_tokens=n, do_sample=False)[0] for p, n in zip(prompts, news)
+    ]
     m = model()
     be = kvpass.compile(m, policy, **params)
     queue = kvpass.RequestQueue(m, max_batch=3, eos_token_id=None)

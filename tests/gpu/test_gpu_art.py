@@ -32,9 +32,16 @@ def tensors(b, h, hkv, length, d, dtype, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-@pytest.mark.parametrize("b,h,hkv,length,d", [
-    (1, 32, 8, 131072, 128), (128, 32, 8, 4096, 128), (8, 8, 1, 16384, 256), (64, 9, 3, 8192, 64),
-    (3, 4, 4, 1000, 64)])
+@pytest.mark.parametrize(
+    "b,h,hkv,length,d",
+    [
+        (1, 32, 8, 131072, 128),
+        (128, 32, 8, 4096, 128),
+        (8, 8, 1, 16384, 256),
+        (64, 9, 3, 8192, 64),
+        (3, 4, 4, 1000, 64),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_full_read_equals_reference(b, h, hkv, length, d, dtype):
     q, k, v = tensors(b, h, hkv, length, d, dtype)
@@ -96,8 +103,9 @@ def test_inductor_launches_the_kvpass_kernel():
     q, k, v = tensors(4, 8, 2, 3000, 64, torch.bfloat16)
 
     def f(q, k, v):
-        out, _ = torch.ops.kvpass.decode_attention(q * 2, k, v, None, None, None, None, None, None, 0.125, 0.0,
-                                                   0, 1e-5, 1e-3, 5, 64, 1, 0, 0)
+        out, _ = torch.ops.kvpass.decode_attention(
+            q * 2, k, v, None, None, None, None, None, None, 0.125, 0.0, 0, 1e-5, 1e-3, 5, 64, 1, 0, 0
+        )
         return out + 1
 
     got, codes = run_and_get_code(torch.compile(f, backend="inductor"), q, k, v)

@@ -26,22 +26,29 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-@pytest.mark.parametrize("n,h,hkv,d,dtype", [(32768, 32, 8, 128, torch.bfloat16), (131072, 32, 32, 64, torch.bfloat16),
-                                             (4096, 8, 2, 64, torch.float16), (8192, 4, 4, 256, torch.float32)])
+@pytest.mark.parametrize(
+    "n,h,hkv,d,dtype",
+    [
+        (32768, 32, 8, 128, torch.bfloat16),
+        (131072, 32, 32, 64, torch.bfloat16),
+        (4096, 8, 2, 64, torch.float16),
+        (8192, 4, 4, 256, torch.float32),
+    ],
+)
 def test_layer_scores_cuda_equals_reference(n, h, hkv, d, dtype):
     g = torch.Generator(device=DEV).manual_seed(0)
-    q = torch.randn(1, h, 64, d, device=DEV, generator=g).to(dtype)      # only the last 32 rows are used
+    q = torch.randn(1, h, 64, d, device=DEV, generator=g).to(dtype)  # only the last 32 rows are used
     k = torch.randn(1, hkv, n, d, device=DEV, generator=g).to(dtype)
     qf = torch.cat([torch.zeros(1, h, n - 64, d, device=DEV, dtype=dtype), q], 2)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    got = torch.ops.kvpass.layer_scores(qf, k, None, d ** -0.5, 0.0, 32)
+    got = torch.ops.kvpass.layer_scores(qf, k, None, d**-0.5, 0.0, 32)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < h * 32 * n * 4 / 4, f"{extra / 2**20:.1f} MiB: the [heads, window, N] scores were materialised"
-    if n <= 32768:   # the CPU reference materialises [heads, window, N]: only at moderate lengths
-        ref = torch.ops.kvpass.layer_scores(qf.cpu().float(), k.cpu().float(), None, d ** -0.5, 0.0, 32)
+    if n <= 32768:  # the CPU reference materialises [heads, window, N]: only at moderate lengths
+        ref = torch.ops.kvpass.layer_scores(qf.cpu().float(), k.cpu().float(), None, d**-0.5, 0.0, 32)
         torch.testing.assert_close(got.cpu(), ref, atol=2e-2 * h, rtol=2e-2)
     # [B, H_kv, N] since the scores stay per KV head (tensor parallelism gathers them): every window query's row
     # sums to 1, so the whole is 32 queries x h heads
@@ -56,13 +63,15 @@ def _run(model, ids, be, steps, dynamic=None):
         logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
         for _ in range(steps):
             tokens.append(int(logits.argmax()))
-            logits = fwd(input_ids=torch.tensor([[tokens[-1]]], device=ids.device), past_key_values=cache,
-                         use_cache=True).logits[:, -1]
+            logits = fwd(
+                input_ids=torch.tensor([[tokens[-1]]], device=ids.device), past_key_values=cache, use_cache=True
+            ).logits[:, -1]
     return tokens, cache
 
 
-@pytest.mark.parametrize("policy,layer", [("fastkv", -1), ("asl", 2), ("asl_fullkv", 1), ("gemfilter", 2),
-                                          ("asl_2pass", 2)])
+@pytest.mark.parametrize(
+    "policy,layer", [("fastkv", -1), ("asl", 2), ("asl_fullkv", 1), ("gemfilter", 2), ("asl_2pass", 2)]
+)
 def test_inductor_cuda_matches_cpu(policy, layer):
     if policy == "asl_fullkv":
         skip_uneven_layers_on_old_stacks(policy)
@@ -84,8 +93,9 @@ def test_inductor_cuda_matches_cpu(policy, layer):
     assert gpu.state.layer(5).pos.device.type == DEV
 
 
-@pytest.mark.parametrize("family,policy,layer,budget", [("gemma3", "asl", 2, 5), ("gemma3", "gemfilter", 2, 5),
-                                                         ("cohere2", "fastkv", 3, 40)])
+@pytest.mark.parametrize(
+    "family,policy,layer,budget", [("gemma3", "asl", 2, 5), ("gemma3", "gemfilter", 2, 5), ("cohere2", "fastkv", 3, 40)]
+)
 def test_sliding_family_inductor_cuda_matches_cpu(family, policy, layer, budget):
     model = build(family, layers=6)
     ids = prompt(200, seed=5)
@@ -108,11 +118,11 @@ def test_dynamic_graph_compiles_segments_once():
         _run(model, prompt(n, seed=n).to(DEV), be, 2, dynamic=True)
         assert be.gate_info["length"] == n and be.gate_info["kept"] == 64
         graphs = graphs if graphs is not None else len(be.reports)
-    assert len(be.reports) == graphs      # no graph compiled for the later lengths
+    assert len(be.reports) == graphs  # no graph compiled for the later lengths
     # (Inductor may restart Dynamo's analysis once while compiling, so count the last gated graph)
     gated = [r.gate for r in be.reports if r.gate is not None][-1]
     assert all(s.compiled is not None for s in gated.segments)
-    assert not gated.compiled             # no segment compiled per length
+    assert not gated.compiled  # no segment compiled per length
 
 
 def test_adaptive_rule_under_inductor():

@@ -21,8 +21,15 @@ NEW = 96
 
 
 def model():
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     m = tf.LlamaForCausalLM(cfg).cuda().eval()
     m.generation_config.eos_token_id = None
@@ -39,15 +46,16 @@ def run(m, be, ids, sample: bool, direct: bool):
     return out, time.perf_counter() - t
 
 
-@pytest.mark.parametrize("policy, params", [("full", {}), ("snapkv", dict(budget=64, window=8)),
-                                            ("raas", dict(budget=64))])
+@pytest.mark.parametrize(
+    "policy, params", [("full", {}), ("snapkv", dict(budget=64, window=8)), ("raas", dict(budget=64))]
+)
 @pytest.mark.parametrize("rows, sample", [(1, False), (2, True)])
 def test_direct_steps_replay_the_graph_and_generate_the_usual_tokens(policy, params, rows, sample):
     torch._dynamo.reset()
     m = model()
     be = kvpass.compile(m, policy, **params)
     ids = torch.randint(3, 250, (rows, 200), generator=torch.Generator().manual_seed(rows)).cuda()
-    run(m, be, ids, sample, False)   # compiles and records the CUDA graphs
+    run(m, be, ids, sample, False)  # compiles and records the CUDA graphs
     usual, t_usual = run(m, be, ids, sample, False)
     direct, t_direct = run(m, be, ids, sample, True)
     assert torch.equal(usual, direct), f"{policy}: direct steps changed the tokens"

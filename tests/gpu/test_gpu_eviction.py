@@ -44,15 +44,22 @@ def window_case(b, h, hkv, w, n, d, dtype, pad=0, seed=0):
     return q, k, kv_pos, torch.arange(n - w, n, device=DEV).expand(b, w).contiguous()
 
 
-@pytest.mark.parametrize("b,h,hkv,w,n,d", [
-    (1, 32, 8, 32, 32768, 128), (2, 8, 1, 32, 32768, 64), (1, 16, 16, 32, 8192, 128), (4, 12, 4, 17, 5000, 64),
-    (1, 8, 2, 32, 16384, 256)])
+@pytest.mark.parametrize(
+    "b,h,hkv,w,n,d",
+    [
+        (1, 32, 8, 32, 32768, 128),
+        (2, 8, 1, 32, 32768, 64),
+        (1, 16, 16, 32, 8192, 128),
+        (4, 12, 4, 17, 5000, 64),
+        (1, 8, 2, 32, 16384, 256),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_window_kernel_equals_reference(b, h, hkv, w, n, d, dtype):
     q, k, kv_pos, q_pos = window_case(b, h, hkv, w, n, d, dtype, pad=n // 7)
     for softcap in (0.0, 30.0):
-        want = W.window_scores_reference(q, k, kv_pos, q_pos, d ** -0.5, softcap)
-        got = torch.ops.kvpass.window_scores(q, k, kv_pos, q_pos, d ** -0.5, softcap)
+        want = W.window_scores_reference(q, k, kv_pos, q_pos, d**-0.5, softcap)
+        got = torch.ops.kvpass.window_scores(q, k, kv_pos, q_pos, d**-0.5, softcap)
         # products of bf16/fp16 values are exact in the fp32 accumulator: only summation order differs
         torch.testing.assert_close(got, want, atol=1e-5 * w * (h // hkv), rtol=1e-3)
         # what the policies use: the same top-1024 per KV head (up to near-ties)
@@ -67,60 +74,62 @@ def test_window_kernel_at_128k_without_materialising_scores():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    got = W.window_scores_triton(q, k, kv_pos, q_pos, d ** -0.5)
+    got = W.window_scores_triton(q, k, kv_pos, q_pos, d**-0.5)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    full_scores = b * h * w * n * 4                       # what the reference would hold, 512 MiB here
-    assert extra < full_scores / 12, f"kernel used {extra / 2**20:.1f} MiB"   # ~20 MiB: block statistics
-    want = W.window_scores_reference(q, k, kv_pos, q_pos, d ** -0.5)
+    full_scores = b * h * w * n * 4  # what the reference would hold, 512 MiB here
+    assert extra < full_scores / 12, f"kernel used {extra / 2**20:.1f} MiB"  # ~20 MiB: block statistics
+    want = W.window_scores_reference(q, k, kv_pos, q_pos, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5 * w * (h // hkv), rtol=1e-3)
 
 
-@pytest.mark.parametrize("b,l,pad,softcap", [(1, 4096, 0, 0.0), (2, 8192, 1500, 0.0), (1, 16384, 0, 30.0)])
-def test_accumulated_kernel_equals_reference(b, l, pad, softcap):
+@pytest.mark.parametrize("b,n,pad,softcap", [(1, 4096, 0, 0.0), (2, 8192, 1500, 0.0), (1, 16384, 0, 30.0)])
+def test_accumulated_kernel_equals_reference(b, n, pad, softcap):
     h, hkv, d = 16, 4, 128
-    g = torch.Generator(device=DEV).manual_seed(l)
-    q = torch.randn(b, h, l, d, device=DEV, generator=g).to(torch.bfloat16)
-    k = torch.randn(b, hkv, l, d, device=DEV, generator=g).to(torch.bfloat16)
-    k[:, :, :4] += 2 * q.view(b, hkv, h // hkv, l, d).mean((2, 3))[:, :, None]   # a few heavy hitters
-    kv_pos = torch.arange(l, device=DEV).expand(b, hkv, l).clone()
-    kv_pos[-1, :, :pad] = -1                                                         # left padding, last row
-    q_pos = torch.arange(l, device=DEV).expand(b, l).contiguous()
+    g = torch.Generator(device=DEV).manual_seed(n)
+    q = torch.randn(b, h, n, d, device=DEV, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, hkv, n, d, device=DEV, generator=g).to(torch.bfloat16)
+    k[:, :, :4] += 2 * q.view(b, hkv, h // hkv, n, d).mean((2, 3))[:, :, None]  # a few heavy hitters
+    kv_pos = torch.arange(n, device=DEV).expand(b, hkv, n).clone()
+    kv_pos[-1, :, :pad] = -1  # left padding, last row
+    q_pos = torch.arange(n, device=DEV).expand(b, n).contiguous()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    got = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d ** -0.5, softcap)   # the Triton passes
+    got = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d**-0.5, softcap)  # the Triton passes
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    assert extra < 4 * b * h * l * 4 + (8 << 20), f"kernel used {extra / 2**20:.1f} MiB"   # row statistics
-    want = A.accumulated_scores_reference(q, k, kv_pos, q_pos, d ** -0.5, softcap)
+    assert extra < 4 * b * h * n * 4 + (8 << 20), f"kernel used {extra / 2**20:.1f} MiB"  # row statistics
+    want = A.accumulated_scores_reference(q, k, kv_pos, q_pos, d**-0.5, softcap)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     real = got[-1, :, pad:]
-    torch.testing.assert_close(real.sum(-1), torch.full_like(real[:, 0], (h // hkv) * (l - pad)), rtol=1e-4, atol=0)
+    torch.testing.assert_close(real.sum(-1), torch.full_like(real[:, 0], (h // hkv) * (n - pad)), rtol=1e-4, atol=0)
     top_g, top_w = got.topk(1024, -1).indices.sort(-1).values, want.topk(1024, -1).indices.sort(-1).values
     assert torch.isin(top_g.flatten(1), top_w.flatten(1)).float().mean() > 0.99
 
 
-@pytest.mark.parametrize("dtype,l,h,hkv", [(torch.bfloat16, 8192, 16, 4), (torch.float16, 3000, 8, 8),
-                                          (torch.float32, 1000, 8, 2)])
-def test_attention_lse_gives_flash_statistics_for_one_pass_scoring(dtype, l, h, hkv):
+@pytest.mark.parametrize(
+    "dtype,n,h,hkv", [(torch.bfloat16, 8192, 16, 4), (torch.float16, 3000, 8, 8), (torch.float32, 1000, 8, 2)]
+)
+def test_attention_lse_gives_flash_statistics_for_one_pass_scoring(dtype, n, h, hkv):
     """``attention_lse`` on CUDA (flash attention's own row log-sum-exp; fp32 through the reference) equals its
     reference, and the scoring that takes it (pass 2 only) equals the two-pass scoring."""
     from kvpass import ops
+
     d = 128
-    g = torch.Generator(device=DEV).manual_seed(l)
-    q, k, v = (torch.randn(1, x, l, d, device=DEV, generator=g).to(dtype) for x in (h, hkv, hkv))
+    g = torch.Generator(device=DEV).manual_seed(n)
+    q, k, v = (torch.randn(1, x, n, d, device=DEV, generator=g).to(dtype) for x in (h, hkv, hkv))
     # the CUDA implementation (kvpass.ops.lowerings) is what runs, not the reference compared with itself
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kvpass::attention_lse", "CUDA")
-    out, lse = torch.ops.kvpass.attention_lse(q, k, v, d ** -0.5)
-    assert lse.shape == (1, h, l) and lse.dtype == torch.float32
-    torch.testing.assert_close(lse, A.causal_lse_reference(q, k, d ** -0.5), atol=2e-3, rtol=1e-4)
-    want_out = ops.attention_reference(q, k, v, None, d ** -0.5, ops.CAUSAL_TOP_LEFT)
+    out, lse = torch.ops.kvpass.attention_lse(q, k, v, d**-0.5)
+    assert lse.shape == (1, h, n) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, A.causal_lse_reference(q, k, d**-0.5), atol=2e-3, rtol=1e-4)
+    want_out = ops.attention_reference(q, k, v, None, d**-0.5, ops.CAUSAL_TOP_LEFT)
     torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
-    kv_pos = torch.arange(l, device=DEV).expand(1, hkv, l).contiguous()
-    q_pos = torch.arange(l, device=DEV).expand(1, l).contiguous()
-    one = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d ** -0.5, 0.0, lse)
-    two = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d ** -0.5, 0.0)
+    kv_pos = torch.arange(n, device=DEV).expand(1, hkv, n).contiguous()
+    q_pos = torch.arange(n, device=DEV).expand(1, n).contiguous()
+    one = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d**-0.5, 0.0, lse)
+    two = torch.ops.kvpass.accumulated_scores(q, k, kv_pos, q_pos, d**-0.5, 0.0)
     torch.testing.assert_close(one, two, atol=1e-3 * (h // hkv), rtol=1e-3)
 
 
@@ -138,8 +147,10 @@ def test_inductor_launches_the_accumulated_kernels():
     torch.testing.assert_close(got, f(q, k, kv_pos, q_pos), atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("b,hkv,n,keep,d", [(1, 8, 131072, 1024, 128), (4, 8, 32768, 2048, 128),
-                                            (2, 2, 20000, 777, 256), (16, 4, 4096, 1024, 64)])
+@pytest.mark.parametrize(
+    "b,hkv,n,keep,d",
+    [(1, 8, 131072, 1024, 128), (4, 8, 32768, 2048, 128), (2, 2, 20000, 777, 256), (16, 4, 4096, 1024, 64)],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gather_kernel_equals_reference(b, hkv, n, keep, d, dtype):
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -169,6 +180,7 @@ def test_inductor_launches_the_kvpass_kernels():
 @pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "chunkkv", "sablock"])
 def test_policy_on_gpu_matches_hand_eviction(policy):
     from test_eviction_models import PARAMS, expected_kept, hand_evicted_decode, layer_budgets, prompt
+
     if policy == "pyramidkv":
         skip_uneven_layers_on_old_stacks(policy)
     budget, window, steps = 64, 16, 12
@@ -177,7 +189,7 @@ def test_policy_on_gpu_matches_hand_eviction(policy):
     want = expected_kept(policy, model, ids, budget, window)
     model = model.to(DEV)
     ids = ids.to(DEV)
-    be = kvpass.backend(policy, budget=budget, window=window, **PARAMS[policy])     # real Inductor
+    be = kvpass.backend(policy, budget=budget, window=window, **PARAMS[policy])  # real Inductor
     model_c = build("llama").to(DEV)
     fwd = torch.compile(model_c.forward, backend=be, fullgraph=True)
     # The bare forward, without an attention mask: transformers 5.17 materialises a decode mask

@@ -22,8 +22,10 @@ DEV = "cuda"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("b,h,hkv,lq,lk,d", [(1, 32, 8, 1, 8192, 128), (4, 16, 4, 1, 4096, 64),
-                                              (2, 8, 8, 512, 512, 128), (1, 12, 4, 64, 2048, 64)])
+@pytest.mark.parametrize(
+    "b,h,hkv,lq,lk,d",
+    [(1, 32, 8, 1, 8192, 128), (4, 16, 4, 1, 4096, 64), (2, 8, 8, 512, 512, 128), (1, 12, 4, 64, 2048, 64)],
+)
 def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d):
     g = torch.Generator(device=DEV).manual_seed(0)
     q = torch.randn(b, h, lq, d, device=DEV, dtype=dtype, generator=g)
@@ -33,14 +35,14 @@ def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d):
     mask[0, 0, 0] = False  # a fully masked row must give zeros
     tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=2e-4, rtol=2e-4)
     for m in (None, mask):
-        got = torch.ops.kvpass.attention(q, k, v, m, d ** -0.5, False, 0.0)
-        ref = attention_reference(q, k, v, m, d ** -0.5, False, 0.0)
+        got = torch.ops.kvpass.attention(q, k, v, m, d**-0.5, False, 0.0)
+        ref = attention_reference(q, k, v, m, d**-0.5, False, 0.0)
         torch.testing.assert_close(got, ref, **tol)
     q_pos = (lk - lq + torch.arange(lq, device=DEV)).expand(b, lq)
     kv_pos = torch.arange(lk, device=DEV).expand(b, hkv, lk).clone()
     kv_pos[:, :, :3] = -1
-    got = torch.ops.kvpass.attention_pos(q, k, v, q_pos, kv_pos, d ** -0.5, 0.0, 1024)
-    ref = attention_pos_reference(q, k, v, q_pos, kv_pos, d ** -0.5, 0.0, 1024)
+    got = torch.ops.kvpass.attention_pos(q, k, v, q_pos, kv_pos, d**-0.5, 0.0, 1024)
+    ref = attention_pos_reference(q, k, v, q_pos, kv_pos, d**-0.5, 0.0, 1024)
     torch.testing.assert_close(got, ref, **tol)
 
 
@@ -71,11 +73,12 @@ def test_full_inductor_matches_eager(family):
 
 def test_streamingllm_generate_on_gpu():
     from test_streaming import BUDGET, SINKS, reference_greedy
+
     model = build("llama").to(DEV)
     ids = torch.randint(3, 90, (1, 40), device=DEV)
     cpu_ref, _ = reference_greedy(model, ids, steps=16)
     be = kvpass.backend("streamingllm", budget=BUDGET, sinks=SINKS)
     model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
     out = model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
-    assert out[0, ids.shape[1]:].tolist() == cpu_ref
+    assert out[0, ids.shape[1] :].tolist() == cpu_ref
     assert max(st.stored for st in be.state.layers.values()) == BUDGET

@@ -18,9 +18,18 @@ if not torch.cuda.is_available():
 
 
 def llama8b_shape(layers: int = 2):
-    cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                         max_position_embeddings=131072, attn_implementation="sdpa")
+    cfg = tf.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return tf.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
@@ -36,8 +45,9 @@ def run(model, policy: str, ids, steps: int = 4):
     cache = tf.DynamicCache(config=model.config)
     logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     for _ in range(steps):
-        logits = fwd(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True,
-                     logits_to_keep=1).logits[:, -1]
+        logits = fwd(
+            input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits[:, -1]
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() / 2**30, be
 

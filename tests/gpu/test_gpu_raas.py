@@ -33,7 +33,7 @@ DEV = "cuda"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_bounds_kernel_equals_reference(b, h, hkv, pages, d, dtype):
     g = torch.Generator(device=DEV).manual_seed(pages)
-    q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * d ** -0.5)[:, :, -1]  # strided, as slot_pages passes it
+    q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * d**-0.5)[:, :, -1]  # strided, as slot_pages passes it
     x = torch.randn(b, hkv, pages, d, device=DEV, generator=g).to(dtype)
     y = torch.randn(b, hkv, pages, d, device=DEV, generator=g).to(dtype)
     kmin, kmax = torch.minimum(x, y), torch.maximum(x, y)
@@ -43,13 +43,15 @@ def test_page_bounds_kernel_equals_reference(b, h, hkv, pages, d, dtype):
     assert torch.equal(torch.ops.kvpass.page_bounds(q, kmin, kmax), ub_k)
 
 
-@pytest.mark.parametrize("rows,pages,top", [(8, 2048, 128), (8, 8192, 128), (128, 2048, 128), (2, 16384, 1000),
-                                            (3, 300, 500)])
+@pytest.mark.parametrize(
+    "rows,pages,top", [(8, 2048, 128), (8, 8192, 128), (128, 2048, 128), (2, 16384, 1000), (3, 300, 500)]
+)
 @pytest.mark.parametrize("ties", [False, True])
 def test_top_pages_kernel_equals_reference(rows, pages, top, ties):
     """Quest's selection kernel at real sizes (32k and 128k caches at batch 1 and 16, the row limit, fewer
     pages than top), with ties at the cut and pages that may not be chosen; through the op on CUDA too."""
     from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
+
     g = torch.Generator(device=DEV).manual_seed(pages + top)
     ub = torch.randn(rows, pages, device=DEV, generator=g)
     if ties:
@@ -60,12 +62,15 @@ def test_top_pages_kernel_equals_reference(rows, pages, top, ties):
     assert torch.equal(torch.ops.kvpass.top_pages(ub.view(rows, 1, pages), top)[:, 0], ref)
 
 
-@pytest.mark.parametrize("b,h,hkv,pages,window,d", [(1, 32, 8, 2177, 129, 128), (16, 32, 8, 2177, 129, 128),
-                                                   (1, 32, 8, 8321, 129, 128), (2, 24, 8, 300, 65, 96)])
+@pytest.mark.parametrize(
+    "b,h,hkv,pages,window,d",
+    [(1, 32, 8, 2177, 129, 128), (16, 32, 8, 2177, 129, 128), (1, 32, 8, 8321, 129, 128), (2, 24, 8, 300, 65, 96)],
+)
 @pytest.mark.parametrize("fill", [7, 15])
 def test_raas_stamp_kernels_equal_reference(b, h, hkv, pages, window, d, fill):
     """Prompt pages then a full decode window; ``fill = 15`` makes every row evict its oldest page."""
     from kvpass.policies.pages.kernels import raas_stamp as RS
+
     g = torch.Generator(device=DEV).manual_seed(pages + fill)
     first = pages - window
     x = torch.randn(b, hkv, pages, d, device=DEV, generator=g).bfloat16()
@@ -73,13 +78,18 @@ def test_raas_stamp_kernels_equal_reference(b, h, hkv, pages, window, d, fill):
     born = torch.arange(pages, device=DEV).repeat(b, hkv, 1)
     born[..., first:] = first + torch.rand(b, hkv, window, device=DEV, generator=g).argsort(-1)  # allocation order
     meta = torch.tensor([pages - 1, fill, first, -1], device=DEV).repeat(b, hkv, 1)
-    tables = dict(kmin=torch.minimum(x, y), kmax=torch.maximum(x, y),
-                  live=torch.ones(b, hkv, pages, dtype=torch.bool, device=DEV),
-                  ts=torch.randint(0, 5000, (b, hkv, pages), device=DEV, generator=g), born=born, meta=meta,
-                  seen=torch.full((b, hkv), 4999, device=DEV))
-    q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * 2 * d ** -0.5).bfloat16()[:, :, -1]
+    tables = dict(
+        kmin=torch.minimum(x, y),
+        kmax=torch.maximum(x, y),
+        live=torch.ones(b, hkv, pages, dtype=torch.bool, device=DEV),
+        ts=torch.randint(0, 5000, (b, hkv, pages), device=DEV, generator=g),
+        born=born,
+        meta=meta,
+        seen=torch.full((b, hkv), 4999, device=DEV),
+    )
+    q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * 2 * d**-0.5).bfloat16()[:, :, -1]
     k_new = torch.randn(b, hkv, d, device=DEV, generator=g).bfloat16()
-    args = (q, k_new, torch.tensor([[5000 + i, 0, 0, 1 << 40] for i in range(b)], device=DEV))   # rows' own counts
+    args = (q, k_new, torch.tensor([[5000 + i, 0, 0, 1 << 40] for i in range(b)], device=DEV))  # rows' own counts
     ref, got, op = ({k: v.clone() for k, v in tables.items()} for _ in range(3))
     RS.raas_stamp_reference(*args, *ref.values(), window, 1e-3)
     RS.raas_stamp_triton(*args, *got.values(), window, 1e-3)
@@ -109,7 +119,7 @@ def _decode(policy, steps, **params):
             lg = fwd(input_ids=lg.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
             sizes |= {layer.keys.shape[-2] for layer in cache.layers}
             if policy.startswith("raas"):
-                for layer in be.state.layers.values():   # each layer's page tables: live is the third
+                for layer in be.state.layers.values():  # each layer's page tables: live is the third
                     pages = max(pages, int(layer.extra["tables"][2].sum(-1).max()))
     return torch.stack(logits), sizes, pages
 
@@ -143,8 +153,9 @@ def test_block_map_kernel_equals_reference(b, h, hkv, length, d, split):
     ref, vref = DA.decode_attention_reference(q, k, v, block_map=bmap, block=16)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(vis, vref) and int(vis[0, 0]) == 40
-    op, _ = torch.ops.kvpass.decode_attention(q, k, v, None, None, None, None, None, bmap, d ** -0.5, 0.0, 0,
-                                              0.0, 0.0, 5, 16, 2, 0, 0)
+    op, _ = torch.ops.kvpass.decode_attention(
+        q, k, v, None, None, None, None, None, bmap, d**-0.5, 0.0, 0, 0.0, 0.0, 5, 16, 2, 0, 0
+    )
     torch.testing.assert_close(op.float(), ref.float(), atol=2e-2, rtol=2e-2)
     if split is None:  # the same automatic split choice as the operator's: the same kernel launch
         torch.testing.assert_close(op, out)

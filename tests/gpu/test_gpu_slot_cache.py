@@ -17,31 +17,67 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 STEPS = 256
-CASES = [("full", {}), ("art", {}), ("streamingllm", dict(budget=64, sinks=4)),
-         ("snapkv", dict(budget=64, window=8)), ("chunkkv", dict(budget=64, window=8)),
-         ("snapkv+art", dict(budget=64, window=8)), ("streamingllm+art", dict(budget=64, sinks=4)),
-         ("pyramidkv", dict(budget=64, window=8)), ("quest", dict(budget=64, dense_layers=1)),
-         ("snapkv+quest", dict(budget=64, window=8, dense_layers=1)), ("raas", dict(budget=64)),
-         ("raas+art", dict(budget=64)), ("asl", dict(budget=64, window=8, layer=1)),
-         ("fastkv", dict(budget=64, window=8)), ("asl_2pass", dict(budget=64, window=8, layer=1)),
-         ("gemfilter", dict(budget=64, layer=1)), ("h2o", dict(budget=64)), ("h2o+art", dict(budget=64)),
-         ("tova", dict(budget=64)), ("knorm", dict(budget=64, window=0)), ("keydiff", dict(budget=64, window=0)),
-         ("expected_attention", dict(budget=64)), ("criticalkv", dict(budget=64, window=8)),
-         ("adakv", dict(budget=64, window=8)),   # per-head layouts: ragged heads, a ring per streaming head
-         ("duoattention", dict(pattern=os.path.join(os.path.dirname(__file__), "..", "data",
-                                                    "duo_pattern_gpu_llama4.tsv"), sinks=4, recent=32))]
+CASES = [
+    ("full", {}),
+    ("art", {}),
+    ("streamingllm", dict(budget=64, sinks=4)),
+    ("snapkv", dict(budget=64, window=8)),
+    ("chunkkv", dict(budget=64, window=8)),
+    ("snapkv+art", dict(budget=64, window=8)),
+    ("streamingllm+art", dict(budget=64, sinks=4)),
+    ("pyramidkv", dict(budget=64, window=8)),
+    ("quest", dict(budget=64, dense_layers=1)),
+    ("snapkv+quest", dict(budget=64, window=8, dense_layers=1)),
+    ("raas", dict(budget=64)),
+    ("raas+art", dict(budget=64)),
+    ("asl", dict(budget=64, window=8, layer=1)),
+    ("fastkv", dict(budget=64, window=8)),
+    ("asl_2pass", dict(budget=64, window=8, layer=1)),
+    ("gemfilter", dict(budget=64, layer=1)),
+    ("h2o", dict(budget=64)),
+    ("h2o+art", dict(budget=64)),
+    ("tova", dict(budget=64)),
+    ("knorm", dict(budget=64, window=0)),
+    ("keydiff", dict(budget=64, window=0)),
+    ("expected_attention", dict(budget=64)),
+    ("criticalkv", dict(budget=64, window=8)),
+    ("adakv", dict(budget=64, window=8)),  # per-head layouts: ragged heads, a ring per streaming head
+    (
+        "duoattention",
+        dict(
+            pattern=os.path.join(os.path.dirname(__file__), "..", "data", "duo_pattern_gpu_llama4.tsv"),
+            sinks=4,
+            recent=32,
+        ),
+    ),
+]
 
 
 def model(sliding: bool = False):
     if sliding:  # Gemma-3 style: two sliding layers (window 64) per global layer, softcap-free, GQA
-        cfg = tf.Gemma3TextConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                  num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=64,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                  max_position_embeddings=4096)
+        cfg = tf.Gemma3TextConfig(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=64,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            max_position_embeddings=4096,
+        )
         torch.manual_seed(0)
         return tf.Gemma3ForCausalLM(cfg).cuda().eval()
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     return tf.LlamaForCausalLM(cfg).cuda().eval()
 
@@ -50,8 +86,9 @@ def model(sliding: bool = False):
 def decode(m, be, ids, mode=None):
     torch._dynamo.reset()
     fwd = torch.compile(m.forward, backend=be, mode=mode)
-    cache = kvpass.SlotCache(m, be, max_length=ids.shape[1] + STEPS + 1, max_new_tokens=STEPS + 1,
-                               batch_size=ids.shape[0])
+    cache = kvpass.SlotCache(
+        m, be, max_length=ids.shape[1] + STEPS + 1, max_new_tokens=STEPS + 1, batch_size=ids.shape[0]
+    )
     logits = fwd(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
     toks, all_logits = [], [logits]
     for _ in range(STEPS):
@@ -74,7 +111,7 @@ def replay_equals_eager(m, policy, params):
     for a, b in zip(got_logits, want_logits):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
     phases = [r.phase for r in be.reports]
-    assert phases == ["prefill", "decode"], phases      # one decode graph for all 256 steps
+    assert phases == ["prefill", "decode"], phases  # one decode graph for all 256 steps
     assert be.reports[-1].cudagraphs and not be.reports[0].cudagraphs
     assert cache.seen == 200 + STEPS
     return cache
@@ -83,12 +120,15 @@ def replay_equals_eager(m, policy, params):
 @pytest.mark.parametrize("policy,params", CASES, ids=[c[0] for c in CASES])
 def test_cuda_graph_replay_equals_eager_kvpass(policy, params):
     cache = replay_equals_eager(model(), policy, params)
-    if "budget" in params and policy != "quest":        # real memory: the slots are the capacity
+    if "budget" in params and policy != "quest":  # real memory: the slots are the capacity
         assert cache.layers[0].keys.shape[2] == cache.capacity < 200 + STEPS
 
 
-@pytest.mark.parametrize("policy,params", [("full", {}), ("snapkv", dict(budget=64, window=8)),
-                                           ("raas", dict(budget=64))], ids=["full", "snapkv", "raas"])
+@pytest.mark.parametrize(
+    "policy,params",
+    [("full", {}), ("snapkv", dict(budget=64, window=8)), ("raas", dict(budget=64))],
+    ids=["full", "snapkv", "raas"],
+)
 def test_sliding_layers_cuda_graph_replay(policy, params):
     """Gemma-3 shape: the sliding layers are rings of 64 slots (wrapped by the 200-token prompt and by every
     decode step); replay equals the eager kvpass path, one decode graph."""
@@ -96,12 +136,20 @@ def test_sliding_layers_cuda_graph_replay(policy, params):
     assert cache.capacities[:2] == [64, 64]
 
 
-@pytest.mark.parametrize("policy,params", [("full", {}), ("streamingllm", dict(budget=64, sinks=4)),
-                                           ("snapkv", dict(budget=64, window=8)), ("quest", dict(budget=64)),
-                                           ("raas", dict(budget=64)), ("h2o", dict(budget=64)),
-                                           ("art", dict(tau=0.5, phi=0.5, patience=1)),
-                                           ("asl", dict(budget=64, window=8, layer=1))],
-                         ids=["full", "streamingllm", "snapkv", "quest", "raas", "h2o", "art", "asl"])
+@pytest.mark.parametrize(
+    "policy,params",
+    [
+        ("full", {}),
+        ("streamingllm", dict(budget=64, sinks=4)),
+        ("snapkv", dict(budget=64, window=8)),
+        ("quest", dict(budget=64)),
+        ("raas", dict(budget=64)),
+        ("h2o", dict(budget=64)),
+        ("art", dict(tau=0.5, phi=0.5, patience=1)),
+        ("asl", dict(budget=64, window=8, layer=1)),
+    ],
+    ids=["full", "streamingllm", "snapkv", "quest", "raas", "h2o", "art", "asl"],
+)
 def test_compile_once_for_every_prompt_length(policy, params):
     """``kvpass.compile`` on CUDA (Inductor, CUDA graphs): seven prompt lengths over four capacity buckets
     through ``generate`` give the tokens of the same policy under the eager compiler, with one prefill and
@@ -120,8 +168,11 @@ def test_compile_once_for_every_prompt_length(policy, params):
     assert [r.phase for r in want_be.reports] == ["prefill", "decode"]
 
 
-@pytest.mark.parametrize("policy,params", [("full", {}), ("snapkv", dict(budget=64, window=8)),
-                                           ("quest", dict(budget=64))], ids=["full", "snapkv", "quest"])
+@pytest.mark.parametrize(
+    "policy,params",
+    [("full", {}), ("snapkv", dict(budget=64, window=8)), ("quest", dict(budget=64))],
+    ids=["full", "snapkv", "quest"],
+)
 def test_decode_loop_equals_hf_loop_under_cuda_graphs(policy, params):
     """kvpass's decoding loop (queues the next CUDA-graph replay before it reads the stop flag, undoes the extra
     step) gives HF's loop's tokens (``return_dict_in_generate`` runs HF's), batch 2, when end-of-sequence
@@ -161,7 +212,7 @@ def test_decode_loop_sampled_stop_and_a_returned_cache_under_cuda_graphs():
     (ours, after_ours), (hf, after_hf) = sampled(), sampled(return_dict_in_generate=True)
     assert ours.shape[1] <= 141 and torch.equal(ours, hf), (ours, hf)
     assert torch.equal(after_ours, after_hf)
-    greedy = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True)   # a 160-token bucket
+    greedy = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True)  # a 160-token bucket
     first = m.generate(ids[:1], **greedy)
     second = m.generate(ids[1:], **greedy)
     assert first.past_key_values is not second.past_key_values and first.past_key_values.seen == 139

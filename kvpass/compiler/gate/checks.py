@@ -51,8 +51,10 @@ def places(sites, cuts) -> str | None:
             if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.is_floating_point():
                 clash |= {d for d in v.shape if isinstance(d, int)}
         if length in clash:
-            return (f"static graph whose prompt length {length} equals a model dimension, so its literal sizes "
-                    f"are ambiguous; compile with dynamic=True or use another prompt length")
+            return (
+                f"static graph whose prompt length {length} equals a model dimension, so its literal sizes "
+                f"are ambiguous; compile with dynamic=True or use another prompt length"
+            )
     order = {n: i for i, n in enumerate(graph.nodes)}
     cut_order = [order[c] for c in cut_nodes]
     if cut_order != sorted(cut_order):
@@ -71,14 +73,19 @@ def check(sites, policy) -> str | None:
     if not sites:
         return "no attention sites"
     if not isinstance(policy, GatedPolicy):
-        return (f"policy '{policy.name}' declares Needs(gates=True) without the GatedPolicy protocol "
-                f"(kvpass.policies.contract: budget, window, layer, gate_layers, gate_fires, gate_select)")
+        return (
+            f"policy '{policy.name}' declares Needs(gates=True) without the GatedPolicy protocol "
+            f"(kvpass.policies.contract: budget, window, layer, gate_layers, gate_fires, gate_select)"
+        )
     observe, cuts = policy.gate_layers(len(sites))
     if not cuts:
         forced = policy.layer
         if forced >= 0:
-            return (f"parameter 'layer' = {forced} is not a selection layer of this {len(sites)}-layer model "
-                    f"(allowed: 0 to {len(sites) - 2}; a gate after the last layer prunes nothing)")
-        return (f"no candidate selection layer in a {len(sites)}-layer model (a gate after the last layer "
-                f"prunes nothing)")
+            return (
+                f"parameter 'layer' = {forced} is not a selection layer of this {len(sites)}-layer model "
+                f"(allowed: 0 to {len(sites) - 2}; a gate after the last layer prunes nothing)"
+            )
+        return (
+            f"no candidate selection layer in a {len(sites)}-layer model (a gate after the last layer prunes nothing)"
+        )
     return places(sites, cuts)

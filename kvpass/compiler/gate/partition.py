@@ -26,11 +26,11 @@ class Segment:
     inputs: list[fx.Node]
     outputs: list[fx.Node]
     gm: fx.GraphModule | None = None
-    cut: int | None = None            # layer whose gate closes this segment
-    scores: dict[int, fx.Node] = field(default_factory=dict)   # observed layer -> its score node
-    short: dict = field(default_factory=dict)                    # n -> GraphModule (static graphs)
-    compiled: object = None          # compiled at backend time with the graph's fake inputs
-    fakes: list | None = None        # ... those inputs
+    cut: int | None = None  # layer whose gate closes this segment
+    scores: dict[int, fx.Node] = field(default_factory=dict)  # observed layer -> its score node
+    short: dict = field(default_factory=dict)  # n -> GraphModule (static graphs)
+    compiled: object = None  # compiled at backend time with the graph's fake inputs
+    fakes: list | None = None  # ... those inputs
 
 
 def insert_scores(graph: fx.Graph, sites: dict, observe, window: int, reductions: list) -> dict | str:
@@ -47,8 +47,10 @@ def insert_scores(graph: fx.Graph, sites: dict, observe, window: int, reductions
             if isinstance(scale, fx.Node):
                 q = graph.call_function(operator.mul, (q, scale))
                 scale = 1.0
-            per_head = graph.call_function(torch.ops.kvpass.layer_scores.default, (
-                q, s.k_new, site_mask(s)[0], float(scale), float(s.softcap), window))
+            per_head = graph.call_function(
+                torch.ops.kvpass.layer_scores.default,
+                (q, s.k_new, site_mask(s)[0], float(scale), float(s.softcap), window),
+            )
         every_head = _tp.gather_heads(graph, per_head, s.tp, f"layer {layer}: layer_scores", reductions)
         with graph.inserting_after(every_head):
             score_nodes[layer] = graph.call_function(torch.sum, (every_head, 1))
@@ -116,7 +118,7 @@ def carry(parts: Partition, length) -> tuple[dict, dict] | str:
     for n in {a for seg in parts.segments[1:] for a in seg.inputs}:
         v = val(n)
         if v is None and n.op == "call_function" and n.target in SHAPE_OF_INPUT and n.args:
-            v = val(n.args[0])     # an op the rewrite inserted: same shape as its input
+            v = val(n.args[0])  # an op the rewrite inserted: same shape as its input
         if v is None and n.op != "placeholder":
             return f"'{n.name}' crosses a gate without a recorded shape; the gate cannot tell its token dims"
         if isinstance(v, torch.Tensor):

@@ -15,8 +15,16 @@ from kvpass.cache.runtime import layer_of
 from kvpass.cache.slots import DROPPED, SEEN
 from kvpass.compiler.detect import val
 from kvpass.compiler.gate.checks import places, same
-from kvpass.compiler.gate.partition import Segment, after_fix, build, carry, free_after, insert_scores, \
-    outputs_from, split
+from kvpass.compiler.gate.partition import (
+    Segment,
+    after_fix,
+    build,
+    carry,
+    free_after,
+    insert_scores,
+    outputs_from,
+    split,
+)
 from kvpass.compiler.gate.take import masked_positions, renumber, take, true_of
 from kvpass.compiler.maskcheck import site_mask
 
@@ -25,17 +33,23 @@ from kvpass.compiler.maskcheck import site_mask
 class GateInfo:
     """What the gate did in the last prefill (``Backend.gate_info``)."""
 
-    layer: int | None        # the selection layer, None when nothing was pruned
-    length: int              # prompt length L
-    kept: int                # tokens the deeper layers computed (L when nothing was pruned)
-    candidates: tuple        # layers after which the gate could fire
-    ratios: dict             # ASL: layer -> var / var0 per row (list), for the record
-    passes: int = 1          # 2: the selected tokens were prefilled again from layer 0
-    shift: int = 0           # gemfilter: decode positions passed in are moved back by this much
+    layer: int | None  # the selection layer, None when nothing was pruned
+    length: int  # prompt length L
+    kept: int  # tokens the deeper layers computed (L when nothing was pruned)
+    candidates: tuple  # layers after which the gate could fire
+    ratios: dict  # ASL: layer -> var / var0 per row (list), for the record
+    passes: int = 1  # 2: the selected tokens were prefilled again from layer 0
+    shift: int = 0  # gemfilter: decode positions passed in are moved back by this much
 
     def as_dict(self) -> dict:
-        return {"selection_layer": self.layer, "length": self.length, "kept": self.kept,
-                "candidates": list(self.candidates), "ratios": self.ratios, "passes": self.passes}
+        return {
+            "selection_layer": self.layer,
+            "length": self.length,
+            "kept": self.kept,
+            "candidates": list(self.candidates),
+            "ratios": self.ratios,
+            "passes": self.passes,
+        }
 
 
 class GatedGraph:
@@ -49,7 +63,7 @@ class GatedGraph:
         self.compiled: dict = {}
         self.segments: list[Segment] = []
         self.length = None
-        self.reductions: list[str] = []   # collectives inserted for decisions across heads (kvpass.compiler.tp)
+        self.reductions: list[str] = []  # collectives inserted for decisions across heads (kvpass.compiler.tp)
 
     # -- construction -----------------------------------------------------------------------------
     def prepare(self) -> str | None:
@@ -83,13 +97,20 @@ class GatedGraph:
         self.tokens = next((s.tokens for s in sites.values() if s.tokens is not None), None)
         # the graph outputs that hold each sliding layer's stored K/V (after the rewrite's compact)
         self.out_nodes = set(self.output.all_input_nodes)
-        compacts = {layer_of(node.args[6]): node for node in graph.nodes
-                    if node.target is torch.ops.kvpass.compact.default}
-        self.stored = {layer: outputs_from(node, self.out_nodes) for layer, node in compacts.items()
-                       if sites.get(layer) is not None and sites[layer].sliding_window}
+        compacts = {
+            layer_of(node.args[6]): node for node in graph.nodes if node.target is torch.ops.kvpass.compact.default
+        }
+        self.stored = {
+            layer: outputs_from(node, self.out_nodes)
+            for layer, node in compacts.items()
+            if sites.get(layer) is not None and sites[layer].sliding_window
+        }
         # a kvpass.SlotCache: each layer's slot positions and counts (inputs the segments write in place)
-        self.slots = {layer_of(node.args[10]): (node.args[2], node.args[3]) for node in graph.nodes
-                      if node.target is torch.ops.kvpass.slot_prefill.default}
+        self.slots = {
+            layer_of(node.args[10]): (node.args[2], node.args[3])
+            for node in graph.nodes
+            if node.target is torch.ops.kvpass.slot_prefill.default
+        }
         if any(p.op != "placeholder" or c.op != "placeholder" for p, c in self.slots.values()):
             return "the SlotCache's positions are not graph inputs (the gate could not record true positions)"
         # graph outputs and the position tensors a second pass reads stay to the end
@@ -120,8 +141,16 @@ class GatedGraph:
         sequence once each row keeps its own tokens. The segment is compiled again (once per batch size)
         with those inputs' fakes widened, the batch dim taken from an input that has it; ``None`` when
         nothing was widened (the precompiled function serves)."""
-        wide = [i for i, (f, x) in enumerate(zip(seg.fakes, ins)) if isinstance(f, Tensor) and isinstance(x, Tensor)
-                and f.dim() > 0 and isinstance(f.shape[0], int) and f.shape[0] == 1 and x.shape[0] != 1]
+        wide = [
+            i
+            for i, (f, x) in enumerate(zip(seg.fakes, ins))
+            if isinstance(f, Tensor)
+            and isinstance(x, Tensor)
+            and f.dim() > 0
+            and isinstance(f.shape[0], int)
+            and f.shape[0] == 1
+            and x.shape[0] != 1
+        ]
         if not wide:
             return None
         key = ("widened", seg.index, tuple(int(ins[i].shape[0]) for i in wide))
@@ -129,9 +158,18 @@ class GatedGraph:
             fakes = list(seg.fakes)
             for i in wide:
                 with fakes[i].fake_mode:
-                    b = next((f.shape[0] for f, x in zip(seg.fakes, ins) if isinstance(f, Tensor) and f.dim() > 0
-                              and isinstance(x, Tensor) and isinstance(f.shape[0], torch.SymInt)
-                              and x.shape[0] == ins[i].shape[0]), int(ins[i].shape[0]))
+                    b = next(
+                        (
+                            f.shape[0]
+                            for f, x in zip(seg.fakes, ins)
+                            if isinstance(f, Tensor)
+                            and f.dim() > 0
+                            and isinstance(x, Tensor)
+                            and isinstance(f.shape[0], torch.SymInt)
+                            and x.shape[0] == ins[i].shape[0]
+                        ),
+                        int(ins[i].shape[0]),
+                    )
                     fakes[i] = fakes[i].new_empty((b, *fakes[i].shape[1:]))
             self.compiled[key] = self.compile_segment(seg.gm, fakes)
         return self.compiled[key], [x.contiguous() if i in wide else x for i, x in enumerate(ins)]
@@ -150,8 +188,14 @@ class GatedGraph:
             if n not in seg.short:
                 seg.short[n] = build(self.gm, seg, (length, n))
             gm = seg.short[n]
-        key = (seg.index, n, tuple(tuple(x.shape) if isinstance(x, Tensor) else x if isinstance(x, (int, float))
-                                   else type(x).__name__ for x in ins))
+        key = (
+            seg.index,
+            n,
+            tuple(
+                tuple(x.shape) if isinstance(x, Tensor) else x if isinstance(x, (int, float)) else type(x).__name__
+                for x in ins
+            ),
+        )
         fn = self.compiled.get(key)
         if fn is None:
             fn = self.compiled[key] = self.compile_segment(gm, ins)
@@ -170,14 +214,23 @@ class GatedGraph:
         finally:
             self.runtime.first_pass = False
         if sel is None and self.runtime.overflow is not None:
-            raise ValueError(f"kvpass SlotCache: layer {self.runtime.overflow} keeps the whole prompt (the "
-                             f"selection layer did not fire) but holds fewer slots; build the cache with a larger "
-                             f"max_length")
+            raise ValueError(
+                f"kvpass SlotCache: layer {self.runtime.overflow} keeps the whole prompt (the "
+                f"selection layer did not fire) but holds fewer slots; build the cache with a larger "
+                f"max_length"
+            )
         if length is None:
             length = int(self.length)
         shift = length - n if self.two_pass and self.renumber and sel is not None else 0
-        self.runtime.gate = GateInfo(gate_layer, length, n or length, self.cuts, ctx.get("ratios", {}),
-                                     2 if self.two_pass and sel is not None else 1, shift)
+        self.runtime.gate = GateInfo(
+            gate_layer,
+            length,
+            n or length,
+            self.cuts,
+            ctx.get("ratios", {}),
+            2 if self.two_pass and sel is not None else 1,
+            shift,
+        )
         if sel is not None and self.two_pass:
             env, orig = self._second_pass(args, env, sel, n, length), {}
         if sel is not None:
@@ -187,8 +240,9 @@ class GatedGraph:
                 self._record(-1, true, n if self.renumber else length, length, env, shift)
             else:
                 self._record(gate_layer, true, length, length, env)
-        return fx.node.map_aggregate(self.output.args[0],
-                                     lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x)
+        return fx.node.map_aggregate(
+            self.output.args[0], lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x
+        )
 
     def _first_pass(self, env: dict, orig: dict, history: dict, ctx: dict):
         """Run the segments, gathering the selected tokens at the gate when it fires (a two-pass policy
@@ -213,20 +267,23 @@ class GatedGraph:
                 continue  # everything fits the budget: nothing to prune
             if "kv_pos" not in ctx:
                 mask = site_mask(self.sites[seg.cut])[0]
-                ctx["kv_pos"] = masked_positions(env[mask] if isinstance(mask, fx.Node) else None,
-                                                  history[seg.cut].shape[0], length, history[seg.cut].device)
+                ctx["kv_pos"] = masked_positions(
+                    env[mask] if isinstance(mask, fx.Node) else None,
+                    history[seg.cut].shape[0],
+                    length,
+                    history[seg.cut].device,
+                )
             if policy.gate_fires(seg.cut, history, keep, ctx):
                 sel = policy.gate_select(history[seg.cut], keep, ctx)
                 gate_layer, n = seg.cut, keep
                 if self.two_pass:
                     break
-                later = {x for s in self.segments[seg.index + 1:] for x in s.inputs
-                         if self.seg_of[x] <= seg.index}
+                later = {x for s in self.segments[seg.index + 1 :] for x in s.inputs if self.seg_of[x] <= seg.index}
                 for x in later:
                     t = self.transform.get(x, ("keep",))
                     if t[0] == "keep":
                         continue
-                    if x in self.out_nodes:   # the graph returns it at full length
+                    if x in self.out_nodes:  # the graph returns it at full length
                         orig[x] = env[x]
                     env[x] = n if t[0] == "length" else take(env[x], sel, t[1])
         return sel, n, gate_layer, length
@@ -247,8 +304,11 @@ class GatedGraph:
                 env[ph] = take(x, sel, dims)
             else:
                 env[ph] = renumber(ph.name, x, sel, dims, length)
-        originals = {p: take(first[p], sel, self.ph_dims.get(p) or self.transform_dims(p))
-                     for p in self.pos_nodes if not self.renumber}
+        originals = {
+            p: take(first[p], sel, self.ph_dims.get(p) or self.transform_dims(p))
+            for p in self.pos_nodes
+            if not self.renumber
+        }
         for p in self.pos_nodes:
             if p.op == "placeholder" and p in originals:
                 env[p] = originals[p]
@@ -264,7 +324,7 @@ class GatedGraph:
         t = self.transform.get(node)
         if t is None or t[0] != "gather":
             v = val(node)
-            if v is None and node.args:   # an op the rewrite inserted (true_positions): its input's shape
+            if v is None and node.args:  # an op the rewrite inserted (true_positions): its input's shape
                 v = val(node.args[0])
             return tuple(d for d in range(v.dim()) if same(v.shape[d], self.length))
         return t[1]
@@ -282,7 +342,7 @@ class GatedGraph:
         for layer in sorted(self.sites):
             if layer <= gate_layer:
                 continue
-            if layer in self.slots:    # a SlotCache layer: its slots hold local indices 0..n-1 in order
+            if layer in self.slots:  # a SlotCache layer: its slots hold local indices 0..n-1 in order
                 pos, count = (env[x] for x in self.slots[layer])
                 pos.copy_(true_of(pos, true))
                 count[:, SEEN], count[:, DROPPED] = seen + shift, shift

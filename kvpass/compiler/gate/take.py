@@ -48,12 +48,18 @@ def renumber(name: str, x: Tensor, sel: Tensor, dims: tuple, length: int) -> Ten
         shape[d] = length
         if bool((x == ar.view(shape)).all()):
             shape[d] = sel.shape[1]
-            return torch.arange(sel.shape[1], device=x.device, dtype=x.dtype).view(shape).expand(
-                *[s if i != d else sel.shape[1] for i, s in enumerate(x.shape)]).contiguous()
+            return (
+                torch.arange(sel.shape[1], device=x.device, dtype=x.dtype)
+                .view(shape)
+                .expand(*[s if i != d else sel.shape[1] for i, s in enumerate(x.shape)])
+                .contiguous()
+            )
     if bool(((x == 0) | (x == 1)).all()):
         return take(x, sel, dims)
-    raise RuntimeError(f"kvpass gate: the second prefill cannot tell what input '{name}' is (neither "
-                       f"positions 0..L-1 nor a 0/1 mask; left-padded positions are not supported)")
+    raise RuntimeError(
+        f"kvpass gate: the second prefill cannot tell what input '{name}' is (neither "
+        f"positions 0..L-1 nor a 0/1 mask; left-padded positions are not supported)"
+    )
 
 
 def masked_positions(mask, b: int, length: int, device) -> Tensor:

@@ -47,8 +47,15 @@ def metrics() -> dict:
     return {name: fn for mod in _modules() for name, fn in mod.METRICS.items()}
 
 
-def load(name: str, path, tokenizer, *, subsets: list[str] | None = None, limit: int | None = None,
-         max_length: int | None = None) -> list[Task]:
+def load(
+    name: str,
+    path,
+    tokenizer,
+    *,
+    subsets: list[str] | None = None,
+    limit: int | None = None,
+    max_length: int | None = None,
+) -> list[Task]:
     """Tasks of benchmark ``name`` read from ``path`` (see the module docstring); ``limit`` rows per subset;
     ``max_length``: prompts longer than it are cut in the middle (``_io.cut_middle``)."""
     found = loaders()

@@ -40,6 +40,7 @@ SUFFIXES = (".jsonl", ".json", ".parquet")
 # --------------------------------------------------------------------------------------------
 # Reading
 
+
 def records(path: str | Path, subset: str | None = None, split: str = "test") -> list[dict]:
     """Rows of ``subset`` (None: the one file ``path`` names) from a local file or folder, else a Hub dataset id
     (``datasets.load_dataset(path, subset, split=split)``)."""
@@ -58,8 +59,10 @@ def records(path: str | Path, subset: str | None = None, split: str = "test") ->
     try:
         import datasets
     except ImportError:
-        raise FileNotFoundError(f"{path}: not a local file or folder, and reading it from the Hugging Face Hub needs "
-                                f"the optional 'datasets' package (pip install datasets)") from None
+        raise FileNotFoundError(
+            f"{path}: not a local file or folder, and reading it from the Hugging Face Hub needs "
+            f"the optional 'datasets' package (pip install datasets)"
+        ) from None
     return [dict(r) for r in datasets.load_dataset(str(path), subset, split=split)]
 
 
@@ -85,8 +88,10 @@ def _read(p: Path, limit: int | None = None) -> list[dict]:
         try:
             import pandas
         except ImportError:
-            raise ImportError(f"{p}: reading .parquet files needs pandas (pip install 'kvpass[benchmarks]'), or "
-                              f"convert the file to .jsonl") from None
+            raise ImportError(
+                f"{p}: reading .parquet files needs pandas (pip install 'kvpass[benchmarks]'), or "
+                f"convert the file to .jsonl"
+            ) from None
         return pandas.read_parquet(p).to_dict("records")
     raise ValueError(f"{p}: read .jsonl, .json or .parquet files")
 
@@ -106,8 +111,11 @@ def data_files(path, *, empty_ok: bool = False) -> list[Path]:
         raise FileNotFoundError(f"{path}: no such file or folder")
     if root.is_file():
         return [root]
-    files = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in SUFFIXES
-                   and not any(part.startswith(".") for part in f.relative_to(root).parts))
+    files = sorted(
+        f
+        for f in root.rglob("*")
+        if f.is_file() and f.suffix in SUFFIXES and not any(part.startswith(".") for part in f.relative_to(root).parts)
+    )
     if not files and not empty_ok:
         raise FileNotFoundError(f"{path}: no .jsonl, .json or .parquet file in it")
     return files
@@ -136,9 +144,19 @@ def named(file: Path, root: Path, names, depth: int = 3) -> str | None:
     return next((part for part in [file.stem, *folders_up(file, root, depth)] if part in names), None)
 
 
-def rows_by_subset(path, names: list[str], known: tuple[str, ...], what: str, *, suffix: str = "",
-                   fields: tuple[str, ...] = ("task",), grouped: tuple[str, ...] | None = None, rename=None,
-                   inner: tuple[str, ...] = (), fix: str = "") -> dict[str, tuple[list[dict], str]]:
+def rows_by_subset(
+    path,
+    names: list[str],
+    known: tuple[str, ...],
+    what: str,
+    *,
+    suffix: str = "",
+    fields: tuple[str, ...] = ("task",),
+    grouped: tuple[str, ...] | None = None,
+    rename=None,
+    inner: tuple[str, ...] = (),
+    fix: str = "",
+) -> dict[str, tuple[list[dict], str]]:
     """subset -> (rows, where they came from) for the subsets ``names`` of a benchmark laid out one file per subset.
 
     * ``path`` a file: its rows grouped by the first of ``fields`` they have, else the file's name, ``rename(name)``
@@ -157,23 +175,29 @@ def rows_by_subset(path, names: list[str], known: tuple[str, ...], what: str, *,
         allowed = known if grouped is None else grouped
         unknown = [g for g in groups if g not in allowed]
         if unknown:
-            raise ValueError(f"{p}: rows of unknown {what} subset {unknown[0]!r} (from their "
-                             f"{' / '.join(map(repr, fields))} field or the file name); known: {', '.join(allowed)}. "
-                             f"Name the file <subset>.jsonl or set each row's {fields[0]!r} field")
+            raise ValueError(
+                f"{p}: rows of unknown {what} subset {unknown[0]!r} (from their "
+                f"{' / '.join(map(repr, fields))} field or the file name); known: {', '.join(allowed)}. "
+                f"Name the file <subset>.jsonl or set each row's {fields[0]!r} field"
+            )
         return {n: (groups.get(n, []), str(p)) for n in names}
     if not p.is_dir():
         return {n: (records(path, n + suffix), f"{path}:{n}{suffix}") for n in names}
     folders = (p, *(p / i for i in inner))
-    folder = next((f for f in folders if any(data_file(f, n + suffix) for n in names)),
-                  next((f for f in folders if any(data_file(f, k + suffix) for k in known)), p))
+    folder = next(
+        (f for f in folders if any(data_file(f, n + suffix) for n in names)),
+        next((f for f in folders if any(data_file(f, k + suffix) for k in known)), p),
+    )
     out = {}
     for n in names:
         try:
             out[n] = (records(folder, n + suffix), str(data_file(folder, n + suffix)))
         except FileNotFoundError as e:
             present = [k for k in known if data_file(folder, k + suffix)]
-            raise FileNotFoundError(f"{e} ({what} subset {n!r}); subsets present there: {', '.join(present) or 'none'}"
-                                    f". Pass subsets=[...] to read only those{fix}") from None
+            raise FileNotFoundError(
+                f"{e} ({what} subset {n!r}); subsets present there: {', '.join(present) or 'none'}"
+                f". Pass subsets=[...] to read only those{fix}"
+            ) from None
     return out
 
 
@@ -215,8 +239,10 @@ class OfficialConfig:
         if self.prompts is None:
             return builtin[subset], "builtin"
         if subset not in self.prompts:
-            raise ValueError(f"{self.prompts_file}: no template for subset {subset!r}; it has "
-                             f"{', '.join(self.prompts)}. Add it, or remove the file to use kvpass's own")
+            raise ValueError(
+                f"{self.prompts_file}: no template for subset {subset!r}; it has "
+                f"{', '.join(self.prompts)}. Add it, or remove the file to use kvpass's own"
+            )
         return self.prompts[subset], f"official ({self.prompts_file})"
 
     def max_new_tokens(self, subset: str, default: dict) -> int:
@@ -230,8 +256,9 @@ def fill_template(template: str, fields: dict, what: str) -> str:
     try:
         return template.format(**fields)
     except KeyError as e:
-        raise ValueError(f"{what} names field {e.args[0]!r}, which the row lacks; it has "
-                         f"{', '.join(sorted(fields))}") from None
+        raise ValueError(
+            f"{what} names field {e.args[0]!r}, which the row lacks; it has {', '.join(sorted(fields))}"
+        ) from None
     except (IndexError, ValueError) as e:
         raise ValueError(f"{what} is not a str.format template over the row's fields: {e}") from None
 
@@ -239,8 +266,10 @@ def fill_template(template: str, fields: dict, what: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Checking
 
-def wanted(subsets, known: tuple[str, ...], what: str, aliases: dict | None = None,
-           keep_order: bool = False) -> list[str]:
+
+def wanted(
+    subsets, known: tuple[str, ...], what: str, aliases: dict | None = None, keep_order: bool = False
+) -> list[str]:
     """``subsets`` checked against ``known`` (None: all of ``known``), each once, in ``known``'s order (``keep_order``:
     in the order given); ``aliases`` maps other accepted names (or their lower case) to known ones."""
     if subsets is None:
@@ -253,8 +282,10 @@ def wanted(subsets, known: tuple[str, ...], what: str, aliases: dict | None = No
         name = aliases.get(s, aliases.get(str(s).lower(), s))
         if name not in known:
             alias_note = f" (or {', '.join(sorted(aliases))})" if aliases else ""
-            raise ValueError(f"unknown {what} subset {s!r}; known: {', '.join(known)}{alias_note}. Pass subsets from "
-                             f"that list (or None for all)")
+            raise ValueError(
+                f"unknown {what} subset {s!r}; known: {', '.join(known)}{alias_note}. Pass subsets from "
+                f"that list (or None for all)"
+            )
         if name not in chosen:
             chosen.append(name)
     return chosen if keep_order else [k for k in known if k in chosen]
@@ -267,18 +298,24 @@ def row_format(row: dict, source: str, formats: dict[str, tuple[str, ...]], what
     for name, marks in formats.items():
         if set(marks) <= keys:
             return name
-    raise ValueError(f"{source}: rows with fields {', '.join(sorted(map(str, keys)))} are in no {what} format kvpass "
-                     f"reads. {fix}")
+    raise ValueError(
+        f"{source}: rows with fields {', '.join(sorted(map(str, keys)))} are in no {what} format kvpass reads. {fix}"
+    )
 
 
-def official_or_kvpress(row: dict, source: str, what: str, official: tuple[str, ...],
-                        kvpress: tuple[str, ...]) -> str:
-    """"kvpress" when ``row`` has kvpress's ``answer_prefix`` column, else "official" (the benchmark's own rows);
+def official_or_kvpress(row: dict, source: str, what: str, official: tuple[str, ...], kvpress: tuple[str, ...]) -> str:
+    """ "kvpress" when ``row`` has kvpress's ``answer_prefix`` column, else "official" (the benchmark's own rows);
     a ValueError (``need``) naming ``source``, the missing field and both formats' fields when the row lacks one
     that its format needs."""
     fmt, fields = ("kvpress", kvpress) if "answer_prefix" in row else ("official", official)
-    need(row, fields, source, f"{fmt} {what}", f"{what}'s own rows have {', '.join(official)}; kvpress's have "
-                                                f"{', '.join(kvpress)}. Fix the file, or pass the dataset's own files")
+    need(
+        row,
+        fields,
+        source,
+        f"{fmt} {what}",
+        f"{what}'s own rows have {', '.join(official)}; kvpress's have "
+        f"{', '.join(kvpress)}. Fix the file, or pass the dataset's own files",
+    )
     return fmt
 
 
@@ -288,14 +325,14 @@ def check_found(path, what: str, asked, names, found, present) -> None:
     if asked is not None:
         missing = [n for n in names if n not in found]
         if missing:
-            raise ValueError(f"{path}: no rows for {what} task(s) {', '.join(missing)}; "
-                             f"tasks found: {', '.join(present) or 'none'}")
+            raise ValueError(
+                f"{path}: no rows for {what} task(s) {', '.join(missing)}; tasks found: {', '.join(present) or 'none'}"
+            )
     if not found:
         raise ValueError(f"{path}: no {what} rows found")
 
 
-def row_task(row: dict, task: str | None, source: str, what: str, known, hint: str,
-             aliases: dict | None = None) -> str:
+def row_task(row: dict, task: str | None, source: str, what: str, known, hint: str, aliases: dict | None = None) -> str:
     """The task a row belongs to: its ``task`` field (through ``aliases``), else ``task`` (what its file's name or
     folders say); a ValueError naming ``source`` when neither says (then ``hint``), or when the task is not one of
     ``known``."""
@@ -313,8 +350,10 @@ def need(row: dict, fields, source: str, what: str, fix: str) -> None:
     format needs, the fields the row has and ``fix``."""
     for f in fields:
         if f not in row:
-            raise ValueError(f"{source}: a row has no field {f!r}, which the {what} format needs "
-                             f"({', '.join(fields)}); its fields: {', '.join(sorted(map(str, row)))}. {fix}")
+            raise ValueError(
+                f"{source}: a row has no field {f!r}, which the {what} format needs "
+                f"({', '.join(fields)}); its fields: {', '.join(sorted(map(str, row)))}. {fix}"
+            )
 
 
 def as_list(value) -> list:
@@ -343,6 +382,7 @@ def expected(answers, what: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # Prompts
 
+
 def encode(tokenizer, text: str) -> list[int]:
     """``text``'s ids without special tokens."""
     return list(tokenizer(text, add_special_tokens=False).input_ids)
@@ -353,8 +393,9 @@ def has_chat(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
-def kvpress_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",
-                   enable_thinking: bool = False) -> tuple[list[int], int]:
+def kvpress_prompt(
+    tokenizer, context: str, question: str, answer_prefix: str = "", enable_thinking: bool = False
+) -> tuple[list[int], int]:
     """``(ids, context_tokens)``: the prompt kvpress's pipeline (``KVPressTextGenerationPipeline.preprocess``) feeds
     for one row, context ids then question ids, each tokenized without special tokens; ``context_tokens`` is how
     many of the ids kvpress compresses.
@@ -368,21 +409,27 @@ def kvpress_prompt(tokenizer, context: str, question: str, answer_prefix: str = 
         bos = getattr(tokenizer, "bos_token", None)
         if isinstance(bos, str) and bos:
             context_ids = encode(tokenizer, bos + context)
-        else:                                   # no BOS text: its id, if the tokenizer has one
+        else:  # no BOS text: its id, if the tokenizer has one
             bos_id = getattr(tokenizer, "bos_token_id", None)
             context_ids = ([bos_id] if bos_id is not None else []) + encode(tokenizer, context)
         suffix = "\n"
     else:
         mark, n = "<<kvpass-question>>", 0
-        while mark in context:                  # a marker the context does not hold
+        while mark in context:  # a marker the context does not hold
             n += 1
             mark = f"<<kvpass-question-{n}>>"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": context + mark}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=enable_thinking)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + mark}],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=enable_thinking,
+        )
         parts = text.split(mark)
         if len(parts) != 2:
-            raise ValueError(f"the chat template did not keep the user turn's text as given (marker {mark!r} found "
-                             f"{len(parts) - 1} times): kvpress's prompt cannot be built with it")
+            raise ValueError(
+                f"the chat template did not keep the user turn's text as given (marker {mark!r} found "
+                f"{len(parts) - 1} times): kvpress's prompt cannot be built with it"
+            )
         context_ids = encode(tokenizer, parts[0])
         suffix = parts[1]
     return context_ids + encode(tokenizer, question + suffix + answer_prefix), len(context_ids)
@@ -395,7 +442,7 @@ def cut_middle(ids: list[int], max_length: int | None) -> tuple[list[int], bool]
     if max_length is None or len(ids) <= max_length:
         return ids, False
     half = max_length // 2
-    return ids[:half] + ids[len(ids) - (max_length - half):], True
+    return ids[:half] + ids[len(ids) - (max_length - half) :], True
 
 
 def prompt_ids(tokenizer, text: str, max_length: int | None = None) -> tuple[list[int], bool]:
@@ -421,9 +468,24 @@ def tokenized(tokenizer, prompt: str | dict, max_length: int | None) -> tuple[li
     return ids, cut, {}
 
 
-def task(benchmark: str, subset: str, row_id, ids: list[int], answers: list[str], metric: str,
-         max_new_tokens: int, cut: bool = False, **meta) -> Task:
+def task(
+    benchmark: str,
+    subset: str,
+    row_id,
+    ids: list[int],
+    answers: list[str],
+    metric: str,
+    max_new_tokens: int,
+    cut: bool = False,
+    **meta,
+) -> Task:
     """A ``Task`` named ``<benchmark>/<subset>``; ``meta`` keeps ``length``, ``id``, ``cut`` and the rest given."""
-    return Task(family=benchmark, name=f"{benchmark}/{subset}", input_ids=ids, answers=[str(a) for a in answers],
-                metric=metric, max_new_tokens=max_new_tokens,
-                meta={"length": len(ids), "id": row_id, "cut": cut, "benchmark": benchmark, "subset": subset, **meta})
+    return Task(
+        family=benchmark,
+        name=f"{benchmark}/{subset}",
+        input_ids=ids,
+        answers=[str(a) for a in answers],
+        metric=metric,
+        max_new_tokens=max_new_tokens,
+        meta={"length": len(ids), "id": row_id, "cut": cut, "benchmark": benchmark, "subset": subset, **meta},
+    )

@@ -21,10 +21,26 @@ _ASCII_PUNCT = frozenset(string.punctuation)
 # of ASCII punctuation except the fullwidth full stop, the halfwidth CJK marks, quotes / dashes / ellipses (not the
 # single low quotation mark U+201A), most CJK brackets (U+300B but not U+300A), the wavy and double-sided marks
 ZH_PUNCT = _ASCII_PUNCT | frozenset(
-    chr(c) for c in [*range(0xFF01, 0xFF65), 0x2013, 0x2014, 0x2018, 0x2019, *range(0x201B, 0x2020), 0x2026,
-                     0x2027, *range(0x3001, 0x3004), *range(0x300B, 0x3012), *range(0x3014, 0x3020), 0x3030,
-                     0x303E, 0x303F, 0xFE4F]
-    if not chr(c).isalnum() and c != 0xFF0E)
+    chr(c)
+    for c in [
+        *range(0xFF01, 0xFF65),
+        0x2013,
+        0x2014,
+        0x2018,
+        0x2019,
+        *range(0x201B, 0x2020),
+        0x2026,
+        0x2027,
+        *range(0x3001, 0x3004),
+        *range(0x300B, 0x3012),
+        *range(0x3014, 0x3020),
+        0x3030,
+        0x303E,
+        0x303F,
+        0xFE4F,
+    ]
+    if not chr(c).isalnum() and c != 0xFF0E
+)
 
 
 def normalize_en(text: str) -> str:
@@ -119,7 +135,8 @@ def rouge_n(hypothesis: str, reference: str, n: int) -> dict | None:
         return None
 
     def grams(words):
-        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+        return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
     h, r = grams(_words(hyp)), grams(_words(ref))
     same = len(h & r)
     prec = same / len(h) if h else 0.0

@@ -58,28 +58,72 @@ from pathlib import Path
 
 from kvpass.eval.benchmarks import _io, _text
 
-TASKS = ("longbook_sum_eng", "longbook_qa_eng", "longbook_choice_eng", "longdialogue_qa_eng", "longbook_qa_chn",
-         "code_debug", "code_run", "math_calc", "math_find", "passkey", "number_string", "kv_retrieval")
+TASKS = (
+    "longbook_sum_eng",
+    "longbook_qa_eng",
+    "longbook_choice_eng",
+    "longdialogue_qa_eng",
+    "longbook_qa_chn",
+    "code_debug",
+    "code_run",
+    "math_calc",
+    "math_find",
+    "passkey",
+    "number_string",
+    "kv_retrieval",
+)
 SUBSETS = {"infinitebench": TASKS}
-DISPLAY = {"longbook_sum_eng": "En.Sum", "longbook_qa_eng": "En.QA", "longbook_choice_eng": "En.MC",
-           "longdialogue_qa_eng": "En.Dia", "longbook_qa_chn": "Zh.QA", "code_debug": "Code.Debug",
-           "code_run": "Code.Run", "math_calc": "Math.Calc", "math_find": "Math.Find", "passkey": "Retrieve.PassKey",
-           "number_string": "Retrieve.Number", "kv_retrieval": "Retrieve.KV"}
+DISPLAY = {
+    "longbook_sum_eng": "En.Sum",
+    "longbook_qa_eng": "En.QA",
+    "longbook_choice_eng": "En.MC",
+    "longdialogue_qa_eng": "En.Dia",
+    "longbook_qa_chn": "Zh.QA",
+    "code_debug": "Code.Debug",
+    "code_run": "Code.Run",
+    "math_calc": "Math.Calc",
+    "math_find": "Math.Find",
+    "passkey": "Retrieve.PassKey",
+    "number_string": "Retrieve.Number",
+    "kv_retrieval": "Retrieve.KV",
+}
 ALIASES = {**{v: k for k, v in DISPLAY.items()}, **{v.lower(): k for k, v in DISPLAY.items()}}
 
-MAX_NEW_TOKENS = {"passkey": 6, "number_string": 12, "kv_retrieval": 50, "longbook_sum_eng": 1200,
-                  "longbook_choice_eng": 40, "longbook_qa_eng": 40, "longbook_qa_chn": 40, "longdialogue_qa_eng": 40,
-                  "math_find": 3, "math_calc": 30000, "code_run": 5, "code_debug": 5}
+MAX_NEW_TOKENS = {
+    "passkey": 6,
+    "number_string": 12,
+    "kv_retrieval": 50,
+    "longbook_sum_eng": 1200,
+    "longbook_choice_eng": 40,
+    "longbook_qa_eng": 40,
+    "longbook_qa_chn": 40,
+    "longdialogue_qa_eng": 40,
+    "math_find": 3,
+    "math_calc": 30000,
+    "code_run": 5,
+    "code_debug": 5,
+}
 
-METRIC = {"longbook_sum_eng": "infinitebench_rouge_lsum", "longbook_qa_eng": "infinitebench_qa_f1",
-          "longbook_choice_eng": "infinitebench_choice", "longdialogue_qa_eng": "infinitebench_dialogue",
-          "longbook_qa_chn": "infinitebench_qa_f1_zh", "code_debug": "infinitebench_code_debug",
-          "code_run": "infinitebench_code_run", "math_calc": "infinitebench_math_calc",
-          "math_find": "infinitebench_math_find", "passkey": "infinitebench_first_int",
-          "number_string": "infinitebench_first_int", "kv_retrieval": "infinitebench_kv_retrieval"}
-KVPRESS_METRIC = {**METRIC, "longbook_choice_eng": "infinitebench_choice_kvpress",
-                  "longdialogue_qa_eng": "infinitebench_dialogue_kvpress",
-                  "code_debug": "infinitebench_code_debug_kvpress"}
+METRIC = {
+    "longbook_sum_eng": "infinitebench_rouge_lsum",
+    "longbook_qa_eng": "infinitebench_qa_f1",
+    "longbook_choice_eng": "infinitebench_choice",
+    "longdialogue_qa_eng": "infinitebench_dialogue",
+    "longbook_qa_chn": "infinitebench_qa_f1_zh",
+    "code_debug": "infinitebench_code_debug",
+    "code_run": "infinitebench_code_run",
+    "math_calc": "infinitebench_math_calc",
+    "math_find": "infinitebench_math_find",
+    "passkey": "infinitebench_first_int",
+    "number_string": "infinitebench_first_int",
+    "kv_retrieval": "infinitebench_kv_retrieval",
+}
+KVPRESS_METRIC = {
+    **METRIC,
+    "longbook_choice_eng": "infinitebench_choice_kvpress",
+    "longdialogue_qa_eng": "infinitebench_dialogue_kvpress",
+    "code_debug": "infinitebench_code_debug_kvpress",
+}
 
 OFFICIAL_FIELDS = ("context", "input", "answer")
 KVPRESS_FIELDS = ("context", "question", "answer_prefix", "answer", "max_new_tokens")
@@ -88,32 +132,32 @@ TEMPLATES_FILE = "templates.json"
 # kvpass's own prompts (used without a templates.json): InfiniteBench's placeholders, kvpass's wording.
 PROMPTS = {
     "passkey": "The text below hides a pass key among a great deal of filler. Find the pass key and keep it in mind: "
-               "a question about it follows.\n\n{context}\n\n{input}\n\nThe pass key is",
+    "a question about it follows.\n\n{context}\n\n{input}\n\nThe pass key is",
     "number_string": "The text below hides a long sequence of digits among a great deal of filler. Find it and keep "
-                     "it in mind: a question about it follows.\n\n{context}\n\n{input}\n\nThe sequence of digits is",
+    "it in mind: a question about it follows.\n\n{context}\n\n{input}\n\nThe sequence of digits is",
     "kv_retrieval": "Below is a JSON object that maps keys to values. Look up the value stored under the key you are "
-                    "asked about.\n\n{context}\n\n{input}",
+    "asked about.\n\n{context}\n\n{input}",
     "longbook_sum_eng": "Write a summary of the book below.\n\n{context}\n\nSummary:",
     "longbook_choice_eng": "Read the book below, then answer the multiple-choice question about it.\n\n{context}\n\n"
-                           "Question: {question}\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\n"
-                           "Reply with the letter of the right option.\nAnswer:",
+    "Question: {question}\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\n"
+    "Reply with the letter of the right option.\nAnswer:",
     "longbook_qa_eng": "Read the book below, then answer the question about it in as few words as possible.\n\n"
-                       "{context}\n\nQuestion: {question}\nAnswer:",
+    "{context}\n\nQuestion: {question}\nAnswer:",
     "longbook_qa_chn": "请阅读下面这本书，然后尽量简短地回答问题。\n\n{context}\n\n问题：{question}\n答案：",
     "math_find": "{prefix}\n\n{context}\n\n{input}",
     "math_calc": "Work out the running value of the arithmetic expression below: after each operation, write the "
-                 "result so far, all in one list.\n\nExpression: 2 + 5 - 1\nValues: [2, 7, 6]\n\n"
-                 "Expression: 9 - 4 - 3 + 6\nValues: [9, 5, 2, 8]\n\nExpression: {context}\nValues:",
+    "result so far, all in one list.\n\nExpression: 2 + 5 - 1\nValues: [2, 7, 6]\n\n"
+    "Expression: 9 - 4 - 3 + 6\nValues: [9, 5, 2, 8]\n\nExpression: {context}\nValues:",
     "code_run": "The Python code below defines a function named {func}, among many others.\n\n{context}\n\n"
-                "What does {func_call} return? Give its exact value.\nThe value of {func_call} is",
+    "What does {func_call} return? Give its exact value.\nThe value of {func_call} is",
     "code_debug": "In the Python code below, exactly one function or method has a deliberate bug that makes it "
-                  "crash.\n\n{context}\n\nWhich one is it?\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\n"
-                  "D. {OPTION_D}\n\nReply with the letter and the name, as in \"A. name\".\nAnswer:",
+    "crash.\n\n{context}\n\nWhich one is it?\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\n"
+    'D. {OPTION_D}\n\nReply with the letter and the name, as in "A. name".\nAnswer:',
     "longdialogue_qa_eng": "Below is a script in which one mention of a character's name has been replaced by "
-                           "\"$$MASK$$\". Work out which character it is.\n\n{context}\n\nWhich character is "
-                           "\"$$MASK$$\"? Reply with the name only.\nAnswer:",
+    '"$$MASK$$". Work out which character it is.\n\n{context}\n\nWhich character is '
+    '"$$MASK$$"? Reply with the name only.\nAnswer:',
 }
-MATH_FIND_PREFIX = "Find {target} in the list of numbers below."     # kvpass's wording of {prefix}
+MATH_FIND_PREFIX = "Find {target} in the list of numbers below."  # kvpass's wording of {prefix}
 
 _PLACEHOLDER = re.compile(r"\{(context|input|question|OPTION_[ABCD]|func|func_call|prefix)\}")
 
@@ -121,12 +165,16 @@ _PLACEHOLDER = re.compile(r"\{(context|input|question|OPTION_[ABCD]|func|func_ca
 # --------------------------------------------------------------------------------------------
 # Reading
 
+
 def _fix(fmt: str) -> str:
     if fmt == "kvpress":
-        return (f"kvpress's InfiniteBench (MaxJeblick/InfiniteBench, one config per task) has "
-                f"{', '.join(KVPRESS_FIELDS)} and task.")
-    return ("InfiniteBench's jsonl (xinrongzhang2022/InfiniteBench, <task>.jsonl) has id, context, input, answer, "
-            "options.")
+        return (
+            f"kvpress's InfiniteBench (MaxJeblick/InfiniteBench, one config per task) has "
+            f"{', '.join(KVPRESS_FIELDS)} and task."
+        )
+    return (
+        "InfiniteBench's jsonl (xinrongzhang2022/InfiniteBench, <task>.jsonl) has id, context, input, answer, options."
+    )
 
 
 _FORMATS = {"kvpress": ("context", "question"), "official": ("context", "input")}
@@ -137,18 +185,25 @@ def _format(row: dict, source: str) -> str:
 
 
 def _hub_rows(repo: str, config: str | None, task: str) -> list[dict]:
-    if repo.lower() == "xinrongzhang2022/infinitebench":      # one split per task; answers need a declared type
+    if repo.lower() == "xinrongzhang2022/infinitebench":  # one split per task; answers need a declared type
         try:
             import datasets
         except ImportError:
-            raise FileNotFoundError(f"{repo}: reading it from the Hugging Face Hub needs the optional 'datasets' "
-                                    f"package (pip install datasets), or download <task>.jsonl files") from None
-        features = datasets.Features({"id": datasets.Value("int64"), "context": datasets.Value("string"),
-                                      "input": datasets.Value("string"),
-                                      "answer": datasets.Sequence(datasets.Value("string")),
-                                      "options": datasets.Sequence(datasets.Value("string"))})
+            raise FileNotFoundError(
+                f"{repo}: reading it from the Hugging Face Hub needs the optional 'datasets' "
+                f"package (pip install datasets), or download <task>.jsonl files"
+            ) from None
+        features = datasets.Features(
+            {
+                "id": datasets.Value("int64"),
+                "context": datasets.Value("string"),
+                "input": datasets.Value("string"),
+                "answer": datasets.Sequence(datasets.Value("string")),
+                "options": datasets.Sequence(datasets.Value("string")),
+            }
+        )
         return [dict(r) for r in datasets.load_dataset(repo, split=task, features=features)]
-    return _io.records(repo, config or task)                  # kvpress's MaxJeblick/InfiniteBench: config = task
+    return _io.records(repo, config or task)  # kvpress's MaxJeblick/InfiniteBench: config = task
 
 
 def _groups(path, names: list[str], limit: int | None) -> tuple[dict, dict]:
@@ -168,12 +223,19 @@ def _groups(path, names: list[str], limit: int | None) -> tuple[dict, dict]:
         task = _io.named(file, root, TASKS)
         if task is not None and task not in names:
             continue
-        if task is not None and seen.setdefault(task, file).parent != file.parent:   # shards share a folder
+        if task is not None and seen.setdefault(task, file).parent != file.parent:  # shards share a folder
             raise ValueError(f"{seen[task]} and {file} both hold InfiniteBench task {task!r}: point at one of them")
         for row in _io.read_rows(file, limit if task is not None else None):
-            name = _io.row_task(row, task, str(file), "InfiniteBench", TASKS, f"the file is not named for an "
-                                f"InfiniteBench task ({', '.join(TASKS)}). Keep InfiniteBench's names (<task>.jsonl)",
-                                ALIASES)
+            name = _io.row_task(
+                row,
+                task,
+                str(file),
+                "InfiniteBench",
+                TASKS,
+                f"the file is not named for an "
+                f"InfiniteBench task ({', '.join(TASKS)}). Keep InfiniteBench's names (<task>.jsonl)",
+                ALIASES,
+            )
             if name in names:
                 groups.setdefault(name, []).append((row, str(file)))
     return groups, templates
@@ -192,19 +254,23 @@ def _templates(folder: Path) -> dict:
         if not isinstance(value, str) or (key in TASKS and "{context}" not in value):
             raise ValueError(f"{file}: the template for {key!r} must be a string holding {{context}}")
     if "math_find" in found and "math_find_prefix" not in found:
-        raise ValueError(f"{file}: a math_find template needs math_find_prefix too (the sentence that fills "
-                         f"{{prefix}}, with {{target}})")
+        raise ValueError(
+            f"{file}: a math_find template needs math_find_prefix too (the sentence that fills "
+            f"{{prefix}}, with {{target}})"
+        )
     return found
 
 
 # --------------------------------------------------------------------------------------------
 # Prompts and answers
 
+
 def _options(row: dict, task: str, source: str) -> list[str]:
     options = _io.answers_of(row.get("options"))
     if len(options) < 4:
-        raise ValueError(f"{source}: a {task} row (id {row.get('id')}) needs 4 'options', has {len(options)}. "
-                         f"{_fix('official')}")
+        raise ValueError(
+            f"{source}: a {task} row (id {row.get('id')}) needs 4 'options', has {len(options)}. {_fix('official')}"
+        )
     return options
 
 
@@ -221,9 +287,11 @@ def _fields(row: dict, task: str, source: str) -> dict:
     if task == "math_find":
         ask = re.findall(r"The .+ of", row["input"])
         if not ask:
-            raise ValueError(f"{source}: a math_find row (id {row.get('id')}) does not say which number it asks for "
-                             f"('The ... of' in 'input')")
-        fields["target"] = ask[0].lower()[:-3]                # "the largest number", as create_prompt takes it
+            raise ValueError(
+                f"{source}: a math_find row (id {row.get('id')}) does not say which number it asks for "
+                f"('The ... of' in 'input')"
+            )
+        fields["target"] = ask[0].lower()[:-3]  # "the largest number", as create_prompt takes it
     return fields
 
 
@@ -237,14 +305,14 @@ def _answers(row: dict, task: str, source: str) -> list[str]:
         options = _options(row, task, source)
         given = _io.answers_of(answer)
         if len(given) == 2 and given[1] in ("A", "B", "C", "D"):
-            return given                                      # already [option, letter]
+            return given  # already [option, letter]
         if not given or given[0] not in options:
             raise ValueError(f"{source}: a {task} row (id {row.get('id')}) answers {given!r}, not one of its options")
         return [given[0], "ABCD"[options.index(given[0])]]
     if task == "math_calc":
         values = list(answer) if not isinstance(answer, str) else [answer]
         if len(values) == 1 and not isinstance(values[0], (int, str)):
-            values = list(values[0])                          # [[...]]: one list of values
+            values = list(values[0])  # [[...]]: one list of values
         return [str(v) for v in values]
     return _io.answers_of(answer)
 
@@ -253,22 +321,42 @@ def _build(tokenizer, row: dict, fmt: str, task: str, position: int, source: str
     if fmt == "kvpress":
         _io.need(row, KVPRESS_FIELDS, source, "kvpress InfiniteBench", _fix("kvpress"))
         ids, cut, prompt = _io.kvpress_ids(tokenizer, row, max_length)
-        return _io.task("infinitebench", task, row.get("id", position), ids, _io.answers_of(row["answer"]),
-                        KVPRESS_METRIC[task], int(row["max_new_tokens"]), cut, format="kvpress",
-                        display=DISPLAY[task], **prompt)
+        return _io.task(
+            "infinitebench",
+            task,
+            row.get("id", position),
+            ids,
+            _io.answers_of(row["answer"]),
+            KVPRESS_METRIC[task],
+            int(row["max_new_tokens"]),
+            cut,
+            format="kvpress",
+            display=DISPLAY[task],
+            **prompt,
+        )
     _io.need(row, OFFICIAL_FIELDS, source, "InfiniteBench", _fix("official"))
     official = task in templates
     fields = _fields(row, task, source)
     if task == "math_find":
         fields["prefix"] = (templates["math_find_prefix"] if official else MATH_FIND_PREFIX).format(
-            target=fields["target"])
+            target=fields["target"]
+        )
     prompt = _fill(templates[task] if official else PROMPTS[task], fields)
     ids, cut = _io.prompt_ids(tokenizer, prompt, max_length)
     meta = {"format": "official", "display": DISPLAY[task], "template": "official" if official else "kvpass"}
     if task in ("longbook_choice_eng", "code_debug"):
         meta["options"] = _options(row, task, source)[:4]
-    return _io.task("infinitebench", task, row.get("id", position), ids, _answers(row, task, source), METRIC[task],
-                    MAX_NEW_TOKENS[task], cut, **meta)
+    return _io.task(
+        "infinitebench",
+        task,
+        row.get("id", position),
+        ids,
+        _answers(row, task, source),
+        METRIC[task],
+        MAX_NEW_TOKENS[task],
+        cut,
+        **meta,
+    )
 
 
 def load(path, tokenizer, *, subsets=None, limit: int | None = None, max_length: int | None = None):
@@ -291,6 +379,7 @@ LOADERS = {"infinitebench": load}
 
 # --------------------------------------------------------------------------------------------
 # Metrics (InfiniteBench's src/compute_scores.py, rewritten; kvpress's adaptations where noted)
+
 
 def _need(answers) -> list[str]:
     return _io.expected(answers, "an InfiniteBench metric")
@@ -371,7 +460,7 @@ def _choice(labels: list[str], pred: str) -> bool:
         at = pred.find(prefix)
         if at < 0:
             continue
-        rest = pred[at + len(prefix) + 1:]
+        rest = pred[at + len(prefix) + 1 :]
         return len(pred) >= at + len(prefix) + 1 and any(rest.startswith(label) for label in labels)
     for word in pred.split():
         if word in "ABCD":
@@ -420,7 +509,7 @@ def _code_debug(letter: str, name: str | None, pred: str) -> bool:
             continue
         if len(pred) < at + len(prefix) + 1:
             return False
-        rest = pred[at + len(prefix) + 1:]
+        rest = pred[at + len(prefix) + 1 :]
         return rest.startswith(letter) or (name is not None and rest.startswith(name))
     return False
 
@@ -461,7 +550,7 @@ def code_run(answers, output: str, meta: dict) -> float:
 
 def _values(answers) -> list[int]:
     answers = _need(answers)
-    if len(answers) == 1 and answers[0].lstrip().startswith("["):   # a list kept as one string
+    if len(answers) == 1 and answers[0].lstrip().startswith("["):  # a list kept as one string
         answers = re.findall(r"-?\d+", answers[0])
     return [int(a) for a in answers]
 
@@ -497,12 +586,21 @@ def kv_retrieval(answers, output: str, meta: dict) -> float:
     return float(_need(answers)[0] in words)
 
 
-METRICS = {"infinitebench_qa_f1": qa_f1, "infinitebench_qa_f1_zh": qa_f1_zh,
-           "infinitebench_rouge_lsum": rouge_lsum_metric, "infinitebench_choice": choice,
-           "infinitebench_choice_kvpress": choice_kvpress, "infinitebench_dialogue": dialogue,
-           "infinitebench_dialogue_kvpress": dialogue_kvpress, "infinitebench_code_debug": code_debug,
-           "infinitebench_code_debug_kvpress": code_debug_kvpress, "infinitebench_code_run": code_run,
-           "infinitebench_math_calc": math_calc, "infinitebench_math_find": math_find,
-           "infinitebench_first_int": first_int, "infinitebench_kv_retrieval": kv_retrieval}
+METRICS = {
+    "infinitebench_qa_f1": qa_f1,
+    "infinitebench_qa_f1_zh": qa_f1_zh,
+    "infinitebench_rouge_lsum": rouge_lsum_metric,
+    "infinitebench_choice": choice,
+    "infinitebench_choice_kvpress": choice_kvpress,
+    "infinitebench_dialogue": dialogue,
+    "infinitebench_dialogue_kvpress": dialogue_kvpress,
+    "infinitebench_code_debug": code_debug,
+    "infinitebench_code_debug_kvpress": code_debug_kvpress,
+    "infinitebench_code_run": code_run,
+    "infinitebench_math_calc": math_calc,
+    "infinitebench_math_find": math_find,
+    "infinitebench_first_int": first_int,
+    "infinitebench_kv_retrieval": kv_retrieval,
+}
 
 __all__ = ["DISPLAY", "LOADERS", "MAX_NEW_TOKENS", "METRICS", "PROMPTS", "SUBSETS", "TASKS", "load", "rouge_lsum"]

@@ -74,77 +74,143 @@ from kvpass.eval.benchmarks import _io
 from kvpass.eval.benchmarks._text import normalize_zh, qa_f1, rouge_l, token_f1
 from kvpass.eval.tasks._core import Task
 
-LONGBENCH = ("narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique",
-             "dureader", "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht",
-             "passage_count", "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p")
-LONGBENCH_E = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
-               "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
+LONGBENCH = (
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "multifieldqa_zh",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "dureader",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "vcsum",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "lsht",
+    "passage_count",
+    "passage_retrieval_en",
+    "passage_retrieval_zh",
+    "lcc",
+    "repobench-p",
+)
+LONGBENCH_E = (
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
 SUBSETS = {"longbench": LONGBENCH, "longbench_e": LONGBENCH_E}
 
 # LongBench's dataset2maxlen: tokens generated per subset
-MAX_NEW_TOKENS = {"narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64, "hotpotqa": 32,
-                  "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512, "qmsum": 512,
-                  "multi_news": 512, "vcsum": 512, "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64,
-                  "passage_count": 32, "passage_retrieval_en": 32, "passage_retrieval_zh": 32, "lcc": 64,
-                  "repobench-p": 64}
-
-SUBSET_METRIC = {
-    "narrativeqa": "longbench_qa_f1", "qasper": "longbench_qa_f1", "multifieldqa_en": "longbench_qa_f1",
-    "multifieldqa_zh": "longbench_qa_f1_zh", "hotpotqa": "longbench_qa_f1", "2wikimqa": "longbench_qa_f1",
-    "musique": "longbench_qa_f1", "dureader": "longbench_rouge_l_zh", "gov_report": "longbench_rouge_l",
-    "qmsum": "longbench_rouge_l", "multi_news": "longbench_rouge_l", "vcsum": "longbench_rouge_l_zh",
-    "trec": "longbench_classification", "triviaqa": "longbench_qa_f1", "samsum": "longbench_rouge_l",
-    "lsht": "longbench_classification", "passage_count": "longbench_count",
-    "passage_retrieval_en": "longbench_retrieval", "passage_retrieval_zh": "longbench_retrieval_zh",
-    "lcc": "longbench_code_sim", "repobench-p": "longbench_code_sim",
+MAX_NEW_TOKENS = {
+    "narrativeqa": 128,
+    "qasper": 128,
+    "multifieldqa_en": 64,
+    "multifieldqa_zh": 64,
+    "hotpotqa": 32,
+    "2wikimqa": 32,
+    "musique": 32,
+    "dureader": 128,
+    "gov_report": 512,
+    "qmsum": 512,
+    "multi_news": 512,
+    "vcsum": 512,
+    "trec": 64,
+    "triviaqa": 32,
+    "samsum": 128,
+    "lsht": 64,
+    "passage_count": 32,
+    "passage_retrieval_en": 32,
+    "passage_retrieval_zh": 32,
+    "lcc": 64,
+    "repobench-p": 64,
 }
 
-FIRST_LINE = frozenset({"trec", "triviaqa", "samsum", "lsht"})   # scored on the output's first line only
+SUBSET_METRIC = {
+    "narrativeqa": "longbench_qa_f1",
+    "qasper": "longbench_qa_f1",
+    "multifieldqa_en": "longbench_qa_f1",
+    "multifieldqa_zh": "longbench_qa_f1_zh",
+    "hotpotqa": "longbench_qa_f1",
+    "2wikimqa": "longbench_qa_f1",
+    "musique": "longbench_qa_f1",
+    "dureader": "longbench_rouge_l_zh",
+    "gov_report": "longbench_rouge_l",
+    "qmsum": "longbench_rouge_l",
+    "multi_news": "longbench_rouge_l",
+    "vcsum": "longbench_rouge_l_zh",
+    "trec": "longbench_classification",
+    "triviaqa": "longbench_qa_f1",
+    "samsum": "longbench_rouge_l",
+    "lsht": "longbench_classification",
+    "passage_count": "longbench_count",
+    "passage_retrieval_en": "longbench_retrieval",
+    "passage_retrieval_zh": "longbench_retrieval_zh",
+    "lcc": "longbench_code_sim",
+    "repobench-p": "longbench_code_sim",
+}
+
+FIRST_LINE = frozenset({"trec", "triviaqa", "samsum", "lsht"})  # scored on the output's first line only
 
 # kvpass's own templates (used when LongBench's dataset2prompt.json is not beside the data); {context} and {input}
 # are the row's fields. Few-shot subsets (trec, triviaqa, samsum, lsht) carry their answer cue inside ``input``.
-_QA_MULTI = ("Use the passages below to answer the question. Reply with the answer alone.\n\nPassages:\n{context}\n\n"
-             "Question: {input}\nAnswer:")
+_QA_MULTI = (
+    "Use the passages below to answer the question. Reply with the answer alone.\n\nPassages:\n{context}\n\n"
+    "Question: {input}\nAnswer:"
+)
 TEMPLATES = {
     "narrativeqa": "Read the story below, then answer the question about it with a short phrase and no explanation."
-                   "\n\nStory:\n{context}\n\nQuestion: {input}\nAnswer:",
+    "\n\nStory:\n{context}\n\nQuestion: {input}\nAnswer:",
     "qasper": "Read the scientific paper below, then answer the question with a short phrase or sentence and no "
-              "explanation. If the paper does not say, reply \"unanswerable\"; to a yes/no question reply \"yes\", "
-              "\"no\" or \"unanswerable\".\n\nPaper:\n{context}\n\nQuestion: {input}\nAnswer:",
+    'explanation. If the paper does not say, reply "unanswerable"; to a yes/no question reply "yes", '
+    '"no" or "unanswerable".\n\nPaper:\n{context}\n\nQuestion: {input}\nAnswer:',
     "multifieldqa_en": "Read the text below, then answer the question briefly.\n\n{context}\n\n"
-                       "Question: {input}\nAnswer:",
+    "Question: {input}\nAnswer:",
     "multifieldqa_zh": "阅读下面的文本，然后用中文简要回答问题。\n\n{context}\n\n问题：{input}\n答案：",
     "hotpotqa": _QA_MULTI,
     "2wikimqa": _QA_MULTI,
     "musique": _QA_MULTI,
     "dureader": "根据下面的文章回答问题。\n\n文章：\n{context}\n\n问题：{input}\n答案：",
     "gov_report": "Below is a report from a government agency. Summarize it in about one page.\n\n"
-                  "Report:\n{context}\n\nSummary:",
+    "Report:\n{context}\n\nSummary:",
     "qmsum": "Below is a meeting transcript, then a query about it. Respond to the query in one or more sentences."
-             "\n\nTranscript:\n{context}\n\nQuery: {input}\nAnswer:",
+    "\n\nTranscript:\n{context}\n\nQuery: {input}\nAnswer:",
     "multi_news": "Below are several news articles. Summarize them together in about one page.\n\n"
-                  "Articles:\n{context}\n\nSummary:",
+    "Articles:\n{context}\n\nSummary:",
     "vcsum": "下面是一份会议记录。请阅读后概括会议的主要内容。\n\n会议记录：\n{context}\n\n总结：",
     "trec": "Classify the last question by the type of answer it asks for. Labelled examples come first.\n\n"
-            "{context}\n{input}",
+    "{context}\n{input}",
     "triviaqa": "Answer the last question from its passage, giving the answer alone. Worked examples come first.\n\n"
-                "{context}\n\n{input}",
+    "{context}\n\n{input}",
     "samsum": "Summarize the last dialogue in a few short sentences. Worked examples come first.\n\n"
-              "{context}\n\n{input}",
+    "{context}\n\n{input}",
     "lsht": "判断最后一则新闻属于哪个类别。前面是带有类别的例子。\n\n{context}\n{input}",
     "passage_count": "Below are paragraphs taken from Wikipedia; some of them appear more than once. Count the "
-                     "distinct paragraphs, each repeated one counted once.\n\n{context}\n\nReply with the number "
-                     "alone.\nNumber of distinct paragraphs:",
+    "distinct paragraphs, each repeated one counted once.\n\n{context}\n\nReply with the number "
+    "alone.\nNumber of distinct paragraphs:",
     "passage_retrieval_en": "Below are 30 paragraphs from Wikipedia, then a summary written from one of them. Say "
-                            "which paragraph it was.\n\n{context}\n\nSummary:\n{input}\n\nReply in the form "
-                            "\"Paragraph N\".\nAnswer:",
+    "which paragraph it was.\n\n{context}\n\nSummary:\n{input}\n\nReply in the form "
+    '"Paragraph N".\nAnswer:',
     "passage_retrieval_zh": "下面是若干段文字，然后是根据其中一段写成的摘要。请指出摘要出自哪一段。\n\n{context}\n\n"
-                            "摘要：\n{input}\n\n请按“段落N”的格式作答。\n答案：",
+    "摘要：\n{input}\n\n请按“段落N”的格式作答。\n答案：",
     "lcc": "Continue the code below with its next line.\n\n{context}",
     "repobench-p": "Continue the code below with its next line.\n\n{context}{input}",
 }
 
-JIEBA: bool | None = None   # None: use jieba for Chinese words when installed; False: never; True: require it
+JIEBA: bool | None = None  # None: use jieba for Chinese words when installed; False: never; True: require it
 
 _OFFICIAL_KEYS = ("input", "context", "answers")
 _KVPRESS_KEYS = ("context", "question", "answer_prefix", "answers")
@@ -154,6 +220,7 @@ _NAME = {"longbench": "LongBench", "longbench_e": "LongBench-E"}
 # ------------------------------------------------------------------------------------------------
 # loading
 # ------------------------------------------------------------------------------------------------
+
 
 def load_longbench(path, tokenizer, *, subsets=None, limit=None, max_length=None) -> list[Task]:
     """LongBench's tasks from ``path`` (see the module docstring): ``subsets`` (None: all 21, in published order),
@@ -186,15 +253,23 @@ def length_bucket(length) -> str | None:
 def _load(benchmark, path, tokenizer, subsets, limit, max_length) -> list[Task]:
     names = _io.wanted(subsets, SUBSETS[benchmark], _NAME[benchmark], keep_order=True)
     config = _io.OfficialConfig.find(path, "dataset2prompt.json", "dataset2maxlen.json")
-    by_subset = _io.rows_by_subset(path, names, SUBSETS[benchmark], "LongBench",
-                                   suffix="_e" if benchmark == "longbench_e" else "", fields=("dataset", "task"),
-                                   grouped=LONGBENCH, rename=_subset_name, inner=("data",),
-                                   fix=", or unpack LongBench's data.zip there")
+    by_subset = _io.rows_by_subset(
+        path,
+        names,
+        SUBSETS[benchmark],
+        "LongBench",
+        suffix="_e" if benchmark == "longbench_e" else "",
+        fields=("dataset", "task"),
+        grouped=LONGBENCH,
+        rename=_subset_name,
+        inner=("data",),
+        fix=", or unpack LongBench's data.zip there",
+    )
     out = []
     for subset, (rows, where) in by_subset.items():
         for i, row in enumerate(rows[:limit] if limit is not None else rows):
             fmt = _io.official_or_kvpress(row, where, "LongBench", _OFFICIAL_KEYS, _KVPRESS_KEYS)
-            if fmt == "kvpress":      # the row itself: kvpress's rule builds its prompt
+            if fmt == "kvpress":  # the row itself: kvpress's rule builds its prompt
                 prompt, template = row, "kvpress"
                 new = int(row.get("max_new_tokens") or MAX_NEW_TOKENS[subset])
             else:
@@ -207,15 +282,25 @@ def _load(benchmark, path, tokenizer, subsets, limit, max_length) -> list[Task]:
             classes = _io.answers_of(row.get("all_classes")) or None
             metric = SUBSET_METRIC[subset]
             if metric == "longbench_classification" and not classes:
-                raise ValueError(f"{where}: row {i} of {subset} has no 'all_classes' (the label set the "
-                                 f"classification score needs); use LongBench's own files, which carry it")
+                raise ValueError(
+                    f"{where}: row {i} of {subset} has no 'all_classes' (the label set the "
+                    f"classification score needs); use LongBench's own files, which carry it"
+                )
             ids, cut, built = _io.tokenized(tokenizer, prompt, max_length)
-            meta = {"all_classes": classes, "language": row.get("language"), "dataset_length": row.get("length"),
-                    "first_line": subset in FIRST_LINE, "format": fmt, "template": template, **built}
+            meta = {
+                "all_classes": classes,
+                "language": row.get("language"),
+                "dataset_length": row.get("length"),
+                "first_line": subset in FIRST_LINE,
+                "format": fmt,
+                "template": template,
+                **built,
+            }
             if benchmark == "longbench_e":
                 meta["length_bucket"] = length_bucket(row.get("length"))
-            out.append(_io.task(benchmark, subset, row.get("_id", f"{subset}-{i}"), ids, answers, metric, new, cut,
-                                **meta))
+            out.append(
+                _io.task(benchmark, subset, row.get("_id", f"{subset}-{i}"), ids, answers, metric, new, cut, **meta)
+            )
     return out
 
 
@@ -225,6 +310,7 @@ LOADERS = {"longbench": load_longbench, "longbench_e": load_longbench_e}
 # ------------------------------------------------------------------------------------------------
 # metrics
 # ------------------------------------------------------------------------------------------------
+
 
 def _jieba():
     if JIEBA is False:
@@ -250,8 +336,10 @@ def zh_words(text: str) -> list[str]:
 def qa_f1_zh(output: str, truth: str) -> float:
     """LongBench's qa_f1_zh_score: token F1 over Chinese words (``zh_words``) normalised by ``_text.normalize_zh``
     (InfiniteBench's Zh.QA takes characters instead: ``infinitebench.qa_f1_zh``)."""
+
     def words(text):
         return [w for w in (normalize_zh(t) for t in zh_words(text)) if w]
+
     return token_f1(words(output), words(truth))
 
 
@@ -348,6 +436,7 @@ def _scorer(fn):
         if meta.get("first_line", meta.get("subset") in FIRST_LINE):
             output = output.lstrip("\n").split("\n")[0]
         return max(float(fn(output, a, meta)) for a in answers)
+
     return metric
 
 
@@ -372,11 +461,32 @@ METRICS = {
 }
 for _name, _fn in METRICS.items():
     _fn.__name__ = _name
-    _fn.__doc__ = (f"``{_name}(answers, output, meta)``: see the module docstring; the max over ``answers``, the "
-                   f"output cut to its first line when ``meta['first_line']``.")
+    _fn.__doc__ = (
+        f"``{_name}(answers, output, meta)``: see the module docstring; the max over ``answers``, the "
+        f"output cut to its first line when ``meta['first_line']``."
+    )
 del _name, _fn
 
-__all__ = ["FIRST_LINE", "LOADERS", "MAX_NEW_TOKENS", "METRICS", "SUBSETS", "SUBSET_METRIC", "TEMPLATES",
-           "classification", "code_sim", "count", "first_code_line", "lcs_length", "length_bucket",
-           "levenshtein_ratio", "load_longbench", "load_longbench_e", "qa_f1_zh", "retrieval", "rouge_l_f",
-           "rouge_l_f_zh", "zh_words"]
+__all__ = [
+    "FIRST_LINE",
+    "LOADERS",
+    "MAX_NEW_TOKENS",
+    "METRICS",
+    "SUBSETS",
+    "SUBSET_METRIC",
+    "TEMPLATES",
+    "classification",
+    "code_sim",
+    "count",
+    "first_code_line",
+    "lcs_length",
+    "length_bucket",
+    "levenshtein_ratio",
+    "load_longbench",
+    "load_longbench_e",
+    "qa_f1_zh",
+    "retrieval",
+    "rouge_l_f",
+    "rouge_l_f_zh",
+    "zh_words",
+]

@@ -59,9 +59,14 @@ from pathlib import Path
 from kvpass.eval.benchmarks import _io
 from kvpass.eval.tasks._core import Task
 
-DOMAINS = ("Single-Document QA", "Multi-Document QA", "Long In-context Learning",
-           "Long-dialogue History Understanding", "Code Repository Understanding",
-           "Long Structured Data Understanding")
+DOMAINS = (
+    "Single-Document QA",
+    "Multi-Document QA",
+    "Long In-context Learning",
+    "Long-dialogue History Understanding",
+    "Code Repository Understanding",
+    "Long Structured Data Understanding",
+)
 
 
 def slug(domain: str) -> str:
@@ -76,17 +81,28 @@ MAX_NEW_TOKENS = 128
 ANSWER_CUE = "The correct answer is"
 
 # kvpass's own template (used when LongBench v2's prompts/0shot.txt is not beside the data)
-TEMPLATE = ("Read the document below, then answer the multiple-choice question that follows it.\n\n"
-            "<document>\n$DOC$\n</document>\n\nQuestion: $Q$\n\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"
-            "Reply with the letter of the right choice, as \"The correct answer is (X)\".\n\n" + ANSWER_CUE)
+TEMPLATE = (
+    "Read the document below, then answer the multiple-choice question that follows it.\n\n"
+    "<document>\n$DOC$\n</document>\n\nQuestion: $Q$\n\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"
+    'Reply with the letter of the right choice, as "The correct answer is (X)".\n\n' + ANSWER_CUE
+)
 
 # Hub ids whose split / config differ from _io's defaults
-_HUB = {"THUDM/LongBench-v2": (None, "train"), "zai-org/LongBench-v2": (None, "train"),
-        "simonjegou/LongBench-v2": ("0shot", "test")}
+_HUB = {
+    "THUDM/LongBench-v2": (None, "train"),
+    "zai-org/LongBench-v2": (None, "train"),
+    "simonjegou/LongBench-v2": ("0shot", "test"),
+}
 _OFFICIAL_KEYS = ("context", "question", "choice_A", "choice_B", "choice_C", "choice_D", "answer", "domain")
 _KVPRESS_KEYS = ("context", "question", "answer_prefix", "answer", "domain")
-_FIELD = {"$DOC$": "context", "$Q$": "question", "$C_A$": "choice_A", "$C_B$": "choice_B", "$C_C$": "choice_C",
-          "$C_D$": "choice_D"}
+_FIELD = {
+    "$DOC$": "context",
+    "$Q$": "question",
+    "$C_A$": "choice_A",
+    "$C_B$": "choice_B",
+    "$C_C$": "choice_C",
+    "$C_D$": "choice_D",
+}
 
 
 def _rows(path) -> tuple[list[dict], str]:
@@ -96,8 +112,10 @@ def _rows(path) -> tuple[list[dict], str]:
             file = _io.data_file(p, name)
             if file is not None:
                 return _io.records(file), str(file)
-        raise FileNotFoundError(f"{p}: no data.json (LongBench v2's file), data.jsonl or data.parquet there; "
-                                f"download data.json from the Hub dataset THUDM/LongBench-v2, or pass the file")
+        raise FileNotFoundError(
+            f"{p}: no data.json (LongBench v2's file), data.jsonl or data.parquet there; "
+            f"download data.json from the Hub dataset THUDM/LongBench-v2, or pass the file"
+        )
     if p.is_file():
         return _io.records(p), str(p)
     subset, split = _HUB.get(str(path), (None, "test"))
@@ -122,8 +140,10 @@ def load(path, tokenizer, *, subsets=None, limit=None, max_length=None) -> list[
         fmt = _io.official_or_kvpress(row, where, "LongBench v2", _OFFICIAL_KEYS, _KVPRESS_KEYS)
         domain = str(row["domain"])
         if domain not in SUBSET_OF_DOMAIN:
-            raise ValueError(f"{where}: row {i} has unknown domain {domain!r}; known: {', '.join(DOMAINS)}. Pass "
-                             f"LongBench v2's own data.json")
+            raise ValueError(
+                f"{where}: row {i} has unknown domain {domain!r}; known: {', '.join(DOMAINS)}. Pass "
+                f"LongBench v2's own data.json"
+            )
         subset = SUBSET_OF_DOMAIN[domain]
         if subset in by_subset and (limit is None or len(by_subset[subset]) < limit):
             by_subset[subset].append((i, row, fmt))
@@ -132,22 +152,43 @@ def load(path, tokenizer, *, subsets=None, limit=None, max_length=None) -> list[
         for i, row, fmt in picked:
             answer = str(row["answer"]).strip()
             if answer not in CHOICES:
-                raise ValueError(f"{where}: row {i} has answer {row['answer']!r}; LongBench v2's answers are one of "
-                                 f"{', '.join(CHOICES)}")
+                raise ValueError(
+                    f"{where}: row {i} has answer {row['answer']!r}; LongBench v2's answers are one of "
+                    f"{', '.join(CHOICES)}"
+                )
             if fmt == "kvpress":
-                cue, kind, new = str(row["answer_prefix"] or ""), "kvpress", int(row.get("max_new_tokens")
-                                                                                  or MAX_NEW_TOKENS)
-                prompt = row          # the row itself: kvpress's rule builds its prompt
+                cue, kind, new = (
+                    str(row["answer_prefix"] or ""),
+                    "kvpress",
+                    int(row.get("max_new_tokens") or MAX_NEW_TOKENS),
+                )
+                prompt = row  # the row itself: kvpress's rule builds its prompt
             else:
                 cue = "" if template_file else ANSWER_CUE
                 kind, new = (f"official ({template_file})" if template_file else "builtin"), MAX_NEW_TOKENS
                 prompt = fill(template, row)
             ids, cut, built = _io.tokenized(tokenizer, prompt, max_length)
-            out.append(_io.task("longbench_v2", subset, row.get("_id", f"{subset}-{i}"), ids, [answer],
-                                "longbench_v2_choice", new, cut, choices=list(CHOICES), answer_prefix=cue,
-                                domain=row["domain"], sub_domain=row.get("sub_domain"),
-                                difficulty=row.get("difficulty"), length_category=row.get("length"), format=fmt,
-                                template=kind, **built))
+            out.append(
+                _io.task(
+                    "longbench_v2",
+                    subset,
+                    row.get("_id", f"{subset}-{i}"),
+                    ids,
+                    [answer],
+                    "longbench_v2_choice",
+                    new,
+                    cut,
+                    choices=list(CHOICES),
+                    answer_prefix=cue,
+                    domain=row["domain"],
+                    sub_domain=row.get("sub_domain"),
+                    difficulty=row.get("difficulty"),
+                    length_category=row.get("length"),
+                    format=fmt,
+                    template=kind,
+                    **built,
+                )
+            )
     return out
 
 
@@ -169,5 +210,16 @@ def choice_score(answers, output: str, meta: dict) -> float:
 LOADERS = {"longbench_v2": load}
 METRICS = {"longbench_v2_choice": choice_score}
 
-__all__ = ["CHOICES", "DOMAINS", "LOADERS", "METRICS", "SUBSETS", "TEMPLATE", "choice_score", "extract_choice",
-           "fill", "load", "slug"]
+__all__ = [
+    "CHOICES",
+    "DOMAINS",
+    "LOADERS",
+    "METRICS",
+    "SUBSETS",
+    "TEMPLATE",
+    "choice_score",
+    "extract_choice",
+    "fill",
+    "load",
+    "slug",
+]

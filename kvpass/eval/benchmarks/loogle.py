@@ -70,8 +70,12 @@ from kvpass.eval.tasks._core import Task
 
 SUBSETS = {"loogle": ("shortdep_qa", "shortdep_cloze", "longdep_qa", "longdep_summarization")}
 MAX_NEW_TOKENS = {"shortdep_qa": 300, "shortdep_cloze": 50, "longdep_qa": 500, "longdep_summarization": 500}
-SUBSET_METRIC = {"shortdep_qa": "loogle_rouge_l", "shortdep_cloze": "loogle_cloze_exact",
-                 "longdep_qa": "loogle_rouge_l", "longdep_summarization": "loogle_rouge_l"}
+SUBSET_METRIC = {
+    "shortdep_qa": "loogle_rouge_l",
+    "shortdep_cloze": "loogle_cloze_exact",
+    "longdep_qa": "loogle_rouge_l",
+    "longdep_summarization": "loogle_rouge_l",
+}
 
 # kvpass's own templates (used when LooGLE's config/task2prompt.json is not beside the data): str.format with
 # {input} (the document) and {Q} (the question); literal braces doubled
@@ -80,9 +84,9 @@ TEMPLATES = {
     "shortdep_qa": _QA,
     "longdep_qa": _QA,
     "shortdep_cloze": "Read the text below. In the passage that follows it, each placeholder <mask-n> stands for a "
-                      "person, place or organization named in the text, and equal placeholders stand for the same "
-                      "one. Reply with a JSON object from each placeholder to its name, such as "
-                      "{{\"<mask-0>\": \"Alice\", \"<mask-1>\": \"Paris\"}}.\n\n{input}\n\nPassage: {Q}\nAnswer:",
+    "person, place or organization named in the text, and equal placeholders stand for the same "
+    "one. Reply with a JSON object from each placeholder to its name, such as "
+    '{{"<mask-0>": "Alice", "<mask-1>": "Paris"}}.\n\n{input}\n\nPassage: {Q}\nAnswer:',
     "longdep_summarization": "Write a summary of the paper below.\n\n{input}\n\nSummary:",
 }
 
@@ -94,6 +98,7 @@ _KVPRESS_KEYS = ("context", "question", "answer_prefix", "answer")
 # loading
 # ------------------------------------------------------------------------------------------------
 
+
 def _qa_pairs(row: dict, where: str, i: int) -> list[dict] | None:
     """The row's questions, or None for a summarization row ("none")."""
     pairs = row["qa_pairs"]
@@ -103,14 +108,18 @@ def _qa_pairs(row: dict, where: str, i: int) -> list[dict] | None:
         try:
             pairs = ast.literal_eval(pairs)
         except (ValueError, SyntaxError) as e:
-            raise ValueError(f"{where}: row {i}: 'qa_pairs' is not a list literal ({e}); LooGLE writes it as a "
-                             f"Python list of {{'Q', 'A', 'S'}} dicts, or 'none'") from None
+            raise ValueError(
+                f"{where}: row {i}: 'qa_pairs' is not a list literal ({e}); LooGLE writes it as a "
+                f"Python list of {{'Q', 'A', 'S'}} dicts, or 'none'"
+            ) from None
     pairs = list(pairs) if pairs is not None else None
     for k, pair in enumerate(pairs or []):
         missing = [f for f in ("Q", "A") if f not in pair]
         if missing:
-            raise ValueError(f"{where}: row {i}, question {k}: no field {missing[0]!r} in the qa pair (it has "
-                             f"{', '.join(sorted(pair))}); LooGLE's pairs carry Q, A and S")
+            raise ValueError(
+                f"{where}: row {i}, question {k}: no field {missing[0]!r} in the qa pair (it has "
+                f"{', '.join(sorted(pair))}); LooGLE's pairs carry Q, A and S"
+            )
     return pairs
 
 
@@ -132,7 +141,7 @@ def load(path, tokenizer, *, subsets=None, limit=None, max_length=None) -> list[
             if limit is not None and len(mine) >= limit:
                 break
             fmt = _io.official_or_kvpress(row, where, "LooGLE", _OFFICIAL_KEYS, _KVPRESS_KEYS)
-            if fmt == "kvpress":      # the row itself: kvpress's rule builds its prompt (_io.tokenized)
+            if fmt == "kvpress":  # the row itself: kvpress's rule builds its prompt (_io.tokenized)
                 new = int(row.get("max_new_tokens") or MAX_NEW_TOKENS[subset])
                 mine.append((row, str(row["answer"]), f"{subset}-{i}", new, "kvpress", {}))
                 continue
@@ -140,30 +149,48 @@ def load(path, tokenizer, *, subsets=None, limit=None, max_length=None) -> list[
             new = config.max_new_tokens(subset, MAX_NEW_TOKENS)
             title = row.get("title", f"{subset}-{i}")
             pairs = _qa_pairs(row, where, i)
-            if pairs is None:   # summarization: the document alone, the reference summary in 'output'
+            if pairs is None:  # summarization: the document alone, the reference summary in 'output'
                 if "output" not in row:
-                    raise ValueError(f"{where}: summarization row {i} has no 'output' (the reference summary); "
-                                     f"its fields: {', '.join(sorted(row))}")
-                text = _io.fill_template(template, {"input": row["input"], "Q": ""},
-                                         f"{where}: the {subset} template")
+                    raise ValueError(
+                        f"{where}: summarization row {i} has no 'output' (the reference summary); "
+                        f"its fields: {', '.join(sorted(row))}"
+                    )
+                text = _io.fill_template(template, {"input": row["input"], "Q": ""}, f"{where}: the {subset} template")
                 mine.append((text, str(row["output"]), str(title), new, kind, {}))
                 continue
             for k, pair in enumerate(pairs):
                 answer = pair["A"]
                 answer = json.dumps(answer, ensure_ascii=False) if isinstance(answer, dict) else str(answer)
                 extra = {"type": pair["type"]} if "type" in pair else {}
-                text = _io.fill_template(template, {"input": row["input"], "Q": pair["Q"]},
-                                         f"{where}: the {subset} template")
+                text = _io.fill_template(
+                    template, {"input": row["input"], "Q": pair["Q"]}, f"{where}: the {subset} template"
+                )
                 mine.append((text, answer, f"{title}#{k}", new, kind, extra))
         for prompt, answer, row_id, new, kind, extra in mine[:limit] if limit is not None else mine:
             if subset == "shortdep_cloze":
                 extra = {**extra, "n_masks": _masks(answer)}
                 if not extra["n_masks"]:
-                    raise ValueError(f"{where}: cloze question {row_id} has answer {answer[:80]!r}, not a dict from "
-                                     f"'<mask-n>' to the entity")
+                    raise ValueError(
+                        f"{where}: cloze question {row_id} has answer {answer[:80]!r}, not a dict from "
+                        f"'<mask-n>' to the entity"
+                    )
             ids, cut, built = _io.tokenized(tokenizer, prompt, max_length)
-            out.append(_io.task("loogle", subset, row_id, ids, [answer], metric, new, cut,
-                                format="kvpress" if kind == "kvpress" else "official", template=kind, **extra, **built))
+            out.append(
+                _io.task(
+                    "loogle",
+                    subset,
+                    row_id,
+                    ids,
+                    [answer],
+                    metric,
+                    new,
+                    cut,
+                    format="kvpress" if kind == "kvpress" else "official",
+                    template=kind,
+                    **extra,
+                    **built,
+                )
+            )
     return out
 
 
@@ -171,8 +198,9 @@ def load(path, tokenizer, *, subsets=None, limit=None, max_length=None) -> list[
 # metrics
 # ------------------------------------------------------------------------------------------------
 
+
 def _hyp(output: str) -> str:
-    return output if output != "" else "None"   # automatic_eval.py scores an empty output as "None"
+    return output if output != "" else "None"  # automatic_eval.py scores an empty output as "None"
 
 
 def _recall(which):
@@ -182,9 +210,12 @@ def _recall(which):
             s = rouge_l(_hyp(output), a) if which == "rouge_l" else rouge_n(_hyp(output), a, int(which[-1]))
             best = max(best, 0.0 if s is None else s["r"])
         return best
+
     metric.__name__ = f"loogle_{which}"
-    metric.__doc__ = (f"``loogle_{which}(answers, output, meta)``: {which.replace('_', '-').upper()} recall as LooGLE "
-                      f"reports it (the ``rouge`` package's), the max over ``answers``; 0 when the answer is empty.")
+    metric.__doc__ = (
+        f"``loogle_{which}(answers, output, meta)``: {which.replace('_', '-').upper()} recall as LooGLE "
+        f"reports it (the ``rouge`` package's), the max over ``answers``; 0 when the answer is empty."
+    )
     return metric
 
 
@@ -195,8 +226,8 @@ def bleu(output: str, reference: str, n: int) -> float:
     hyp, ref = output.replace("\n", " ").split(), reference.replace("\n", " ").split()
 
     def clipped(k):
-        h = Counter(tuple(hyp[i:i + k]) for i in range(len(hyp) - k + 1))
-        r = Counter(tuple(ref[i:i + k]) for i in range(len(ref) - k + 1))
+        h = Counter(tuple(hyp[i : i + k]) for i in range(len(hyp) - k + 1))
+        r = Counter(tuple(ref[i : i + k]) for i in range(len(ref) - k + 1))
         return sum(min(c, r[g]) for g, c in h.items()), max(1, sum(h.values()))
 
     if not hyp or clipped(1)[0] == 0:
@@ -211,6 +242,7 @@ def bleu(output: str, reference: str, n: int) -> float:
 def _bleu(n):
     def metric(answers, output: str, meta: dict) -> float:
         return max(bleu(_hyp(output), a, n) for a in _io.expected(answers, f"loogle_bleu{n}"))
+
     metric.__name__ = f"loogle_bleu{n}"
     metric.__doc__ = f"``loogle_bleu{n}(answers, output, meta)``: ``bleu(output, answer, {n})``, the max over answers."
     return metric
@@ -232,7 +264,7 @@ def parse_dict(text: str) -> dict | None:
 
 def _cloze(partial: bool):
     def metric(answers, output: str, meta: dict) -> float:
-        answers = _io.as_list(answers)         # items kept: an answer may be the dict itself
+        answers = _io.as_list(answers)  # items kept: an answer may be the dict itself
         if not answers:
             raise ValueError(f"{name} needs at least one expected answer (the dict from '<mask-n>' to the entity)")
         best = 0.0
@@ -247,10 +279,13 @@ def _cloze(partial: bool):
                 hit = sum(k in hyp and hyp[k] == v for k, v in ref.items())
             best = max(best, hit / len(ref))
         return best
+
     name = "loogle_cloze_partial" if partial else "loogle_cloze_exact"
     metric.__name__ = name
-    metric.__doc__ = (f"``{name}(answers, output, meta)``: the share of the answer's masks whose entity the output's "
-                      f"dict {'shares a word with' if partial else 'equals'}; 0 when the output is not a dict.")
+    metric.__doc__ = (
+        f"``{name}(answers, output, meta)``: the share of the answer's masks whose entity the output's "
+        f"dict {'shares a word with' if partial else 'equals'}; 0 when the output is not a dict."
+    )
     return metric
 
 
@@ -265,5 +300,14 @@ METRICS = {
     "loogle_cloze_partial": _cloze(partial=True),
 }
 
-__all__ = ["LOADERS", "MAX_NEW_TOKENS", "METRICS", "SUBSETS", "SUBSET_METRIC", "TEMPLATES", "bleu", "load",
-           "parse_dict"]
+__all__ = [
+    "LOADERS",
+    "MAX_NEW_TOKENS",
+    "METRICS",
+    "SUBSETS",
+    "SUBSET_METRIC",
+    "TEMPLATES",
+    "bleu",
+    "load",
+    "parse_dict",
+]

@@ -57,9 +57,13 @@ _FORMATS = {"kvpress": ("context", "question"), "problem": ()}
 # --------------------------------------------------------------------------------------------
 # Loading
 
+
 def _fix(benchmark: str) -> str:
-    raw = ("question (or problem) and answer, as opencompass/AIME2025" if benchmark == "aime25"
-           else "problem and answer, as HuggingFaceH4/MATH-500")
+    raw = (
+        "question (or problem) and answer, as opencompass/AIME2025"
+        if benchmark == "aime25"
+        else "problem and answer, as HuggingFaceH4/MATH-500"
+    )
     return f"Rows need {raw}; or kvpress's format ({', '.join(KVPRESS_FIELDS)})."
 
 
@@ -81,8 +85,9 @@ def _prompt(tokenizer, problem: str, max_length):
     if not _io.has_chat(tokenizer):
         ids, cut = _io.prompt_ids(tokenizer, f"{user}\n\nSolution:", max_length)
         return ids, cut, False
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
+    )
     ids, cut = _io.cut_middle(_io.encode(tokenizer, text), max_length)
     return ids, cut, True
 
@@ -92,14 +97,19 @@ def _build(benchmark: str, tokenizer, row: dict, position: int, source: str, max
     if _io.row_format(row, source, _FORMATS, _NAMES[benchmark], _fix(benchmark)) == "kvpress":
         _io.need(row, KVPRESS_FIELDS, source, f"kvpress {_NAMES[benchmark]}", _fix(benchmark))
         ids, cut, prompt = _io.kvpress_ids(tokenizer, row, max_length)
-        answers, max_new, meta = _io.answers_of(row["answer"]), int(row["max_new_tokens"]), {
-            "format": "kvpress", **prompt}
+        answers, max_new, meta = (
+            _io.answers_of(row["answer"]),
+            int(row["max_new_tokens"]),
+            {"format": "kvpress", **prompt},
+        )
     else:
         problem = row.get("problem", row.get("question"))
         if problem is None or "answer" not in row:
             missing = "answer" if problem is not None else "problem"
-            raise ValueError(f"{source}: a row has no field {missing!r}; its fields: "
-                             f"{', '.join(sorted(map(str, row)))}. {_fix(benchmark)}")
+            raise ValueError(
+                f"{source}: a row has no field {missing!r}; its fields: "
+                f"{', '.join(sorted(map(str, row)))}. {_fix(benchmark)}"
+            )
         ids, cut, chat = _prompt(tokenizer, problem, max_length)
         answers, max_new = _io.answers_of(row["answer"]), MAX_NEW_TOKENS
         meta = {"format": "problem", "chat": chat}
@@ -114,7 +124,7 @@ def _build(benchmark: str, tokenizer, row: dict, position: int, source: str, max
 def _loader(benchmark: str):
     def load(path, tokenizer, *, subsets=None, limit: int | None = None, max_length: int | None = None):
         """The benchmark's tasks from ``path`` (replaced below by the benchmark's own line)."""
-        _io.wanted(subsets, SUBSETS[benchmark], _NAMES[benchmark])     # checks the names: one subset, "test"
+        _io.wanted(subsets, SUBSETS[benchmark], _NAMES[benchmark])  # checks the names: one subset, "test"
         rows = _rows(path)
         if not rows:
             raise ValueError(f"{path}: no {_NAMES[benchmark]} rows found")
@@ -122,8 +132,10 @@ def _loader(benchmark: str):
         return [_build(benchmark, tokenizer, row, i, source, max_length) for i, (row, source) in enumerate(rows)]
 
     load.__name__ = f"load_{benchmark}"
-    load.__doc__ = (f"{_NAMES[benchmark]} tasks from ``path`` (see the module docstring): the first ``limit`` "
-                    f"problems; ``max_length`` cuts longer prompts in the middle.")
+    load.__doc__ = (
+        f"{_NAMES[benchmark]} tasks from ``path`` (see the module docstring): the first ``limit`` "
+        f"problems; ``max_length`` cuts longer prompts in the middle."
+    )
     return load
 
 
@@ -133,26 +145,29 @@ LOADERS = {"aime25": _loader("aime25"), "math500": _loader("math500")}
 # --------------------------------------------------------------------------------------------
 # The boxed answer
 
+
 def last_boxed(text: str) -> str | None:
     """The content of ``text``'s last complete ``\\boxed{...}`` or ``\\fbox{...}`` (braces matched), or of a
     ``\\boxed 5`` (the word after it); None when there is none."""
     for m in reversed(list(re.finditer(r"\\(?:boxed|fbox)", text))):
-        rest = text[m.end():]
+        rest = text[m.end() :]
         if rest.lstrip().startswith("{"):
             start = m.end() + rest.index("{")
             end = _closing(text, start)
             if end is not None:
-                return text[start + 1:end]
-            continue                                          # cut off before its closing brace
+                return text[start + 1 : end]
+            continue  # cut off before its closing brace
         word = re.match(r"\s+([^\s$]+)", rest)
         if word:
             return word.group(1)
     return None
 
 
-_UNITS = (r"(?:square\s+|sq\.?\s*|cubic\s+)?(?:units?|cm|centimeters?|mm|millimeters?|meters?|km|kilometers?|inches|"
-          r"inch|feet|foot|ft|yards?|miles?|mph|degrees?|dollars?|cents?|seconds?|minutes?|hours?|days?|weeks?|"
-          r"months?|years?|ways|pounds?|ounces?|liters?|gallons?)(?:\^\{?[23]\}?)?\.?")
+_UNITS = (
+    r"(?:square\s+|sq\.?\s*|cubic\s+)?(?:units?|cm|centimeters?|mm|millimeters?|meters?|km|kilometers?|inches|"
+    r"inch|feet|foot|ft|yards?|miles?|mph|degrees?|dollars?|cents?|seconds?|minutes?|hours?|days?|weeks?|"
+    r"months?|years?|ways|pounds?|ounces?|liters?|gallons?)(?:\^\{?[23]\}?)?\.?"
+)
 _WRAPPERS = re.compile(r"\\(?:text|textbf|textit|textnormal|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 
 
@@ -171,8 +186,8 @@ def _group(s: str, i: int) -> tuple[str, int]:
     index after it."""
     if i < len(s) and s[i] == "{":
         j = _closing(s, i)
-        return (s[i + 1:], len(s)) if j is None else (s[i + 1:j], j + 1)
-    return s[i:i + 1], i + 1
+        return (s[i + 1 :], len(s)) if j is None else (s[i + 1 : j], j + 1)
+    return s[i : i + 1], i + 1
 
 
 def _fix_fracs(s: str) -> str:
@@ -201,7 +216,7 @@ def normalize(answer: str) -> str:
     s = s.replace("\\displaystyle", "").replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac")
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°", "", s)
     s = s.replace("\\%", "").replace("%", "")
-    s = re.sub(r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s+[^{}]*\}\s*$", "", s)        # "5\text{ cm}": a unit
+    s = re.sub(r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s+[^{}]*\}\s*$", "", s)  # "5\text{ cm}": a unit
     while _WRAPPERS.search(s):
         s = _WRAPPERS.sub(r"\1", s)
     s = re.sub(r"(?<=[\d}])\s*" + _UNITS + r"\s*$", "", s, flags=re.IGNORECASE)
@@ -220,7 +235,7 @@ def normalize(answer: str) -> str:
     s = re.sub(r"(?<![\d.])(\d+)\.(\d*)(?![\d.])", _number, s)
     while len(s) > 1 and s[0] == "{" and _group(s, 0)[1] == len(s):
         s = s[1:-1]
-    return re.sub(r"(?<!\.)\.$", "", s)                       # a full stop after the answer
+    return re.sub(r"(?<!\.)\.$", "", s)  # a full stop after the answer
 
 
 def _value(s: str) -> Fraction | None:
@@ -250,7 +265,7 @@ def _latex_to_python(s: str) -> str | None:
                 end = s.find("]", i)
                 if end < 0:
                     return None
-                root, i = _latex_to_python(s[i + 1:end]), end + 1
+                root, i = _latex_to_python(s[i + 1 : end]), end + 1
             arg, i = _group(s, i)
             arg = _latex_to_python(arg)
             if arg is None:
@@ -289,14 +304,13 @@ def _sympy_equal(a: str, b: str) -> bool:
         return False
     try:
         from sympy import simplify
-        from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
-                                                standard_transformations)
+        from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
     except ImportError:
         return False
     rules = standard_transformations + (implicit_multiplication_application,)
     try:
         return simplify(parse_expr(pa, transformations=rules) - parse_expr(pb, transformations=rules)) == 0
-    except Exception:                                         # anything sympy cannot read or compare: not equal
+    except Exception:  # anything sympy cannot read or compare: not equal
         return False
 
 
@@ -328,5 +342,15 @@ def math_answer(answers, output: str, meta: dict) -> float:
 
 METRICS = {"aime25_integer": aime_integer, "math500_equiv": math_answer}
 
-__all__ = ["INSTRUCTION", "LOADERS", "MAX_NEW_TOKENS", "METRICS", "SUBSETS", "aime_integer", "last_boxed",
-           "math_answer", "math_equiv", "normalize"]
+__all__ = [
+    "INSTRUCTION",
+    "LOADERS",
+    "MAX_NEW_TOKENS",
+    "METRICS",
+    "SUBSETS",
+    "aime_integer",
+    "last_boxed",
+    "math_answer",
+    "math_equiv",
+    "normalize",
+]

@@ -58,15 +58,28 @@ from pathlib import Path
 
 from kvpass.eval.benchmarks import _io
 
-TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-         "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
+TASKS = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
+)
 SUBSETS = {"ruler": TASKS}
 
 KVPRESS_DATASET = "simonjegou/ruler"
 KVPRESS_FIELDS = ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens")
-RULER_FIELDS = ("input", "outputs")            # plus index, length and (newer RULER) answer_prefix when present
+RULER_FIELDS = ("input", "outputs")  # plus index, length and (newer RULER) answer_prefix when present
 
-GEN_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}   # RULER's tokens_to_generate per family
+GEN_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}  # RULER's tokens_to_generate per family
 
 
 def family(task: str) -> str:
@@ -77,8 +90,10 @@ def family(task: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Reading
 
-_FIX = (f"Point at kvpress's dataset ({KVPRESS_DATASET}: {', '.join(KVPRESS_FIELDS)}) or at RULER's "
-        f"generator output (<task>/validation.jsonl: index, {', '.join(RULER_FIELDS)}, length, answer_prefix).")
+_FIX = (
+    f"Point at kvpress's dataset ({KVPRESS_DATASET}: {', '.join(KVPRESS_FIELDS)}) or at RULER's "
+    f"generator output (<task>/validation.jsonl: index, {', '.join(RULER_FIELDS)}, length, answer_prefix)."
+)
 _FORMATS = {"kvpress": ("context", "question"), "ruler": RULER_FIELDS}
 
 
@@ -94,8 +109,10 @@ def _groups(path, names: list[str], limit: int | None) -> tuple[dict, set]:
     if hub is not None:
         repo, config = hub
         if config is None:
-            raise ValueError(f"{path}: not a local file or folder; as a Hub dataset, name the context length as its "
-                             f"config, e.g. {repo}/4096 ({KVPRESS_DATASET} has 4096, 8192 and 16384)")
+            raise ValueError(
+                f"{path}: not a local file or folder; as a Hub dataset, name the context length as its "
+                f"config, e.g. {repo}/4096 ({KVPRESS_DATASET} has 4096, 8192 and 16384)"
+            )
         source = f"{repo}/{config}"
         for row in _io.records(repo, config):
             _add(groups, present, row, int(config) if config.isdigit() else None, None, source, names)
@@ -109,8 +126,10 @@ def _groups(path, names: list[str], limit: int | None) -> tuple[dict, set]:
             if task not in names:
                 continue
             if (length, task) in owner:
-                raise ValueError(f"{owner[length, task]} and {file} both hold RULER task {task!r}"
-                                 f"{f' at {length}' if length else ''}: point at one of them")
+                raise ValueError(
+                    f"{owner[length, task]} and {file} both hold RULER task {task!r}"
+                    f"{f' at {length}' if length else ''}: point at one of them"
+                )
             owner[length, task] = file
         for row in _io.read_rows(file, limit if task is not None else None):
             _add(groups, present, row, length, task, str(file), names)
@@ -119,8 +138,15 @@ def _groups(path, names: list[str], limit: int | None) -> tuple[dict, set]:
 
 def _add(groups: dict, present: set, row: dict, length, task, source: str, names: list[str]) -> None:
     fmt = _io.row_format(row, source, _FORMATS, "RULER", _FIX)
-    name = _io.row_task(row, task, source, "RULER", TASKS, f"neither the file nor a folder above it is named for a "
-                        f"RULER task ({', '.join(TASKS)}). Keep RULER's layout (<task>/validation.jsonl)")
+    name = _io.row_task(
+        row,
+        task,
+        source,
+        "RULER",
+        TASKS,
+        f"neither the file nor a folder above it is named for a "
+        f"RULER task ({', '.join(TASKS)}). Keep RULER's layout (<task>/validation.jsonl)",
+    )
     present.add(name)
     if name in names:
         groups.setdefault((length, name), []).append((row, source, fmt))
@@ -129,19 +155,42 @@ def _add(groups: dict, present: set, row: dict, length, task, source: str, names
 # --------------------------------------------------------------------------------------------
 # Tasks
 
+
 def _build(tokenizer, row: dict, fmt: str, task: str, length, position: int, source: str, max_length):
     metric = "ruler_string_match_part" if family(task) == "qa" else "ruler_string_match_all"
     if fmt == "kvpress":
         _io.need(row, KVPRESS_FIELDS[:4] + KVPRESS_FIELDS[5:], source, "kvpress RULER", _FIX)
         ids, cut, prompt = _io.kvpress_ids(tokenizer, row, max_length)
-        return _io.task("ruler", task, position, ids, _io.answers_of(row["answer"]), metric,
-                        int(row["max_new_tokens"]), cut, format="kvpress", context_length=length, **prompt,
-                        postprocess="delete_control")
+        return _io.task(
+            "ruler",
+            task,
+            position,
+            ids,
+            _io.answers_of(row["answer"]),
+            metric,
+            int(row["max_new_tokens"]),
+            cut,
+            format="kvpress",
+            context_length=length,
+            **prompt,
+            postprocess="delete_control",
+        )
     _io.need(row, RULER_FIELDS, source, "RULER generator", _FIX)
     ids, cut = _io.prompt_ids(tokenizer, row["input"] + (row.get("answer_prefix") or ""), max_length)
-    return _io.task("ruler", task, row.get("index", position), ids, _io.answers_of(row["outputs"]), metric,
-                    GEN_TOKENS[family(task)], cut, format="ruler", context_length=length,
-                    ruler_length=row.get("length"), postprocess="control_to_newline")
+    return _io.task(
+        "ruler",
+        task,
+        row.get("index", position),
+        ids,
+        _io.answers_of(row["outputs"]),
+        metric,
+        GEN_TOKENS[family(task)],
+        cut,
+        format="ruler",
+        context_length=length,
+        ruler_length=row.get("length"),
+        postprocess="control_to_newline",
+    )
 
 
 def load(path, tokenizer, *, subsets=None, limit: int | None = None, max_length: int | None = None):
@@ -170,9 +219,9 @@ _CONTROL = re.compile(r"[\x00-\x1f]")
 
 def _prediction(output: str, meta: dict) -> str:
     text = output.strip()
-    if meta.get("postprocess") == "delete_control":          # kvpress
+    if meta.get("postprocess") == "delete_control":  # kvpress
         return _CONTROL.sub("", text).strip()
-    return _CONTROL.sub("\n", text).strip()                  # RULER
+    return _CONTROL.sub("\n", text).strip()  # RULER
 
 
 def _hits(answers, output: str, meta: dict) -> list[bool]:
@@ -194,5 +243,15 @@ def string_match_part(answers, output: str, meta: dict) -> float:
 
 METRICS = {"ruler_string_match_all": string_match_all, "ruler_string_match_part": string_match_part}
 
-__all__ = ["GEN_TOKENS", "KVPRESS_DATASET", "LOADERS", "METRICS", "SUBSETS", "TASKS", "family", "load",
-           "string_match_all", "string_match_part"]
+__all__ = [
+    "GEN_TOKENS",
+    "KVPRESS_DATASET",
+    "LOADERS",
+    "METRICS",
+    "SUBSETS",
+    "TASKS",
+    "family",
+    "load",
+    "string_match_all",
+    "string_match_part",
+]

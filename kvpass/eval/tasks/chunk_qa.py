@@ -16,36 +16,80 @@ Layout (exactly ``length`` tokens):
        {key} is"   -> " 4817"
 
 k = (length - |S without filler| - |Q|) // chunk_tokens, at most len(fact_keys(tok)) (about 190).
-``meta["spans"]`` has "system", "chunks" (list of (start, end)), "question"; ``meta["target_chunk"]`` is the index of the chunk
-holding the answer, ``meta["fact_spans"]`` where each fact is. A chunk's ids depend only on
+``meta["spans"]`` has "system", "chunks" (list of (start, end)), "question"; ``meta["target_chunk"]`` is the index of
+the chunk holding the answer, ``meta["fact_spans"]`` where each fact is. A chunk's ids depend only on
 (seed, length, chunk index), never on the question, so the tasks of one length (one per target
 chunk) share S and all chunks and differ only in Q: a policy may cache chunks across them.
 """
 
 from __future__ import annotations
 
-from kvpass.eval.tasks._core import (Prompt, Task, bos_ids, check_length, encode, encode_many, fill, find_all, plant,
-                                random_number, rng_for, start_sentence, units_for)
+from kvpass.eval.tasks._core import (
+    Prompt,
+    Task,
+    bos_ids,
+    check_length,
+    encode,
+    encode_many,
+    fill,
+    find_all,
+    plant,
+    random_number,
+    rng_for,
+    start_sentence,
+    units_for,
+)
 
 CHUNK_TOKENS = 512
 MAX_NEW_TOKENS = 16
-COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown", "gray",
-          "golden", "silver", "violet", "crimson", "turquoise", "beige", "maroon", "navy", "olive", "teal",
-          "lavender", "scarlet", "indigo", "amber", "coral", "ivory", "magenta", "bronze", "emerald", "ruby",
-          "copper")
+COLORS = (
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "purple",
+    "orange",
+    "black",
+    "white",
+    "pink",
+    "brown",
+    "gray",
+    "golden",
+    "silver",
+    "violet",
+    "crimson",
+    "turquoise",
+    "beige",
+    "maroon",
+    "navy",
+    "olive",
+    "teal",
+    "lavender",
+    "scarlet",
+    "indigo",
+    "amber",
+    "coral",
+    "ivory",
+    "magenta",
+    "bronze",
+    "emerald",
+    "ruby",
+    "copper",
+)
 THINGS = ("door", "gate", "safe", "vault", "locker", "chest")
-INSTRUCTION = ("You are given several documents. Each document mentions the secret code of one thing, "
-               "such as a door or a safe. Read them and answer the question at the end.\n\nBackground:\n")
+INSTRUCTION = (
+    "You are given several documents. Each document mentions the secret code of one thing, "
+    "such as a door or a safe. Read them and answer the question at the end.\n\nBackground:\n"
+)
 DOC_HEADER = "\n\nDocument:\n"
 
 
 def _question(key: str) -> str:
-    return (f"\n\nQuestion: What is the secret code of the {key}? "
-            f"Answer: The secret code of the {key} is")
+    return f"\n\nQuestion: What is the secret code of the {key}? Answer: The secret code of the {key} is"
 
 
 def fact_keys(tok) -> list[str]:
-    """"{color} {thing}" keys whose question has the most common token length for this tokenizer, so
+    """ "{color} {thing}" keys whose question has the most common token length for this tokenizer, so
     that Q (and hence S and every chunk position) has the same length whichever chunk is asked about."""
     keys = [f"{c} {t}" for t in THINGS for c in COLORS]
     lens = dict(zip(keys, map(len, encode_many(tok, [_question(k) for k in keys]))))
@@ -75,14 +119,22 @@ def layout(tok, length: int, seed: int, chunk_tokens: int = CHUNK_TOKENS) -> dic
             codes.append(c)
     chunks, facts, fact_ids = [], [], []
     for i in range(k):
-        start = start_sentence(units, rng)                     # each document opens an essay or paragraph
+        start = start_sentence(units, rng)  # each document opens an essay or paragraph
         fact = f"The secret code of the {chosen[i]} is {codes[i]}."
         ids, (span,), (fid,), _ = plant(tok, units, start, chunk_tokens - len(doc_header), [fact], [rng.random()])
         chunks.append(doc_header + ids)
         facts.append((len(doc_header) + span[0], len(doc_header) + span[1]))
         fact_ids.append(fid)
-    return dict(k=k, chosen=chosen, codes=codes, chunks=chunks, facts=facts, fact_ids=fact_ids, instr=instr,
-                filler_start=start_sentence(units, rng_for("chunk_qa/filler", length, seed)))
+    return dict(
+        k=k,
+        chosen=chosen,
+        codes=codes,
+        chunks=chunks,
+        facts=facts,
+        fact_ids=fact_ids,
+        instr=instr,
+        filler_start=start_sentence(units, rng_for("chunk_qa/filler", length, seed)),
+    )
 
 
 def make(tok, length: int, seed: int, target: int, chunk_tokens: int = CHUNK_TOKENS, lay: dict | None = None) -> Task:
@@ -106,11 +158,28 @@ def make(tok, length: int, seed: int, target: int, chunk_tokens: int = CHUNK_TOK
     p.add(q_ids, "question")
     for fid, (a, _) in zip(lay["fact_ids"], fact_spans):
         assert find_all(p.ids, fid) == [a], "each fact must occur exactly once"
-    task = Task(family="chunk_qa", name="chunk_qa/secret_code", input_ids=p.ids, answers=[code], metric="contains",
-                max_new_tokens=MAX_NEW_TOKENS,
-                meta=dict(length=length, seed=seed, target_chunk=target, key=key, num_chunks=k,
-                          chunk_tokens=chunk_tokens, spans=p.spans, fact_spans=fact_spans, keys=lay["chosen"],
-                          codes=lay["codes"], depth=target / max(k - 1, 1), bos=bool(bos_ids(tok))))
+    task = Task(
+        family="chunk_qa",
+        name="chunk_qa/secret_code",
+        input_ids=p.ids,
+        answers=[code],
+        metric="contains",
+        max_new_tokens=MAX_NEW_TOKENS,
+        meta=dict(
+            length=length,
+            seed=seed,
+            target_chunk=target,
+            key=key,
+            num_chunks=k,
+            chunk_tokens=chunk_tokens,
+            spans=p.spans,
+            fact_spans=fact_spans,
+            keys=lay["chosen"],
+            codes=lay["codes"],
+            depth=target / max(k - 1, 1),
+            bos=bool(bos_ids(tok)),
+        ),
+    )
     return check_length(task)
 
 

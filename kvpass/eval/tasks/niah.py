@@ -27,8 +27,21 @@ essay from (seed, length), so all depths and kinds of one length share one hayst
 
 from __future__ import annotations
 
-from kvpass.eval.tasks._core import (Prompt, Task, bos_ids, check_length, encode, find_all, haystack_text, key_phrases, plant,
-                                random_number, rng_for, start_sentence, units_for)
+from kvpass.eval.tasks._core import (
+    Prompt,
+    Task,
+    bos_ids,
+    check_length,
+    encode,
+    find_all,
+    haystack_text,
+    key_phrases,
+    plant,
+    random_number,
+    rng_for,
+    start_sentence,
+    units_for,
+)
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 KINDS = ("passkey", "magic_number")
@@ -36,9 +49,9 @@ MAX_NEW_TOKENS = 24
 
 HEADERS = {
     "passkey": "There is an important piece of information hidden inside a lot of irrelevant text. "
-               "Find it and memorize it. I will quiz you about it afterwards.\n\n",
+    "Find it and memorize it. I will quiz you about it afterwards.\n\n",
     "magic_number": "Some special magic numbers are hidden within the following text. "
-                    "Make sure to memorize them. I will quiz you about the numbers afterwards.\n\n",
+    "Make sure to memorize them. I will quiz you about the numbers afterwards.\n\n",
 }
 
 
@@ -47,14 +60,22 @@ def needle_and_question(kind: str, rng) -> tuple[str, str, str, dict]:
     corpus = haystack_text()
     if kind == "passkey":
         v = random_number(rng, 5, avoid=corpus)
-        return (f"The pass key is {v}. Remember it. {v} is the pass key.",
-                "\n\nWhat is the pass key? The pass key is", v, {})
+        return (
+            f"The pass key is {v}. Remember it. {v} is the pass key.",
+            "\n\nWhat is the pass key? The pass key is",
+            v,
+            {},
+        )
     if kind == "magic_number":
         key = key_phrases(rng, 1)[0]
         v = random_number(rng, 7, avoid=corpus)
-        return (f"One of the special magic numbers for {key} is: {v}.",
-                f"\n\nWhat is the special magic number for {key} mentioned in the provided text? "
-                f"The special magic number for {key} mentioned in the provided text is", v, {"key": key})
+        return (
+            f"One of the special magic numbers for {key} is: {v}.",
+            f"\n\nWhat is the special magic number for {key} mentioned in the provided text? "
+            f"The special magic number for {key} mentioned in the provided text is",
+            v,
+            {"key": key},
+        )
     raise ValueError(f"unknown needle kind {kind!r}; known: {KINDS}")
 
 
@@ -79,11 +100,28 @@ def make(tok, length: int, seed: int, depth: float, kind: str) -> Task:
     p.spans["needle"] = needle_span
     p.add(q_ids, "question")
 
-    task = Task(family="niah", name=f"niah/{kind}", input_ids=p.ids, answers=[answer], metric="contains",
-                max_new_tokens=MAX_NEW_TOKENS,
-                meta=dict(length=length, seed=seed, depth=depth, depth_actual=info["depths_actual"][0], kind=kind,
-                          needle=needle, needle_ids=needle_ids, needle_span=needle_span, spans=p.spans,
-                          haystack_tokens=info["haystack_tokens"], bos=bool(bos_ids(tok)), **extra))
+    task = Task(
+        family="niah",
+        name=f"niah/{kind}",
+        input_ids=p.ids,
+        answers=[answer],
+        metric="contains",
+        max_new_tokens=MAX_NEW_TOKENS,
+        meta=dict(
+            length=length,
+            seed=seed,
+            depth=depth,
+            depth_actual=info["depths_actual"][0],
+            kind=kind,
+            needle=needle,
+            needle_ids=needle_ids,
+            needle_span=needle_span,
+            spans=p.spans,
+            haystack_tokens=info["haystack_tokens"],
+            bos=bool(bos_ids(tok)),
+            **extra,
+        ),
+    )
     assert find_all(task.input_ids, needle_ids) == [needle_span[0]], "needle ids must occur exactly once"
     return check_length(task)
 

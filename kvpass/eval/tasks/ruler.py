@@ -37,20 +37,58 @@ import re
 import uuid
 from functools import lru_cache
 
-from kvpass.eval.tasks._core import (Prompt, Task, bos_ids, check_length, encode, encode_many, find_all, haystack_text,
-                                key_phrases, plant, random_number, rng_for, start_sentence, units_for)
+from kvpass.eval.tasks._core import (
+    Prompt,
+    Task,
+    bos_ids,
+    check_length,
+    encode,
+    encode_many,
+    find_all,
+    haystack_text,
+    key_phrases,
+    plant,
+    random_number,
+    rng_for,
+    start_sentence,
+    units_for,
+)
 
-TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey", "niah_multivalue",
-         "niah_multiquery", "vt", "cwe", "fwe")
+TASKS = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+)
 
-MAX_NEW_TOKENS = {"niah_single_1": 24, "niah_single_2": 24, "niah_single_3": 48, "niah_multikey": 24,
-                  "niah_multivalue": 64, "niah_multiquery": 64, "vt": 32, "cwe": 64, "fwe": 32}
+MAX_NEW_TOKENS = {
+    "niah_single_1": 24,
+    "niah_single_2": 24,
+    "niah_single_3": 48,
+    "niah_multikey": 24,
+    "niah_multivalue": 64,
+    "niah_multiquery": 64,
+    "vt": 32,
+    "cwe": 64,
+    "fwe": 32,
+}
 
 
 def _finish(tok, p: Prompt, name: str, length: int, seed: int, sample: int, answers, metric, **meta) -> Task:
-    task = Task(family="ruler", name=f"ruler/{name}", input_ids=p.ids, answers=list(answers), metric=metric,
-                max_new_tokens=MAX_NEW_TOKENS[name],
-                meta=dict(length=length, seed=seed, sample=sample, spans=p.spans, bos=bool(bos_ids(tok)), **meta))
+    task = Task(
+        family="ruler",
+        name=f"ruler/{name}",
+        input_ids=p.ids,
+        answers=list(answers),
+        metric=metric,
+        max_new_tokens=MAX_NEW_TOKENS[name],
+        meta=dict(length=length, seed=seed, sample=sample, spans=p.spans, bos=bool(bos_ids(tok)), **meta),
+    )
     return check_length(task)
 
 
@@ -87,7 +125,7 @@ def niah(tok, name: str, length: int, seed: int, sample: int) -> Task:
         values[k] = [_value(rng, vtype, text) for _ in range(n_values)]
         needles += [(k, v) for v in values[k]]
     rng.shuffle(needles)
-    queried = keys[:n_queries]                                  # keys are random: the first ones will do
+    queried = keys[:n_queries]  # keys are random: the first ones will do
     answers = [v for k in queried for v in values[k]]
     plural = n_values > 1 or n_queries > 1
     vname = f"{vtype}s" if plural else vtype
@@ -95,14 +133,21 @@ def niah(tok, name: str, length: int, seed: int, sample: int) -> Task:
     units = units_for(tok, corpus)
     start = start_sentence(units, rng_for("ruler/haystack", corpus, length, seed, sample), paragraph=corpus == "essay")
     p = Prompt(tok)
-    p.add(f"Some special magic {vtype}s are hidden within the following text. Make sure to memorize them. "
-          f"I will quiz you about the {vtype}s afterwards.\n\n", "header")
+    p.add(
+        f"Some special magic {vtype}s are hidden within the following text. Make sure to memorize them. "
+        f"I will quiz you about the {vtype}s afterwards.\n\n",
+        "header",
+    )
     if plural:
-        question = (f"\n\nWhat are all the special magic {vname} for {_join(queried)} mentioned in the provided "
-                    f"text? The special magic {vname} for {_join(queried)} mentioned in the provided text are")
+        question = (
+            f"\n\nWhat are all the special magic {vname} for {_join(queried)} mentioned in the provided "
+            f"text? The special magic {vname} for {_join(queried)} mentioned in the provided text are"
+        )
     else:
-        question = (f"\n\nWhat is the special magic {vname} for {queried[0]} mentioned in the provided text? "
-                    f"The special magic {vname} for {queried[0]} mentioned in the provided text is")
+        question = (
+            f"\n\nWhat is the special magic {vname} for {queried[0]} mentioned in the provided text? "
+            f"The special magic {vname} for {queried[0]} mentioned in the provided text is"
+        )
     q_ids = encode(tok, question)
     sentences = [f"One of the special magic {vtype}s for {k} is: {v}." for k, v in needles]
     depths = [rng.random() for _ in needles]
@@ -112,13 +157,29 @@ def niah(tok, name: str, length: int, seed: int, sample: int) -> Task:
     spans = [(ctx[0] + a, ctx[0] + b) for a, b in spans]
     for nid, sp in zip(needle_ids, spans):
         assert find_all(p.ids, nid) == [sp[0]], "needle ids must occur exactly once"
-    return _finish(tok, p, name, length, seed, sample, answers, "contains" if len(answers) == 1 else "recall",
-                   keys=keys, queried=queried, needles=sentences, needle_spans=spans, needle_ids=needle_ids,
-                   depths=depths, depths_actual=info["depths_actual"], haystack=corpus)
+    return _finish(
+        tok,
+        p,
+        name,
+        length,
+        seed,
+        sample,
+        answers,
+        "contains" if len(answers) == 1 else "recall",
+        keys=keys,
+        queried=queried,
+        needles=sentences,
+        needle_spans=spans,
+        needle_ids=needle_ids,
+        depths=depths,
+        depths_actual=info["depths_actual"],
+        haystack=corpus,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Variable tracking
+
 
 def _var_names(rng, k: int) -> list[str]:
     out: list[str] = []
@@ -137,36 +198,54 @@ def vt(tok, length: int, seed: int, sample: int, hops: int = 4, chains: int = 1)
         values = [random_number(rng, 5) for _ in range(chains)]
     statements, depths = [], []
     for c in range(chains):
-        chain = names[c * (hops + 1):(c + 1) * (hops + 1)]
-        ds = sorted(rng.random() for _ in chain)              # a chain is stated in order
+        chain = names[c * (hops + 1) : (c + 1) * (hops + 1)]
+        ds = sorted(rng.random() for _ in chain)  # a chain is stated in order
         statements.append(f"VAR {chain[0]} = {values[c]}.")
         statements += [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
         depths += ds
-    answers = names[:hops + 1]                                 # chain 0 is asked about
+    answers = names[: hops + 1]  # chain 0 is asked about
 
     units = units_for(tok, "noise")
     p = Prompt(tok)
     p.add("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n", "header")
-    q_ids = encode(tok, f"\n\nQuestion: Find all variables that are assigned the value {values[0]} in the text "
-                        f"above. Answer: According to the chain(s) of variable assignment in the text above, "
-                        f"{hops + 1} variables are assigned the value {values[0]}, they are:")
+    q_ids = encode(
+        tok,
+        f"\n\nQuestion: Find all variables that are assigned the value {values[0]} in the text "
+        f"above. Answer: According to the chain(s) of variable assignment in the text above, "
+        f"{hops + 1} variables are assigned the value {values[0]}, they are:",
+    )
     start = rng_for("ruler/haystack", "noise", length, seed, sample).randrange(len(units))
     ids, spans, needle_ids, info = plant(tok, units, start, length - len(p) - len(q_ids), statements, depths)
     ctx = p.add(ids, "context")
     p.add(q_ids, "question")
     spans = [(ctx[0] + a, ctx[0] + b) for a, b in spans]
-    return _finish(tok, p, "vt", length, seed, sample, answers, "recall", value=values[0], chain=answers,
-                   statements=statements, needle_spans=spans, depths_actual=info["depths_actual"], hops=hops,
-                   chains=chains)
+    return _finish(
+        tok,
+        p,
+        "vt",
+        length,
+        seed,
+        sample,
+        answers,
+        "recall",
+        value=values[0],
+        chain=answers,
+        statements=statements,
+        needle_spans=spans,
+        depths_actual=info["depths_actual"],
+        hops=hops,
+        chains=chains,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Word lists (cwe, fwe)
 
+
 @lru_cache(maxsize=1)
 def essay_vocabulary() -> tuple[str, ...]:
     """Distinct lower-case alphabetic words of 4 to 10 letters from the essays, sorted."""
-    words = re.findall(r"(?<![a-z'])[a-z]{4,10}(?![a-z'])", haystack_text().lower())   # no "wasn" from "wasn't"
+    words = re.findall(r"(?<![a-z'])[a-z]{4,10}(?![a-z'])", haystack_text().lower())  # no "wasn" from "wasn't"
     return tuple(sorted(set(words)))
 
 
@@ -184,7 +263,7 @@ class _Costs:
             self.word[w] = ids
         return [self.word[w] for w in ws]
 
-    def idx(self, k: int) -> list[int]:                        # "1." opens the list, then "\n2." ...
+    def idx(self, k: int) -> list[int]:  # "1." opens the list, then "\n2." ...
         while len(self.index) <= k:
             n = len(self.index)
             more = range(n, max(2 * n, n + 256))
@@ -200,10 +279,16 @@ def cwe(tok, length: int, seed: int, sample: int, num_cw: int = 10) -> Task:
     costs = _Costs(tok)
 
     p = Prompt(tok)
-    p.add("Below is a numbered list of words. In these words, some appear more often than others. "
-          "Memorize the ones that appear most often.\n\n", "header")
-    q_ids = encode(tok, f"\n\nQuestion: What are the {num_cw} most common words in the above list? Answer: The "
-                        f"top {num_cw} words that appear most often in the list are:")
+    p.add(
+        "Below is a numbered list of words. In these words, some appear more often than others. "
+        "Memorize the ones that appear most often.\n\n",
+        "header",
+    )
+    q_ids = encode(
+        tok,
+        f"\n\nQuestion: What are the {num_cw} most common words in the above list? Answer: The "
+        f"top {num_cw} words that appear most often in the list are:",
+    )
     budget = length - len(p) - len(q_ids)
 
     # Frequencies grow with the list: roughly 30% of the entries are common words, as in RULER at 4k.
@@ -211,7 +296,7 @@ def cwe(tok, length: int, seed: int, sample: int, num_cw: int = 10) -> Task:
     freq_cw = int(max(2, min(30, round(0.3 * budget / entry / num_cw))))
     freq_ucw = max(1, freq_cw // 10)
     words: list[str] = []
-    total = 0                                                  # tokens of the entries in `words`
+    total = 0  # tokens of the entries in `words`
 
     def cost(ws):  # tokens that appending these words would take, index pieces included
         n = len(words)
@@ -240,12 +325,24 @@ def cwe(tok, length: int, seed: int, sample: int, num_cw: int = 10) -> Task:
     rest = budget - len(pieces)
     assert 0 <= rest
     tail = (costs.idx(len(words) + 1) + costs.words([rare[r]])[0])[:rest] if rest else []
-    ctx = p.add(pieces + tail, "context")
+    p.add(pieces + tail, "context")
     p.add(q_ids, "question")
     counts = {w: words.count(w) for w in common}
     assert min(counts.values()) == freq_cw and freq_cw > freq_ucw
-    return _finish(tok, p, "cwe", length, seed, sample, common, "recall", freq_cw=freq_cw, freq_ucw=freq_ucw,
-                   entries=len(words), cut_entry=bool(tail))
+    return _finish(
+        tok,
+        p,
+        "cwe",
+        length,
+        seed,
+        sample,
+        common,
+        "recall",
+        freq_cw=freq_cw,
+        freq_ucw=freq_ucw,
+        entries=len(words),
+        cut_entry=bool(tail),
+    )
 
 
 def fwe(tok, length: int, seed: int, sample: int, alpha: float = 2.0, vocab: int = 200) -> Task:
@@ -261,12 +358,18 @@ def fwe(tok, length: int, seed: int, sample: int, alpha: float = 2.0, vocab: int
     costs.words(coded + spares)
 
     p = Prompt(tok)
-    p.add("Read the following coded text and track the frequency of each coded word. Find the three most "
-          "frequently appeared coded words.\n\n", "header")
-    q_ids = encode(tok, "\n\nQuestion: What are the three most frequently appeared words in the above coded text? "
-                        "Answer: According to the coded text above, the three most frequently appeared words are:")
+    p.add(
+        "Read the following coded text and track the frequency of each coded word. Find the three most "
+        "frequently appeared coded words.\n\n",
+        "header",
+    )
+    q_ids = encode(
+        tok,
+        "\n\nQuestion: What are the three most frequently appeared words in the above coded text? "
+        "Answer: According to the coded text above, the three most frequently appeared words are:",
+    )
     budget = length - len(p) - len(q_ids)
-    first_ids = {w: encode(tok, w) for w in coded}                # the text opens without a space
+    first_ids = {w: encode(tok, w) for w in coded}  # the text opens without a space
     for attempt in range(100):
         words, used = [], 0
         while True:
@@ -286,17 +389,29 @@ def fwe(tok, length: int, seed: int, sample: int, alpha: float = 2.0, vocab: int
         raise ValueError(f"length {length} is too short for ruler/fwe")
     top = sorted(counts, key=lambda w: -counts[w])[:3]
     pieces = [tid for i, w in enumerate(words) for tid in (first_ids[w] if i == 0 else costs.word[w])]
-    for w in spares:                      # fill the last few tokens with made-up words used nowhere else
-        pieces += costs.word[w][:budget - len(pieces)]
+    for w in spares:  # fill the last few tokens with made-up words used nowhere else
+        pieces += costs.word[w][: budget - len(pieces)]
     if len(pieces) != budget:
         raise AssertionError("fwe: could not fill the last tokens")
     p.add(pieces, "context")
     p.add(q_ids, "question")
-    return _finish(tok, p, "fwe", length, seed, sample, top, "recall", counts={w: counts[w] for w in top},
-                   alpha=alpha, words=len(words))
+    return _finish(
+        tok,
+        p,
+        "fwe",
+        length,
+        seed,
+        sample,
+        top,
+        "recall",
+        counts={w: counts[w] for w in top},
+        alpha=alpha,
+        words=len(words),
+    )
 
 
 # --------------------------------------------------------------------------------------------
+
 
 def make(tok, name: str, length: int, seed: int = 0, sample: int = 0) -> Task:
     if name in NIAH:

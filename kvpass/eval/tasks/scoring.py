@@ -26,8 +26,8 @@ def found(answer: str, output: str) -> bool:
     a = normalize(answer)
     if not a:
         raise ValueError("empty expected answer")
-    before = r"(?<![0-9a-z])" + (r"(?<![-.])" if a[0].isdigit() else "")    # "3" is not found in "-3" or "0.3"
-    after = r"(?![0-9a-z])" + (r"(?![.,]\d)" if a[-1].isdigit() else "")   # nor in "3.5" or "3,000"
+    before = r"(?<![0-9a-z])" + (r"(?<![-.])" if a[0].isdigit() else "")  # "3" is not found in "-3" or "0.3"
+    after = r"(?![0-9a-z])" + (r"(?![.,]\d)" if a[-1].isdigit() else "")  # nor in "3.5" or "3,000"
     pattern = before + re.escape(a) + after
     return re.search(pattern, normalize(output)) is not None
 
@@ -55,9 +55,11 @@ def recall(answers, output: str) -> float:
 
 
 def agreement(answers, output: str) -> float:
-    raise ValueError("metric 'agreement' is computed by the harness: compare the policy's greedy tokens "
-                     "with the full-cache greedy tokens (and the perplexity of that reference continuation); "
-                     "score() cannot compute it from text")
+    raise ValueError(
+        "metric 'agreement' is computed by the harness: compare the policy's greedy tokens "
+        "with the full-cache greedy tokens (and the perplexity of that reference continuation); "
+        "score() cannot compute it from text"
+    )
 
 
 SCORERS = {"contains": contains, "contains_any": contains_any, "recall": recall, "agreement": agreement}
@@ -80,8 +82,9 @@ def score(task, output_text: str) -> float:
     few-shot arithmetic tasks stop at a newline, so a model that goes on to invent the next
     question is not credited for numbers in it).
     """
-    if task.metric not in SCORERS:   # a published benchmark's metric (kvpass.eval.benchmarks)
+    if task.metric not in SCORERS:  # a published benchmark's metric (kvpass.eval.benchmarks)
         from kvpass.eval import benchmarks
+
         published = benchmarks.metrics()
         if task.metric not in published:
             raise ValueError(f"unknown metric {task.metric!r}; known: {sorted(SCORERS) + sorted(published)}")

@@ -23,5 +23,6 @@ class A3(TopRatio):
 
     def score(self, site, q, k, kv_pos, q_pos, req):
         w = req.question
-        return torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
-                                              float(site.softcap))       # [B, H_kv, L], summed over Q and group
+        return torch.ops.kvpass.window_scores(
+            q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0, float(site.softcap)
+        )  # [B, H_kv, L], summed over Q and group

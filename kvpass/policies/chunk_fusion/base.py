@@ -35,30 +35,30 @@ from torch import Tensor
 
 from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, param
 
-SELECT_LAYER = 1   # the layer whose attention (a3) or key deviation (cacheblend) picks Re
+SELECT_LAYER = 1  # the layer whose attention (a3) or key deviation (cacheblend) picks Re
 
 
 @dataclass
 class FusionRequest:
     """What the policy knows about the request being fused (set by ``kvpass.ChunkFusion``)."""
 
-    length: int                       # tokens of the whole request (S, chunks, Q)
-    question: int                     # tokens of Q (the last ones)
-    doc: Tensor                       # [length] bool: document tokens (candidates for Re)
-    chunk_starts: list[int]           # start position of every stored segment (S first when present)
+    length: int  # tokens of the whole request (S, chunks, Q)
+    question: int  # tokens of Q (the last ones)
+    doc: Tensor  # [length] bool: document tokens (candidates for Re)
+    chunk_starts: list[int]  # start position of every stored segment (S first when present)
     cached_keys: Tensor | None = None  # layer-1 keys of the merged cache [B, H_kv, L, D] (cacheblend)
-    scores: Tensor | None = None      # [length] fp32 priority of each token, set by the selection pass
+    scores: Tensor | None = None  # [length] fp32 priority of each token, set by the selection pass
     info: dict = field(default_factory=dict)
 
 
 class ChunkFusionPolicy(Policy):
     """Base of the chunk-fusion policies: planning, the selection hook and the recompute rule."""
 
-    recover_positions: ClassVar[bool] = True   # rotate stored keys to their concatenated positions
-    needs_probe: ClassVar[bool] = False        # run the two-layer selection pass first
-    needs_votes: ClassVar[bool] = False        # evicts after fusion by the question's attention (a3+evict)
-    collects_votes: ClassVar[bool] = False     # plans fusion_votes into recompute graphs (the shared router)
-    drives_graphs: ClassVar[bool] = False      # the policy a ChunkFusion backend compiles (the shared router), not a
+    recover_positions: ClassVar[bool] = True  # rotate stored keys to their concatenated positions
+    needs_probe: ClassVar[bool] = False  # run the two-layer selection pass first
+    needs_votes: ClassVar[bool] = False  # evicts after fusion by the question's attention (a3+evict)
+    collects_votes: ClassVar[bool] = False  # plans fusion_votes into recompute graphs (the shared router)
+    drives_graphs: ClassVar[bool] = False  # the policy a ChunkFusion backend compiles (the shared router), not a
     #                                   user-facing fusion policy, whose plain forward is refused
     # decode graphs keep the model's cache update; positions come from the layers' records, which
     # ChunkFusion writes after every request (a3+evict's cache is shorter than the request)
@@ -74,37 +74,45 @@ class ChunkFusionPolicy(Policy):
         if not self.drives_graphs:  # a plain forward under a fusion name: ``select`` refuses it when it runs
             if site.cache in ("dynamic", "slot"):
                 return SitePlan(attention=True, evict=True)
-            return Refusal(f"'{self.name}' is a chunk-fusion policy: run requests through kvpass.ChunkFusion(model, "
-                           f"store, '{self.name}'); this graph uses a {site.cache} cache")
+            return Refusal(
+                f"'{self.name}' is a chunk-fusion policy: run requests through kvpass.ChunkFusion(model, "
+                f"store, '{self.name}'); this graph uses a {site.cache} cache"
+            )
         if site.sliding_window:
-            return Refusal(f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window "
-                           f"layer (window {site.sliding_window}) cannot hold a merged cache")
+            return Refusal(
+                f"layer {site.layer}: chunk fusion needs global attention layers; a sliding-window "
+                f"layer (window {site.sliding_window}) cannot hold a merged cache"
+            )
         if site.cache == "slot" and site.phase in ("decode", "append"):
-            return SitePlan(attention=True)   # the fused entries are in the slots: decode appends
+            return SitePlan(attention=True)  # the fused entries are in the slots: decode appends
         if site.cache != "dynamic":
-            return Refusal(f"layer {site.layer}: chunk fusion prepares a DynamicCache (a SlotCache is filled after "
-                           f"it by ChunkFusion(..., cache='slot')); this {site.phase} graph uses a {site.cache} cache")
+            return Refusal(
+                f"layer {site.layer}: chunk fusion prepares a DynamicCache (a SlotCache is filled after "
+                f"it by ChunkFusion(..., cache='slot')); this {site.phase} graph uses a {site.cache} cache"
+            )
         if site.phase == "prefill":
             if self.needs_probe and site.layer == SELECT_LAYER:
-                return SitePlan(attention=True, evict=True)   # compact sees layer 1's q and fresh k
+                return SitePlan(attention=True, evict=True)  # compact sees layer 1's q and fresh k
             return SitePlan(attention=True)
         if site.phase == "decode":
-            return SitePlan(attention=True, evict=True)   # append (Needs.decode_appends; kvpass.compiler.plan)
-        return SitePlan(overwrite=True, votes=self.collects_votes)   # a recompute pass (kvpass.ChunkFusion)
+            return SitePlan(attention=True, evict=True)  # append (Needs.decode_appends; kvpass.compiler.plan)
+        return SitePlan(overwrite=True, votes=self.collects_votes)  # a recompute pass (kvpass.ChunkFusion)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
         req = self.request
         if req is None:
-            raise ConfigError(f"policy '{self.name}' is a chunk-fusion policy: run requests through "
-                              f"kvpass.ChunkFusion(model, store, '{self.name}'); a plain prefill has no stored "
-                              f"chunks to fuse")
+            raise ConfigError(
+                f"policy '{self.name}' is a chunk-fusion policy: run requests through "
+                f"kvpass.ChunkFusion(model, store, '{self.name}'); a plain prefill has no stored "
+                f"chunks to fuse"
+            )
         if site.layer == SELECT_LAYER and kv_pos.shape[-1] == req.length:
             # every head's score (a split model: every rank's, kvpass.compiler.tp), summed over the heads
             per_head = self.score(site, q, k, kv_pos, q_pos, req)
             if site.tp is not None:
                 per_head = site.tp.all_heads(per_head)
             req.scores = per_head.sum(dim=1)[0].float()[: req.length]
-        return None                                            # the selection pass keeps everything
+        return None  # the selection pass keeps everything
 
     def score(self, site, q, k, kv_pos, q_pos, req: FusionRequest) -> Tensor:
         """Priority ``[B, H_kv, L]`` of every token of the request per KV head of this device (the selection

@@ -19,7 +19,7 @@ class CacheBlend(TopRatio):
     def score(self, site, q, k, kv_pos, q_pos, req):
         cached = req.cached_keys
         n = min(cached.shape[2], k.shape[2])
-        dev = (k[:, :, :n].float() - cached[:, :, :n].to(k.device).float()).norm(dim=-1)   # [B, H_kv, n]
+        dev = (k[:, :, :n].float() - cached[:, :, :n].to(k.device).float()).norm(dim=-1)  # [B, H_kv, n]
         out = dev.new_zeros(k.shape[:3])
         out[..., :n] = dev
         return out

@@ -31,8 +31,8 @@ from torch import Tensor
 
 from kvpass.cache import runtime
 from kvpass.cache.runtime import past_length
-from kvpass.ops import attention_pos_reference
 from kvpass.op_registry import register
+from kvpass.ops import attention_pos_reference
 from kvpass.policies.chunk_fusion.kernels import rope as _rope
 from kvpass.policies.chunk_fusion.kernels import slot_attention as _slots
 
@@ -76,20 +76,24 @@ def scatter_rows(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("kvpass::cache_overwrite", mutates_args=())
-def cache_overwrite(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, handle: int,
-                    site: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def cache_overwrite(
+    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, handle: int, site: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     slots = runtime.get(handle).state.fusion
     b, hkv, ln = k_new.shape[:3]
     lp = past_length(k_past)
     if slots is None or slots.numel() != ln or lp == 0:
-        raise RuntimeError("kvpass: a chunk-fusion policy writes new tokens over a merged cache; run it "
-                           "through kvpass.ChunkFusion (got a call on a cache it did not prepare)")
+        raise RuntimeError(
+            "kvpass: a chunk-fusion policy writes new tokens over a merged cache; run it "
+            "through kvpass.ChunkFusion (got a call on a cache it did not prepare)"
+        )
     idx = slots.to(k_new.device)
     out = []
     for past, new in ((k_past, k_new), (v_past, v_new)):
         d = past.shape[-1]
-        merged = torch.ops.kvpass.scatter_rows(past.reshape(b * hkv, lp, d), idx,
-                                               new.to(past.dtype).reshape(b * hkv, ln, d))
+        merged = torch.ops.kvpass.scatter_rows(
+            past.reshape(b * hkv, lp, d), idx, new.to(past.dtype).reshape(b * hkv, ln, d)
+        )
         out.append(merged.view(b, hkv, lp, d))
     kv_pos = torch.arange(lp, device=k_new.device).expand(b, hkv, lp).contiguous()
     q_pos = idx.expand(b, ln).contiguous()
@@ -100,13 +104,18 @@ def cache_overwrite(k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor
 def _(k_past, v_past, k_new, v_new, handle, site: int):
     b, hkv, ln = k_new.shape[:3]
     lp = k_past.shape[-2]
-    return (k_past.new_empty((b, hkv, lp, k_past.shape[-1])), v_past.new_empty((b, hkv, lp, v_past.shape[-1])),
-            k_new.new_empty((b, hkv, lp), dtype=torch.long), k_new.new_empty((b, ln), dtype=torch.long))
+    return (
+        k_past.new_empty((b, hkv, lp, k_past.shape[-1])),
+        v_past.new_empty((b, hkv, lp, v_past.shape[-1])),
+        k_new.new_empty((b, hkv, lp), dtype=torch.long),
+        k_new.new_empty((b, ln), dtype=torch.long),
+    )
 
 
 @torch.library.custom_op("kvpass::fusion_votes", mutates_args=())
-def fusion_votes(out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float, softcap: float, handle: int,
-                 site: int) -> Tensor:
+def fusion_votes(
+    out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float, softcap: float, handle: int, site: int
+) -> Tensor:
     """Passes ``out`` (a recompute pass's attention output) through and, when the request asks for
     votes (``state.fusion_window`` > 0, ``a3+evict``), keeps the SnapKV votes of the last
     ``fusion_window`` query rows (the question) for every merged-cache slot: ``state.fusion_votes[layer]``
@@ -117,7 +126,8 @@ def fusion_votes(out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float,
         b, hkv, lk = k.shape[:3]
         kv_pos = torch.arange(lk, device=k.device).expand(b, hkv, lk).contiguous()
         st.fusion_votes[runtime.layer_of(site)] = torch.ops.kvpass.window_scores(
-            q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), scale, softcap)
+            q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), scale, softcap
+        )
     return out.clone()
 
 
@@ -126,8 +136,9 @@ def _(out, q, k, q_pos, scale, softcap, handle, site: int):
     return torch.empty_like(out)
 
 
-def attention_slots_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
-                              softcap: float = 0.0) -> Tensor:
+def attention_slots_reference(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, softcap: float = 0.0
+) -> Tensor:
     """Reference for ``kvpass::attention_slots``: ``attention_pos`` with slot ``j`` at position ``j``."""
     b, hkv, lk = k.shape[:3]
     kv_pos = torch.arange(lk, device=k.device).expand(b, hkv, lk)
@@ -155,7 +166,13 @@ def attention_slots(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
     return torch.ops.kvpass.attention_slots_ref(q, k, v, q_pos, scale, softcap)
 
 
-
-register(rope_rotate=rope_rotate, rope_rotate_ref=rope_rotate_ref, scatter_rows=scatter_rows,
-           scatter_rows_ref=scatter_rows_ref, cache_overwrite=cache_overwrite, fusion_votes=fusion_votes,
-           attention_slots=attention_slots, attention_slots_ref=attention_slots_ref)
+register(
+    rope_rotate=rope_rotate,
+    rope_rotate_ref=rope_rotate_ref,
+    scatter_rows=scatter_rows,
+    scatter_rows_ref=scatter_rows_ref,
+    cache_overwrite=cache_overwrite,
+    fusion_votes=fusion_votes,
+    attention_slots=attention_slots,
+    attention_slots_ref=attention_slots_ref,
+)

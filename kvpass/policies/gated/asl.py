@@ -94,9 +94,10 @@ class ASLFullKV(ASL):
     summary = "asl without compression before the selection layer (those layers keep the whole prompt)"
     compress = False
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
-        return max_length     # any layer up to the (adaptive) selection layer keeps the whole prompt
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
+        return max_length  # any layer up to the (adaptive) selection layer keeps the whole prompt
 
 
 class ASL2Pass(ASL):
@@ -108,8 +109,8 @@ class ASL2Pass(ASL):
     compress = False
     needs = Needs(evicts=True, decode_appends=True, gates=True, two_pass=True, slot_rule="append")
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
         # every layer stores the selected tokens, unless the adaptive rule never fires (the whole prompt)
-        return (max_length if self.layer < 0
-                else super().slot_capacity(max_length, max_new_tokens, layer, layers, ranks))
+        return max_length if self.layer < 0 else super().slot_capacity(max_length, max_new_tokens, layer, layers, ranks)

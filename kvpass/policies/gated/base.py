@@ -45,7 +45,7 @@ def ranks(priority: Tensor) -> Tensor:
 def rank_variance(layer_ranks: list[Tensor], top: int) -> Tensor:
     """Mean over the union U of each layer's top-``top`` tokens of the population variance of each
     token's rank across the layers; ``layer_ranks`` holds ``[B, N]`` ranks per layer -> ``[B]``."""
-    r = torch.stack(layer_ranks).double()                  # [T, B, N]
+    r = torch.stack(layer_ranks).double()  # [T, B, N]
     in_u = (r <= top).any(0)
     var = r.var(0, unbiased=False)
     return (var * in_u).sum(-1) / in_u.sum(-1).clamp_min(1)
@@ -59,7 +59,7 @@ class GatedSelection(PrefillEviction):
     kernel: int = param(7, 1, 1025, "average-pooling kernel over token scores (odd; 1 = none)")
     layer: int = param(-1, -1, 1 << 16, "force the selection layer (-1: the policy's rule)")
     needs = Needs(evicts=True, decode_appends=True, gates=True, slot_rule="append")
-    compress: ClassVar[bool] = True   # layers up to the selection layer keep a SnapKV-compressed cache
+    compress: ClassVar[bool] = True  # layers up to the selection layer keep a SnapKV-compressed cache
 
     def check_config(self) -> None:
         super().check_config()
@@ -68,9 +68,11 @@ class GatedSelection(PrefillEviction):
     # -- compile time ----------------------------------------------------------------------------
     def plan(self, site) -> SitePlan | Refusal:
         if site.cache not in ("dynamic", "slot"):
-            return Refusal(f"layer {site.layer}: {self.name} needs a cache that can shrink (DynamicCache) or "
-                           f"a kvpass.SlotCache; this graph uses a {site.cache} cache")
-        return SitePlan(attention=True, evict=True)   # sliding layers too: see "Sliding-window layers"
+            return Refusal(
+                f"layer {site.layer}: {self.name} needs a cache that can shrink (DynamicCache) or "
+                f"a kvpass.SlotCache; this graph uses a {site.cache} cache"
+            )
+        return SitePlan(attention=True, evict=True)  # sliding layers too: see "Sliding-window layers"
 
     def gate_layers(self, n_layers: int) -> tuple[list[int], list[int]]:
         """(layers whose scores are recorded, layers after which the gate may fire)."""

@@ -10,7 +10,8 @@ shorter prompt), so every layer's cache holds ``n = budget`` entries. Decode con
 DynamicCache a bare ``forward`` derives it from the cache, and position ids passed in by ``generate``
 (which counts the whole prompt) are moved back by ``L - n`` (``kvpass::shift_positions``). A
 ``kvpass.SlotCache`` counts the whole prompt (so ``generate`` can continue it) and keeps ``L - n`` in its
-counters: every position, passed or derived, moves back on the device (``kvpass.compiler.positions.shift_slot_positions``).
+counters: every position, passed or derived, moves back on the device
+(``kvpass.compiler.positions.shift_slot_positions``).
 
 Both passes run in the same compiled prefill graph's segments (``kvpass.compiler.gate``); the second pass uses
 their short versions. Batch 1 or unpadded batches: a left-padded batch's position inputs are refused
@@ -39,5 +40,3 @@ class GemFilter(GatedSelection):
 
     def gate_fires(self, layer, history, keep, ctx) -> bool:
         return True
-
-

@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
-from kvpass.policies.contract import PagePolicy
 from kvpass.op_registry import register
+from kvpass.policies.contract import PagePolicy
 from kvpass.policies.pages.kernels import page_bounds as _bounds
 from kvpass.policies.pages.kernels import raas_stamp as _stamp
 from kvpass.policies.pages.kernels import top_pages as _top
@@ -70,14 +70,38 @@ _TABLES = ("kmin", "kmax", "live", "ts", "born", "meta", "seen")
 
 
 @torch.library.custom_op("kvpass::raas_stamp_ref", mutates_args=_TABLES)
-def raas_stamp_ref(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
-                   born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float) -> None:
+def raas_stamp_ref(
+    q: Tensor,
+    k_new: Tensor,
+    count: Tensor,
+    kmin: Tensor,
+    kmax: Tensor,
+    live: Tensor,
+    ts: Tensor,
+    born: Tensor,
+    meta: Tensor,
+    seen: Tensor,
+    decode_pages: int,
+    alpha: float,
+) -> None:
     _stamp.raas_stamp_reference(q, k_new, count, kmin, kmax, live, ts, born, meta, seen, decode_pages, alpha)
 
 
 @torch.library.triton_op("kvpass::raas_stamp", mutates_args=_TABLES)
-def raas_stamp(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
-               born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float) -> None:
+def raas_stamp(
+    q: Tensor,
+    k_new: Tensor,
+    count: Tensor,
+    kmin: Tensor,
+    kmax: Tensor,
+    live: Tensor,
+    ts: Tensor,
+    born: Tensor,
+    meta: Tensor,
+    seen: Tensor,
+    decode_pages: int,
+    alpha: float,
+) -> None:
     """RaaS's decode update of one layer's page tables, in place; see ``kvpass.policies.pages.kernels.raas_stamp``.
     Triton on CUDA (contiguous tables, as a SlotCache allocates them), the reference operator elsewhere."""
     tables = (kmin, kmax, live, ts, born, meta, seen)
@@ -137,8 +161,9 @@ def _(k_pool, handle, site: int):
 
 
 @torch.library.custom_op("kvpass::pool_write", mutates_args=("k_pool", "v_pool"))
-def pool_write(k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q: Tensor, q_pos: Tensor,
-               handle: int, site: int) -> Tensor:
+def pool_write(
+    k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q: Tensor, q_pos: Tensor, handle: int, site: int
+) -> Tensor:
     return runtime.get(handle).pool_write(site, q, k_pool, v_pool, k_new, v_new, q_pos)
 
 
@@ -147,7 +172,14 @@ def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site: int):
     return k_pool.new_empty(k_pool.shape[:3], dtype=torch.long)
 
 
-
-register(page_bounds=page_bounds,
-           page_bounds_ref=page_bounds_ref, raas_stamp=raas_stamp, raas_stamp_ref=raas_stamp_ref, top_pages=top_pages,
-           top_pages_ref=top_pages_ref, page_select=page_select, step_position=step_position, pool_write=pool_write)
+register(
+    page_bounds=page_bounds,
+    page_bounds_ref=page_bounds_ref,
+    raas_stamp=raas_stamp,
+    raas_stamp_ref=raas_stamp_ref,
+    top_pages=top_pages,
+    top_pages_ref=top_pages_ref,
+    page_select=page_select,
+    step_position=step_position,
+    pool_write=pool_write,
+)

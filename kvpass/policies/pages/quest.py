@@ -45,13 +45,12 @@ own positions and cache length stay true.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
 from kvpass.cache.slots import FILLED
-from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, Refusal, SitePlan, SlotHooks, param
 from kvpass.errors import device_assert
+from kvpass.policies.contract import ConfigError, DecodeRead, Needs, Policy, Refusal, SitePlan, SlotHooks, param
 
 PAGE = 16
 
@@ -80,8 +79,10 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
     if n == length:
         return st
     if n > length or (n > 0 and tuple(st["kmin"].shape[:2]) != (b, hkv)):
-        raise RuntimeError(f"policy 'quest': page bounds cover {n} entries but the cache holds {length} "
-                           "(the cache was not filled through this backend)")
+        raise RuntimeError(
+            f"policy 'quest': page bounds cover {n} entries but the cache holds {length} "
+            "(the cache was not filled through this backend)"
+        )
     if n > 0 and length == n + 1 and valid is None and n // PAGE < st["kmin"].shape[2]:  # a decode step
         page = torch.full((b, hkv), n // PAGE, dtype=torch.long, device=k.device)
         fold(st["kmin"], st["kmax"], st["live"], page, k[:, :, -1])
@@ -91,8 +92,8 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
     dev = k.device
     ok = (torch.arange(p0 * PAGE, length, device=dev) >= n).expand(b, hkv, -1)
     if valid is not None:
-        ok = ok & valid[:, :, p0 * PAGE:length]
-    new_min, new_max, new_live = page_bounds(k[:, :, p0 * PAGE:length], ok, p1 - p0)
+        ok = ok & valid[:, :, p0 * PAGE : length]
+    new_min, new_max, new_live = page_bounds(k[:, :, p0 * PAGE : length], ok, p1 - p0)
     cap = st["kmin"].shape[2] if "kmin" in st else 0
     if p1 > cap:  # grow by doubling: the copy is amortised over many pages
         grown = max(p1, 2 * cap, 64)
@@ -103,10 +104,12 @@ def extend_bounds(st: dict, k: Tensor, valid: Tensor | None = None) -> dict:
                 buf[:, :, :cap] = st[name]
             st[name] = buf
     old = st["live"][:, :, p0:p1, None]
-    st["kmin"][:, :, p0:p1] = torch.where(old, torch.minimum(st["kmin"][:, :, p0:p1], new_min),
-                                          torch.where(new_live[..., None], new_min, 0))
-    st["kmax"][:, :, p0:p1] = torch.where(old, torch.maximum(st["kmax"][:, :, p0:p1], new_max),
-                                          torch.where(new_live[..., None], new_max, 0))
+    st["kmin"][:, :, p0:p1] = torch.where(
+        old, torch.minimum(st["kmin"][:, :, p0:p1], new_min), torch.where(new_live[..., None], new_min, 0)
+    )
+    st["kmax"][:, :, p0:p1] = torch.where(
+        old, torch.maximum(st["kmax"][:, :, p0:p1], new_max), torch.where(new_live[..., None], new_max, 0)
+    )
     st["live"][:, :, p0:p1] |= new_live
     st["n"] = length
     return st
@@ -128,8 +131,10 @@ def slot_fold(q: Tensor, keys: Tensor, pos: Tensor, count: Tensor, state: list[T
     page's bounds. Bounds that do not cover the slots before it (a cache filled without this backend) fail
     a device-side assert instead of ranking pages wrongly."""
     kmin, kmax, live, covered = state
-    device_assert((covered == count[:, FILLED, None] - 1).all(), "kvpass quest: the SlotCache's page bounds do not "
-                                                            "cover its slots (it was filled without this backend)")
+    device_assert(
+        (covered == count[:, FILLED, None] - 1).all(),
+        "kvpass quest: the SlotCache's page bounds do not cover its slots (it was filled without this backend)",
+    )
     page = ((count[:, FILLED] - 1) // PAGE)[:, None].expand(live.shape[:2])
     fold(kmin, kmax, live, page, k_new[:, :, -1])
     covered.add_(1)
@@ -179,29 +184,39 @@ def with_current(chosen: Tensor, cur) -> Tensor:
 class Quest(Policy):
     name = "quest"
     summary = "query-aware decode attention over the top budget/16 pages by Quest's bound (keeps every page)"
-    budget: int = param(1024, PAGE, 1 << 24, "tokens a decode step reads per layer and KV head (a multiple of "
-                        "16): the top max(3, budget/16) pages by upper bound, plus the current page")
+    budget: int = param(
+        1024,
+        PAGE,
+        1 << 24,
+        "tokens a decode step reads per layer and KV head (a multiple of "
+        "16): the top max(3, budget/16) pages by upper bound, plus the current page",
+    )
     dense_layers: int = param(2, 0, 1 << 16, "the first layers that read every page")
     stats: bool = param(False, doc="count pages read (Backend.runtime.blocks_read())")
 
     def check_config(self) -> None:
         if self.budget % PAGE:
-            raise ConfigError(f"policy 'quest': parameter 'budget' must be a multiple of {PAGE} in "
-                              f"[{PAGE}, {1 << 24}], got {self.budget}")
+            raise ConfigError(
+                f"policy 'quest': parameter 'budget' must be a multiple of {PAGE} in "
+                f"[{PAGE}, {1 << 24}], got {self.budget}"
+            )
 
     # on a SlotCache: every token kept (the append layout), the pages' bounds as layer state
     needs = Needs(slot_rule="append")
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         pages = -(-capacity // PAGE)
-        return {"kmin": ((pages, head_dim), None, 0), "kmax": ((pages, head_dim), None, 0),
-                "live": ((pages,), torch.bool, False), "covered": ((), torch.int64, 0)}
+        return {
+            "kmin": ((pages, head_dim), None, 0),
+            "kmax": ((pages, head_dim), None, 0),
+            "live": ((pages,), torch.bool, False),
+            "covered": ((), torch.int64, 0),
+        }
 
     def slot_hooks(self, site) -> SlotHooks | None:
         if site.sliding_window or site.layer < self.dense_layers:
             return None
-        return SlotHooks(refresh=slot_bounds, update=slot_fold, select=slot_pages, args=(self.top_pages,),
-                         block=PAGE)
+        return SlotHooks(refresh=slot_bounds, update=slot_fold, select=slot_pages, args=(self.top_pages,), block=PAGE)
 
     @property
     def top_pages(self) -> int:
@@ -215,21 +230,26 @@ class Quest(Policy):
     def idle_reason(self, sites) -> str | None:
         last = max((s.layer for s in sites if not s.sliding_window), default=-1)
         if sites and last < self.dense_layers:
-            return (f"policy 'quest': parameter 'dense_layers' = {self.dense_layers} keeps every global layer of "
-                    f"this {len(sites)}-layer model dense, so no page is ever skipped (quest equals full); pass "
-                    f"dense_layers < {max(last, 0) + 1}")
+            return (
+                f"policy 'quest': parameter 'dense_layers' = {self.dense_layers} keeps every global layer of "
+                f"this {len(sites)}-layer model dense, so no page is ever skipped (quest equals full); pass "
+                f"dense_layers < {max(last, 0) + 1}"
+            )
         return None
 
     def plan(self, site) -> SitePlan | Refusal:
         from kvpass.kernels.decode_attention import ORDER_MAP
         from kvpass.policies.contract import decode_read_problem
+
         if site.sliding_window or site.layer < self.dense_layers:
             return SitePlan(attention=True)
         if site.cache == "slot":  # the slot hooks select the pages
             return SitePlan(attention=True, read=DecodeRead(stats=True) if self.stats else None)
         if site.cache != "dynamic":
-            return Refusal(f"layer {site.layer}: quest reads the new token at the end of a DynamicCache; "
-                           f"this graph uses a {site.cache} cache")
+            return Refusal(
+                f"layer {site.layer}: quest reads the new token at the end of a DynamicCache; "
+                f"this graph uses a {site.cache} cache"
+            )
         if site.phase == "prefill":  # exact attention; compact keeps everything and computes the bounds
             return SitePlan(attention=True, evict=True)
         if site.phase == "decode" and decode_read_problem(site) is None:
@@ -252,8 +272,10 @@ class Quest(Policy):
         """The pages a decode step reads, ``[B, H_kv, top_pages + 1]`` int32 (-1 = none), after folding
         the new token (the last entry of ``k``) into the bounds."""
         if layer_state is None or "n" not in layer_state.extra:
-            raise RuntimeError("policy 'quest': a decode step found no page bounds for its cache (the cache "
-                               "was not filled by a quest prefill with this backend)")
+            raise RuntimeError(
+                "policy 'quest': a decode step found no page bounds for its cache (the cache "
+                "was not filled by a quest prefill with this backend)"
+            )
         st = extend_bounds(layer_state.extra, k)
-        cur = (k.shape[2] - 1) // PAGE              # the current page: always read
-        return chosen_pages(q, *(st[n][:, :, :cur + 1] for n in ("kmin", "kmax", "live")), cur, self.top_pages)
+        cur = (k.shape[2] - 1) // PAGE  # the current page: always read
+        return chosen_pages(q, *(st[n][:, :, : cur + 1] for n in ("kmin", "kmax", "live")), cur, self.top_pages)

@@ -40,26 +40,32 @@ from __future__ import annotations
 import torch
 
 from kvpass.cache.slots import FILLED, PLACED, SEEN, write_slots
+from kvpass.errors import device_assert
 from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, SlotHooks, param
 from kvpass.policies.pages.quest import page_bounds
-from kvpass.errors import device_assert
 
 PAGE = 16
-NO_LIMIT = 1 << 62   # a DynamicCache pool's MAX_LENGTH counter: it grows with no max_length
+NO_LIMIT = 1 << 62  # a DynamicCache pool's MAX_LENGTH counter: it grows with no max_length
 
 
 class RaaS(Policy):
     name = "raas"
     summary = "decode-time page eviction by attention timestamps, constant memory (page pool of budget/16 + 1)"
     needs = Needs(evicts=True, slot_rule="placed")
-    budget: int = param(1024, PAGE, 1 << 24, "decode tokens kept per layer and KV head (a multiple of 16), "
-                        "besides the prompt and the current page")
+    budget: int = param(
+        1024,
+        PAGE,
+        1 << 24,
+        "decode tokens kept per layer and KV head (a multiple of 16), besides the prompt and the current page",
+    )
     alpha: float = param(0.02, 0.0, 1.0, "softmax share above which a page's timestamp is refreshed")
 
     def check_config(self) -> None:
         if self.budget % PAGE:
-            raise ConfigError(f"policy 'raas': parameter 'budget' must be a multiple of {PAGE} in "
-                              f"[{PAGE}, {1 << 24}], got {self.budget}")
+            raise ConfigError(
+                f"policy 'raas': parameter 'budget' must be a multiple of {PAGE} in "
+                f"[{PAGE}, {1 << 24}], got {self.budget}"
+            )
 
     @property
     def decode_pages(self) -> int:
@@ -67,8 +73,9 @@ class RaaS(Policy):
         return self.budget // PAGE + 1
 
     # on a kvpass.SlotCache: the pool is the layer's slots, its page tables are layer state
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
         # pages of any prompt P <= max_length - new plus its decode pages (at most budget/16 + 1, at most what
         # the new tokens fill); over every split of max_length that is never more than max_length/16 + 2
         whole = -(-max_length // PAGE) + 2
@@ -78,11 +85,15 @@ class RaaS(Policy):
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         pages = capacity // PAGE
-        return {"kmin": ((pages, head_dim), None, 0), "kmax": ((pages, head_dim), None, 0),
-                "live": ((pages,), torch.bool, False), "ts": ((pages,), torch.int64, 0),
-                "born": ((pages,), torch.int64, -1),
-                "meta": ((4,), torch.int64, 0),   # current page, its fill, first decode page, page to evict
-                "seen": ((), torch.int64, -1)}    # tokens seen when the tables were last updated
+        return {
+            "kmin": ((pages, head_dim), None, 0),
+            "kmax": ((pages, head_dim), None, 0),
+            "live": ((pages,), torch.bool, False),
+            "ts": ((pages,), torch.int64, 0),
+            "born": ((pages,), torch.int64, -1),
+            "meta": ((4,), torch.int64, 0),  # current page, its fill, first decode page, page to evict
+            "seen": ((), torch.int64, -1),
+        }  # tokens seen when the tables were last updated
 
     def slot_hooks(self, site) -> SlotHooks | None:
         if site.sliding_window:
@@ -95,20 +106,24 @@ class RaaS(Policy):
         if site.cache == "slot" and site.phase in ("prefill", "decode"):
             return SitePlan(attention=True)  # the slot hooks keep the pool (a prefill keeps every token)
         if site.cache not in ("dynamic", "slot"):
-            return Refusal(f"layer {site.layer}: raas keeps its page pool in a DynamicCache; "
-                           f"this graph uses a {site.cache} cache")
+            return Refusal(
+                f"layer {site.layer}: raas keeps its page pool in a DynamicCache; this graph uses a {site.cache} cache"
+            )
         if site.phase == "decode":
             from kvpass.policies.contract import decode_read_problem
+
             why = decode_read_problem(site)
             if why is not None:
-                return Refusal(f"layer {site.layer}: raas decode steps write into the page pool and read it for "
-                               f"one token; {why}")
+                return Refusal(
+                    f"layer {site.layer}: raas decode steps write into the page pool and read it for one token; {why}"
+                )
             return SitePlan(attention=True, pool=True)
         if site.phase != "prefill":
             raise NotImplementedError(
                 f"policy 'raas' supports prefill graphs and one-token decode graphs; layer {site.layer} is in a "
                 f"'{site.phase}' graph (several tokens appended to a filled cache, e.g. continuing a generation, or a "
-                f"dynamic query length); continuing a raas generation is not supported yet: start a new cache")
+                f"dynamic query length); continuing a raas generation is not supported yet: start a new cache"
+            )
         return SitePlan(attention=True, evict=True)
 
     def stored_length(self, site, total):
@@ -121,17 +136,26 @@ class RaaS(Policy):
             return None
         b, hkv, n, d = k.shape
         if kv_pos.shape[-1] != q_pos.shape[1]:
-            raise RuntimeError("policy 'raas': a decode step reached compact; raas decode steps write into "
-                               "the pool (pool_write)")
+            raise RuntimeError(
+                "policy 'raas': a decode step reached compact; raas decode steps write into the pool (pool_write)"
+            )
         slots = self.stored_length(site, n)
         idx = torch.arange(slots, device=k.device)
         keep = torch.where(idx < n, idx, -1).expand(b, hkv, slots).contiguous()
-        count = torch.tensor([n, n, 0, NO_LIMIT], device=k.device).repeat(b, 1)   # SEEN, FILLED, DROPPED, MAX_LENGTH
-        tables = [torch.full((b, hkv, *shape), fill, dtype=dtype or k.dtype, device=k.device)
-                  for shape, dtype, fill in self.slot_state(slots, d).values()]
+        count = torch.tensor([n, n, 0, NO_LIMIT], device=k.device).repeat(b, 1)  # SEEN, FILLED, DROPPED, MAX_LENGTH
+        tables = [
+            torch.full((b, hkv, *shape), fill, dtype=dtype or k.dtype, device=k.device)
+            for shape, dtype, fill in self.slot_state(slots, d).values()
+        ]
         pad = slots - n
-        slot_pool(torch.nn.functional.pad(k, (0, 0, 0, pad)), torch.nn.functional.pad(kv_pos, (0, pad), value=-1),
-                  count, tables, self.decode_pages, self.alpha)
+        slot_pool(
+            torch.nn.functional.pad(k, (0, 0, 0, pad)),
+            torch.nn.functional.pad(kv_pos, (0, pad), value=-1),
+            count,
+            tables,
+            self.decode_pages,
+            self.alpha,
+        )
         return keep, {"tables": tables, "count": count}
 
     def write(self, site, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state):
@@ -141,11 +165,13 @@ class RaaS(Policy):
         slot: no host sync, one copy of the tables per step."""
         extra = layer_state.extra if layer_state is not None else {}
         if "tables" not in extra or layer_state.pos.shape[-1] != k_pool.shape[2]:
-            raise RuntimeError("policy 'raas': a decode step found no page table for its cache (the cache "
-                               "was not filled by a raas prefill with this backend)")
+            raise RuntimeError(
+                "policy 'raas': a decode step found no page table for its cache (the cache "
+                "was not filled by a raas prefill with this backend)"
+            )
         now = q_pos[:, -1] + 1
         start = [*extra["tables"], extra["count"], layer_state.pos]
-        if "last" in extra:   # the step before, and what it started from
+        if "last" in extra:  # the step before, and what it started from
             again = (extra["last"][0] == now).all()
             start = [torch.where(again, before, t) for t, before in zip(start, extra["last"][1])]
         *tables, count, pos = (t.clone() for t in start)
@@ -158,15 +184,18 @@ class RaaS(Policy):
 
 # -- the decode step, per layer: tensor code both caches run ----------------------------------------------
 
+
 def slot_pool(keys, pos, count, state: list, decode_pages: int, alpha: float) -> None:
     """The page tables after a prefill (the prompt in slots ``0 .. n-1``; a SlotCache's refresh, a DynamicCache's
     ``select``): the prompt's pages are the prefill pages, page ``ceil(n / 16)`` the first decode page and the
     current one."""
     kmin, kmax, live, ts, born, meta, seen = state
     pages = kmin.shape[2]
-    n_pre = (count[:, FILLED] + PAGE - 1) // PAGE                   # [B]: each row's prompt pages
-    device_assert((n_pre < pages).all(), "kvpass raas: the prompt leaves no decode page in the SlotCache; build "
-                                         "it with a larger max_length")
+    n_pre = (count[:, FILLED] + PAGE - 1) // PAGE  # [B]: each row's prompt pages
+    device_assert(
+        (n_pre < pages).all(),
+        "kvpass raas: the prompt leaves no decode page in the SlotCache; build it with a larger max_length",
+    )
     new_min, new_max, new_live = page_bounds(keys, pos >= 0, pages)
     kmin.copy_(torch.where(new_live[..., None], new_min, 0))
     kmax.copy_(torch.where(new_live[..., None], new_max, 0))
@@ -175,8 +204,9 @@ def slot_pool(keys, pos, count, state: list, decode_pages: int, alpha: float) ->
     live.copy_(new_live | (idx == first))
     ts.copy_(torch.where(idx <= first, now, 0).expand_as(ts))
     born.copy_(torch.where(idx < first, idx, torch.where(idx == first, now, -1)).expand_as(born))
-    meta.copy_(torch.stack([n_pre, torch.zeros_like(n_pre), n_pre, torch.full_like(n_pre, -1)], -1)[:, None]
-               .expand_as(meta))
+    meta.copy_(
+        torch.stack([n_pre, torch.zeros_like(n_pre), n_pre, torch.full_like(n_pre, -1)], -1)[:, None].expand_as(meta)
+    )
     seen.copy_(count[:, SEEN, None].expand_as(seen))
 
 
@@ -185,13 +215,16 @@ def slot_place(pos, count, state: list, decode_pages: int, alpha: float):
     emptied) and the token's slot ``16 cur + fill`` is returned ``[B, H_kv, 1]``. Tables that are behind
     the slots (a cache written without this backend) fail a device-side assert."""
     _, _, _, _, _, meta, seen = state
-    device_assert((seen == count[:, SEEN, None]).all(), "kvpass raas: the cache's page tables do not match its "
-                                                        "slots: it was written without this backend, or the sequence "
-                                                        "is longer than the SlotCache's max_length (no decode page "
-                                                        "left to evict)")
+    device_assert(
+        (seen == count[:, SEEN, None]).all(),
+        "kvpass raas: the cache's page tables do not match its "
+        "slots: it was written without this backend, or the sequence "
+        "is longer than the SlotCache's max_length (no decode page "
+        "left to evict)",
+    )
     b, hkv, _ = pos.shape
     gone = meta[..., 3]
-    at = gone.clamp_min(0)[..., None] * PAGE + torch.arange(PAGE, device=pos.device)      # [B, H_kv, 16]
+    at = gone.clamp_min(0)[..., None] * PAGE + torch.arange(PAGE, device=pos.device)  # [B, H_kv, 16]
     rows = torch.arange(b, device=pos.device)[:, None, None]
     heads = torch.arange(hkv, device=pos.device)[None, :, None]
     pos.index_put_((rows, heads, at), torch.where(gone[..., None] >= 0, -1, pos.gather(2, at)))

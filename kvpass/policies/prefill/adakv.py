@@ -50,11 +50,15 @@ class AdaKV(OverScorer):
     summary = "a scorer's ranking over the layer's heads: each KV head keeps its own share of the layer's budget"
     needs = Needs(evicts=True, heads=True, slot_rule="append")
     SCORERS = {cls.name: cls for cls in (SnapKV, PyramidKV, ExpectedAttention, CriticalKV)}
-    scorer: str = param("snapkv", doc="base scorer: 'snapkv', 'pyramidkv' (its layer budgets: head-wise PyramidKV), "
-                                      "'expected_attention' or 'criticalkv' (built with budget and window, its own "
-                                      "defaults otherwise)")
-    alpha: float = param(0.2, 0.0, 1.0, "each head's floor as a share of the budget (AdaKV's safeguard; 1: the "
-                                        "scorer's uniform choice)")
+    scorer: str = param(
+        "snapkv",
+        doc="base scorer: 'snapkv', 'pyramidkv' (its layer budgets: head-wise PyramidKV), "
+        "'expected_attention' or 'criticalkv' (built with budget and window, its own "
+        "defaults otherwise)",
+    )
+    alpha: float = param(
+        0.2, 0.0, 1.0, "each head's floor as a share of the budget (AdaKV's safeguard; 1: the scorer's uniform choice)"
+    )
 
     def plan(self, site) -> SitePlan | Refusal:
         plan = super().plan(site)
@@ -81,6 +85,7 @@ class AdaKV(OverScorer):
         if n != q_pos.shape[1] or n <= keep:  # not a prefill, or nothing to evict
             return None
         floor = max(1, int(self.alpha * keep)) if self.alpha > 0 else 0
-        sel, counts = scoring.keep_top_heads(*self.base.ranking(site, q, k, v, kv_pos, q_pos, keep, **inputs), keep,
-                                             floor)
+        sel, counts = scoring.keep_top_heads(
+            *self.base.ranking(site, q, k, v, kv_pos, q_pos, keep, **inputs), keep, floor
+        )
         return ragged.Kept(sel, counts)

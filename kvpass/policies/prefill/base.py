@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.policies.prefill import scoring
 from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, param, shrinking_plan
-
+from kvpass.policies.prefill import scoring
 
 
 class PrefillEviction(Policy):
@@ -35,21 +34,25 @@ class PrefillEviction(Policy):
 
     # on a SlotCache: the kept prompt, then every decoded token in the next free slot; decode steps append
     needs = Needs(evicts=True, decode_appends=True, slot_rule="append")
-    budget: int = param(2048, 2, 1 << 24, "entries kept per layer and KV head after prefill, observation window "
-                        "included")
+    budget: int = param(
+        2048, 2, 1 << 24, "entries kept per layer and KV head after prefill, observation window included"
+    )
     window: int = param(32, 1, 1 << 16, "observation window: last prompt tokens, always kept")
 
     def check_config(self) -> None:
         if self.budget <= self.window:
-            raise ConfigError(f"policy '{self.name}': parameter 'budget' must be > window ({self.window}), got "
-                              f"{self.budget}; the budget counts the observation window, so pass a larger "
-                              f"budget or a smaller window")
+            raise ConfigError(
+                f"policy '{self.name}': parameter 'budget' must be > window ({self.window}), got "
+                f"{self.budget}; the budget counts the observation window, so pass a larger "
+                f"budget or a smaller window"
+            )
 
     def plan(self, site) -> SitePlan | Refusal:
         return shrinking_plan(site)
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
         return min(max_length, self.slot_budget(layer, layers) + max_new_tokens)
 
     def slot_budget(self, layer: int, layers: int) -> int:
@@ -66,7 +69,7 @@ class PrefillEviction(Policy):
 
     def stored_length(self, site, total):
         if site.phase != "prefill":
-            return total                    # decode / append: nothing is evicted
+            return total  # decode / append: nothing is evicted
         return self.kept(site, total)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, **inputs):
@@ -81,7 +84,7 @@ class PrefillEviction(Policy):
         entry (higher = kept first; read on candidates only), the entries kept whatever their score (the window) and
         the real ones (left padding is not). ``select``'s optional inputs arrive as keywords."""
         valid, forced = scoring.window_layout(kv_pos, self.window)
-        extra = {} if votes is None else {"votes": votes}   # a plan with layer_votes (chunkkv)
+        extra = {} if votes is None else {"votes": votes}  # a plan with layer_votes (chunkkv)
         priority = self.priority(site, q, k, kv_pos, q_pos, valid & ~forced, keep - self.window, tokens, **extra)
         return priority, forced, valid
 
@@ -94,8 +97,9 @@ class PrefillEviction(Policy):
     def check_kernel(self) -> None:
         """The pooling kernel of a policy that pools window votes (``kernel`` field) must be odd."""
         if self.kernel % 2 == 0:
-            raise ConfigError(f"policy '{self.name}': parameter 'kernel' must be an odd int in [1, 1025], "
-                              f"got {self.kernel}")
+            raise ConfigError(
+                f"policy '{self.name}': parameter 'kernel' must be an odd int in [1, 1025], got {self.kernel}"
+            )
 
     def pooled_votes(self, site, q, k, kv_pos, q_pos, cand, mode: str):
         """SnapKV's priority: the window's votes (``scoring.window_scores``), pooled over the candidates."""

@@ -19,8 +19,8 @@ import dataclasses
 
 import torch
 
-from kvpass.policies.prefill import scoring
 from kvpass.policies.contract import Refusal, SitePlan, param
+from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
 
 
@@ -33,17 +33,19 @@ class ChunkKV(PrefillEviction):
         plan = super().plan(site)
         if isinstance(plan, Refusal) or not plan.evict:
             return plan
-        return dataclasses.replace(plan, layer_votes=self.window)   # the layer's votes, every head (and rank)
+        return dataclasses.replace(plan, layer_votes=self.window)  # the layer's votes, every head (and rank)
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens, votes=None):
-        if votes is None:        # a select outside a planned graph: this device's heads are all the heads
+        if votes is None:  # a select outside a planned graph: this device's heads are all the heads
             if getattr(site, "tp", None) is not None:
-                raise RuntimeError(f"kvpass chunkkv: layer {site.layer} selects without the votes of the other "
-                                   f"tensor-parallel ranks (its graph was not planned with layer_votes)")
+                raise RuntimeError(
+                    f"kvpass chunkkv: layer {site.layer} selects without the votes of the other "
+                    f"tensor-parallel ranks (its graph was not planned with layer_votes)"
+                )
             votes = scoring.window_scores(site, q, k, kv_pos, q_pos, self.window)
-        shared = cand.all(dim=1)                              # [B, N]: the same tokens in every head
-        score = votes.sum(dim=1).masked_fill(~shared, 0.0)    # all heads of the layer (every rank's)
-        seg = torch.where(shared, 0, -1)                      # one segment: the whole candidate region
+        shared = cand.all(dim=1)  # [B, N]: the same tokens in every head
+        score = votes.sum(dim=1).masked_fill(~shared, 0.0)  # all heads of the layer (every rank's)
+        seg = torch.where(shared, 0, -1)  # one segment: the whole candidate region
         quota_t = torch.full((score.shape[0], 1), quota, device=score.device, dtype=torch.long)
         chosen = scoring.block_fill(score.double(), seg, self.chunk, quota_t)
         return chosen[:, None, :].expand_as(cand).float()

@@ -66,7 +66,7 @@ from kvpass.policies.prefill.knorm import KNorm
 from kvpass.policies.prefill.over_scorer import OverScorer
 from kvpass.policies.prefill.snapkv import SnapKV
 
-PROJECTED = 1 << 25   # elements of the [B, H, tokens, hidden] fp32 projection computed at a time (128 MiB)
+PROJECTED = 1 << 25  # elements of the [B, H, tokens, hidden] fp32 projection computed at a time (128 MiB)
 
 
 def projected_norms(v: Tensor, weight: Tensor, heads: int) -> Tensor:
@@ -75,12 +75,12 @@ def projected_norms(v: Tensor, weight: Tensor, heads: int) -> Tensor:
     (query head ``h`` reads KV head ``h // (heads / H_kv)``). Every head at once, a slice of tokens at a time."""
     b, hkv, n, dv = v.shape
     hidden, group = weight.shape[0], heads // hkv
-    w = weight.t().reshape(heads, dv, hidden).float()                    # head h's [Dv, hidden]
+    w = weight.t().reshape(heads, dv, hidden).float()  # head h's [Dv, hidden]
     kv_of = torch.arange(heads, device=v.device) // group
     step = max(1, PROJECTED // (b * heads * hidden))
     parts = []
     for i in range(0, n, step):
-        x = v[:, :, i:i + step].float().index_select(1, kv_of) @ w            # [B, H, tokens, hidden]
+        x = v[:, :, i : i + step].float().index_select(1, kv_of) @ w  # [B, H, tokens, hidden]
         parts.append(torch.linalg.vector_norm(x, ord=1, dim=-1))
     return torch.cat(parts, -1).view(b, hkv, group, n).mean(2)
 
@@ -89,9 +89,12 @@ class CriticalKV(OverScorer):
     name = "criticalkv"
     summary = "a scorer's best entries, the rest by score times the value's norm through the output projection"
     SCORERS = {cls.name: cls for cls in (SnapKV, ExpectedAttention, KNorm, KeyDiff)}
-    SCORER_DEFAULTS = {"expected_attention": {"use_vnorm": False}}   # stage 2 weighs the values (kvpress's advice)
-    scorer: str = param("snapkv", doc="base scorer: 'snapkv', 'expected_attention', 'knorm' or 'keydiff' (built "
-                                      "with budget and window, its own defaults otherwise)")
+    SCORER_DEFAULTS = {"expected_attention": {"use_vnorm": False}}  # stage 2 weighs the values (kvpress's advice)
+    scorer: str = param(
+        "snapkv",
+        doc="base scorer: 'snapkv', 'expected_attention', 'knorm' or 'keydiff' (built "
+        "with budget and window, its own defaults otherwise)",
+    )
     first_stage_ratio: float = param(0.5, 0.0, 1.0, "share of the kept entries chosen by the scorer alone")
     epsilon: float = param(1e-4, 0.0, None, "added to the scorer's score before the projected value norm weighs it")
 
@@ -100,8 +103,10 @@ class CriticalKV(OverScorer):
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
         if site.o_proj.problem:
-            return Refusal(f"layer {site.layer}: criticalkv weighs values by the layer's output projection, and "
-                           f"{site.o_proj.problem}")
+            return Refusal(
+                f"layer {site.layer}: criticalkv weighs values by the layer's output projection, and "
+                f"{site.o_proj.problem}"
+            )
         return dataclasses.replace(plan, out_proj=True)
 
     def ranking(self, site, q, k, v, kv_pos, q_pos, keep, out_proj=None, **inputs):
@@ -109,8 +114,10 @@ class CriticalKV(OverScorer):
         heads = q.shape[1]
         if out_proj is None or out_proj.dim() != 2 or out_proj.shape[1] != heads * v.shape[-1]:
             got = "none" if out_proj is None else f"a weight of shape {tuple(out_proj.shape)}"
-            raise RuntimeError(f"policy '{self.name}': layer {site.layer}'s selection needs the output projection's "
-                               f"weight [hidden, {heads} * {v.shape[-1]}], got {got}")
+            raise RuntimeError(
+                f"policy '{self.name}': layer {site.layer}'s selection needs the output projection's "
+                f"weight [hidden, {heads} * {v.shape[-1]}], got {got}"
+            )
         score, forced, valid = self.base.ranking(site, q, k, v, kv_pos, q_pos, keep, **inputs)
         first = max(1, int(self.first_stage_ratio * keep)) if self.first_stage_ratio > 0 else 0
         chosen = torch.zeros_like(valid)

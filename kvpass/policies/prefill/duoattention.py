@@ -51,7 +51,7 @@ from kvpass.cache import ragged
 from kvpass.policies.contract import ConfigError, Needs, Policy, Refusal, SitePlan, param, shrinking_plan
 from kvpass.policies.prefill import scoring
 
-PATTERN_FILE = "full_attention_heads.tsv"   # the DuoAttention repository's name, inside a pattern folder
+PATTERN_FILE = "full_attention_heads.tsv"  # the DuoAttention repository's name, inside a pattern folder
 
 
 def read_pattern(path: str) -> list[list[float]]:
@@ -59,12 +59,15 @@ def read_pattern(path: str) -> list[list[float]]:
     where = Path(path).expanduser()
     if where.is_dir():
         where = where / PATTERN_FILE
-    fix = ("pass the path of a head pattern: a text file with one line per layer of the model and one score per KV "
-           "head (tab, space or comma separated), such as the DuoAttention repository's full_attention_heads.tsv, or "
-           "its folder")
+    fix = (
+        "pass the path of a head pattern: a text file with one line per layer of the model and one score per KV "
+        "head (tab, space or comma separated), such as the DuoAttention repository's full_attention_heads.tsv, or "
+        "its folder"
+    )
     if not where.is_file():
-        raise ConfigError(f"policy 'duoattention': parameter 'pattern' names {str(where)!r}, which is not a file; "
-                          f"{fix}")
+        raise ConfigError(
+            f"policy 'duoattention': parameter 'pattern' names {str(where)!r}, which is not a file; {fix}"
+        )
     rows = []
     for number, line in enumerate(where.read_text().splitlines(), 1):
         cells = line.replace(",", " ").split()
@@ -73,12 +76,16 @@ def read_pattern(path: str) -> list[list[float]]:
         try:
             rows.append([float(c) for c in cells])
         except ValueError:
-            raise ConfigError(f"policy 'duoattention': parameter 'pattern': line {number} of {str(where)!r} holds "
-                              f"something that is not a number ({line[:60]!r}); {fix}") from None
+            raise ConfigError(
+                f"policy 'duoattention': parameter 'pattern': line {number} of {str(where)!r} holds "
+                f"something that is not a number ({line[:60]!r}); {fix}"
+            ) from None
     if not rows or len({len(r) for r in rows}) != 1:
-        raise ConfigError(f"policy 'duoattention': parameter 'pattern': {str(where)!r} needs the same number of "
-                          f"scores (one per KV head) on each of its lines (one per layer), got "
-                          f"{sorted({len(r) for r in rows})}; {fix}")
+        raise ConfigError(
+            f"policy 'duoattention': parameter 'pattern': {str(where)!r} needs the same number of "
+            f"scores (one per KV head) on each of its lines (one per layer), got "
+            f"{sorted({len(r) for r in rows})}; {fix}"
+        )
     return rows
 
 
@@ -86,8 +93,9 @@ class DuoAttention(Policy):
     name = "duoattention"
     summary = "retrieval heads keep the whole context, streaming heads their sinks and a recent window (a pattern file)"
     needs = Needs(evicts=True, heads=True, slot_rule="append")
-    pattern: str = param("", doc="path of the per-layer, per-KV-head score file (DuoAttention's "
-                                 "full_attention_heads.tsv, or its folder)")
+    pattern: str = param(
+        "", doc="path of the per-layer, per-KV-head score file (DuoAttention's full_attention_heads.tsv, or its folder)"
+    )
     streaming: float = param(0.5, 0.0, 1.0, "share of the model's KV heads made streaming heads (lowest scores)")
     sinks: int = param(64, 0, 1 << 16, "first tokens a streaming head keeps")
     recent: int = param(256, 1, 1 << 24, "latest tokens a streaming head keeps between steps")
@@ -95,11 +103,13 @@ class DuoAttention(Policy):
     def check_config(self) -> None:
         scores = read_pattern(self.pattern) if self.pattern else None
         if scores is None:
-            raise ConfigError("policy 'duoattention': parameter 'pattern' is required: the path of a head pattern "
-                              "(one line per layer, one score per KV head: the DuoAttention repository's "
-                              "full_attention_heads.tsv, or its folder)")
+            raise ConfigError(
+                "policy 'duoattention': parameter 'pattern' is required: the path of a head pattern "
+                "(one line per layer, one score per KV head: the DuoAttention repository's "
+                "full_attention_heads.tsv, or its folder)"
+            )
         flat = torch.tensor(scores, dtype=torch.float64)
-        order = torch.sort(flat.flatten(), stable=True).indices[:round(self.streaming * flat.numel())]
+        order = torch.sort(flat.flatten(), stable=True).indices[: round(self.streaming * flat.numel())]
         self.streaming_heads = torch.zeros(flat.numel(), dtype=torch.bool).scatter_(0, order, True).view(flat.shape)
 
     @property
@@ -110,9 +120,11 @@ class DuoAttention(Policy):
         layers = config.num_hidden_layers
         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         if (layers, kv) != tuple(self.streaming_heads.shape):
-            raise ConfigError(f"policy 'duoattention': parameter 'pattern' ({self.pattern!r}) has "
-                              f"{self.streaming_heads.shape[0]} layers x {self.streaming_heads.shape[1]} KV heads, and "
-                              f"this model {layers} x {kv}: it was made for another model; pass this model's pattern")
+            raise ConfigError(
+                f"policy 'duoattention': parameter 'pattern' ({self.pattern!r}) has "
+                f"{self.streaming_heads.shape[0]} layers x {self.streaming_heads.shape[1]} KV heads, and "
+                f"this model {layers} x {kv}: it was made for another model; pass this model's pattern"
+            )
 
     def window(self) -> int:
         """Entries a streaming head keeps between steps (a step's query also sees its own token)."""
@@ -121,7 +133,7 @@ class DuoAttention(Policy):
     def heads_of(self, site) -> torch.Tensor:
         """``[H_kv]`` bool: which of this site's KV heads (a tensor-parallel rank's own) are streaming heads."""
         first = site.tp.rank * site.kv_heads if site.tp is not None else 0
-        return self.streaming_heads[site.layer, first:first + site.kv_heads]
+        return self.streaming_heads[site.layer, first : first + site.kv_heads]
 
     def plan(self, site) -> SitePlan | Refusal:
         plan = shrinking_plan(site)
@@ -129,10 +141,12 @@ class DuoAttention(Policy):
             return plan
         total = site.kv_heads * (site.tp.size if site.tp is not None else 1)
         if site.layer >= self.layers or total != self.streaming_heads.shape[1]:
-            return Refusal(f"layer {site.layer} with {total} KV heads: the head pattern {self.pattern!r} has "
-                           f"{self.layers} layers x {self.streaming_heads.shape[1]} KV heads (a pattern for another "
-                           f"model)")
-        return dataclasses.replace(plan, heads=True, heads_ring=self.window() + 1)   # and a decode step's token
+            return Refusal(
+                f"layer {site.layer} with {total} KV heads: the head pattern {self.pattern!r} has "
+                f"{self.layers} layers x {self.streaming_heads.shape[1]} KV heads (a pattern for another "
+                f"model)"
+            )
+        return dataclasses.replace(plan, heads=True, heads_ring=self.window() + 1)  # and a decode step's token
 
     def stored_length(self, site, total):
         """After a prefill: the layer's kept entries over its KV heads, rounded up to a multiple of them."""
@@ -144,33 +158,37 @@ class DuoAttention(Policy):
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, **inputs):
         b, h, n = kv_pos.shape
-        if n != q_pos.shape[1]:          # not a prefill: nothing evicted here (the window keeps itself)
+        if n != q_pos.shape[1]:  # not a prefill: nothing evicted here (the window keeps itself)
             return None
         streaming = self.heads_of(site).to(kv_pos.device)
         valid = kv_pos >= 0
-        before = valid.long().cumsum(-1)                          # real entries up to and including this one
-        after = valid.flip(-1).long().cumsum(-1).flip(-1)         # real entries from this one on
+        before = valid.long().cumsum(-1)  # real entries up to and including this one
+        after = valid.flip(-1).long().cumsum(-1).flip(-1)  # real entries from this one on
         forced = valid & ((before <= self.sinks) | (after <= self.recent))
-        keep = scoring.keep_top(torch.zeros_like(kv_pos, dtype=torch.float32), forced, forced,
-                                min(n, self.window()))            # [B, H_kv, w]: the window (padding after it)
+        keep = scoring.keep_top(
+            torch.zeros_like(kv_pos, dtype=torch.float32), forced, forced, min(n, self.window())
+        )  # [B, H_kv, w]: the window (padding after it)
         mine = torch.zeros_like(valid).scatter_(-1, keep, True)
         mine = torch.where(streaming[None, :, None], mine, torch.ones_like(mine))
         sel = (mine.view(b, h * n).nonzero()[:, 1]).view(b, -1)  # every row keeps the same number per head
         counts = mine.sum(-1)
-        first = torch.where(valid[:, 0], kv_pos[:, 0], kv_pos.new_full((), 1 << 40)).amin(-1)   # the first real token
-        recent = torch.where(streaming, self.recent + 1, 0).expand(b, h)   # a step's query sees its own token too
+        first = torch.where(valid[:, 0], kv_pos[:, 0], kv_pos.new_full((), 1 << 40)).amin(-1)  # the first real token
+        recent = torch.where(streaming, self.recent + 1, 0).expand(b, h)  # a step's query sees its own token too
         sink = torch.where(streaming[None, :], (first + self.sinks)[:, None], 0)
         return ragged.Kept(sel, counts, recent, self.sinks, sink)
 
-    def slot_capacity(self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1,
-                      ranks: int = 1) -> int:
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
         """A layer's slots per KV head: its retrieval heads' whole sequence and its streaming heads' rings (sinks +
         recent + 1, the ring's fixed size, even where the sequence is shorter), over the KV heads of one
         tensor-parallel rank's share (the most any rank's share needs)."""
         heads = self.streaming_heads[layer] if layer < self.layers else torch.zeros(ranks, dtype=torch.bool)
         window = self.window() + 1
-        return max(-(-(int((~share).sum()) * max_length + int(share.sum()) * window) // share.numel())
-                   for share in heads.chunk(ranks))
+        return max(
+            -(-(int((~share).sum()) * max_length + int(share.sum()) * window) // share.numel())
+            for share in heads.chunk(ranks)
+        )
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         return dict(ragged.SLOT_STATE)

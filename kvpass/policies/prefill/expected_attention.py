@@ -64,7 +64,7 @@ from kvpass.policies.contract import ConfigError, Refusal, SitePlan, param
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
 
-CHUNK = 4096   # tokens per step of the statistics and the logits (bounds their fp32 temporaries)
+CHUNK = 4096  # tokens per step of the statistics and the logits (bounds their fp32 temporaries)
 
 
 def _row_sums(weights: Tensor, values: Tensor) -> Tensor:
@@ -84,7 +84,7 @@ def rope_frequencies(cos: Tensor, sin: Tensor, real: Tensor) -> tuple[Tensor, Te
     steps = torch.atan2(s[:, 1:] * c[:, :-1] - c[:, 1:] * s[:, :-1], c[:, 1:] * c[:, :-1] + s[:, 1:] * s[:, :-1])
     pairs = (real[:, 1:] & real[:, :-1]).double()
     freq = _row_sums(pairs, steps) / pairs.sum(-1, keepdim=True).clamp_min(1.0)
-    last = torch.where(real, torch.arange(n, device=real.device), 0).amax(-1)           # left padding: L - 1
+    last = torch.where(real, torch.arange(n, device=real.device), 0).amax(-1)  # left padding: L - 1
     pick = torch.zeros_like(real, dtype=torch.float64).scatter_(1, last[:, None], 1.0)
     return freq, torch.complex(_row_sums(pick, c), _row_sums(pick, s))
 
@@ -97,9 +97,9 @@ def mean_rotation(cos: Tensor, sin: Tensor, real: Tensor, future: int, dim: int)
     # mean over s = 1..F of exp(i s f) = exp(i (F + 1) f / 2) sin(F f / 2) / (F sin(f / 2)), 1 at f = 0
     kernel = torch.where(half == 0, 1.0, torch.sin(future * half) / (future * torch.sin(half)))
     turn = (future + 1) * half
-    mean = last * torch.complex(kernel * torch.cos(turn), kernel * torch.sin(turn))       # [B, r]
+    mean = last * torch.complex(kernel * torch.cos(turn), kernel * torch.sin(turn))  # [B, r]
     r, b = freq.shape[-1], freq.shape[0]
-    rot = torch.zeros(r, r, dtype=torch.float64, device=freq.device)    # rotate_half(x) = rot @ x
+    rot = torch.zeros(r, r, dtype=torch.float64, device=freq.device)  # rotate_half(x) = rot @ x
     h = torch.arange(r // 2, device=freq.device)
     rot[h, h + r // 2], rot[h + r // 2, h] = -1.0, 1.0
     out = torch.eye(dim, dtype=torch.float64, device=freq.device).repeat(b, 1, 1)
@@ -113,12 +113,12 @@ def query_moments(x: Tensor, rows: Tensor, covariance: bool) -> tuple[Tensor, Te
     w = rows.float()
     count = w.sum(-1).clamp_min(1.0)[:, None, None]
     spans = range(0, x.shape[2], CHUNK)
-    mu = sum((x[:, :, i:i + CHUNK].float() * w[:, None, i:i + CHUNK, None]).sum(2) for i in spans) / count
+    mu = sum((x[:, :, i : i + CHUNK].float() * w[:, None, i : i + CHUNK, None]).sum(2) for i in spans) / count
     if not covariance:
         return mu, None
     cov = 0
     for i in spans:
-        xc = (x[:, :, i:i + CHUNK].float() - mu[:, :, None]) * w[:, None, i:i + CHUNK, None]
+        xc = (x[:, :, i : i + CHUNK].float() - mu[:, :, None]) * w[:, None, i : i + CHUNK, None]
         cov = cov + xc.transpose(-1, -2) @ xc
     return mu, cov / count[..., None]
 
@@ -132,7 +132,7 @@ def expected_logits(mu: Tensor, cov: Tensor | None, k: Tensor) -> Tensor:
     cov = None if cov is None else cov.view(b, hkv, h // hkv, d, d)
     parts = []
     for i in range(0, k.shape[2], CHUNK):
-        kc = k[:, :, i:i + CHUNK].float()
+        kc = k[:, :, i : i + CHUNK].float()
         logit = torch.einsum("bkgd,bknd->bkgn", mu, kc)
         if cov is not None:
             logit = logit + 0.5 * (torch.einsum("bknd,bkgde->bkgne", kc, cov) * kc[:, :, None]).sum(-1)
@@ -143,8 +143,7 @@ def expected_logits(mu: Tensor, cov: Tensor | None, k: Tensor) -> Tensor:
 class ExpectedAttention(PrefillEviction):
     name = "expected_attention"
     summary = "the attention future queries are expected to give (prompt query statistics, averaged RoPE)"
-    window: int = param(0, 0, 1 << 16, "last prompt tokens always kept (0: none, as kvpress's "
-                        "ExpectedAttentionPress)")
+    window: int = param(0, 0, 1 << 16, "last prompt tokens always kept (0: none, as kvpress's ExpectedAttentionPress)")
     n_sink: int = param(4, 0, 1 << 16, "first prompt tokens always kept and left out of the statistics and scores")
     n_future_positions: int = param(512, 1, 1 << 20, "future positions RoPE's rotation is averaged over")
     use_covariance: bool = param(True, doc="add the queries' covariance term to the expected logits")
@@ -153,9 +152,11 @@ class ExpectedAttention(PrefillEviction):
 
     def check_config(self) -> None:
         if self.budget <= self.window + self.n_sink:
-            raise ConfigError(f"policy '{self.name}': parameter 'budget' must be > n_sink + window "
-                              f"({self.n_sink} + {self.window}), got {self.budget}; the budget counts the sinks and "
-                              f"the window, so pass a larger budget or fewer sinks")
+            raise ConfigError(
+                f"policy '{self.name}': parameter 'budget' must be > n_sink + window "
+                f"({self.n_sink} + {self.window}), got {self.budget}; the budget counts the sinks and "
+                f"the window, so pass a larger budget or fewer sinks"
+            )
 
     def plan(self, site) -> SitePlan | Refusal:
         plan = super().plan(site)
@@ -168,11 +169,13 @@ class ExpectedAttention(PrefillEviction):
     def ranking(self, site, q, k, v, kv_pos, q_pos, keep, q_pre=None, cos=None, sin=None):
         n = kv_pos.shape[-1]
         rotated = site.q_rope is not None and site.q_rope.cos is not None
-        if rotated != (cos is not None):    # never score a rotated query as if it were not, or the reverse
-            raise RuntimeError(f"policy '{self.name}': layer {site.layer}'s query is {'' if rotated else 'not '}"
-                               f"rotated by RoPE, but select was {'not ' if rotated else ''}given RoPE tables")
+        if rotated != (cos is not None):  # never score a rotated query as if it were not, or the reverse
+            raise RuntimeError(
+                f"policy '{self.name}': layer {site.layer}'s query is {'' if rotated else 'not '}"
+                f"rotated by RoPE, but select was {'not ' if rotated else ''}given RoPE tables"
+            )
         valid, forced = scoring.window_layout(kv_pos, self.window)
-        real = valid[:, 0]                                    # [B, N]: a prefill's keys are its queries' tokens
+        real = valid[:, 0]  # [B, N]: a prefill's keys are its queries' tokens
         sinks = real & (real.long().cumsum(-1) <= self.n_sink)
         rest = real & ~sinks
         mu, cov = query_moments(q if q_pre is None else q_pre, rest, self.use_covariance)
@@ -182,7 +185,7 @@ class ExpectedAttention(PrefillEviction):
             if cov is not None:
                 cov = torch.einsum("bij,bhjk,blk->bhil", rot, cov.double(), rot).float()
         logit = expected_logits(mu, cov, k).masked_fill(~rest[:, None], -math.inf)
-        attn = torch.softmax(logit, -1).nan_to_num(0.0)       # a row with no key after its sinks: nothing
+        attn = torch.softmax(logit, -1).nan_to_num(0.0)  # a row with no key after its sinks: nothing
         score = attn.view(k.shape[0], k.shape[1], -1, n).mean(2)
         if self.use_vnorm:
             score = (score + self.epsilon) * torch.linalg.vector_norm(v.float(), dim=-1)

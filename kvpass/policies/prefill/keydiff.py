@@ -35,7 +35,7 @@ class KeyDiff(PrefillEviction):
     window: int = param(0, 0, 1 << 16, "last prompt tokens always kept (0: none, as kvpress's KeyDiffPress)")
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
-        unit = F.normalize(k.float(), dim=-1)                                   # [B, H_kv, N, D]
-        real = (kv_pos >= 0).unsqueeze(-1).float()                              # padding: weight 0
+        unit = F.normalize(k.float(), dim=-1)  # [B, H_kv, N, D]
+        real = (kv_pos >= 0).unsqueeze(-1).float()  # padding: weight 0
         anchor = (unit * real).sum(2, keepdim=True) / real.sum(2, keepdim=True).clamp_min(1.0)
-        return -F.cosine_similarity(unit, anchor, dim=-1)                       # [B, H_kv, N]
+        return -F.cosine_similarity(unit, anchor, dim=-1)  # [B, H_kv, N]

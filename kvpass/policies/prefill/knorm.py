@@ -29,4 +29,4 @@ class KNorm(PrefillEviction):
     window: int = param(0, 0, 1 << 16, "last prompt tokens always kept (0: none, as kvpress's KnormPress)")
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):
-        return -k.float().norm(dim=-1)           # [B, H_kv, N]: the smaller the norm, the higher the priority
+        return -k.float().norm(dim=-1)  # [B, H_kv, N]: the smaller the norm, the higher the priority

@@ -50,26 +50,30 @@ class KVzip(PrefillEviction):
     sinks: int = param(4, 0, 1 << 16, "first prompt tokens always kept and in every pass's softmax (KVzip's n_sink)")
     chunk_size: int = param(2048, 1, 1 << 24, "context tokens each repeat pass reconstructs")
     overlap: int = param(8, 0, 1 << 16, "tokens of the previous chunk that a later pass repeats first")
-    tokenizer: object = param(None, doc="the model's tokenizer (encode(text, add_special_tokens=False)), for the "
-                                        "repeat prompts")
+    tokenizer: object = param(
+        None, doc="the model's tokenizer (encode(text, add_special_tokens=False)), for the repeat prompts"
+    )
     first: str = param("\n\nRepeat the previous context exactly.", doc="the prompt before the first chunk")
-    later: str = param("\n\nRepeat the part of the previous context exactly, starting with",
-                       doc="the prompt before each later chunk")
+    later: str = param(
+        "\n\nRepeat the part of the previous context exactly, starting with", doc="the prompt before each later chunk"
+    )
     suffix: str = param("\n", doc="text between a prompt and its chunk")
 
     def check_config(self) -> None:
         super().check_config()
         tok = self.tokenizer
         if tok is None or isinstance(tok, str) or not callable(getattr(tok, "encode", None)):
-            raise ConfigError(f"policy 'kvzip': parameter 'tokenizer' must be the model's tokenizer (an object with "
-                              f"encode()), got {type(tok).__name__}; the repeat prompts are text: pass "
-                              f"tokenizer=AutoTokenizer.from_pretrained(...)")
+            raise ConfigError(
+                f"policy 'kvzip': parameter 'tokenizer' must be the model's tokenizer (an object with "
+                f"encode()), got {type(tok).__name__}; the repeat prompts are text: pass "
+                f"tokenizer=AutoTokenizer.from_pretrained(...)"
+            )
         self._ids = tuple(tuple(int(i) for i in _encode(tok, text)) for text in (self.first, self.later, self.suffix))
         # the configuration keeps a printable, hashable name (as sablock's)
         self.tokenizer = getattr(tok, "name_or_path", "") or type(tok).__name__
 
     def plan(self, site) -> SitePlan | Refusal:
-        if site.cache == "slot":   # the budget-sized cache: the prefill keeps by the passes' scores, per head
+        if site.cache == "slot":  # the budget-sized cache: the prefill keeps by the passes' scores, per head
             plan = super().plan(site)
             return dataclasses.replace(plan, heads=True) if isinstance(plan, SitePlan) and plan.evict else plan
         # the scoring cache (kvpass.generate.reconstruct): it keeps the prompt whole; the passes' graph scores it (a
@@ -78,9 +82,11 @@ class KVzip(PrefillEviction):
 
     def idle_reason(self, sites) -> str | None:
         if any(s.cache != "slot" and s.phase == "decode" for s in sites):
-            return (f"policy '{self.name}' selects at a kvpass.SlotCache's prefill, from repeat passes that "
-                    f"kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run first; on this "
-                    f"{sites[0].cache} cache it keeps every entry, as 'full'")
+            return (
+                f"policy '{self.name}' selects at a kvpass.SlotCache's prefill, from repeat passes that "
+                f"kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run first; on this "
+                f"{sites[0].cache} cache it keeps every entry, as 'full'"
+            )
         return None
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
@@ -99,18 +105,22 @@ class KVzip(PrefillEviction):
         for start in range(0, ids.shape[1], self.chunk_size):
             end = min(start + self.chunk_size, ids.shape[1])
             lead = (first if start == 0 else later).expand(rows, -1)
-            back = max(0, start - self.overlap)                        # the previous chunk's last tokens
+            back = max(0, start - self.overlap)  # the previous chunk's last tokens
             parts = [lead, ids[:, back:start], suffix.expand(rows, -1), ids[:, start:end]]
             pass_ids = torch.cat(parts, 1)
             pass_mask = None
             if mask is not None:
-                ones = lambda t: mask.new_ones(rows, t.shape[1])
+
+                def ones(t):
+                    return mask.new_ones(rows, t.shape[1])
+
                 pass_mask = torch.cat([mask, ones(lead), mask[:, back:start], ones(parts[2]), mask[:, start:end]], 1)
             out.append((start, end, pass_ids, pass_mask))
         return out
 
-    def repeat_scores(self, q: Tensor, k: Tensor, valid: Tensor | None, span: tuple[int, int],
-                      softcap: float) -> Tensor:
+    def repeat_scores(
+        self, q: Tensor, k: Tensor, valid: Tensor | None, span: tuple[int, int], softcap: float
+    ) -> Tensor:
         """``[B, H_kv, end - start]`` fp32: each entry of the chunk ``span`` the most attention a query of its repeat
         pass gives it, over the query heads of its KV group. ``q [B, H, r, D]`` (scaled), ``k [B, H_kv, n + r, D]``
         (the prompt's entries, then the pass's), ``valid [B, n + r]`` (False: padding) or None. The softmax spans
@@ -127,31 +137,34 @@ class KVzip(PrefillEviction):
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         own = torch.arange(r, device=k.device)
-        seen = torch.cat([torch.ones(r, sink + end - start, dtype=torch.bool, device=k.device),
-                          own[None, :] <= own[:, None]], 1)                       # [r, cols]: causal on the pass
+        seen = torch.cat(
+            [torch.ones(r, sink + end - start, dtype=torch.bool, device=k.device), own[None, :] <= own[:, None]], 1
+        )  # [r, cols]: causal on the pass
         if valid is not None:
             seen = seen & valid.index_select(1, cols)[:, None, None, None, :]
         probs = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
-        if valid is not None:   # a padding query casts nothing
+        if valid is not None:  # a padding query casts nothing
             probs = probs * valid[:, n:, None].to(probs.dtype)[:, None, None]
-        return probs[..., sink:sink + end - start].amax(dim=(2, 3))
+        return probs[..., sink : sink + end - start].amax(dim=(2, 3))
 
     # -- the selection (the SlotCache's prefill, given the passes' scores) -------------------------------------------
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, scores=None, **inputs):
         n = kv_pos.shape[-1]
         keep = self.kept(site, n)
-        if n != q_pos.shape[1] or n <= keep:   # not a prefill, or nothing to evict
+        if n != q_pos.shape[1] or n <= keep:  # not a prefill, or nothing to evict
             return None
         if scores is None or tuple(scores.shape) != tuple(kv_pos.shape):
             got = "no repeat passes ran" if scores is None else f"the passes scored {scores.shape[-1]} tokens"
-            raise ConfigError(f"policy 'kvzip': this {n}-token prefill of layer {site.layer} keeps entries by the "
-                              f"scores of repeat passes over the same prompt, and {got}. Prefill inside "
-                              f"kvpass.repeat_passes(model, backend, input_ids, forward=...) with the prompt you "
-                              f"prefill, or generate with kvpass.compile(model, 'kvzip', ...)")
+            raise ConfigError(
+                f"policy 'kvzip': this {n}-token prefill of layer {site.layer} keeps entries by the "
+                f"scores of repeat passes over the same prompt, and {got}. Prefill inside "
+                f"kvpass.repeat_passes(model, backend, input_ids, forward=...) with the prompt you "
+                f"prefill, or generate with kvpass.compile(model, 'kvzip', ...)"
+            )
         valid, forced = scoring.window_layout(kv_pos, self.window)
         real = valid.long().cumsum(-1)
-        forced = forced | valid & (real <= self.sinks)          # the first real entries: the sinks
+        forced = forced | valid & (real <= self.sinks)  # the first real entries: the sinks
         sel, counts = scoring.keep_top_heads(scores.to(kv_pos.device), forced, valid, keep, 0)
         return ragged.Kept(sel, counts)
 

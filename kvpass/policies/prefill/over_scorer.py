@@ -27,33 +27,43 @@ def scorer_options(policy: str, cls, text: str) -> dict:
         key = key.strip()
         own = [k for k in kinds if k not in ("budget", "window")]
         if not eq or key not in own:
-            raise ConfigError(f"policy '{policy}': parameter 'scorer' sets '{item}'; the options after '{cls.name}:' "
-                              f"are name=value pairs of its parameters ({', '.join(own) or 'none'}); budget and "
-                              f"window are {policy}'s own")
+            raise ConfigError(
+                f"policy '{policy}': parameter 'scorer' sets '{item}'; the options after '{cls.name}:' "
+                f"are name=value pairs of its parameters ({', '.join(own) or 'none'}); budget and "
+                f"window are {policy}'s own"
+            )
         kind, value = kinds[key], value.strip()
         try:
             out[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
         except ValueError:
-            raise ConfigError(f"policy '{policy}': parameter 'scorer' sets {key}={value!r}, which is not of type "
-                              f"{kind.__name__}") from None
+            raise ConfigError(
+                f"policy '{policy}': parameter 'scorer' sets {key}={value!r}, which is not of type {kind.__name__}"
+            ) from None
     return out
 
 
 class OverScorer(PrefillEviction):
-    SCORERS: ClassVar[dict] = {}           # name -> PrefillEviction class whose ranking the policy reads
-    SCORER_DEFAULTS: ClassVar[dict] = {}   # name -> parameters the policy builds that scorer with
-    window: int = param(-1, -1, 1 << 16, "the scorer's window: last prompt tokens always kept (-1: the scorer's "
-                        "default)")
+    SCORERS: ClassVar[dict] = {}  # name -> PrefillEviction class whose ranking the policy reads
+    SCORER_DEFAULTS: ClassVar[dict] = {}  # name -> parameters the policy builds that scorer with
+    window: int = param(
+        -1, -1, 1 << 16, "the scorer's window: last prompt tokens always kept (-1: the scorer's default)"
+    )
 
     def check_config(self) -> None:
         name, _, options = self.scorer.partition(":")
         if name not in self.SCORERS:
-            raise ConfigError(f"policy '{self.name}': parameter 'scorer' must be one of {', '.join(self.SCORERS)}, "
-                              f"optionally with the scorer's own parameters ('snapkv:kernel=5,pool=avg'), got "
-                              f"{self.scorer!r}")
+            raise ConfigError(
+                f"policy '{self.name}': parameter 'scorer' must be one of {', '.join(self.SCORERS)}, "
+                f"optionally with the scorer's own parameters ('snapkv:kernel=5,pool=avg'), got "
+                f"{self.scorer!r}"
+            )
         cls = self.SCORERS[name]
-        params = {"budget": self.budget, **({"window": self.window} if self.window >= 0 else {}),
-                  **self.SCORER_DEFAULTS.get(name, {}), **scorer_options(self.name, cls, options)}
+        params = {
+            "budget": self.budget,
+            **({"window": self.window} if self.window >= 0 else {}),
+            **self.SCORER_DEFAULTS.get(name, {}),
+            **scorer_options(self.name, cls, options),
+        }
         try:
             self.base = cls(**params)
         except ConfigError as err:

@@ -30,8 +30,7 @@ def punctuation_ids(tokenizer) -> tuple[int, ...]:
         pass
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     ids = list(range(len(tokenizer)))
-    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     found = tuple(i for i, t in zip(ids, texts) if i not in special and is_punctuation(t))
     try:
         _CACHE[tokenizer] = found

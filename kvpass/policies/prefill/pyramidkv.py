@@ -47,7 +47,7 @@ class PyramidKV(SnapKV):
     steepness: int = param(20, 1, 1 << 20, "first/last layer budget ratio is about 2*steepness")
 
     def kept(self, site, total):
-        if total <= self.budget:          # PyramidKV compresses only prompts longer than the budget
+        if total <= self.budget:  # PyramidKV compresses only prompts longer than the budget
             return total
         return torch.sym_min(total, self.layer_budget(site))
 

@@ -69,15 +69,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.policies.prefill import scoring
 from kvpass.policies.contract import ConfigError, Refusal, SitePlan, param
+from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
 from kvpass.policies.prefill.punctuation import punctuation_ids
 
 SIZES = (9, 7, 5, 3, 1)
-HOW_TO_PASS = ("pass tokenizer=<the model's Hugging Face tokenizer> (kvpass.backend('sablock', tokenizer=tok); "
-               "`kvpass compare` passes the model's own) or punctuation_ids=[int, ...] "
-               "(--param punctuation_ids=13,30,...)")
+HOW_TO_PASS = (
+    "pass tokenizer=<the model's Hugging Face tokenizer> (kvpass.backend('sablock', tokenizer=tok); "
+    "`kvpass compare` passes the model's own) or punctuation_ids=[int, ...] "
+    "(--param punctuation_ids=13,30,...)"
+)
 
 
 def segments(cand: Tensor, punct: Tensor) -> Tensor:
@@ -119,8 +121,9 @@ def segment_quota(adjusted: Tensor, seg: Tensor, quota: int) -> Tensor:
     return torch.zeros(r, n + 1, dtype=torch.long, device=seg.device).scatter_add(1, segd, sel.long())[:, :n]
 
 
-def block_search(x: Tensor, seg: Tensor, quota_seg: Tensor, theta: float,
-                 sizes: tuple[int, ...] = SIZES) -> tuple[Tensor, Tensor]:
+def block_search(
+    x: Tensor, seg: Tensor, quota_seg: Tensor, theta: float, sizes: tuple[int, ...] = SIZES
+) -> tuple[Tensor, Tensor]:
     """(chosen [R, N] bool, accepted block size per segment [R, N]) by step 5 of the module docstring."""
     r, n = x.shape
     cand = seg >= 0
@@ -137,16 +140,25 @@ def block_search(x: Tensor, seg: Tensor, quota_seg: Tensor, theta: float,
         ratio = torch.where(token_level > 0, covered(chosen) / torch.where(token_level > 0, token_level, 1.0), 1.0)
         picks.append(chosen)
         accepted.append((ratio >= theta) & ((quota_seg >= size) | (size == 1)))
-    accepted.append(torch.ones_like(accepted[0]))        # never needed when 1 is among the sizes
-    first = torch.stack(accepted).int().argmax(0).clamp(max=len(sizes) - 1)   # [R, N]: first accepted size
+    accepted.append(torch.ones_like(accepted[0]))  # never needed when 1 is among the sizes
+    first = torch.stack(accepted).int().argmax(0).clamp(max=len(sizes) - 1)  # [R, N]: first accepted size
     stacked = torch.stack(picks)
     tok_pick = torch.cat([first, torch.zeros_like(first[:, :1])], 1).gather(1, segd)
     chosen = stacked.gather(0, tok_pick[None]).squeeze(0) & cand
     return chosen, torch.tensor(sizes, device=x.device)[first]
 
 
-def choose(scores: Tensor, cand: Tensor, punct: Tensor, quota: int, lam: float, beta: float, epsilon: float,
-           theta: float, sizes: tuple[int, ...] = SIZES) -> tuple[Tensor, dict]:
+def choose(
+    scores: Tensor,
+    cand: Tensor,
+    punct: Tensor,
+    quota: int,
+    lam: float,
+    beta: float,
+    epsilon: float,
+    theta: float,
+    sizes: tuple[int, ...] = SIZES,
+) -> tuple[Tensor, dict]:
     """SABlock's selection for scores ``[..., N]``: (chosen candidates, details for inspection)."""
     shape = scores.shape
     x = scores.reshape(-1, shape[-1]).double()
@@ -156,14 +168,19 @@ def choose(scores: Tensor, cand: Tensor, punct: Tensor, quota: int, lam: float, 
     adjusted = x + beta * (w * mean).gather(1, segd)
     quota_seg = segment_quota(adjusted, seg, quota)
     chosen, size = block_search(x, seg, quota_seg, theta, sizes)
-    info = {"segments": seg.reshape(shape), "weights": w, "adjusted": adjusted.reshape(shape),
-            "quota": quota_seg, "size": size}
+    info = {
+        "segments": seg.reshape(shape),
+        "weights": w,
+        "adjusted": adjusted.reshape(shape),
+        "quota": quota_seg,
+        "size": size,
+    }
     return chosen.reshape(shape), info
 
 
 def _parse_ids(value) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]                        # --param punctuation_ids=13
+        value = [value]  # --param punctuation_ids=13
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
     try:
@@ -171,8 +188,10 @@ def _parse_ids(value) -> tuple[int, ...]:
         if any(isinstance(v, (float, bool)) for v in value) or any(i < 0 for i in ids):
             raise ValueError
     except (TypeError, ValueError):
-        raise ConfigError(f"policy 'sablock': parameter 'punctuation_ids' must be a list of ints >= 0 or a string "
-                          f"like '13,30', got {value!r}") from None
+        raise ConfigError(
+            f"policy 'sablock': parameter 'punctuation_ids' must be a list of ints >= 0 or a string "
+            f"like '13,30', got {value!r}"
+        ) from None
     return tuple(sorted(set(ids)))
 
 
@@ -193,8 +212,10 @@ class SABlock(PrefillEviction):
             raise ConfigError(f"policy 'sablock' needs the model's punctuation token ids: {HOW_TO_PASS}")
         if ids is None:
             if not (hasattr(tok, "batch_decode") and hasattr(tok, "__len__")):
-                raise ConfigError(f"policy 'sablock': parameter 'tokenizer' must be a Hugging Face tokenizer "
-                                  f"(with batch_decode), got {type(tok).__name__}")
+                raise ConfigError(
+                    f"policy 'sablock': parameter 'tokenizer' must be a Hugging Face tokenizer "
+                    f"(with batch_decode), got {type(tok).__name__}"
+                )
             ids = punctuation_ids(tok)
         if tok is not None:  # explicit ids win; the config keeps a printable, hashable name
             self.tokenizer = getattr(tok, "name_or_path", "") or type(tok).__name__
@@ -206,8 +227,10 @@ class SABlock(PrefillEviction):
         if isinstance(plan, Refusal) or not plan.evict:
             return plan
         if site.tokens is None:
-            return Refusal(f"layer {site.layer}: sablock segments the prompt at punctuation and needs its token ids, "
-                           "but this graph has no input_ids (call the model with input_ids, not inputs_embeds)")
+            return Refusal(
+                f"layer {site.layer}: sablock segments the prompt at punctuation and needs its token ids, "
+                "but this graph has no input_ids (call the model with input_ids, not inputs_embeds)"
+            )
         return SitePlan(attention=True, evict=True, tokens=True)
 
     def priority(self, site, q, k, kv_pos, q_pos, cand, quota, tokens):

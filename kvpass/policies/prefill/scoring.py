@@ -29,7 +29,7 @@ def window_layout(kv_pos: Tensor, window: int) -> tuple[Tensor, Tensor]:
     """(valid, forced) ``[B, H_kv, N]`` booleans: real entries, and the last ``window`` real ones (none
     for ``window`` 0)."""
     valid = kv_pos >= 0
-    after = valid.flip(-1).long().cumsum(-1).flip(-1)      # real entries at or after j
+    after = valid.flip(-1).long().cumsum(-1).flip(-1)  # real entries at or after j
     return valid, valid & (after <= window)
 
 
@@ -42,8 +42,7 @@ def window_scores(site, q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, win
     w = min(window, q.shape[2])
     if w <= 0:
         return q.new_zeros(k.shape[:3], dtype=torch.float32)
-    return torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0,
-                                          float(site.softcap))
+    return torch.ops.kvpass.window_scores(q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), 1.0, float(site.softcap))
 
 
 def pool(scores: Tensor, cand: Tensor, kernel: int, mode: str) -> Tensor:
@@ -85,9 +84,9 @@ def keep_top_heads(priority: Tensor, forced: Tensor, valid: Tensor, keep: int, f
     # every real entry anyway), so a floor of the whole budget is keep_top per head
     best = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :floor]
     safe = torch.zeros_like(forced).scatter_(-1, best, True)
-    real = key.clamp_min(torch.finfo(torch.float32).min)   # a real entry scored -inf still outranks padding
+    real = key.clamp_min(torch.finfo(torch.float32).min)  # a real entry scored -inf still outranks padding
     rank = torch.where(safe, float("inf"), torch.where(valid, real, float("-inf")))
-    top = torch.sort(rank.reshape(b, h * n), dim=-1, descending=True, stable=True).indices[:, :h * keep]
+    top = torch.sort(rank.reshape(b, h * n), dim=-1, descending=True, stable=True).indices[:, : h * keep]
     sel = top.sort(dim=-1).values
     counts = torch.zeros(b, h, dtype=torch.long, device=sel.device).scatter_add_(1, sel // n, torch.ones_like(sel))
     return sel, counts
@@ -113,7 +112,7 @@ def block_fill(score: Tensor, seg: Tensor, size: int, quota: Tensor) -> Tensor:
     r, n = score.shape
     s = quota.shape[1]
     cand = seg >= 0
-    segd = torch.where(cand, seg, s)                           # non-candidates: a dummy segment, quota 0
+    segd = torch.where(cand, seg, s)  # non-candidates: a dummy segment, quota 0
     x = score.masked_fill(~cand, 0.0)
     idx = torch.arange(n, device=score.device).expand(r, n)
     start = torch.full((r, s + 1), n, device=score.device, dtype=torch.long)
@@ -121,7 +120,7 @@ def block_fill(score: Tensor, seg: Tensor, size: int, quota: Tensor) -> Tensor:
     pos_in = idx - start.gather(1, segd)
     first = torch.ones_like(cand[:, :1])
     new_block = (pos_in % size == 0) | torch.cat([first, segd[:, 1:] != segd[:, :-1]], 1)
-    blk = new_block.long().cumsum(1) - 1                       # block id, increasing with position
+    blk = new_block.long().cumsum(1) - 1  # block id, increasing with position
     bsum = torch.zeros_like(x).scatter_add(1, blk, x)
     bsize = torch.zeros(r, n, device=score.device, dtype=torch.long).scatter_add(1, blk, torch.ones_like(blk))
     bseg = torch.full((r, n), s + 1, device=score.device, dtype=torch.long).scatter(1, blk, segd)

@@ -60,9 +60,23 @@ def scatter_reference(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _kvpass_rope_kernel(X, Cos, Sin, Out, M, L, s_m, s_l, c_l, HALF: tl.constexpr, D: tl.constexpr,
-                            HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+    def _kvpass_rope_kernel(
+        X,
+        Cos,
+        Sin,
+        Out,
+        M,
+        L,
+        s_m,
+        s_l,
+        c_l,
+        HALF: tl.constexpr,
+        D: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        PASS_PAD: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         m0 = tl.program_id(0) * ROWS
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         tmask = t < L
@@ -90,8 +104,9 @@ if triton is not None:
                     tl.store(dst + 2 * HALF + p[None, :], xp, mask=pmask)
 
     @triton.jit
-    def _kvpass_scatter_kernel(Src, Idx, Out, n, s_m, s_n, o_m, o_n, D: tl.constexpr, D_PAD: tl.constexpr,
-                               BLOCK: tl.constexpr):
+    def _kvpass_scatter_kernel(
+        Src, Idx, Out, n, s_m, s_n, o_m, o_n, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr
+    ):
         m = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         tmask = t < n
@@ -102,8 +117,9 @@ if triton is not None:
         tl.store(Out + m * o_m + rows[:, None] * o_n + d[None, :], x.to(Out.dtype.element_ty), mask=mask)
 
 
-def rotate_triton(x: Tensor, cos: Tensor, sin: Tensor, block: int = 32, rows: int = 4, num_warps: int = 4,
-                  launch=None) -> Tensor:
+def rotate_triton(
+    x: Tensor, cos: Tensor, sin: Tensor, block: int = 32, rows: int = 4, num_warps: int = 4, launch=None
+) -> Tensor:
     """Launch the rotation kernel; arguments and result as ``rotate_reference``."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass RoPE rotation needs Triton")
@@ -117,14 +133,28 @@ def rotate_triton(x: Tensor, cos: Tensor, sin: Tensor, block: int = 32, rows: in
     if out.numel() == 0:
         return out
     grid = ((m + rows - 1) // rows, (length + block - 1) // block)
-    wrap(_kvpass_rope_kernel)[grid](x, cos, sin, out, m, length, x.stride(0), x.stride(1), cos.stride(0),
-                                    HALF=half, D=d, HALF_PAD=pow2(half), PASS_PAD=pow2(d - 2 * half),
-                                    ROWS=rows, BLOCK=block, num_warps=num_warps)
+    wrap(_kvpass_rope_kernel)[grid](
+        x,
+        cos,
+        sin,
+        out,
+        m,
+        length,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        HALF=half,
+        D=d,
+        HALF_PAD=pow2(half),
+        PASS_PAD=pow2(d - 2 * half),
+        ROWS=rows,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return out
 
 
-def scatter_triton(dst: Tensor, idx: Tensor, src: Tensor, block: int = 64, num_warps: int = 4,
-                   launch=None) -> Tensor:
+def scatter_triton(dst: Tensor, idx: Tensor, src: Tensor, block: int = 64, num_warps: int = 4, launch=None) -> Tensor:
     """Launch the scatter kernel on a copy of ``dst``; arguments and result as ``scatter_reference``."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass scatter needs Triton")
@@ -138,6 +168,17 @@ def scatter_triton(dst: Tensor, idx: Tensor, src: Tensor, block: int = 64, num_w
         return out
     idx = idx.contiguous()
     wrap(_kvpass_scatter_kernel)[(m, (n + block - 1) // block)](
-        src, idx, out, n, src.stride(0), src.stride(1), out.stride(0), out.stride(1), D=d, D_PAD=pow2(d),
-        BLOCK=block, num_warps=num_warps)
+        src,
+        idx,
+        out,
+        n,
+        src.stride(0),
+        src.stride(1),
+        out.stride(0),
+        out.stride(1),
+        D=d,
+        D_PAD=pow2(d),
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return out

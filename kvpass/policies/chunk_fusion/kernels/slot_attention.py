@@ -58,8 +58,9 @@ except ImportError:  # pragma: no cover - kvpass runs its references without Tri
 _LOG2E = 1.4426950408889634
 
 
-def slot_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float | None = None,
-                             softcap: float = 0.0) -> Tensor:
+def slot_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float | None = None, softcap: float = 0.0
+) -> Tensor:
     """Attention of ``q [B, H, Lq, D]`` at positions ``q_pos [B, Lq]`` over ``k [B, H_kv, Lk, D]``,
     ``v [B, H_kv, Lk, Dv]`` with slot ``j`` at position ``j`` -> ``[B, H, Lq, Dv]`` in ``q.dtype``
     (fp32 math; see the module docstring). Equal to ``kvpass.policies.chunk_fusion.ops.attention_slots_reference``."""
@@ -73,7 +74,7 @@ def slot_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, sca
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
     slots = torch.arange(lk, device=k.device)
-    visible = slots[None, None, :] <= q_pos[:, :, None]                 # [B, Lq, Lk]
+    visible = slots[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
     s = s.masked_fill(~visible[:, None, None], float("-inf"))
     top = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
@@ -86,9 +87,29 @@ def slot_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, sca
 if triton is not None:
 
     @triton.jit
-    def _slot_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, qp, start, stop, sk_n, sv_n, qk_scale, cap_in, dmask, dvmask,
-                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-                     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
+    def _slot_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        qp,
+        start,
+        stop,
+        sk_n,
+        sv_n,
+        qk_scale,
+        cap_in,
+        dmask,
+        dvmask,
+        BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr,
+        EVEN_D: tl.constexpr,
+        EVEN_DV: tl.constexpr,
+    ):
         """Online-softmax steps over key blocks ``[start, stop)``; ``k_ptrs``/``v_ptrs`` point at
         ``start``. ``MASKED``: apply ``slot <= qp[row]`` and guard loads past ``stop``; otherwise every
         row sees every slot of these blocks (blocks below the tile's smallest position)."""
@@ -106,17 +127,17 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            if SOFTCAP:   # tanh(scale * s / softcap) = 2 sigmoid(2 scale s / softcap) - 1; qk_scale holds softcap
+            if SOFTCAP:  # tanh(scale * s / softcap) = 2 sigmoid(2 scale s / softcap) - 1; qk_scale holds softcap
                 s = 2.0 * tl.sigmoid(s * cap_in) - 1.0
             if MASKED:
                 s = tl.where(n[None, :] <= qp[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            if MASKED:   # a row may still have seen nothing: keep exp2 away from -inf - -inf
+            if MASKED:  # a row may still have seen nothing: keep exp2 away from -inf - -inf
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
                 m_use = m_new
             alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s * qk_scale - m_use[:, None])   # one FMA per score
+            p = tl.exp2(s * qk_scale - m_use[:, None])  # one FMA per score
             l_i = l_i * alpha + tl.sum(p, 1)
             if MASKED:
                 v = tl.load(v_ptrs, mask=nmask[:, None] & dvmask[None, :], other=0.0)
@@ -137,15 +158,43 @@ if triton is not None:
     # new variants for nothing (they only bound loops and masks)
     @triton.jit(do_not_specialize=["Lq", "Lk"])
     def _kvpass_slot_attention_kernel(
-        Q, K, V, QPos, Out, scale, softcap, Lq, Lk,
-        sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sp_b, sp_m, so_b, so_h, so_m,
-        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr,
-        DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+        Q,
+        K,
+        V,
+        QPos,
+        Out,
+        scale,
+        softcap,
+        Lq,
+        Lk,
+        sq_b,
+        sq_h,
+        sq_m,
+        sk_b,
+        sk_h,
+        sk_n,
+        sv_b,
+        sv_h,
+        sv_n,
+        sp_b,
+        sp_m,
+        so_b,
+        so_h,
+        so_m,
+        H: tl.constexpr,
+        GROUP: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         """One (batch, query head, tile of BLOCK_M rows): unmasked blocks below the tile's smallest
         position, then the masked band up to its largest, then the normalised store."""
-        tile = tl.cdiv(Lq, BLOCK_M) - 1 - tl.program_id(1)   # longest tiles (ascending positions) first
+        tile = tl.cdiv(Lq, BLOCK_M) - 1 - tl.program_id(1)  # longest tiles (ascending positions) first
         bh = tl.program_id(0)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
@@ -158,14 +207,17 @@ if triton is not None:
         dvmask = dv < DV
 
         qp = tl.load(QPos + b * sp_b + rows.to(tl.int64) * sp_m, mask=rmask, other=-1)
-        qp = tl.minimum(qp, Lk - 1).to(tl.int32)          # past the cache: sees every slot
+        qp = tl.minimum(qp, Lk - 1).to(tl.int32)  # past the cache: sees every slot
         live = rmask & (qp >= 0)
-        hi = tl.max(tl.where(live, qp, -1), 0) + 1         # slots >= hi: no row of the tile sees them
-        lo = tl.min(tl.where(live, qp, Lk), 0) + 1         # slots < lo: every live row sees them
-        full = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N   # end of the unmasked blocks
+        hi = tl.max(tl.where(live, qp, -1), 0) + 1  # slots >= hi: no row of the tile sees them
+        lo = tl.min(tl.where(live, qp, Lk), 0) + 1  # slots < lo: every live row sees them
+        full = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N  # end of the unmasked blocks
 
-        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_m + d[None, :],
-                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            Q + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_m + d[None, :],
+            mask=rmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
@@ -182,32 +234,87 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-        acc, l_i, m_i = _slot_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, qp, 0, full, sk_n, sv_n, qk_scale, cap_in,
-                                     dmask, dvmask, BLOCK_N, False, SOFTCAP, UPCAST, D == D_PAD, DV == DV_PAD)
+        acc, l_i, m_i = _slot_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            qp,
+            0,
+            full,
+            sk_n,
+            sv_n,
+            qk_scale,
+            cap_in,
+            dmask,
+            dvmask,
+            BLOCK_N,
+            False,
+            SOFTCAP,
+            UPCAST,
+            D == D_PAD,
+            DV == DV_PAD,
+        )
         k_ptrs += full.to(tl.int64) * sk_n
         v_ptrs += full.to(tl.int64) * sv_n
-        acc, l_i, m_i = _slot_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, qp, full, hi, sk_n, sv_n, qk_scale, cap_in,
-                                     dmask, dvmask, BLOCK_N, True, SOFTCAP, UPCAST, D == D_PAD, DV == DV_PAD)
+        acc, l_i, m_i = _slot_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            qp,
+            full,
+            hi,
+            sk_n,
+            sv_n,
+            qk_scale,
+            cap_in,
+            dmask,
+            dvmask,
+            BLOCK_N,
+            True,
+            SOFTCAP,
+            UPCAST,
+            D == D_PAD,
+            DV == DV_PAD,
+        )
         seen = (qp >= 0) & (l_i > 0)
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         out = tl.where(seen[:, None], out, 0.0)
-        tl.store(Out + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_m + dv[None, :],
-                 out.to(Out.dtype.element_ty), mask=rmask[:, None] & dvmask[None, :])
+        tl.store(
+            Out + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_m + dv[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=rmask[:, None] & dvmask[None, :],
+        )
 
 
 def default_config(d: int, dtype: torch.dtype) -> dict:
     """Launch parameters by head dim and element size (H100/H200, bf16/fp16 at D = 128: 128 x 64 tiles,
     8 warps, 3 stages); ``bench/bench_slot_attention.py`` sweeps the alternatives."""
-    if dtype == torch.float32 or d > 128:       # fp32 (exact dots) or wide heads: smaller tiles fit
+    if dtype == torch.float32 or d > 128:  # fp32 (exact dots) or wide heads: smaller tiles fit
         return dict(block_m=64, block_n=32, num_warps=4 if d <= 64 else 8, num_stages=2)
     if d <= 64:
         return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-def slot_attention_triton(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float | None = None,
-                          softcap: float = 0.0, block_m: int | None = None, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None, launch=None) -> Tensor:
+def slot_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    launch=None,
+) -> Tensor:
     """Launch the kernel; arguments and result as ``slot_attention_reference`` (``[B, H, Lq, Dv]``,
     ``q.dtype``, contiguous). Unset launch parameters come from ``default_config``.
 
@@ -223,8 +330,10 @@ def slot_attention_triton(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale:
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
     if k.shape[-1] != d or v.shape[:3] != k.shape[:3] or q_pos.shape != (b, lq):
-        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"q_pos {tuple(q_pos.shape)}")
+        raise ValueError(
+            f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+            f"q_pos {tuple(q_pos.shape)}"
+        )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not scale > 0:
@@ -236,12 +345,42 @@ def slot_attention_triton(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale:
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     out = q.new_empty((b, h, lq, dv))
     upcast = q.dtype == torch.float32 or k.dtype != q.dtype or v.dtype != q.dtype or interpreting()
-    grid = (b * h, (lq + block_m - 1) // block_m)   # heads fastest: every head's longest tile first
+    grid = (b * h, (lq + block_m - 1) // block_m)  # heads fastest: every head's longest tile first
     wrap(_kvpass_slot_attention_kernel)[grid](
-        q, k, v, q_pos, out, float(scale), float(softcap), lq, lk,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), q_pos.stride(0), q_pos.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        H=h, GROUP=h // hkv, D=d, D_PAD=pow2(d), DV=dv, DV_PAD=pow2(dv), BLOCK_M=block_m, BLOCK_N=block_n,
-        SOFTCAP=softcap > 0, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+        q,
+        k,
+        v,
+        q_pos,
+        out,
+        float(scale),
+        float(softcap),
+        lq,
+        lk,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        q_pos.stride(0),
+        q_pos.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        H=h,
+        GROUP=h // hkv,
+        D=d,
+        D_PAD=pow2(d),
+        DV=dv,
+        DV_PAD=pow2(dv),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SOFTCAP=softcap > 0,
+        UPCAST=upcast,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out

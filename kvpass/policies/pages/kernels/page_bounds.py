@@ -48,9 +48,23 @@ if triton is not None:
         return tl.sum(q[None, :] * tl.where(q[None, :] > 0, kx, kn), axis=1)
 
     @triton.jit
-    def _kvpass_page_bounds_kernel(Q, Kmin, Kmax, Ub, n_pages, sq_b, sq_h, sk_b, sk_h, sk_p,
-                                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                                   BLOCK_P: tl.constexpr):
+    def _kvpass_page_bounds_kernel(
+        Q,
+        Kmin,
+        Kmax,
+        Ub,
+        n_pages,
+        sq_b,
+        sq_h,
+        sk_b,
+        sk_h,
+        sk_p,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+    ):
         bh = tl.program_id(0)
         b = (bh // HKV).to(tl.int64)
         h = (bh % HKV).to(tl.int64)
@@ -84,6 +98,20 @@ def page_bounds_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_p: int = 32,
     g = h // hkv
     grid = (b * hkv, triton.cdiv(n_pages, block_p))
     wrap(_kvpass_page_bounds_kernel)[grid](
-        q, kmin, kmax, ub, n_pages, q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        HKV=hkv, G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p)
+        q,
+        kmin,
+        kmax,
+        ub,
+        n_pages,
+        q.stride(0),
+        q.stride(1),
+        kmin.stride(0),
+        kmin.stride(1),
+        kmin.stride(2),
+        HKV=hkv,
+        G=g,
+        D=d,
+        D_PAD=pow2(d),
+        BLOCK_P=block_p,
+    )
     return ub

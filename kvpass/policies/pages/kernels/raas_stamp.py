@@ -36,8 +36,8 @@ launches per layer:
 The partial sums (``parts``, chosen for up to 32 (sequence, KV head) rows) replaced, at small batches, a
 plan that read every page's bound: its one program per (sequence, KV head), eight at batch 1, walked 8,321
 pages per query head at a 128k prompt, serially, in every layer, which with the bounds put raas's generate
-step 1.14x ``full``'s at 32 layers (1.11x with the partial sums; ``bench/results/fastpath_decode_loop_2026-11-27``,
-sessions 53-54). Wider batches keep that plan, which is faster there (``bench/probes/tune_small_kernels.py``).
+step 1.14x ``full``'s at 32 layers (1.11x with the partial sums; ``bench/results/fastpath_decode_loop_2026-11-27``).
+Wider batches keep that plan, which is faster there (``bench/probes/tune_small_kernels.py``).
 """
 
 from __future__ import annotations
@@ -60,9 +60,20 @@ PAGE = 16
 OVERFLOW = -2  # ``seen`` after an eviction the pool has no window for
 
 
-def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor,
-                         ts: Tensor, born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int,
-                         alpha: float) -> None:
+def raas_stamp_reference(
+    q: Tensor,
+    k_new: Tensor,
+    count: Tensor,
+    kmin: Tensor,
+    kmax: Tensor,
+    live: Tensor,
+    ts: Tensor,
+    born: Tensor,
+    meta: Tensor,
+    seen: Tensor,
+    decode_pages: int,
+    alpha: float,
+) -> None:
     """In place, as the module docstring: ``q [B, H, D]`` (the step's queries), ``k_new [B, H_kv, D]``,
     ``count`` the SlotCache's counters ``[B, 4]`` (``count[b, 0]`` tokens row ``b`` has seen), tables
     ``[B, H_kv, P(, D)]``."""
@@ -76,7 +87,7 @@ def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, 
     kmin.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.minimum(kmin[rows, heads, cur], knew)))
     kmax.index_put_((rows, heads, cur), torch.where(fresh, knew, torch.maximum(kmax[rows, heads, cur], knew)))
     fill = fill + 1
-    now = count[:, 0, None, None]   # [B, 1, 1]
+    now = count[:, 0, None, None]  # [B, 1, 1]
     ub = page_bounds_reference(q, kmin, kmax).masked_fill(~live.repeat_interleave(g, 1), float("-inf"))
     share = (ub - torch.logsumexp(ub, -1, keepdim=True)).exp()  # NaN for a row with no live page: no stamp
     idx = torch.arange(pages, device=q.device)
@@ -103,9 +114,32 @@ def raas_stamp_reference(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, 
 if triton is not None:
 
     @triton.jit(do_not_specialize=["n_pages"])
-    def _kvpass_raas_bounds(Q, Knew, Kmin, Kmax, Live, Meta, Ub, PartM, PartS, n_pages, sq_b, sq_h, sn_b,
-                            sn_h, sk_b, sk_h, sk_p, W: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                            D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr, PARTS: tl.constexpr):
+    def _kvpass_raas_bounds(
+        Q,
+        Knew,
+        Kmin,
+        Kmax,
+        Live,
+        Meta,
+        Ub,
+        PartM,
+        PartS,
+        n_pages,
+        sq_b,
+        sq_h,
+        sn_b,
+        sn_h,
+        sk_b,
+        sk_h,
+        sk_p,
+        W: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        PARTS: tl.constexpr,
+    ):
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // HKV, bh % HKV
         blk = tl.program_id(1)
@@ -143,16 +177,36 @@ if triton is not None:
             if PARTS:  # this block's share of the head's log-sum-exp: its max and sum of exp below it
                 mj = tl.max(ub, axis=0)
                 tl.store(PartM + (bh * G + j) * n_pages + blk, mj)  # rows of n_pages, the first pages/BLOCK_P used
-                tl.store(PartS + (bh * G + j) * n_pages + blk,
-                         tl.sum(tl.exp(ub - tl.where(mj == float("-inf"), 0.0, mj)), axis=0))
+                tl.store(
+                    PartS + (bh * G + j) * n_pages + blk,
+                    tl.sum(tl.exp(ub - tl.where(mj == float("-inf"), 0.0, mj)), axis=0),
+                )
                 tl.store(Ub + (bh * G + j) * W + wi, ub, mask=win)
             else:
                 tl.store(Ub + (bh * G + j) * n_pages + pi, ub, mask=pm)
 
     @triton.jit(do_not_specialize=["n_pages"])
-    def _kvpass_raas_plan(Ub, PartM, PartS, Count, Live, Ts, Born, Meta, Seen, n_pages, alpha,
-                          W: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                          BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr, PARTS: tl.constexpr):
+    def _kvpass_raas_plan(
+        Ub,
+        PartM,
+        PartS,
+        Count,
+        Live,
+        Ts,
+        Born,
+        Meta,
+        Seen,
+        n_pages,
+        alpha,
+        W: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        PARTS: tl.constexpr,
+    ):
         bh = tl.program_id(0).to(tl.int64)
         gi = tl.arange(0, G_PAD)
         # each query head's log-sum-exp over all pages (online, fp32): from the bounds programs' partial
@@ -176,7 +230,7 @@ if triton is not None:
             s = s * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
             m = m_new
         lse = tl.where(m == float("-inf"), float("inf"), m + tl.log(tl.maximum(s, 1.0)))  # no live page: shares 0
-        now = tl.load(Count + (bh // HKV) * 4)   # the row's tokens seen
+        now = tl.load(Count + (bh // HKV) * 4)  # the row's tokens seen
         cur = tl.load(Meta + bh * 4)
         fill = tl.load(Meta + bh * 4 + 1) + 1
         first = tl.load(Meta + bh * 4 + 2)
@@ -198,8 +252,11 @@ if triton is not None:
             t = tl.load(Ts + bh * n_pages + page, mask=inside, other=0)
             t = tl.where(hit & ok, now, t)
             tl.store(Ts + bh * n_pages + page, t, mask=inside)
-            key = tl.where(ok & inside, t * 4294967296 + tl.load(Born + bh * n_pages + page, mask=inside, other=0),
-                           9223372036854775807)
+            key = tl.where(
+                ok & inside,
+                t * 4294967296 + tl.load(Born + bh * n_pages + page, mask=inside, other=0),
+                9223372036854775807,
+            )
             k_min = tl.min(key, axis=0)
             k_at = tl.min(tl.where(key == k_min, wi, big), axis=0)
             better = k_min < oldest
@@ -221,10 +278,26 @@ if triton is not None:
         tl.store(Seen + bh, tl.where(evict & (first + W > n_pages), -2, now))
 
 
-def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kmax: Tensor, live: Tensor, ts: Tensor,
-                      born: Tensor, meta: Tensor, seen: Tensor, decode_pages: int, alpha: float,
-                      block_p: int = 16, warps: int = 2, block_w: int = 256, block_b: int = 0,
-                      parts: bool | None = None, launch=None) -> None:
+def raas_stamp_triton(
+    q: Tensor,
+    k_new: Tensor,
+    count: Tensor,
+    kmin: Tensor,
+    kmax: Tensor,
+    live: Tensor,
+    ts: Tensor,
+    born: Tensor,
+    meta: Tensor,
+    seen: Tensor,
+    decode_pages: int,
+    alpha: float,
+    block_p: int = 16,
+    warps: int = 2,
+    block_w: int = 256,
+    block_b: int = 0,
+    parts: bool | None = None,
+    launch=None,
+) -> None:
     """Launch the two kernels; arguments and effects as ``raas_stamp_reference``. The tables must be
     contiguous (a SlotCache allocates them so); ``q`` and ``k_new`` are read through their strides.
     ``block_p`` pages per bounds program (``warps`` warps; the defaults won ``bench/probes/tune_small_kernels.py``
@@ -250,14 +323,55 @@ def raas_stamp_triton(q: Tensor, k_new: Tensor, count: Tensor, kmin: Tensor, kma
     if k_new.stride(-1) != 1:
         k_new = k_new.contiguous()
     ub = torch.empty((b, h, decode_pages if parts else n_pages), device=q.device, dtype=torch.float32)
-    part_m, part_s = (torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32) for _ in range(2)) \
-        if parts else (ub, ub)
+    part_m, part_s = (
+        (torch.empty((b, h, n_pages), device=q.device, dtype=torch.float32) for _ in range(2)) if parts else (ub, ub)
+    )
     wrap(_kvpass_raas_bounds)[(b * hkv, triton.cdiv(n_pages, block_p))](
-        q, k_new, kmin, kmax, live, meta, ub, part_m, part_s, n_pages, q.stride(0), q.stride(1),
-        k_new.stride(0), k_new.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), W=decode_pages, HKV=hkv,
-        G=g, D=d, D_PAD=pow2(d), BLOCK_P=block_p, PARTS=parts, num_warps=warps)
+        q,
+        k_new,
+        kmin,
+        kmax,
+        live,
+        meta,
+        ub,
+        part_m,
+        part_s,
+        n_pages,
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        kmin.stride(0),
+        kmin.stride(1),
+        kmin.stride(2),
+        W=decode_pages,
+        HKV=hkv,
+        G=g,
+        D=d,
+        D_PAD=pow2(d),
+        BLOCK_P=block_p,
+        PARTS=parts,
+        num_warps=warps,
+    )
     g_pad = pow2(g, 1)
     wrap(_kvpass_raas_plan)[(b * hkv,)](
-        ub, part_m, part_s, count, live, ts, born, meta, seen, n_pages, float(alpha), W=decode_pages,
-        HKV=hkv, G=g, G_PAD=g_pad, BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)),
-        BLOCK_W=min(block_w, pow2(decode_pages)), BLOCK_P=block_p, PARTS=parts)
+        ub,
+        part_m,
+        part_s,
+        count,
+        live,
+        ts,
+        born,
+        meta,
+        seen,
+        n_pages,
+        float(alpha),
+        W=decode_pages,
+        HKV=hkv,
+        G=g,
+        G_PAD=g_pad,
+        BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)),
+        BLOCK_W=min(block_w, pow2(decode_pages)),
+        BLOCK_P=block_p,
+        PARTS=parts,
+    )

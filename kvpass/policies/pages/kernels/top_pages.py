@@ -17,8 +17,8 @@ integer keys (the IEEE bits, flipped for negatives, in ``[0, 2^32)``; excluded p
 ``top``-th largest key ``t`` is found from the top bit down, two bits per pass (the three candidate
 counts of a pass are packed into one int64 sum, so each pass is one reduction per block: 16 passes);
 then every key above ``t`` is chosen, and of the keys equal to ``t`` the first ``top - #above`` by index;
-a prefix sum over the chosen flags, carried from block to block, gives each its output column. Rows of more than ``MAX_PAGES``
-pages (a 256k-token cache) use the reference.
+a prefix sum over the chosen flags, carried from block to block, gives each its output column. Rows of more than
+``MAX_PAGES`` pages (a 256k-token cache) use the reference.
 """
 
 from __future__ import annotations
@@ -76,15 +76,19 @@ if triton is not None:
             packed = tl.zeros([], tl.int64)
             for p0 in range(0, n_pages, BLOCK):
                 key = _page_keys(Ub, row, p0 + lanes, n_pages)
-                packed += tl.sum((key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 16)
-                                 + ((key >= c3).to(tl.int64) << 32), 0)
-            t = tl.where((packed >> 32) >= top, c3,
-                         tl.where(((packed >> 16) & 65535) >= top, c2, tl.where((packed & 65535) >= top, c1, t)))
+                packed += tl.sum(
+                    (key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 16) + ((key >= c3).to(tl.int64) << 32), 0
+                )
+            t = tl.where(
+                (packed >> 32) >= top,
+                c3,
+                tl.where(((packed >> 16) & 65535) >= top, c2, tl.where((packed & 65535) >= top, c1, t)),
+            )
         above = tl.zeros([], tl.int32)
         for p0 in range(0, n_pages, BLOCK):
             above += tl.sum((_page_keys(Ub, row, p0 + lanes, n_pages) > t).to(tl.int32), 0)
         need = top - above
-        ties = tl.zeros([], tl.int32)     # ties at t seen in earlier passes
+        ties = tl.zeros([], tl.int32)  # ties at t seen in earlier passes
         written = tl.zeros([], tl.int32)  # pages chosen in earlier passes
         for p0 in range(0, n_pages, BLOCK):
             p = p0 + lanes
@@ -114,6 +118,7 @@ def top_pages_triton(ub: Tensor, top: int, num_warps: int | None = None, launch=
     out = torch.empty((*ub.shape[:-1], top), dtype=torch.int32, device=ub.device)
     if out.numel() == 0:
         return out
-    wrap(_kvpass_top_pages)[(rows.shape[0],)](rows, out, p, top, rows.stride(0), BLOCK=block, T_PAD=pow2(top),
-                                              num_warps=num_warps or 8)
+    wrap(_kvpass_top_pages)[(rows.shape[0],)](
+        rows, out, p, top, rows.stride(0), BLOCK=block, T_PAD=pow2(top), num_warps=num_warps or 8
+    )
     return out
