@@ -1,5 +1,8 @@
-"""One accuracy table from several ``kvpass compare`` runs (one run per budget), as the sweeps
+"""Accuracy by budget: one table from several ``kvpass compare`` runs (one run per budget), as the sweeps
 ``bench/calls/eviction_accuracy.sh`` and ``bench/calls/asl_accuracy.sh`` write them.
+
+A policy's accuracy is only meaningful beside ``full``'s on the same tasks and against its own budget; this
+puts every budget of a sweep in one table with ``full``, so the point where a policy falls off shows at once.
 
     python bench/accuracy_table.py bench/results/eviction_accuracy_smollm2_h200 > .../summary.md
 
@@ -7,12 +10,15 @@ Rows: policies; columns: budgets; cells: mean score over the run's tasks. A poli
 mid-run shows its score over the tasks it finished and how many; the reasons are listed below the
 table. Then the mean score per task family (``niah/...``, ``ruler/...``) and, for gated policies,
 the selection layers that ``kvpass compare`` recorded.
+
+Results: the ``summary.md`` of ``bench/results/eviction_accuracy_smollm2_h200/``,
+``eviction_accuracy_gemma3_h200/``, ``asl_accuracy_smollm2_h200/`` and ``asl_accuracy_gemma3_h200/``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -81,4 +87,6 @@ def table(folder: Path) -> str:
 
 
 if __name__ == "__main__":
-    print(table(Path(sys.argv[1])), end="")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path, help="a sweep's folder: one sub-folder of kvpass compare results per budget")
+    print(table(ap.parse_args().folder), end="")

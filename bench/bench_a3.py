@@ -1,4 +1,7 @@
-"""Issue 8's benchmark: time to first token of chunk fusion (a3 and its baselines) against a full prefill.
+"""Time to first token of chunk fusion (a3 and its baselines) against a full prefill, and its accuracy.
+
+Chunk fusion reuses the K/V of chunks prefilled earlier (documents of a RAG prompt) and recomputes a few of
+their rows; this measures how much of a full prefill that saves and what it costs in answers.
 
 **TTFT** (default mode). A Llama-architecture model with random weights (``--preset``: the shape of
 Llama-3.1-8B by default, or Llama-3.2-1B; bf16 on CUDA) serves requests ``[S, D1 .. Dk, Q]`` of
@@ -27,6 +30,9 @@ each policy, greedy answer, scored as the task says; ``full`` is the whole promp
 
     python bench/bench_a3.py --out bench/results/a3_h100                      # TTFT, all policies
     python bench/bench_a3.py --accuracy --lengths 2048,4096 --out bench/results/a3_accuracy
+
+Results: ``bench/results/a3_ttft_h200/``, ``a3_ttft_slot_h200/`` and ``a3_evict_ttft_h200/`` (TTFT),
+``a3_accuracy_smollm2_cpu/`` and ``a3_evict_accuracy_smollm2_cpu/`` (``--accuracy``).
 """
 
 from __future__ import annotations
@@ -267,7 +273,7 @@ def main() -> None:
             setattr(torch._dynamo.config, name, 64)
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         torch._dynamo.config.accumulated_recompile_limit = 1024
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results/a3"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")

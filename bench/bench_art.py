@@ -1,4 +1,7 @@
-"""Benchmarks 2 and 3 of issue 4: ART on real attention, and end-to-end decode speed.
+"""ART (early-terminating decode attention) on recorded attention, and its end-to-end decode speed.
+
+ART stops reading a row's keys once the rest cannot change the output; random keys never let it stop, so
+its savings and errors are measured on attention recorded from a real model.
 
 2. ``captured``: Q/K/V of one decode step recorded from SmolLM2-135M (``kvpass.eval.models``) after long
    prompts cut from the Paul Graham essays, one batch row per (prompt, layer). Random keys make
@@ -11,6 +14,9 @@
    step and hide attention's share of the time), prefilled in chunks; every row holds the same prompt.
 
     python bench/bench_art.py --out bench/results            # on a GPU
+
+Results: ``bench/results/art_captured.md`` / ``.json`` (SmolLM2-135M: captured and e2e) and
+``bench/results/art_gemma3_h200/`` (Gemma-3-270M, captured).
 """
 
 from __future__ import annotations
@@ -187,7 +193,7 @@ def e2e(model, tok, length, batch, steps, policies) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", default="8192,16384")

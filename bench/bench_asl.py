@@ -1,4 +1,7 @@
-"""Issue 7's benchmark: TTFT, TPOT and peak memory of layer-gated prefill (asl, fastkv) vs ``full``.
+"""TTFT, TPOT and peak memory of layer-gated prefill (asl, fastkv, gemfilter) against ``full``.
+
+Layer-gated policies run the prompt through the first layers only and keep the tokens a selection layer
+picks for the rest; this measures what that saves in prefill time and memory at long context.
 
 A random-weight Llama-architecture model (``--preset``: SmolLM2-1.7B's shape by default, or
 Llama-3.1-8B's) runs in bf16 on one GPU through ``torch.compile(model.forward,
@@ -20,6 +23,8 @@ a fraction of full's TTFT). ``asl@rule`` in ``--policies`` runs the adaptive rul
 every layer at full length plus the rule; on random weights it never selects).
 
     python bench/bench_asl.py --out bench/results/asl_h100
+
+Results: ``bench/results/asl_h200/`` and ``bench/results/asl_h200_2026-11-22/``.
 """
 
 from __future__ import annotations
@@ -130,7 +135,7 @@ def rule_cost(model, n: int, budget: int, window: int, reps: int = 3) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", default="smollm2-1.7b", choices=sorted(PRESETS))
     ap.add_argument("--lengths", default="16384,32768,65536,131072")

@@ -1,4 +1,7 @@
-"""Benchmark 1 of issue 4: the kvpass decode kernel reading everything (ART off) against PyTorch SDPA.
+"""The kvpass decode kernel reading everything (ART off) against PyTorch SDPA.
+
+Every decode-time policy reads the cache through this kernel, so it must not be slower than SDPA where it
+reads what SDPA reads; this measures its time and achieved bandwidth per (batch, context).
 
 Shapes: Hq=32, Hkv=8, D=128, bf16, one query token, batch 1/8/32/64/128, context 4k/16k/32k/128k.
 The SDPA baseline is the faster of two exact forms, timed in the same process:
@@ -13,6 +16,10 @@ warps runs first and is reported too.
     python bench/bench_decode_kernel.py --heads 16,4 --batches 1 --contexts 131072 --max-splits 64 --no-sweep
     # ragged heads (per-head budgets) against the uniform layout at the same total: ragged_heads.json/.md
     python bench/bench_decode_kernel.py --ragged --batches 1,16 --contexts 32768,131072 --no-sweep
+
+Results: ``bench/results/decode_kernel.md`` / ``.json``; ``--ragged``: ``bench/results/gpu_h100_2026-12-05/``
+(``ragged_heads.*``, and ``proportional_splits/``); the split counts of a tensor-parallel rank's share
+(``--heads 16,4``) and of the whole shape: ``bench/results/tp_h200x2_2026-11-28/`` (``s56_K2/``, ``s56_K3/``).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ def sdpa_time(q, k, v) -> tuple[float, str]:
 
 def main() -> None:
     global HQ, HKV
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="4096,16384,32768,131072")

@@ -1,4 +1,7 @@
-"""Issue 19's benchmark: the decode step of every SlotCache policy against what a user runs instead.
+"""The decode step of every SlotCache policy against what a user runs instead (HF eager, HF StaticCache).
+
+A policy that keeps fewer entries must also make the step faster, not only the cache smaller; this measures
+TPOT, TTFT, peak memory and the step's distance from its memory roofline.
 
 One process, one GPU, one model: a random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16).
 Per context length, every configuration prefills the same random prompt (twice: the first call
@@ -21,6 +24,9 @@ for a comparison in one process); ``<policy>@k=v@k=v`` sets parameters beyond th
 budget (``asl@layer=2`` forces the selection layer: on random weights the adaptive rule may not fire).
 
     python bench/bench_decode_step.py --layers 8 --batch 1 --contexts 32768,131072 --out results.json
+
+Results: every ``bench/results/decode_step_*`` folder, ``dynamic_cache_case7_h100_2026-11-25/``
+(``kvpass_dynamic:`` rows), ``h2o_h200_2026-11-26/`` and the kvpass rows of ``kvpress_h200_2026-11-26/``.
 """
 
 from __future__ import annotations

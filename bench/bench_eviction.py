@@ -1,4 +1,7 @@
-"""Issue 5's benchmark: decode speed (TPOT) and peak GPU memory of prefill-time eviction at long context.
+"""Decode speed (TPOT) and peak GPU memory of prefill-time eviction at long context.
+
+Prefill eviction (snapkv, sablock, ...) keeps a budget of the prompt's entries; this measures whether that
+frees GPU memory and speeds up decoding against ``full`` on the same prompts.
 
 For each context length (32k, 64k, 128k by default) every policy prefills the same prompt (Paul
 Graham essays, repeated to length) through ``torch.compile(model.forward, backend=kvpass.backend(...))``
@@ -15,6 +18,9 @@ The model is a real Llama-architecture model (SmolLM2-135M by default). Its trai
 beyond it the generated text means nothing, but the cost of a step does not depend on that.
 
     python bench/bench_eviction.py --out bench/results/eviction_smollm2_h200 --batches 1,8
+
+Results: ``bench/results/eviction_smollm2_h200/``, ``eviction_sablock_smollm2_h200/`` and
+``eviction_llama3_8b_shape_h200/`` (``--skeleton``: a random-weight Llama-3-8B shape).
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ def skeleton_model(folder: Path, dtype, device):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results/eviction"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--skeleton", type=Path, default=None,

@@ -1,4 +1,7 @@
-"""Issue 36's benchmark: one compile for every prompt length, through ``generate`` as a user calls it.
+"""One compile for every prompt length, through ``generate`` as a user calls it.
+
+``kvpass.compile`` promises one prefill and one decode graph for every prompt length and a ``generate`` as
+fast as the compiled step; this measures compile counts and times, and TPOT as a user pays it.
 
 One process, one GPU, a random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16). Per policy,
 ``be = kvpass.compile(model, policy, budget=...)`` (``dynamic=True``, ``mode="reduce-overhead"``), then
@@ -23,6 +26,9 @@ sized by hand). Reported per policy:
 cuDNN SDPA is off for every row (on torch 2.11 it re-plans for every new key length).
 
     python bench/bench_fastpath.py --layers 8 --lengths 2000,4500,9000,17000,33000 --out results.json
+
+Results: ``bench/results/fastpath_h200_2026-11-26/``, ``fastpath_h100_2026-11-27/``,
+``fastpath_decode_loop_2026-11-27/`` and ``gpu_h100_2026-12-05/proportional_splits/`` (``decode_l8_130k``).
 """
 
 from __future__ import annotations
@@ -165,7 +171,7 @@ def meta_of(args, lengths, bw: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lengths", default="2000,4500,9000,17000,33000")
     ap.add_argument("--new", type=int, default=32)
@@ -175,7 +181,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="a host profile of 16 generate steps per policy")
     ap.add_argument("--prefill-compiler", default=None, help="kvpass.compile's prefill_compiler (default: Inductor)")
     ap.add_argument("--no-share-layers", action="store_true",
-                    help="kvpass.compile(..., share_layers=False): Inductor lowers every layer (before session 51)")
+                    help="kvpass.compile(..., share_layers=False): Inductor lowers every layer (no shared layers)")
     ap.add_argument("--out", default="fastpath.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -203,8 +209,8 @@ def main() -> None:
             print(policy, calls[-1], flush=True)
         ids = prompt(lengths[-1])
         # a cache that holds 4 * new tokens is built (and its CUDA graphs recorded) before any timing: the
-        # next calls reuse it (until session 49 the timed 4 * new call built it for the policies whose
-        # capacity follows the new tokens, snapkv's budget + new, and paid that inside its TPOT)
+        # next calls reuse it (an earlier version let the timed 4 * new call build it for the policies whose
+        # capacity follows the new tokens, snapkv's budget + new, which paid that inside its TPOT)
         gen(model, ids, 4 * args.new)
         user = clocked_tpot(model, ids, 4 * args.new)
         # HF's own loop on the same compiled forward and cache (kvpass's loop hands it return_dict calls)

@@ -6,6 +6,8 @@ against `F.scaled_dot_product_attention` for decode shapes. Random weights: this
 only (attention distributions do not matter for exact attention).
 
     python bench/bench_full_overhead.py --out bench/results
+
+Results: ``bench/results/full_overhead.md`` / ``.json``.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def op_rows(batch: int, ctx: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     res = {"env": environment("cuda"), "model": {}, "op": {}}

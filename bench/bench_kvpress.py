@@ -1,4 +1,7 @@
-"""Issue 19's kvpress baseline: kvpress 0.5.5 presses on the decode benchmark's model and protocol.
+"""kvpress 0.5.5 presses on the decode-step benchmark's model and protocol, for a comparison with kvpass.
+
+The rows sit beside ``bench_decode_step.py``'s kvpass rows: the same model, prompts and timing, with each
+press run as kvpress runs it.
 
 kvpress 0.5.5 needs transformers < 5.3 and kvpass needs >= 5.14.1, so this runs in a second process with
 transformers 5.2 (and kvpress and what they need) installed from carried wheels and put first on
@@ -21,9 +24,12 @@ prompt's length. kvpress's pipeline prefills one context and decodes one sequenc
 ``import kvpress`` wraps transformers' attention functions (for its head-wise presses), so every row
 here, ``hf_eager`` too, runs through that thin wrapper, as a kvpress user's model does.
 
-    # the wheels in .whl/ (see bench/calls/decode_calls.sh, call K) installed to /tmp/site:
+    # the wheels in .whl/ (see the K case of bench/calls/decode_calls.sh) installed to /tmp/site:
     PYTHONPATH=/tmp/site python3 bench/bench_kvpress.py --layers 8 --contexts 32768,131072 --out kvpress.json
     python bench/bench_kvpress.py --device cpu --tiny --layers 2 --contexts 512 --budget 128 --steps 4 --out t.json
+
+Results: ``bench/results/kvpress_h200_2026-11-26/`` (``b1_kvpress*.json``; its kvpass rows come from
+``bench_decode_step.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-import kvpress
-from kvpress.utils import compute_n_kept
+try:
+    import kvpress
+    from kvpress.utils import compute_n_kept
+except ImportError:   # --help works without it; a run stops in main()
+    kvpress = compute_n_kept = None
 from llama_shape import copy_bandwidth, llama8b_config, random_llama, sync
 
 WARMUP = 8  # as bench_decode_step.WARMUP
@@ -142,6 +151,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a test-size model (hidden 64, vocab 1024) in float32")
     args = ap.parse_args()
+    if kvpress is None:
+        raise SystemExit("bench_kvpress.py needs kvpress 0.5.5 importable (see this script's --help)")
     if args.batch != 1:
         ap.error(f"--batch {args.batch}: kvpress {kvpress_version()}'s pipeline prefills one context and decodes "
                  "one sequence, and this baseline runs a press as that pipeline does: batch 1 only")

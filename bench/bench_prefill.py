@@ -1,4 +1,7 @@
-"""Issue 37's prefill targets: every policy's prefill peak against ``full``'s, and its time to the first token.
+"""Every policy's prefill peak memory against ``full``'s, and its time to the first token.
+
+A policy's prefill (scoring, eviction) must not need much more memory or time than ``full``'s, or it costs
+batch size at a fixed memory; this measures both through ``generate``.
 
 One process, one GPU, the random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16). Per policy:
 ``kvpass.compile(model, policy, budget=...)``, then per ``--lengths`` prompt ``generate(ids, max_new_tokens=1)``
@@ -9,6 +12,8 @@ gives both as a ratio of ``full``'s at the same length (run ``full`` first). The
 h2o's scoring (its TTFT less ``full``'s) <= 0.5x ``full``'s TTFT. cuDNN SDPA off.
 
     python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,snapkv,h2o,asl --out p.json
+
+Results: the prefill files of ``bench/results/throughput_2026-11-27/`` (``*_prefill_*.json``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ GIB = 2**30
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--policies", default="full,snapkv,pyramidkv,streamingllm,h2o,raas,quest,asl")

@@ -1,4 +1,7 @@
-"""Issue 6's benchmark: KV memory, GPU memory and TPOT of every decode step, ``full`` vs ``quest`` vs ``raas``.
+"""KV memory, GPU memory and TPOT over a long generation, ``full`` against ``quest`` and ``raas``.
+
+RaaS keeps a fixed pool of pages during decoding; this measures whether its memory and step time stay flat
+over thousands of decode steps while ``full``'s and ``quest``'s grow.
 
 One process, one GPU, one model: each policy compiles ``model.forward`` with
 ``kvpass.backend(policy, budget=...)`` (Inductor, ``dynamic=True`` as ``kvpass compare`` does), is
@@ -19,7 +22,7 @@ heads, head_dim 64, vocab 49152), ``llama-1b`` Llama-3.2-1B's (16 layers, hidden
 head_dim 64, vocab 128256). Weights do not change the cost of a step; random weights need no
 download. ``max_position_embeddings`` is set past prompt + steps.
 
-Targets (issue 6), evaluated in ``summary.md``: raas's memory flat within 1% after the budget is
+Targets, evaluated in ``summary.md``: raas's memory flat within 1% after the budget is
 reached while full's and quest's grow linearly; raas's TPOT flat and at most quest's.
 
     python bench/bench_raas.py --steps 2048 --out /tmp/raas_short          # a short run first
@@ -27,6 +30,9 @@ reached while full's and quest's grow linearly; raas's TPOT flat and at most que
 
 ``--policies`` runs a subset; with ``--merge`` the records already in ``--out/results.json`` for other
 policies are kept (for runs split over several commands), and the summary and plot cover them all.
+
+Results: ``bench/results/raas_quest_h200/`` (1,024 steps), ``raas_16k_h200/`` and ``raas_smollm2_h200/``
+(16,384 steps).
 """
 
 from __future__ import annotations
@@ -306,7 +312,7 @@ def finish(out: Path, meta: dict, runs: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smollm2-135m")
     ap.add_argument("--policies", default="full,quest,raas")
     ap.add_argument("--budget", type=int, default=1024)

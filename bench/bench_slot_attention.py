@@ -1,6 +1,9 @@
 """Chunk fusion's recompute attention (``kvpass::attention_slots``): the Triton slot-attention kernel
 against the SDPA path it replaces.
 
+The recompute pass is the largest part of a chunk-fusion prefill (``bench_a3.py`` reports its share), so this
+kernel sets much of chunk fusion's speedup over a full prefill.
+
 Shape: Llama-3-8B attention (H=32, H_kv=8, D=128), bf16, batch 1. For each cache length Lk the
 recompute pass has Lq = ceil(0.15 * Lk) + 32 query rows: 15% of the earlier positions, distinct,
 sorted, drawn at random, then the last 32 positions (the question). Timed, per call of one layer:
@@ -15,6 +18,8 @@ Times: CUDA events around each call, after warm-up; the median of ``--reps`` cal
 the useful work only: 4 * H * D * sum over rows of the visible keys (q_pos + 1).
 
     python bench/bench_slot_attention.py --out bench/results/slot_attention_h200
+
+Results: ``bench/results/slot_attention_h200/``.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def max_err(out, q, k, v, q_pos, scale) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results/slot_attention_h200"))
     ap.add_argument("--contexts", default="4192,8288,16480,32864")
     ap.add_argument("--reps", type=int, default=20)

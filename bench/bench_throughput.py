@@ -1,4 +1,7 @@
-"""Issue 37's benchmark: tokens per second at a fixed memory, many requests through one GPU.
+"""Tokens per second at a fixed memory cap, many requests through one GPU (or two).
+
+At a fixed memory a smaller cache per request buys a larger batch; this measures what that gives in
+throughput through ``kvpass.RequestQueue`` against HF's StaticCache ``generate`` and continuous batching.
 
 One process, one GPU, the random-weight Llama-3.1-8B shape (``--layers`` of its 32, bf16). The memory is
 capped for every row alike (``torch.cuda.set_per_process_memory_fraction``: weights + ``--kv-gib`` +
@@ -22,11 +25,14 @@ peak_gib, kv_row_mib, compile_s, prefill_s, wall_s}``; ``tokens_per_s`` counts n
 
     python bench/bench_throughput.py --layers 8 --context 32768 --new 256 --requests 16 --kv-gib 4 --out t.json
 
-Two GPUs (issue 39): the model saved once by ``bench/bench_tp.py save --dir D``, then
+Two GPUs: the model saved once by ``bench/bench_tp.py save --dir D``, then
 ``torchrun --nproc_per_node 2 bench/bench_throughput.py --dir D ...``: each rank loads it with transformers'
 tensor-parallel plan (half the heads and half the MLP per GPU), caps its own GPU the same way (its share of the
 weights + ``--kv-gib`` + ``--workspace-gib``) and runs the same queue; rank 0 writes the rows. ``--dir`` without
 torchrun loads the same saved model on one GPU, for the comparison in the same job.
+
+Results: ``bench/results/throughput_2026-11-27/``; on two GPUs, ``bench/results/tp_h200x2_2026-11-28/``
+(``s57_D/P/``).
 """
 
 from __future__ import annotations
@@ -182,7 +188,7 @@ def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--workload", default="long_context")
     ap.add_argument("--context", type=int, default=32768)

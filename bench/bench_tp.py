@@ -1,5 +1,8 @@
-"""Issue 22's benchmark: kvpass policies on a model split over two GPUs (transformers' tensor parallelism)
-against the same model on one GPU, in one job.
+"""kvpass policies on a model split over two GPUs (transformers' tensor parallelism) against the same model
+on one GPU, in one job.
+
+A policy must decide the same on each rank's half of the heads as on the whole model; this measures the step
+time and memory per GPU on two GPUs against one, and whether the kept entries and greedy tokens agree.
 
 A random-weight Llama-3.1-8B shape (32 layers, bf16) is saved once (``save``); ``run`` loads it whole on one
 GPU, or under ``torchrun --nproc_per_node 2`` with ``tp_plan="auto"`` (each rank holds half the heads and half
@@ -15,6 +18,9 @@ With ``--profile`` (GPU) each row also profiles a few more steps: the device tim
     python bench/bench_tp.py run --dir /tmp/llama8b --out one_gpu.json
     torchrun --nproc_per_node 2 bench/bench_tp.py run --dir /tmp/llama8b --out two_gpu.json
     python bench/bench_tp.py compare one_gpu.json two_gpu.json --out tp.md
+
+Results: ``bench/results/tp_h200x2_2026-11-26/``, ``tp_h200x2_2026-11-28/``, ``tp_h200x2_2026-11-29/`` and
+``direct_steps_h200_2026-11-29/`` (one GPU, ``--generate``).
 """
 
 from __future__ import annotations

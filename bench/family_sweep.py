@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Sweep kvpass over every causal-LM model type transformers ships.
 
+kvpass rewrites the attention it finds in a traced graph, and every family writes its attention its own way;
+the sweep shows, family by family, whether kvpass applies a policy exactly or says that it did not (never a
+silent wrong answer).
+
 What it measures: for each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a tiny randomly initialised
 model (built from the type's config class, its sizes shrunk; no download) greedily generates NEW_TOKENS tokens
 from a fixed random prompt uncompiled, then once per (path, policy) compiled through kvpass at a setting that
@@ -30,6 +34,8 @@ type. Output under ``--out``: ``results.jsonl`` (one record per type/path/policy
 
 The per-type core, ``run_type(model_type, policies, paths)``, runs in-process; tests/test_family_sweep.py
 calls it on a fixed sample of families.
+
+Results: ``bench/results/family_sweep_2026-12-04/``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,15 @@
-"""The benchmarks' model and bandwidth, without kvpass: ``bench_decode_step.py`` (kvpass, the newest
-transformers) and ``bench_kvpress.py`` (kvpress on transformers 5.2, which kvpass refuses) build the same
-random-weight Llama-3.1-8B shape from the same seed and measure the roofline's bandwidth the same way."""
+"""The benchmarks' model and bandwidth, without kvpass: the random-weight Llama-3.1-8B shape and the
+device-to-device copy bandwidth that the decode benchmarks' roofline divides by.
+
+``bench_decode_step.py`` (kvpass, the newest transformers) and ``bench_kvpress.py`` (kvpress on transformers
+5.2, which kvpass refuses) import it, so both build the same model from the same seed and measure the
+roofline's bandwidth the same way; ``bench_fastpath.py``, ``bench_prefill.py``, ``bench_throughput.py`` and
+``bench_tp.py`` use it too. It writes no results folder of its own; run alone it prints the copy bandwidth of
+one device (what a roofline in those folders was divided by).
+
+    python bench/llama_shape.py                 # the first GPU, else the CPU
+    python bench/llama_shape.py --device cpu
+"""
 
 from __future__ import annotations
 
@@ -108,3 +117,12 @@ def policy_params(policy: str, budget: int, config) -> dict:
         path.write_text("\n".join("\t".join(f"{x:.4f}" for x in row) for row in scores.tolist()) + "\n")
         return {"pattern": str(path)}
     return {"budget": budget}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    print(f"copy bandwidth on {args.device}: {copy_bandwidth(args.device) / 1e9:.1f} GB/s (read + written)")

@@ -52,7 +52,7 @@ Example (about ten minutes on one CPU thread):
     python bench/parity_kvpress.py --out bench/results/parity_kvpress_cpu_$(date +%F)
     python bench/parity_kvpress.py --methods snapkv,knorm --out /tmp/parity   # a subset
 
-Results go to ``bench/results/parity_kvpress_cpu_<date>/``.
+Results go to ``bench/results/parity_kvpress_cpu_<date>/`` (``parity_kvpress_cpu_2026-12-05/``).
 """
 
 from __future__ import annotations

@@ -12,10 +12,12 @@ Configurations: ``--policies`` at every ``--budgets`` (alpha at its default), th
     # the committed CPU run (rows split over processes with --configs, merged afterwards)
     python bench/sweep_raas.py --length 512 --new-tokens 256 --seeds 0 --budgets 64 \\
         --alphas 0.005,0.01,0.02,0.05,0.1 --alpha-budget 64 --out bench/results/raas_sweep_smollm2_cpu
-    # the issue's grid on a GPU (bf16, Inductor)
+    # the full grid on a GPU (bf16, Inductor)
     python bench/sweep_raas.py --device cuda --length 1024 --new-tokens 1024 --seeds 0,1,2 \\
         --budgets 128,256,512,1024 --alphas 0.005,0.01,0.02,0.05,0.1 --alpha-budget 128 \\
         --out bench/results/raas_sweep_smollm2_gpu
+
+Results: ``bench/results/raas_sweep_smollm2_cpu/`` and ``bench/results/raas_sweep_smollm2_h200/``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--length", type=int, default=1024)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's accuracy comparison: SmolLM2-135M (or MODEL=gemma3-270m), NIAH + RULER-style (multikey included) at 2k/4k/8k,
+# Accuracy of the layer-gated policies by budget: SmolLM2-135M (or MODEL=gemma3-270m), NIAH + RULER-style (multikey included) at 2k/4k/8k,
 # asl, asl_fullkv and fastkv at budgets 256, 512, 1024 and 2048, plus `full` -- one `kvpass compare`
 # per budget, all started at once on the visible GPU(s) (a 135M model under the eager compiler is
 # launch-bound, so the processes overlap). `kvpass compare` records each task's selection layer,

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Issue 19's device calls (one GPU each, under 10 minutes): results land in $OUT.
+# Decode-step device calls (bench/bench_decode_step.py and its GPU tests; one GPU each, under 10 minutes):
+# results land in $OUT.
 #   A: 8 layers, batch 1, 32k: HF eager (cuDNN SDPA off / on), HF StaticCache + CUDA graphs, kvpass policies
 #   B: 8 layers, batch 16, 32k;   C: 8 layers, batch 1, 128k
 #   L: 32 layers (the whole 8B shape), batch 1, 32k
 #   G: the gated policies on a SlotCache, 8 layers, batch 1, 32k (and full, for the ratio)
 #   Q: 8 layers, batch 1, 128k: the decode-time policies (quest, art, raas) beside full
-#   H: issue 20 case 7 on the DynamicCache path: raas, asl, art at 4,096 then 128k tokens (full beside)
+#   H: the hostile DynamicCache case (tests/gpu/test_gpu_hostile.py's shape): raas, asl, art at 4,096 then 128k tokens (full beside)
 #   D: where a SlotCache prefill spends time and memory (bench/probes/diag_prefill.py)
 #   M: gemfilter on a SlotCache (8 layers, 32k), then the policies at 32 layers, 32k
 #   P: kernel tables (--profile): full, quest, art, raas at 128k; R: the same and snapkv at 32k, then full
 #      at 2k (the step with almost no KV: weights and launches alone)
 #   B2: 8 layers, batch 16, 32k, the policies that keep the prompt (full, quest, art, raas) and the gated
 #      ones: their prefill at batch 16 needs more than an H100's 80 GB beside the full cache (run it on an H200)
-#   E: target 7 (batch-16 TTFT of 28-43 s on 2026-11-23, DynamicCache path): snapkv at batch 16, 32k, on the
+#   E: the batch-16 TTFT (28-43 s on 2026-11-23, DynamicCache path): snapkv at batch 16, 32k, on the
 #      DynamicCache path beside the SlotCache path (6.5 s on 2026-11-25)
 #   X: batch 16 asl at 32k (needs an H200), then full at 2k and 32k under mode="max-autotune" beside
 #      reduce-overhead (do Triton matmul templates beat cuBLAS's GEMVs on the floor?)
@@ -23,7 +24,7 @@
 #      raas, then full and raas at 32k (batch 1)
 #   S: the small per-layer kernels alone (bench/probes/tune_small_kernels.py: ART's scan, quest's top_pages)
 #   T: tests/gpu/test_gpu_slot_cache.py and tests/gpu/test_gpu_hostile.py
-#   V: issue 21's h2o: its GPU tests (CUDA-graph replay = eager), then full, streamingllm, snapkv and h2o at 32k
+#   V: h2o: its GPU tests (CUDA-graph replay = eager), then full, streamingllm, snapkv and h2o at 32k
 #      (batch 1); W: h2o in its own setting, a 2k prompt decoded to 32k tokens, beside full and streamingllm
 #   K: the kvpress 0.5.5 baseline (bench/bench_kvpress.py), 8 layers, batch 1, 32k and 128k: hf_eager,
 #      SnapKVPress, StreamingLLMPress at the 2,048-token budget, in a second process on transformers 5.2.

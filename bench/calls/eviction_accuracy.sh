@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's accuracy comparison: SmolLM2-135M, NIAH + RULER-style at 1k/2k/4k, every prefill-eviction
+# Accuracy of the prefill-eviction policies by budget: SmolLM2-135M, NIAH + RULER-style at 1k/2k/4k, every prefill-eviction
 # policy at budgets 64, 96, 128, 256 and 1024, plus `full` -- one `kvpass compare` per budget, all
 # started at once on one GPU (a 135M model under the eager compiler is launch-bound, so the
 # processes overlap; on a 2-core CPU the same sweep takes hours). Usage:

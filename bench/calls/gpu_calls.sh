@@ -8,14 +8,14 @@
 #   call 4 (carry .dev/skel): random weights only, what the tree has not yet run on a GPU
 #   calls 5a-5e, back to back, carrying .dev/g1 ... .dev/g5: five 52 MiB pieces of one tar of Gemma-3's
 #   GGUF parts, .dev/c1/site, .dev/w and .dev/llama3-8b-shape (a config of Llama-3-8B's shape with
-#   SmolLM2's tokenizer; the tree plus one carry must stay under 64 MiB); 5e assembles it and runs issue 5's Gemma-3
-#   sweep on two GPUs (run it as LIMIT=470 bash bench/calls/gpu_calls.sh 5e), raas against quest (batched page updates) with tests/gpu/test_gpu_raas.py, and
+#   SmolLM2's tokenizer; the tree plus one carry must stay under 64 MiB); 5e assembles it and runs the prefill-eviction
+#   accuracy sweep on Gemma-3 on two GPUs (run it as LIMIT=470 bash bench/calls/gpu_calls.sh 5e), raas against quest (batched page updates) with tests/gpu/test_gpu_raas.py, and
 #   full / snapkv / sablock in one process on a random-weight Llama of Llama-3-8B's shape
 #   call 6 (carry .dev/llama3-8b-shape .dev/c1/site): raas vs quest alone, tests/gpu/test_gpu_raas.py,
 #   the 8B-shape rows with full beside snapkv and beside sablock in two lanes
 #   call 7 (one GPU, nothing carried): after raas's in-place pool write and the slot-attention kernel,
 #   tests/gpu/test_gpu_raas.py and test_gpu_a3.py, then raas against quest in one process (1,024 steps)
-#   call 8 (four GPUs, nothing carried): issue 6's 16,384-step run, full / quest / raas one per lane,
+#   call 8 (four GPUs, nothing carried): RaaS's 16,384-step memory run, full / quest / raas one per lane,
 #   and a3's TTFT with the slot-attention kernel beside the rest of tests/gpu
 #   call 9 (two GPUs, nothing carried): quest's 16,384 steps alone (call 8 stopped it at 9,024), and the
 #   tests/gpu files call 8 cut short, then raas against quest in one process (2,048 steps)
@@ -45,7 +45,7 @@ case "${1:?call 0-5e}" in
       "python bench/bench_raas.py --policies raas,quest --steps 1024 --out \$LANE/raas --deadline $((deadline - 150)); $T tests/gpu/test_gpu_raas.py" \
       'python bench/bench_eviction.py --skeleton /tmp/gm/llama3-8b-shape --out $LANE/ev8b --lengths 32768,131072 --policies full,snapkv,sablock' ;;
   10)  # (one H200, after 5a-5d) asl on the sliding-window families: assemble Gemma-3 as in 5e, then
-       # issue 7's accuracy sweep on Gemma-3-270M (TAU=0.9 beside the paper's 0.3) while tests/gpu's
+       # the layer-gated accuracy sweep on Gemma-3-270M (TAU=0.9 beside the paper's 0.3) while tests/gpu's
        # gated-prefill and foundation files run on the same GPU (stock transformers of the machine)
     cp .dev/g5/gm.part.* /tmp/gm/ && cat /tmp/gm/gm.part.* | tar x -C /tmp/gm && rm /tmp/gm/gm.part.*
     pip install -q --no-deps --target /tmp/gm/tf523 /tmp/gm/w/transformers-5.23.0-py3-none-any.whl

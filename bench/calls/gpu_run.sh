@@ -62,7 +62,8 @@ throughput)
     --out "$out/l32_throughput.json" > "$out/l32_throughput.log" 2>&1
   tail -n 20 "$out/l32_throughput.log" ;;
 accuracy)
-  # the methods of the issue "The field's leading methods" beside snapkv; full once (no budget)
+  # the newer prefill methods (adakv, expected_attention, criticalkv, knorm, keydiff, tova, kvzip) beside snapkv;
+  # full once (no budget)
   # (the eager compiler: the scores do not depend on it, and eight Inductor compiles would take the call's time)
   python -m kvpass.cli compare --model gemma3-270m --task ruler,niah --lengths 2k,4k,8k --limit 3 --policies full \
     --compiler eager --out "$out/full" > "$out/full.log" 2>&1

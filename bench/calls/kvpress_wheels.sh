@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels call K (bench/calls/decode_calls.sh) carries to the GPU machine in .whl/: kvpress 0.5.5 needs
+# The wheels that case K of bench/calls/decode_calls.sh carries to the GPU machine in .whl/: kvpress 0.5.5 needs
 # transformers < 5.3 (5.2.0), and transformers 5.2 needs tokenizers <= 0.23.0 (0.22.2); datasets, dill,
 # multiprocess, cachetools, fire and termcolor are imported by kvpress. The GPU machine (Python 3.12,
 # x86-64) has the rest. fire 0.6.0 has only an sdist: it is built into a wheel here (pure Python).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22's device calls, on two GPUs of one host (nvidia-h200-x2 / nvidia-h100-x2); results land in $OUT.
+# Tensor-parallel device calls (bench/bench_tp.py and its GPU tests), on two GPUs of one host (nvidia-h200-x2 / nvidia-h100-x2); results land in $OUT.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the others the machine sets; set again here).
 #   T1: the 32-layer Llama-3.1-8B shape saved once, then full, snapkv, raas and asl (selection layer 8) at 128k on
 #       one GPU and on two (torchrun, tp_plan="auto"), then the comparison table
@@ -12,8 +12,8 @@
 #      all-reduce lowered by Inductor (bench_tp.py --one-shot), for the all-reduce share of the step
 #   R: T1 with a kernel profile of each row (bench_tp.py --profile): device time per step by kind (NCCL's
 #      all-reduce, kvpass's attention, matmuls, the rest) on one GPU and on two, for where the two-GPU step loses
-#   R8: R at 8 layers, full only (about 4 minutes with the machine's start; session 54 had that much device time
-#       left, and the two-GPU kinds were no longer lent): where the step's device time goes, per layer
+#   R8: R at 8 layers, full only (about 4 minutes with the machine's start: written for a call with only that much
+#       device time left): where the step's device time goes, per layer
 #   S8: R8's model and row on two GPUs with a static batch (--static-batch), NCCL's all-reduce then symmetric
 #       memory's one-shot (--one-shot): 16 all-reduces a step at 8 layers took 0.155 ms of 2.112 (2026-11-28); the
 #       one-shot lowering failed on the symbolic batch of dynamic=True (Inductor compares its size with a threshold)
@@ -24,7 +24,7 @@
 #       with Inductor's Triton mm templates autotuned beside ATen's (--mm-autotune)
 #   H8: R8 for full and snapkv, with the host's time per step and a cProfile of the host (is a two-GPU step, snapkv's
 #       above all, bound by the host's per-step work: Dynamo's guards on 226 DTensor parameters, the graph's wrappers?)
-#   K3 (session 56, ran at commit f7b5a75 with a floor on the blocks a split reads, since removed): 16/4 heads read
+#   K3 (2026-11-28, ran at commit f7b5a75 with a floor on the blocks a split reads, since removed): 16/4 heads read
 #       3.97 TB/s at 128k in 32 splits against 3.45 in 132; the split rule is now one program per SM
 #   K4: the new rule (num_splits: one program per SM) on the kernel alone, 16/4 and 32/8 heads, batch 1 and 4, 32k
 #       and 128k, against K3's rows (32/8 at 128k in 17 splits: K3 had 4.01 TB/s in 66 splits)
@@ -36,7 +36,7 @@
 #       step, full and snapkv on one GPU and on two
 #   D1: one GPU: tests/gpu/test_gpu_direct_steps.py, then U8's measure on SmolLM2-135M's widths (host-bound) and
 #       the 8-layer shape (full)
-#   P: throughput at a fixed memory cap per GPU (issue 39; P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
+#   P: throughput at a fixed memory cap per GPU (P_POLICIES, P_ONE_S, P_TWO_S): an 8-layer model saved once, bench_throughput.py on
 #      one GPU, then on two (torchrun, the same cap on each GPU), full and snapkv, 32k prompts
 set -u -o pipefail
 # the exit status: 1 when any step failed (a row's script, a timeout, no rows printed); each failure says which
@@ -76,7 +76,7 @@ case "${1:?call T1, T2, R, R8, H8, H32, U8, D1, S8, M8, K, K2, K4, J, G, Q3, Q3D
      python -c "import transformers; print('transformers', transformers.__version__)"
      timeout ${Q3_S:-500} python -m pytest -q -rfEs -p no:cacheprovider ${Q3_ARGS:-} tests/gpu/test_gpu_tp.py \
        -k "${Q3_K:-qwen3}" 2>&1 | tail -${Q3_TAIL:-15}; exit $fail ;;
-  Q3D) # Q3's worker alone with CUDA_LAUNCH_BLOCKING=1 (session 57: a device-side assert on both ranks, after every
+  Q3D) # Q3's worker alone with CUDA_LAUNCH_BLOCKING=1 (2026-11-28: a device-side assert on both ranks, after every
       # plain run, before the fusion runs; asynchronous, so the run that raised it is not known): the first traceback
       # and the kernel's own assertion line. Carries .whl as Q3.
      carried_transformers && export PYTHONPATH=$PYTHONPATH:$PWD/tests:$PWD || exit 1
@@ -97,8 +97,8 @@ case "${1:?call T1, T2, R, R8, H8, H32, U8, D1, S8, M8, K, K2, K4, J, G, Q3, Q3D
        | grep '^{\|Error' | cut -c1-400
      python bench/bench_tp.py compare $out/one_gpu_l8_131072.json $out/two_gpu_l8_131072.json \
        --out $out/tp_l8_131072.md 2>&1 | tail -30; exit $fail ;;
-  H32) # H8 at 32 layers (session 58: a rank's host took 6.7 ms a queued step of 7.6 against 0.76 on one GPU): H32_ONE
-     # (snapkv: T1 of that session has full's pair) on one GPU, full and snapkv on two, with the host's cProfile, each
+  H32) # H8 at 32 layers (2026-11-29: a rank's host took 6.7 ms a queued step of 7.6 against 0.76 on one GPU): H32_ONE
+     # (snapkv: the T1 run of 2026-11-29 has full's pair) on one GPU, full and snapkv on two, with the host's cProfile, each
      # step waited for, and Dynamo's spans
      c="--dir $ckpt --contexts 131072 --steps 32 --profile"
      [ -f $ckpt/config.json ] || timeout 120 python bench/bench_tp.py save --dir $ckpt 2>&1 | grep '^{'
@@ -123,7 +123,7 @@ case "${1:?call T1, T2, R, R8, H8, H32, U8, D1, S8, M8, K, K2, K4, J, G, Q3, Q3D
      [ -f $out/one_gpu_l${l}_131072.json ] && [ -f $out/two_gpu_l${l}_131072.json ] && python bench/bench_tp.py compare \
        $out/one_gpu_l${l}_131072.json $out/two_gpu_l${l}_131072.json --out $out/tp_l${l}_131072.md 2>&1 | tail -12
      exit $fail ;;
-  D1) # one GPU (session 59: no two-GPU kind lent): direct steps under Inductor's CUDA graphs
+  D1) # one GPU (2026-11-29: no two-GPU machine lent): direct steps under Inductor's CUDA graphs
      # (tests/gpu/test_gpu_direct_steps.py; D1_TEST=0 skips it), then the user's TPOT, usual and direct, where the
      # host can outlast the device (SmolLM2-135M's widths, D1_SMALL_LAYERS of them (16; 30 did not finish a row in
      # 200 s with --profile), 8k; full and snapkv), then the 8-layer Llama shape at 128k (full: a device-bound step)

@@ -2,7 +2,8 @@
 the q/k/v and gate/up weights fused into one matmul each (four in all), on one GPU and at a tensor-parallel
 rank's share.
 
-Issue 39: on two H200s a rank's matmuls took 0.62x one GPU's (not 0.5x; session 57, call B), and the small
+Why: on two H200s a rank's matmuls took 0.62x one GPU's (not 0.5x; ``bench/results/tp_h200x2_2026-11-28``,
+18:13 UTC), and the small
 projections (k and v at 4 MB a rank) read far below the copy bandwidth. Fusing them is the lever not built
 (it needs the weights concatenated once, in place); this measures what it would save before building it. The
 matmuls are ATen's (cuBLAS: what Inductor's decode graph calls for them), replayed as one CUDA graph of

@@ -1,4 +1,5 @@
-"""Where a SlotCache prefill spends its time and memory (issue 19: TTFT 3x HF's at 32k, 77 GiB at 128k).
+"""Where a SlotCache prefill spends its time and memory (written when a SlotCache prefill
+took 3x HF's TTFT at 32k and 77 GiB at 128k).
 
 One prefill of the 8B shape (``--layers``) on a SlotCache, compiled as the decode benchmark does: the
 CUDA kernels by total time (torch.profiler) and the largest live allocations at the peak with the

@@ -1,6 +1,6 @@
-"""Where a first compile's AOTAutograd time goes with the layers shared (issue 36, item 3), one GPU, one process.
+"""Where a first compile's AOTAutograd time goes with the layers shared, one GPU, one process.
 
-Session 51 measured the 32-layer decode frame's AOTAutograd at 19.5 s outside Inductor on an H200 with the
+On 2026-11-28 the 32-layer decode frame's AOTAutograd took 19.5 s outside Inductor on an H200 with the
 layers compiled once, against about 2 s on the CPU for 16 test-size layers. The CPU runs kvpass's reference
 operators; on CUDA ``kvpass::decode_attention`` (and the other kernels) are ``triton_op``s, and torch learns
 which arguments a Triton kernel writes by generating its TTIR and reading it, at every call it traces
@@ -9,9 +9,10 @@ their time during ``kvpass.compile`` + the first ``generate`` (2k prompt, prefil
 ``--memo`` answers repeated calls (same kernel, same argument kinds and values) from a memo, to measure
 what such a cache would save.
 
-Result (session 52, H200, 32 layers, `full`): 0 calls, with or without the memo (55.6 / 55.8 s): the hypothesis
+Result (2026-11-28, H200, 32 layers, `full`): 0 calls, with or without the memo (55.6 / 55.8 s): the hypothesis
 is refuted. AOTAutograd's 25.5 s are its metadata pass (6.9 s), fake-tensor runs of the shared subgraph (4.0 s),
-Inductor (9.2 s) and its functionalized trace (``bench/results/fastpath_decode_loop_2026-11-27``, "Session 52").
+Inductor (9.2 s) and its functionalized trace (``bench/results/fastpath_decode_loop_2026-11-27``, the section of
+2026-11-28 04:20 UTC).
 The probe stays for its compile-time breakdown (``compile_times`` in the JSON).
 
     python bench/probes/probe_compile.py --layers 32 --policy full [--memo] --out probe.json

@@ -1,4 +1,4 @@
-"""Probe (issue 37, item 4): what kvpass sees in transformers' continuous batching (`generate_batch`).
+"""Probe: what kvpass sees in transformers' continuous batching (`generate_batch`).
 
 A random 2-layer Llama (CPU, sdpa) decodes three short prompts with `model.generate_batch`, once plain and
 once with a kvpass backend given as the backend of the ContinuousBatchingConfig's varlen CompileConfig (on

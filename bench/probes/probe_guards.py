@@ -1,4 +1,4 @@
-"""What Dynamo's guards cost a decode step, and what skipping them would buy (issue 36, item 4), one GPU.
+"""What Dynamo's guards cost a decode step, and what skipping them would buy, one GPU.
 
 On a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) compiled by ``kvpass.compile``
 (reduce-overhead, prefill without Inductor), warm, at one prompt length, per policy:

@@ -1,4 +1,4 @@
-"""Where a ``generate`` decode step's host time goes (issue 36, item 4), one GPU, one process.
+"""Where a ``generate`` decode step's host time goes, one GPU, one process.
 
 Per policy, on a random-weight Llama-3.1-8B shape (``--layers``, bf16, batch 1) compiled by ``kvpass.compile``
 (reduce-overhead, prefill without Inductor), warm, at one prompt length:

@@ -4,7 +4,7 @@ Shape: Llama-3-8B attention (H=32, H_kv=8, D=128), bf16, batch 1, a plain prompt
 0..L-1, causal). For each ``L``:
 
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, the attention the prefill runs
-  in the same layer (what the scoring is compared with: issue 37 asks the scoring for at most half the
+  in the same layer (what the scoring is compared with: the target is a scoring of at most half the
   prefill's own time);
 * pass 1 (row log-sum-exp) over ``PASS1`` with pass 2 fixed (both passes timed), then pass 2 (column sums) alone
   over ``PASS2``, given the rows' log-sum-exp from ``kvpass::attention_lse`` (h2o's one-pass scoring of a plain
