@@ -35,6 +35,8 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
     if be is None or not be.policy.needs.reconstructs:
         yield
         return
+    if mask is not None and bool(mask.all()):
+        mask = None  # no padding: no mask, so the scoring prefill builds no [n, n] mask (31 GiB at 130k tokens)
     passes = be.policy.passes(ids, mask)
     if not passes:  # nothing to choose from (a prompt within the budget)
         yield
