@@ -64,21 +64,31 @@ def table(folder: Path) -> str:
             for fam, xs in by_family.items():
                 families[(s["policy"], fam)][label] = mean(xs)
             if s.get("selection_layers"):
-                layers.append(f"- {s['policy']} at {label}: " + ", ".join(
-                    f"{'none' if k in (None, 'None', 'null') else 'layer ' + str(k)} x{v}"
-                    for k, v in s["selection_layers"].items()))
+                layers.append(
+                    f"- {s['policy']} at {label}: "
+                    + ", ".join(
+                        f"{'none' if k in (None, 'None', 'null') else 'layer ' + str(k)} x{v}"
+                        for k, v in s["selection_layers"].items()
+                    )
+                )
     meta = next(iter(runs.values()))["meta"]
-    out = [f"# Accuracy by budget: {meta.get('model')}, tasks {', '.join(meta['tasks'])} at "
-           f"{', '.join(str(x) for x in meta['lengths'])} tokens ({meta.get('gpu') or meta['device']}, torch "
-           f"{meta['torch']}, transformers {meta['transformers']}, {meta['date'][:10]})", "",
-           "Mean task score (NIAH: the needle recovered; RULER-style: the task's own metric). `full` keeps "
-           "every token.", "", "| policy | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    out = [
+        f"# Accuracy by budget: {meta.get('model')}, tasks {', '.join(meta['tasks'])} at "
+        f"{', '.join(str(x) for x in meta['lengths'])} tokens ({meta.get('gpu') or meta['device']}, torch "
+        f"{meta['torch']}, transformers {meta['transformers']}, {meta['date'][:10]})",
+        "",
+        "Mean task score (NIAH: the needle recovered; RULER-style: the task's own metric). `full` keeps every token.",
+        "",
+        "| policy | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     for policy, row in cells.items():
         out.append(f"| {policy} | " + " | ".join(row.get(c, "") for c in cols) + " |")
     out += ["", "## By task", "", "| policy | task | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for (policy, fam), row in sorted(families.items()):
-        out.append(f"| {policy} | {fam} | " + " | ".join("" if row.get(c) is None else f"{row[c]:.3f}"
-                                                          for c in cols) + " |")
+        out.append(
+            f"| {policy} | {fam} | " + " | ".join("" if row.get(c) is None else f"{row[c]:.3f}" for c in cols) + " |"
+        )
     if layers:
         out += ["", "## Selection layers (tasks per layer; none: the rule never fired)", "", *layers]
     if notes:

@@ -32,26 +32,37 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from kvpass.eval import models  # noqa: E402
-from kvpass.eval import tasks
+from kvpass.eval import (
+    models,  # noqa: E402
+    tasks,
+)
 from kvpass.kernels import decode_attention as K  # noqa: E402
 
 SETTINGS = [  # (tau, phi, patience, block, horizon)
-    (1e-5, 1e-3, 5, 64, 0), (1e-5, 1e-3, 5, 128, 0), (1e-4, 1e-3, 5, 128, 0), (1e-3, 1e-2, 3, 128, 0),
-    (1e-5, 1e-3, 5, 128, 16), (1e-4, 1e-3, 5, 128, 8), (1e-4, 1e-3, 5, 128, 16), (1e-4, 1e-3, 5, 128, 32),
-    (1e-3, 1e-2, 3, 128, 16), (1e-2, 1e-1, 2, 64, 0)]
+    (1e-5, 1e-3, 5, 64, 0),
+    (1e-5, 1e-3, 5, 128, 0),
+    (1e-4, 1e-3, 5, 128, 0),
+    (1e-3, 1e-2, 3, 128, 0),
+    (1e-5, 1e-3, 5, 128, 16),
+    (1e-4, 1e-3, 5, 128, 8),
+    (1e-4, 1e-3, 5, 128, 16),
+    (1e-4, 1e-3, 5, 128, 32),
+    (1e-3, 1e-2, 3, 128, 16),
+    (1e-2, 1e-1, 2, 64, 0),
+]
 NEVER = 1e-30  # thresholds no step meets: ART's full cost without stopping
 
 
 def timed(fn) -> float:
     import triton.testing
+
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
 
 
 def prompts(tok, length: int, n: int) -> list[list[int]]:
     ids = tok(tasks.haystack_text(), add_special_tokens=False).input_ids
     step = max(1, (len(ids) - length) // max(1, n))
-    return [ids[i * step: i * step + length] for i in range(n)]
+    return [ids[i * step : i * step + length] for i in range(n)]
 
 
 @torch.no_grad()
@@ -59,6 +70,7 @@ def capture(model, ids: list[int]) -> list[tuple]:
     """(q, k, v) of every layer for the decode step after ``ids``."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     seen = []
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
@@ -82,8 +94,10 @@ def capture(model, ids: list[int]) -> list[tuple]:
 def sdpa_best(q, k, v):
     b, h, _, d = q.shape
     hkv = k.shape[1]
-    forms = [lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-             lambda: F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), k, v)]
+    forms = [
+        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        lambda: F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), k, v),
+    ]
     return min(timed(f) for f in forms)
 
 
@@ -103,8 +117,15 @@ def captured(model, tok, lengths, batch) -> list[dict]:
         exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         t_sdpa = sdpa_best(q, k, v)
         t_full = timed(lambda: K.decode_attention_triton(q, k, v))
-        base = dict(context=int(k.shape[2]), batch=int(q.shape[0]), heads=int(q.shape[1]), kv_heads=int(k.shape[1]),
-                    head_dim=int(q.shape[-1]), sdpa_ms=t_sdpa * 1e3, full_read_ms=t_full * 1e3)
+        base = dict(
+            context=int(k.shape[2]),
+            batch=int(q.shape[0]),
+            heads=int(q.shape[1]),
+            kv_heads=int(k.shape[1]),
+            head_dim=int(q.shape[-1]),
+            sdpa_ms=t_sdpa * 1e3,
+            full_read_ms=t_full * 1e3,
+        )
         t_unsplit = timed(lambda: K.decode_attention_triton(q, k, v, split=False))
         base.update(unsplit_read_ms=t_unsplit * 1e3)
         tune = {}
@@ -127,14 +148,35 @@ def captured(model, tok, lengths, batch) -> list[dict]:
         base.update(never_stop_ms=overhead)
         chunk = min((4, 8), key=lambda c: overhead[f"block64_chunk{c}"])
         for tau, phi, patience, block, horizon in SETTINGS:
-            kw = dict(tau=tau, phi=phi, patience=patience, block=block, horizon=horizon, chunk=chunk,
-                      num_warps=warps, num_stages=stages)
+            kw = dict(
+                tau=tau,
+                phi=phi,
+                patience=patience,
+                block=block,
+                horizon=horizon,
+                chunk=chunk,
+                num_warps=warps,
+                num_stages=stages,
+            )
             out, vis = K.decode_attention_triton(q, k, v, **kw)
             t = timed(lambda: K.decode_attention_triton(q, k, v, **kw))
             err = ((out.float() - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-6)).mean().item()
             nb = -(-k.shape[2] // block)
-            rows.append(dict(base, tau=tau, phi=phi, patience=patience, block=block, horizon=horizon, chunk=chunk, blocks_read=vis.float().mean().item() / nb,
-                             rel_err=err, art_ms=t * 1e3, speedup_vs_sdpa=t_sdpa / t))
+            rows.append(
+                dict(
+                    base,
+                    tau=tau,
+                    phi=phi,
+                    patience=patience,
+                    block=block,
+                    horizon=horizon,
+                    chunk=chunk,
+                    blocks_read=vis.float().mean().item() / nb,
+                    rel_err=err,
+                    art_ms=t * 1e3,
+                    speedup_vs_sdpa=t_sdpa / t,
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
@@ -144,14 +186,19 @@ def captured(model, tok, lengths, batch) -> list[dict]:
 @torch.no_grad()
 def e2e(model, tok, length, batch, steps, policies) -> list[dict]:
     from transformers import StaticCache
+
     dev = next(model.parameters()).device
     ids = torch.tensor([prompts(tok, length, 1)[0]], device=dev).expand(batch, -1)
     cache = StaticCache(config=model.config, max_cache_len=length + steps + 8)
     chunk = 1024  # prefill in chunks: a [batch, 1, length, cache] mask at once would not fit
     for s in range(0, length, chunk):
-        part = ids[:, s: s + chunk]
-        model(input_ids=part, past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(s, s + part.shape[1], device=dev))
+        part = ids[:, s : s + chunk]
+        model(
+            input_ids=part,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(s, s + part.shape[1], device=dev),
+        )
     tok_in = torch.full((batch, 1), 42, device=dev)
     out = []
     for name, params in policies:
@@ -165,9 +212,13 @@ def e2e(model, tok, length, batch, steps, policies) -> list[dict]:
 
         def step(t):
             pos = length + t
-            return fwd(input_ids=tok_in, past_key_values=cache, use_cache=True,
-                       cache_position=torch.tensor([pos], device=dev),
-                       position_ids=torch.full((batch, 1), pos, device=dev))
+            return fwd(
+                input_ids=tok_in,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.tensor([pos], device=dev),
+                position_ids=torch.full((batch, 1), pos, device=dev),
+            )
 
         t0 = time.perf_counter()
         for t in range(3):
@@ -183,8 +234,16 @@ def e2e(model, tok, length, batch, steps, policies) -> list[dict]:
             times.append(time.perf_counter() - t1)
         times.sort()
         med = times[len(times) // 2]
-        out.append(dict(policy=name, params=params, step_ms=med * 1e3, tokens_per_s=batch / med,
-                        compile_s=compile_s, decode_graphs=sum(r.phase == "decode" for r in be.reports)))
+        out.append(
+            dict(
+                policy=name,
+                params=params,
+                step_ms=med * 1e3,
+                tokens_per_s=batch / med,
+                compile_s=compile_s,
+                decode_graphs=sum(r.phase == "decode" for r in be.reports),
+            )
+        )
         print(json.dumps(out[-1]), flush=True)
     full = out[0]["tokens_per_s"]
     for r in out:
@@ -204,39 +263,69 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = models.load(args.model, dtype=torch.bfloat16, device="cuda")
     skip = set(args.skip.split(","))
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, model=args.model, dtype="bfloat16")
+    meta = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        model=args.model,
+        dtype="bfloat16",
+    )
     res = dict(meta=meta)
     if "captured" not in skip:
         res["captured"] = captured(model, tok, [int(x) for x in args.lengths.split(",")], args.batch)
     if "e2e" not in skip:
-        pols = [("full", {}), ("art", {}), ("art", dict(horizon=16)), ("art", dict(tau=1e-4, horizon=16)),
-                ("art", dict(tau=1e-3, phi=1e-2, patience=3, horizon=16))]
+        pols = [
+            ("full", {}),
+            ("art", {}),
+            ("art", dict(horizon=16)),
+            ("art", dict(tau=1e-4, horizon=16)),
+            ("art", dict(tau=1e-3, phi=1e-2, patience=3, horizon=16)),
+        ]
         res["e2e"] = e2e(model, tok, args.e2e_length, args.batch, args.steps, pols)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"art_{args.model}.json").write_text(json.dumps(res, indent=2))
     lines = [f"# ART on {args.model}, {meta['gpu']}, {meta['date']}", "", f"torch {meta['torch']}, bf16.", ""]
     if "captured" in res:
-        lines += ["## Captured decode attention (batch = (prompt, layer) rows)", "",
-                  "| context | tau | phi | p | block | horizon | blocks read | rel. L2 error | SDPA ms | ART ms | speedup vs SDPA |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Captured decode attention (batch = (prompt, layer) rows)",
+            "",
+            "| context | tau | phi | p | block | horizon | blocks read | rel. L2 error | SDPA ms | ART ms "
+            "| speedup vs SDPA |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in res["captured"]:
-            lines.append(f"| {r['context']} | {r['tau']:g} | {r['phi']:g} | {r['patience']} | {r['block']} | {r['horizon']} | "
-                         f"{r['blocks_read']:.0%} | "
-                         f"{r['rel_err']:.1e} | {r['sdpa_ms']:.3f} | {r['art_ms']:.3f} | {r['speedup_vs_sdpa']:.2f} |")
+            lines.append(
+                f"| {r['context']} | {r['tau']:g} | {r['phi']:g} | {r['patience']} | {r['block']} | {r['horizon']} | "
+                f"{r['blocks_read']:.0%} | "
+                f"{r['rel_err']:.1e} | {r['sdpa_ms']:.3f} | {r['art_ms']:.3f} | {r['speedup_vs_sdpa']:.2f} |"
+            )
     if "captured" in res:
-        lines += ["", "### The stop rule's cost when it never fires (ms; same process)", "",
-                  "| context | SDPA | read, no ART, unsplit | " + " | ".join(res["captured"][0]["never_stop_ms"]) + " |",
-                  "|---|---|---|" + "---|" * len(res["captured"][0]["never_stop_ms"])]
+        lines += [
+            "",
+            "### The stop rule's cost when it never fires (ms; same process)",
+            "",
+            "| context | SDPA | read, no ART, unsplit | " + " | ".join(res["captured"][0]["never_stop_ms"]) + " |",
+            "|---|---|---|" + "---|" * len(res["captured"][0]["never_stop_ms"]),
+        ]
         for r in {r["context"]: r for r in res["captured"]}.values():
-            lines.append(f"| {r['context']} | {r['sdpa_ms']:.3f} | {r['unsplit_read_ms']:.3f} | "
-                         + " | ".join(f"{t:.3f}" for t in r["never_stop_ms"].values()) + " |")
+            lines.append(
+                f"| {r['context']} | {r['sdpa_ms']:.3f} | {r['unsplit_read_ms']:.3f} | "
+                + " | ".join(f"{t:.3f}" for t in r["never_stop_ms"].values())
+                + " |"
+            )
     if "e2e" in res:
-        lines += ["", f"## End to end: batch {args.batch}, {args.e2e_length}-token prompt, StaticCache, Inductor", "",
-                  "| policy | params | step ms | tokens/s | ratio vs full |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## End to end: batch {args.batch}, {args.e2e_length}-token prompt, StaticCache, Inductor",
+            "",
+            "| policy | params | step ms | tokens/s | ratio vs full |",
+            "|---|---|---|---|---|",
+        ]
         for r in res["e2e"]:
-            lines.append(f"| {r['policy']} | {r['params']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
-                         f"{r['ratio_vs_full']:.2f} |")
+            lines.append(
+                f"| {r['policy']} | {r['params']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"{r['ratio_vs_full']:.2f} |"
+            )
     (args.out / f"art_{args.model}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -46,14 +46,32 @@ from kvpass.policies import make_policy  # noqa: E402
 
 PRESETS = {
     # SmolLM2-1.7B's shape (Llama architecture, MHA), with a long-context RoPE base
-    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                         num_key_value_heads=32, vocab_size=49152),
+    "smollm2-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=49152,
+    ),
     # Llama-3.1-8B's shape (GQA 4)
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
     # a smoke test of the script itself (CPU: --device cpu --preset tiny --lengths 256,512 --budget 64)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=128),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    ),
 }
 DEVICE = "cuda"
 
@@ -73,12 +91,13 @@ def peak_bytes() -> int:
 
 
 def build(preset: str, device: str):
-    cfg = transformers.LlamaConfig(**PRESETS[preset], max_position_embeddings=262144, rope_theta=500000.0,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        **PRESETS[preset], max_position_embeddings=262144, rope_theta=500000.0, tie_word_embeddings=False
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)   # initialise in bf16: no fp32 copy of an 8B model
+    torch.set_default_dtype(torch.bfloat16)  # initialise in bf16: no fp32 copy of an 8B model
     try:
         with torch.device(device):
             model = transformers.LlamaForCausalLM(cfg)
@@ -126,9 +145,9 @@ def rule_cost(model, n: int, budget: int, window: int, reps: int = 3) -> float:
         sync()
         t0 = time.perf_counter()
         for layer in observe:
-            history[layer] = torch.ops.kvpass.layer_scores(q, k, None, d ** -0.5, 0.0, window)
+            history[layer] = torch.ops.kvpass.layer_scores(q, k, None, d**-0.5, 0.0, window)
             if layer in cuts:
-                pol.gate_fires(layer, history, min(budget, n), ctx)   # syncs once per layer, as in a prefill
+                pol.gate_fires(layer, history, min(budget, n), ctx)  # syncs once per layer, as in a prefill
         sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
@@ -155,21 +174,22 @@ def main() -> None:
     asl_layer = args.asl_layer if args.asl_layer >= 0 else n_layers // 3 + 2
     lengths = [int(x) for x in args.lengths.split(",")]
     vocab = model.config.vocab_size
-    prompts = {n: torch.randint(10, vocab - 10, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
-               for n in lengths}
+    prompts = {
+        n: torch.randint(10, vocab - 10, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE) for n in lengths
+    }
     rows = []
     for spec in args.policies.split(","):
         name, _, mode = spec.partition("@")
         params = {} if name == "full" else {"budget": args.budget}
         if name in ("asl", "asl_fullkv", "asl_2pass", "fastkv"):
-            params["window"] = args.window          # gemfilter keeps its own (last token, no pooling)
+            params["window"] = args.window  # gemfilter keeps its own (last token, no pooling)
         if name in ("asl", "asl_fullkv", "asl_2pass") and mode != "rule":
             params["layer"] = asl_layer
         torch._dynamo.reset()
         be = kvpass.backend(name, compiler=args.compiler, **params)
         fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
         t0 = time.perf_counter()
-        prefill_decode(fwd, model, prompts[lengths[0]][:, : 2 * args.budget + 64], 3)   # compile, untimed
+        prefill_decode(fwd, model, prompts[lengths[0]][:, : 2 * args.budget + 64], 3)  # compile, untimed
         compile_s = time.perf_counter() - t0
         for n in lengths:
             # one untimed run per length first: a new length may still pay a Dynamo guard miss
@@ -178,10 +198,21 @@ def main() -> None:
             tpot = sorted(r[1] for r in runs)[(len(runs) - 1) // 2]
             peak = max(r[2] for r in runs)
             gate = be.gate_info or {}
-            rows.append(dict(policy=spec, params=params, context=n, ttft_s=ttft, tpot_ms=tpot * 1e3,
-                             peak_gib=peak / 2**30, max_cache_entries=runs[-1][3],
-                             selection_layer=gate.get("selection_layer"), kept=gate.get("kept"),
-                             compile_s=compile_s, plans=be.plans()))
+            rows.append(
+                dict(
+                    policy=spec,
+                    params=params,
+                    context=n,
+                    ttft_s=ttft,
+                    tpot_ms=tpot * 1e3,
+                    peak_gib=peak / 2**30,
+                    max_cache_entries=runs[-1][3],
+                    selection_layer=gate.get("selection_layer"),
+                    kept=gate.get("kept"),
+                    compile_s=compile_s,
+                    plans=be.plans(),
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
@@ -198,28 +229,54 @@ def main() -> None:
         f = full.get(n)
         rule.append(dict(context=n, rule_ms=s * 1e3, of_full_ttft=s / f["ttft_s"] if f else None))
         print(json.dumps(rule[-1]), flush=True)
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), preset=args.preset,
-                config=PRESETS[args.preset], device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
-                transformers=transformers.__version__, dtype="bfloat16", budget=args.budget, window=args.window,
-                asl_layer=asl_layer, asl_layer_note="forced; random weights make the adaptive choice meaningless",
-                fastkv_layer=n_layers // 2, gemfilter_layer=(13 * n_layers) // 32, new_tokens=args.new_tokens, reps=args.reps, compiler=args.compiler,
-                targets="asl TTFT <= 0.75x full at 128k; asl TPOT <= 0.05x full")
+    meta = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        preset=args.preset,
+        config=PRESETS[args.preset],
+        device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        dtype="bfloat16",
+        budget=args.budget,
+        window=args.window,
+        asl_layer=asl_layer,
+        asl_layer_note="forced; random weights make the adaptive choice meaningless",
+        fastkv_layer=n_layers // 2,
+        gemfilter_layer=(13 * n_layers) // 32,
+        new_tokens=args.new_tokens,
+        reps=args.reps,
+        compiler=args.compiler,
+        targets="asl TTFT <= 0.75x full at 128k; asl TPOT <= 0.05x full",
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "asl.json").write_text(json.dumps(dict(meta=meta, rows=rows, rule=rule), indent=2))
-    lines = [f"# Layer-gated prefill: {args.preset} (random weights), {meta['device']}, {meta['date']}", "",
-             f"torch {meta['torch']}, transformers {meta['transformers']}, bf16, Inductor, budget {args.budget}, "
-             f"window {args.window}; asl's selection layer forced to {asl_layer} of {n_layers}, fastkv's "
-             f"{n_layers // 2}, gemfilter's {(13 * n_layers) // 32} (window 1, two passes). TTFT = (lower) median of {args.reps} prefills after a warm-up run, TPOT = median decode step of "
-             f"{args.new_tokens} tokens; ratios to full at the same length. Targets: {meta['targets']}.", "",
-             "| policy | context | TTFT s | TTFT / full | TPOT ms | TPOT / full | peak GiB | peak / full | "
-             "selection layer | max cache entries |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Layer-gated prefill: {args.preset} (random weights), {meta['device']}, {meta['date']}",
+        "",
+        f"torch {meta['torch']}, transformers {meta['transformers']}, bf16, Inductor, budget {args.budget}, "
+        f"window {args.window}; asl's selection layer forced to {asl_layer} of {n_layers}, fastkv's "
+        f"{n_layers // 2}, gemfilter's {(13 * n_layers) // 32} (window 1, two passes). "
+        f"TTFT = (lower) median of {args.reps} prefills after a warm-up run, TPOT = median decode step of "
+        f"{args.new_tokens} tokens; ratios to full at the same length. Targets: {meta['targets']}.",
+        "",
+        "| policy | context | TTFT s | TTFT / full | TPOT ms | TPOT / full | peak GiB | peak / full | "
+        "selection layer | max cache entries |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['context']} | {r['ttft_s']:.3f} | {r.get('ttft_ratio', float('nan')):.3f} "
-                     f"| {r['tpot_ms']:.2f} | {r.get('tpot_ratio', float('nan')):.3f} | {r['peak_gib']:.2f} | "
-                     f"{r.get('peak_ratio', float('nan')):.3f} | {r['selection_layer']} | {r['max_cache_entries']} |")
-    lines += ["", "Adaptive rule's own cost (layer_scores on every observed layer + rank-variance test at every "
-              "candidate layer, random q/k):", "", "| context | rule ms | of full's TTFT |", "|---|---|---|"]
+        lines.append(
+            f"| {r['policy']} | {r['context']} | {r['ttft_s']:.3f} | {r.get('ttft_ratio', float('nan')):.3f} "
+            f"| {r['tpot_ms']:.2f} | {r.get('tpot_ratio', float('nan')):.3f} | {r['peak_gib']:.2f} | "
+            f"{r.get('peak_ratio', float('nan')):.3f} | {r['selection_layer']} | {r['max_cache_entries']} |"
+        )
+    lines += [
+        "",
+        "Adaptive rule's own cost (layer_scores on every observed layer + rank-variance test at every "
+        "candidate layer, random q/k):",
+        "",
+        "| context | rule ms | of full's TTFT |",
+        "|---|---|---|",
+    ]
     for r in rule:
         frac = "-" if r["of_full_ttft"] is None else f"{r['of_full_ttft']:.1%}"
         lines.append(f"| {r['context']} | {r['rule_ms']:.2f} | {frac} |")

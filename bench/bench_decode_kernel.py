@@ -67,9 +67,12 @@ def main() -> None:
     ap.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads,KV heads")
     ap.add_argument("--max-splits", type=int, default=K.MAX_SPLITS, help="the kernel's split cap (K.MAX_SPLITS)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block/warps sweep: block 128, 4 warps")
-    ap.add_argument("--ragged", action="store_true",
-                    help="time ragged heads (one pool a row, per-head ranges) against the uniform layout holding "
-                         "the same entries; contexts are the mean entries per KV head")
+    ap.add_argument(
+        "--ragged",
+        action="store_true",
+        help="time ragged heads (one pool a row, per-head ranges) against the uniform layout holding "
+        "the same entries; contexts are the mean entries per KV head",
+    )
     args = ap.parse_args()
     HQ, HKV = (int(x) for x in args.heads.split(","))
     K.MAX_SPLITS = args.max_splits
@@ -92,8 +95,14 @@ def main() -> None:
                 sweep.append(dict(batch=b, context=n, block=block, num_warps=warps, ms=t * 1e3))
                 print(f"sweep b={b} n={n} block={block} warps={warps}: {t * 1e3:.3f} ms", flush=True)
         del q, k, v
-    best = min(sweep, key=lambda r: sum(s["ms"] for s in sweep if (s["block"], s["num_warps"]) ==
-                                         (r["block"], r["num_warps"]))) if sweep else dict(block=128, num_warps=4)
+    best = (
+        min(
+            sweep,
+            key=lambda r: sum(s["ms"] for s in sweep if (s["block"], s["num_warps"]) == (r["block"], r["num_warps"])),
+        )
+        if sweep
+        else dict(block=128, num_warps=4)
+    )
     block, warps = best["block"], best["num_warps"]
 
     if args.ragged:
@@ -113,29 +122,54 @@ def main() -> None:
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             moved = kv_bytes + 2 * b * HQ * D * 2
             splits = int(K.num_splits(b * HKV, dev))
-            rows.append(dict(batch=b, context=n, sdpa_ms=t_sdpa * 1e3, sdpa_form=form, kvpass_ms=t_ours * 1e3,
-                             ratio_vs_sdpa=t_sdpa / t_ours, kvpass_tbps=moved / t_ours / 1e12,
-                             sdpa_tbps=moved / t_sdpa / 1e12, splits=splits, rel_err=err))
+            rows.append(
+                dict(
+                    batch=b,
+                    context=n,
+                    sdpa_ms=t_sdpa * 1e3,
+                    sdpa_form=form,
+                    kvpass_ms=t_ours * 1e3,
+                    ratio_vs_sdpa=t_sdpa / t_ours,
+                    kvpass_tbps=moved / t_ours / 1e12,
+                    sdpa_tbps=moved / t_sdpa / 1e12,
+                    splits=splits,
+                    rel_err=err,
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
             del q, k, v
             torch.cuda.empty_cache()
 
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name, sms=props.multi_processor_count,
-                torch=torch.__version__, triton=triton.__version__, shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16",
-                max_splits=K.MAX_SPLITS, block=block, num_warps=warps)
+    meta = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16",
+        max_splits=K.MAX_SPLITS,
+        block=block,
+        num_warps=warps,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_kernel.json").write_text(json.dumps(dict(meta=meta, sweep=sweep, rows=rows), indent=2))
-    lines = [f"# Decode kernel (ART off) vs PyTorch SDPA, {meta['gpu']}, {meta['date']}", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, {meta['shapes']}, block {block}, {warps} warps; "
-             "ratio = SDPA time / kvpass time (>1: kvpass faster). Target: >= 0.9 at batch >= 8, >= 0.7 at batch 1.",
-             "", "| batch | context | SDPA ms (form) | kvpass ms | ratio | kvpass TB/s | SDPA TB/s | splits |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Decode kernel (ART off) vs PyTorch SDPA, {meta['gpu']}, {meta['date']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, {meta['shapes']}, block {block}, {warps} warps; "
+        "ratio = SDPA time / kvpass time (>1: kvpass faster). Target: >= 0.9 at batch >= 8, >= 0.7 at batch 1.",
+        "",
+        "| batch | context | SDPA ms (form) | kvpass ms | ratio | kvpass TB/s | SDPA TB/s | splits |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | |")
             continue
-        lines.append(f"| {r['batch']} | {r['context']} | {r['sdpa_ms']:.3f} ({r['sdpa_form']}) | {r['kvpass_ms']:.3f} | "
-                     f"{r['ratio_vs_sdpa']:.2f} | {r['kvpass_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['splits']} |")
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['sdpa_ms']:.3f} ({r['sdpa_form']}) | {r['kvpass_ms']:.3f} | "
+            f"{r['ratio_vs_sdpa']:.2f} | {r['kvpass_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['splits']} |"
+        )
     (args.out / "decode_kernel.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -167,29 +201,56 @@ def ragged(args, dev, props, block: int, warps: int) -> None:
             for name, lengths in skews(n).items():
                 lens = torch.tensor(lengths, device=dev, dtype=torch.int32)
                 start = torch.cumsum(lens, 0) - lens
-                forms[f"ragged_{name}"] = dict(k=pk, v=pv, kv_len=lens.expand(b, HKV).contiguous(),
-                                               kv_start=start.to(torch.int32).expand(b, HKV).contiguous())
+                forms[f"ragged_{name}"] = dict(
+                    k=pk,
+                    v=pv,
+                    kv_len=lens.expand(b, HKV).contiguous(),
+                    kv_start=start.to(torch.int32).expand(b, HKV).contiguous(),
+                )
             base = None
             for name, kw in forms.items():
                 t = bench(lambda: K.decode_attention_triton(q, block=block, num_warps=warps, **kw))
                 moved = 2 * b * HKV * n * D * 2 + 2 * b * HQ * D * 2
                 base = base or t
-                rows.append(dict(batch=b, mean_per_head=n, form=name, ms=t * 1e3, tbps=moved / t / 1e12,
-                                 over_uniform=t / base,
-                                 lengths=skews(n)[name.split("_")[1]] if name.startswith("ragged") else [n] * HKV))
+                rows.append(
+                    dict(
+                        batch=b,
+                        mean_per_head=n,
+                        form=name,
+                        ms=t * 1e3,
+                        tbps=moved / t / 1e12,
+                        over_uniform=t / base,
+                        lengths=skews(n)[name.split("_")[1]] if name.startswith("ragged") else [n] * HKV,
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
             del q, k, v, pk, pv, forms
             torch.cuda.empty_cache()
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name, torch=torch.__version__,
-                triton=triton.__version__, shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16", block=block, num_warps=warps)
+    meta = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        gpu=props.name,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        shapes=f"Hq={HQ} Hkv={HKV} D={D} bf16",
+        block=block,
+        num_warps=warps,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ragged_heads.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    lines = [f"# Ragged heads against the uniform layout, {meta['gpu']}, {meta['date']}", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, {meta['shapes']}; the same total entries in every "
-             "form of a row; over_uniform = time / the uniform layout's time.", "",
-             "| batch | mean per head | form | ms | TB/s | over uniform |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['mean_per_head']} | {r['form']} | {r['ms']:.3f} | {r['tbps']:.2f} | "
-              f"{r['over_uniform']:.2f} |" for r in rows]
+    lines = [
+        f"# Ragged heads against the uniform layout, {meta['gpu']}, {meta['date']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, {meta['shapes']}; the same total entries in every "
+        "form of a row; over_uniform = time / the uniform layout's time.",
+        "",
+        "| batch | mean per head | form | ms | TB/s | over uniform |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['batch']} | {r['mean_per_head']} | {r['form']} | {r['ms']:.3f} | {r['tbps']:.2f} | "
+        f"{r['over_uniform']:.2f} |"
+        for r in rows
+    ]
     (args.out / "ragged_heads.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -57,8 +57,12 @@ def llama8b(layers: int):
 def kv_bytes(cache) -> int:
     if isinstance(cache, kvpass.SlotCache):
         return cache.kv_bytes()
-    return sum(t.numel() * t.element_size() for lay in cache.layers for t in (lay.keys, lay.values)
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for lay in cache.layers
+        for t in (lay.keys, lay.values)
+        if isinstance(t, torch.Tensor)
+    )
 
 
 @torch.no_grad()
@@ -93,6 +97,7 @@ def run(prefill, step, cache_fn, ids, steps):
 def profile_steps(step, nxt, pos, cache, steps: int = PROFILE_STEPS, top: int = 24) -> list:
     """Device kernels of ``steps`` more steps (CUDA-graph replays included): the ``top`` by time, per step."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             nxt = step(nxt, pos, cache).argmax(-1, keepdim=True)
@@ -105,8 +110,9 @@ def profile_steps(step, nxt, pos, cache, steps: int = PROFILE_STEPS, top: int = 
             rows.append({"kernel": e.key[:120], "us_per_step": us / steps, "calls_per_step": e.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     total = sum(r["us_per_step"] for r in rows)
-    return [{"kernel": "(all kernels)", "us_per_step": total,
-             "calls_per_step": sum(r["calls_per_step"] for r in rows)}] + rows[:top]
+    return [
+        {"kernel": "(all kernels)", "us_per_step": total, "calls_per_step": sum(r["calls_per_step"] for r in rows)}
+    ] + rows[:top]
 
 
 def policy_of(name: str) -> tuple[str, dict]:
@@ -123,24 +129,27 @@ def read_entries(name: str, ctx: int, budget: int, layers: int, decoded: int = 0
     seq = ctx + decoded
     if policy in ("full", "art", "asl_fullkv") or name.startswith("hf_"):  # asl_fullkv: bound by all layers
         return seq
-    if policy == "quest":         # dense layers read all; the others budget + the current page + the
-        from kvpass.policies.pages.quest import Quest   # page bounds (kmin + kmax: 2/16 of the keys = seq/16 entries)
+    if policy == "quest":  # dense layers read all; the others budget + the current page + the
+        from kvpass.policies.pages.quest import Quest  # page bounds (kmin + kmax: 2/16 of the keys = seq/16 entries)
+
         dense = min(layers, Quest(budget=budget).dense_layers)
         return (dense * seq + (layers - dense) * (min(seq, budget + 16) + seq / 16)) / layers
-    if policy == "raas":          # the prompt's pages are never evicted, decode tokens live in budget/16 + 1
-        pool = ctx + min(decoded, budget + 16)    # pages; the page bounds are read to stamp
+    if policy == "raas":  # the prompt's pages are never evicted, decode tokens live in budget/16 + 1
+        pool = ctx + min(decoded, budget + 16)  # pages; the page bounds are read to stamp
         return pool + pool / 16
     if policy == "streamingllm":  # a ring of the budget
         return min(seq, budget)
-    if policy == "h2o":           # budget + 1 slots, and one fp32 score per slot read and written (8 of 512 bytes)
+    if policy == "h2o":  # budget + 1 slots, and one fp32 score per slot read and written (8 of 512 bytes)
         return min(seq, budget + 1) * (1 + 8 / 512)
     if policy == "duoattention":  # retrieval heads read everything, streaming heads their sinks and window
         from kvpass.policies.prefill.duoattention import DuoAttention
+
         p = DuoAttention.__dataclass_fields__
         share, window = p["streaming"].default, p["sinks"].default + p["recent"].default
         return (1 - share) * seq + share * min(seq, window + 1)
     if policy == "pyramidkv":
         from kvpass.policies.prefill.pyramidkv import PyramidKV, pyramid
+
         p = PyramidKV(budget=budget)
         return sum(min(ctx, b) for b in pyramid(budget, p.window, layers, p.steepness)) / layers + decoded
     return min(ctx, budget) + decoded  # a prefill-time eviction, then every decoded token appended
@@ -155,8 +164,10 @@ def configs(model, args, ctx):
     def hf_step(fwd):
         def step(nxt, pos, cache):
             torch.compiler.cudagraph_mark_step_begin()
-            return fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1]
+            return fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
+                :, -1
+            ]
+
         return step
 
     dyn = lambda: tf.DynamicCache(config=model.config)  # noqa: E731
@@ -167,8 +178,13 @@ def configs(model, args, ctx):
             yield name, hf_prefill, hf_step(model.forward), dyn, None
         elif name == "hf_static":
             fwd = torch.compile(model.forward, mode=MODE, fullgraph=True)
-            yield name, hf_prefill, hf_step(fwd), (lambda: tf.StaticCache(config=model.config,
-                                                                          max_cache_len=ctx + n_new)), None
+            yield (
+                name,
+                hf_prefill,
+                hf_step(fwd),
+                (lambda: tf.StaticCache(config=model.config, max_cache_len=ctx + n_new)),
+                None,
+            )
         else:
             policy, extra = policy_of(name)
             params = {} if policy in ("full", "art") else {"budget": args.budget}
@@ -181,10 +197,13 @@ def configs(model, args, ctx):
                 # check (a static 32k graph's mask is too large to check, and kept)
                 mode = "max-autotune" if name.startswith("autotune:") else MODE
                 fwd = torch.compile(model.forward, backend=be, mode=mode, dynamic=True)
-                cache_fn = lambda be=be: kvpass.SlotCache(model, be, max_length=ctx + n_new,  # noqa: E731
-                                                          max_new_tokens=n_new, batch_size=b)
-            pre = lambda ids, cache, fwd=fwd: fwd(input_ids=ids, past_key_values=cache, use_cache=True,  # noqa: E731
-                                                  logits_to_keep=1).logits[:, -1]
+
+                def cache_fn(be=be):
+                    return kvpass.SlotCache(model, be, max_length=ctx + n_new, max_new_tokens=n_new, batch_size=b)
+
+            def pre(ids, cache, fwd=fwd):
+                return fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
             yield name, pre, hf_step(fwd), cache_fn, be
 
 
@@ -198,12 +217,20 @@ def main() -> None:
     ap.add_argument("--configs", default="hf_eager,hf_eager_cudnn,hf_static,full,snapkv,streamingllm,art")
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", action="store_true", help="add each row's device kernels per step (top 24)")
-    ap.add_argument("--decode-to", type=int, default=0,
-                    help="decode (untimed) until the timed steps end at this many tokens: a long generation "
-                         "after a short prompt, where decode-time eviction (raas, streamingllm) has evicted")
-    ap.add_argument("--mode", default="reduce-overhead", choices=["reduce-overhead", "max-autotune"],
-                    help="torch.compile mode of hf_static and the kvpass rows (max-autotune: Inductor also "
-                         "times Triton templates against cuBLAS for every matmul)")
+    ap.add_argument(
+        "--decode-to",
+        type=int,
+        default=0,
+        help="decode (untimed) until the timed steps end at this many tokens: a long generation "
+        "after a short prompt, where decode-time eviction (raas, streamingllm) has evicted",
+    )
+    ap.add_argument(
+        "--mode",
+        default="reduce-overhead",
+        choices=["reduce-overhead", "max-autotune"],
+        help="torch.compile mode of hf_static and the kvpass rows (max-autotune: Inductor also "
+        "times Triton templates against cuBLAS for every matmul)",
+    )
     args = ap.parse_args()
     global PROFILE, MODE, WARMUP
     PROFILE, MODE = args.profile, args.mode
@@ -216,17 +243,29 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     cfg = model.config
     per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * args.batch
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
-              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "layers": args.layers, "batch": args.batch, "budget": args.budget, "steps": args.steps, "mode": MODE,
-              "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weights, "rows": []}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "layers": args.layers,
+        "batch": args.batch,
+        "budget": args.budget,
+        "steps": args.steps,
+        "mode": MODE,
+        "copy_bandwidth_GBps": bw / 1e9,
+        "weight_bytes": weights,
+        "rows": [],
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for ctx in (int(c) for c in args.contexts.split(",")):
         # --decode-to: decode (untimed) until the timed steps end at that many tokens
         WARMUP = max(8, args.decode_to - ctx - args.steps)
         decoded = WARMUP + args.steps // 2 if args.decode_to else 0  # mean over the timed steps
-        ids = torch.randint(10, 128000, (args.batch, ctx), device="cuda",
-                            generator=torch.Generator(device="cuda").manual_seed(ctx))
+        ids = torch.randint(
+            10, 128000, (args.batch, ctx), device="cuda", generator=torch.Generator(device="cuda").manual_seed(ctx)
+        )
         for name, pre, step, cache_fn, be in configs(model, args, ctx):
             t0 = time.perf_counter()
             try:
@@ -238,18 +277,32 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 continue
             roof = (weights + per_entry * read_entries(name, ctx, args.budget, args.layers, decoded)) / bw
-            row = {"config": name, "context": ctx, "decoded_before_timing": WARMUP, "ttft_s": ttft,
-                   "tpot_ms": tpot * 1e3, "peak_GiB": peak / 2**30,
-                   "kv_GiB": kvb / 2**30, "roofline_ms": roof * 1e3, "ratio": tpot / roof,
-                   "wall_s": time.perf_counter() - t0}
+            row = {
+                "config": name,
+                "context": ctx,
+                "decoded_before_timing": WARMUP,
+                "ttft_s": ttft,
+                "tpot_ms": tpot * 1e3,
+                "peak_GiB": peak / 2**30,
+                "kv_GiB": kvb / 2**30,
+                "roofline_ms": roof * 1e3,
+                "ratio": tpot / roof,
+                "wall_s": time.perf_counter() - t0,
+            }
             if be is not None:
                 row["graphs"] = [(r.phase, r.cudagraphs) for r in be.reports]
                 row["plans"] = be.plans()
             print(json.dumps(row), flush=True)
             if kernels:
                 row["kernels"] = kernels
-                print("  " + "\n  ".join(f"{k['us_per_step']:8.1f} us {k['calls_per_step']:5.1f}x {k['kernel'][:90]}"
-                                          for k in kernels[:12]), flush=True)
+                print(
+                    "  "
+                    + "\n  ".join(
+                        f"{k['us_per_step']:8.1f} us {k['calls_per_step']:5.1f}x {k['kernel'][:90]}"
+                        for k in kernels[:12]
+                    ),
+                    flush=True,
+                )
             result["rows"].append(row)
             out.write_text(json.dumps(result, indent=1))
             torch.cuda.empty_cache()

@@ -36,8 +36,10 @@ import transformers
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvpass.eval import models  # noqa: E402
-from kvpass.eval import tasks
+from kvpass.eval import (
+    models,  # noqa: E402
+    tasks,
+)
 from kvpass.eval.runner import Runner, cache_bytes  # noqa: E402
 
 
@@ -93,9 +95,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results/eviction"))
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--skeleton", type=Path, default=None,
-                    help="a folder with the model's config and tokenizer but no weights: the model is built "
-                         "with random weights (timings do not depend on them; which tokens are kept does)")
+    ap.add_argument(
+        "--skeleton",
+        type=Path,
+        default=None,
+        help="a folder with the model's config and tokenizer but no weights: the model is built "
+        "with random weights (timings do not depend on them; which tokens are kept does)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="32768,65536,131072")
     ap.add_argument("--batches", default="1", help="comma-separated batch sizes (rows repeat the prompt)")
@@ -103,10 +109,15 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--compiler", default="inductor")
-    ap.add_argument("--max-tokens", type=int, default=1 << 20,
-                    help="skip (batch, length) pairs with more prompt tokens than this (prefill memory)")
-    ap.add_argument("--report", action="store_true",
-                    help="only rebuild eviction.json/.md from --out's meta.json and rows.jsonl")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1 << 20,
+        help="skip (batch, length) pairs with more prompt tokens than this (prefill memory)",
+    )
+    ap.add_argument(
+        "--report", action="store_true", help="only rebuild eviction.json/.md from --out's meta.json and rows.jsonl"
+    )
     args = ap.parse_args()
     if args.report:
         rows = [json.loads(x) for x in (args.out / "rows.jsonl").read_text().splitlines() if x.strip()]
@@ -121,9 +132,16 @@ def main() -> None:
     runner = Runner(model, tok, args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model, dtype=str(dtype),
-                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                transformers=transformers.__version__, new_tokens=args.new_tokens, compiler=args.compiler)
+    meta = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        model=args.model,
+        dtype=str(dtype),
+        device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        new_tokens=args.new_tokens,
+        compiler=args.compiler,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "meta.json").write_text(json.dumps(meta))
     rows = []
@@ -139,9 +157,21 @@ def main() -> None:
                     continue
                 ids = torch.tensor([prompt_ids(tok, n)] * b, device=args.device)
                 ttft, tpot, peak, kv, made = timed_decode(fwd, model, ids, args.new_tokens)
-                rows.append(dict(policy=spec, budget=params.get("budget"), batch=b, context=n, new_tokens=made,
-                                 ttft_s=ttft, tpot_ms=tpot * 1e3, peak_gib=None if peak is None else peak / 2**30,
-                                 kv_mib=kv / 2**20, compile_s=compile_s, plans=be.plans()))
+                rows.append(
+                    dict(
+                        policy=spec,
+                        budget=params.get("budget"),
+                        batch=b,
+                        context=n,
+                        new_tokens=made,
+                        ttft_s=ttft,
+                        tpot_ms=tpot * 1e3,
+                        peak_gib=None if peak is None else peak / 2**30,
+                        kv_mib=kv / 2**20,
+                        compile_s=compile_s,
+                        plans=be.plans(),
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
                 with open(args.out / "rows.jsonl", "a") as f:  # kept if a later row dies or times out
                     f.write(json.dumps(rows[-1]) + "\n")
@@ -162,19 +192,25 @@ def write_report(rows: list[dict], meta: dict, out: Path) -> None:
             if r["peak_gib"] is not None:
                 r["peak_reduction_vs_full"] = 1 - r["peak_gib"] / f["peak_gib"]
     (out / "eviction.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    lines = [f"# Prefill-time eviction at long context: {meta['model']}, {meta['device']}, {meta['date']}", "",
-             f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, {meta['new_tokens']} new "
-             f"tokens, {meta['compiler']}. TPOT = median decode step. Speedup = full's TPOT / the policy's TPOT; "
-             "reduction = 1 - peak / full's peak (same batch and context).", "",
-             *([meta["note"], ""] if meta.get("note") else []),
-             "| policy | budget | batch | context | TTFT s | TPOT ms | TPOT speedup | peak GiB | peak reduction | KV MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Prefill-time eviction at long context: {meta['model']}, {meta['device']}, {meta['date']}",
+        "",
+        f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, {meta['new_tokens']} new "
+        f"tokens, {meta['compiler']}. TPOT = median decode step. Speedup = full's TPOT / the policy's TPOT; "
+        "reduction = 1 - peak / full's peak (same batch and context).",
+        "",
+        *([meta["note"], ""] if meta.get("note") else []),
+        "| policy | budget | batch | context | TTFT s | TPOT ms | TPOT speedup | peak GiB | peak reduction | KV MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         red = f"{r['peak_reduction_vs_full']:.0%}" if "peak_reduction_vs_full" in r else "-"
-        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['batch']} | {r['context']} | {r['ttft_s']:.2f} | "
-                     f"{r['tpot_ms']:.2f} | {r.get('tpot_speedup_vs_full', float('nan')):.2f} | {peak} | {red} | "
-                     f"{r['kv_mib']:.1f} |")
+        lines.append(
+            f"| {r['policy']} | {r['budget'] or '-'} | {r['batch']} | {r['context']} | {r['ttft_s']:.2f} | "
+            f"{r['tpot_ms']:.2f} | {r.get('tpot_speedup_vs_full', float('nan')):.2f} | {peak} | {red} | "
+            f"{r['kv_mib']:.1f} |"
+        )
     (out / "eviction.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

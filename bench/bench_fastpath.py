@@ -94,8 +94,9 @@ def clocked_tpot(model, ids, new: int, **kw) -> float:
 
 
 def gen(model, ids, new: int, **kw):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, **kw)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw
+    )
 
 
 def decode_kwargs(model, ids) -> dict:
@@ -104,7 +105,7 @@ def decode_kwargs(model, ids) -> dict:
     seen = {}
     compiled = model.forward
 
-    @functools.wraps(compiled)   # HF reads the forward's signature to choose what it passes
+    @functools.wraps(compiled)  # HF reads the forward's signature to choose what it passes
     def record(*a, **kw):
         seen.update(kw)
         return compiled(*a, **kw)
@@ -156,18 +157,28 @@ def bare_loops(model, ids, steps: int = 64) -> tuple[float, float]:
 def host_profile(model, ids, new: int) -> str:
     """The top host operators (self CPU time) over one ``generate`` of ``new`` steps, as a table."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         gen(model, ids, new)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
 
 
 def meta_of(args, lengths, bw: float) -> dict:
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
-            "copy_bandwidth_GBps": round(bw / 1e9, 1),
-            "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
-            "shape": "Llama-3.1-8B (random weights), bf16, batch 1", "lengths": lengths, "new": args.new,
-            "budget": args.budget, "cudnn_sdpa": False}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+        "copy_bandwidth_GBps": round(bw / 1e9, 1),
+        "triton": getattr(__import__("triton"), "__version__", "?"),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "layers": args.layers,
+        "shape": "Llama-3.1-8B (random weights), bf16, batch 1",
+        "lengths": lengths,
+        "new": args.new,
+        "budget": args.budget,
+        "cudnn_sdpa": False,
+    }
 
 
 def main() -> None:
@@ -180,8 +191,11 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also HF generate on a StaticCache")
     ap.add_argument("--profile", action="store_true", help="a host profile of 16 generate steps per policy")
     ap.add_argument("--prefill-compiler", default=None, help="kvpass.compile's prefill_compiler (default: Inductor)")
-    ap.add_argument("--no-share-layers", action="store_true",
-                    help="kvpass.compile(..., share_layers=False): Inductor lowers every layer (no shared layers)")
+    ap.add_argument(
+        "--no-share-layers",
+        action="store_true",
+        help="kvpass.compile(..., share_layers=False): Inductor lowers every layer (no shared layers)",
+    )
     ap.add_argument("--out", default="fastpath.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -194,18 +208,25 @@ def main() -> None:
     per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     rows = []
     for policy in args.policies.split(","):
-        uncompiled(model)   # the previous policy's compile undone, its caches freed
+        uncompiled(model)  # the previous policy's compile undone, its caches freed
         torch._dynamo.utils.counters.clear()
         params = policy_params(policy, args.budget, model.config)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler,
-                            share_layers=not args.no_share_layers, **params)
+        be = kvpass.compile(
+            model, policy, prefill_compiler=args.prefill_compiler, share_layers=not args.no_share_layers, **params
+        )
         calls = []
         for n in lengths:
             dt, _ = timed(lambda: gen(model, prompt(n), args.new))
-            calls.append({"prompt": n, "seconds": round(dt, 3), "graphs": be.graph_counts(),
-                          "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})
+            calls.append(
+                {
+                    "prompt": n,
+                    "seconds": round(dt, 3),
+                    "graphs": be.graph_counts(),
+                    "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                }
+            )
             print(policy, calls[-1], flush=True)
         ids = prompt(lengths[-1])
         # a cache that holds 4 * new tokens is built (and its CUDA graphs recorded) before any timing: the
@@ -215,25 +236,38 @@ def main() -> None:
         user = clocked_tpot(model, ids, 4 * args.new)
         # HF's own loop on the same compiled forward and cache (kvpass's loop hands it return_dict calls)
         hf_loop = clocked_tpot(model, ids, 4 * args.new, return_dict_in_generate=True)
-        peak = torch.cuda.max_memory_allocated() / 2**30   # since the compile, every call above included
+        peak = torch.cuda.max_memory_allocated() / 2**30  # since the compile, every call above included
         torch.cuda.reset_peak_memory_stats()
         ttft, _ = timed(lambda: gen(model, ids, 1))
         prefill_peak = torch.cuda.max_memory_allocated() / 2**30
         queued, synced = bare_loops(model, ids)
         graphs_after = be.graph_counts()
         roof = (weights + per_entry * read_entries(policy, lengths[-1], args.budget, args.layers)) / bw
-        row = {"policy": policy, "params": params, "calls": calls, "first_call_s": calls[0]["seconds"],
-               "later_calls_s": [c["seconds"] for c in calls[1:]], "graphs": graphs_after,
-               "shared_layers": {r.phase: r.shared_layers for r in be.reports},
-               "generate_tpot_ms": round(user * 1e3, 3), "queued_tpot_ms": round(queued * 1e3, 3),
-               "hf_loop_tpot_ms": round(hf_loop * 1e3, 3), "ttft_s": round(ttft, 3),
-               "prefill_peak_gib": round(prefill_peak, 2), "prefill_compiler": be.prefill_compiler,
-               "cache_counters": {k: dict(torch._dynamo.utils.counters[k]) for k in ("inductor", "aot_autograd")},
-               "synced_tpot_ms": round(synced * 1e3, 3), "generate_over_queued": round(user / queued, 3),
-               "roofline_ms": round(roof * 1e3, 3), "queued_over_roofline": round(queued / roof, 3),
-               "peak_gib": round(peak, 2),
-               "caches": repr(model.generate), "total_s": round(time.perf_counter() - t0, 1),
-               "compile_times": torch._dynamo.utils.compile_times(repr="str"), "plans": be.plans()}
+        row = {
+            "policy": policy,
+            "params": params,
+            "calls": calls,
+            "first_call_s": calls[0]["seconds"],
+            "later_calls_s": [c["seconds"] for c in calls[1:]],
+            "graphs": graphs_after,
+            "shared_layers": {r.phase: r.shared_layers for r in be.reports},
+            "generate_tpot_ms": round(user * 1e3, 3),
+            "queued_tpot_ms": round(queued * 1e3, 3),
+            "hf_loop_tpot_ms": round(hf_loop * 1e3, 3),
+            "ttft_s": round(ttft, 3),
+            "prefill_peak_gib": round(prefill_peak, 2),
+            "prefill_compiler": be.prefill_compiler,
+            "cache_counters": {k: dict(torch._dynamo.utils.counters[k]) for k in ("inductor", "aot_autograd")},
+            "synced_tpot_ms": round(synced * 1e3, 3),
+            "generate_over_queued": round(user / queued, 3),
+            "roofline_ms": round(roof * 1e3, 3),
+            "queued_over_roofline": round(queued / roof, 3),
+            "peak_gib": round(peak, 2),
+            "caches": repr(model.generate),
+            "total_s": round(time.perf_counter() - t0, 1),
+            "compile_times": torch._dynamo.utils.compile_times(repr="str"),
+            "plans": be.plans(),
+        }
         if args.profile:
             row["host_profile"] = host_profile(model, ids, 16)
             print(row["host_profile"], flush=True)
@@ -247,12 +281,23 @@ def main() -> None:
         calls = []
         for n in lengths:
             dt, _ = timed(lambda: gen(hf, prompt(n), args.new, cache_implementation="static"))
-            calls.append({"prompt": n, "seconds": round(dt, 3),
-                          "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})
+            calls.append(
+                {
+                    "prompt": n,
+                    "seconds": round(dt, 3),
+                    "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                }
+            )
             print("hf_static", calls[-1], flush=True)
-        rows.append({"policy": "hf_static", "calls": calls, "first_call_s": calls[0]["seconds"],
-                     "later_calls_s": [c["seconds"] for c in calls[1:]],
-                     "note": "HF generate, cache_implementation='static', HF's own compile of the decode step"})
+        rows.append(
+            {
+                "policy": "hf_static",
+                "calls": calls,
+                "first_call_s": calls[0]["seconds"],
+                "later_calls_s": [c["seconds"] for c in calls[1:]],
+                "note": "HF generate, cache_implementation='static', HF's own compile of the decode step",
+            }
+        )
         print({k: v for k, v in rows[-1].items() if k != "calls"}, flush=True)
         Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths, bw), "rows": rows}, indent=1))
 

@@ -38,8 +38,15 @@ def timed(fn, reps: int) -> float:
 
 
 def model_rows(ctx: int, batch: int) -> dict:
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=ctx + 64)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=ctx + 64,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, 32000, (batch, ctx), device="cuda")
@@ -79,11 +86,10 @@ def op_rows(batch: int, ctx: int) -> dict:
     q = torch.randn(batch, h, 1, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, enable_gqa=True), 50)
-    op = timed(lambda: torch.ops.kvpass.attention(q, k, v, None, d ** -0.5, 0, 0.0), 50)
+    sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True), 50)
+    op = timed(lambda: torch.ops.kvpass.attention(q, k, v, None, d**-0.5, 0, 0.0), 50)
     bytes_read = 2 * k.numel() * k.element_size()
-    return {"sdpa_ms": sdpa * 1e3, "kvpass_ms": op * 1e3, "ratio": op / sdpa,
-            "kvpass_GBps": bytes_read / op / 1e9}
+    return {"sdpa_ms": sdpa * 1e3, "kvpass_ms": op * 1e3, "ratio": op / sdpa, "kvpass_GBps": bytes_read / op / 1e9}
 
 
 def main() -> None:
@@ -99,20 +105,32 @@ def main() -> None:
         print(batch, ctx, res["op"][f"b{batch}_ctx{ctx}"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "full_overhead.json").write_text(json.dumps(res, indent=2))
-    lines = [f"# kvpass `full` vs plain Inductor ({res['env'].get('gpu')}, torch {res['env']['torch']}, "
-             f"transformers {res['env']['transformers']}, {res['env']['date']})", "",
-             "8-layer Llama-shaped model (hidden 1024, 16 heads, 4 KV heads, bf16, random weights), same process.", "",
-             "| shape | inductor TTFT | kvpass TTFT | ratio | inductor TPOT | kvpass TPOT | ratio |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# kvpass `full` vs plain Inductor ({res['env'].get('gpu')}, torch {res['env']['torch']}, "
+        f"transformers {res['env']['transformers']}, {res['env']['date']})",
+        "",
+        "8-layer Llama-shaped model (hidden 1024, 16 heads, 4 KV heads, bf16, random weights), same process.",
+        "",
+        "| shape | inductor TTFT | kvpass TTFT | ratio | inductor TPOT | kvpass TPOT | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, r in res["model"].items():
-        lines.append(f"| {key} | {r['inductor']['ttft_s'] * 1e3:.2f} ms | {r['kvpass_full']['ttft_s'] * 1e3:.2f} ms | "
-                     f"{r['ratio_ttft']:.3f} | {r['inductor']['tpot_s'] * 1e3:.2f} ms | "
-                     f"{r['kvpass_full']['tpot_s'] * 1e3:.2f} ms | {r['ratio_tpot']:.3f} |")
-    lines += ["", "Decode attention operator alone (32 heads, 8 KV heads, head_dim 128, bf16):", "",
-              "| shape | SDPA | kvpass.attention | ratio | kvpass GB/s (K+V read) |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {key} | {r['inductor']['ttft_s'] * 1e3:.2f} ms | {r['kvpass_full']['ttft_s'] * 1e3:.2f} ms | "
+            f"{r['ratio_ttft']:.3f} | {r['inductor']['tpot_s'] * 1e3:.2f} ms | "
+            f"{r['kvpass_full']['tpot_s'] * 1e3:.2f} ms | {r['ratio_tpot']:.3f} |"
+        )
+    lines += [
+        "",
+        "Decode attention operator alone (32 heads, 8 KV heads, head_dim 128, bf16):",
+        "",
+        "| shape | SDPA | kvpass.attention | ratio | kvpass GB/s (K+V read) |",
+        "|---|---|---|---|---|",
+    ]
     for key, r in res["op"].items():
-        lines.append(f"| {key} | {r['sdpa_ms']:.3f} ms | {r['kvpass_ms']:.3f} ms | {r['ratio']:.3f} | "
-                     f"{r['kvpass_GBps']:.0f} |")
+        lines.append(
+            f"| {key} | {r['sdpa_ms']:.3f} ms | {r['kvpass_ms']:.3f} ms | {r['ratio']:.3f} | {r['kvpass_GBps']:.0f} |"
+        )
     (args.out / "full_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

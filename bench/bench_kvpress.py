@@ -48,7 +48,7 @@ import transformers as tf
 try:
     import kvpress
     from kvpress.utils import compute_n_kept
-except ImportError:   # --help works without it; a run stops in main()
+except ImportError:  # --help works without it; a run stops in main()
     kvpress = compute_n_kept = None
 from llama_shape import copy_bandwidth, llama8b_config, random_llama, sync
 
@@ -57,8 +57,12 @@ PRESS_PREFIX = "kvpress:"
 
 
 def cache_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (layer.keys, layer.values)
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def cache_lengths(cache) -> list[int]:
@@ -76,7 +80,7 @@ def parse_value(v: str):
 
 def press_class(name: str):
     """``kvpress:SnapKVPress@window_size=32`` -> (kvpress.SnapKVPress, {"window_size": 32}); None if none."""
-    cls_name, *extra = name[len(PRESS_PREFIX):].split("@")
+    cls_name, *extra = name[len(PRESS_PREFIX) :].split("@")
     cls = getattr(kvpress, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
         return None, {}
@@ -108,8 +112,9 @@ def run(model, press, ids, steps: int, device: str):
             return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
     def step(nxt, pos, cache):
-        return model(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
-                     logits_to_keep=1).logits[:, -1]
+        return model(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
+            :, -1
+        ]
 
     new_cache = lambda: tf.DynamicCache(config=model.config)  # noqa: E731
     cache = new_cache()
@@ -154,8 +159,10 @@ def main() -> None:
     if kvpress is None:
         raise SystemExit("bench_kvpress.py needs kvpress 0.5.5 importable (see this script's --help)")
     if args.batch != 1:
-        ap.error(f"--batch {args.batch}: kvpress {kvpress_version()}'s pipeline prefills one context and decodes "
-                 "one sequence, and this baseline runs a press as that pipeline does: batch 1 only")
+        ap.error(
+            f"--batch {args.batch}: kvpress {kvpress_version()}'s pipeline prefills one context and decodes "
+            "one sequence, and this baseline runs a press as that pipeline does: batch 1 only"
+        )
     names = args.configs.split(",")
     for name in names:
         if name != "hf_eager" and not (name.startswith(PRESS_PREFIX) and press_class(name)[0] is not None):
@@ -173,16 +180,29 @@ def main() -> None:
     bw = copy_bandwidth(device)
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     per_entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize * args.batch
-    result = {"device": torch.cuda.get_device_name() if on_cuda else (platform.processor() or "cpu"),
-              "torch": torch.__version__, "transformers": tf.__version__, "kvpress": kvpress_version(),
-              "transformers_from": str(Path(tf.__file__).parent),
-              "process": (f"a second process: kvpress {kvpress_version()} needs transformers < 5.3, so "
-                          f"transformers {tf.__version__} came from carried wheels ahead of the machine's "
-                          "own on PYTHONPATH; compare with bench_decode_step.py's rows through hf_eager"),
-              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "layers": args.layers, "batch": args.batch, "budget": args.budget, "steps": args.steps,
-              "tiny": args.tiny, "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled() if on_cuda else None,
-              "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weights, "rows": []}
+    result = {
+        "device": torch.cuda.get_device_name() if on_cuda else (platform.processor() or "cpu"),
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+        "kvpress": kvpress_version(),
+        "transformers_from": str(Path(tf.__file__).parent),
+        "process": (
+            f"a second process: kvpress {kvpress_version()} needs transformers < 5.3, so "
+            f"transformers {tf.__version__} came from carried wheels ahead of the machine's "
+            "own on PYTHONPATH; compare with bench_decode_step.py's rows through hf_eager"
+        ),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "layers": args.layers,
+        "batch": args.batch,
+        "budget": args.budget,
+        "steps": args.steps,
+        "tiny": args.tiny,
+        "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled() if on_cuda else None,
+        "copy_bandwidth_GBps": bw / 1e9,
+        "weight_bytes": weights,
+        "rows": [],
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
 
     for ctx in contexts:
@@ -206,9 +226,18 @@ def main() -> None:
                 continue
             read = ctx if press is None else min(ctx, args.budget)  # entries a step reads per layer
             roof = (weights + per_entry * read) / bw
-            row.update({"ttft_s": ttft, "tpot_ms": tpot * 1e3, "peak_GiB": None if peak is None else peak / 2**30,
-                        "kv_GiB": kvb / 2**30, "kept_tokens": sorted(set(kept)), "roofline_ms": roof * 1e3,
-                        "ratio": tpot / roof, "wall_s": time.perf_counter() - t0})
+            row.update(
+                {
+                    "ttft_s": ttft,
+                    "tpot_ms": tpot * 1e3,
+                    "peak_GiB": None if peak is None else peak / 2**30,
+                    "kv_GiB": kvb / 2**30,
+                    "kept_tokens": sorted(set(kept)),
+                    "roofline_ms": roof * 1e3,
+                    "ratio": tpot / roof,
+                    "wall_s": time.perf_counter() - t0,
+                }
+            )
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
             out.write_text(json.dumps(result, indent=1))

@@ -48,14 +48,22 @@ def main() -> None:
     model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
     model.generation_config.pad_token_id = 0
     weights = torch.cuda.memory_allocated()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": tf.__version__,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "layers": args.layers, "shape": "Llama-3.1-8B (random weights), bf16, batch 1",
-            "budget": args.budget, "weights_gib": round(weights / GIB, 2), "cudnn_sdpa": False}
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "layers": args.layers,
+        "shape": "Llama-3.1-8B (random weights), bf16, batch 1",
+        "budget": args.budget,
+        "weights_gib": round(weights / GIB, 2),
+        "cudnn_sdpa": False,
+    }
     lengths = [int(x) for x in args.lengths.split(",")]
     rows, full = [], {}
     for policy in args.policies.split(","):
-        uncompiled(model)   # the previous policy's compile undone, its caches freed
+        uncompiled(model)  # the previous policy's compile undone, its caches freed
         params = {} if policy in ("full", "art") else {"budget": args.budget}
         try:
             kvpass.compile(model, policy, **params)
@@ -66,9 +74,15 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
                 ttft, _ = timed(lambda: gen(model, ids, 1))
                 peak = torch.cuda.max_memory_allocated()
-                row = {"policy": policy, "params": params, "context": n, "ttft_s": round(ttft, 3),
-                       "first_call_s": round(warm, 2), "peak_gib": round(peak / GIB, 2),
-                       "over_weights_gib": round((peak - weights) / GIB, 2)}
+                row = {
+                    "policy": policy,
+                    "params": params,
+                    "context": n,
+                    "ttft_s": round(ttft, 3),
+                    "first_call_s": round(warm, 2),
+                    "peak_gib": round(peak / GIB, 2),
+                    "over_weights_gib": round((peak - weights) / GIB, 2),
+                }
                 if policy == "full":
                     full[n] = row
                 elif n in full:
@@ -78,7 +92,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        except Exception as e:   # one policy's failure (out of memory, say) is a row, the others still run
+        except Exception as e:  # one policy's failure (out of memory, say) is a row, the others still run
             rows.append({"policy": policy, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(json.dumps(rows[-1]), flush=True)
             Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

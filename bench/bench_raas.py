@@ -54,20 +54,45 @@ from kvpass.eval import report  # noqa: E402
 from kvpass.eval.runner import cache_bytes  # noqa: E402
 
 PRESETS = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
-                         tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True),  # smoke tests
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
-                     tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    ),  # smoke tests
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def build_model(preset: str, max_len: int, dtype, device):
-    cfg = LlamaConfig(**PRESETS[preset], max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)
+    cfg = LlamaConfig(
+        **PRESETS[preset], max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -80,7 +105,7 @@ def state_bytes(be) -> int:
     total, ptrs = 0, set()
     for layer in be.state.layers.values():
         seen, todo = [layer.pos], list(layer.extra.values())
-        while todo:   # raas keeps its page tables in lists, and the ones its last step started from in a tuple
+        while todo:  # raas keeps its page tables in lists, and the ones its last step started from in a tuple
             v = todo.pop()
             if isinstance(v, torch.Tensor):
                 seen.append(v)
@@ -112,8 +137,17 @@ def reset_peak() -> None:
 
 
 @torch.no_grad()
-def run_policy(model, policy: str, params: dict, prompt: torch.Tensor, steps: int, every: int, log,
-               deadline: float = float("inf"), warm_steps: int = 64) -> dict:
+def run_policy(
+    model,
+    policy: str,
+    params: dict,
+    prompt: torch.Tensor,
+    steps: int,
+    every: int,
+    log,
+    deadline: float = float("inf"),
+    warm_steps: int = 64,
+) -> dict:
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler="inductor" if CUDA else "eager", **params)
     fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
@@ -153,17 +187,28 @@ def run_policy(model, policy: str, params: dict, prompt: torch.Tensor, steps: in
         if i % every == 0 or i == steps:
             peak = mem("max_memory_allocated")
             peak_total = max(peak_total, peak)
-            records.append(dict(
-                step=i, cache_len=int(cache.layers[-1].keys.shape[-2]), kv_bytes=cache_bytes(cache),
-                state_bytes=state_bytes(be), allocated=mem("memory_allocated"), peak=peak,
-                peak_total=peak_total, tpot_mean=statistics.fmean(times), tpot_median=statistics.median(times),
-                tpot_max=max(times)))
+            records.append(
+                dict(
+                    step=i,
+                    cache_len=int(cache.layers[-1].keys.shape[-2]),
+                    kv_bytes=cache_bytes(cache),
+                    state_bytes=state_bytes(be),
+                    allocated=mem("memory_allocated"),
+                    peak=peak,
+                    peak_total=peak_total,
+                    tpot_mean=statistics.fmean(times),
+                    tpot_median=statistics.median(times),
+                    tpot_max=max(times),
+                )
+            )
             reset_peak()
             times = []
             if i % (every * 16) == 0 or i == steps:
                 r = records[-1]
-                log(f"{policy} step {i}: KV {r['kv_bytes'] / 2**20:.1f} MiB, allocated {r['allocated'] / 2**20:.1f} "
-                    f"MiB, TPOT {r['tpot_mean'] * 1e3:.2f} ms")
+                log(
+                    f"{policy} step {i}: KV {r['kv_bytes'] / 2**20:.1f} MiB, allocated {r['allocated'] / 2**20:.1f} "
+                    f"MiB, TPOT {r['tpot_mean'] * 1e3:.2f} ms"
+                )
             if time.time() > deadline:  # keep what was measured; the summary states the steps reached
                 log(f"{policy}: --deadline reached at step {i} of {steps}")
                 break
@@ -205,55 +250,85 @@ def analyse(runs: dict, budget: int) -> dict:
         early = statistics.fmean(r["tpot_mean"] for r in recs[:q])
         late = statistics.fmean(r["tpot_mean"] for r in recs[-q:])
         out[name] = dict(
-            kv_first=kv[0], kv_last=kv[-1], kv_spread=_rel_spread(kv), kv_slope_per_token=slope, kv_r2=r2,
+            kv_first=kv[0],
+            kv_last=kv[-1],
+            kv_spread=_rel_spread(kv),
+            kv_slope_per_token=slope,
+            kv_r2=r2,
             allocated_spread=_rel_spread([r["allocated"] for r in recs]),
-            peak_spread=_rel_spread([r["peak"] for r in recs]), peak_max=max(r["peak_total"] for r in recs),
-            tpot_early_ms=early * 1e3, tpot_late_ms=late * 1e3, tpot_late_over_early=late / early,
+            peak_spread=_rel_spread([r["peak"] for r in recs]),
+            peak_max=max(r["peak_total"] for r in recs),
+            tpot_early_ms=early * 1e3,
+            tpot_late_ms=late * 1e3,
+            tpot_late_over_early=late / early,
             tpot_mean_ms=statistics.fmean(r["tpot_mean"] for r in recs) * 1e3,
-            compile_s=run["compile_s"], ttft_s=run["ttft_s"])
+            compile_s=run["compile_s"],
+            ttft_s=run["ttft_s"],
+        )
     return out
 
 
 def write_summary(out: Path, meta: dict, runs: dict, stats: dict) -> None:
-    mib = 2 ** 20
+    mib = 2**20
     reached = {p: r["records"][-1]["step"] for p, r in runs.items() if r["records"]}
     short = {p: n for p, n in reached.items() if n < (meta["steps"] or 0)}
-    lines = [f"# RaaS memory and TPOT over {meta['steps']} decode steps ({meta['device_name']})", "",
-             *(["**Stopped early** (--deadline): steps reached " + ", ".join(f"{p} {n}" for p, n in short.items())
-                + ".", ""] if short else []),
-             *([meta["note"], ""] if meta.get("note") else []),
-             f"Model: Llama architecture, random weights, preset `{meta['preset']}` ({meta['layers']} layers, "
-             f"{meta['kv_heads']} KV heads x head_dim {meta['head_dim']}, {meta['dtype']}); prompt "
-             f"{meta['prompt']} tokens; batch 1; budget {meta['budget']}; torch {meta['torch']}, transformers "
-             f"{meta['transformers']}. Records every {meta['every']} steps; \"after the budget\" = steps > "
-             f"budget + 16 (raas's decode pages are full).", "",
-             "| policy | KV+state first MiB | KV+state last MiB | spread | growth B/token (R^2) | allocated spread "
-             "| interval-peak spread | peak MiB | TPOT early ms | TPOT late ms | late/early |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# RaaS memory and TPOT over {meta['steps']} decode steps ({meta['device_name']})",
+        "",
+        *(
+            [
+                "**Stopped early** (--deadline): steps reached "
+                + ", ".join(f"{p} {n}" for p, n in short.items())
+                + ".",
+                "",
+            ]
+            if short
+            else []
+        ),
+        *([meta["note"], ""] if meta.get("note") else []),
+        f"Model: Llama architecture, random weights, preset `{meta['preset']}` ({meta['layers']} layers, "
+        f"{meta['kv_heads']} KV heads x head_dim {meta['head_dim']}, {meta['dtype']}); prompt "
+        f"{meta['prompt']} tokens; batch 1; budget {meta['budget']}; torch {meta['torch']}, transformers "
+        f'{meta["transformers"]}. Records every {meta["every"]} steps; "after the budget" = steps > '
+        f"budget + 16 (raas's decode pages are full).",
+        "",
+        "| policy | KV+state first MiB | KV+state last MiB | spread | growth B/token (R^2) | allocated spread "
+        "| interval-peak spread | peak MiB | TPOT early ms | TPOT late ms | late/early |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, s in stats.items():
         lines.append(
             f"| {name} | {s['kv_first'] / mib:.1f} | {s['kv_last'] / mib:.1f} | {s['kv_spread'] * 100:.2f}% "
             f"| {s['kv_slope_per_token']:.0f} ({s['kv_r2']:.4f}) | {s['allocated_spread'] * 100:.2f}% "
             f"| {s['peak_spread'] * 100:.2f}% | {s['peak_max'] / mib:.1f} | {s['tpot_early_ms']:.2f} "
-            f"| {s['tpot_late_ms']:.2f} | {s['tpot_late_over_early']:.2f} |")
+            f"| {s['tpot_late_ms']:.2f} | {s['tpot_late_over_early']:.2f} |"
+        )
     lines += ["", "## Targets", ""]
     r, qs = stats.get("raas"), stats.get("quest")
     if r is not None:
         ok = r["kv_spread"] <= 0.01 and r["allocated_spread"] <= 0.01
-        lines.append(f"- raas memory flat within 1% after the budget: KV+state spread {r['kv_spread'] * 100:.3f}%, "
-                     f"allocated spread {r['allocated_spread'] * 100:.3f}% -> **{'met' if ok else 'missed'}**")
+        lines.append(
+            f"- raas memory flat within 1% after the budget: KV+state spread {r['kv_spread'] * 100:.3f}%, "
+            f"allocated spread {r['allocated_spread'] * 100:.3f}% -> **{'met' if ok else 'missed'}**"
+        )
     for name in ("full", "quest"):
         s = stats.get(name)
         if s is not None:
-            lines.append(f"- {name} grows linearly: {s['kv_slope_per_token']:.0f} bytes per token, R^2 "
-                         f"{s['kv_r2']:.4f}, {s['kv_first'] / mib:.1f} -> {s['kv_last'] / mib:.1f} MiB")
+            lines.append(
+                f"- {name} grows linearly: {s['kv_slope_per_token']:.0f} bytes per token, R^2 "
+                f"{s['kv_r2']:.4f}, {s['kv_first'] / mib:.1f} -> {s['kv_last'] / mib:.1f} MiB"
+            )
     if r is not None:
-        lines.append(f"- raas TPOT flat: late/early {r['tpot_late_over_early']:.3f} (early {r['tpot_early_ms']:.2f} ms, "
-                     f"late {r['tpot_late_ms']:.2f} ms)")
+        lines.append(
+            f"- raas TPOT flat: late/early {r['tpot_late_over_early']:.3f} (early {r['tpot_early_ms']:.2f} ms, "
+            f"late {r['tpot_late_ms']:.2f} ms)"
+        )
     if r is not None and qs is not None:
         ok = r["tpot_late_ms"] <= qs["tpot_late_ms"] and r["tpot_mean_ms"] <= qs["tpot_mean_ms"]
-        lines.append(f"- raas TPOT <= quest's: mean {r['tpot_mean_ms']:.2f} vs {qs['tpot_mean_ms']:.2f} ms, last "
-                     f"quarter {r['tpot_late_ms']:.2f} vs {qs['tpot_late_ms']:.2f} ms -> **{'met' if ok else 'missed'}**")
+        lines.append(
+            f"- raas TPOT <= quest's: mean {r['tpot_mean_ms']:.2f} vs {qs['tpot_mean_ms']:.2f} ms, last "
+            f"quarter {r['tpot_late_ms']:.2f} vs {qs['tpot_late_ms']:.2f} ms -> **{'met' if ok else 'missed'}**"
+        )
     if meta.get("plot_note"):
         lines += ["", meta["plot_note"]]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
@@ -262,19 +337,21 @@ def write_summary(out: Path, meta: dict, runs: dict, stats: dict) -> None:
 def plot(out: Path, runs: dict, budget: int) -> str | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "No plot: matplotlib is not installed (`pip install matplotlib`, then rerun with --merge --steps 0)."
-    mib = 2 ** 20
+    mib = 2**20
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for name, run in runs.items():
         xs = [r["step"] for r in run["records"]]
         axes[0].plot(xs, [(r["kv_bytes"] + r["state_bytes"]) / mib for r in run["records"]], label=name)
         axes[1].plot(xs, [r["peak"] / mib for r in run["records"]], label=name)
         axes[2].plot(xs, [r["tpot_mean"] * 1e3 for r in run["records"]], label=name)
-    for ax, title in zip(axes, ("KV cache + policy state (MiB)", "peak GPU memory per interval (MiB)",
-                                "TPOT (ms, interval mean)")):
+    for ax, title in zip(
+        axes, ("KV cache + policy state (MiB)", "peak GPU memory per interval (MiB)", "TPOT (ms, interval mean)")
+    ):
         ax.set_title(title)
         ax.set_xlabel("decode step")
         ax.axvline(budget, color="grey", linestyle=":", linewidth=1)
@@ -293,8 +370,10 @@ def join_reports(files: list[Path], out: Path) -> int:
         meta = meta or data["meta"]
         for policy, run in data["runs"].items():
             runs.setdefault(policy, run)  # the first file that measured a policy wins
-    meta["note"] = (f"Joined from {len(files)} processes (one policy each, bench/calls/lanes.sh lanes on one machine); "
-                    "compare TPOT across policies with that in mind.")
+    meta["note"] = (
+        f"Joined from {len(files)} processes (one policy each, bench/calls/lanes.sh lanes on one machine); "
+        "compare TPOT across policies with that in mind."
+    )
     out.mkdir(parents=True, exist_ok=True)
     finish(out, meta, runs)
     return 0
@@ -324,11 +403,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (no memory statistics)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--warm-steps", type=int, default=64, help="untimed decode steps after the untimed prefill")
-    ap.add_argument("--deadline", type=float, default=float("inf"),
-                    help="a Unix time after which decoding stops at the next record and the results are written")
-    ap.add_argument("--report-from", type=Path, nargs="+", default=None,
-                    help="no measuring: join the runs of these results.json files (policies measured in "
-                         "parallel processes) into --out's results, summary and plot")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=float("inf"),
+        help="a Unix time after which decoding stops at the next record and the results are written",
+    )
+    ap.add_argument(
+        "--report-from",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="no measuring: join the runs of these results.json files (policies measured in "
+        "parallel processes) into --out's results, summary and plot",
+    )
     args = ap.parse_args(argv)
     if args.report_from:
         return join_reports(args.report_from, args.out)
@@ -340,11 +428,20 @@ def main(argv=None) -> int:
     runs = old["runs"]
     dtype = getattr(torch, args.dtype)
     model, cfg = build_model(args.preset, args.prompt + args.steps + 256, dtype, args.device)
-    meta = {**report.environment(args.device), "device_name": torch.cuda.get_device_name() if CUDA else "cpu",
-            "preset": args.preset,
-            "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-            "dtype": args.dtype, "prompt": args.prompt, "steps": args.steps or old.get("meta", {}).get("steps"),
-            "every": args.every, "budget": args.budget, "transformers": transformers.__version__}
+    meta = {
+        **report.environment(args.device),
+        "device_name": torch.cuda.get_device_name() if CUDA else "cpu",
+        "preset": args.preset,
+        "layers": cfg.num_hidden_layers,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "dtype": args.dtype,
+        "prompt": args.prompt,
+        "steps": args.steps or old.get("meta", {}).get("steps"),
+        "every": args.every,
+        "budget": args.budget,
+        "transformers": transformers.__version__,
+    }
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, cfg.vocab_size, (1, args.prompt), generator=gen).to(args.device)
 
@@ -353,8 +450,9 @@ def main(argv=None) -> int:
 
     for policy in [p for p in args.policies.split(",") if p] if args.steps else []:
         params = {} if policy == "full" else {"budget": args.budget}
-        runs[policy] = run_policy(model, policy, params, prompt, args.steps, args.every, log, args.deadline,
-                                  args.warm_steps)
+        runs[policy] = run_policy(
+            model, policy, params, prompt, args.steps, args.every, log, args.deadline, args.warm_steps
+        )
         path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     finish(args.out, meta, runs)
     return 0

@@ -42,10 +42,16 @@ from kvpass.policies.chunk_fusion.kernels import slot_attention as S  # noqa: E4
 H, HKV, D = 32, 8, 128
 RATIO, QUESTION = 0.15, 32
 CONFIGS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3),
-    (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+    (128, 32, 8, 3),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
 ]
-MASK_ELEMENTS = 1 << 28   # as the former path: mask entries one SDPA call materialises
+MASK_ELEMENTS = 1 << 28  # as the former path: mask entries one SDPA call materialises
 
 
 def sdpa_masked(q, k, v, q_pos, scale):
@@ -60,9 +66,9 @@ def sdpa_masked(q, k, v, q_pos, scale):
     rows = max(1, MASK_ELEMENTS // max(1, b * lk))
     outs = []
     for s in range(0, lq, rows):
-        visible = slots[None, None, :] <= q_pos[:, s:s + rows, None]
+        visible = slots[None, None, :] <= q_pos[:, s : s + rows, None]
         bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-        outs.append(F.scaled_dot_product_attention(q[:, :, s:s + rows], k, v, attn_mask=bias[:, None], scale=scale))
+        outs.append(F.scaled_dot_product_attention(q[:, :, s : s + rows], k, v, attn_mask=bias[:, None], scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.contiguous()
 
@@ -111,7 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    scale = D ** -0.5
+    scale = D**-0.5
     contexts = [int(x) for x in args.contexts.split(",")]
     cases = {lk: make_case(lk, gen, dev) for lk in contexts}
 
@@ -125,8 +131,13 @@ def main() -> None:
             bm, bn, w, st = cfg
             name = f"{bm}x{bn} w{w} s{st}"
             try:
-                t = time_ms(lambda: S.slot_attention_triton(q, k, v, q_pos, scale, block_m=bm, block_n=bn,
-                                                            num_warps=w, num_stages=st), args.reps, args.warmup)
+                t = time_ms(
+                    lambda: S.slot_attention_triton(
+                        q, k, v, q_pos, scale, block_m=bm, block_n=bn, num_warps=w, num_stages=st
+                    ),
+                    args.reps,
+                    args.warmup,
+                )
             except Exception as exc:  # e.g. out of shared memory for one configuration
                 print(f"Lk={lk} {name}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
                 continue
@@ -147,36 +158,65 @@ def main() -> None:
     for r, (lk, (q, k, v, q_pos)) in zip(rows, cases.items()):
         flops = 4 * H * D * float((q_pos.clamp(-1, lk - 1) + 1).sum())
         t = r["configs"][best_name]
-        out = S.slot_attention_triton(q, k, v, q_pos, scale, block_m=best[0], block_n=best[1], num_warps=best[2],
-                                      num_stages=best[3])
-        r.update(best_ms=t, best_tflops=flops / t / 1e9, speedup=r["sdpa_masked_ms"] / t,
-                 default_ms=r["configs"].get(default_name), best_max_abs_err=max_err(out, q, k, v, q_pos, scale),
-                 sdpa_masked_max_abs_err=max_err(sdpa_masked(q, k, v, q_pos, scale), q, k, v, q_pos, scale),
-                 per_context_best=min(r["configs"], key=r["configs"].get))
+        out = S.slot_attention_triton(
+            q, k, v, q_pos, scale, block_m=best[0], block_n=best[1], num_warps=best[2], num_stages=best[3]
+        )
+        r.update(
+            best_ms=t,
+            best_tflops=flops / t / 1e9,
+            speedup=r["sdpa_masked_ms"] / t,
+            default_ms=r["configs"].get(default_name),
+            best_max_abs_err=max_err(out, q, k, v, q_pos, scale),
+            sdpa_masked_max_abs_err=max_err(sdpa_masked(q, k, v, q_pos, scale), q, k, v, q_pos, scale),
+            per_context_best=min(r["configs"], key=r["configs"].get),
+        )
         torch.cuda.empty_cache()
 
     props = torch.cuda.get_device_properties(dev)
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name,
-                sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                shape=f"B=1 H={H} H_kv={HKV} D={D} bf16, Lq = ceil({RATIO} Lk) + {QUESTION}",
-                reps=args.reps, warmup=args.warmup, best_config=best_name, default_config=default_name)
+    meta = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        shape=f"B=1 H={H} H_kv={HKV} D={D} bf16, Lq = ceil({RATIO} Lk) + {QUESTION}",
+        reps=args.reps,
+        warmup=args.warmup,
+        best_config=best_name,
+        default_config=default_name,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "slot_attention.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep), indent=2))
-    lines = [f"# Slot attention (chunk-fusion recompute) vs masked SDPA, {meta['gpu']}, {meta['date']}", "",
-             (f"torch {meta['torch']}, triton {meta['triton']}, {meta['shape']}; median of {args.reps} calls "
-              f"(CUDA events). Best config over all contexts: **{best_name}** (kernel default: {default_name}). "
-              "TFLOP/s counts visible keys only. Error: max |out - fp32 reference| on the first and last 256 rows."),
-             "", ("| Lk | Lq | sdpa_masked ms | slot_triton ms (best) | speedup | default cfg ms | best cfg here "
-                  "| TFLOP/s sdpa / triton | max err triton / sdpa |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Slot attention (chunk-fusion recompute) vs masked SDPA, {meta['gpu']}, {meta['date']}",
+        "",
+        (
+            f"torch {meta['torch']}, triton {meta['triton']}, {meta['shape']}; median of {args.reps} calls "
+            f"(CUDA events). Best config over all contexts: **{best_name}** (kernel default: {default_name}). "
+            "TFLOP/s counts visible keys only. Error: max |out - fp32 reference| on the first and last 256 rows."
+        ),
+        "",
+        (
+            "| Lk | Lq | sdpa_masked ms | slot_triton ms (best) | speedup | default cfg ms | best cfg here "
+            "| TFLOP/s sdpa / triton | max err triton / sdpa |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         dflt = f"{r['default_ms']:.3f}" if r["default_ms"] is not None else "-"
-        lines.append(f"| {r['lk']} | {r['lq']} | {r['sdpa_masked_ms']:.3f} | {r['best_ms']:.3f} | {r['speedup']:.1f}x "
-                     f"| {dflt} | {r['per_context_best']} | {r['sdpa_masked_tflops']:.0f} / {r['best_tflops']:.0f} "
-                     f"| {r['best_max_abs_err']:.2e} / {r['sdpa_masked_max_abs_err']:.2e} |")
+        lines.append(
+            f"| {r['lk']} | {r['lq']} | {r['sdpa_masked_ms']:.3f} | {r['best_ms']:.3f} | {r['speedup']:.1f}x "
+            f"| {dflt} | {r['per_context_best']} | {r['sdpa_masked_tflops']:.0f} / {r['best_tflops']:.0f} "
+            f"| {r['best_max_abs_err']:.2e} / {r['sdpa_masked_max_abs_err']:.2e} |"
+        )
     names = [f"{c[0]}x{c[1]} w{c[2]} s{c[3]}" for c in CONFIGS]
-    lines += ["", "## Sweep (ms)", "", "| config | " + " | ".join(f"Lk={r['lk']}" for r in rows) + " |",
-              "|---|" + "---|" * len(rows)]
+    lines += [
+        "",
+        "## Sweep (ms)",
+        "",
+        "| config | " + " | ".join(f"Lk={r['lk']}" for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
     for name in names:
         cells = [f"{r['configs'][name]:.3f}" if name in r["configs"] else "failed" for r in rows]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -56,7 +56,7 @@ import kvpass  # noqa: E402
 from llama_shape import llama8b_config, policy_params, random_llama, uncompiled  # noqa: E402
 
 GIB = 2**30
-CUDA = torch.cuda.is_available()   # off CUDA (a smoke run with --tiny): no memory cap, no peaks
+CUDA = torch.cuda.is_available()  # off CUDA (a smoke run with --tiny): no memory cap, no peaks
 
 
 def sync() -> None:
@@ -103,7 +103,7 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
     be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
     length = args.context + args.new
     one = kvpass.SlotCache(model, be, max_length=length, batch_size=1, max_new_tokens=args.new).kv_bytes()
-    rows = max(1, min(args.requests, kv_bytes // one - 1))   # one row's bytes go to the staging cache
+    rows = max(1, min(args.requests, kv_bytes // one - 1))  # one row's bytes go to the staging cache
     reqs = run_requests(args, rows)
     t = time.perf_counter()
     warm = kvpass.RequestQueue(model, max_batch=rows, max_length=length, max_new_tokens=args.new, eos_token_id=None)
@@ -118,10 +118,21 @@ def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
     queue.run(progress=False)
     sync()
     s = queue.stats
-    return {"config": policy, "params": params, "max_batch": rows, "requests_run": reqs, "tokens_per_s": s["tokens_per_s"],
-            "decode_tokens_per_s": s["decode_tokens_per_s"], "peak_gib": peak_gib(),
-            "kv_row_mib": round(one / 2**20, 1), "compile_s": round(compile_s, 1), "prefill_s": s["prefill_s"],
-            "wall_s": s["wall_s"], "steps": s["steps"], "graphs": be.graph_counts()}
+    return {
+        "config": policy,
+        "params": params,
+        "max_batch": rows,
+        "requests_run": reqs,
+        "tokens_per_s": s["tokens_per_s"],
+        "decode_tokens_per_s": s["decode_tokens_per_s"],
+        "peak_gib": peak_gib(),
+        "kv_row_mib": round(one / 2**20, 1),
+        "compile_s": round(compile_s, 1),
+        "prefill_s": s["prefill_s"],
+        "wall_s": s["wall_s"],
+        "steps": s["steps"],
+        "graphs": be.graph_counts(),
+    }
 
 
 def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
@@ -129,13 +140,19 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
 
     def wave(batch):
         ids = torch.stack(batch).to(model.device)
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                              min_new_tokens=args.new, do_sample=False, cache_implementation="static")
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.new,
+            min_new_tokens=args.new,
+            do_sample=False,
+            cache_implementation="static",
+        )
 
-    while True:   # HF prefills a wave's prompts together: fewer rows when their prefill does not fit the cap
+    while True:  # HF prefills a wave's prompts together: fewer rows when their prefill does not fit the cap
         try:
             t = time.perf_counter()
-            wave(prompts(rows, args.context))   # compiles HF's decode step for this batch and this cache's shape
+            wave(prompts(rows, args.context))  # compiles HF's decode step for this batch and this cache's shape
             sync()
             compile_s = time.perf_counter() - t
             reset_peak()
@@ -143,7 +160,7 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
             t = time.perf_counter()
             made = 0
             for i in range(0, len(reqs), rows):
-                made += (wave(reqs[i:i + rows]).shape[1] - args.context) * len(reqs[i:i + rows])
+                made += (wave(reqs[i : i + rows]).shape[1] - args.context) * len(reqs[i : i + rows])
             sync()
             wall = time.perf_counter() - t
             break
@@ -152,28 +169,38 @@ def hf_static_row(model, args, kv_bytes: int, per_token: int) -> dict:
                 raise
             rows -= 1
             empty_cache()
-    return {"config": "hf_static", "max_batch": rows, "requests_run": len(reqs), "tokens_per_s": round(made / wall, 1), "decode_tokens_per_s": None,
-            "peak_gib": peak_gib(), "compile_s": round(compile_s, 1),
-            "wall_s": round(wall, 3), "note": "waves of max_batch (the most rows whose KV fits, fewer where a wave's prefill did not fit the cap)"}
+    return {
+        "config": "hf_static",
+        "max_batch": rows,
+        "requests_run": len(reqs),
+        "tokens_per_s": round(made / wall, 1),
+        "decode_tokens_per_s": None,
+        "peak_gib": peak_gib(),
+        "compile_s": round(compile_s, 1),
+        "wall_s": round(wall, 3),
+        "note": "waves of max_batch (the most rows whose KV fits, fewer where a wave's prefill did not fit the cap)",
+    }
 
 
 def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
     import inspect
     import logging
-    logging.getLogger("transformers.generation.continuous_batching").setLevel(logging.INFO)   # its progress
+
+    logging.getLogger("transformers.generation.continuous_batching").setLevel(logging.INFO)  # its progress
     page = 256
     blocks = kv_bytes // (per_token * page)
     gen = tf.GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     kw = {}
     if "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
-        fields = inspect.signature(ContinuousBatchingConfig).parameters   # the page's name moved (5.17: block_size)
+
+        fields = inspect.signature(ContinuousBatchingConfig).parameters  # the page's name moved (5.17: block_size)
         size = "page_size" if "page_size" in fields else "block_size"
-        tokens = {"max_batch_tokens": 4096} if "max_batch_tokens" in fields else {}   # its logits' rows
+        tokens = {"max_batch_tokens": 4096} if "max_batch_tokens" in fields else {}  # its logits' rows
         kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=blocks, **{size: page}, **tokens)
-    else:   # transformers <= 5.2x: the paged cache's sizes on the generation config
+    else:  # transformers <= 5.2x: the paged cache's sizes on the generation config
         gen.num_blocks, gen.block_size, gen.max_batch_tokens = blocks, page, 4096
-    fits = max(1, kv_bytes // (per_token * (args.context + args.new)))   # sequences its pages hold at once
+    fits = max(1, kv_bytes // (per_token * (args.context + args.new)))  # sequences its pages hold at once
     reqs = [p.tolist() for p in prompts(run_requests(args, fits), args.context)]
     reset_peak()
     t = time.perf_counter()
@@ -181,10 +208,18 @@ def hf_continuous_row(model, args, kv_bytes: int, per_token: int) -> dict:
     sync()
     wall = time.perf_counter() - t
     made = sum(len(o.generated_tokens) for o in out.values())
-    return {"config": "hf_continuous", "max_batch": None, "requests_run": len(reqs), "tokens_per_s": round(made / wall, 1),
-            "decode_tokens_per_s": None, "peak_gib": peak_gib(),
-            "wall_s": round(wall, 3), "kv_blocks": blocks, "page": page,
-            "attn_implementation": model.config._attn_implementation}
+    return {
+        "config": "hf_continuous",
+        "max_batch": None,
+        "requests_run": len(reqs),
+        "tokens_per_s": round(made / wall, 1),
+        "decode_tokens_per_s": None,
+        "peak_gib": peak_gib(),
+        "wall_s": round(wall, 3),
+        "kv_blocks": blocks,
+        "page": page,
+        "attn_implementation": model.config._attn_implementation,
+    }
 
 
 def main() -> None:
@@ -197,13 +232,21 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--workspace-gib", type=float, default=6.0)
     ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--max-waves", type=int, default=None,
-                    help="run at most this many batches of requests per configuration (all by default)")
+    ap.add_argument(
+        "--max-waves",
+        type=int,
+        default=None,
+        help="run at most this many batches of requests per configuration (all by default)",
+    )
     ap.add_argument("--policies", default="full,snapkv,pyramidkv,streamingllm,h2o,raas,quest,asl")
     ap.add_argument("--baselines", default="hf_static,hf_continuous")
     ap.add_argument("--prefill-compiler", default=None)
-    ap.add_argument("--stacks-after", type=float, default=None,
-                    help="print every thread's stack every this many seconds (where a slow baseline waits)")
+    ap.add_argument(
+        "--stacks-after",
+        type=float,
+        default=None,
+        help="print every thread's stack every this many seconds (where a slow baseline waits)",
+    )
     ap.add_argument("--tiny", action="store_true", help="the same layout at test size (a smoke run, CPU too)")
     ap.add_argument("--dir", default=None, help="a model saved by bench/bench_tp.py save (needed under torchrun)")
     ap.add_argument("--out", default="throughput.json")
@@ -211,57 +254,84 @@ def main() -> None:
     if args.stacks_after:
         faulthandler.dump_traceback_later(args.stacks_after, repeat=True)
     torch.backends.cuda.enable_cudnn_sdp(False)
-    tp = "RANK" in os.environ   # under torchrun: this rank's half of a model saved with --dir
+    tp = "RANK" in os.environ  # under torchrun: this rank's half of a model saved with --dir
     if tp:
         if CUDA:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if CUDA else "gloo")
     if args.dir:
         from kvpass.eval.models import tensor_parallel_kwargs
-        model = tf.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16 if CUDA else torch.float32,
-                                                        **(tensor_parallel_kwargs() if tp else {})).eval()
+
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            args.dir, dtype=torch.bfloat16 if CUDA else torch.float32, **(tensor_parallel_kwargs() if tp else {})
+        ).eval()
         if not tp:
             model.to("cuda" if CUDA else "cpu")
     elif tp:
         raise SystemExit("bench_throughput.py under torchrun needs --dir (a model saved by bench/bench_tp.py save)")
     else:
-        model = random_llama(llama8b_config(args.layers, tiny=args.tiny), "cuda" if CUDA else "cpu",
-                             torch.bfloat16 if CUDA else torch.float32)
+        model = random_llama(
+            llama8b_config(args.layers, tiny=args.tiny),
+            "cuda" if CUDA else "cpu",
+            torch.bfloat16 if CUDA else torch.float32,
+        )
     world = dist.get_world_size() if tp else 1
     rank = dist.get_rank() if tp else 0
     model.generation_config.pad_token_id = 0
     cfg = model.config
     global VOCAB
     VOCAB = min(VOCAB, cfg.vocab_size)
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 // world   # this GPU's share
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 // world  # this GPU's share
     weights = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     cap = weights + (args.kv_gib + args.workspace_gib) * GIB
     if CUDA:
         dev = torch.cuda.current_device()
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(dev).total_memory))
     kv_bytes = int(args.kv_gib * GIB)
-    meta = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu", "torch": torch.__version__, "transformers": tf.__version__,
-            "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": args.layers,
-            "shape": "Llama-3.1-8B (random weights), bf16", "workload": args.workload, "context": args.context,
-            "new_tokens": args.new, "requests": args.requests, "budget": args.budget,
-            "cap_gib": round(cap / GIB, 2), "weights_gib": round(weights / GIB, 2), "kv_gib": args.kv_gib,
-            "workspace_gib": args.workspace_gib, "cudnn_sdpa": False, "gpus": world,
-            "model": args.dir or "random_llama"}
+    meta = {
+        "device": torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+        "triton": getattr(__import__("triton"), "__version__", "?"),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "layers": args.layers,
+        "shape": "Llama-3.1-8B (random weights), bf16",
+        "workload": args.workload,
+        "context": args.context,
+        "new_tokens": args.new,
+        "requests": args.requests,
+        "budget": args.budget,
+        "cap_gib": round(cap / GIB, 2),
+        "weights_gib": round(weights / GIB, 2),
+        "kv_gib": args.kv_gib,
+        "workspace_gib": args.workspace_gib,
+        "cudnn_sdpa": False,
+        "gpus": world,
+        "model": args.dir or "random_llama",
+    }
     rows = []
     runs = [(p, lambda p=p: kvpass_row(model, p, args, kv_bytes)) for p in args.policies.split(",") if p]
-    runs += [(b, {"hf_static": lambda: hf_static_row(model, args, kv_bytes, per_token),
-                  "hf_continuous": lambda: hf_continuous_row(model, args, kv_bytes, per_token)}[b])
-             for b in args.baselines.split(",") if b]
+    runs += [
+        (
+            b,
+            {
+                "hf_static": lambda: hf_static_row(model, args, kv_bytes, per_token),
+                "hf_continuous": lambda: hf_continuous_row(model, args, kv_bytes, per_token),
+            }[b],
+        )
+        for b in args.baselines.split(",")
+        if b
+    ]
     for name, fn in runs:
         try:
             row = fn()
-        except Exception as e:   # an out-of-memory row says so and the others still run
+        except Exception as e:  # an out-of-memory row says so and the others still run
             row = {"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             traceback.print_exc()
         row = {"workload": args.workload, "context": args.context, "new_tokens": args.new, **row}
         uncompiled(model)
-        if CUDA:   # what the next row starts from: the weights alone, or a leak
+        if CUDA:  # what the next row starts from: the weights alone, or a leak
             row["left_allocated_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
         rows.append(row)
         if rank == 0:

@@ -8,7 +8,8 @@ A random-weight Llama-3.1-8B shape (32 layers, bf16) is saved once (``save``); `
 GPU, or under ``torchrun --nproc_per_node 2`` with ``tp_plan="auto"`` (each rank holds half the heads and half
 the MLP), and for every policy and context prefills a random prompt on a ``kvpass.SlotCache`` (once: it
 compiles; ``mode="reduce-overhead"``: decode steps replay CUDA graphs per rank), then decodes greedily. Per row:
-the first call's time (prefill and compilation), TPOT (mean of ``--steps`` steps after 8 warm-up steps), peak memory and KV bytes of each GPU, and the
+the first call's time (prefill and compilation), TPOT (mean of ``--steps`` steps after 8 warm-up steps), peak
+memory and KV bytes of each GPU, and the
 decisions: a digest of the positions every (layer, KV head) holds after the last step (gathered over the ranks in
 head order) and the greedy tokens. ``compare`` writes the ratios (two GPUs / one GPU) and how many digests agree.
 With ``--profile`` (GPU) each row also profiles a few more steps: the device time per step by kind of kernel
@@ -41,14 +42,14 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvpass  # noqa: E402
-from kvpass.generate.fastpath import compile_options  # noqa: E402
 from bench_decode_step import PROFILE_STEPS, policy_of, profile_steps  # noqa: E402
+from kvpass.generate.fastpath import compile_options  # noqa: E402
 from llama_shape import copy_bandwidth, llama8b_config, random_llama  # noqa: E402
 
 WARMUP = 8
-SKIP = 4          # --generate: the steps of a call not timed (two watched before direct steps begin)
-HOST_STEPS = 16   # --profile: steps under cProfile (host_profile), then as many waited for one by one (host_synced)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU runs a tiny smoke test of this script (gloo)
+SKIP = 4  # --generate: the steps of a call not timed (two watched before direct steps begin)
+HOST_STEPS = 16  # --profile: steps under cProfile (host_profile), then as many waited for one by one (host_synced)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs a tiny smoke test of this script (gloo)
 
 
 def sync() -> None:
@@ -69,6 +70,7 @@ def save(args) -> None:
 
 def load(path: str, tp: bool):
     from kvpass.eval.models import tensor_parallel_kwargs
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if tp:
@@ -82,9 +84,9 @@ def digests(cache, tp: bool) -> list[int]:
     """One number per (layer, KV head): a weighted sum of the sorted positions the head holds (-1 = empty)."""
     out = []
     for layer in cache.layers:
-        pos = layer.pos.sort(dim=-1).values + 2                         # [B, H_kv(local), C]
+        pos = layer.pos.sort(dim=-1).values + 2  # [B, H_kv(local), C]
         w = torch.arange(1, pos.shape[-1] + 1, device=pos.device, dtype=torch.int64) * 1000003 % 998244353
-        d = (pos * w).sum(-1).flatten(0)                                 # [B * H_kv]
+        d = (pos * w).sum(-1).flatten(0)  # [B * H_kv]
         if tp:
             parts = [torch.empty_like(d) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, d)
@@ -100,15 +102,24 @@ def params_of(name: str, budget: int) -> tuple[str, dict]:
 
 
 @torch.no_grad()
-def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: str, profile: bool = False,
-            dynamic: bool | None = True) -> dict:
+def run_one(
+    model,
+    name: str,
+    ids,
+    steps: int,
+    budget: int,
+    tp: bool,
+    compiler: str,
+    profile: bool = False,
+    dynamic: bool | None = True,
+) -> dict:
     policy, params = params_of(name, budget)
     torch._dynamo.reset()
     be = kvpass.backend(policy, compiler=compiler, **params)
     mode = "reduce-overhead" if compiler == "inductor" else None
     # as kvpass.compile compiles it (the mode's settings, and the guard filter for the weights' specs)
     fwd = torch.compile(model.forward, backend=be, dynamic=dynamic, options=compile_options(be, mode))
-    n_new = WARMUP + steps + 2 + (PROFILE_STEPS + 3 * HOST_STEPS if profile else 0)   # the cache holds every step
+    n_new = WARMUP + steps + 2 + (PROFILE_STEPS + 3 * HOST_STEPS if profile else 0)  # the cache holds every step
     ctx = ids.shape[1]
 
     def new_cache():
@@ -133,43 +144,62 @@ def run_one(model, name: str, ids, steps: int, budget: int, tp: bool, compiler: 
     nxt = logits.argmax(-1, keepdim=True)
     pos = torch.full((1, 1), ctx, device=DEV, dtype=torch.long)
     tokens = [nxt]
-    host = 0.0   # the host's own time per step (the call returns once its work is queued): near TPOT, host-bound
+    host = 0.0  # the host's own time per step (the call returns once its work is queued): near TPOT, host-bound
     for i in range(WARMUP + steps):
         if i == WARMUP:
             sync()
             t = time.perf_counter()
         h = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
-        nxt = fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
-                  logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        nxt = (
+            fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            .logits[:, -1]
+            .argmax(-1, keepdim=True)
+        )
         host += (time.perf_counter() - h) if i >= WARMUP else 0.0
         tokens.append(nxt)
         pos = pos + 1
     sync()
     tpot = (time.perf_counter() - t) / steps
     kernels = None
-    if profile and DEV == "cuda":   # PROFILE_STEPS more steps under torch.profiler (CUDA-graph replays included)
+    if profile and DEV == "cuda":  # PROFILE_STEPS more steps under torch.profiler (CUDA-graph replays included)
+
         def step(nxt, pos, cache):
             torch.compiler.cudagraph_mark_step_begin()
-            return fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1]
+            return fwd(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
+                :, -1
+            ]
+
         kernels = profile_steps(step, nxt, pos, cache, top=1000)
         host_top = host_profile(step, nxt, pos, cache)
         host_sync = host_synced(step, nxt, pos, cache)
         spans = dynamo_spans(step, nxt, pos, cache)
-    row = {"config": name, "context": ctx, "first_call_s": ttft, "tpot_ms": tpot * 1e3, "host_ms": host / steps * 1e3,
-           "peak_GiB": peak_bytes() / 2**30, "kv_GiB": cache.kv_bytes() / 2**30,
-           "tokens": torch.cat(tokens, 1)[0].tolist(), "digests": digests(cache, tp),
-           "graphs": [(r.phase, r.cudagraphs) for r in be.reports], "plans": be.plans(),
-           "tp": sorted({r.tp for r in be.reports}), "reductions": sorted({x for r in be.reports for x in r.reductions})}
+    row = {
+        "config": name,
+        "context": ctx,
+        "first_call_s": ttft,
+        "tpot_ms": tpot * 1e3,
+        "host_ms": host / steps * 1e3,
+        "peak_GiB": peak_bytes() / 2**30,
+        "kv_GiB": cache.kv_bytes() / 2**30,
+        "tokens": torch.cat(tokens, 1)[0].tolist(),
+        "digests": digests(cache, tp),
+        "graphs": [(r.phase, r.cudagraphs) for r in be.reports],
+        "plans": be.plans(),
+        "tp": sorted({r.tp for r in be.reports}),
+        "reductions": sorted({x for r in be.reports for x in r.reductions}),
+    }
     if kernels is not None:
         row["kernels"], row["device_ms_by_kind"], row["host_top"] = kernels[:25], kinds_of(kernels), host_top
         row["host_synced_ms"], row["dynamo_spans_ms"] = host_sync, spans
     if be.gate_info:
         row["gate"] = {k: be.gate_info[k] for k in ("selection_layer", "kept")}
-    if tp:   # every rank's peak and KV bytes, TPOT and host time (rank 0's NCCL kernels include its wait for rank 1)
-        mine = torch.tensor([row["peak_GiB"], row["kv_GiB"], row["tpot_ms"], row["host_ms"],
-                             row.get("host_synced_ms", -1.0)], device=DEV, dtype=torch.float64)
+    if tp:  # every rank's peak and KV bytes, TPOT and host time (rank 0's NCCL kernels include its wait for rank 1)
+        mine = torch.tensor(
+            [row["peak_GiB"], row["kv_GiB"], row["tpot_ms"], row["host_ms"], row.get("host_synced_ms", -1.0)],
+            device=DEV,
+            dtype=torch.float64,
+        )
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
         for k, name in enumerate(("peak_GiB", "kv_GiB", "tpot_ms", "host_ms", "host_synced_ms")):
@@ -186,14 +216,16 @@ def generate_tpot(model, name: str, ids, budget: int, new: int, tp: bool, compil
     and one with ``direct_steps`` (the decode graph called without Dynamo's frame once two steps agree; the same
     compiled graphs), alternated so that drift hits both; each is reported as the lower of its two. The model is
     given back uncompiled afterwards."""
-    from bench_fastpath import StepClock
     from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    from bench_fastpath import StepClock
+
     policy, params = params_of(name, budget)
     torch._dynamo.reset()
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
     eos = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = None   # a random model's end token must not stop a call early
+    model.generation_config.eos_token_id = None  # a random model's end token must not stop a call early
     be = kvpass.compile(model, policy, compiler=compiler, **params)
 
     def clocked() -> float:
@@ -205,6 +237,7 @@ def generate_tpot(model, name: str, ids, budget: int, new: int, tp: bool, compil
         sync()
         assert out.shape[1] == ids.shape[1] + new, f"generate stopped early: {out.shape[1] - ids.shape[1]} of {new}"
         return clock.tpot(skip=SKIP) * 1e3
+
     try:
         t = time.perf_counter()
         clocked()
@@ -216,12 +249,18 @@ def generate_tpot(model, name: str, ids, budget: int, new: int, tp: bool, compil
                 rounds[direct].append(clocked())
         steps = be.last_direct_steps
     finally:
-        del model.forward, model.generate   # kvpass.compile set both on the instance
+        del model.forward, model.generate  # kvpass.compile set both on the instance
         model.generation_config.eos_token_id = eos
-    return {"generate_tpot_ms": min(rounds[False]), "generate_direct_tpot_ms": min(rounds[True]),
-            "generate_rounds_ms": {"usual": rounds[False], "direct": rounds[True]}, "generate_direct": repr(steps),
-            "generate_new": new, "generate_first_s": first, "generate_peak_GiB": peak_bytes() / 2**30,
-            "generate_graphs": be.graph_counts()}
+    return {
+        "generate_tpot_ms": min(rounds[False]),
+        "generate_direct_tpot_ms": min(rounds[True]),
+        "generate_rounds_ms": {"usual": rounds[False], "direct": rounds[True]},
+        "generate_direct": repr(steps),
+        "generate_new": new,
+        "generate_first_s": first,
+        "generate_peak_GiB": peak_bytes() / 2**30,
+        "generate_graphs": be.graph_counts(),
+    }
 
 
 def host_synced(step, nxt, pos, cache, n: int = HOST_STEPS) -> float:
@@ -242,12 +281,16 @@ def dynamo_spans(step, nxt, pos, cache, n: int = HOST_STEPS) -> dict:
     Cache Lookup" (the frame's guards, evaluated in C++ where cProfile cannot see them) and the compiled region
     (everything the compiled code does, the replay included)."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(n):
             step(nxt, pos + PROFILE_STEPS + 2 * HOST_STEPS + i, cache)
             sync()
-    return {e.key: e.cpu_time_total / n / 1e3 for e in prof.key_averages()
-            if "Dynamo" in e.key or "Compiled Region" in e.key}
+    return {
+        e.key: e.cpu_time_total / n / 1e3
+        for e in prof.key_averages()
+        if "Dynamo" in e.key or "Compiled Region" in e.key
+    }
 
 
 def host_profile(step, nxt, pos, cache, n: int = HOST_STEPS, top: int = 30) -> list[str]:
@@ -255,21 +298,26 @@ def host_profile(step, nxt, pos, cache, n: int = HOST_STEPS, top: int = 30) -> l
     the wait): the ``top`` functions by own time, as lines "ms per step, calls per step, function"."""
     import cProfile
     import pstats
+
     pr = cProfile.Profile()
     pr.enable()
     for i in range(n):
         step(nxt, pos + PROFILE_STEPS + i, cache)
         sync()
     pr.disable()
-    stats = pstats.Stats(pr).stats   # {(file, line, name): (calls, primitive calls, own time, cumulative, callers)}
+    stats = pstats.Stats(pr).stats  # {(file, line, name): (calls, primitive calls, own time, cumulative, callers)}
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [f"{own / n * 1e3:.3f} ms  {calls / n:g}x  {Path(f).name}:{line}({fn})  cum {cum / n * 1e3:.3f}"
-            for (f, line, fn), (calls, _, own, cum, _) in rows]
+    return [
+        f"{own / n * 1e3:.3f} ms  {calls / n:g}x  {Path(f).name}:{line}({fn})  cum {cum / n * 1e3:.3f}"
+        for (f, line, fn), (calls, _, own, cum, _) in rows
+    ]
 
 
-KINDS = (("all_reduce (NCCL, one-shot)", ("nccl", "all_reduce", "allreduce")),
-         ("attention (kvpass)", ("decode_attention", "kvpass")),
-         ("matmul", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "splitk")))
+KINDS = (
+    ("all_reduce (NCCL, one-shot)", ("nccl", "all_reduce", "allreduce")),
+    ("attention (kvpass)", ("decode_attention", "kvpass")),
+    ("matmul", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "splitk")),
+)
 
 
 def kinds_of(kernels: list) -> dict:
@@ -297,26 +345,38 @@ def run(args) -> None:
     torch._dynamo.config.accumulated_cache_size_limit = 512
     t = time.perf_counter()
     model = load(args.dir, tp)
-    if tp and args.one_shot:   # Inductor lowers small all_reduces to symmetric memory's one-shot (P2P, no multicast)
+    if tp and args.one_shot:  # Inductor lowers small all_reduces to symmetric memory's one-shot (P2P, no multicast)
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
         from torch.distributed.tensor import DTensor
+
         mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
         enable_symm_mem_for_group(mesh.get_group().group_name)
         torch._inductor.config._collective.auto_select = True
-    if args.blas:   # which BLAS library ATen's mm calls (cuBLAS picks split-K kernels for a rank's half-width GEMVs)
+    if args.blas:  # which BLAS library ATen's mm calls (cuBLAS picks split-K kernels for a rank's half-width GEMVs)
         torch.backends.cuda.preferred_blas_library(args.blas)
-    if args.mm_autotune:   # Inductor times its Triton mm templates against ATen's per shape and keeps the faster
+    if args.mm_autotune:  # Inductor times its Triton mm templates against ATen's per shape and keeps the faster
         torch._inductor.config.max_autotune_gemm = True
         torch._inductor.config.max_autotune_gemm_backends = "ATEN,TRITON"
-    result = {"device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor() or "cpu", "gpus": dist.get_world_size() if tp else 1,
-              "torch": torch.__version__, "transformers": tf.__version__, "python": platform.python_version(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": model.config.num_hidden_layers,
-              "budget": args.budget, "steps": args.steps, "load_s": time.perf_counter() - t,
-              "copy_bandwidth_GBps": copy_bandwidth(DEV) / 1e9, "compiler": args.compiler,
-              "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "one_shot_all_reduce": bool(args.one_shot),
-              "static_batch": bool(args.static_batch), "blas": str(torch.backends.cuda.preferred_blas_library()),
-              "mm_autotune": bool(args.mm_autotune),
-              "rows": []}
+    result = {
+        "device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor() or "cpu",
+        "gpus": dist.get_world_size() if tp else 1,
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "layers": model.config.num_hidden_layers,
+        "budget": args.budget,
+        "steps": args.steps,
+        "load_s": time.perf_counter() - t,
+        "copy_bandwidth_GBps": copy_bandwidth(DEV) / 1e9,
+        "compiler": args.compiler,
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+        "one_shot_all_reduce": bool(args.one_shot),
+        "static_batch": bool(args.static_batch),
+        "blas": str(torch.backends.cuda.preferred_blas_library()),
+        "mm_autotune": bool(args.mm_autotune),
+        "rows": [],
+    }
     if rank == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for ctx in (int(c) for c in args.contexts.split(",")):
@@ -325,8 +385,17 @@ def run(args) -> None:
         for name in args.configs.split(","):
             t0 = time.perf_counter()
             try:
-                row = run_one(model, name, ids, args.steps, args.budget, tp, args.compiler, args.profile,
-                              None if args.static_batch else True)
+                row = run_one(
+                    model,
+                    name,
+                    ids,
+                    args.steps,
+                    args.budget,
+                    tp,
+                    args.compiler,
+                    args.profile,
+                    None if args.static_batch else True,
+                )
                 if args.generate:
                     if DEV == "cuda":
                         torch.cuda.empty_cache()
@@ -349,13 +418,17 @@ def compare(args) -> None:
     one, two = (json.loads(Path(p).read_text()) for p in (args.one, args.two))
     key = lambda r: (r["config"], r["context"])  # noqa: E731
     base = {key(r): r for r in one["rows"] if "error" not in r}
-    lines = [f"# Tensor parallelism: {two['gpus']} x {two['device']} against 1 GPU ({one['device']})", "",
-             f"{one['layers']} layers, Llama-3.1-8B shape, bf16, batch 1, budget {one['budget']}, kvpass.SlotCache, "
-             f"reduce-overhead; torch {two['torch']}, transformers {two['transformers']}; {two['date']}; "
-             f"NCCL_NVLS_ENABLE={two.get('nccl_nvls_enable')}", "",
-             "| policy | context | TPOT 1 GPU ms | TPOT 2 GPUs ms | ratio | KV GiB 1 GPU | KV GiB per GPU (2) | "
-             "peak GiB 1 GPU | peak GiB per GPU (2) | first call 1 / 2 s | digests equal | tokens equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Tensor parallelism: {two['gpus']} x {two['device']} against 1 GPU ({one['device']})",
+        "",
+        f"{one['layers']} layers, Llama-3.1-8B shape, bf16, batch 1, budget {one['budget']}, kvpass.SlotCache, "
+        f"reduce-overhead; torch {two['torch']}, transformers {two['transformers']}; {two['date']}; "
+        f"NCCL_NVLS_ENABLE={two.get('nccl_nvls_enable')}",
+        "",
+        "| policy | context | TPOT 1 GPU ms | TPOT 2 GPUs ms | ratio | KV GiB 1 GPU | KV GiB per GPU (2) | "
+        "peak GiB 1 GPU | peak GiB per GPU (2) | first call 1 / 2 s | digests equal | tokens equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     summary = []
     for r in two["rows"]:
         b = base.get(key(r))
@@ -365,47 +438,79 @@ def compare(args) -> None:
         same = sum(x == y for x, y in zip(b["digests"], r["digests"]))
         toks = sum(x == y for x, y in zip(b["tokens"], r["tokens"]))
         ratio = r["tpot_ms"] / b["tpot_ms"]
-        lines.append(f"| {r['config']} | {r['context']} | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} | {ratio:.2f} | "
-                     f"{b['kv_GiB']:.2f} | {' / '.join(f'{x:.2f}' for x in r['kv_GiB_per_rank'])} | "
-                     f"{b['peak_GiB']:.1f} | {' / '.join(f'{x:.1f}' for x in r['peak_GiB_per_rank'])} | "
-                     f"{b['first_call_s']:.1f} / {r['first_call_s']:.1f} | {same}/{len(b['digests'])} | "
-                     f"{toks}/{len(b['tokens'])} |")
-        summary.append({"config": r["config"], "context": r["context"], "tpot_ratio": ratio,
-                        "kv_ratio_per_gpu": max(r["kv_GiB_per_rank"]) / b["kv_GiB"],
-                        "digests_equal": same / len(b["digests"]), "tokens_equal": toks / len(b["tokens"])})
+        lines.append(
+            f"| {r['config']} | {r['context']} | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} | {ratio:.2f} | "
+            f"{b['kv_GiB']:.2f} | {' / '.join(f'{x:.2f}' for x in r['kv_GiB_per_rank'])} | "
+            f"{b['peak_GiB']:.1f} | {' / '.join(f'{x:.1f}' for x in r['peak_GiB_per_rank'])} | "
+            f"{b['first_call_s']:.1f} / {r['first_call_s']:.1f} | {same}/{len(b['digests'])} | "
+            f"{toks}/{len(b['tokens'])} |"
+        )
+        summary.append(
+            {
+                "config": r["config"],
+                "context": r["context"],
+                "tpot_ratio": ratio,
+                "kv_ratio_per_gpu": max(r["kv_GiB_per_rank"]) / b["kv_GiB"],
+                "digests_equal": same / len(b["digests"]),
+                "tokens_equal": toks / len(b["tokens"]),
+            }
+        )
         if "generate_tpot_ms" in r and "generate_tpot_ms" in b:
             summary[-1]["generate_tpot_ratio"] = r["generate_tpot_ms"] / b["generate_tpot_ms"]
             summary[-1]["generate_direct_tpot_ratio"] = r["generate_direct_tpot_ms"] / b["generate_direct_tpot_ms"]
-    users = [(r, base[key(r)]) for r in two["rows"] if "generate_tpot_ms" in r and "generate_tpot_ms" in
-             base.get(key(r), {})]
-    if users:   # --generate: a decode step as model.generate through kvpass.compile pays it
-        lines += ["", "TPOT of `model.generate` through `kvpass.compile` (`--generate`: the user's step, HF's input "
-                  "preparation and kvpass's decoding loop included), beside the queued step above:", "",
-                  "| policy | context | steps | generate TPOT 1 GPU ms | 2 GPUs ms | ratio | queued step 1 GPU / 2 GPUs ms |",
-                  "|---|---|---|---|---|---|---|"]
+    users = [
+        (r, base[key(r)]) for r in two["rows"] if "generate_tpot_ms" in r and "generate_tpot_ms" in base.get(key(r), {})
+    ]
+    if users:  # --generate: a decode step as model.generate through kvpass.compile pays it
+        lines += [
+            "",
+            "TPOT of `model.generate` through `kvpass.compile` (`--generate`: the user's step, HF's input "
+            "preparation and kvpass's decoding loop included), beside the queued step above:",
+            "",
+            "| policy | context | steps | generate TPOT 1 GPU ms | 2 GPUs ms | ratio | queued step 1 GPU / 2 GPUs ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r, b in users:
             for kind, k in (("usual", "generate_tpot_ms"), ("direct", "generate_direct_tpot_ms")):
-                lines.append(f"| {r['config']} | {r['context']} | {kind} | {b[k]:.3f} | {r[k]:.3f} | {r[k] / b[k]:.2f} | "
-                             f"{b['tpot_ms']:.3f} / {r['tpot_ms']:.3f} |")
-    profiled = [(r, base[key(r)]) for r in two["rows"] if "device_ms_by_kind" in r and "device_ms_by_kind" in
-                base.get(key(r), {})]
-    if profiled:   # --profile: device time per step by kind of kernel, one GPU against rank 0 of two
-        lines += ["", "Device time per step (ms) by kind of kernel (`--profile`; two GPUs: rank 0), beside the step:", "",
-                  "| policy | context | kind | 1 GPU | 2 GPUs |", "|---|---|---|---|---|"]
+                lines.append(
+                    f"| {r['config']} | {r['context']} | {kind} | {b[k]:.3f} | {r[k]:.3f} | {r[k] / b[k]:.2f} | "
+                    f"{b['tpot_ms']:.3f} / {r['tpot_ms']:.3f} |"
+                )
+    profiled = [
+        (r, base[key(r)])
+        for r in two["rows"]
+        if "device_ms_by_kind" in r and "device_ms_by_kind" in base.get(key(r), {})
+    ]
+    if profiled:  # --profile: device time per step by kind of kernel, one GPU against rank 0 of two
+        lines += [
+            "",
+            "Device time per step (ms) by kind of kernel (`--profile`; two GPUs: rank 0), beside the step:",
+            "",
+            "| policy | context | kind | 1 GPU | 2 GPUs |",
+            "|---|---|---|---|---|",
+        ]
         for r, b in profiled:
             for kind, ms in r["device_ms_by_kind"].items():
-                lines.append(f"| {r['config']} | {r['context']} | {kind} | {b['device_ms_by_kind'][kind]:.3f} | {ms:.3f} |")
+                lines.append(
+                    f"| {r['config']} | {r['context']} | {kind} | {b['device_ms_by_kind'][kind]:.3f} | {ms:.3f} |"
+                )
             lines.append(f"| {r['config']} | {r['context']} | step (wall) | {b['tpot_ms']:.3f} | {r['tpot_ms']:.3f} |")
             if "host_ms" in r and "host_ms" in b:
                 ranks = " / ".join(f"{x:.3f}" for x in r.get("host_ms_per_rank", []))
-                lines.append(f"| {r['config']} | {r['context']} | host per step | {b['host_ms']:.3f} | {r['host_ms']:.3f}"
-                             f"{f' (ranks: {ranks})' if ranks else ''} |")
+                lines.append(
+                    f"| {r['config']} | {r['context']} | host per step | {b['host_ms']:.3f} | {r['host_ms']:.3f}"
+                    f"{f' (ranks: {ranks})' if ranks else ''} |"
+                )
             if "host_synced_ms" in r and "host_synced_ms" in b:
-                lines.append(f"| {r['config']} | {r['context']} | host per step, each step waited for | "
-                             f"{b['host_synced_ms']:.3f} | {r['host_synced_ms']:.3f} |")
+                lines.append(
+                    f"| {r['config']} | {r['context']} | host per step, each step waited for | "
+                    f"{b['host_synced_ms']:.3f} | {r['host_synced_ms']:.3f} |"
+                )
             for span in sorted(set(b.get("dynamo_spans_ms", {})) & set(r.get("dynamo_spans_ms", {}))):
-                lines.append(f"| {r['config']} | {r['context']} | host in \"{span}\" | "
-                             f"{b['dynamo_spans_ms'][span]:.3f} | {r['dynamo_spans_ms'][span]:.3f} |")
+                lines.append(
+                    f'| {r["config"]} | {r["context"]} | host in "{span}" | '
+                    f"{b['dynamo_spans_ms'][span]:.3f} | {r['dynamo_spans_ms'][span]:.3f} |"
+                )
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps(summary))
@@ -418,8 +523,11 @@ def main() -> None:
     s.add_argument("--dir", required=True)
     s.add_argument("--layers", type=int, default=32)
     s.add_argument("--tiny", action="store_true", help="the same layout at test size (a CPU smoke test)")
-    s.add_argument("--small", action="store_true",
-                   help="SmolLM2-135M's widths (30 layers with --layers 30): on one GPU a step the host can outlast")
+    s.add_argument(
+        "--small",
+        action="store_true",
+        help="SmolLM2-135M's widths (30 layers with --layers 30): on one GPU a step the host can outlast",
+    )
     r = sub.add_parser("run")
     r.add_argument("--dir", required=True)
     r.add_argument("--contexts", default="131072,32768")
@@ -428,23 +536,44 @@ def main() -> None:
     r.add_argument("--budget", type=int, default=2048)
     r.add_argument("--out", required=True)
     r.add_argument("--compiler", default="inductor", help="eager: the CPU smoke test")
-    r.add_argument("--one-shot", action="store_true",
-                   help="two GPUs: let Inductor lower the decode step's small all_reduces to symmetric memory's "
-                        "one-shot all-reduce (torch._inductor.config._collective.auto_select); needs --static-batch")
-    r.add_argument("--static-batch", action="store_true",
-                   help="torch.compile(dynamic=None): the batch stays static (the slots' capacity is symbolic either "
-                        "way); Inductor's one-shot lowering compares the all-reduce's size with a threshold and failed "
-                        "on a symbolic batch (torch 2.11, 2026-11-28)")
-    r.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
-                   help="torch.backends.cuda.preferred_blas_library for ATen's matmuls (default: torch's choice)")
-    r.add_argument("--mm-autotune", action="store_true",
-                   help="Inductor's max_autotune_gemm with Triton templates beside ATen (longer compile)")
-    r.add_argument("--generate", type=int, default=None, metavar="NEW",
-                   help="also time model.generate through kvpass.compile, NEW tokens a call, usual and with "
-                        "direct_steps (the user's TPOT on the host's clock at each step; compiles the policy once more)")
-    r.add_argument("--profile", action="store_true",
-                   help="on a GPU: a kernel table of a few more steps per row and its device time by kind "
-                        "(all-reduce, attention, matmul, other), to see where a two-GPU step loses")
+    r.add_argument(
+        "--one-shot",
+        action="store_true",
+        help="two GPUs: let Inductor lower the decode step's small all_reduces to symmetric memory's "
+        "one-shot all-reduce (torch._inductor.config._collective.auto_select); needs --static-batch",
+    )
+    r.add_argument(
+        "--static-batch",
+        action="store_true",
+        help="torch.compile(dynamic=None): the batch stays static (the slots' capacity is symbolic either "
+        "way); Inductor's one-shot lowering compares the all-reduce's size with a threshold and failed "
+        "on a symbolic batch (torch 2.11, 2026-11-28)",
+    )
+    r.add_argument(
+        "--blas",
+        choices=("cublas", "cublaslt"),
+        default=None,
+        help="torch.backends.cuda.preferred_blas_library for ATen's matmuls (default: torch's choice)",
+    )
+    r.add_argument(
+        "--mm-autotune",
+        action="store_true",
+        help="Inductor's max_autotune_gemm with Triton templates beside ATen (longer compile)",
+    )
+    r.add_argument(
+        "--generate",
+        type=int,
+        default=None,
+        metavar="NEW",
+        help="also time model.generate through kvpass.compile, NEW tokens a call, usual and with "
+        "direct_steps (the user's TPOT on the host's clock at each step; compiles the policy once more)",
+    )
+    r.add_argument(
+        "--profile",
+        action="store_true",
+        help="on a GPU: a kernel table of a few more steps per row and its device time by kind "
+        "(all-reduce, attention, matmul, other), to see where a two-GPU step loses",
+    )
     c = sub.add_parser("compare")
     c.add_argument("one")
     c.add_argument("two")

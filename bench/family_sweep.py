@@ -60,11 +60,11 @@ from pathlib import Path
 # what runs
 # -------------------------------------------------------------------------------------------------------
 
-BUDGET = 100_000   # far above PROMPT_LEN + NEW_TOKENS: no policy evicts anything
-POLICIES = {       # one policy of each kind kvpass has, at a setting that evicts nothing
-    "full": {},                    # identity: exact attention through kvpass's operator
+BUDGET = 100_000  # far above PROMPT_LEN + NEW_TOKENS: no policy evicts anything
+POLICIES = {  # one policy of each kind kvpass has, at a setting that evicts nothing
+    "full": {},  # identity: exact attention through kvpass's operator
     "snapkv": {"budget": BUDGET},  # prefill eviction
-    "h2o": {"budget": BUDGET},     # decode-time eviction
+    "h2o": {"budget": BUDGET},  # decode-time eviction
     # page policy; dense_layers=0: its default (2) keeps every layer of a 2-layer model dense (quest = full)
     "quest": {"budget": BUDGET, "dense_layers": 0},
     # gated prefill; layer=0: its default (layers // 2) is the last layer of a 2-layer model (no gate placed)
@@ -77,49 +77,163 @@ POLICIES = {       # one policy of each kind kvpass has, at a setting that evict
 PATHS = ("plain", "fast")
 VERDICTS = ("exact", "warned", "unapplied", "wrong", "crash")
 PROMPT_LEN, NEW_TOKENS, SEED = 24, 8, 0
-HEAD_SCALE = 8.0   # output head sharpened, so greedy decoding is not tie-prone (as tests/families.py)
+HEAD_SCALE = 8.0  # output head sharpened, so greedy decoding is not tie-prone (as tests/families.py)
 
 # -------------------------------------------------------------------------------------------------------
 # shrinking a config: generic rules over the config's own field names
 # -------------------------------------------------------------------------------------------------------
 
-NEW_LAYERS = 2        # at least; more where the per-layer lists have more kinds of layer (at most MAX_LAYERS)
+NEW_LAYERS = 2  # at least; more where the per-layer lists have more kinds of layer (at most MAX_LAYERS)
 MAX_LAYERS = 4
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-              "num_decoder_layers", "num_encoder_layers", "num_blocks")
+LAYER_KEYS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "decoder_layers",
+    "encoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+    "num_blocks",
+)
 SIZES = {  # field -> (new value, applied only when the field's value is larger)
-    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "emb_dim", "embedding_dim", "embed_dim", "dim",
-                     "attention_hidden_size", "lru_width", "input_embedding_size", "output_embedding_size",
-                     "embedding_size", "backbone_hidden_size"), 64),
-    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                     "encoder_attention_heads", "decoder_attention_heads", "swa_num_attention_heads",
-                     "linear_num_heads", "linear_num_value_heads", "index_n_heads"), 4),
-    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "multi_query_group_num",
-                     "num_query_groups", "swa_num_key_value_heads", "linear_num_key_heads"), 2),
-    **dict.fromkeys(("head_dim", "d_head", "attention_head_size", "dim_head", "kv_channels", "attention_head_dim",
-                     "swa_head_dim", "global_head_dim", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_head_dim", "index_head_dim", "v_head_dim", "qk_head_dim"), 16),
-    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),          # MLA: qk_head_dim = nope + rope
+    **dict.fromkeys(
+        (
+            "hidden_size",
+            "n_embd",
+            "d_model",
+            "emb_dim",
+            "embedding_dim",
+            "embed_dim",
+            "dim",
+            "attention_hidden_size",
+            "lru_width",
+            "input_embedding_size",
+            "output_embedding_size",
+            "embedding_size",
+            "backbone_hidden_size",
+        ),
+        64,
+    ),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "num_heads",
+            "n_heads",
+            "attention_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "swa_num_attention_heads",
+            "linear_num_heads",
+            "linear_num_value_heads",
+            "index_n_heads",
+        ),
+        4,
+    ),
+    **dict.fromkeys(
+        (
+            "num_key_value_heads",
+            "num_kv_heads",
+            "n_kv_heads",
+            "n_head_kv",
+            "multi_query_group_num",
+            "num_query_groups",
+            "swa_num_key_value_heads",
+            "linear_num_key_heads",
+        ),
+        2,
+    ),
+    **dict.fromkeys(
+        (
+            "head_dim",
+            "d_head",
+            "attention_head_size",
+            "dim_head",
+            "kv_channels",
+            "attention_head_dim",
+            "swa_head_dim",
+            "global_head_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_head_dim",
+            "index_head_dim",
+            "v_head_dim",
+            "qk_head_dim",
+        ),
+        16,
+    ),
+    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),  # MLA: qk_head_dim = nope + rope
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 32),
-    **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
-                     "zero_expert_num"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts",
-                     "num_selected_experts"), 2),
-    **dict.fromkeys(("n_group", "num_expert_group", "topk_group"), 1),     # expert groups: one group
-    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size", "unpadded_vocab_size",
-                     "output_vocab_size"), 128),
-    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions",
-                     "context_length", "model_max_length", "original_max_position_embeddings"), 512),
-    **dict.fromkeys(("sliding_window", "window_size", "attention_window_size", "sliding_window_size",
-                     "local_attention_window_len", "attention_chunk_size"), 8),   # shorter than the prompt
-    "hidden_size_per_layer_input": 16, "rotary_dim": 8, "index_num_heads": 2, "index_n_heads": 2,
-    "mamba_d_state": 16, "state_size": 16, "mamba_d_head": 16, "mamba_headdim": 16, "time_step_rank": 8,
+    **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "zero_expert_num"), 4),
+    **dict.fromkeys(
+        ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts", "num_selected_experts"),
+        2,
+    ),
+    **dict.fromkeys(("n_group", "num_expert_group", "topk_group"), 1),  # expert groups: one group
+    **dict.fromkeys(
+        ("vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size", "unpadded_vocab_size", "output_vocab_size"),
+        128,
+    ),
+    **dict.fromkeys(
+        (
+            "max_position_embeddings",
+            "n_positions",
+            "n_ctx",
+            "max_seq_len",
+            "max_target_positions",
+            "context_length",
+            "model_max_length",
+            "original_max_position_embeddings",
+        ),
+        512,
+    ),
+    **dict.fromkeys(
+        (
+            "sliding_window",
+            "window_size",
+            "attention_window_size",
+            "sliding_window_size",
+            "local_attention_window_len",
+            "attention_chunk_size",
+        ),
+        8,
+    ),  # shorter than the prompt
+    "hidden_size_per_layer_input": 16,
+    "rotary_dim": 8,
+    "index_num_heads": 2,
+    "index_n_heads": 2,
+    "mamba_d_state": 16,
+    "state_size": 16,
+    "mamba_d_head": 16,
+    "mamba_headdim": 16,
+    "time_step_rank": 8,
     # leading dense layers / layer periods: the two layers keep one of each kind
-    **dict.fromkeys(("first_k_dense_replace", "num_dense_layers", "num_dense_blocks", "moe_layer_start_index",
-                     "num_kv_shared_layers"), 1),
-    **dict.fromkeys(("sliding_window_pattern", "_sliding_window_pattern", "global_attn_every_n_layers",
-                     "global_attention_every_n_layers", "no_rope_layer_interval", "interleave_moe_layer_step",
-                     "attn_layer_period", "expert_layer_period", "decoder_sparse_step", "moe_layer_interval"), 2),
+    **dict.fromkeys(
+        (
+            "first_k_dense_replace",
+            "num_dense_layers",
+            "num_dense_blocks",
+            "moe_layer_start_index",
+            "num_kv_shared_layers",
+        ),
+        1,
+    ),
+    **dict.fromkeys(
+        (
+            "sliding_window_pattern",
+            "_sliding_window_pattern",
+            "global_attn_every_n_layers",
+            "global_attention_every_n_layers",
+            "no_rope_layer_interval",
+            "interleave_moe_layer_step",
+            "attn_layer_period",
+            "expert_layer_period",
+            "decoder_sparse_step",
+            "moe_layer_interval",
+        ),
+        2,
+    ),
     **dict.fromkeys(("attn_layer_offset", "expert_layer_offset"), 1),
 }
 INTERMEDIATE, MOE_INTERMEDIATE = 96, 32
@@ -127,7 +241,7 @@ EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_
 # a default some configs leave unset (None) although their model cannot be built without it
 NONE_DEFAULTS = {"head_dim": 16, "num_key_value_heads": 2, "num_experts_per_tok": 2}
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
-PROMPT_HIGH = 100     # prompt tokens are drawn from [3, PROMPT_HIGH); other special token ids go above it
+PROMPT_HIGH = 100  # prompt tokens are drawn from [3, PROMPT_HIGH); other special token ids go above it
 
 # The few fields the generic rules cannot guess, per model type. Keep it short; say why for each.
 OVERRIDES: dict[str, dict] = {
@@ -156,14 +270,23 @@ def _int(x) -> bool:
 
 def _index_list(k: str, v, old: int) -> bool:
     """A list of layer indices (``mlp_only_layers``, ``hybrid_layer_ids``...), not one entry per layer."""
-    return (isinstance(v, list) and bool(v) and len(v) != old and re.search(r"layer|idx|ids|indices", k) is not None
-            and all(_int(x) and 0 <= x < old for x in v))
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and len(v) != old
+        and re.search(r"layer|idx|ids|indices", k) is not None
+        and all(_int(x) and 0 <= x < old for x in v)
+    )
 
 
 def _layer_keyed(v, old: int) -> bool:
     """A dict keyed by layer index (``per_layer_config``: ``{"05": {...}}``)."""
-    return (isinstance(v, dict) and bool(v) and not _is_sub(v)
-            and all((_int(x) or isinstance(x, str) and x.isdigit()) and 0 <= int(x) < old for x in v))
+    return (
+        isinstance(v, dict)
+        and bool(v)
+        and not _is_sub(v)
+        and all((_int(x) or isinstance(x, str) and x.isdigit()) and 0 <= int(x) < old for x in v)
+    )
 
 
 def _layer_choice(d: dict, old: int) -> list[int]:
@@ -200,8 +323,11 @@ def _select_layers(d: dict, old: int) -> None:
             d[k] = [where[x] for x in v if x in where]
         elif _layer_keyed(v, old):
             width = max((len(x) for x in v if isinstance(x, str)), default=0)
-            d[k] = {(f"{where[int(x)]:0{width}d}" if isinstance(x, str) else where[x]): _fields(y)
-                    for x, y in v.items() if int(x) in where}
+            d[k] = {
+                (f"{where[int(x)]:0{width}d}" if isinstance(x, str) else where[x]): _fields(y)
+                for x, y in v.items()
+                if int(x) in where
+            }
         elif k == "moe_layer_end_index" and _int(v):
             d[k] = len(chosen) - 1
 
@@ -216,13 +342,13 @@ def _fields(d, special: dict | None = None):
         if isinstance(v, bool):
             continue
         if v is None and k in NONE_DEFAULTS:
-            d[k] = NONE_DEFAULTS[k]   # a default left unset, which the model cannot build without
+            d[k] = NONE_DEFAULTS[k]  # a default left unset, which the model cannot build without
         elif v is None:
             continue
         elif k in SIZES and _int(v) and v > SIZES[k]:
             d[k] = SIZES[k]
         elif k in SIZES and isinstance(v, list) and v and all(_int(x) for x in v):
-            d[k] = [min(x, SIZES[k]) for x in v]   # a per-layer size list
+            d[k] = [min(x, SIZES[k]) for x in v]  # a per-layer size list
         elif re.search(r"intermediate|ffn|n_inner|^dff$|^d_inner$|^dim_ff$", k) and not re.search(r"mult|factor", k):
             new = MOE_INTERMEDIATE if re.search(r"moe|expert", k) and "shared" not in k else INTERMEDIATE
             if _int(v) and v > new:
@@ -236,7 +362,7 @@ def _fields(d, special: dict | None = None):
             d[k] = special.setdefault(v, 127 - len(special))
     heads = next((k for k in ("num_attention_heads", "n_head", "num_heads", "n_heads") if _int(orig.get(k))), None)
     if heads and _int(orig.get("num_key_value_heads")) and orig["num_key_value_heads"] == orig[heads]:
-        d["num_key_value_heads"] = d[heads]    # multi-head attention stays so (MLA requires it)
+        d["num_key_value_heads"] = d[heads]  # multi-head attention stays so (MLA requires it)
     return d
 
 
@@ -277,7 +403,7 @@ def shrink_dict(d: dict, special: dict | None = None) -> dict:
     if "tie_word_embeddings" in d:
         d["tie_word_embeddings"] = False
     if "is_decoder" in d:
-        d["is_decoder"] = True   # BERT-like types: their causal LM head needs it
+        d["is_decoder"] = True  # BERT-like types: their causal LM head needs it
     if "use_cache" in d:
         d["use_cache"] = True
     d["dtype"] = "float32"
@@ -338,16 +464,24 @@ class Unsupported(Exception):
 
 def prompt(vocab: int):
     import torch
+
     g = torch.Generator().manual_seed(SEED)
     return torch.randint(3, min(PROMPT_HIGH, vocab), (1, PROMPT_LEN), generator=g)
 
 
 def generate(model, ids) -> list[int]:
     import torch
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
     seq = out.sequences if hasattr(out, "sequences") else out
-    return seq[0, ids.shape[1]:].tolist()
+    return seq[0, ids.shape[1] :].tolist()
 
 
 def first_line(e: BaseException) -> str:
@@ -371,7 +505,7 @@ def kvpass_frame(e: BaseException) -> str:
         for fs in reversed(traceback.extract_tb(x.__traceback__)):
             parts = Path(fs.filename).parts
             if "kvpass" in parts:
-                return f"{'/'.join(parts[parts.index('kvpass'):])}:{fs.lineno} in {fs.name}"
+                return f"{'/'.join(parts[parts.index('kvpass') :])}:{fs.lineno} in {fs.name}"
     return ""
 
 
@@ -387,6 +521,7 @@ def is_refusal(e: BaseException) -> bool:
     "kvpass bug: ..." assertion), or the model's own error with kvpass's note naming the way on (the model's code
     cannot run on kvpass.compile's static-shape SlotCache)."""
     import kvpass
+
     for x in _chain(e):
         if isinstance(x, kvpass.ConfigError):
             return True
@@ -429,8 +564,8 @@ def run_one(model, ids, ref: list[int], path: str, policy: str, params: dict) ->
         except Exception as e:  # noqa: BLE001  (every failure is a verdict)
             error = e
         finally:
-            model.__dict__.pop("forward", None)    # both paths set forward on the instance
-            model.__dict__.pop("generate", None)   # kvpass.compile's FastGenerate
+            model.__dict__.pop("forward", None)  # both paths set forward on the instance
+            model.__dict__.pop("generate", None)  # kvpass.compile's FastGenerate
             torch._dynamo.reset()
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     warned = [str(w.message) for w in caught if issubclass(w.category, kvpass.KVPassWarning)]
@@ -508,8 +643,10 @@ def run_type(model_type: str, policies=tuple(POLICIES), paths=PATHS, emit=None) 
 def worker(model_type: str, policies: list[str], paths: list[str], threads: int) -> None:
     """``--worker``: run_type, one JSON line per record on stdout."""
     import torch
+
     torch.set_num_threads(threads)
     import transformers
+
     transformers.logging.set_verbosity_error()
 
     def emit(rec):
@@ -519,19 +656,31 @@ def worker(model_type: str, policies: list[str], paths: list[str], threads: int)
     run_type(model_type, policies, paths, emit)
 
 
-def run_type_subprocess(model_type: str, policies: list[str], paths: list[str], timeout: float,
-                        threads: int = 1) -> list[dict]:
+def run_type_subprocess(
+    model_type: str, policies: list[str], paths: list[str], timeout: float, threads: int = 1
+) -> list[dict]:
     """``run_type`` in a fresh Python process, killed after ``timeout`` seconds; the runs it did not finish
     are crash records (timeout / died)."""
     env = dict(os.environ)
-    env.setdefault("TRITON_INTERPRET", "1")   # no GPU: kvpass's Triton kernels run interpreted (as the tests)
+    env.setdefault("TRITON_INTERPRET", "1")  # no GPU: kvpass's Triton kernels run interpreted (as the tests)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_type, "--policies", ",".join(policies),
-           "--paths", ",".join(paths), "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        model_type,
+        "--policies",
+        ",".join(policies),
+        "--paths",
+        ",".join(paths),
+        "--threads",
+        str(threads),
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=os.setsid)  # its own process group: a Ctrl-C reaches the sweep, not the worker
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=os.setsid
+    )  # its own process group: a Ctrl-C reaches the sweep, not the worker
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         why = None if proc.returncode == 0 else f"died (exit code {proc.returncode})"
@@ -561,10 +710,22 @@ def run_type_subprocess(model_type: str, policies: list[str], paths: list[str], 
                     if running == f"{path}/{policy}" or (running is None and not done and not records):
                         detail = f"{why}" + (f"; stderr: {tail[0][:200]}" if tail else "")
                     else:
-                        detail = f"not run: the subprocess {why.split(' (')[0].split(' after')[0]} during " \
-                                 f"{running or 'the build or the uncompiled generate'}"
-                    records.append({"type": model_type, **info, "path": path, "policy": policy,
-                                    "verdict": "crash", "error": why.split()[0], "message": detail, "frame": ""})
+                        detail = (
+                            f"not run: the subprocess {why.split(' (')[0].split(' after')[0]} during "
+                            f"{running or 'the build or the uncompiled generate'}"
+                        )
+                    records.append(
+                        {
+                            "type": model_type,
+                            **info,
+                            "path": path,
+                            "policy": policy,
+                            "verdict": "crash",
+                            "error": why.split()[0],
+                            "message": detail,
+                            "frame": "",
+                        }
+                    )
     for rec in records:
         rec.setdefault("type_s", round(time.perf_counter() - t0, 1))
     return records
@@ -578,11 +739,14 @@ def run_type_subprocess(model_type: str, policies: list[str], paths: list[str], 
 def header(argv: list[str]) -> list[str]:
     import torch
     import transformers
-    return [f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
-            f"- command: `{' '.join([os.path.relpath(sys.argv[0]) if sys.argv else 'family_sweep.py', *argv])}`",
-            f"- prompt {PROMPT_LEN} random token ids, {NEW_TOKENS} new tokens greedy, fp32, CPU, "
-            f"compiler='eager', budget={BUDGET} (nothing evicted)"]
+
+    return [
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
+        f"- command: `{' '.join([os.path.relpath(sys.argv[0]) if sys.argv else 'family_sweep.py', *argv])}`",
+        f"- prompt {PROMPT_LEN} random token ids, {NEW_TOKENS} new tokens greedy, fp32, CPU, "
+        f"compiler='eager', budget={BUDGET} (nothing evicted)",
+    ]
 
 
 def detail(rec: dict) -> str:
@@ -605,27 +769,49 @@ def write_markdown(records: list[dict], path: Path, argv: list[str], policies, p
     cols = [(p, q) for p in paths for q in policies]
     by = {(r["type"], r.get("path"), r.get("policy")): r for r in records}
     skips = {r["type"]: r for r in records if r["verdict"] == "skip"}
-    lines = ["# kvpass family sweep", "", *header(argv), "",
-             f"{len(types)} types: {len(types) - len(skips)} ran, {len(skips)} skipped.", "",
-             "## Verdicts per path and policy", "",
-             "| path | policy | " + " | ".join(VERDICTS) + " |", "|---|---|" + "---:|" * len(VERDICTS)]
+    lines = [
+        "# kvpass family sweep",
+        "",
+        *header(argv),
+        "",
+        f"{len(types)} types: {len(types) - len(skips)} ran, {len(skips)} skipped.",
+        "",
+        "## Verdicts per path and policy",
+        "",
+        "| path | policy | " + " | ".join(VERDICTS) + " |",
+        "|---|---|" + "---:|" * len(VERDICTS),
+    ]
     for p, q in cols:
-        n = {v: sum(1 for r in records if r.get("path") == p and r.get("policy") == q and r["verdict"] == v)
-             for v in VERDICTS}
+        n = {
+            v: sum(1 for r in records if r.get("path") == p and r.get("policy") == q and r["verdict"] == v)
+            for v in VERDICTS
+        }
         lines.append(f"| {p} | {q} | " + " | ".join(str(n[v]) for v in VERDICTS) + " |")
-    lines += ["", "## Per type", "",
-              "| type | model | attn | " + " | ".join(f"{p}/{q}" for p, q in cols) + " | s |",
-              "|---|---|---|" + "---|" * len(cols) + "---:|"]
+    lines += [
+        "",
+        "## Per type",
+        "",
+        "| type | model | attn | " + " | ".join(f"{p}/{q}" for p, q in cols) + " | s |",
+        "|---|---|---|" + "---|" * len(cols) + "---:|",
+    ]
     for t in types:
         if t in skips:
             lines.append(f"| {t} | {skips[t].get('model', '')} | | skip" + " |" * len(cols) + " |")
             continue
         row = [by.get((t, p, q), {}).get("verdict", "-") for p, q in cols]
         any_rec = next((r for r in records if r["type"] == t), {})
-        lines.append(f"| {t} | {any_rec.get('model', '')} | {any_rec.get('attn', '')} | " + " | ".join(row)
-                     + f" | {any_rec.get('type_s', '')} |")
-    lines += ["", "## Every verdict other than exact", "", "| type | path/policy | verdict | detail |",
-              "|---|---|---|---|"]
+        lines.append(
+            f"| {t} | {any_rec.get('model', '')} | {any_rec.get('attn', '')} | "
+            + " | ".join(row)
+            + f" | {any_rec.get('type_s', '')} |"
+        )
+    lines += [
+        "",
+        "## Every verdict other than exact",
+        "",
+        "| type | path/policy | verdict | detail |",
+        "|---|---|---|---|",
+    ]
     for r in records:
         if r["verdict"] != "exact":
             where = f"{r['path']}/{r['policy']}" if r.get("path") else ""
@@ -640,6 +826,7 @@ def write_markdown(records: list[dict], path: Path, argv: list[str], policies, p
 
 def all_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
@@ -650,10 +837,17 @@ def _csv(s: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", type=_csv, help="comma-separated model types (default: every type of "
-                    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)")
-    ap.add_argument("--policies", type=_csv, default=list(POLICIES),
-                    help=f"comma-separated policies, of {', '.join(POLICIES)} (default: all)")
+    ap.add_argument(
+        "--types",
+        type=_csv,
+        help="comma-separated model types (default: every type of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)",
+    )
+    ap.add_argument(
+        "--policies",
+        type=_csv,
+        default=list(POLICIES),
+        help=f"comma-separated policies, of {', '.join(POLICIES)} (default: all)",
+    )
     ap.add_argument("--paths", type=_csv, default=list(PATHS), help="plain, fast or both (default: both)")
     ap.add_argument("--timeout", type=float, default=180, help="seconds per type, all its runs (default 180)")
     ap.add_argument("--jobs", type=int, default=1, help="types run in parallel subprocesses (default 1)")
@@ -688,10 +882,16 @@ def main(argv: list[str] | None = None) -> int:
                 for r in recs:
                     f.write(json.dumps(r) + "\n")
             done[0] += 1
-            verdicts = ("skip: " + recs[0].get("detail", "")[:100] if recs and recs[0]["verdict"] == "skip" else
-                        " ".join(f"{r['path']}/{r['policy']}={r['verdict']}" for r in recs))
-            print(f"[{done[0]}/{len(types)}] {t}: {verdicts} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-                  flush=True)
+            verdicts = (
+                "skip: " + recs[0].get("detail", "")[:100]
+                if recs and recs[0]["verdict"] == "skip"
+                else " ".join(f"{r['path']}/{r['policy']}={r['verdict']}" for r in recs)
+            )
+            print(
+                f"[{done[0]}/{len(types)}] {t}: {verdicts} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             order = {t: i for i, t in enumerate(types)}
             records.sort(key=lambda r: order.get(r["type"], 0))
             write_markdown(records, md, argv, args.policies, args.paths)

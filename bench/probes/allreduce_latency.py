@@ -3,6 +3,7 @@
 
     torchrun --nproc_per_node 2 bench/probes/allreduce_latency.py
 """
+
 import json
 import os
 import time
@@ -44,6 +45,15 @@ for _ in range(20):
 torch.cuda.synchronize()
 graph = (time.perf_counter() - t) / 20
 if dist.get_rank() == 0:
-    print(json.dumps({"all_reduces_per_step": 64, "eager_ms": eager * 1e3, "cuda_graph_ms": graph * 1e3,
-                      "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}), flush=True)
+    print(
+        json.dumps(
+            {
+                "all_reduces_per_step": 64,
+                "eager_ms": eager * 1e3,
+                "cuda_graph_ms": graph * 1e3,
+                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+            }
+        ),
+        flush=True,
+    )
 dist.destroy_process_group()

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kvpass  # noqa: E402
-from kvpass.eval import models
 from kvpass.cli import parse_length
+from kvpass.eval import models
 from kvpass.eval import tasks as T
 
 TAUS = (0.3, 0.5, 0.7, 0.9)
@@ -40,11 +40,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    model, tok = models.load(args.model, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
-                             device=args.device)
+    model, tok = models.load(
+        args.model, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16, device=args.device
+    )
     depths = [float(d) for d in args.depths.split(",")]
-    tasks = [t for family in args.task.split(",") for n in args.lengths.split(",")
-             for t in T.build(family, tok, [parse_length(n)], **({"depths": depths} if family == "niah" else {}))]
+    tasks = [
+        t
+        for family in args.task.split(",")
+        for n in args.lengths.split(",")
+        for t in T.build(family, tok, [parse_length(n)], **({"depths": depths} if family == "niah" else {}))
+    ]
     be = kvpass.backend("asl", compiler="eager", budget=args.budget, tau=0.0)
     fwd = torch.compile(model.forward, backend=be, fullgraph=True, dynamic=True)
     rows = []
@@ -55,24 +60,39 @@ def main() -> None:
         info = be.gate_info
         ratios = {int(k): v[0] for k, v in (info or {}).get("ratios", {}).items()}
         rows.append(dict(task=task.name, length=len(task.input_ids), ratios=ratios))
-        print(f"[{i + 1}/{len(tasks)}] {task.name} {len(task.input_ids)}: min ratio "
-              f"{min(ratios.values(), default=float('nan')):.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        print(
+            f"[{i + 1}/{len(tasks)}] {task.name} {len(task.input_ids)}: min ratio "
+            f"{min(ratios.values(), default=float('nan')):.3f} ({time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ratios.json").write_text(json.dumps(dict(model=args.model, budget=args.budget, rows=rows,
-                                                          torch=torch.__version__), indent=1))
-    lines = [f"# ASL's rank-variance ratio per layer: {args.model}, budget {args.budget}, {len(rows)} prompts "
-             f"({args.task} at {args.lengths}; {args.device}, torch {torch.__version__})", "",
-             "The rule selects the first candidate layer whose ratio var/var0 is below tau (prompts no longer "
-             "than the budget have no ratios: nothing to select).", "",
-             "| tau | prompts that select | selection layers |", "|---|---|---|"]
+    (args.out / "ratios.json").write_text(
+        json.dumps(dict(model=args.model, budget=args.budget, rows=rows, torch=torch.__version__), indent=1)
+    )
+    lines = [
+        f"# ASL's rank-variance ratio per layer: {args.model}, budget {args.budget}, {len(rows)} prompts "
+        f"({args.task} at {args.lengths}; {args.device}, torch {torch.__version__})",
+        "",
+        "The rule selects the first candidate layer whose ratio var/var0 is below tau (prompts no longer "
+        "than the budget have no ratios: nothing to select).",
+        "",
+        "| tau | prompts that select | selection layers |",
+        "|---|---|---|",
+    ]
     with_ratios = [r for r in rows if r["ratios"]]
     for tau in TAUS:
-        layers = Counter(next((layer for layer, x in sorted(r["ratios"].items()) if x < tau), None)
-                         for r in with_ratios)
+        layers = Counter(
+            next((layer for layer, x in sorted(r["ratios"].items()) if x < tau), None) for r in with_ratios
+        )
         fired = sum(v for k, v in layers.items() if k is not None)
-        lines.append(f"| {tau} | {fired} / {len(with_ratios)} | " + ", ".join(
-            f"{'none' if k is None else k} x{v}" for k, v in sorted(layers.items(), key=lambda kv: (kv[0] is None,
-                                                                                                   kv[0] or 0))) + " |")
+        lines.append(
+            f"| {tau} | {fired} / {len(with_ratios)} | "
+            + ", ".join(
+                f"{'none' if k is None else k} x{v}"
+                for k, v in sorted(layers.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+            )
+            + " |"
+        )
     per_layer = {}
     for r in with_ratios:
         for layer, x in r["ratios"].items():

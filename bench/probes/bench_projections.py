@@ -28,29 +28,41 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 def weights(share: int, tiny: bool, device, dtype) -> dict:
     """One layer's projection weights at ``1 / share`` of the heads and of the MLP (a rank's columns / rows)."""
     scale = 32 if tiny else 1
-    h, q, kv, inter = HIDDEN // scale, HEADS * HEAD_DIM // share // scale, KV_HEADS * HEAD_DIM // share // scale, \
-        INTER // share // scale
+    h, q, kv, inter = (
+        HIDDEN // scale,
+        HEADS * HEAD_DIM // share // scale,
+        KV_HEADS * HEAD_DIM // share // scale,
+        INTER // share // scale,
+    )
     g = torch.Generator(device=device).manual_seed(0)
 
     def w(n, k):
         return torch.empty(n, k, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
-    ws = {"q": w(q, h), "k": w(kv, h), "v": w(kv, h), "o": w(h, q), "gate": w(inter, h), "up": w(inter, h),
-          "down": w(h, inter)}
-    ws["qkv"] = torch.cat([ws["q"], ws["k"], ws["v"]])       # once, as a fused model would hold them
+
+    ws = {
+        "q": w(q, h),
+        "k": w(kv, h),
+        "v": w(kv, h),
+        "o": w(h, q),
+        "gate": w(inter, h),
+        "up": w(inter, h),
+        "down": w(h, inter),
+    }
+    ws["qkv"] = torch.cat([ws["q"], ws["k"], ws["v"]])  # once, as a fused model would hold them
     ws["gate_up"] = torch.cat([ws["gate"], ws["up"]])
     return ws
 
 
 def separate(x, ws):
     q = F.linear(x, ws["q"])
-    F.linear(x, ws["k"]), F.linear(x, ws["v"])              # unused here: a CUDA graph keeps every launch
-    o = F.linear(q, ws["o"])                                  # (q stands in for the attention's output)
+    F.linear(x, ws["k"]), F.linear(x, ws["v"])  # unused here: a CUDA graph keeps every launch
+    o = F.linear(q, ws["o"])  # (q stands in for the attention's output)
     return F.linear(F.linear(o, ws["gate"]) * F.linear(o, ws["up"]), ws["down"])
 
 
 def fused(x, ws):
     qkv = F.linear(x, ws["qkv"])
-    q = qkv[:, :ws["q"].shape[0]]
+    q = qkv[:, : ws["q"].shape[0]]
     o = F.linear(q, ws["o"])
     gate, up = F.linear(o, ws["gate_up"]).chunk(2, -1)
     return F.linear(gate * up, ws["down"])
@@ -97,13 +109,21 @@ def main() -> None:
         read = sum(ws[k].numel() * ws[k].element_size() for k in ("q", "k", "v", "o", "gate", "up", "down"))
         for b in (int(s) for s in args.batches.split(",")):
             x = torch.randn(b, ws["q"].shape[1], device=device, dtype=dtype)
-            a, b_ = fused(x, ws).float(), separate(x, ws).float()   # bf16 rounds the chains apart: a relative norm
+            a, b_ = fused(x, ws).float(), separate(x, ws).float()  # bf16 rounds the chains apart: a relative norm
             assert (a - b_).norm() <= 2e-2 * b_.norm(), f"fused and separate differ: {(a - b_).norm() / b_.norm():.3g}"
             t_sep, t_fused = (timed(fn, x, ws, args.reps, args.iters) for fn in (separate, fused))
-            row = {"share": share, "batch": b, "weight_MB": read / 1e6, "separate_us": t_sep * 1e6,
-                   "fused_us": t_fused * 1e6, "saved_us_per_layer": (t_sep - t_fused) * 1e6,
-                   "separate_TBps": read / t_sep / 1e12, "fused_TBps": read / t_fused / 1e12, "device": str(device)
-                   if device == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__}
+            row = {
+                "share": share,
+                "batch": b,
+                "weight_MB": read / 1e6,
+                "separate_us": t_sep * 1e6,
+                "fused_us": t_fused * 1e6,
+                "saved_us_per_layer": (t_sep - t_fused) * 1e6,
+                "separate_TBps": read / t_sep / 1e12,
+                "fused_TBps": read / t_fused / 1e12,
+                "device": str(device) if device == "cpu" else torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:

@@ -32,12 +32,15 @@ def main() -> None:
     ap.add_argument("--policy", default="full")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
-    ap.add_argument("--generate", action="store_true",
-                    help="kvpass.compile and generate(ids, max_new_tokens=1), as a user calls it, instead of "
-                         "the forward compiled by hand (which at 128k builds the model's L x L masks)")
+    ap.add_argument(
+        "--generate",
+        action="store_true",
+        help="kvpass.compile and generate(ids, max_new_tokens=1), as a user calls it, instead of "
+        "the forward compiled by hand (which at 128k builds the model's L x L masks)",
+    )
     args = ap.parse_args()
     model = llama8b(args.layers)
-    torch.backends.cuda.enable_cudnn_sdp(False)   # as the benchmark's kvpass rows
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as the benchmark's kvpass rows
     params = {} if args.policy in ("full", "art") else {"budget": args.budget}
     ids = torch.randint(10, 128000, (1, args.context), device="cuda")
     if args.generate:
@@ -56,7 +59,7 @@ def main() -> None:
                 fwd(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             torch.cuda.synchronize()
 
-    prefill()                                   # compiles
+    prefill()  # compiles
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
@@ -66,12 +69,15 @@ def main() -> None:
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     allocs, live, total, top, at_peak = [], {}, 0, 0, []
-    for trace in snap.get("device_traces", [[]])[0]:   # replayed: what was alive when the peak was reached
+    for trace in snap.get("device_traces", [[]])[0]:  # replayed: what was alive when the peak was reached
         size, action = trace.get("size", 0), trace.get("action")
         if action == "alloc":
-            frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in trace.get("frames", [])
-                      if f["filename"].endswith(".py") and ("site-packages/torch/" not in f["filename"]
-                                                            or "transformers" in f["filename"])]
+            frames = [
+                f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+                for f in trace.get("frames", [])
+                if f["filename"].endswith(".py")
+                and ("site-packages/torch/" not in f["filename"] or "transformers" in f["filename"])
+            ]
             if size >= 256 << 20:
                 allocs.append({"GiB": size / 2**30, "frames": frames[:8]})
             live[trace["addr"]] = (size, frames[:6])
@@ -82,15 +88,32 @@ def main() -> None:
         elif action in ("free_requested", "free") and trace.get("addr") in live:
             total -= live.pop(trace["addr"])[0]
     allocs.sort(key=lambda a: -a["GiB"])
-    at_peak = [{"GiB": round(size / 2**30, 3), "frames": frames} for size, frames in sorted(at_peak, key=lambda v: -v[0])]
+    at_peak = [
+        {"GiB": round(size / 2**30, 3), "frames": frames} for size, frames in sorted(at_peak, key=lambda v: -v[0])
+    ]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         prefill()
-    kernels = [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
-               for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
-    print(json.dumps({"policy": args.policy, "context": args.context, "layers": args.layers, "wall_s": wall,
-                      "peak_over_base_GiB": (torch.cuda.max_memory_allocated() - base) / 2**30,
-                      "traced_peak_GiB": top / 2**30, "live_at_peak_GiB": sum(a["GiB"] for a in at_peak),
-                      "live_at_peak": at_peak[:40], "largest_allocs": allocs[:12], "kernels": kernels}, indent=1))
+    kernels = [
+        {"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]
+    ]
+    print(
+        json.dumps(
+            {
+                "policy": args.policy,
+                "context": args.context,
+                "layers": args.layers,
+                "wall_s": wall,
+                "peak_over_base_GiB": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                "traced_peak_GiB": top / 2**30,
+                "live_at_peak_GiB": sum(a["GiB"] for a in at_peak),
+                "live_at_peak": at_peak[:40],
+                "largest_allocs": allocs[:12],
+                "kernels": kernels,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,14 @@ import kvpass  # noqa: E402
 
 torch._logging.set_logs(recompiles=True)
 logging.getLogger("torch._dynamo").setLevel(logging.INFO)
-cfg = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=2)
+cfg = tf.LlamaConfig(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 model = tf.LlamaForCausalLM(cfg).cuda().eval()
 for dynamic, mode in ((True, "reduce-overhead"), (True, None), (None, "reduce-overhead")):
     torch._dynamo.reset()

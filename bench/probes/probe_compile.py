@@ -81,12 +81,21 @@ def main() -> None:
     gen(model, prompt(2000), 32)
     torch.cuda.synchronize()
     total = time.perf_counter() - t0
-    row = {"policy": args.policy, "layers": args.layers, "memo": args.memo, "first_call_s": round(total, 2),
-           "identify_mutated_tensors": {"calls": calls["n"], "seconds": round(calls["seconds"], 2),
-                                        "memo_hits": calls["memo_hits"]},
-           "shared_layers": {r.phase: r.shared_layers for r in be.reports},
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True)}
+    row = {
+        "policy": args.policy,
+        "layers": args.layers,
+        "memo": args.memo,
+        "first_call_s": round(total, 2),
+        "identify_mutated_tensors": {
+            "calls": calls["n"],
+            "seconds": round(calls["seconds"], 2),
+            "memo_hits": calls["memo_hits"],
+        },
+        "shared_layers": {r.phase: r.shared_layers for r in be.reports},
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
+    }
     print(json.dumps({k: v for k, v in row.items() if k != "compile_times"}), flush=True)
     Path(args.out).write_text(json.dumps(row, indent=1))
 

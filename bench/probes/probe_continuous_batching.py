@@ -17,6 +17,7 @@ refuses the site.
 
     python bench/probes/probe_continuous_batching.py [--policy streamingllm] [--dynamic] [--trace-update]
 """
+
 import argparse
 import warnings
 
@@ -33,8 +34,9 @@ PARAMS = {"streamingllm": dict(budget=16, sinks=2), "quest": dict(dense_layers=0
 def run(model, prompts, backend=None, dynamic=None):
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
     compile_config = None if backend is None else CompileConfig(backend=backend, mode="default", dynamic=dynamic)
-    cb = ContinuousBatchingConfig(num_blocks=16, page_size=16, max_batch_tokens=64,
-                                  varlen_compile_config=compile_config)
+    cb = ContinuousBatchingConfig(
+        num_blocks=16, page_size=16, max_batch_tokens=64, varlen_compile_config=compile_config
+    )
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     return [out[k].generated_tokens for k in sorted(out)]
 
@@ -46,8 +48,15 @@ def main():
     ap.add_argument("--trace-update", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).eval()
     prompts = [[1, 5, 9, 13, 17], [2, 4, 6], [7, 8, 9, 10, 11, 12, 13]]

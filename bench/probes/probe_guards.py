@@ -22,10 +22,11 @@ import torch
 import torch._dynamo.guards as dynamo_guards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_fastpath import clocked_tpot, gen  # noqa: E402
 from probe_host import each_policy, probe_args, save  # noqa: E402
 
-_built: list = []   # (CheckFunctionManager, the frame's locals) of every entry compiled since the last clear
+from bench_fastpath import clocked_tpot, gen  # noqa: E402
+
+_built: list = []  # (CheckFunctionManager, the frame's locals) of every entry compiled since the last clear
 
 
 def _record_guards() -> None:
@@ -43,11 +44,16 @@ def guard_costs(iters: int) -> list[dict]:
     for manager, scope in _built:
         gm = manager.guard_manager
         diff = gm.diff_guard_root
-        rows.append({"guards": len(gm.code_parts),
-                     "all_us": round(dynamo_guards.profile_guard_manager(gm.root, scope, iters), 1),
-                     "differentiating_us": None if diff is None else
-                     round(dynamo_guards.profile_guard_manager(diff, scope, iters), 1),
-                     "differentiating_sources": len(gm.diff_guard_sources)})
+        rows.append(
+            {
+                "guards": len(gm.code_parts),
+                "all_us": round(dynamo_guards.profile_guard_manager(gm.root, scope, iters), 1),
+                "differentiating_us": None
+                if diff is None
+                else round(dynamo_guards.profile_guard_manager(diff, scope, iters), 1),
+                "differentiating_sources": len(gm.diff_guard_sources),
+            }
+        )
     return rows
 
 
@@ -58,19 +64,22 @@ def main() -> None:
     _record_guards()
     rows = []
     for model, policy, ids in each_policy(args):
-        _built.clear()   # the entries compiled for this policy only (each_policy reset Dynamo)
-        gen(model, ids, 2 * args.new)   # compiles, builds the cache, records the CUDA graphs
+        _built.clear()  # the entries compiled for this policy only (each_policy reset Dynamo)
+        gen(model, ids, 2 * args.new)  # compiles, builds the cache, records the CUDA graphs
         row = {"policy": policy, "entries": guard_costs(args.iters)}
         tpot, skip = [], []
-        for _ in range(3):   # alternated: the host's noise falls on both
+        for _ in range(3):  # alternated: the host's noise falls on both
             tpot.append(clocked_tpot(model, ids, args.new))
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 skip.append(clocked_tpot(model, ids, args.new))
         want = gen(model, ids, 32)
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             got = gen(model, ids, 32)
-        row.update(generate_tpot_ms=round(min(tpot) * 1e3, 3), skip_guards_tpot_ms=round(min(skip) * 1e3, 3),
-                   same_tokens=bool(torch.equal(want, got)))
+        row.update(
+            generate_tpot_ms=round(min(tpot) * 1e3, 3),
+            skip_guards_tpot_ms=round(min(skip) * 1e3, 3),
+            same_tokens=bool(torch.equal(want, got)),
+        )
         rows.append(row)
         print(row, flush=True)
         save(args, rows)

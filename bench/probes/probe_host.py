@@ -31,8 +31,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from kvpass.generate import decode_loop  # noqa: E402
 from bench_fastpath import bare_loops, clocked_tpot, gen, prompt  # noqa: E402
+from kvpass.generate import decode_loop  # noqa: E402
 from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
 
 
@@ -43,20 +43,24 @@ def sections(model, ids, new: int) -> dict[str, float]:
     spent: dict[str, list[float]] = {}
 
     def timed(label, fn):
-        @functools.wraps(fn)   # HF reads the forward's signature
+        @functools.wraps(fn)  # HF reads the forward's signature
         def run(*a, **kw):
             t = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
                 spent.setdefault(label, []).append(time.perf_counter() - t)
+
         return run
 
-    parts = {"prepare_inputs": (model, "prepare_inputs_for_generation"),
-             "update_kwargs": (model, "_update_model_kwargs_for_generation"), "forward": (model, "forward"),
-             "wait_step_before": (decode_loop.Late, "read")}
+    parts = {
+        "prepare_inputs": (model, "prepare_inputs_for_generation"),
+        "update_kwargs": (model, "_update_model_kwargs_for_generation"),
+        "forward": (model, "forward"),
+        "wait_step_before": (decode_loop.Late, "read"),
+    }
     saved = {label: getattr(obj, name) for label, (obj, name) in parts.items()}
-    own = {label: name in vars(obj) for label, (obj, name) in parts.items()}   # else a class attribute shadowed
+    own = {label: name in vars(obj) for label, (obj, name) in parts.items()}  # else a class attribute shadowed
     for label, (obj, name) in parts.items():
         setattr(obj, name, timed(label, saved[label]))
     try:
@@ -102,9 +106,15 @@ def each_policy(args):
 
 
 def save(args, rows: list[dict]) -> None:
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-            "length": args.length, "new": args.new, "budget": args.budget,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "layers": args.layers,
+        "length": args.length,
+        "new": args.new,
+        "budget": args.budget,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
@@ -112,16 +122,21 @@ def main() -> None:
     args = probe_args(32, "full,snapkv,art", "host.json").parse_args()
     rows = []
     for model, policy, ids in each_policy(args):
-        gen(model, ids, 4 * args.new)   # the cache for 4 * new tokens built before any timing
+        gen(model, ids, 4 * args.new)  # the cache for 4 * new tokens built before any timing
         queued, synced = bare_loops(model, ids)
-        row = {"policy": policy, "generate_tpot_ms": round(clocked_tpot(model, ids, 4 * args.new) * 1e3, 3),
-               "queued_tpot_ms": round(queued * 1e3, 3), "synced_tpot_ms": round(synced * 1e3, 3),
-               "host_ms_per_step": sections(model, ids, 4 * args.new)}
+        row = {
+            "policy": policy,
+            "generate_tpot_ms": round(clocked_tpot(model, ids, 4 * args.new) * 1e3, 3),
+            "queued_tpot_ms": round(queued * 1e3, 3),
+            "synced_tpot_ms": round(synced * 1e3, 3),
+            "host_ms_per_step": sections(model, ids, 4 * args.new),
+        }
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             gen(model, ids, args.new)
             torch.cuda.synchronize()
-        row["torch_profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
-                                                         max_name_column_width=60)
+        row["torch_profile"] = prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60
+        )
         pr = cProfile.Profile()
         pr.enable()
         gen(model, ids, args.new)

@@ -30,10 +30,25 @@ import kvpass.ops.lowerings  # noqa: E402,F401  (torch.ops.kvpass with their CUD
 from kvpass.kernels import accumulated_scores as A  # noqa: E402
 
 H, HKV, D = 32, 8, 128
-PASS1 = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3),
-         (128, 32, 4, 3)]
-PASS2 = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 64, 8, 3),
-         (32, 128, 4, 3), (64, 256, 8, 3)]
+PASS1 = [
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 4, 3),
+    (128, 128, 8, 3),
+    (64, 128, 4, 3),
+    (128, 32, 4, 3),
+]
+PASS2 = [
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 128, 4, 3),
+    (64, 128, 8, 3),
+    (128, 128, 8, 3),
+    (128, 64, 8, 3),
+    (32, 128, 4, 3),
+    (64, 256, 8, 3),
+]
 
 
 def inputs(length: int):
@@ -54,7 +69,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows, scale = [], D ** -0.5
+    rows, scale = [], D**-0.5
     for length in map(int, args.lengths.split(",")):
         q, k, v, kv_pos, q_pos = inputs(length)
         sdpa = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
@@ -95,8 +110,9 @@ def main() -> None:
         err = ((got - want).abs().max() / want.abs().max()).item()
         print(f"tiles {tiles}: max error / max score at 8k = {err:.2e}", flush=True)
         rows.append(dict(check_tiles=tiles, rel_error_8k=err))
-    Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                              rows=rows), indent=1))
+    Path(args.out).write_text(
+        json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1)
+    )
 
 
 if __name__ == "__main__":

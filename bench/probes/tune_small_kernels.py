@@ -31,27 +31,53 @@ def scan_rows(out, b=1, h=32, hkv=8, d=128, steps=16):
     n_parts = steps + 1 + 8
     acc = torch.randn(b, h, n_parts, d, device="cuda", generator=g)
     m = torch.randn(b, h, n_parts, device="cuda", generator=g)
-    l = torch.rand(b, h, n_parts, device="cuda", generator=g) + 1
+    denom = torch.rand(b, h, n_parts, device="cuda", generator=g) + 1
     visited = torch.ones(b, hkv, n_parts, dtype=torch.int32, device="cuda")
     stopped = torch.zeros(b, hkv, dtype=torch.int32, device="cuda")
     ref = None
     fill_us = do_bench_cudagraph(lambda: visited.fill_(1)) * 1e3  # each timed run refills the counts first
     for prefetch in (False, True):
         for warps in (1, 2, 4, 8):
+
             def run():
                 visited.fill_(1)
-                DA._kvpass_art_scan[(b, hkv)](acc, m, l, visited, stopped, 1e-5, 1e-3, 5, steps, n_parts,
-                                              GROUP=h // hkv, G_PAD=DA.pow2(h // hkv), D=d, D_PAD=DA.pow2(d),
-                                              PROBE_STRIDE=1, S_PAD=DA.pow2(steps, 1), PREFETCH=prefetch,
-                                              num_warps=warps)
+                DA._kvpass_art_scan[(b, hkv)](
+                    acc,
+                    m,
+                    denom,
+                    visited,
+                    stopped,
+                    1e-5,
+                    1e-3,
+                    5,
+                    steps,
+                    n_parts,
+                    GROUP=h // hkv,
+                    G_PAD=DA.pow2(h // hkv),
+                    D=d,
+                    D_PAD=DA.pow2(d),
+                    PROBE_STRIDE=1,
+                    S_PAD=DA.pow2(steps, 1),
+                    PREFETCH=prefetch,
+                    num_warps=warps,
+                )
+
             run()
             got = acc[:, :, steps].clone()
             if ref is None:
                 ref = got
             same = bool(torch.equal(got, ref))
             us = do_bench_cudagraph(run) * 1e3
-            row = dict(kernel="art_scan", b=b, hkv=hkv, steps=steps, prefetch=prefetch, warps=warps,
-                       us=round(us - fill_us, 2), same_as_first=same)
+            row = dict(
+                kernel="art_scan",
+                b=b,
+                hkv=hkv,
+                steps=steps,
+                prefetch=prefetch,
+                warps=warps,
+                us=round(us - fill_us, 2),
+                same_as_first=same,
+            )
             print(json.dumps(row), flush=True)
             out.append(row)
 
@@ -64,6 +90,7 @@ def top_rows(out):
         def topk():
             val, idx = ub.topk(top, dim=-1)
             return torch.where(val > float("-inf"), idx, pages).sort(-1).values
+
         row = dict(kernel="topk+sort", rows=rows, pages=pages, top=top, us=round(do_bench_cudagraph(topk) * 1e3, 2))
         print(json.dumps(row), flush=True)
         out.append(row)
@@ -71,8 +98,9 @@ def top_rows(out):
         for warps in (1, 2, 4, 8, 16):
             same = bool(torch.equal(top_pages_triton(ub, top, num_warps=warps), ref))
             us = do_bench_cudagraph(lambda: top_pages_triton(ub, top, num_warps=warps)) * 1e3
-            row = dict(kernel="top_pages", rows=rows, pages=pages, top=top, warps=warps, us=round(us, 2),
-                       equal_reference=same)
+            row = dict(
+                kernel="top_pages", rows=rows, pages=pages, top=top, warps=warps, us=round(us, 2), equal_reference=same
+            )
             print(json.dumps(row), flush=True)
             out.append(row)
 
@@ -83,18 +111,31 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
         x = torch.randn(b, hkv, pages, d, device="cuda", generator=g).bfloat16()
         y = torch.randn(b, hkv, pages, d, device="cuda", generator=g).bfloat16()
         first = pages - window
-        tables = dict(kmin=torch.minimum(x, y), kmax=torch.maximum(x, y),
-                      live=torch.ones(b, hkv, pages, dtype=torch.bool, device="cuda"),
-                      ts=torch.randint(0, 5000, (b, hkv, pages), device="cuda", generator=g),
-                      born=torch.arange(pages, device="cuda").repeat(b, hkv, 1),
-                      meta=torch.tensor([pages - 1, 3, first, -1], device="cuda").repeat(b, hkv, 1),
-                      seen=torch.full((b, hkv), 4999, device="cuda"))
-        q = (torch.randn(b, h, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
-        args = (q, torch.randn(b, hkv, d, device="cuda", generator=g).bfloat16(),
-                torch.tensor([5000, 0, 0], device="cuda"))
-        from kvpass.policies.pages.kernels.page_bounds import page_bounds_triton  # quest's bounds alone (no fold, no live mask)
-        row = dict(kernel="page_bounds", b=b, pages=pages, us=round(do_bench_cudagraph(
-            lambda: page_bounds_triton(q, tables["kmin"], tables["kmax"])) * 1e3, 2))
+        tables = dict(
+            kmin=torch.minimum(x, y),
+            kmax=torch.maximum(x, y),
+            live=torch.ones(b, hkv, pages, dtype=torch.bool, device="cuda"),
+            ts=torch.randint(0, 5000, (b, hkv, pages), device="cuda", generator=g),
+            born=torch.arange(pages, device="cuda").repeat(b, hkv, 1),
+            meta=torch.tensor([pages - 1, 3, first, -1], device="cuda").repeat(b, hkv, 1),
+            seen=torch.full((b, hkv), 4999, device="cuda"),
+        )
+        q = (torch.randn(b, h, d, device="cuda", generator=g) * d**-0.5).bfloat16()
+        args = (
+            q,
+            torch.randn(b, hkv, d, device="cuda", generator=g).bfloat16(),
+            torch.tensor([5000, 0, 0], device="cuda"),
+        )
+        from kvpass.policies.pages.kernels.page_bounds import (
+            page_bounds_triton,
+        )  # quest's bounds alone (no fold, no live mask)
+
+        row = dict(
+            kernel="page_bounds",
+            b=b,
+            pages=pages,
+            us=round(do_bench_cudagraph(lambda: page_bounds_triton(q, tables["kmin"], tables["kmax"])) * 1e3, 2),
+        )
         print(json.dumps(row), flush=True)
         out.append(row)
         first_ts = None
@@ -108,8 +149,9 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
             plan = RS._kvpass_raas_plan
             for part in ("both", "bounds"):  # the bounds kernel alone: the plan's launch made a no-op
                 RS._kvpass_raas_plan = plan if part == "both" else _NoLaunch()
-                row[f"{part}_us"] = round(do_bench_cudagraph(lambda: RS.raas_stamp_triton(
-                    *args, *t.values(), window, 1e-3, **opts)) * 1e3, 2)
+                row[f"{part}_us"] = round(
+                    do_bench_cudagraph(lambda: RS.raas_stamp_triton(*args, *t.values(), window, 1e-3, **opts)) * 1e3, 2
+                )
             RS._kvpass_raas_plan = plan
             print(json.dumps(row), flush=True)
             out.append(row)
