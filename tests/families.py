@@ -108,7 +108,7 @@ def skip_uneven_layers_on_old_stacks(policy: str) -> None:
     """Skip a decode test of a policy whose layers keep different cache lengths (pyramidkv, asl_fullkv:
     ``UNEVEN`` in ``tests/conformance.py``; any other policy runs) where transformers adds a decode mask
     sized by layer 0 to every layer under torch.compile (transformers < 5.23, or torch < 2.13, whose Dynamo reports
-    every compile as an export): Dynamo cannot trace that model code (README, 'Known limit of pyramidkv')."""
+    every compile as an export): Dynamo cannot trace that model code (docs/policies/pyramidkv.md)."""
     import pytest
     from packaging.version import Version
 
@@ -119,7 +119,7 @@ def skip_uneven_layers_on_old_stacks(policy: str) -> None:
     if Version(tf.__version__) < Version("5.23") or Version(torch.__version__.split("+")[0]) < Version("2.13"):
         pytest.skip(
             f"transformers {tf.__version__} with torch {torch.__version__} sizes the decode mask by "
-            f"layer 0: {policy}'s uneven layers cannot be traced (README, 'Known limit of pyramidkv')"
+            f"layer 0: {policy}'s uneven layers cannot be traced (docs/policies/pyramidkv.md)"
         )
 
 

@@ -1,4 +1,4 @@
-"""Requests admitted one at a time into the rows of a running batch (issue 37).
+"""Requests admitted one at a time into the rows of a running batch.
 
 A batch-1 ``SlotCache`` prefills each request; ``SlotCache.admit`` copies its row into a free row of the batch
 cache, ``reset_row`` empties a finished one, and the batch decodes as one step with each row's own position.

@@ -138,7 +138,7 @@ def test_a_policy_failing_mid_run_costs_only_its_own_results(tiny_model_dir, tmp
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 20: what can be checked without the model is checked before it loads
+# what can be checked without the model is checked before it loads
 # ------------------------------------------------------------------------------------------------
 
 
@@ -301,7 +301,7 @@ def test_corrupt_gguf_is_model_not_available(content, tmp_path, monkeypatch, cap
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 21: help text, `kvpass models`, the explain table, the report
+# help text, `kvpass models`, the explain table, the report
 # ------------------------------------------------------------------------------------------------
 
 

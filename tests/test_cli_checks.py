@@ -1,4 +1,4 @@
-"""Issue 40, the first hour of a new user: what the command checks before the model loads or a task runs,
+"""The first hour of a new user: what the command checks before the model loads or a task runs,
 what it says when a run fails, model names without the network, a fast `kvpass --help`, "did you mean".
 
 No test here loads a real model or opens a network connection: the loader, the tasks and the comparison

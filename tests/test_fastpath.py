@@ -1,4 +1,4 @@
-"""Compile once for every prompt length (issue 36) and the SlotCache's misuse refusals (issue 35).
+"""Compile once for every prompt length, and the SlotCache's misuse refusals.
 
 * ``kvpass.compile`` + ``generate`` over 30 prompt lengths: one prefill and one decode graph for one
   policy of each mechanism (``conformance.one_per_mechanism``), whatever the lengths, and ``full``'s tokens equal
@@ -456,7 +456,7 @@ def test_a_filled_slot_cache_and_a_shorter_prompt_is_refused():
 
 
 def test_backend_state_follows_the_last_generation_on_either_cache():
-    """``be.state`` (the README's inspection line) showed only DynamicCache generations: after
+    """``be.state`` (docs/guide.md's inspection line) showed only DynamicCache generations: after
     ``kvpass.compile``'s generate, which runs on a SlotCache, it was empty or the previous run's numbers. It
     now reports the cache the last prefill wrote, whichever kind."""
     from transformers import DynamicCache
@@ -544,7 +544,7 @@ def test_generate_runs_with_a_recompile_limit_of_its_own_floor():
 
 
 # ------------------------------------------------------------------------------------------------
-# SlotCache misuse (issue 35): each was a wrong answer or an error that named neither kvpass nor the fix
+# SlotCache misuse: each was a wrong answer or an error that named neither kvpass nor the fix
 # ------------------------------------------------------------------------------------------------
 
 

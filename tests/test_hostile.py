@@ -1,4 +1,4 @@
-"""Issue 20: uses outside the tested matrix that gave wrong output with no warning, or crashed.
+"""Uses outside the tested matrix that gave wrong output with no warning, or crashed.
 
 Each test reproduces one case at small scale on CPU and checks that it is now exact or refused
 loudly (a ``KVPassWarning`` with the graph left unchanged, or an error naming the way out). The
@@ -506,7 +506,7 @@ def test_each_backend_warns_once():
     assert all(len([w for w in s if "compiling a graph unchanged" in w]) == 1 for s in said), said
 
 
-# 8. every way of calling the compiler that the README shows ----------------------------------------------
+# 8. every way of calling the compiler the docs show ----------------------------------------------
 
 
 def test_torch_compile_of_the_module_warns_that_generate_is_not_compiled():

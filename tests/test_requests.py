@@ -1,4 +1,4 @@
-"""``kvpass.RequestQueue`` and ``generate`` over a list of prompts (issue 37): requests of different lengths
+"""``kvpass.RequestQueue`` and ``generate`` over a list of prompts: requests of different lengths
 decoded in a batch of fewer rows than requests, each admitted into a row another one freed, give every request
 the tokens ``generate`` gives it alone, for one policy of each mechanism (``conformance.one_per_mechanism``);
 and the queue refuses what it does not run.

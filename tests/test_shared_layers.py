@@ -1,4 +1,4 @@
-"""A decoder's repeated layers compiled once (``kvpass.compiler.layers``, issue 36's compile time).
+"""A decoder's repeated layers compiled once (``kvpass.compiler.layers``: compile time).
 
 * on a Dynamo graph: identical layers become calls of one shared subgraph and compute what the inlined
   layers did; a layer whose nodes are not one contiguous run, or a graph without repeated layers, is left

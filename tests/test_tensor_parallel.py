@@ -17,7 +17,7 @@ layer and tokens) get an all_gather inserted while per-head policies get none. C
 tokens, keeps the same positions per head and generates the same tokens as on one process. ``kvpass.explain`` on a rank
 shows its local heads and the gathers. chunkkv also runs under Inductor (the gathers compiled with the graph).
 ``kvpass.compile``'s fast path
-on two ranks (issue 39) compiles one prefill and one decode graph for prompts of four lengths and generates the
+on two ranks compiles one prefill and one decode graph for prompts of four lengths and generates the
 single process's tokens, alone and admitted into a ``RequestQueue`` of two rows, each rank's caches holding half
 the KV heads.
 """

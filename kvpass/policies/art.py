@@ -15,7 +15,7 @@ attention, the no-op setting that must equal ``full``.
 1,920 most recent entries at block 128); a read that has not stopped by then reads the rest split-KV,
 in parallel. With ``horizon = 0`` (the paper's rule, stop anywhere) one program per sequence and KV
 head reads the whole cache serially: at batch 1 that is 8 programs on a 132-SM GPU, and ``art`` decoded
-2.8x slower than ``full`` at 32k (H100, 2026-11-25); measured end to end on SmolLM2 (README, ART),
+2.8x slower than ``full`` at 32k (H100, 2026-11-25); measured end to end on SmolLM2 (docs/policies/art.md),
 ``horizon=16`` decoded at 1.09x ``full``'s speed against 1.02x without it, at the same accuracy.
 
 Decode sites that the kernel cannot serve (a per-head mask, a top-left causal mask on one query,

@@ -1,4 +1,4 @@
-"""Requests admitted into a running batch on CUDA (issue 37): ``kvpass.RequestQueue`` under ``kvpass.compile``'s
+"""Requests admitted into a running batch on CUDA: ``kvpass.RequestQueue`` under ``kvpass.compile``'s
 default mode (Inductor, the decode step a CUDA graph) gives every request of many lengths, in a batch of fewer
 rows than requests, the tokens the same policy gives it alone under the eager compiler; the batch's decode
 step is compiled once and replayed while rows are refilled."""

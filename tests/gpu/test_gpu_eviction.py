@@ -194,7 +194,7 @@ def test_policy_on_gpu_matches_hand_eviction(policy):
     fwd = torch.compile(model_c.forward, backend=be, fullgraph=True)
     # The bare forward, without an attention mask: transformers 5.17 materialises a decode mask
     # sized from layer 0's cache and adds it to every layer's scores unsliced, which cannot
-    # broadcast once PyramidKV's layers hold different lengths (see the README's pyramidkv note).
+    # broadcast once PyramidKV's layers hold different lengths (docs/policies/pyramidkv.md).
     cache, tokens, nxt = DynamicCache(config=model_c.config), [], ids
     with torch.no_grad():
         for _ in range(steps):

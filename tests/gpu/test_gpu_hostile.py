@@ -1,4 +1,4 @@
-"""Issue 20 case 7 at the shape it was found at: a Llama-3.1-8B-shaped model (2 of its layers, random
+"""A hostile case at the shape it was found at: a Llama-3.1-8B-shaped model (2 of its layers, random
 weights, bf16), ``dynamic=True``, a 4,096-token prompt, budget 2048, default parameters, on a DynamicCache.
 raas crashed in ``compact``'s fake kernel, asl broke its graph at ``embed_tokens``, art's prefill read a
 materialised mask (peak memory far above ``full``'s). Each now runs as one prefill graph and decodes; art

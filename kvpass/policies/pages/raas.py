@@ -26,7 +26,7 @@ After a prefill ``slot_pool`` lays out the tables from the stored prompt. Positi
 token index is stored, and RoPE continues from the tokens seen. Batch > 1 works with per-(sequence, KV head)
 page tables. Graphs that append several tokens to a filled cache are refused at compile time.
 
-Default ``alpha = 0.02``, chosen by a sweep on the long-decode task (README, ``bench/sweep_raas.py``,
+Default ``alpha = 0.02``, chosen by a sweep on the long-decode task (docs/policies/raas.md, ``bench/sweep_raas.py``,
 ``bench/results/raas_sweep_smollm2_cpu/``: SmolLM2-135M, 512-token prompt, 256 new tokens, budget 64):
 perplexity of ``full``'s continuation 1.0842 / 1.0834 / 1.0812 / 1.0837 / 1.0835 for alpha 0.005 / 0.01 /
 0.02 / 0.05 / 0.1, greedy agreement 0.992 then 0.996. A small alpha stamps almost every page every step, so

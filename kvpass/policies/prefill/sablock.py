@@ -56,7 +56,7 @@ The paper's formulas and values were not available to us; these are the choices,
 * block sizes 9, 7, 5, 3, 1: odd sizes centred like SnapKV's pooling kernel of 7,
   the largest a little above it.
 
-The sensitivity of accuracy to ``lam``, ``beta`` and ``theta`` is in the README and
+The sensitivity of accuracy to ``lam``, ``beta`` and ``theta`` is in docs/policies/sablock.md and
 ``docs/sweeps/sablock_smollm2_cpu_1k/`` (``beta`` matters most; each default sits on a plateau).
 
 Punctuation ids come from ``tokenizer=`` (a HF tokenizer; ``kvpass compare`` passes the model's) or
