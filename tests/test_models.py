@@ -57,7 +57,7 @@ def _require_converter() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# fixtures of scope "session": one conversion per model per test run
+# module fixtures of the widest pytest scope: one conversion per model per test run
 # ------------------------------------------------------------------------------------------------
 
 
