@@ -31,7 +31,7 @@ each policy, greedy answer, scored as the task says; ``full`` is the whole promp
     python bench/bench_a3.py --out bench/results/a3_h100                      # TTFT, all policies
     python bench/bench_a3.py --accuracy --lengths 2048,4096 --out bench/results/a3_accuracy
 
-Results: ``bench/results/a3_ttft_h200/``, ``a3_ttft_slot_h200/`` and ``a3_evict_ttft_h200/`` (TTFT),
+Results: ``bench/results/a3_ttft_slot_h200/`` (``before_slot_attention/`` in it) and ``a3_evict_ttft_h200/`` (TTFT),
 ``a3_accuracy_smollm2_cpu/`` and ``a3_evict_accuracy_smollm2_cpu/`` (``--accuracy``).
 """
 

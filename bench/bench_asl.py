@@ -24,7 +24,7 @@ every layer at full length plus the rule; on random weights it never selects).
 
     python bench/bench_asl.py --out bench/results/asl_h100
 
-Results: ``bench/results/asl_h200/`` and ``bench/results/asl_h200_2026-11-22/``.
+Results: ``bench/results/asl_h200_2026-11-22/``.
 """
 
 from __future__ import annotations

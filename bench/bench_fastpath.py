@@ -27,8 +27,9 @@ cuDNN SDPA is off for every row (on torch 2.11 it re-plans for every new key len
 
     python bench/bench_fastpath.py --layers 8 --lengths 2000,4500,9000,17000,33000 --out results.json
 
-Results: ``bench/results/fastpath_h200_2026-11-26/``, ``fastpath_h100_2026-11-27/``,
-``fastpath_decode_loop_2026-11-27/`` and ``gpu_h100_2026-12-05/proportional_splits/`` (``decode_l8_130k``).
+Results: ``bench/results/fastpath_h200_2026-11-26/``, ``fastpath_decode_loop_2026-11-27/`` (its
+``h100_before_decode_loop/``: 32 layers on an H100 before the decoding loop) and
+``gpu_h100_2026-12-05/proportional_splits/`` (``decode_l8_130k``).
 """
 
 from __future__ import annotations

@@ -31,8 +31,7 @@ reached while full's and quest's grow linearly; raas's TPOT flat and at most que
 ``--policies`` runs a subset; with ``--merge`` the records already in ``--out/results.json`` for other
 policies are kept (for runs split over several commands), and the summary and plot cover them all.
 
-Results: ``bench/results/raas_quest_h200/`` (1,024 steps), ``raas_16k_h200/`` and ``raas_smollm2_h200/``
-(16,384 steps).
+Results: ``bench/results/raas_quest_h200/`` (1,024 steps) and ``raas_16k_h200/`` (16,384 steps).
 """
 
 from __future__ import annotations

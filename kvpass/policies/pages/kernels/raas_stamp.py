@@ -19,8 +19,9 @@ A window that runs past the pool (a SlotCache built for a shorter sequence) and 
 ``seen = -2``, which the next step's placement check (``raas.slot_place``) reports; the planned
 slots are then meaningless, and the check stops the generation before they are used.
 
-The reference is the tensor code (about fifteen Inductor kernels per layer; 0.2 ms per step on
-8 layers at 32k, H200, ``bench/results/decode_step_h200_2026-11-26_z``). The Triton version is two
+The reference is the tensor code (about fifteen Inductor kernels per layer; 0.2 ms a step over
+streamingllm's for a 2k prompt decoded to 32k, 8 layers, H200,
+``bench/results/decode_step_h200_2026-11-26_u/b1_2k_decode_to_32k_tensor_code.json``). The Triton version is two
 launches per layer:
 
 * ``_kvpass_raas_bounds``, one program per (sequence, KV head, block of pages): the block's bounds
