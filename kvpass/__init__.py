@@ -149,4 +149,5 @@ __all__ = [
     "RequestQueue",
     "RequestFailed",
     "repeat_passes",
+    "duo_pattern",
 ]

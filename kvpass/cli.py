@@ -154,7 +154,11 @@ def _policies_epilog() -> str:
         lines = ["policies (combine two with '+', e.g. snapkv+art; set parameters with --budget / --param):"]
         for name in available():
             cls = POLICIES[name]
-            params = ", ".join(f"{p.name}={p.default}" for p in cls.params if p.name != "tokenizer")
+            params = ", ".join(
+                f"{p.name}={p.default!r}" if isinstance(p.default, str) else f"{p.name}={p.default}"
+                for p in cls.params
+                if p.name != "tokenizer"
+            )
             lines.append(f"  {name:13s} {cls.summary}" + (f" [{params}]" if params else ""))
         return "\n".join(lines)
     except Exception:  # noqa: BLE001
@@ -488,6 +492,7 @@ def check_policies(
             f"under one name in the table)"
         )
     declared: set[str] = set()
+    every: set[str] = set()  # every parameter the policies have, for "did you mean"
     checked = 0
     for spec in specs:
         names = [spec.strip()] if spec.strip() in POLICIES else [n.strip() for n in spec.split("+")]
@@ -499,6 +504,7 @@ def check_policies(
             )
         checked += 1
         declared |= set(policy_params(spec, dict.fromkeys(param_keys)))
+        every |= {p.name for n in names for p in POLICIES[n].params}
         # sablock and kvzip take ids from the model's tokenizer, which is not loaded yet: stand-ins here (a --param
         # punctuation_ids wins, and is checked)
         trial = policy_params(spec, {"stats": True, "punctuation_ids": [0], "tokenizer": _StandInTokenizer(), **params})
@@ -508,7 +514,10 @@ def check_policies(
             _usage_error(str(e))
     for key in param_keys:
         if checked and key not in declared:
-            _usage_error(f"--param {key}: none of the policies ({', '.join(specs)}) has a parameter '{key}'")
+            _usage_error(
+                f"--param {key}: none of the policies ({', '.join(specs)}) has a parameter '{key}'"
+                f"{did_you_mean(key, every)}"
+            )
 
 
 def check_tasks(names: list[str], data: dict[str, str] | None = None) -> None:
