@@ -5,6 +5,12 @@ A rewritten graph calls kvpass operators with an integer ``handle``; the handle 
 the generation state. Operators never mutate anything but the generation state, and every
 mutation is a pure function of the operator's inputs, so replaying a call gives the same result.
 
+Why a table of handles: the pass rewrites a graph whose inputs Dynamo fixed, so an operator can reach per-backend
+Python state only through a constant in the graph. An integer is the constant every supported torch accepts; an
+opaque Python object as an operator argument needs ``torch._library``'s private opaque-object API, which changed
+between torch 2.13 and 2.15. A ``kvpass.SlotCache`` decode step needs no handle: its state is tensors of the cache,
+which Dynamo makes graph inputs.
+
 ``site`` in these methods is a site key (``Site.key``): one compiled graph's attention site, ``graph x KEY_STRIDE +
 layer``. Each graph's operators read the ``Site`` of their own graph (``Runtime.sites[key]``), never one a later
 graph of the same layer wrote; the layer's state is shared by the graphs that read and write that layer's cache
