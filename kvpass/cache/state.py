@@ -148,7 +148,10 @@ class GenerationState:
         self.anchor_at, self.offset, self.tail, self.tail_at, self.latest, self.base = -1, 0, None, -1, 0, 0
 
     def __repr__(self) -> str:
+        # an empty state says why: nothing ran yet, or the policy left the model's DynamicCache to transformers
+        # (full and art write no cache through kvpass there; a kvpass.SlotCache records every policy)
+        why = "" if self.layers else "; no layer recorded: no generation yet, or no cache written through kvpass"
         return (
             f"GenerationState(seen={self.seen}, layers={len(self.layers)}, "
-            f"stored={self.stored_tokens()}, evicted_tokens={self.evicted_tokens})"
+            f"stored={self.stored_tokens()}, evicted_tokens={self.evicted_tokens}{why})"
         )
