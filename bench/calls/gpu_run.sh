@@ -6,8 +6,9 @@
 #   bash bench/calls/gpu_run.sh new      the tests/gpu cases of the per-head and new methods alone, in one pytest run
 #   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
 #                                        total (bench_decode_kernel.py --ragged)
-#   bash bench/calls/gpu_run.sh decode   8 layers, prompts of 2k then 130k through `generate`, beside the queued
-#                                        step and the roofline (bench/bench_fastpath.py)
+#   bash bench/calls/gpu_run.sh decode   LAYERS (8) layers, prompts of 2k then 130k through `generate`, beside the
+#                                        queued step and the roofline (bench/bench_fastpath.py); about 65 s a policy
+#                                        at 8 layers, so POLICIES names about 7 a call
 #   bash bench/calls/gpu_run.sh throughput  32 layers, 64 x 32k prompts at the 16 GiB KV cap of throughput_2026-11-27:
 #                                        rows decoded together and tokens/s per policy (bench/bench_throughput.py)
 #   bash bench/calls/gpu_run.sh accuracy gemma3-270m, RULER-style tasks and NIAH at 2k-8k, the prefill methods
@@ -49,10 +50,10 @@ ragged)
 decode)
   # generate beside the queued step and the roofline; POLICIES picks the rows (the per-head and new methods by
   # default)
-  timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers 8 --lengths 2000,130000 \
+  timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers "${LAYERS:-8}" --lengths 2000,130000 \
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova,kvzip}" --prefill-compiler eager \
-    --out "$out/l8_130k.json" > "$out/l8_130k.log" 2>&1
-  tail -n 30 "$out/l8_130k.log" ;;
+    --out "$out/l${LAYERS:-8}_130k.json" > "$out/l${LAYERS:-8}_130k.log" 2>&1
+  tail -n 30 "$out/l${LAYERS:-8}_130k.log" ;;
 throughput)
   # the fixed memory cap of bench/results/throughput_2026-11-27 (32 layers, 64 x 32k prompts, 256 new tokens, 16 GiB
   # of KV): the per-head and new methods beside full and snapkv in one process
