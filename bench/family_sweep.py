@@ -679,8 +679,8 @@ def run_type_subprocess(
     ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=os.setsid
-    )  # its own process group: a Ctrl-C reaches the sweep, not the worker
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         why = None if proc.returncode == 0 else f"died (exit code {proc.returncode})"
