@@ -97,6 +97,21 @@ def test_a_cache_cropped_after_eviction_is_refused():
             fwd(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
 
 
+def test_decoding_an_earlier_dynamic_cache_after_a_later_prefill_is_refused():
+    """A backend's DynamicCache state is the cache it prefilled last: cache A prefilled (40 tokens), cache B
+    prefilled (50), then a step of A at its true position 40, behind B's 50 tokens seen. Refused, and the error
+    names the cause and the fix (one DynamicCache at a time, rows of a batch, RequestQueue or SlotCaches)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    fwd = torch.compile(model.forward, backend=kvpass.backend("streamingllm", budget=16, compiler="eager"))
+    first = DynamicCache(config=model.config)
+    with torch.no_grad():
+        fwd(input_ids=PROMPT, past_key_values=first, use_cache=True)
+        fwd(input_ids=torch.randint(10, 90, (1, 50)), past_key_values=DynamicCache(config=model.config), use_cache=True)
+        with pytest.raises(ValueError, match="has seen 50 tokens.*Or this is another cache.*one DynamicCache at a"):
+            fwd(input_ids=torch.tensor([[5]]), past_key_values=first, use_cache=True, position_ids=torch.tensor([[40]]))
+
+
 def first_turn_on_a_slot_cache(policy: str):
     """A chat's first turn (8 new tokens after ``PROMPT``) on a SlotCache under ``policy`` with budget 16: the
     model, the cache, and the second turn's input (the conversation so far and 9 new tokens)."""

@@ -391,9 +391,11 @@ class Runtime:
             f"transformers cropped the cache. transformers counts so when generate continues with "
             f"past_key_values, and crops in assisted and prompt-lookup decoding (the rejected drafts, which "
             f"'{self.policy.name}' has already seen and cannot give back); a model counts so when it computes "
-            f"positions before a graph break. Continue on a kvpass.SlotCache (it counts tokens seen), decode "
-            f"without an assistant or prompt lookup (or use policy 'full'), pass position_ids, or start a new "
-            f"cache"
+            f"positions before a graph break. Or this is another cache: a backend's DynamicCache state is the "
+            f"cache it prefilled last, so decoding an earlier cache after a later prefill finds the later "
+            f"one's count. Continue on a kvpass.SlotCache (it counts tokens seen), decode one DynamicCache at a "
+            f"time per backend (several sequences: rows of one batch, or kvpass.RequestQueue), decode without "
+            f"an assistant or prompt lookup (or use policy 'full'), pass position_ids, or start a new cache"
         )
 
     def true_positions(self, pos: Tensor, prefill: bool = False) -> Tensor:
