@@ -60,6 +60,16 @@ from pathlib import Path
 # what runs
 # -------------------------------------------------------------------------------------------------------
 
+
+class StandInTokenizer:
+    """kvzip's repeat prompts as a few ids per text, inside any tiny vocabulary (ids 3..22, in the prompt's range)."""
+
+    name_or_path = "stand-in"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + ord(c) % 20 for c in text.strip()[:4]] or [4]
+
+
 BUDGET = 100_000  # far above PROMPT_LEN + NEW_TOKENS: no policy evicts anything
 POLICIES = {  # one policy of each kind kvpass has, at a setting that evicts nothing
     "full": {},  # identity: exact attention through kvpass's operator
@@ -73,7 +83,11 @@ POLICIES = {  # one policy of each kind kvpass has, at a setting that evicts not
     # (expected_attention), the output projection's weight (criticalkv); refused where it is not matched
     "expected_attention": {"budget": BUDGET},
     "criticalkv": {"budget": BUDGET},
+    # per-head prefill eviction by repeat passes over the prompt, which kvpass.compile runs (the plain path keeps
+    # every entry and says so); its repeat prompts are text, tokenized by a stand-in
+    "kvzip": {"budget": BUDGET, "tokenizer": StandInTokenizer()},
 }
+
 PATHS = ("plain", "fast")
 VERDICTS = ("exact", "warned", "unapplied", "wrong", "crash")
 PROMPT_LEN, NEW_TOKENS, SEED = 24, 8, 0
