@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import kvpass
 from kvpass.generate import reconstruct
@@ -199,6 +200,21 @@ def test_transformers_generate_on_a_dynamic_cache_says_it_keeps_everything():
     with pytest.warns(kvpass.KVPassWarning, match="keeps every entry, as 'full'"):
         out = model.generate(prompt(), max_new_tokens=3, do_sample=False)
     assert torch.equal(out, build("llama").generate(prompt(), max_new_tokens=3, do_sample=False))
+
+
+def test_a_graph_of_several_tokens_outside_the_passes_says_it_keeps_everything():
+    """A bare forward of several tokens on a filled DynamicCache (a chat turn) runs the append graph, whose operator
+    scores only inside kvpass.repeat_passes: outside them kvzip keeps every entry and says so, once (families whose
+    one graph serves prefill and decode alike never compile a one-token decode graph, which says it at compile)."""
+    model = build("llama")
+    be = kvpass.backend("kvzip", budget=12, tokenizer=Tok(), compiler="eager")
+    fwd = torch.compile(model.forward, backend=be, dynamic=True)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        fwd(input_ids=prompt(), past_key_values=cache, use_cache=True)
+        with pytest.warns(kvpass.KVPassWarning, match="on this dynamic cache it keeps every entry, as 'full'"):
+            fwd(input_ids=prompt(6, seed=1), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == N + 6 and be.runtime.state.passes is False
 
 
 def test_opcheck_repeat_scores():

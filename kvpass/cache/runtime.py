@@ -27,7 +27,7 @@ from torch import Tensor
 
 from kvpass.cache import ragged
 from kvpass.cache.state import TICKS, GenerationState
-from kvpass.errors import device_assert
+from kvpass.errors import device_assert, warn_once
 from kvpass.kernels.gather import gather_pair
 
 # Weak: a runtime lives as long as its backend object (which torch.compile keeps alive for as
@@ -330,9 +330,13 @@ class Runtime:
     def repeat_scores(self, site: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:
         """While a repeat pass runs (``state.repeat``): the scores its queries ``q [B, H, r, D]`` (scaled) give the
         chunk of the prompt it repeats, from the keys ``k [B, H_kv, n + r, D]`` (the prompt's, then the pass's),
-        into the layer's ``state.scores [B, H_kv, n]``. Nothing outside a pass."""
+        into the layer's ``state.scores [B, H_kv, n]``. Nothing outside a pass; outside ``kvpass.repeat_passes``
+        (a graph of several tokens on a cache kvpass does not fill by passes) the policy says, once, that it keeps
+        every entry."""
         span = self.state.repeat
         if span is None:
+            if not self.state.passes:  # the plain backend on a cache of its own: no pass will score this prompt
+                warn_once(f"kvpass: {self.policy.unscored('dynamic')}", self.handle)
             return
         b, hkv, total = k.shape[:3]
         n = total - q.shape[2]

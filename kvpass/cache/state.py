@@ -80,6 +80,7 @@ class GenerationState:
         # ``[B, H_kv, n]`` (fp32) of the prompt's entries so far, which the next prefill's ``select`` reads
         self.repeat: tuple[int, int] | None = None
         self.scores: dict[int, Tensor] = {}
+        self.passes = False  # inside kvpass.repeat_passes (its scoring prefill and passes; the prefill they serve)
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)

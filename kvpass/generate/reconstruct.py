@@ -46,6 +46,7 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
     kw = {"use_cache": True, **({"logits_to_keep": 1} if one_logit else {})}
     cache = DynamicCache(config=model.config)
     where = cache_kwarg(model)
+    state.passes = True
     try:
         with torch.no_grad():
             forward(input_ids=ids, **_masked(mask, ids.shape[1]), **{where: cache}, **kw)
@@ -56,7 +57,7 @@ def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None
         del cache
         yield
     finally:
-        state.repeat = None
+        state.repeat, state.passes = None, False
         state.scores.clear()
 
 

@@ -324,13 +324,16 @@ class ReconstructPolicy(Protocol):
     """The protocol of a policy whose ``Needs.reconstructs`` is set (kvzip): all that ``kvpass.generate.reconstruct``
     and the runtime read of it. ``passes(ids, mask)``: the repeat passes of a prompt, ``(start, end, pass_ids,
     pass_mask)`` per chunk; ``repeat_scores(q, k, valid, (start, end), softcap)``: one layer's scores ``[B, H_kv, end -
-    start]`` of the chunk its pass repeats."""
+    start]`` of the chunk its pass repeats; ``unscored(cache)``: why it keeps every entry of a ``cache`` cache that no
+    pass scores."""
 
     def passes(self, ids: torch.Tensor, mask: torch.Tensor | None) -> list: ...
 
     def repeat_scores(
         self, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None, span: tuple, softcap: float
     ) -> torch.Tensor: ...
+
+    def unscored(self, cache: str) -> str: ...
 
 
 @dataclass(frozen=True)

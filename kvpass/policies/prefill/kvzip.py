@@ -82,12 +82,17 @@ class KVzip(PrefillEviction):
 
     def idle_reason(self, sites) -> str | None:
         if any(s.cache != "slot" and s.phase == "decode" for s in sites):
-            return (
-                f"policy '{self.name}' selects at a kvpass.SlotCache's prefill, from repeat passes that "
-                f"kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run first; on this "
-                f"{sites[0].cache} cache it keeps every entry, as 'full'"
-            )
+            return self.unscored(sites[0].cache)
         return None
+
+    def unscored(self, cache: str) -> str:
+        """Why this policy keeps every entry of a ``cache`` cache: said when a decode graph compiles on it, or when
+        a graph that serves prefill and decode alike (a ``dynamic`` phase) runs outside the repeat passes."""
+        return (
+            f"policy '{self.name}' selects at a kvpass.SlotCache's prefill, from repeat passes that "
+            f"kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run first; on this "
+            f"{cache} cache it keeps every entry, as 'full'"
+        )
 
     def slot_state(self, capacity: int, head_dim: int) -> dict:
         return dict(ragged.SLOT_STATE)
