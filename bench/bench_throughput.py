@@ -98,12 +98,24 @@ def run_requests(args, rows: int) -> int:
     return args.requests if args.max_waves is None else min(args.requests, rows * args.max_waves)
 
 
+def row_bytes(model, be, args) -> int:
+    """The bytes of one request's row of a SlotCache under ``be``: slots, positions and the policy's state."""
+    return kvpass.SlotCache(
+        model, be, max_length=args.context + args.new, batch_size=1, max_new_tokens=args.new
+    ).kv_bytes()
+
+
+def fitting_rows(one: int, args, kv_bytes: int) -> int:
+    """The batch whose rows of ``one`` byte fit ``kv_bytes`` beside the staging cache (one row more)."""
+    return max(1, min(args.requests, kv_bytes // one - 1))
+
+
 def kvpass_row(model, policy: str, args, kv_bytes: int) -> dict:
     params = policy_params(policy, args.budget, model.config)
     be = kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
     length = args.context + args.new
-    one = kvpass.SlotCache(model, be, max_length=length, batch_size=1, max_new_tokens=args.new).kv_bytes()
-    rows = max(1, min(args.requests, kv_bytes // one - 1))  # one row's bytes go to the staging cache
+    one = row_bytes(model, be, args)
+    rows = fitting_rows(one, args, kv_bytes)
     reqs = run_requests(args, rows)
     t = time.perf_counter()
     warm = kvpass.RequestQueue(model, max_batch=rows, max_length=length, max_new_tokens=args.new, eos_token_id=None)
