@@ -97,19 +97,50 @@ def test_a_cache_cropped_after_eviction_is_refused():
             fwd(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
 
 
-def test_decoding_an_earlier_dynamic_cache_after_a_later_prefill_is_refused():
-    """A backend's DynamicCache state is the cache it prefilled last: cache A prefilled (40 tokens), cache B
-    prefilled (50), then a step of A at its true position 40, behind B's 50 tokens seen. Refused, and the error
-    names the cause and the fix (one DynamicCache at a time, rows of a batch, RequestQueue or SlotCaches)."""
+TURNS = [  # policies whose records on a DynamicCache differ in kind: positions, scores, per-head ranges, pages
+    ("streamingllm", dict(budget=16)),
+    ("snapkv", dict(budget=16, window=4)),
+    ("h2o", dict(budget=16)),
+    ("tova", dict(budget=16)),
+    ("adakv", dict(budget=16, window=4)),
+    ("quest", dict(budget=16, dense_layers=0)),
+    ("raas", dict(budget=16)),
+]
+
+
+STEPS = 20  # past a page of 16 decoded tokens (raas evicts pages of them)
+
+
+def steps_alone(fwd, model, ids, steps):
+    return greedy(fwd, model, ids, steps, positions=True)
+
+
+@pytest.mark.parametrize("policy,params", TURNS, ids=[p for p, _ in TURNS])
+def test_dynamic_caches_decoded_in_turn_each_continue_from_their_own_records(policy, params):
+    """One backend, two DynamicCaches: A prefilled (40 tokens), B prefilled (50), then decode steps of A and B in
+    turn. The backend's records follow the cache each call holds (``kvpass.compiler.holds``), so every step equals
+    the same sequence decoded alone (before, A's steps ran on B's records: refused, or wrong where the counts
+    happened to agree)."""
     torch._dynamo.reset()
     model = build("llama")
-    fwd = torch.compile(model.forward, backend=kvpass.backend("streamingllm", budget=16, compiler="eager"))
-    first = DynamicCache(config=model.config)
+    other = torch.randint(10, 90, (1, 50), generator=torch.Generator().manual_seed(1))
+    fwd = torch.compile(model.forward, backend=kvpass.backend(policy, compiler="eager", **params))
+    want = [steps_alone(fwd, model, ids, STEPS) for ids in (PROMPT, other)]
+    caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
+    got = [[], []]
     with torch.no_grad():
-        fwd(input_ids=PROMPT, past_key_values=first, use_cache=True)
-        fwd(input_ids=torch.randint(10, 90, (1, 50)), past_key_values=DynamicCache(config=model.config), use_cache=True)
-        with pytest.raises(ValueError, match="has seen 50 tokens.*Or this is another cache.*one DynamicCache at a"):
-            fwd(input_ids=torch.tensor([[5]]), past_key_values=first, use_cache=True, position_ids=torch.tensor([[40]]))
+        for r, ids in enumerate((PROMPT, other)):
+            pos = torch.arange(ids.shape[1])[None]
+            got[r].append(fwd(input_ids=ids, past_key_values=caches[r], use_cache=True, position_ids=pos).logits[:, -1])
+        for i in range(STEPS):
+            for r, ids in enumerate((PROMPT, other)):
+                tok = got[r][-1].argmax(-1, keepdim=True)
+                pos = torch.tensor([[ids.shape[1] + i]])
+                got[r].append(
+                    fwd(input_ids=tok, past_key_values=caches[r], use_cache=True, position_ids=pos).logits[:, -1]
+                )
+    for r in range(2):
+        torch.testing.assert_close(torch.stack(got[r]), want[r], atol=1e-5, rtol=1e-5)
 
 
 def first_turn_on_a_slot_cache(policy: str):

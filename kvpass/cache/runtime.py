@@ -142,6 +142,10 @@ class Runtime:
         # the kvpass.SlotCaches built for this backend, and (TICKS, the one the last SlotCache prefill wrote)
         self.slot_caches: weakref.WeakSet = weakref.WeakSet()
         self.slot_view: tuple | None = None
+        # DynamicCaches, told apart by the tensor each holds for its first kvpass layer (a graph's output, which the
+        # cache stores and the next call passes back in): the one ``state`` describes, and the others' descriptions
+        self._holder: weakref.ref | None = None
+        self._aside: dict[int, tuple[weakref.ref, dict]] = {}  # id(tensor) -> (that tensor, GenerationState.take())
         self.handle = register(self)
 
     def add_graph(self, sites) -> None:
@@ -152,6 +156,31 @@ class Runtime:
         for site in sites:
             site.key = first + site.layer
             self.sites[site.key] = site
+
+    def follow(self, held: Tensor | None) -> None:
+        """Before a DynamicCache graph runs: make ``state`` describe the cache whose first kvpass layer holds
+        ``held`` (None or empty: a new cache, which the graph's prefill fills). The current description goes aside
+        while its cache lives; a cache set aside earlier gets its own back. A tensor no graph of this backend
+        returned (a cache filled or cropped behind kvpass) leaves ``state`` as it is, and the operators' checks
+        refuse what does not match."""
+        holder = self._holder() if self._holder is not None else None
+        if held is not None and held is holder:
+            return
+        back = self._aside.pop(id(held), None) if held is not None else None
+        if back is not None and back[0]() is not held:
+            back = None  # a dead tensor's id, reused
+        if held is not None and held.numel() and back is None:
+            return
+        if holder is not None and self.state.layers:
+            self._aside = {k: v for k, v in self._aside.items() if v[0]() is not None}
+            self._aside[id(holder)] = (self._holder, self.state.take())
+        if back is not None:
+            self.state.put(back[1])
+        self._holder = None
+
+    def held_by(self, out: Tensor) -> None:
+        """After a DynamicCache graph ran: ``out`` is what the cache now holds for its first kvpass layer."""
+        self._holder = weakref.ref(out)
 
     def slot_prefilled(self, count: Tensor) -> None:
         """A SlotCache prefill wrote the layer whose counters are ``count``: note its cache as the last one."""
@@ -395,11 +424,9 @@ class Runtime:
             f"transformers cropped the cache. transformers counts so when generate continues with "
             f"past_key_values, and crops in assisted and prompt-lookup decoding (the rejected drafts, which "
             f"'{self.policy.name}' has already seen and cannot give back); a model counts so when it computes "
-            f"positions before a graph break. Or this is another cache: a backend's DynamicCache state is the "
-            f"cache it prefilled last, so decoding an earlier cache after a later prefill finds the later "
-            f"one's count. Continue on a kvpass.SlotCache (it counts tokens seen), decode one DynamicCache at a "
-            f"time per backend (several sequences: rows of one batch, or kvpass.RequestQueue), decode without "
-            f"an assistant or prompt lookup (or use policy 'full'), pass position_ids, or start a new cache"
+            f"positions before a graph break. Continue on a kvpass.SlotCache (it counts tokens seen), decode "
+            f"without an assistant or prompt lookup (or use policy 'full'), pass position_ids, or start a new "
+            f"cache"
         )
 
     def true_positions(self, pos: Tensor, prefill: bool = False) -> Tensor:

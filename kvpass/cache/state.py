@@ -3,7 +3,9 @@
 One ``GenerationState`` belongs to one ``kvpass.backend(...)`` object. It holds, per attention
 site, the true token index of every entry the cache stores (``LayerState.pos``), how many tokens
 that layer has seen, and a free-form ``extra`` dict a policy uses for its own bookkeeping (page
-tables, timestamps, representative keys, chunk metadata).
+tables, timestamps, representative keys, chunk metadata). It describes the DynamicCache the backend's
+graphs last ran on; the runtime keeps the description of every other live cache aside (``take``, ``put``;
+``kvpass.cache.runtime.Runtime.follow``), so caches decoded in turn each continue from their own.
 
 Rules the operators follow:
 
@@ -81,6 +83,22 @@ class GenerationState:
         self.repeat: tuple[int, int] | None = None
         self.scores: dict[int, Tensor] = {}
         self.passes = False  # inside kvpass.repeat_passes (its scoring prefill and passes; the prefill they serve)
+
+    # the fields that describe one cache (its layers' records and the counts around them); the others steer the
+    # calls of a run (chunk fusion's positions and votes, a reconstructing policy's passes)
+    CACHE_FIELDS = ("layers", "records", "anchor_at", "offset", "tail", "tail_at", "latest", "base", "fresh_at")
+
+    def take(self) -> dict:
+        """Hand over what describes the current cache (``CACHE_FIELDS``) and start empty, for another cache."""
+        held = {name: getattr(self, name) for name in self.CACHE_FIELDS}
+        self.layers, self.records, self.fresh_at = {}, 0, 0
+        self.anchor_at, self.offset, self.tail, self.tail_at, self.latest, self.base = -1, 0, None, -1, 0, 0
+        return held
+
+    def put(self, held: dict) -> None:
+        """Describe again the cache ``take`` handed over (the current one's fields are replaced)."""
+        for name in self.CACHE_FIELDS:
+            setattr(self, name, held[name])
 
     def layer(self, site: int) -> LayerState | None:
         return self.layers.get(site)

@@ -21,6 +21,7 @@ from kvpass.cache import runtime as _runtime
 from kvpass.cache import slots as _cache
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
+from kvpass.compiler import holds as _holds
 from kvpass.compiler import layers as _layers
 from kvpass.compiler import local_weights as _local_weights
 from kvpass.compiler import plan as _plan
@@ -60,6 +61,8 @@ class GraphReport:
     reductions: list[str] = field(default_factory=list)  # collectives the pass inserted (decisions across heads)
     reads_mask: bool = True  # the graph reads the model's attention mask (maskcheck.mask_is_read)
     shared_layers: int = 0  # decoder layers compiled once and called per layer (kvpass.compiler.layers)
+    # where the first DynamicCache layer's stored keys enter and leave the graph (kvpass.compiler.holds)
+    holds: tuple[int | None, int] | None = None
 
 
 def _runtime_op(node: fx.Node) -> bool:
@@ -159,6 +162,7 @@ class KVPass(CustomGraphPass):
             )
             _keep_slot_appends(gm)
             return report
+        report.holds = _holds.holds(gm, found.sites)  # (before the rewrite replaces the stored keys)
         self._rewrite(gm, found, plans, report)  # 6. REWRITES[plan.rewrite_kind] per site
         if self.policy.needs.renumber and report.phase != "prefill":  # 7. a renumbering gate's positions
             report.positions_fixed += (
@@ -380,15 +384,19 @@ class Backend:
         report = self.kvpass(gm.graph)
         report.reads_mask = report.phase == "prefill" or mask_is_read(gm)
         self.reports.append(report)
+        # the runtime's state follows the DynamicCache each call runs on, where the graph's operators read it
+        follows = report.holds is not None and any(_runtime_op(n) for n in gm.graph.nodes)
         if report.gate is not None:
             report.gate.precompile(
                 example_inputs
             )  # each segment with the inner compiler (short static versions: on first use)
-            return report.gate  # runs the segments, gathering the selected tokens at the gate
+            # runs the segments, gathering the selected tokens at the gate
+            return _holds.following(report.gate, self.runtime, report.holds) if follows else report.gate
         compiler = self.prefill_compiler if report.phase == "prefill" else self.compiler
         patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"), compiler)
         report.cudagraphs = bool(patches.get("triton.cudagraphs"))
-        return recorded(self._inner(gm, example_inputs, patches, compiler, report), report.phase)
+        fn = self._inner(gm, example_inputs, patches, compiler, report)
+        return recorded(_holds.following(fn, self.runtime, report.holds) if follows else fn, report.phase)
 
     def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options, compiler: str) -> dict:
         """Inductor settings of a ``torch.compile`` mode / options for this graph. CUDA graphs replay
