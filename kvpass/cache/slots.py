@@ -130,6 +130,7 @@ def slot_append(
     uncompiled forward, in a graph compiled by another backend, or in one kvpass compiled unchanged; for a
     policy whose prefill is not a plain append (``policy`` names it; empty for ``full`` and ``art``, see
     ``Needs.plain_prefill``) the tokens would be kept without the policy, so it refuses, naming the fix."""
+    check_heads(keys, values, k_new, v_new)  # first: a cache of the wrong sizes is the deeper problem
     if policy:
         raise RuntimeError(
             f"kvpass SlotCache: a forward that the kvpass backend did not rewrite wrote into the cache of policy "
@@ -141,7 +142,6 @@ def slot_append(
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
             f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why."
         )
-    check_heads(keys, values, k_new, v_new)
     b, hkv, q = k_new.shape[:3]
     cap = keys.shape[2]
     if q > cap:  # known on the host: an error the process survives, where the device assert below ends it on a GPU
