@@ -119,8 +119,8 @@ def steps_alone(fwd, model, ids, steps):
 def test_dynamic_caches_decoded_in_turn_each_continue_from_their_own_records(policy, params):
     """One backend, two DynamicCaches: A prefilled (40 tokens), B prefilled (50), then decode steps of A and B in
     turn. The backend's records follow the cache each call holds (``kvpass.compiler.holds``), so every step equals
-    the same sequence decoded alone (before, A's steps ran on B's records: refused, or wrong where the counts
-    happened to agree)."""
+    the same sequence decoded alone (records shared by the two caches would run A's steps on B's positions and
+    scores: refused, or wrong where the counts agree)."""
     torch._dynamo.reset()
     model = build("llama")
     other = torch.randint(10, 90, (1, 50), generator=torch.Generator().manual_seed(1))
