@@ -365,7 +365,7 @@ class Runtime:
         span = self.state.repeat
         if span is None:
             if not self.state.passes:  # the plain backend on a cache of its own: no pass will score this prompt
-                warn_once(f"kvpass: {self.policy.unscored('dynamic')}", self.handle)
+                warn_once(f"kvpass: {self.policy.unscored(self.sites[site].cache)}", self.handle)
             return
         b, hkv, total = k.shape[:3]
         n = total - q.shape[2]
