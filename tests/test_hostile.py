@@ -143,6 +143,20 @@ def test_dynamic_caches_decoded_in_turn_each_continue_from_their_own_records(pol
         torch.testing.assert_close(torch.stack(got[r]), want[r], atol=1e-5, rtol=1e-5)
 
 
+def test_beam_search_reordering_an_evicted_dynamic_cache_warns():
+    """Beam search reorders the cache's rows behind kvpass (``reorder_cache``); h2o's per-row scores do not follow,
+    so a beam could read another beam's: said once, naming the cause and num_beams=1. Greedy decoding says
+    nothing (the keys each call holds are the ones the last graph returned)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    model.forward = torch.compile(model.forward, backend=kvpass.backend("h2o", budget=16, compiler="eager"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvpass.KVPassWarning)
+        model.generate(PROMPT, max_new_tokens=4, do_sample=False)
+    with pytest.warns(kvpass.KVPassWarning, match="no kvpass graph returned.*reorder_cache.*num_beams=1"):
+        model.generate(PROMPT, max_new_tokens=4, do_sample=False, num_beams=3)
+
+
 def first_turn_on_a_slot_cache(policy: str):
     """A chat's first turn (8 new tokens after ``PROMPT``) on a SlotCache under ``policy`` with budget 16: the
     model, the cache, and the second turn's input (the conversation so far and 9 new tokens)."""

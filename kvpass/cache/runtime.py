@@ -145,6 +145,7 @@ class Runtime:
         # DynamicCaches, told apart by the tensor each holds for its first kvpass layer (a graph's output, which the
         # cache stores and the next call passes back in): the one ``state`` describes, and the others' descriptions
         self._holder: weakref.ref | None = None
+        self._held_shape: tuple = ()  # its shape (a reordered copy replaces it, and it dies)
         self._aside: dict[int, tuple[weakref.ref, dict]] = {}  # id(tensor) -> (that tensor, GenerationState.take())
         self.handle = register(self)
 
@@ -170,6 +171,16 @@ class Runtime:
         if back is not None and back[0]() is not held:
             back = None  # a dead tensor's id, reused
         if held is not None and held.numel() and back is None:
+            if self.state.layers and not self.state.passes and held.shape == self._held_shape:
+                warn_once(
+                    f"kvpass: a call runs on DynamicCache keys that no kvpass graph returned, shaped as the cache "
+                    f"policy '{self.policy.name}' keeps records for: beam or contrastive search reordering the "
+                    f"cache's rows (reorder_cache), or a copy of the cache. The records do not follow such a "
+                    f"change, so where they differ between rows (scores of the attention each entry received, "
+                    f"page bounds) a row reads another row's. Decode with num_beams=1 under an evicting policy "
+                    f"on a DynamicCache",
+                    self.handle,
+                )
             return
         if holder is not None and self.state.layers:
             self._aside = {k: v for k, v in self._aside.items() if v[0]() is not None}
@@ -180,7 +191,7 @@ class Runtime:
 
     def held_by(self, out: Tensor) -> None:
         """After a DynamicCache graph ran: ``out`` is what the cache now holds for its first kvpass layer."""
-        self._holder = weakref.ref(out)
+        self._holder, self._held_shape = weakref.ref(out), tuple(out.shape)
 
     def slot_prefilled(self, count: Tensor) -> None:
         """A SlotCache prefill wrote the layer whose counters are ``count``: note its cache as the last one."""
