@@ -171,7 +171,9 @@ class Runtime:
         if back is not None and back[0]() is not held:
             back = None  # a dead tensor's id, reused
         if held is not None and held.numel() and back is None:
-            if self.state.layers and not self.state.passes and held.shape == self._held_shape:
+            # rows of a batch reordered (a cache of one row that kvpass built itself, chunk fusion's, is not)
+            reordered = held.shape == self._held_shape and held.shape[0] > 1
+            if self.state.layers and not self.state.passes and reordered:
                 warn_once(
                     f"kvpass: a call runs on DynamicCache keys that no kvpass graph returned, shaped as the cache "
                     f"policy '{self.policy.name}' keeps records for: beam or contrastive search reordering the "
