@@ -92,7 +92,7 @@ class GenerationState:
         """Hand over what describes the current cache (``CACHE_FIELDS``) and start empty, for another cache."""
         held = {name: getattr(self, name) for name in self.CACHE_FIELDS}
         self.layers, self.records, self.fresh_at = {}, 0, 0
-        self.anchor_at, self.offset, self.tail, self.tail_at, self.latest, self.base = -1, 0, None, -1, 0, 0
+        self._start_counts()
         return held
 
     def put(self, held: dict) -> None:
@@ -164,6 +164,10 @@ class GenerationState:
         self.fusion_votes.clear()
         self.scores.clear()
         self.repeat = None
+        self._start_counts()
+
+    def _start_counts(self) -> None:
+        """The counts around the layers' records as before any call (``__init__``'s values)."""
         self.anchor_at, self.offset, self.tail, self.tail_at, self.latest, self.base = -1, 0, None, -1, 0, 0
 
     def __repr__(self) -> str:
