@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run of the current design on one GPU (device tool kind `nvidia-h200`), from the repository root,
 # with $OUT set. Each step fits one device call (the tool's 600 s per command); steps may share a call:
-#   bash bench/calls/gpu_run.sh tests    every tests/gpu file, one pytest run per file (-x --tb=line), all at
-#                                        once on the one GPU, each stopped at LIMIT (500) seconds
+#   bash bench/calls/gpu_run.sh tests    every tests/gpu file (or those FILES names), one pytest run per file
+#                                        (-x --tb=line), all at once on the one GPU, each stopped at LIMIT (500) s
 #   bash bench/calls/gpu_run.sh new      the tests/gpu cases of the per-head and new methods alone, in one pytest run
 #   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
 #                                        total (bench_decode_kernel.py --ragged)
@@ -28,7 +28,7 @@ tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
   logs=$(mktemp -d)
-  for f in $(cd tests/gpu && ls test_*.py); do
+  for f in ${FILES:-$(cd tests/gpu && ls test_*.py)}; do
     ( timeout -k 10 "${LIMIT:-500}" python -m pytest -v -x --tb=line -p no:cacheprovider "tests/gpu/$f" \
         > "$logs/${f%.py}.txt" 2>&1
       echo "$f: rc=$? $(tail -n 1 "$logs/${f%.py}.txt")" >> "$out/summary.txt" ) &
