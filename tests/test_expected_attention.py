@@ -36,6 +36,7 @@ from families import build
 from kvpass.errors import _WARNED
 from kvpass.policies import make_policy
 from kvpass.policies.prefill.expected_attention import ExpectedAttention, rope_frequencies
+from test_slot_cache import assert_logits_close, left_padded
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GQA = [(1, 1), (2, 1), (4, 2), (4, 4)]
@@ -80,16 +81,30 @@ def apply_rope(x, cos, sin):
 
 
 def reference_scores(
-    q_pre, k, v, inv_freq, *, last, scale, n_sink, future, factor=1.0, covariance=True, vnorm=True, epsilon=0.0
+    q_pre,
+    k,
+    v,
+    inv_freq,
+    *,
+    last,
+    scale,
+    n_sink,
+    future,
+    factor=1.0,
+    covariance=True,
+    vnorm=True,
+    epsilon=0.0,
+    stats=None,
 ):
     """One prompt's scores ``[H_kv, L]`` (float64; the sinks' entries -inf) from its real tokens only: the queries
     before RoPE ``q_pre [H, L, D]``, the keys after it ``k [H_kv, L, D]``, the values ``v``, RoPE's ``inv_freq``
     (rotary dims ``2 len(inv_freq)``; None: no rotation), its attention factor, the position of the prompt's last
-    token ``last`` and the attention's ``scale``."""
+    token ``last`` and the attention's ``scale``. ``stats``: other queries ``[H, W, D]`` to take the statistics
+    from, all of them (a decode-time cut's), instead of the prompt's after its sinks."""
     q, k, v = q_pre.double(), k.double(), v.double()
-    heads, n, d = q.shape
+    heads, n, d = q.shape[0], k.shape[1], k.shape[-1]
     group = heads // k.shape[0]
-    x = q[:, n_sink:]
+    x = q[:, n_sink:] if stats is None else stats.double()
     mu = x.mean(1)
     centred = x - mu[:, None]
     sigma = centred.transpose(1, 2) @ centred / x.shape[1]
@@ -523,4 +538,125 @@ def test_defaults_are_kvpress():
         "use_covariance": True,
         "use_vnorm": True,
         "epsilon": 0.0,
+        "decode_interval": 0,  # kvpass's ExpectedAttentionPress alone; its DecodingPress cuts every 512 steps
+        "decode_queries": 256,  # DecodingPress's hidden_states_buffer_size
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode-time cuts (decode_interval)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    gqa=st.sampled_from(GQA),
+    rotary=st.sampled_from([0, 4, 8]),
+    steps=st.integers(2, 12),
+    ring=st.integers(2, 8),
+    n=st.integers(8, 30),
+    keep=st.integers(4, 8),
+    window=st.integers(0, 2),
+    seed=st.integers(0, 1000),
+)
+def test_decode_cut_keeps_the_reference_choice(gqa, rotary, steps, ring, n, keep, window, seed):
+    """``observe`` fed one decode query at a time (before RoPE, with its tables), then ``cut_keep`` over the stored
+    entries: the reference's choice, with the statistics of the last ``decode_queries`` queries (the ring wrapped
+    when there were more) rotated over the positions after the latest one, for every row and KV head."""
+    from kvpass.policies.prefill.expected_attention import decode_state, observe
+
+    heads, hkv = gqa
+    b, d, n_sink = 2, 8, 2
+    policy = make_policy("expected_attention", budget=keep + 4, n_sink=n_sink, window=window, decode_queries=ring)
+    g = torch.Generator().manual_seed(seed)
+    inv_freq = None if not rotary else 1.0 / (10000 ** (torch.arange(0, rotary, 2).double() / rotary))
+    state = [
+        torch.full((b, hkv, *shape), fill, dtype=dtype or torch.float32)
+        for shape, dtype, fill in decode_state(heads // hkv, ring, d).values()
+    ]
+    start = torch.tensor([[5], [11]])  # each row's first decode position
+    queries = torch.randn(b, heads, steps, d, generator=g)
+    for i in range(steps):
+        cos = sin = None
+        if rotary:
+            cos, sin = rope_tables(inv_freq, start + i)
+        observe(queries[:, :, i : i + 1], cos, sin, state)
+    k, v = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    pos = torch.arange(n).expand(b, hkv, n)
+    got = policy.cut_keep(k, v, pos, state, keep, rotary)
+    for row in range(b):
+        scores = reference_scores(
+            queries[row],
+            k[row],
+            v[row],
+            inv_freq,
+            last=int(start[row]) + steps - 1,
+            scale=1.0,
+            n_sink=n_sink,
+            future=policy.n_future_positions,
+            stats=queries[row, :, -ring:],
+        )
+        for h in range(hkv):
+            want = reference_keep(scores[h], list(range(n)), n_sink, window, keep, n)
+            assert_same_choice(got[row, h].tolist(), want, scores[h], list(range(n)))
+
+
+def _cut_run(model, cache, ids, mask, steps, tokens=None, **params):
+    from test_slot_cache import run
+
+    torch._dynamo.reset()
+    be = kvpass.backend("expected_attention", compiler="eager", **params)
+    fwd = torch.compile(model.forward, backend=be, fullgraph=True)
+    cache = cache(be)
+    fed, logits = run(fwd, cache, ids, steps, tokens, mask=mask)
+    return be, cache, fed, logits
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_decode_cuts_on_both_caches_and_through_generate(family):
+    """Every ``decode_interval`` tokens each layer goes back to its budget: on a DynamicCache its length follows
+    ``budget + (n - budget) % decode_interval``; a SlotCache of ``budget + decode_interval + 2`` slots, cut between
+    steps, gives the same logits at every step (a left-padded batch, Phi-3's partial rotary), the padded row the
+    logits of its prompt alone, and ``generate`` through ``kvpass.compile`` the same tokens. Without the cuts the
+    logits differ."""
+    model = build(family)
+    params = dict(budget=16, n_sink=2, decode_interval=16, decode_queries=8)
+    ids, mask, short, _ = left_padded(30, 22, seed=3)
+    steps = 34  # cuts after the 16th and the 32nd
+    be, dyn, fed, ref = _cut_run(model, lambda be: DynamicCache(config=model.config), ids, mask, steps, **params)
+    n = 16 + steps  # the prompt cut to the budget, then the decoded tokens
+    assert all(st.pos.shape[-1] == 16 + (n - 16) % 16 for st in be.state.layers.values())
+    _, slots, _, got = _cut_run(
+        model,
+        lambda be: kvpass.SlotCache(model, be, max_length=30 + steps, batch_size=2),
+        ids,
+        mask,
+        steps,
+        fed,
+        **params,
+    )
+    assert {layer.capacity for layer in slots.layers} == {16 + 16 + 2}
+    assert_logits_close(got, ref)
+    _, _, _, alone = _cut_run(
+        model, lambda be: DynamicCache(config=model.config), short, None, steps, [t[:1] for t in fed], **params
+    )
+    assert_logits_close([t[:1] for t in ref], alone)
+    _, _, _, uncut = _cut_run(
+        model, lambda be: DynamicCache(config=model.config), ids, mask, steps, fed, **{**params, "decode_interval": 0}
+    )
+    assert not torch.allclose(uncut[-1], ref[-1], atol=1e-3)
+    greedy = build(family)
+    kvpass.compile(greedy, "expected_attention", compiler="eager", **params)
+    out = greedy.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False)
+    _, _, _, want = _cut_run(model, lambda be: DynamicCache(config=model.config), ids, mask, steps - 1, **params)
+    assert out[:, 30:].tolist() == torch.stack([w.argmax(-1) for w in want], 1).tolist()
+
+
+def test_decode_cuts_refuse_an_append_graph_and_bad_intervals():
+    """Several tokens on a filled cache are refused by name (the cut counts one-token steps); an interval between 0
+    and 16 is a configuration error naming the parameter."""
+    policy = make_policy("expected_attention", budget=16, decode_interval=16)
+    refused = policy.plan(SimpleNamespace(**{**vars(site(True)), "phase": "append", "cache": "slot"}))
+    assert "one-token decode steps" in str(refused.reason)
+    with pytest.raises(kvpass.ConfigError, match="decode_interval"):
+        make_policy("expected_attention", decode_interval=8)

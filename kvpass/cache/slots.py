@@ -468,10 +468,10 @@ def layer_windows(cfg) -> list[int]:
     return windows
 
 
-def capacity_dims(policy, capacity: int, head_dim: int) -> list[tuple[int, ...]]:
+def capacity_dims(policy, capacity: int, head_dim: int, groups: int = 1) -> list[tuple[int, ...]]:
     """Per tensor of ``policy.slot_state``: the dimensions whose size follows the capacity (quest's
     pages), found by asking for the state at another capacity; the others are static."""
-    here, there = policy.slot_state(capacity, head_dim), policy.slot_state(capacity + 64 * 16, head_dim)
+    here, there = (policy.slot_state(c, head_dim, groups) for c in (capacity, capacity + 64 * 16))
     return [tuple(2 + i for i, (a, b) in enumerate(zip(here[name][0], there[name][0])) if a != b) for name in here]
 
 
@@ -708,6 +708,7 @@ class SlotCache(Cache):
         if kv_heads % ranks:
             raise ConfigError(f"SlotCache: {kv_heads} KV heads do not split over {ranks} tensor-parallel ranks")
         kv_heads //= ranks
+        groups = heads // (kv_heads * ranks)  # query heads per KV head
         p = next(model.parameters())
         dtype, device = dtype or p.dtype, device or p.device
         self._policy, self._windows, self._ranks = policy, windows, ranks
@@ -724,9 +725,9 @@ class SlotCache(Cache):
                     head_dim,
                     dtype,
                     device,
-                    {} if w else policy.slot_state(cap, head_dim),
+                    {} if w else policy.slot_state(cap, head_dim, groups),
                     w,
-                    None if w else capacity_dims(policy, cap, head_dim),
+                    None if w else capacity_dims(policy, cap, head_dim, groups),
                     max_length,
                 )
                 for cap, w in zip(self.capacities, windows)

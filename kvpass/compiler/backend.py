@@ -19,6 +19,7 @@ from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass import settings as _settings
 from kvpass.cache import runtime as _runtime
 from kvpass.cache import slots as _cache
+from kvpass.compiler import cuts as _cuts
 from kvpass.compiler import detect as _detect
 from kvpass.compiler import gate as _gate
 from kvpass.compiler import holds as _holds
@@ -63,6 +64,7 @@ class GraphReport:
     shared_layers: int = 0  # decoder layers compiled once and called per layer (kvpass.compiler.layers)
     # where the first DynamicCache layer's stored keys enter and leave the graph (kvpass.compiler.holds)
     holds: tuple[int | None, int] | None = None
+    cuts: list = field(default_factory=list)  # SlotCache cuts between decode steps (kvpass.compiler.cuts)
 
 
 def _runtime_op(node: fx.Node) -> bool:
@@ -155,6 +157,9 @@ class KVPass(CustomGraphPass):
                 f"may be in another one (kvpass.explain shows what each graph holds)",
                 self,
             )
+        cuts = _cuts.points(gm, found.sites, plans) if report.phase == "decode" and not report.problems else []
+        if isinstance(cuts, str):  #    the cuts between decode steps need the slots as inputs
+            report.problems.append(cuts)
         if report.problems:
             warn_once(
                 f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): {report.problems[0]}",
@@ -162,7 +167,7 @@ class KVPass(CustomGraphPass):
             )
             _keep_slot_appends(gm)
             return report
-        report.holds = _holds.holds(gm, found.sites)  # (before the rewrite replaces the stored keys)
+        report.holds, report.cuts = _holds.holds(gm, found.sites), cuts  # (before the rewrite replaces them)
         self._rewrite(gm, found, plans, report)  # 6. REWRITES[plan.rewrite_kind] per site
         if self.policy.needs.renumber and report.phase != "prefill":  # 7. a renumbering gate's positions
             report.positions_fixed += (
@@ -396,6 +401,8 @@ class Backend:
         patches = self._mode_patches(gm, report, compile_kwargs.get("mode"), compile_kwargs.get("options"), compiler)
         report.cudagraphs = bool(patches.get("triton.cudagraphs"))
         fn = self._inner(gm, example_inputs, patches, compiler, report)
+        if report.cuts:
+            fn = _cuts.cutting(fn, report.cuts)
         return recorded(_holds.following(fn, self.runtime, report.holds) if follows else fn, report.phase)
 
     def _mode_patches(self, gm: fx.GraphModule, report: GraphReport, mode, options, compiler: str) -> dict:

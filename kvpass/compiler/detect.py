@@ -78,6 +78,11 @@ class QueryRope:
     sin: fx.Node | None = None
     problem: str | None = None
 
+    @property
+    def rotary(self) -> int:
+        """The dims the rotation turns (the tables' width; 0 where the query is not rotated)."""
+        return 0 if self.cos is None else int(val(self.cos).shape[-1])
+
 
 @dataclass(frozen=True)
 class OutProj:

@@ -199,11 +199,11 @@ def _layer_votes(graph: fx.Graph, site: Site, plan: SitePlan, q_scaled, reductio
 
 
 def _query_rope(graph: fx.Graph, site: Site, plan: SitePlan) -> tuple:
-    """A prefill whose selection reads the queries before RoPE (``SitePlan.rope``): ``(q_pre, cos, sin)``, the
-    query before the rotation scaled like ``q`` (``q_pre . k`` is a logit at no rotation) and the rotation's tables
-    (``Site.q_rope``: the planning policy refused an unrecognised one); all None where the query is not rotated
-    (the policy reads ``q``), and in decode graphs. Under dynamic shapes too: its ``select`` acts only on a prefill."""
-    if not plan.rope or site.phase not in ("prefill", "dynamic") or site.q_rope.cos is None:
+    """A call whose selection reads the queries before RoPE (``SitePlan.rope``: a prefill's, or a decode step's
+    where the policy keeps decode-time statistics): ``(q_pre, cos, sin)``, the query before the rotation scaled
+    like ``q`` (``q_pre . k`` is a logit at no rotation) and the rotation's tables (``Site.q_rope``: the planning
+    policy refused an unrecognised one); all None where the query is not rotated (the policy reads ``q``)."""
+    if not plan.rope or site.q_rope.cos is None:
         return None, None, None
     rope = site.q_rope
     pre = rope.pre if site.scale == 1.0 else graph.call_function(operator.mul, (rope.pre, site.scale))
@@ -472,6 +472,11 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             if hooks.select is not None:
                 bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
                 read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)
+            if hooks.observe is not None:
+                pre, cos, sin = _query_rope(graph, site, plan)
+                if pre is None:  # not rotated: the query itself, scaled
+                    pre = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+                graph.call_function(hooks.observe, (pre, cos, sin, state, *hooks.args))
             att = _decode_read(
                 graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, window, kv_len, bmap
             )

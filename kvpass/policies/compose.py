@@ -63,8 +63,8 @@ class Composed(Policy):
             )
         return stateful[0] if stateful else None
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict:
-        return self._stateful.slot_state(capacity, head_dim) if self._stateful else {}
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
+        return self._stateful.slot_state(capacity, head_dim, groups) if self._stateful else {}
 
     def slot_hooks(self, site):
         return self._stateful.slot_hooks(site) if self._stateful else None

@@ -350,13 +350,22 @@ class SlotHooks:
     * ``update(q, keys, pos, count, state, k_new, *args)``: after a decode step wrote its token (``count``
       already counts it; ``q`` is the step's query with the softmax scale applied), fold it in (in place);
     * ``select(q, pos, count, state, *args) -> block_map [B, H_kv, steps]`` int32: the blocks of
-      ``block`` slots the decode step reads (``decode_attention``'s ``ORDER_MAP``; -1 reads nothing).
+      ``block`` slots the decode step reads (``decode_attention``'s ``ORDER_MAP``; -1 reads nothing);
+    * ``observe(q_pre, cos, sin, state, *args)``: in a decode step, the step's query before RoPE (scaled like
+      ``q``; ``q`` itself, and no tables, where the query is not rotated) and RoPE's ``cos`` / ``sin`` tables
+      (``SitePlan.rope``), folded into the state (in place);
+    * ``cut(keys, values, pos, count, state, *args)``: between two decode steps, outside the compiled graph,
+      shrink the rows whose layer is due (``kvpass.cache.cuts``: expected_attention's periodic cut); ``due`` is the
+      number of filled slots at which a row is.
     """
 
     refresh: Callable | None = None
     place: Callable | None = None
     update: Callable | None = None
     select: Callable | None = None
+    observe: Callable | None = None
+    cut: Callable | None = None
+    due: int = 0
     args: tuple = ()
     block: int = 128
 
@@ -443,9 +452,10 @@ class Policy:
         are split over, each holding a contiguous share; every rank's cache gets the slots its share needs."""
         return max_length
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
         """Per-layer decode state a SlotCache allocates beside the slots: ``{name: (shape after [B, H_kv],
-        dtype or None for the cache's dtype, fill value)}``, in the order ``SlotHooks`` receive it."""
+        dtype or None for the cache's dtype, fill value)}``, in the order ``SlotHooks`` receive it. ``groups``:
+        the query heads of each KV head."""
         return {}
 
     def slot_hooks(self, site) -> SlotHooks | None:

@@ -142,7 +142,7 @@ class ScoredEviction(Policy):
     ) -> int:
         return min(max_length, self.budget + 1)  # the kept entries and the token being decoded
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict:
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
         return {"score": ((capacity,), torch.float32, 0.0)}
 
     def slot_hooks(self, site) -> SlotHooks | None:

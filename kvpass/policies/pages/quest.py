@@ -204,7 +204,7 @@ class Quest(Policy):
     # on a SlotCache: every token kept (the append layout), the pages' bounds as layer state
     needs = Needs(slot_rule="append")
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict:
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
         pages = -(-capacity // PAGE)
         return {
             "kmin": ((pages, head_dim), None, 0),

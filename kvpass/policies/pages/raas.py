@@ -83,7 +83,7 @@ class RaaS(Policy):
             return whole * PAGE
         return min(whole, -(-(max_length - max_new_tokens) // PAGE) + self.decode_pages) * PAGE
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict:
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
         pages = capacity // PAGE
         return {
             "kmin": ((pages, head_dim), None, 0),

@@ -76,7 +76,7 @@ class AdaKV(OverScorer):
     def slot_budget(self, layer: int, layers: int) -> int:
         return self.base.slot_budget(layer, layers)
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict:
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
         return dict(ragged.SLOT_STATE)
 
     def select(self, site, q, k, v, kv_pos, q_pos, layer_state, **inputs):

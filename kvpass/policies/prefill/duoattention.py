@@ -190,5 +190,5 @@ class DuoAttention(Policy):
             for share in heads.chunk(ranks)
         )
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict:
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
         return dict(ragged.SLOT_STATE)

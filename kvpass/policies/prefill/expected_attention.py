@@ -12,12 +12,18 @@ softmax over those keys per query head, averaged over the query heads of each KV
 ``(score + epsilon) * ||v||`` with ``use_vnorm``, gives each entry's priority. The sinks are always kept, then
 the highest priorities: ``budget`` entries per layer and KV head, in their original order (ties to the earlier
 entry, left padding last). A prompt no longer than ``budget`` is kept whole, which equals ``full``. Decode steps
-append (``kvpass.policies.prefill.base``).
+append (``kvpass.policies.prefill.base``), unless ``decode_interval`` is set: then a layer that reaches ``budget +
+decode_interval`` entries is cut back to ``budget`` by the same scores, its statistics from the last
+``decode_queries`` decode queries (a ring per layer, ``observe``) and the rotation after the latest token
+(``cut_keep``, one decision for both caches: inside ``select`` on a DynamicCache, whose stored length is then
+``min(n, budget + (n - budget) mod decode_interval)``; between decode steps on a SlotCache, ``slot_cut`` run by
+``kvpass.compiler.cuts``, the ring kept in the decode graph by ``SlotHooks.observe``).
 
 Parameters: ``budget`` (2048, 2..2^24; entries kept per layer and KV head, sinks and window included; above
 ``n_sink + window``), ``n_sink`` (4, 0..65536), ``n_future_positions`` (512, 1..2^20), ``use_covariance`` (True),
 ``use_vnorm`` (True), ``epsilon`` (0.0, >= 0), ``window`` (0, 0..65536: last prompt tokens also always kept;
-0 keeps none by position, as kvpress).
+0 keeps none by position, as kvpress), ``decode_interval`` (0, or 16..2^20: decode
+tokens between cuts; 0: none), ``decode_queries`` (256, 2..65536: the ring's length).
 
 **RoPE, read off the graph.** The pass finds transformers' rotate-half RoPE on each site's query,
 ``q = pre * cos + rotate_half(pre) * sin`` on its first ``r`` dims (partial rotary passes the others through),
@@ -55,12 +61,14 @@ the rotation in float64.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 from torch import Tensor
 
-from kvpass.policies.contract import ConfigError, Refusal, SitePlan, param
+from kvpass.cache.slots import FILLED
+from kvpass.policies.contract import ConfigError, Refusal, SitePlan, SlotHooks, param
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
 
@@ -92,7 +100,12 @@ def rope_frequencies(cos: Tensor, sin: Tensor, real: Tensor) -> tuple[Tensor, Te
 def mean_rotation(cos: Tensor, sin: Tensor, real: Tensor, future: int, dim: int) -> Tensor:
     """``R_bar [B, dim, dim]`` float64: RoPE's rotation averaged over the ``future`` positions after each row's last
     real token, identity past the tables' ``r`` columns (partial rotary)."""
-    freq, last = rope_frequencies(cos, sin, real)
+    return rotation(*rope_frequencies(cos, sin, real), future, dim)
+
+
+def rotation(freq: Tensor, last: Tensor, future: int, dim: int) -> Tensor:
+    """``R_bar [B, dim, dim]`` float64: RoPE's rotation at frequencies ``freq [B, r]`` averaged over the ``future``
+    positions after a token rotated by ``last [B, r]`` (complex: ``cos + i sin``), identity past ``r``."""
     half = freq / 2
     # mean over s = 1..F of exp(i s f) = exp(i (F + 1) f / 2) sin(F f / 2) / (F sin(f / 2)), 1 at f = 0
     kernel = torch.where(half == 0, 1.0, torch.sin(future * half) / (future * torch.sin(half)))
@@ -140,6 +153,53 @@ def expected_logits(mu: Tensor, cov: Tensor | None, k: Tensor) -> Tensor:
     return torch.cat(parts, -1).view(b, h, -1)
 
 
+# decode-time statistics (``decode_interval``), one layer's state on either cache, per row and KV head: the ring of
+# the last ``decode_queries`` queries before RoPE; RoPE's latest cos and sin and the sum of its angle steps; counts
+SEEN, SINCE_CUT = 0, 1  # the columns of ``counts``: decode queries seen, queries since the last cut
+SLACK = 2  # SlotCache slots past the cut's size: kvpass.compiler.cuts learns a step's fill two steps late
+
+
+def decode_state(groups: int, queries: int, head_dim: int) -> dict:
+    """The decode-time state of a layer (``Policy.slot_state``'s form): the query ring ``[G, W, D]`` in the
+    activations' dtype, RoPE's ``[3, D]`` (cos, sin, summed angle steps) in float64 and the ``counts``."""
+    return {
+        "queries": ((groups, queries, head_dim), None, 0.0),
+        "rope": ((3, head_dim), torch.float64, 0.0),
+        "counts": ((2,), torch.int64, 0),
+    }
+
+
+def observe(q_pre: Tensor, cos: Tensor | None, sin: Tensor | None, state: list) -> None:
+    """Fold a call's ``L`` queries ``q_pre [B, H, L, D]`` (before RoPE, scaled like ``q``) and their RoPE tables
+    (``[B or 1, (1,) L, r]``, or None: no rotation) into a layer's decode state, in place. The ring keeps the last
+    ``W`` queries (the slot of the ``i``-th since the last cut is ``i mod W``); each new token adds the wrapped angle
+    step from the token before it (none before the first)."""
+    queries, rope, counts = state
+    b, hkv, g, w, d = queries.shape
+    n = q_pre.shape[2]
+    new = q_pre[:, :, -w:].reshape(b, hkv, g, -1, d)
+    m = new.shape[3]
+    slot = (counts[:, :, SINCE_CUT, None] + (n - m) + torch.arange(m, device=q_pre.device)) % w  # [B, H_kv, m]
+    queries.scatter_(3, slot[:, :, None, :, None].expand(b, hkv, g, m, d), new.to(queries.dtype))
+    if cos is not None:
+        r = cos.shape[-1]
+        c, s = (t.reshape(-1, n, r).double().expand(b, n, r) for t in (cos, sin))
+        c = torch.cat([rope[:, 0, 0, None, :r], c], 1)  # the latest token before the call first
+        s = torch.cat([rope[:, 0, 1, None, :r], s], 1)
+        steps = torch.atan2(s[:, 1:] * c[:, :-1] - c[:, 1:] * s[:, :-1], c[:, 1:] * c[:, :-1] + s[:, 1:] * s[:, :-1])
+        steps[:, 0] *= (counts[:, 0, SEEN] > 0)[:, None]
+        rope[:, :, 2, :r] += steps.sum(1)[:, None]
+        rope[:, :, 0, :r] = c[:, None, -1]
+        rope[:, :, 1, :r] = s[:, None, -1]
+    counts += n
+
+
+def reset(keys: Tensor, pos: Tensor, count: Tensor, state: list) -> None:
+    """After a SlotCache prefill (``SlotHooks.refresh``): no decode query seen yet."""
+    state[1].zero_()
+    state[2].zero_()
+
+
 class ExpectedAttention(PrefillEviction):
     name = "expected_attention"
     summary = "the attention future queries are expected to give (prompt query statistics, averaged RoPE)"
@@ -149,6 +209,15 @@ class ExpectedAttention(PrefillEviction):
     use_covariance: bool = param(True, doc="add the queries' covariance term to the expected logits")
     use_vnorm: bool = param(True, doc="weigh each entry's expected attention by its value's L2 norm")
     epsilon: float = param(0.0, 0.0, None, "added to the expected attention before the value norm weighs it")
+    decode_interval: int = param(
+        0, 0, 1 << 20, "decode tokens between cuts back to the budget (0: decode steps only append; kvpress: 512)"
+    )
+    decode_queries: int = param(256, 2, 1 << 16, "latest decode queries a cut's statistics are taken from")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.decode_interval:  # it evicts after its prefill: a DynamicCache's decode graphs run the selection
+            self.needs = dataclasses.replace(type(self).needs, decode_appends=False)
 
     def check_config(self) -> None:
         if self.budget <= self.window + self.n_sink:
@@ -157,36 +226,141 @@ class ExpectedAttention(PrefillEviction):
                 f"({self.n_sink} + {self.window}), got {self.budget}; the budget counts the sinks and "
                 f"the window, so pass a larger budget or fewer sinks"
             )
+        if 0 < self.decode_interval < 16:
+            raise ConfigError(
+                f"policy '{self.name}': parameter 'decode_interval' must be 0 (no decode cuts) or in [16, "
+                f"{1 << 20}], got {self.decode_interval}; a cut scores every stored entry, so cut less often"
+            )
 
     def plan(self, site) -> SitePlan | Refusal:
         plan = super().plan(site)
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
+        if self.decode_interval and site.phase not in ("prefill", "decode"):
+            return Refusal(
+                f"layer {site.layer}: expected_attention with decode_interval cuts after one-token decode "
+                f"steps; this '{site.phase}' graph adds several tokens to a filled cache"
+            )
+        if site.phase not in ("prefill", "dynamic") and not self.decode_interval:
+            return plan  # decode steps append
         if site.q_rope.problem:
             return Refusal(f"layer {site.layer}: its scores need the queries before RoPE, and {site.q_rope.problem}")
         return dataclasses.replace(plan, rope=True)
 
+    def stored_length(self, site, total):
+        if site.phase == "prefill" or not self.decode_interval:
+            return super().stored_length(site, total)
+        # back to the budget each time the layer reaches budget + decode_interval entries
+        return torch.sym_min(total, self.budget + (total - self.budget) % self.decode_interval)
+
     def ranking(self, site, q, k, v, kv_pos, q_pos, keep, q_pre=None, cos=None, sin=None):
-        n = kv_pos.shape[-1]
+        self._check_rotated(site, cos)
+        valid, forced = scoring.window_layout(kv_pos, self.window)
+        real = valid[:, 0]  # [B, N]: a prefill's keys are its queries' tokens
+        sinks, rest = self._sinks(real)
+        mu, cov = query_moments(q if q_pre is None else q_pre, rest, self.use_covariance)
+        rot = None if cos is None else mean_rotation(cos, sin, real, self.n_future_positions, mu.shape[-1])
+        return self._expected(mu, cov, rot, k, v, rest), forced | sinks[:, None], valid
+
+    def select(self, site, q, k, v, kv_pos, q_pos, layer_state, **inputs):
+        n, new = kv_pos.shape[-1], q_pos.shape[1]
+        if not self.decode_interval or n == new:
+            return super().select(site, q, k, v, kv_pos, q_pos, layer_state, **inputs)
+        cos, sin, q_pre = inputs.get("cos"), inputs.get("sin"), inputs.get("q_pre")
+        self._check_rotated(site, cos)
+        book = layer_state.extra if layer_state is not None else {}
+        if "queries" not in book:  # the first decode step after the prefill
+            shapes = decode_state(q.shape[1] // k.shape[1], self.decode_queries, q.shape[-1])
+            book = {
+                name: torch.full((*k.shape[:2], *shape), fill, dtype=dtype or q.dtype, device=q.device)
+                for name, (shape, dtype, fill) in shapes.items()
+            }
+        state = [book["queries"], book["rope"], book["counts"]]
+        observe(q if q_pre is None else q_pre, cos, sin, state)
+        keep = int(self.stored_length(site, n))
+        if keep >= n:
+            return None, book
+        idx = self.cut_keep(k, v, kv_pos, state, keep, 0 if cos is None else cos.shape[-1])
+        book["counts"][..., SINCE_CUT] = 0
+        return idx, book
+
+    def cut_keep(self, k: Tensor, v: Tensor, pos: Tensor, state: list, keep: int, rotary: int) -> Tensor:
+        """A decode-time cut, on either cache: the ``keep`` entries ``[B, H_kv, keep]`` (ascending) of the stored
+        ``k`` / ``v`` / ``pos`` that stay, by the expected attention of queries distributed as the last
+        ``decode_queries`` decode queries, rotated over the ``n_future_positions`` after the latest token
+        (``rotary``: RoPE's columns, 0 without RoPE). The sinks (the first ``n_sink`` stored entries) and the
+        ``window`` latest stay whatever their score."""
+        queries, rope, counts = state
+        b, hkv, g, w, d = queries.shape
+        rows = torch.arange(w, device=k.device) < counts[:, 0, SINCE_CUT, None].clamp_max(w)
+        mu, cov = query_moments(queries.reshape(b, hkv * g, w, d), rows, self.use_covariance)
+        rot = None
+        if rotary:
+            freq = rope[:, 0, 2, :rotary] / (counts[:, 0, SEEN, None] - 1).clamp_min(1)
+            rot = rotation(
+                freq, torch.complex(rope[:, 0, 0, :rotary], rope[:, 0, 1, :rotary]), self.n_future_positions, d
+            )
+        valid, forced = scoring.window_layout(pos, self.window)
+        sinks, rest = self._sinks(valid[:, 0])
+        return scoring.keep_top(self._expected(mu, cov, rot, k, v, rest), forced | sinks[:, None], valid, keep)
+
+    def slot_capacity(
+        self, max_length: int, max_new_tokens: int, layer: int = 0, layers: int = 1, ranks: int = 1
+    ) -> int:
+        if not self.decode_interval:
+            return super().slot_capacity(max_length, max_new_tokens, layer, layers, ranks)
+        return min(max_length, self.budget + min(max_new_tokens, self.decode_interval + SLACK))
+
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
+        return decode_state(groups, self.decode_queries, head_dim) if self.decode_interval else {}
+
+    def slot_hooks(self, site) -> SlotHooks | None:
+        if not self.decode_interval or site.sliding_window:
+            return None
+        return SlotHooks(
+            refresh=reset,
+            observe=observe,
+            cut=functools.partial(self.slot_cut, rotary=site.q_rope.rotary),
+            due=self.budget + self.decode_interval,
+        )
+
+    def slot_cut(self, keys: Tensor, values: Tensor, pos: Tensor, count: Tensor, state: list, rotary: int) -> None:
+        """``SlotHooks.cut``: the rows whose layer holds ``budget + decode_interval`` entries keep the ``budget`` that
+        ``cut_keep`` picks, in the first slots and in order; the others are left as they are."""
+        due = count[:, FILLED] >= self.budget + self.decode_interval
+        idx = self.cut_keep(keys, values, pos, state, self.budget, rotary)
+        for t in (keys, values):
+            kept = t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
+            t[:, :, : self.budget] = torch.where(due[:, None, None, None], kept, t[:, :, : self.budget])
+        cut = torch.full_like(pos, -1)
+        cut[:, :, : self.budget] = pos.gather(2, idx)
+        pos.copy_(torch.where(due[:, None, None], cut, pos))
+        count[:, FILLED] = torch.where(due, self.budget, count[:, FILLED])
+        state[2][..., SINCE_CUT] = torch.where(due[:, None], 0, state[2][..., SINCE_CUT])
+
+    def _check_rotated(self, site, cos) -> None:
         rotated = site.q_rope is not None and site.q_rope.cos is not None
         if rotated != (cos is not None):  # never score a rotated query as if it were not, or the reverse
             raise RuntimeError(
                 f"policy '{self.name}': layer {site.layer}'s query is {'' if rotated else 'not '}"
                 f"rotated by RoPE, but select was {'not ' if rotated else ''}given RoPE tables"
             )
-        valid, forced = scoring.window_layout(kv_pos, self.window)
-        real = valid[:, 0]  # [B, N]: a prefill's keys are its queries' tokens
+
+    def _sinks(self, real: Tensor) -> tuple[Tensor, Tensor]:
+        """``(sinks, rest)`` ``[B, N]``: the first ``n_sink`` real entries, and the other real ones."""
         sinks = real & (real.long().cumsum(-1) <= self.n_sink)
-        rest = real & ~sinks
-        mu, cov = query_moments(q if q_pre is None else q_pre, rest, self.use_covariance)
-        if cos is not None:
-            rot = mean_rotation(cos, sin, real, self.n_future_positions, mu.shape[-1])
+        return sinks, real & ~sinks
+
+    def _expected(self, mu: Tensor, cov: Tensor | None, rot: Tensor | None, k: Tensor, v: Tensor, rest: Tensor):
+        """``[B, H_kv, N]``: each ``rest`` entry's expected attention from queries of mean ``mu`` and covariance
+        ``cov`` turned by ``rot`` (None: no rotation), averaged over each KV group, weighed by the value norms."""
+        if rot is not None:
             mu = torch.einsum("bij,bhj->bhi", rot, mu.double()).float()
             if cov is not None:
                 cov = torch.einsum("bij,bhjk,blk->bhil", rot, cov.double(), rot).float()
         logit = expected_logits(mu, cov, k).masked_fill(~rest[:, None], -math.inf)
         attn = torch.softmax(logit, -1).nan_to_num(0.0)  # a row with no key after its sinks: nothing
-        score = attn.view(k.shape[0], k.shape[1], -1, n).mean(2)
+        score = attn.view(k.shape[0], k.shape[1], -1, k.shape[2]).mean(2)
         if self.use_vnorm:
             score = (score + self.epsilon) * torch.linalg.vector_norm(v.float(), dim=-1)
-        return score, forced | sinks[:, None], valid
+        return score

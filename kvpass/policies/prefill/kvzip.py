@@ -94,7 +94,7 @@ class KVzip(PrefillEviction):
             f"{cache} cache it keeps every entry, as 'full'"
         )
 
-    def slot_state(self, capacity: int, head_dim: int) -> dict:
+    def slot_state(self, capacity: int, head_dim: int, groups: int = 1) -> dict:
         return dict(ragged.SLOT_STATE)
 
     # -- the repeat passes (kvpass.generate.reconstruct runs them) ----------------------------------------------
