@@ -40,6 +40,8 @@ CASES = [
     ("knorm", dict(budget=64, window=0)),
     ("keydiff", dict(budget=64, window=0)),
     ("expected_attention", dict(budget=64)),
+    # cuts between the replays every 64 steps (kvpass.compiler.cuts), in place on the graph's static slots
+    ("expected_attention", dict(budget=64, decode_interval=64, decode_queries=32)),
     ("criticalkv", dict(budget=64, window=8)),
     ("adakv", dict(budget=64, window=8)),  # per-head layouts: ragged heads, a ring per streaming head
     (
