@@ -652,6 +652,25 @@ def test_decode_cuts_on_both_caches_and_through_generate(family):
     assert out[:, 30:].tolist() == torch.stack([w.argmax(-1) for w in want], 1).tolist()
 
 
+def test_decode_cuts_in_a_request_queue_give_each_request_its_tokens_alone():
+    """Requests admitted into rows at different steps reach their cuts at different steps (one a step after the
+    other included): each row is cut when it is due, so every request gets the tokens ``generate`` gives it alone."""
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(
+        model, "expected_attention", compiler="eager", budget=16, n_sink=2, decode_interval=16, decode_queries=8
+    )
+    prompts = [torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 33, 27, 41, 25)]
+    news = (40, 25, 37, 30, 20)
+    want = [
+        model.generate(p[None], max_new_tokens=n, min_new_tokens=n, do_sample=False)[0] for p, n in zip(prompts, news)
+    ]
+    queue = kvpass.RequestQueue(model, max_batch=2, eos_token_id=None)
+    for p, n in zip(prompts, news):
+        queue.add(p, max_new_tokens=n)
+    assert [g.tolist() for g in queue.run(progress=False)] == [w.tolist() for w in want]
+
+
 def test_decode_cuts_refuse_an_append_graph_and_bad_intervals():
     """Several tokens on a filled cache are refused by name (the cut counts one-token steps); an interval between 0
     and 16 is a configuration error naming the parameter."""

@@ -6,10 +6,10 @@ hundreds. So the graph's call is wrapped (``cutting``): before a decode step, wh
 due, the policy's ``cut`` runs on the layers' slots and state, in place (their addresses stay, as the graph's
 replay needs), and decides per row on the device which rows are due. Whether any may be is the host's question,
 answered without waiting for the device: after each step the largest fill of the first cut layer is copied to
-pinned memory without blocking, and the copy made two steps earlier is read (a step adds one entry to every row,
-so the fill after the last step is that copy's plus one). The host thus stays one step ahead, as kvpass's
-decoding loop keeps it; the layers hold ``SLACK`` slots past the cut's size for a cache whose first steps
-have no copy yet.
+pinned memory without blocking, and the copy made two steps earlier is read: a step adds one entry to a row and
+a cut only removes, so that copy plus one bounds the fill now. The host thus stays one step ahead, as kvpass's
+decoding loop keeps it; the layers hold 2 slots past the cut's size for a cache whose first steps have no copy
+yet.
 
 ``points`` finds, before the rewrite, where each site's slots and state enter the graph.
 """
@@ -55,32 +55,29 @@ def points(gm: fx.GraphModule, sites, plans) -> list[CutPoint] | str:
 
 
 class Schedule:
-    """Whether a cut may be due before a step, from the fills copied after earlier steps (the module docstring)."""
+    """Whether a cut may be due before a step, from the fills copied after earlier steps (the module docstring).
+    The copy of two steps back, plus one, bounds the fill from above (a step adds one entry to a row, a cut only
+    removes), so a step it finds below the cut's size needs none; a row the cut just passed by (it became due a
+    step after another) is caught at the next step, where the copy from before that cut still says "may be"."""
 
     def __init__(self, due: int) -> None:
         self.due = due
-        self.calls = 0
-        self.cut_at = -1
         self.count: torch.Tensor | None = None
-        self.notes: deque = deque(maxlen=2)  # (call, host copy, event)
+        self.notes: deque = deque(maxlen=2)  # (host copy, event) after each of the last two steps
 
     def may_be_due(self, count: torch.Tensor) -> bool:
-        if count is not self.count:  # another cache: nothing known of it yet
-            self.count, self.calls, self.cut_at = count, 0, -1
+        if count is not self.count:  # another cache: nothing known of it yet (its first steps cannot be due)
+            self.count = count
             self.notes.clear()
         if len(self.notes) < 2:
             return False
-        call, host, event = self.notes[0]  # two steps back
-        if call < self.cut_at:  # copied before the last cut
-            return False
+        host, event = self.notes[0]
         if event is not None:
-            event.synchronize()
+            event.synchronize()  # the step before last: done, or nearly, by the time the next is queued
         return int(host) + 1 >= self.due
 
-    def note(self, count: torch.Tensor, cut: bool) -> None:
-        """After step ``calls``: its largest fill, copied without blocking."""
-        if cut:
-            self.cut_at = self.calls
+    def note(self, count: torch.Tensor) -> None:
+        """After a step: its largest fill, copied without blocking."""
         fill = count[:, FILLED].amax()
         if fill.is_cuda:
             host = torch.empty((), dtype=fill.dtype, pin_memory=True)
@@ -89,8 +86,7 @@ class Schedule:
             event.record()
         else:
             host, event = fill, None
-        self.notes.append((self.calls, host, event))
-        self.calls += 1
+        self.notes.append((host, event))
 
 
 def cutting(fn, cuts: list[CutPoint]):
@@ -100,13 +96,12 @@ def cutting(fn, cuts: list[CutPoint]):
 
     def call(*args):
         count = args[first]
-        cut = schedule.may_be_due(count)
-        if cut:
+        if schedule.may_be_due(count):
             with torch.no_grad():
                 for c in cuts:
                     c.cut(*(args[i] for i in c.slots), [args[i] for i in c.state])
         out = fn(*args)
-        schedule.note(count, cut)
+        schedule.note(count)
         return out
 
     call.__dict__.update(getattr(fn, "__dict__", {}))
