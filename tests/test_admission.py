@@ -18,11 +18,12 @@ import torch
 import kvpass
 from conformance import CONFORMANCE, one_per_mechanism
 from families import build
-from kvpass.policies import POLICIES, Policy
+from kvpass.policies import POLICIES, make_policy
 
 SLOT = one_per_mechanism([n for n, e in CONFORMANCE.items() if not e.driver])  # conformance.py
-# h2o, quest, raas, tova (their hooks) and adakv (its heads' ranges, which each decode step writes)
-HOOKED = [n for n in SLOT if POLICIES[n].slot_hooks is not Policy.slot_hooks or POLICIES[n].needs.heads]
+# h2o, quest, raas, tova (their state at the no-op setting) and adakv (its heads' ranges, which each decode step
+# writes); expected_attention's decode cuts, whose state each row keeps too: tests/test_expected_attention.py
+HOOKED = [n for n in SLOT if make_policy(n, **CONFORMANCE[n].noop).slot_state(64, 16) or POLICIES[n].needs.heads]
 MAX, NEW = 64, 12
 
 
