@@ -10,7 +10,7 @@ sorted, drawn at random, then the last 32 positions (the question). Timed, per c
 
 * ``sdpa_masked``: the former CUDA implementation, written out here: K/V repeated to every query
   head, one additive ``[B, 1, rows, Lk]`` mask from the positions, SDPA's fused masked kernels;
-* ``slot_triton``: ``kvpass.policies.chunk_fusion.kernels.slot_attention.slot_attention_triton`` for a small grid of
+* ``slot_triton``: ``kvpass.kernels.slot_attention.slot_attention_triton`` for a small grid of
   (block_m, block_n, num_warps, num_stages); the best configuration (least total time over the
   contexts) is checked against the fp32 reference on a slice of rows (first and last 256).
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvpass.policies.chunk_fusion.kernels import slot_attention as S  # noqa: E402
+from kvpass.kernels import slot_attention as S  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 RATIO, QUESTION = 0.15, 32

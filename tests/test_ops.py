@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpass
+from kvpass.kernels.page_bounds import page_bounds_reference
+from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
 from kvpass.ops import OPS
-from kvpass.policies.pages.kernels.page_bounds import page_bounds_reference
-from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
 
 OP = torch.ops.kvpass
 PROPERTY = settings(max_examples=40, deadline=None)

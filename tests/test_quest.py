@@ -194,7 +194,7 @@ def test_top_pages_kernel_equals_reference(seed, rows, pages, top, values, holes
     ``top`` best pages ascending, -1 padded, ties to the lower index (few distinct values force ties at
     the cut, across the kernel's blocks of pages), ``-inf`` and NaN never chosen, fewer eligible pages than
     ``top``, negative scores, zeros of both signs; the reference itself agrees with a selection by hand."""
-    from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
+    from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
 
     gen = torch.Generator().manual_seed(seed)
     if values == "ties":

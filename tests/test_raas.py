@@ -28,9 +28,9 @@ from transformers import DynamicCache
 import kvpass
 from families import build, symbolic_lengths
 from kvpass.cache.state import GenerationState, LayerState
+from kvpass.kernels import page_bounds as PB
+from kvpass.kernels import raas_stamp as RS
 from kvpass.policies import ConfigError, make_policy
-from kvpass.policies.pages.kernels import page_bounds as PB
-from kvpass.policies.pages.kernels import raas_stamp as RS
 
 SITE = SimpleNamespace(layer=0, phase="decode", sliding_window=None, cache="dynamic")
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import families
 from kvpass import ConfigError
 from kvpass.chunks.rope import RotaryMap, layer_keys, rotate, unrotate
-from kvpass.policies.chunk_fusion.kernels import rope as K
+from kvpass.kernels import rope_rotate as K
 
 SETTINGS = dict(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpass.policies.chunk_fusion.kernels import slot_attention as S
+from kvpass.kernels import slot_attention as S
 from kvpass.policies.chunk_fusion.ops import attention_slots_reference
 
 pytestmark = pytest.mark.skipif(S.triton is None, reason="needs Triton")

@@ -22,8 +22,8 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from kvpass.kernels import decode_attention as DA
-from kvpass.policies.pages.kernels import raas_stamp as RS
-from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
+from kvpass.kernels import raas_stamp as RS
+from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
 
 
 def scan_rows(out, b=1, h=32, hkv=8, d=128, steps=16):
@@ -126,7 +126,7 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
             torch.randn(b, hkv, d, device="cuda", generator=g).bfloat16(),
             torch.tensor([5000, 0, 0], device="cuda"),
         )
-        from kvpass.policies.pages.kernels.page_bounds import (
+        from kvpass.kernels.page_bounds import (
             page_bounds_triton,
         )  # quest's bounds alone (no fold, no live mask)
 

@@ -16,7 +16,7 @@ written per model family:
   rotation kvpass does not know) raises ``ConfigError`` instead of ever producing wrong keys.
 * **Rotation** is ``x * cos + rotate_half(x) * sin`` on the first ``R`` dims (``R`` = the tables'
   width; partial rotary leaves the rest), through ``kvpass::rope_rotate`` (Triton on CUDA); the
-  inverse uses ``kvpass.policies.chunk_fusion.kernels.rope.rope_inverse_tables``.
+  inverse uses ``kvpass.kernels.rope_rotate.rope_inverse_tables``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.argument import with_cache
-from kvpass.policies.chunk_fusion.kernels.rope import rope_inverse_tables
+from kvpass.kernels.rope_rotate import rope_inverse_tables
 from kvpass.policies.contract import ConfigError
 
 CALIBRATION_POSITION = 37

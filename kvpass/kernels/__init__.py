@@ -8,6 +8,20 @@
   groups, in two flash-style passes without the ``[heads, L, N]`` scores (``kvpass::accumulated_scores``, H2O).
 * ``gather``: compaction of the kept KV entries into fresh contiguous tensors (``kvpass::gather_kv``).
 
-A policy family's own kernels sit with the family: ``kvpass.policies.pages.kernels``,
-``kvpass.policies.chunk_fusion.kernels``.
+The page family's (quest, raas):
+
+* ``page_bounds``: Quest's page upper bounds per query head (``kvpass::page_bounds``).
+* ``top_pages``: Quest's page choice, the top pages of a row in index order without sorting (``kvpass::top_pages``).
+* ``raas_stamp``: RaaS's per-layer page-table update (both caches): bounds, stamps and the next slot
+  (``kvpass::raas_stamp``).
+
+Chunk fusion's:
+
+* ``slot_attention``: the recompute attention, queries at true positions over a merged cache whose slot j holds
+  position j (``kvpass::attention_slots``).
+* ``rope_rotate``: RoPE re-rotation of stored keys and the scatter of recomputed rows (``kvpass::rope_rotate``,
+  ``kvpass::scatter_rows``).
+
+Every kernel is a ``triton_op`` registered in ``kvpass.ops`` (the core ones) or in its family's ``ops.py``
+(``kvpass.policies.pages.ops``, ``kvpass.policies.chunk_fusion.ops``).
 """

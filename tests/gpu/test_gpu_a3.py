@@ -4,7 +4,7 @@
   16k-32k positions, head_dim 64/128, partial rotary, fp32/bf16) and through ``kvpass::rope_rotate``;
 * the scatter kernel equals its reference at real sizes and through ``kvpass::scatter_rows``;
 * ``kvpass::attention_slots`` (the recompute pass's attention,
-  ``kvpass.policies.chunk_fusion.kernels.slot_attention``) on CUDA equals its reference;
+  ``kvpass.kernels.slot_attention``) on CUDA equals its reference;
 * under ``torch.compile`` Inductor launches the three kernels itself (``triton_op``);
 * ``ChunkFusion`` on CUDA with Inductor: a3 with r = 1 equals a full prefill, and a3 at r = 0.15
   on a longer request keeps the cache's shape and the store's entries on the GPU.
@@ -20,7 +20,7 @@ from transformers import DynamicCache
 import kvpass
 import kvpass.ops.lowerings  # noqa: F401  (torch.ops.kvpass and their CUDA implementations; `import kvpass` loads lazily)
 from families import build
-from kvpass.policies.chunk_fusion.kernels import rope as K
+from kvpass.kernels import rope_rotate as K
 from kvpass.policies.chunk_fusion.ops import attention_slots_reference
 
 pytestmark = pytest.mark.gpu

@@ -23,7 +23,7 @@ import kvpass.ops.lowerings  # noqa: F401  (torch.ops.kvpass and their CUDA impl
 import kvpass.policies.pages.ops  # noqa: F401  (the page operators)
 from families import build
 from kvpass.kernels import decode_attention as DA
-from kvpass.policies.pages.kernels import page_bounds as PB
+from kvpass.kernels import page_bounds as PB
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -50,7 +50,7 @@ def test_page_bounds_kernel_equals_reference(b, h, hkv, pages, d, dtype):
 def test_top_pages_kernel_equals_reference(rows, pages, top, ties):
     """Quest's selection kernel at real sizes (32k and 128k caches at batch 1 and 16, the row limit, fewer
     pages than top), with ties at the cut and pages that may not be chosen; through the op on CUDA too."""
-    from kvpass.policies.pages.kernels.top_pages import top_pages_reference, top_pages_triton
+    from kvpass.kernels.top_pages import top_pages_reference, top_pages_triton
 
     g = torch.Generator(device=DEV).manual_seed(pages + top)
     ub = torch.randn(rows, pages, device=DEV, generator=g)
@@ -69,7 +69,7 @@ def test_top_pages_kernel_equals_reference(rows, pages, top, ties):
 @pytest.mark.parametrize("fill", [7, 15])
 def test_raas_stamp_kernels_equal_reference(b, h, hkv, pages, window, d, fill):
     """Prompt pages then a full decode window; ``fill = 15`` makes every row evict its oldest page."""
-    from kvpass.policies.pages.kernels import raas_stamp as RS
+    from kvpass.kernels import raas_stamp as RS
 
     g = torch.Generator(device=DEV).manual_seed(pages + fill)
     first = pages - window

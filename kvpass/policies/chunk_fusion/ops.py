@@ -1,11 +1,11 @@
-"""Chunk fusion's operators, registered on import; their kernels sit in ``kernels/``.
+"""Chunk fusion's operators, registered on import; their kernels sit in ``kvpass.kernels``.
 
 ``site`` in these operators is a site key (``Site.key``, ``kvpass.cache.runtime``), not a ``Site``.
 
 ``kvpass::rope_rotate(x, cos, sin) -> x_rotated`` and ``kvpass::scatter_rows(dst, idx, src)``
     RoPE rotation of ``x [M, L, D]`` by per-position tables (the model's own rotary module computes
     them) and a copy of ``dst [M, N, D]`` with rows ``idx`` replaced by ``src``
-    (``kvpass.policies.chunk_fusion.kernels.rope``): chunk fusion re-rotates stored pre-RoPE keys with the first and
+    (``kvpass.kernels.rope_rotate``): chunk fusion re-rotates stored pre-RoPE keys with the first and
     writes recomputed K/V over stored ones with the second. ``triton_op``s: Triton on CUDA, the
     ``*_ref`` operators elsewhere.
 
@@ -18,7 +18,7 @@
 ``kvpass::attention_slots(q, k, v, q_pos, scale, softcap)``
     ``attention_pos`` over a merged cache whose slot ``j`` holds position ``j`` (chunk fusion's
     recompute graph): key ``j`` is visible to query ``i`` when ``j <= q_pos[b, i]``
-    (``kvpass.policies.chunk_fusion.kernels.slot_attention``). A ``triton_op``: on CUDA a FlashAttention-style
+    (``kvpass.kernels.slot_attention``). A ``triton_op``: on CUDA a FlashAttention-style
     Triton kernel that derives the mask from ``q_pos`` and skips the slots past each query tile,
     ``kvpass::attention_slots_ref`` elsewhere.
 
@@ -31,10 +31,10 @@ from torch import Tensor
 
 from kvpass.cache import runtime
 from kvpass.cache.runtime import past_length
+from kvpass.kernels import rope_rotate as _rope
+from kvpass.kernels import slot_attention as _slots
 from kvpass.op_registry import register
 from kvpass.ops import attention_pos_reference
-from kvpass.policies.chunk_fusion.kernels import rope as _rope
-from kvpass.policies.chunk_fusion.kernels import slot_attention as _slots
 
 
 @torch.library.custom_op("kvpass::rope_rotate_ref", mutates_args=())
@@ -50,7 +50,7 @@ def _(x, cos, sin):
 @torch.library.triton_op("kvpass::rope_rotate", mutates_args=())
 def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x [M, L, D]`` rotated by ``cos, sin [L, R]`` (``x * cos + rotate_half(x) * sin`` on the first
-    ``R`` dims); see ``kvpass.policies.chunk_fusion.kernels.rope``. Triton on CUDA, the reference operator elsewhere."""
+    ``R`` dims); see ``kvpass.kernels.rope_rotate``. Triton on CUDA, the reference operator elsewhere."""
     if x.device.type == "cuda" and _rope.triton is not None:
         return _rope.rotate_triton(x, cos, sin, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.rope_rotate_ref(x, cos, sin)
@@ -69,7 +69,7 @@ def _(dst, idx, src):
 @torch.library.triton_op("kvpass::scatter_rows", mutates_args=())
 def scatter_rows(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
     """A copy of ``dst [M, N, D]`` with rows ``idx [n]`` replaced by ``src [M, n, D]``; see
-    ``kvpass.policies.chunk_fusion.kernels.rope``. Triton on CUDA, the reference operator elsewhere."""
+    ``kvpass.kernels.rope_rotate``. Triton on CUDA, the reference operator elsewhere."""
     if dst.device.type == "cuda" and _rope.triton is not None:
         return _rope.scatter_triton(dst, idx, src, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.scatter_rows_ref(dst, idx, src)
@@ -158,7 +158,7 @@ def _(q, k, v, q_pos, scale, softcap):
 @torch.library.triton_op("kvpass::attention_slots", mutates_args=())
 def attention_slots(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
     """Attention of queries at true positions ``q_pos`` over a merged cache whose slot ``j`` holds
-    position ``j``; see ``kvpass.policies.chunk_fusion.kernels.slot_attention``. Triton on CUDA (a FlashAttention-style
+    position ``j``; see ``kvpass.kernels.slot_attention``. Triton on CUDA (a FlashAttention-style
     kernel that skips the slots past each query tile and builds no mask), the reference operator
     elsewhere."""
     if q.device.type == "cuda" and _slots.triton is not None and scale > 0:

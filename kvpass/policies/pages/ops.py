@@ -1,20 +1,20 @@
-"""The page family's operators (quest, raas), registered on import; their kernels sit in ``kernels/``.
+"""The page family's operators (quest, raas), registered on import; their kernels sit in ``kvpass.kernels``.
 
 ``kvpass::page_bounds(q, kmin, kmax) -> ub [B, H, P] fp32``
     Quest's page upper bounds, per query head (``page_bounds_reference``), by which Quest's decode steps rank
     pages on both caches; its kernel is parallel over blocks of pages
-    (``kvpass.policies.pages.kernels.page_bounds``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
+    (``kvpass.kernels.page_bounds``). A ``triton_op``: Triton on CUDA, ``kvpass::page_bounds_ref``
     elsewhere.
 
 ``kvpass::raas_stamp(q, k_new, count, kmin, kmax, live, ts, born, meta, seen, decode_pages, alpha)``
     RaaS's per-layer decode update of its page tables, on both caches, in place (fold the token into its
-    page's bounds, stamp the decode pages, plan the next slot; ``kvpass.policies.pages.kernels.raas_stamp``). A
+    page's bounds, stamp the decode pages, plan the next slot; ``kvpass.kernels.raas_stamp``). A
     ``triton_op``: two Triton launches on CUDA, ``kvpass::raas_stamp_ref`` elsewhere.
 
 ``kvpass::top_pages(ub, top) -> idx [..., top] int32``
     The ``top`` best pages of each row of scores ``ub [..., P]`` (``-inf`` = not eligible), in
     ascending index order, -1 padded; ties go to the lower index (``top_pages_reference``). Quest's
-    page choice on a SlotCache; its kernel selects without sorting (``kvpass.policies.pages.kernels.top_pages``).
+    page choice on a SlotCache; its kernel selects without sorting (``kvpass.kernels.top_pages``).
     A ``triton_op``: Triton on CUDA (rows up to ``MAX_PAGES``), ``kvpass::top_pages_ref`` elsewhere.
 
 ``kvpass::page_select(q, k, handle, site) -> block_map [B, H_kv, steps] int32``
@@ -40,11 +40,11 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import runtime
+from kvpass.kernels import page_bounds as _bounds
+from kvpass.kernels import raas_stamp as _stamp
+from kvpass.kernels import top_pages as _top
 from kvpass.op_registry import register
 from kvpass.policies.contract import PagePolicy
-from kvpass.policies.pages.kernels import page_bounds as _bounds
-from kvpass.policies.pages.kernels import raas_stamp as _stamp
-from kvpass.policies.pages.kernels import top_pages as _top
 
 
 @torch.library.custom_op("kvpass::page_bounds_ref", mutates_args=())
@@ -60,7 +60,7 @@ def _(q, kmin, kmax):
 @torch.library.triton_op("kvpass::page_bounds", mutates_args=())
 def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     """Quest's upper bound ``[B, H, P]`` (fp32) of every page for every query head; see
-    ``kvpass.policies.pages.kernels.page_bounds``. Triton on CUDA, the reference operator elsewhere."""
+    ``kvpass.kernels.page_bounds``. Triton on CUDA, the reference operator elsewhere."""
     if q.device.type == "cuda" and _bounds.triton is not None:
         return _bounds.page_bounds_triton(q, kmin, kmax, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.page_bounds_ref(q, kmin, kmax)
@@ -102,7 +102,7 @@ def raas_stamp(
     decode_pages: int,
     alpha: float,
 ) -> None:
-    """RaaS's decode update of one layer's page tables, in place; see ``kvpass.policies.pages.kernels.raas_stamp``.
+    """RaaS's decode update of one layer's page tables, in place; see ``kvpass.kernels.raas_stamp``.
     Triton on CUDA (contiguous tables, as a SlotCache allocates them), the reference operator elsewhere."""
     tables = (kmin, kmax, live, ts, born, meta, seen)
     if q.device.type == "cuda" and _stamp.triton is not None and all(t.is_contiguous() for t in tables):
@@ -123,7 +123,7 @@ def _(ub, top):
 @torch.library.triton_op("kvpass::top_pages", mutates_args=())
 def top_pages(ub: Tensor, top: int) -> Tensor:
     """The ``top`` best pages of each row of ``ub`` in index order, -1 padded; see
-    ``kvpass.policies.pages.kernels.top_pages``. Triton on CUDA, the reference operator elsewhere."""
+    ``kvpass.kernels.top_pages``. Triton on CUDA, the reference operator elsewhere."""
     if ub.device.type == "cuda" and _top.triton is not None and ub.shape[-1] <= _top.MAX_PAGES:
         return _top.top_pages_triton(ub, top, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.top_pages_ref(ub, top)

@@ -237,7 +237,7 @@ def slot_stamp(q, keys, pos, count, state: list, k_new, decode_pages: int, alpha
     """After a decode step's write (slot ``16 cur + fill``): fold the token into its page's bounds, stamp
     the decode pages whose softmax share of the bound (over all resident pages) exceeds ``alpha`` for some
     query head of the group, and plan the next token's slot (the module docstring's rules), all in
-    ``kvpass::raas_stamp`` (``kvpass.policies.pages.kernels.raas_stamp``: two Triton launches per layer on CUDA,
+    ``kvpass::raas_stamp`` (``kvpass.kernels.raas_stamp``: two Triton launches per layer on CUDA,
     where the same rules as tensor code took about fifteen). Prompt pages are never evicted, so their timestamps are
     left as the prefill set them; the free / evict / oldest rules run over the decode pages only."""
     torch.ops.kvpass.raas_stamp(q[:, :, -1], k_new[:, :, -1], count, *state, decode_pages, alpha)

@@ -6,7 +6,7 @@ After a decode step wrote its token into slot ``16 cur + fill`` of a layer's pag
 1. fold the token's key into page ``cur``'s element-wise bounds ``kmin`` / ``kmax`` (the page's
    first token sets them);
 2. Quest's upper bound of every resident page for every query head of the group
-   (``kvpass.policies.pages.kernels.page_bounds``), its softmax share over the resident pages, and the timestamp
+   (``kvpass.kernels.page_bounds``), its softmax share over the resident pages, and the timestamp
    ``ts = now`` (tokens seen) on every decode page (``first .. first + decode_pages - 1``, the
    window) whose share exceeds ``alpha`` for some query head; prompt pages are never evicted, so
    their timestamps are not kept up to date;
@@ -47,13 +47,13 @@ import torch
 from torch import Tensor
 
 from kvpass.kernels.decode_attention import pow2
-from kvpass.policies.pages.kernels.page_bounds import page_bounds_reference
+from kvpass.kernels.page_bounds import page_bounds_reference
 
 try:
     import triton
     import triton.language as tl
 
-    from kvpass.policies.pages.kernels.page_bounds import _kvpass_head_bound
+    from kvpass.kernels.page_bounds import _kvpass_head_bound
 except ImportError:  # pragma: no cover - kvpass runs its references without Triton
     triton = None
 
