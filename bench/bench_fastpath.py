@@ -48,7 +48,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
-from bench_decode_step import read_entries  # noqa: E402
+from bench_decode_step import policy_of, read_entries  # noqa: E402
 from llama_shape import copy_bandwidth, llama8b_config, policy_params, random_llama, uncompiled  # noqa: E402
 
 
@@ -211,11 +211,12 @@ def main() -> None:
     for policy in args.policies.split(","):
         uncompiled(model)  # the previous policy's compile undone, its caches freed
         torch._dynamo.utils.counters.clear()
-        params = policy_params(policy, args.budget, model.config)
+        name, extra = policy_of(policy)  # "expected_attention@decode_interval=64": a parameter beside the defaults
+        params = {**policy_params(name, args.budget, model.config), **extra}
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         be = kvpass.compile(
-            model, policy, prefill_compiler=args.prefill_compiler, share_layers=not args.no_share_layers, **params
+            model, name, prefill_compiler=args.prefill_compiler, share_layers=not args.no_share_layers, **params
         )
         calls = []
         for n in lengths:

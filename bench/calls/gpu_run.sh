@@ -8,7 +8,8 @@
 #                                        total (bench_decode_kernel.py --ragged)
 #   bash bench/calls/gpu_run.sh decode   LAYERS (8) layers, prompts of 2k then 130k through `generate`, beside the
 #                                        queued step and the roofline (bench/bench_fastpath.py); about 65 s a policy
-#                                        at 8 layers, so POLICIES names about 7 a call
+#                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
+#                                        (expected_attention@decode_interval=64: its cuts between decode steps)
 #   bash bench/calls/gpu_run.sh throughput  32 layers, 64 x 32k prompts at the 16 GiB KV cap of throughput_2026-11-27:
 #                                        rows decoded together and tokens/s per policy (bench/bench_throughput.py)
 #   bash bench/calls/gpu_run.sh accuracy gemma3-270m, RULER-style tasks and NIAH at 2k-8k, the prefill methods
