@@ -8,6 +8,8 @@ policy with the benchmark's own functions and prints the batch, so the memory si
 methods fit as many requests as snapkv at the same budget) is checked without a GPU.
 
     python bench/probes/rows_at_cap.py --policies full,snapkv,adakv,kvzip --context 32768 --new 256 --kv-gib 16
+
+A name may carry parameters: ``expected_attention@decode_interval=512``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
+from bench_decode_step import policy_of  # noqa: E402
 from bench_throughput import fitting_rows, row_bytes  # noqa: E402
 from llama_shape import llama8b_config, policy_params  # noqa: E402
 
@@ -41,7 +44,8 @@ def main() -> None:
     print(f"{args.layers} layers, {args.context} + {args.new} tokens, {args.kv_gib} GiB of KV, budget {args.budget}")
     print("| policy | KV row MiB | requests at the cap |\n|---|---|---|")
     for policy in args.policies.split(","):
-        be = kvpass.backend(policy, **policy_params(policy, args.budget, cfg))
+        name, extra = policy_of(policy)  # "expected_attention@decode_interval=512": a parameter beside the defaults
+        be = kvpass.backend(name, **{**policy_params(name, args.budget, cfg), **extra})
         one = row_bytes(model, be, args)
         print(f"| {policy} | {one / 2**20:.1f} | {fitting_rows(one, args, int(args.kv_gib * 2**30))} |", flush=True)
 
