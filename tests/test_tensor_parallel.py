@@ -2,8 +2,9 @@
 
 Two processes (``torchrun``, gloo on the CPU, ``tests/tp_worker.py``) load a tiny model with transformers'
 tensor-parallel plan (``tp_plan="auto"``: each rank holds half the heads) and generate with the plain policies'
-demanding settings (``tests/conformance.py``; on the CPU those whose decisions span a layer's heads and one
-per-head policy of each rewrite kind, on two GPUs every one), then run the same on one process (half each). Two
+demanding settings (``tests/conformance.py``; on the CPU those whose decisions span a layer's heads (the gated
+family by three of its five) and one per-head policy of each rewrite kind, on two GPUs every one), then run the
+same on one process (half each). Two
 families: the conformance Llama (4 query heads, 2 KV heads: one KV head per rank), on a DynamicCache and on a
 kvpass.SlotCache, and a Qwen3 (q/k norms) with 8 query heads on 2 KV heads, a GQA ratio (4) above the rank
 count, on a DynamicCache (the SlotCache path is the same code per rank; one family keeps CI's time).
@@ -41,6 +42,9 @@ from tp_worker import FUSION_RUNS
 HERE = os.path.dirname(__file__)
 PLAIN = sorted(n for n, e in CONFORMANCE.items() if not e.driver)
 SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"}  # decisions over a layer's heads
+# on the CPU (CI time): the gated family's selection is one code path; asl_fullkv and fastkv are asl with another
+# layer kept whole or a fixed gate, so asl, asl_2pass (two passes) and gemfilter (renumbered positions) stand for it
+SPANNING_ON_CPU = SPANNING - {"asl_fullkv", "fastkv"}
 PER_HEAD = {"full", "snapkv"}  # the second family's share of the per-head policies
 # the llama's per-head policies on the CPU (CI time): one of each rewrite kind (append, evict at prefill, ring,
 # placed by a score, pages read, page pool, a stop rule), criticalkv, which reads its rank's shard of the output
@@ -91,8 +95,9 @@ def two_ranks(root, family: str, device: str):
     # CI time: the second family (GQA 4 over 2 ranks) runs the policies whose decisions span a layer's heads, one
     # that decides per head, and the fusion policies whose recompute set spans the heads; the llama runs all
     full = family == "llama" or device == "cuda"
-    plain = PLAIN if device == "cuda" else sorted(SPANNING | LOCAL)
-    names = plain + (["chunkkv@inductor"] if family == "llama" else []) if full else sorted(SPANNING | PER_HEAD)
+    spanning = SPANNING if device == "cuda" else SPANNING_ON_CPU
+    plain = PLAIN if device == "cuda" else sorted(spanning | LOCAL)
+    names = plain + (["chunkkv@inductor"] if family == "llama" else []) if full else sorted(spanning | PER_HEAD)
     caches = "dynamic,slot" if full else "dynamic"
     fusion = ("all" if device == "cuda" else ",".join(FUSION_ON_CPU)) if full else ",".join(SPANNING_FUSION)
     compiled = (COMPILED if device == "cuda" else COMPILED[1:]) if full else ()
@@ -144,7 +149,7 @@ def _runs(
     key,
     part="tp",
     single="single",
-    why="the llama runs LOCAL and SPANNING on a DynamicCache and "
+    why="the llama runs LOCAL and SPANNING_ON_CPU on a DynamicCache and "
     "ON_SLOTS on a SlotCache, the second family the policies whose decisions span heads",
 ):
     """Rank 0's, rank 1's and the one-process run of ``key`` in ``part``, none of them an error."""
