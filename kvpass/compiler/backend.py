@@ -64,7 +64,7 @@ class GraphReport:
     shared_layers: int = 0  # decoder layers compiled once and called per layer (kvpass.compiler.layers)
     # where the first DynamicCache layer's stored keys enter and leave the graph (kvpass.compiler.holds)
     holds: tuple[int | None, int] | None = None
-    cuts: list = field(default_factory=list)  # SlotCache cuts between decode steps (kvpass.compiler.cuts)
+    cuts: list[_cuts.CutPoint] = field(default_factory=list)  # SlotCache cuts between decode steps
 
 
 def _runtime_op(node: fx.Node) -> bool:

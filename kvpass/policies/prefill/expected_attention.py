@@ -22,8 +22,8 @@ decode_interval`` entries is cut back to ``budget`` by the same scores, its stat
 Parameters: ``budget`` (2048, 2..2^24; entries kept per layer and KV head, sinks and window included; above
 ``n_sink + window``), ``n_sink`` (4, 0..65536), ``n_future_positions`` (512, 1..2^20), ``use_covariance`` (True),
 ``use_vnorm`` (True), ``epsilon`` (0.0, >= 0), ``window`` (0, 0..65536: last prompt tokens also always kept;
-0 keeps none by position, as kvpress), ``decode_interval`` (0, or 16..2^20: decode
-tokens between cuts; 0: none), ``decode_queries`` (256, 2..65536: the ring's length).
+0 keeps none by position, as kvpress), ``decode_interval`` (0, or 16..2^20: decode tokens between cuts; 0: none),
+``decode_queries`` (256, 2..65536: the ring's length).
 
 **RoPE, read off the graph.** The pass finds transformers' rotate-half RoPE on each site's query,
 ``q = pre * cos + rotate_half(pre) * sin`` on its first ``r`` dims (partial rotary passes the others through),
