@@ -646,8 +646,9 @@ def test_decode_cuts_on_both_caches_and_through_generate(family):
     )
     assert not torch.allclose(uncut[-1], ref[-1], atol=1e-3)
     greedy = build(family)
-    kvpass.compile(greedy, "expected_attention", compiler="eager", **params)
+    fast = kvpass.compile(greedy, "expected_attention", compiler="eager", **params)
     out = greedy.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False)
+    assert "a cut of the layers that reach 32 entries" in fast.plans()["decode"][0]  # kvpass explain says so
     _, _, _, want = _cut_run(model, lambda be: DynamicCache(config=model.config), ids, mask, steps - 1, **params)
     assert out[:, 30:].tolist() == torch.stack([w.argmax(-1) for w in want], 1).tolist()
 

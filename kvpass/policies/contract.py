@@ -179,7 +179,10 @@ class SitePlan:
             read = read or "decode_attention (exact)"
             if hooks.select is not None:
                 read += f" over the blocks of {hooks.select.__name__} (block {hooks.block})"
-            return f"slot: write_slots {rule} in place + {read} by position"
+            more = f" + {hooks.observe.__name__} (the query before RoPE)" if hooks.observe is not None else ""
+            if hooks.cut is not None and phase == "decode":
+                more += f"; between steps, a cut of the layers that reach {hooks.due} entries"
+            return f"slot: write_slots {rule} in place + {read} by position{more}"
         if self.overwrite:
             return (
                 "overwrite: cache_overwrite + attention_slots"
