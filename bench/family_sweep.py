@@ -86,6 +86,9 @@ POLICIES = {  # one policy of each kind kvpass has, at a setting that evicts not
     # per-head prefill eviction by repeat passes over the prompt, which kvpass.compile runs (the plain path keeps
     # every entry and says so); its repeat prompts are text, tokenized by a stand-in
     "kvzip": {"budget": BUDGET, "tokenizer": StandInTokenizer()},
+    # expected_attention cutting during decoding: its decode graphs run the selection on a DynamicCache and fold the
+    # query before RoPE into the state on a SlotCache, whose calls kvpass wraps for the cuts (none comes here)
+    "expected_attention@decode": {"budget": BUDGET, "decode_interval": 16},
 }
 
 PATHS = ("plain", "fast")
@@ -569,11 +572,12 @@ def run_one(model, ids, ref: list[int], path: str, policy: str, params: dict) ->
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            name = policy.split("@")[0]  # "expected_attention@decode": the policy at other parameters
             if path == "plain":
-                be = kvpass.backend(policy, compiler="eager", **params)
+                be = kvpass.backend(name, compiler="eager", **params)
                 model.forward = torch.compile(type(model).forward.__get__(model), backend=be, dynamic=True)
             else:
-                be = kvpass.compile(model, policy, compiler="eager", **params)
+                be = kvpass.compile(model, name, compiler="eager", **params)
             tokens = generate(model, ids)
         except Exception as e:  # noqa: BLE001  (every failure is a verdict)
             error = e
