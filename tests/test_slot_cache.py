@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache
 
 import kvpass
@@ -877,6 +878,16 @@ def test_bad_construction_refused():
     for bad in (0, -3, 8.0):
         with pytest.raises(kvpass.ConfigError, match="max_length"):
             kvpass.SlotCache(model, be, max_length=bad)
+
+
+def test_a_model_without_attention_heads_is_refused_by_name():
+    """A recurrent model (RWKV) has no key/value cache: a ConfigError naming the config and the way on, not an
+    AttributeError from inside the cache (``kvpass.compile``'s generate builds one)."""
+    cfg = transformers.RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, context_length=64)
+    model = transformers.RwkvForCausalLM(cfg).eval()
+    be = kvpass.backend("full", compiler="eager")
+    with pytest.raises(kvpass.ConfigError, match=r"RwkvConfig\) names no attention heads.*without kvpass.compile"):
+        kvpass.SlotCache(model, be, max_length=16)
 
 
 def test_capacity_errors():

@@ -700,8 +700,15 @@ class SlotCache(Cache):
             )
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         policy.check_model(cfg)
+        heads = getattr(cfg, "num_attention_heads", None)
+        if not heads:
+            raise ConfigError(
+                f"SlotCache: the model's config ({type(cfg).__name__}) names no attention heads "
+                f"(num_attention_heads), so it has no key/value cache for kvpass to hold (a state-space or "
+                f"recurrent model); generate with the model's own cache: call generate on the model without "
+                f"kvpass.compile"
+            )
         windows = layer_windows(cfg)
-        heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         ranks = getattr(model, "tp_size", None) or 1  # transformers' tensor parallelism: this rank's heads
