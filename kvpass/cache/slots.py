@@ -468,6 +468,15 @@ def layer_windows(cfg) -> list[int]:
     return windows
 
 
+def state_tensors(spec: dict, batch: int, kv_heads: int, dtype: torch.dtype, device) -> list[Tensor]:
+    """A layer's policy state from its ``Policy.slot_state`` form (name -> (shape after ``[B, H_kv]``, dtype or None
+    for ``dtype``, fill value)), in that order."""
+    return [
+        torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
+        for shape, dt, fill in spec.values()
+    ]
+
+
 def capacity_dims(policy, capacity: int, head_dim: int, groups: int = 1) -> list[tuple[int, ...]]:
     """Per tensor of ``policy.slot_state``: the dimensions whose size follows the capacity (quest's
     pages), found by asking for the state at another capacity; the others are static."""
@@ -514,10 +523,7 @@ class SlotLayer(CacheLayerMixin):
         self.count = torch.tensor([[0, 0, 0, limit]] * batch, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
-        self.state = [
-            torch.full((batch, kv_heads, *shape), fill, dtype=dt or dtype, device=device)
-            for shape, dt, fill in (state or {}).values()
-        ]
+        self.state = state_tensors(state or {}, batch, kv_heads, dtype, device)
         self.device = self.keys.device
         self.filled = False  # host flag: Dynamo compiles one prefill graph and one decode graph
         self.is_initialized = True

@@ -466,17 +466,16 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
             )
             q_pos, kv_len = (graph.call_function(operator.getitem, (w, i)) for i in range(2))
             read, bmap = plan.read or DecodeRead(), None
-            if hooks.update is not None:
+            if hooks.update is not None or hooks.observe is not None:
                 q_scaled = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
+            if hooks.update is not None:
                 graph.call_function(hooks.update, (q_scaled, keys, pos, count, state, site.k_new, *hooks.args))
             if hooks.select is not None:
                 bmap = graph.call_function(hooks.select, (q, pos, count, state, *hooks.args))
                 read = dataclasses.replace(read, block=hooks.block, order=ORDER_MAP)
             if hooks.observe is not None:
                 pre, cos, sin = _query_rope(graph, site, plan)
-                if pre is None:  # not rotated: the query itself, scaled
-                    pre = q if scale == 1.0 else graph.call_function(operator.mul, (q, scale))
-                graph.call_function(hooks.observe, (pre, cos, sin, state, *hooks.args))
+                graph.call_function(hooks.observe, (q_scaled if pre is None else pre, cos, sin, state, *hooks.args))
             att = _decode_read(
                 graph, site, read, handle, q, keys, values, None, pos, q_pos, scale, window, kv_len, bmap
             )

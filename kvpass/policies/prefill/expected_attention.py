@@ -67,7 +67,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvpass.cache.slots import FILLED
+from kvpass.cache.slots import FILLED, state_tensors
 from kvpass.policies.contract import ConfigError, Refusal, SitePlan, SlotHooks, param
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
@@ -269,12 +269,9 @@ class ExpectedAttention(PrefillEviction):
         cos, sin, q_pre = inputs.get("cos"), inputs.get("sin"), inputs.get("q_pre")
         self._check_rotated(site, cos)
         book = layer_state.extra if layer_state is not None else {}
-        if "queries" not in book:  # the first decode step after the prefill
-            shapes = decode_state(q.shape[1] // k.shape[1], self.decode_queries, q.shape[-1])
-            book = {
-                name: torch.full((*k.shape[:2], *shape), fill, dtype=dtype or q.dtype, device=q.device)
-                for name, (shape, dtype, fill) in shapes.items()
-            }
+        if "queries" not in book:  # the first decode step after the prefill: the state a SlotCache layer holds
+            spec = decode_state(q.shape[1] // k.shape[1], self.decode_queries, q.shape[-1])
+            book = dict(zip(spec, state_tensors(spec, *k.shape[:2], q.dtype, q.device)))
         state = [book["queries"], book["rope"], book["counts"]]
         observe(q if q_pre is None else q_pre, cos, sin, state)
         keep = int(self.stored_length(site, n))
