@@ -275,7 +275,7 @@ def main() -> None:
             print(row["host_profile"], flush=True)
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("calls", "plans", "host_profile")}, flush=True)
-        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths, bw), "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths, bw), "rows": rows}, indent=1, default=str))
     if args.hf:
         torch._dynamo.reset()
         hf = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)
@@ -301,7 +301,7 @@ def main() -> None:
             }
         )
         print({k: v for k, v in rows[-1].items() if k != "calls"}, flush=True)
-        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths, bw), "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta_of(args, lengths, bw), "rows": rows}, indent=1, default=str))
 
 
 if __name__ == "__main__":
