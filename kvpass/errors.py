@@ -27,6 +27,22 @@ class ConfigError(ValueError):
     """A policy name or parameter is invalid. The message names the parameter and its range."""
 
 
+class SlotCacheUnrewritten(ConfigError):
+    """A graph kvpass compiles unchanged holds a ``kvpass.SlotCache``: only kvpass's rewritten attention reads its
+    slots, so the graph cannot run on it. ``kvpass.compile``'s generate catches this and runs the model's own cache
+    instead; a SlotCache passed by hand gets it as the error. ``reason``: why the graph is left unchanged."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"kvpass: this graph cannot run on a kvpass.SlotCache: kvpass leaves it unchanged ({reason}), and a "
+            f"SlotCache's slots are read right only by the attention kvpass writes (unchanged, the model reads them "
+            f"as a StaticCache, which some families misread: GPT-Neo slices its local mask by the stored length). "
+            f"Pass the model's own cache (past_key_values=DynamicCache(config=model.config)); kvpass.compile's "
+            f"generate does so by itself"
+        )
+
+
 class KVPassWarning(UserWarning):
     """kvpass left a graph unchanged; the message says which node and which assumption failed."""
 

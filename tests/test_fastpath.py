@@ -395,7 +395,8 @@ def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
     """Falcon's ``multi_query`` config flag gives its attention one KV head where the config's head counts say
     four (the SlotCache is sized from those: the error blamed the batch size); its ALiBi builds its bias from a 2-D
     mask, which a static-shape cache's 4-D mask breaks (transformers' own error). Both now say what kvpass's fast
-    path is and how to generate without it, and that way equals the uncompiled model."""
+    path is and how to generate without it, and that way equals the uncompiled model. ALiBi's mask is one kvpass
+    leaves unchanged (it may carry a bias), so generate now takes the model's own cache by itself, warned."""
     from transformers import DynamicCache, FalconConfig, FalconForCausalLM
 
     torch._dynamo.reset()
@@ -422,12 +423,50 @@ def test_a_model_that_cannot_run_on_the_slot_cache_says_so(flags):
             assert "writes 1 KV heads per layer" in str(e) and "sized for 4" in str(e)
         if hasattr(e, "add_note"):
             assert any("kvpass.compile's fast path" in n for n in e.__notes__)
-    else:  # transformers >= 5.25 gives a multi_query config its one KV head, which the SlotCache is sized from
-        assert flags["multi_query"] and torch.equal(got, expected)
+    else:  # transformers >= 5.25 gives a multi_query config its one KV head, which the SlotCache is sized from;
+        # ALiBi's graph is left unchanged, so generate ran the model's own cache
+        assert torch.equal(got, expected)
+        assert flags["multi_query"] or model.generate.own_cache
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ALiBi: the graph is compiled unchanged, said once
         got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=cfg))
     assert torch.equal(got, expected)
+    torch._dynamo.reset()
+
+
+def test_a_model_kvpass_leaves_unchanged_generates_on_its_own_cache():
+    """GPT-Neo's eager attention is one kvpass does not recognise (the graph stays unchanged), and its local layers
+    slice a causal buffer by the stored length: on a SlotCache (a StaticCache's layout) the prompt's logits were
+    wrong, without a word. generate now refuses the SlotCache for such a graph, says so once and runs the model's
+    own cache: the uncompiled tokens, at the first call and the next."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch._dynamo.reset()
+    cfg = GPTNeoConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global", "local"], 1]],
+        window_size=16,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model, ref = (GPTNeoForCausalLM(cfg).eval() for _ in range(2))
+    ref.load_state_dict(model.state_dict())
+    kvpass.compile(model, "snapkv", budget=24, window=4, compiler="eager")
+    for n in (40, 33):
+        ids = ids_of(n)
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want), n
+        own = [str(w.message) for w in said if "runs on the model's own cache" in str(w.message)]
+        assert len(own) == (n == 40) and "does not recognize" in model.generate.own_cache, own
+    assert not model.generate.caches
     torch._dynamo.reset()
 
 

@@ -170,10 +170,11 @@ def first_turn_on_a_slot_cache(policy: str):
 
 
 def test_continuing_h2o_on_a_slot_cache_names_the_missing_append_graph():
-    """h2o has no append graph on a SlotCache: a second turn (several new tokens) after it evicted is refused,
-    naming that case (it used to say "run it through the backend that filled it", though it was)."""
+    """h2o has no append graph on a SlotCache: a second turn (several new tokens) after it evicted is refused when
+    its graph compiles, naming that case (it used to say "run it through the backend that filled it", though it
+    was)."""
     model, cache, more = first_turn_on_a_slot_cache("h2o")
-    with pytest.raises(RuntimeError, match=r"several new tokens for a policy without an append graph \(h2o, raas\)"):
+    with pytest.raises(RuntimeError, match=r"cannot run on a kvpass.SlotCache.*'append' graph appends several tokens"):
         model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False)
 
 
@@ -190,7 +191,7 @@ def test_continuing_on_a_slot_cache_counts_tokens_seen():
     [
         ("snapkv", dict(budget=16, window=4), 2, 40 + 7 + 7),
         ("gemfilter", dict(budget=10, layer=1), 4, 10 + 7 + 7),
-        ("gemfilter", dict(budget=10, layer=1), 2, 40 + 7 + 7),
+        ("gemfilter", dict(budget=10, layer=1), 2, 40 + 7 + 7),  # no selection layer: unchanged, no SlotCache
     ],
 )
 def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params, layers, seen):
@@ -200,7 +201,8 @@ def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params
     record (the prefill's count), so the turn sat 7 positions early (gemfilter: 5); and when no layer had
     recorded at all (gemfilter's layer is the last, so its gate never fires) the turn was put at position 0.
     Equal to the same turn on a kvpass.SlotCache, which counts tokens on the device. (The state counts
-    gemfilter's renumbered tokens.)"""
+    gemfilter's renumbered tokens.) Where gemfilter's layer is past the model, kvpass leaves the graph unchanged,
+    which a SlotCache refuses (only kvpass's attention reads its slots)."""
     from test_asl import build as build_layers
 
     turn = torch.randint(10, 90, (1, 6), generator=torch.Generator().manual_seed(3))
@@ -211,6 +213,10 @@ def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params
         be = kvpass.backend(policy, compiler="eager", **params)
         model.forward = torch.compile(model.forward, backend=be)
         cache = DynamicCache(config=model.config) if kind == "dynamic" else kvpass.SlotCache(model, be, max_length=64)
+        if kind == "slot" and layers <= params.get("layer", 0) + 1:
+            with pytest.raises(Exception, match="cannot run on a kvpass.SlotCache.*not a selection layer"):
+                model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
+            return
         seq = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
         with torch.no_grad():
             got.append(model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache, use_cache=True).logits)

@@ -377,9 +377,9 @@ def test_quest_noop_equals_full_and_append_turn():
 
 
 def test_quest_stale_bounds_fail():
-    """The uncompiled model refuses to fill a quest SlotCache; filled by an append anyway (as a graph
-    kvpass compiled unchanged may: slot_append leaves the bounds empty), the compiled quest decode
-    fails the device-side assert instead of ranking empty pages."""
+    """The uncompiled model refuses to fill a quest SlotCache; filled by a plain append anyway (the layers'
+    policy name cleared by hand: slot_append leaves the bounds empty), the compiled quest decode fails the
+    device-side assert instead of ranking empty pages."""
     model = build("llama")
     ids = prompt(40, seed=4)
     torch._dynamo.reset()
@@ -391,7 +391,7 @@ def test_quest_stale_bounds_fail():
             model(input_ids=ids, past_key_values=cache, use_cache=True)
         cache.reset()
         for lay in cache.layers:
-            lay.policy = ""  # what kvpass does to a graph it compiles unchanged (and warns about)
+            lay.policy = ""  # a plain append, as if no policy had built the cache
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="page bounds do not cover"):
             fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
@@ -932,19 +932,19 @@ def test_uncompiled_model_on_compressed_cache_fails():
                 )
 
 
-def test_policy_that_did_not_run_overflows_with_the_reason():
-    """asl with a selection layer past this 2-layer model: kvpass warns and compiles the prefill unchanged
-    (plain appends), which overflow the slots the cache sized for asl's budget; the error says so."""
+def test_a_graph_kvpass_leaves_unchanged_is_refused_on_a_slot_cache():
+    """asl with a selection layer past this 2-layer model: kvpass cannot apply it and would compile the prefill
+    unchanged, but a SlotCache's slots are read right only by kvpass's rewritten attention, so the graph is refused
+    with the reason and the way out (the model's own cache), before any token is computed."""
     model = build("llama")
     torch._dynamo.reset()
     be = kvpass.backend("asl", compiler="eager", layer=2, budget=16, window=4)
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     cache = kvpass.SlotCache(model, be, max_length=40, max_new_tokens=4)
-    with (
-        pytest.warns(kvpass.KVPassWarning, match="not a selection layer"),
-        pytest.raises(RuntimeError, match="the policy did not run"),
-    ):
+    with pytest.raises(Exception, match=r"cannot run on a kvpass.SlotCache.*not a selection layer.*DynamicCache") as e:
         run(fwd, cache, prompt(36, seed=3), 1)
+    assert isinstance(e.value.inner_exception, kvpass.ConfigError)  # Dynamo wraps what a backend raises
+    assert int(cache.layers[0].count[0, 0]) == 0  # nothing was written
 
 
 @pytest.mark.parametrize(

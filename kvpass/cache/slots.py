@@ -95,10 +95,7 @@ LIMIT = (
     "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "
     "before a new prompt"
 )
-TOO_LONG = (
-    "kvpass SlotCache: the sequence is longer than the cache's capacity: build it with a larger max_length (if "
-    "kvpass warned that it compiled a graph unchanged, the policy did not run: the warning says why)"
-)
+TOO_LONG = "kvpass SlotCache: the sequence is longer than the cache's capacity: build it with a larger max_length"
 RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
 
 
@@ -126,8 +123,9 @@ def slot_append(
     are not used here: they are passed so the kvpass pass finds them in the graph, as is ``spec``, the
     configuration the cache was built for (``Policy.key``), which a kvpass graph of another policy refuses.
 
-    A kvpass-compiled graph never runs this: the pass replaces it with the policy's write. It runs in an
-    uncompiled forward, in a graph compiled by another backend, or in one kvpass compiled unchanged; for a
+    A kvpass-compiled graph never runs this: the pass replaces it with the policy's write, or refuses the graph
+    (``kvpass.errors.SlotCacheUnrewritten``). It runs in an uncompiled forward or a graph another backend
+    compiled; for a
     policy whose prefill is not a plain append (``policy`` names it; empty for ``full`` and ``art``, see
     ``Needs.plain_prefill``) the tokens would be kept without the policy, so it refuses, naming the fix."""
     check_heads(keys, values, k_new, v_new)  # first: a cache of the wrong sizes is the deeper problem
@@ -140,7 +138,7 @@ def slot_append(
             f"generate()'s compile_config compiles only the decode steps, and its prefill runs uncompiled. A "
             f"forward that was compiled so gets here when its graph broke between the attention and the cache "
             f"write (output_attentions=True does on transformers 5.2x; pass fullgraph=True to torch.compile to "
-            f"see where). If kvpass warned that it compiled a graph unchanged, that warning says why."
+            f"see where)."
         )
     b, hkv, q = k_new.shape[:3]
     cap = keys.shape[2]

@@ -31,7 +31,7 @@ from kvpass.compiler import rewrite as _rewrite
 from kvpass.compiler import tp as _tp
 from kvpass.compiler.maskcheck import mask_is_read
 from kvpass.compiler.recording import recorded
-from kvpass.errors import ConfigError, warn_once
+from kvpass.errors import ConfigError, SlotCacheUnrewritten, warn_once
 from kvpass.ops import lowerings as _lowerings  # noqa: F401  (device implementations)
 from kvpass.policies import Policy, Refusal, SitePlan, make_policy
 
@@ -110,20 +110,10 @@ def _phase(found: _detect.Detection) -> str:
     return "dynamic"
 
 
-def _keep_slot_appends(gm: fx.GraphModule) -> None:
-    """A graph compiled unchanged keeps a SlotCache's own append, which refuses to run for a policy whose
-    prefill is not a plain append (``kvpass.cache.slots.slot_append``); here kvpass has warned why, so it may run."""
-    changed = False
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (_detect.SLOT_APPEND, _detect.SLOT_APPEND.default):
-            if len(node.args) > 8:
-                node.args = (*node.args[:8], "", *node.args[9:])
-                changed = True
-            elif node.kwargs.get("policy"):
-                node.kwargs = {**node.kwargs, "policy": ""}
-                changed = True
-    if changed:
-        gm.recompile()
+def _holds_slot_cache(gm: fx.GraphModule) -> bool:
+    """Whether the graph appends to a ``kvpass.SlotCache`` (``kvpass.cache.slots.slot_append``)."""
+    targets = (_detect.SLOT_APPEND, _detect.SLOT_APPEND.default)
+    return any(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
 
 
 class KVPass(CustomGraphPass):
@@ -161,11 +151,12 @@ class KVPass(CustomGraphPass):
         if isinstance(cuts, str):  #    the cuts between decode steps need the slots as inputs
             report.problems.append(cuts)
         if report.problems:
+            if _holds_slot_cache(gm):  # its slots are kvpass's layout: the model's own attention would misread them
+                raise SlotCacheUnrewritten(report.problems[0])
             warn_once(
                 f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): {report.problems[0]}",
                 self,
             )
-            _keep_slot_appends(gm)
             return report
         report.holds, report.cuts = _holds.holds(gm, found.sites), cuts  # (before the rewrite replaces them)
         self._rewrite(gm, found, plans, report)  # 6. REWRITES[plan.rewrite_kind] per site

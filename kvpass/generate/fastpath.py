@@ -23,7 +23,10 @@ without), asks for no cache (``use_cache=False``) or for one of transformers' (a
 keyword, or in a generation config passed), or that ``generate`` cannot run on a SlotCache (beam search,
 assisted decoding), goes to the model's own ``generate`` unchanged; the compiled forward still applies the
 policy where it can, and refuses where it cannot (a SlotCache of the caller's that already holds as many tokens
-as the prompt is refused: transformers would read the prompt as a continuation). ``output_attentions=True`` is
+as the prompt is refused: transformers would read the prompt as a continuation). A model whose graph kvpass
+leaves unchanged (attention it does not recognise; a policy that refuses a site) cannot read a SlotCache right
+(``kvpass.errors.SlotCacheUnrewritten``): from the call that finds it on, generate runs the model's own cache,
+warned once. ``output_attentions=True`` is
 refused: the model's attention is replaced, and so is ``prefill_chunk_size`` where the policy keeps part of the
 prompt (it selects from the whole prompt at once). A list of prompts goes through a ``RequestQueue``; its
 ``max_length`` means what ``generate``'s does (prompt plus new tokens, per prompt). Calls run one at a time (a
@@ -43,7 +46,7 @@ import torch
 from kvpass.cache.argument import cache_kwarg
 from kvpass.cache.slots import SlotCache
 from kvpass.compiler.backend import Backend, backend
-from kvpass.errors import ConfigError
+from kvpass.errors import ConfigError, SlotCacheUnrewritten, warn_once
 from kvpass.generate import decode_loop
 from kvpass.generate.requests import RequestQueue
 
@@ -115,6 +118,7 @@ class FastGenerate:
     def __init__(self, model, be: Backend, original) -> None:
         self.model, self.backend, self.original = model, be, original
         self.caches: dict[tuple, SlotCache] = {}
+        self.own_cache = ""  # why generate runs the model's own cache: kvpass left the model's graph unchanged
         # one call at a time: calls share the kept caches (two threads' generations wrote into one cache) and the
         # decoding loop sets torch's process-wide compile stance around its steps
         self.lock = threading.RLock()
@@ -194,9 +198,11 @@ class FastGenerate:
             or own
             or given is not None
             or option("use_cache") is False  # no cache: every step reruns the whole sequence
-            or chosen is not None
-        ):  # the caller chose one of transformers' caches
+            or chosen is not None  # the caller chose one of transformers' caches
+            or self.own_cache
+        ):
             return self._original(inputs, *args, **kwargs)
+        asked = dict(kwargs)
         prompt = ids.shape[1]
         new = new_tokens(kwargs, config, prompt)
         if new < 1:
@@ -239,6 +245,14 @@ class FastGenerate:
         shipped, defaults.cache_implementation = getattr(defaults, "cache_implementation", None), None
         try:
             out = self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
+        except SlotCacheUnrewritten as e:  # kvpass leaves the graph unchanged: the model's own cache reads it right
+            self.own_cache, self.caches = e.reason, {}
+            warn_once(
+                f"kvpass.compile: generate() runs on the model's own cache (a SlotCache is read right only by the "
+                f"attention kvpass rewrites, and kvpass leaves this model's graph unchanged: {e.reason})",
+                self.backend,
+            )
+            return self._original(inputs, *args, **asked)
         except ConfigError:
             raise
         except Exception as e:  # the model's code may not run on a static-shape cache (Falcon's ALiBi reads a 2-D mask)
