@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import ragged
+from kvpass.cache.site_facts import SiteFacts
 from kvpass.cache.state import TICKS, GenerationState
 from kvpass.errors import device_assert, warn_once
 from kvpass.kernels.gather import gather_pair
@@ -128,7 +129,7 @@ class Runtime:
     def __init__(self, policy) -> None:
         self.policy = policy
         self.state = GenerationState()
-        self.sites: dict[int, object] = {}  # site key -> that graph's kvpass.compiler.detect.Site
+        self.sites: dict[int, SiteFacts] = {}  # site key -> that graph's site (kvpass.compiler.detect.Site)
         self._graphs = itertools.count()
         self.visits: dict[int, tuple] = {}  # layer -> (blocks read, blocks present), decode attention
         # a two-pass gated prefill's first pass (kvpass.compiler.gate): SlotCache writes that overflow are skipped,
@@ -149,7 +150,7 @@ class Runtime:
         self._aside: dict[int, tuple[weakref.ref, dict]] = {}  # id(tensor) -> (that tensor, GenerationState.take())
         self.handle = register(self)
 
-    def add_graph(self, sites) -> None:
+    def add_graph(self, sites: list[SiteFacts]) -> None:
         """Give one compiled graph's sites their keys (``site.key``) and keep them: that graph's operators name
         their site by its key, so a later graph of the same layers (another phase or cache, ``use_cache=False``)
         changes nothing they read."""

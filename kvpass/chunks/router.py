@@ -47,13 +47,16 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
+from transformers import Cache
 
 from kvpass.cache.argument import with_cache
 from kvpass.chunks.chunkstore import ChunkStore
 from kvpass.chunks.rope import rotate
+from kvpass.compiler.backend import Backend
 from kvpass.compiler.backend import backend as _backend
 from kvpass.policies import ConfigError, make_policy
 from kvpass.policies.chunk_fusion.base import SELECT_LAYER, ChunkFusionPolicy, FusionRequest
@@ -90,11 +93,11 @@ class _Shared:
     compiled forward of the fusion passes (three graphs in all, whatever the policies) and, built on
     first use, the forward that decodes on a SlotCache."""
 
-    backend: object
-    forward: object
+    backend: Backend
+    forward: Callable
     router: _Router
-    model_forward: object
-    decode: object = None
+    model_forward: Callable
+    decode: Callable | None = None
 
     def decode_forward(self):
         if self.decode is None:
@@ -121,7 +124,7 @@ class FusedPrompt:
 
     input_ids: Tensor  # [1, N]
     attention_mask: Tensor  # [1, N]
-    cache: object  # DynamicCache with N - 1 entries per layer (a3+evict: at most C - 1),
+    cache: Cache  # DynamicCache with N - 1 entries per layer (a3+evict: at most C - 1),
     # or a kvpass.SlotCache holding them (cache="slot")
     recompute: Tensor  # positions recomputed (Re), ascending
     spans: dict  # "system", "chunks" [(start, end)], "question"

@@ -26,7 +26,6 @@ import functools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +33,9 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from kvpass.cache import slots as _cache  # noqa: F401  (registers kvpass::slot_append)
+from kvpass.cache.site_facts import CacheKind, HeadSplit, Phase
 from kvpass.compiler.fxargs import arg
 from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
-
-# the cache a site's keys and values come from: transformers' DynamicCache, a StaticCache (a buffer written in
-# place), a kvpass.SlotCache, or none (use_cache=False)
-CacheKind = Literal["dynamic", "static", "slot", "none"]
-# the graph a site is in (set per graph by the backend; "unknown" until then)
-Phase = Literal["unknown", "prefill", "decode", "append", "dynamic"]
 
 SLOT_APPEND = torch.ops.kvpass.slot_append
 
@@ -131,7 +125,7 @@ class Site:
     slot: fx.Node | None = None  # a SlotCache's kvpass::slot_append call (k_past/v_past: its slots)
     slot_spec: str = ""  # the policy configuration that SlotCache was built for (Policy.key)
     global_layers: tuple = ()  # layers (graph order) of the graph's non-sliding sites
-    tp: object = None  # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
+    tp: HeadSplit | None = None  # kvpass.compiler.tp.TensorParallel: heads/kv_heads are this rank's share
     key: int = -1  # the operators' name for this site (Runtime.add_graph): graph and layer
     erase: list[fx.Node] = field(default_factory=list)  # eager: nodes replaced by the op
 

@@ -24,10 +24,14 @@ frame that takes the DTensor unchecked keeps the guard).
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 from torch import fx
 
 from kvpass.compiler.tp import dtensor_type
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 
 def _rebuilder(mesh, placements: tuple, shape: tuple, stride: tuple):
@@ -120,8 +124,8 @@ class SpecGuards:
     never reused."""
 
     def __init__(self) -> None:
-        self.seen: dict[int, object] = {}
-        self.bare: dict[int, object] = {}
+        self.seen: dict[int, DTensorSpec] = {}
+        self.bare: dict[int, DTensorSpec] = {}
         self.dropped = 0  # guards dropped so far, over every frame
 
     def checked(self, specs) -> None:

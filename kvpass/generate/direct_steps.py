@@ -46,7 +46,7 @@ steps stop or never begin; ``"auto"`` only records why in ``be.last_direct_steps
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -112,14 +112,14 @@ def _meta(t: torch.Tensor) -> tuple:
 
 
 class _Plan(NamedTuple):
-    graph: object  # the compiled decode graph (as ``recorded`` wraps it)
+    graph: Callable  # the compiled decode graph (as ``recorded`` wraps it)
     args: list  # its arguments at the second step watched
     subs: dict  # {argument index: the input name whose tensor goes there each step}
     logits_at: int  # the logits' place among the graph's outputs
     output: tuple  # (the model's output class, its names for the cache)
     same: dict  # the inputs that stay: {name: object or value}
     fresh: dict  # the step's new tensors: {name: (shape, stride, dtype, device)}
-    torch_state: object  # GlobalStateGuard: torch's global settings when the plan was made
+    torch_state: GlobalStateGuard  # torch's global settings when the plan was made
     modes: tuple  # how many torch function and dispatch modes were active then (Dynamo guards them too)
 
 

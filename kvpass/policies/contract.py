@@ -25,6 +25,7 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import fx
 
+from kvpass.cache.site_facts import SiteFacts
 from kvpass.errors import ConfigError
 
 
@@ -300,7 +301,7 @@ class PagePolicy(Protocol):
 
     map_steps: int
 
-    def page_map(self, site, q: torch.Tensor, k: torch.Tensor, layer_state) -> torch.Tensor: ...
+    def page_map(self, site: SiteFacts, q: torch.Tensor, k: torch.Tensor, layer_state) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -373,7 +374,7 @@ class SlotHooks:
     block: int = 128
 
 
-def shrinking_plan(site) -> SitePlan | Refusal:
+def shrinking_plan(site: SiteFacts) -> SitePlan | Refusal:
     """The plan of a policy that evicts from global layers: sliding-window layers are already
     bounded and are left to the model (attention op only); eviction needs a cache that can shrink."""
     if site.sliding_window:
@@ -386,7 +387,7 @@ def shrinking_plan(site) -> SitePlan | Refusal:
     return SitePlan(attention=True, evict=True)
 
 
-def decode_read_problem(site) -> str | None:
+def decode_read_problem(site: SiteFacts) -> str | None:
     """Why ``decode_attention`` cannot serve this site's decode step, or None when it can."""
     mask = site.mask.meta.get("example_value") if isinstance(site.mask, fx.Node) else None
     if site.q_len != 1:
@@ -461,7 +462,7 @@ class Policy:
         the query heads of each KV head."""
         return {}
 
-    def slot_hooks(self, site) -> SlotHooks | None:
+    def slot_hooks(self, site: SiteFacts) -> SlotHooks | None:
         """The tensor code that keeps ``slot_state`` at ``site`` (None: the slots alone suffice)."""
         return None
 
@@ -474,7 +475,7 @@ class Policy:
         mismatch in ``plan`` (a ``Refusal``: the graph compiled unchanged, with the reason)."""
 
     # -- compile time ---------------------------------------------------------------------------
-    def plan(self, site) -> SitePlan | Refusal:
+    def plan(self, site: SiteFacts) -> SitePlan | Refusal:
         """What the rewrite does at ``site``, or a ``Refusal`` saying why it cannot be planned."""
         return SitePlan(attention=True)
 
@@ -484,18 +485,18 @@ class Policy:
         return None
 
     # -- run time, evicting policies --------------------------------------------------------------
-    def stored_length(self, site, total):
+    def stored_length(self, site: SiteFacts, total):
         """Entries stored after ``compact`` given ``total`` (stored + new); SymInt-safe."""
         return total
 
-    def select(self, site, q, k, v, kv_pos, q_pos, layer_state):
+    def select(self, site: SiteFacts, q, k, v, kv_pos, q_pos, layer_state):
         """Indices [B, H_kv, stored_length] (ascending) of entries to keep, or None to keep all.
 
         A policy whose plan sets ``SitePlan.tokens`` also receives ``tokens=`` (the input ids of the
         call, ``[B, L_new]``) and must accept that keyword."""
         return None
 
-    def write(self, site, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state):
+    def write(self, site: SiteFacts, q, k_pool, v_pool, k_new, v_new, q_pos, layer_state):
         """Decode step of a site planned ``SitePlan.pool``: write ``k_new`` / ``v_new`` ``[B, H_kv, 1, D]``
         into a slot of the stored ``k_pool`` / ``v_pool`` in place and return the positions of every
         slot after the write (``[B, H_kv, slots]``, -1 = empty); ``q`` is the step's scaled query and

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import fx
@@ -29,7 +30,7 @@ class Segment:
     cut: int | None = None  # layer whose gate closes this segment
     scores: dict[int, fx.Node] = field(default_factory=dict)  # observed layer -> its score node
     short: dict = field(default_factory=dict)  # n -> GraphModule (static graphs)
-    compiled: object = None  # compiled at backend time with the graph's fake inputs
+    compiled: Callable | None = None  # compiled at backend time with the graph's fake inputs
     fakes: list | None = None  # ... those inputs
 
 
