@@ -467,6 +467,20 @@ def test_a_model_kvpass_leaves_unchanged_generates_on_its_own_cache():
         own = [str(w.message) for w in said if "runs on the model's own cache" in str(w.message)]
         assert len(own) == (n == 40) and "does not recognize" in model.generate.own_cache, own
     assert not model.generate.caches
+    # a list of prompts, after that call and as a fresh model's first call: each alone, on the model's own cache
+    prompts = [ids_of(12)[0], ids_of(20)[0].tolist()]
+    torch._dynamo.reset()
+    fresh = GPTNeoForCausalLM(cfg).eval()
+    fresh.load_state_dict(model.state_dict())
+    kvpass.compile(fresh, "snapkv", budget=24, window=4, compiler="eager")
+    for m in (model, fresh):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = m.generate(prompts, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        for p, g in zip(prompts, got):
+            p = torch.as_tensor(p)[None]
+            assert torch.equal(g, ref.generate(p, max_new_tokens=4, do_sample=False, pad_token_id=0)[0])
+    assert fresh.generate.own_cache
     torch._dynamo.reset()
 
 

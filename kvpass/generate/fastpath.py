@@ -246,12 +246,7 @@ class FastGenerate:
         try:
             out = self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
         except SlotCacheUnrewritten as e:  # kvpass leaves the graph unchanged: the model's own cache reads it right
-            self.own_cache, self.caches = e.reason, {}
-            warn_once(
-                f"kvpass.compile: generate() runs on the model's own cache (a SlotCache is read right only by the "
-                f"attention kvpass rewrites, and kvpass leaves this model's graph unchanged: {e.reason})",
-                self.backend,
-            )
+            self._take_own_cache(e)
             return self._original(inputs, *args, **asked)
         except ConfigError:
             raise
@@ -332,14 +327,31 @@ class FastGenerate:
                 "prompts are not padded: pass each one's tokens alone)"
             )
         with self.lock:  # max_length keeps generate's meaning there: prompt + new tokens, per prompt
-            queue = RequestQueue.like_generate(
-                self.model,
-                max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int) else max_batch,
-                **generation,
-            )
-            for p in prompts:
-                queue.add(p)
-            return queue.run(progress=progress)
+            if not self.own_cache:
+                queue = RequestQueue.like_generate(
+                    self.model,
+                    max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int) else max_batch,
+                    **generation,
+                )
+                for p in prompts:
+                    queue.add(p)
+                try:
+                    return queue.run(progress=progress)
+                except Exception as e:  # the queue's RequestFailed, from Dynamo's BackendCompilerFailed
+                    if (refused := _slot_refusal(e)) is None:
+                        raise
+                    self._take_own_cache(refused)
+            device = self.model.device  # one prompt at a time, each on the model's own cache
+            return [self._original(torch.as_tensor(p, device=device)[None], **generation)[0] for p in prompts]
+
+    def _take_own_cache(self, refused: SlotCacheUnrewritten) -> None:
+        """From now on generate runs the model's own cache (kvpass leaves the model's graph unchanged), said once."""
+        self.own_cache, self.caches = refused.reason, {}
+        warn_once(
+            f"kvpass.compile: generate() runs on the model's own cache (a SlotCache is read right only by the "
+            f"attention kvpass rewrites, and kvpass leaves this model's graph unchanged: {refused.reason})",
+            self.backend,
+        )
 
     def __repr__(self) -> str:
         held = ", ".join(
@@ -347,6 +359,13 @@ class FastGenerate:
             for (rows, _, _, staging), c in self.caches.items()
         )
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
+
+
+def _slot_refusal(e: BaseException | None) -> SlotCacheUnrewritten | None:
+    """The ``SlotCacheUnrewritten`` behind ``e`` (raised in Dynamo's compile, wrapped on its way out), if any."""
+    while e is not None and not isinstance(e, SlotCacheUnrewritten):
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return e
 
 
 def new_tokens(kwargs: dict, config, prompt: int) -> int:
