@@ -37,10 +37,10 @@ that call (``detect``: cache kind ``"slot"``) and replaces it with the policy's 
   every slot by position (``kv_pos``, ``kv_len``).
 
 ``slot_append`` itself runs only where the pass did not rewrite the call: an uncompiled forward (as
-``generate``'s prefill with a ``compile_config``), another backend's graph, or a graph kvpass compiled
-unchanged. For a policy whose prefill is not a plain append (all but ``full`` and ``art``) it then
-refuses, naming the fix, where it would have kept every token without the policy (a graph compiled
-unchanged, which kvpass has warned about, may append).
+``generate``'s prefill with a ``compile_config``) or another backend's graph (a graph kvpass would compile
+unchanged refuses a SlotCache: ``kvpass.errors.SlotCacheUnrewritten``). For a policy whose prefill is not a
+plain append (all but ``full`` and ``art``) it then refuses, naming the fix, where it would have kept every
+token without the policy.
 A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
 (a device-side assert) instead of letting HF's mask read the slots as positions.
 

@@ -24,7 +24,8 @@ import torch
 from torch import fx
 
 from kvpass.cache.slots import FILLED
-from kvpass.compiler.fxargs import arg
+from kvpass.compiler.detect import SLOT_APPEND_ARGS
+from kvpass.compiler.fxargs import leading
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def points(gm: fx.GraphModule, sites, plans) -> list[CutPoint] | str:
         hooks = plans[site.layer].slot_hooks
         if site.cache != "slot" or hooks is None or hooks.cut is None:
             continue
-        nodes = [*site.slot.args[:4], *arg(site.slot, 6, "state")]
+        keys, values, pos, count, _, _, state = leading(site.slot, SLOT_APPEND_ARGS)
+        nodes = [keys, values, pos, count, *state]
         if any(n not in inputs for n in nodes):
             return f"layer {site.layer}: its slots are not inputs of the decode graph, so no cut can run between steps"
         at = [inputs[n] for n in nodes]

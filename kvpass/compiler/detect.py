@@ -34,10 +34,11 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 
 from kvpass.cache import slots as _cache  # noqa: F401  (registers kvpass::slot_append)
 from kvpass.cache.site_facts import CacheKind, HeadSplit, Phase
-from kvpass.compiler.fxargs import arg
+from kvpass.compiler.fxargs import arg, leading
 from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
 
 SLOT_APPEND = torch.ops.kvpass.slot_append
+SLOT_APPEND_ARGS = ("keys", "values", "pos", "count", "k_new", "v_new", "state")  # its schema's first
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax}
@@ -289,7 +290,7 @@ def _slot_of(site: Site) -> Problem | None | bool:
     k, v = (_slot_read(n) for n in (site.k, site.v))
     for u in k.users:
         if u.op == "call_function" and u.target in (SLOT_APPEND, SLOT_APPEND.default):
-            keys, values, _pos, _count, k_new, v_new = u.args[:6]
+            keys, values, _pos, _count, k_new, v_new = leading(u, SLOT_APPEND_ARGS[:6])
             if k not in (keys, k_new) or v not in (values, v_new) or (k is keys) != (v is values):
                 return Problem(u.name, "attention reads K and V from different places of a SlotCache layer")
             site.cache, site.slot = "slot", u

@@ -15,3 +15,8 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return default
+
+
+def leading(node: fx.Node, names: tuple[str, ...]) -> list[Any]:
+    """The call's first arguments, ``names`` in schema order, each by keyword or by position (``arg``)."""
+    return [arg(node, i, name) for i, name in enumerate(names)]

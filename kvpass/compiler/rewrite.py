@@ -33,8 +33,8 @@ from torch import fx
 from kvpass import ops as _ops  # noqa: F401  (registers torch.ops.kvpass.*)
 from kvpass.cache.ragged import by_head
 from kvpass.cache.slots import pending_positions, write_heads, write_slots
-from kvpass.compiler.detect import Detection, Site, seq_slice, val
-from kvpass.compiler.fxargs import arg
+from kvpass.compiler.detect import SLOT_APPEND_ARGS, Detection, Site, seq_slice, val
+from kvpass.compiler.fxargs import leading
 from kvpass.compiler.maskcheck import site_mask
 from kvpass.compiler.positions import fix_positions, table_lookups
 from kvpass.compiler.tp import gather_heads
@@ -418,8 +418,7 @@ def _slot(graph: fx.Graph, site: Site, plan: SitePlan, handle: int) -> list[str]
     entries), read by position within the window."""
     rule, protect = plan.slot
     window = site.sliding_window or 0  # a sliding layer: a ring of its window, read within the window
-    keys, values, pos, count = site.slot.args[:4]
-    state = arg(site.slot, 6, "state")
+    keys, values, pos, count, _, _, state = leading(site.slot, SLOT_APPEND_ARGS)
     hooks = plan.slot_hooks or SlotHooks()
     reductions: list[str] = []
     q, scale = _query_and_scale(graph, site)

@@ -14,6 +14,7 @@ from torch import Tensor, fx
 from kvpass.cache.runtime import layer_of
 from kvpass.cache.slots import DROPPED, SEEN
 from kvpass.compiler.detect import val
+from kvpass.compiler.fxargs import arg
 from kvpass.compiler.gate.checks import places, same
 from kvpass.compiler.gate.partition import (
     Segment,
@@ -98,7 +99,9 @@ class GatedGraph:
         # the graph outputs that hold each sliding layer's stored K/V (after the rewrite's compact)
         self.out_nodes = set(self.output.all_input_nodes)
         compacts = {
-            layer_of(node.args[6]): node for node in graph.nodes if node.target is torch.ops.kvpass.compact.default
+            layer_of(arg(node, 6, "site")): node
+            for node in graph.nodes
+            if node.target is torch.ops.kvpass.compact.default
         }
         self.stored = {
             layer: outputs_from(node, self.out_nodes)
@@ -107,7 +110,7 @@ class GatedGraph:
         }
         # a kvpass.SlotCache: each layer's slot positions and counts (inputs the segments write in place)
         self.slots = {
-            layer_of(node.args[10]): (node.args[2], node.args[3])
+            layer_of(arg(node, 10, "site")): (arg(node, 2, "pos"), arg(node, 3, "count"))
             for node in graph.nodes
             if node.target is torch.ops.kvpass.slot_prefill.default
         }
