@@ -466,7 +466,7 @@ def test_a_model_kvpass_leaves_unchanged_generates_on_its_own_cache():
         assert torch.equal(got, want), n
         own = [str(w.message) for w in said if "runs on the model's own cache" in str(w.message)]
         assert len(own) == (n == 40) and "does not recognize" in model.generate.own_cache, own
-    assert not model.generate.caches
+    assert not model.generate.caches and "the model's own cache: node" in repr(model.generate)
     # a list of prompts, after that call and as a fresh model's first call: each alone, on the model's own cache
     prompts = [ids_of(12)[0], ids_of(20)[0].tolist()]
     torch._dynamo.reset()

@@ -358,6 +358,8 @@ class FastGenerate:
             f"{rows} rows x {c.max_length}{' (staging)' if staging else ''}"
             for (rows, _, _, staging), c in self.caches.items()
         )
+        if self.own_cache:  # the fast path is off for this model
+            return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, the model's own cache: {self.own_cache})"
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
 
 
