@@ -110,12 +110,6 @@ def _phase(found: _detect.Detection) -> str:
     return "dynamic"
 
 
-def _holds_slot_cache(gm: fx.GraphModule) -> bool:
-    """Whether the graph appends to a ``kvpass.SlotCache`` (``kvpass.cache.slots.slot_append``)."""
-    targets = (_detect.SLOT_APPEND, _detect.SLOT_APPEND.default)
-    return any(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
-
-
 class KVPass(CustomGraphPass):
     """The graph pass: rewrites a Dynamo FX graph in place for one policy."""
 
@@ -151,7 +145,7 @@ class KVPass(CustomGraphPass):
         if isinstance(cuts, str):  #    the cuts between decode steps need the slots as inputs
             report.problems.append(cuts)
         if report.problems:
-            if _holds_slot_cache(gm):  # its slots are kvpass's layout: the model's own attention would misread them
+            if any(map(_detect.is_slot_append, gm.graph.nodes)):  # a SlotCache: only kvpass's attention reads it
                 raise SlotCacheUnrewritten(report.problems[0])
             warn_once(
                 f"kvpass: compiling a graph unchanged ({len(found.sites)} attention sites found): {report.problems[0]}",

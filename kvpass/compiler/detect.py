@@ -38,7 +38,13 @@ from kvpass.compiler.fxargs import arg, leading
 from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
 
 SLOT_APPEND = torch.ops.kvpass.slot_append
-SLOT_APPEND_ARGS = ("keys", "values", "pos", "count", "k_new", "v_new", "state")  # its schema's first
+SLOT_APPEND_ARGS = ("keys", "values", "pos", "count", "k_new", "v_new", "state")  # its first arguments, by name
+
+
+def is_slot_append(node: fx.Node) -> bool:
+    """Whether ``node`` is a ``kvpass.SlotCache``'s own append (``kvpass.cache.slots.slot_append``)."""
+    return node.op == "call_function" and node.target in (SLOT_APPEND, SLOT_APPEND.default)
+
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax}
@@ -289,7 +295,7 @@ def _slot_of(site: Site) -> Problem | None | bool:
     cache fields (a sliding layer's window is ``slot_append``'s ``window``); False when it is none."""
     k, v = (_slot_read(n) for n in (site.k, site.v))
     for u in k.users:
-        if u.op == "call_function" and u.target in (SLOT_APPEND, SLOT_APPEND.default):
+        if is_slot_append(u):
             keys, values, _pos, _count, k_new, v_new = leading(u, SLOT_APPEND_ARGS[:6])
             if k not in (keys, k_new) or v not in (values, v_new) or (k is keys) != (v is values):
                 return Problem(u.name, "attention reads K and V from different places of a SlotCache layer")
