@@ -2,7 +2,8 @@
 # The GPU run of the current design on one GPU (device tool kind `nvidia-h200`), from the repository root,
 # with $OUT set. Each step fits one device call (the tool's 600 s per command); steps may share a call:
 #   bash bench/calls/gpu_run.sh tests    every tests/gpu file (or those FILES names), one pytest run per file
-#                                        (-x --tb=line), all at once on the one GPU, each stopped at LIMIT (500) s
+#                                        (-x --tb=line; SHARD_FILES split in SHARDS runs), all at once on the
+#                                        one GPU, each stopped at LIMIT (500) s
 #   bash bench/calls/gpu_run.sh new      the tests/gpu cases of the per-head and new methods alone, in one pytest run
 #   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
 #                                        total (bench_decode_kernel.py --ragged)
@@ -28,11 +29,26 @@ case "${1:?tests | new | ragged | decode | throughput | accuracy}" in
 tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
+  # a file named in SHARD_FILES runs as SHARDS pytest processes over its collected cases, dealt round-robin
+  # (test_gpu_slot_cache.py takes about 900 s alone); Inductor's compile pool shrinks to share the host
   logs=$(mktemp -d)
+  export TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-2}
+  run_part() {  # name, then pytest arguments
+    local name=$1; shift
+    timeout -k 10 "${LIMIT:-500}" python -m pytest -v -x --tb=line -p no:cacheprovider "$@" > "$logs/$name.txt" 2>&1
+    echo "$name: rc=$? $(tail -n 1 "$logs/$name.txt")" >> "$out/summary.txt"
+  }
   for f in ${FILES:-$(cd tests/gpu && ls test_*.py)}; do
-    ( timeout -k 10 "${LIMIT:-500}" python -m pytest -v -x --tb=line -p no:cacheprovider "tests/gpu/$f" \
-        > "$logs/${f%.py}.txt" 2>&1
-      echo "$f: rc=$? $(tail -n 1 "$logs/${f%.py}.txt")" >> "$out/summary.txt" ) &
+    if [[ " ${SHARD_FILES:-test_gpu_slot_cache.py} " == *" $f "* ]]; then
+      mapfile -t ids < <(python -m pytest --collect-only -q -p no:cacheprovider "tests/gpu/$f" | grep '::')
+      for ((s = 0; s < ${SHARDS:-5}; s++)); do
+        part=()
+        for ((i = s; i < ${#ids[@]}; i += ${SHARDS:-5})); do part+=("${ids[i]}"); done
+        ((${#part[@]})) && run_part "${f%.py}.$s" "${part[@]}" &
+      done
+    else
+      run_part "${f%.py}" "tests/gpu/$f" &
+    fi
   done
   wait
   cat "$out/summary.txt"
