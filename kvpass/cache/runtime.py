@@ -11,9 +11,9 @@ opaque Python object as an operator argument needs ``torch._library``'s private 
 between torch 2.13 and 2.15. A ``kvpass.SlotCache`` decode step needs no handle: its state is tensors of the cache,
 which Dynamo makes graph inputs.
 
-``site`` in these methods is a site key (``Site.key``): one compiled graph's attention site, ``graph x KEY_STRIDE +
-layer``. Each graph's operators read the ``Site`` of their own graph (``Runtime.sites[key]``), never one a later
-graph of the same layer wrote; the layer's state is shared by the graphs that read and write that layer's cache
+``key`` in these methods names one compiled graph's attention site (``Site.key``: ``graph x KEY_STRIDE + layer``).
+Each graph's operators read the ``SiteFacts`` of their own graph (``Runtime.sites[key]``), never one a later graph of
+the same layer wrote; the layer's state is shared by the graphs that read and write that layer's cache
 (``layer_of(key)``).
 """
 
@@ -214,12 +214,12 @@ class Runtime:
 
     # -- called from operators ------------------------------------------------------------------
 
-    def positions(self, site: int, k_past: Tensor, k_new: Tensor, mask: Tensor | None):
+    def positions(self, key: int, k_past: Tensor, k_new: Tensor, mask: Tensor | None):
         """True token indices of the stored + new entries, and of the new (query) tokens."""
         b, hkv, ln = k_new.shape[:3]
         lp = past_length(k_past)
         dev = k_new.device
-        layer = layer_of(site)
+        layer = layer_of(key)
         st = self.state.layer(layer)
         if lp > 0 and st is not None and tuple(st.pos.shape[:2]) == (b, hkv) and st.pos.shape[2] <= lp:
             # entries past the record were added by a graph that only appends (SitePlan.append)
@@ -243,7 +243,7 @@ class Runtime:
 
     def compact(
         self,
-        site: int,
+        key: int,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -257,10 +257,10 @@ class Runtime:
         sin: Tensor | None = None,
         out_proj: Tensor | None = None,
     ):
-        layer = layer_of(site)
+        layer = layer_of(key)
         idx, pos, book = choose(
             self.policy,
-            self.sites[site],
+            self.sites[key],
             q,
             k,
             v,
@@ -304,17 +304,15 @@ class Runtime:
         got = None if st is None else st.extra.get("heads")
         return got if got is not None else ragged.uniform(b, h, stored, device)
 
-    def heads_update(
-        self, site: int, k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None
-    ):
+    def heads_update(self, key: int, k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None):
         """``cache_update`` for a per-head layer: ``(k, v, kv_pos, q_pos, start, length)``, each head's new entries
         after its range in the row's pool (``ragged.grow``; stored as ``[B, H_kv, L, D]``), and the heads' ranges."""
         b, h, ln = k_new.shape[:3]
         lp = past_length(k_past)
-        layer = layer_of(site)
+        layer = layer_of(key)
         st = self.state.layer(layer)
         if lp == 0:  # a new prefill: the prompt, every head its whole
-            kv_pos, q_pos = self.positions(site, k_past, k_new, mask)
+            kv_pos, q_pos = self.positions(key, k_past, k_new, mask)
             ranges = ragged.uniform(b, h, ln, k_new.device)
             return k_new, v_new, kv_pos, q_pos, ranges[..., ragged.START], ranges[..., ragged.LENGTH]
         if st is None or st.pos.shape[2] != lp:
@@ -349,9 +347,9 @@ class Runtime:
             ranges[..., ragged.LENGTH],
         )
 
-    def step_position(self, site: int, k_pool: Tensor) -> Tensor:
+    def step_position(self, key: int, k_pool: Tensor) -> Tensor:
         """``[B, 1]``: the true position of a pool site's new token (the tokens its layer has seen)."""
-        st = self.state.layer(layer_of(site))
+        st = self.state.layer(layer_of(key))
         if st is None or tuple(st.pos.shape) != (k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]):
             raise RuntimeError(
                 f"policy '{self.policy.name}': a decode step found no page pool for its cache "
@@ -361,16 +359,16 @@ class Runtime:
         return seen.reshape(1, 1).expand(k_pool.shape[0], 1).contiguous()
 
     def pool_write(
-        self, site: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q_pos: Tensor
+        self, key: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q_pos: Tensor
     ) -> Tensor:
         """A pool site's decode step: the policy writes the new token into the pool in place; the layer
         records the pool's positions after the write and the tokens seen."""
-        st = self.state.layer(layer_of(site))
-        pos = self.policy.write(self.sites[site], q, k_pool, v_pool, k_new, v_new, q_pos, st)
-        self.state.set_layer(layer_of(site), pos, q_pos[0, -1] + 1, fresh=False)
+        st = self.state.layer(layer_of(key))
+        pos = self.policy.write(self.sites[key], q, k_pool, v_pool, k_new, v_new, q_pos, st)
+        self.state.set_layer(layer_of(key), pos, q_pos[0, -1] + 1, fresh=False)
         return pos
 
-    def repeat_scores(self, site: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:
+    def repeat_scores(self, key: int, q: Tensor, k: Tensor, mask: Tensor | None, softcap: float) -> None:
         """While a repeat pass runs (``state.repeat``): the scores its queries ``q [B, H, r, D]`` (scaled) give the
         chunk of the prompt it repeats, from the keys ``k [B, H_kv, n + r, D]`` (the prompt's, then the pass's),
         into the layer's ``state.scores [B, H_kv, n]``. Nothing outside a pass; outside ``kvpass.repeat_passes``
@@ -379,28 +377,28 @@ class Runtime:
         span = self.state.repeat
         if span is None:
             if not self.state.passes:  # the plain backend on a cache of its own: no pass will score this prompt
-                warn_once(f"kvpass: {self.policy.unscored(self.sites[site].cache)}", self.handle)
+                warn_once(f"kvpass: {self.policy.unscored(self.sites[key].cache)}", self.handle)
             return
         b, hkv, total = k.shape[:3]
         n = total - q.shape[2]
-        layer = layer_of(site)
+        layer = layer_of(key)
         held = self.state.scores.get(layer)
         if held is None or tuple(held.shape) != (b, hkv, n):
             held = self.state.scores[layer] = torch.zeros(b, hkv, n, dtype=torch.float32, device=k.device)
         held[..., span[0] : span[1]] = self.policy.repeat_scores(q, k, key_validity(mask, b, total), span, softcap)
 
-    def count_visits(self, site: int, visited: Tensor, n_blocks: int) -> None:
+    def count_visits(self, key: int, visited: Tensor, n_blocks: int) -> None:
         """Accumulate blocks read / blocks present of one decode attention call (ART statistics)."""
-        read, total = self.visits.get(layer_of(site), (0, 0))
-        self.visits[layer_of(site)] = (read + visited.sum(), total + visited.numel() * n_blocks)
+        read, total = self.visits.get(layer_of(key), (0, 0))
+        self.visits[layer_of(key)] = (read + visited.sum(), total + visited.numel() * n_blocks)
 
     def blocks_read(self) -> float | None:
         """Fraction of KV blocks that decode attention read since the last reset, or None."""
         total = sum(t for _, t in self.visits.values())
         return float(sum(r for r, _ in self.visits.values())) / total if total else None
 
-    def stored_length(self, site: int, total):
-        return self.policy.stored_length(self.sites[site], total)
+    def stored_length(self, key: int, total):
+        return self.policy.stored_length(self.sites[key], total)
 
     def note_positions(self, pos: Tensor) -> None:
         """Position ids passed into a graph that appends to a cache: true already, unless they were counted

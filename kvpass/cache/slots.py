@@ -44,7 +44,7 @@ token without the policy.
 A cache a policy has compressed no longer has the append layout: ``slot_append`` then fails loudly
 (a device-side assert) instead of letting HF's mask read the slots as positions.
 
-``site`` in these operators is a site key (``Site.key``, ``kvpass.cache.runtime``), not a ``Site``.
+``key`` in these operators names one compiled graph's attention site (``Site.key``, ``kvpass.cache.runtime``).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def slot_prefill(
     v_new: Tensor,
     mask: Tensor | None,
     handle: int,
-    site: int,
+    key: int,
     tokens: Tensor | None = None,
     votes: Tensor | None = None,
     lse: Tensor | None = None,
@@ -214,7 +214,7 @@ def slot_prefill(
 
     rt = runtime.get(handle)
     rt.slot_prefilled(count)
-    layer = runtime.layer_of(site)
+    layer = runtime.layer_of(key)
     b, hkv, length, _ = k_new.shape
     cap = keys.shape[2]
     if b != keys.shape[0]:
@@ -232,13 +232,13 @@ def slot_prefill(
     if valid is not None:
         kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
-    if rt.sites[site].sliding_window:  # a sliding layer's ring holds the window's most recent entries
+    if rt.sites[key].sliding_window:  # a sliding layer's ring holds the window's most recent entries
         idx = kv_pos.topk(cap, dim=-1).indices if length > cap else None
         kept_pos, kept_state = (kv_pos if idx is None else kv_pos.gather(2, idx)), None
     else:  # what the policy keeps, as on a DynamicCache; its bookkeeping: per-entry values of its slot state
         idx, kept_pos, kept_state = runtime.choose(
             rt.policy,
-            rt.sites[site],
+            rt.sites[key],
             q,
             k_new,
             v_new,
@@ -247,7 +247,7 @@ def slot_prefill(
             None,
             runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj, rt.state.scores.get(layer)),
         )
-    if rt.policy.needs.heads and not rt.sites[site].sliding_window:  # the per-head layout (kvpass.cache.ragged)
+    if rt.policy.needs.heads and not rt.sites[key].sliding_window:  # the per-head layout (kvpass.cache.ragged)
         kept = idx if idx is not None else ragged.everything(b, hkv, length, k_new.device)
         if kept.sel.shape[1] > hkv * cap:
             raise ValueError(
@@ -298,7 +298,7 @@ def _(
     v_new,
     mask,
     handle,
-    site: int,
+    key: int,
     tokens=None,
     votes=None,
     lse=None,

@@ -1,9 +1,9 @@
 """Per-generation state that policies keep between calls of a compiled model.
 
-One ``GenerationState`` belongs to one ``kvpass.backend(...)`` object. It holds, per attention
-site, the true token index of every entry the cache stores (``LayerState.pos``), how many tokens
-that layer has seen, and a free-form ``extra`` dict a policy uses for its own bookkeeping (page
-tables, timestamps, representative keys, chunk metadata). It describes the DynamicCache the backend's
+One ``GenerationState`` belongs to one ``kvpass.backend(...)`` object. It holds, per layer (``layers``, keyed by
+layer index), the true token index of every entry the cache stores (``LayerState.pos``), how many tokens that layer
+has seen, and a free-form ``extra`` dict a policy uses for its own bookkeeping (page tables, timestamps,
+representative keys, chunk metadata). It describes the DynamicCache the backend's
 graphs last ran on; the runtime keeps the description of every other live cache aside (``take``, ``put``;
 ``kvpass.cache.runtime.Runtime.follow``), so caches decoded in turn each continue from their own.
 
@@ -28,7 +28,7 @@ from torch import Tensor
 
 @dataclass
 class LayerState:
-    """What one attention site keeps between calls."""
+    """What one layer's cache keeps between calls."""
 
     pos: Tensor  # [B, H_kv, L_stored] true token index of each stored entry, -1 = padding
     # tokens this layer has seen so far (true length): a 0-d tensor on the cache's device when set by
@@ -62,7 +62,7 @@ class GenerationState:
         # kvpass::cache_overwrite writes over a merged cache (slot == position); None otherwise
         self.fusion: Tensor | None = None
         # a3+evict: how many query rows of a recompute call are the question (0: no votes), and the
-        # votes kvpass::fusion_votes kept per site
+        # votes kvpass::fusion_votes kept per layer
         self.fusion_window = 0
         self.fusion_votes: dict[int, Tensor] = {}
         # kvpass::true_positions: ``records`` counts set_layer calls; ``offset`` (true minus derived
@@ -100,19 +100,19 @@ class GenerationState:
         for name in self.CACHE_FIELDS:
             setattr(self, name, held[name])
 
-    def layer(self, site: int) -> LayerState | None:
-        return self.layers.get(site)
+    def layer(self, layer: int) -> LayerState | None:
+        return self.layers.get(layer)
 
-    def set_layer(self, site: int, pos: Tensor, seen: int | Tensor, fresh: bool) -> LayerState:
-        """Record what site `site` stores after a call; `fresh` (a new prefill) drops the policy's extra state
-        and the previous generation's ``tail`` (it would count that generation's tokens as seen)."""
-        old = self.layers.get(site)
+    def set_layer(self, layer: int, pos: Tensor, seen: int | Tensor, fresh: bool) -> LayerState:
+        """Record what layer ``layer`` stores after a call; ``fresh`` (a new prefill) drops the policy's extra
+        state and the previous generation's ``tail`` (it would count that generation's tokens as seen)."""
+        old = self.layers.get(layer)
         if fresh:
             self.tail, self.tail_at = None, -1
             self.fresh_at = next(TICKS)
         extra = {} if fresh or old is None else old.extra
         st = LayerState(pos=pos, seen=seen, extra=extra)
-        self.layers[site] = st
+        self.layers[layer] = st
         self.records += 1
         self.latest = seen
         return st
@@ -121,10 +121,10 @@ class GenerationState:
         """Tokens appended to a layer's cache after its last record (by a graph that only appends)."""
         return max(0, int(self.tail) - int(s.seen)) if self.tail is not None else 0
 
-    def positions(self, site: int) -> Tensor:
+    def positions(self, layer: int) -> Tensor:
         """True token index of every entry a layer's cache holds now: its record plus the tokens
         appended after it (the latest ones, in order)."""
-        s = self.layers[site]
+        s = self.layers[layer]
         return s.extended(self.appended(s))[0]
 
     @property

@@ -5,8 +5,8 @@ on CPU and as the ground truth in tests) and a fake implementation that gives ou
 Dynamo / AOT autograd. CUDA implementations and Inductor lowerings are registered in
 ``kvpass.ops.lowerings``.
 
-``site`` in these operators is a site key (``Site.key``: the graph and the layer, ``kvpass.cache.runtime``), not a
-``Site``: each graph's operators read their own graph's site.
+``key`` in these operators names one compiled graph's attention site (``Site.key``: the graph and the layer,
+``kvpass.cache.runtime``): each graph's operators read their own graph's site.
 
 Operators
 ---------
@@ -30,16 +30,16 @@ Operators
     (``window > 0``), ``q_pos[b, i] - kv_pos[b, g, j] < window``. Used once a policy has changed
     which entries a cache holds, so the mask always matches the kept entries.
 
-``kvpass::cache_update(k_past, v_past, k_new, v_new, mask?, handle, site)``
+``kvpass::cache_update(k_past, v_past, k_new, v_new, mask?, handle, key)``
     Appends the new K/V to the stored ones and returns ``(k, v, kv_pos, q_pos)``; positions come
     from the generation state (see ``kvpass.cache.state``). Reads the state, never writes it.
 
-``kvpass::heads_update(k_past, v_past, k_new, v_new, mask?, handle, site) -> (k, v, kv_pos, q_pos, start, length)``
+``kvpass::heads_update(k_past, v_past, k_new, v_new, mask?, handle, key) -> (k, v, kv_pos, q_pos, start, length)``
     ``cache_update`` for a per-head layer (``Needs.heads``, ``kvpass.cache.ragged``): each head's new entries
     follow its range in the row's pool (stored as ``[B, H_kv, L, D]``), and ``start`` / ``length`` ``[B, H_kv]``
     give each head's range of the result. Reads the state, never writes it.
 
-``kvpass::compact(q, k, v, kv_pos, q_pos, handle, site, tokens?, votes?, lse?, q_pre?, cos?, sin?, out_proj?)``
+``kvpass::compact(q, k, v, kv_pos, q_pos, handle, key, tokens?, votes?, lse?, q_pre?, cos?, sin?, out_proj?)``
     Runs the policy's eviction for one site and returns the K/V to store, physically smaller.
     Records the kept positions in the generation state (idempotent for equal inputs). ``q`` comes
     with the softmax scale folded in (``q . k`` is the logit, before softcapping); ``tokens`` (the
@@ -78,10 +78,10 @@ softcap, window, tau, phi, patience, block, order, probe, horizon, kv_start?) ->
     ``triton_op``: compiled CUDA graphs launch its Triton kernel directly; elsewhere it runs
     ``kvpass::decode_attention_ref``.
 
-``kvpass::count_visits(out, visited, k, block, handle, site)``
+``kvpass::count_visits(out, visited, k, block, handle, key)``
     Pass-through of ``out`` that adds the blocks read to the run's statistics.
 
-``kvpass::repeat_scores(out, q, k, mask?, scale, softcap, handle, site)``
+``kvpass::repeat_scores(out, q, k, mask?, scale, softcap, handle, key)``
     Pass-through of ``out`` (the attention's output) that, while a repeat pass runs, scores the prompt's entries
     the pass repeats by its queries' attention (``Runtime.repeat_scores``: kvzip).
 
@@ -246,10 +246,10 @@ def _dense(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("kvpass::cache_update", mutates_args=())
 def cache_update(
-    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int
+    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, key: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rt = runtime.get(handle)
-    kv_pos, q_pos = rt.positions(site, k_past, k_new, mask)
+    kv_pos, q_pos = rt.positions(key, k_past, k_new, mask)
     if past_length(k_past) == 0:  # DynamicCache starts from torch.tensor([])
         return _dense(k_new), _dense(v_new), kv_pos, q_pos
     k = torch.cat([k_past.to(k_new.dtype), k_new], dim=-2)
@@ -258,7 +258,7 @@ def cache_update(
 
 
 @cache_update.register_fake
-def _update_shapes(k_past, v_past, k_new, v_new, mask, handle, site: int):
+def _update_shapes(k_past, v_past, k_new, v_new, mask, handle, key: int):
     b, hkv, ln = k_new.shape[:3]
     lp = past_length(k_past)
     k = k_new.new_empty((b, hkv, lp + ln, k_new.shape[-1]))
@@ -270,17 +270,17 @@ def _update_shapes(k_past, v_past, k_new, v_new, mask, handle, site: int):
 
 @torch.library.custom_op("kvpass::heads_update", mutates_args=())
 def heads_update(
-    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, site: int
+    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor | None, handle: int, key: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    k, v, kv_pos, q_pos, start, length = runtime.get(handle).heads_update(site, k_past, v_past, k_new, v_new, mask)
+    k, v, kv_pos, q_pos, start, length = runtime.get(handle).heads_update(key, k_past, v_past, k_new, v_new, mask)
     return _dense(k), _dense(v), _dense(kv_pos), _dense(q_pos), start.clone(), length.clone()
 
 
 @heads_update.register_fake
-def _(k_past, v_past, k_new, v_new, mask, handle, site: int):
+def _(k_past, v_past, k_new, v_new, mask, handle, key: int):
     b, hkv = k_new.shape[:2]
     ranges = tuple(k_new.new_empty((b, hkv), dtype=torch.int32) for _ in range(2))
-    return (*_update_shapes(k_past, v_past, k_new, v_new, mask, handle, site), *ranges)
+    return (*_update_shapes(k_past, v_past, k_new, v_new, mask, handle, key), *ranges)
 
 
 @torch.library.custom_op("kvpass::compact", mutates_args=())
@@ -291,7 +291,7 @@ def compact(
     kv_pos: Tensor,
     q_pos: Tensor,
     handle: int,
-    site: int,
+    key: int,
     tokens: Tensor | None = None,
     votes: Tensor | None = None,
     lse: Tensor | None = None,
@@ -301,7 +301,7 @@ def compact(
     out_proj: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     k_out, v_out = runtime.get(handle).compact(
-        site, q, k, v, kv_pos, q_pos, tokens, votes, lse, q_pre, cos, sin, out_proj
+        key, q, k, v, kv_pos, q_pos, tokens, votes, lse, q_pre, cos, sin, out_proj
     )
     return k_out.contiguous(), v_out.contiguous()
 
@@ -314,7 +314,7 @@ def _(
     kv_pos,
     q_pos,
     handle,
-    site: int,
+    key: int,
     tokens=None,
     votes=None,
     lse=None,
@@ -323,7 +323,7 @@ def _(
     sin=None,
     out_proj=None,
 ):
-    keep = runtime.get(handle).stored_length(site, k.shape[2])
+    keep = runtime.get(handle).stored_length(key, k.shape[2])
     b, hkv = k.shape[:2]
     return k.new_empty((b, hkv, keep, k.shape[-1])), v.new_empty((b, hkv, keep, v.shape[-1]))
 
@@ -594,34 +594,34 @@ def gather_kv(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.library.custom_op("kvpass::count_visits", mutates_args=())
-def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: int, site: int) -> Tensor:
+def count_visits(out: Tensor, visited: Tensor, k: Tensor, block: int, handle: int, key: int) -> Tensor:
     """Passes ``out`` through and adds ``visited`` (blocks read per KV group) to the run statistics.
 
     Written after ``decode_attention`` when a policy asks for statistics; taking and returning the
     attention output keeps it alive in the compiled graph.
     """
-    runtime.get(handle).count_visits(site, visited, -(-k.shape[2] // block))
+    runtime.get(handle).count_visits(key, visited, -(-k.shape[2] // block))
     return out.clone()
 
 
 @count_visits.register_fake
-def _(out, visited, k, block, handle, site: int):
+def _(out, visited, k, block, handle, key: int):
     return torch.empty_like(out)
 
 
 @torch.library.custom_op("kvpass::repeat_scores", mutates_args=())
 def repeat_scores(
-    out: Tensor, q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, handle: int, site: int
+    out: Tensor, q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float, handle: int, key: int
 ) -> Tensor:
     """Passes ``out`` through; while a repeat pass runs, ``Runtime.repeat_scores`` scores the chunk it repeats
     from ``q`` (scaled here) and ``k`` (the cache after the call's update). Taking and returning the attention
     output keeps it alive in the compiled graph."""
-    runtime.get(handle).repeat_scores(site, q * scale, k, mask, softcap)
+    runtime.get(handle).repeat_scores(key, q * scale, k, mask, softcap)
     return out.clone()
 
 
 @repeat_scores.register_fake
-def _(out, q, k, mask, scale, softcap, handle, site: int):
+def _(out, q, k, mask, scale, softcap, handle, key: int):
     return torch.empty_like(out)
 
 

@@ -99,7 +99,7 @@ class GatedGraph:
         # the graph outputs that hold each sliding layer's stored K/V (after the rewrite's compact)
         self.out_nodes = set(self.output.all_input_nodes)
         compacts = {
-            layer_of(arg(node, 6, "site")): node
+            layer_of(arg(node, 6, "key")): node
             for node in graph.nodes
             if node.target is torch.ops.kvpass.compact.default
         }
@@ -110,7 +110,7 @@ class GatedGraph:
         }
         # a kvpass.SlotCache: each layer's slot positions and counts (inputs the segments write in place)
         self.slots = {
-            layer_of(arg(node, 10, "site")): (arg(node, 2, "pos"), arg(node, 3, "count"))
+            layer_of(arg(node, 10, "key")): (arg(node, 2, "pos"), arg(node, 3, "count"))
             for node in graph.nodes
             if node.target is torch.ops.kvpass.slot_prefill.default
         }

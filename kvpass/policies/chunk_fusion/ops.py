@@ -1,6 +1,6 @@
 """Chunk fusion's operators, registered on import; their kernels sit in ``kvpass.kernels``.
 
-``site`` in these operators is a site key (``Site.key``, ``kvpass.cache.runtime``), not a ``Site``.
+``key`` in these operators names one compiled graph's attention site (``Site.key``, ``kvpass.cache.runtime``).
 
 ``kvpass::rope_rotate(x, cos, sin) -> x_rotated`` and ``kvpass::scatter_rows(dst, idx, src)``
     RoPE rotation of ``x [M, L, D]`` by per-position tables (the model's own rotary module computes
@@ -9,7 +9,7 @@
     writes recomputed K/V over stored ones with the second. ``triton_op``s: Triton on CUDA, the
     ``*_ref`` operators elsewhere.
 
-``kvpass::cache_overwrite(k_past, v_past, k_new, v_new, handle, site) -> (k, v, kv_pos, q_pos)``
+``kvpass::cache_overwrite(k_past, v_past, k_new, v_new, handle, key) -> (k, v, kv_pos, q_pos)``
     Chunk fusion's cache update: the new tokens are written over the cache slots named by the
     generation state's ``fusion`` slots (their true positions: a merged cache is stored in position
     order, one slot per token) instead of being appended, so ``k`` is as long as ``k_past``;
@@ -77,7 +77,7 @@ def scatter_rows(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
 
 @torch.library.custom_op("kvpass::cache_overwrite", mutates_args=())
 def cache_overwrite(
-    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, handle: int, site: int
+    k_past: Tensor, v_past: Tensor, k_new: Tensor, v_new: Tensor, handle: int, key: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     slots = runtime.get(handle).state.fusion
     b, hkv, ln = k_new.shape[:3]
@@ -101,7 +101,7 @@ def cache_overwrite(
 
 
 @cache_overwrite.register_fake
-def _(k_past, v_past, k_new, v_new, handle, site: int):
+def _(k_past, v_past, k_new, v_new, handle, key: int):
     b, hkv, ln = k_new.shape[:3]
     lp = k_past.shape[-2]
     return (
@@ -114,7 +114,7 @@ def _(k_past, v_past, k_new, v_new, handle, site: int):
 
 @torch.library.custom_op("kvpass::fusion_votes", mutates_args=())
 def fusion_votes(
-    out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float, softcap: float, handle: int, site: int
+    out: Tensor, q: Tensor, k: Tensor, q_pos: Tensor, scale: float, softcap: float, handle: int, key: int
 ) -> Tensor:
     """Passes ``out`` (a recompute pass's attention output) through and, when the request asks for
     votes (``state.fusion_window`` > 0, ``a3+evict``), keeps the SnapKV votes of the last
@@ -125,14 +125,14 @@ def fusion_votes(
     if w > 0:
         b, hkv, lk = k.shape[:3]
         kv_pos = torch.arange(lk, device=k.device).expand(b, hkv, lk).contiguous()
-        st.fusion_votes[runtime.layer_of(site)] = torch.ops.kvpass.window_scores(
+        st.fusion_votes[runtime.layer_of(key)] = torch.ops.kvpass.window_scores(
             q[:, :, -w:], k, kv_pos, q_pos[:, -w:].contiguous(), scale, softcap
         )
     return out.clone()
 
 
 @fusion_votes.register_fake
-def _(out, q, k, q_pos, scale, softcap, handle, site: int):
+def _(out, q, k, q_pos, scale, softcap, handle, key: int):
     return torch.empty_like(out)
 
 

@@ -17,21 +17,21 @@
     page choice on a SlotCache; its kernel selects without sorting (``kvpass.kernels.top_pages``).
     A ``triton_op``: Triton on CUDA (rows up to ``MAX_PAGES``), ``kvpass::top_pages_ref`` elsewhere.
 
-``kvpass::page_select(q, k, handle, site) -> block_map [B, H_kv, steps] int32``
+``kvpass::page_select(q, k, handle, key) -> block_map [B, H_kv, steps] int32``
     The pages (blocks of 16) a page-selecting policy's decode step reads, -1 = none (Quest's top
     pages by upper bound and the current page); ``k`` is the cache with the new token last, which the
     policy folds into its page bounds first (stateful like ``compact``, idempotent for equal inputs).
     Feeds ``decode_attention``'s ``block_map``.
 
-``kvpass::step_position(k_pool, handle, site) -> q_pos [B, 1]`` and
-``kvpass::pool_write(k_pool!, v_pool!, k_new, v_new, q, q_pos, handle, site) -> kv_pos``
+``kvpass::step_position(k_pool, handle, key) -> q_pos [B, 1]`` and
+``kvpass::pool_write(k_pool!, v_pool!, k_new, v_new, q, q_pos, handle, key) -> kv_pos``
     The decode step of a pool site (``SitePlan.pool``, raas): the new token's true position (read
     from the layer's record), then the policy writes the token's K/V into a slot of the stored pool
     in place (the graph stores the mutated pool; nothing is concatenated or gathered) and returns
     every slot's position after the write. The write depends only on its inputs and the policy's
     plan for the step, so a replayed call writes the same slot.
 
-``site`` in these operators is a site key (``Site.key``, ``kvpass.cache.runtime``), not a ``Site``.
+``key`` in these operators names one compiled graph's attention site (``Site.key``, ``kvpass.cache.runtime``).
 """
 
 from __future__ import annotations
@@ -139,36 +139,36 @@ def _pager(policy) -> PagePolicy:
 
 
 @torch.library.custom_op("kvpass::page_select", mutates_args=())
-def page_select(q: Tensor, k: Tensor, handle: int, site: int) -> Tensor:
+def page_select(q: Tensor, k: Tensor, handle: int, key: int) -> Tensor:
     rt = runtime.get(handle)
-    return _pager(rt.policy).page_map(rt.sites[site], q, k, rt.state.layer(runtime.layer_of(site)))
+    return _pager(rt.policy).page_map(rt.sites[key], q, k, rt.state.layer(runtime.layer_of(key)))
 
 
 @page_select.register_fake
-def _(q, k, handle, site: int):
+def _(q, k, handle, key: int):
     steps = _pager(runtime.get(handle).policy).map_steps
     return k.new_empty((k.shape[0], k.shape[1], steps), dtype=torch.int32)
 
 
 @torch.library.custom_op("kvpass::step_position", mutates_args=())
-def step_position(k_pool: Tensor, handle: int, site: int) -> Tensor:
-    return runtime.get(handle).step_position(site, k_pool)
+def step_position(k_pool: Tensor, handle: int, key: int) -> Tensor:
+    return runtime.get(handle).step_position(key, k_pool)
 
 
 @step_position.register_fake
-def _(k_pool, handle, site: int):
+def _(k_pool, handle, key: int):
     return k_pool.new_empty((k_pool.shape[0], 1), dtype=torch.long)
 
 
 @torch.library.custom_op("kvpass::pool_write", mutates_args=("k_pool", "v_pool"))
 def pool_write(
-    k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q: Tensor, q_pos: Tensor, handle: int, site: int
+    k_pool: Tensor, v_pool: Tensor, k_new: Tensor, v_new: Tensor, q: Tensor, q_pos: Tensor, handle: int, key: int
 ) -> Tensor:
-    return runtime.get(handle).pool_write(site, q, k_pool, v_pool, k_new, v_new, q_pos)
+    return runtime.get(handle).pool_write(key, q, k_pool, v_pool, k_new, v_new, q_pos)
 
 
 @pool_write.register_fake
-def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, site: int):
+def _(k_pool, v_pool, k_new, v_new, q, q_pos, handle, key: int):
     return k_pool.new_empty(k_pool.shape[:3], dtype=torch.long)
 
 
