@@ -347,8 +347,8 @@ def main() -> None:
             row["left_allocated_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
         rows.append(row)
         if rank == 0:
-            print(json.dumps(row), flush=True)
-            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            print(json.dumps(row, default=str), flush=True)  # default: a kvzip row names its tokenizer object
+            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     if tp:
         dist.barrier()
         dist.destroy_process_group()

@@ -120,6 +120,9 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode())
 
+    def __repr__(self) -> str:  # as a result row's parameter (the rows are written with default=str)
+        return "ByteTokenizer()"
+
 
 def policy_params(policy: str, budget: int, config) -> dict:
     """A policy's parameters in the benchmarks: ``budget`` where it has one; duoattention a head pattern of
