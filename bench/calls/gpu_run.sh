@@ -12,7 +12,9 @@
 #                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
 #                                        (expected_attention@decode_interval=64: its cuts between decode steps)
 #   bash bench/calls/gpu_run.sh throughput  32 layers, 64 x 32k prompts at the 16 GiB KV cap of throughput_2026-11-27:
-#                                        rows decoded together and tokens/s per policy (bench/bench_throughput.py)
+#                                        rows decoded together and tokens/s per policy (bench/bench_throughput.py);
+#                                        a policy's Inductor compile takes about 210 s at 32 layers (PREFILL=eager
+#                                        compiles the prefill without Inductor: faster, but another prefill time)
 #   bash bench/calls/gpu_run.sh accuracy gemma3-270m, RULER-style tasks and NIAH at 2k-8k, the prefill methods
 #                                        beside snapkv and full at budgets 64-1024 (`kvpass compare`; BUDGETS
 #                                        picks fewer, each budget its own results folder)
@@ -75,7 +77,7 @@ throughput)
   # the fixed memory cap of bench/results/throughput_2026-11-27 (32 layers, 64 x 32k prompts, 256 new tokens, 16 GiB
   # of KV): the per-head and new methods beside full and snapkv in one process
   timeout -k 10 "${LIMIT:-570}" python bench/bench_throughput.py --layers 32 --context 32768 --new 256 --requests 64 \
-    --kv-gib 16 --workspace-gib 10 --max-waves 4 --baselines "" \
+    --kv-gib 16 --workspace-gib 10 --max-waves 4 --baselines "" ${PREFILL:+--prefill-compiler "$PREFILL"} \
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,kvzip}" \
     --out "$out/l32_throughput.json" > "$out/l32_throughput.log" 2>&1
   tail -n 20 "$out/l32_throughput.log" ;;
