@@ -245,17 +245,17 @@ class FastGenerate:
         shipped, defaults.cache_implementation = getattr(defaults, "cache_implementation", None), None
         try:
             out = self._original(inputs, *args, **{self.cache_kwarg: cache}, **kwargs)
-        except SlotCacheUnrewritten as e:  # kvpass leaves the graph unchanged: the model's own cache reads it right
-            self._take_own_cache(e)
-            return self._original(inputs, *args, **asked)
-        except ConfigError:
-            raise
-        except Exception as e:  # the model's code may not run on a static-shape cache (Falcon's ALiBi reads a 2-D mask)
-            if hasattr(e, "add_note"):  # Python >= 3.11
-                e.add_note(_FAST_PATH_NOTE)
-            raise
+        except Exception as e:
+            refused = _slot_refusal(e)  # raised by the pass, wrapped or not on its way out of Dynamo
+            if refused is None:
+                if not isinstance(e, ConfigError) and hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(_FAST_PATH_NOTE)  # the model's code may not run on a static-shape cache (Falcon's ALiBi)
+                raise
+            self._take_own_cache(refused)  # kvpass leaves the graph unchanged: the model's own cache reads it right
         finally:
             defaults.cache_implementation = shipped
+        if self.own_cache:  # (after the model's generation config has its own cache_implementation back)
+            return self._original(inputs, *args, **asked)
         if getattr(out, self.cache_kwarg, None) is cache:
             # the output carries the cache (return_dict_in_generate): it is the caller's now, to read or to continue
             # from; reusing it for the next call would change it under them. The next call builds another
