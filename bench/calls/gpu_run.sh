@@ -11,6 +11,9 @@
 #                                        queued step and the roofline (bench/bench_fastpath.py); about 65 s a policy
 #                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
 #                                        (expected_attention@decode_interval=64: its cuts between decode steps)
+#   bash bench/calls/gpu_run.sh profile  the device kernels of 8 decode steps at 130k, LAYERS (8) layers, per POLICIES
+#                                        row (bench/bench_decode_step.py --profile): where a step above its roofline
+#                                        spends its time
 #   bash bench/calls/gpu_run.sh throughput  32 layers, 64 x 32k prompts at the 16 GiB KV cap of throughput_2026-11-27:
 #                                        rows decoded together and tokens/s per policy (bench/bench_throughput.py);
 #                                        a policy's Inductor compile takes about 210 s at 32 layers (PREFILL=eager
@@ -27,7 +30,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-case "${1:?tests | new | ragged | decode | throughput | accuracy}" in
+case "${1:?tests | new | ragged | decode | profile | throughput | accuracy}" in
 tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
@@ -73,6 +76,10 @@ decode)
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova,kvzip}" --prefill-compiler eager \
     --out "$out/l${LAYERS:-8}_130k.json" > "$out/l${LAYERS:-8}_130k.log" 2>&1
   tail -n 30 "$out/l${LAYERS:-8}_130k.log" ;;
+profile)
+  timeout -k 10 "${LIMIT:-480}" python bench/bench_decode_step.py --layers "${LAYERS:-8}" --contexts 131072 --steps 32 \
+    --configs "${POLICIES:-snapkv,h2o,expected_attention,tova}" --profile --out "$out/profile.json" > "$out/profile.log" 2>&1
+  tail -n 60 "$out/profile.log" ;;
 throughput)
   # the fixed memory cap of bench/results/throughput_2026-11-27 (32 layers, 64 x 32k prompts, 256 new tokens, 16 GiB
   # of KV): the per-head and new methods beside full and snapkv in one process
