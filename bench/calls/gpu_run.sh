@@ -7,7 +7,7 @@
 #   bash bench/calls/gpu_run.sh new      the tests/gpu cases of the per-head and new methods alone, in one pytest run
 #   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
 #                                        total (bench_decode_kernel.py --ragged)
-#   bash bench/calls/gpu_run.sh decode   LAYERS (8) layers, prompts of 2k then 130k through `generate`, beside the
+#   bash bench/calls/gpu_run.sh decode   LAYERS (8) layers, prompts of 2k then 130k (LENGTHS) through `generate`, beside the
 #                                        queued step and the roofline (bench/bench_fastpath.py); about 65 s a policy
 #                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
 #                                        (expected_attention@decode_interval=64: its cuts between decode steps)
@@ -72,10 +72,10 @@ ragged)
 decode)
   # generate beside the queued step and the roofline; POLICIES picks the rows (the per-head and new methods by
   # default)
-  timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers "${LAYERS:-8}" --lengths 2000,130000 \
+  timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers "${LAYERS:-8}" --lengths "${LENGTHS:-2000,130000}" \
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova,kvzip}" --prefill-compiler eager \
-    --out "$out/l${LAYERS:-8}_130k.json" > "$out/l${LAYERS:-8}_130k.log" 2>&1
-  tail -n 30 "$out/l${LAYERS:-8}_130k.log" ;;
+    --out "$out/l${LAYERS:-8}_${LENGTHS:-130k}.json" > "$out/l${LAYERS:-8}_${LENGTHS:-130k}.log" 2>&1
+  tail -n 30 "$out/l${LAYERS:-8}_${LENGTHS:-130k}.log" ;;
 profile)
   timeout -k 10 "${LIMIT:-480}" python bench/bench_decode_step.py --layers "${LAYERS:-8}" --contexts 131072 --steps 32 \
     --configs "${POLICIES:-snapkv,h2o,expected_attention,tova}" --profile --out "$out/profile.json" > "$out/profile.log" 2>&1
