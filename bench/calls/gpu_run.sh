@@ -72,10 +72,11 @@ ragged)
 decode)
   # generate beside the queued step and the roofline; POLICIES picks the rows (the per-head and new methods by
   # default)
+  name=l${LAYERS:-8}_${LENGTHS:-130k}; name=${name//,/_}  # a file name without commas (they may not come back)
   timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers "${LAYERS:-8}" --lengths "${LENGTHS:-2000,130000}" \
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova,kvzip}" --prefill-compiler eager \
-    --out "$out/l${LAYERS:-8}_${LENGTHS:-130k}.json" > "$out/l${LAYERS:-8}_${LENGTHS:-130k}.log" 2>&1
-  tail -n 30 "$out/l${LAYERS:-8}_${LENGTHS:-130k}.log" ;;
+    --out "$out/$name.json" > "$out/$name.log" 2>&1
+  tail -n 30 "$out/$name.log" ;;
 profile)
   timeout -k 10 "${LIMIT:-480}" python bench/bench_decode_step.py --layers "${LAYERS:-8}" --contexts 131072 --steps 32 \
     --configs "${POLICIES:-snapkv,h2o,expected_attention,tova}" --profile --out "$out/profile.json" > "$out/profile.log" 2>&1
