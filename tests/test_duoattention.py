@@ -116,6 +116,26 @@ def test_mixed_heads_attend_as_the_windowed_reference(cache):
             assert tuple(store.layers[layer].keys.shape[2:]) == (-(-(PROMPT + SINKS + RECENT + 2 * new) // 2), 16)
     else:
         assert store.layers[0].state[0][0, :, ragged.LENGTH].tolist() == [PROMPT + new, SINKS + RECENT + 1]
+    # the state reports the most entries a head holds (the retrieval head's), not a stretch of the pool
+    stored = be.state.stored if cache == "slot" else be.state.stored_tokens()
+    assert stored == {0: PROMPT + new, 1: PROMPT + new}
+
+
+def test_the_plain_backend_runs_under_aot_autograd():
+    """``torch.compile(model.forward, backend=kvpass.backend(...))`` with AOTAutograd behind the pass (Inductor's
+    front half): the operators' fake kernels ask the policy for the stored length under fake tensors, where the
+    pattern is read as Python numbers. A ``Path`` pattern (what ``kvpass.duo_pattern`` returns) is taken."""
+    from pathlib import Path
+
+    model = build("llama")
+    _, _, ref = duo(model, 0.5)
+    torch._dynamo.reset()
+    be = kvpass.backend(
+        "duoattention", compiler="aot_eager", pattern=Path(PATTERN), streaming=0.5, sinks=SINKS, recent=RECENT
+    )
+    assert be.policy.pattern == PATTERN
+    got = calls(torch.compile(model.forward, backend=be), DynamicCache(config=model.config), prompt_ids(), **STEPS)
+    close(got, ref)
 
 
 def test_a_window_longer_than_the_cache_keeps_everything():
@@ -149,7 +169,10 @@ def test_bad_patterns_are_refused_before_compiling(tmp_path):
     with pytest.raises(ConfigError, match=r"the same number of scores .* got \[1, 2\]"):
         kvpass.backend("duoattention", pattern=str(bad))
     bad.write_text("0.5\tx\n")
-    with pytest.raises(ConfigError, match=r"line 1 .* not a number"):
+    with pytest.raises(ConfigError, match=r"line 1 .* not a finite number"):
+        kvpass.backend("duoattention", pattern=str(bad))
+    bad.write_text("0.5\tnan\n")
+    with pytest.raises(ConfigError, match=r"line 1 .* not a finite number"):
         kvpass.backend("duoattention", pattern=str(bad))
     folder = tmp_path / "pattern"
     folder.mkdir()

@@ -204,6 +204,16 @@ def by_head(keys: Tensor, values: Tensor, pos: Tensor, start: Tensor, length: Te
     return k, v, torch.where(inside, p, torch.full_like(p, -1))
 
 
+def held(pos: Tensor, ranges: Tensor) -> Tensor:
+    """``[B, H_kv]``: the entries each head holds (a true position inside its range of the pool ``pos [B, H_kv,
+    N]``), for inspection (``Backend.state``): a row of ``pos`` is a stretch of the pool, not a head."""
+    b, h, n = pos.shape
+    slot = torch.arange(h * n, device=pos.device)
+    start, length = ranges[..., START, None].long(), ranges[..., LENGTH, None].long()
+    inside = (slot >= start) & (slot < start + length)  # [B, H_kv, H_kv x N]
+    return (inside & (pos.reshape(b, 1, h * n) >= 0)).sum(-1)
+
+
 # a kvpass.SlotCache layer's state for this layout (``Policy.slot_state``): each head's ``ranges`` row
 SLOT_STATE = {"heads": ((4,), torch.int32, 0)}
 

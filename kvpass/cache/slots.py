@@ -521,6 +521,7 @@ class SlotLayer(CacheLayerMixin):
         self.count = torch.tensor([[0, 0, 0, limit]] * batch, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
+        self.state_names = list(state or {})
         self.state = state_tensors(state or {}, batch, kv_heads, dtype, device)
         self.device = self.keys.device
         self.filled = False  # host flag: Dynamo compiles one prefill graph and one decode graph
@@ -840,7 +841,10 @@ class SlotCache(Cache):
         layers, rows and KV heads). ``be.state`` returns it when this cache had the backend's last prefill."""
         stored, evicted = {}, 0
         for i, lay in enumerate(self.layers):
-            held = (lay.pos >= 0).sum(-1)  # [B, H_kv]
+            if "heads" in lay.state_names and not lay.is_sliding:  # the per-head layout: heads' ranges of a pool
+                held = ragged.held(lay.pos, lay.state[lay.state_names.index("heads")])
+            else:
+                held = (lay.pos >= 0).sum(-1)  # [B, H_kv]
             stored[i] = int(held.max())
             evicted += int((lay.count[:, SEEN : SEEN + 1] - held).clamp_min(0).sum())
         return SlotCacheState(self.seen, len(self.layers), stored, evicted)

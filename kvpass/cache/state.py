@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvpass.cache import ragged
+
 
 @dataclass
 class LayerState:
@@ -38,7 +40,12 @@ class LayerState:
 
     @property
     def stored(self) -> int:
-        return self.pos.shape[-1]
+        """The most entries a (row, KV head) holds: the stored length, or in the per-head layout (``extra``'s
+        ``heads`` ranges, ``kvpass.cache.ragged``) the most a head holds of the pool."""
+        heads = self.extra.get("heads")
+        if heads is None:
+            return self.pos.shape[-1]
+        return int(ragged.held(self.pos, heads).max())
 
     def extended(self, n: int) -> tuple[Tensor, int | Tensor]:
         """``(pos, seen)`` after ``n`` more tokens were appended past this record by a graph that only

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
@@ -51,6 +52,8 @@ class Param:
         ok_type = isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok_type = float(value), True
+        if self.kind is str and isinstance(value, os.PathLike):  # a path given as a Path (kvpass.duo_pattern's)
+            value, ok_type = os.fspath(value), True
         if not ok_type:
             raise ConfigError(
                 f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "

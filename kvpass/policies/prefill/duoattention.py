@@ -43,6 +43,7 @@ the DuoAttention repository over the network; kvpass reads a file.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -75,10 +76,12 @@ def read_pattern(path: str) -> list[list[float]]:
             continue
         try:
             rows.append([float(c) for c in cells])
+            if not all(math.isfinite(x) for x in rows[-1]):
+                raise ValueError
         except ValueError:
             raise ConfigError(
                 f"policy 'duoattention': parameter 'pattern': line {number} of {str(where)!r} holds "
-                f"something that is not a number ({line[:60]!r}); {fix}"
+                f"something that is not a finite number ({line[:60]!r}); {fix}"
             ) from None
     if not rows or len({len(r) for r in rows}) != 1:
         raise ConfigError(
@@ -111,6 +114,7 @@ class DuoAttention(Policy):
         flat = torch.tensor(scores, dtype=torch.float64)
         order = torch.sort(flat.flatten(), stable=True).indices[: round(self.streaming * flat.numel())]
         self.streaming_heads = torch.zeros(flat.numel(), dtype=torch.bool).scatter_(0, order, True).view(flat.shape)
+        self.streaming_counts = self.streaming_heads.int().tolist()  # the same as Python numbers (stored_length)
 
     @property
     def layers(self) -> int:
@@ -152,7 +156,10 @@ class DuoAttention(Policy):
         """After a prefill: the layer's kept entries over its KV heads, rounded up to a multiple of them."""
         if site.phase != "prefill":
             return total
-        streaming = int(self.heads_of(site).sum())
+        # Python numbers, not a tensor op: this runs under the fake tensor mode of a compile (the operator's
+        # fake kernel), where an op on the real pattern tensor is an error
+        first = site.tp.rank * site.kv_heads if site.tp is not None else 0
+        streaming = sum(self.streaming_counts[site.layer][first : first + site.kv_heads])
         kept = (site.kv_heads - streaming) * total + streaming * torch.sym_min(total, self.window())
         return -(-kept // site.kv_heads)
 
