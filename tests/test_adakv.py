@@ -135,6 +135,18 @@ def test_ragged_heads_store_what_they_keep_and_attend_as_masked_heads(scorer="sn
         torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
 
 
+def test_decode_steps_after_a_per_head_prefill_share_one_graph():
+    """The prefill's per-head pool is stored as tensors of its own: were it a view, the first decode graph would
+    guard on the view's base, which the next step's cache (the decode graph's output) lacks, and every generation
+    would compile a second decode graph (Dynamo's recompile limit within a few calls)."""
+    model = build("llama")
+    torch._dynamo.reset()
+    be = kvpass.backend("adakv", compiler="eager", budget=BUDGET, window=WINDOW)
+    fwd = torch.compile(model.forward, backend=be, dynamic=True)
+    calls(fwd, DynamicCache(config=model.config), prompt_ids(), steps=3, append=1, more=0)
+    assert [r.phase for r in be.reports] == ["prefill", "decode"]
+
+
 def test_configuration_errors_name_the_parameter():
     with pytest.raises(
         ConfigError,

@@ -127,7 +127,8 @@ def test_the_pool_holds_each_heads_kept_entries_and_its_room(b, h, n, data, room
     keep = data.draw(st.integers(4, n))
     floor = data.draw(st.integers(1, keep))
     k, v, kv_pos, sel, counts, (keys, values, pos, ranges) = packed(b, h, n, 8, keep, floor, room, seed)
-    assert keys.shape == (b, 1, h * keep + h * room, 8)  # stored: the kept entries and the room, no more
+    assert keys.shape == (b, h, keep + room, 8)  # stored: the kept entries and the room, no more
+    assert all(t._base is None for t in (keys, values, pos))  # tensors of their own (a graph guards on a view's base)
     assert torch.equal(ranges[..., ragged.LENGTH], counts.int())
     for r in range(b):
         for g in range(h):
@@ -137,7 +138,7 @@ def test_the_pool_holds_each_heads_kept_entries_and_its_room(b, h, n, data, room
             assert torch.equal(held(values, ranges, r, g), v[r, g, mine])
             assert torch.equal(held(pos, ranges, r, g), kv_pos[r, g, mine].int())
             end = int(ranges[r, g, ragged.START] + ranges[r, g, ragged.LENGTH])
-            assert (pos[r, 0, end : end + room] == -1).all()
+            assert (pos.reshape(b, -1)[r, end : end + room] == -1).all()
 
 
 @SETTINGS
@@ -147,6 +148,7 @@ def test_append_in_place_and_grow_by_copy_hold_the_same_entries(b, h, steps, see
     then each step's token; attention over either (``kv_start``) is each head's attention over its own."""
     _, _, _, sel, counts, slot = packed(b, h, 30, 8, 12, 2, steps, seed)
     _, _, _, _, _, grown = packed(b, h, 30, 8, 12, 2, 0, seed)
+    grown = (*(t.reshape(b, 1, -1, *t.shape[3:]) for t in grown[:3]), grown[3])  # the flat pool ragged.grow takes
     slot = [t.clone() for t in slot]
     shaped = [t.view(b, h, -1, *t.shape[3:]) for t in slot[:3]]  # stored as a SlotCache layer's [B, H_kv, C, D]
     g = torch.Generator().manual_seed(seed + 2)
@@ -172,7 +174,7 @@ def test_append_in_place_and_grow_by_copy_hold_the_same_entries(b, h, steps, see
             kv_start=ranges[..., ragged.START],
             block=8,
         )[0]
-        for keys, values, pos, ranges in (slot, grown)
+        for keys, values, pos, ranges in ((*(t.reshape(b, 1, -1, *t.shape[3:]) for t in slot[:3]), slot[3]), grown)
     ]
     torch.testing.assert_close(outs[0], outs[1])
 

@@ -69,11 +69,13 @@ def uniform(b: int, h: int, length: int, device) -> Tensor:
 
 
 def pack(k: Tensor, v: Tensor, kv_pos: Tensor, kept: Kept, room: int | Tensor = 0, size: int | None = None):
-    """The pool of a prefill's kept pairs, flat ``[B, 1, S, ...]`` (``view`` it as a cache stores it): ``k``/``v``
+    """The pool of a prefill's kept pairs, ``S`` slots stored as a cache stores them, ``[B, H_kv, S / H_kv, ...]``
+    (tensors of their own, not views: a compiled graph that reads them back guards on a view's base): ``k``/``v``
     ``[B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, the selection ``kept``; each head's real entries in position
     order, then its left padding (a head keeps padding only where a row is shorter than what it keeps), then
-    ``room`` free slots (an int, or per head ``[B, H_kv]``); ``size`` (default: just what that takes) leaves the
-    slots past the last head's room empty. Returns ``(keys, values, pos, ranges)``."""
+    ``room`` free slots (an int, or per head ``[B, H_kv]``); ``size`` (default: just what that takes, rounded up to
+    a multiple of ``H_kv``) leaves the slots past the last head's room empty. Returns ``(keys, values, pos,
+    ranges)``."""
     b, h, n, d = k.shape
     sel, counts = kept.sel, kept.counts.long()
 
@@ -86,16 +88,18 @@ def pack(k: Tensor, v: Tensor, kv_pos: Tensor, kept: Kept, room: int | Tensor = 
     span = counts + room
     start = span.cumsum(-1) - span  # exclusive: the heads in order
     size = int(span.sum(-1).max()) if size is None else size
+    size = -(-size // h) * h
     head = sel // n
     first = counts.cumsum(-1) - counts  # each head's first index in sel
     at = start.gather(1, head) + torch.arange(sel.shape[1], device=sel.device) - first.gather(1, head)
-    keys, values = (k.new_zeros(b, size, d), v.new_zeros(b, size, d))
-    pos = torch.full((b, size), -1, dtype=torch.int32, device=k.device)
-    keys.scatter_(1, at[..., None].expand(b, at.shape[1], d), flat(k).gather(1, sel[..., None].expand(-1, -1, d)))
-    values.scatter_(1, at[..., None].expand(b, at.shape[1], d), flat(v).gather(1, sel[..., None].expand(-1, -1, d)))
-    pos.scatter_(1, at, flat(kv_pos).gather(1, sel).to(torch.int32))
+    keys, values = (k.new_zeros(b, h, size // h, d), v.new_zeros(b, h, size // h, d))
+    pos = torch.full((b, h, size // h), -1, dtype=torch.int32, device=k.device)
+    where = at[..., None].expand(b, at.shape[1], d)
+    keys.view(b, size, d).scatter_(1, where, flat(k).gather(1, sel[..., None].expand(-1, -1, d)))
+    values.view(b, size, d).scatter_(1, where, flat(v).gather(1, sel[..., None].expand(-1, -1, d)))
+    pos.view(b, size).scatter_(1, at, flat(kv_pos).gather(1, sel).to(torch.int32))
     ranges = torch.stack([start, counts, kept.recent.long().expand(b, h), kept.sink.long().expand(b, h)], -1)
-    return keys[:, None], values[:, None], pos[:, None], ranges.to(torch.int32)
+    return keys, values, pos, ranges.to(torch.int32)
 
 
 def _ends(ranges: Tensor, size: int) -> Tensor:
@@ -246,7 +250,7 @@ def slot_fill(
             f"max_length"
         )
     kp, vp, pp, got = pack(k, v, kv_pos, kept, room, size=h * cap)
-    keys.copy_(kp.view(keys.shape))
-    values.copy_(vp.view(values.shape))
-    pos.copy_(pp.view(pos.shape))
+    keys.copy_(kp)
+    values.copy_(vp)
+    pos.copy_(pp)
     ranges.copy_(got)

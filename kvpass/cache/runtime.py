@@ -274,9 +274,8 @@ class Runtime:
         heads = None
         if isinstance(idx, ragged.Kept):  # the per-head layout: the row's pool, stored as [B, H_kv, L, D]
             kept = -(-idx.sel.shape[1] // h)  # L: a total that is not a multiple of H_kv leaves the last slots empty
-            keys, values, pos, heads = ragged.pack(k, v, kv_pos, idx, size=h * kept)
-            k_out, v_out = keys.view(b, h, kept, k.shape[-1]), values.view(b, h, kept, v.shape[-1])
-            pos = pos.view(b, h, kept).to(kv_pos.dtype)
+            k_out, v_out, pos, heads = ragged.pack(k, v, kv_pos, idx, size=h * kept)
+            pos = pos.to(kv_pos.dtype)
         elif idx is None:
             k_out, v_out, pos = (t.clone(memory_format=torch.contiguous_format) for t in (k, v, kv_pos))
             if self.policy.needs.heads:  # heads_update laid the entries out: the ranges it made
