@@ -142,7 +142,7 @@ def test_the_recompile_limit_on_the_plain_path_names_kvpass_the_reason_and_the_f
     text = str(info.value)
     assert "kvpass: the model's forward reached Dynamo's recompile_limit" in text, text
     assert "Dynamo recompiled because:" in text and "input_ids" in text, text
-    assert "torch._dynamo.config.recompile_limit = 64" in text, text
+    assert "torch._dynamo.config.recompile_limit = 64" in text and "pass dynamic=True" in text, text
     torch._dynamo.reset()
 
 

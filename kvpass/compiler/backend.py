@@ -358,7 +358,9 @@ class Backend:
             f"graph for any prompt length, cache size and batch of two or more rows (a batch of one, a "
             f"left-padded batch and inputs_embeds have their own); each new dtype or cache kind, and each other "
             f"model of the same class compiled with torch.compile in this process (they share one forward), adds "
-            f"graphs. Call torch._dynamo.reset() between models, or raise the limit: "
+            f"graphs. With torch.compile(model.forward, backend=kvpass.backend(...)) pass dynamic=True: without it "
+            f"Dynamo compiles static graphs first, and a new length or batch size recompiles (kvpass.compile "
+            f"marks those sizes itself). Call torch._dynamo.reset() between models, or raise the limit: "
             f"torch._dynamo.config.recompile_limit = 64."
         )
 
