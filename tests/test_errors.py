@@ -327,3 +327,12 @@ def test_an_encoder_decoder_is_refused_by_kvpass_compile():
     ):
         kvpass.compile(model, "full", compiler="eager")
     assert "forward" not in model.__dict__ and "generate" not in model.__dict__
+
+
+def test_an_unknown_mode_is_refused_by_kvpass_compile_before_compiling():
+    import families
+
+    model = families.build("llama")
+    with pytest.raises(kvpass.ConfigError, match=r"kvpass\.compile: parameter 'mode' \('bogus'\).*reduce-overhead"):
+        kvpass.compile(model, "snapkv", budget=64, mode="bogus")
+    assert "forward" not in model.__dict__ and "generate" not in model.__dict__
