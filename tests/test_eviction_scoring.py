@@ -376,7 +376,7 @@ def test_punctuation_from_tokenizer():
 @pytest.mark.parametrize(
     "policy,params,fragments",
     [
-        ("snapkv", dict(budget=32), ["'budget' must be > window (32)", "got 32", "counts the observation window"]),
+        ("snapkv", dict(budget=32), ["'budget' must be > window (32)", "got 32", "the budget includes the window"]),
         ("chunkkv", dict(budget=8, window=8), ["'budget' must be > window (8)"]),
         ("pyramidkv", dict(budget=1), ["'budget' must be int in [2, 16777216]", "got 1"]),
         ("snapkv", dict(budget=64, kernel=4), ["'kernel' must be an odd int in [1, 1025]", "got 4"]),
@@ -393,7 +393,7 @@ def test_punctuation_from_tokenizer():
         (
             "knorm",
             dict(budget=8, window=8),
-            ["'budget' must be > window (8)", "got 8", "counts the observation window"],
+            ["'budget' must be > window (8)", "got 8", "the budget includes the window"],
         ),
         ("keydiff", dict(budget=4, window=9), ["'budget' must be > window (9)", "got 4"]),
         ("knorm", dict(budget=1), ["'budget' must be int in [2, 16777216]", "got 1"]),

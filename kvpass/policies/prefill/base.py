@@ -43,8 +43,8 @@ class PrefillEviction(Policy):
         if self.budget <= self.window:
             raise ConfigError(
                 f"policy '{self.name}': parameter 'budget' must be > window ({self.window}), got "
-                f"{self.budget}; the budget counts the observation window, so pass a larger "
-                f"budget or a smaller window"
+                f"{self.budget}; the budget includes the window (the last {self.window} prompt tokens, always "
+                f"kept), so pass a larger budget or a smaller window"
             )
 
     def plan(self, site) -> SitePlan | Refusal:
