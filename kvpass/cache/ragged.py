@@ -11,19 +11,18 @@ largest head's count for every head; instead each row's heads share one pool:
   entries it holds) and, for a head that keeps a window, ``RECENT`` and ``SINK`` (below).
 
 The decode attention kernel reads head ``g`` of row ``b`` from ``START`` for ``LENGTH`` entries
-(``kvpass.kernels.decode_attention``, ``kv_start``), so a head is read as far as it holds, whatever its
-neighbours hold. A dense ``[B, H_kv, L, D]`` cache is this layout with every head at ``L`` (``uniform``), and
-the pool of a layer that keeps ``H_kv x L`` entries in all can be stored as ``[B, H_kv, L, D]`` (the same bytes,
-the head dimension no longer a head): the shape a ``DynamicCache`` and ``transformers`` expect (a layer whose total
-is not a multiple of ``H_kv`` leaves fewer than ``H_kv`` slots empty at the end). ``pack`` builds the layout, in
-that stored shape, from a prefill's kept (head, entry) pairs with ``room`` free slots after each head: 0 for a
-cache that grows by a copy every step (as a ``DynamicCache`` does), the decode steps to come for a preallocated one (``kvpass.SlotCache``, whose decode
-graph writes in place). ``append`` adds one token per head in place; ``grow`` returns the layout with ``q`` more entries
-per head (a copy, as ``torch.cat``
-does for a ``DynamicCache``); ``by_head`` views it per head for attention by position over several queries. A head
-may keep a window instead of everything (``RECENT``: DuoAttention's streaming heads): its sinks and its latest
-entries, a ring of its own slots on a SlotCache. Stored bytes are the kept entries' plus the room: ``S = sum(counts) +
-sum(room)``.
+(``kvpass.kernels.decode_attention``, ``kv_start``), so a head is read as far as it holds, whatever its neighbours
+hold. A dense ``[B, H_kv, L, D]`` cache is this layout with every head at ``L`` (``uniform``), and the pool of a layer
+that keeps ``H_kv x L`` entries in all can be stored as ``[B, H_kv, L, D]`` (the same bytes, the head dimension no
+longer a head): the shape a ``DynamicCache`` and ``transformers`` expect (a layer whose total is not a multiple of
+``H_kv`` leaves fewer than ``H_kv`` slots empty at the end). ``pack`` builds the layout, in that stored shape, from a
+prefill's kept (head, entry) pairs with ``room`` free slots after each head: 0 for a cache that grows by a copy every
+step (as a ``DynamicCache`` does), the decode steps to come for a preallocated one (``kvpass.SlotCache``, whose decode
+graph writes in place). ``append`` adds one token per head in place; ``grow`` returns the layout with ``q`` more
+entries per head (a copy, as ``torch.cat`` does for a ``DynamicCache``); ``by_head`` views it per head for attention
+by position over several queries. A head may keep a window instead of everything (``RECENT``: DuoAttention's streaming
+heads): its sinks and its latest entries, a ring of its own slots on a SlotCache. Stored bytes are the kept entries'
+plus the room: ``S = sum(counts) + sum(room)``.
 """
 
 from __future__ import annotations
