@@ -630,3 +630,12 @@ def test_a_wrong_tokenizer_is_never_saved(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="transformers' tokenizer is wrong .* bpe.gguf has a 'gpt2' vocabulary"):
         models.load(bpe, cache_dir=cache)
     assert [p.name for p in (cache / "models").iterdir() if not p.name.startswith(".")] == []
+
+
+def test_a_folder_without_a_tokenizer_says_so(tmp_path):
+    """A folder ``model.save_pretrained`` wrote alone: kvpass's one-line reason and fix, not transformers' traceback."""
+    from families import build
+
+    build("llama").save_pretrained(tmp_path / "bare")
+    with pytest.raises(models.ModelNotAvailable, match=r"holds a model but no tokenizer.*tokenizer\.save_pretrained"):
+        models.load(str(tmp_path / "bare"))

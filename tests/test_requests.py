@@ -98,6 +98,11 @@ def test_queue_refuses_what_it_does_not_run():
         kvpass.RequestQueue(model, streamer=object())
     with pytest.raises(kvpass.ConfigError, match="takes no attention_mask"):
         model.generate(prompts(), attention_mask=torch.ones(5, 20))
+    with pytest.raises(kvpass.ConfigError, match=r"max_batch=...\) batches a list of prompts"):
+        model.generate(prompts()[0][None], max_batch=2)
+    with pytest.raises(ValueError, match="max_new_tokenz") as typo:  # transformers' check, without kvpass's cache note
+        model.generate(prompts()[0][None], max_new_tokens=2, max_new_tokenz=3)
+    assert "SlotCache" not in "".join(getattr(typo.value, "__notes__", []))
     queue = kvpass.RequestQueue(model, max_length=30)
     with pytest.raises(kvpass.ConfigError, match="exceeds max_length=30"):
         queue.add(prompts()[1], max_new_tokens=5)

@@ -646,7 +646,13 @@ def _from_folder(folder, *, dtype, device, attn_implementation, tp=False, **kw):
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=attn_implementation, **split, **kw
         )
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+        except (OSError, ValueError) as e:  # a folder that model.save_pretrained wrote alone
+            raise ModelNotAvailable(
+                f"{folder} holds a model but no tokenizer transformers can load (AutoTokenizer: "
+                f"{type(e).__name__}); save the model's tokenizer beside it (tokenizer.save_pretrained(folder))"
+            ) from None
     return (model if tp else model.to(device)).eval(), tokenizer
 
 

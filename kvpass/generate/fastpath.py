@@ -169,6 +169,12 @@ class FastGenerate:
         ids = kwargs.get("input_ids", inputs)
         if isinstance(ids, (list, tuple)) and not args and (not ids or not isinstance(ids[0], int)):
             return self.many(ids, **kwargs) if ids else []  # no prompts, no outputs (as RequestQueue.run)
+        if "max_batch" in kwargs:
+            raise ConfigError(
+                "kvpass.compile: generate(max_batch=...) batches a list of prompts (1-D tensors or lists of ids, "
+                "no padding); a 2-D tensor's rows decode together as one batch: drop max_batch, or pass the "
+                "prompts as a list"
+            )
         config, _ = decode_loop.run_config(self.model, kwargs)  # the options as generate() merges them
 
         def option(name):
@@ -248,8 +254,11 @@ class FastGenerate:
         except Exception as e:
             refused = _slot_refusal(e)  # raised by the pass, wrapped or not on its way out of Dynamo
             if refused is None:
-                if not isinstance(e, ConfigError) and hasattr(e, "add_note"):  # Python >= 3.11
-                    e.add_note(_FAST_PATH_NOTE)  # the model's code may not run on a static-shape cache (Falcon's ALiBi)
+                # the model's code may not run on a static-shape cache (Falcon's ALiBi); transformers' own check of
+                # the call's arguments (a misspelt keyword) has nothing to do with the cache
+                unused = "are not used by the model" in str(e)
+                if not isinstance(e, ConfigError) and not unused and hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(_FAST_PATH_NOTE)
                 raise
             self._take_own_cache(refused)  # kvpass leaves the graph unchanged: the model's own cache reads it right
         finally:
