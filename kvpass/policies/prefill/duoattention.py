@@ -136,8 +136,13 @@ class DuoAttention(Policy):
 
     def heads_of(self, site) -> torch.Tensor:
         """``[H_kv]`` bool: which of this site's KV heads (a tensor-parallel rank's own) are streaming heads."""
+        return self.streaming_heads[site.layer, self._own(site)]
+
+    @staticmethod
+    def _own(site) -> slice:
+        """The pattern's KV heads of this site (a tensor-parallel rank's share)."""
         first = site.tp.rank * site.kv_heads if site.tp is not None else 0
-        return self.streaming_heads[site.layer, first : first + site.kv_heads]
+        return slice(first, first + site.kv_heads)
 
     def plan(self, site) -> SitePlan | Refusal:
         plan = shrinking_plan(site)
@@ -158,8 +163,7 @@ class DuoAttention(Policy):
             return total
         # Python numbers, not a tensor op: this runs under the fake tensor mode of a compile (the operator's
         # fake kernel), where an op on the real pattern tensor is an error
-        first = site.tp.rank * site.kv_heads if site.tp is not None else 0
-        streaming = sum(self.streaming_counts[site.layer][first : first + site.kv_heads])
+        streaming = sum(self.streaming_counts[site.layer][self._own(site)])
         kept = (site.kv_heads - streaming) * total + streaming * torch.sym_min(total, self.window())
         return -(-kept // site.kv_heads)
 
