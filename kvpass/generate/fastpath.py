@@ -442,7 +442,10 @@ def compile_options(be: Backend, mode: str | None) -> dict:
     if mode not in (None, "default"):
         from torch._inductor import list_mode_options
 
-        options.update(list_mode_options(mode))
+        try:
+            options.update(list_mode_options(mode))
+        except RuntimeError as e:  # torch's list of modes
+            raise ConfigError(f"kvpass.compile: parameter 'mode' ({mode!r}): {e}; or pass mode='auto'") from None
     return options
 
 
@@ -515,13 +518,6 @@ def compile(
             f"kvpass.compile: policy '{be.policy.name}' has no SlotCache decode of its own "
             f"(chunk fusion runs through kvpass.ChunkFusion); use kvpass.backend with torch.compile"
         )
-    if mode not in ("auto", None, "default"):  # torch's own list, before anything is compiled
-        from torch._inductor import list_mode_options
-
-        try:
-            list_mode_options(mode)
-        except RuntimeError as e:
-            raise ConfigError(f"kvpass.compile: parameter 'mode' ({mode!r}): {e}; or pass mode='auto'") from None
     if mode == "auto":
         on_gpu = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
