@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvpass.ops  # noqa: F401  (registers torch.ops.kvpass, which test_ops_are_the_references_on_cpu calls)
 from kvpass.kernels import gather as G
 from kvpass.kernels import window_scores as W
 
@@ -42,13 +43,14 @@ def window_case(b, h, hkv, w, n, d, dtype, pads, seed):
     block=st.sampled_from([16, 32]),
     rows=st.sampled_from([16, 64]),
     pads=st.lists(st.integers(0, 30), min_size=2, max_size=2),
+    merge=st.sampled_from([1, 2, 64]),
     seed=st.integers(0, 10_000),
 )
-def test_window_kernel_equals_reference(b, gqa, w, n, d, dtype, softcap, block, rows, pads, seed):
+def test_window_kernel_equals_reference(b, gqa, w, n, d, dtype, softcap, block, rows, pads, merge, seed):
     h, hkv = gqa
     q, k, kv_pos, q_pos = window_case(b, h, hkv, w, n, d, dtype, pads[:b], seed)
     want = W.window_scores_reference(q, k, kv_pos, q_pos, 0.3, softcap)
-    got = W.window_scores_triton(q, k, kv_pos, q_pos, 0.3, softcap, block=block, rows=rows)
+    got = W.window_scores_triton(q, k, kv_pos, q_pos, 0.3, softcap, block=block, rows=rows, merge_blocks=merge)
     assert got.dtype == torch.float32 and got.shape == (b, hkv, n)
     torch.testing.assert_close(got, want, atol=TOL[dtype] * w, rtol=TOL[dtype])
 
@@ -57,7 +59,8 @@ def test_window_kernel_rows_that_see_nothing():
     """Window queries that see no key (padding queries of a row shorter than the window) add 0."""
     q, k, kv_pos, q_pos = window_case(1, 4, 2, 8, 40, 16, torch.float32, [35], 0)
     want = W.window_scores_reference(q, k, kv_pos, q_pos, 0.25)
-    got = W.window_scores_triton(q, k, kv_pos, q_pos, 0.25, block=16)
+    # the merge's first step folds two blocks of padding only: its rows stay unseen until the third block
+    got = W.window_scores_triton(q, k, kv_pos, q_pos, 0.25, block=16, merge_blocks=2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got[..., :35].eq(0).all()
     torch.testing.assert_close(got.sum(-1), torch.full((1, 2), 2.0 * 5))  # 5 rows see something, 2 heads
