@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import re
 import threading
 import types
 
@@ -337,13 +338,19 @@ class FastGenerate:
             )
         with self.lock:  # max_length keeps generate's meaning there: prompt + new tokens, per prompt
             if not self.own_cache:
-                queue = RequestQueue.like_generate(
-                    self.model,
-                    max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int) else max_batch,
-                    **generation,
-                )
-                for p in prompts:
-                    queue.add(p)
+                try:  # the queue's refusals, named by the call the user made
+                    queue = RequestQueue.like_generate(
+                        self.model,
+                        max_batch=min(max_batch, len(prompts)) if isinstance(max_batch, int) else max_batch,
+                        **generation,
+                    )
+                except ConfigError as e:
+                    raise _as_list_generate(e) from None
+                for i, p in enumerate(prompts):
+                    try:
+                        queue.add(p)
+                    except ConfigError as e:
+                        raise _as_list_generate(e, i) from None
                 try:
                     return queue.run(progress=progress)
                 except Exception as e:  # the queue's RequestFailed, from Dynamo's BackendCompilerFailed
@@ -370,6 +377,13 @@ class FastGenerate:
         if self.own_cache:  # the fast path is off for this model
             return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, the model's own cache: {self.own_cache})"
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
+
+
+def _as_list_generate(error: ConfigError, prompt: int | None = None) -> ConfigError:
+    """A ``RequestQueue`` refusal as ``generate`` over a list of prompts gives it: labelled with that call (and the
+    prompt it concerns) rather than the queue the call builds."""
+    where = "kvpass.compile: generate() over a list of prompts" + ("" if prompt is None else f", prompt {prompt}")
+    return ConfigError(re.sub(r"^kvpass\.RequestQueue(\.\w+)?:", where + ":", str(error), count=1))
 
 
 def _slot_refusal(e: BaseException | None) -> SlotCacheUnrewritten | None:
