@@ -89,7 +89,10 @@ def test_float_token_ids_are_refused_not_truncated(models):
     model, ref = models
     with pytest.raises(RuntimeError, match="Long, Int"):  # transformers' own refusal of a float tensor
         ref.generate(torch.tensor([[5.7, 6.2, 7.9]]), max_new_tokens=2)
-    with pytest.raises(kvpass.ConfigError, match=r"kvpass.RequestQueue.add: parameter 'ids' must hold integer"):
+    with pytest.raises(
+        kvpass.ConfigError,
+        match=r"over a list of prompts \(a kvpass.RequestQueue\), prompt 0: parameter 'ids' must hold integer",
+    ):
         model.generate([[5.7, 6.2, 7.9]], max_new_tokens=2)
     queue = kvpass.RequestQueue(model)
     for bad in ([5.0, 6.0], torch.tensor([5.0, 6.0]), [True, False]):
@@ -282,7 +285,9 @@ def test_a_list_of_prompts_gives_generates_tokens_or_refuses_the_option(models, 
     kw = dict(OPTIONS[option], max_new_tokens=6)
     ps = [torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
     if option not in RUN:
-        with pytest.raises(kvpass.ConfigError, match=rf"kvpass.RequestQueue: \['{option}'\]"):
+        with pytest.raises(
+            kvpass.ConfigError, match=rf"generate\(\) over a list of prompts \(a kvpass.RequestQueue\): \['{option}'\]"
+        ):
             model.generate(ps, max_batch=1, **kw)
         return
     for p in ps:

@@ -101,9 +101,15 @@ def test_queue_refuses_what_it_does_not_run():
     with pytest.raises(kvpass.ConfigError, match=r"max_batch=...\) batches a list of prompts"):
         model.generate(prompts()[0][None], max_batch=2)
     # generate over a list names itself, and the prompt, where the queue it builds refuses
-    with pytest.raises(kvpass.ConfigError, match=r"^kvpass.compile: generate\(\) over a list of prompts: .*max_batch"):
+    with pytest.raises(
+        kvpass.ConfigError,
+        match=r"^kvpass.compile: generate\(\) over a list of prompts \(a kvpass.RequestQueue\): .*max_batch",
+    ):
         model.generate(prompts(), max_batch=0)
-    with pytest.raises(kvpass.ConfigError, match=r"^kvpass.compile: generate\(\) over a list of prompts, prompt 1: "):
+    with pytest.raises(
+        kvpass.ConfigError,
+        match=r"^kvpass.compile: generate\(\) over a list of prompts \(a kvpass.RequestQueue\), prompt 1: ",
+    ):
         model.generate([[5, 6], [5, 6.5]], max_new_tokens=2)
     with pytest.raises(ValueError, match="max_new_tokenz") as typo:  # transformers' check, without kvpass's cache note
         model.generate(prompts()[0][None], max_new_tokens=2, max_new_tokenz=3)

@@ -382,7 +382,8 @@ class FastGenerate:
 def _as_list_generate(error: ConfigError, prompt: int | None = None) -> ConfigError:
     """A ``RequestQueue`` refusal as ``generate`` over a list of prompts gives it: labelled with that call (and the
     prompt it concerns) rather than the queue the call builds."""
-    where = "kvpass.compile: generate() over a list of prompts" + ("" if prompt is None else f", prompt {prompt}")
+    where = "kvpass.compile: generate() over a list of prompts (a kvpass.RequestQueue)"
+    where += "" if prompt is None else f", prompt {prompt}"
     return ConfigError(re.sub(r"^kvpass\.RequestQueue(\.\w+)?:", where + ":", str(error), count=1))
 
 
