@@ -23,10 +23,10 @@ the key block once and walks the group's ``G x W`` query rows in chunks of ``ROW
 3. pass 2 recomputes the block's scores, normalises them and sums every column over the rows,
    writing ``score[b, g, block]`` directly: no atomics, deterministic, every block in parallel.
 
-Three launches, whatever the shape. The merge was a chain of PyTorch reductions and element-wise steps
-once: inside the compiled decode step of h2o and tova (one query, ``budget + 1`` keys) those were ten
-small ATen kernels a layer, more time than the two passes (H100, 8 layers, 2026-12-06: about 130 us of
-a 2.48 ms step).
+Three launches, whatever the shape. The merge is a kernel rather than PyTorch reductions because the
+decode steps of h2o and tova score one query against ``budget + 1`` keys every layer: there, the merge
+written as reductions and element-wise steps runs as ten small ATen kernels a layer, more time than both
+passes (``bench/results/gpu_h100_2026-12-06``, profiles: about 130 us of a 2.48 ms 8-layer step).
 
 Scores are computed twice, the price of not storing them; at ``W = 32`` both passes together cost
 about as much as one decode step per window query, far below the prefill that precedes them.
