@@ -16,6 +16,8 @@ warps runs first and is reported too.
     python bench/bench_decode_kernel.py --heads 16,4 --batches 1 --contexts 131072 --max-splits 64 --no-sweep
     # ragged heads (per-head budgets) against the uniform layout at the same total: ragged_heads.json/.md
     python bench/bench_decode_kernel.py --ragged --batches 1,16 --contexts 32768,131072 --no-sweep
+    # ... and the ragged rows at 2x and 4x the kernel's split count (K.RAGGED_SPLIT_SCALE)
+    python bench/bench_decode_kernel.py --ragged --ragged-scales 1,2,4 --batches 1,16 --contexts 32768,131072 --no-sweep
 
 Results: ``bench/results/decode_kernel.md`` / ``.json``; ``--ragged``: ``bench/results/gpu_h100_2026-12-05/``
 (``ragged_heads.*``, and ``proportional_splits/``); the split counts of a tensor-parallel rank's share
@@ -72,6 +74,12 @@ def main() -> None:
         action="store_true",
         help="time ragged heads (one pool a row, per-head ranges) against the uniform layout holding "
         "the same entries; contexts are the mean entries per KV head",
+    )
+    ap.add_argument(
+        "--ragged-scales",
+        default="1",
+        help="with --ragged: the ragged rows' split counts to time, as multiples of the kernel's "
+        "(K.RAGGED_SPLIT_SCALE), e.g. 1,2,4",
     )
     args = ap.parse_args()
     HQ, HKV = (int(x) for x in args.heads.split(","))
@@ -189,7 +197,7 @@ def ragged(args, dev, props, block: int, warps: int) -> None:
     """Ragged heads against the uniform layout: bytes of the kept entries read per second. ``uniform`` is
     ``[B, H_kv, n, D]`` (every head n entries), ``uniform_len`` the same with a per-head ``kv_len``; the ragged
     rows hold one ``[B, 1, H_kv x n, D]`` pool a row with ``kv_start``/``kv_len`` per head, even or skewed."""
-    rows = []
+    rows, scales = [], [int(x) for x in args.ragged_scales.split(",")]
     for n in [int(x) for x in args.contexts.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
             q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16)
@@ -198,17 +206,20 @@ def ragged(args, dev, props, block: int, warps: int) -> None:
             full = torch.full((b, HKV), n, device=dev, dtype=torch.int32)
             forms = {"uniform": dict(k=k, v=v), "uniform_len": dict(k=k, v=v, kv_len=full)}
             pk, pv = k.reshape(b, 1, HKV * n, D), v.reshape(b, 1, HKV * n, D)
-            for name, lengths in skews(n).items():
-                lens = torch.tensor(lengths, device=dev, dtype=torch.int32)
-                start = torch.cumsum(lens, 0) - lens
-                forms[f"ragged_{name}"] = dict(
-                    k=pk,
-                    v=pv,
-                    kv_len=lens.expand(b, HKV).contiguous(),
-                    kv_start=start.to(torch.int32).expand(b, HKV).contiguous(),
-                )
+            for scale in scales:
+                for name, lengths in skews(n).items():
+                    lens = torch.tensor(lengths, device=dev, dtype=torch.int32)
+                    start = torch.cumsum(lens, 0) - lens
+                    forms[f"ragged_{name}" + (f"@{scale}" if len(scales) > 1 else "")] = dict(
+                        k=pk,
+                        v=pv,
+                        kv_len=lens.expand(b, HKV).contiguous(),
+                        kv_start=start.to(torch.int32).expand(b, HKV).contiguous(),
+                        scale=scale,
+                    )
             base = None
             for name, kw in forms.items():
+                K.RAGGED_SPLIT_SCALE = kw.pop("scale", 1)
                 t = bench(lambda: K.decode_attention_triton(q, block=block, num_warps=warps, **kw))
                 moved = 2 * b * HKV * n * D * 2 + 2 * b * HQ * D * 2
                 base = base or t
@@ -220,7 +231,8 @@ def ragged(args, dev, props, block: int, warps: int) -> None:
                         ms=t * 1e3,
                         tbps=moved / t / 1e12,
                         over_uniform=t / base,
-                        lengths=skews(n)[name.split("_")[1]] if name.startswith("ragged") else [n] * HKV,
+                        split_scale=K.RAGGED_SPLIT_SCALE,
+                        lengths=skews(n)[name.split("_")[1].split("@")[0]] if name.startswith("ragged") else [n] * HKV,
                     )
                 )
                 print(json.dumps(rows[-1]), flush=True)

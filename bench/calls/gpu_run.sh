@@ -6,7 +6,8 @@
 #                                        one GPU, each stopped at LIMIT (500) s
 #   bash bench/calls/gpu_run.sh new      the tests/gpu cases of the per-head and new methods alone, in one pytest run
 #   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
-#                                        total (bench_decode_kernel.py --ragged)
+#                                        total (bench_decode_kernel.py --ragged; SCALES=1,2,4 also times the
+#                                        ragged rows at 2x and 4x the kernel's split count)
 #   bash bench/calls/gpu_run.sh decode   LAYERS (8) layers, prompts of 2k then 130k (LENGTHS) through `generate`, beside the
 #                                        queued step and the roofline (bench/bench_fastpath.py); about 65 s a policy
 #                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
@@ -67,8 +68,10 @@ new)
   tail -n 40 "$out/gpu_new_methods.txt" ;;
 ragged)
   # the ragged per-head kernel against the uniform layout (about a minute)
+  # (SCALES: the ragged rows' split counts as multiples of the kernel's, e.g. 1,2,4: the split for skewed heads)
   timeout -k 10 "${LIMIT:-300}" python bench/bench_decode_kernel.py --ragged --batches 1,16 \
-    --contexts 32768,131072 --no-sweep --out "$out" > "$out/ragged.log" 2>&1; tail -n 12 "$out/ragged.log" ;;
+    --contexts 32768,131072 --ragged-scales "${SCALES:-1}" --no-sweep --out "$out" > "$out/ragged.log" 2>&1
+  tail -n 40 "$out/ragged.log" ;;
 decode)
   # generate beside the queued step and the roofline; POLICIES picks the rows (the per-head and new methods by
   # default)

@@ -862,6 +862,9 @@ def _sms(device) -> int:
 MAX_SPLITS = 256
 COMBINE_BLOCK = 64  # parts the combine merges per load (64 x head dim fp32 per program)
 PROGRAMS_PER_SM = 1  # split-KV programs a launch aims at per SM
+RAGGED_SPLIT_SCALE = (
+    1  # a ragged row's splits per head slot, times the uniform count (bench_decode_kernel.py sweeps it)
+)
 
 
 def _split_slots(device) -> int:
@@ -979,7 +982,7 @@ def decode_attention_triton(
         # ragged heads: H_kv times the splits, each a fixed share of the row's pool, so a head takes splits in
         # proportion to its length and a long head does not hold up the step (docs/ARCHITECTURE.md, per-head
         # budgets); most of a short head's splits are empty
-        n_splits = min(MAX_SPLITS, n_splits * hkv)
+        n_splits = min(MAX_SPLITS, n_splits * hkv * RAGGED_SPLIT_SCALE)
         per_split = _cdiv(rest, n_splits)
     else:
         # a short cache leaves the last splits empty (they store an empty state); with lengths, each head (or row)
