@@ -809,15 +809,34 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_parts", "first"])
     def _kvpass_decode_combine(
-        PartAcc, PartM, PartL, Out, n_parts, first, D: tl.constexpr, D_PAD: tl.constexpr, P_BLOCK: tl.constexpr
+        PartAcc,
+        PartM,
+        PartL,
+        Out,
+        Visited,
+        VisitedOut,
+        n_parts,
+        first,
+        GROUP: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        P_BLOCK: tl.constexpr,
     ):
         """Merge parts ``first .. n_parts-1`` of each query head and normalise, ``P_BLOCK`` parts per load: one
         program per query head walked its parts one at a time, a chain of dependent loads that took 24 us a
-        layer at a tensor-parallel rank's 132 splits (H200, 2026-11-28), a quarter of its decode kernel's time."""
+        layer at a tensor-parallel rank's 132 splits (H200, 2026-11-28), a quarter of its decode kernel's time.
+        The first query head of each KV group also sums the group's block counts over every part into
+        ``VisitedOut [B, H_kv]`` (a reduction kernel of its own otherwise, each layer of each step)."""
         row = tl.program_id(0).to(tl.int64)  # b * H + h
         d = tl.arange(0, D_PAD)
         dmask = d < D
         p = tl.arange(0, P_BLOCK)
+        if row % GROUP == 0:
+            kv = row // GROUP  # b * H_kv + h // GROUP
+            seen = tl.zeros([P_BLOCK], tl.int32)
+            for s0 in range(0, n_parts, P_BLOCK):
+                seen += tl.load(Visited + kv * n_parts + s0 + p, mask=s0 + p < n_parts, other=0)
+            tl.store(VisitedOut + kv, tl.sum(seen, 0))
         m = tl.full([1], float("-inf"), tl.float32)
         l = tl.zeros([1], tl.float32)
         acc = tl.zeros([1, D_PAD], tl.float32)
@@ -1117,8 +1136,21 @@ def decode_attention_triton(
         kernel[(b, hkv, n_splits)](
             *common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split), AFTER_ART=False, **meta
         )
-    if split:
-        wrap(_kvpass_decode_combine)[(b * h,)](
-            part_acc, part_m, part_l, out, n_parts, h_steps, D=dv, D_PAD=pow2(dv), P_BLOCK=COMBINE_BLOCK
-        )
-    return out, visited.sum(-1, dtype=torch.int32)
+    if not split:  # one part: its count is the program's
+        return out, visited.view(b, hkv)
+    seen = torch.empty((b, hkv), dtype=torch.int32, device=q.device)
+    wrap(_kvpass_decode_combine)[(b * h,)](
+        part_acc,
+        part_m,
+        part_l,
+        out,
+        visited,
+        seen,
+        n_parts,
+        h_steps,
+        GROUP=h // hkv,
+        D=dv,
+        D_PAD=pow2(dv),
+        P_BLOCK=COMBINE_BLOCK,
+    )
+    return out, seen
