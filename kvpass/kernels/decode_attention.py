@@ -1026,7 +1026,8 @@ def decode_attention_triton(
     else:
         p_strides = (0, 0, 0)
     out = q.new_empty((b, h, 1, dv))
-    visited = torch.empty((b, hkv, n_parts), dtype=torch.int32, device=q.device)
+    # per part, or (one part) the result itself: the kernel writes part p of (b, g) at (b * H_kv + g) * n_parts + p
+    visited = torch.empty((b, hkv, n_parts) if split else (b, hkv), dtype=torch.int32, device=q.device)
     if split:
         part_acc = torch.empty((b, h, n_parts, dv), dtype=torch.float32, device=q.device)
         part_m = torch.empty((b, h, n_parts), dtype=torch.float32, device=q.device)
@@ -1136,8 +1137,8 @@ def decode_attention_triton(
         kernel[(b, hkv, n_splits)](
             *common, 0, per_split, 0, n_parts, *strides, ART=art, SPLIT=bool(split), AFTER_ART=False, **meta
         )
-    if not split:  # one part: its count is the program's
-        return out, visited.view(b, hkv)
+    if not split:
+        return out, visited
     seen = torch.empty((b, hkv), dtype=torch.int32, device=q.device)
     wrap(_kvpass_decode_combine)[(b * h,)](
         part_acc,
