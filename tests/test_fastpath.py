@@ -596,6 +596,39 @@ def test_generate_runs_with_a_recompile_limit_of_its_own_floor():
     torch._dynamo.reset()
 
 
+def test_a_plain_forward_runs_under_generates_recompile_floor():
+    """``model(ids)`` on a kvpass.compile'd model runs under generate's floor of the recompile limit: after generate
+    calls of other shapes its graph is not refused at the process's lower limit (here 2), which stays as it was."""
+    torch._dynamo.reset()
+    model = build("llama")
+    kvpass.compile(model, "full", compiler="eager")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        model.generate(ids_of(12), max_new_tokens=2, do_sample=False)
+        model.generate(ids_of(12, b=3), max_new_tokens=2, do_sample=False)
+        with torch.no_grad():
+            assert model(ids_of(9, b=2)).logits.shape[:2] == (2, 9)
+        assert torch._dynamo.config.recompile_limit == 2
+    torch._dynamo.reset()
+
+
+def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
+    """A mask of another shape than the prompt, or an empty prompt: kvpass's ConfigError, and the next call runs the
+    graphs it had. (Dynamo's own failure on such a call marked the forward's frame as skipped: every later call
+    compiled the layers piecemeal, with the policy on some of them, and gave other tokens.)"""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, "h2o", compiler="eager", budget=16)
+    ids, kw = ids_of(30, b=2), dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    first = model.generate(ids, **kw)
+    with pytest.raises(kvpass.ConfigError, match=r"'attention_mask' must have the prompt's shape \(2, 30\)"):
+        model.generate(ids, attention_mask=torch.ones(2, 25, dtype=torch.long), **kw)
+    with pytest.raises(kvpass.ConfigError, match="empty prompt"):
+        model.generate(ids[:, :0], **kw)
+    assert torch.equal(model.generate(ids, **kw), first)
+    assert be.graph_counts() == {"prefill": 1, "decode": 1}
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------------
 # SlotCache misuse: each was a wrong answer or an error that named neither kvpass nor the fix
 # ------------------------------------------------------------------------------------------------

@@ -191,6 +191,7 @@ class FastGenerate:
         embeds = kwargs.get("inputs_embeds")
         if ids is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
             ids = embeds[:, :, 0]  # the prompt's [rows, length], for sizing the cache (generate reads the embeddings)
+        _check_prompt(ids, kwargs.get("attention_mask"))
         if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self._check_continuation(given, ids.shape[1], new_tokens(kwargs, config, ids.shape[1]))
             self._check_no_holes(ids, kwargs.get("attention_mask"), option("pad_token_id"), option("eos_token_id"))
@@ -379,6 +380,24 @@ class FastGenerate:
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
 
 
+def _check_prompt(ids, mask) -> None:
+    """Refuse, before Dynamo traces anything, a prompt the model cannot run: Dynamo's own failure on it would mark
+    the forward's frame to be skipped, and every later call would compile the model's layers piecemeal, with the
+    policy applied to some of them."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return
+    if ids.shape[1] == 0:
+        raise ConfigError(
+            f"kvpass.compile: generate() got an empty prompt (input_ids of shape {tuple(ids.shape)}); pass at "
+            f"least one token per row"
+        )
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tuple(mask.shape) != tuple(ids.shape):
+        raise ConfigError(
+            f"kvpass.compile: generate()'s parameter 'attention_mask' must have the prompt's shape "
+            f"{tuple(ids.shape)} (one entry per token), got {tuple(mask.shape)}"
+        )
+
+
 def _as_list_generate(error: ConfigError, prompt: int | None = None) -> ConfigError:
     """A ``RequestQueue`` refusal as ``generate`` over a list of prompts gives it: labelled with that call (and the
     prompt it concerns) rather than the queue the call builds."""
@@ -536,8 +555,25 @@ def compile(
     if mode == "auto":
         on_gpu = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
-    model.forward = torch.compile(
-        own_code(model.forward), backend=be, dynamic=True, fullgraph=fullgraph, options=compile_options(be, mode)
+    model.forward = under_recompile_limit(
+        torch.compile(
+            own_code(model.forward), backend=be, dynamic=True, fullgraph=fullgraph, options=compile_options(be, mode)
+        )
     )
     model.generate = FastGenerate(model, be, model.generate)
     return be
+
+
+def under_recompile_limit(forward):
+    """The compiled ``forward``, called under a recompile limit of at least ``RECOMPILE_LIMIT`` (as ``generate`` is):
+    a plain ``model(ids)`` after a few ``generate`` calls of other shapes finds the graphs they compiled counted
+    against its limit too."""
+
+    @functools.wraps(forward)
+    def call(*args, **kwargs):
+        if torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT:  # inside generate, or the caller's own
+            return forward(*args, **kwargs)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return forward(*args, **kwargs)
+
+    return call
