@@ -13,7 +13,8 @@ replay. A capacity never enters the compiled code, nor does a batch of two or mo
 row dimensions are symbolic, ``kvpass.cache.slots``), so every prompt length runs on the one prefill graph and the
 one decode graph of its batch kind (one row; more). A prompt given as ``inputs_embeds`` runs on the SlotCache too.
 The forward is compiled on a code object of its own (``own_code``) and ``generate`` runs with Dynamo's recompile
-limit at least ``RECOMPILE_LIMIT``: the limit counts graphs per code object.
+limit at least ``RECOMPILE_LIMIT``, as does a plain call of the compiled forward: the limit counts graphs per code
+object.
 
 A call whose output carries the cache (``return_dict_in_generate=True``) gives it to that output: the caller
 may continue from it, and the next call builds another. A ``cache_implementation`` in the model's own
