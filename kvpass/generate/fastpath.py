@@ -36,6 +36,7 @@ lock).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -163,8 +164,7 @@ class FastGenerate:
     def __call__(self, inputs=None, *args, **kwargs):
         """``generate``: the fast path, or the model's own ``generate`` (module docstring). Calls from several
         threads run one after another."""
-        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        with self.lock, torch._dynamo.config.patch(recompile_limit=limit):
+        with self.lock, recompile_floor():
             return self._generate(inputs, *args, **kwargs)
 
     def _generate(self, inputs=None, *args, **kwargs):
@@ -565,16 +565,21 @@ def compile(
     return be
 
 
+def recompile_floor():
+    """Dynamo's recompile limit at least ``RECOMPILE_LIMIT`` while it lasts (the caller's own where higher: then
+    nothing is patched, so a forward inside ``generate`` adds no work)."""
+    if torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+
+
 def under_recompile_limit(forward):
-    """The compiled ``forward``, called under a recompile limit of at least ``RECOMPILE_LIMIT`` (as ``generate`` is):
-    a plain ``model(ids)`` after a few ``generate`` calls of other shapes finds the graphs they compiled counted
-    against its limit too."""
+    """The compiled ``forward``, called under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a
+    few ``generate`` calls of other shapes finds the graphs they compiled counted against its limit too."""
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
-        if torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT:  # inside generate, or the caller's own
-            return forward(*args, **kwargs)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with recompile_floor():
             return forward(*args, **kwargs)
 
     return call
