@@ -567,7 +567,7 @@ def compile(
 
 def recompile_floor():
     """Dynamo's recompile limit at least ``RECOMPILE_LIMIT`` while it lasts (the caller's own where higher: then
-    nothing is patched, so a forward inside ``generate`` adds no work)."""
+    nothing is patched, so a forward inside ``generate`` adds only this check)."""
     if torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT:
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)

@@ -881,9 +881,8 @@ def _sms(device) -> int:
 MAX_SPLITS = 256
 COMBINE_BLOCK = 64  # parts the combine merges per load (64 x head dim fp32 per program)
 PROGRAMS_PER_SM = 1  # split-KV programs a launch aims at per SM
-RAGGED_SPLIT_SCALE = (
-    1  # a ragged row's splits per head slot, times the uniform count (bench_decode_kernel.py sweeps it)
-)
+# a ragged row's splits per head slot, as a multiple of the uniform count (bench_decode_kernel.py sweeps it)
+RAGGED_SPLIT_SCALE = 1
 
 
 def _split_slots(device) -> int:

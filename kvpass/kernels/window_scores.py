@@ -26,7 +26,7 @@ the key block once and walks the group's ``G x W`` query rows in chunks of ``ROW
 Three launches, whatever the shape. The merge is a kernel rather than PyTorch reductions because the
 decode steps of h2o and tova score one query against ``budget + 1`` keys every layer: there, the merge
 written as reductions and element-wise steps runs as ten small ATen kernels a layer, more time than both
-passes (``bench/results/gpu_h100_2026-12-06``, profiles: about 130 us of a 2.48 ms 8-layer step).
+passes (the profiles in ``bench/results/gpu_h100_2026-12-06``).
 
 Scores are computed twice, the price of not storing them; at ``W = 32`` both passes together cost
 about as much as one decode step per window query, far below the prefill that precedes them.
