@@ -477,8 +477,8 @@ def heads_alone(q, k, v, pos, start, kv_len, q_pos):
 def test_ragged_heads_read_each_heads_own_range(b, heads, d, data, block, order, split, scale, seed):
     """Heads of one row keep different counts (one at 8x another, one at its floor of a single entry, one with
     none visible): kernel == reference == each head's exact attention over its own entries, and each program
-    reads the blocks of its own range alone, at the kernel's split count and at a multiple of it
-    (``RAGGED_SPLIT_SCALE``, which the kernel benchmark sweeps)."""
+    reads the blocks of its own range alone, at the kernel's split count (``RAGGED_MIN_HEAD_SPLITS`` per head
+    slot at least) and at a multiple of it (``RAGGED_SPLIT_SCALE``, which the kernel benchmark sweeps)."""
     h, hkv = heads
     lengths = data.draw(st.lists(st.lists(st.integers(0, 60), min_size=hkv, max_size=hkv), min_size=b, max_size=b))
     lengths[0][0] = 1  # a head at its floor

@@ -881,7 +881,11 @@ def _sms(device) -> int:
 MAX_SPLITS = 256
 COMBINE_BLOCK = 64  # parts the combine merges per load (64 x head dim fp32 per program)
 PROGRAMS_PER_SM = 1  # split-KV programs a launch aims at per SM
-# a ragged row's splits per head slot, as a multiple of the uniform count (bench_decode_kernel.py sweeps it)
+# a ragged row's splits per head slot: at least RAGGED_MIN_HEAD_SPLITS (skewed heads at batch 16 read 1.21x the
+# uniform layout's time in one split a slot, 1.02-1.04x in four; batch 1 already takes 16 and more cost it:
+# H100, bench/results/gpu_h100_2026-12-06/ragged/scales_1327), times RAGGED_SPLIT_SCALE (1; the kernel benchmark
+# sweeps it)
+RAGGED_MIN_HEAD_SPLITS = 4
 RAGGED_SPLIT_SCALE = 1
 
 
@@ -1000,7 +1004,7 @@ def decode_attention_triton(
         # ragged heads: H_kv times the splits, each a fixed share of the row's pool, so a head takes splits in
         # proportion to its length and a long head does not hold up the step (docs/ARCHITECTURE.md, per-head
         # budgets); most of a short head's splits are empty
-        n_splits = min(MAX_SPLITS, n_splits * hkv * RAGGED_SPLIT_SCALE)
+        n_splits = min(MAX_SPLITS, max(n_splits, RAGGED_MIN_HEAD_SPLITS) * hkv * RAGGED_SPLIT_SCALE)
         per_split = _cdiv(rest, n_splits)
     else:
         # a short cache leaves the last splits empty (they store an empty state); with lengths, each head (or row)
