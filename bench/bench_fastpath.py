@@ -17,6 +17,10 @@ sized by hand). Reported per policy:
   compiled forward, called with ``generate``'s arguments on the kept cache, 64 steps queued with one sync,
   and with a sync after each step;
 * the first token's time (``generate`` of one token, warm) and the peak memory of that call;
+* with ``--few-prefills`` (a policy whose prefill takes minutes: kvzip at 32 layers), three prefills at the
+  last length instead of eight: its call takes ``4 * new`` tokens and sizes the cache, the first token's time
+  comes from the timed ``generate`` (the host's clock at its first step), the queued loop follows one
+  2-token call, and HF's loop and the synced loop are not timed;
 * HF's own path for the same prompts (``cache_implementation="static"``, which HF compiles with its
   default ``CompileConfig``): wall time per length;
 * peak memory, the roofline (weight bytes + the K/V a step must read, over the copy bandwidth measured in
@@ -72,6 +76,7 @@ class StepClock(StoppingCriteria):
     1 % of a 4.4 s prefill is 0.46 ms per step over 96 steps)."""
 
     def __init__(self) -> None:
+        self.start = time.perf_counter()
         self.times: list[float] = []
         self.no = None
 
@@ -87,11 +92,13 @@ class StepClock(StoppingCriteria):
         return (t[-1] - t[0]) / (len(t) - 1)
 
 
-def clocked_tpot(model, ids, new: int, **kw) -> float:
-    """Seconds per decode step of one warm ``generate`` of ``new`` tokens (``StepClock``)."""
+def clocked_tpot(model, ids, new: int, **kw) -> tuple[float, float]:
+    """Seconds per decode step of one warm ``generate`` of ``new`` tokens (``StepClock``), and seconds to its
+    first token."""
+    torch.cuda.synchronize()
     clock = StepClock()
     gen(model, ids, new, stopping_criteria=StoppingCriteriaList([clock]), **kw)
-    return clock.tpot()
+    return clock.tpot(), clock.times[0] - clock.start
 
 
 def gen(model, ids, new: int, **kw):
@@ -131,16 +138,18 @@ def step_on(kw: dict, token: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def bare_loops(model, ids, steps: int = 64) -> tuple[float, float]:
+def bare_loops(model, ids, steps: int = 64, few: bool = False) -> tuple[float, float | None]:
     """Seconds per decode step of the compiled forward alone, called with the arguments ``generate`` passes
     (so it runs ``generate``'s decode graph, compiling nothing), continuing on the kept cache after a
     2-token ``generate`` of ``ids``: ``steps`` queued with one sync, then ``steps`` with a sync after each.
     Each loop starts from a fresh 2-token call: a policy's capacity (snapkv: budget + the bucket of new
     tokens) holds one loop's steps, not both. A first call of as many new tokens as a loop takes sizes the kept
-    cache for a loop (a prompt just under a capacity bucket would otherwise leave room for fewer steps)."""
-    gen(model, ids, 8 + steps + 2)
+    cache for a loop (a prompt just under a capacity bucket would otherwise leave room for fewer steps).
+    ``few``: the queued loop alone, on the cache an earlier call of at least as many tokens sized."""
+    if not few:
+        gen(model, ids, 8 + steps + 2)
     out = []
-    for sync_each in (False, True):
+    for sync_each in (False,) if few else (False, True):
         kw = decode_kwargs(model, ids)
         for i in range(8 + steps):
             if i == 8:
@@ -152,7 +161,7 @@ def bare_loops(model, ids, steps: int = 64) -> tuple[float, float]:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
         out.append((time.perf_counter() - t) / steps)
-    return out[0], out[1]
+    return out[0], (out[1] if len(out) > 1 else None)
 
 
 def host_profile(model, ids, new: int) -> str:
@@ -197,6 +206,11 @@ def main() -> None:
         action="store_true",
         help="kvpass.compile(..., share_layers=False): Inductor lowers every layer (no shared layers)",
     )
+    ap.add_argument(
+        "--few-prefills",
+        action="store_true",
+        help="three prefills at the last length instead of eight (no HF loop or synced loop): for slow prefills",
+    )
     ap.add_argument("--out", default="fastpath.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -219,11 +233,14 @@ def main() -> None:
             model, name, prefill_compiler=args.prefill_compiler, share_layers=not args.no_share_layers, **params
         )
         calls = []
+        few = args.few_prefills
         for n in lengths:
-            dt, _ = timed(lambda: gen(model, prompt(n), args.new))
+            new = 4 * args.new if few and n == lengths[-1] else args.new  # --few-prefills: this call sizes the cache
+            dt, _ = timed(lambda: gen(model, prompt(n), new))
             calls.append(
                 {
                     "prompt": n,
+                    "new": new,
                     "seconds": round(dt, 3),
                     "graphs": be.graph_counts(),
                     "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
@@ -234,15 +251,22 @@ def main() -> None:
         # a cache that holds 4 * new tokens is built (and its CUDA graphs recorded) before any timing: the
         # next calls reuse it (an earlier version let the timed 4 * new call build it for the policies whose
         # capacity follows the new tokens, snapkv's budget + new, which paid that inside its TPOT)
-        gen(model, ids, 4 * args.new)
-        user = clocked_tpot(model, ids, 4 * args.new)
-        # HF's own loop on the same compiled forward and cache (kvpass's loop hands it return_dict calls)
-        hf_loop = clocked_tpot(model, ids, 4 * args.new, return_dict_in_generate=True)
-        peak = torch.cuda.max_memory_allocated() / 2**30  # since the compile, every call above included
-        torch.cuda.reset_peak_memory_stats()
-        ttft, _ = timed(lambda: gen(model, ids, 1))
-        prefill_peak = torch.cuda.max_memory_allocated() / 2**30
-        queued, synced = bare_loops(model, ids)
+        if few:
+            peak = torch.cuda.max_memory_allocated() / 2**30  # since the compile: every call above
+            torch.cuda.reset_peak_memory_stats()
+            user, ttft = clocked_tpot(model, ids, 4 * args.new)
+            prefill_peak = torch.cuda.max_memory_allocated() / 2**30  # the timed call's (prefill and decode)
+            hf_loop = None
+        else:
+            gen(model, ids, 4 * args.new)
+            user, _ = clocked_tpot(model, ids, 4 * args.new)
+            # HF's own loop on the same compiled forward and cache (kvpass's loop hands it return_dict calls)
+            hf_loop, _ = clocked_tpot(model, ids, 4 * args.new, return_dict_in_generate=True)
+            peak = torch.cuda.max_memory_allocated() / 2**30  # since the compile, every call above included
+            torch.cuda.reset_peak_memory_stats()
+            ttft, _ = timed(lambda: gen(model, ids, 1))
+            prefill_peak = torch.cuda.max_memory_allocated() / 2**30
+        queued, synced = bare_loops(model, ids, few=few)
         graphs_after = be.graph_counts()
         roof = (weights + per_entry * read_entries(policy, lengths[-1], args.budget, args.layers)) / bw
         row = {
@@ -255,12 +279,12 @@ def main() -> None:
             "shared_layers": {r.phase: r.shared_layers for r in be.reports},
             "generate_tpot_ms": round(user * 1e3, 3),
             "queued_tpot_ms": round(queued * 1e3, 3),
-            "hf_loop_tpot_ms": round(hf_loop * 1e3, 3),
+            "hf_loop_tpot_ms": None if hf_loop is None else round(hf_loop * 1e3, 3),
             "ttft_s": round(ttft, 3),
             "prefill_peak_gib": round(prefill_peak, 2),
             "prefill_compiler": be.prefill_compiler,
             "cache_counters": {k: dict(torch._dynamo.utils.counters[k]) for k in ("inductor", "aot_autograd")},
-            "synced_tpot_ms": round(synced * 1e3, 3),
+            "synced_tpot_ms": None if synced is None else round(synced * 1e3, 3),
             "generate_over_queued": round(user / queued, 3),
             "roofline_ms": round(roof * 1e3, 3),
             "queued_over_roofline": round(queued / roof, 3),

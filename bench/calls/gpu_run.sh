@@ -11,7 +11,8 @@
 #   bash bench/calls/gpu_run.sh decode   LAYERS (8) layers, prompts of 2k then 130k (LENGTHS) through `generate`, beside the
 #                                        queued step and the roofline (bench/bench_fastpath.py); about 65 s a policy
 #                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
-#                                        (expected_attention@decode_interval=64: its cuts between decode steps)
+#                                        (expected_attention@decode_interval=64: its cuts between decode steps);
+#                                        FEW=1: three prefills at the last length, not eight (kvzip at 32 layers)
 #   bash bench/calls/gpu_run.sh profile  the device kernels of 8 decode steps at 130k, LAYERS (8) layers, per POLICIES
 #                                        row (bench/bench_decode_step.py --profile): where a step above its roofline
 #                                        spends its time
@@ -78,6 +79,7 @@ decode)
   name=l${LAYERS:-8}_${LENGTHS:-130k}; name=${name//,/_}  # a file name without commas (they may not come back)
   timeout -k 10 "${LIMIT:-480}" python bench/bench_fastpath.py --layers "${LAYERS:-8}" --lengths "${LENGTHS:-2000,130000}" \
     --policies "${POLICIES:-full,snapkv,adakv,duoattention,expected_attention,tova,kvzip}" --prefill-compiler eager \
+    ${FEW:+--few-prefills} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   tail -n 30 "$out/$name.log" ;;
 profile)

@@ -52,6 +52,33 @@ def _decode(q, k, v, mask) -> bool:
     )
 
 
+def _flash_serves(q, v) -> bool:
+    """PyTorch's flash attention kernel takes these inputs: half precision, equal q/k and v head sizes, a head
+    size it has (at most 256, a multiple of 8), an Ampere or newer GPU."""
+    d = q.shape[-1]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and d == v.shape[-1]
+        and d <= 256
+        and d % 8 == 0
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )
+
+
+def _flash_causal(q, k, v, scale) -> tuple:
+    """``(out, lse)`` of causal attention by flash attention's own kernel, the GQA heads expanded as in ``_sdpa``.
+    Its causal mask is aligned to the bottom-right corner: with ``Lq < Lk`` query i sees keys j <= Lk - Lq + i
+    (``CAUSAL_BOTTOM_RIGHT``, the KV-cache meaning, which ``torch.nn.attention.bias.causal_lower_right`` also
+    runs on this kernel); with ``Lq == Lk`` that is plain causal attention."""
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, False, scale=scale
+    )[:2]
+    return out.contiguous(), lse
+
+
 @ops.attention.register_kernel("cuda")
 def _attention_cuda(q, k, v, mask, scale, causal, softcap):
     if causal != ops.CAUSAL_TOP_LEFT and _decode(q, k, v, mask):
@@ -59,6 +86,11 @@ def _attention_cuda(q, k, v, mask, scale, causal, softcap):
     if softcap > 0 or (mask is not None and mask.dtype != torch.bool and not mask.is_floating_point()):
         return ops.attention_reference(q, k, v, mask, scale, causal, softcap)
     lq, lk = q.shape[2], k.shape[2]
+    if causal == ops.CAUSAL_BOTTOM_RIGHT and mask is None and 1 < lq < lk and _flash_serves(q, v):
+        # several tokens after a cache (a chunk of a prefill, kvzip's repeat passes): flash attention's causal
+        # kernel, where SDPA with is_causal would align the mask top-left and a materialised [Lq, Lk] mask
+        # would take the slower memory-efficient kernel
+        return _flash_causal(q, k, v, scale)[0]
     if causal == ops.CAUSAL_BOTTOM_RIGHT and lq == lk:
         causal = ops.CAUSAL_TOP_LEFT
     if causal == ops.CAUSAL_BOTTOM_RIGHT and lq == 1:
@@ -81,21 +113,9 @@ def _attention_lse_cuda(q, k, v, scale):
     """Flash attention's own kernel returns the row log-sum-exp with the output (the GQA heads expanded as in
     ``_sdpa``); where it does not serve (fp32, a head size it lacks), the attention and the reference's
     log-sum-exp."""
-    d = q.shape[-1]
-    if (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and d == v.shape[-1]
-        and d <= 256
-        and d % 8 == 0
-        and torch.cuda.get_device_capability(q.device)[0] >= 8
-    ):
-        if k.shape[1] != q.shape[1]:
-            g = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, False, scale=scale
-        )[:2]
-        return out.contiguous(), lse.float().contiguous()
+    if _flash_serves(q, v):
+        out, lse = _flash_causal(q, k, v, scale)
+        return out, lse.float().contiguous()
     return _attention_cuda(q, k, v, None, scale, ops.CAUSAL_TOP_LEFT, 0.0), _accumulated.causal_lse_reference(
         q, k, scale
     )

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build
-from kvpass.ops import attention_pos_reference, attention_reference
+from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, attention_pos_reference, attention_reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -24,7 +24,13 @@ DEV = "cuda"
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "b,h,hkv,lq,lk,d",
-    [(1, 32, 8, 1, 8192, 128), (4, 16, 4, 1, 4096, 64), (2, 8, 8, 512, 512, 128), (1, 12, 4, 64, 2048, 64)],
+    [
+        (1, 32, 8, 1, 8192, 128),
+        (4, 16, 4, 1, 4096, 64),
+        (2, 8, 8, 512, 512, 128),
+        (1, 12, 4, 64, 2048, 64),
+        (2, 32, 8, 300, 4396, 128),
+    ],
 )
 def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d):
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -34,9 +40,16 @@ def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d):
     mask = torch.rand(b, 1, lq, lk, device=DEV, generator=g) > 0.2
     mask[0, 0, 0] = False  # a fully masked row must give zeros
     tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=2e-4, rtol=2e-4)
-    for m in (None, mask):
-        got = torch.ops.kvpass.attention(q, k, v, m, d**-0.5, False, 0.0)
-        ref = attention_reference(q, k, v, m, d**-0.5, False, 0.0)
+    # no causal mask, then the KV-cache one (bottom-right: several tokens after a cache take flash attention's
+    # causal kernel in half precision)
+    for causal, m in [
+        (CAUSAL_NONE, None),
+        (CAUSAL_NONE, mask),
+        (CAUSAL_BOTTOM_RIGHT, None),
+        (CAUSAL_BOTTOM_RIGHT, mask),
+    ]:
+        got = torch.ops.kvpass.attention(q, k, v, m, d**-0.5, causal, 0.0)
+        ref = attention_reference(q, k, v, m, d**-0.5, causal, 0.0)
         torch.testing.assert_close(got, ref, **tol)
     q_pos = (lk - lq + torch.arange(lq, device=DEV)).expand(b, lq)
     kv_pos = torch.arange(lk, device=DEV).expand(b, hkv, lk).clone()
