@@ -612,9 +612,10 @@ def test_a_plain_forward_runs_under_generates_recompile_floor():
 
 
 def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
-    """A mask of another shape than the prompt, or an empty prompt: kvpass's ConfigError, and the next call runs the
-    graphs it had. (Dynamo's own failure on such a call marked the forward's frame as skipped: every later call
-    compiled the layers piecemeal, with the policy on some of them, and gave other tokens.)"""
+    """A mask of another shape than the prompt, an empty prompt, float ids, 1-D ids or ids outside the vocabulary:
+    kvpass's ConfigError, and the next call runs the graphs it had. (Dynamo's own failure on such a call marked the
+    forward's frame as skipped: every later call compiled the layers piecemeal, with the policy on some of them, and
+    gave other tokens; an id outside the vocabulary aborted the process in the compiled embedding's bounds check.)"""
     torch._dynamo.reset()
     model = build("llama")
     be = kvpass.compile(model, "h2o", compiler="eager", budget=16)
@@ -624,6 +625,16 @@ def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
         model.generate(ids, attention_mask=torch.ones(2, 25, dtype=torch.long), **kw)
     with pytest.raises(kvpass.ConfigError, match="empty prompt"):
         model.generate(ids[:, :0], **kw)
+    with pytest.raises(kvpass.ConfigError, match="'input_ids' must hold integer token ids, got dtype torch.float32"):
+        model.generate(ids.float(), **kw)
+    with pytest.raises(kvpass.ConfigError, match=r"'input_ids' must be a \[batch, length\] tensor, got shape \(30,\)"):
+        model.generate(ids[0], **kw)
+    vocab = model.config.vocab_size
+    for bad, value in [(vocab, vocab), (-1, -1)]:
+        wrong = ids.clone()
+        wrong[1, 7] = bad
+        with pytest.raises(kvpass.ConfigError, match=rf"token id {value} at position \(1, 7\), outside .* {vocab} ids"):
+            model.generate(wrong, **kw)
     assert torch.equal(model.generate(ids, **kw), first)
     assert be.graph_counts() == {"prefill": 1, "decode": 1}
     torch._dynamo.reset()

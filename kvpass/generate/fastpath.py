@@ -52,6 +52,7 @@ from kvpass.compiler.backend import Backend, backend
 from kvpass.errors import ConfigError, SlotCacheUnrewritten, warn_once
 from kvpass.generate import decode_loop
 from kvpass.generate.requests import RequestQueue
+from kvpass.generate.token_ids import check_values, vocab_size
 
 # generate() arguments whose decoding a SlotCache does not run (it holds one sequence per row)
 _OWN_DECODING = ("num_beams", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -192,6 +193,8 @@ class FastGenerate:
         embeds = kwargs.get("inputs_embeds")
         if ids is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
             ids = embeds[:, :, 0]  # the prompt's [rows, length], for sizing the cache (generate reads the embeddings)
+        else:
+            _check_ids(ids, vocab_size(self.model))
         _check_prompt(ids, kwargs.get("attention_mask"))
         if isinstance(given, SlotCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self._check_continuation(given, ids.shape[1], new_tokens(kwargs, config, ids.shape[1]))
@@ -379,6 +382,20 @@ class FastGenerate:
         if self.own_cache:  # the fast path is off for this model
             return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, the model's own cache: {self.own_cache})"
         return f"kvpass.FastGenerate(policy={self.backend.policy.name!r}, caches=[{held}])"
+
+
+def _check_ids(ids, vocab: int | None) -> None:
+    """Refuse a tensor of prompt ids that the model would fail on or misread: not ``[batch, length]``, not of an
+    integer dtype (Dynamo's trace fails on it, with ``_check_prompt``'s consequence), or an id outside the
+    vocabulary (a compiled embedding's bounds check aborts the process on a CPU; on a GPU it is a device assert)."""
+    if not isinstance(ids, torch.Tensor):
+        return
+    if ids.dim() != 2:
+        raise ConfigError(
+            f"kvpass.compile: generate()'s parameter 'input_ids' must be a [batch, length] tensor, got shape "
+            f"{tuple(ids.shape)}; pass ids[None] for one prompt, or a list of 1-D prompts"
+        )
+    check_values(ids, "kvpass.compile: generate()", "input_ids", vocab)
 
 
 def _check_prompt(ids, mask) -> None:

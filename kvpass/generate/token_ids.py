@@ -45,6 +45,12 @@ def token_ids(ids, where: str, parameter: str = "ids", vocab_size: int | None = 
             f"{where}: parameter '{parameter}' must be a non-empty 1-D sequence of token ids (or one "
             f"row [1, L]), got shape {tuple(t.shape)}"
         )
+    return check_values(t, where, parameter, vocab_size)
+
+
+def check_values(t: Tensor, where: str, parameter: str, vocab_size: int | None = None) -> Tensor:
+    """``t`` (ids of any shape) as int64, refused by ``ConfigError`` where it is not of an integer dtype or (with
+    ``vocab_size``) holds an id outside ``0 .. vocab_size - 1``; the message gives the first such id's index."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ConfigError(
             f"{where}: parameter '{parameter}' must hold integer token ids, got dtype {t.dtype} "
@@ -55,11 +61,11 @@ def token_ids(ids, where: str, parameter: str = "ids", vocab_size: int | None = 
     if vocab_size is not None:
         bad = ((t < 0) | (t >= vocab_size)).nonzero()
         if bad.numel():
-            at = int(bad[0, 0])
+            at = tuple(int(i) for i in bad[0])
             raise ConfigError(
-                f"{where}: parameter '{parameter}' holds token id {int(t[at])} at position {at}, "
-                f"outside the model's vocabulary of {vocab_size} ids (0 .. {vocab_size - 1}); "
-                f"tokenize with the model's own tokenizer"
+                f"{where}: parameter '{parameter}' holds token id {int(t[at])} at position "
+                f"{at[0] if len(at) == 1 else at}, outside the model's vocabulary of {vocab_size} ids "
+                f"(0 .. {vocab_size - 1}); tokenize with the model's own tokenizer"
             )
     return t
 
