@@ -81,6 +81,8 @@ class StepClock(StoppingCriteria):
         self.no = None
 
     def __call__(self, input_ids, scores, **kwargs):
+        if not self.times:  # kvpass's loop asks with the first token queued, not yet computed: wait for it
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
         if self.no is None or self.no.shape[0] != input_ids.shape[0]:
             self.no = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -213,6 +215,8 @@ def main() -> None:
     )
     ap.add_argument("--out", default="fastpath.json")
     args = ap.parse_args()
+    if args.few_prefills and 4 * args.new < 8 + 64 + 2:
+        ap.error("--few-prefills sizes the cache with the 4 * --new tokens of one call: the queued loop takes 74 steps")
     torch.backends.cuda.enable_cudnn_sdp(False)
     lengths = [int(x) for x in args.lengths.split(",")]
     model = random_llama(llama8b_config(args.layers), "cuda", torch.bfloat16)

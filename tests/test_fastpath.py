@@ -612,10 +612,11 @@ def test_a_plain_forward_runs_under_generates_recompile_floor():
 
 
 def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
-    """A mask of another shape than the prompt, an empty prompt, float ids, 1-D ids or ids outside the vocabulary:
-    kvpass's ConfigError, and the next call runs the graphs it had. (Dynamo's own failure on such a call marked the
-    forward's frame as skipped: every later call compiled the layers piecemeal, with the policy on some of them, and
-    gave other tokens; an id outside the vocabulary aborted the process in the compiled embedding's bounds check.)"""
+    """A mask of another shape than the prompt, an empty prompt, float or uint8 ids, 1-D ids or ids outside the
+    vocabulary: kvpass's ConfigError, and the next call runs the graphs it had. (Dynamo's own failure on such a call
+    marked the forward's frame as skipped: every later call compiled the layers piecemeal, with the policy on some of
+    them, and gave other tokens; an id outside the vocabulary aborted the process in the compiled embedding's bounds
+    check.)"""
     torch._dynamo.reset()
     model = build("llama")
     be = kvpass.compile(model, "h2o", compiler="eager", budget=16)
@@ -627,6 +628,8 @@ def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
         model.generate(ids[:, :0], **kw)
     with pytest.raises(kvpass.ConfigError, match="'input_ids' must hold integer token ids, got dtype torch.float32"):
         model.generate(ids.float(), **kw)
+    with pytest.raises(kvpass.ConfigError, match="'input_ids' must be torch.long .* got torch.uint8"):
+        model.generate(ids.to(torch.uint8), **kw)
     with pytest.raises(kvpass.ConfigError, match=r"'input_ids' must be a \[batch, length\] tensor, got shape \(30,\)"):
         model.generate(ids[0], **kw)
     vocab = model.config.vocab_size

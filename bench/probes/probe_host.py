@@ -64,7 +64,7 @@ def sections(model, ids, new: int) -> dict[str, float]:
     for label, (obj, name) in parts.items():
         setattr(obj, name, timed(label, saved[label]))
     try:
-        step = clocked_tpot(model, ids, new)
+        step, _ = clocked_tpot(model, ids, new)
     finally:
         for label, (obj, name) in parts.items():
             if own[label]:
@@ -126,7 +126,7 @@ def main() -> None:
         queued, synced = bare_loops(model, ids)
         row = {
             "policy": policy,
-            "generate_tpot_ms": round(clocked_tpot(model, ids, 4 * args.new) * 1e3, 3),
+            "generate_tpot_ms": round(clocked_tpot(model, ids, 4 * args.new)[0] * 1e3, 3),
             "queued_tpot_ms": round(queued * 1e3, 3),
             "synced_tpot_ms": round(synced * 1e3, 3),
             "host_ms_per_step": sections(model, ids, 4 * args.new),

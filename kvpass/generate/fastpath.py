@@ -396,6 +396,11 @@ def _check_ids(ids, vocab: int | None) -> None:
             f"{tuple(ids.shape)}; pass ids[None] for one prompt, or a list of 1-D prompts"
         )
     check_values(ids, "kvpass.compile: generate()", "input_ids", vocab)
+    if ids.dtype not in (torch.int64, torch.int32):  # the embedding takes no other integers
+        raise ConfigError(
+            f"kvpass.compile: generate()'s parameter 'input_ids' must be torch.long (or torch.int32), got "
+            f"{ids.dtype}; pass input_ids.long()"
+        )
 
 
 def _check_prompt(ids, mask) -> None:

@@ -49,7 +49,7 @@ def token_ids(ids, where: str, parameter: str = "ids", vocab_size: int | None = 
 
 
 def check_values(t: Tensor, where: str, parameter: str, vocab_size: int | None = None) -> Tensor:
-    """``t`` (ids of any shape) as int64, refused by ``ConfigError`` where it is not of an integer dtype or (with
+    """``t`` (ids, at least 1-D) as int64, refused by ``ConfigError`` where it is not of an integer dtype or (with
     ``vocab_size``) holds an id outside ``0 .. vocab_size - 1``; the message gives the first such id's index."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ConfigError(

@@ -15,7 +15,9 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build
-from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, attention_pos_reference, attention_reference
+from kvpass.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, attention_pos_reference, attention_reference, lowerings
+
+FLASH_CAUSAL = lowerings._flash_causal
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -32,7 +34,7 @@ DEV = "cuda"
         (2, 32, 8, 300, 4396, 128),
     ],
 )
-def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d):
+def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d, monkeypatch):
     g = torch.Generator(device=DEV).manual_seed(0)
     q = torch.randn(b, h, lq, d, device=DEV, dtype=dtype, generator=g)
     k = torch.randn(b, hkv, lk, d, device=DEV, dtype=dtype, generator=g)
@@ -41,7 +43,9 @@ def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d):
     mask[0, 0, 0] = False  # a fully masked row must give zeros
     tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=2e-4, rtol=2e-4)
     # no causal mask, then the KV-cache one (bottom-right: several tokens after a cache take flash attention's
-    # causal kernel in half precision)
+    # causal kernel in half precision, counted)
+    flash = []
+    monkeypatch.setattr(lowerings, "_flash_causal", lambda *a: flash.append(1) or FLASH_CAUSAL(*a))
     for causal, m in [
         (CAUSAL_NONE, None),
         (CAUSAL_NONE, mask),
@@ -51,6 +55,7 @@ def test_attention_cuda_matches_reference(dtype, b, h, hkv, lq, lk, d):
         got = torch.ops.kvpass.attention(q, k, v, m, d**-0.5, causal, 0.0)
         ref = attention_reference(q, k, v, m, d**-0.5, causal, 0.0)
         torch.testing.assert_close(got, ref, **tol)
+    assert len(flash) == (dtype != torch.float32 and 1 < lq < lk)
     q_pos = (lk - lq + torch.arange(lq, device=DEV)).expand(b, lq)
     kv_pos = torch.arange(lk, device=DEV).expand(b, hkv, lk).clone()
     kv_pos[:, :, :3] = -1
