@@ -643,6 +643,24 @@ def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
     torch._dynamo.reset()
 
 
+def test_a_call_that_fails_inside_dynamo_leaves_the_forward_compiled():
+    """An argument that fails inside Dynamo's trace (position ids of another length than the prompt) raises, each
+    time, and the next valid call runs the graphs it had and gives the same tokens: Dynamo had marked the forward's
+    frame as skipped, every later call compiled the layers piecemeal (graph counts 1/1 -> 4/2 and 10 without a
+    site) and ran the model's own cache: other tokens."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, "h2o", compiler="eager", budget=16)
+    ids, kw = ids_of(30, b=2), dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    first = model.generate(ids, **kw)
+    for _ in range(2):
+        with pytest.raises(Exception, match="position|size|shape"):
+            model.generate(ids, position_ids=torch.zeros(2, 7, dtype=torch.long), **kw)
+        assert torch.equal(model.generate(ids, **kw), first)
+        assert {k: n for k, n in be.graph_counts().items() if k != "none"} == {"prefill": 1, "decode": 1}
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------------
 # SlotCache misuse: each was a wrong answer or an error that named neither kvpass nor the fix
 # ------------------------------------------------------------------------------------------------

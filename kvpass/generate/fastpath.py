@@ -578,7 +578,7 @@ def compile(
     if mode == "auto":
         on_gpu = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
-    model.forward = under_recompile_limit(
+    model.forward = compiled_forward(
         torch.compile(
             own_code(model.forward), backend=be, dynamic=True, fullgraph=fullgraph, options=compile_options(be, mode)
         )
@@ -595,13 +595,33 @@ def recompile_floor():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
 
 
-def under_recompile_limit(forward):
-    """The compiled ``forward``, called under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a
-    few ``generate`` calls of other shapes finds the graphs they compiled counted against its limit too."""
+def compiled_forward(forward):
+    """The compiled ``forward`` as ``model.forward`` calls it:
+
+    * under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a few ``generate`` calls of other
+      shapes finds the graphs they compiled counted against its limit too;
+    * after a call that raised, with Dynamo's default handling of the forward's frame: a failure inside Dynamo's
+      trace (an argument the model cannot run) marks the frame to be skipped for good, and every later call would
+      compile the model's layers piecemeal, with the policy on some of them and other tokens. The next call runs
+      the forward's graphs again; an argument that fails still fails, each time."""
+    code = getattr(getattr(getattr(forward, "_torchdynamo_orig_callable", None), "__func__", None), "__code__", None)
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
-        with recompile_floor():
-            return forward(*args, **kwargs)
+        try:
+            with recompile_floor():
+                return forward(*args, **kwargs)
+        except BaseException:
+            if code is not None:
+                unskip(code)
+            raise
 
     return call
+
+
+def unskip(code) -> None:
+    """Dynamo's default handling for frames of ``code`` (compile, or run a cached graph), whatever a failure set."""
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
