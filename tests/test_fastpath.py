@@ -647,7 +647,7 @@ def test_a_call_that_fails_inside_dynamo_leaves_the_forward_compiled():
     """An argument that fails inside Dynamo's trace (position ids of another length than the prompt) raises, each
     time, and the next valid call runs the graphs it had and gives the same tokens: Dynamo had marked the forward's
     frame as skipped, every later call compiled the layers piecemeal (graph counts 1/1 -> 4/2 and 10 without a
-    site) and ran the model's own cache: other tokens."""
+    site) and ran the model's own cache: other tokens. The failed compiles do not use up the recompile limit."""
     torch._dynamo.reset()
     model = build("llama")
     be = kvpass.compile(model, "h2o", compiler="eager", budget=16)
@@ -658,6 +658,11 @@ def test_a_call_that_fails_inside_dynamo_leaves_the_forward_compiled():
             model.generate(ids, position_ids=torch.zeros(2, 7, dtype=torch.long), **kw)
         assert torch.equal(model.generate(ids, **kw), first)
         assert {k: n for k, n in be.graph_counts().items() if k != "none"} == {"prefill": 1, "decode": 1}
+    # failed compiles do not count against the recompile limit (16 while generate runs): a new kind of call compiles
+    for _ in range(16):
+        with pytest.raises(Exception, match="position|size|shape"):
+            model.generate(ids, position_ids=torch.zeros(2, 7, dtype=torch.long), **kw)
+    assert model.generate(ids[:1], **kw).shape == (1, 36)
     torch._dynamo.reset()
 
 

@@ -300,6 +300,8 @@ class Backend:
         self.spec_guards = _local_weights.SpecGuards()
         self.kvpass = KVPass(self.policy, self.runtime, self._compile_segment)
         self.reports: list[GraphReport] = []
+        # per Dynamo frame id: the compiles that gave a graph, and the last of them (``_frame_graphs_before``)
+        self._frame_graphs: dict[int, tuple[int, int]] = {}
         # kvpass.compile(..., direct_steps="auto" or True) sets it: its decoding loop calls a decode graph without
         # Dynamo's frame once two steps agree (kvpass.generate.direct_steps); the last generate call's DirectSteps
         self.direct_steps, self.last_direct_steps = False, None
@@ -368,11 +370,31 @@ class Backend:
         # torch.compile passes mode=/options= to a callable backend when they are set (HF's
         # CompileConfig defaults to mode="reduce-overhead").
         cid = torch._guards.CompileContext.current_compile_id()
-        if cid is not None and (cid.frame_compile_id or 0) + 1 >= torch._dynamo.config.recompile_limit:
+        before = self._frame_graphs_before(cid)
+        if before + 1 >= torch._dynamo.config.recompile_limit:
             # the graph that fills the limit is refused here, where kvpass can still say why: the next recompile
             # would fail inside Dynamo with its bare FailOnRecompileLimitHit (kvpass sets that flag: past the limit
             # a decode step would run uncompiled, outside the policy, on the cache a kvpass prefill evicted)
             raise ConfigError(self.recompile_advice(_recompile_reason()))
+        fn = self._rewrite_and_compile(gm, example_inputs, compile_kwargs)
+        if cid is not None and cid.frame_id is not None:
+            self._frame_graphs[cid.frame_id] = (before + 1, cid.frame_compile_id or 0)
+        return fn
+
+    def _frame_graphs_before(self, cid) -> int:
+        """The compiles of the frame Dynamo compiles now that gave a graph before this one: what Dynamo's recompile
+        limit counts (the frame's cached entries). Dynamo's own count (``frame_compile_id``) also counts compiles
+        that failed before a graph came (``kvpass.compile``'s forward compiles again after a call that raised,
+        ``fastpath.compiled_forward``), and is the lower one after a ``torch._dynamo.reset()``, which numbers
+        frames from 0 again."""
+        if cid is None or cid.frame_id is None:
+            return 0
+        attempt = cid.frame_compile_id or 0
+        graphs, last = self._frame_graphs.get(cid.frame_id, (0, -1))
+        return min(attempt, graphs - (last == attempt))  # a second graph of one compile is not another entry
+
+    def _rewrite_and_compile(self, gm: fx.GraphModule, example_inputs, compile_kwargs: dict):
+        """The pass over ``gm`` (its report kept), then the graph compiled by the phase's compiler."""
         report = self.kvpass(gm.graph)
         report.reads_mask = report.phase == "prefill" or mask_is_read(gm)
         self.reports.append(report)

@@ -600,11 +600,14 @@ def compiled_forward(forward):
 
     * under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a few ``generate`` calls of other
       shapes finds the graphs they compiled counted against its limit too;
-    * after a call that raised, with Dynamo's default handling of the forward's frame: a failure inside Dynamo's
-      trace (an argument the model cannot run) marks the frame to be skipped for good, and every later call would
-      compile the model's layers piecemeal, with the policy on some of them and other tokens. The next call runs
-      the forward's graphs again; an argument that fails still fails, each time."""
-    code = getattr(getattr(getattr(forward, "_torchdynamo_orig_callable", None), "__func__", None), "__code__", None)
+    * after a call that raised, with Dynamo's default handling of the forward's frame: where Dynamo cannot trace
+      a call (a fake-tensor failure on an argument the model cannot run), it marks the frame to be skipped for good
+      and runs the forward uncompiled, where the call fails; every later call would compile the model's layers
+      piecemeal, with the policy on some of them and other tokens. The next call runs the forward's graphs again
+      (the backend counts only compiles that gave a graph against the recompile limit); an argument that fails
+      still fails, each time. A call Dynamo cannot trace whose uncompiled run succeeds still leaves the frame
+      skipped (kvpass then warns of graphs without attention sites)."""
+    code = getattr(getattr(forward, "_torchdynamo_orig_callable", None), "__code__", None)
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
@@ -620,7 +623,9 @@ def compiled_forward(forward):
 
 
 def unskip(code) -> None:
-    """Dynamo's default handling for frames of ``code`` (compile, or run a cached graph), whatever a failure set."""
+    """Dynamo's default handling for frames of ``code`` (compile, or run a cached graph), whatever Dynamo had set:
+    a skip after a failed trace, or running cached graphs only past the recompile limit (set again at the next
+    compile that reaches it)."""
     from torch._C._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
