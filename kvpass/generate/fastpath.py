@@ -578,10 +578,10 @@ def compile(
     if mode == "auto":
         on_gpu = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_gpu and compiler == "inductor" else None
+    forward = own_code(model.forward)
     model.forward = compiled_forward(
-        torch.compile(
-            own_code(model.forward), backend=be, dynamic=True, fullgraph=fullgraph, options=compile_options(be, mode)
-        )
+        torch.compile(forward, backend=be, dynamic=True, fullgraph=fullgraph, options=compile_options(be, mode)),
+        getattr(forward, "__code__", None),  # a caller's callable object (not own_code's copy) may have none
     )
     model.generate = FastGenerate(model, be, model.generate)
     return be
@@ -595,8 +595,8 @@ def recompile_floor():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
 
 
-def compiled_forward(forward):
-    """The compiled ``forward`` as ``model.forward`` calls it:
+def compiled_forward(forward, code):
+    """The compiled ``forward`` (Dynamo's frames of ``code``, or None) as ``model.forward`` calls it:
 
     * under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a few ``generate`` calls of other
       shapes finds the graphs they compiled counted against its limit too;
@@ -607,7 +607,6 @@ def compiled_forward(forward):
       (the backend counts only compiles that gave a graph against the recompile limit); an argument that fails
       still fails, each time. A call Dynamo cannot trace whose uncompiled run succeeds still leaves the frame
       skipped (kvpass then warns of graphs without attention sites)."""
-    code = getattr(getattr(forward, "_torchdynamo_orig_callable", None), "__code__", None)
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
