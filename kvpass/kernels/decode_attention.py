@@ -881,9 +881,10 @@ def _sms(device) -> int:
 MAX_SPLITS = 256
 COMBINE_BLOCK = 64  # parts the combine merges per load (64 x head dim fp32 per program)
 PROGRAMS_PER_SM = 1  # split-KV programs a launch aims at per SM
-# a ragged row's splits per head slot: at least RAGGED_MIN_HEAD_SPLITS (skewed heads at batch 16 read 1.21x the
-# uniform layout's time in one split a slot, 1.02-1.04x in four; batch 1 already takes 16 and more cost it:
-# H100, bench/results/gpu_h100_2026-12-06/ragged/scales_1327), times RAGGED_SPLIT_SCALE (1; the kernel benchmark
+# a ragged row's splits per head slot: at least RAGGED_MIN_HEAD_SPLITS, so that at large batches (one split a slot
+# by num_splits) a long head's range is cut as finely as a short one's and skewed heads read near the uniform
+# layout's rate; small batches already take more, and more than num_splits gives them costs more than it saves
+# (bench/results/gpu_h100_2026-12-06/ragged/scales_1327); times RAGGED_SPLIT_SCALE (1; the kernel benchmark
 # sweeps it)
 RAGGED_MIN_HEAD_SPLITS = 4
 RAGGED_SPLIT_SCALE = 1
