@@ -13,6 +13,9 @@ h2o's scoring (its TTFT less ``full``'s) <= 0.5x ``full``'s TTFT. cuDNN SDPA off
 
     python bench/bench_prefill.py --layers 8 --lengths 32768,131072 --policies full,snapkv,h2o,asl --out p.json
 
+With ``--profile``, one more call per row runs under torch's profiler: the device kernels of that prefill, the
+30 longest (``kernels``), to show where a prefill above ``full``'s spends its time.
+
 Results: the prefill files of ``bench/results/throughput_2026-11-27/`` (``*_prefill_*.json``).
 """
 
@@ -31,7 +34,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
 from bench_fastpath import gen, prompt, timed  # noqa: E402
-from llama_shape import llama8b_config, random_llama, uncompiled  # noqa: E402
+from llama_shape import llama8b_config, policy_params, random_llama, uncompiled  # noqa: E402
 
 GIB = 2**30
 
@@ -42,6 +45,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--policies", default="full,snapkv,pyramidkv,streamingllm,h2o,raas,quest,asl")
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--prefill-compiler", default=None, help="kvpass.compile's prefill_compiler (default: Inductor)")
+    ap.add_argument("--profile", action="store_true", help="the device kernels of one more prefill per row")
     ap.add_argument("--out", default="prefill.json")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -64,9 +69,9 @@ def main() -> None:
     rows, full = [], {}
     for policy in args.policies.split(","):
         uncompiled(model)  # the previous policy's compile undone, its caches freed
-        params = {} if policy in ("full", "art") else {"budget": args.budget}
+        params = policy_params(policy, args.budget, model.config)
         try:
-            kvpass.compile(model, policy, **params)
+            kvpass.compile(model, policy, prefill_compiler=args.prefill_compiler, **params)
             for n in lengths:
                 ids = prompt(n)
                 warm, _ = timed(lambda: gen(model, ids, 1))
@@ -76,7 +81,9 @@ def main() -> None:
                 peak = torch.cuda.max_memory_allocated()
                 row = {
                     "policy": policy,
-                    "params": params,
+                    "params": {
+                        k: v if isinstance(v, (int, float, str)) else type(v).__name__ for k, v in params.items()
+                    },
                     "context": n,
                     "ttft_s": round(ttft, 3),
                     "first_call_s": round(warm, 2),
@@ -89,6 +96,8 @@ def main() -> None:
                     row["peak_over_full"] = round(peak / GIB / full[n]["peak_gib"], 3)
                     row["ttft_over_full"] = round(ttft / full[n]["ttft_s"], 3)
                     row["extra_over_full_ttft"] = round((ttft - full[n]["ttft_s"]) / full[n]["ttft_s"], 3)
+                if args.profile:
+                    row["kernels"] = kernel_table(lambda: gen(model, ids, 1))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -96,6 +105,27 @@ def main() -> None:
             rows.append({"policy": policy, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(json.dumps(rows[-1]), flush=True)
             Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def kernel_table(call, top: int = 30) -> list:
+    """The device kernels of one ``call``: all of them summed, then the ``top`` longest (ms, launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:120], "ms": round(us / 1e3, 2), "launches": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = {
+        "kernel": "(all kernels)",
+        "ms": round(sum(r["ms"] for r in rows), 1),
+        "launches": sum(r["launches"] for r in rows),
+    }
+    return [total] + rows[:top]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@
 #                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
 #                                        (expected_attention@decode_interval=64: its cuts between decode steps);
 #                                        FEW=1: three prefills at the last length, not eight (kvzip at 32 layers)
+#   bash bench/calls/gpu_run.sh prefill  TTFT and peak memory of POLICIES (full,kvzip) at 130k (LENGTHS), LAYERS (8) layers,
+#                                        with the device kernels of one more prefill each (bench/bench_prefill.py)
 #   bash bench/calls/gpu_run.sh profile  the device kernels of 8 decode steps at 130k, LAYERS (8) layers, per POLICIES
 #                                        row (bench/bench_decode_step.py --profile): where a step above its roofline
 #                                        spends its time
@@ -32,7 +34,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-case "${1:?tests | new | ragged | decode | profile | throughput | accuracy}" in
+case "${1:?tests | new | ragged | decode | prefill | profile | throughput | accuracy}" in
 tests)
   # every file at once (16 host cores; the compiles are host-bound), each under LIMIT seconds, so the step ends
   # inside the tool's 600 s; each file's result line reaches the summary as it ends
@@ -82,6 +84,10 @@ decode)
     ${FEW:+--few-prefills} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   tail -n 30 "$out/$name.log" ;;
+prefill)
+  timeout -k 10 "${LIMIT:-480}" python bench/bench_prefill.py --layers "${LAYERS:-8}" --lengths "${LENGTHS:-131072}" \
+    --policies "${POLICIES:-full,kvzip}" --prefill-compiler eager --profile --out "$out/prefill.json" > "$out/prefill.log" 2>&1
+  tail -n 8 "$out/prefill.log" | cut -c 1-3000 ;;
 profile)
   timeout -k 10 "${LIMIT:-480}" python bench/bench_decode_step.py --layers "${LAYERS:-8}" --contexts 131072 --steps 32 \
     --configs "${POLICIES:-snapkv,h2o,expected_attention,tova}" --profile --out "$out/profile.json" > "$out/profile.log" 2>&1
