@@ -44,15 +44,30 @@ def window_case(b, h, hkv, w, n, d, dtype, pads, seed):
     rows=st.sampled_from([16, 64]),
     pads=st.lists(st.integers(0, 30), min_size=2, max_size=2),
     merge=st.sampled_from([1, 2, 64]),
+    reduce=st.sampled_from(W.REDUCTIONS),
     seed=st.integers(0, 10_000),
 )
-def test_window_kernel_equals_reference(b, gqa, w, n, d, dtype, softcap, block, rows, pads, merge, seed):
+def test_window_kernel_equals_reference(b, gqa, w, n, d, dtype, softcap, block, rows, pads, merge, reduce, seed):
     h, hkv = gqa
     q, k, kv_pos, q_pos = window_case(b, h, hkv, w, n, d, dtype, pads[:b], seed)
-    want = W.window_scores_reference(q, k, kv_pos, q_pos, 0.3, softcap)
-    got = W.window_scores_triton(q, k, kv_pos, q_pos, 0.3, softcap, block=block, rows=rows, merge_blocks=merge)
+    want = W.window_scores_reference(q, k, kv_pos, q_pos, 0.3, softcap, reduce)
+    got = W.window_scores_triton(
+        q, k, kv_pos, q_pos, 0.3, softcap, block=block, rows=rows, merge_blocks=merge, reduce=reduce
+    )
     assert got.dtype == torch.float32 and got.shape == (b, hkv, n)
     torch.testing.assert_close(got, want, atol=TOL[dtype] * w, rtol=TOL[dtype])
+    if reduce == "max":  # no row gives a key more than all of its attention
+        assert got.le(1 + 1e-5).all()
+
+
+def test_window_scores_max_is_the_most_one_row_gives():
+    """``reduce="max"`` differs from the sum (a test that cannot tell them apart would pass either kernel)."""
+    q, k, kv_pos, q_pos = window_case(1, 4, 2, 6, 30, 16, torch.float32, [0], 1)
+    most = W.window_scores_triton(q, k, kv_pos, q_pos, 0.25, block=16, reduce="max")
+    total = W.window_scores_triton(q, k, kv_pos, q_pos, 0.25, block=16)
+    assert most.le(total + 1e-6).all() and not torch.allclose(most, total)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        W.window_scores_reference(q, k, kv_pos, q_pos, 0.25, reduce="mean")
 
 
 def test_window_kernel_rows_that_see_nothing():

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import kvpass
 from kvpass.generate import reconstruct
+from kvpass.policies import make_policy
 from tests.families import build
 
 N, NEW = 40, 5
@@ -64,6 +65,53 @@ def test_the_passes_scores_are_the_models_attention_renormalised():
     assert sorted(got) == sorted(want) == [0, 1]
     for layer in want:
         torch.testing.assert_close(got[layer], want[layer], atol=1e-5, rtol=1e-4)
+
+
+def test_the_passes_score_through_the_window_kernel_as_the_model_attends(monkeypatch):
+    """On a GPU the passes score with the window kernel (``reduce="max"``, their columns laid out by positions);
+    here it runs in Triton's interpreter, its query rows padded, against the model's own attention."""
+    from kvpass.kernels import window_scores as W
+    from kvpass.policies.prefill import kvzip
+
+    if W.triton is None:
+        pytest.skip("needs Triton")
+    calls = []
+
+    def kernel(*args, **kw):
+        calls.append(args[0].shape)
+        return W.window_scores_triton(*args, **kw, block=16)
+
+    monkeypatch.setattr(kvzip, "window_scores_eager", kernel)
+    model, be = compiled(budget=16, chunk_size=16, sinks=3, overlap=4)
+    ids = prompt()
+    with reconstruct.repeat_passes(model, be, ids):
+        got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
+    want = reference_scores(be.policy, ids)
+    assert calls and all(shape[2] == kvzip.ROW_BUCKET for shape in calls)  # the padded rows
+    for layer in want:
+        torch.testing.assert_close(got[layer], want[layer], atol=1e-5, rtol=1e-4)
+
+
+def test_padding_scores_alike_in_the_kernel_and_the_reference(monkeypatch):
+    """Padding in the prompt and the pass (``valid``): the kernel's position layout gives the reference's scores,
+    and a padding entry gets none."""
+    from kvpass.kernels import window_scores as W
+    from kvpass.policies.prefill import kvzip
+
+    if W.triton is None:
+        pytest.skip("needs Triton")
+    policy = make_policy("kvzip", budget=8, sinks=3, tokenizer=Tok())
+    g = torch.Generator().manual_seed(1)
+    n, r = 30, 9
+    q, k = torch.randn(2, 4, r, 16, generator=g), torch.randn(2, 2, n + r, 16, generator=g)
+    valid = torch.ones(2, n + r, dtype=torch.bool)
+    valid[1, :10] = False  # a left-padded row: its first two entries of the chunk are padding
+    valid[1, n : n + 2] = False  # its pass's first tokens padding too
+    want = policy.repeat_scores(q, k, valid, (8, 20), 0.0)
+    monkeypatch.setattr(kvzip, "window_scores_eager", lambda *a, **kw: W.window_scores_triton(*a, **kw, block=16))
+    got = policy.repeat_scores(q, k, valid, (8, 20), 0.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert want.shape == (2, 2, 12) and want[1, :, :2].eq(0).all() and want[1, :, 2:].gt(0).all()
 
 
 def test_a_prompt_without_padding_scores_without_a_mask():

@@ -10,7 +10,8 @@ true positions, the score of key ``j`` of KV head ``g`` is::
 over the keys the query may see: ``0 <= kv_pos[b, g, j] <= q_pos[b, i]`` (causal inside the window,
 left padding ``kv_pos = -1`` never seen). A query row that sees nothing contributes nothing. GQA is
 packed: query head ``h`` reads KV head ``h // (H / H_kv)``, the group's scores are summed (the
-granularity the cache is stored at), never kept per query head. Math in fp32.
+granularity the cache is stored at), never kept per query head. Math in fp32. With ``reduce="max"`` a key
+gets the most any of those rows gives it instead of the sum (kvzip's repeat passes).
 
 The reference materialises ``[B, H, W, N]`` fp32 scores; at 128k context and 32 heads that is half a
 gigabyte. The kernel never does. One program owns one KV head and one block of ``BLOCK`` keys, loads
@@ -20,8 +21,8 @@ the key block once and walks the group's ``G x W`` query rows in chunks of ``ROW
    (``[B * H_kv, n_blocks, G * W]``, 1/``BLOCK`` of the score matrix);
 2. one merge program per KV head (and chunk of rows) folds them into each row's softmax max and
    1 / denominator, online over the blocks;
-3. pass 2 recomputes the block's scores, normalises them and sums every column over the rows,
-   writing ``score[b, g, block]`` directly: no atomics, deterministic, every block in parallel.
+3. pass 2 recomputes the block's scores, normalises them and sums every column over the rows (or takes
+   its maximum), writing ``score[b, g, block]`` directly: no atomics, deterministic, every block in parallel.
 
 Three launches, whatever the shape. The merge is a kernel rather than PyTorch reductions because the
 decode steps of h2o and tova score one query against ``budget + 1`` keys every layer: there, the merge
@@ -50,13 +51,24 @@ except ImportError:  # pragma: no cover - kvpass runs its references without Tri
 _LOG2E = 1.4426950408889634
 
 
+REDUCTIONS = ("sum", "max")
+
+
 def window_scores_reference(
-    q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float | None = None, softcap: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    kv_pos: Tensor,
+    q_pos: Tensor,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    reduce: str = "sum",
 ) -> Tensor:
-    """Window attention received by every key, summed over window queries and the group's heads.
+    """Window attention received by every key, summed (``reduce="max"``: the most) over window queries and the
+    group's heads.
 
     ``q [B, H, W, D]``, ``k [B, H_kv, N, D]``, ``kv_pos [B, H_kv, N]``, ``q_pos [B, W]`` ->
     ``[B, H_kv, N]`` fp32 (see the module docstring)."""
+    _check_reduce(reduce)
     b, h, w, d = q.shape
     hkv = k.shape[1]
     if h % hkv:
@@ -73,7 +85,22 @@ def window_scores_reference(
     p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
     denom = p.sum(-1, keepdim=True)
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return p.sum(dim=(2, 3))
+    return p.amax(dim=(2, 3)) if reduce == "max" else p.sum(dim=(2, 3))
+
+
+def _check_reduce(reduce: str) -> None:
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"kvpass window scores: reduce must be one of {REDUCTIONS}, got {reduce!r}")
+
+
+def window_scores_eager(
+    q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float = 0.0, reduce: str = "sum"
+) -> Tensor:
+    """Outside a compiled graph (inside another operator's Python): the kernel on a CUDA device with Triton,
+    the reference elsewhere. Arguments and result as ``window_scores_reference``."""
+    if q.is_cuda and triton is not None:
+        return window_scores_triton(q, k, kv_pos, q_pos, scale, softcap, reduce=reduce)
+    return window_scores_reference(q, k, kv_pos, q_pos, scale, softcap, reduce)
 
 
 if triton is not None:
@@ -157,8 +184,10 @@ if triton is not None:
         SOFTCAP: tl.constexpr,
         UPCAST: tl.constexpr,
         SECOND: tl.constexpr,
+        MOST: tl.constexpr,
     ):
-        """Pass 1 (``SECOND`` false): per-block row max / sum into M, L. Pass 2: column sums into Out."""
+        """Pass 1 (``SECOND`` false): per-block row max / sum into M, L. Pass 2: column sums (``MOST``: column
+        maxima) into Out."""
         bh = tl.program_id(0)
         blk = tl.program_id(1)
         b = (bh // HKV).to(tl.int64)
@@ -205,7 +234,11 @@ if triton is not None:
                 m = tl.load(M + bh.to(tl.int64) * (GROUP * W) + r, mask=rmask, other=float("-inf"))
                 inv = tl.load(L + bh.to(tl.int64) * (GROUP * W) + r, mask=rmask, other=0.0)
                 p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]) * inv[:, None]
-                col += tl.sum(tl.where(rmask[:, None], p, 0.0), 0)
+                p = tl.where(rmask[:, None], p, 0.0)
+                if MOST:
+                    col = tl.maximum(col, tl.max(p, 0))
+                else:
+                    col += tl.sum(p, 0)
             else:
                 m = tl.max(s, 1)
                 p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
@@ -252,6 +285,7 @@ def window_scores_triton(
     num_warps: int = 4,
     launch=None,
     merge_blocks: int = 64,
+    reduce: str = "sum",
 ) -> Tensor:
     """Launch the two passes and their merge; arguments and result as ``window_scores_reference``.
     ``merge_blocks``: the key blocks' statistics the merge folds in per step (tests use few).
@@ -260,6 +294,7 @@ def window_scores_triton(
     ``triton_op``; identity when called directly)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("kvpass window scoring needs Triton")
+    _check_reduce(reduce)
     wrap = launch or (lambda fn: fn)
     b, h, w, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
@@ -302,6 +337,7 @@ def window_scores_triton(
         ROWS=rows,
         SOFTCAP=softcap > 0,
         UPCAST=upcast,
+        MOST=reduce == "max",
         num_warps=num_warps,
     )
     grid = (b * hkv, n_blocks)

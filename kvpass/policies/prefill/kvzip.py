@@ -37,9 +37,12 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import ragged
+from kvpass.kernels.window_scores import window_scores_eager
 from kvpass.policies.contract import ConfigError, Needs, Refusal, SitePlan, param
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
+
+ROW_BUCKET = 256  # a repeat pass's queries are scored in multiples of this many rows
 
 
 class KVzip(PrefillEviction):
@@ -130,27 +133,33 @@ class KVzip(PrefillEviction):
         pass gives it, over the query heads of its KV group. ``q [B, H, r, D]`` (scaled), ``k [B, H_kv, n + r, D]``
         (the prompt's entries, then the pass's), ``valid [B, n + r]`` (False: padding) or None. The softmax spans
         the first ``min(sinks, start)`` entries, the chunk and the pass's own entries (causal); a padding query
-        casts nothing."""
+        casts nothing.
+
+        It is window scoring (``kvpass.kernels.window_scores``, the Triton kernel on a GPU: no ``[H, r, cols]``
+        score tensor) over those columns with the most instead of the sum: the prompt's columns at position 0,
+        which every query of the pass sees, the pass's own entry i and query i at position i + 1 (causal),
+        padding at -1 (nothing sees it, it sees nothing). The queries are padded to a multiple of
+        ``ROW_BUCKET`` rows that see nothing, so the kernel, which specialises on the row count, compiles once
+        for most prompt lengths."""
         start, end = span
-        b, h, r, _ = q.shape
+        b, _, r, _ = q.shape
         hkv, n = k.shape[1], k.shape[2] - r
         sink = min(self.sinks, start)
-        cols = torch.cat([torch.arange(sink), torch.arange(start, end), torch.arange(n, n + r)]).to(k.device)
+        dev = k.device
+        cols = torch.cat([torch.arange(sink), torch.arange(start, end), torch.arange(n, n + r)]).to(dev)
         keys = k.index_select(2, cols)
-        logits = torch.einsum("bgqd,bgkd->bgqk", q.float().reshape(b, hkv, (h // hkv) * r, -1), keys.float())
-        logits = logits.view(b, hkv, h // hkv, r, -1)
-        if softcap:
-            logits = softcap * torch.tanh(logits / softcap)
-        own = torch.arange(r, device=k.device)
-        seen = torch.cat(
-            [torch.ones(r, sink + end - start, dtype=torch.bool, device=k.device), own[None, :] <= own[:, None]], 1
-        )  # [r, cols]: causal on the pass
+        own = torch.arange(1, r + 1, device=dev)
+        kv_pos = torch.cat([own.new_zeros(sink + end - start), own]).expand(b, -1)
+        q_pos = own.expand(b, -1)
         if valid is not None:
-            seen = seen & valid.index_select(1, cols)[:, None, None, None, :]
-        probs = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
-        if valid is not None:  # a padding query casts nothing
-            probs = probs * valid[:, n:, None].to(probs.dtype)[:, None, None]
-        return probs[..., sink : sink + end - start].amax(dim=(2, 3))
+            kv_pos = kv_pos.masked_fill(~valid.index_select(1, cols), -1)
+            q_pos = q_pos.masked_fill(~valid[:, n:], -1)
+        rows = -(-r // ROW_BUCKET) * ROW_BUCKET
+        q = torch.cat([q, q.new_zeros(*q.shape[:2], rows - r, q.shape[3])], 2)
+        q_pos = torch.cat([q_pos, q_pos.new_full((b, rows - r), -1)], 1)
+        kv_pos = kv_pos[:, None].expand(b, hkv, -1).contiguous()
+        most = window_scores_eager(q, keys, kv_pos, q_pos.contiguous(), 1.0, softcap, reduce="max")
+        return most[..., sink : sink + end - start]
 
     # -- the selection (the SlotCache's prefill, given the passes' scores) -------------------------------------------
 
