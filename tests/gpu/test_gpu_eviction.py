@@ -2,7 +2,8 @@
 
 * the window-scoring kernel equals its reference at long context (up to 128k keys), for bf16 /
   fp16 / fp32, GQA ratios 1-8, head_dim 64-256, padding and softcapping, and its peak memory stays
-  far below the ``[heads, window, N]`` fp32 scores the reference materialises;
+  far below the ``[heads, window, N]`` fp32 scores the reference materialises; as kvzip's pass scorer
+  (``reduce="max"``) at a 2k chunk;
 * the accumulated-attention kernel (h2o's prefill scorer) equals its reference at 4k-16k prompts, bf16, GQA 4,
   with padding and softcapping, without materialising the ``[heads, L, N]`` scores;
 * ``attention_lse`` gives flash attention's row statistics, and the one-pass scoring that takes them equals
@@ -81,6 +82,28 @@ def test_window_kernel_at_128k_without_materialising_scores():
     assert extra < full_scores / 12, f"kernel used {extra / 2**20:.1f} MiB"  # ~20 MiB: block statistics
     want = W.window_scores_reference(q, k, kv_pos, q_pos, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5 * w * (h // hkv), rtol=1e-3)
+
+
+def test_kvzip_pass_scores_by_the_kernel_equal_the_reference(monkeypatch):
+    """A kvzip repeat pass at the 8B shape (a 2k chunk of a 32k prompt, bf16): the window kernel's most-attention
+    scores (``reduce="max"``) against the reference's, and the same entries kept."""
+    from kvpass.policies import make_policy
+    from kvpass.policies.prefill import kvzip
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return list(text.encode())
+
+    policy = make_policy("kvzip", budget=1024, tokenizer=Tok())
+    n, r = 32768, 2048 + 60
+    q, k, _, _ = window_case(1, 32, 8, r, n + r, 128, torch.bfloat16)
+    q = q * 128**-0.5
+    got = policy.repeat_scores(q, k, None, (4096, 6144), 0.0)
+    monkeypatch.setattr(kvzip, "window_scores_eager", W.window_scores_reference)
+    want = policy.repeat_scores(q, k, None, (4096, 6144), 0.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-3)
+    top_g, top_w = got.topk(256, -1).indices.sort(-1).values, want.topk(256, -1).indices.sort(-1).values
+    assert torch.isin(top_g.flatten(1), top_w.flatten(1)).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("b,n,pad,softcap", [(1, 4096, 0, 0.0), (2, 8192, 1500, 0.0), (1, 16384, 0, 30.0)])
