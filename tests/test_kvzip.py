@@ -33,6 +33,15 @@ def compiled(policy="kvzip", **params):
     return model, kvpass.compile(model, policy, compiler="eager", **params)
 
 
+def pass_scores(model, be, ids: torch.Tensor, mask=None, forward=None) -> dict[int, torch.Tensor]:
+    """The repeat passes' scores of prompt ``ids`` per layer: a SlotCache prefill inside kvpass.repeat_passes, the
+    scores read as its forward returns (the passes have run; the block's end gives them back)."""
+    cache = kvpass.SlotCache(model, be, max_length=ids.shape[1] + NEW, max_new_tokens=NEW)
+    with torch.no_grad(), reconstruct.repeat_passes(model, be, ids, mask, forward=forward):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return {k: v.clone() for k, v in be.runtime.state.scores.items()}
+
+
 def reference_scores(policy, ids: torch.Tensor) -> dict[int, torch.Tensor]:
     """KVzip's scores from the uncompiled model's own attention weights: each pass run on the prompt followed by
     the pass (one sequence: the same keys and positions as a pass on the prompt's cache), its queries' weights
@@ -58,9 +67,8 @@ def reference_scores(policy, ids: torch.Tensor) -> dict[int, torch.Tensor]:
 def test_the_passes_scores_are_the_models_attention_renormalised():
     model, be = compiled(budget=16, chunk_size=16, sinks=3, overlap=4)
     ids = prompt()
-    with reconstruct.repeat_passes(model, be, ids):
-        got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
-    assert not be.runtime.state.scores  # given back after the prefill
+    got = pass_scores(model, be, ids)
+    assert not be.runtime.state.scores and be.runtime.state.deferred is None  # given back after the prefill
     want = reference_scores(be.policy, ids)
     assert sorted(got) == sorted(want) == [0, 1]
     for layer in want:
@@ -84,8 +92,7 @@ def test_the_passes_score_through_the_window_kernel_as_the_model_attends(monkeyp
     monkeypatch.setattr(kvzip, "window_scores_eager", kernel)
     model, be = compiled(budget=16, chunk_size=16, sinks=3, overlap=4)
     ids = prompt()
-    with reconstruct.repeat_passes(model, be, ids):
-        got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
+    got = pass_scores(model, be, ids)
     want = reference_scores(be.policy, ids)
     assert calls and all(shape[2] == kvzip.ROW_BUCKET for shape in calls)  # the padded rows
     for layer in want:
@@ -114,22 +121,21 @@ def test_padding_scores_alike_in_the_kernel_and_the_reference(monkeypatch):
     assert want.shape == (2, 2, 12) and want[1, :, :2].eq(0).all() and want[1, :, 2:].gt(0).all()
 
 
-def test_a_prompt_without_padding_scores_without_a_mask():
-    """An all-ones mask (what ``generate`` passes) is dropped: with it transformers builds an [n, n] mask for the
-    scoring prefill (31 GiB at 130k tokens); the scores equal those of a call without a mask."""
+def test_the_prompt_is_prefilled_once_and_its_passes_take_no_mask():
+    """The passes run on the entries of the caller's own prefill (no prefill of their own), and an all-ones mask
+    (what ``generate`` passes) is dropped: with it transformers builds each pass an [r, n + r] mask (31 GiB at 130k
+    tokens for the prompt's own); the scores equal those of a call without a mask."""
     model, be = compiled(budget=16, chunk_size=16, sinks=3, overlap=4)
     ids = prompt()
     seen = []
 
     def forward(**kw):
-        seen.append("attention_mask" in kw)
+        seen.append((kw["input_ids"].shape[1], "attention_mask" in kw))
         return model(**kw)
 
-    with reconstruct.repeat_passes(model, be, ids, torch.ones_like(ids), forward=forward):
-        got = {k: v.clone() for k, v in be.runtime.state.scores.items()}
-    assert seen and not any(seen)
-    with reconstruct.repeat_passes(model, be, ids):
-        want = {k: v.clone() for k, v in be.runtime.state.scores.items()}
+    got = pass_scores(model, be, ids, mask=torch.ones_like(ids), forward=forward)
+    assert seen == [(p.shape[1], False) for _, _, p, _ in be.policy.passes(ids, None)]  # the passes alone
+    want = pass_scores(model, be, ids)
     assert sorted(got) == sorted(want) == [0, 1]
     for layer in want:
         torch.testing.assert_close(got[layer], want[layer])

@@ -216,7 +216,6 @@ def slot_prefill(
     rt.slot_prefilled(count)
     layer = runtime.layer_of(key)
     b, hkv, length, _ = k_new.shape
-    cap = keys.shape[2]
     if b != keys.shape[0]:
         raise ValueError(
             f"kvpass SlotCache: a batch of {b} rows on a cache built for {keys.shape[0]}; build it with batch_size={b}"
@@ -232,6 +231,32 @@ def slot_prefill(
     if valid is not None:
         kv_pos = torch.where(valid[:, None, :], kv_pos, torch.full_like(kv_pos, -1))
     q_pos = torch.arange(length, device=k_new.device).expand(b, length)
+    extra = runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj, rt.state.scores.get(layer))
+    job = rt.state.deferred
+    if job is not None:  # inside kvpass.repeat_passes: its passes score these entries before the layer keeps
+        job.cache.update(k_new, v_new, layer)  # the passes' cache copies them (this graph's buffers may be reused)
+        if not rt.sites[key].sliding_window:
+            job.keeps[layer] = (rt, key, keys, values, pos, count, state, kv_pos, q_pos, extra)
+            return
+    _keep(rt, key, keys, values, pos, count, state, q, k_new, v_new, kv_pos, q_pos, extra)
+
+
+def keep_held(held: tuple, k: Tensor, v: Tensor, scores: Tensor | None) -> None:
+    """The rest of a ``slot_prefill`` that ``kvpass.repeat_passes`` held for its passes: the layer keeps entries of
+    ``k`` / ``v`` (the prompt's, as the prefill computed them) by the passes' ``scores`` (None: no pass scored
+    the layer, which ``select`` refuses by name)."""
+    rt, key, keys, values, pos, count, state, kv_pos, q_pos, extra = held
+    _keep(rt, key, keys, values, pos, count, state, None, k, v, kv_pos, q_pos, {**extra, "scores": scores})
+
+
+def _keep(rt, key, keys, values, pos, count, state, q, k_new, v_new, kv_pos, q_pos, extra: dict) -> None:
+    """``slot_prefill``'s choice and writes, given the prompt's entries and the policy's inputs: the policy keeps
+    (a sliding layer its window's latest), the kept entries are written into the first slots."""
+    from kvpass.cache import runtime
+
+    layer = runtime.layer_of(key)
+    b, hkv, length, _ = k_new.shape
+    cap = keys.shape[2]
     if rt.sites[key].sliding_window:  # a sliding layer's ring holds the window's most recent entries
         idx = kv_pos.topk(cap, dim=-1).indices if length > cap else None
         kept_pos, kept_state = (kv_pos if idx is None else kv_pos.gather(2, idx)), None
@@ -245,7 +270,7 @@ def slot_prefill(
             kv_pos,
             q_pos,
             None,
-            runtime.selection_inputs(tokens, votes, lse, q_pre, cos, sin, out_proj, rt.state.scores.get(layer)),
+            extra,
         )
     if rt.policy.needs.heads and not rt.sites[key].sliding_window:  # the per-head layout (kvpass.cache.ragged)
         kept = idx if idx is not None else ragged.everything(b, hkv, length, k_new.device)

@@ -89,7 +89,10 @@ class GenerationState:
         # ``[B, H_kv, n]`` (fp32) of the prompt's entries so far, which the next prefill's ``select`` reads
         self.repeat: tuple[int, int] | None = None
         self.scores: dict[int, Tensor] = {}
-        self.passes = False  # inside kvpass.repeat_passes (its scoring prefill and passes; the prefill they serve)
+        self.passes = False  # inside kvpass.repeat_passes (the prefill it serves and its passes)
+        # inside kvpass.repeat_passes, until its passes run: what they need and the prefill's held layers
+        # (kvpass.generate.reconstruct.Deferred; SlotCache prefills hand their entries to it)
+        self.deferred = None
 
     # the fields that describe one cache (its layers' records and the counts around them); the others steer the
     # calls of a run (chunk fusion's positions and votes, a reconstructing policy's passes)

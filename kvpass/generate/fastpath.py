@@ -50,7 +50,7 @@ from kvpass.cache.argument import cache_kwarg
 from kvpass.cache.slots import SlotCache
 from kvpass.compiler.backend import Backend, backend
 from kvpass.errors import ConfigError, SlotCacheUnrewritten, warn_once
-from kvpass.generate import decode_loop
+from kvpass.generate import decode_loop, reconstruct
 from kvpass.generate.requests import RequestQueue
 from kvpass.generate.token_ids import check_values, vocab_size
 
@@ -582,6 +582,8 @@ def compile(
     model.forward = compiled_forward(
         torch.compile(forward, backend=be, dynamic=True, fullgraph=fullgraph, options=compile_options(be, mode)),
         getattr(forward, "__code__", None),  # a caller's callable object (not own_code's copy) may have none
+        # kvzip: the repeat passes a prefill waits for run as its forward returns, before any decode step
+        functools.partial(reconstruct.finish, be) if needs.reconstructs else None,
     )
     model.generate = FastGenerate(model, be, model.generate)
     return be
@@ -595,8 +597,9 @@ def recompile_floor():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
 
 
-def compiled_forward(forward, code):
-    """The compiled ``forward`` (Dynamo's frames of ``code``, or None) as ``model.forward`` calls it:
+def compiled_forward(forward, code, after=None):
+    """The compiled ``forward`` (Dynamo's frames of ``code``, or None) as ``model.forward`` calls it, then
+    ``after()`` (a reconstructing policy's ``reconstruct.finish``) when given:
 
     * under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a few ``generate`` calls of other
       shapes finds the graphs they compiled counted against its limit too;
@@ -612,7 +615,10 @@ def compiled_forward(forward, code):
     def call(*args, **kwargs):
         try:
             with recompile_floor():
-                return forward(*args, **kwargs)
+                out = forward(*args, **kwargs)
+                if after is not None:
+                    after()
+                return out
         except BaseException:
             if code is not None:
                 unskip(code)

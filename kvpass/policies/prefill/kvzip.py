@@ -10,14 +10,14 @@ its KV heads by one ranking of the layer's (head, entry) scores (the per-head la
 as ``adakv`` keeps them), the first ``sinks`` real entries always and the last ``window`` (0) too.
 
 **How it runs.** ``kvpass.compile``'s ``generate``, ``kvpass.RequestQueue`` and ``kvpass compare`` run the repeat
-passes before the prefill that fills a ``kvpass.SlotCache`` (``kvpass.repeat_passes``): the prompt is prefilled
-into a ``DynamicCache`` that keeps everything, each pass reads it (``kvpass::repeat_scores`` beside the attention
-of every layer) and leaves it as it was, and the scores reach the SlotCache's prefill, whose ``select`` keeps the
-best entries per layer. The SlotCache holds the budget only, so the scoring's full-size cache is given back before
-the first decode step. A prompt is therefore prefilled twice, plus the repeat passes (about one prefill more): 2-3x
-a plain prefill, as in the paper's own count. On any other cache kvzip keeps every entry (a ``DynamicCache``
-under transformers' ``generate``, with a warning): only a SlotCache's prefill selects, so that every compiled graph
-keeps one shape contract.
+passes over the prefill that fills a ``kvpass.SlotCache`` (``kvpass.repeat_passes``): that prefill hands each layer's
+entries to a ``DynamicCache`` that keeps the whole prompt and holds its choice; as its forward returns, each pass
+reads that cache (``kvpass::repeat_scores`` beside the attention of every layer) and leaves it as it was, and each
+layer's ``select`` keeps the best entries by the passes' scores. The SlotCache holds the budget only, and the
+scoring cache is given back before the first decode step. A prompt is prefilled once, plus the repeat passes
+(about two prefills' attention: each chunk's queries read the whole prompt). On any other cache kvzip keeps every
+entry (a ``DynamicCache`` under transformers' ``generate``, with a warning): only a SlotCache's prefill selects, so
+that every compiled graph keeps one shape contract.
 
 **Repeat prompts** are text, so the policy needs ``tokenizer`` (any object with ``encode(text,
 add_special_tokens=False)``): ``first`` before the first chunk, ``later`` before each later chunk (followed by its
@@ -93,7 +93,7 @@ class KVzip(PrefillEviction):
         a graph that serves prefill and decode alike (a ``dynamic`` phase) runs outside the repeat passes."""
         return (
             f"policy '{self.name}' selects at a kvpass.SlotCache's prefill, from repeat passes that "
-            f"kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run first; on this "
+            f"kvpass.compile's generate, kvpass.RequestQueue and `kvpass compare` run over it; on this "
             f"{cache} cache it keeps every entry, as 'full'"
         )
 
