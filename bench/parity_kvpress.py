@@ -352,8 +352,8 @@ def run_kvpass_side(args) -> None:
             continue
 
         def reconstructed(row, policy=policy, params=params):
-            """A policy whose repeat passes run before the prefill (kvzip): the passes, then the prefill into a
-            SlotCache that holds what the policy keeps, and greedy steps on it."""
+            """A policy whose repeat passes score the prefill (kvzip): the prefill into a SlotCache inside
+            ``repeat_passes``, whose end runs the passes and keeps what the policy keeps, then greedy steps on it."""
             from transformers import AutoTokenizer
 
             from kvpass.generate import reconstruct
