@@ -201,6 +201,56 @@ def test_the_plain_backend_on_a_slot_cache_keeps_what_kvpass_compile_does():
         assert held(cache, layer, N) == held(slot, layer, N)
 
 
+def test_the_layers_keep_as_the_prefill_returns():
+    """Under kvpass.compile the passes run as the prefill's forward returns: inside the block, before any decode
+    step, every layer holds its kept entries (the same as generate's) and nothing waits."""
+    model, be = compiled(budget=12, chunk_size=16)
+    ids = prompt()
+    model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    want = [held(next(iter(model.generate.caches.values())), layer, N) for layer in range(2)]
+    cache = kvpass.SlotCache(model, be, max_length=N + NEW, max_new_tokens=NEW)
+    with torch.no_grad(), kvpass.repeat_passes(model, be, ids):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        assert be.runtime.state.deferred is None
+        assert [int(lay.count[0, 0]) for lay in cache.layers] == [N, N]  # seen
+        assert [held(cache, layer, N) for layer in range(2)] == want
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_graph_that_hands_the_prefill_copies_keeps_the_same(compiler):
+    """AOTAutograd may run the prefill's slot operator on copies of the cache's tensors (written back as the graph
+    ends): the held layers keep into the cache itself, found by their counts' tag, as under the eager compiler."""
+    ids = prompt()
+    model, _ = compiled(budget=12, chunk_size=16)
+    want = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    kept = [held(next(iter(model.generate.caches.values())), layer, N) for layer in range(2)]
+    other = build("llama")
+    kvpass.compile(other, "kvzip", budget=12, chunk_size=16, tokenizer=Tok(), compiler=compiler)
+    assert torch.equal(other.generate(ids, max_new_tokens=NEW, do_sample=False), want)
+    assert [held(next(iter(other.generate.caches.values())), layer, N) for layer in range(2)] == kept
+
+
+def test_a_prefill_in_pieces_or_a_decode_before_the_passes_is_refused_by_name():
+    """The passes score the whole prompt: a prefill of part of it is refused; on a forward of one's own the passes
+    run as the block ends, so a decode step inside the block is refused there; either way nothing is left held."""
+    ids = prompt()
+    plain = build("llama")
+    be = kvpass.backend("kvzip", budget=12, chunk_size=16, tokenizer=Tok(), compiler="eager")
+    fwd = torch.compile(plain.forward, backend=be, dynamic=True)
+    with torch.no_grad():
+        cache = kvpass.SlotCache(plain, be, max_length=N + NEW, max_new_tokens=NEW)
+        with pytest.raises(kvpass.ConfigError, match="whole 40-token prompt.*in one call"):
+            with kvpass.repeat_passes(plain, be, ids, forward=fwd):
+                fwd(input_ids=ids[:, :30], past_key_values=cache, use_cache=True)
+        cache = kvpass.SlotCache(plain, be, max_length=N + NEW, max_new_tokens=NEW)
+        with pytest.raises(kvpass.ConfigError, match="written again before the repeat passes ran"):
+            with kvpass.repeat_passes(plain, be, ids, forward=fwd):
+                fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+                fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    state = be.runtime.state
+    assert state.deferred is None and state.repeat is None and not state.scores and not state.passes
+
+
 def test_a_budget_over_the_prompt_equals_the_uncompiled_model():
     ids = prompt()
     ref = build("llama").generate(ids, max_new_tokens=NEW, do_sample=False)

@@ -236,17 +236,21 @@ def slot_prefill(
     if job is not None:  # inside kvpass.repeat_passes: its passes score these entries before the layer keeps
         job.cache.update(k_new, v_new, layer)  # the passes' cache copies them (this graph's buffers may be reused)
         if not rt.sites[key].sliding_window:
-            job.keeps[layer] = (rt, key, keys, values, pos, count, state, kv_pos, q_pos, extra)
+            # the layer waits: its count says so with the job's tag, which also finds the cache again (the graph may
+            # have handed this operator copies of the cache's tensors, written back as it ends: AOTAutograd's)
+            count[:, SEEN], count[:, FILLED], count[:, DROPPED] = -job.tag, 0, 0
+            job.keeps[layer] = (key, kv_pos, q_pos, extra)
             return
     _keep(rt, key, keys, values, pos, count, state, q, k_new, v_new, kv_pos, q_pos, extra)
 
 
-def keep_held(held: tuple, k: Tensor, v: Tensor, scores: Tensor | None) -> None:
-    """The rest of a ``slot_prefill`` that ``kvpass.repeat_passes`` held for its passes: the layer keeps entries of
-    ``k`` / ``v`` (the prompt's, as the prefill computed them) by the passes' ``scores`` (None: no pass scored
-    the layer, which ``select`` refuses by name)."""
-    rt, key, keys, values, pos, count, state, kv_pos, q_pos, extra = held
-    _keep(rt, key, keys, values, pos, count, state, None, k, v, kv_pos, q_pos, {**extra, "scores": scores})
+def keep_held(rt, lay: "SlotLayer", held: tuple, k: Tensor, v: Tensor, scores: Tensor | None) -> None:
+    """The rest of a ``slot_prefill`` that ``kvpass.repeat_passes`` held for its passes, on the cache layer ``lay``
+    itself: it keeps entries of ``k`` / ``v`` (the prompt's, as the prefill computed them) by the passes' ``scores``
+    (None: no pass scored the layer, which ``select`` refuses by name)."""
+    key, kv_pos, q_pos, extra = held
+    extra = {**extra, "scores": scores}
+    _keep(rt, key, lay.keys, lay.values, lay.pos, lay.count, lay.state, None, k, v, kv_pos, q_pos, extra)
 
 
 def _keep(rt, key, keys, values, pos, count, state, q, k_new, v_new, kv_pos, q_pos, extra: dict) -> None:

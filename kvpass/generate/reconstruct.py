@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ from transformers import DynamicCache
 from kvpass.cache import slots
 from kvpass.cache.argument import cache_kwarg
 from kvpass.errors import ConfigError
+
+_TAGS = itertools.count(2)
 
 
 @dataclass
@@ -44,18 +47,19 @@ class Deferred:
     forward: object
     where: str
     kw: dict
-    keeps: dict = field(default_factory=dict)
+    keeps: dict = field(default_factory=dict)  # layer -> what slots.keep_held needs
+    tag: int = field(default_factory=lambda: next(_TAGS))  # the held layers' counts carry -tag until they keep
 
 
 @contextlib.contextmanager
 def repeat_passes(model, be, ids: torch.Tensor, mask: torch.Tensor | None = None, one_logit: bool = True, forward=None):
     """``kvpass.repeat_passes``: the prefill of prompt ``ids [B, n]`` (``mask [B, n]``: 1 for a real token, or None)
     that the block runs on a ``kvpass.SlotCache`` keeps what ``be``'s policy scores by repeat passes over it; nothing
-    changes when ``be``'s policy does not reconstruct, or ``be`` is None. The passes run when the prefill's forward
-    returns (``kvpass.compile``'s) or at the block's end, before any decode step the block runs on a plain
-    ``torch.compile``d forward: there, end the block after the prefill. ``forward``: the compiled forward for the
-    passes (default: ``model`` itself, whose ``forward`` kvpass.compile replaced); ``one_logit``: it takes
-    ``logits_to_keep`` (no logits are read here)."""
+    changes when ``be``'s policy does not reconstruct, or ``be`` is None. The passes run as the prefill's forward
+    returns on ``kvpass.compile``'s forward; on a plain ``torch.compile``d forward, as the block ends: end it right
+    after the prefill, then decode (a cache written again before the passes is refused by name). ``forward``: the
+    compiled forward for the passes (default: ``model`` itself, whose ``forward`` kvpass.compile replaced);
+    ``one_logit``: it takes ``logits_to_keep`` (no logits are read here)."""
     if be is None or not be.policy.needs.reconstructs:
         yield
         return
@@ -98,6 +102,7 @@ def finish(be) -> None:
             f"policy '{be.policy.name}': its repeat passes score the whole {job.length}-token prompt, and the "
             f"prefill inside kvpass.repeat_passes gave {got} entries; prefill the whole prompt in one call"
         )
+    target = _held_cache(be, job)
     with torch.no_grad():
         for start, end, pass_ids, pass_mask in job.passes:
             state.repeat = (start, end)
@@ -105,8 +110,23 @@ def finish(be) -> None:
             job.forward(input_ids=pass_ids, **masked, **{job.where: _shallow(job.cache)}, **job.kw)
             state.repeat = None
         for layer, held in job.keeps.items():
-            entries = job.cache.layers[layer]
-            slots.keep_held(held, entries.keys, entries.values, state.scores.get(layer))
+            k, v, scores = job.cache.layers[layer].keys, job.cache.layers[layer].values, state.scores.get(layer)
+            slots.keep_held(be.runtime, target.layers[layer], held, k, v, scores)
+    be.runtime.slot_prefilled(target.layers[next(iter(job.keeps))].count)
+
+
+def _held_cache(be, job: Deferred):
+    """The SlotCache whose prefill ``job`` holds: the one whose held layers' counts carry the job's tag (a graph
+    may run ``slot_prefill`` on copies of the cache's tensors, so the operator's arguments do not name it)."""
+    for cache in list(be.runtime.slot_caches):
+        layers = getattr(cache, "layers", ())
+        if all(i < len(layers) and bool((layers[i].count[:, slots.SEEN] == -job.tag).all()) for i in job.keeps):
+            return cache
+    raise ConfigError(
+        f"policy '{be.policy.name}': the kvpass.SlotCache prefilled inside kvpass.repeat_passes was written again "
+        f"before the repeat passes ran (on a forward of your own they run as the block ends); end the block right "
+        f"after the prefill, then decode"
+    )
 
 
 def _shallow(cache):
