@@ -231,8 +231,8 @@ class _Bytes:
 
 
 def test_kvzip_through_generate_replays_what_eager_decodes():
-    """kvzip's repeat passes (a DynamicCache of their own), then the budget-sized SlotCache decoded under CUDA
-    graphs: the tokens of the same path compiled eagerly, a batch of two, three passes."""
+    """kvzip's repeat passes over its SlotCache prefill, then the budget-sized cache decoded under CUDA graphs: the
+    tokens of the same path compiled eagerly, a batch of two, three passes."""
     ids = torch.randint(3, 250, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
     outs = []
     for compiler in ("eager", "inductor"):

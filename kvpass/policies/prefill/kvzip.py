@@ -11,7 +11,8 @@ as ``adakv`` keeps them), the first ``sinks`` real entries always and the last `
 
 **How it runs.** ``kvpass.compile``'s ``generate``, ``kvpass.RequestQueue`` and ``kvpass compare`` run the repeat
 passes over the prefill that fills a ``kvpass.SlotCache`` (``kvpass.repeat_passes``): that prefill hands each layer's
-entries to a ``DynamicCache`` that keeps the whole prompt and holds its choice; as its forward returns, each pass
+entries to a ``DynamicCache`` that keeps the whole prompt and holds its choice; as its forward returns
+(``kvpass.compile``'s; on a forward of one's own, as the ``repeat_passes`` block ends), each pass
 reads that cache (``kvpass::repeat_scores`` beside the attention of every layer) and leaves it as it was, and each
 layer's ``select`` keeps the best entries by the passes' scores. The SlotCache holds the budget only, and the
 scoring cache is given back before the first decode step. A prompt is prefilled once, plus the repeat passes
