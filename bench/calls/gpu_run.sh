@@ -32,7 +32,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c "import torch, triton, transformers as tf
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf.__version__)"
-  git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } > "$out/machine.txt" 2>&1
+  git log -1 --format='commit %H %cd' 2>/dev/null  # the device's git metadata may lag the tree it was given:
+  echo "tree $(bash bench/calls/tree_hash.sh)"      # the hash of the files that ran, which `tree_hash.sh` gives here too
+  date -u; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 case "${1:?tests | new | ragged | decode | prefill | profile | throughput | accuracy}" in
 tests)
