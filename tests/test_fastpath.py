@@ -640,6 +640,13 @@ def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
             model.generate(wrong, **kw)
     assert torch.equal(model.generate(ids, **kw), first)
     assert be.graph_counts() == {"prefill": 1, "decode": 1}
+    wrong = ids.clone()
+    wrong[0, 3] = vocab + 2
+    with pytest.raises(kvpass.ConfigError, match=r"model.forward\(\).*token id %d at position \(0, 3\)" % (vocab + 2)):
+        model(wrong)  # a bare forward of a prompt (the compiled embedding's bounds check ended the process)
+    with pytest.raises(kvpass.ConfigError, match="outside the model's vocabulary"):
+        model(input_ids=wrong)
+    assert torch.equal(model.generate(ids, **kw), first)
     torch._dynamo.reset()
 
 

@@ -584,6 +584,7 @@ def compile(
         getattr(forward, "__code__", None),  # a caller's callable object (not own_code's copy) may have none
         # kvzip: the repeat passes a prefill waits for run as its forward returns, before any decode step
         functools.partial(reconstruct.finish, be) if needs.reconstructs else None,
+        vocab_size(model),
     )
     model.generate = FastGenerate(model, be, model.generate)
     return be
@@ -597,9 +598,14 @@ def recompile_floor():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
 
 
-def compiled_forward(forward, code, after=None):
+def compiled_forward(forward, code, after=None, vocab: int | None = None):
     """The compiled ``forward`` (Dynamo's frames of ``code``, or None) as ``model.forward`` calls it, then
     ``after()`` (a reconstructing policy's ``reconstruct.finish``) when given:
+
+    * a call of several tokens (a prompt) with ``input_ids`` outside the vocabulary of ``vocab`` ids is refused by
+      name (``token_ids.check_values``) before Dynamo runs it: the compiled embedding's bounds check ends the
+      process on a CPU, and is a device assert on a GPU. One-token calls (decode steps) are not checked: a check
+      reads the ids back to the host, a sync each step;
 
     * under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a few ``generate`` calls of other
       shapes finds the graphs they compiled counted against its limit too;
@@ -613,6 +619,9 @@ def compiled_forward(forward, code, after=None):
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if vocab is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1:
+            check_values(ids, "kvpass.compile: model.forward()", "input_ids", vocab)
         try:
             with recompile_floor():
                 out = forward(*args, **kwargs)
