@@ -94,21 +94,34 @@ def run(prefill, step, cache_fn, ids, steps):
     return ttft, tpot, peak, kv_bytes(cache), kernels
 
 
-def profile_steps(step, nxt, pos, cache, steps: int = PROFILE_STEPS, top: int = 24) -> list:
-    """Device kernels of ``steps`` more steps (CUDA-graph replays included): the ``top`` by time, per step."""
+def device_kernels(call) -> list[tuple[str, float, int]]:
+    """The device kernels ``call()`` launches (CUDA-graph replays included), the longest first: ``(name, total µs,
+    launches)`` per kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            nxt = step(nxt, pos, cache).argmax(-1, keepdim=True)
-            pos = pos + 1
+        call()
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if us > 0:
-            rows.append({"kernel": e.key[:120], "us_per_step": us / steps, "calls_per_step": e.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
+            rows.append((e.key[:120], us, e.count))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def profile_steps(step, nxt, pos, cache, steps: int = PROFILE_STEPS, top: int = 24) -> list:
+    """Device kernels of ``steps`` more steps (CUDA-graph replays included): the ``top`` by time, per step."""
+
+    def run():
+        nonlocal nxt, pos
+        for _ in range(steps):
+            nxt = step(nxt, pos, cache).argmax(-1, keepdim=True)
+            pos = pos + 1
+
+    rows = [
+        {"kernel": name, "us_per_step": us / steps, "calls_per_step": n / steps} for name, us, n in device_kernels(run)
+    ]
     total = sum(r["us_per_step"] for r in rows)
     return [
         {"kernel": "(all kernels)", "us_per_step": total, "calls_per_step": sum(r["calls_per_step"] for r in rows)}

@@ -33,6 +33,7 @@ import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpass  # noqa: E402
+from bench_decode_step import device_kernels  # noqa: E402
 from bench_fastpath import gen, prompt, timed  # noqa: E402
 from llama_shape import llama8b_config, policy_params, random_llama, uncompiled  # noqa: E402
 
@@ -109,17 +110,7 @@ def main() -> None:
 
 def kernel_table(call, top: int = 30) -> list:
     """The device kernels of one ``call``: all of them summed, then the ``top`` longest (ms, launches)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            rows.append({"kernel": e.key[:120], "ms": round(us / 1e3, 2), "launches": e.count})
-    rows.sort(key=lambda r: -r["ms"])
+    rows = [{"kernel": name, "ms": round(us / 1e3, 2), "launches": n} for name, us, n in device_kernels(call)]
     total = {
         "kernel": "(all kernels)",
         "ms": round(sum(r["ms"] for r in rows), 1),
