@@ -118,8 +118,8 @@ def finish(be) -> None:
 def _held_cache(be, job: Deferred):
     """The SlotCache whose prefill ``job`` holds: the one whose held layers' counts carry the job's tag (a graph
     may run ``slot_prefill`` on copies of the cache's tensors, so the operator's arguments do not name it)."""
-    for cache in list(be.runtime.slot_caches):
-        layers = getattr(cache, "layers", ())
+    for cache in list(be.runtime.slot_caches):  # every kvpass.SlotCache built for this backend
+        layers = cache.layers
         if all(i < len(layers) and bool((layers[i].count[:, slots.SEEN] == -job.tag).all()) for i in job.keeps):
             return cache
     raise ConfigError(

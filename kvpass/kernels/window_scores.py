@@ -93,12 +93,18 @@ def _check_reduce(reduce: str) -> None:
         raise ValueError(f"kvpass window scores: reduce must be one of {REDUCTIONS}, got {reduce!r}")
 
 
+def kernel_serves(q: Tensor) -> bool:
+    """The Triton kernel scores ``q``'s window: a CUDA tensor, with Triton installed (``kvpass::window_scores`` and
+    ``window_scores_eager`` both ask)."""
+    return q.is_cuda and triton is not None
+
+
 def window_scores_eager(
     q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float = 0.0, reduce: str = "sum"
 ) -> Tensor:
-    """Outside a compiled graph (inside another operator's Python): the kernel on a CUDA device with Triton,
+    """Outside a compiled graph (inside another operator's Python): the kernel where it serves (``kernel_serves``),
     the reference elsewhere. Arguments and result as ``window_scores_reference``."""
-    if q.is_cuda and triton is not None:
+    if kernel_serves(q):
         return window_scores_triton(q, k, kv_pos, q_pos, scale, softcap, reduce=reduce)
     return window_scores_reference(q, k, kv_pos, q_pos, scale, softcap, reduce)
 

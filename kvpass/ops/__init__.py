@@ -541,7 +541,7 @@ def _(q, k, kv_pos, q_pos, scale, softcap):
 def window_scores(q: Tensor, k: Tensor, kv_pos: Tensor, q_pos: Tensor, scale: float, softcap: float) -> Tensor:
     """Window attention per key, summed over window queries and group heads; see
     ``kvpass.kernels.window_scores``. Triton on CUDA, the reference operator elsewhere."""
-    if q.device.type == "cuda" and _wscores.triton is not None:
+    if _wscores.kernel_serves(q):
         return _wscores.window_scores_triton(q, k, kv_pos, q_pos, scale, softcap, launch=torch.library.wrap_triton)
     return torch.ops.kvpass.window_scores_ref(q, k, kv_pos, q_pos, scale, softcap)
 
