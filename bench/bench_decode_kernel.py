@@ -18,6 +18,8 @@ warps runs first and is reported too.
     python bench/bench_decode_kernel.py --ragged --batches 1,16 --contexts 32768,131072 --no-sweep
     # ... and the ragged rows at 2x and 4x the kernel's split count (K.RAGGED_SPLIT_SCALE)
     python bench/bench_decode_kernel.py --ragged --ragged-scales 1,2,4 --batches 1,16 --contexts 32768,131072 --no-sweep
+    # ... and with 1 and 4 splits at least per head slot (K.RAGGED_MIN_HEAD_SPLITS) at budget-sized heads, batch 55
+    python bench/bench_decode_kernel.py --ragged --ragged-floors 1,4 --batches 16,55 --contexts 2048,32768 --no-sweep
 
 Results: ``bench/results/decode_kernel.md`` / ``.json``; ``--ragged``: ``bench/results/gpu_h100_2026-12-05/``
 (``ragged_heads.*``, and ``proportional_splits/``); the split counts of a tensor-parallel rank's share
@@ -80,6 +82,12 @@ def main() -> None:
         default="1",
         help="with --ragged: the ragged rows' split counts to time, as multiples of the kernel's "
         "(K.RAGGED_SPLIT_SCALE), e.g. 1,2,4",
+    )
+    ap.add_argument(
+        "--ragged-floors",
+        default=str(K.RAGGED_MIN_HEAD_SPLITS),
+        help="with --ragged: the floors of splits per head slot to time (K.RAGGED_MIN_HEAD_SPLITS), e.g. 1,4: "
+        "at budget-sized heads and large batches the floor leaves most splits empty",
     )
     args = ap.parse_args()
     HQ, HKV = (int(x) for x in args.heads.split(","))
@@ -198,6 +206,8 @@ def ragged(args, dev, props, block: int, warps: int) -> None:
     ``[B, H_kv, n, D]`` (every head n entries), ``uniform_len`` the same with a per-head ``kv_len``; the ragged
     rows hold one ``[B, 1, H_kv x n, D]`` pool a row with ``kv_start``/``kv_len`` per head, even or skewed."""
     rows, scales = [], [int(x) for x in args.ragged_scales.split(",")]
+    floors = [int(x) for x in args.ragged_floors.split(",")]
+    settings = [(s, f) for s in scales for f in floors]
     for n in [int(x) for x in args.contexts.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
             q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16)
@@ -206,20 +216,23 @@ def ragged(args, dev, props, block: int, warps: int) -> None:
             full = torch.full((b, HKV), n, device=dev, dtype=torch.int32)
             forms = {"uniform": dict(k=k, v=v), "uniform_len": dict(k=k, v=v, kv_len=full)}
             pk, pv = k.reshape(b, 1, HKV * n, D), v.reshape(b, 1, HKV * n, D)
-            for scale in scales:
+            for scale, floor in settings:
                 for name, lengths in skews(n).items():
                     lens = torch.tensor(lengths, device=dev, dtype=torch.int32)
                     start = torch.cumsum(lens, 0) - lens
-                    forms[f"ragged_{name}" + (f"@{scale}" if len(scales) > 1 else "")] = dict(
+                    tag = (f"@{scale}" if len(scales) > 1 else "") + (f"@floor{floor}" if len(floors) > 1 else "")
+                    forms[f"ragged_{name}{tag}"] = dict(
                         k=pk,
                         v=pv,
                         kv_len=lens.expand(b, HKV).contiguous(),
                         kv_start=start.to(torch.int32).expand(b, HKV).contiguous(),
                         scale=scale,
+                        floor=floor,
                     )
             base = None
             for name, kw in forms.items():
                 K.RAGGED_SPLIT_SCALE = kw.pop("scale", 1)
+                K.RAGGED_MIN_HEAD_SPLITS = kw.pop("floor", floors[0])
                 t = bench(lambda: K.decode_attention_triton(q, block=block, num_warps=warps, **kw))
                 moved = 2 * b * HKV * n * D * 2 + 2 * b * HQ * D * 2
                 base = base or t
@@ -232,6 +245,7 @@ def ragged(args, dev, props, block: int, warps: int) -> None:
                         tbps=moved / t / 1e12,
                         over_uniform=t / base,
                         split_scale=K.RAGGED_SPLIT_SCALE,
+                        min_head_splits=K.RAGGED_MIN_HEAD_SPLITS,
                         lengths=skews(n)[name.split("_")[1].split("@")[0]] if name.startswith("ragged") else [n] * HKV,
                     )
                 )

@@ -7,7 +7,8 @@
 #   bash bench/calls/gpu_run.sh new      the tests/gpu cases of the per-head and new methods alone, in one pytest run
 #   bash bench/calls/gpu_run.sh ragged   the ragged per-head decode kernel against the uniform one at the same
 #                                        total (bench_decode_kernel.py --ragged; SCALES=1,2,4 also times the
-#                                        ragged rows at 2x and 4x the kernel's split count)
+#                                        ragged rows at 2x and 4x the kernel's split count; FLOORS=1,4 at 1 and 4
+#                                        splits per head slot at least; BATCHES, CONTEXTS)
 #   bash bench/calls/gpu_run.sh decode   LAYERS (8) layers, prompts of 2k then 130k (LENGTHS) through `generate`, beside the
 #                                        queued step and the roofline (bench/bench_fastpath.py); about 65 s a policy
 #                                        at 8 layers, so POLICIES names about 7 a call; a name may carry parameters
@@ -74,8 +75,10 @@ new)
 ragged)
   # the ragged per-head kernel against the uniform layout (about a minute)
   # (SCALES: the ragged rows' split counts as multiples of the kernel's, e.g. 1,2,4: the split for skewed heads)
-  timeout -k 10 "${LIMIT:-300}" python bench/bench_decode_kernel.py --ragged --batches 1,16 \
-    --contexts 32768,131072 --ragged-scales "${SCALES:-1}" --no-sweep --out "$out" > "$out/ragged.log" 2>&1
+  # (FLOORS: the splits per head slot at least, e.g. 1,4, with BATCHES=16,55 CONTEXTS=2048,32768: budget-sized heads)
+  timeout -k 10 "${LIMIT:-300}" python bench/bench_decode_kernel.py --ragged --batches "${BATCHES:-1,16}" \
+    --contexts "${CONTEXTS:-32768,131072}" --ragged-scales "${SCALES:-1}" --ragged-floors "${FLOORS:-4}" --no-sweep \
+    --out "$out" > "$out/ragged.log" 2>&1
   tail -n 40 "$out/ragged.log" ;;
 decode)
   # generate beside the queued step and the roofline; POLICIES picks the rows (the per-head and new methods by
