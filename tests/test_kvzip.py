@@ -216,7 +216,7 @@ def test_the_layers_keep_as_the_prefill_returns():
         assert [held(cache, layer, N) for layer in range(2)] == want
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_a_graph_that_hands_the_prefill_copies_keeps_the_same(compiler):
     """AOTAutograd may run the prefill's slot operator on copies of the cache's tensors (written back as the graph
     ends): the held layers keep into the cache itself, found by their counts' tag, as under the eager compiler."""

@@ -45,18 +45,19 @@ SPANNING = {"chunkkv", "asl", "asl_fullkv", "asl_2pass", "fastkv", "gemfilter"} 
 # on the CPU (CI time): the gated family's selection is one code path; asl_fullkv and fastkv are asl with another
 # layer kept whole or a fixed gate, so asl, asl_2pass (two passes) and gemfilter (renumbered positions) stand for it
 SPANNING_ON_CPU = SPANNING - {"asl_fullkv", "fastkv"}
-PER_HEAD = {"full", "snapkv"}  # the second family's share of the per-head policies
+PER_HEAD = {"snapkv"}  # the second family's share of the per-head policies (the llama runs the rest)
 # the llama's per-head policies on the CPU (CI time): one of each rewrite kind (append, evict at prefill, ring,
-# placed by a score, pages read, page pool, a stop rule), criticalkv, which reads its rank's shard of the output
-# projection, adakv and duoattention, whose ranks keep their heads' ranges in one pool (duoattention's heads of
-# different counts: a SlotCache sized for the rank whose share needs most); every per-head policy decides on its
-# rank's heads alone through the same path, and the GPU run (device "cuda") runs them all
-LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "art", "criticalkv", "adakv", "duoattention"}
-SPANNING_FUSION = ("a3", "cacheblend")  # fusion policies whose recompute set sums over every head
-# on a SlotCache (CI time): an append, a ring, an evicting prefill, pages read and pages evicted, a gate, a
-# decision over heads, heads of different counts (duoattention); the others' slot writes are the same rules
-# (tests/test_conformance.py covers them all)
-ON_SLOTS = ("full", "streamingllm", "snapkv", "quest", "raas", "asl", "chunkkv", "duoattention")
+# placed by a score, pages read, page pool), criticalkv, which reads its rank's shard of the output projection,
+# adakv and duoattention, whose ranks keep their heads' ranges in one pool (duoattention's heads of different
+# counts: a SlotCache sized for the rank whose share needs most); every per-head policy decides on its rank's
+# heads alone through the same path (art's stop rule runs inside the decode attention of each head, as quest's
+# page reads do), and the GPU run (device "cuda") runs them all
+LOCAL = {"full", "snapkv", "streamingllm", "h2o", "quest", "raas", "criticalkv", "adakv", "duoattention"}
+SPANNING_FUSION = ("a3",)  # the second family's fusion: a recompute set summed over every head (the llama: all)
+# on a SlotCache (CI time): an evicting prefill, pages read, a gate, a decision over heads, heads of different
+# counts (duoattention); the others' slot writes (an append, a ring, pages evicted) are the same rules on each
+# rank's heads (tests/test_conformance.py covers them all on one process)
+ON_SLOTS = ("snapkv", "quest", "asl", "chunkkv", "duoattention")
 FAMILIES = ("llama", "qwen3_gqa4")
 COMPILED = ("full", "snapkv")  # through kvpass.compile (the llama only; on the CPU snapkv alone: CI time)
 # chunk fusion on the CPU (CI time): a recompute with eviction on both caches, a recompute spanning heads, a reuse
