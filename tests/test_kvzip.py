@@ -219,15 +219,18 @@ def test_the_layers_keep_as_the_prefill_returns():
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_a_graph_that_hands_the_prefill_copies_keeps_the_same(compiler):
     """AOTAutograd may run the prefill's slot operator on copies of the cache's tensors (written back as the graph
-    ends): the held layers keep into the cache itself, found by their counts' tag, as under the eager compiler."""
+    ends): the held layers keep into the cache itself, found by their counts' tag, as under the eager compiler,
+    and ``be.state`` reports that cache (the operator's own note of it named a copy)."""
     ids = prompt()
-    model, _ = compiled(budget=12, chunk_size=16)
+    model, be = compiled(budget=12, chunk_size=16)
     want = model.generate(ids, max_new_tokens=NEW, do_sample=False)
     kept = [held(next(iter(model.generate.caches.values())), layer, N) for layer in range(2)]
     other = build("llama")
-    kvpass.compile(other, "kvzip", budget=12, chunk_size=16, tokenizer=Tok(), compiler=compiler)
+    be_other = kvpass.compile(other, "kvzip", budget=12, chunk_size=16, tokenizer=Tok(), compiler=compiler)
     assert torch.equal(other.generate(ids, max_new_tokens=NEW, do_sample=False), want)
     assert [held(next(iter(other.generate.caches.values())), layer, N) for layer in range(2)] == kept
+    want_state = (N + NEW - 1, {0: 16, 1: 16})  # the last new token is never fed back
+    assert (be_other.state.seen, be_other.state.stored) == (be.state.seen, be.state.stored) == want_state
 
 
 def test_a_prefill_in_pieces_or_a_decode_before_the_passes_is_refused_by_name():

@@ -200,8 +200,12 @@ class Runtime:
         """A SlotCache prefill wrote the layer whose counters are ``count``: note its cache as the last one."""
         for cache in list(self.slot_caches):
             if any(lay.count.data_ptr() == count.data_ptr() for lay in cache.layers):
-                self.slot_view = (next(TICKS), weakref.ref(cache))
+                self.slot_cache_prefilled(cache)
                 return
+
+    def slot_cache_prefilled(self, cache) -> None:
+        """A prefill wrote the SlotCache ``cache``: note it as the last one."""
+        self.slot_view = (next(TICKS), weakref.ref(cache))
 
     def last_state(self):
         """The state of the last generation: this runtime's (a DynamicCache) or, when a SlotCache prefill came

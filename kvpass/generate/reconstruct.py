@@ -112,7 +112,7 @@ def finish(be) -> None:
         for layer, held in job.keeps.items():
             k, v, scores = job.cache.layers[layer].keys, job.cache.layers[layer].values, state.scores.get(layer)
             slots.keep_held(be.runtime, target.layers[layer], held, k, v, scores)
-    be.runtime.slot_prefilled(target.layers[next(iter(job.keeps))].count)
+    be.runtime.slot_cache_prefilled(target)
 
 
 def _held_cache(be, job: Deferred):
