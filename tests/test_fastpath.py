@@ -508,17 +508,18 @@ def test_a_filled_slot_cache_and_a_shorter_prompt_is_refused():
     torch._dynamo.reset()
 
 
-def test_backend_state_follows_the_last_generation_on_either_cache():
-    """``be.state`` (docs/guide.md's inspection line) showed only DynamicCache generations: after
-    ``kvpass.compile``'s generate, which runs on a SlotCache, it was empty or the previous run's numbers. It
-    now reports the cache the last prefill wrote, whichever kind."""
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_backend_state_follows_the_last_generation_on_either_cache(compiler):
+    """``be.state`` (docs/guide.md's inspection line) reports the cache the last generation wrote, whichever kind:
+    the SlotCache of ``kvpass.compile``'s generate, a DynamicCache passed in, the SlotCache again; also under
+    aot_eager, which hands the operators copies of the SlotCache's tensors (the generate loop notes the cache)."""
     from transformers import DynamicCache
 
     from kvpass.cache.slots import SlotCacheState
 
     torch._dynamo.reset()
     model = build("llama")
-    be = kvpass.compile(model, "streamingllm", compiler="eager", budget=8, sinks=2)
+    be = kvpass.compile(model, "streamingllm", compiler=compiler, budget=8, sinks=2)
     model.generate(ids_of(13), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     state = be.state
     assert isinstance(state, SlotCacheState) and state.seen == 20 and state.layers == 2
