@@ -256,6 +256,18 @@ def _module_being_compiled():
     return None
 
 
+def _cache_entries() -> int | None:
+    """Dynamo's cached entries of the frame it is compiling (None where its internals do not say)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return len(_debug_get_cache_entry_list(tx.f_code)) if tx is not None else None
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return None
+
+
 def _recompile_reason() -> str | None:
     """Dynamo's reason for the recompile under way (the first failed guard), where this torch records it."""
     try:
@@ -382,14 +394,18 @@ class Backend:
         return fn
 
     def _frame_graphs_before(self, cid) -> int:
-        """The compiles of the frame Dynamo compiles now that gave a graph before this one: what Dynamo's recompile
-        limit counts (the frame's cached entries). Dynamo's own count (``frame_compile_id``) also counts compiles
-        that failed before a graph came (``kvpass.compile``'s forward compiles again after a call that raised,
-        ``fastpath.compiled_forward``), and is the lower one after a ``torch._dynamo.reset()``, which numbers
-        frames from 0 again."""
+        """The cached entries of the frame Dynamo compiles now: what its recompile limit counts. Read from Dynamo's
+        cache where it can be (a compile whose frame gave no graph, which never reached this backend, holds an
+        entry too); else the compiles of the frame that gave a graph here. Dynamo's own count
+        (``frame_compile_id``) also counts compiles that failed before a graph came (``kvpass.compile``'s forward
+        compiles again after a call that raised, ``fastpath.compiled_forward``), and is the lower one after a
+        ``torch._dynamo.reset()``, which numbers frames from 0 again."""
         if cid is None or cid.frame_id is None:
             return 0
         attempt = cid.frame_compile_id or 0
+        entries = _cache_entries()
+        if entries is not None:
+            return min(attempt, entries)
         graphs, last = self._frame_graphs.get(cid.frame_id, (0, -1))
         return min(attempt, graphs - (last == attempt))  # a second graph of one compile is not another entry
 
