@@ -511,8 +511,9 @@ def test_a_filled_slot_cache_and_a_shorter_prompt_is_refused():
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_backend_state_follows_the_last_generation_on_either_cache(compiler):
     """``be.state`` (docs/guide.md's inspection line) reports the cache the last generation wrote, whichever kind:
-    the SlotCache of ``kvpass.compile``'s generate, a DynamicCache passed in, the SlotCache again; also under
-    aot_eager, which hands the operators copies of the SlotCache's tensors (the generate loop notes the cache)."""
+    the SlotCache of ``kvpass.compile``'s generate, a DynamicCache passed in, the SlotCache again, a SlotCache of
+    the user's own on a forward of their own; also under aot_eager, which hands the operators copies of the
+    SlotCache's tensors (the prefill names its cache by the identity in its counts)."""
     from transformers import DynamicCache
 
     from kvpass.cache.slots import SlotCacheState
@@ -535,6 +536,10 @@ def test_backend_state_follows_the_last_generation_on_either_cache(compiler):
     assert be.state.stored_tokens() == {0: 8, 1: 8}
     model.generate(ids_of(5), max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert isinstance(be.state, SlotCacheState) and be.state.seen == 7
+    mine = kvpass.SlotCache(model, be, max_length=32)
+    with torch.no_grad():
+        model(ids_of(11), past_key_values=mine, use_cache=True)
+    assert isinstance(be.state, SlotCacheState) and be.state.seen == 11
     torch._dynamo.reset()
 
 
@@ -647,6 +652,8 @@ def test_a_prompt_the_model_cannot_run_is_refused_before_dynamo_sees_it():
         model(wrong)  # a bare forward of a prompt (the compiled embedding's bounds check ended the process)
     with pytest.raises(kvpass.ConfigError, match="outside the model's vocabulary"):
         model(input_ids=wrong)
+    with pytest.raises(kvpass.ConfigError, match=r"token id %d at position \(0, 0\)" % vocab):
+        model(torch.tensor([[vocab]]))  # one token: checked on a CPU, where the bounds check ends the process
     assert torch.equal(model.generate(ids, **kw), first)
     torch._dynamo.reset()
 

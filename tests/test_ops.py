@@ -692,7 +692,7 @@ def _stamp_args(fill: int):
     return (
         torch.randn(2, 4, 8, generator=gen),
         torch.randn(2, 2, 8, generator=gen),
-        torch.tensor([[40, 0, 0, 1 << 40], [41, 0, 0, 1 << 40]]),
+        torch.tensor([[40, 0, 0, 1 << 40, 0], [41, 0, 0, 1 << 40, 0]]),
         torch.minimum(a, c),
         torch.maximum(a, c),
         torch.ones(2, 2, 5, dtype=torch.bool),

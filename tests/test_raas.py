@@ -275,7 +275,7 @@ def _stamp_tables(gen, b, hkv, g, d, pages, first, fill, live_p, dtype):
     return dict(
         q=q,
         k_new=k_new,
-        count=torch.tensor([[now + i, 0, 0, 1 << 40] for i in range(b)]),
+        count=torch.tensor([[now + i, 0, 0, 1 << 40, 0] for i in range(b)]),
         kmin=torch.minimum(x, y).to(dtype),
         kmax=torch.maximum(x, y).to(dtype),
         live=live,
@@ -401,14 +401,14 @@ def test_raas_stamp_reference_evicts_the_oldest_decode_page():
         seen=torch.tensor([[99]]),
     )
     RS.raas_stamp_reference(
-        torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[100, 0, 0, 1 << 40]]), *tables.values(), 3, 0.5
+        torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[100, 0, 0, 1 << 40, 0]]), *tables.values(), 3, 0.5
     )
     assert tables["ts"].tolist() == [[[1, 9, 100, 100, 8, 0]]]  # page 2 stamped, page 3 taken now
     assert tables["born"].tolist() == [[[0, 1, 5, 100, 7, -1]]]
     assert tables["meta"].tolist() == [[[3, 0, 2, 3]]] and tables["seen"].tolist() == [[100]]
     tables["live"][..., 5], tables["meta"][..., 1] = True, 15  # page 3 full too, the pool has no free page
     RS.raas_stamp_reference(
-        torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[101, 0, 0, 1 << 40]]), *tables.values(), 5, 0.5
+        torch.ones(b, 1, d), torch.zeros(b, hkv, d), torch.tensor([[101, 0, 0, 1 << 40, 0]]), *tables.values(), 5, 0.5
     )  # a window of 5 from page 2 runs past the 6-page pool
     assert tables["seen"].tolist() == [[RS.OVERFLOW]]  # an eviction from 4 of 5 decode pages: marked
 

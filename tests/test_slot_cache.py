@@ -512,7 +512,7 @@ def test_streamingllm_slots_fixed_and_hold_sinks_and_recent():
                     :, -1
                 ]
     assert cache.kv_bytes() == nbytes
-    per_layer = 2 * shape[0] * shape[1] * shape[2] * shape[3] * 4 + shape[0] * shape[1] * shape[2] * 4 + 4 * 8
+    per_layer = 2 * shape[0] * shape[1] * shape[2] * shape[3] * 4 + shape[0] * shape[1] * shape[2] * 4 + 5 * 8
     assert nbytes == per_layer * model.config.num_hidden_layers
 
 
@@ -536,7 +536,7 @@ def test_write_slots_ring_rule():
         [[[0, 1, 5, 3, -1, 4], [0, 1, 5, 3, 7, 4]], [[-1, -1, -1, -1, -1, -1], [2, 0, 6, 9, 8, 7]]], dtype=torch.int32
     )
     keys, values = torch.zeros(2, 2, cap, d), torch.zeros(2, 2, cap, d)
-    count = torch.tensor([[20, cap, 0, 1 << 40]] * 2)
+    count = torch.tensor([[20, cap, 0, 1 << 40, 0]] * 2)
     k_new, v_new = torch.ones(2, 2, 1, d), torch.full((2, 2, 1, d), 2.0)
     p = pos.clone()
     q_pos, kv_len = write_slots(keys, values, p, count, k_new, v_new, RING, protect)
@@ -558,7 +558,7 @@ def test_write_slots_ring_rule():
         keys,
         values,
         p,
-        torch.tensor([[20, cap, 0, 1 << 40]] * 2),
+        torch.tensor([[20, cap, 0, 1 << 40, 0]] * 2),
         torch.ones(2, 2, 2, d),
         torch.ones(2, 2, 2, d),
         RING,
@@ -569,7 +569,7 @@ def test_write_slots_ring_rule():
     # the append rule: the next free slot, whatever the positions say; a renumbering prefill's shift
     # (count[2]) moves the token's position back and stays
     p = torch.full((1, 1, cap), -1, dtype=torch.int32)
-    keys, count = torch.zeros(1, 1, cap, d), torch.tensor([[7, 2, 3, 1 << 40]])
+    keys, count = torch.zeros(1, 1, cap, d), torch.tensor([[7, 2, 3, 1 << 40, 0]])
     q_pos, _ = write_slots(keys, keys.clone(), p, count, torch.ones(1, 1, 1, d), torch.ones(1, 1, 1, d), APPEND, 0)
     assert p[0, 0].tolist() == [-1, -1, 4, -1, -1, -1] and keys[0, 0, 2].eq(1).all()
     assert q_pos.tolist() == [[4]] and count[0, :3].tolist() == [8, 3, 3]
@@ -1033,7 +1033,7 @@ def _slots(cap: int):
         torch.zeros(B, HKV, cap, D),
         torch.zeros(B, HKV, cap, D),
         torch.full((B, HKV, cap), -1, dtype=torch.int32),
-        torch.tensor([[0, 0, 0, 1 << 40]] * B),
+        torch.tensor([[0, 0, 0, 1 << 40, 0]] * B),
     )
 
 
@@ -1142,7 +1142,7 @@ def test_a_write_longer_than_the_cache_fails_on_the_host():
     b, h, cap, d, q = 1, 2, 4, 8, 6
     keys, values = torch.zeros(b, h, cap, d), torch.zeros(b, h, cap, d)
     pos = torch.full((b, h, cap), -1, dtype=torch.long)
-    count = torch.tensor([[0, 0, 0, 100]], dtype=torch.long)
+    count = torch.tensor([[0, 0, 0, 100, 0]], dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"longer than the cache's capacity.*\(6 new tokens, 4 slots\)"):
         torch.ops.kvpass.slot_append(keys, values, pos, count, torch.ones(b, h, q, d), torch.ones(b, h, q, d), [])
     assert int(count[0, 1]) == 0 and bool((pos == -1).all())  # nothing written

@@ -196,10 +196,11 @@ class Runtime:
         """After a DynamicCache graph ran: ``out`` is what the cache now holds for its first kvpass layer."""
         self._holder, self._held_shape = weakref.ref(out), tuple(out.shape)
 
-    def slot_prefilled(self, count: Tensor) -> None:
-        """A SlotCache prefill wrote the layer whose counters are ``count``: note its cache as the last one."""
+    def slot_prefilled(self, ident: int) -> None:
+        """A SlotCache prefill wrote a layer of the cache whose ``ident`` is given: note that cache as the last
+        one."""
         for cache in list(self.slot_caches):
-            if any(lay.count.data_ptr() == count.data_ptr() for lay in cache.layers):
+            if cache.ident == ident:
                 self.slot_cache_prefilled(cache)
                 return
 

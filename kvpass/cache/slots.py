@@ -5,12 +5,14 @@ Every layer owns, allocated once at construction and never reallocated:
 * ``keys`` / ``values`` ``[B, H_kv, C, D]``: the slots;
 * ``pos`` ``[B, H_kv, C]`` int32: the true position of the token in each slot, -1 = empty
   (left padding and evicted slots too);
-* ``count`` ``[B, 4]`` int64, per row, its columns named ``SEEN``, ``FILLED``, ``DROPPED``, ``MAX_LENGTH``:
+* ``count`` ``[B, 5]`` int64, per row, its columns named ``SEEN``, ``FILLED``, ``DROPPED``, ``MAX_LENGTH``, ``CACHE``:
   tokens seen (padding included, the index HF's masks count in), slots filled in order (the append
   layout's next free slot), the positions a renumbering prefill dropped (``gemfilter``: ``L - n``, else
   0): the row's next token's position is ``count[b, SEEN] - count[b, DROPPED]``; and the cache's
   ``max_length``: a write past it fails loudly, whatever the policy's rule (a ring would otherwise wrap
-  over entries its policy keeps). ``generate`` keeps the rows of a batch
+  over entries its policy keeps); and the cache's identity (``SlotCache.ident``, never written after
+  construction), by which ``slot_prefill`` names the cache it wrote even where a compiler hands it copies of the
+  cache's tensors (AOTAutograd's functionalization). ``generate`` keeps the rows of a batch
   at one length; the counts are per row so that a row can be emptied and refilled on its own.
 
 * ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
@@ -50,6 +52,7 @@ A cache a policy has compressed no longer has the append layout: ``slot_append``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -89,7 +92,7 @@ def reused_mask():
         _reuse.on = before
 
 
-SEEN, FILLED, DROPPED, MAX_LENGTH = range(4)  # the columns of a layer's ``count`` (the module docstring)
+SEEN, FILLED, DROPPED, MAX_LENGTH, CACHE = range(5)  # the columns of a layer's ``count`` (the module docstring)
 LIMIT = (
     "kvpass SlotCache: the sequence is longer than the max_length the cache was built for; build it with "
     "max_length >= prompt + new tokens (kvpass.compile sizes it for each generate call), and reset() it "
@@ -97,6 +100,7 @@ LIMIT = (
 )
 TOO_LONG = "kvpass SlotCache: the sequence is longer than the cache's capacity: build it with a larger max_length"
 RULES = {"append": APPEND, "ring": RING, "placed": PLACED}
+_IDENTS = itertools.count(1)  # SlotCache.ident
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +217,7 @@ def slot_prefill(
     from kvpass.cache import runtime
 
     rt = runtime.get(handle)
-    rt.slot_prefilled(count)
+    rt.slot_prefilled(int(count[0, CACHE]))  # by value: ``count`` may be a copy of the cache's (aot_eager)
     layer = runtime.layer_of(key)
     b, hkv, length, _ = k_new.shape
     if b != keys.shape[0]:
@@ -530,9 +534,11 @@ class SlotLayer(CacheLayerMixin):
         window: int = 0,
         state_dims: list[tuple[int, ...]] | None = None,
         limit: int = 1 << 62,
+        ident: int = 0,
     ) -> None:
         super().__init__()
         self.capacity = capacity
+        self.ident = ident  # the SlotCache's identity, in ``count[:, CACHE]`` (0: a layer of no SlotCache)
         # a sliding-window layer (``window`` > 0) is a ring of ``window`` slots whatever the
         # policy: the token at position p overwrites p - window, which no later query sees
         self.window = window
@@ -547,7 +553,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
-        self.count = torch.tensor([[0, 0, 0, limit]] * batch, dtype=torch.int64, device=device)
+        self.count = torch.tensor([[0, 0, 0, limit, ident]] * batch, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]
         self.state_names = list(state or {})
@@ -584,7 +590,7 @@ class SlotLayer(CacheLayerMixin):
         self.values[:, :, :k].copy_(values)
         self.pos.fill_(-1)
         self.pos[:, :, :k].copy_(pos)
-        self.count.copy_(torch.tensor([seen, k, 0, limit]))  # every row
+        self.count[:, :CACHE].copy_(torch.tensor([seen, k, 0, limit]))  # every row
         self.filled = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -753,6 +759,7 @@ class SlotCache(Cache):
         p = next(model.parameters())
         dtype, device = dtype or p.dtype, device or p.device
         self._policy, self._windows, self._ranks = policy, windows, ranks
+        self.ident = next(_IDENTS)  # written into every layer's ``count[:, CACHE]``: the prefill names the cache by it
         self.capacities = self._capacities(max_length, max_length if max_new_tokens is None else max_new_tokens)
         self.capacity = max(self.capacities)
         self.policy_name = policy.name
@@ -770,6 +777,7 @@ class SlotCache(Cache):
                     w,
                     None if w else capacity_dims(policy, cap, head_dim, groups),
                     max_length,
+                    self.ident,
                 )
                 for cap, w in zip(self.capacities, windows)
             ]
@@ -843,6 +851,7 @@ class SlotCache(Cache):
         for a, b in zip(self.layers, other.layers):
             for mine_t, theirs_t in zip(a.tensors(), b.tensors()):
                 mine_t[row].copy_(theirs_t[source])
+            a.count[row, CACHE] = self.ident  # the row is this cache's now
             a.filled = True
 
     def reset_row(self, row: int) -> None:

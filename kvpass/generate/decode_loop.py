@@ -40,7 +40,7 @@ import contextlib
 import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
-from kvpass.cache.slots import MaskReused, SlotCache, reused_mask
+from kvpass.cache.slots import MaskReused, reused_mask
 from kvpass.errors import ConfigError
 from kvpass.generate import reconstruct
 from kvpass.generate.direct_steps import DirectSteps, callers_code
@@ -178,10 +178,6 @@ def _decode(be, model, input_ids, logits_processor, stopping_criteria, generatio
     if reuse:
         be.last_direct_steps = direct  # None: this call took none (direct_steps=False)
     outputs = model._prefill(input_ids, cfg, model_kwargs)
-    if reuse and isinstance(cache, SlotCache):
-        # this generation's record is the cache's (``be.state``): the prefill's operators note it too, but by a
-        # counter's pointer, which a compiler that hands them copies of the cache's tensors (aot_eager) hides
-        be.runtime.slot_cache_prefilled(cache)
     with optimize(), contextlib.closing(direct) if direct is not None else contextlib.nullcontext():
         while True:
             # every row had finished before the step queued last: HF's loop stopped there, so it is undone before

@@ -604,8 +604,8 @@ def compiled_forward(forward, code, after=None, vocab: int | None = None):
 
     * a call of several tokens (a prompt) with ``input_ids`` outside the vocabulary of ``vocab`` ids is refused by
       name (``token_ids.check_values``) before Dynamo runs it: the compiled embedding's bounds check ends the
-      process on a CPU, and is a device assert on a GPU. One-token calls (decode steps) are not checked: a check
-      reads the ids back to the host, a sync each step;
+      process on a CPU, and is a device assert on a GPU. One-token calls (decode steps) are checked on a CPU only:
+      on an accelerator a check reads the ids back to the host, a sync each step;
 
     * under ``recompile_floor`` (as ``generate`` is): a plain ``model(ids)`` after a few ``generate`` calls of other
       shapes finds the graphs they compiled counted against its limit too;
@@ -620,7 +620,12 @@ def compiled_forward(forward, code, after=None, vocab: int | None = None):
     @functools.wraps(forward)
     def call(*args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if vocab is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1:
+        if (
+            vocab is not None
+            and isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and (ids.shape[1] > 1 or ids.device.type == "cpu")
+        ):
             check_values(ids, "kvpass.compile: model.forward()", "input_ids", vocab)
         try:
             with recompile_floor():

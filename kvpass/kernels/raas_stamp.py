@@ -76,7 +76,7 @@ def raas_stamp_reference(
     alpha: float,
 ) -> None:
     """In place, as the module docstring: ``q [B, H, D]`` (the step's queries), ``k_new [B, H_kv, D]``,
-    ``count`` the SlotCache's counters ``[B, 4]`` (``count[b, 0]`` tokens row ``b`` has seen), tables
+    ``count`` the SlotCache's counters ``[B, 5]`` (``count[b, 0]`` tokens row ``b`` has seen), tables
     ``[B, H_kv, P(, D)]``."""
     b, hkv, pages, _ = kmin.shape
     g = q.shape[1] // hkv
@@ -201,6 +201,7 @@ if triton is not None:
         alpha,
         W: tl.constexpr,
         HKV: tl.constexpr,
+        COUNT_ROW: tl.constexpr,
         G: tl.constexpr,
         G_PAD: tl.constexpr,
         BLOCK_B: tl.constexpr,
@@ -231,7 +232,7 @@ if triton is not None:
             s = s * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
             m = m_new
         lse = tl.where(m == float("-inf"), float("inf"), m + tl.log(tl.maximum(s, 1.0)))  # no live page: shares 0
-        now = tl.load(Count + (bh // HKV) * 4)  # the row's tokens seen
+        now = tl.load(Count + (bh // HKV) * COUNT_ROW)  # the row's tokens seen
         cur = tl.load(Meta + bh * 4)
         fill = tl.load(Meta + bh * 4 + 1) + 1
         first = tl.load(Meta + bh * 4 + 2)
@@ -369,6 +370,7 @@ def raas_stamp_triton(
         float(alpha),
         W=decode_pages,
         HKV=hkv,
+        COUNT_ROW=count.stride(0),
         G=g,
         G_PAD=g_pad,
         BLOCK_B=block_b or max(16, min(1024, 2048 // g_pad)),

@@ -89,7 +89,7 @@ def test_raas_stamp_kernels_equal_reference(b, h, hkv, pages, window, d, fill):
     )
     q = (torch.randn(b, h, 1, d, device=DEV, generator=g) * 2 * d**-0.5).bfloat16()[:, :, -1]
     k_new = torch.randn(b, hkv, d, device=DEV, generator=g).bfloat16()
-    args = (q, k_new, torch.tensor([[5000 + i, 0, 0, 1 << 40] for i in range(b)], device=DEV))  # rows' own counts
+    args = (q, k_new, torch.tensor([[5000 + i, 0, 0, 1 << 40, 0] for i in range(b)], device=DEV))  # rows' own counts
     ref, got, op = ({k: v.clone() for k, v in tables.items()} for _ in range(3))
     RS.raas_stamp_reference(*args, *ref.values(), window, 1e-3)
     RS.raas_stamp_triton(*args, *got.values(), window, 1e-3)

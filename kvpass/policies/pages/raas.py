@@ -142,7 +142,7 @@ class RaaS(Policy):
         slots = self.stored_length(site, n)
         idx = torch.arange(slots, device=k.device)
         keep = torch.where(idx < n, idx, -1).expand(b, hkv, slots).contiguous()
-        count = torch.tensor([n, n, 0, NO_LIMIT], device=k.device).repeat(b, 1)  # SEEN, FILLED, DROPPED, MAX_LENGTH
+        count = torch.tensor([n, n, 0, NO_LIMIT, 0], device=k.device).repeat(b, 1)  # SEEN .. MAX_LENGTH, CACHE 0
         tables = [
             torch.full((b, hkv, *shape), fill, dtype=dtype or k.dtype, device=k.device)
             for shape, dtype, fill in self.slot_state(slots, d).values()
