@@ -66,13 +66,12 @@ def _flash_serves(q, v) -> bool:
 
 
 def _flash_causal(q, k, v, scale) -> tuple:
-    """``(out, lse)`` of causal attention by flash attention's own kernel, the GQA heads expanded as in ``_sdpa``.
+    """``(out, lse)`` of causal attention by flash attention's own kernel.
     Its causal mask is aligned to the bottom-right corner: with ``Lq < Lk`` query i sees keys j <= Lk - Lq + i
     (``CAUSAL_BOTTOM_RIGHT``, the KV-cache meaning, which ``torch.nn.attention.bias.causal_lower_right`` also
-    runs on this kernel); with ``Lq == Lk`` that is plain causal attention."""
-    if k.shape[1] != q.shape[1]:
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    runs on this kernel); with ``Lq == Lk`` that is plain causal attention. GQA is the kernel's own (its key and
+    value heads divide the query heads; SDPA's ``enable_gqa`` runs the same kernel unexpanded), so K and V are
+    read as stored, not copied ``H / H_kv`` times (kvzip's repeat passes: a GiB a layer and pass at 130k)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, False, scale=scale
     )[:2]
@@ -110,9 +109,8 @@ def _attention_cuda(q, k, v, mask, scale, causal, softcap):
 
 @ops.attention_lse.register_kernel("cuda")
 def _attention_lse_cuda(q, k, v, scale):
-    """Flash attention's own kernel returns the row log-sum-exp with the output (the GQA heads expanded as in
-    ``_sdpa``); where it does not serve (fp32, a head size it lacks), the attention and the reference's
-    log-sum-exp."""
+    """Flash attention's own kernel returns the row log-sum-exp with the output; where it does not serve (fp32, a
+    head size it lacks), the attention and the reference's log-sum-exp."""
     if _flash_serves(q, v):
         out, lse = _flash_causal(q, k, v, scale)
         return out, lse.float().contiguous()
