@@ -472,13 +472,15 @@ def heads_alone(q, k, v, pos, start, kv_len, q_pos):
     order=st.sampled_from([K.ORDER_NATURAL, K.ORDER_RECENCY]),
     split=st.sampled_from([None, False]),
     scale=st.sampled_from([1, 3]),
+    floor=st.sampled_from([1, 4]),
     seed=st.integers(0, 10_000),
 )
-def test_ragged_heads_read_each_heads_own_range(b, heads, d, data, block, order, split, scale, seed):
+def test_ragged_heads_read_each_heads_own_range(b, heads, d, data, block, order, split, scale, floor, seed):
     """Heads of one row keep different counts (one at 8x another, one at its floor of a single entry, one with
     none visible): kernel == reference == each head's exact attention over its own entries, and each program
-    reads the blocks of its own range alone, at the kernel's split count (``RAGGED_MIN_HEAD_SPLITS`` per head
-    slot at least) and at a multiple of it (``RAGGED_SPLIT_SCALE``, which the kernel benchmark sweeps)."""
+    reads the blocks of its own range alone, at the kernel's split count and at a multiple of it, with a floor of
+    splits per head slot or none (``RAGGED_SPLIT_SCALE`` and ``RAGGED_MIN_HEAD_SPLITS``, which the kernel benchmark
+    sweeps)."""
     h, hkv = heads
     lengths = data.draw(st.lists(st.lists(st.integers(0, 60), min_size=hkv, max_size=hkv), min_size=b, max_size=b))
     lengths[0][0] = 1  # a head at its floor
@@ -488,11 +490,12 @@ def test_ragged_heads_read_each_heads_own_range(b, heads, d, data, block, order,
     q = torch.randn(b, h, 1, d, generator=torch.Generator().manual_seed(seed + 1))
     q_pos = torch.full((b,), 1 << 20, dtype=torch.int32)
     kw = dict(kv_pos=pos, q_pos=q_pos, kv_len=kv_len, kv_start=start, block=block, order=order)
-    K.RAGGED_SPLIT_SCALE = scale
+    before = K.RAGGED_SPLIT_SCALE, K.RAGGED_MIN_HEAD_SPLITS
+    K.RAGGED_SPLIT_SCALE, K.RAGGED_MIN_HEAD_SPLITS = scale, floor
     try:
         out_k, vis_k = K.decode_attention_triton(q, k, v, split=split, **kw)
     finally:
-        K.RAGGED_SPLIT_SCALE = 1
+        K.RAGGED_SPLIT_SCALE, K.RAGGED_MIN_HEAD_SPLITS = before
     out_r, vis_r = K.decode_attention_reference(q, k, v, **kw)
     want = heads_alone(q, k, v, pos, start, kv_len, q_pos)
     torch.testing.assert_close(out_r, want, atol=2e-5, rtol=2e-5)
