@@ -533,7 +533,7 @@ def test_backend_state_follows_the_last_generation_on_either_cache(compiler):
         past_key_values=DynamicCache(config=model.config),
     )
     assert not isinstance(be.state, SlotCacheState) and be.state.seen == 20
-    assert be.state.stored_tokens() == {0: 8, 1: 8}
+    assert be.state.stored_tokens() == be.state.stored == {0: 8, 1: 8}  # a SlotCacheState's name too
     model.generate(ids_of(5), max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert isinstance(be.state, SlotCacheState) and be.state.seen == 7
     mine = kvpass.SlotCache(model, be, max_length=32)

@@ -48,10 +48,13 @@ def test_queue_gives_every_request_its_tokens_alone(policy):
 
 def test_a_request_stops_at_its_end_token_and_its_row_is_refilled():
     """The end-of-sequence token a request emits ends it (kept, as ``generate`` keeps it); its row takes the
-    next request, which still gets its tokens alone."""
+    next request, which still gets its tokens alone. ``be.state`` is then the batch's cache, where the requests
+    decoded (the one-row staging cache holds a prefill's budget and no decoded token)."""
+    from kvpass.cache.slots import SlotCacheState
+
     torch._dynamo.reset()
     model = build("llama")
-    kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
+    be = kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
     ps = prompts()
     free = alone(model, ps[0], 12, min_new_tokens=12)[20:].tolist()
     eos = free[3]  # request 0 emits it as its 4th new token
@@ -60,6 +63,9 @@ def test_a_request_stops_at_its_end_token_and_its_row_is_refilled():
     for p, n in zip(ps, NEWS):
         queue.add(p, max_new_tokens=n)
     got = queue.run(progress=False)
+    state = be.state
+    assert isinstance(state, SlotCacheState) and min(state.stored.values()) > 16, state
+    assert state.stored_tokens() == state.stored
     assert got[0][20:].tolist() == cut and queue.requests[0].stopped == "eos"
     for p, n, g in zip(ps[1:], NEWS[1:], got[1:]):
         want = alone(model, p, n, eos_token_id=eos)

@@ -667,12 +667,18 @@ class SlotLayer(CacheLayerMixin):
 
 @dataclass(frozen=True)
 class SlotCacheState:
-    """``SlotCache.state()``: the counts ``GenerationState`` reports, read off a SlotCache."""
+    """``SlotCache.state()``: the counts ``GenerationState`` reports, read off a SlotCache: tokens ``seen`` (row 0),
+    ``layers``, per layer the most entries a (row, KV head) holds (``stored``), and the tokens seen but not held,
+    summed over layers, rows and KV heads (``evicted_tokens``)."""
 
     seen: int
     layers: int
     stored: dict
     evicted_tokens: int
+
+    def stored_tokens(self) -> dict[int, int]:
+        """``stored``, under ``GenerationState``'s method name."""
+        return dict(self.stored)
 
 
 class SlotCache(Cache):
@@ -783,8 +789,9 @@ class SlotCache(Cache):
             ]
         )
         self.max_length, self.max_new_tokens = max_length, max_new_tokens
-        if getattr(backend, "runtime", None) is not None:
-            backend.runtime.slot_caches.add(self)  # so be.state can name the cache a prefill ran on
+        self._runtime = getattr(backend, "runtime", None)
+        if self._runtime is not None:
+            self._runtime.slot_caches.add(self)  # so be.state can name the cache a prefill ran on
         shortest = min(c for c, w in zip(self.capacities, windows) if not w) if not all(windows) else None
         for lay in self.layers:
             lay.read_length = lay.capacity if lay.is_sliding else shortest
@@ -853,6 +860,8 @@ class SlotCache(Cache):
                 mine_t[row].copy_(theirs_t[source])
             a.count[row, CACHE] = self.ident  # the row is this cache's now
             a.filled = True
+        if self._runtime is not None:  # be.state: the batch a request joined is what the generation runs on
+            self._runtime.slot_cache_prefilled(self)
 
     def reset_row(self, row: int) -> None:
         """Empty row ``row`` of every layer (the others keep decoding)."""

@@ -167,7 +167,14 @@ class GenerationState:
         )
 
     def stored_tokens(self) -> dict[int, int]:
+        """Per recorded layer, the most entries a (row, KV head) holds now (``stored``)."""
         return {i: s.stored + self.appended(s) for i, s in sorted(self.layers.items())}
+
+    @property
+    def stored(self) -> dict[int, int]:
+        """Per recorded layer, the most entries a (row, KV head) holds now: what ``SlotCacheState.stored`` says
+        of a SlotCache, so code that reads ``be.state`` reads either the same way."""
+        return self.stored_tokens()
 
     def reset(self) -> None:
         self.layers.clear()
