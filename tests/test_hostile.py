@@ -202,7 +202,7 @@ def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params
     recorded at all (gemfilter's layer is the last, so its gate never fires) the turn was put at position 0.
     Equal to the same turn on a kvpass.SlotCache, which counts tokens on the device. (The state counts
     gemfilter's renumbered tokens.) Where gemfilter's layer is past the model, kvpass leaves the graph unchanged,
-    which a SlotCache refuses (only kvpass's attention reads its slots)."""
+    and a SlotCache (only kvpass's attention reads its slots) refuses the policy as it is built."""
     from test_asl import build as build_layers
 
     turn = torch.randint(10, 90, (1, 6), generator=torch.Generator().manual_seed(3))
@@ -212,11 +212,11 @@ def test_bare_forward_after_generate_continues_at_the_tokens_seen(policy, params
         model = build_layers("llama", layers)
         be = kvpass.backend(policy, compiler="eager", **params)
         model.forward = torch.compile(model.forward, backend=be)
-        cache = DynamicCache(config=model.config) if kind == "dynamic" else kvpass.SlotCache(model, be, max_length=64)
         if kind == "slot" and layers <= params.get("layer", 0) + 1:
-            with pytest.raises(Exception, match="cannot run on a kvpass.SlotCache.*not a selection layer"):
-                model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
+            with pytest.raises(kvpass.ConfigError, match="'layer' = 1 is not a selection layer of this 2-layer"):
+                kvpass.SlotCache(model, be, max_length=64)
             return
+        cache = DynamicCache(config=model.config) if kind == "dynamic" else kvpass.SlotCache(model, be, max_length=64)
         seq = model.generate(PROMPT, past_key_values=cache, max_new_tokens=8, do_sample=False)
         with torch.no_grad():
             got.append(model(input_ids=torch.cat([seq[:, -1:], turn], 1), past_key_values=cache, use_cache=True).logits)
@@ -549,11 +549,16 @@ def test_quest_dense_layers_covering_the_model_warns():
 
 
 def test_gate_layer_out_of_range_names_the_parameter():
+    """The plain backend meets the model at its first compile (warned, the graph unchanged); ``kvpass.compile``
+    knows it before anything compiles and refuses."""
     torch._dynamo.reset()
     model = build("llama")
     be = kvpass.backend("fastkv", budget=36, layer=999, compiler="eager")
     _, said = kvpass_warnings(lambda: greedy(torch.compile(model.forward, backend=be), model, PROMPT, 1))
     assert any("parameter 'layer' = 999" in w and "allowed: 0 to 0" in w for w in said), said
+    for policy in ("fastkv", "asl", "gemfilter"):
+        with pytest.raises(kvpass.ConfigError, match=rf"'{policy}': parameter 'layer' = 1 .* 2-layer .* 0 to 0"):
+            kvpass.compile(build("llama"), policy, budget=36, layer=1, compiler="eager")
 
 
 # 12. one warning per compiled function -------------------------------------------------------------------

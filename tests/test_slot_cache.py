@@ -933,15 +933,18 @@ def test_uncompiled_model_on_compressed_cache_fails():
 
 
 def test_a_graph_kvpass_leaves_unchanged_is_refused_on_a_slot_cache():
-    """asl with a selection layer past this 2-layer model: kvpass cannot apply it and would compile the prefill
-    unchanged, but a SlotCache's slots are read right only by kvpass's rewritten attention, so the graph is refused
-    with the reason and the way out (the model's own cache), before any token is computed."""
-    model = build("llama")
+    """Falcon with ALiBi: kvpass cannot re-index its additive bias and would compile the prefill unchanged, but a
+    SlotCache's slots are read right only by kvpass's rewritten attention, so the graph is refused with the reason
+    and the way out (the model's own cache), before any token is computed. (A gated policy's selection layer past
+    the model no longer gets this far: the SlotCache refuses the policy as it is built.)"""
+    from test_hostile import falcon
+
+    model = falcon("eager")
     torch._dynamo.reset()
-    be = kvpass.backend("asl", compiler="eager", layer=2, budget=16, window=4)
+    be = kvpass.backend("streamingllm", compiler="eager", budget=16, sinks=2)
     fwd = torch.compile(model.forward, backend=be, fullgraph=True)
     cache = kvpass.SlotCache(model, be, max_length=40, max_new_tokens=4)
-    with pytest.raises(Exception, match=r"cannot run on a kvpass.SlotCache.*not a selection layer.*DynamicCache") as e:
+    with pytest.raises(Exception, match=r"cannot run on a kvpass.SlotCache.*ALiBi.*DynamicCache") as e:
         run(fwd, cache, prompt(36, seed=3), 1)
     assert isinstance(e.value.inner_exception, kvpass.ConfigError)  # Dynamo wraps what a backend raises
     assert int(cache.layers[0].count[0, 0]) == 0  # nothing was written

@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvpass.errors import ConfigError
 from kvpass.policies.contract import Needs, Refusal, SitePlan, param
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
@@ -64,6 +65,19 @@ class GatedSelection(PrefillEviction):
     def check_config(self) -> None:
         super().check_config()
         self.check_kernel()
+
+    def check_model(self, config) -> None:
+        """A forced selection layer (``layer``) must leave a layer after it: refused here where the model is known,
+        not left to the first compile (where the graph would compile unchanged, warned, and the policy do nothing)."""
+        super().check_model(config)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = getattr(text, "num_hidden_layers", None)
+        if isinstance(n, int) and self.layer > n - 2:
+            raise ConfigError(
+                f"kvpass: policy '{self.name}': parameter 'layer' = {self.layer} is not a selection layer of this "
+                f"{n}-layer model (allowed: -1, the policy's rule, or 0 to {n - 2}: a gate after the last layer "
+                f"prunes nothing); pass layer=-1 or a layer below {n - 1}"
+            )
 
     # -- compile time ----------------------------------------------------------------------------
     def plan(self, site) -> SitePlan | Refusal:
