@@ -139,6 +139,25 @@ def test_a_model_with_a_forward_hook_is_never_called_directly(everyone):
     assert len(calls) == NEW  # the prefill and every decode step ran the hook
 
 
+def test_steps_without_a_reused_mask_say_why():
+    """After a list of prompts (a RequestQueue, whose decode graph reads the attention mask), a batch's decode steps
+    build their mask anew through Dynamo, so none is direct; ``be.last_direct_steps`` says why. A call on a
+    DynamicCache passed in runs transformers' own loop: None, not the call before's."""
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, "full", compiler="eager")
+    ids = ids_of(23, rows=2)
+    model.generate(list(ids), max_new_tokens=4, do_sample=False)
+    model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    steps = be.last_direct_steps
+    assert steps.direct == 0 and "reads the attention mask" in steps.refused, steps
+    model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    assert be.last_direct_steps is None
+    torch._dynamo.reset()
+
+
 class _Cache:
     layers = ()
 

@@ -260,6 +260,11 @@ class DirectSteps:
         self.plan, self.seen, self._before = None, [], None
         self.model = self.cache = None
 
+    def stop(self, why: str) -> None:
+        """No direct step for the rest of the call, for the reason ``why`` (the first reason given is kept)."""
+        if self.refused is None:
+            self._stop(why)
+
     def _stop(self, why: str):
         self.plan, self.refused = None, why
         return None

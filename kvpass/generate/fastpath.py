@@ -166,6 +166,7 @@ class FastGenerate:
         """``generate``: the fast path, or the model's own ``generate`` (module docstring). Calls from several
         threads run one after another."""
         with self.lock, recompile_floor():
+            self.backend.last_direct_steps = None  # kvpass's decoding loop sets it; a call without it took none
             return self._generate(inputs, *args, **kwargs)
 
     def _generate(self, inputs=None, *args, **kwargs):
