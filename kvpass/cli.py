@@ -226,7 +226,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         "--budget",
         type=positive_int,
         default=None,
-        help="KV entries kept per layer, for the policies that take a budget (each policy's own "
+        help="KV entries kept per layer and KV head, for the policies that take a budget (each policy's own "
         "default otherwise; policies without one, full and art, ignore it and the table "
         "says so)",
     )
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=positive_int,
         default=None,
-        help="KV entries kept per layer, for the policies that take a budget (an error for "
+        help="KV entries kept per layer and KV head, for the policies that take a budget (an error for "
         "policies without one, such as full)",
     )
     x.add_argument(
@@ -445,7 +445,7 @@ def _dtype(args):
 
 def _usage_error(msg: str) -> NoReturn:
     """A bad command line found by kvpass rather than argparse: said on stderr, exit status 2 (as argparse)."""
-    print(f"kvpass: error: {msg}", file=sys.stderr)
+    print(f"kvpass: error: {msg.removeprefix('kvpass: ')}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -1064,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run_comparison(args, args.policies if args.cmd == "compare" else [args.policy])
         except ConfigError as e:
-            raise SystemExit(f"kvpass: {e}") from None
+            raise SystemExit(str(e) if str(e).startswith("kvpass") else f"kvpass: {e}") from None
     except KeyboardInterrupt:  # before a run started (a run says what it kept: _interrupted)
         print("kvpass: interrupted", file=sys.stderr)
         return INTERRUPTED

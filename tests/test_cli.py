@@ -452,6 +452,9 @@ def test_report_says_what_the_means_are_over_and_draws_all_heatmaps(tmp_path, ca
     names = [p.name for p in paths]
     assert names[2:] == ["heatmap_full.png", "heatmap_streamingllm.png", "heatmaps.png"]
     assert all(p.stat().st_size > 1000 for p in paths[2:])
+    # a second run into the same folder, of one policy: the earlier run's other figure does not stay beside it
+    report.write(results[:1], tmp_path, {"model": "tiny"})
+    assert sorted(p.name for p in tmp_path.glob("heatmap*.png")) == ["heatmap_full.png", "heatmaps.png"]
     assert report.budget_text("streamingllm", {"budget": 64}) == "budget 64"
     assert report.budget_text("full", {"budget": 64}).startswith("no budget")
     assert report.budget_text("snapkv", {}).startswith("budget 2048")

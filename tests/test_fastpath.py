@@ -278,8 +278,10 @@ def test_prefill_compiler_compiles_only_the_prefill():
 
 def test_compile_refusals():
     model = build("llama")
-    with pytest.raises(kvpass.ConfigError, match="budget"):
+    with pytest.raises(kvpass.ConfigError, match=r"^kvpass: policy 'snapkv': parameter 'budget' .* got -1; pass a"):
         kvpass.compile(model, "snapkv", compiler="eager", budget=-1)
+    with pytest.raises(kvpass.ConfigError, match=r"parameter 'model' must be a transformers model .* got str 'llama'"):
+        kvpass.compile("llama", "full")
     with pytest.raises(kvpass.ConfigError, match="ChunkFusion"):
         kvpass.compile(model, "a3", compiler="eager")
     kvpass.compile(model, "full", compiler="eager")

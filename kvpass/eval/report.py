@@ -129,7 +129,8 @@ def print_table(results, title: str, params: dict | None = None) -> None:
 def write(results, out_dir: Path, meta: dict) -> list[Path]:
     """results.json (everything, failed policies with their error and the tasks done before it),
     results.csv (one row per policy x task) and heatmap PNGs (one per policy and heatmaps.png with all of
-    them side by side); a policy that failed mid-run has no rows or heatmap, as it has no complete result."""
+    them side by side); a policy that failed mid-run has no rows or heatmap, as it has no complete result. The
+    folder's other heatmaps (an earlier run's) are removed: every figure there is of these results."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {
         "meta": meta,
@@ -168,6 +169,8 @@ def write(results, out_dir: Path, meta: dict) -> list[Path]:
     p = heatmaps(complete, out_dir, meta)
     if p:
         paths.append(p)
+    for stale in {*out_dir.glob("heatmap_*.png"), out_dir / "heatmaps.png"} - set(paths):
+        stale.unlink(missing_ok=True)  # an earlier run's figure beside results that no longer hold its policy
     return paths
 
 

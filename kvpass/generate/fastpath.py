@@ -542,17 +542,18 @@ def compile(
     becomes a ``FastGenerate`` (``model.generate.original`` is the model's own). Policies without a
     SlotCache decode (chunk fusion: ``kvpass.ChunkFusion``) are refused.
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise ConfigError(
+            f"kvpass.compile: parameter 'model' must be a transformers model with generate() (e.g. "
+            f"AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__} {model!r:.60}; load the model "
+            f"first and pass it"
+        )
     if hasattr(model.forward, "_torchdynamo_orig_callable") or isinstance(
         model, torch._dynamo.eval_frame.OptimizedModule
     ):
         raise ConfigError(
             "kvpass.compile: the model is already compiled; pass the uncompiled model "
             "(kvpass.compile compiles model.forward itself)"
-        )
-    if not hasattr(model, "generate") or not hasattr(model, "config"):
-        raise ConfigError(
-            f"kvpass.compile: parameter 'model' must be a transformers model with generate(), "
-            f"got {type(model).__name__}"
         )
     hooked = backward_hooked(model)
     if hooked is not None:

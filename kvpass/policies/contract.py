@@ -56,11 +56,15 @@ class Param:
             value, ok_type = os.fspath(value), True
         if not ok_type:
             raise ConfigError(
-                f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
-                f"got {type(value).__name__} {value!r}"
+                f"kvpass: policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
+                f"got {type(value).__name__} {value!r}; pass {self.name}=<{self.kind.__name__}> or leave it out "
+                f"for the default ({self.default!r})"
             )
         if value != value or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
-            raise ConfigError(f"policy '{policy}': parameter '{self.name}' must be {self.range_text()}, got {value!r}")
+            raise ConfigError(
+                f"kvpass: policy '{policy}': parameter '{self.name}' must be {self.range_text()}, got {value!r}; "
+                f"pass a value in that range or leave it out for the default ({self.default!r})"
+            )
         return value
 
 
