@@ -40,7 +40,7 @@ import contextlib
 import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
-from kvpass.cache.slots import MaskReused, SlotCache, reused_mask
+from kvpass.cache.slots import MaskReused, reused_mask
 from kvpass.errors import ConfigError
 from kvpass.generate import reconstruct
 from kvpass.generate.direct_steps import DirectSteps, callers_code
@@ -210,19 +210,17 @@ def _decode(be, model, input_ids, logits_processor, stopping_criteria, generatio
             if not reuse or not be.decode_ignores_mask(layers):
                 mask = None
                 if direct is not None:  # direct steps take the first step's mask: none this call, and why
-                    direct.stop(no_reused_mask(reuse, cache))
+                    direct.stop(no_reused_mask(reuse))
     return ids[:, :length].contiguous()
 
 
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 
 
-def no_reused_mask(reuse: bool, cache) -> str:
+def no_reused_mask(reuse: bool) -> str:
     """Why the decode steps of this call build their attention mask anew (so none is a direct step)."""
     if not reuse:
         return "a step ran outside the compiled graph"
-    if not isinstance(cache, SlotCache):
-        return f"direct steps run on a kvpass.SlotCache, and this call decodes on a {type(cache).__name__}"
     return (
         "a decode graph this backend compiled reads the attention mask or is not a whole decode step (a "
         "RequestQueue's, a forward of your own, a graph break), so each step builds its mask anew through Dynamo"
