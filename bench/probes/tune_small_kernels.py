@@ -124,7 +124,7 @@ def stamp_rows(out, h=32, hkv=8, d=128, window=129):
         args = (
             q,
             torch.randn(b, hkv, d, device="cuda", generator=g).bfloat16(),
-            torch.tensor([5000, 0, 0], device="cuda"),
+            torch.tensor([[5000, 0, 0, 1 << 40, 0]] * b, device="cuda"),  # [B, 5] counts (kvpass.cache.slots)
         )
         from kvpass.kernels.page_bounds import (
             page_bounds_triton,

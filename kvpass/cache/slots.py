@@ -10,10 +10,10 @@ Every layer owns, allocated once at construction and never reallocated:
   layout's next free slot), the positions a renumbering prefill dropped (``gemfilter``: ``L - n``, else
   0): the row's next token's position is ``count[b, SEEN] - count[b, DROPPED]``; and the cache's
   ``max_length``: a write past it fails loudly, whatever the policy's rule (a ring would otherwise wrap
-  over entries its policy keeps); and the cache's identity (``SlotCache.ident``, never written after
-  construction), by which ``slot_prefill`` names the cache it wrote even where a compiler hands it copies of the
-  cache's tensors (AOTAutograd's functionalization). ``generate`` keeps the rows of a batch
-  at one length; the counts are per row so that a row can be emptied and refilled on its own.
+  over entries its policy keeps); and the cache's identity (``SlotCache.ident``, written at construction and
+  by ``admit`` into the row it fills), by which ``slot_prefill`` names the cache it wrote even where a compiler
+  hands it copies of the cache's tensors (AOTAutograd's functionalization). ``generate`` keeps the rows of a
+  batch at one length; the counts are per row so that a row can be emptied and refilled on its own.
 
 * ``state``: the policy's own per-layer tensors (``Policy.slot_state``, e.g. quest's page bounds),
   kept by tensor code the rewrite places in the graphs (``Policy.slot_hooks``).
@@ -217,7 +217,8 @@ def slot_prefill(
     from kvpass.cache import runtime
 
     rt = runtime.get(handle)
-    rt.slot_prefilled(int(count[0, CACHE]))  # by value: ``count`` may be a copy of the cache's (aot_eager)
+    first = count[0].tolist()  # one read to the host: the cache's identity and max_length
+    rt.slot_prefilled(first[CACHE])  # by value: ``count`` may be a copy of the cache's (aot_eager)
     layer = runtime.layer_of(key)
     b, hkv, length, _ = k_new.shape
     if b != keys.shape[0]:
@@ -225,10 +226,10 @@ def slot_prefill(
             f"kvpass SlotCache: a batch of {b} rows on a cache built for {keys.shape[0]}; build it with batch_size={b}"
         )
     check_heads(keys, values, k_new, v_new)
-    if length > int(count[0, MAX_LENGTH]):
+    if length > first[MAX_LENGTH]:
         raise ValueError(
             f"kvpass SlotCache: a {length}-token prompt on a cache built for max_length="
-            f"{int(count[0, MAX_LENGTH])}; build it with max_length >= prompt + new tokens"
+            f"{first[MAX_LENGTH]}; build it with max_length >= prompt + new tokens"
         )
     kv_pos = torch.arange(length, device=k_new.device).expand(b, hkv, length)
     valid = runtime.key_validity(mask, b, length)

@@ -67,7 +67,9 @@ class OverScorer(PrefillEviction):
         try:
             self.base = cls(**params)
         except ConfigError as err:
-            raise ConfigError(f"policy '{self.name}' with scorer '{self.scorer}': {err}") from None
+            raise ConfigError(
+                f"kvpass: policy '{self.name}' with scorer '{self.scorer}': {str(err).removeprefix('kvpass: ')}"
+            ) from None
 
     def plan(self, site) -> SitePlan | Refusal:
         """The base scorer's plan (a refusal or a plan that does not evict is passed on as it is)."""
