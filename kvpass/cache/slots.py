@@ -539,7 +539,6 @@ class SlotLayer(CacheLayerMixin):
     ) -> None:
         super().__init__()
         self.capacity = capacity
-        self.ident = ident  # the SlotCache's identity, in ``count[:, CACHE]`` (0: a layer of no SlotCache)
         # a sliding-window layer (``window`` > 0) is a ring of ``window`` slots whatever the
         # policy: the token at position p overwrites p - window, which no later query sees
         self.window = window
@@ -554,6 +553,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch, kv_heads, capacity), -1, dtype=torch.int32, device=device)
+        # ``ident``: the SlotCache's identity, its CACHE column (0: a layer of no SlotCache)
         self.count = torch.tensor([[0, 0, 0, limit, ident]] * batch, dtype=torch.int64, device=device)
         # the policy's decode state (Policy.slot_state): name -> (shape after [B, H_kv], dtype, fill)
         self._fills = [fill for _shape, _dt, fill in (state or {}).values()]

@@ -882,9 +882,9 @@ MAX_SPLITS = 256
 COMBINE_BLOCK = 64  # parts the combine merges per load (64 x head dim fp32 per program)
 PROGRAMS_PER_SM = 1  # split-KV programs a launch aims at per SM
 # a ragged row's splits per head slot: at least RAGGED_MIN_HEAD_SPLITS (times RAGGED_SPLIT_SCALE, 1; the kernel
-# benchmark sweeps both). 1: num_splits's count as it is. A floor of 4 cut a long skewed head finer at batch 16
-# (32k per head: 1.05x the uniform layout's time against 1.22x) but cost budget-sized heads 1.56-1.84x at 2k per
-# head, batches 8-55, against 1.08-1.31x; a floor of 2 sat between (bench/results/gpu_h100_2026-12-07/ragged).
+# benchmark sweeps both). 1: num_splits's count as it is. A floor of 4 cuts a long skewed head finer at batch 16
+# (32k per head: 1.05x the uniform layout's time against 1.22x) but costs budget-sized heads 1.56-1.84x at 2k per
+# head, batches 8-55, against 1.08-1.31x; a floor of 2 sits between (bench/results/gpu_h100_2026-12-07/ragged).
 # The count may not follow the length (num_splits says why), so the common case, heads of a budget, decides.
 RAGGED_MIN_HEAD_SPLITS = 1
 RAGGED_SPLIT_SCALE = 1

@@ -299,6 +299,18 @@ class GatedPolicy(Protocol):
     def gate_select(self, scores: torch.Tensor, keep: int, ctx: dict) -> torch.Tensor: ...
 
 
+def forced_layer_problem(policy: GatedPolicy, n_layers: int) -> str | None:
+    """Why ``policy``'s forced selection layer (``layer >= 0``) is not one of an ``n_layers``-layer model's (its
+    ``gate_layers`` gives no cut), or None: said where the model is first known (``check_model``) and by the gate's
+    placement in a compiled graph."""
+    if policy.layer < 0 or policy.gate_layers(n_layers)[1]:
+        return None
+    return (
+        f"parameter 'layer' = {policy.layer} is not a selection layer of this {n_layers}-layer model (allowed: 0 to "
+        f"{n_layers - 2}, or -1 for the policy's rule; a gate after the last layer prunes nothing)"
+    )
+
+
 @runtime_checkable
 class PagePolicy(Protocol):
     """The protocol of a policy that picks the pages a decode step reads on a DynamicCache

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvpass.compiler.detect import val
-from kvpass.policies.contract import GatedPolicy
+from kvpass.policies.contract import GatedPolicy, forced_layer_problem
 
 
 def same(a, b) -> bool:
@@ -79,12 +79,8 @@ def check(sites, policy) -> str | None:
         )
     observe, cuts = policy.gate_layers(len(sites))
     if not cuts:
-        forced = policy.layer
-        if forced >= 0:
-            return (
-                f"parameter 'layer' = {forced} is not a selection layer of this {len(sites)}-layer model "
-                f"(allowed: 0 to {len(sites) - 2}; a gate after the last layer prunes nothing)"
-            )
+        if forced := forced_layer_problem(policy, len(sites)):
+            return forced
         return (
             f"no candidate selection layer in a {len(sites)}-layer model (a gate after the last layer prunes nothing)"
         )

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kvpass.errors import ConfigError
-from kvpass.policies.contract import Needs, Refusal, SitePlan, param
+from kvpass.policies.contract import Needs, Refusal, SitePlan, forced_layer_problem, param
 from kvpass.policies.prefill import scoring
 from kvpass.policies.prefill.base import PrefillEviction
 
@@ -72,12 +72,8 @@ class GatedSelection(PrefillEviction):
         super().check_model(config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         n = getattr(text, "num_hidden_layers", None)
-        if isinstance(n, int) and self.layer > n - 2:
-            raise ConfigError(
-                f"kvpass: policy '{self.name}': parameter 'layer' = {self.layer} is not a selection layer of this "
-                f"{n}-layer model (allowed: -1, the policy's rule, or 0 to {n - 2}: a gate after the last layer "
-                f"prunes nothing); pass layer=-1 or a layer below {n - 1}"
-            )
+        if isinstance(n, int) and (problem := forced_layer_problem(self, n)):
+            raise ConfigError(f"kvpass: policy '{self.name}': {problem}; pass layer=-1 or a layer below {n - 1}")
 
     # -- compile time ----------------------------------------------------------------------------
     def plan(self, site) -> SitePlan | Refusal:
