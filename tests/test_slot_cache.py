@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ from transformers import DynamicCache
 
 import kvpass
 from families import build, skip_uneven_layers_on_old_stacks, symbolic_lengths
-from kvpass.cache.slots import APPEND, RING, write_slots
+from kvpass.cache.slots import APPEND, CACHE, RING, write_slots
 
 BUDGET, SINKS = 8, 2
 PUNCT = [5, 7]
@@ -439,6 +440,36 @@ def test_generate_full_and_chat_continuation(family):
     torch.testing.assert_close(logits2, ref_logits2, atol=1e-5, rtol=1e-5)
     assert int(cache.get_seq_length()) == chat.shape[1] + 6 - 1
     assert sorted(be.plans()) == ["append", "decode", "prefill"]
+
+
+def test_deepcopy_of_a_prefilled_cache_continues_on_its_own():
+    """transformers' prompt reuse: a prompt prefilled once into a SlotCache, ``copy.deepcopy`` of it for each of two
+    continuations. Each copy continues as a cache that prefilled the prompt itself would, the original keeps the
+    prompt alone, and each copy has an identity of its own in its counts (the runtime and the policy are shared,
+    not copied: a copied runtime held the compiled graphs' tensors and failed to copy)."""
+    model = build("llama")
+    prompt = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(1))
+    be = kvpass.backend("streamingllm", compiler="eager", budget=BUDGET, sinks=SINKS)
+    model.forward = torch.compile(model.forward, backend=be, fullgraph=True)
+
+    def prefilled():
+        cache = kvpass.SlotCache(model, be, max_length=40)
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        return cache
+
+    cache = prefilled()
+    for seed in (2, 3):
+        ids = torch.cat([prompt, torch.randint(3, 90, (1, 4), generator=torch.Generator().manual_seed(seed))], 1)
+        mine = copy.deepcopy(cache)
+        assert mine.ident != cache.ident and mine._runtime is cache._runtime
+        assert all(int(lay.count[0, CACHE]) == mine.ident for lay in mine.layers)
+        seq, logits = _generate(model, ids, 5, past_key_values=mine)
+        ref_seq, ref_logits = _generate(model, ids, 5, past_key_values=prefilled())
+        assert torch.equal(seq, ref_seq)
+        torch.testing.assert_close(logits, ref_logits, atol=0, rtol=0)
+        assert int(mine.get_seq_length()) == 17 + 5 - 1 and cache.seen == 13
+        assert all(int(lay.count[0, CACHE]) == cache.ident for lay in cache.layers)
 
 
 def test_generate_streamingllm_seq_length_and_continuation():

@@ -52,6 +52,7 @@ A cache a policy has compressed no longer has the append layout: ``slot_append``
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import threading
 from dataclasses import dataclass
@@ -904,6 +905,22 @@ class SlotCache(Cache):
     def reset(self) -> None:
         for lay in self.layers:
             lay.reset()
+
+    def __deepcopy__(self, memo: dict) -> "SlotCache":
+        """An independent cache with the same entries (transformers' prompt reuse: ``copy.deepcopy`` of a
+        prefilled cache, then ``generate`` on the copy): its slots and counts are copied, the backend's runtime and
+        the policy are shared, and the copy has an identity of its own, so ``be.state`` tells the two apart."""
+        memo[id(self._runtime)], memo[id(self._policy)] = self._runtime, self._policy
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        new.ident = next(_IDENTS)
+        for lay in new.layers:
+            lay.count[:, CACHE] = new.ident
+        if new._runtime is not None:
+            new._runtime.slot_caches.add(new)
+        return new
 
     def __repr__(self) -> str:
         lay = self.layers[0]
