@@ -1064,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run_comparison(args, args.policies if args.cmd == "compare" else [args.policy])
         except ConfigError as e:
-            raise SystemExit(str(e) if str(e).startswith("kvpass") else f"kvpass: {e}") from None
+            raise SystemExit(str(e)) from None  # a ConfigError starts with "kvpass"
     except KeyboardInterrupt:  # before a run started (a run says what it kept: _interrupted)
         print("kvpass: interrupted", file=sys.stderr)
         return INTERRUPTED

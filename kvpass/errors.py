@@ -24,7 +24,13 @@ def device_assert(cond, msg: str) -> None:
 
 
 class ConfigError(ValueError):
-    """A policy name or parameter is invalid. The message names the parameter and its range."""
+    """A policy name or parameter is invalid. The message names the parameter and its range; it starts with
+    ``kvpass`` (added where the raising code names only the policy or the class), so a user can tell the library's
+    refusal from one of torch or transformers."""
+
+    def __init__(self, msg: str = "", *args) -> None:
+        msg = str(msg)
+        super().__init__(msg if msg.startswith("kvpass") else f"kvpass: {msg}", *args)
 
 
 class SlotCacheUnrewritten(ConfigError):

@@ -17,7 +17,7 @@ PROMPT, NEW = 40, 6
 DUO_PATTERN = os.path.join(os.path.dirname(__file__), "data", "duo_pattern_llama.tsv")
 PUNCT = [5, 7]  # sentence-end token ids of the conformance prompts (sablock's segments)
 GATE = dict(layer=0)  # the two-layer model's only selection layer
-UNEVEN = (
+UNEVEN = (  # a left-padded batch on a DynamicCache is refused (tests/test_conformance.py checks the refusal)
     "its layers store different lengths and transformers sizes a decode step's padding mask from layer 0's "
     "(a known limit on a DynamicCache: docs/policies/pyramidkv.md)"
 )

@@ -89,12 +89,15 @@ def test_backend_rejects_bad_configuration(kwargs, fragments, no_runtime_leak, m
     with pytest.raises(kvpass.ConfigError) as err:
         kvpass.backend(policy, **kwargs)
     message = str(err.value)
+    assert message.startswith("kvpass"), message  # the user tells kvpass's refusal from torch's or transformers'
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from: {message}"
 
 
 def test_config_error_is_a_value_error():
     assert issubclass(kvpass.ConfigError, ValueError)
+    assert str(kvpass.ConfigError("policy 'x': bad")) == "kvpass: policy 'x': bad"
+    assert str(kvpass.ConfigError("kvpass.SlotCache: bad")) == "kvpass.SlotCache: bad"
 
 
 def test_errors_come_before_compiling(no_runtime_leak):

@@ -258,7 +258,7 @@ class Runner:
                 try:
                     be, fwd, result.compile_s = self.compile(spec, params, compiler)
                 except ConfigError as e:
-                    result.available, result.reason = False, str(e)
+                    result.available, result.reason = False, str(e).removeprefix("kvpass: ")
                     for _ in range(len(tasks) - i) if progress is not None else ():  # keep the total honest
                         progress()
                     return result

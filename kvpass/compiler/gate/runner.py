@@ -361,6 +361,7 @@ class GatedGraph:
                     t = env[x]
                     env[x] = torch.cat([t.new_zeros(*t.shape[:-2], extra, t.shape[-1]), t], -2)
                 pos = torch.cat([pos.new_full((b, hkv, extra), -1), pos], -1)
+            self.runtime.refuse_uneven_padded(layer, self.sites[layer].sliding_window, pos.shape[-1], true)
             st.set_layer(layer, pos, seen, fresh=True)
 
 
