@@ -20,7 +20,7 @@ from transformers import DynamicCache
 import kvpass
 from families import build
 from kvpass.cache import ragged
-from kvpass.errors import ConfigError
+from kvpass.errors import ConfigError, KVPassWarning
 from kvpass.policies import make_policy
 from test_adakv import PROMPT, calls, compiled, prompt_ids
 
@@ -183,6 +183,22 @@ def test_bad_patterns_are_refused_before_compiling(tmp_path):
     be = kvpass.backend("duoattention", pattern=str(folder))
     with pytest.raises(ConfigError, match=r"2 layers x 3 KV heads"):
         kvpass.SlotCache(model, be, max_length=64)
+
+
+@pytest.mark.parametrize("lines", [1, 3])
+def test_a_pattern_of_another_depth_compiles_the_graph_unchanged(tmp_path, lines):
+    """Through the plain backend (no model to check before compiling) a pattern with fewer or more layers than the
+    graph's attention layers is refused for the graph as a whole: compiled unchanged, warned, nothing evicted."""
+    pattern = tmp_path / "deeper.tsv"
+    pattern.write_text("0.5\t0.1\n" * lines)
+    model, ref = build("llama"), build("llama")
+    be = kvpass.backend("duoattention", compiler="eager", pattern=str(pattern), streaming=1.0, sinks=2, recent=4)
+    model.forward = torch.compile(model.forward, backend=be, dynamic=True)
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(KVPassWarning, match=rf"the graph has 2 attention layers and the head pattern .* {lines} "):
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
+    assert all(not r.rewritten for r in be.reports) and not be.state.layers
 
 
 def test_calibration_writes_a_pattern_the_policy_takes(tmp_path, monkeypatch, capsys):

@@ -183,6 +183,9 @@ class KVPass(CustomGraphPass):
             return plans
         for site in found.sites:
             site.phase, site.tp = report.phase, tp
+        if whole := self.policy.graph_refusal(found.sites):
+            report.problems.append(f"policy '{self.policy.name}': {whole}")
+            return plans
         if idle := self.policy.idle_reason(found.sites):
             warn_once(f"kvpass: {idle}", self)
         for site in found.sites:

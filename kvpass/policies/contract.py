@@ -498,6 +498,11 @@ class Policy:
         """What the rewrite does at ``site``, or a ``Refusal`` saying why it cannot be planned."""
         return SitePlan(attention=True)
 
+    def graph_refusal(self, sites) -> str | None:
+        """Why a graph with these attention ``sites`` cannot be planned as a whole (the graph then compiles
+        unchanged, with the reason), or None. Per-site reasons belong in ``plan``."""
+        return None
+
     def idle_reason(self, sites) -> str | None:
         """Why these parameters change nothing on a model with these attention ``sites`` (said once as a
         warning, naming the parameter), or None."""

@@ -144,12 +144,23 @@ class DuoAttention(Policy):
         first = site.tp.rank * site.kv_heads if site.tp is not None else 0
         return slice(first, first + site.kv_heads)
 
+    def graph_refusal(self, sites) -> str | None:
+        """A graph with another count of attention layers than the pattern: a pattern for another model (or a
+        forward split into several graphs, whose layers each graph counts from 0), either way not this graph's."""
+        layers = max((s.layer for s in sites), default=-1) + 1
+        if layers and layers != self.layers:
+            return (
+                f"the graph has {layers} attention layers and the head pattern {self.pattern!r} {self.layers} (a "
+                f"pattern for another model, or a forward split into several graphs); pass this model's pattern"
+            )
+        return None
+
     def plan(self, site) -> SitePlan | Refusal:
         plan = shrinking_plan(site)
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
         total = site.kv_heads * (site.tp.size if site.tp is not None else 1)
-        if site.layer >= self.layers or total != self.streaming_heads.shape[1]:
+        if total != self.streaming_heads.shape[1]:  # (the layers: graph_refusal)
             return Refusal(
                 f"layer {site.layer} with {total} KV heads: the head pattern {self.pattern!r} has "
                 f"{self.layers} layers x {self.streaming_heads.shape[1]} KV heads (a pattern for another "
