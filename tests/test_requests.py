@@ -72,6 +72,21 @@ def test_a_request_stops_at_its_end_token_and_its_row_is_refilled():
         assert g.tolist() == want[: len(g)].tolist() and (len(g) == len(want) or want[len(g)] == eos)
 
 
+def test_idle_rows_are_no_requests_in_be_state():
+    """One request through four rows: the three idle rows decode copies of it, emptied when the run ends, so
+    ``be.state`` counts the request's tokens once (evicted_tokens grew with the rows before)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    be = kvpass.compile(model, "snapkv", compiler="eager", budget=16, window=4)
+    counts = []
+    for rows in (1, 4):
+        queue = kvpass.RequestQueue(model, max_batch=rows, max_new_tokens=5, eos_token_id=None)
+        queue.add(prompts()[0])
+        queue.run(progress=False)
+        counts.append(be.state.evicted_tokens)
+    assert counts[0] == counts[1] > 0, counts
+
+
 def test_generate_over_a_list_is_the_queue():
     torch._dynamo.reset()
     model = build("llama")

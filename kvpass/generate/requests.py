@@ -333,6 +333,9 @@ class RequestQueue:
             made += self._collect(late.read(), steps - 1, rows, since, eos, bar)
         if pending is not None:
             made += self._collect(pending.read(), steps, rows, since, eos, bar)
+        for row, copied in enumerate(parked):  # an idle row's copy is no request's: emptied, so be.state counts
+            if copied is not None:  # the rows that hold requests
+                batch.reset_row(row)
         busy.clear()
         bar.close()
         wall = time.perf_counter() - t0
