@@ -926,14 +926,22 @@ def _interrupted(finished, policies: list[str], out: Path, created: list[Path], 
     return INTERRUPTED
 
 
+def _params(args) -> dict:
+    """``--param`` values with ``--budget`` as ``budget``; both naming the budget is a usage error."""
+    params = parse_params(args.param)
+    if args.budget is not None:
+        if "budget" in params and params["budget"] != args.budget:
+            _usage_error(f"--budget {args.budget} and --param budget={params['budget']} disagree; pass one of them")
+        params["budget"] = args.budget
+    return params
+
+
 def run_comparison(args, policies: list[str]) -> int:
     """Check everything that can be checked, run the policies and write the results; the exit status is
     1 when a policy failed mid-run, 130 when the run was interrupted (Ctrl-C: ``_interrupted``)."""
     from kvpass.eval import compare, report
 
-    params = parse_params(args.param)
-    if args.budget is not None:
-        params["budget"] = args.budget
+    params = _params(args)
     compiler = args.compiler or ("inductor" if args.device.startswith("cuda") else "eager")
     # Everything that can be checked without the model is checked before it loads.
     check_policies(
@@ -1025,9 +1033,7 @@ def explain(args) -> int:
     import kvpass
     from kvpass.eval.runner import policy_params
 
-    params = parse_params(args.param)
-    if args.budget is not None:
-        params["budget"] = args.budget
+    params = _params(args)
     check_policies([args.policy], params, param_keys=parse_params(args.param), flag="--policy")
     if args.budget is not None and not policy_params(args.policy, {"budget": args.budget}):
         _usage_error(f"--budget: policy '{args.policy}' has no parameter 'budget' (it keeps every entry)")

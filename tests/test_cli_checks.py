@@ -169,6 +169,12 @@ def test_eval_budget_for_a_policy_without_one_is_refused(tmp_path, capsys, no_mo
     assert "--budget: policy 'art' has no parameter 'budget'" in err and "drop --budget" in err
 
 
+def test_budget_given_twice_with_two_values_is_refused(tmp_path, capsys, no_model):
+    argv = ["compare", "--policies", "snapkv", "--budget", "128", "--param", "budget=64", "--out", str(tmp_path / "r")]
+    err = _usage_error(argv, capsys)
+    assert "--budget 128 and --param budget=64 disagree" in err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
 def test_cuda_without_a_gpu_is_refused_before_the_model_loads(tmp_path, capsys, no_model, smollm2_installed):
     err = _usage_error(["eval", "--device", "cuda", "--lengths", "512", "--out", str(tmp_path / "r")], capsys)

@@ -903,12 +903,16 @@ def test_policy_without_slot_rule_refused():
 
 
 def test_bad_construction_refused():
-    """max_length must be an int >= 1."""
+    """max_length must be an int >= 1, and at least max_new_tokens (it counts the prompt and the new tokens)."""
     model = build("llama")
     be = kvpass.backend("full", compiler="eager")
     for bad in (0, -3, 8.0):
         with pytest.raises(kvpass.ConfigError, match="max_length"):
             kvpass.SlotCache(model, be, max_length=bad)
+    with pytest.raises(
+        kvpass.ConfigError, match=r"^kvpass: SlotCache: parameter 'max_new_tokens' must be <= max_length"
+    ):
+        kvpass.SlotCache(model, be, max_length=8, max_new_tokens=16)
 
 
 def test_a_model_without_attention_heads_is_refused_by_name():

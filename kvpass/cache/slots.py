@@ -734,6 +734,11 @@ class SlotCache(Cache):
                     f"SlotCache: parameter '{name}' must be an int >= {lo}"
                     f"{' or None' if name == 'max_new_tokens' else ''}, got {value!r}"
                 )
+        if max_new_tokens is not None and max_new_tokens > max_length:
+            raise ConfigError(
+                f"SlotCache: parameter 'max_new_tokens' must be <= max_length ({max_length}), got {max_new_tokens}; "
+                f"max_length counts the prompt and the new tokens, so pass max_length=prompt + max_new_tokens"
+            )
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ConfigError(f"SlotCache: parameter 'dtype' must be a torch.dtype or None, got {dtype!r}")
         if policy.needs.slot_rule is None:

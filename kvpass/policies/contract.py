@@ -54,16 +54,17 @@ class Param:
             value, ok_type = float(value), True
         if self.kind is str and isinstance(value, os.PathLike):  # a path given as a Path (kvpass.duo_pattern's)
             value, ok_type = os.fspath(value), True
+        # a parameter without a usable default (duoattention's pattern) is required: no "leave it out" then
+        default = "" if self.default in ("", None) else f" or leave it out for the default ({self.default!r})"
         if not ok_type:
             raise ConfigError(
                 f"kvpass: policy '{policy}': parameter '{self.name}' must be {self.range_text()}, "
-                f"got {type(value).__name__} {value!r}; pass {self.name}=<{self.kind.__name__}> or leave it out "
-                f"for the default ({self.default!r})"
+                f"got {type(value).__name__} {value!r}; pass {self.name}=<{self.kind.__name__}>{default}"
             )
         if value != value or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
             raise ConfigError(
-                f"kvpass: policy '{policy}': parameter '{self.name}' must be {self.range_text()}, got {value!r}; "
-                f"pass a value in that range or leave it out for the default ({self.default!r})"
+                f"kvpass: policy '{policy}': parameter '{self.name}' must be {self.range_text()}, got {value!r}"
+                f"{f' ({self.name}: {self.doc})' if self.doc else ''}; pass a value in that range{default}"
             )
         return value
 

@@ -210,7 +210,10 @@ class ExpectedAttention(PrefillEviction):
     use_vnorm: bool = param(True, doc="weigh each entry's expected attention by its value's L2 norm")
     epsilon: float = param(0.0, 0.0, None, "added to the expected attention before the value norm weighs it")
     decode_interval: int = param(
-        0, 0, 1 << 20, "decode tokens between cuts back to the budget (0: decode steps only append; kvpress: 512)"
+        0,
+        0,
+        1 << 20,
+        "0: decode steps only append; else 16 or more decode tokens between cuts back to the budget (kvpress: 512)",
     )
     decode_queries: int = param(256, 2, 1 << 16, "latest decode queries a cut's statistics are taken from")
 
