@@ -278,7 +278,10 @@ def test_prefill_compiler_compiles_only_the_prefill():
 
 def test_compile_refusals():
     model = build("llama")
-    with pytest.raises(kvpass.ConfigError, match=r"^kvpass: policy 'snapkv': parameter 'budget' .* got -1; pass a"):
+    with pytest.raises(
+        kvpass.ConfigError,
+        match=r"^kvpass: policy 'snapkv': parameter 'budget' .* got -1 \(budget: entries kept .*\); pass a",
+    ):
         kvpass.compile(model, "snapkv", compiler="eager", budget=-1)
     with pytest.raises(kvpass.ConfigError, match=r"parameter 'model' must be a transformers model .* got str 'llama'"):
         kvpass.compile("llama", "full")
