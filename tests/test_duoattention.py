@@ -185,20 +185,45 @@ def test_bad_patterns_are_refused_before_compiling(tmp_path):
         kvpass.SlotCache(model, be, max_length=64)
 
 
-@pytest.mark.parametrize("lines", [1, 3])
-def test_a_pattern_of_another_depth_compiles_the_graph_unchanged(tmp_path, lines):
+@pytest.mark.parametrize("lines,policy", [(1, "duoattention"), (3, "duoattention"), (3, "duoattention+art")])
+def test_a_pattern_of_another_depth_compiles_the_graph_unchanged(tmp_path, lines, policy):
     """Through the plain backend (no model to check before compiling) a pattern with fewer or more layers than the
-    graph's attention layers is refused for the graph as a whole: compiled unchanged, warned, nothing evicted."""
+    graph's attention layers is refused for the graph as a whole, composed too: compiled unchanged, warned, nothing
+    evicted."""
     pattern = tmp_path / "deeper.tsv"
     pattern.write_text("0.5\t0.1\n" * lines)
     model, ref = build("llama"), build("llama")
-    be = kvpass.backend("duoattention", compiler="eager", pattern=str(pattern), streaming=1.0, sinks=2, recent=4)
+    be = kvpass.backend(policy, compiler="eager", pattern=str(pattern), streaming=1.0, sinks=2, recent=4)
     model.forward = torch.compile(model.forward, backend=be, dynamic=True)
     ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
     with pytest.warns(KVPassWarning, match=rf"the graph has 2 attention layers and the head pattern .* {lines} "):
         got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=model.config))
     assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
     assert all(not r.rewritten for r in be.reports) and not be.state.layers
+
+
+def test_layers_of_different_lengths_decode_a_prompt_without_padding_and_refuse_a_padded_batch(tmp_path):
+    """Layers with different streaming counts end at different lengths: one prompt decodes on a DynamicCache (the
+    pool's empty slots are no padding), a left-padded batch is refused at the prefill by name (transformers sizes
+    its padding mask by layer 0's cache)."""
+    pattern = tmp_path / "uneven.tsv"
+    pattern.write_text("0.1\t0.9\n0.2\t0.3\n")  # streaming=0.75: layer 0 one streaming head, layer 1 two
+    model = build("llama")
+    be = kvpass.backend("duoattention", compiler="eager", pattern=str(pattern), streaming=0.75, sinks=2, recent=4)
+    model.forward = torch.compile(model.forward, backend=be, dynamic=True)
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(0))
+    model.generate(ids[:1], max_new_tokens=3, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    assert be.state.stored[0] != be.state.stored[1], be.state
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with pytest.raises(ConfigError, match=r"keeps \d+ entries in layer 1 .* left-padded batch .* kvpass.SlotCache"):
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            do_sample=False,
+            past_key_values=DynamicCache(config=model.config),
+        )
 
 
 def test_calibration_writes_a_pattern_the_policy_takes(tmp_path, monkeypatch, capsys):

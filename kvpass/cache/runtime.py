@@ -287,7 +287,7 @@ class Runtime:
                 heads = self.head_ranges(layer, b, h, n - q_pos.shape[1], kv_pos, q_pos, fresh)
         else:
             k_out, v_out = gather_pair(k, v, idx)  # Triton compaction on CUDA
-        if fresh:
+        if fresh and not self.policy.needs.gates:  # (a gated prefill: GatedGraph._record, after its rings' padding)
             self.refuse_uneven_padded(layer, self.sites[key].sliding_window, k_out.shape[2], kv_pos)
         seen = q_pos[0, -1] + 1  # a device tensor: int() here would sync the GPU once per layer and step
         st = self.state.set_layer(layer, pos, seen, fresh=fresh)
@@ -297,29 +297,26 @@ class Runtime:
             st.extra = {**st.extra, "heads": heads}
         return k_out, v_out
 
-    def refuse_uneven_padded(self, layer: int, window: int | None, stored: int, positions: Tensor) -> None:
-        """A padded prefill that leaves ``layer`` of a DynamicCache holding ``stored`` entries where the first layer
-        of its kind (global, or sliding over ``window``) holds another count cannot decode: transformers sizes the
-        decode step's attention mask by that layer's cache and hands it to every layer of the kind, so Dynamo's
-        trace of the model fails on the others with a shape error. Refused here, by name, before that. Padding is
-        a -1 in ``positions`` (``[B, n]`` or ``[B, H_kv, n]``: the prompt's or those kept) or in the first layer's
-        record (one host read, only where the counts differ); a layer kvpass did not record appended the whole
-        prompt."""
+    def refuse_uneven_padded(self, layer: int, window: int | None, stored: int, prompt: Tensor) -> None:
+        """A left-padded prefill (``prompt``: the prompt's positions, ``[B, n]`` or ``[B, H_kv, n]``, -1 = padding)
+        that leaves ``layer`` of a DynamicCache holding ``stored`` entries where the first layer of its kind (global,
+        or sliding over ``window``) holds another count cannot decode: transformers sizes the decode step's
+        attention mask by that layer's cache and hands it to every layer of the kind, so Dynamo's trace of the model
+        fails on the others with a shape error. Refused here, by name, before that (one host read, only where the
+        counts differ). A layer kvpass did not record holds what the model's cache keeps of the prompt."""
         earlier = sorted(s.layer for s in self.sites.values() if s.layer < layer and s.sliding_window == window)
         if not earlier:
             return
-        first = self.state.layers.get(earlier[0])
-        other = positions.shape[-1] if first is None else first.pos.shape[2]
-        if other == stored or not any(
-            bool((p < 0).any()) for p in (positions, *(() if first is None else (first.pos,)))
-        ):
+        first, n = self.state.layers.get(earlier[0]), prompt.shape[-1]
+        other = first.pos.shape[2] if first is not None else n if window is None else min(n, window - 1)
+        if other == stored or not bool((prompt < 0).any()):
             return
         raise ConfigError(
             f"kvpass: policy '{self.policy.name}' keeps {stored} entries in layer {layer} and {other} in layer "
             f"{earlier[0]} of this left-padded batch on a DynamicCache; transformers sizes the decode step's attention "
-            f"mask by the first layer's cache, so the next step would fail inside Dynamo's trace of the model. Use "
-            f"kvpass.compile(model, '{self.policy.name}', ...) or a kvpass.SlotCache (they decode layers of different "
-            f"lengths), or batch prompts of one length without padding"
+            f"mask by the first layer's cache, so no step could decode it (Dynamo's trace of the model fails). Use a "
+            f"kvpass.SlotCache (kvpass.compile's generate without past_key_values), or batch prompts of one length "
+            f"without padding"
         )
 
     def head_ranges(self, layer: int, b: int, h: int, stored: int, kv_pos: Tensor, q_pos: Tensor, fresh: bool):

@@ -669,7 +669,8 @@ class SlotLayer(CacheLayerMixin):
 
 @dataclass(frozen=True)
 class SlotCacheState:
-    """``SlotCache.state()``: the counts ``GenerationState`` reports, read off a SlotCache: tokens ``seen`` (row 0),
+    """``SlotCache.state()``: the counts ``GenerationState`` reports, read off a SlotCache: tokens ``seen`` (the most
+    a row has seen),
     ``layers``, per layer the most entries a (row, KV head) holds (``stored``), and the tokens seen but not held,
     summed over layers, rows and KV heads (``evicted_tokens``)."""
 
@@ -890,9 +891,9 @@ class SlotCache(Cache):
         return self.layers[layer].pos
 
     def state(self) -> "SlotCacheState":
-        """What the cache holds now, as ``Backend.state`` reports a DynamicCache generation: tokens seen (row
-        0), per layer the most entries a (row, KV head) holds, and the tokens seen but not held (summed over
-        layers, rows and KV heads). ``be.state`` returns it when this cache had the backend's last prefill."""
+        """What the cache holds now, as ``Backend.state`` reports a DynamicCache generation: tokens seen (the most
+        a row has seen), per layer the most entries a (row, KV head) holds, and the tokens seen but not held (summed
+        over layers, rows and KV heads). ``be.state`` returns it when this cache had the backend's last prefill."""
         stored, evicted = {}, 0
         for i, lay in enumerate(self.layers):
             if "heads" in lay.state_names and not lay.is_sliding:  # the per-head layout: heads' ranges of a pool
@@ -901,7 +902,8 @@ class SlotCache(Cache):
                 held = (lay.pos >= 0).sum(-1)  # [B, H_kv]
             stored[i] = int(held.max())
             evicted += int((lay.count[:, SEEN : SEEN + 1] - held).clamp_min(0).sum())
-        return SlotCacheState(self.seen, len(self.layers), stored, evicted)
+        seen = int(self.layers[0].count[:, SEEN].max())  # the most a row has seen (a queue's rows differ)
+        return SlotCacheState(seen, len(self.layers), stored, evicted)
 
     def kv_bytes(self) -> int:
         """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""

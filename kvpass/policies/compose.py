@@ -73,6 +73,16 @@ class Composed(Policy):
     def name(self) -> str:  # type: ignore[override]
         return "+".join(m.name for m in self.members)
 
+    def check_model(self, config) -> None:
+        for m in self.members:
+            m.check_model(config)
+
+    def graph_refusal(self, sites) -> str | None:
+        return next((why for m in self.members if (why := m.graph_refusal(sites))), None)
+
+    def idle_reason(self, sites) -> str | None:
+        return next((why for m in self.members if (why := m.idle_reason(sites))), None)
+
     def plan(self, site) -> SitePlan | Refusal:
         plans = []
         for m in self.members:

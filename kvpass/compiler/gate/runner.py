@@ -240,9 +240,9 @@ class GatedGraph:
             true = ctx["kv_pos"].gather(1, sel)
             if self.two_pass:
                 true = torch.arange(n, device=sel.device).expand_as(sel) if self.renumber else true
-                self._record(-1, true, n if self.renumber else length, length, env, shift)
+                self._record(-1, true, n if self.renumber else length, length, env, ctx["kv_pos"], shift)
             else:
-                self._record(gate_layer, true, length, length, env)
+                self._record(gate_layer, true, length, length, env, ctx["kv_pos"])
         return fx.node.map_aggregate(
             self.output.args[0], lambda x: orig.get(x, env[x]) if isinstance(x, fx.Node) else x
         )
@@ -332,12 +332,15 @@ class GatedGraph:
             return tuple(d for d in range(v.dim()) if same(v.shape[d], self.length))
         return t[1]
 
-    def _record(self, gate_layer: int, true: Tensor, seen: int, length: int, env: dict, shift: int = 0) -> None:
+    def _record(
+        self, gate_layer: int, true: Tensor, seen: int, length: int, env: dict, prompt: Tensor, shift: int = 0
+    ) -> None:
         """Deeper layers stored (some of) the selected tokens: what each recorded is an index among the
         ``n`` tokens it computed (all of them, or a sliding layer's last ``W - 1``); record their true
         positions ``true [B, n]`` (-1 = padding) and ``seen`` (renumbered: the positions are ``0..n-1``;
         a SlotCache counts the ``seen + shift`` tokens of the prompt, as ``generate`` does, and moves
-        positions back by ``shift`` on the device, see ``shift_slot_positions``). HF sizes every sliding
+        positions back by ``shift`` on the device, see ``shift_slot_positions``; ``prompt``: the prompt's
+        positions, -1 = padding). HF sizes every sliding
         layer's decode mask for ``min(L, W - 1)`` entries (from the count of tokens seen), so a sliding
         layer that stored fewer gets empty slots in front, in its K/V outputs (``env``) and its record
         (position -1: never visible, dropped first)."""
@@ -361,7 +364,7 @@ class GatedGraph:
                     t = env[x]
                     env[x] = torch.cat([t.new_zeros(*t.shape[:-2], extra, t.shape[-1]), t], -2)
                 pos = torch.cat([pos.new_full((b, hkv, extra), -1), pos], -1)
-            self.runtime.refuse_uneven_padded(layer, self.sites[layer].sliding_window, pos.shape[-1], true)
+            self.runtime.refuse_uneven_padded(layer, self.sites[layer].sliding_window, pos.shape[-1], prompt)
             st.set_layer(layer, pos, seen, fresh=True)
 
 
