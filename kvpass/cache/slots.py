@@ -670,9 +670,8 @@ class SlotLayer(CacheLayerMixin):
 @dataclass(frozen=True)
 class SlotCacheState:
     """``SlotCache.state()``: the counts ``GenerationState`` reports, read off a SlotCache: tokens ``seen`` (the most
-    a row has seen),
-    ``layers``, per layer the most entries a (row, KV head) holds (``stored``), and the tokens seen but not held,
-    summed over layers, rows and KV heads (``evicted_tokens``)."""
+    a row has seen), ``layers``, per layer the most entries a (row, KV head) holds (``stored``), and the tokens seen
+    but not held, summed over layers, rows and KV heads (``evicted_tokens``)."""
 
     seen: int
     layers: int
