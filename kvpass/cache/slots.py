@@ -882,8 +882,9 @@ class SlotCache(Cache):
 
     @property
     def seen(self) -> int:
-        """Tokens the sequence has seen (a host sync; for inspection, not for the decode loop)."""
-        return int(self.layers[0].count[0, SEEN])
+        """Tokens seen, the most any row has (a ``generate`` batch's rows share one length, a RequestQueue's
+        differ); a host sync, for inspection, not for the decode loop."""
+        return int(self.layers[0].count[:, SEEN].max())
 
     def positions(self, layer: int) -> Tensor:
         """``[B, H_kv, C]`` true position of each slot of ``layer`` (-1 = empty)."""
@@ -901,8 +902,7 @@ class SlotCache(Cache):
                 held = (lay.pos >= 0).sum(-1)  # [B, H_kv]
             stored[i] = int(held.max())
             evicted += int((lay.count[:, SEEN : SEEN + 1] - held).clamp_min(0).sum())
-        seen = int(self.layers[0].count[:, SEEN].max())  # the most a row has seen (a queue's rows differ)
-        return SlotCacheState(seen, len(self.layers), stored, evicted)
+        return SlotCacheState(self.seen, len(self.layers), stored, evicted)
 
     def kv_bytes(self) -> int:
         """Bytes of every layer's slots, positions and policy state: the cache's whole footprint."""
