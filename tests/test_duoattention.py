@@ -178,8 +178,9 @@ def test_bad_patterns_are_refused_before_compiling(tmp_path):
     folder.mkdir()
     (folder / "full_attention_heads.tsv").write_text("0.5 0.1 0.7\n0.3 0.2 0.9\n")  # a folder: its tsv
     model = build("llama")
-    with pytest.raises(ConfigError, match=r"has 2 layers x 3 KV heads, and this model 2 x 2: it was made for another"):
-        kvpass.compile(model, "duoattention", pattern=str(folder))
+    for policy in ("duoattention", "duoattention+art"):  # a composition checks each member against the model
+        with pytest.raises(ConfigError, match=r"has 2 layers x 3 KV heads, and this model 2 x 2: it was made for"):
+            kvpass.compile(model, policy, pattern=str(folder))
     be = kvpass.backend("duoattention", pattern=str(folder))
     with pytest.raises(ConfigError, match=r"2 layers x 3 KV heads"):
         kvpass.SlotCache(model, be, max_length=64)

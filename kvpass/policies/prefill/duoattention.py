@@ -160,7 +160,7 @@ class DuoAttention(Policy):
         if not isinstance(plan, SitePlan) or not plan.evict:
             return plan
         total = site.kv_heads * (site.tp.size if site.tp is not None else 1)
-        if site.layer >= self.layers or total != self.streaming_heads.shape[1]:  # (the graph's depth: graph_refusal)
+        if total != self.streaming_heads.shape[1]:  # the layers' count: graph_refusal, before any site's plan
             return Refusal(
                 f"layer {site.layer} with {total} KV heads: the head pattern {self.pattern!r} has "
                 f"{self.layers} layers x {self.streaming_heads.shape[1]} KV heads (a pattern for another "
